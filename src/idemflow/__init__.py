@@ -1,0 +1,94 @@
+"""
+idemflow: make non-idempotent HTTP writes safe to retry.
+
+Claim ``(principal, key)`` atomically, run the operation once, commit its
+outcome in the operation's own transaction, and answer every retry with the
+same response. Nothing here imports a web framework or a database driver;
+stores live in :mod:`idemflow.stores`, framework glue in
+:mod:`idemflow.integrations`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._async.driver import AsyncAttempt, AsyncHandler, AsyncIdempotency
+from ._canonical import canonical_json
+from ._downstream import downstream_key
+from ._errors import (
+    ClientError,
+    ConfigurationError,
+    IdempotencyError,
+    InProgress,
+    InvalidBody,
+    InvalidKey,
+    KeyReused,
+    LeaseLost,
+    MissingKey,
+    MissingPrincipal,
+    ReplayForbidden,
+    StoreUnavailable,
+)
+from ._events import CountingObserver, Event, Observer
+from ._fingerprint import fingerprint
+from ._key import parse_key
+from ._model import (
+    Claim,
+    Clock,
+    Intent,
+    Outcome,
+    Policy,
+    Record,
+    Response,
+    State,
+    Verdict,
+    default_classifier,
+)
+from ._sync.driver import Attempt, Handler, Idempotency
+
+__all__ = [
+    "AsyncAttempt",
+    "AsyncHandler",
+    "AsyncIdempotency",
+    "Attempt",
+    "Claim",
+    "ClientError",
+    "Clock",
+    "ConfigurationError",
+    "CountingObserver",
+    "Event",
+    "Handler",
+    "IdempotencyError",
+    "Idempotency",
+    "InProgress",
+    "Intent",
+    "InvalidBody",
+    "InvalidKey",
+    "KeyReused",
+    "LeaseLost",
+    "MissingKey",
+    "MissingPrincipal",
+    "Observer",
+    "Outcome",
+    "Policy",
+    "Record",
+    "ReplayForbidden",
+    "Response",
+    "State",
+    "StoreUnavailable",
+    "Verdict",
+    "canonical_json",
+    "default_classifier",
+    "downstream_key",
+    "fingerprint",
+    "parse_key",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib.metadata import version  # noqa: PLC0415
+
+        return version("idemflow")
+    msg = f"module {__name__!r} has no attribute {name!r}"
+    raise AttributeError(msg)

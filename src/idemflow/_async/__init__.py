@@ -1,0 +1,1 @@
+"""Async shells: the only code that awaits. ``../_sync`` is generated from here."""

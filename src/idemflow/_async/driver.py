@@ -1,0 +1,227 @@
+"""
+The async driver: performs the steps of ``idemflow._flow`` and nothing else.
+
+This is the async source of truth; ``idemflow/_sync/driver.py`` is generated
+from it by ``scripts/unasync.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from .._downstream import downstream_key
+from .._errors import ConfigurationError, StoreUnavailable
+from .._events import Event, Observer, error_event, null_observer
+from .._flow import ClaimKey, Complete, Execute, Flow, Release, Step, idempotency_flow
+from .._model import Clock, Intent, Outcome, Policy, Record, Response
+from ..stores.protocol import AsyncStore, AsyncTransaction
+
+__all__ = ["AsyncAttempt", "AsyncHandler", "AsyncIdempotency"]
+
+logger = logging.getLogger("idemflow")
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncAttempt:
+    """What the operation gets: its claimed record and the caller's connection.
+
+    ``connection`` is the connection of the transaction passed to ``run`` (in
+    which the completion will be written), or None without one.
+    """
+
+    record: Record
+    connection: Any
+    _store: AsyncStore
+    _transaction: AsyncTransaction | None
+    _clock: Clock
+
+    @property
+    def recovery_point(self) -> str | None:
+        """The last progress a crashed earlier attempt committed, if any."""
+        return self.record.recovery_point
+
+    def downstream_key(self, step: str) -> str:
+        """The idempotency key to send to a downstream provider for ``step``.
+
+        The same on every retry and after every crash, so a re-executed call
+        cannot charge twice.
+        """
+        return downstream_key(self.record, step)
+
+    async def checkpoint(self, recovery_point: str) -> None:
+        """Record progress in the caller's transaction; raises LeaseLost if no longer ours."""
+        await self._store.checkpoint(
+            self.record, recovery_point, self._clock(), self._transaction
+        )
+
+
+AsyncHandler: TypeAlias = Callable[[AsyncAttempt], Awaitable[Response]]
+
+
+class AsyncIdempotency:
+    """Run operations exactly once per ``(principal, key)``.
+
+    Args:
+        store: where key records live.
+        policy: timeouts, retention and the outcome classifier.
+        clock: seconds since the epoch; inject one to control time in tests.
+        observer: told about every outcome (claimed, replayed, …) for metrics.
+    """
+
+    def __init__(
+        self,
+        store: AsyncStore,
+        policy: Policy | None = None,
+        *,
+        clock: Clock = time.time,
+        observer: Observer = null_observer,
+    ) -> None:
+        self.store = store
+        self.policy = policy or Policy()
+        self.clock = clock
+        self.observer = observer
+
+    async def run(
+        self,
+        intent: Intent,
+        handler: AsyncHandler,
+        *,
+        transaction: AsyncTransaction | None = None,
+        single_commit: bool = False,
+    ) -> Outcome:
+        """Claim ``intent``, then replay, refuse, or run ``handler`` once.
+
+        With ``transaction`` (the caller's connection, see
+        :mod:`idemflow.transactions`), the handler runs inside it and the
+        completion commits with the handler's own writes. With
+        ``single_commit=True`` the claim joins that transaction too.
+        """
+        if transaction is not None and not self.store.supports_transactions:
+            msg = f"{type(self.store).__name__} cannot share the caller's transaction"
+            raise ConfigurationError(msg)
+        if single_commit and transaction is None:
+            msg = "single_commit needs the caller's transaction"
+            raise ConfigurationError(msg)
+        perform = _Performer(self, intent, handler, transaction, single_commit)
+        try:
+            outcome = await _drive(idempotency_flow(intent, self.policy, _lease()), perform)
+        except BaseException as exc:
+            await perform.abandon()
+            event = error_event(exc)
+            if event is not None:
+                perform.observe(event)
+            raise
+        await perform.abandon()  # a replay in single-commit mode left the claim's transaction open
+        if outcome.replayed:
+            perform.observe(Event.REPLAYED)
+        return outcome
+
+
+async def _drive(flow: Flow, perform: Callable[[Step], Awaitable[Any]]) -> Outcome:
+    """Feed each step's result (or exception) back into the flow until it returns."""
+    result: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = flow.send(result) if error is None else flow.throw(error)
+        except StopIteration as stop:
+            outcome: Outcome = stop.value
+            return outcome
+        result, error = None, None
+        try:
+            result = await perform(step)
+        except BaseException as exc:  # noqa: BLE001 -- the flow decides, then re-raises
+            error = exc
+
+
+class _Performer:
+    """Performs one run's steps against the store, the handler and the transaction."""
+
+    def __init__(
+        self,
+        idempotency: AsyncIdempotency,
+        intent: Intent,
+        handler: AsyncHandler,
+        transaction: AsyncTransaction | None,
+        single_commit: bool,
+    ) -> None:
+        self._idem = idempotency
+        self._intent = intent
+        self._started = idempotency.clock()
+        self._handler = handler
+        self._transaction = transaction
+        self._single_commit = single_commit
+        self._open = False  # is the caller's transaction begun and not yet ended?
+
+    async def __call__(self, step: Step) -> Any:
+        idem, store, now = self._idem, self._idem.store, self._idem.clock()
+        if isinstance(step, ClaimKey):
+            in_transaction = await self._begin() if self._single_commit else None
+            claim = await store.claim(
+                step.intent, step.lease_token, now, now + step.retention, in_transaction
+            )
+            if claim.owned:
+                self.observe(Event.CLAIMED)
+            return claim
+        if isinstance(step, Execute):
+            attempt = AsyncAttempt(
+                step.record, self._connection, store, self._transaction, idem.clock
+            )
+            await self._begin()
+            return await self._handler(attempt)
+        if isinstance(step, Complete):
+            await store.complete(step.record, step.state, step.response, now, self._transaction)
+            await self._end(commit=True)
+            self.observe(Event.COMPLETED)
+            return None
+        return await self._release(step)
+
+    async def _release(self, step: Release) -> None:
+        await self._end(commit=False)
+        if not self._single_commit:  # in single-commit mode the rollback released it
+            try:
+                await self._idem.store.release(step.record, self._idem.clock())
+            except StoreUnavailable:
+                # The handler's outcome matters more than our bookkeeping: the
+                # record stays in_progress and the sweeper will resolve it.
+                logger.warning("could not release claim; the sweeper will", exc_info=True)
+                return
+        self.observe(Event.RELEASED)
+
+    def observe(self, event: Event) -> None:
+        self._idem.observer(event, self._intent, self._idem.clock() - self._started)
+
+    @property
+    def _connection(self) -> Any:
+        return None if self._transaction is None else self._transaction.connection
+
+    async def _begin(self) -> AsyncTransaction | None:
+        if self._transaction is not None and not self._open:
+            await self._transaction.begin()
+            self._open = True
+        return self._transaction
+
+    async def _end(self, *, commit: bool) -> None:
+        if self._transaction is None or not self._open:
+            return
+        self._open = False
+        if commit:
+            await self._transaction.commit()
+        else:
+            await self._transaction.rollback()
+
+    async def abandon(self) -> None:
+        """Never leave the caller's transaction open behind an error."""
+        try:
+            await self._end(commit=False)
+        except Exception:  # noqa: BLE001 -- the original error is the one to raise
+            logger.warning("rollback after error failed", exc_info=True)
+
+
+def _lease() -> str:
+    return secrets.token_hex(16)

@@ -1,0 +1,206 @@
+"""
+Run a :class:`~idemflow.stores._sql.Dialect` on async DB-API connections.
+
+This is the async source of truth; ``idemflow/_sync/sql.py`` is generated from
+it by ``scripts/unasync.py``. It holds no SQL of its own and makes no decision
+about keys: it performs one store operation per call and maps driver failures
+to :class:`~idemflow.StoreUnavailable` at the boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, contextmanager
+from typing import Any, Literal
+
+from .._errors import InProgress, LeaseLost, StoreUnavailable
+from .._model import Claim, Intent, Record, Response, State, record_from_row
+from ..stores._sql import (
+    Dialect,
+    SQLStatement,
+    claim_params,
+    complete_params,
+    owner_params,
+    row_mapping,
+)
+from ..stores.protocol import AsyncTransaction
+
+__all__ = ["AsyncSQLStore"]
+
+# How often to claim again when the record we lost to vanished before we could
+# read it (released or purged in between). Twice in a row is already absurd.
+_VANISHED_RETRIES = 3
+
+
+class AsyncSQLStore:
+    """A key store on any SQL dialect, with connections from ``connect()``.
+
+    Args:
+        dialect: the statements to run.
+        connect: returns an async context manager yielding an *autocommit*
+            connection, e.g. ``psycopg_pool.AsyncConnectionPool.connection``.
+        paramstyle: the driver's placeholder style.
+        is_unavailable: recognises driver errors that mean "cannot reach the
+            store" (connection refused, pool exhausted, database locked).
+        is_lock_timeout: recognises the error a bounded wait on a concurrent
+            uncommitted claim raises (single-commit mode only).
+    """
+
+    supports_transactions = True
+
+    def __init__(
+        self,
+        dialect: Dialect,
+        connect: Callable[[], AbstractAsyncContextManager[Any]],
+        *,
+        paramstyle: Literal["named", "pyformat"],
+        is_unavailable: Callable[[BaseException], bool],
+        is_lock_timeout: Callable[[BaseException], bool] = lambda exc: False,
+    ) -> None:
+        self.dialect = dialect
+        self._connect = connect
+        self._pyformat = paramstyle == "pyformat"
+        self._is_unavailable = is_unavailable
+        self._is_lock_timeout = is_lock_timeout
+
+    async def claim(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> Claim:
+        params = claim_params(intent, lease_token, now, expires_at)
+        if transaction is not None:
+            return await self._claim_in(transaction, params)
+        with self._translate():
+            async with self._connect() as conn:
+                for _ in range(_VANISHED_RETRIES):
+                    row = await self._fetchone(conn, self.dialect.claim, params)
+                    if row is not None:
+                        return Claim(owned=True, record=record_from_row(row))
+                    row = await self._fetchone(conn, self.dialect.select, params)
+                    if row is not None:
+                        return Claim(owned=False, record=record_from_row(row))
+        raise InProgress("the record for this Idempotency-Key keeps changing; retry later")
+
+    async def _claim_in(
+        self, transaction: AsyncTransaction, params: Mapping[str, Any]
+    ) -> Claim:
+        """Claim as the first write of the caller's transaction (single-commit mode).
+
+        A concurrent duplicate's uncommitted claim would make us wait on its
+        index entry; the dialect bounds that wait and we answer 409 instead.
+        """
+        with self._translate():
+            try:
+                for statement in self.dialect.before_claim_in_transaction:
+                    await transaction.execute(statement, params)
+                row = await transaction.fetchone(self.dialect.claim, params)
+                for statement in self.dialect.after_claim_in_transaction:
+                    await transaction.execute(statement, params)
+            except Exception as exc:
+                if self._is_lock_timeout(exc):
+                    msg = "a request with this Idempotency-Key is still in progress"
+                    raise InProgress(msg) from exc
+                raise
+            if row is not None:
+                return Claim(owned=True, record=record_from_row(row))
+            row = await transaction.fetchone(self.dialect.select, params)
+        if row is None:
+            raise InProgress("the record for this Idempotency-Key changed; retry later")
+        return Claim(owned=False, record=record_from_row(row))
+
+    async def complete(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> None:
+        params = complete_params(record, state, response, now)
+        if not await self._write(self.dialect.complete, params, transaction):
+            raise LeaseLost(
+                "the claim on this Idempotency-Key was taken over before completion; "
+                "the operation's transaction was rolled back"
+            )
+
+    async def release(self, record: Record, now: float) -> bool:
+        return await self._write(self.dialect.release, owner_params(record, now), None)
+
+    async def checkpoint(
+        self,
+        record: Record,
+        recovery_point: str,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> None:
+        params = {**owner_params(record, now), "recovery_point": recovery_point}
+        if not await self._write(self.dialect.checkpoint, params, transaction):
+            raise LeaseLost("the claim on this Idempotency-Key was taken over")
+
+    async def migrate(self) -> None:
+        """Create the table and its indexes if they do not exist (idempotent)."""
+        with self._translate():
+            async with self._connect() as conn:
+                cursor = conn.cursor()
+                try:
+                    for statement in self.dialect.ddl:
+                        await cursor.execute(statement)
+                except BaseException:
+                    await cursor.execute("ROLLBACK")
+                    raise
+                finally:
+                    await cursor.close()
+
+    async def get(self, principal: str, key: str) -> Record | None:
+        with self._translate():
+            async with self._connect() as conn:
+                params = {"principal": principal, "key": key}
+                row = await self._fetchone(conn, self.dialect.select, params)
+        return None if row is None else record_from_row(row)
+
+    async def _write(
+        self,
+        statement: SQLStatement,
+        params: Mapping[str, Any],
+        transaction: AsyncTransaction | None,
+    ) -> bool:
+        """Run a fenced UPDATE; True when it changed our row."""
+        with self._translate():
+            if transaction is not None:
+                return await transaction.execute(statement, params) == 1
+            async with self._connect() as conn:
+                cursor = conn.cursor()
+                try:
+                    await cursor.execute(self._text(statement), statement.bind(params))
+                    return bool(cursor.rowcount == 1)
+                finally:
+                    await cursor.close()
+
+    async def _fetchone(
+        self, conn: Any, statement: SQLStatement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        cursor = conn.cursor()
+        try:
+            await cursor.execute(self._text(statement), statement.bind(params))
+            row = await cursor.fetchone()
+            return None if row is None else row_mapping(cursor.description, row)
+        finally:
+            await cursor.close()
+
+    def _text(self, statement: SQLStatement) -> str:
+        return statement.pyformat if self._pyformat else statement.named
+
+    @contextmanager
+    def _translate(self) -> Iterator[None]:
+        """Driver errors that mean "unreachable" become StoreUnavailable (fail closed)."""
+        try:
+            yield
+        except Exception as exc:
+            if not self._is_unavailable(exc):
+                raise
+            msg = f"{self.dialect.name} key store unavailable: {exc}".strip()
+            raise StoreUnavailable(msg) from exc

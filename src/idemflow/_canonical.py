@@ -1,0 +1,351 @@
+"""
+Strict JSON in, RFC 8785 canonical JSON (JCS) out.
+
+A fingerprint must not change when a client re-serialises the same request
+with other whitespace, another key order or other number spellings
+(``1.0``, ``1E0``, ``10e-1``), so JSON bodies are hashed in canonical form:
+
+- :func:`parse_json` reads I-JSON (RFC 7493) strictly: UTF-8 only, no
+  duplicate member names, no ``NaN``/``Infinity``, no lone surrogates, no
+  numbers beyond a double's range, nothing after the value.  Everything it
+  refuses raises :class:`~idemflow.InvalidBody`.
+- :func:`canonical_json` writes RFC 8785: members sorted by the UTF-16 code
+  units of their names, no whitespace, ECMAScript string escaping and
+  ECMAScript ``Number.prototype.toString`` numbers, encoded as UTF-8.
+
+**Deliberate deviation from RFC 8785:** JCS reads every number as an IEEE 754
+double, so ``9007199254740993`` and ``9007199254740992`` canonicalise the same
+and a client changing one large amount into its neighbour would not change
+the fingerprint.  Here a Python ``int`` is written with its exact decimal
+digits instead; for magnitudes up to 2**53 that is exactly what JCS writes,
+above it the digits are exact where JCS's would be rounded (and never in
+exponent form).  The price: an integral number spelled as an integer
+(``1000000000000000000000``) and the same number spelled with a fraction or
+exponent (``1e21``) canonicalise differently above 2**53.  Both spellings of
+one value are vanishingly rare in one client's retries; two different amounts
+colliding would be silently wrong data.
+
+Nesting is capped at :data:`MAX_DEPTH` levels so that no body can run the
+(recursive) parser or serialiser out of stack.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from ._errors import InvalidBody
+
+__all__ = ["MAX_DEPTH", "canonical_json", "canonical_json_bytes", "parse_json"]
+
+#: The deepest nesting of arrays and objects a body may have.  Far beyond any
+#: real request, far below Python's recursion limit.
+MAX_DEPTH = 128
+
+# How much of a member name an error message may quote.
+_EXCERPT_LENGTH = 40
+
+
+# --- Parsing ------------------------------------------------------------------
+
+
+def parse_json(data: bytes) -> Any:
+    """Parse ``data`` as strict I-JSON.
+
+    Raises:
+        InvalidBody: ``data`` is not UTF-8, not JSON, or JSON that I-JSON
+            forbids; the message says which.
+    """
+    value = _loads(_decode(data))
+    _check_tree(value)
+    return value
+
+
+def _decode(data: bytes) -> str:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidBody(
+            f"request body is not valid UTF-8 (bad byte at offset {e.start})"
+        ) from None
+    if text.startswith("\ufeff"):
+        # RFC 8259 §8.1 lets parsers skip a BOM; a strict reader refuses it
+        # rather than guess whether the sender meant it as content.
+        raise InvalidBody("request body starts with a byte order mark (U+FEFF)")
+    return text
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(
+            text,
+            object_pairs_hook=_unique_members,
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+            parse_int=_bounded_int,
+        )
+    except json.JSONDecodeError as e:
+        # e.msg and the position never quote the body.
+        raise InvalidBody(
+            f"request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
+        ) from None
+    except RecursionError:
+        # The C scanner recurses per nesting level; a body of 100 000 "["
+        # must be a 400, not a 500.
+        raise _too_deep() from None
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Build an object, refusing repeated names (compared after unescaping)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise InvalidBody(f"request body repeats the member name {_excerpt(name)}")
+            seen.add(name)
+    return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidBody(f"request body contains {name}, which is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    # The json module reads 1e400 as inf; a double cannot hold it, so neither
+    # can I-JSON, and JCS has no way to write it.
+    value = float(text)
+    if not math.isfinite(value):
+        raise InvalidBody("request body contains a number too large for a double")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    # int() refuses more digits than sys.get_int_max_str_digits() with a
+    # plain ValueError; say what happened rather than fail as a 500.
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidBody(
+            f"request body contains an integer with {len(text)} digits, too many to read"
+        ) from None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_tree(value: Any) -> None:
+    """Refuse lone surrogates anywhere and nesting beyond MAX_DEPTH.
+
+    The json module decodes ``"\\ud83d\\ude00"`` to one character, so any
+    surrogate left in a string came from an unpaired escape.  Iterative, so
+    that a deep body cannot exhaust the stack while we look at it.
+    """
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            _check_text(item)
+        elif isinstance(item, dict | list):
+            if depth > MAX_DEPTH:
+                raise _too_deep()
+            if isinstance(item, dict):
+                for name in item:
+                    _check_text(name)
+                item = item.values()
+            stack.extend((child, depth + 1) for child in item)
+
+
+def _check_text(text: str) -> None:
+    if _SURROGATE.search(text):
+        raise InvalidBody(
+            "request body contains an unpaired UTF-16 surrogate escape (\\uD800-\\uDFFF)"
+        )
+
+
+def _too_deep() -> InvalidBody:
+    return InvalidBody(f"request body nests deeper than {MAX_DEPTH} levels")
+
+
+# --- Serialising --------------------------------------------------------------
+
+
+def canonical_json(value: Any) -> bytes:
+    """Serialise ``value`` as RFC 8785 canonical JSON, UTF-8 encoded.
+
+    ``value`` is made of dicts with str keys, lists (or tuples), str, int,
+    finite float, bool and None.  Ints are written exactly, see the module
+    docstring.
+
+    Raises:
+        TypeError: A value of another type, or a non-str member name.
+        ValueError: A non-finite float, or a str with a lone surrogate.
+    """
+    parts: list[str] = []
+    _write(value, parts.append)
+    return "".join(parts).encode("utf-8")
+
+
+def _write(value: Any, out: Callable[[str], object]) -> None:
+    # bool before int: True is an int too.
+    if value is None:
+        out("null")
+    elif value is True:
+        out("true")
+    elif value is False:
+        out("false")
+    elif isinstance(value, str):
+        out(_string(value))
+    elif isinstance(value, int):
+        out(int.__repr__(value))
+    elif isinstance(value, float):
+        out(_number(value))
+    elif isinstance(value, Mapping):
+        _write_object(value, out)
+    elif isinstance(value, list | tuple):
+        _write_array(value, out)
+    else:
+        raise TypeError(f"cannot canonicalise a {type(value).__name__} as JSON")
+
+
+def _write_object(obj: Mapping[Any, Any], out: Callable[[str], object]) -> None:
+    for name in obj:
+        if not isinstance(name, str):
+            raise TypeError(f"JSON member names must be str, not {type(name).__name__}")
+    out("{")
+    for i, name in enumerate(sorted(obj, key=_utf16_order)):
+        if i:
+            out(",")
+        out(_string(name))
+        out(":")
+        _write(obj[name], out)
+    out("}")
+
+
+def _write_array(items: list[Any] | tuple[Any, ...], out: Callable[[str], object]) -> None:
+    out("[")
+    for i, item in enumerate(items):
+        if i:
+            out(",")
+        _write(item, out)
+    out("]")
+
+
+def _utf16_order(name: str) -> bytes:
+    # RFC 8785 §3.2.3 sorts by UTF-16 code units, which differs from code point
+    # order once astral characters meet U+E000-U+FFFF.  Big-endian bytes
+    # compare exactly like the code units they encode.
+    return name.encode("utf-16-be", "surrogatepass")
+
+
+# JSON.stringify escapes only these; everything else, including U+007F,
+# U+2028 and non-ASCII, is written as itself.
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+_NEEDS_ESCAPE = re.compile('["\\\\\x00-\x1f]')
+
+
+def _escape(match: re.Match[str]) -> str:
+    ch = match.group()
+    return _ESCAPES.get(ch) or f"\\u{ord(ch):04x}"
+
+
+def _string(text: str) -> str:
+    if _SURROGATE.search(text):
+        raise ValueError("cannot canonicalise a str containing a lone surrogate")
+    return '"' + _NEEDS_ESCAPE.sub(_escape, text) + '"'
+
+
+def _number(value: float) -> str:
+    """Format a double as ECMAScript's ``Number.prototype.toString`` does."""
+    if not math.isfinite(value):
+        raise ValueError(f"cannot canonicalise {value!r}: JSON has no such number")
+    if value == 0:
+        return "0"  # also -0.0
+    # repr() gives the shortest digits that round-trip, as ECMAScript requires;
+    # only the layout differs.
+    digits, point = _decimal_digits(float.__repr__(abs(value)))
+    sign = "-" if value < 0 else ""
+    return sign + _es_layout(digits, point)
+
+
+def _decimal_digits(text: str) -> tuple[str, int]:
+    """Split a positive float repr into significant digits and point position.
+
+    The value is ``0.<digits> * 10**point``, ECMAScript's *s* and *n*.
+    """
+    mantissa, _, exponent = text.partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    digits = (whole + fraction).rstrip("0")
+    point = len(whole) + int(exponent or 0)
+    significant = digits.lstrip("0")
+    return significant, point - (len(digits) - len(significant))
+
+
+def _es_layout(digits: str, point: int) -> str:
+    """Lay out digits as Number::toString, steps 6 to 10 (ECMA-262 §6.1.6.1.20)."""
+    k = len(digits)
+    if k <= point <= 21:
+        return digits + "0" * (point - k)
+    if 0 < point <= 21:
+        return digits[:point] + "." + digits[point:]
+    if -6 < point <= 0:
+        return "0." + "0" * -point + digits
+    exponent = point - 1
+    mantissa = digits if k == 1 else digits[0] + "." + digits[1:]
+    return f"{mantissa}e{'+' if exponent > 0 else '-'}{abs(exponent)}"
+
+
+# --- Both ---------------------------------------------------------------------
+
+
+def canonical_json_bytes(data: bytes, exclude_fields: Collection[str] = ()) -> bytes:
+    """Parse ``data`` strictly and return its canonical form.
+
+    Args:
+        data: A JSON document.
+        exclude_fields: Member names to leave out before canonicalising, such
+            as a per-attempt timestamp.  ``"a.b"`` names member ``b`` of the
+            top-level object ``a``: a dot always separates path segments, and
+            paths descend through objects only, never arrays.  Paths that do
+            not exist are ignored.
+
+    Raises:
+        InvalidBody: ``data`` is not strict I-JSON (see :func:`parse_json`).
+    """
+    # A lone str is a Collection[str] of its characters: "id" would drop the
+    # members "i" and "d".
+    if isinstance(exclude_fields, str):
+        raise TypeError("exclude_fields must be a collection of names, not a str")
+    value = parse_json(data)
+    for path in exclude_fields:
+        _drop(value, path.split("."))
+    return canonical_json(value)
+
+
+def _drop(value: Any, path: list[str]) -> None:
+    """Remove the member at ``path`` from ``value`` in place, if it is there."""
+    *parents, name = path
+    for segment in parents:
+        if not isinstance(value, dict):
+            return
+        value = value.get(segment)
+    if isinstance(value, dict):
+        value.pop(name, None)
+
+
+def _excerpt(text: str) -> str:
+    """At most _EXCERPT_LENGTH characters of client input, escaped by ``repr``."""
+    if len(text) <= _EXCERPT_LENGTH:
+        return repr(text)
+    return repr(text[:_EXCERPT_LENGTH]) + "..."

@@ -1,0 +1,167 @@
+"""
+The one exception tree of idemflow.
+
+Client errors carry their HTTP meaning (``status``, a problem ``type`` and a
+``title``) so every integration renders them the same way::
+
+    IdempotencyError
+    ├── ClientError                    (the request must change, or wait)
+    │   ├── MissingKey          400    no Idempotency-Key where one is required
+    │   ├── InvalidKey          400    malformed Idempotency-Key
+    │   ├── InvalidBody         400    body over the fingerprint cap, or bad JSON
+    │   ├── MissingPrincipal    401    no authenticated principal to scope the key
+    │   ├── ReplayForbidden     403    the principal may no longer see the stored response
+    │   ├── InProgress          409    the first request with this key is still running
+    │   │   └── LeaseLost       409    our claim was taken over; our transaction must not commit
+    │   └── KeyReused           422    same key, different request
+    ├── StoreUnavailable        503    the key store cannot be reached: fail closed
+    └── ConfigurationError             unsafe or impossible settings (also a ValueError)
+
+The handler's own exceptions are never wrapped: after the claim is released
+they propagate unchanged.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClientError",
+    "ConfigurationError",
+    "IdempotencyError",
+    "InProgress",
+    "InvalidBody",
+    "InvalidKey",
+    "KeyReused",
+    "LeaseLost",
+    "MissingKey",
+    "MissingPrincipal",
+    "ReplayForbidden",
+    "StoreUnavailable",
+]
+
+PROBLEM_BASE = "https://idemflow.dev/problems/"
+
+
+class IdempotencyError(Exception):
+    """Root of every error idemflow raises itself."""
+
+    __module__ = "idemflow"
+
+    status: int = 500
+    slug: str = "idempotency-error"
+    title: str = "Idempotency error"
+
+    @property
+    def detail(self) -> str:
+        return str(self) or self.title
+
+    @property
+    def problem_type(self) -> str:
+        return PROBLEM_BASE + self.slug
+
+
+class ClientError(IdempotencyError):
+    """The request cannot be served as sent; the HTTP status says what to do."""
+
+    __module__ = "idemflow"
+
+
+class MissingKey(ClientError):
+    """The endpoint requires an ``Idempotency-Key`` header and none was sent."""
+
+    __module__ = "idemflow"
+    status = 400
+    slug = "missing-key"
+    title = "Idempotency-Key is missing"
+
+
+class InvalidKey(ClientError, ValueError):
+    """The ``Idempotency-Key`` value is malformed (length, characters, a list, repeated)."""
+
+    __module__ = "idemflow"
+    status = 400
+    slug = "invalid-key"
+    title = "Idempotency-Key is malformed"
+
+
+class InvalidBody(ClientError, ValueError):
+    """The body cannot be fingerprinted: over the size cap, or not the JSON it claims to be."""
+
+    __module__ = "idemflow"
+    status = 400
+    slug = "invalid-body"
+    title = "Request body cannot be fingerprinted"
+
+
+class MissingPrincipal(ClientError):
+    """No authenticated principal: keys are never claimed anonymously."""
+
+    __module__ = "idemflow"
+    status = 401
+    slug = "missing-principal"
+    title = "Authentication required"
+
+
+class ReplayForbidden(ClientError):
+    """The stored response exists but this principal may no longer see it."""
+
+    __module__ = "idemflow"
+    status = 403
+    slug = "replay-forbidden"
+    title = "Replay not permitted"
+
+
+class InProgress(ClientError):
+    """A request with this key is still running; retry after ``retry_after`` seconds.
+
+    Never waits for the other request: a held connection per duplicate is how
+    a burst of retries becomes an outage.
+    """
+
+    __module__ = "idemflow"
+    status = 409
+    slug = "in-progress"
+    title = "A request is outstanding for this Idempotency-Key"
+
+    def __init__(self, message: str = "", *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class LeaseLost(InProgress):
+    """Our claim was taken over (swept as stale, or expired) before we completed.
+
+    Raised from the completion compare-and-swap: the caller's transaction is
+    rolled back, so a claim lost to the sweeper can never commit a second effect.
+    """
+
+    __module__ = "idemflow"
+    slug = "lease-lost"
+    title = "The claim on this Idempotency-Key was lost"
+
+
+class KeyReused(ClientError):
+    """The key was first used for a different request (body, method or route)."""
+
+    __module__ = "idemflow"
+    status = 422
+    slug = "key-reused"
+    title = "Idempotency-Key is already used"
+
+
+class StoreUnavailable(IdempotencyError):
+    """The key store could not be reached; the operation did not run."""
+
+    __module__ = "idemflow"
+    status = 503
+    slug = "store-unavailable"
+    title = "Idempotency store unavailable"
+
+    def __init__(self, message: str = "", *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ConfigurationError(IdempotencyError, ValueError):
+    """Settings that would break a guarantee (e.g. a stale threshold under the request timeout)."""
+
+    __module__ = "idemflow"

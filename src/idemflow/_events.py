@@ -1,0 +1,71 @@
+"""
+Every outcome is counted: the events a driver reports, and the observer seam.
+
+Metrics (``idemflow.metrics``), logs and traces are observers; the core knows
+none of them. ``elapsed`` is the time since the run began, so for ``CLAIMED``
+it is the claim latency and for ``REPLAYED`` the whole replay's.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import Counter
+from typing import Protocol
+
+from ._errors import InProgress, KeyReused, LeaseLost, StoreUnavailable
+from ._model import Intent
+
+__all__ = ["CountingObserver", "Event", "Observer", "error_event", "null_observer"]
+
+
+class Event(str, enum.Enum):
+    CLAIMED = "claimed"
+    COMPLETED = "completed"
+    REPLAYED = "replayed"
+    IN_PROGRESS_CONFLICT = "in_progress_conflict"
+    FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+    RELEASED = "released"
+    LEASE_LOST = "lease_lost"
+    STALE_RECLAIMED = "stale_reclaimed"
+    STORE_UNAVAILABLE = "store_unavailable"
+
+
+class Observer(Protocol):
+    """**Protocol:** told about each event of each run. Must not raise."""
+
+    def __call__(self, event: Event, intent: Intent, elapsed: float) -> None: ...
+
+
+def null_observer(event: Event, intent: Intent, elapsed: float) -> None:
+    """Counts nothing."""
+
+
+def error_event(exc: BaseException) -> Event | None:
+    """The event an exception leaving ``run`` stands for, if it is one of ours."""
+    # LeaseLost is an InProgress: test the narrower type first.
+    for kind, event in (
+        (LeaseLost, Event.LEASE_LOST),
+        (InProgress, Event.IN_PROGRESS_CONFLICT),
+        (KeyReused, Event.FINGERPRINT_MISMATCH),
+        (StoreUnavailable, Event.STORE_UNAVAILABLE),
+    ):
+        if isinstance(exc, kind):
+            return event
+    return None
+
+
+class CountingObserver:
+    """Counts events in memory, by event and endpoint. Thread-safe."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[Event, str]] = Counter()
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Event, intent: Intent, elapsed: float) -> None:
+        with self._lock:
+            self.counts[event, intent.endpoint] += 1
+
+    def total(self, event: Event) -> int:
+        with self._lock:
+            return sum(n for (e, _), n in self.counts.items() if e is event)

@@ -1,0 +1,103 @@
+"""
+The request fingerprint: what makes "same key, different request" detectable.
+
+A fingerprint is a SHA-256 digest over the method, the route and the body.
+JSON bodies (``application/json`` and any ``+json`` media type) are hashed in
+RFC 8785 canonical form, so a retry that re-serialises the same payload with
+other whitespace or key order still matches; other bodies are hashed as
+sent.
+
+Only the digest leaves this module.  The body is never stored or logged, so
+the key table does not become a second copy of every payment request.
+
+The hashed message is unambiguous: a version tag, then the method and the
+route each prefixed with their length in bytes, then the body kind, then the
+body.  Without the lengths, route ``"/a\\nraw"`` with a JSON body would hash
+exactly like route ``"/a"`` with a raw body that starts ``"json\\n"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection
+
+from ._canonical import canonical_json_bytes
+from ._errors import InvalidBody
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "fingerprint"]
+
+#: Bodies larger than this (1 MiB) are refused rather than hashed.
+DEFAULT_MAX_BODY_BYTES = 1_048_576
+
+# Bump the tag whenever the encoding below changes: a stored fingerprint must
+# never match one computed differently.
+_VERSION_TAG = b"idemflow-fp-v1\n"
+
+
+def fingerprint(
+    method: str,
+    route: str,
+    body: bytes,
+    *,
+    content_type: str | None = None,
+    exclude_fields: Collection[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> str:
+    """Return ``"sha256:<hex>"`` identifying this request's intent.
+
+    Args:
+        method: The HTTP method; case does not matter.
+        route: The route the request matched, e.g. ``/payments``.
+        body: The raw request body.
+        content_type: The ``Content-Type`` header, if any.  JSON media types
+            are fingerprinted by their canonical form.
+        exclude_fields: JSON member names (or dotted paths) to leave out, such
+            as a per-attempt timestamp; see
+            :func:`~idemflow._canonical.canonical_json_bytes`.  Ignored for
+            non-JSON bodies.
+        max_body_bytes: The largest body that may be fingerprinted.
+
+    Raises:
+        InvalidBody: The body is over ``max_body_bytes``, or is declared as
+            JSON and is not strict I-JSON.
+    """
+    if len(body) > max_body_bytes:
+        raise InvalidBody(
+            f"request body is {len(body)} bytes; "
+            f"the limit for idempotent requests is {max_body_bytes} bytes"
+        )
+    if _is_json(content_type):
+        kind = b"json"
+        # An empty body is no JSON document, but a bodyless POST declared as
+        # JSON is common and harmless.  Canonical JSON is never empty, so this
+        # cannot collide with a real document.
+        canonical = canonical_json_bytes(body, exclude_fields) if body else b""
+    else:
+        kind = b"raw"
+        canonical = body
+
+    digest = hashlib.sha256(_VERSION_TAG)
+    digest.update(_length_prefixed(method.upper()))
+    digest.update(_length_prefixed(route))
+    digest.update(kind + b"\n")
+    # The body is last, so it needs no length: it runs to the end.
+    digest.update(canonical)
+    return "sha256:" + digest.hexdigest()
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether the media type is ``application/json`` or a ``+json`` suffix type."""
+    if content_type is None:
+        return False
+    media_type = content_type.partition(";")[0].strip(" \t").lower()
+    type_, _, subtype = media_type.partition("/")
+    return (type_ == "application" and subtype == "json") or (
+        bool(type_) and subtype.endswith("+json")
+    )
+
+
+def _length_prefixed(text: str) -> bytes:
+    # surrogatepass: an ASGI path may carry any code point; every str must map
+    # to distinct bytes rather than raise.
+    data = text.encode("utf-8", "surrogatepass")
+    return b"%d:%s\n" % (len(data), data)

@@ -1,0 +1,117 @@
+"""
+The idempotency protocol, sans I/O: claim → dispatch on state → execute → complete | release.
+
+Rule 1 (borrowed from h11's ``_state.py``): every decision about a key lives in
+this module. The drivers in ``_async/`` and ``_sync/`` only *perform* the steps
+this generator yields and send the results back in; they decide nothing.
+
+A driver runs :func:`idempotency_flow` like this::
+
+    flow = idempotency_flow(intent, policy, lease_token)
+    step = next(flow)
+    while True:
+        try:
+            result = perform(step)          # store call, or the handler
+        except BaseException as exc:
+            step = flow.throw(exc)          # the flow decides: release, re-raise
+        else:
+            step = flow.send(result)
+    # ... until StopIteration carries the Outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from ._errors import InProgress, KeyReused
+from ._model import Claim, Intent, Outcome, Policy, Record, Response, State, Verdict
+
+__all__ = ["Step", "dispatch", "idempotency_flow"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimKey:
+    """Insert the record in ``in_progress`` or take over an expired or released one; one atomic statement."""
+
+    intent: Intent
+    lease_token: str
+    retention: float
+
+
+@dataclass(frozen=True, slots=True)
+class Execute:
+    """Run the operation; in transactional mode, inside the caller's open transaction."""
+
+    record: Record
+
+
+@dataclass(frozen=True, slots=True)
+class Complete:
+    """Store the settled outcome with a compare-and-swap on the lease, then commit."""
+
+    record: Record
+    state: State
+    response: Response
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Roll back and give the key back, so the next retry really runs."""
+
+    record: Record
+
+
+Step: TypeAlias = ClaimKey | Execute | Complete | Release
+Flow: TypeAlias = Generator[Step, Any, Outcome]
+
+
+def idempotency_flow(intent: Intent, policy: Policy, lease_token: str) -> Flow:
+    """The whole protocol. Yields steps; returns the :class:`Outcome` or raises."""
+    claim: Claim = yield ClaimKey(intent, lease_token, policy.retention_seconds)
+    if not claim.owned:
+        return dispatch(claim.record, intent, policy)
+    record = claim.record
+    try:
+        response: Response = yield Execute(record)
+    except BaseException:
+        # Whatever went wrong, nothing settled: give the key back and let the
+        # handler's own exception through unchanged.
+        yield Release(record)
+        raise
+    verdict = policy.classify(response)
+    if verdict is Verdict.TRANSIENT:
+        yield Release(record)  # a 503 must not poison the key
+    else:
+        yield Complete(record, verdict.value, response)
+    return Outcome(response, replayed=False, record=record)
+
+
+def dispatch(record: Record, intent: Intent, policy: Policy) -> Outcome:
+    """Answer a request whose claim found someone else's record. Order matters.
+
+    1. A different request under the same key is the client's bug: 422, even
+       while the first is still running.
+    2. In flight (or stale and being reconciled): 409 at once, never wait.
+    3. Settled: the stored response, verbatim.
+    """
+    if record.fingerprint != intent.fingerprint:
+        msg = (
+            "this Idempotency-Key was first used for a different request "
+            f"(endpoint {record.endpoint or 'unknown'}); use a new key for a new request"
+        )
+        raise KeyReused(msg)
+    if record.state.is_settled and record.response is not None:
+        return Outcome(record.response, replayed=True, record=record)
+    raise InProgress(_BUSY[record.state], retry_after=policy.retry_after)
+
+
+_BUSY = {
+    State.IN_PROGRESS: "a request with this Idempotency-Key is still in progress; retry later",
+    State.STALE: "the request with this Idempotency-Key is being recovered; retry later",
+    State.RELEASED: "the request with this Idempotency-Key is being retried; retry later",
+    State.COMPLETED: "the response for this Idempotency-Key is not stored; retry later",
+    State.FAILED_PERMANENT: "the response for this Idempotency-Key is not stored; retry later",
+}
+

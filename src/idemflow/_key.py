@@ -1,0 +1,170 @@
+"""
+Reading the ``Idempotency-Key`` request header.
+
+The IETF draft (draft-ietf-httpapi-idempotency-key-header) makes the field an
+RFC 8941/9651 *Item* whose value MUST be a *String*: ``"8e03978e-..."``.
+Almost every client in the wild sends it bare (Stripe's own example is
+``Idempotency-Key: KG5LxwFBepaKHyUD``), so the bare form is accepted unless
+``strict=True``.  Both forms yield the same key: ``"abc"`` and ``abc`` are
+one key.
+
+The key becomes part of a database key, so it is bounded before anything
+else sees it: 1 to :data:`MAX_KEY_LENGTH` printable ASCII characters.
+
+Error messages say what was wrong without echoing the attacker's value: at
+most a short, ``repr``-escaped excerpt, so a key cannot smuggle newlines or
+megabytes into a log line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._errors import InvalidKey, MissingKey
+
+__all__ = ["MAX_KEY_LENGTH", "parse_key"]
+
+#: The longest key accepted, in characters (Stripe's limit).
+MAX_KEY_LENGTH = 255
+
+# Optional whitespace around a field value (RFC 9110 §5.6.3).
+_OWS = " \t"
+
+# A valid quoted key is at most every character escaped plus two quotes;
+# anything longer is rejected before we spend a loop on it.
+_MAX_RAW_LENGTH = 2 * MAX_KEY_LENGTH + 2
+
+# How much of the client's value an error message may quote.
+_EXCERPT_LENGTH = 40
+
+# Names for the characters clients most often get wrong.
+_CHAR_NAMES = {"\t": "a tab", " ": "a space", "\x7f": "DEL"}
+
+
+def parse_key(values: Sequence[str], *, strict: bool = False) -> str:
+    """Return the idempotency key carried by the ``Idempotency-Key`` field lines.
+
+    Args:
+        values: Every raw field line named ``Idempotency-Key``, decoded as
+            latin-1.  Pass ``[]`` when the header is absent.
+        strict: Accept only the quoted sf-string form the IETF draft requires.
+
+    Raises:
+        MissingKey: No field line at all.
+        InvalidKey: Repeated lines, a list, parameters, a bad escape, an empty or
+            over-long key, or a character outside printable ASCII.
+    """
+    # A bare str is a Sequence[str] too; iterating it would read one line per
+    # character and report a confusing "sent 36 times".
+    if isinstance(values, str):
+        raise TypeError("values must be a sequence of field lines, not a str")
+    if not values:
+        raise MissingKey("the Idempotency-Key header is required")
+    if len(values) > 1:
+        # Repeated lines combine into a list (RFC 9110 §5.3), never a valid Item.
+        raise InvalidKey(f"Idempotency-Key was sent {len(values)} times; send exactly one")
+
+    raw = values[0].strip(_OWS)
+    if not raw:
+        raise InvalidKey("Idempotency-Key is empty")
+    if len(raw) > _MAX_RAW_LENGTH:
+        raise _too_long()
+    if raw.startswith('"'):
+        key = _unquote(raw)
+    elif strict:
+        raise InvalidKey('Idempotency-Key must be a quoted string (RFC 9651), e.g. "order-42"')
+    else:
+        key = _check_bare(raw)
+    return _check_key(key)
+
+
+def _unquote(raw: str) -> str:
+    """Decode an sf-string that starts at ``raw[0]`` and must end at ``raw[-1]``."""
+    chars: list[str] = []
+    i = 1
+    while i < len(raw):
+        ch = raw[i]
+        if ch == '"':
+            _reject_trailing(raw[i + 1 :])
+            return "".join(chars)
+        if ch == "\\":
+            escaped = raw[i + 1 : i + 2]
+            if not escaped:
+                break  # a backslash at the very end: the quote is missing
+            if escaped not in ('"', "\\"):
+                raise InvalidKey(
+                    'Idempotency-Key: only \\" and \\\\ escapes are allowed in a quoted key'
+                )
+            ch = escaped
+            i += 1
+        # Other characters are checked once, on the decoded key.
+        chars.append(ch)
+        i += 1
+    raise InvalidKey("Idempotency-Key: the quoted key has no closing quote")
+
+
+def _reject_trailing(rest: str) -> None:
+    """Refuse anything after the closing quote: parameters, list members, junk."""
+    if not rest:
+        return
+    tail = rest.lstrip(_OWS)
+    if tail.startswith(","):
+        raise InvalidKey("Idempotency-Key: lists are not allowed; send one key")
+    if tail.startswith(";"):
+        raise InvalidKey("Idempotency-Key: parameters are not allowed")
+    raise InvalidKey(
+        "Idempotency-Key: unexpected characters after the closing quote: " + _excerpt(rest)
+    )
+
+
+def _check_bare(raw: str) -> str:
+    """Refuse what a bare key cannot hold; the rest is checked with the key."""
+    if "," in raw:
+        raise InvalidKey("Idempotency-Key: lists are not allowed; send one key")
+    if '"' in raw:
+        raise InvalidKey(
+            "Idempotency-Key: a bare key may not contain a double quote; "
+            'use the quoted form with \\" instead'
+        )
+    for ch in _OWS:
+        if ch in raw:
+            raise InvalidKey(
+                f"Idempotency-Key: a bare key may not contain {_CHAR_NAMES[ch]}; "
+                "use the quoted form"
+            )
+    return raw
+
+
+def _check_key(key: str) -> str:
+    """Return ``key`` if it is 1 to MAX_KEY_LENGTH printable ASCII characters."""
+    if not key:
+        raise InvalidKey("Idempotency-Key is empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise _too_long()
+    for ch in key:
+        if not " " <= ch <= "~":
+            raise InvalidKey(
+                f"Idempotency-Key contains {_describe(ch)}; "
+                "only printable ASCII (0x20-0x7E) is allowed"
+            )
+    return key
+
+
+def _too_long() -> InvalidKey:
+    return InvalidKey(f"Idempotency-Key is longer than {MAX_KEY_LENGTH} characters")
+
+
+def _describe(ch: str) -> str:
+    """Name a character without writing it raw into a message (or a log line)."""
+    code = f"U+{ord(ch):04X}"
+    name = _CHAR_NAMES.get(ch)
+    if name is None:
+        name = "a control character" if ord(ch) < 0x20 else "a non-ASCII character"
+    return f"{name} ({code})"
+
+
+def _excerpt(text: str) -> str:
+    """At most _EXCERPT_LENGTH characters of client input, escaped by ``repr``."""
+    if len(text) <= _EXCERPT_LENGTH:
+        return repr(text)
+    return repr(text[:_EXCERPT_LENGTH]) + "..."

@@ -1,0 +1,271 @@
+"""
+The vocabulary of idemflow: states, records, responses and the policy.
+
+Every value is a frozen dataclass; durations are ``timedelta`` (plain numbers
+are read as seconds); time itself comes from an injected clock that returns
+seconds since the epoch, so tests can move it (see ``idemflow.testing``).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TypeAlias
+
+from ._errors import ConfigurationError
+
+__all__ = [
+    "Claim",
+    "Clock",
+    "Intent",
+    "Outcome",
+    "Policy",
+    "Record",
+    "Response",
+    "State",
+    "Verdict",
+    "default_classifier",
+    "seconds",
+]
+
+#: Returns the current time in seconds since the epoch. ``time.time`` by default.
+Clock: TypeAlias = Callable[[], float]
+Duration: TypeAlias = timedelta | float | int
+
+
+def seconds(duration: Duration) -> float:
+    """A duration in seconds; plain numbers already are."""
+    if isinstance(duration, timedelta):
+        return duration.total_seconds()
+    return float(duration)
+
+
+class State(str, enum.Enum):
+    """Where a key record is in its life. Absent records have no state at all."""
+
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED_PERMANENT = "failed_permanent"
+    #: A transient failure gave the key back; the next attempt takes it over.
+    RELEASED = "released"
+    #: The sweeper found the claim older than the stale threshold; being reconciled.
+    STALE = "stale"
+
+    @property
+    def is_settled(self) -> bool:
+        return self in (State.COMPLETED, State.FAILED_PERMANENT)
+
+
+class Verdict(enum.Enum):
+    """What an operation's response means for the key."""
+
+    COMPLETED = State.COMPLETED
+    FAILED_PERMANENT = State.FAILED_PERMANENT
+    #: Dependency down, timeout, 5xx-class: not stored, the claim is released.
+    TRANSIENT = None
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """A settled outcome as it is stored and replayed: status, headers, body bytes."""
+
+    status: int
+    body: bytes = b""
+    headers: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def json(
+        cls, status: int, content: Any, headers: Iterable[tuple[str, str]] = ()
+    ) -> Response:
+        """A JSON response (compact, UTF-8) with ``Content-Type: application/json``."""
+        body = json.dumps(content, separators=(",", ":"), ensure_ascii=False).encode()
+        return cls(status, body, (("content-type", "application/json"), *headers))
+
+    def header(self, name: str) -> str | None:
+        """The first header called ``name`` (case-insensitive), if any."""
+        wanted = name.lower()
+        return next((v for k, v in self.headers if k.lower() == wanted), None)
+
+    def json_body(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass(frozen=True, slots=True)
+class Intent:
+    """One request's identity: who sent which key, for what.
+
+    ``fingerprint`` is a digest (see :func:`idemflow.fingerprint`), never the body.
+    """
+
+    principal: str
+    key: str
+    fingerprint: str
+    endpoint: str = ""
+    correlation_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """What the store holds for one ``(principal, key)``. Times are epoch seconds."""
+
+    id: int | str
+    principal: str
+    key: str
+    fingerprint: str
+    endpoint: str
+    state: State
+    lease_token: str | None
+    created_at: float
+    updated_at: float
+    expires_at: float
+    correlation_id: str | None = None
+    recovery_point: str | None = None
+    response: Response | None = None
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The answer of the atomic claim: did *we* get the record, and what it holds now."""
+
+    owned: bool
+    record: Record
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What :meth:`Idempotency.run` returns: the response and whether it was a replay.
+
+    On a replay ``record.correlation_id`` names the original request.
+    """
+
+    response: Response
+    replayed: bool
+    record: Record
+
+
+def default_classifier(response: Response) -> Verdict:
+    """2xx/3xx are completed; 408, 425, 429 and 5xx are transient; other 4xx are permanent."""
+    status = response.status
+    if status < 400:
+        return Verdict.COMPLETED
+    if status in (408, 425, 429) or status >= 500:
+        return Verdict.TRANSIENT
+    return Verdict.FAILED_PERMANENT
+
+
+# A claim is stale once it is this many request timeouts old, plus the margin:
+# no request can still be running by then, because the timeout killed it.
+STALE_MULTIPLIER = 2.0
+STALE_MARGIN = timedelta(seconds=10)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How keys behave. Every duration is a ``timedelta`` or a number of seconds.
+
+    Args:
+        request_timeout: the longest a protected request can run (what your
+            proxy or server enforces). The stale threshold is derived from it.
+        retention: how long a settled key is replayed (Stripe keeps at least 24 h).
+        stale_after: when an ``in_progress`` claim counts as crashed. Defaults to
+            ``2 × request_timeout + 10 s``; anything closer to the timeout is
+            rejected, because the sweeper would release live claims.
+        retry_after: the ``Retry-After`` hint, in whole seconds, on 409 answers.
+        classify: maps a response to completed / failed_permanent / transient.
+    """
+
+    request_timeout: Duration = timedelta(seconds=30)
+    retention: Duration = timedelta(hours=24)
+    stale_after: Duration | None = None
+    retry_after: int = 1
+    classify: Callable[[Response], Verdict] = field(default=default_classifier)
+
+    def __post_init__(self) -> None:
+        timeout = _positive("request_timeout", self.request_timeout)
+        retention = _positive("retention", self.retention)
+        minimum = timeout * STALE_MULTIPLIER + seconds(STALE_MARGIN)
+        stale = minimum if self.stale_after is None else seconds(self.stale_after)
+        if stale < minimum:
+            msg = (
+                f"stale_after={stale:g}s is unsafe for request_timeout={timeout:g}s: "
+                f"it must be at least {STALE_MULTIPLIER:g} × request_timeout + "
+                f"{seconds(STALE_MARGIN):g}s = {minimum:g}s, or the sweeper could "
+                "release a claim whose request is still running"
+            )
+            raise ConfigurationError(msg)
+        if retention <= stale:
+            msg = f"retention={retention:g}s must exceed the stale threshold {stale:g}s"
+            raise ConfigurationError(msg)
+        if self.retry_after < 1:
+            msg = "retry_after must be at least 1 second"
+            raise ConfigurationError(msg)
+        for name, value in (
+            ("request_timeout", timeout),
+            ("retention", retention),
+            ("stale_after", stale),
+        ):
+            object.__setattr__(self, name, timedelta(seconds=value))
+
+    @property
+    def stale_seconds(self) -> float:
+        return seconds(self.stale_after or 0)
+
+    @property
+    def retention_seconds(self) -> float:
+        return seconds(self.retention)
+
+
+def _positive(name: str, value: Duration) -> float:
+    number = seconds(value)
+    if not math.isfinite(number) or number <= 0:
+        msg = f"{name} must be a positive duration, got {value!r}"
+        raise ConfigurationError(msg)
+    return number
+
+
+def headers_to_json(headers: Iterable[tuple[str, str]]) -> str:
+    return json.dumps([list(pair) for pair in headers], separators=(",", ":"))
+
+
+def headers_from_json(text: str | bytes | None) -> tuple[tuple[str, str], ...]:
+    if not text:
+        return ()
+    return tuple((str(k), str(v)) for k, v in json.loads(text))
+
+
+def record_from_row(row: Mapping[str, Any]) -> Record:
+    """Build a Record from a row with the schema's column names (times in ms)."""
+    status = row["response_status"]
+    response = None
+    if status is not None:
+        response = Response(
+            int(status),
+            bytes(row["response_body"] or b""),
+            headers_from_json(row["response_headers"]),
+        )
+    return Record(
+        id=row["id"],
+        principal=row["principal"],
+        key=row["idempotency_key"],
+        fingerprint=row["fingerprint"],
+        endpoint=row["endpoint"],
+        state=State(row["state"]),
+        lease_token=row["lease_token"],
+        created_at=row["created_at"] / 1000,
+        updated_at=row["updated_at"] / 1000,
+        expires_at=row["expires_at"] / 1000,
+        correlation_id=row["correlation_id"],
+        recovery_point=row["recovery_point"],
+        response=response,
+        attempt=int(row["attempt"]),
+    )
+
+
+def now_ms(clock: Clock = time.time) -> int:
+    return int(clock() * 1000)

@@ -1,0 +1,1 @@
+"""Framework glue, one module per framework, each imported by path (optional dependencies)."""

@@ -1,0 +1,194 @@
+"""
+The SQL every relational store speaks, built once per dialect and table name.
+
+Backends differ in what they say, not in how the flow goes: a dialect is a
+bundle of statement texts; one executor (``idemflow._async.sql`` and its
+generated sync twin) runs any of them. Times are integers of milliseconds
+since the epoch, supplied by the caller's clock, never the database's, so the
+same injected clock drives every store.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._model import Intent, Record, Response, State, headers_to_json
+
+__all__ = ["COLUMNS", "Dialect", "SQLStatement", "claim_params", "complete_params"]
+
+COLUMNS = (
+    "id",
+    "principal",
+    "idempotency_key",
+    "fingerprint",
+    "endpoint",
+    "state",
+    "lease_token",
+    "recovery_point",
+    "correlation_id",
+    "response_status",
+    "response_headers",
+    "response_body",
+    "created_at",
+    "updated_at",
+    "expires_at",
+    "attempt",
+)
+
+_NAMED = re.compile(r"(?<![:\w]):([a-z_]+)")
+
+
+@dataclass(frozen=True, slots=True)
+class SQLStatement:
+    """A statement written with ``:name`` placeholders, also rendered as ``%(name)s``."""
+
+    named: str
+    pyformat: str = field(init=False)
+    names: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if "%" in self.named:
+            msg = "statements must not contain '%': it breaks pyformat drivers"
+            raise ValueError(msg)
+        object.__setattr__(self, "pyformat", _NAMED.sub(r"%(\1)s", self.named))
+        object.__setattr__(self, "names", frozenset(_NAMED.findall(self.named)))
+
+    def bind(self, params: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Only the parameters this statement names (drivers reject extras), or None."""
+        if not self.names:
+            return None
+        return {name: params[name] for name in self.names}
+
+
+def _owned_by_caller(alias: str = "") -> str:
+    """The fence every write of an owner carries: our record, our lease, still running."""
+    prefix = f"{alias}." if alias else ""
+    return (
+        f"{prefix}id = :id AND {prefix}lease_token = :lease_token "
+        f"AND {prefix}state = 'in_progress'"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """Everything a SQL backend says. ``claim`` must be one atomic statement."""
+
+    name: str
+    table: str
+    ddl: Sequence[str]
+    claim: SQLStatement
+    select: SQLStatement
+    complete: SQLStatement
+    release: SQLStatement
+    checkpoint: SQLStatement
+    #: Run around the claim when it is part of the caller's transaction
+    #: (single-commit mode), e.g. to bound the wait on a concurrent claim.
+    before_claim_in_transaction: tuple[SQLStatement, ...] = ()
+    after_claim_in_transaction: tuple[SQLStatement, ...] = ()
+
+    @classmethod
+    def standard(
+        cls,
+        name: str,
+        table: str,
+        ddl: Sequence[str],
+        claim: str,
+        around_claim_in_transaction: tuple[Sequence[str], Sequence[str]] = ((), ()),
+    ) -> Dialect:
+        """A dialect whose non-claim statements are plain ANSI SQL."""
+        columns = ", ".join(COLUMNS)
+        before, after = around_claim_in_transaction
+        return cls(
+            name=name,
+            table=table,
+            ddl=ddl,
+            before_claim_in_transaction=tuple(map(SQLStatement, before)),
+            after_claim_in_transaction=tuple(map(SQLStatement, after)),
+            claim=SQLStatement(claim),
+            select=SQLStatement(
+                f"SELECT {columns} FROM {table} "
+                "WHERE principal = :principal AND idempotency_key = :key"
+            ),
+            complete=SQLStatement(
+                f"UPDATE {table} SET state = :state, response_status = :status, "
+                "response_headers = :headers, response_body = :body, updated_at = :now "
+                f"WHERE {_owned_by_caller()}"
+            ),
+            release=SQLStatement(
+                f"UPDATE {table} SET state = 'released', updated_at = :now "
+                f"WHERE {_owned_by_caller()}"
+            ),
+            checkpoint=SQLStatement(
+                f"UPDATE {table} SET recovery_point = :recovery_point, updated_at = :now "
+                f"WHERE {_owned_by_caller()}"
+            ),
+        )
+
+
+def upsert_claim(table: str) -> str:
+    """``INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING`` (PostgreSQL, SQLite ≥ 3.35).
+
+    The conflict branch only fires for a record that is past its retention
+    (a new intent: everything is reset) or was released by a transient failure
+    of the *same* request (the retry takes it over and keeps its recovery
+    point). In every other case nothing is written and nothing returned: the
+    key belongs to someone else, which is the answer.
+    """
+    columns = ", ".join(COLUMNS)  # SQLite's RETURNING refuses qualified names
+    expired = "t.expires_at <= excluded.updated_at"
+    return (
+        f"INSERT INTO {table} AS t (principal, idempotency_key, fingerprint, endpoint, "
+        "state, lease_token, correlation_id, created_at, updated_at, expires_at, attempt) "
+        "VALUES (:principal, :key, :fingerprint, :endpoint, 'in_progress', :lease_token, "
+        ":correlation_id, :now, :now, :expires_at, 1) "
+        "ON CONFLICT (principal, idempotency_key) DO UPDATE SET "
+        "fingerprint = excluded.fingerprint, endpoint = excluded.endpoint, "
+        "state = 'in_progress', lease_token = excluded.lease_token, "
+        "correlation_id = excluded.correlation_id, updated_at = excluded.updated_at, "
+        "expires_at = excluded.expires_at, "
+        f"created_at = CASE WHEN {expired} THEN excluded.created_at ELSE t.created_at END, "
+        f"recovery_point = CASE WHEN {expired} THEN NULL ELSE t.recovery_point END, "
+        f"attempt = CASE WHEN {expired} THEN 1 ELSE t.attempt + 1 END, "
+        "response_status = NULL, response_headers = NULL, response_body = NULL "
+        f"WHERE {expired} "
+        "OR (t.state = 'released' AND t.fingerprint = excluded.fingerprint) "
+        f"RETURNING {columns}"
+    )
+
+
+def claim_params(
+    intent: Intent, lease_token: str, now: float, expires_at: float
+) -> dict[str, Any]:
+    return {
+        "principal": intent.principal,
+        "key": intent.key,
+        "fingerprint": intent.fingerprint,
+        "endpoint": intent.endpoint,
+        "lease_token": lease_token,
+        "correlation_id": intent.correlation_id,
+        "now": int(now * 1000),
+        "expires_at": int(expires_at * 1000),
+    }
+
+
+def owner_params(record: Record, now: float) -> dict[str, Any]:
+    return {"id": record.id, "lease_token": record.lease_token, "now": int(now * 1000)}
+
+
+def complete_params(
+    record: Record, state: State, response: Response, now: float
+) -> dict[str, Any]:
+    return {
+        **owner_params(record, now),
+        "state": state.value,
+        "status": response.status,
+        "headers": headers_to_json(response.headers),
+        "body": response.body,
+    }
+
+
+def row_mapping(description: Sequence[Any], row: Sequence[Any]) -> Mapping[str, Any]:
+    return {column[0]: value for column, value in zip(description, row, strict=True)}

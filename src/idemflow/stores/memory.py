@@ -1,0 +1,174 @@
+"""
+An in-memory store for users' own tests (and the reference the others match).
+
+It follows the SQL stores to the letter: the claim takes over expired records
+and released records of the same request, every owner write is fenced by the
+lease token. It cannot share a caller's transaction, so the drivers refuse one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+
+from .._errors import LeaseLost
+from .._model import Claim, Intent, Record, Response, State
+from .protocol import AsyncTransaction, Transaction
+
+__all__ = ["AsyncMemoryStore", "MemoryStore"]
+
+
+class MemoryStore:
+    """A dict and a lock. Thread-safe; not shared between processes."""
+
+    supports_transactions = False
+
+    def __init__(self) -> None:
+        self.records: dict[tuple[str, str], Record] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    def claim(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        transaction: Transaction | None = None,
+    ) -> Claim:
+        with self._lock:
+            slot = (intent.principal, intent.key)
+            current = self.records.get(slot)
+            if current is not None and not _can_take_over(current, intent, now):
+                return Claim(owned=False, record=current)
+            record = _claimed(current, intent, lease_token, now, expires_at, self._ids)
+            self.records[slot] = record
+            return Claim(owned=True, record=record)
+
+    def complete(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        transaction: Transaction | None = None,
+    ) -> None:
+        if not self._update_owned(record, state=state, response=response, updated_at=now):
+            msg = "the claim on this Idempotency-Key was taken over before completion"
+            raise LeaseLost(msg)
+
+    def release(self, record: Record, now: float) -> bool:
+        return self._update_owned(record, state=State.RELEASED, updated_at=now)
+
+    def checkpoint(
+        self,
+        record: Record,
+        recovery_point: str,
+        now: float,
+        transaction: Transaction | None = None,
+    ) -> None:
+        if not self._update_owned(record, recovery_point=recovery_point, updated_at=now):
+            msg = "the claim on this Idempotency-Key was taken over"
+            raise LeaseLost(msg)
+
+    def get(self, principal: str, key: str) -> Record | None:
+        with self._lock:
+            return self.records.get((principal, key))
+
+    def _update_owned(self, record: Record, **changes: object) -> bool:
+        with self._lock:
+            slot = (record.principal, record.key)
+            current = self.records.get(slot)
+            if not _owned(current, record):
+                return False
+            assert current is not None
+            self.records[slot] = dataclasses.replace(current, **changes)  # type: ignore[arg-type]
+            return True
+
+
+class AsyncMemoryStore:
+    """:class:`MemoryStore` for asyncio code (the same dict, no awaiting inside)."""
+
+    supports_transactions = False
+
+    def __init__(self, store: MemoryStore | None = None) -> None:
+        self.sync = store or MemoryStore()
+
+    async def claim(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> Claim:
+        return self.sync.claim(intent, lease_token, now, expires_at)
+
+    async def complete(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> None:
+        self.sync.complete(record, state, response, now)
+
+    async def release(self, record: Record, now: float) -> bool:
+        return self.sync.release(record, now)
+
+    async def checkpoint(
+        self,
+        record: Record,
+        recovery_point: str,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> None:
+        self.sync.checkpoint(record, recovery_point, now)
+
+    async def get(self, principal: str, key: str) -> Record | None:
+        return self.sync.get(principal, key)
+
+
+def _can_take_over(current: Record, intent: Intent, now: float) -> bool:
+    expired = current.expires_at <= now
+    retry_of_released = (
+        current.state is State.RELEASED and current.fingerprint == intent.fingerprint
+    )
+    return expired or retry_of_released
+
+
+def _claimed(
+    current: Record | None,
+    intent: Intent,
+    lease_token: str,
+    now: float,
+    expires_at: float,
+    ids: itertools.count[int],
+) -> Record:
+    fresh = current is None or current.expires_at <= now
+    return Record(
+        id=next(ids) if current is None else current.id,
+        principal=intent.principal,
+        key=intent.key,
+        fingerprint=intent.fingerprint,
+        endpoint=intent.endpoint,
+        state=State.IN_PROGRESS,
+        lease_token=lease_token,
+        created_at=now if fresh or current is None else current.created_at,
+        updated_at=now,
+        expires_at=expires_at,
+        correlation_id=intent.correlation_id,
+        recovery_point=None if fresh or current is None else current.recovery_point,
+        attempt=1 if fresh or current is None else current.attempt + 1,
+    )
+
+
+def _owned(current: Record | None, record: Record) -> bool:
+    return (
+        current is not None
+        and current.id == record.id
+        and current.lease_token == record.lease_token
+        and current.state is State.IN_PROGRESS
+    )

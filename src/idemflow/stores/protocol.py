@@ -1,0 +1,153 @@
+"""
+The backend contract: what a key store must do, and nothing more.
+
+A store is a small :class:`typing.Protocol`, so third-party stores need not
+import or inherit anything of ours. Each method is one atomic operation on one
+record; the rules about *when* to call which live in ``idemflow._flow``.
+
+``transaction`` arguments are the caller's own open transaction (see
+:mod:`idemflow.transactions`): the completion is written there so the business
+effect and the ``completed`` record commit together. Stores whose data cannot
+share the caller's transaction set ``supports_transactions = False`` and the
+driver refuses a transaction at configuration time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from .._model import Claim, Intent, Record, Response, State
+
+__all__ = ["AsyncStore", "AsyncTransaction", "Statement", "Store", "Transaction"]
+
+
+class Statement(Protocol):
+    """One SQL statement in the two parameter styles the adapters need."""
+
+    @property
+    def named(self) -> str:
+        """``:name`` placeholders (sqlite3, SQLAlchemy ``text()``)."""
+
+    @property
+    def pyformat(self) -> str:
+        """``%(name)s`` placeholders (psycopg, PyMySQL)."""
+
+
+class Transaction(Protocol):
+    """The caller's transaction on the caller's connection (sync)."""
+
+    @property
+    def connection(self) -> Any:
+        """What the handler uses for its own business writes."""
+
+    def begin(self) -> None: ...
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int: ...
+    def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None: ...
+    def commit(self) -> None: ...
+    def rollback(self) -> None: ...
+
+
+class AsyncTransaction(Protocol):
+    """The caller's transaction on the caller's connection (async)."""
+
+    @property
+    def connection(self) -> Any:
+        """What the handler uses for its own business writes."""
+
+    async def begin(self) -> None: ...
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int: ...
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None: ...
+    async def commit(self) -> None: ...
+    async def rollback(self) -> None: ...
+
+
+class Store(Protocol):
+    """A synchronous key store."""
+
+    @property
+    def supports_transactions(self) -> bool:
+        """Can completions be written in the caller's transaction?"""
+
+    def claim(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        transaction: Transaction | None = None,
+    ) -> Claim:
+        """Insert ``in_progress`` (or take over an expired/released record) atomically.
+
+        Returns ``Claim(owned=True, …)`` when this call created or took over the
+        record, else the record as it stands. Raises ``StoreUnavailable``.
+        """
+
+    def complete(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        transaction: Transaction | None = None,
+    ) -> None:
+        """Settle the record if it is still ours (``id``, lease token, ``in_progress``).
+
+        Raises ``LeaseLost`` when no row matched.
+        """
+
+    def release(self, record: Record, now: float) -> bool:
+        """Give the key back if it is still ours. False when it was not."""
+
+    def checkpoint(
+        self,
+        record: Record,
+        recovery_point: str,
+        now: float,
+        transaction: Transaction | None = None,
+    ) -> None:
+        """Record progress (and renew the claim) if it is still ours; else ``LeaseLost``."""
+
+    def get(self, principal: str, key: str) -> Record | None:
+        """The record for ``(principal, key)``, for operators and tests."""
+
+
+class AsyncStore(Protocol):
+    """An asynchronous key store: :class:`Store` with coroutines."""
+
+    @property
+    def supports_transactions(self) -> bool: ...
+
+    async def claim(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> Claim: ...
+
+    async def complete(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> None: ...
+
+    async def release(self, record: Record, now: float) -> bool: ...
+
+    async def checkpoint(
+        self,
+        record: Record,
+        recovery_point: str,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> None: ...
+
+    async def get(self, principal: str, key: str) -> Record | None: ...

@@ -1,0 +1,190 @@
+"""
+Adapters that let idemflow write its completion in *your* transaction.
+
+Pass one to ``Idempotency.run(…, transaction=…)``: the library begins the
+transaction on your connection (or joins the one your session already
+opened), calls your handler with that connection, writes the completion on it
+and commits, or rolls back and releases the key. Your data access inside the
+handler is untouched: use the connection or session as you always do.
+
+=====================================  ===================================
+You hold                               Adapter
+=====================================  ===================================
+``sqlite3.Connection``                 :class:`SQLite3Transaction`
+``psycopg.Connection``                 :class:`PsycopgTransaction`
+``psycopg.AsyncConnection``            :class:`AsyncPsycopgTransaction`
+SQLAlchemy ``Connection``/``Session``  :class:`SQLAlchemyTransaction`
+SQLAlchemy ``AsyncConnection``/        :class:`AsyncSQLAlchemyTransaction`
+``AsyncSession``
+=====================================  ===================================
+
+Each adapter is a handful of lines; write your own for another driver by
+implementing :class:`idemflow.stores.protocol.Transaction`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from .stores._sql import SQLStatement, row_mapping
+
+__all__ = [
+    "AsyncPsycopgTransaction",
+    "AsyncSQLAlchemyTransaction",
+    "PsycopgTransaction",
+    "SQLAlchemyTransaction",
+    "SQLite3Transaction",
+]
+
+
+class SQLite3Transaction:
+    """A ``sqlite3.Connection``. Begins with ``BEGIN IMMEDIATE``.
+
+    Immediate, because a deferred transaction that reads and then writes can
+    fail at once with "database is locked" when another writer got in between.
+    """
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    def begin(self) -> None:
+        self.connection.execute("BEGIN IMMEDIATE")
+
+    def execute(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+        return int(self.connection.execute(statement.named, statement.bind(params)).rowcount)
+
+    def fetchone(
+        self, statement: SQLStatement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        cursor = self.connection.execute(statement.named, statement.bind(params))
+        row = cursor.fetchone()
+        return None if row is None else row_mapping(cursor.description, row)
+
+    def commit(self) -> None:
+        self.connection.commit()
+
+    def rollback(self) -> None:
+        self.connection.rollback()
+
+
+class PsycopgTransaction:
+    """A ``psycopg.Connection``, autocommit or not."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    def begin(self) -> None:
+        # A non-autocommit connection begins by itself on the first statement.
+        if self.connection.autocommit:
+            self.connection.execute("BEGIN")
+
+    def execute(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+        return int(
+            self.connection.execute(statement.pyformat, statement.bind(params)).rowcount
+        )
+
+    def fetchone(
+        self, statement: SQLStatement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        cursor = self.connection.execute(statement.pyformat, statement.bind(params))
+        row = cursor.fetchone()
+        return None if row is None else row_mapping(cursor.description, row)
+
+    def commit(self) -> None:
+        self.connection.commit()
+
+    def rollback(self) -> None:
+        self.connection.rollback()
+
+
+class AsyncPsycopgTransaction:
+    """A ``psycopg.AsyncConnection``, autocommit or not."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    async def begin(self) -> None:
+        if self.connection.autocommit:
+            await self.connection.execute("BEGIN")
+
+    async def execute(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+        cursor = await self.connection.execute(statement.pyformat, statement.bind(params))
+        return int(cursor.rowcount)
+
+    async def fetchone(
+        self, statement: SQLStatement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        cursor = await self.connection.execute(statement.pyformat, statement.bind(params))
+        row = await cursor.fetchone()
+        return None if row is None else row_mapping(cursor.description, row)
+
+    async def commit(self) -> None:
+        await self.connection.commit()
+
+    async def rollback(self) -> None:
+        await self.connection.rollback()
+
+
+@functools.lru_cache(maxsize=64)
+def _text(named: str) -> Any:
+    from sqlalchemy import text  # noqa: PLC0415 -- optional dependency
+
+    return text(named)
+
+
+class SQLAlchemyTransaction:
+    """A SQLAlchemy ``Connection`` or ``Session``; joins a transaction already begun."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    def begin(self) -> None:
+        if not self.connection.in_transaction():
+            self.connection.begin()
+
+    def execute(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+        result = self.connection.execute(_text(statement.named), statement.bind(params))
+        return int(result.rowcount)
+
+    def fetchone(
+        self, statement: SQLStatement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        result = self.connection.execute(_text(statement.named), statement.bind(params))
+        row = result.mappings().fetchone()
+        return None if row is None else dict(row)
+
+    def commit(self) -> None:
+        self.connection.commit()
+
+    def rollback(self) -> None:
+        self.connection.rollback()
+
+
+class AsyncSQLAlchemyTransaction:
+    """A SQLAlchemy ``AsyncConnection`` or ``AsyncSession``; joins a transaction already begun."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    async def begin(self) -> None:
+        if not self.connection.in_transaction():
+            await self.connection.begin()
+
+    async def execute(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+        result = await self.connection.execute(_text(statement.named), statement.bind(params))
+        return int(result.rowcount)
+
+    async def fetchone(
+        self, statement: SQLStatement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        result = await self.connection.execute(_text(statement.named), statement.bind(params))
+        row = result.mappings().fetchone()
+        return None if row is None else dict(row)
+
+    async def commit(self) -> None:
+        await self.connection.commit()
+
+    async def rollback(self) -> None:
+        await self.connection.rollback()
