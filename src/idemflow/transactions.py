@@ -40,17 +40,25 @@ __all__ = [
 
 
 class SQLite3Transaction:
-    """A ``sqlite3.Connection``. Begins with ``BEGIN IMMEDIATE``.
+    """A ``sqlite3.Connection``.
 
-    Immediate, because a deferred transaction that reads and then writes can
-    fail at once with "database is locked" when another writer got in between.
+    SQLite admits one writer at a time, and a claim is a write: while your
+    transaction holds the write lock, a duplicate's claim queues behind it
+    instead of getting its 409 at once. So the transaction begins *deferred*
+    and takes the lock at your first write; keep slow work (external calls)
+    before it, or in a step of its own (see recovery points).
+
+    Pass ``immediate=True`` to take the lock at once instead: a deferred
+    transaction that reads, then writes after another writer committed, fails
+    with "database is locked" (the claim is released, the retry runs again).
     """
 
-    def __init__(self, connection: Any) -> None:
+    def __init__(self, connection: Any, *, immediate: bool = False) -> None:
         self.connection = connection
+        self._begin = "BEGIN IMMEDIATE" if immediate else "BEGIN"
 
     def begin(self) -> None:
-        self.connection.execute("BEGIN IMMEDIATE")
+        self.connection.execute(self._begin)
 
     def execute(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
         return int(self.connection.execute(statement.named, statement.bind(params)).rowcount)

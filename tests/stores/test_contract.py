@@ -1,0 +1,294 @@
+"""
+The contract every store keeps, run against each backend in ``tests/backends.py``.
+
+Each test is a scenario from the seed's state table, driven through the sync
+driver exactly as a user's service layer would call it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from idemflow import (
+    Attempt,
+    Idempotency,
+    InProgress,
+    Intent,
+    KeyReused,
+    LeaseLost,
+    Outcome,
+    Policy,
+    Response,
+    State,
+)
+from idemflow.testing import FrozenClock
+from tests.backends import Backend
+
+POLICY = Policy(request_timeout=5, retention=3600)
+CREATED = Response.json(201, {"id": "pay_1"}, [("location", "/payments/pay_1")])
+
+
+def intent(key: str = "k-1", principal: str = "alice", fp: str = "fp-1") -> Intent:
+    return Intent(principal, key, fp, endpoint="POST /payments", correlation_id="req-1")
+
+
+class Harness:
+    """Runs operations the way a service would: in the caller's transaction when it can."""
+
+    def __init__(self, backend: Backend, clock: FrozenClock) -> None:
+        self.backend = backend
+        self.clock = clock
+        self.idem = Idempotency(backend.store, POLICY, clock=clock)
+        self.calls = 0
+
+    def run(
+        self,
+        intent: Intent,
+        respond: Callable[[Attempt], Response] = lambda attempt: CREATED,
+    ) -> Outcome:
+        def handler(attempt: Attempt) -> Response:
+            self.calls += 1
+            # Respond first, write last: on SQLite an open write transaction
+            # would queue the nested duplicate claims some scenarios make.
+            response = respond(attempt)
+            self.backend.write(attempt.connection, f"{intent.principal}/{intent.key}")
+            return response
+
+        with self._transaction() as transaction:
+            return self.idem.run(intent, handler, transaction=transaction)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[Any]:
+        if self.backend.open_transaction is None:
+            yield None
+            return
+        with self.backend.open_transaction() as transaction:
+            yield transaction
+
+
+@pytest.fixture
+def clock() -> FrozenClock:
+    return FrozenClock()
+
+
+@pytest.fixture
+def harness(backend: Backend, clock: FrozenClock) -> Harness:
+    return Harness(backend, clock)
+
+
+def test_first_execution_runs_once_and_completes(harness: Harness, backend: Backend) -> None:
+    """An unseen key is claimed, executed once and stored as completed."""
+    outcome = harness.run(intent())
+
+    assert (outcome.response, outcome.replayed) == (CREATED, False)
+    assert harness.calls == 1
+    assert backend.count() == 1
+    record = backend.store.get("alice", "k-1")
+    assert record is not None
+    assert (record.state, record.response) == (State.COMPLETED, CREATED)
+    assert record.correlation_id == "req-1"
+
+
+def test_retry_replays_stored_response_verbatim(harness: Harness, backend: Backend) -> None:
+    """A retry gets the stored status, headers and body, and the handler does not run."""
+    harness.run(intent())
+
+    replay = harness.run(intent(), lambda attempt: Response(500, b"must not run"))
+
+    assert replay.replayed
+    assert replay.response == CREATED
+    assert replay.record.correlation_id == "req-1"
+    assert (harness.calls, backend.count()) == (1, 1)
+
+
+def test_same_key_different_request_is_rejected(harness: Harness) -> None:
+    """A key reused for another fingerprint is the client's bug: KeyReused (422)."""
+    harness.run(intent())
+
+    with pytest.raises(KeyReused) as raised:
+        harness.run(intent(fp="fp-other"))
+    assert raised.value.status == 422
+    assert harness.calls == 1
+
+
+def test_mismatch_wins_over_in_progress(harness: Harness) -> None:
+    """Fingerprint is compared before state: a different request gets 422 even mid-flight."""
+    seen: list[BaseException] = []
+
+    def meanwhile(attempt: Attempt) -> Response:
+        with pytest.raises(KeyReused) as raised:
+            harness.idem.run(intent(fp="fp-other"), lambda a: CREATED)
+        seen.append(raised.value)
+        return CREATED
+
+    harness.run(intent(), meanwhile)
+    assert len(seen) == 1
+
+
+def test_duplicate_while_running_gets_in_progress_at_once(harness: Harness) -> None:
+    """A duplicate of a running request is refused with a retry hint, never held."""
+    seen: list[InProgress] = []
+
+    def meanwhile(attempt: Attempt) -> Response:
+        with pytest.raises(InProgress) as raised:
+            harness.idem.run(intent(), lambda a: CREATED)
+        seen.append(raised.value)
+        return CREATED
+
+    harness.run(intent(), meanwhile)
+    assert seen[0].status == 409
+    assert seen[0].retry_after >= 1
+    assert harness.calls == 1
+
+
+def test_transient_failure_releases_and_retry_really_runs(
+    harness: Harness, backend: Backend
+) -> None:
+    """A 503 is not stored: the key is released and the next attempt executes."""
+    first = harness.run(intent(), lambda attempt: Response(503, b"provider down"))
+    assert first.response.status == 503
+    record = backend.store.get("alice", "k-1")
+    assert record is not None
+    assert record.state is State.RELEASED
+
+    second = harness.run(intent())
+
+    assert (second.response, second.replayed) == (CREATED, False)
+    assert harness.calls == 2
+    if backend.transactional:  # the failed attempt's business write rolled back
+        assert backend.count() == 1
+
+
+def test_released_key_is_not_free_for_a_different_request(harness: Harness) -> None:
+    """Released means "retry the same request", not "reuse the key": 422."""
+    harness.run(intent(), lambda attempt: Response(503))
+
+    with pytest.raises(KeyReused):
+        harness.run(intent(fp="fp-other"))
+
+
+def test_permanent_failure_is_stored_and_replayed(harness: Harness, backend: Backend) -> None:
+    """A deterministic rejection (402) settles the key as failed_permanent."""
+    declined = Response.json(402, {"error": "card_declined"})
+    harness.run(intent(), lambda attempt: declined)
+
+    replay = harness.run(intent())
+
+    assert (replay.response, replay.replayed) == (declined, True)
+    record = backend.store.get("alice", "k-1")
+    assert record is not None
+    assert record.state is State.FAILED_PERMANENT
+    assert harness.calls == 1
+
+
+def test_unexpected_exception_releases_and_passes_through_unchanged(
+    harness: Harness, backend: Backend
+) -> None:
+    """The handler's own exception propagates as is; the key is free to retry."""
+    boom = RuntimeError("boom")
+
+    def explode(attempt: Attempt) -> Response:
+        raise boom
+
+    with pytest.raises(RuntimeError) as raised:
+        harness.run(intent(), explode)
+    assert raised.value is boom
+    record = backend.store.get("alice", "k-1")
+    assert record is not None
+    assert record.state is State.RELEASED
+    if backend.transactional:
+        assert backend.count() == 0
+
+    assert harness.run(intent()).response == CREATED
+
+
+def test_principals_are_isolated(harness: Harness, backend: Backend) -> None:
+    """The same key from two principals is two intents: two executions, no leak."""
+    alice = harness.run(intent(principal="alice"), lambda a: Response(201, b"alice's"))
+    bob = harness.run(intent(principal="bob"), lambda a: Response(201, b"bob's"))
+
+    assert (alice.response.body, bob.response.body) == (b"alice's", b"bob's")
+    assert not bob.replayed
+    assert harness.calls == 2
+    assert harness.run(intent(principal="bob")).response.body == b"bob's"
+
+
+def test_expired_record_is_treated_as_absent(harness: Harness, clock: FrozenClock) -> None:
+    """Past retention the key starts over, even for a different request."""
+    harness.run(intent())
+    clock.advance(3601)
+
+    outcome = harness.run(intent(fp="fp-new"), lambda a: Response(201, b"new"))
+
+    assert (outcome.replayed, outcome.response.body) == (False, b"new")
+    assert outcome.record.attempt == 1
+    assert harness.calls == 2
+
+
+def test_lost_claim_cannot_complete_and_its_effect_rolls_back(
+    harness: Harness, backend: Backend, clock: FrozenClock
+) -> None:
+    """If the claim is taken over mid-flight, completion fails and nothing commits."""
+    taken_over: list[Outcome] = []
+
+    def overrun(attempt: Attempt) -> Response:
+        # We run past retention; another attempt takes the key over meanwhile.
+        clock.advance(3601)
+        taken_over.append(Harness(backend, clock).run(intent(), lambda a: Response(201, b"new")))
+        return CREATED
+
+    with pytest.raises(LeaseLost) as raised:
+        harness.run(intent(), overrun)
+
+    assert raised.value.status == 409
+    record = backend.store.get("alice", "k-1")
+    assert record is not None
+    assert record.response is not None
+    assert record.response.body == b"new"  # the new owner's record is untouched
+    if backend.transactional:
+        assert backend.count() == 1  # only the new owner's effect committed
+
+
+def test_release_and_complete_are_fenced_by_the_lease(backend: Backend, clock: FrozenClock) -> None:
+    """A stale owner's lease token can neither release nor complete the new owner's record."""
+    store = backend.store
+    first = store.claim(intent(), "lease-a", clock(), clock() + 10).record
+    clock.advance(11)
+    second = store.claim(intent(), "lease-b", clock(), clock() + 10)
+    assert second.owned
+
+    assert store.release(first, clock()) is False
+    with pytest.raises(LeaseLost):
+        store.complete(first, State.COMPLETED, CREATED, clock())
+    current = store.get("alice", "k-1")
+    assert current is not None
+    assert (current.state, current.lease_token) == (State.IN_PROGRESS, "lease-b")
+
+
+def test_claim_reports_owner_only_once(backend: Backend, clock: FrozenClock) -> None:
+    """Two claims of one key: the first owns it, the second sees the first's record."""
+    store = backend.store
+    first = store.claim(intent(), "lease-a", clock(), clock() + 60)
+    second = store.claim(intent(), "lease-b", clock(), clock() + 60)
+
+    assert (first.owned, second.owned) == (True, False)
+    assert second.record.lease_token == "lease-a"
+    assert second.record.state is State.IN_PROGRESS
+
+
+def test_checkpoint_keeps_recovery_point_across_release(backend: Backend, clock: FrozenClock) -> None:
+    """A retry of a released attempt resumes from its last committed recovery point."""
+    store = backend.store
+    claim = store.claim(intent(), "lease-a", clock(), clock() + 60)
+    store.checkpoint(claim.record, "payment_created", clock())
+    assert store.release(claim.record, clock())
+
+    retry = store.claim(intent(), "lease-b", clock(), clock() + 60)
+
+    assert retry.owned
+    assert retry.record.recovery_point == "payment_created"
+    assert retry.record.attempt == 2
