@@ -19,12 +19,16 @@ SOURCE, TARGET = ROOT / "_async", ROOT / "_sync"
 
 SUBS = [
     (r"^\"\"\"\n", '"""\n'),
-    (r"This is the async source of truth; ``idemflow/_sync/(\w+)\.py`` is generated\n"
-     r"from it by ``scripts/unasync\.py``\.",
-     "GENERATED from ``idemflow/_async/\\1.py`` by ``scripts/unasync.py``; do not edit."),
-    (r"This is the async source of truth; ``idemflow/_sync/(\w+)\.py`` is generated from\n"
-     r"it by ``scripts/unasync\.py``\.",
-     "GENERATED from ``idemflow/_async/\\1.py`` by ``scripts/unasync.py``; do not edit."),
+    (
+        r"This is the async source of truth; ``idemflow/_sync/(\w+)\.py`` is generated\n"
+        r"from it by ``scripts/unasync\.py``\.",
+        "GENERATED from ``idemflow/_async/\\1.py`` by ``scripts/unasync.py``; do not edit.",
+    ),
+    (
+        r"This is the async source of truth; ``idemflow/_sync/(\w+)\.py`` is generated from\n"
+        r"it by ``scripts/unasync\.py``\.",
+        "GENERATED from ``idemflow/_async/\\1.py`` by ``scripts/unasync.py``; do not edit.",
+    ),
     (r"\bAbstractAsyncContextManager\b", "AbstractContextManager"),
     (r"\basynccontextmanager\b", "contextmanager"),
     (r"\bAsync([A-Z]\w*)", r"\1"),

@@ -77,9 +77,8 @@ def sqlite_backend(tmp_path: Path, table: str) -> Backend:
 
 def postgres_backend(table: str) -> Backend:
     psycopg = pytest.importorskip("psycopg")
-    from tests.conftest import POSTGRES_URL, unreachable
-
     from idemflow.stores.postgres import PostgresStore
+    from tests.conftest import POSTGRES_URL, unreachable
 
     try:
         with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3) as conn:

@@ -156,6 +156,11 @@ class TestExcludeFields:
 
         assert fp(body, "text/plain", exclude_fields=["sent_at"]) == fp(body, "text/plain")
 
+    def test_a_str_instead_of_names_is_a_programming_error(self) -> None:
+        """One name passed as a bare str raises TypeError, whatever the body."""
+        with pytest.raises(TypeError, match="not a str"):
+            fp(b"x", "text/plain", exclude_fields="sent_at")
+
 
 class TestMediaTypes:
     @pytest.mark.parametrize(

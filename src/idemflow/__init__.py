@@ -58,8 +58,8 @@ __all__ = [
     "CountingObserver",
     "Event",
     "Handler",
-    "IdempotencyError",
     "Idempotency",
+    "IdempotencyError",
     "InProgress",
     "Intent",
     "InvalidBody",
@@ -87,7 +87,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "__version__":
-        from importlib.metadata import version  # noqa: PLC0415
+        from importlib.metadata import version
 
         return version("idemflow")
     msg = f"module {__name__!r} has no attribute {name!r}"

@@ -293,7 +293,7 @@ def _decimal_digits(text: str) -> tuple[str, int]:
 
 
 def _es_layout(digits: str, point: int) -> str:
-    """Lay out digits as Number::toString, steps 6 to 10 (ECMA-262 §6.1.6.1.20)."""
+    """Lay out ``0.<digits> * 10**point`` as ECMA-262's Number::toString does."""
     k = len(digits)
     if k <= point <= 21:
         return digits + "0" * (point - k)

@@ -19,7 +19,7 @@ from ._model import Intent
 __all__ = ["CountingObserver", "Event", "Observer", "error_event", "null_observer"]
 
 
-class Event(str, enum.Enum):
+class Event(enum.StrEnum):
     CLAIMED = "claimed"
     COMPLETED = "completed"
     REPLAYED = "replayed"

@@ -61,28 +61,38 @@ def fingerprint(
         InvalidBody: The body is over ``max_body_bytes``, or is declared as
             JSON and is not strict I-JSON.
     """
+    # Checked here too: a raw body would otherwise ignore the mistake silently
+    # until the first JSON request.
+    if isinstance(exclude_fields, str):
+        raise TypeError("exclude_fields must be a collection of names, not a str")
     if len(body) > max_body_bytes:
         raise InvalidBody(
             f"request body is {len(body)} bytes; "
             f"the limit for idempotent requests is {max_body_bytes} bytes"
         )
-    if _is_json(content_type):
-        kind = b"json"
-        # An empty body is no JSON document, but a bodyless POST declared as
-        # JSON is common and harmless.  Canonical JSON is never empty, so this
-        # cannot collide with a real document.
-        canonical = canonical_json_bytes(body, exclude_fields) if body else b""
-    else:
-        kind = b"raw"
-        canonical = body
+    kind, hashed_body = _hashed_body(body, content_type, exclude_fields)
 
     digest = hashlib.sha256(_VERSION_TAG)
     digest.update(_length_prefixed(method.upper()))
     digest.update(_length_prefixed(route))
     digest.update(kind + b"\n")
     # The body is last, so it needs no length: it runs to the end.
-    digest.update(canonical)
+    digest.update(hashed_body)
     return "sha256:" + digest.hexdigest()
+
+
+def _hashed_body(
+    body: bytes, content_type: str | None, exclude_fields: Collection[str]
+) -> tuple[bytes, bytes]:
+    """The body kind and the bytes that stand for the body in the digest."""
+    if not _is_json(content_type):
+        return b"raw", body
+    if not body:
+        # An empty body is no JSON document, but a bodyless POST declared as
+        # JSON is common and harmless.  Canonical JSON is never empty, so this
+        # cannot collide with a real document.
+        return b"json", b""
+    return b"json", canonical_json_bytes(body, exclude_fields)
 
 
 def _is_json(content_type: str | None) -> bool:

@@ -33,7 +33,7 @@ __all__ = ["Step", "dispatch", "idempotency_flow"]
 
 @dataclass(frozen=True, slots=True)
 class ClaimKey:
-    """Insert the record in ``in_progress`` or take over an expired or released one; one atomic statement."""
+    """One atomic statement: insert ``in_progress``, or take over an expired or released record."""
 
     intent: Intent
     lease_token: str
@@ -114,4 +114,3 @@ _BUSY = {
     State.COMPLETED: "the response for this Idempotency-Key is not stored; retry later",
     State.FAILED_PERMANENT: "the response for this Idempotency-Key is not stored; retry later",
 }
-

@@ -45,7 +45,7 @@ def seconds(duration: Duration) -> float:
     return float(duration)
 
 
-class State(str, enum.Enum):
+class State(enum.StrEnum):
     """Where a key record is in its life. Absent records have no state at all."""
 
     IN_PROGRESS = "in_progress"
@@ -79,9 +79,7 @@ class Response:
     headers: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def json(
-        cls, status: int, content: Any, headers: Iterable[tuple[str, str]] = ()
-    ) -> Response:
+    def json(cls, status: int, content: Any, headers: Iterable[tuple[str, str]] = ()) -> Response:
         """A JSON response (compact, UTF-8) with ``Content-Type: application/json``."""
         body = json.dumps(content, separators=(",", ":"), ensure_ascii=False).encode()
         return cls(status, body, (("content-type", "application/json"), *headers))

@@ -89,9 +89,7 @@ class PsycopgTransaction:
             self.connection.execute("BEGIN")
 
     def execute(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
-        return int(
-            self.connection.execute(statement.pyformat, statement.bind(params)).rowcount
-        )
+        return int(self.connection.execute(statement.pyformat, statement.bind(params)).rowcount)
 
     def fetchone(
         self, statement: SQLStatement, params: Mapping[str, Any]
@@ -137,7 +135,7 @@ class AsyncPsycopgTransaction:
 
 @functools.lru_cache(maxsize=64)
 def _text(named: str) -> Any:
-    from sqlalchemy import text  # noqa: PLC0415 -- optional dependency
+    from sqlalchemy import text
 
     return text(named)
 

@@ -280,7 +280,9 @@ def test_claim_reports_owner_only_once(backend: Backend, clock: FrozenClock) -> 
     assert second.record.state is State.IN_PROGRESS
 
 
-def test_checkpoint_keeps_recovery_point_across_release(backend: Backend, clock: FrozenClock) -> None:
+def test_checkpoint_keeps_recovery_point_across_release(
+    backend: Backend, clock: FrozenClock
+) -> None:
     """A retry of a released attempt resumes from its last committed recovery point."""
     store = backend.store
     claim = store.claim(intent(), "lease-a", clock(), clock() + 60)
@@ -292,3 +294,56 @@ def test_checkpoint_keeps_recovery_point_across_release(backend: Backend, clock:
     assert retry.owned
     assert retry.record.recovery_point == "payment_created"
     assert retry.record.attempt == 2
+
+
+def test_sweep_marks_each_stale_claim_once(backend: Backend, clock: FrozenClock) -> None:
+    """Only claims untouched past the cutoff are marked, and a second sweep finds none."""
+    store: Any = backend.store
+    old = store.claim(intent("old"), "lease-a", clock(), clock() + 3600).record
+    clock.advance(100)
+    store.claim(intent("fresh"), "lease-b", clock(), clock() + 3600)
+
+    marked = store.sweep(State.IN_PROGRESS, clock() - 50, clock(), clock() + 3600, 100)
+    again = store.sweep(State.IN_PROGRESS, clock() - 50, clock(), clock() + 3600, 100)
+
+    assert [r.key for r in marked] == ["old"]
+    assert marked[0].state is State.STALE
+    assert again == []
+    with pytest.raises(LeaseLost):  # the crashed owner, should it wake, cannot complete
+        store.complete(old, State.COMPLETED, CREATED, clock())
+
+
+def test_stale_record_settles_or_releases_only_as_marked(
+    backend: Backend, clock: FrozenClock
+) -> None:
+    """A sweeper's resolution is fenced by the mark: a second resolution is refused."""
+    store: Any = backend.store
+    store.claim(intent("a"), "lease-a", clock(), clock() + 3600)
+    store.claim(intent("b"), "lease-b", clock(), clock() + 3600)
+    clock.advance(100)
+    a, b = sorted(
+        store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 10), key=lambda r: r.key
+    )
+
+    assert store.settle_stale(a, State.COMPLETED, CREATED, clock()) is True
+    assert store.settle_stale(a, State.COMPLETED, CREATED, clock()) is False
+    assert store.release_stale(b, clock()) is True
+    assert store.release_stale(b, clock()) is False
+    settled, released = store.get("alice", "a"), store.get("alice", "b")
+    assert (settled.state, settled.response) == (State.COMPLETED, CREATED)
+    assert released.state is State.RELEASED
+
+
+def test_purge_deletes_exactly_the_expired(backend: Backend, clock: FrozenClock) -> None:
+    """Purge removes records past retention in bounded batches, and nothing else."""
+    store: Any = backend.store
+    for n in range(5):
+        store.claim(intent(f"old-{n}"), "l", clock(), clock() + 10)
+    store.claim(intent("young"), "l", clock(), clock() + 1000)
+    clock.advance(11)
+
+    assert store.purge(clock(), 3) == 3
+    assert store.purge(clock(), 3) == 2
+    assert store.purge(clock(), 3) == 0
+    assert store.get("alice", "young") is not None
+    assert store.get("alice", "old-0") is None

@@ -55,9 +55,7 @@ class AsyncAttempt:
 
     async def checkpoint(self, recovery_point: str) -> None:
         """Record progress in the caller's transaction; raises LeaseLost if no longer ours."""
-        await self._store.checkpoint(
-            self.record, recovery_point, self._clock(), self._transaction
-        )
+        await self._store.checkpoint(self.record, recovery_point, self._clock(), self._transaction)
 
 
 AsyncHandler: TypeAlias = Callable[[AsyncAttempt], Awaitable[Response]]
@@ -219,7 +217,7 @@ class _Performer:
         """Never leave the caller's transaction open behind an error."""
         try:
             await self._end(commit=False)
-        except Exception:  # noqa: BLE001 -- the original error is the one to raise
+        except Exception:
             logger.warning("rollback after error failed", exc_info=True)
 
 

@@ -56,9 +56,7 @@ class Attempt:
 
     def checkpoint(self, recovery_point: str) -> None:
         """Record progress in the caller's transaction; raises LeaseLost if no longer ours."""
-        self._store.checkpoint(
-            self.record, recovery_point, self._clock(), self._transaction
-        )
+        self._store.checkpoint(self.record, recovery_point, self._clock(), self._transaction)
 
 
 Handler: TypeAlias = Callable[[Attempt], Response]
@@ -220,7 +218,7 @@ class _Performer:
         """Never leave the caller's transaction open behind an error."""
         try:
             self._end(commit=False)
-        except Exception:  # noqa: BLE001 -- the original error is the one to raise
+        except Exception:
             logger.warning("rollback after error failed", exc_info=True)
 
 

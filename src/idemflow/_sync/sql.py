@@ -23,6 +23,8 @@ from ..stores._sql import (
     complete_params,
     owner_params,
     row_mapping,
+    stale_params,
+    sweep_params,
 )
 from ..stores.protocol import Transaction
 
@@ -86,9 +88,7 @@ class SQLStore:
                         return Claim(owned=False, record=record_from_row(row))
         raise InProgress("the record for this Idempotency-Key keeps changing; retry later")
 
-    def _claim_in(
-        self, transaction: Transaction, params: Mapping[str, Any]
-    ) -> Claim:
+    def _claim_in(self, transaction: Transaction, params: Mapping[str, Any]) -> Claim:
         """Claim as the first write of the caller's transaction (single-commit mode).
 
         A concurrent duplicate's uncommitted claim would make us wait on its
@@ -141,6 +141,57 @@ class SQLStore:
         params = {**owner_params(record, now), "recovery_point": recovery_point}
         if not self._write(self.dialect.checkpoint, params, transaction):
             raise LeaseLost("the claim on this Idempotency-Key was taken over")
+
+    def sweep(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+    ) -> list[Record]:
+        """Mark up to ``limit`` records in ``from_state`` untouched since ``cutoff`` as stale.
+
+        Returns them as marked; only this caller can settle or release them
+        (see :meth:`settle_stale`), so parallel sweepers never resolve one twice.
+        """
+        params = sweep_params(from_state, cutoff, now, keep_until, limit)
+        with self._translate():
+            with self._connect() as conn:
+                cursor = conn.cursor()
+                try:
+                    cursor.execute(
+                        self._text(self.dialect.sweep), self.dialect.sweep.bind(params)
+                    )
+                    rows = cursor.fetchall()
+                    return [record_from_row(row_mapping(cursor.description, r)) for r in rows]
+                finally:
+                    cursor.close()
+
+    def settle_stale(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        transaction: Transaction | None = None,
+    ) -> bool:
+        """Complete a record this sweeper marked stale (a reconciler found the effect)."""
+        params = {**complete_params(record, state, response, now), **stale_params(record, now)}
+        return self._write(self.dialect.settle_stale, params, transaction)
+
+    def release_stale(self, record: Record, now: float) -> bool:
+        """Give back a key this sweeper marked stale (the effect did not happen)."""
+        return self._write(self.dialect.release_stale, stale_params(record, now), None)
+
+    def purge(self, now: float, limit: int) -> int:
+        """Delete up to ``limit`` records past their retention; how many went."""
+        params = {"now": int(now * 1000), "limit": limit}
+        with self._translate():
+            with self._connect() as conn:
+                cursor = conn.cursor()
+                try:
+                    cursor.execute(
+                        self._text(self.dialect.purge), self.dialect.purge.bind(params)
+                    )
+                    return int(cursor.rowcount)
+                finally:
+                    cursor.close()
 
     def migrate(self) -> None:
         """Create the table and its indexes if they do not exist (idempotent)."""

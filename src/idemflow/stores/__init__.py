@@ -12,4 +12,11 @@ The contract every store meets is :mod:`idemflow.stores.protocol`.
 from .memory import AsyncMemoryStore, MemoryStore
 from .protocol import AsyncStore, AsyncTransaction, Store, Transaction
 
-__all__ = ["AsyncMemoryStore", "AsyncStore", "AsyncTransaction", "MemoryStore", "Store", "Transaction"]
+__all__ = [
+    "AsyncMemoryStore",
+    "AsyncStore",
+    "AsyncTransaction",
+    "MemoryStore",
+    "Store",
+    "Transaction",
+]

@@ -67,8 +67,7 @@ def _owned_by_caller(alias: str = "") -> str:
     """The fence every write of an owner carries: our record, our lease, still running."""
     prefix = f"{alias}." if alias else ""
     return (
-        f"{prefix}id = :id AND {prefix}lease_token = :lease_token "
-        f"AND {prefix}state = 'in_progress'"
+        f"{prefix}id = :id AND {prefix}lease_token = :lease_token AND {prefix}state = 'in_progress'"
     )
 
 
@@ -84,6 +83,11 @@ class Dialect:
     complete: SQLStatement
     release: SQLStatement
     checkpoint: SQLStatement
+    #: Maintenance: mark a batch stale, settle or release what was marked, purge.
+    sweep: SQLStatement
+    settle_stale: SQLStatement
+    release_stale: SQLStatement
+    purge: SQLStatement
     #: Run around the claim when it is part of the caller's transaction
     #: (single-commit mode), e.g. to bound the wait on a concurrent claim.
     before_claim_in_transaction: tuple[SQLStatement, ...] = ()
@@ -97,10 +101,20 @@ class Dialect:
         ddl: Sequence[str],
         claim: str,
         around_claim_in_transaction: tuple[Sequence[str], Sequence[str]] = ((), ()),
+        skip_locked: bool = False,
     ) -> Dialect:
-        """A dialect whose non-claim statements are plain ANSI SQL."""
+        """A dialect whose non-claim statements are plain ANSI SQL.
+
+        ``skip_locked``: the sweeper's batch skips rows locked by a live
+        completion (PostgreSQL, MySQL 8) instead of waiting for them.
+        """
         columns = ", ".join(COLUMNS)
         before, after = around_claim_in_transaction
+        lock = " FOR UPDATE SKIP LOCKED" if skip_locked else ""
+        marked = (
+            "id = :id AND lease_token = :lease_token AND state = 'stale' "
+            "AND updated_at = :marked_at"
+        )
         return cls(
             name=name,
             table=table,
@@ -124,6 +138,29 @@ class Dialect:
             checkpoint=SQLStatement(
                 f"UPDATE {table} SET recovery_point = :recovery_point, updated_at = :now "
                 f"WHERE {_owned_by_caller()}"
+            ),
+            # One statement marks a batch and claims it for this sweeper: the
+            # state/age condition is repeated outside the subquery so a row
+            # that changed in between is not marked.
+            sweep=SQLStatement(
+                f"UPDATE {table} SET state = 'stale', updated_at = :now, "
+                "expires_at = CASE WHEN expires_at < :keep_until THEN :keep_until "
+                "ELSE expires_at END "
+                f"WHERE id IN (SELECT id FROM {table} WHERE state = :from_state "
+                f"AND updated_at < :cutoff ORDER BY updated_at LIMIT :limit{lock}) "
+                f"AND state = :from_state AND updated_at < :cutoff RETURNING {columns}"
+            ),
+            settle_stale=SQLStatement(
+                f"UPDATE {table} SET state = :state, response_status = :status, "
+                "response_headers = :headers, response_body = :body, updated_at = :now "
+                f"WHERE {marked}"
+            ),
+            release_stale=SQLStatement(
+                f"UPDATE {table} SET state = 'released', updated_at = :now WHERE {marked}"
+            ),
+            purge=SQLStatement(
+                f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} "
+                "WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit)"
             ),
         )
 
@@ -159,9 +196,7 @@ def upsert_claim(table: str) -> str:
     )
 
 
-def claim_params(
-    intent: Intent, lease_token: str, now: float, expires_at: float
-) -> dict[str, Any]:
+def claim_params(intent: Intent, lease_token: str, now: float, expires_at: float) -> dict[str, Any]:
     return {
         "principal": intent.principal,
         "key": intent.key,
@@ -178,9 +213,7 @@ def owner_params(record: Record, now: float) -> dict[str, Any]:
     return {"id": record.id, "lease_token": record.lease_token, "now": int(now * 1000)}
 
 
-def complete_params(
-    record: Record, state: State, response: Response, now: float
-) -> dict[str, Any]:
+def complete_params(record: Record, state: State, response: Response, now: float) -> dict[str, Any]:
     return {
         **owner_params(record, now),
         "state": state.value,
@@ -188,6 +221,23 @@ def complete_params(
         "headers": headers_to_json(response.headers),
         "body": response.body,
     }
+
+
+def sweep_params(
+    from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+) -> dict[str, Any]:
+    return {
+        "from_state": from_state.value,
+        "cutoff": int(cutoff * 1000),
+        "now": int(now * 1000),
+        "keep_until": int(keep_until * 1000),
+        "limit": limit,
+    }
+
+
+def stale_params(record: Record, now: float) -> dict[str, Any]:
+    """Fence for a sweeper's write: the record exactly as this sweeper marked it."""
+    return {**owner_params(record, now), "marked_at": int(record.updated_at * 1000)}
 
 
 def row_mapping(description: Sequence[Any], row: Sequence[Any]) -> Mapping[str, Any]:

@@ -76,6 +76,57 @@ class MemoryStore:
         with self._lock:
             return self.records.get((principal, key))
 
+    def sweep(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+    ) -> list[Record]:
+        with self._lock:
+            due = sorted(
+                (
+                    r
+                    for r in self.records.values()
+                    if r.state is from_state and r.updated_at < cutoff
+                ),
+                key=lambda r: r.updated_at,
+            )[:limit]
+            marked = [
+                dataclasses.replace(
+                    r, state=State.STALE, updated_at=now, expires_at=max(r.expires_at, keep_until)
+                )
+                for r in due
+            ]
+            for record in marked:
+                self.records[record.principal, record.key] = record
+            return marked
+
+    def settle_stale(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        transaction: Transaction | None = None,
+    ) -> bool:
+        return self._update_marked(record, state=state, response=response, updated_at=now)
+
+    def release_stale(self, record: Record, now: float) -> bool:
+        return self._update_marked(record, state=State.RELEASED, updated_at=now)
+
+    def purge(self, now: float, limit: int) -> int:
+        with self._lock:
+            expired = [slot for slot, r in self.records.items() if r.expires_at <= now][:limit]
+            for slot in expired:
+                del self.records[slot]
+            return len(expired)
+
+    def _update_marked(self, record: Record, **changes: object) -> bool:
+        with self._lock:
+            slot = (record.principal, record.key)
+            current = self.records.get(slot)
+            if current != record:  # exactly as this sweeper marked it, or not ours
+                return False
+            self.records[slot] = dataclasses.replace(current, **changes)  # type: ignore[arg-type]
+            return True
+
     def _update_owned(self, record: Record, **changes: object) -> bool:
         with self._lock:
             slot = (record.principal, record.key)
@@ -129,6 +180,27 @@ class AsyncMemoryStore:
 
     async def get(self, principal: str, key: str) -> Record | None:
         return self.sync.get(principal, key)
+
+    async def sweep(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+    ) -> list[Record]:
+        return self.sync.sweep(from_state, cutoff, now, keep_until, limit)
+
+    async def settle_stale(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> bool:
+        return self.sync.settle_stale(record, state, response, now)
+
+    async def release_stale(self, record: Record, now: float) -> bool:
+        return self.sync.release_stale(record, now)
+
+    async def purge(self, now: float, limit: int) -> int:
+        return self.sync.purge(now, limit)
 
 
 def _can_take_over(current: Record, intent: Intent, now: float) -> bool:

@@ -70,7 +70,7 @@ def postgres_dialect(
         [f"SET LOCAL lock_timeout = '{int(claim_lock_timeout_ms)}ms'"],
         ["SET LOCAL lock_timeout = DEFAULT"],
     )
-    return Dialect.standard("postgresql", table, ddl, upsert_claim(table), around)
+    return Dialect.standard("postgresql", table, ddl, upsert_claim(table), around, skip_locked=True)
 
 
 def is_lock_timeout(exc: BaseException) -> bool:
@@ -81,7 +81,7 @@ def is_lock_timeout(exc: BaseException) -> bool:
 
 def is_unavailable(exc: BaseException) -> bool:
     """Connection refused or lost, pool exhausted: not a bug, an outage (fail closed)."""
-    import psycopg  # noqa: PLC0415 -- drivers are imported only where used
+    import psycopg
 
     return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
 
@@ -104,7 +104,7 @@ class PostgresStore(SQLStore):
         claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
     ) -> None:
         if isinstance(pool, str):
-            import psycopg_pool  # noqa: PLC0415
+            import psycopg_pool
 
             pool = psycopg_pool.ConnectionPool(
                 pool,
@@ -144,7 +144,7 @@ class AsyncPostgresStore(AsyncSQLStore):
         claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
     ) -> None:
         if isinstance(pool, str):
-            import psycopg_pool  # noqa: PLC0415
+            import psycopg_pool
 
             pool = psycopg_pool.AsyncConnectionPool(
                 pool,

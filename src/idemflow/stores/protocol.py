@@ -19,7 +19,15 @@ from typing import Any, Protocol
 
 from .._model import Claim, Intent, Record, Response, State
 
-__all__ = ["AsyncStore", "AsyncTransaction", "Statement", "Store", "Transaction"]
+__all__ = [
+    "AsyncMaintainableStore",
+    "AsyncStore",
+    "AsyncTransaction",
+    "MaintainableStore",
+    "Statement",
+    "Store",
+    "Transaction",
+]
 
 
 class Statement(Protocol):
@@ -151,3 +159,53 @@ class AsyncStore(Protocol):
     ) -> None: ...
 
     async def get(self, principal: str, key: str) -> Record | None: ...
+
+
+class MaintainableStore(Store, Protocol):
+    """A store the sweeper and the purger can work on (every SQL store, the memory store)."""
+
+    def sweep(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+    ) -> list[Record]:
+        """Mark up to ``limit`` records in ``from_state`` untouched since ``cutoff`` stale.
+
+        One atomic statement per batch: a record is marked by one sweeper only.
+        Marked records stay at least until ``keep_until`` (never purged unresolved).
+        """
+
+    def settle_stale(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        transaction: Transaction | None = None,
+    ) -> bool:
+        """Settle a record exactly as this sweeper marked it; False if it changed."""
+
+    def release_stale(self, record: Record, now: float) -> bool:
+        """Release a record exactly as this sweeper marked it; False if it changed."""
+
+    def purge(self, now: float, limit: int) -> int:
+        """Delete up to ``limit`` records past retention; returns how many."""
+
+
+class AsyncMaintainableStore(AsyncStore, Protocol):
+    """:class:`MaintainableStore` with coroutines."""
+
+    async def sweep(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+    ) -> list[Record]: ...
+
+    async def settle_stale(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> bool: ...
+
+    async def release_stale(self, record: Record, now: float) -> bool: ...
+
+    async def purge(self, now: float, limit: int) -> int: ...

@@ -20,9 +20,10 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+
+from .._async.sql import AsyncSQLStore
 from .._errors import ConfigurationError
 from .._model import Claim, Intent, Record, Response, State
-from .._async.sql import AsyncSQLStore
 from .._sync.sql import SQLStore
 from ._sql import Dialect, upsert_claim
 from .protocol import AsyncTransaction
@@ -179,9 +180,31 @@ class AsyncSQLiteStore:
     async def get(self, principal: str, key: str) -> Record | None:
         return await asyncio.to_thread(self.sync.get, principal, key)
 
+    async def sweep(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+    ) -> list[Record]:
+        return await asyncio.to_thread(self.sync.sweep, from_state, cutoff, now, keep_until, limit)
+
+    async def settle_stale(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> bool:
+        if transaction is None:
+            return await asyncio.to_thread(self.sync.settle_stale, record, state, response, now)
+        return await self._in_transaction.settle_stale(record, state, response, now, transaction)
+
+    async def release_stale(self, record: Record, now: float) -> bool:
+        return await asyncio.to_thread(self.sync.release_stale, record, now)
+
+    async def purge(self, now: float, limit: int) -> int:
+        return await asyncio.to_thread(self.sync.purge, now, limit)
+
     async def migrate(self) -> None:
         await asyncio.to_thread(self.sync.migrate)
-
 
 
 @asynccontextmanager
