@@ -12,7 +12,6 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from .._downstream import downstream_key
@@ -27,7 +26,6 @@ __all__ = ["Attempt", "Handler", "Idempotency"]
 logger = logging.getLogger("idemflow")
 
 
-@dataclass(frozen=True, slots=True)
 class Attempt:
     """What the operation gets: its claimed record and the caller's connection.
 
@@ -35,16 +33,23 @@ class Attempt:
     which the completion will be written), or None without one.
     """
 
-    record: Record
-    connection: Any
-    _store: Store
-    _transaction: Transaction | None
-    _clock: Clock
+    def __init__(
+        self,
+        record: Record,
+        store: Store,
+        transaction: Transaction | None,
+        clock: Clock,
+    ) -> None:
+        self.record = record
+        #: The last progress committed for this intent, by this or an earlier attempt.
+        self.recovery_point = record.recovery_point
+        self._store = store
+        self._transaction = transaction
+        self._clock = clock
 
     @property
-    def recovery_point(self) -> str | None:
-        """The last progress a crashed earlier attempt committed, if any."""
-        return self.record.recovery_point
+    def connection(self) -> Any:
+        return None if self._transaction is None else self._transaction.connection
 
     def downstream_key(self, step: str) -> str:
         """The idempotency key to send to a downstream provider for ``step``.
@@ -55,8 +60,28 @@ class Attempt:
         return downstream_key(self.record, step)
 
     def checkpoint(self, recovery_point: str) -> None:
-        """Record progress in the caller's transaction; raises LeaseLost if no longer ours."""
-        self._store.checkpoint(self.record, recovery_point, self._clock(), self._transaction)
+        """Record progress in the current transaction (it commits with your writes).
+
+        Also renews the claim, so the sweeper measures staleness from here.
+        Raises LeaseLost if the claim is no longer ours.
+        """
+        self._store.checkpoint(
+            self.record, recovery_point, self._clock(), self._transaction
+        )
+        self.recovery_point = recovery_point
+
+    def commit_phase(self, recovery_point: str) -> None:
+        """End an atomic phase: checkpoint, commit, and begin the next transaction.
+
+        A retry after a crash finds ``recovery_point`` and resumes from there
+        (rocket-rides' atomic phases). Call it before any external call, so
+        the local writes it depends on are durable and the call is not made
+        while holding locks.
+        """
+        self.checkpoint(recovery_point)
+        if self._transaction is not None:
+            self._transaction.commit()
+            self._transaction.begin()
 
 
 Handler: TypeAlias = Callable[[Attempt], Response]
@@ -168,9 +193,7 @@ class _Performer:
                 self.observe(Event.CLAIMED)
             return claim
         if isinstance(step, Execute):
-            attempt = Attempt(
-                step.record, self._connection, store, self._transaction, idem.clock
-            )
+            attempt = Attempt(step.record, store, self._transaction, idem.clock)
             self._begin()
             return self._handler(attempt)
         if isinstance(step, Complete):
@@ -194,10 +217,6 @@ class _Performer:
 
     def observe(self, event: Event) -> None:
         self._idem.observer(event, self._intent, self._idem.clock() - self._started)
-
-    @property
-    def _connection(self) -> Any:
-        return None if self._transaction is None else self._transaction.connection
 
     def _begin(self) -> Transaction | None:
         if self._transaction is not None and not self._open:

@@ -1,0 +1,5 @@
+import sys
+
+from idemflow.cli import main
+
+sys.exit(main())

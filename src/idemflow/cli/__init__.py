@@ -1,0 +1,58 @@
+"""
+``idemflow``: the operator's command line.
+
+Each command lives in its own module with a ``register(subparsers)`` function;
+this module only assembles them and turns failures into one clear line and a
+non-zero exit (never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from .._errors import IdempotencyError
+
+__all__ = ["main"]
+
+#: Command modules, in the order ``--help`` lists them.
+COMMANDS = ["_migrate"]
+
+EXIT_FAILURE = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="idemflow",
+        description="Make non-idempotent HTTP writes safe to retry: operate idemflow key stores.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"{__name__}.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Drivers' own retry chatter (psycopg_pool logs every failed connect) would
+    # bury the one line we print; the failure reaches us as an exception anyway.
+    logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except IdempotencyError as exc:
+        print(f"idemflow {args.command}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as exc:  # noqa: BLE001 -- one line for operators, not a traceback
+        print(f"idemflow {args.command}: {describe(exc)}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def describe(exc: BaseException) -> str:
+    """A driver error as one line: its type and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -1,0 +1,97 @@
+"""
+Open a store from a ``DATABASE_URL``: the one way the CLI, the demo and apps name a store.
+
+======================================  ==========================================
+URL                                     Store
+======================================  ==========================================
+``sqlite:///relative/path.db``          :class:`~idemflow.stores.sqlite.SQLiteStore`
+``sqlite:////absolute/path.db``
+``postgresql://user@host:5432/db``      :class:`~idemflow.stores.postgres.PostgresStore`
+======================================  ==========================================
+
+Further schemes register in ``OPENERS`` (each imports its driver only when used).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from .._errors import ConfigurationError
+
+__all__ = ["DATABASE_URL_ENV", "OPENERS", "open_async_store", "open_store", "scheme_of"]
+
+#: Environment variable every command reads when no URL is given.
+DATABASE_URL_ENV = "IDEMFLOW_DATABASE_URL"
+
+
+def scheme_of(url: str) -> str:
+    """The store family a URL names (``sqlite``, ``postgresql``, …); ConfigurationError if none."""
+    scheme = urlsplit(url).scheme.lower().split("+", 1)[0]
+    family = {"postgres": "postgresql", "mariadb": "mysql", "rediss": "redis"}.get(scheme, scheme)
+    if family not in OPENERS:
+        known = ", ".join(f"{name}://" for name in sorted(OPENERS))
+        msg = f"unsupported database URL {_redact(url)!r}: use one of {known}"
+        raise ConfigurationError(msg)
+    return family
+
+
+def sqlite_path(url: str) -> str:
+    """``sqlite:///data/keys.db`` → ``data/keys.db``; ``sqlite:////tmp/k.db`` → ``/tmp/k.db``."""
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        msg = f"sqlite URLs take a path, not a host: {url!r} (write sqlite:///path/to.db)"
+        raise ConfigurationError(msg)
+    path = parts.path[1:] if parts.path.startswith("/") else parts.path
+    if not path:
+        msg = f"sqlite URL has no file path: {url!r} (write sqlite:///path/to.db)"
+        raise ConfigurationError(msg)
+    return path
+
+
+def _open_sqlite(url: str, table: str, asynchronous: bool) -> Any:
+    from .sqlite import AsyncSQLiteStore, SQLiteStore
+
+    path = sqlite_path(url)
+    parent = os.path.dirname(path)
+    if parent and not os.path.isdir(parent):
+        msg = f"directory {parent!r} for the SQLite file does not exist"
+        raise ConfigurationError(msg)
+    return (AsyncSQLiteStore if asynchronous else SQLiteStore)(path, table=table)
+
+
+def _open_postgres(url: str, table: str, asynchronous: bool) -> Any:
+    try:
+        from .postgres import AsyncPostgresStore, PostgresStore
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        msg = "PostgreSQL needs the driver: pip install 'idemflow[postgres]'"
+        raise ConfigurationError(msg) from exc
+    conninfo = url.replace("postgres://", "postgresql://", 1)
+    return (AsyncPostgresStore if asynchronous else PostgresStore)(conninfo, table=table)
+
+
+#: scheme → opener(url, table, asynchronous). Other store modules add theirs.
+OPENERS: dict[str, Callable[[str, str, bool], Any]] = {
+    "sqlite": _open_sqlite,
+    "postgresql": _open_postgres,
+}
+
+
+def open_store(url: str, *, table: str = "idemflow_keys") -> Any:
+    """A synchronous store for ``url``."""
+    return OPENERS[scheme_of(url)](url, table, False)
+
+
+def open_async_store(url: str, *, table: str = "idemflow_keys") -> Any:
+    """An asyncio store for ``url``."""
+    return OPENERS[scheme_of(url)](url, table, True)
+
+
+def _redact(url: str) -> str:
+    """Never print a password."""
+    parts = urlsplit(url)
+    if parts.password:
+        return url.replace(f":{parts.password}@", ":***@", 1)
+    return url
