@@ -22,7 +22,9 @@ def add_database_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
-        "--table", default="idemflow_keys", help="key table (or key prefix) name (default: %(default)s)"
+        "--table",
+        default="idemflow_keys",
+        help="key table (or key prefix) name (default: %(default)s)",
     )
 
 
