@@ -64,9 +64,7 @@ class AsyncAttempt:
         Also renews the claim, so the sweeper measures staleness from here.
         Raises LeaseLost if the claim is no longer ours.
         """
-        await self._store.checkpoint(
-            self.record, recovery_point, self._clock(), self._transaction
-        )
+        await self._store.checkpoint(self.record, recovery_point, self._clock(), self._transaction)
         self.recovery_point = recovery_point
 
     async def commit_phase(self, recovery_point: str) -> None:

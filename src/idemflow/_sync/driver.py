@@ -65,9 +65,7 @@ class Attempt:
         Also renews the claim, so the sweeper measures staleness from here.
         Raises LeaseLost if the claim is no longer ours.
         """
-        self._store.checkpoint(
-            self.record, recovery_point, self._clock(), self._transaction
-        )
+        self._store.checkpoint(self.record, recovery_point, self._clock(), self._transaction)
         self.recovery_point = recovery_point
 
     def commit_phase(self, recovery_point: str) -> None:
