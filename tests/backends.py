@@ -10,6 +10,7 @@ Backends for further stores register themselves in ``BACKENDS``.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ class Backend:
     #: Opens a new store on the same data, e.g. in another process: (name, args).
     spec: tuple[str, tuple[Any, ...]] = ("memory", ())
     closers: list[Callable[[], None]] = field(default_factory=list)
+    #: Records leave by themselves (Redis TTLs): sweep finds nothing, purge deletes nothing.
+    expires_by_itself: bool = False
 
     @property
     def transactional(self) -> bool:
@@ -113,6 +116,145 @@ def postgres_backend(table: str) -> Backend:
     return backend
 
 
+# --- MySQL / MariaDB ------------------------------------------------------------
+
+MYSQL_URL = os.environ.get("IDEMFLOW_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
+
+
+def mysql_backend(table: str, *, found_rows: bool = False) -> Backend:
+    """MariaDB/MySQL; ``found_rows`` sets CLIENT_FOUND_ROWS on every connection."""
+    pymysql = pytest.importorskip("pymysql")
+    from idemflow.stores.mysql import MySQLStore, PyMySQLTransaction, connect_kwargs
+    from tests.conftest import unreachable
+
+    kwargs = {**connect_kwargs(MYSQL_URL), "client_flag": 2 if found_rows else 0}
+    try:
+        conn = pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
+    except pymysql.err.OperationalError as exc:
+        unreachable("MariaDB", exc)
+    with contextlib.closing(conn), conn.cursor() as cursor:
+        cursor.execute(
+            f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
+        )
+    store = MySQLStore(kwargs, table=table, max_size=8)
+    store.migrate()
+
+    @contextlib.contextmanager
+    def open_transaction() -> Iterator[Transaction]:
+        with contextlib.closing(pymysql.connect(**kwargs, autocommit=True)) as conn:
+            yield PyMySQLTransaction(conn)
+
+    def write(conn: Any, note: str) -> None:
+        with conn.cursor() as cursor:
+            cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
+    def count() -> int:
+        with contextlib.closing(pymysql.connect(**kwargs)) as conn, conn.cursor() as cursor:
+            cursor.execute(f"SELECT count(*) FROM biz_{table}")
+            return int(cursor.fetchone()[0])
+
+    def drop() -> None:
+        store.close()
+        with contextlib.closing(pymysql.connect(**kwargs)) as conn, conn.cursor() as cursor:
+            cursor.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
+
+    name = "mysql-found-rows" if found_rows else "mysql"
+    backend = Backend(name, store, open_transaction, write, count, (name, (table,)))
+    backend.closers.append(drop)
+    return backend
+
+
+def _open_mysql(table: str, found_rows: bool = False) -> Store:
+    from idemflow.stores.mysql import MySQLStore, connect_kwargs
+
+    kwargs = {**connect_kwargs(MYSQL_URL), "client_flag": 2 if found_rows else 0}
+    return MySQLStore(kwargs, table=table, max_size=4)
+
+
+# --- Redis / Redis Cluster --------------------------------------------------------
+
+REDIS_URL = os.environ.get("IDEMFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+#: The contract suite's policy (request_timeout=5, retention=3600): the Redis lease
+#: (its stale threshold, 20 s) is derived from it.
+REDIS_POLICY_ARGS = (5.0, 3600.0)
+
+
+def redis_client(url: str = REDIS_URL, *, cluster: bool = False) -> Any:
+    """A client that gives up quickly: an outage must surface, not hang the suite."""
+    from redis import Redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import RedisCluster
+    from redis.retry import Retry
+
+    options: dict[str, Any] = {"socket_timeout": 5, "socket_connect_timeout": 2}
+    if cluster:
+        return RedisCluster.from_url(url, retry=Retry(NoBackoff(), 1), **options)
+    return Redis.from_url(url, retry=Retry(NoBackoff(), 1), **options)
+
+
+def _open_redis(prefix: str, url: str = REDIS_URL, cluster: bool = False) -> Store:
+    from idemflow import Policy
+    from idemflow.stores.redis import RedisStore
+
+    client = redis_client(url, cluster=cluster)
+    timeout, retention = REDIS_POLICY_ARGS
+    policy = Policy(request_timeout=timeout, retention=retention)
+    return RedisStore(client, policy=policy, prefix=prefix)
+
+
+def redis_backend(table: str, url: str = REDIS_URL, *, cluster: bool = False) -> Backend:
+    """Redis has no transaction to share: business rows go to a list, as with the memory store."""
+    pytest.importorskip("redis")
+    from tests.conftest import unreachable
+
+    store: Any = _open_redis(table, url, cluster)
+    try:
+        store.migrate()
+    except Exception as exc:
+        store.close()
+        unreachable("Redis Cluster" if cluster else "Redis", exc)
+    rows: list[str] = []
+
+    def drop() -> None:
+        for key in store.client.scan_iter(match=f"{table}:*", count=1000):
+            store.client.delete(key)
+        store.close()
+
+    name = "redis-cluster" if cluster else "redis"
+    backend = Backend(
+        name,
+        store,
+        None,
+        lambda conn, note: rows.append(note),
+        lambda: len(rows),
+        (name, (table, url)),
+        expires_by_itself=True,
+    )
+    backend.closers.append(drop)
+    return backend
+
+
+def redis_cluster_backend(table: str) -> Backend:
+    """The Redis store, unchanged, on a real 3-master cluster started for this session."""
+    from tests._redis_cluster import ClusterUnavailable, shared_cluster
+    from tests.conftest import unreachable
+
+    try:
+        cluster = shared_cluster()
+    except (ClusterUnavailable, OSError) as exc:
+        unreachable("Redis Cluster", exc)
+    return redis_backend(table, cluster.url, cluster=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_redis_cluster() -> Iterator[None]:
+    """Shut down the session's Redis Cluster (if a test started one) and remove its files."""
+    yield
+    from tests._redis_cluster import stop_shared_cluster
+
+    stop_shared_cluster()
+
+
 # --- memory -------------------------------------------------------------------
 
 
@@ -131,6 +273,10 @@ BACKENDS: dict[str, Callable[[Path, str], Backend]] = {
     "memory": lambda tmp_path, table: memory_backend(),
     "sqlite": sqlite_backend,
     "postgres": lambda tmp_path, table: postgres_backend(table),
+    "mysql": lambda tmp_path, table: mysql_backend(table),
+    "mysql-found-rows": lambda tmp_path, table: mysql_backend(table, found_rows=True),
+    "redis": lambda tmp_path, table: redis_backend(table),
+    "redis-cluster": lambda tmp_path, table: redis_cluster_backend(table),
 }
 
 
@@ -138,7 +284,8 @@ def open_store(spec: tuple[str, tuple[Any, ...]]) -> Store:
     """Open a store from a picklable spec (used by child processes in race tests)."""
     kind, args = spec
     if kind == "sqlite":
-        return SQLiteStore(*args)
+        path, table = args
+        return SQLiteStore(path, table=table)
     if kind == "postgres":
         from idemflow.stores.postgres import PostgresStore
 
@@ -148,7 +295,85 @@ def open_store(spec: tuple[str, tuple[Any, ...]]) -> Store:
 
 
 #: Further stores (MySQL, Redis, …) add an opener here for the process races.
-STORE_OPENERS: dict[str, Callable[..., Store]] = {}
+STORE_OPENERS: dict[str, Callable[..., Store]] = {
+    "mysql": _open_mysql,
+    "mysql-found-rows": lambda table: _open_mysql(table, found_rows=True),
+    "redis": _open_redis,
+    "redis-cluster": lambda prefix, url: _open_redis(prefix, url, cluster=True),
+}
+
+
+# --- the caller's side, rebuilt from a spec (child processes in race tests) -------
+
+#: (open a caller transaction, write one business row through its connection).
+Caller = tuple[
+    Callable[[], contextlib.AbstractContextManager[Transaction]], Callable[[Any, str], None]
+]
+
+
+def open_caller(spec: tuple[str, tuple[Any, ...]]) -> Caller | None:
+    """The caller's side of a backend from its picklable spec; None if it has no transaction.
+
+    Mirrors the ``open_transaction``/``write`` pair each backend above builds, for
+    code that only has the spec (a child process cannot unpickle closures).
+    """
+    kind, args = spec
+    opener = CALLER_OPENERS.get(kind)
+    return None if opener is None else opener(*args)
+
+
+def _sqlite_caller(path: str, table: str) -> Caller:
+    @contextlib.contextmanager
+    def open_transaction() -> Iterator[Transaction]:
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None, timeout=10)) as conn:
+            yield SQLite3Transaction(conn)
+
+    def write(conn: Any, note: str) -> None:
+        conn.execute("INSERT INTO business (note) VALUES (?)", (note,))
+
+    return open_transaction, write
+
+
+def _postgres_caller(url: str, table: str) -> Caller:
+    import psycopg
+
+    @contextlib.contextmanager
+    def open_transaction() -> Iterator[Transaction]:
+        with psycopg.connect(url, autocommit=True) as conn:
+            yield PsycopgTransaction(conn)
+
+    def write(conn: Any, note: str) -> None:
+        conn.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
+    return open_transaction, write
+
+
+def _mysql_caller(table: str, found_rows: bool = False) -> Caller:
+    import pymysql
+
+    from idemflow.stores.mysql import PyMySQLTransaction, connect_kwargs
+
+    kwargs = {**connect_kwargs(MYSQL_URL), "client_flag": 2 if found_rows else 0}
+
+    @contextlib.contextmanager
+    def open_transaction() -> Iterator[Transaction]:
+        with contextlib.closing(pymysql.connect(**kwargs, autocommit=True)) as conn:
+            yield PyMySQLTransaction(conn)
+
+    def write(conn: Any, note: str) -> None:
+        with conn.cursor() as cursor:
+            cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
+    return open_transaction, write
+
+
+#: Stores that share the caller's transaction register how to rebuild the caller here.
+CALLER_OPENERS: dict[str, Callable[..., Caller]] = {
+    "sqlite": _sqlite_caller,
+    "postgres": _postgres_caller,
+    "mysql": _mysql_caller,
+    "mysql-found-rows": lambda table: _mysql_caller(table, found_rows=True),
+}
 
 
 @pytest.fixture(params=sorted(BACKENDS))

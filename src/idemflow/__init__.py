@@ -8,10 +8,6 @@ stores live in :mod:`idemflow.stores`, framework glue in
 :mod:`idemflow.integrations`.
 """
 
-from __future__ import annotations
-
-from typing import Any
-
 from ._async.driver import AsyncAttempt, AsyncHandler, AsyncIdempotency
 from ._canonical import canonical_json
 from ._downstream import downstream_key
@@ -29,7 +25,7 @@ from ._errors import (
     ReplayForbidden,
     StoreUnavailable,
 )
-from ._events import CountingObserver, Event, Observer
+from ._events import CountingObserver, Event, Observer, fan_out
 from ._fingerprint import fingerprint
 from ._key import parse_key
 from ._model import (
@@ -80,12 +76,13 @@ __all__ = [
     "canonical_json",
     "default_classifier",
     "downstream_key",
+    "fan_out",
     "fingerprint",
     "parse_key",
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> str:
     if name == "__version__":
         from importlib.metadata import version
 

@@ -9,6 +9,7 @@ it is the claim latency and for ``REPLAYED`` the whole replay's.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from collections import Counter
 from typing import Protocol
@@ -16,7 +17,9 @@ from typing import Protocol
 from ._errors import InProgress, KeyReused, LeaseLost, StoreUnavailable
 from ._model import Intent
 
-__all__ = ["CountingObserver", "Event", "Observer", "error_event", "null_observer"]
+__all__ = ["CountingObserver", "Event", "Observer", "error_event", "fan_out", "null_observer"]
+
+logger = logging.getLogger("idemflow")
 
 
 class Event(enum.StrEnum):
@@ -39,6 +42,46 @@ class Observer(Protocol):
 
 def null_observer(event: Event, intent: Intent, elapsed: float) -> None:
     """Counts nothing."""
+
+
+def fan_out(*observers: Observer) -> Observer:
+    """One observer that tells each of ``observers`` in turn (metrics, traces, logs).
+
+    An observer that raises anyway is logged and skipped: a broken exporter
+    must neither fail the request nor silence the observers after it. The
+    sweeper's ``stale_reclaimed(resolution, endpoint)`` hook is passed on to
+    every observer that has one.
+    """
+    flat = tuple(
+        inner
+        for observer in observers
+        for inner in (observer.observers if isinstance(observer, _FanOut) else (observer,))
+    )
+    if len(flat) == 1:
+        return flat[0]
+    return _FanOut(flat)
+
+
+class _FanOut:
+    def __init__(self, observers: tuple[Observer, ...]) -> None:
+        self.observers = observers
+
+    def __call__(self, event: Event, intent: Intent, elapsed: float) -> None:
+        for observer in self.observers:
+            try:
+                observer(event, intent, elapsed)
+            except Exception:
+                logger.exception("observer %r failed on %s", observer, event.value)
+
+    def stale_reclaimed(self, resolution: str, endpoint: str) -> None:
+        for observer in self.observers:
+            hook = getattr(observer, "stale_reclaimed", None)
+            if hook is None:
+                continue
+            try:
+                hook(resolution, endpoint)
+            except Exception:
+                logger.exception("observer %r failed on stale_reclaimed", observer)
 
 
 def error_event(exc: BaseException) -> Event | None:

@@ -25,7 +25,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from ._errors import InProgress, KeyReused
+from ._errors import InProgress, KeyReused, LeaseLost
 from ._model import Claim, Intent, Outcome, Policy, Record, Response, State, Verdict
 
 __all__ = ["Step", "dispatch", "idempotency_flow"]
@@ -84,7 +84,16 @@ def idempotency_flow(intent: Intent, policy: Policy, lease_token: str) -> Flow:
     if verdict is Verdict.TRANSIENT:
         yield Release(record)  # a 503 must not poison the key
     else:
-        yield Complete(record, verdict.value, response)
+        try:
+            yield Complete(record, verdict.value, response)
+        except LeaseLost:
+            raise  # the key is someone else's now: nothing of ours to release
+        except BaseException:
+            # The completion did not commit (or we cannot tell): nothing settled.
+            # The release is fenced by our lease and in_progress, so it changes
+            # nothing if the commit did happen.
+            yield Release(record)
+            raise
     return Outcome(response, replayed=False, record=record)
 
 

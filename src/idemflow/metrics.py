@@ -1,38 +1,75 @@
 """
 Prometheus metrics for idemflow (needs ``prometheus-client``: ``idemflow[metrics]``).
 
-Pass a :class:`PrometheusMetrics` as the ``observer=`` of an ``Idempotency``.
-Labels are bounded: ``endpoint`` is the route template (``POST /payments``),
-never the raw path, and the key or principal never appear.
+Pass a :class:`PrometheusMetrics` as the ``observer=`` of an ``Idempotency``
+(combine it with traces and logs through :func:`idemflow.fan_out`). Labels are
+bounded: ``endpoint`` is the route template (``POST /payments``), never the raw
+path, and the key or principal never appear.
+
+- ``idemflow_requests_total{outcome, endpoint}``: every outcome (claimed,
+  replayed, in_progress_conflict, fingerprint_mismatch, released,
+  stale_reclaimed, store_unavailable, and completed, lease_lost).
+- ``idemflow_claim_seconds{endpoint}``: time to claim a key (histogram).
+- ``idemflow_replay_seconds{endpoint}``: time to answer with a stored response.
+- ``idemflow_stale_in_progress{state}``: claims older than the request timeout
+  (``in_progress``) or swept and unresolved (``stale``); see
+  :meth:`PrometheusMetrics.watch_stale_claims`.
+- ``idemflow_stale_reclaimed_total{resolution}``: sweeper resolutions
+  (completed, released, unknown); see :meth:`PrometheusMetrics.stale_reclaimed`.
+
+The replay-to-claim ratio per endpoint, in PromQL::
+
+    sum by (endpoint) (rate(idemflow_requests_total{outcome="replayed"}[5m]))
+      / sum by (endpoint) (rate(idemflow_requests_total{outcome="claimed"}[5m]))
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ._events import Event
-from ._model import Intent
+from ._model import Clock, Duration, Intent, seconds
+from .stores._stats import STUCK_STATES, StatsSource, stats_source
 
-__all__ = ["PrometheusMetrics"]
+__all__ = ["RESOLUTIONS", "PrometheusMetrics"]
+
+logger = logging.getLogger("idemflow.metrics")
 
 # Claims and replays are one or two indexed statements: most land in
 # milliseconds, the tail shows a saturated pool or a lock queue.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
+#: How the sweeper resolved a stale claim (the ``resolution`` label).
+RESOLUTIONS = ("completed", "released", "unknown")
+
+#: A scrape reuses the stuck-claim count this long, so many scrapers (or a
+#: short scrape interval) cost one indexed COUNT per interval, not one each.
+DEFAULT_GAUGE_CACHE_SECONDS = 5.0
+
 
 class PrometheusMetrics:
     """An observer that counts every outcome and times claims and replays.
 
-    Metrics: ``idemflow_requests_total{outcome, endpoint}``,
-    ``idemflow_claim_seconds{endpoint}``, ``idemflow_replay_seconds{endpoint}``.
+    Args:
+        registry: where the metrics live; a new one unless given (serve it
+            with ``prometheus_client.make_asgi_app(registry)`` or
+            ``start_http_server(port, registry=registry)``).
+        namespace: the metric name prefix.
     """
 
     def __init__(
         self, registry: CollectorRegistry | None = None, *, namespace: str = "idemflow"
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.namespace = namespace
         self.requests = Counter(
             "requests",
             "Idempotency outcomes by kind and endpoint",
@@ -44,6 +81,17 @@ class PrometheusMetrics:
         self.replay_seconds = self._histogram(
             namespace, "replay_seconds", "Time to answer a request with a stored response"
         )
+        self.stale_reclaimed_total = Counter(
+            "stale_reclaimed",
+            "Stale claims the sweeper resolved, by resolution",
+            ["resolution"],
+            namespace=namespace,
+            registry=self.registry,
+        )
+        for resolution in RESOLUTIONS:  # present at 0, so rate() works from the start
+            self.stale_reclaimed_total.labels(resolution)
+        # (metric, label values) -> child; as bounded as the label values are.
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
 
     def _histogram(self, namespace: str, name: str, documentation: str) -> Histogram:
         return Histogram(
@@ -57,15 +105,128 @@ class PrometheusMetrics:
 
     def __call__(self, event: Event, intent: Intent, elapsed: float) -> None:
         endpoint = intent.endpoint or "unknown"
-        self.requests.labels(event.value, endpoint).inc()
+        self._child(self.requests, event.value, endpoint).inc()
         if event is Event.CLAIMED:
-            self.claim_seconds.labels(endpoint).observe(elapsed)
+            self._child(self.claim_seconds, endpoint).observe(elapsed)
         elif event is Event.REPLAYED:
-            self.replay_seconds.labels(endpoint).observe(elapsed)
+            self._child(self.replay_seconds, endpoint).observe(elapsed)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: labels() costs more than the increment."""
+        slot = (metric, labels)
+        child = self._children.get(slot)
+        if child is None:
+            child = self._children.setdefault(slot, metric.labels(*labels))
+        return child
+
+    def stale_reclaimed(self, resolution: str, endpoint: str) -> None:
+        """Count one stale claim the sweeper resolved, by how.
+
+        The sweeper (:class:`idemflow.sweeper.Sweeper`, ``observer=metrics``)
+        calls this once per record it resolves, next to the observer call with
+        ``Event.STALE_RECLAIMED`` that counts
+        ``idemflow_requests_total{outcome="stale_reclaimed", endpoint}``;
+        this counts ``idemflow_stale_reclaimed_total{resolution}``.
+
+        Args:
+            resolution: ``completed`` (the reconciler found the effect),
+                ``released`` (it did not happen; the key is free again) or
+                ``unknown`` (kept for a later sweep; the alert sees it).
+            endpoint: the record's endpoint (route template); the resolution
+                counter has no endpoint label, the requests counter has.
+        """
+        self.stale_reclaimed_total.labels(resolution).inc()
+
+    def watch_stale_claims(
+        self,
+        store: Any,
+        request_timeout: Duration,
+        *,
+        cache_seconds: float = DEFAULT_GAUGE_CACHE_SECONDS,
+        clock: Clock = time.time,
+    ) -> None:
+        """Export ``idemflow_stale_in_progress{state}``, read from ``store`` at scrape time.
+
+        ``state="in_progress"``: claims untouched for longer than
+        ``request_timeout`` (every one a crashed attempt whose external effect
+        is unknown); ``state="stale"``: claims the sweeper marked and has not
+        resolved yet (a reconciler answered "unknown"). One indexed COUNT per
+        ``cache_seconds`` at most.
+
+        Args:
+            store: a synchronous SQL store or a memory store. Asyncio apps pass
+                a sync store opened on the same database (a pool of one or two
+                connections is plenty).
+            request_timeout: the same timeout as the app's ``Policy``.
+            clock: the app's clock (records carry its times).
+        """
+        gauge = StuckClaimsGauge(
+            f"{self.namespace}_stale_in_progress",
+            stats_source(store),
+            seconds(request_timeout),
+            cache_seconds,
+            clock,
+        )
+        self.registry.register(gauge)
 
     def count(self, event: Event, endpoint: str) -> float:
         """The counter's current value (for tests and the storm's verdict)."""
         value: Any = self.registry.get_sample_value(
-            "idemflow_requests_total", {"outcome": event.value, "endpoint": endpoint}
+            f"{self.namespace}_requests_total", {"outcome": event.value, "endpoint": endpoint}
         )
         return float(value or 0.0)
+
+
+class StuckClaimsGauge(Collector):
+    """A collector that counts stuck claims in the store when scraped (cached)."""
+
+    def __init__(
+        self,
+        name: str,
+        source: StatsSource,
+        request_timeout: float,
+        cache_seconds: float,
+        clock: Clock,
+    ) -> None:
+        self.name = name
+        self._source = source
+        self._timeout = request_timeout
+        self._cache_seconds = cache_seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._cached: tuple[float, dict[str, int]] | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        # Describing without values keeps registration from querying the store.
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        if counts is None:
+            return  # no sample beats a wrong one; the warning says why
+        family = self._family()
+        for state in STUCK_STATES:
+            family.add_metric([state.value], counts.get(state.value, 0))
+        yield family
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            self.name,
+            "Claims older than the request timeout (in_progress) or swept and unresolved (stale)",
+            labels=["state"],
+        )
+
+    def _counts(self) -> dict[str, int] | None:
+        with self._lock:  # concurrent scrapes share one query
+            now = self._clock()
+            if self._cached is not None and now - self._cached[0] < self._cache_seconds:
+                return self._cached[1]
+            try:
+                counts = self._source.stuck_claims(now - self._timeout)
+            except Exception:
+                table = self._source.table
+                logger.warning("could not count stuck claims in %s", table, exc_info=True)
+                self._cached = None
+                return None
+            self._cached = (now, counts)
+            return counts

@@ -28,7 +28,8 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from .stores._sql import SQLStatement, row_mapping
+from .stores._sql import row_mapping
+from .stores.protocol import Statement
 
 __all__ = [
     "AsyncPsycopgTransaction",
@@ -60,12 +61,10 @@ class SQLite3Transaction:
     def begin(self) -> None:
         self.connection.execute(self._begin)
 
-    def execute(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
         return int(self.connection.execute(statement.named, statement.bind(params)).rowcount)
 
-    def fetchone(
-        self, statement: SQLStatement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
+    def fetchone(self, statement: Statement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
         cursor = self.connection.execute(statement.named, statement.bind(params))
         row = cursor.fetchone()
         return None if row is None else row_mapping(cursor.description, row)
@@ -88,12 +87,10 @@ class PsycopgTransaction:
         if self.connection.autocommit:
             self.connection.execute("BEGIN")
 
-    def execute(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
         return int(self.connection.execute(statement.pyformat, statement.bind(params)).rowcount)
 
-    def fetchone(
-        self, statement: SQLStatement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
+    def fetchone(self, statement: Statement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
         cursor = self.connection.execute(statement.pyformat, statement.bind(params))
         row = cursor.fetchone()
         return None if row is None else row_mapping(cursor.description, row)
@@ -115,12 +112,12 @@ class AsyncPsycopgTransaction:
         if self.connection.autocommit:
             await self.connection.execute("BEGIN")
 
-    async def execute(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
         cursor = await self.connection.execute(statement.pyformat, statement.bind(params))
         return int(cursor.rowcount)
 
     async def fetchone(
-        self, statement: SQLStatement, params: Mapping[str, Any]
+        self, statement: Statement, params: Mapping[str, Any]
     ) -> Mapping[str, Any] | None:
         cursor = await self.connection.execute(statement.pyformat, statement.bind(params))
         row = await cursor.fetchone()
@@ -150,13 +147,11 @@ class SQLAlchemyTransaction:
         if not self.connection.in_transaction():
             self.connection.begin()
 
-    def execute(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
         result = self.connection.execute(_text(statement.named), statement.bind(params))
         return int(result.rowcount)
 
-    def fetchone(
-        self, statement: SQLStatement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
+    def fetchone(self, statement: Statement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
         result = self.connection.execute(_text(statement.named), statement.bind(params))
         row = result.mappings().fetchone()
         return None if row is None else dict(row)
@@ -165,7 +160,13 @@ class SQLAlchemyTransaction:
         self.connection.commit()
 
     def rollback(self) -> None:
+        active = self.connection.in_transaction()
         self.connection.rollback()
+        if not active:
+            # After a failed COMMIT a Connection drops its transaction without a
+            # ROLLBACK, but SQLite keeps it open (with the write lock): end it.
+            self.connection.begin()
+            self.connection.rollback()
 
 
 class AsyncSQLAlchemyTransaction:
@@ -178,12 +179,12 @@ class AsyncSQLAlchemyTransaction:
         if not self.connection.in_transaction():
             await self.connection.begin()
 
-    async def execute(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
         result = await self.connection.execute(_text(statement.named), statement.bind(params))
         return int(result.rowcount)
 
     async def fetchone(
-        self, statement: SQLStatement, params: Mapping[str, Any]
+        self, statement: Statement, params: Mapping[str, Any]
     ) -> Mapping[str, Any] | None:
         result = await self.connection.execute(_text(statement.named), statement.bind(params))
         row = result.mappings().fetchone()
@@ -193,4 +194,8 @@ class AsyncSQLAlchemyTransaction:
         await self.connection.commit()
 
     async def rollback(self) -> None:
+        active = self.connection.in_transaction()
         await self.connection.rollback()
+        if not active:  # see SQLAlchemyTransaction.rollback
+            await self.connection.begin()
+            await self.connection.rollback()

@@ -306,9 +306,14 @@ def test_sweep_marks_each_stale_claim_once(backend: Backend, clock: FrozenClock)
     marked = store.sweep(State.IN_PROGRESS, clock() - 50, clock(), clock() + 3600, 100)
     again = store.sweep(State.IN_PROGRESS, clock() - 50, clock(), clock() + 3600, 100)
 
-    assert [r.key for r in marked] == ["old"]
-    assert marked[0].state is State.STALE
-    assert again == []
+    if backend.expires_by_itself:  # the lease ended the claim: nothing left to mark
+        assert (marked, again) == ([], [])
+        assert store.claim(intent("old"), "lease-c", clock(), clock() + 3600).owned
+        assert not store.claim(intent("fresh"), "lease-d", clock(), clock() + 3600).owned
+    else:
+        assert [r.key for r in marked] == ["old"]
+        assert marked[0].state is State.STALE
+        assert again == []
     with pytest.raises(LeaseLost):  # the crashed owner, should it wake, cannot complete
         store.complete(old, State.COMPLETED, CREATED, clock())
 
@@ -321,9 +326,11 @@ def test_stale_record_settles_or_releases_only_as_marked(
     store.claim(intent("a"), "lease-a", clock(), clock() + 3600)
     store.claim(intent("b"), "lease-b", clock(), clock() + 3600)
     clock.advance(100)
-    a, b = sorted(
-        store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 10), key=lambda r: r.key
-    )
+    marked = store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 10)
+    if backend.expires_by_itself:
+        assert marked == []
+        pytest.skip("a store whose claims expire by themselves never marks one stale")
+    a, b = sorted(marked, key=lambda r: r.key)
 
     assert store.settle_stale(a, State.COMPLETED, CREATED, clock()) is True
     assert store.settle_stale(a, State.COMPLETED, CREATED, clock()) is False
@@ -342,6 +349,11 @@ def test_purge_deletes_exactly_the_expired(backend: Backend, clock: FrozenClock)
     store.claim(intent("young"), "l", clock(), clock() + 1000)
     clock.advance(11)
 
+    if backend.expires_by_itself:  # TTLs delete; the expired are absent to a claim already
+        assert store.purge(clock(), 3) == 0
+        assert store.claim(intent("old-0", fp="fp-new"), "l2", clock(), clock() + 10).owned
+        assert not store.claim(intent("young", fp="fp-new"), "l2", clock(), clock() + 10).owned
+        return
     assert store.purge(clock(), 3) == 3
     assert store.purge(clock(), 3) == 2
     assert store.purge(clock(), 3) == 0

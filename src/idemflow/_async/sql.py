@@ -64,6 +64,9 @@ class AsyncSQLStore:
         self._pyformat = paramstyle == "pyformat"
         self._is_unavailable = is_unavailable
         self._is_lock_timeout = is_lock_timeout
+        # Result column names per statement text (they cannot change), because
+        # psycopg builds ``cursor.description`` afresh on every access.
+        self._names: dict[str, tuple[str, ...]] = {}
 
     async def claim(
         self,
@@ -76,7 +79,7 @@ class AsyncSQLStore:
         params = claim_params(intent, lease_token, now, expires_at)
         if transaction is not None:
             return await self._claim_in(transaction, params)
-        with self._translate():
+        with self._translate(), self._bounded_wait():
             async with self._connect() as conn:
                 for _ in range(_VANISHED_RETRIES):
                     row = await self._fetchone(conn, self.dialect.claim, params)
@@ -94,17 +97,12 @@ class AsyncSQLStore:
         index entry; the dialect bounds that wait and we answer 409 instead.
         """
         with self._translate():
-            try:
+            with self._bounded_wait():
                 for statement in self.dialect.before_claim_in_transaction:
                     await transaction.execute(statement, params)
                 row = await transaction.fetchone(self.dialect.claim, params)
                 for statement in self.dialect.after_claim_in_transaction:
                     await transaction.execute(statement, params)
-            except Exception as exc:
-                if self._is_lock_timeout(exc):
-                    msg = "a request with this Idempotency-Key is still in progress"
-                    raise InProgress(msg) from exc
-                raise
             if row is not None:
                 return Claim(owned=True, record=record_from_row(row))
             row = await transaction.fetchone(self.dialect.select, params)
@@ -237,13 +235,38 @@ class AsyncSQLStore:
         cursor = conn.cursor()
         try:
             await cursor.execute(self._text(statement), statement.bind(params))
-            row = await cursor.fetchone()
-            return None if row is None else row_mapping(cursor.description, row)
+            # fetchall, not fetchone: it runs the statement to its end, so on
+            # SQLite an INSERT … RETURNING commits and frees the write lock
+            # now, not after our Python work (other writers sleep until then).
+            rows = await cursor.fetchall()
+            names = self._column_names(statement, cursor) if rows else ()
         finally:
             await cursor.close()
+        return dict(zip(names, rows[0], strict=True)) if rows else None
+
+    def _column_names(self, statement: SQLStatement, cursor: Any) -> tuple[str, ...]:
+        names = self._names.get(statement.named)
+        if names is None:
+            names = self._names[statement.named] = tuple(c[0] for c in cursor.description)
+        return names
 
     def _text(self, statement: SQLStatement) -> str:
         return statement.pyformat if self._pyformat else statement.named
+
+    @contextmanager
+    def _bounded_wait(self) -> Iterator[None]:
+        """A claim that waited too long on another request's uncommitted claim is a 409.
+
+        The wait is bounded by the connection's lock timeout (see the
+        PostgreSQL store): duplicates are refused, never held.
+        """
+        try:
+            yield
+        except Exception as exc:
+            if self._is_lock_timeout(exc):
+                msg = "a request with this Idempotency-Key is still in progress"
+                raise InProgress(msg) from exc
+            raise
 
     @contextmanager
     def _translate(self) -> Iterator[None]:

@@ -225,10 +225,13 @@ class _Performer:
     def _end(self, *, commit: bool) -> None:
         if self._transaction is None or not self._open:
             return
-        self._open = False
         if commit:
+            # Still open if COMMIT fails (SQLite keeps the transaction after a
+            # deferred constraint fails), so abandon() can roll it back.
             self._transaction.commit()
+            self._open = False
         else:
+            self._open = False
             self._transaction.rollback()
 
     def abandon(self) -> None:

@@ -19,7 +19,7 @@ from .._errors import IdempotencyError
 __all__ = ["main"]
 
 #: Command modules, in the order ``--help`` lists them.
-COMMANDS = ["_migrate"]
+COMMANDS = ["_migrate", "_sweep", "_inspect", "_stats", "_purge", "_demo"]
 
 EXIT_FAILURE = 1
 

@@ -141,13 +141,17 @@ class Dialect:
             ),
             # One statement marks a batch and claims it for this sweeper: the
             # state/age condition is repeated outside the subquery so a row
-            # that changed in between is not marked.
+            # that changed in between is not marked. The batch is picked in a
+            # CTE, evaluated once: as an IN (subquery) PostgreSQL may rescan
+            # it per row, and each rescan skips the rows this statement
+            # already locked and takes the next LIMIT, marking the whole table.
             sweep=SQLStatement(
+                f"WITH due AS (SELECT id FROM {table} WHERE state = :from_state "
+                f"AND updated_at < :cutoff ORDER BY updated_at LIMIT :limit{lock}) "
                 f"UPDATE {table} SET state = 'stale', updated_at = :now, "
                 "expires_at = CASE WHEN expires_at < :keep_until THEN :keep_until "
                 "ELSE expires_at END "
-                f"WHERE id IN (SELECT id FROM {table} WHERE state = :from_state "
-                f"AND updated_at < :cutoff ORDER BY updated_at LIMIT :limit{lock}) "
+                "WHERE id IN (SELECT id FROM due) "
                 f"AND state = :from_state AND updated_at < :cutoff RETURNING {columns}"
             ),
             settle_stale=SQLStatement(

@@ -14,11 +14,12 @@ completion in their own transaction: see :mod:`idemflow.transactions`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from .._async.sql import AsyncSQLStore
 from .._sync.sql import SQLStore
-from ._sql import Dialect, upsert_claim
+from ._sql import Dialect, SQLStatement, upsert_claim
 
 if TYPE_CHECKING:
     import psycopg_pool
@@ -70,7 +71,40 @@ def postgres_dialect(
         [f"SET LOCAL lock_timeout = '{int(claim_lock_timeout_ms)}ms'"],
         ["SET LOCAL lock_timeout = DEFAULT"],
     )
-    return Dialect.standard("postgresql", table, ddl, upsert_claim(table), around, skip_locked=True)
+    standard = Dialect.standard(
+        "postgresql", table, ddl, upsert_claim(table), around, skip_locked=True
+    )
+    return dataclasses.replace(standard, purge=purge_statement(table))
+
+
+def purge_statement(table: str) -> SQLStatement:
+    """One bounded batch of expired records, found through the expiry index.
+
+    The batch's row addresses are read once (the InitPlan, an index scan on
+    ``<table>_expires``) and deleted by TID scan: as ``id IN (subquery)`` the
+    planner hash-joins against a sequential scan of the whole table for
+    every batch. The expiry is tested again on the row being deleted: a
+    record a new claim takes over while the batch waits for its lock is
+    re-checked as it is now, and kept. ``+ 0`` keeps that re-check from being
+    planned as a second scan of every expired record.
+    """
+    return SQLStatement(
+        f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
+        "WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit)) "
+        "AND expires_at + 0 <= :now"
+    )
+
+
+def connection_options(claim_lock_timeout_ms: int) -> dict[str, Any]:
+    """Autocommit connections whose lock waits are bounded.
+
+    A claim that meets another request's *uncommitted* claim (single-commit
+    mode) or its in-flight completion waits on that row; the bound turns the
+    wait into a 409 instead of a held connection. Our own statements are
+    single-row and short, so nothing legitimate waits this long. Pass the same
+    options if you bring your own pool.
+    """
+    return {"autocommit": True, "options": f"-c lock_timeout={int(claim_lock_timeout_ms)}"}
 
 
 def is_lock_timeout(exc: BaseException) -> bool:
@@ -110,7 +144,7 @@ class PostgresStore(SQLStore):
                 pool,
                 min_size=1,
                 max_size=max_size,
-                kwargs={"autocommit": True},
+                kwargs=connection_options(claim_lock_timeout_ms),
                 open=True,
                 timeout=5.0,
             )
@@ -150,7 +184,7 @@ class AsyncPostgresStore(AsyncSQLStore):
                 pool,
                 min_size=1,
                 max_size=max_size,
-                kwargs={"autocommit": True},
+                kwargs=connection_options(claim_lock_timeout_ms),
                 open=False,
                 timeout=5.0,
             )

@@ -41,6 +41,9 @@ class Statement(Protocol):
     def pyformat(self) -> str:
         """``%(name)s`` placeholders (psycopg, PyMySQL)."""
 
+    def bind(self, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """Only the parameters this statement names (drivers reject extras), or None."""
+
 
 class Transaction(Protocol):
     """The caller's transaction on the caller's connection (sync)."""

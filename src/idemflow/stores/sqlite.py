@@ -17,8 +17,8 @@ import asyncio
 import os
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
 
 from .._async.sql import AsyncSQLStore
@@ -81,13 +81,14 @@ class _Connections:
         self._busy_timeout = busy_timeout
         self._local = threading.local()
 
-    @contextmanager
-    def __call__(self) -> Iterator[sqlite3.Connection]:
+    def __call__(self) -> nullcontext[sqlite3.Connection]:
+        # nullcontext, not @contextmanager: this runs twice per request, and a
+        # generator-based context manager costs several times more.
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None or self._local.pid != os.getpid():
             conn = connect(self.path, busy_timeout=self._busy_timeout)
             self._local.conn, self._local.pid = conn, os.getpid()
-        yield conn
+        return nullcontext(conn)
 
 
 def connect(path: str | Path, *, busy_timeout: float = 5.0) -> sqlite3.Connection:

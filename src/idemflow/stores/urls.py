@@ -7,6 +7,9 @@ URL                                     Store
 ``sqlite:///relative/path.db``          :class:`~idemflow.stores.sqlite.SQLiteStore`
 ``sqlite:////absolute/path.db``
 ``postgresql://user@host:5432/db``      :class:`~idemflow.stores.postgres.PostgresStore`
+``mysql://user:pw@host:3306/db``        :class:`~idemflow.stores.mysql.MySQLStore`
+``redis://host:6379/0``                 :class:`~idemflow.stores.redis.RedisStore`
+``redis+cluster://host:7000/0``         the same, on ``redis.cluster.RedisCluster``
 ======================================  ==========================================
 
 Further schemes register in ``OPENERS`` (each imports its driver only when used).
@@ -72,10 +75,38 @@ def _open_postgres(url: str, table: str, asynchronous: bool) -> Any:
     return (AsyncPostgresStore if asynchronous else PostgresStore)(conninfo, table=table)
 
 
+def _open_mysql(url: str, table: str, asynchronous: bool) -> Any:
+    if asynchronous:
+        msg = "the MySQL store is synchronous (PyMySQL); use open_store()"
+        raise ConfigurationError(msg)
+    try:
+        from .mysql import MySQLStore
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        msg = "MySQL needs the driver: pip install 'idemflow[mysql]'"
+        raise ConfigurationError(msg) from exc
+    return MySQLStore(url.replace("mariadb://", "mysql://", 1), table=table)
+
+
+def _open_redis(url: str, table: str, asynchronous: bool) -> Any:
+    """``redis://`` or ``rediss://``; ``redis+cluster://`` for a Redis Cluster.
+
+    The table name is the key prefix. The lease comes from the default
+    ``Policy``; pass ``policy=`` to ``RedisStore`` yourself for another one.
+    """
+    try:
+        from .redis import open_redis
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        msg = "Redis needs the driver: pip install 'idemflow[redis]'"
+        raise ConfigurationError(msg) from exc
+    return open_redis(url, prefix=table, asynchronous=asynchronous)
+
+
 #: scheme → opener(url, table, asynchronous). Other store modules add theirs.
 OPENERS: dict[str, Callable[[str, str, bool], Any]] = {
     "sqlite": _open_sqlite,
     "postgresql": _open_postgres,
+    "mysql": _open_mysql,
+    "redis": _open_redis,
 }
 
 

@@ -1,0 +1,260 @@
+"""
+Shared timing for idemflow's throughput benchmarks.
+
+A benchmark here never reports an absolute number alone: it compares two or
+more *contenders* (the library and the raw driver issuing the same SQL) in
+one process, in short slices that take turns (A B, then B A, …). Whatever
+else the machine is doing at the time hits every contender about equally, so
+the ratio stays meaningful on a busy 2-core box even when the absolute
+figures wander.
+
+Threads run in a :class:`Crew` that lives for the whole benchmark, so thread-
+local connections (SQLite's, or a caller's own connection) are opened once
+and not inside a measured slice. Asyncio contenders run as tasks on one event
+loop kept by :class:`asyncio.Runner`.
+
+Usage::
+
+    with Crew(16) as crew:
+        results = interleave(
+            [Contender("raw", crew.slice(raw_op)), Contender("library", crew.slice(lib_op))],
+            seconds=10,
+            slices=5,
+        )
+    print(table([Row.compare("postgresql", "claim+complete", 16, results)]))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import statistics
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+__all__ = [
+    "Contender",
+    "Crew",
+    "Measurement",
+    "Row",
+    "interleave",
+    "parse_list",
+    "table",
+    "task_slice",
+]
+
+#: Runs one measured slice of the given length; returns how many operations finished in it.
+SliceRunner = Callable[[float], int]
+
+# Workers start together this long after the slice is handed out, so the
+# time spent waking threads is not measured.
+_START_LEAD = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class Contender:
+    """One way of doing the operation, measured against the others."""
+
+    name: str
+    run_slice: SliceRunner
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """Operations per second of one contender, one figure per round."""
+
+    name: str
+    per_round: tuple[float, ...]
+
+    @property
+    def ops_per_second(self) -> float:
+        """The mean over the rounds (every round lasts equally long)."""
+        return statistics.fmean(self.per_round)
+
+
+class Crew:
+    """``size`` long-lived worker threads that run an operation in a loop, all together.
+
+    Use :meth:`slice` to turn an operation into a :data:`SliceRunner`. An
+    exception raised by the operation stops that worker's slice and is
+    re-raised in the caller: a benchmark that hides errors measures nothing.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._jobs: list[queue.SimpleQueue[_Job | None]] = [
+            queue.SimpleQueue() for _ in range(size)
+        ]
+        self._results: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, args=(jobs,), daemon=True, name=f"crew-{i}")
+            for i, jobs in enumerate(self._jobs)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def slice(self, op: Callable[[], object]) -> SliceRunner:
+        """Run ``op`` on every worker for ``seconds``; the operations finished in time."""
+
+        def run(seconds: float) -> int:
+            start = time.perf_counter() + _START_LEAD
+            job = _Job(op, start, start + seconds)
+            for jobs in self._jobs:
+                jobs.put(job)
+            outcomes = [self._results.get() for _ in self._jobs]
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            return sum(n for n in outcomes if isinstance(n, int))
+
+        return run
+
+    def close(self) -> None:
+        for jobs in self._jobs:
+            jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def __enter__(self) -> Crew:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _work(self, jobs: queue.SimpleQueue[_Job | None]) -> None:
+        while (job := jobs.get()) is not None:
+            try:
+                self._results.put(job.loop())
+            except BaseException as exc:  # noqa: BLE001 -- handed to the caller, re-raised there
+                self._results.put(exc)
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    op: Callable[[], object]
+    start: float
+    deadline: float
+
+    def loop(self) -> int:
+        """Run ``op`` until the deadline; count only the operations that ended before it."""
+        time.sleep(max(0.0, self.start - time.perf_counter()))
+        done = 0
+        while True:
+            self.op()
+            if time.perf_counter() > self.deadline:
+                return done
+            done += 1
+
+
+def task_slice(
+    runner: asyncio.Runner, op: Callable[[], Awaitable[object]], tasks: int
+) -> SliceRunner:
+    """Like :meth:`Crew.slice`, for ``tasks`` asyncio tasks on ``runner``'s event loop."""
+
+    async def one(deadline: float) -> int:
+        done = 0
+        while True:
+            await op()
+            if time.perf_counter() > deadline:
+                return done
+            done += 1
+
+    async def all_tasks(seconds: float) -> int:
+        deadline = time.perf_counter() + seconds
+        counts = await asyncio.gather(*(one(deadline) for _ in range(tasks)))
+        return sum(counts)
+
+    return lambda seconds: runner.run(all_tasks(seconds))
+
+
+def interleave(
+    contenders: Sequence[Contender],
+    *,
+    seconds: float,
+    slices: int,
+    warmup: float = 0.5,
+) -> dict[str, Measurement]:
+    """Measure each contender for ``seconds`` in total, in ``slices`` turns.
+
+    Round ``r`` runs the contenders rotated by ``r`` (A B, B A, …), so neither
+    always goes first. Each contender first runs ``warmup`` seconds unmeasured
+    (connections made, statements prepared).
+    """
+    for contender in contenders:
+        contender.run_slice(warmup)
+    length = seconds / slices
+    figures: dict[str, list[float]] = {c.name: [] for c in contenders}
+    for round_ in range(slices):
+        shift = round_ % len(contenders)
+        for contender in [*contenders[shift:], *contenders[:shift]]:
+            figures[contender.name].append(contender.run_slice(length) / length)
+    return {name: Measurement(name, tuple(values)) for name, values in figures.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One line of the result table: a contender against its baseline."""
+
+    backend: str
+    path: str
+    callers: str
+    baseline: Measurement
+    contender: Measurement
+
+    @classmethod
+    def compare(
+        cls,
+        backend: str,
+        path: str,
+        callers: int | str,
+        results: dict[str, Measurement],
+        baseline: str = "raw",
+        contender: str = "library",
+    ) -> Row:
+        return cls(backend, path, str(callers), results[baseline], results[contender])
+
+    @property
+    def ratio(self) -> float:
+        return self.contender.ops_per_second / self.baseline.ops_per_second
+
+    @property
+    def round_ratios(self) -> list[float]:
+        """The ratio within each round: their spread shows how noisy this row was."""
+        return [
+            c / b for c, b in zip(self.contender.per_round, self.baseline.per_round, strict=True)
+        ]
+
+
+def table(rows: Iterable[Row], headers: Sequence[str] = ("raw ops/s", "library ops/s")) -> str:
+    """A Markdown table: backend, path, callers, both throughputs, the ratio.
+
+    The last column is the median of the per-round ratios and their range: a
+    burst of load from elsewhere spoils one round, not the whole comparison.
+    """
+    lines = [
+        f"| backend | path | callers | {headers[0]} | {headers[1]} | ratio "
+        "| per round: median (min–max) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        ratios = row.round_ratios
+        lines.append(
+            f"| {row.backend} | {row.path} | {row.callers} "
+            f"| {row.baseline.ops_per_second:,.0f} | {row.contender.ops_per_second:,.0f} "
+            f"| {row.ratio:.2f} | {statistics.median(ratios):.2f} "
+            f"({min(ratios):.2f}–{max(ratios):.2f}) |"
+        )
+    return "\n".join(lines)
+
+
+def parse_list(text: str) -> list[str]:
+    """``"a, b,c"`` → ``["a", "b", "c"]`` (for comma-separated command-line options)."""
+    return [part.strip() for part in text.split(",") if part.strip()]

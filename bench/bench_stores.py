@@ -1,0 +1,638 @@
+"""
+MySQL/MariaDB, Redis and Redis Cluster: what the library costs over the raw driver.
+
+Run (from the repository root)::
+
+    .venv/bin/python -m bench.bench_stores [--seconds N] [--callers 1,16]
+                                           [--backends mysql,redis,redis-cluster]
+                                           [--no-claim-forms] [--no-claim-rates]
+
+For each backend, path and number of concurrent callers, the library and the
+raw driver take turns in short slices (see :mod:`bench._harness`), so noise
+from other work on the machine hits both alike; then one table is printed.
+
+``claim+complete``
+    ``Idempotency.run`` with a fresh key and a trivial handler (no caller
+    transaction), against the raw driver sending the very same commands: the
+    store's own claim statement and completion (MySQL: the dialect's SQL text
+    on a per-thread autocommit PyMySQL connection; Redis: ``EVALSHA`` of the
+    store's own Lua scripts).
+``replay``
+    ``run`` on a completed key (the claim loses, the stored response is
+    returned), against the same commands plus the work a hand-written replay
+    does with the answer (check fingerprint and state, decode the headers).
+
+``--claim-forms`` (MySQL) measures the two claim designs, raw, side by side:
+a plain ``INSERT`` that learns "duplicate" from error 1062, then reads the
+row (what the store does), and the guarded ``INSERT … ON DUPLICATE KEY
+UPDATE`` for every claim (what it does only for a takeover), then the read
+when the count is not 1.
+
+``--claim-rates`` measures raw claims per second of each store at the
+highest caller count (PostgreSQL included, for the scaling section of
+``docs/stores.md``): the claim alone, each on a fresh key.
+
+Redis Cluster: a 3-master cluster is started on free loopback ports for the
+run (``tests/_redis_cluster.py``) and removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import platform
+import secrets
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from idemflow import Attempt, Idempotency, Intent, Policy, Response, fingerprint
+
+from ._harness import Contender, Crew, Measurement, Row, interleave, parse_list, table
+
+PRINCIPAL = "bench-principal"
+ENDPOINT = "POST /bench"
+BODY = b'{"amount": 1000, "currency": "EUR"}'
+FINGERPRINT = fingerprint("POST", "/bench", BODY, content_type="application/json")
+RESPONSE = Response.json(201, {"id": "pay_1", "amount": 1000, "currency": "EUR"})
+POLICY = Policy(request_timeout=30)
+RETENTION = POLICY.retention_seconds
+REPLAY_KEYS = 512
+MYSQL_URL = os.environ.get("IDEMFLOW_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
+REDIS_URL = os.environ.get("IDEMFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+POSTGRES_URL = os.environ.get(
+    "IDEMFLOW_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+BACKENDS = ("mysql", "redis", "redis-cluster")
+HEADERS_JSON = json.dumps([list(p) for p in RESPONSE.headers], separators=(",", ":"))
+
+Op = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Settings:
+    seconds: float
+    slices: int
+    callers: tuple[int, ...]
+    backends: tuple[str, ...]
+    claim_forms: bool
+    claim_rates: bool
+
+
+@dataclass
+class Report:
+    rows: list[Row] = field(default_factory=list)
+    form_rows: list[Row] = field(default_factory=list)
+    rates: list[tuple[str, int, float]] = field(default_factory=list)
+
+
+class Keys:
+    """Fresh keys ``<run>-<label>-<n>``; drawing one is atomic (``itertools.count``)."""
+
+    def __init__(self, run_id: str, label: str) -> None:
+        self._prefix = f"{run_id}-{label}-"
+        self._numbers = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._numbers)}"
+
+
+class ReplayKeys:
+    """Cycles through keys completed beforehand (many, so callers rarely share a row)."""
+
+    def __init__(self, run_id: str, label: str) -> None:
+        self.keys = [f"{run_id}-{label}-done-{n}" for n in range(REPLAY_KEYS)]
+        self._numbers = itertools.count()
+
+    def __call__(self) -> str:
+        return self.keys[next(self._numbers) % REPLAY_KEYS]
+
+
+def intent(key: str) -> Intent:
+    return Intent(PRINCIPAL, key, FINGERPRINT, endpoint=ENDPOINT)
+
+
+def respond(attempt: Attempt) -> Response:
+    return RESPONSE
+
+
+def lease() -> str:
+    return secrets.token_hex(16)
+
+
+def library_ops(idem: Idempotency, fresh: Keys, done: ReplayKeys) -> tuple[Op, Op]:
+    def claim_complete() -> None:
+        if idem.run(intent(fresh()), respond).replayed:
+            raise AssertionError("a fresh key was replayed")
+
+    def replay() -> None:
+        if not idem.run(intent(done()), respond).replayed:
+            raise AssertionError("a completed key ran again")
+
+    return claim_complete, replay
+
+
+def compare(
+    settings: Settings,
+    report: Report,
+    backend: str,
+    path: str,
+    callers: int,
+    raw: Op,
+    library: Op,
+) -> None:
+    with Crew(callers) as crew:
+        results = interleave(
+            [Contender("raw", crew.slice(raw)), Contender("library", crew.slice(library))],
+            seconds=settings.seconds,
+            slices=settings.slices,
+        )
+    row = Row.compare(backend, path, callers, results)
+    report.rows.append(row)
+    print(table([row]).splitlines()[-1], flush=True)
+
+
+# --- MySQL / MariaDB ----------------------------------------------------------
+
+
+class RawMySQL:
+    """PyMySQL, one autocommit connection per thread, sending the store's SQL text."""
+
+    def __init__(self, table: str) -> None:
+        import pymysql
+
+        from idemflow.stores.mysql import connect_kwargs, mysql_dialect, mysql_statements
+
+        self.dialect = mysql_dialect(table)
+        self.insert = mysql_statements(table).insert
+        self._kwargs = connect_kwargs(MYSQL_URL)
+        self._pymysql = pymysql
+        self._local = threading.local()
+        self._all: list[Any] = []
+
+    def conn(self) -> Any:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._pymysql.connect(**self._kwargs, autocommit=True)
+            self._local.conn = conn
+            self._all.append(conn)
+        return conn
+
+    def close(self) -> None:
+        for conn in self._all:
+            conn.close()
+
+    def execute(self, statement: Any, params: dict[str, Any]) -> tuple[int, Any]:
+        with self.conn().cursor() as cursor:
+            count = cursor.execute(statement.pyformat, statement.bind(params))
+            return count, cursor
+
+    def claim_complete(self, keys: Keys) -> Op:
+        from idemflow.stores._sql import claim_params, complete_params
+
+        def op() -> None:
+            now, token = time.time(), lease()
+            with self.conn().cursor() as cursor:
+                claim = self.insert
+                count = cursor.execute(claim.pyformat, claim.bind(
+                    claim_params(intent(keys()), token, now, now + RETENTION)
+                ))  # fmt: skip
+                if count != 1:
+                    raise AssertionError("a fresh key was not inserted")
+                record = _record_stub(cursor.lastrowid, token)
+                complete = self.dialect.complete
+                params = complete_params(record, _completed(), RESPONSE, time.time())
+                if cursor.execute(complete.pyformat, complete.bind(params)) != 1:
+                    raise AssertionError("completion matched no row")
+
+        return op
+
+    def replay(self, keys: ReplayKeys) -> Op:
+        import pymysql
+
+        from idemflow.stores._sql import claim_params
+
+        def op() -> None:
+            now = time.time()
+            params = claim_params(intent(keys()), lease(), now, now + RETENTION)
+            with self.conn().cursor() as cursor:
+                claim, select = self.insert, self.dialect.select
+                try:
+                    cursor.execute(claim.pyformat, claim.bind(params))
+                    raise AssertionError("a completed key was claimed")
+                except pymysql.err.IntegrityError as exc:
+                    if exc.args[0] != 1062:
+                        raise
+                cursor.execute(select.pyformat, select.bind(params))
+                _check_row(cursor.fetchone(), cursor.description)
+
+        return op
+
+
+def _record_stub(record_id: int, token: str) -> Any:
+    """What ``complete_params`` reads from a record: id, lease token."""
+    from idemflow import Record, State
+
+    return Record(
+        record_id, PRINCIPAL, "", FINGERPRINT, ENDPOINT, State.IN_PROGRESS, token, 0, 0, 0
+    )
+
+
+def _completed() -> Any:
+    from idemflow import State
+
+    return State.COMPLETED
+
+
+def _check_row(row: Sequence[Any] | None, description: Any) -> None:
+    """What a hand-written replay does with the row: check it, decode the response."""
+    if row is None:
+        raise AssertionError("no record")
+    values = {column[0]: value for column, value in zip(description, row, strict=True)}
+    if values["fingerprint"] != FINGERPRINT or values["state"] != "completed":
+        raise AssertionError(f"expected a completed record, got {values!r}")
+    json.loads(values["response_headers"])
+    bytes(values["response_body"])
+
+
+@contextlib.contextmanager
+def mysql_table(run_id: str) -> Iterator[tuple[str, Any]]:
+    from idemflow.stores.mysql import MySQLStore
+
+    table = f"bench_{run_id}"
+    store = MySQLStore(MYSQL_URL, table=table, max_size=16)
+    store.migrate()
+    try:
+        yield table, store
+    finally:
+        store.close()
+        import pymysql
+
+        from idemflow.stores.mysql import connect_kwargs
+
+        conn = pymysql.connect(**connect_kwargs(MYSQL_URL))
+        with contextlib.closing(conn), conn.cursor() as cursor:
+            cursor.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+def bench_mysql(settings: Settings, run_id: str, report: Report) -> None:
+    with mysql_table(run_id) as (table, store):
+        raw = RawMySQL(table)
+        idem = Idempotency(store, POLICY)
+        done = ReplayKeys(run_id, "mysql")
+        for key in done.keys:
+            idem.run(intent(key), respond)
+        library = library_ops(idem, Keys(run_id, "mysql-lib"), done)
+        raw_ops = (raw.claim_complete(Keys(run_id, "mysql-raw")), raw.replay(done))
+        try:
+            for callers in settings.callers:
+                for path, raw_op, lib_op in zip(PATHS, raw_ops, library, strict=True):
+                    compare(settings, report, "mariadb", path, callers, raw_op, lib_op)
+            if settings.claim_forms:
+                bench_claim_forms(settings, run_id, raw, report)
+        finally:
+            raw.close()
+
+
+PATHS = ("claim+complete", "replay")
+
+
+def bench_claim_forms(settings: Settings, run_id: str, raw: RawMySQL, report: Report) -> None:
+    """The store's plain INSERT (+ read on 1062) against the guarded upsert for every claim.
+
+    Both read the row when the key exists (a replay); neither takes over here
+    (the replay keys are completed and within retention).
+    """
+    from idemflow.stores._sql import claim_params
+
+    plain_insert = raw.insert.pyformat
+    select = raw.dialect.select
+
+    def odku(keys: Callable[[], str]) -> Op:
+        def op() -> None:
+            now = time.time()
+            params = claim_params(intent(keys()), lease(), now, now + RETENTION)
+            with raw.conn().cursor() as cursor:
+                if cursor.execute(raw.dialect.claim.pyformat, raw.dialect.claim.bind(params)) != 1:
+                    cursor.execute(select.pyformat, select.bind(params))
+                    cursor.fetchone()
+
+        return op
+
+    def insert_1062(keys: Callable[[], str]) -> Op:
+        import pymysql
+
+        def op() -> None:
+            now = time.time()
+            params = claim_params(intent(keys()), lease(), now, now + RETENTION)
+            with raw.conn().cursor() as cursor:
+                try:
+                    cursor.execute(plain_insert, raw.insert.bind(params))
+                    return
+                except pymysql.err.IntegrityError as exc:
+                    if exc.args[0] != 1062:
+                        raise
+                cursor.execute(select.pyformat, select.bind(params))
+                cursor.fetchone()
+
+        return op
+
+    done = ReplayKeys(run_id, "mysql")
+    cases = [
+        (callers, path, a_keys, b_keys)
+        for callers in settings.callers
+        for path, a_keys, b_keys in (
+            ("fresh claim", Keys(run_id, f"odku{callers}"), Keys(run_id, f"i1062-{callers}")),
+            ("duplicate claim", done, done),
+        )
+    ]
+    for callers, path, a_keys, b_keys in cases:
+        with Crew(callers) as crew:
+            results = interleave(
+                [
+                    Contender("odku", crew.slice(odku(a_keys))),
+                    Contender("insert+1062", crew.slice(insert_1062(b_keys))),
+                ],
+                seconds=settings.seconds,
+                slices=settings.slices,
+            )
+        row = Row.compare("mariadb", path, callers, results, "odku", "insert+1062")
+        report.form_rows.append(row)
+        print(f"claim forms: {path}: {table_row(row)}", flush=True)
+
+
+def table_row(row: Row) -> str:
+    return table([row]).splitlines()[-1]
+
+
+# --- Redis / Redis Cluster ----------------------------------------------------
+
+
+class RawRedis:
+    """redis-py sending ``EVALSHA`` of the store's own scripts with the same arguments."""
+
+    def __init__(self, store: Any) -> None:
+        from idemflow.stores.redis import SCRIPTS
+
+        self.store = store
+        self.client = store.client
+        self.layout = store.layout
+        self.sha = {name: self.client.script_load(lua) for name, lua in SCRIPTS.items()}
+
+    def claim_complete(self, keys: Keys) -> Op:
+        from idemflow import State
+
+        def op() -> None:
+            now, token, key = time.time(), lease(), keys()
+            target = self.layout.record_key(PRINCIPAL, key)
+            args = self.layout.claim_args(intent(key), token, now, now + RETENTION)
+            reply = self.client.evalsha(self.sha["claim"], 1, target, *args)
+            if reply[0] != b"new":
+                raise AssertionError(f"a fresh key was not new: {reply[0]!r}")
+            record = _redis_record(token, key, now)
+            args = self.layout.complete_args(record, State.COMPLETED, RESPONSE, time.time())
+            if self.client.evalsha(self.sha["complete"], 1, target, *args) != 1:
+                raise AssertionError("completion refused")
+
+        return op
+
+    def replay(self, keys: ReplayKeys) -> Op:
+        def op() -> None:
+            now, key = time.time(), keys()
+            target = self.layout.record_key(PRINCIPAL, key)
+            args = self.layout.claim_args(intent(key), lease(), now, now + RETENTION)
+            reply = self.client.evalsha(self.sha["claim"], 1, target, *args)
+            fields = dict(zip(reply[1::2], reply[2::2], strict=True))
+            if reply[0] != b"held" or fields[b"fingerprint"] != FINGERPRINT.encode():
+                raise AssertionError("expected a held record")
+            if fields[b"state"] != b"completed":
+                raise AssertionError("expected a completed record")
+            json.loads(fields[b"response_headers"])
+            bytes(fields[b"response_body"])
+
+        return op
+
+
+def _redis_record(token: str, key: str, now: float) -> Any:
+    from idemflow import Record, State
+
+    created = int(now * 1000) / 1000
+    return Record(
+        token, PRINCIPAL, key, FINGERPRINT, ENDPOINT, State.IN_PROGRESS, token,
+        created, created, int((now + RETENTION) * 1000) / 1000,
+    )  # fmt: skip
+
+
+def redis_store(url: str, cluster: bool, prefix: str) -> Any:
+    from redis import Redis
+    from redis.cluster import RedisCluster
+
+    from idemflow.stores.redis import RedisStore
+
+    client_class: Any = RedisCluster if cluster else Redis
+    client = client_class.from_url(url, max_connections=32)
+    return RedisStore(client, policy=POLICY, prefix=prefix)
+
+
+def bench_redis(settings: Settings, run_id: str, report: Report, url: str, cluster: bool) -> None:
+    name = "redis-cluster" if cluster else "redis"
+    prefix = f"bench-{run_id}-{name}"
+    store = redis_store(url, cluster, prefix)
+    try:
+        raw = RawRedis(store)
+        idem = Idempotency(store, POLICY)
+        done = ReplayKeys(run_id, name)
+        for key in done.keys:
+            idem.run(intent(key), respond)
+        library = library_ops(idem, Keys(run_id, f"{name}-lib"), done)
+        raw_ops = (raw.claim_complete(Keys(run_id, f"{name}-raw")), raw.replay(done))
+        for callers in settings.callers:
+            for path, raw_op, lib_op in zip(PATHS, raw_ops, library, strict=True):
+                compare(settings, report, name, path, callers, raw_op, lib_op)
+    finally:
+        for key in store.client.scan_iter(match=f"{prefix}:*", count=1000):
+            store.client.delete(key)
+        store.close()
+
+
+@contextlib.contextmanager
+def started_cluster() -> Iterator[str]:
+    sys.path.insert(0, os.getcwd())
+    from tests._redis_cluster import RedisClusterProcess
+
+    with RedisClusterProcess.start() as cluster:
+        yield cluster.url
+
+
+# --- raw claim rates (the scaling section) -------------------------------------
+
+
+def claim_rates(settings: Settings, run_id: str, report: Report, cluster_url: str | None) -> None:
+    """Claims per second, raw, each on a fresh key, at the highest caller count."""
+    from idemflow.stores._sql import claim_params
+
+    callers = max(settings.callers)
+    ops: dict[str, Op] = {}
+    closers: list[Callable[[], None]] = []
+    with contextlib.ExitStack() as stack:
+        if "mysql" in settings.backends:
+            table, _ = stack.enter_context(mysql_table(f"{run_id}r"))
+            raw = RawMySQL(table)
+            closers.append(raw.close)
+            keys = Keys(run_id, "rate-mysql")
+
+            def mysql_claim() -> None:
+                now = time.time()
+                params = claim_params(intent(keys()), lease(), now, now + RETENTION)
+                raw.execute(raw.insert, params)
+
+            ops["mariadb"] = mysql_claim
+        postgres = stack.enter_context(postgres_claim(run_id))
+        if postgres is not None:
+            ops["postgresql"] = postgres
+        for name, url, cluster in (
+            ("redis", REDIS_URL, False),
+            ("redis-cluster", cluster_url, True),
+        ):
+            if url is None or name not in settings.backends:
+                continue
+            store = redis_store(url, cluster, f"bench-{run_id}-rate")
+            closers.append(_redis_cleanup(store))
+            ops[name] = _redis_claim(RawRedis(store), Keys(run_id, f"rate-{name}"))
+        with Crew(callers) as crew:
+            results = interleave(
+                [Contender(name, crew.slice(op)) for name, op in ops.items()],
+                seconds=settings.seconds * len(ops) / 2,
+                slices=settings.slices,
+            )
+        for closer in closers:
+            closer()
+    for name, measurement in results.items():
+        report.rates.append((name, callers, measurement.ops_per_second))
+        print(f"raw claims/s, {name}, {callers} callers: {measurement.ops_per_second:,.0f}")
+
+
+def _redis_claim(raw: RawRedis, keys: Keys) -> Op:
+    def op() -> None:
+        now, key = time.time(), keys()
+        target = raw.layout.record_key(PRINCIPAL, key)
+        args = raw.layout.claim_args(intent(key), lease(), now, now + RETENTION)
+        raw.client.evalsha(raw.sha["claim"], 1, target, *args)
+
+    return op
+
+
+def _redis_cleanup(store: Any) -> Callable[[], None]:
+    def cleanup() -> None:
+        for key in store.client.scan_iter(match=f"{store.layout.prefix}:*", count=1000):
+            store.client.delete(key)
+        store.close()
+
+    return cleanup
+
+
+@contextlib.contextmanager
+def postgres_claim(run_id: str) -> Iterator[Op | None]:
+    """The PostgreSQL claim statement through a psycopg pool, if the server is there."""
+    try:
+        import psycopg
+        import psycopg_pool
+
+        from idemflow.stores._sql import claim_params
+        from idemflow.stores.postgres import PostgresStore
+    except ImportError:
+        yield None
+        return
+    table = f"bench_{run_id}"
+    try:
+        store = PostgresStore(POSTGRES_URL, table=table, max_size=8)
+        store.migrate()
+    except (psycopg.OperationalError, psycopg_pool.PoolTimeout):
+        yield None
+        return
+    keys = Keys(run_id, "rate-pg")
+    claim = store.dialect.claim
+
+    def op() -> None:
+        now = time.time()
+        params = claim_params(intent(keys()), lease(), now, now + RETENTION)
+        with store.pool.connection() as conn:
+            conn.execute(claim.pyformat, claim.bind(params)).fetchone()
+
+    try:
+        yield op
+    finally:
+        store.close()
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+# --- main ---------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> Settings:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=4.0, help="per contender and row")
+    parser.add_argument("--slices", type=int, default=4)
+    parser.add_argument("--callers", default="1,16")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--no-claim-forms", action="store_true")
+    parser.add_argument("--no-claim-rates", action="store_true")
+    args = parser.parse_args(argv)
+    return Settings(
+        seconds=args.seconds,
+        slices=args.slices,
+        callers=tuple(int(n) for n in parse_list(args.callers)),
+        backends=tuple(parse_list(args.backends)),
+        claim_forms=not args.no_claim_forms,
+        claim_rates=not args.no_claim_rates,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_args(argv)
+    run_id = uuid.uuid4().hex[:8]
+    print(
+        f"# {platform.python_implementation()} {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+        f"{settings.seconds:g}s per contender in {settings.slices} slices",
+        flush=True,
+    )
+    report = Report()
+    with contextlib.ExitStack() as stack:
+        cluster_url = None
+        if "redis-cluster" in settings.backends:
+            cluster_url = stack.enter_context(started_cluster())
+        if "mysql" in settings.backends:
+            bench_mysql(settings, run_id, report)
+        if "redis" in settings.backends:
+            bench_redis(settings, run_id, report, REDIS_URL, cluster=False)
+        if cluster_url is not None:
+            bench_redis(settings, run_id, report, cluster_url, cluster=True)
+        if settings.claim_rates:
+            claim_rates(settings, run_id, report, cluster_url)
+    print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("\nlibrary / raw (the same commands through the same driver):\n")
+    print(table(report.rows))
+    if report.form_rows:
+        print("\nMySQL claim forms, raw: INSERT + 1062 (chosen) / ON DUPLICATE KEY UPDATE:\n")
+        print(table(report.form_rows, ("odku ops/s", "insert+1062 ops/s")))
+    if report.rates:
+        print("\nraw claims per second (fresh keys):\n")
+        print("| store | callers | claims/s |\n| --- | ---: | ---: |")
+        for name, callers, rate in report.rates:
+            print(f"| {name} | {callers} | {rate:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["Measurement", "main"]

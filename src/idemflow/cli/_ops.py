@@ -1,0 +1,204 @@
+"""
+What the operator commands (``inspect``, ``stats``, ``purge``) share: opening the
+store with a clear error when it cannot be, and printing for people (Rich
+tables, plain text without Rich) or for scripts (``--json``).
+
+Rich (``idemflow[cli]``) is imported here and nowhere else in the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from .._errors import ConfigurationError, StoreUnavailable
+from ..stores._stats import missing_table_is_clear
+from ..stores.urls import _redact, open_store, scheme_of, sqlite_path
+from ._common import database_url
+
+__all__ = [
+    "add_json_argument",
+    "age",
+    "iso",
+    "operated_store",
+    "print_json",
+    "print_pairs",
+    "print_table",
+    "rich_console",
+]
+
+# Enough for a table of endpoints without wrapping when output is not a terminal.
+_PIPE_WIDTH = 160
+_CONNECT_TIMEOUT_SECONDS = 5
+
+
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON for scripts instead of tables"
+    )
+
+
+@contextmanager
+def operated_store(args: argparse.Namespace) -> Iterator[Any]:
+    """The store named by the command line, checked reachable first, closed afterwards."""
+    url = database_url(args)
+    _check_reachable(url, scheme_of(url))
+    store = open_store(url, table=args.table)
+    try:
+        with missing_table_is_clear(args.table):
+            yield store
+    finally:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
+
+
+def _check_reachable(url: str, scheme: str) -> None:
+    """Fail fast with the real reason, before a pool retries in the background."""
+    if scheme == "sqlite":
+        path = sqlite_path(url)
+        if not os.path.exists(path):  # sqlite3 would create an empty file
+            msg = f"SQLite file {path!r} does not exist: check the path, or run idemflow migrate"
+            raise ConfigurationError(msg)
+    elif scheme == "postgresql":
+        import psycopg
+
+        conninfo = url.replace("postgres://", "postgresql://", 1)
+        try:
+            psycopg.connect(conninfo, connect_timeout=_CONNECT_TIMEOUT_SECONDS).close()
+        except psycopg.Error as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            msg = f"cannot reach {_redact(url)}: {reason}"
+            raise StoreUnavailable(msg) from exc
+
+
+# --- values ---------------------------------------------------------------------
+
+
+def iso(epoch_seconds: float) -> str:
+    """``2026-05-01T12:00:00.000Z``: ISO-8601, UTC, milliseconds (what records store)."""
+    moment = datetime.fromtimestamp(epoch_seconds, UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def age(seconds: float) -> str:
+    """``2h 05m 03s``: a duration for people."""
+    whole = max(0, int(seconds))
+    days, rest = divmod(whole, 86_400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours:02d}h {minutes:02d}m"
+    if hours:
+        return f"{hours}h {minutes:02d}m {secs:02d}s"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{seconds:.1f}s" if seconds < 10 else f"{secs}s"
+
+
+# --- output ---------------------------------------------------------------------
+
+
+def print_json(data: Any, out: TextIO | None = None) -> None:
+    print(json.dumps(data, indent=2, ensure_ascii=False), file=out or sys.stdout)
+
+
+def rich_console(file: TextIO | None = None) -> Any | None:
+    """A Rich console on ``file`` (stdout), or None when Rich is not installed."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    stream = file or sys.stdout
+    width = None if stream.isatty() else _PIPE_WIDTH
+    return Console(file=stream, width=width, highlight=False)
+
+
+def print_table(
+    title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], *, numeric: int = 0
+) -> None:
+    """A table with ``headers``; the last ``numeric`` columns are right-aligned."""
+    console = rich_console()
+    if console is None:
+        _plain_table(title, headers, rows, numeric)
+        return
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title, title_justify="left")
+    for index, header in enumerate(headers):
+        right = index >= len(headers) - numeric
+        table.add_column(header, justify="right" if right else "left", overflow="fold")
+    for row in rows:  # Text, not markup: a key or a body may contain "[...]"
+        table.add_row(*(Text(_cell(cell)) for cell in row))
+    console.print(table)
+
+
+def print_pairs(title: str, pairs: Sequence[tuple[str, Any]]) -> None:
+    """A two-column field/value table (one record, one summary)."""
+    console = rich_console()
+    if console is None:
+        _plain_table(title, ("field", "value"), pairs, 0)
+        return
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title, title_justify="left", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    for name, value in pairs:
+        table.add_row(name, Text(_cell(value)))
+    console.print(table)
+
+
+def _cell(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def _plain_table(
+    title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], numeric: int
+) -> None:
+    cells = [[_cell(c) for c in row] for row in [headers, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    print(title)
+    for row in cells:
+        parts = [
+            cell.rjust(width) if i >= len(headers) - numeric else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  " + "  ".join(parts).rstrip())
+
+
+class _IntermixedParser(argparse.ArgumentParser):
+    """Accepts positionals on both sides of options (``URL --principal P KEY``)."""
+
+    _inside = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        # parse_known_intermixed_args calls parse_known_args itself: only the
+        # outermost call switches to it.
+        if self._inside:
+            return super().parse_known_args(args, namespace)
+        self._inside = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inside = False
+
+
+def intermixed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` (made by ``add_parser``), taking positionals after options too.
+
+    Plain argparse assigns every positional it can before the first option,
+    so ``inspect URL --principal P KEY`` would take URL as the key.
+    """
+    parser.__class__ = _IntermixedParser
+    return parser

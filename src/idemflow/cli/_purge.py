@@ -1,0 +1,215 @@
+"""``idemflow purge``: delete records past their retention, in bounded batches."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+from urllib.parse import urlsplit
+
+from .._errors import ConfigurationError
+from ..stores._stats import stats_source
+from ._common import add_database_arguments, database_url
+from ._ops import add_json_argument, operated_store, rich_console
+
+DEFAULT_BATCH = 1000
+
+#: Told how many records each batch deleted, and whether it was the last.
+Progress: TypeAlias = Callable[[int, bool], None]
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "purge",
+        help="delete records past their retention (once, or --every SECONDS)",
+        description=(
+            "Delete key records whose retention has passed, through the expiry index, "
+            "in batches of --batch records: each batch is one short statement, so no "
+            "lock is held for long. Records past their retention are already treated "
+            "as absent by the next claim; purging only reclaims their space. Shows "
+            "progress on a terminal and prints a summary. Redis stores need no purge: "
+            "their records expire by TTL."
+        ),
+    )
+    add_database_arguments(parser)
+    parser.add_argument(
+        "--batch",
+        type=_positive_int,
+        default=DEFAULT_BATCH,
+        metavar="N",
+        help="records deleted per statement (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--every",
+        type=_positive,
+        default=None,
+        metavar="SECONDS",
+        help="keep running, purging every SECONDS (stop with Ctrl-C or SIGTERM)",
+    )
+    add_json_argument(parser)
+    parser.set_defaults(run=run)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        msg = f"must be a whole number of at least 1, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return int(text)
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        msg = f"must be a positive number of seconds, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class PurgePass:
+    """What one pass over the table did."""
+
+    purged: int
+    batches: int
+    seconds: float
+
+
+def run(args: argparse.Namespace) -> int:
+    url = database_url(args)
+    if urlsplit(url).scheme.lower().split("+", 1)[0] in ("redis", "rediss"):
+        _say(args, "redis:// stores expire records by TTL: nothing to purge", purged=0)
+        return 0
+    with operated_store(args) as store, _stop_on_sigterm() as stopping:
+        if getattr(store, "purge", None) is None:
+            msg = f"{type(store).__name__} cannot purge"
+            raise ConfigurationError(msg)
+        while True:
+            done = purge_pass(store, args.batch, _progress(args, store), stopping)
+            _say(
+                args,
+                f"purged {done.purged} expired records from {args.table} in "
+                f"{done.seconds:.2f}s ({_batches(done.batches)} of at most {args.batch})",
+                purged=done.purged,
+                batches=done.batches,
+                seconds=round(done.seconds, 3),
+            )
+            if args.every is None or stopping.wait(args.every):
+                return 0
+
+
+def purge_pass(store: Any, batch: int, progress: Progress, stopping: threading.Event) -> PurgePass:
+    """Delete everything expired as of now, ``batch`` records per statement.
+
+    ``now`` is fixed for the pass, so it ends even while records keep expiring
+    (those wait for the next pass). SIGTERM stops it between two batches.
+    """
+    started = time.monotonic()
+    now = time.time()
+    purged = batches = 0
+    finished = False
+    while not finished:
+        try:
+            deleted = int(store.purge(now, batch))
+        except BaseException:
+            progress(0, True)  # take the progress bar down before the error line
+            raise
+        purged += deleted
+        batches += 1
+        finished = deleted < batch or stopping.is_set()
+        progress(deleted, finished)
+    return PurgePass(purged, batches, time.monotonic() - started)
+
+
+def _batches(n: int) -> str:
+    return f"{n} batch" if n == 1 else f"{n} batches"
+
+
+def _say(args: argparse.Namespace, text: str, **fields: Any) -> None:
+    """One line per pass: the summary, or a JSON object (JSON Lines with ``--every``)."""
+    if args.json:
+        print(json.dumps({"table": args.table, **fields, "message": text}), flush=True)
+    else:
+        print(text, flush=True)
+
+
+# --- progress -------------------------------------------------------------------
+
+
+def _progress(args: argparse.Namespace, store: Any) -> Progress:
+    """Report deleted rows on a terminal: a Rich bar, or a counter without Rich."""
+    if args.json or not sys.stderr.isatty():
+        return lambda deleted, last: None
+    total = _expected(store)
+    console = rich_console(sys.stderr)
+    if console is None:
+        return _counter(total)
+    return _bar(console, total)
+
+
+def _expected(store: Any) -> int | None:
+    """How many records are expired now (one COUNT on the expiry index), if the store says."""
+    try:
+        return stats_source(store).expired(time.time())
+    except ConfigurationError:
+        return None
+
+
+def _counter(total: int | None) -> Progress:
+    done = [0]
+    of = f" of about {total}" if total is not None else ""
+
+    def report(deleted: int, last: bool) -> None:
+        done[0] += deleted
+        end = "\n" if last else ""
+        print(f"\rpurged {done[0]}{of}", end=end, file=sys.stderr, flush=True)
+
+    return report
+
+
+def _bar(console: Any, total: int | None) -> Progress:
+    from rich import progress
+
+    bar = progress.Progress(
+        progress.TextColumn("purging expired records"),
+        progress.BarColumn(),
+        progress.MofNCompleteColumn(),
+        progress.TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    task = bar.add_task("purge", total=total)
+    bar.start()
+
+    def report(deleted: int, last: bool) -> None:
+        bar.advance(task, deleted)
+        if last:
+            bar.stop()
+
+    return report
+
+
+# --- stopping -------------------------------------------------------------------
+
+
+@contextmanager
+def _stop_on_sigterm() -> Iterator[threading.Event]:
+    """An event set by SIGTERM, so ``--every`` ends after its current batch (exit 0)."""
+    stopping = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stopping  # signal handlers belong to the main thread
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())
+    try:
+        yield stopping
+    finally:
+        signal.signal(signal.SIGTERM, previous)

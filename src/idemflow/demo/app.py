@@ -1,0 +1,335 @@
+"""
+The demo payments service, a Starlette app built on idemflow's public API.
+
+Middleware, outermost first: ``X-Request-Id`` on every response, then bearer
+authentication (so the principal is known before any key is claimed), then the
+routes. The two write endpoints use transactional mode
+(:class:`idemflow.integrations.starlette.Idempotent`): they validate the body
+(400, never recorded), then claim, and their business rows commit with the
+completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import sys
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.authentication import SimpleUser, UnauthenticatedUser
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response as StarletteResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .._async.driver import AsyncAttempt, AsyncIdempotency
+from .._events import Event
+from .._http import EdgeOptions, pooled_transaction, problem
+from .._model import Policy, Record, Response
+from ..integrations.starlette import (
+    Idempotent,
+    RequestIdMiddleware,
+    request_id,
+    send_response,
+    to_starlette,
+)
+from ..metrics import PrometheusMetrics
+from .db import Database, open_database
+from .payments import InvalidRequest, Payments, parse_payment, parse_refund, payment_json
+from .provider import FakeProvider
+from .settings import Settings
+
+__all__ = ["DemoService", "create_app"]
+
+PROTECTED = ("POST /payments", "POST /payments/{id}/refunds")
+PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/provider/charges"})
+
+
+class BearerAuth:
+    """Pure-ASGI bearer authentication: sets ``scope["user"]`` or answers 401 (problem)."""
+
+    def __init__(self, app: ASGIApp, *, tokens: Mapping[str, str]) -> None:
+        self.app = app
+        self.tokens = dict(tokens)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        principal = self._principal(scope)
+        scope["user"] = UnauthenticatedUser() if principal is None else SimpleUser(principal)
+        if principal is None and scope["path"] not in PUBLIC_PATHS:
+            detail = "send Authorization: Bearer <token> with a known token"
+            response = problem(
+                401,
+                "Authentication required",
+                detail,
+                slug="unauthenticated",
+                request_id=request_id(scope),
+            )
+            headers = (*response.headers, ("www-authenticate", 'Bearer realm="idemflow-demo"'))
+            await send_response(send, Response(response.status, response.body, headers))
+            return
+        await self.app(scope, receive, send)
+
+    def _principal(self, scope: Scope) -> str | None:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    return self.tokens.get(token.strip())
+        return None
+
+
+class DemoService:
+    """The service's parts: database, provider, idempotency, metrics."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.started = False
+        self._watching = False
+        self.db: Database = open_database(
+            settings.database_url, settings.sqlite_path, pool_size=settings.pool_size
+        )
+        self.provider = FakeProvider(
+            settings.provider_path,
+            latency_ms=settings.provider_latency_ms,
+            failure_rate=settings.provider_failure_rate,
+            rng=random.Random(settings.provider_seed),
+        )
+        self.metrics = PrometheusMetrics()
+        policy = Policy(request_timeout=settings.request_timeout, retention=settings.retention)
+        self.idempotency = AsyncIdempotency(self.db.store, policy, observer=self.metrics)
+        self.payments = Payments(
+            self.provider, self.db.wrap, self.db.connect, settings.request_timeout
+        )
+        self.idempotent = Idempotent(
+            self.idempotency,
+            connect=self.db.connect,
+            transaction=self.db.transaction,
+            options=EdgeOptions(authorize_replay=self.may_replay),
+            # Only where the database allows it (PostgreSQL) and asked to.
+            single_commit=self.db.single_commit and settings.single_commit,
+        )
+        for endpoint in PROTECTED:  # every outcome shows on /metrics from the start, at 0
+            for event in Event:
+                self.metrics.requests.labels(event.value, endpoint)
+
+    async def may_replay(self, record: Record) -> bool:
+        """Object-level check on replay: the payment the stored answer names is still theirs."""
+        response = record.response
+        location = response.header("location") if response else None
+        if location is None or not location.startswith("/payments/"):
+            return True
+        payment_id = location.removeprefix("/payments/").split("/", 1)[0]
+        return await self.payments.get(record.principal, payment_id) is not None
+
+    async def start(self) -> None:
+        """Open (and migrate) the database and the provider's ledger."""
+        await self.db.open()
+        self.provider.open()
+        if not self._watching:  # idemflow_stale_in_progress{state}: crashed claims
+            stats = await asyncio.to_thread(self.db.stats_store)
+            self.metrics.watch_stale_claims(stats, self.settings.request_timeout)
+            self._watching = True
+        self.started = True
+
+    async def stop(self) -> None:
+        self.started = False
+        self.provider.close()
+        await self.db.close()
+
+    # --- endpoints -------------------------------------------------------------------------
+
+    async def create_payment(self, request: Request) -> StarletteResponse:
+        try:
+            payment = parse_payment(await request.body())
+        except InvalidRequest as exc:
+            return invalid(request, exc)
+        principal = request.user.identity
+
+        async def charge(attempt: AsyncAttempt) -> Response:
+            return await self.payments.create(attempt, principal, payment)
+
+        return await self.idempotent.run(request, charge)
+
+    async def create_payment_unprotected(self, request: Request) -> StarletteResponse:
+        """Benchmark only: the same business write, idempotency switched off."""
+        try:
+            payment = parse_payment(await request.body())
+        except InvalidRequest as exc:
+            return invalid(request, exc)
+        principal = request.user.identity
+        async with pooled_transaction(self.db.connect, self.db.transaction) as transaction:
+            attempt = PlainAttempt(transaction)
+            await transaction.begin()
+            try:
+                response = await self.payments.create(attempt, principal, payment)
+            except BaseException:
+                await transaction.rollback()
+                raise
+            await (transaction.commit() if response.status < 500 else transaction.rollback())
+        return to_starlette(response)
+
+    async def create_refund(self, request: Request) -> StarletteResponse:
+        try:
+            refund = parse_refund(await request.body())
+        except InvalidRequest as exc:
+            return invalid(request, exc)
+        principal = request.user.identity
+        payment_id = request.path_params["id"]
+        if await self.payments.get(principal, payment_id) is None:
+            return not_found(request, payment_id)
+
+        async def refund_once(attempt: AsyncAttempt) -> Response:
+            return await self.payments.refund(attempt, principal, payment_id, refund)
+
+        return await self.idempotent.run(request, refund_once)
+
+    async def list_payments(self, request: Request) -> StarletteResponse:
+        rows = await self.payments.list(request.user.identity)
+        return to_starlette(Response.json(200, {"payments": [payment_json(r) for r in rows]}))
+
+    async def get_payment(self, request: Request) -> StarletteResponse:
+        payment_id = request.path_params["id"]
+        row = await self.payments.get(request.user.identity, payment_id)
+        if row is None:
+            return not_found(request, payment_id)
+        return to_starlette(Response.json(200, payment_json(row)))
+
+    async def provider_charges(self, request: Request) -> StarletteResponse:
+        charges = [charge.as_json() for charge in await self.provider.ledger()]
+        return to_starlette(Response.json(200, {"charges": charges}))
+
+    async def metrics_text(self, request: Request) -> StarletteResponse:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        # In a thread: the stuck-claims gauge runs a (cached) COUNT at scrape time.
+        body = await asyncio.to_thread(generate_latest, self.metrics.registry)
+        return StarletteResponse(body, headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def healthz(self, request: Request) -> StarletteResponse:
+        async with self.db.connect() as raw:
+            await self.db.wrap(raw).fetchone("SELECT 1 AS ok")
+        return to_starlette(Response.json(200, {"status": "ok"}))
+
+    def routes(self) -> list[Route]:
+        routes = [
+            Route("/payments", self.create_payment, methods=["POST"]),
+            Route("/payments", self.list_payments, methods=["GET"]),
+            Route("/payments/{id}", self.get_payment, methods=["GET"]),
+            Route("/payments/{id}/refunds", self.create_refund, methods=["POST"]),
+            Route("/provider/charges", self.provider_charges, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+            Route("/healthz", self.healthz, methods=["GET"]),
+        ]
+        if self.settings.bench_routes:
+            routes.append(
+                Route("/_bench/payments", self.create_payment_unprotected, methods=["POST"])
+            )
+        return routes
+
+
+class PlainAttempt:
+    """The phases without idempotency (benchmark only): commit, and a fresh key each call."""
+
+    recovery_point: str | None = None
+
+    def __init__(self, transaction: Any) -> None:
+        self._transaction = transaction
+
+    @property
+    def connection(self) -> Any:
+        return self._transaction.connection
+
+    def downstream_key(self, step: str) -> str:
+        import uuid
+
+        return f"plain-{step}-{uuid.uuid4().hex}"
+
+    async def commit_phase(self, recovery_point: str) -> None:
+        await self._transaction.commit()
+        await self._transaction.begin()
+
+
+def invalid(request: Request, exc: InvalidRequest) -> StarletteResponse:
+    return to_starlette(
+        problem(
+            400,
+            "Invalid request body",
+            str(exc),
+            slug="invalid-body",
+            request_id=request_id(request.scope),
+        )
+    )
+
+
+def not_found(request: Request, payment_id: str) -> StarletteResponse:
+    detail = f"no payment {payment_id!r} for this principal"
+    return to_starlette(
+        problem(404, "Not found", detail, slug="not-found", request_id=request_id(request.scope))
+    )
+
+
+async def http_error(request: Request, exc: Exception) -> StarletteResponse:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    title = "Method not allowed" if status == 405 else "Not found" if status == 404 else "Error"
+    detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    response = problem(
+        status,
+        title,
+        str(detail),
+        slug=title.lower().replace(" ", "-"),
+        request_id=request_id(request.scope),
+    )
+    result = to_starlette(response)
+    if isinstance(exc, HTTPException) and exc.headers:
+        result.headers.update(exc.headers)
+    return result
+
+
+async def server_error(request: Request, exc: Exception) -> StarletteResponse:
+    print(f"idemflow demo: unhandled {type(exc).__name__}: {exc}", file=sys.stderr)
+    response = problem(
+        500,
+        "Internal server error",
+        "the request failed; it was not recorded",
+        slug="internal-error",
+        request_id=request_id(request.scope),
+    )
+    return to_starlette(response)
+
+
+def create_app(service: DemoService | Settings) -> Starlette:
+    """The demo app. A service not yet started is started (and stopped) by the app's lifespan."""
+    if isinstance(service, Settings):
+        service = DemoService(service)
+    owner = service
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        started_here = not owner.started
+        if started_here:
+            await owner.start()
+        try:
+            yield
+        finally:
+            if started_here:
+                await owner.stop()
+
+    app = Starlette(
+        routes=service.routes(),
+        middleware=[
+            Middleware(RequestIdMiddleware),
+            Middleware(BearerAuth, tokens=service.settings.tokens),
+        ],
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    return app

@@ -1,0 +1,370 @@
+"""
+The demo's database: key store, payments and refunds in one database.
+
+Both live in the same database so that the payment row and the ``completed``
+key record commit in one transaction. SQLite (the default, a file under the
+data folder) and PostgreSQL are supported; the business SQL is written once
+with ``:name`` placeholders and run through a small async :class:`Connection`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sqlite3
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, cast
+
+from .._errors import ConfigurationError
+from ..stores.protocol import AsyncStore, AsyncTransaction, Statement
+from ..stores.sqlite import AsyncSQLiteStore, connect
+from ..transactions import AsyncPsycopgTransaction, SQLite3Transaction
+
+__all__ = ["Connection", "Database", "SQLiteDatabase", "open_database"]
+
+KEY_TABLE = "idemflow_keys"
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS payments (
+        id TEXT PRIMARY KEY,
+        intent_ref TEXT UNIQUE,
+        principal TEXT NOT NULL,
+        amount BIGINT NOT NULL,
+        currency TEXT NOT NULL,
+        customer TEXT NOT NULL,
+        status TEXT NOT NULL,
+        charge_id TEXT,
+        refunded BIGINT NOT NULL DEFAULT 0,
+        created_at DOUBLE PRECISION NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS payments_principal ON payments (principal, created_at)",
+    """CREATE TABLE IF NOT EXISTS refunds (
+        id TEXT PRIMARY KEY,
+        payment_id TEXT NOT NULL REFERENCES payments (id),
+        principal TEXT NOT NULL,
+        amount BIGINT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL
+    )""",
+)
+
+T = TypeVar("T")
+
+_NAMED = re.compile(r"(?<![:\w]):([a-z_]+)")
+
+
+class Connection(Protocol):
+    """What the payment code needs of a connection: named-parameter SQL, awaited."""
+
+    async def execute(self, sql: str, params: Mapping[str, Any] | None = None) -> int: ...
+    async def fetchone(
+        self, sql: str, params: Mapping[str, Any] | None = None
+    ) -> dict[str, Any] | None: ...
+    async def fetchall(
+        self, sql: str, params: Mapping[str, Any] | None = None
+    ) -> list[dict[str, Any]]: ...
+
+
+class Database(Protocol):
+    """One database holding the key table and the business tables."""
+
+    @property
+    def store(self) -> AsyncStore: ...
+
+    @property
+    def single_commit(self) -> bool:
+        """Can the claim join the endpoint's transaction (PostgreSQL)?"""
+
+    def connect(self) -> AbstractAsyncContextManager[Any]:
+        """A raw driver connection from the pool (autocommit)."""
+
+    def transaction(self, raw: Any) -> AsyncTransaction:
+        """The idemflow transaction adapter for a raw connection."""
+
+    def wrap(self, raw: Any) -> Connection:
+        """The raw connection as a :class:`Connection` for business SQL."""
+
+    def stats_store(self) -> Any:
+        """A synchronous store on the same keys, for the stuck-claims gauge."""
+
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+# --- SQLite -----------------------------------------------------------------------------------
+
+
+class PooledSQLite:
+    """A sqlite3 connection with a worker thread of its own.
+
+    Its statements never queue behind other connections' statements: with a
+    shared thread pool, workers blocked waiting for SQLite's write lock could
+    starve the very transaction that holds it (and must commit to free it).
+    """
+
+    def __init__(self, raw: sqlite3.Connection) -> None:
+        self.raw = raw
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-sqlite")
+
+    async def run(self, function: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self.raw.close()
+
+
+class _SQLiteConnection:
+    """Business SQL on a :class:`PooledSQLite`."""
+
+    def __init__(self, pooled: PooledSQLite) -> None:
+        self.pooled = pooled
+
+    async def execute(self, sql: str, params: Mapping[str, Any] | None = None) -> int:
+        return await self.pooled.run(_sqlite_execute, self.pooled.raw, sql, params)
+
+    async def fetchone(
+        self, sql: str, params: Mapping[str, Any] | None = None
+    ) -> dict[str, Any] | None:
+        rows = await self.pooled.run(_sqlite_rows, self.pooled.raw, sql, params, 1)
+        return rows[0] if rows else None
+
+    async def fetchall(
+        self, sql: str, params: Mapping[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        return await self.pooled.run(_sqlite_rows, self.pooled.raw, sql, params, None)
+
+
+def _sqlite_execute(raw: sqlite3.Connection, sql: str, params: Mapping[str, Any] | None) -> int:
+    return raw.execute(sql, params or {}).rowcount
+
+
+def _sqlite_rows(
+    raw: sqlite3.Connection, sql: str, params: Mapping[str, Any] | None, limit: int | None
+) -> list[dict[str, Any]]:
+    cursor = raw.execute(sql, params or {})
+    rows = cursor.fetchall() if limit is None else cursor.fetchmany(limit)
+    names = [column[0] for column in cursor.description]
+    return [dict(zip(names, row, strict=True)) for row in rows]
+
+
+class AsyncSQLite3Transaction:
+    """:class:`idemflow.transactions.SQLite3Transaction` for asyncio, on a :class:`PooledSQLite`.
+
+    The transaction begins deferred: it takes SQLite's write lock at its first
+    write, so a phase that waits on the provider holds no lock.
+    """
+
+    def __init__(self, connection: PooledSQLite) -> None:
+        self.connection = connection
+        self._sync = SQLite3Transaction(connection.raw)
+
+    async def begin(self) -> None:
+        await self.connection.run(self._sync.begin)
+
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        return await self.connection.run(self._sync.execute, statement, params)
+
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        return await self.connection.run(self._sync.fetchone, statement, params)
+
+    async def commit(self) -> None:
+        await self.connection.run(self._sync.commit)
+
+    async def rollback(self) -> None:
+        await self.connection.run(self._sync.rollback)
+
+
+class SQLitePool:
+    """A few autocommit sqlite3 connections to one file, handed out one request at a time."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path = path
+        self._size = size
+        self._idle: asyncio.Queue[PooledSQLite] | None = None
+        self._all: list[PooledSQLite] = []
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[PooledSQLite]:
+        idle = self._queue()
+        pooled = await idle.get()
+        try:
+            yield pooled
+        finally:
+            if pooled.raw.in_transaction:  # an error left it open: never hand that on
+                await pooled.run(pooled.raw.rollback)
+            idle.put_nowait(pooled)
+
+    def _queue(self) -> asyncio.Queue[PooledSQLite]:
+        if self._idle is None:
+            self._idle = asyncio.Queue()
+            for _ in range(self._size):
+                pooled = PooledSQLite(connect(self.path, busy_timeout=10.0))
+                self._all.append(pooled)
+                self._idle.put_nowait(pooled)
+        return self._idle
+
+    def close(self) -> None:
+        for pooled in self._all:
+            pooled.close()
+        self._all.clear()
+        self._idle = None
+
+
+class SQLiteDatabase:
+    """Keys and payments in one SQLite file (WAL)."""
+
+    # One writer at a time: a claim held in an open transaction would queue
+    # every duplicate behind it instead of answering 409.
+    single_commit = False
+
+    def __init__(self, path: Path, *, pool_size: int = 8) -> None:
+        self.path = path
+        self.store = AsyncSQLiteStore(path, table=KEY_TABLE, busy_timeout=10.0)
+        self.pool = SQLitePool(path, pool_size)
+
+    def connect(self) -> AbstractAsyncContextManager[PooledSQLite]:
+        return self.pool.connection()
+
+    def transaction(self, raw: Any) -> AsyncTransaction:
+        return AsyncSQLite3Transaction(raw)
+
+    def wrap(self, raw: Any) -> Connection:
+        return _SQLiteConnection(raw)
+
+    def stats_store(self) -> Any:
+        return self.store.sync
+
+    async def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        await self.store.migrate()
+        async with self.connect() as pooled:
+            await pooled.run(_create_schema_sqlite, pooled.raw)
+
+    async def close(self) -> None:
+        self.pool.close()
+
+
+def _create_schema_sqlite(raw: sqlite3.Connection) -> None:
+    for statement in _SCHEMA:
+        raw.execute(statement)
+
+
+# --- PostgreSQL -------------------------------------------------------------------------------
+
+
+class _PsycopgConnection:
+    """A psycopg AsyncConnection speaking ``:name`` placeholders."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    async def execute(self, sql: str, params: Mapping[str, Any] | None = None) -> int:
+        cursor = await self.raw.execute(_pyformat(sql), params or None)
+        return int(cursor.rowcount)
+
+    async def fetchone(
+        self, sql: str, params: Mapping[str, Any] | None = None
+    ) -> dict[str, Any] | None:
+        rows = await self._rows(sql, params, one=True)
+        return rows[0] if rows else None
+
+    async def fetchall(
+        self, sql: str, params: Mapping[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        return await self._rows(sql, params, one=False)
+
+    async def _rows(
+        self, sql: str, params: Mapping[str, Any] | None, *, one: bool
+    ) -> list[dict[str, Any]]:
+        cursor = await self.raw.execute(_pyformat(sql), params or None)
+        rows: Sequence[Any] = [await cursor.fetchone()] if one else await cursor.fetchall()
+        names = [column.name for column in cursor.description or ()]
+        return [dict(zip(names, row, strict=True)) for row in rows if row is not None]
+
+
+def _pyformat(sql: str) -> str:
+    return _NAMED.sub(r"%(\1)s", sql)
+
+
+class PostgresDatabase:
+    """Keys and payments in PostgreSQL, one pool shared by the store and the endpoints.
+
+    Sharing is safe because a request holds at most one connection at a time:
+    the claim (and the replay's authorization read) run before the endpoint's
+    transaction takes its connection, or after it gave it back.
+    """
+
+    single_commit = True
+
+    def __init__(self, url: str, *, pool_size: int = 8) -> None:
+        try:
+            import psycopg_pool
+
+            from ..stores.postgres import AsyncPostgresStore
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            msg = "PostgreSQL needs the driver: pip install 'idemflow[postgres]'"
+            raise ConfigurationError(msg) from exc
+
+        self.pool = psycopg_pool.AsyncConnectionPool(
+            url.replace("postgres://", "postgresql://", 1),
+            min_size=1,
+            max_size=pool_size,
+            kwargs={"autocommit": True},
+            open=False,
+            timeout=5.0,
+        )
+        self.store = AsyncPostgresStore(self.pool, table=KEY_TABLE)
+        self.url = url
+        self._stats: Any = None
+
+    def connect(self) -> AbstractAsyncContextManager[Any]:
+        return self.pool.connection()
+
+    def transaction(self, raw: Any) -> AsyncTransaction:
+        # cast: the adapter takes the concrete SQLStatement the protocol abstracts.
+        return cast("AsyncTransaction", AsyncPsycopgTransaction(raw))
+
+    def wrap(self, raw: Any) -> Connection:
+        return _PsycopgConnection(raw)
+
+    def stats_store(self) -> Any:
+        from ..stores.postgres import PostgresStore
+
+        if self._stats is None:  # one connection: a COUNT every few seconds at most
+            self._stats = PostgresStore(self.url, table=KEY_TABLE, max_size=1)
+        return self._stats
+
+    async def open(self) -> None:
+        await self.pool.open(wait=True, timeout=5.0)
+        await self.store.migrate()
+        async with self.pool.connection() as raw, raw.transaction():
+            # Serialise concurrent demo starts on one database.
+            await raw.execute("SELECT pg_advisory_xact_lock(4242)")
+            for statement in _SCHEMA:
+                await raw.execute(statement)
+
+    async def close(self) -> None:
+        if self._stats is not None:
+            self._stats.close()
+        await self.pool.close()
+
+
+def open_database(url: str | None, sqlite_path: Path, *, pool_size: int = 8) -> Database:
+    """PostgreSQL for a ``postgresql://`` URL, else the SQLite file at ``sqlite_path``."""
+    from ..stores.urls import scheme_of
+    from ..stores.urls import sqlite_path as path_of
+
+    if url is None:
+        return SQLiteDatabase(sqlite_path, pool_size=pool_size)
+    scheme = scheme_of(url)
+    if scheme == "postgresql":
+        return PostgresDatabase(url, pool_size=pool_size)
+    if scheme == "sqlite":
+        return SQLiteDatabase(Path(path_of(url)), pool_size=pool_size)
+    msg = f"the demo runs on SQLite or PostgreSQL, not {scheme}"
+    raise ConfigurationError(msg)

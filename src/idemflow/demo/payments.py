@@ -1,0 +1,307 @@
+"""
+The payments domain: validating requests, and a payment in three atomic phases.
+
+A payment touches two systems, our database and the provider, so it cannot be
+one transaction. It is three phases instead (rocket-rides' atomic phases), each
+ending in a recovery point a retry resumes from:
+
+1. ``payment_created``: the payment row (``pending``) and the recovery point
+   commit together, before the external call, so the call is never made
+   without a local trace of it.
+2. the provider is charged with ``attempt.downstream_key("charge")``; the
+   provider de-duplicates on it, so a re-execution (after a 503 released the
+   claim, or after a crash) cannot charge twice.
+3. the payment is marked ``succeeded`` with the charge id, and the completion
+   (the stored 201) commits in that same transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+from .._http import problem
+from .._model import Response
+from .db import Connection
+from .provider import ChargeRequest, FakeProvider, ProviderDeclined, ProviderUnavailable
+
+__all__ = [
+    "MAX_AMOUNT",
+    "InvalidRequest",
+    "PaymentIn",
+    "Payments",
+    "Phases",
+    "RefundIn",
+    "parse_payment",
+    "parse_refund",
+]
+
+MAX_AMOUNT = 1_000_000_000
+PAYMENT_CREATED = "payment_created"
+#: Retry-After (seconds) on a transient provider failure.
+PROVIDER_RETRY_AFTER = 1
+
+# Active ISO 4217 codes: a currency the provider would refuse is a bad request.
+_ISO_4217_CODES = """
+    AED AFN ALL AMD ANG AOA ARS AUD AWG AZN BAM BBD BDT BGN BHD BIF BMD BND BOB BRL BSD BTN
+    BWP BYN BZD CAD CDF CHF CLP CNY COP CRC CUP CVE CZK DJF DKK DOP DZD EGP ERN ETB EUR FJD FKP
+    GBP GEL GHS GIP GMD GNF GTQ GYD HKD HNL HTG HUF IDR ILS INR IQD IRR ISK JMD JOD JPY KES KGS
+    KHR KMF KPW KRW KWD KYD KZT LAK LBP LKR LRD LSL LYD MAD MDL MGA MKD MMK MNT MOP MRU MUR MVR
+    MWK MXN MYR MZN NAD NGN NIO NOK NPR NZD OMR PAB PEN PGK PHP PKR PLN PYG QAR RON RSD RUB RWF
+    SAR SBD SCR SDG SEK SGD SHP SLE SOS SRD SSP STN SVC SYP SZL THB TJS TMT TND TOP TRY TTD TWD
+    TZS UAH UGX USD UYU UZS VES VND VUV WST XAF XCD XCG XOF XPF YER ZAR ZMW ZWG"""
+ISO_4217 = frozenset(_ISO_4217_CODES.split())
+MAX_CUSTOMER_LENGTH = 200
+
+
+class InvalidRequest(ValueError):
+    """The request body is not a valid request: 400, checked before any claim."""
+
+
+@dataclass(frozen=True, slots=True)
+class PaymentIn:
+    amount: int
+    currency: str
+    customer: str
+
+
+@dataclass(frozen=True, slots=True)
+class RefundIn:
+    amount: int
+
+
+def _object(body: bytes, fields: set[str]) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest("the body must be a JSON object") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise InvalidRequest(f"unknown field(s): {', '.join(unknown)}")
+    missing = sorted(fields - set(data))
+    if missing:
+        raise InvalidRequest(f"missing field(s): {', '.join(missing)}")
+    return data
+
+
+def _amount(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_AMOUNT:
+        msg = f"amount must be an integer number of minor units from 1 to {MAX_AMOUNT}"
+        raise InvalidRequest(msg)
+    return value
+
+
+def parse_payment(body: bytes) -> PaymentIn:
+    """``{"amount", "currency", "customer"}``, or InvalidRequest saying what is wrong."""
+    data = _object(body, {"amount", "currency", "customer"})
+    currency, customer = data["currency"], data["customer"]
+    if not isinstance(currency, str) or currency not in ISO_4217:
+        raise InvalidRequest("currency must be an ISO 4217 code in capitals, e.g. EUR")
+    if not isinstance(customer, str) or not customer.strip():
+        raise InvalidRequest("customer must be a non-empty string")
+    if len(customer) > MAX_CUSTOMER_LENGTH:
+        raise InvalidRequest(f"customer must be at most {MAX_CUSTOMER_LENGTH} characters")
+    return PaymentIn(_amount(data["amount"]), currency, customer)
+
+
+def parse_refund(body: bytes) -> RefundIn:
+    """``{"amount"}``, or InvalidRequest."""
+    return RefundIn(_amount(_object(body, {"amount"})["amount"]))
+
+
+class Phases(Protocol):
+    """What a payment needs of its attempt (an :class:`idemflow.AsyncAttempt`, or a plain one)."""
+
+    @property
+    def connection(self) -> Any: ...
+    @property
+    def recovery_point(self) -> str | None: ...
+    def downstream_key(self, step: str) -> str: ...
+    async def commit_phase(self, recovery_point: str) -> None: ...
+
+
+def payment_json(row: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("id", "amount", "currency", "customer", "status", "charge_id")
+    return {key: row[key] for key in keys}
+
+
+_PAYMENT_COLUMNS = "id, principal, amount, currency, customer, status, charge_id, refunded"
+
+
+class Payments:
+    """The payment and refund operations, on connections the caller hands in.
+
+    Args:
+        provider: the external provider.
+        wrap: turns a raw driver connection into a :class:`Connection`.
+        connect: a pooled raw connection, for reads outside a transaction.
+        provider_timeout: the longest a provider call may take (a timeout is
+            a transient failure: the claim is released).
+    """
+
+    def __init__(
+        self,
+        provider: FakeProvider,
+        wrap: Callable[[Any], Connection],
+        connect: Callable[[], Any],
+        provider_timeout: timedelta,
+    ) -> None:
+        self.provider = provider
+        self._wrap = wrap
+        self._connect = connect
+        self._timeout = provider_timeout.total_seconds()
+
+    async def create(self, attempt: Phases, principal: str, payment: PaymentIn) -> Response:
+        """Charge once; 201, or 402 (declined, stored), or 503 (transient, released)."""
+        conn = self._wrap(attempt.connection)
+        if attempt.recovery_point is None:
+            row = await self._insert_pending(conn, attempt, principal, payment)
+            await attempt.commit_phase(PAYMENT_CREATED)
+        else:  # a retry after a transient failure or a crash: the row exists
+            row = await self._by_ref(attempt.downstream_key("payment"))
+        request = ChargeRequest(
+            attempt.downstream_key("charge"),
+            row["amount"],
+            row["currency"],
+            row["customer"],
+            principal,
+        )
+        try:
+            async with asyncio.timeout(self._timeout):
+                charge = await self.provider.charge(request)
+        except (ProviderUnavailable, TimeoutError) as exc:
+            detail = str(exc) or "the payment provider did not answer in time"
+            return problem(
+                503,
+                "Payment provider unavailable",
+                detail,
+                slug="provider-unavailable",
+                retry_after=PROVIDER_RETRY_AFTER,
+            )
+        except ProviderDeclined as declined:
+            await self._settle(conn, row["id"], "declined", declined.charge.id)
+            return problem(
+                402,
+                "Payment declined",
+                str(declined),
+                slug="payment-declined",
+                payment_id=row["id"],
+                charge_id=declined.charge.id,
+            )
+        settled = await self._settle(conn, row["id"], "succeeded", charge.id)
+        location = f"/payments/{row['id']}"
+        return Response.json(201, payment_json(settled), [("location", location)])
+
+    async def _insert_pending(
+        self, conn: Connection, attempt: Phases, principal: str, payment: PaymentIn
+    ) -> dict[str, Any]:
+        row = {
+            "id": "pay_" + secrets.token_hex(10),
+            "intent_ref": attempt.downstream_key("payment"),
+            "principal": principal,
+            "amount": payment.amount,
+            "currency": payment.currency,
+            "customer": payment.customer,
+            "status": "pending",
+            "charge_id": None,
+            "created_at": time.time(),
+        }
+        await conn.execute(
+            "INSERT INTO payments (id, intent_ref, principal, amount, currency, customer, "
+            "status, created_at) VALUES (:id, :intent_ref, :principal, :amount, :currency, "
+            ":customer, :status, :created_at)",
+            row,
+        )
+        return row
+
+    async def _by_ref(self, intent_ref: str) -> dict[str, Any]:
+        # Read on a connection of its own, outside the attempt's transaction: on
+        # SQLite a read there would pin a snapshot the phase-3 write could not
+        # upgrade from.
+        async with self._connect() as raw:
+            row = await self._wrap(raw).fetchone(
+                f"SELECT {_PAYMENT_COLUMNS} FROM payments WHERE intent_ref = :ref",
+                {"ref": intent_ref},
+            )
+        if row is None:
+            raise RuntimeError("recovery point payment_created without a payment row")
+        return row
+
+    async def _settle(
+        self, conn: Connection, payment_id: str, status: str, charge_id: str
+    ) -> dict[str, Any]:
+        await conn.execute(
+            "UPDATE payments SET status = :status, charge_id = :charge_id WHERE id = :id",
+            {"status": status, "charge_id": charge_id, "id": payment_id},
+        )
+        row = await conn.fetchone(
+            f"SELECT {_PAYMENT_COLUMNS} FROM payments WHERE id = :id", {"id": payment_id}
+        )
+        if row is None:
+            raise RuntimeError(f"payment {payment_id} vanished")
+        return row
+
+    async def refund(
+        self, attempt: Phases, principal: str, payment_id: str, refund: RefundIn
+    ) -> Response:
+        """Refund part of a succeeded payment: one local transaction, completion included."""
+        conn = self._wrap(attempt.connection)
+        # Write first (SQLite: take the write lock before reading anything).
+        changed = await conn.execute(
+            "UPDATE payments SET refunded = refunded + :amount WHERE id = :id "
+            "AND principal = :principal AND status = 'succeeded' "
+            "AND refunded + :amount <= amount",
+            {"amount": refund.amount, "id": payment_id, "principal": principal},
+        )
+        if changed != 1:
+            return problem(
+                400,
+                "Refund not possible",
+                "the payment is not succeeded, or the refund exceeds what is left",
+                slug="refund-not-possible",
+            )
+        refund_id = "re_" + secrets.token_hex(10)
+        await conn.execute(
+            "INSERT INTO refunds (id, payment_id, principal, amount, created_at) "
+            "VALUES (:id, :payment_id, :principal, :amount, :now)",
+            {
+                "id": refund_id,
+                "payment_id": payment_id,
+                "principal": principal,
+                "amount": refund.amount,
+                "now": time.time(),
+            },
+        )
+        body = {
+            "id": refund_id,
+            "payment_id": payment_id,
+            "amount": refund.amount,
+            "status": "succeeded",
+        }
+        return Response.json(201, body)
+
+    async def get(self, principal: str, payment_id: str) -> dict[str, Any] | None:
+        async with self._connect() as raw:
+            return await self._wrap(raw).fetchone(
+                f"SELECT {_PAYMENT_COLUMNS} FROM payments WHERE id = :id AND principal = :p",
+                {"id": payment_id, "p": principal},
+            )
+
+    async def list(self, principal: str, limit: int = 100) -> list[dict[str, Any]]:
+        async with self._connect() as raw:
+            return await self._wrap(raw).fetchall(
+                f"SELECT {_PAYMENT_COLUMNS} FROM payments WHERE principal = :p "
+                "ORDER BY created_at DESC LIMIT :limit",
+                {"p": principal, "limit": limit},
+            )
+
+
+Operation = Callable[[Phases], Awaitable[Response]]

@@ -1,0 +1,114 @@
+"""
+Logs for idemflow through the standard :mod:`logging` module.
+
+:class:`LoggingObserver` writes one record per event to the ``idemflow.events``
+logger, with structured ``extra`` fields any JSON formatter can pick up:
+
+==================  ==============================================================
+field               value
+==================  ==============================================================
+``outcome``         the event: claimed, replayed, in_progress_conflict, …
+``endpoint``        the route template (``POST /payments``)
+``principal``       who sent the key
+``key_digest``      :func:`key_digest` of principal and key: 16 hex digits, never
+                    the key itself (``idemflow inspect`` prints the same digest)
+``correlation_id``  the request's correlation id (or ``None``)
+``elapsed_ms``      time since the run began
+==================  ==============================================================
+
+Quiet at ``INFO`` on the normal paths: claims, completions and replays log at
+``DEBUG``; 409s, 422s and released claims at ``INFO``; store outages, lost
+leases and reclaimed stale claims at ``WARNING``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping
+
+from ._events import Event
+from ._model import Intent
+
+__all__ = ["DEFAULT_LEVELS", "LoggingObserver", "key_digest"]
+
+#: The level each event logs at unless told otherwise.
+DEFAULT_LEVELS: Mapping[Event, int] = {
+    Event.CLAIMED: logging.DEBUG,
+    Event.COMPLETED: logging.DEBUG,
+    Event.REPLAYED: logging.DEBUG,
+    Event.IN_PROGRESS_CONFLICT: logging.INFO,
+    Event.FINGERPRINT_MISMATCH: logging.INFO,
+    Event.RELEASED: logging.INFO,
+    Event.STALE_RECLAIMED: logging.WARNING,
+    Event.STORE_UNAVAILABLE: logging.WARNING,
+    Event.LEASE_LOST: logging.WARNING,
+}
+
+_MESSAGES: Mapping[Event, str] = {
+    Event.CLAIMED: "idempotency key claimed on %s",
+    Event.COMPLETED: "idempotent request completed on %s",
+    Event.REPLAYED: "stored response replayed on %s",
+    Event.IN_PROGRESS_CONFLICT: "idempotency key still in progress on %s: answered 409",
+    Event.FINGERPRINT_MISMATCH: "idempotency key reused for a different request on %s: 422",
+    Event.RELEASED: "idempotency key released after a transient failure on %s",
+    Event.STALE_RECLAIMED: "stale claim reclaimed on %s",
+    Event.STORE_UNAVAILABLE: "idempotency key store unavailable on %s: answered 503",
+    Event.LEASE_LOST: "claim taken over before completion on %s: work rolled back",
+}
+
+_DIGEST_BYTES = 8
+
+
+def key_digest(principal: str, key: str, salt: bytes = b"") -> str:
+    """A short, non-reversible name for ``(principal, key)``, for logs and support.
+
+    BLAKE2b over both (keyed with ``salt`` if given): the same pair always
+    gives the same 16 hex digits, so a log line can be matched to
+    ``idemflow inspect`` output; the key cannot be read back from it. Keys are
+    client-chosen; if yours may be guessable, set a secret ``salt``.
+    """
+    who = principal.encode()
+    data = len(who).to_bytes(4, "big") + who + key.encode()  # unambiguous: no separator to forge
+    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES, key=salt).hexdigest()
+
+
+class LoggingObserver:
+    """An observer that logs each event with structured ``extra`` fields.
+
+    Args:
+        logger: defaults to ``logging.getLogger("idemflow.events")``.
+        levels: per-event levels replacing :data:`DEFAULT_LEVELS` entries.
+        salt: keys the digest (see :func:`key_digest`); share it with anyone
+            who needs to match log lines to ``idemflow inspect``.
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger | None = None,
+        *,
+        levels: Mapping[Event, int] | None = None,
+        salt: bytes = b"",
+    ) -> None:
+        self.logger = logger if logger is not None else logging.getLogger("idemflow.events")
+        self.levels = {**DEFAULT_LEVELS, **(levels or {})}
+        self.salt = salt
+
+    def __call__(self, event: Event, intent: Intent, elapsed: float) -> None:
+        level = self.levels[event]
+        if not self.logger.isEnabledFor(level):  # the normal paths cost one check
+            return
+        endpoint = intent.endpoint or "unknown"
+        self.logger.log(
+            level,
+            _MESSAGES[event],
+            endpoint,
+            extra={
+                "outcome": event.value,
+                "endpoint": endpoint,
+                "principal": intent.principal,
+                "key_digest": key_digest(intent.principal, intent.key, self.salt),
+                "correlation_id": intent.correlation_id,
+                "elapsed_ms": round(elapsed * 1000, 3),
+            },
+        )

@@ -1,0 +1,143 @@
+"""
+The stale-claim sweeper: no key stays blocked by a crashed request.
+
+A request that crashed between its claim and its completion leaves an
+``in_progress`` record; every retry would get 409 forever. The sweeper finds
+such records once they are older than ``policy.stale_after`` (derived from the
+request timeout, so no live request can still hold them), marks them
+``stale`` and resolves each one exactly once::
+
+    from idemflow.sweeper import Sweeper, start_background_sweeper
+
+    sweeper = Sweeper(store, policy)                    # no reconciler: release
+    report = sweeper.sweep_once()                       # or, in an app:
+    background = start_background_sweeper(sweeper)      # ... background.stop()
+
+When the effect went to an external system, pass a ``reconciler`` that asks
+that system what happened (:class:`Happened`, :class:`DidNotHappen`,
+:class:`Unknown`). ``docs/crash-safety.md`` explains how to choose.
+From the shell: ``idemflow sweep DATABASE_URL [--every SECONDS]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import overload
+
+from ._async.sweeper import DEFAULT_BATCH_SIZE, AsyncReconciler, AsyncSweeper
+from ._model import Duration
+from ._reconcile import (
+    Answer,
+    AsyncStop,
+    DidNotHappen,
+    Happened,
+    Resolution,
+    Stop,
+    SweepReport,
+    Unknown,
+)
+from ._sync.sweeper import Reconciler, Sweeper
+
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "Answer",
+    "AsyncBackgroundSweeper",
+    "AsyncReconciler",
+    "AsyncStop",
+    "AsyncSweeper",
+    "BackgroundSweeper",
+    "DidNotHappen",
+    "Happened",
+    "Reconciler",
+    "Resolution",
+    "Stop",
+    "SweepReport",
+    "Sweeper",
+    "Unknown",
+    "start_background_sweeper",
+]
+
+
+class BackgroundSweeper:
+    """A :class:`Sweeper` looping in a daemon thread; :meth:`stop` ends it."""
+
+    def __init__(self, sweeper: Sweeper, every: Duration | None) -> None:
+        self.sweeper = sweeper
+        self._stop = Stop()
+        self._thread = threading.Thread(
+            target=sweeper.run_forever,
+            args=(every,),
+            kwargs={"stop": self._stop},
+            name="idemflow-sweeper",
+            daemon=True,  # never keeps a process alive that is shutting down
+        )
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the current pass (if any) and wait up to ``timeout`` seconds for it."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> BackgroundSweeper:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class AsyncBackgroundSweeper:
+    """An :class:`AsyncSweeper` looping in an asyncio task; ``await stop()`` ends it."""
+
+    def __init__(self, sweeper: AsyncSweeper, every: Duration | None) -> None:
+        self.sweeper = sweeper
+        self._stop = AsyncStop()
+        self.task = asyncio.get_running_loop().create_task(
+            sweeper.run_forever(every, stop=self._stop), name="idemflow-sweeper"
+        )
+
+    @property
+    def running(self) -> bool:
+        return not self.task.done()
+
+    async def stop(self) -> None:
+        """Stop after the current pass (if any) and wait for the task to end."""
+        self._stop.set()
+        await self.task
+
+    async def __aenter__(self) -> AsyncBackgroundSweeper:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+
+@overload
+def start_background_sweeper(
+    sweeper: Sweeper, *, every: Duration | None = None
+) -> BackgroundSweeper: ...
+
+
+@overload
+def start_background_sweeper(
+    sweeper: AsyncSweeper, *, every: Duration | None = None
+) -> AsyncBackgroundSweeper: ...
+
+
+def start_background_sweeper(
+    sweeper: Sweeper | AsyncSweeper, *, every: Duration | None = None
+) -> BackgroundSweeper | AsyncBackgroundSweeper:
+    """Run ``sweeper`` every ``every`` seconds (default: the request timeout) in the background.
+
+    A :class:`Sweeper` runs in a daemon thread; an :class:`AsyncSweeper` in a
+    task of the running event loop (call this from inside it, e.g. in a
+    lifespan handler). Every process of an app may run one: a record is
+    marked, and so resolved, by exactly one of them.
+    """
+    if isinstance(sweeper, AsyncSweeper):
+        return AsyncBackgroundSweeper(sweeper, every)
+    return BackgroundSweeper(sweeper, every)

@@ -1,0 +1,186 @@
+"""
+A real Redis Cluster for the tests: three masters on free loopback ports.
+
+Each node is ``redis-server --cluster-enabled yes`` in a temporary directory
+of its own; ``redis-cli --cluster create … --cluster-replicas 0`` assigns
+the 16384 slots; we wait until every node reports ``cluster_state:ok``.
+:func:`shared_cluster` starts one per test session on first use and
+:func:`stop_shared_cluster` (called at session end) shuts it down and removes
+its files. Also usable on its own::
+
+    with RedisClusterProcess.start() as cluster:
+        client = RedisCluster.from_url(cluster.url)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["RedisClusterProcess", "shared_cluster", "stop_shared_cluster"]
+
+MASTERS = 3
+# The cluster bus listens on port + 10000; both must be free.
+_BUS_OFFSET = 10000
+_READY_TIMEOUT = 30.0
+
+
+class ClusterUnavailable(RuntimeError):
+    """redis-server/redis-cli missing, or the cluster did not become healthy."""
+
+
+@dataclass
+class RedisClusterProcess:
+    """The running nodes, their ports and the directory holding their files."""
+
+    directory: Path
+    ports: list[int]
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{port}" for port in self.ports]
+
+    @classmethod
+    def start(cls, masters: int = MASTERS) -> RedisClusterProcess:
+        for tool in ("redis-server", "redis-cli"):
+            if shutil.which(tool) is None:
+                raise ClusterUnavailable(f"{tool} is not installed")
+        cluster = cls(Path(tempfile.mkdtemp(prefix="idemflow-cluster-")), _free_ports(masters))
+        try:
+            for port in cluster.ports:
+                cluster.processes.append(_node(cluster.directory, port))
+            for port in cluster.ports:
+                _wait(functools.partial(_answers, port, "PONG", "PING"), f"node {port} up")
+            _create(cluster.addresses)
+            for port in cluster.ports:
+                healthy = functools.partial(_answers, port, "cluster_state:ok", "CLUSTER", "INFO")
+                _wait(healthy, f"node {port} cluster_state:ok")
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def stop(self) -> None:
+        """Shut every node down without saving, then remove the directory."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> RedisClusterProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports free now (and their bus ports): bind to 0, keep those below 55536."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port + _BUS_OFFSET < 65536 and port not in ports and _is_free(port + _BUS_OFFSET):
+            ports.append(port)
+    return ports
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _node(directory: Path, port: int) -> subprocess.Popen[bytes]:
+    node_dir = directory / str(port)
+    node_dir.mkdir()
+    command = [
+        "redis-server",
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--cluster-enabled", "yes",
+        "--cluster-config-file", str(node_dir / "nodes.conf"),
+        "--cluster-node-timeout", "2000",
+        "--dir", str(node_dir),
+        "--save", "",
+        "--appendonly", "no",
+        "--logfile", str(node_dir / "redis.log"),
+    ]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _create(addresses: list[str]) -> None:
+    command = ["redis-cli", "--cluster", "create", *addresses]
+    command += ["--cluster-replicas", "0", "--cluster-yes"]
+    done = subprocess.run(command, capture_output=True, timeout=60, check=False)
+    if done.returncode != 0:
+        raise ClusterUnavailable(f"redis-cli --cluster create failed: {done.stdout.decode()}")
+
+
+def _cli(port: int, *args: str) -> str:
+    done = subprocess.run(
+        ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args],
+        capture_output=True,
+        timeout=5,
+        check=False,
+    )
+    return done.stdout.decode().strip()
+
+
+def _answers(port: int, expected: str, *command: str) -> bool:
+    return expected in _cli(port, *command)
+
+
+def _wait(ready: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + _READY_TIMEOUT
+    while time.monotonic() < deadline:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            if ready():
+                return
+        time.sleep(0.1)
+    raise ClusterUnavailable(f"timed out waiting for {what}")
+
+
+_shared: list[RedisClusterProcess] = []  # at most one
+
+
+def shared_cluster() -> RedisClusterProcess:
+    """One cluster per test session, started on first use."""
+    if not _shared:
+        _shared.append(RedisClusterProcess.start())
+    return _shared[0]
+
+
+def stop_shared_cluster() -> None:
+    while _shared:
+        _shared.pop().stop()

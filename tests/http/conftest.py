@@ -1,0 +1,193 @@
+"""
+Real servers for the HTTP tests: the demo as a subprocess (``python -m idemflow
+demo --port 0``), small apps in a uvicorn thread, both on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import POSTGRES_URL, unreachable
+
+ALICE = {"Authorization": "Bearer alice-token"}
+BOB = {"Authorization": "Bearer bob-token"}
+PAYMENT = {"amount": 1000, "currency": "EUR", "customer": "ada"}
+STARTUP_SECONDS = 20
+
+
+def new_key() -> str:
+    return f"test-{uuid.uuid4().hex}"
+
+
+@dataclass
+class Demo:
+    """A running ``idemflow demo`` process and where to look at its data."""
+
+    url: str
+    data_dir: Path
+    process: subprocess.Popen[str]
+    banner: list[str]
+    database_url: str | None = None
+    log: Path = field(default_factory=Path)
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30, **kwargs)
+
+    def async_client(self, **kwargs: Any) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+        return httpx.AsyncClient(base_url=self.url, timeout=30, limits=limits, **kwargs)
+
+    def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+        """Read the demo's own database (keys and payments), as an operator would."""
+        if self.database_url is None:
+            with contextlib.closing(sqlite3.connect(self.data_dir / "payments.db")) as conn:
+                return conn.execute(sql, params).fetchall()
+        import psycopg
+
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            return conn.execute(sql.replace("?", "%s"), params).fetchall()
+
+    def key_rows(self, principal: str, key: str) -> list[tuple[Any, ...]]:
+        return self.query(
+            "SELECT state, response_status FROM idemflow_keys "
+            "WHERE principal = ? AND idempotency_key = ?",
+            principal,
+            key,
+        )
+
+    def charges(self) -> list[dict[str, Any]]:
+        with self.client() as client:
+            charges: list[dict[str, Any]] = client.get("/provider/charges").json()["charges"]
+            return charges
+
+
+def _read_lines(stream: Any, lines: queue.Queue[str]) -> None:
+    for line in stream:
+        lines.put(line.rstrip("\n"))
+
+
+@contextlib.contextmanager
+def run_demo(data_dir: Path, *args: str, database_url: str | None = None) -> Iterator[Demo]:
+    """Start ``idemflow demo`` on a free port; yield once it answers /healthz."""
+    command = [sys.executable, "-m", "idemflow", "demo", "--port", "0", "--no-access-log"]
+    command += ["--data-dir", str(data_dir), *args]
+    if database_url:
+        command += ["--database", database_url]
+    log = data_dir.parent / f"{data_dir.name}.stderr"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True).start()
+    try:
+        banner = _wait_for_banner(process, lines, log)
+        url = banner[0].rsplit(" ", 1)[-1]
+        demo = Demo(url, data_dir, process, banner, database_url, log)
+        with demo.client() as client:
+            assert client.get("/healthz").status_code == 200
+        yield demo
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def _wait_for_banner(
+    process: subprocess.Popen[str], lines: queue.Queue[str], log: Path
+) -> list[str]:
+    deadline = time.monotonic() + STARTUP_SECONDS
+    banner: list[str] = []
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            if process.poll() is not None:
+                break
+            continue
+        banner.append(line)
+        if "(Ctrl-C stops)" in line:
+            return banner
+    raise AssertionError(f"the demo did not start: {banner}\n{log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
+    """One demo on SQLite for a whole module; tests use keys of their own."""
+    with run_demo(tmp_path_factory.mktemp("demo") / "data") as running:
+        yield running
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL URL whose tables land in a fresh schema, dropped afterwards."""
+    psycopg = pytest.importorskip("psycopg")
+    schema = f"demo_{uuid.uuid4().hex[:12]}"
+    try:
+        with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+    except psycopg.OperationalError as exc:
+        unreachable("PostgreSQL", exc)
+    separator = "&" if "?" in POSTGRES_URL else "?"
+    yield f"{POSTGRES_URL}{separator}options=-csearch_path%3D{schema}"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+@contextlib.contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """Run an ASGI app under uvicorn in a thread on a free loopback port; yield its URL."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(256)
+    config = uvicorn.Config(app, lifespan="on", log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise AssertionError("uvicorn did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def assert_problem(
+    response: httpx.Response, status: int, slug: str | None = None
+) -> dict[str, Any]:
+    """An RFC 9457 problem body with type, title, status and detail."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    body: dict[str, Any] = response.json()
+    assert {"type", "title", "status", "detail"} <= set(body)
+    assert body["status"] == status
+    assert body["title"]
+    assert body["detail"]
+    if slug is not None:
+        assert body["type"].endswith("/" + slug)
+    return body

@@ -1,0 +1,405 @@
+"""
+The MySQL/MariaDB store beyond the shared contract (which runs both with and
+without ``CLIENT_FOUND_ROWS`` through the ``mysql`` and ``mysql-found-rows``
+backends).
+
+What only MySQL has to show: the affected-row counts the claim relies on,
+binary key columns, the caller's transaction under READ COMMITTED and
+REPEATABLE READ (whose stale snapshot must not reach dispatch), the CLI
+migration, an unreachable server, and races with the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idemflow import (
+    Attempt,
+    Idempotency,
+    InProgress,
+    Intent,
+    LeaseLost,
+    Policy,
+    Response,
+    State,
+    StoreUnavailable,
+)
+from idemflow.testing import FrozenClock
+from tests.backends import MYSQL_URL
+from tests.conftest import unreachable
+from tests.stores._race import Recorder, assert_exactly_once, race_processes, race_threads
+
+pymysql = pytest.importorskip("pymysql")
+from idemflow.stores.mysql import (  # noqa: E402
+    MySQLStore,
+    PyMySQLTransaction,
+    connect_kwargs,
+    mysql_dialect,
+    mysql_statements,
+)
+
+pytestmark = pytest.mark.mysql
+
+POLICY = Policy(request_timeout=5, retention=3600)
+CREATED = Response.json(201, {"id": "pay_1"})
+FOUND_ROWS = 2
+ISOLATION_LEVELS = ["READ COMMITTED", "REPEATABLE READ"]
+
+
+def intent(key: str = "k-1", fp: str = "fp-1", principal: str = "alice") -> Intent:
+    return Intent(principal, key, fp, endpoint="POST /payments")
+
+
+def connect(**extra: Any) -> Any:
+    return pymysql.connect(**connect_kwargs(MYSQL_URL), **extra)
+
+
+@pytest.fixture
+def store(table_name: str) -> Iterator[MySQLStore]:
+    try:
+        probe = connect(connect_timeout=3)
+    except pymysql.err.OperationalError as exc:
+        unreachable("MariaDB", exc)
+    with contextlib.closing(probe), probe.cursor() as cursor:
+        cursor.execute(
+            f"CREATE TABLE biz_{table_name} (id BIGINT AUTO_INCREMENT PRIMARY KEY, k TEXT)"
+        )
+    made = MySQLStore(MYSQL_URL, table=table_name, max_size=8)
+    made.migrate()
+    yield made
+    made.close()
+    with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
+        cursor.execute(f"DROP TABLE IF EXISTS {table_name}, biz_{table_name}")
+
+
+def business_rows(table: str) -> int:
+    with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM biz_{table}")
+        return int(cursor.fetchone()[0])
+
+
+def write_business(table: str) -> Any:
+    def write(conn: Any, note: str) -> None:
+        with conn.cursor() as cursor:
+            cursor.execute(f"INSERT INTO biz_{table} (k) VALUES (%s)", (note,))
+
+    return write
+
+
+# --- the claim's affected-row counts ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("flag", "expected"), [(0, [1, 0, 2]), (FOUND_ROWS, [1, 1, 2])])
+def test_claim_counts_are_what_the_store_reads(
+    store: MySQLStore, flag: int, expected: list[int]
+) -> None:
+    """The upsert counts insert 1, someone else's 0 (1 with CLIENT_FOUND_ROWS), takeover 2."""
+    from idemflow.stores._sql import claim_params
+
+    claim = store.dialect.claim
+    attempts = [
+        ("lease-a", 1_000.0),  # absent: inserted
+        ("lease-b", 1_000.0),  # held by lease-a: untouched
+        ("lease-c", 4_601.0),  # past lease-a's retention (1 h): taken over
+    ]
+    counts = []
+    with contextlib.closing(connect(autocommit=True, client_flag=flag)) as conn:
+        for token, now in attempts:
+            params = claim_params(intent(), token, now, now + 3600)
+            with conn.cursor() as cursor:
+                counts.append(cursor.execute(claim.pyformat, claim.bind(params)))
+    assert counts == expected
+
+
+def test_found_rows_store_decides_by_lease_token(table_name: str, store: MySQLStore) -> None:
+    """With CLIENT_FOUND_ROWS the claim, the takeover and its loser are all read correctly."""
+    found = MySQLStore({**connect_kwargs(MYSQL_URL), "client_flag": FOUND_ROWS}, table=table_name)
+    clock = FrozenClock()
+    first = found.claim(intent(), "lease-a", clock(), clock() + 60)
+    second = found.claim(intent(), "lease-b", clock(), clock() + 60)
+    assert found.release(first.record, clock())
+    retry = found.claim(intent(), "lease-c", clock(), clock() + 60)
+    late = found.claim(intent(), "lease-d", clock(), clock() + 60)
+    clock.advance(61)
+    expired = found.claim(intent(fp="fp-2"), "lease-e", clock(), clock() + 60)
+    found.close()
+
+    assert [c.owned for c in (first, second, retry, late, expired)] == [1, 0, 1, 0, 1]
+    assert (second.record.lease_token, late.record.lease_token) == ("lease-a", "lease-c")
+    assert (retry.record.attempt, expired.record.attempt) == (2, 1)
+
+
+def test_repeated_checkpoint_is_not_a_lost_lease(store: MySQLStore) -> None:
+    """Without CLIENT_FOUND_ROWS an identical update counts 0 rows; that is not a loss."""
+    clock = FrozenClock()
+    record = store.claim(intent(), "lease-a", clock(), clock() + 60).record
+    store.checkpoint(record, "charged", clock())
+    store.checkpoint(record, "charged", clock())  # same values, same millisecond
+
+    assert store.release(record, clock())
+    with pytest.raises(LeaseLost):
+        store.checkpoint(record, "charged", clock())
+
+
+# --- column types ---------------------------------------------------------------------
+
+
+def test_case_and_trailing_spaces_never_merge_two_keys(store: MySQLStore) -> None:
+    """'Key'/'key' and 'k'/'k ' (and principals likewise) are separate intents."""
+    idem = Idempotency(store, POLICY)
+    cases = [
+        ("alice", "Key"),
+        ("alice", "key"),
+        ("alice", "k"),
+        ("alice", "k "),
+        ("Alice", "k"),
+        ("alice ", "k"),
+    ]
+    outcomes = [
+        idem.run(intent(key, principal=who), Recorder(Response(201, f"{who}/{key}".encode())))
+        for who, key in cases
+    ]
+
+    assert [o.replayed for o in outcomes] == [False] * len(cases)
+    record = store.get("alice", "k ")
+    assert record is not None
+    assert (record.principal, record.key, record.response) == (
+        "alice",
+        "k ",
+        Response(201, b"alice/k "),
+    )
+
+
+def test_an_over_long_principal_is_an_error_not_a_truncated_claim(store: MySQLStore) -> None:
+    """Strict mode and no INSERT IGNORE: a value that does not fit fails loudly."""
+    with pytest.raises(pymysql.err.DataError):
+        store.claim(intent(principal="p" * 300), "lease-a", 1.0, 100.0)
+
+
+# --- the caller's transaction -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def caller(isolation: str) -> Iterator[Any]:
+    with contextlib.closing(connect(autocommit=True)) as conn:
+        with conn.cursor() as cursor:
+            cursor.execute(f"SET SESSION TRANSACTION ISOLATION LEVEL {isolation}")
+        yield conn
+
+
+@pytest.mark.parametrize("isolation", ISOLATION_LEVELS)
+def test_completion_commits_with_the_business_write(
+    store: MySQLStore, table_name: str, isolation: str
+) -> None:
+    """Effect and record commit together; a failure rolls both back and releases the key."""
+    idem = Idempotency(store, POLICY)
+    write = write_business(table_name)
+
+    def fail(attempt: Attempt) -> Response:
+        write(attempt.connection, "lost")
+        raise RuntimeError("boom")
+
+    def succeed(attempt: Attempt) -> Response:
+        write(attempt.connection, "kept")
+        return CREATED
+
+    with caller(isolation) as conn:
+        with pytest.raises(RuntimeError):
+            idem.run(intent(), fail, transaction=PyMySQLTransaction(conn))
+        assert business_rows(table_name) == 0
+        outcome = idem.run(intent(), succeed, transaction=PyMySQLTransaction(conn))
+    assert not outcome.replayed
+    assert business_rows(table_name) == 1
+    record = store.get("alice", "k-1")
+    assert record is not None
+    assert (record.state, record.attempt) == (State.COMPLETED, 2)
+
+
+@pytest.mark.parametrize("isolation", ISOLATION_LEVELS)
+def test_a_duplicate_with_an_old_snapshot_reads_the_current_row(
+    store: MySQLStore, table_name: str, isolation: str
+) -> None:
+    """A caller's transaction that read before the original committed still gets the replay.
+
+    Under REPEATABLE READ the caller's snapshot predates the record: a plain
+    SELECT there finds nothing (asserted, so the test exercises the stale
+    snapshot); the store's locking read sees the committed row and replays it.
+    """
+    idem = Idempotency(store, POLICY)
+    with caller(isolation) as conn:
+        conn.begin()
+        with conn.cursor() as cursor:  # the caller's own read fixes its snapshot
+            cursor.execute(f"SELECT count(*) FROM {table_name}")
+        idem.run(intent(), lambda attempt: CREATED)  # the original, elsewhere, commits
+        with conn.cursor() as cursor:
+            cursor.execute(store.dialect.select.pyformat, {"principal": "alice", "key": "k-1"})
+            plain = cursor.fetchone()
+        assert (plain is None) == (isolation == "REPEATABLE READ")
+
+        outcome = idem.run(
+            intent(),
+            lambda attempt: Response(500),
+            transaction=PyMySQLTransaction(conn),
+            single_commit=True,
+        )
+    assert (outcome.replayed, outcome.response) == (True, CREATED)
+
+
+@pytest.mark.parametrize("isolation", ISOLATION_LEVELS)
+def test_single_commit_claim_and_effect_commit_once(
+    store: MySQLStore, table_name: str, isolation: str
+) -> None:
+    """With single_commit the claim joins the caller's transaction: a rollback leaves no key."""
+    idem = Idempotency(store, POLICY)
+    write = write_business(table_name)
+
+    def fail(attempt: Attempt) -> Response:
+        write(attempt.connection, "lost")
+        raise RuntimeError("boom")
+
+    with caller(isolation) as conn:
+        with pytest.raises(RuntimeError):
+            idem.run(intent(), fail, transaction=PyMySQLTransaction(conn), single_commit=True)
+        assert store.get("alice", "k-1") is None
+        outcome = idem.run(
+            intent(),
+            Recorder(CREATED, write),
+            transaction=PyMySQLTransaction(conn),
+            single_commit=True,
+        )
+    assert not outcome.replayed
+    assert business_rows(table_name) == 1
+
+
+def test_single_commit_duplicate_gets_409_without_waiting_long(store: MySQLStore) -> None:
+    """A duplicate meeting an uncommitted single-commit claim answers 409 after the bounded wait."""
+    idem = Idempotency(store, POLICY)
+    seen: list[InProgress] = []
+
+    def meanwhile(attempt: Attempt) -> Response:
+        with caller("REPEATABLE READ") as other, pytest.raises(InProgress) as raised:
+            idem.run(
+                intent(),
+                lambda a: CREATED,
+                transaction=PyMySQLTransaction(other),
+                single_commit=True,
+            )
+        seen.append(raised.value)
+        return CREATED
+
+    with caller("REPEATABLE READ") as conn:
+        idem.run(intent(), meanwhile, transaction=PyMySQLTransaction(conn), single_commit=True)
+    assert len(seen) == 1
+    with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
+        cursor.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
+        assert cursor.fetchone()[0] == 50  # a fresh session's default, untouched
+
+
+def test_transaction_adapter_joins_a_transaction_already_begun(
+    store: MySQLStore, table_name: str
+) -> None:
+    """The caller's earlier writes are neither committed early nor lost."""
+    write = write_business(table_name)
+    with caller("REPEATABLE READ") as conn:
+        conn.begin()
+        write(conn, "before")
+        Idempotency(store, POLICY).run(
+            intent(),
+            Recorder(CREATED, write),
+            transaction=PyMySQLTransaction(conn),
+        )
+    assert business_rows(table_name) == 2
+
+
+# --- migration and outages ---------------------------------------------------------------------
+
+
+def test_cli_migrate_creates_table_and_indexes(table_name: str) -> None:
+    """`idemflow migrate mysql://…` creates the table and its indexes; a second run is a no-op."""
+    command = [sys.executable, "-m", "idemflow", "migrate", MYSQL_URL, "--table", table_name]
+    try:
+        for _ in range(2):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+            assert done.returncode == 0, done.stderr
+        with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
+            cursor.execute(f"SHOW INDEX FROM {table_name}")
+            indexes = {(row[2], row[1]) for row in cursor.fetchall()}
+    finally:
+        with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
+            cursor.execute(f"DROP TABLE IF EXISTS {table_name}")
+    assert indexes == {
+        ("PRIMARY", 0),
+        (f"{table_name}_principal_key", 0),
+        (f"{table_name}_state_updated", 1),
+        (f"{table_name}_expires", 1),
+    }
+
+
+def test_unreachable_server_is_store_unavailable(tmp_path: Path) -> None:
+    """Nothing listening: 503 and the handler never runs."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = MySQLStore(f"mysql://root@127.0.0.1:{port}/test", timeout=2)
+    handler = Recorder()
+
+    with pytest.raises(StoreUnavailable) as raised:
+        Idempotency(store, POLICY).run(intent(), handler)
+    assert raised.value.status == 503
+    assert handler.calls == []
+
+
+def test_claim_statements_never_use_insert_ignore() -> None:
+    """A plain INSERT claims, a guarded upsert takes over: errors stay errors."""
+    insert, upsert = mysql_statements("t").insert.named, mysql_dialect("t").claim.named
+    assert insert.startswith("INSERT INTO t ")
+    assert "IGNORE" not in (insert + upsert).upper()
+    assert "DUPLICATE" not in insert
+    assert upsert.startswith(insert + " ON DUPLICATE KEY UPDATE ")
+
+
+# --- races ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def caller_transaction() -> Iterator[PyMySQLTransaction]:
+    with contextlib.closing(connect(autocommit=True)) as conn:
+        yield PyMySQLTransaction(conn)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("single_commit", [False, True], ids=["two-commit", "single-commit"])
+def test_fifty_threads_race_with_their_own_transactions(
+    store: MySQLStore, table_name: str, single_commit: bool
+) -> None:
+    """52 callers, each on its own connection, claim one key at once, 4 keys: one effect each."""
+    rounds = race_threads(
+        store,
+        table_name,
+        rounds=4,
+        claimants=52,
+        open_transaction=caller_transaction,
+        write=write_business(table_name),
+        single_commit=single_commit,
+    )
+    for counts in rounds:
+        assert_exactly_once(counts, 52)
+    assert business_rows(table_name) == 4
+
+
+@pytest.mark.slow
+def test_four_processes_race_for_each_key(store: MySQLStore, table_name: str) -> None:
+    """4 processes × 13 threads claim one key at once, three keys: one execution per key."""
+    totals = race_processes(
+        ("mysql", (table_name,)), table_name, processes=4, rounds=3, claimants_per_process=13
+    )
+    for counts in totals.values():
+        assert_exactly_once(counts, 52)

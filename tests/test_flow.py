@@ -1,0 +1,277 @@
+"""
+The sans-I/O protocol driven by hand: every branch of ``idempotency_flow``.
+
+No store, no event loop: the test plays the driver, sends each step's result
+into the generator (or throws the step's exception into it) and checks the
+next step the flow asks for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from idemflow import (
+    Claim,
+    InProgress,
+    Intent,
+    KeyReused,
+    LeaseLost,
+    Outcome,
+    Policy,
+    Record,
+    Response,
+    State,
+    StoreUnavailable,
+    Verdict,
+)
+from idemflow._flow import ClaimKey, Complete, Execute, Flow, Release, Step, idempotency_flow
+
+POLICY = Policy(request_timeout=5, retention=3600, retry_after=7)
+INTENT = Intent("alice", "k-1", "fp-1", endpoint="POST /payments", correlation_id="req-1")
+CREATED = Response.json(201, {"id": "pay_1"}, [("location", "/payments/pay_1")])
+
+
+def record(
+    state: State = State.IN_PROGRESS,
+    fingerprint: str = "fp-1",
+    response: Response | None = None,
+    lease: str = "lease-1",
+) -> Record:
+    return Record(
+        id=1,
+        principal="alice",
+        key="k-1",
+        fingerprint=fingerprint,
+        endpoint="POST /payments",
+        state=state,
+        lease_token=lease,
+        created_at=1000.0,
+        updated_at=1000.0,
+        expires_at=4600.0,
+        correlation_id="req-0",
+        response=response,
+    )
+
+
+def start(policy: Policy = POLICY) -> tuple[Flow, Step]:
+    flow = idempotency_flow(INTENT, policy, "lease-1")
+    return flow, next(flow)
+
+
+def finish(flow: Flow, result: Any = None) -> Outcome:
+    """Send the last step's result; the flow must end with an Outcome."""
+    with pytest.raises(StopIteration) as stopped:
+        flow.send(result)
+    outcome: Outcome = stopped.value.value
+    return outcome
+
+
+def owned(policy: Policy = POLICY) -> tuple[Flow, Record]:
+    """A flow whose claim we won, standing at the Execute step."""
+    flow, _ = start(policy)
+    mine = record()
+    step = flow.send(Claim(owned=True, record=mine))
+    assert step == Execute(mine)
+    return flow, mine
+
+
+# --- the claim ----------------------------------------------------------------
+
+
+def test_first_step_is_one_atomic_claim_with_the_policy_retention() -> None:
+    """The flow begins by claiming: intent, our lease token and the retention window."""
+    _, step = start()
+
+    assert step == ClaimKey(INTENT, "lease-1", 3600.0)
+
+
+def test_store_failure_during_the_claim_propagates_and_nothing_else_happens() -> None:
+    """If the claim itself fails, there is nothing to release: the error leaves the flow."""
+    flow, _ = start()
+    down = StoreUnavailable("down")
+
+    with pytest.raises(StoreUnavailable) as raised:
+        flow.throw(down)
+    assert raised.value is down
+
+
+# --- owned: execute, then complete or release ---------------------------------
+
+
+@pytest.mark.parametrize("status", [200, 201, 204, 302])
+def test_success_is_completed_with_the_response(status: int) -> None:
+    """2xx/3xx: the flow completes the record as completed with the exact response."""
+    flow, mine = owned()
+    response = Response(status, b"ok", (("x-a", "1"),))
+
+    step = flow.send(response)
+
+    assert step == Complete(mine, State.COMPLETED, response)
+    assert finish(flow) == Outcome(response, replayed=False, record=mine)
+
+
+@pytest.mark.parametrize("status", [400, 402, 404, 409, 422])
+def test_business_rejection_is_stored_as_failed_permanent(status: int) -> None:
+    """A deterministic 4xx settles the key as failed_permanent, to be replayed."""
+    flow, mine = owned()
+    rejected = Response.json(status, {"error": "card_declined"})
+
+    step = flow.send(rejected)
+
+    assert step == Complete(mine, State.FAILED_PERMANENT, rejected)
+    assert finish(flow) == Outcome(rejected, replayed=False, record=mine)
+
+
+@pytest.mark.parametrize("status", [503, 429, 408, 425, 500, 502, 504])
+def test_transient_failure_releases_and_is_returned_but_not_stored(status: int) -> None:
+    """A transient status releases the claim (never Complete) and still reaches the caller."""
+    flow, mine = owned()
+    transient = Response(status, b"try again")
+
+    step = flow.send(transient)
+
+    assert step == Release(mine)
+    assert finish(flow) == Outcome(transient, replayed=False, record=mine)
+
+
+def test_handler_exception_releases_then_reraises_the_same_object() -> None:
+    """The handler's exception is never wrapped: Release first, then the very same object."""
+    flow, mine = owned()
+    boom = RuntimeError("boom")
+
+    step = flow.throw(boom)
+
+    assert step == Release(mine)
+    with pytest.raises(RuntimeError) as raised:
+        flow.send(None)
+    assert raised.value is boom
+
+
+def test_base_exceptions_from_the_handler_also_release() -> None:
+    """Cancellation or Ctrl-C inside the handler still gives the key back."""
+    flow, mine = owned()
+    interrupt = KeyboardInterrupt()
+
+    assert flow.throw(interrupt) == Release(mine)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        flow.send(None)
+    assert raised.value is interrupt
+
+
+def test_lost_lease_at_completion_propagates_without_a_release() -> None:
+    """A failed completion CAS means the key is someone else's: no release, LeaseLost out."""
+    flow, _ = owned()
+    flow.send(CREATED)
+    lost = LeaseLost("taken over")
+
+    with pytest.raises(LeaseLost) as raised:
+        flow.throw(lost)
+    assert raised.value is lost
+
+
+def test_failed_completion_releases_then_reraises() -> None:
+    """A completion that did not commit (e.g. a deferred constraint failed) settles nothing:
+    the key is released, fenced by our lease, and the commit's error goes out unchanged."""
+    flow, mine = owned()
+    assert flow.send(CREATED) == Complete(mine, State.COMPLETED, CREATED)
+    failed = RuntimeError("deferred constraint violated at COMMIT")
+
+    assert flow.throw(failed) == Release(mine)
+    with pytest.raises(RuntimeError) as raised:
+        flow.send(None)
+    assert raised.value is failed
+
+
+def test_failure_to_release_surfaces_after_a_transient_response() -> None:
+    """If even the release fails, the driver hears about it (it decides how to log it)."""
+    flow, _ = owned()
+    flow.send(Response(503))
+    down = StoreUnavailable("down")
+
+    with pytest.raises(StoreUnavailable) as raised:
+        flow.throw(down)
+    assert raised.value is down
+
+
+# --- not owned: dispatch on the existing record -------------------------------
+
+
+def dispatched(existing: Record, policy: Policy = POLICY) -> Outcome:
+    flow, _ = start(policy)
+    return finish(flow, Claim(owned=False, record=existing))
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_fingerprint_mismatch_is_key_reused_in_every_state(state: State) -> None:
+    """A different request under the key is 422, even while the first is in progress."""
+    response = CREATED if state.is_settled else None
+    existing = record(state, fingerprint="fp-other", response=response)
+
+    with pytest.raises(KeyReused) as raised:
+        dispatched(existing)
+    assert raised.value.status == 422
+    assert "POST /payments" in str(raised.value)
+
+
+@pytest.mark.parametrize("state", [State.IN_PROGRESS, State.STALE, State.RELEASED])
+def test_unsettled_record_is_in_progress_with_the_policy_retry_after(state: State) -> None:
+    """In flight, being recovered or being retried: 409 at once with Retry-After."""
+    with pytest.raises(InProgress) as raised:
+        dispatched(record(state))
+
+    assert type(raised.value) is InProgress
+    assert raised.value.status == 409
+    assert raised.value.retry_after == 7
+
+
+@pytest.mark.parametrize("state", [State.COMPLETED, State.FAILED_PERMANENT])
+def test_settled_record_is_replayed_verbatim(state: State) -> None:
+    """Settled: the stored status, headers and body, marked as a replay of the original."""
+    stored = Response(402 if state is State.FAILED_PERMANENT else 201, b"\x00body", (("a", "b"),))
+    existing = record(state, response=stored)
+
+    outcome = dispatched(existing)
+
+    assert outcome == Outcome(stored, replayed=True, record=existing)
+    assert outcome.record.correlation_id == "req-0"
+
+
+def test_settled_record_without_a_response_is_not_replayed() -> None:
+    """A settled state with no stored response is never invented: 409, retry later."""
+    with pytest.raises(InProgress):
+        dispatched(record(State.COMPLETED, response=None))
+
+
+def test_dispatch_never_asks_for_more_steps() -> None:
+    """A duplicate ends the flow on the claim's answer: no Execute, no store write."""
+    flow, _ = start()
+
+    with pytest.raises(StopIteration):
+        flow.send(Claim(owned=False, record=record(State.COMPLETED, response=CREATED)))
+
+
+# --- the classifier is policy --------------------------------------------------
+
+
+def test_custom_classifier_changes_the_verdict() -> None:
+    """A policy may decide a 409 from a provider is transient and a 503 is final."""
+
+    def classify(response: Response) -> Verdict:
+        if response.status == 409:
+            return Verdict.TRANSIENT
+        if response.status == 503:
+            return Verdict.FAILED_PERMANENT
+        return Verdict.COMPLETED
+
+    policy = Policy(request_timeout=5, retention=3600, classify=classify)
+
+    flow, mine = owned(policy)
+    assert flow.send(Response(409)) == Release(mine)
+
+    flow, mine = owned(policy)
+    assert flow.send(Response(503)) == Complete(mine, State.FAILED_PERMANENT, Response(503))
+
+    flow, mine = owned(policy)
+    assert flow.send(Response(422)) == Complete(mine, State.COMPLETED, Response(422))

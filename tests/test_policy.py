@@ -1,0 +1,137 @@
+"""
+Policy: the stale threshold is derived from the request timeout, and unsafe settings are refused.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import pytest
+
+from idemflow import ConfigurationError, Policy, Response, Verdict, default_classifier
+
+
+def test_defaults_derive_the_stale_threshold_from_the_timeout() -> None:
+    """By default: 30 s timeout, 24 h retention, stale after 2 × 30 s + 10 s."""
+    policy = Policy()
+
+    assert policy.request_timeout == timedelta(seconds=30)
+    assert policy.retention == timedelta(hours=24)
+    assert policy.stale_after == timedelta(seconds=70)
+    assert policy.stale_seconds == 70.0
+    assert policy.retention_seconds == 86_400.0
+    assert policy.retry_after == 1
+    assert policy.classify is default_classifier
+
+
+@pytest.mark.parametrize(("timeout", "expected"), [(1, 12.0), (5, 20.0), (60, 130.0), (0.5, 11.0)])
+def test_stale_threshold_is_twice_the_timeout_plus_ten_seconds(
+    timeout: float, expected: float
+) -> None:
+    """No request outlives its timeout, so twice that plus a margin is unambiguously dead."""
+    assert Policy(request_timeout=timeout).stale_seconds == expected
+
+
+def test_timedelta_and_seconds_are_the_same_duration() -> None:
+    """Every duration takes a timedelta or a number of seconds (int or float)."""
+    as_numbers = Policy(request_timeout=2.5, retention=600, stale_after=30.0)
+    as_timedeltas = Policy(
+        request_timeout=timedelta(seconds=2.5),
+        retention=timedelta(minutes=10),
+        stale_after=timedelta(seconds=30),
+    )
+
+    assert as_numbers == as_timedeltas
+    assert as_numbers.request_timeout == timedelta(seconds=2.5)
+    assert as_numbers.stale_after == timedelta(seconds=30)
+    assert as_numbers.retention == timedelta(seconds=600)
+
+
+def test_stale_threshold_may_be_longer_than_the_minimum() -> None:
+    """A more patient sweeper is always safe."""
+    policy = Policy(request_timeout=30, stale_after=timedelta(minutes=15))
+
+    assert policy.stale_seconds == 900.0
+
+
+def test_stale_threshold_exactly_at_the_minimum_is_accepted() -> None:
+    """2 × timeout + 10 s is the boundary, and it is inclusive."""
+    assert Policy(request_timeout=30, stale_after=70).stale_seconds == 70.0
+
+
+@pytest.mark.parametrize("stale_after", [69.999, 60, 30, timedelta(seconds=45), 1])
+def test_stale_threshold_below_the_minimum_is_rejected(stale_after: float | timedelta) -> None:
+    """A sweeper closer to the timeout could release a live claim: ConfigurationError."""
+    with pytest.raises(ConfigurationError) as raised:
+        Policy(request_timeout=30, stale_after=stale_after)
+
+    assert "70s" in str(raised.value)
+    assert "request_timeout=30s" in str(raised.value)
+
+
+def test_configuration_error_is_a_value_error() -> None:
+    """Callers that catch ValueError for bad settings keep working."""
+    with pytest.raises(ValueError, match="stale_after"):
+        Policy(request_timeout=30, stale_after=10)
+
+
+@pytest.mark.parametrize("retention", [70, 69, timedelta(seconds=20)])
+def test_retention_must_exceed_the_stale_threshold(retention: float | timedelta) -> None:
+    """A key must not be purged before the sweeper could even call its claim stale."""
+    with pytest.raises(ConfigurationError, match="retention"):
+        Policy(request_timeout=30, retention=retention)
+
+
+def test_retention_is_checked_against_an_explicit_stale_threshold() -> None:
+    """The check uses the threshold actually in force, not the derived default."""
+    with pytest.raises(ConfigurationError, match="retention"):
+        Policy(request_timeout=1, stale_after=600, retention=600)
+
+    assert Policy(request_timeout=1, stale_after=600, retention=601).retention_seconds == 601
+
+
+@pytest.mark.parametrize("bad", [0, -1, timedelta(0), math.inf, math.nan, timedelta(seconds=-5)])
+@pytest.mark.parametrize("field", ["request_timeout", "retention"])
+def test_durations_must_be_positive_and_finite(field: str, bad: float | timedelta) -> None:
+    """Zero, negative, infinite and NaN durations are refused with the field's name."""
+    with pytest.raises(ConfigurationError, match=field):
+        Policy(**{field: bad})  # type: ignore[arg-type]
+
+
+def test_retry_after_must_be_at_least_one_second() -> None:
+    """Retry-After: 0 would invite a hot retry loop."""
+    with pytest.raises(ConfigurationError, match="retry_after"):
+        Policy(retry_after=0)
+
+
+def test_policy_is_frozen() -> None:
+    """A policy is a value: it cannot be changed after the checks ran."""
+    policy = Policy()
+
+    with pytest.raises(AttributeError):
+        policy.request_timeout = timedelta(seconds=1)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("status", "verdict"),
+    [
+        (200, Verdict.COMPLETED),
+        (201, Verdict.COMPLETED),
+        (303, Verdict.COMPLETED),
+        (400, Verdict.FAILED_PERMANENT),
+        (402, Verdict.FAILED_PERMANENT),
+        (404, Verdict.FAILED_PERMANENT),
+        (409, Verdict.FAILED_PERMANENT),
+        (422, Verdict.FAILED_PERMANENT),
+        (408, Verdict.TRANSIENT),
+        (425, Verdict.TRANSIENT),
+        (429, Verdict.TRANSIENT),
+        (500, Verdict.TRANSIENT),
+        (503, Verdict.TRANSIENT),
+        (599, Verdict.TRANSIENT),
+    ],
+)
+def test_default_classifier(status: int, verdict: Verdict) -> None:
+    """2xx/3xx completed; 408, 425, 429 and 5xx transient; every other 4xx permanent."""
+    assert default_classifier(Response(status)) is verdict
