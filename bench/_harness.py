@@ -27,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import statistics
 import threading
@@ -64,15 +65,29 @@ class Contender:
 
 @dataclass(frozen=True, slots=True)
 class Measurement:
-    """Operations per second of one contender, one figure per round."""
+    """Operations per second of one contender, one figure per round.
+
+    ``cpu_seconds`` and ``operations`` (per round, when known) give the
+    process CPU time per operation: unlike throughput, it hardly moves when
+    other work on the machine takes the cores away, so it shows what the
+    contender itself costs.
+    """
 
     name: str
     per_round: tuple[float, ...]
+    cpu_seconds: tuple[float, ...] = ()
+    operations: tuple[int, ...] = ()
 
     @property
     def ops_per_second(self) -> float:
         """The mean over the rounds (every round lasts equally long)."""
         return statistics.fmean(self.per_round)
+
+    @property
+    def cpu_per_op(self) -> float:
+        """Process CPU seconds per operation over all rounds (NaN if not measured)."""
+        done = sum(self.operations)
+        return sum(self.cpu_seconds) / done if done else math.nan
 
 
 class Crew:
@@ -191,12 +206,18 @@ def interleave(
     for contender in contenders:
         contender.run_slice(warmup)
     length = seconds / slices
-    figures: dict[str, list[float]] = {c.name: [] for c in contenders}
+    done: dict[str, list[int]] = {c.name: [] for c in contenders}
+    cpu: dict[str, list[float]] = {c.name: [] for c in contenders}
     for round_ in range(slices):
         shift = round_ % len(contenders)
         for contender in [*contenders[shift:], *contenders[:shift]]:
-            figures[contender.name].append(contender.run_slice(length) / length)
-    return {name: Measurement(name, tuple(values)) for name, values in figures.items()}
+            started = time.process_time()
+            done[contender.name].append(contender.run_slice(length))
+            cpu[contender.name].append(time.process_time() - started)
+    return {
+        name: Measurement(name, tuple(n / length for n in ops), tuple(cpu[name]), tuple(ops))
+        for name, ops in done.items()
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,25 +254,38 @@ class Row:
         ]
 
 
-def table(rows: Iterable[Row], headers: Sequence[str] = ("raw ops/s", "library ops/s")) -> str:
+def table(
+    rows: Iterable[Row],
+    headers: Sequence[str] = ("raw ops/s", "library ops/s"),
+    *,
+    cpu: bool = False,
+) -> str:
     """A Markdown table: backend, path, callers, both throughputs, the ratio.
 
-    The last column is the median of the per-round ratios and their range: a
-    burst of load from elsewhere spoils one round, not the whole comparison.
+    The ratio column is followed by the median of the per-round ratios and
+    their range: a burst of load from elsewhere spoils one round, not the
+    whole comparison. ``cpu=True`` adds the process CPU µs per operation of
+    each side.
     """
+    extra = " | CPU µs/op: baseline / contender" if cpu else ""
     lines = [
         f"| backend | path | callers | {headers[0]} | {headers[1]} | ratio "
-        "| per round: median (min–max) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        f"| per round: median (min–max){extra} |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if cpu else ""),
     ]
     for row in rows:
         ratios = row.round_ratios
-        lines.append(
+        line = (
             f"| {row.backend} | {row.path} | {row.callers} "
             f"| {row.baseline.ops_per_second:,.0f} | {row.contender.ops_per_second:,.0f} "
             f"| {row.ratio:.2f} | {statistics.median(ratios):.2f} "
             f"({min(ratios):.2f}–{max(ratios):.2f}) |"
         )
+        if cpu:
+            line += (
+                f" {row.baseline.cpu_per_op * 1e6:,.0f} / {row.contender.cpu_per_op * 1e6:,.0f} |"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -769,10 +769,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         bench_postgres(settings, run_id, report)
     print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("\nlibrary / raw (the same statements through the same driver):\n")
-    print(table(report.rows))
+    print(table(report.rows, cpu=True))
     if report.commit_rows:
         print("\none commit / two commits (transactional mode, PostgreSQL):\n")
-        print(table(report.commit_rows, ("two commits ops/s", "one commit ops/s")))
+        print(table(report.commit_rows, ("two commits ops/s", "one commit ops/s"), cpu=True))
     sys.stdout.flush()
 
 

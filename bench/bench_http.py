@@ -168,12 +168,12 @@ def postgres_schema() -> Iterator[str]:
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
-#: backend name → the demo's flags. ``postgres-single`` claims inside the
-#: endpoint's first transaction (single-commit mode; not the demo's default).
+#: backend name → the demo's flags (``--claim-commit``: see ``idemflow.demo.db``).
 BACKENDS = {
     "sqlite": (),
     "postgres": (),
-    "postgres-single": ("--single-commit",),
+    "postgres-single": ("--claim-commit", "single"),
+    "postgres-pool16": ("--pool-size", "16"),
 }
 
 
@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
                     tallies = asyncio.run(measure(url, n, args.seconds, args.rounds))
                     rows.append((backend, n, tallies))
                     print(row(backend, n, tallies), file=sys.stderr, flush=True)
+                    for name, tally in tallies.items():
+                        odd = {s: c for s, c in tally.statuses.items() if s >= 300}
+                        if odd:
+                            print(f"  {backend} {n} {name}: {odd}", file=sys.stderr, flush=True)
     print(table(rows))
     return 0
 

@@ -27,6 +27,11 @@ For each backend, ``Idempotency.run`` with a fresh key and a trivial handler
 They take turns in short slices (A B C D, B C D A, …; see
 :mod:`bench._harness`) on the same table, in one run. Each is compared with
 ``plain``; the target is ≥ 0.95 × plain.
+
+A second table gives the same four on the in-memory store, one thread, as
+microseconds per run (the best of several repetitions): what each instrument
+adds to every protected request in absolute terms, without a database's
+noise.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import platform
 import sys
 import tempfile
 import threading
+import timeit
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +59,7 @@ from bench._harness import Contender, Crew, Row, interleave, parse_list, table
 from idemflow import Idempotency, Intent, Policy, Response, fan_out
 from idemflow.logs import LoggingObserver
 from idemflow.metrics import PrometheusMetrics
+from idemflow.stores.memory import MemoryStore
 from idemflow.tracing import traced
 
 POSTGRES_URL = os.environ.get(
@@ -111,7 +118,8 @@ def tracer_provider(ratio: float) -> Iterator[TracerProvider]:
 
 
 @contextlib.contextmanager
-def contenders(store: Any, crew: Crew) -> Iterator[list[Contender]]:
+def contenders_on(store: Any) -> Iterator[dict[str, Idempotency]]:
+    """The four ways to run, on ``store``."""
     with (
         instrumentation() as (metrics, logs),
         tracer_provider(1.0) as always,
@@ -120,13 +128,40 @@ def contenders(store: Any, crew: Crew) -> Iterator[list[Contender]]:
         metrics.watch_stale_claims(store, 30)
         policy = Policy(request_timeout=30)
         observed = Idempotency(store, policy, observer=fan_out(metrics, logs))
-        sides = {
+        yield {
             "plain": Idempotency(store, policy),
             "metrics+logs": observed,
             "metrics+logs+traces": traced(observed, always.get_tracer("bench")),
             "…+traces 10 %": traced(observed, sampled.get_tracer("bench")),
         }
+
+
+@contextlib.contextmanager
+def contenders(store: Any, crew: Crew) -> Iterator[list[Contender]]:
+    with contenders_on(store) as sides:
         yield [Contender(name, crew.slice(operation(idem, name))) for name, idem in sides.items()]
+
+
+def per_run_costs(rounds: int = 9, number: int = 2000) -> str:
+    """Microseconds per run on the memory store, one thread: a Markdown table.
+
+    The four take turns, ``rounds`` times; each keeps its best round (timeit's
+    way of discounting whatever else the machine was doing).
+    """
+    best: dict[str, float] = {}
+    with contenders_on(MemoryStore()) as sides:
+        ops = {name: operation(idem, f"micro-{name}") for name, idem in sides.items()}
+        for _ in range(rounds):
+            for name, op in ops.items():
+                seconds = timeit.timeit(op, number=number) / number
+                best[name] = min(best.get(name, seconds), seconds)
+    plain = best["plain"]
+    lines = ["| instruments | µs per run | added µs |", "| --- | ---: | ---: |"]
+    lines += [
+        f"| {name} | {seconds * 1e6:.1f} | {(seconds - plain) * 1e6:+.1f} |"
+        for name, seconds in best.items()
+    ]
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager
@@ -178,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{backend}: done", file=sys.stderr)
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, {args.threads} threads")
     print(table(rows, headers=("plain ops/s", "instrumented ops/s")))
+    print()
+    print(per_run_costs())
     missed = [row for row in rows if row.ratio < TARGET]
     for row in missed:
         print(f"target missed: {row.backend}, {row.path}: {row.ratio:.3f} < {TARGET}")

@@ -30,7 +30,13 @@ when the count is not 1.
 
 ``--claim-rates`` measures raw claims per second of each store at the
 highest caller count (PostgreSQL included, for the scaling section of
-``docs/stores.md``): the claim alone, each on a fresh key.
+``docs/stores.md``): the claim alone, each on a fresh key, from Python.
+
+``--native`` (alone: ``--native --backends none``) asks what the servers
+themselves can take, without Python in the way: the claim statement through
+``pgbench`` and ``mariadb-slap``, and the claim script through three
+``redis-benchmark`` processes against one Redis and against a 3-master
+cluster (one process per master).
 
 Redis Cluster: a 3-master cluster is started on free loopback ports for the
 run (``tests/_redis_cluster.py``) and removed afterwards.
@@ -44,7 +50,10 @@ import itertools
 import json
 import os
 import platform
+import re
 import secrets
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -84,13 +93,14 @@ class Settings:
     backends: tuple[str, ...]
     claim_forms: bool
     claim_rates: bool
+    native: bool
 
 
 @dataclass
 class Report:
     rows: list[Row] = field(default_factory=list)
     form_rows: list[Row] = field(default_factory=list)
-    rates: list[tuple[str, int, float]] = field(default_factory=list)
+    rates: list[tuple[str, int | str, float]] = field(default_factory=list)
 
 
 class Keys:
@@ -574,6 +584,181 @@ def postgres_claim(run_id: str) -> Iterator[Op | None]:
             conn.execute(f"DROP TABLE IF EXISTS {table}")
 
 
+# --- native clients (the servers' own capacity) --------------------------------
+
+NATIVE_SECONDS = 10
+REDIS_ARGS = ["1800000000000", "1800086400000", "1800000070000", "70000", "tok", "bench", "k"]
+REDIS_ARGS += [FINGERPRINT, ENDPOINT, "", "0"]
+
+
+def native_rates(run_id: str, report: Report) -> None:
+    for name, measure in (
+        ("postgresql", native_postgres),
+        ("mariadb", native_mariadb),
+        ("redis", native_redis),
+        ("redis-cluster", native_redis_cluster),
+    ):
+        result = measure(run_id)
+        if result is not None:
+            report.rates.append((name, result[0], result[1]))
+            print(f"native claims/s, {name} ({result[0]}): {result[1]:,.0f}", flush=True)
+
+
+def _substitute(sql: str, values: dict[str, str]) -> str:
+    for name, value in values.items():
+        sql = re.sub(rf"(?<![:\w]):{name}\b", value, sql)
+    return sql
+
+
+def native_postgres(run_id: str) -> tuple[str, float] | None:
+    """pgbench, 16 clients, the claim statement (each its own transaction) on random keys."""
+    from idemflow.stores._sql import upsert_claim
+    from idemflow.stores.postgres import PostgresStore
+
+    if shutil.which("pgbench") is None:
+        return None
+    table = f"native_{run_id}"
+    store = PostgresStore(POSTGRES_URL, table=table, max_size=2)
+    store.migrate()
+    now_ms = "(extract(epoch from now()) * 1000)::bigint"
+    sql = _substitute(upsert_claim(table), {
+        "principal": "'bench'", "key": "(:k)::text", "fingerprint": f"'{FINGERPRINT}'",
+        "endpoint": f"'{ENDPOINT}'", "lease_token": "md5(random()::text)",
+        "correlation_id": "NULL", "now": now_ms, "expires_at": f"{now_ms} + 86400000",
+    })  # fmt: skip
+    script = f"{os.getcwd()}/.bench-claim-{run_id}.sql"
+    try:
+        with open(script, "w") as f:
+            f.write("\\set k random(1, 2000000000)\n" + sql + ";\n")
+        command = ["pgbench", *urlsplit_postgres(), "-n", "-c", "16", "-j", "2"]
+        command += ["-T", str(NATIVE_SECONDS), "-f", script]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        tps = float(re.findall(r"tps = ([\d.]+)", done.stdout)[-1])
+    finally:
+        os.remove(script)
+        with store.pool.connection() as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {table}")
+        store.close()
+    return "pgbench, 16", tps
+
+
+def urlsplit_postgres() -> list[str]:
+    from urllib.parse import urlsplit
+
+    url = urlsplit(POSTGRES_URL)
+    return ["-h", url.hostname or "127.0.0.1", "-p", str(url.port or 5432),
+            "-U", url.username or "postgres", url.path.lstrip("/") or "postgres"]  # fmt: skip
+
+
+def native_mariadb(run_id: str) -> tuple[str, float] | None:
+    """mariadb-slap, 16 clients, 40 000 plain-INSERT claims with UUID() keys."""
+    from idemflow.stores.mysql import connect_kwargs, mysql_statements
+
+    tool = shutil.which("mariadb-slap") or shutil.which("mysqlslap")
+    if tool is None:
+        return None
+    queries = 40_000
+    with mysql_table(f"n{run_id}") as (table, _):
+        sql = _substitute(mysql_statements(table).insert.named, {
+            "principal": "'bench'", "key": "UUID()", "fingerprint": f"'{FINGERPRINT}'",
+            "endpoint": f"'{ENDPOINT}'", "lease_token": "MD5(RAND())", "correlation_id": "NULL",
+            "now": "1800000000000", "expires_at": "1800086400000",
+        })  # fmt: skip
+        kwargs = connect_kwargs(MYSQL_URL)
+        started = time.perf_counter()
+        subprocess.run(
+            [tool, f"-h{kwargs['host']}", f"-P{kwargs['port']}", f"-u{kwargs['user']}",
+             f"--create-schema={kwargs['database']}", "--concurrency=16", "--iterations=1",
+             f"--number-of-queries={queries}", f"--query={sql}"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        elapsed = time.perf_counter() - started
+    return "mariadb-slap, 16", queries / elapsed
+
+
+def _redis_benchmarks(targets: list[tuple[int, str]]) -> float:
+    """Run one redis-benchmark per (port, key pattern) at once; their requests/s summed."""
+    from idemflow.stores.redis import SHAS
+
+    commands = [
+        ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-c", "8", "-n", "100000",
+         "-r", "1000000000", "-q", "EVALSHA", SHAS["claim"], "1", pattern, *REDIS_ARGS]
+        for port, pattern in targets
+    ]  # fmt: skip
+    running = [subprocess.Popen(c, stdout=subprocess.PIPE, text=True) for c in commands]
+    outputs = [p.communicate()[0] for p in running]
+    return sum(float(re.findall(r"([\d.]+) requests per second", out)[-1]) for out in outputs)
+
+
+def native_redis(run_id: str) -> tuple[str, float] | None:
+    """Three redis-benchmark processes × 8 connections against one Redis of our own.
+
+    A private server, like the cluster's: the shared one on 6379 also serves
+    whatever tests run at the same time.
+    """
+    if shutil.which("redis-benchmark") is None or shutil.which("redis-server") is None:
+        return None
+    with started_redis() as port:
+        url = f"redis://127.0.0.1:{port}/0"
+        store = redis_store(url, False, "native")
+        store.migrate()
+        rate = _redis_benchmarks([(port, "native:{__rand_int__}:k")] * 3)
+        store.close()
+    return "redis-benchmark, 3 × 8", rate
+
+
+@contextlib.contextmanager
+def started_redis() -> Iterator[int]:
+    """A redis-server on a free loopback port, no persistence; stopped afterwards."""
+    import socket
+    import tempfile
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    with tempfile.TemporaryDirectory(prefix="idemflow-bench-redis-") as directory:
+        command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        command += ["--appendonly", "no", "--dir", directory]
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        try:
+            for _ in range(100):
+                ping = subprocess.run(
+                    ["redis-cli", "-p", str(port), "PING"],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if ping.stdout.strip() == "PONG":
+                    break
+                time.sleep(0.05)
+            yield port
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+
+
+def native_redis_cluster(run_id: str) -> tuple[str, float] | None:
+    """One redis-benchmark × 8 connections per master of a fresh 3-master cluster.
+
+    redis-benchmark cannot route EVALSHA by key, so each process gets a hash
+    tag that lands on its master and random keys under it.
+    """
+    if shutil.which("redis-benchmark") is None:
+        return None
+    with started_cluster() as url:
+        store = redis_store(url, True, "native")
+        store.migrate()
+        tags: dict[int, str] = {}
+        for n in itertools.count():
+            port = store.client.get_node_from_key(f"{{t{n}}}").port
+            tags.setdefault(port, f"t{n}")
+            if len(tags) == 3:
+                break
+        rate = _redis_benchmarks([(p, f"native:{{{t}}}:__rand_int__") for p, t in tags.items()])
+        store.close()
+    return "redis-benchmark, 3 × 8", rate
+
+
 # --- main ---------------------------------------------------------------------
 
 
@@ -585,14 +770,16 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--no-claim-forms", action="store_true")
     parser.add_argument("--no-claim-rates", action="store_true")
+    parser.add_argument("--native", action="store_true", help="also pgbench/mariadb-slap/…")
     args = parser.parse_args(argv)
     return Settings(
         seconds=args.seconds,
         slices=args.slices,
         callers=tuple(int(n) for n in parse_list(args.callers)),
-        backends=tuple(parse_list(args.backends)),
+        backends=tuple(b for b in parse_list(args.backends) if b != "none"),
         claim_forms=not args.no_claim_forms,
         claim_rates=not args.no_claim_rates,
+        native=args.native,
     )
 
 
@@ -616,8 +803,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             bench_redis(settings, run_id, report, REDIS_URL, cluster=False)
         if cluster_url is not None:
             bench_redis(settings, run_id, report, cluster_url, cluster=True)
-        if settings.claim_rates:
+        if settings.claim_rates and settings.backends:
             claim_rates(settings, run_id, report, cluster_url)
+        if settings.native:
+            native_rates(run_id, report)
     print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("\nlibrary / raw (the same commands through the same driver):\n")
     print(table(report.rows))
@@ -625,10 +814,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\nMySQL claim forms, raw: INSERT + 1062 (chosen) / ON DUPLICATE KEY UPDATE:\n")
         print(table(report.form_rows, ("odku ops/s", "insert+1062 ops/s")))
     if report.rates:
-        print("\nraw claims per second (fresh keys):\n")
-        print("| store | callers | claims/s |\n| --- | ---: | ---: |")
+        print("\nclaims per second (fresh keys, each its own commit):\n")
+        print("| store | client, connections | claims/s |\n| --- | --- | ---: |")
         for name, callers, rate in report.rates:
-            print(f"| {name} | {callers} | {rate:,.0f} |")
+            client = callers if isinstance(callers, str) else f"Python threads, {callers}"
+            print(f"| {name} | {client} | {rate:,.0f} |")
 
 
 if __name__ == "__main__":

@@ -325,3 +325,21 @@ def test_without_opentelemetry_everything_is_a_no_op(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "no-op ok"
+
+
+def test_a_sampled_out_run_exports_nothing_and_still_names_its_trace(
+    store: SQLiteStore, exporter: InMemorySpanExporter
+) -> None:
+    """Not sampled: no span is exported, the run works, the record still carries the traceparent."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    idem = traced(Idempotency(store), provider.get_tracer("test"))
+    idem.run(intent("k1"), created)
+    assert idem.run(intent("k1"), created).replayed
+    assert exporter.get_finished_spans() == ()
+    record = store.get("alice", "k1")
+    assert record is not None
+    assert linked_context(record.correlation_id) is not None
+    provider.shutdown()

@@ -196,6 +196,7 @@ class _Run:
         self._run_token = _CURRENT_RUN.set(self)
         self.tracer = tracer
         self.policy = policy
+        self.recording = span.is_recording()  # sampled out: nothing to write at the end
         self.attributes: dict[str, str | int | float] = {}
         if intent.correlation_id is None and (own := _traceparent_of(span)) is not None:
             intent = dataclasses.replace(intent, correlation_id=own)
@@ -213,6 +214,8 @@ class _Run:
             self.attributes["idemflow.state"] = _STATE_AFTER[event]
 
     def finish(self, outcome: Outcome) -> None:
+        if not self.recording:
+            return
         attributes = self.attributes
         if outcome.replayed:
             attributes["idemflow.state"] = outcome.record.state.value
@@ -226,6 +229,8 @@ class _Run:
 
     def fail(self, exc: BaseException) -> None:
         """Write what the events said; outages and crashes also fail the span."""
+        if not self.recording:
+            return
         self.span.set_attributes(self.attributes)
         # 409/422 answers are outcomes, not failures; a lost lease means our
         # work was rolled back, which is.

@@ -124,3 +124,30 @@ def test_a_dead_master_is_a_503_for_its_slots() -> None:
         store.client.close()
     assert raised.value.status == 503
     assert handler.calls == []
+
+
+@pytest.mark.anyio
+async def test_async_store_on_the_async_cluster_client(table_name: str) -> None:
+    """AsyncRedisStore on redis.asyncio's RedisCluster: one execution, then replays, per key."""
+    from idemflow import AsyncAttempt, AsyncIdempotency
+    from idemflow.stores.redis import AsyncRedisStore, open_redis
+
+    url = started().url.replace("redis://", "redis+cluster://")
+    store = open_redis(url, policy=POLICY, prefix=table_name, asynchronous=True)
+    assert isinstance(store, AsyncRedisStore)
+    idem = AsyncIdempotency(store, POLICY)
+    calls: list[str] = []
+
+    async def handler(attempt: AsyncAttempt) -> Response:
+        calls.append(attempt.record.key)
+        return CREATED
+
+    try:
+        first = [await idem.run(Intent("alice", f"k-{n}", "fp"), handler) for n in range(12)]
+        again = [await idem.run(Intent("alice", f"k-{n}", "fp"), handler) for n in range(12)]
+    finally:
+        async for key in store.client.scan_iter(match=f"{table_name}:*"):
+            await store.client.delete(key)
+        await store.close()
+    assert [o.replayed for o in first + again] == [False] * 12 + [True] * 12
+    assert len(calls) == 12

@@ -62,6 +62,15 @@ def register(subparsers: Any) -> None:
         help="share of provider calls failing transiently, 0–1 (default: 0)",
     )
     add(
+        "--sweep-every",
+        # timedelta(0) stands for "off" (parse_duration refuses 0).
+        type=lambda text: timedelta(0) if text == "off" else parse_duration(text),
+        default=None,
+        metavar="DURATION|off",
+        help="resolve crashed claims this often, asking the provider (default: the request "
+        "timeout); off: never",
+    )
+    add(
         "--token",
         action="append",
         type=parse_token,
@@ -78,7 +87,13 @@ def register(subparsers: Any) -> None:
     # For the benchmark and the tests only.
     add("--bench-routes", action="store_true", help=argparse.SUPPRESS)
     add("--provider-seed", type=int, default=None, help=argparse.SUPPRESS)
-    add("--single-commit", action="store_true", help=argparse.SUPPRESS)
+    add("--pool-size", type=int, default=8, help=argparse.SUPPRESS)
+    add(
+        "--claim-commit",
+        choices=("own", "single"),
+        default="own",
+        help=argparse.SUPPRESS,
+    )
     parser.set_defaults(run=run)
 
 
@@ -98,7 +113,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         access_log=args.access_log,
         bench_routes=args.bench_routes,
         provider_seed=args.provider_seed,
-        single_commit=args.single_commit,
+        claim_commit=args.claim_commit,
+        pool_size=args.pool_size,
+        sweeper=args.sweep_every != timedelta(0),
+        sweep_every=args.sweep_every or None,
     )
 
 

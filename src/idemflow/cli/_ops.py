@@ -25,6 +25,7 @@ from ._common import database_url
 __all__ = [
     "add_json_argument",
     "age",
+    "intermixed",
     "iso",
     "operated_store",
     "print_json",
@@ -67,8 +68,10 @@ def _check_reachable(url: str, scheme: str) -> None:
             msg = f"SQLite file {path!r} does not exist: check the path, or run idemflow migrate"
             raise ConfigurationError(msg)
     elif scheme == "postgresql":
-        import psycopg
-
+        try:
+            import psycopg
+        except ImportError:
+            return  # open_store says which extra to install
         conninfo = url.replace("postgres://", "postgresql://", 1)
         try:
             psycopg.connect(conninfo, connect_timeout=_CONNECT_TIMEOUT_SECONDS).close()

@@ -39,9 +39,12 @@ from ..integrations.starlette import (
     to_starlette,
 )
 from ..metrics import PrometheusMetrics
+from ..sweeper import AsyncBackgroundSweeper
 from .db import Database, open_database
+from .faults import crash_point
 from .payments import InvalidRequest, Payments, parse_payment, parse_refund, payment_json
 from .provider import FakeProvider
+from .recovery import start_recovery
 from .settings import Settings
 
 __all__ = ["DemoService", "create_app"]
@@ -93,8 +96,13 @@ class DemoService:
         self.settings = settings
         self.started = False
         self._watching = False
+        #: The background sweeper with the provider reconciler, while started.
+        self.recovery: AsyncBackgroundSweeper | None = None
         self.db: Database = open_database(
-            settings.database_url, settings.sqlite_path, pool_size=settings.pool_size
+            settings.database_url,
+            settings.sqlite_path,
+            pool_size=settings.pool_size,
+            claim_commit=settings.claim_commit,
         )
         self.provider = FakeProvider(
             settings.provider_path,
@@ -113,8 +121,7 @@ class DemoService:
             connect=self.db.connect,
             transaction=self.db.transaction,
             options=EdgeOptions(authorize_replay=self.may_replay),
-            # Only where the database allows it (PostgreSQL) and asked to.
-            single_commit=self.db.single_commit and settings.single_commit,
+            single_commit=self.db.single_commit,
         )
         for endpoint in PROTECTED:  # every outcome shows on /metrics from the start, at 0
             for event in Event:
@@ -137,10 +144,15 @@ class DemoService:
             stats = await asyncio.to_thread(self.db.stats_store)
             self.metrics.watch_stale_claims(stats, self.settings.request_timeout)
             self._watching = True
+        if self.recovery is None:
+            self.recovery = start_recovery(self)
         self.started = True
 
     async def stop(self) -> None:
         self.started = False
+        if self.recovery is not None:  # before the database it sweeps closes
+            await self.recovery.stop()
+            self.recovery = None
         self.provider.close()
         await self.db.close()
 
@@ -154,9 +166,13 @@ class DemoService:
         principal = request.user.identity
 
         async def charge(attempt: AsyncAttempt) -> Response:
+            crash_point("after_claim")  # TEST-ONLY: off unless IDEMFLOW_DEMO_CRASH_AT is set
             return await self.payments.create(attempt, principal, payment)
 
-        return await self.idempotent.run(request, charge)
+        response = await self.idempotent.run(request, charge)
+        if response.status_code in (201, 402) and "idempotent-replayed" not in response.headers:
+            crash_point("after_commit")  # TEST-ONLY: committed, not yet sent
+        return response
 
     async def create_payment_unprotected(self, request: Request) -> StarletteResponse:
         """Benchmark only: the same business write, idempotency switched off."""
@@ -192,7 +208,7 @@ class DemoService:
         return await self.idempotent.run(request, refund_once)
 
     async def list_payments(self, request: Request) -> StarletteResponse:
-        rows = await self.payments.list(request.user.identity)
+        rows = await self.payments.list(request.user.identity, query_limit(request))
         return to_starlette(Response.json(200, {"payments": [payment_json(r) for r in rows]}))
 
     async def get_payment(self, request: Request) -> StarletteResponse:
@@ -203,7 +219,8 @@ class DemoService:
         return to_starlette(Response.json(200, payment_json(row)))
 
     async def provider_charges(self, request: Request) -> StarletteResponse:
-        charges = [charge.as_json() for charge in await self.provider.ledger()]
+        ledger = await self.provider.ledger(query_limit(request, default=1000))
+        charges = [charge.as_json() for charge in ledger]
         return to_starlette(Response.json(200, {"charges": charges}))
 
     async def metrics_text(self, request: Request) -> StarletteResponse:
@@ -255,6 +272,12 @@ class PlainAttempt:
     async def commit_phase(self, recovery_point: str) -> None:
         await self._transaction.commit()
         await self._transaction.begin()
+
+
+def query_limit(request: Request, default: int = 100, maximum: int = 100_000) -> int:
+    """``?limit=N`` on the list endpoints (at most ``maximum``), else ``default``."""
+    text = request.query_params.get("limit", "")
+    return min(int(text), maximum) if text.isdigit() and int(text) > 0 else default
 
 
 def invalid(request: Request, exc: InvalidRequest) -> StarletteResponse:

@@ -291,17 +291,23 @@ def _pyformat(sql: str) -> str:
     return _NAMED.sub(r"%(\1)s", sql)
 
 
-class PostgresDatabase:
-    """Keys and payments in PostgreSQL, one pool shared by the store and the endpoints.
+#: How the claim commits on PostgreSQL: ``own`` in a commit of its own (the
+#: default); ``single`` as the first statement of the endpoint's first
+#: transaction (single-commit mode: one commit fewer, but concurrent replays
+#: of one key then queue on its row lock, and some answer 409 under load).
+CLAIM_COMMITS = ("own", "single")
 
-    Sharing is safe because a request holds at most one connection at a time:
-    the claim (and the replay's authorization read) run before the endpoint's
-    transaction takes its connection, or after it gave it back.
+
+class PostgresDatabase:
+    """Keys and payments in PostgreSQL.
+
+    The store and the endpoints share one pool. That is safe because a
+    request holds at most one connection at a time: the claim (and the
+    replay's authorization read) run before the endpoint's transaction takes
+    its connection, or after it gave it back.
     """
 
-    single_commit = True
-
-    def __init__(self, url: str, *, pool_size: int = 8) -> None:
+    def __init__(self, url: str, *, pool_size: int = 8, claim_commit: str = "own") -> None:
         try:
             import psycopg_pool
 
@@ -309,21 +315,25 @@ class PostgresDatabase:
         except ImportError as exc:  # pragma: no cover - depends on the install
             msg = "PostgreSQL needs the driver: pip install 'idemflow[postgres]'"
             raise ConfigurationError(msg) from exc
-
+        if claim_commit not in CLAIM_COMMITS:
+            msg = f"claim_commit must be one of {', '.join(CLAIM_COMMITS)}"
+            raise ConfigurationError(msg)
+        self.url = url.replace("postgres://", "postgresql://", 1)
+        self.single_commit = claim_commit == "single"
         self.pool = psycopg_pool.AsyncConnectionPool(
-            url.replace("postgres://", "postgresql://", 1),
+            self.url,
             min_size=1,
             max_size=pool_size,
-            kwargs={"autocommit": True},
+            kwargs=_connection_options(self.url, bounded_locks=self.single_commit),
             open=False,
             timeout=5.0,
         )
         self.store = AsyncPostgresStore(self.pool, table=KEY_TABLE)
-        self.url = url
         self._stats: Any = None
 
     def connect(self) -> AbstractAsyncContextManager[Any]:
-        return self.pool.connection()
+        connection: AbstractAsyncContextManager[Any] = self.pool.connection()
+        return connection
 
     def transaction(self, raw: Any) -> AsyncTransaction:
         # cast: the adapter takes the concrete SQLStatement the protocol abstracts.
@@ -336,7 +346,16 @@ class PostgresDatabase:
         from ..stores.postgres import PostgresStore
 
         if self._stats is None:  # one connection: a COUNT every few seconds at most
-            self._stats = PostgresStore(self.url, table=KEY_TABLE, max_size=1)
+            import psycopg_pool
+
+            pool = psycopg_pool.ConnectionPool(
+                self.url,
+                min_size=1,
+                max_size=1,
+                kwargs=_connection_options(self.url, bounded_locks=False),
+                open=True,
+            )
+            self._stats = PostgresStore(pool, table=KEY_TABLE)
         return self._stats
 
     async def open(self) -> None:
@@ -354,7 +373,32 @@ class PostgresDatabase:
         await self.pool.close()
 
 
-def open_database(url: str | None, sqlite_path: Path, *, pool_size: int = 8) -> Database:
+def _connection_options(url: str, *, bounded_locks: bool) -> dict[str, Any]:
+    """Autocommit connections; with ``bounded_locks``, the store's lock timeout too.
+
+    The bound matters in single-commit mode, where a duplicate would otherwise
+    wait for another request's uncommitted claim. With claims committed on
+    their own a claim only ever waits for a statement or a completion to
+    finish (milliseconds), and a bound would turn concurrent replays of one
+    key into 409s under load. ``options`` given as a keyword would replace the
+    URL's own (a ``search_path``, say): they are joined instead.
+    """
+    from psycopg.conninfo import conninfo_to_dict
+
+    from ..stores.postgres import DEFAULT_CLAIM_LOCK_TIMEOUT_MS, connection_options
+
+    if not bounded_locks:
+        return {"autocommit": True}
+    options = connection_options(DEFAULT_CLAIM_LOCK_TIMEOUT_MS)
+    own = conninfo_to_dict(url).get("options")
+    if own:
+        options["options"] = f"{own} {options['options']}"
+    return options
+
+
+def open_database(
+    url: str | None, sqlite_path: Path, *, pool_size: int = 8, claim_commit: str = "own"
+) -> Database:
     """PostgreSQL for a ``postgresql://`` URL, else the SQLite file at ``sqlite_path``."""
     from ..stores.urls import scheme_of
     from ..stores.urls import sqlite_path as path_of
@@ -363,7 +407,7 @@ def open_database(url: str | None, sqlite_path: Path, *, pool_size: int = 8) -> 
         return SQLiteDatabase(sqlite_path, pool_size=pool_size)
     scheme = scheme_of(url)
     if scheme == "postgresql":
-        return PostgresDatabase(url, pool_size=pool_size)
+        return PostgresDatabase(url, pool_size=pool_size, claim_commit=claim_commit)
     if scheme == "sqlite":
         return SQLiteDatabase(Path(path_of(url)), pool_size=pool_size)
     msg = f"the demo runs on SQLite or PostgreSQL, not {scheme}"

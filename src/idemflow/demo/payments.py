@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from .._http import problem
 from .._model import Response
 from .db import Connection
+from .faults import crash_point
 from .provider import ChargeRequest, FakeProvider, ProviderDeclined, ProviderUnavailable
 
 __all__ = [
@@ -133,6 +134,24 @@ def payment_json(row: Mapping[str, Any]) -> dict[str, Any]:
     return {key: row[key] for key in keys}
 
 
+def succeeded_response(row: Mapping[str, Any]) -> Response:
+    """The 201 a charged payment answers (and the sweeper's reconciler stores)."""
+    location = f"/payments/{row['id']}"
+    return Response.json(201, payment_json(row), [("location", location)])
+
+
+def declined_response(payment_id: str, declined: ProviderDeclined) -> Response:
+    """The 402 a declined payment answers (stored as failed_permanent)."""
+    return problem(
+        402,
+        "Payment declined",
+        str(declined),
+        slug="payment-declined",
+        payment_id=payment_id,
+        charge_id=declined.charge.id,
+    )
+
+
 _PAYMENT_COLUMNS = "id, principal, amount, currency, customer, status, charge_id, refunded"
 
 
@@ -187,18 +206,11 @@ class Payments:
                 retry_after=PROVIDER_RETRY_AFTER,
             )
         except ProviderDeclined as declined:
+            crash_point("after_charge")  # TEST-ONLY: off unless IDEMFLOW_DEMO_CRASH_AT is set
             await self._settle(conn, row["id"], "declined", declined.charge.id)
-            return problem(
-                402,
-                "Payment declined",
-                str(declined),
-                slug="payment-declined",
-                payment_id=row["id"],
-                charge_id=declined.charge.id,
-            )
-        settled = await self._settle(conn, row["id"], "succeeded", charge.id)
-        location = f"/payments/{row['id']}"
-        return Response.json(201, payment_json(settled), [("location", location)])
+            return declined_response(row["id"], declined)
+        crash_point("after_charge")  # TEST-ONLY: off unless IDEMFLOW_DEMO_CRASH_AT is set
+        return succeeded_response(await self._settle(conn, row["id"], "succeeded", charge.id))
 
     async def _insert_pending(
         self, conn: Connection, attempt: Phases, principal: str, payment: PaymentIn

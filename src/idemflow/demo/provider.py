@@ -166,6 +166,21 @@ class FakeProvider:
         ).fetchone()
         return Charge(*row)
 
+    async def find(self, downstream_key: str) -> Charge | None:
+        """The charge made under ``downstream_key``, if any (what a reconciler asks)."""
+        async with self._lock:
+            row = await asyncio.to_thread(
+                lambda: (
+                    self._connection()
+                    .execute(
+                        f"SELECT {_COLUMNS} FROM charges WHERE downstream_key = ?",
+                        (downstream_key,),
+                    )
+                    .fetchone()
+                )
+            )
+        return None if row is None else Charge(*row)
+
     async def ledger(self, limit: int = 1000) -> list[Charge]:
         """The most recent charges, newest first."""
         async with self._lock:

@@ -68,10 +68,13 @@ class Settings:
     #: Seed for the provider's injected failures (None: unpredictable).
     provider_seed: int | None = None
     pool_size: int = 8
-    #: PostgreSQL, benchmark only: claim inside the endpoint's first
-    #: transaction (one commit fewer). Off by default: concurrent replays of
-    #: one key then queue on its row lock and some get a 409 under load.
-    single_commit: bool = False
+    #: PostgreSQL: how the claim commits (``own`` or ``single``; see
+    #: ``idemflow.demo.db.CLAIM_COMMITS``). SQLite always commits it alone.
+    claim_commit: str = "own"
+    #: Resolve crashed claims in the background (``idemflow.demo.recovery``).
+    sweeper: bool = True
+    #: How often the sweeper runs; None: every request timeout.
+    sweep_every: timedelta | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.provider_failure_rate <= 1.0:

@@ -58,7 +58,13 @@ from ._sql import (
 )
 from .protocol import Statement, Transaction
 
-__all__ = ["MySQLStore", "PyMySQLTransaction", "mysql_dialect"]
+__all__ = [
+    "MySQLStore",
+    "PyMySQLTransaction",
+    "connect_kwargs",
+    "mysql_dialect",
+    "mysql_statements",
+]
 
 DEFAULT_TABLE = "idemflow_keys"
 
@@ -182,7 +188,11 @@ def upsert_claim(table: str) -> str:
 
 
 def mysql_dialect(table: str = DEFAULT_TABLE) -> Dialect:
-    """The shared fenced UPDATEs, with MySQL's own claim, read, sweep and purge."""
+    """The shared fenced UPDATEs, with MySQL's own claim, read, sweep and purge.
+
+    ``claim`` is the guarded upsert, which the store sends only for a
+    takeover; a new key is claimed by :func:`mysql_statements`' plain INSERT.
+    """
     standard = Dialect.standard("mysql", table, mysql_ddl(table), upsert_claim(table))
     by_key = "WHERE principal = :principal AND idempotency_key = :key"
     return dataclasses.replace(
@@ -203,6 +213,7 @@ def mysql_dialect(table: str = DEFAULT_TABLE) -> Dialect:
 
 
 def mysql_statements(table: str = DEFAULT_TABLE) -> MySQLStatements:
+    """The plain INSERT, the locking reads and the maintenance read-backs."""
     by_key = "WHERE principal = :principal AND idempotency_key = :key"
     return MySQLStatements(
         insert=SQLStatement(upsert_claim(table).split(" ON DUPLICATE KEY UPDATE ")[0]),

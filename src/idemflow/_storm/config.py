@@ -1,0 +1,161 @@
+"""What a storm does: its settings, and the keys it sends (one plan per key)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from .._errors import ConfigurationError
+from .._model import STALE_MARGIN, STALE_MULTIPLIER, seconds
+
+__all__ = ["DEFAULT_TOKENS", "KeyPlan", "StormConfig", "plan_keys"]
+
+#: principal → bearer token: the demo's two default principals.
+DEFAULT_TOKENS: Mapping[str, str] = MappingProxyType({"alice": "alice-token", "bob": "bob-token"})
+CURRENCIES = ("EUR", "USD", "GBP", "CHF")
+#: Customers named ``declined…`` are declined by the demo's provider (402, stored).
+DECLINED_PREFIX = "declined-"
+
+
+@dataclass(frozen=True, slots=True)
+class StormConfig:
+    """One storm. Durations are seconds.
+
+    Args:
+        url: the service to attack; None starts the demo (and may kill it).
+        database: the demo's database URL (None: SQLite in ``data_dir``).
+        keys: distinct idempotency keys, each a payment of its own.
+        retries: concurrent clients per key, each retrying until it gets an answer.
+        duration: the attack window: keys start at random moments within it,
+            and kills happen only within it.
+        kill_every: SIGKILL the demo about this often (None: never).
+        min_kills: go on killing past the window until this many kills are done
+            (as long as clients are still at work).
+        request_timeout: the service's request timeout; the stale threshold
+            (``2 × timeout + 10 s``) and so the time given to settle derive from it.
+        sweep_every: how often the demo's sweeper runs (None: half the timeout).
+        provider_latency_ms: each provider call's latency (the demo only).
+        provider_failure_rate: share of provider calls failing transiently (the demo only).
+        declined_share: share of keys whose customer the provider declines (402).
+        seed: makes the keys, bodies, start times and kill moments reproducible.
+        settle_for: how long clients keep retrying after the attack window
+            (None: the stale threshold + two sweeps + 10 s).
+        max_sleep: the longest a client honours a ``Retry-After`` for.
+        data_dir: where the demo keeps its files (None: a fresh temporary folder).
+        tokens: principal → bearer token.
+    """
+
+    url: str | None = None
+    database: str | None = None
+    keys: int = 150
+    retries: int = 3
+    duration: float = 20.0
+    kill_every: float | None = 2.5
+    min_kills: int = 0
+    request_timeout: float = 2.0
+    sweep_every: float | None = None
+    provider_latency_ms: int = 100
+    provider_failure_rate: float = 0.1
+    declined_share: float = 0.15
+    seed: int | None = None
+    settle_for: float | None = None
+    max_sleep: float = 2.0
+    data_dir: Path | None = None
+    tokens: Mapping[str, str] = field(default_factory=lambda: DEFAULT_TOKENS)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.keys >= 1, "--keys must be at least 1"),
+            (self.retries >= 1, "--retries must be at least 1"),
+            (self.duration > 0, "--duration must be positive"),
+            (self.kill_every is None or self.kill_every > 0, "--kill-every must be positive"),
+            (self.min_kills >= 0, "--min-kills must not be negative"),
+            (self.min_kills == 0 or self.kill_every is not None, "--min-kills needs kills"),
+            (self.request_timeout > 0, "--request-timeout must be positive"),
+            (0 <= self.provider_failure_rate < 1, "--provider-failure-rate must be in [0, 1)"),
+            (0 <= self.declined_share <= 1, "--declined-share must be in [0, 1]"),
+            (self.provider_latency_ms >= 0, "--provider-latency-ms must not be negative"),
+            (
+                self.url is None or self.kill_every is None,
+                "--kill-every needs the storm's own demo",
+            ),
+            (self.url is None or self.database is None, "--database is for the storm's own demo"),
+            (bool(self.tokens), "at least one principal is needed"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigurationError(message)
+
+    @property
+    def stale_after(self) -> float:
+        """The service's stale threshold, derived as idemflow's Policy derives it."""
+        return self.request_timeout * STALE_MULTIPLIER + seconds(STALE_MARGIN)
+
+    @property
+    def sweep_interval(self) -> float:
+        return self.sweep_every if self.sweep_every is not None else self.request_timeout / 2
+
+    @property
+    def settle_seconds(self) -> float:
+        """How long after the attack window a key may take to get its answer.
+
+        A claim orphaned by the last kill blocks its key (409) until it is
+        older than the stale threshold and a sweep has resolved it.
+        """
+        if self.settle_for is not None:
+            return self.settle_for
+        return self.stale_after + 2 * self.sweep_interval + 10
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPlan:
+    """One key: who sends it, what body (unique to the key), and when its clients start."""
+
+    index: int
+    key: str
+    principal: str
+    body: bytes
+    customer: str
+    start: float
+
+    @property
+    def declined(self) -> bool:
+        return self.customer.startswith(DECLINED_PREFIX)
+
+
+def plan_keys(config: StormConfig, run_id: str, rng: random.Random) -> list[KeyPlan]:
+    """The storm's keys; the customer names the run and the key, so the ledger maps back."""
+    principals = sorted(config.tokens)
+    plans = []
+    for index in range(config.keys):
+        declined = rng.random() < config.declined_share
+        customer = f"{DECLINED_PREFIX if declined else ''}storm-{run_id}-{index:05d}"
+        content = {
+            "amount": rng.randint(100, 99_999),
+            "currency": rng.choice(CURRENCIES),
+            "customer": customer,
+        }
+        plans.append(
+            KeyPlan(
+                index=index,
+                key=f"storm-{run_id}-{index:05d}",
+                principal=rng.choice(principals),
+                body=json.dumps(content).encode(),
+                customer=customer,
+                start=rng.uniform(0, config.duration),
+            )
+        )
+    return plans
+
+
+def key_index(customer: str, run_id: str) -> int | None:
+    """The key index a ledger customer belongs to, or None if not this run's."""
+    name = customer.removeprefix(DECLINED_PREFIX)
+    prefix = f"storm-{run_id}-"
+    if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
+        return None
+    return int(name[len(prefix) :])

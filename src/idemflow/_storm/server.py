@@ -1,0 +1,124 @@
+"""The demo as the storm's victim: started, SIGKILLed and restarted on one database and port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from .._errors import ConfigurationError
+from .config import StormConfig
+
+__all__ = ["DemoProcess", "StormError"]
+
+#: The longest one start (imports, migration, first /healthz) may take.
+STARTUP_SECONDS = 60.0
+
+
+class StormError(ConfigurationError):
+    """The storm could not run (the demo would not start): no verdict."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now; every restart of the demo binds it again."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class DemoProcess:
+    """``idemflow demo`` in a subprocess; each (re)start is a new incarnation.
+
+    Its output goes to ``data_dir/demo.log``, appended across incarnations: a
+    traceback there is what to read when a verdict is red.
+    """
+
+    def __init__(self, config: StormConfig, data_dir: Path, *, port: int | None = None) -> None:
+        self.config = config
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = data_dir / "demo.log"
+        self.incarnation = 0
+        self.kills = 0
+        #: Seconds each incarnation took to answer /healthz.
+        self.startups: list[float] = []
+        self._process: asyncio.subprocess.Process | None = None
+
+    def command(self) -> list[str]:
+        config = self.config
+        command = [sys.executable, "-m", "idemflow", "demo", "--no-access-log"]
+        command += ["--port", str(self.port), "--data-dir", str(self.data_dir)]
+        command += ["--request-timeout", f"{config.request_timeout:g}"]
+        command += ["--sweep-every", f"{config.sweep_interval:g}"]
+        command += ["--provider-latency-ms", str(config.provider_latency_ms)]
+        command += ["--provider-failure-rate", f"{config.provider_failure_rate:g}"]
+        if config.seed is not None:  # each incarnation its own, reproducible failures
+            command += ["--provider-seed", str(config.seed * 1000 + self.incarnation)]
+        if config.database:
+            command += ["--database", config.database]
+        return command
+
+    async def start(self) -> None:
+        """Start an incarnation and wait until it answers ``/healthz``."""
+        self.incarnation += 1
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with self.log.open("a") as log:
+            log.write(f"--- incarnation {self.incarnation} at {time.strftime('%X')}\n")
+            log.flush()
+            self._process = await asyncio.create_subprocess_exec(
+                *self.command(), stdout=log, stderr=log, stdin=asyncio.subprocess.DEVNULL
+            )
+        began = time.monotonic()
+        await self._wait_ready(self._process)
+        self.startups.append(time.monotonic() - began)
+        with self.log.open("a") as log:
+            log.write(f"--- incarnation {self.incarnation} ready after {self.startups[-1]:.2f} s\n")
+
+    async def _wait_ready(self, process: asyncio.subprocess.Process) -> None:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        async with httpx.AsyncClient(base_url=self.url, timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if process.returncode is not None:
+                    break
+                with contextlib.suppress(httpx.TransportError):
+                    if (await client.get("/healthz")).status_code == 200:
+                        return
+                await asyncio.sleep(0.05)
+        await self.stop()
+        tail = self.log.read_text(errors="replace").strip().splitlines()[-5:]
+        msg = f"the demo did not start ({self.log}): {' | '.join(tail) or 'no output'}"
+        raise StormError(msg)
+
+    async def kill(self) -> None:
+        """SIGKILL: no shutdown, no rollback, no flush, as a power cut."""
+        process = self._running()
+        process.send_signal(signal.SIGKILL)
+        await process.wait()
+        self.kills += 1
+        with self.log.open("a") as log:
+            log.write(f"--- incarnation {self.incarnation} SIGKILLed at {time.strftime('%X')}\n")
+
+    async def stop(self) -> None:
+        """End the current incarnation politely (SIGTERM, then SIGKILL after 10 s)."""
+        process, self._process = self._process, None
+        if process is None or process.returncode is not None:
+            return
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), 10)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+    def _running(self) -> asyncio.subprocess.Process:
+        if self._process is None:
+            raise RuntimeError("the demo is not running")
+        return self._process
