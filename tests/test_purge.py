@@ -183,6 +183,40 @@ def test_purge_every_keeps_going_until_sigterm(tmp_path: Path, table_name: str) 
     assert (process.returncode, err) == (0, "")
 
 
+def test_purge_every_survives_an_outage_and_stops_on_a_missing_table(
+    tmp_path: Path, table_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A locked database fails one pass (one line) and the next purges; no table ends it."""
+    url = f"sqlite:///{tmp_path / 'keys.db'}"
+    with open_store("sqlite", tmp_path, table_name) as store:
+        settle(store, "k1", at=now() - 2 * DAY)
+    blocker = sqlite3.connect(tmp_path / "keys.db", isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    process = subprocess.Popen(
+        [*COMMAND, "purge", url, "--table", table_name, "--every", "0.2", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        assert process.stderr.readline().startswith("idemflow purge: pass failed: ")
+        blocker.close()  # the outage ends
+        assert process.stdout is not None
+        assert json.loads(process.stdout.readline())["purged"] == 1
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0
+
+    assert main(["purge", url, "--table", "absent", "--every", "0.2"]) == 1
+    err = capsys.readouterr().err
+    assert err == "idemflow purge: table absent does not exist: run idemflow migrate\n"
+
+
 @pytest.mark.parametrize(
     ("with_rich", "shown"), [(True, "purging expired records"), (False, "purged 12 of about 12")]
 )
@@ -289,7 +323,7 @@ def test_sqlite_purges_through_the_expiry_index(tmp_path: Path, table_name: str)
 def test_a_record_claimed_again_while_the_purge_waits_is_kept(
     tmp_path: Path, table_name: str
 ) -> None:
-    """The purge meets a row a new claim is taking over: it re-checks the expiry and keeps it."""
+    """The purge meets a row a new claim is taking over: it neither waits nor deletes it."""
     import psycopg
 
     with open_store("postgres", tmp_path, table_name) as store:
@@ -304,9 +338,8 @@ def test_a_record_claimed_again_while_the_purge_waits_is_kept(
             purged: list[int] = []
             purger = threading.Thread(target=lambda: purged.append(store.purge(now(), 100)))
             purger.start()
-            time.sleep(0.5)  # the purge is now waiting for the row lock
+            purger.join(timeout=30)  # it skips the locked row: no wait, no lock timeout
             claimer.commit()
-            purger.join(timeout=30)
         assert purged == [0]
         record = store.get("alice", "k1")
         assert record is not None

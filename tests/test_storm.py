@@ -113,8 +113,8 @@ def execute_again_later(tallies: list[KeyTally], ledger: Ledger) -> None:
     tallies[0].late_replayed = False
 
 
-def answer_500(tallies: list[KeyTally], ledger: Ledger) -> None:
-    tallies[1].saw(httpx.Response(500))
+def answer_422(tallies: list[KeyTally], ledger: Ledger) -> None:
+    tallies[1].saw(httpx.Response(422))
 
 
 def cut_a_list_short(tallies: list[KeyTally], ledger: Ledger) -> None:
@@ -130,7 +130,7 @@ BROKEN: list[tuple[Callable[[list[KeyTally], Ledger], None], str]] = [
     (answer_what_the_ledger_denies, "answers disagreeing with the ledger"),
     (lose_the_charge, "answers disagreeing with the ledger"),
     (execute_again_later, "answers disagreeing with the ledger"),
-    (answer_500, "unexpected responses"),
+    (answer_422, "wrong answers"),
     (cut_a_list_short, "lists cut short (cannot verify)"),
 ]
 
@@ -156,6 +156,16 @@ idemflow_requests_total{endpoint="POST /payments/{id}/refunds",outcome="released
 idemflow_stale_reclaimed_total{resolution="completed"} 2.0
 idemflow_stale_reclaimed_total{resolution="released"} 5.0
 """
+
+
+def test_a_server_error_is_shown_but_breaks_nothing() -> None:
+    """A 500 the clients retried past is counted apart: exactly-once still holds."""
+    tallies, ledger = clean_storm()
+    tallies[0].saw(httpx.Response(500))
+    verdict = verdict_of(tallies, ledger)
+    assert verdict.ok
+    assert verdict.server_errors == 1
+    assert verdict.details == {"server errors": ["500 × 1"]}
 
 
 def test_metrics_add_up_over_incarnations() -> None:

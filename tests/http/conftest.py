@@ -77,8 +77,9 @@ class Demo:
 
 
 def _read_lines(stream: Any, lines: queue.Queue[str]) -> None:
-    for line in stream:
-        lines.put(line.rstrip("\n"))
+    with contextlib.suppress(ValueError, OSError):  # the pipe closed under us
+        for line in stream:
+            lines.put(line.rstrip("\n"))
 
 
 @contextlib.contextmanager
@@ -92,7 +93,8 @@ def run_demo(data_dir: Path, *args: str, database_url: str | None = None) -> Ite
     with log.open("w") as stderr:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True).start()
+    reader = threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True)
+    reader.start()
     try:
         banner = _wait_for_banner(process, lines, log)
         url = banner[0].rsplit(" ", 1)[-1]
@@ -107,6 +109,7 @@ def run_demo(data_dir: Path, *args: str, database_url: str | None = None) -> Ite
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        reader.join(5)  # EOF once the process is gone
         if process.stdout is not None:
             process.stdout.close()
 

@@ -15,6 +15,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -279,28 +280,41 @@ def test_single_commit_claim_and_effect_commit_once(
     assert business_rows(table_name) == 1
 
 
+def lock_wait(conn: Any) -> int:
+    with conn.cursor() as cursor:
+        cursor.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
+        return int(cursor.fetchone()[0])
+
+
 def test_single_commit_duplicate_gets_409_without_waiting_long(store: MySQLStore) -> None:
-    """A duplicate meeting an uncommitted single-commit claim answers 409 after the bounded wait."""
+    """A duplicate meeting an uncommitted single-commit claim answers 409 after a bounded wait.
+
+    The bound (1 s) applies to the claim only: the caller's session gets its
+    own lock wait back afterwards.
+    """
     idem = Idempotency(store, POLICY)
-    seen: list[InProgress] = []
+    seen: list[tuple[InProgress, float, int]] = []
 
     def meanwhile(attempt: Attempt) -> Response:
-        with caller("REPEATABLE READ") as other, pytest.raises(InProgress) as raised:
-            idem.run(
-                intent(),
-                lambda a: CREATED,
-                transaction=PyMySQLTransaction(other),
-                single_commit=True,
-            )
-        seen.append(raised.value)
+        with caller("REPEATABLE READ") as other:
+            with other.cursor() as cursor:
+                cursor.execute("SET SESSION innodb_lock_wait_timeout = 7")
+            started = time.monotonic()
+            with pytest.raises(InProgress) as raised:
+                idem.run(
+                    intent(), Recorder(), transaction=PyMySQLTransaction(other), single_commit=True
+                )
+            seen.append((raised.value, time.monotonic() - started, lock_wait(other)))
         return CREATED
 
     with caller("REPEATABLE READ") as conn:
+        before = lock_wait(conn)
         idem.run(intent(), meanwhile, transaction=PyMySQLTransaction(conn), single_commit=True)
-    assert len(seen) == 1
-    with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
-        cursor.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
-        assert cursor.fetchone()[0] == 50  # a fresh session's default, untouched
+        assert lock_wait(conn) == before
+    [(error, waited, restored)] = seen
+    assert error.status == 409
+    assert 0.9 < waited < 5.0
+    assert restored == 7
 
 
 def test_transaction_adapter_joins_a_transaction_already_begun(

@@ -8,7 +8,6 @@ from it by ``scripts/unasync.py``.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
@@ -17,6 +16,7 @@ from .._downstream import downstream_key
 from .._errors import ConfigurationError, StoreUnavailable
 from .._events import Event, Observer, error_event, null_observer
 from .._flow import ClaimKey, Complete, Execute, Flow, Release, Step, idempotency_flow
+from .._lease import new_lease_token
 from .._model import Clock, Intent, Outcome, Policy, Record, Response
 from ..stores.protocol import AsyncStore, AsyncTransaction
 
@@ -130,7 +130,9 @@ class AsyncIdempotency:
             raise ConfigurationError(msg)
         perform = _Performer(self, intent, handler, transaction, single_commit)
         try:
-            outcome = await _drive(idempotency_flow(intent, self.policy, _lease()), perform)
+            outcome = await _drive(
+                idempotency_flow(intent, self.policy, new_lease_token()), perform
+            )
         except BaseException as exc:
             await perform.abandon()
             event = error_event(exc)
@@ -239,7 +241,3 @@ class _Performer:
             await self._end(commit=False)
         except Exception:
             logger.warning("rollback after error failed", exc_info=True)
-
-
-def _lease() -> str:
-    return secrets.token_hex(16)

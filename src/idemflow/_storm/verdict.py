@@ -21,6 +21,10 @@ from .service import Ledger
 
 __all__ = ["Verdict", "judge"]
 
+#: Statuses a payment may answer below 500: charged, declined, in progress. Any
+#: other 4xx is a wrong answer (a 422 would mean the fingerprint changed).
+EXPECTED = frozenset({201, 402, 409})
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
@@ -45,6 +49,9 @@ class Verdict:
     unresolved: int
     inconsistent: int
     unexpected_responses: int
+    #: 5xx other than 503: the server failed (the claim was released; clients
+    #: retry them as HTTP says). Shown, not a violation of exactly-once.
+    server_errors: int = 0
     truncated: list[str] = field(default_factory=list)
     elapsed: float = 0.0
     #: Killed incarnations whose /metrics could not be read: counters are a lower bound.
@@ -59,7 +66,7 @@ class Verdict:
             "keys with two different answers": self.different_answers,
             "keys never resolved": self.unresolved,
             "answers disagreeing with the ledger": self.inconsistent,
-            "unexpected responses": self.unexpected_responses,
+            "wrong answers": self.unexpected_responses,
             "lists cut short (cannot verify)": len(self.truncated),
         }
         return [name for name, count in checks.items() if count]
@@ -94,6 +101,12 @@ def judge(
         "duplicate payments": [t.plan.key for t in tallies if len(payments[t.plan.index]) > 1],
         "different answers": [t.plan.key for t in tallies if len(t.answers) > 1],
         "unresolved": [t.plan.key for t in tallies if not t.resolved],
+        "wrong answers": [
+            f"{status} × {n}" for status, n in sorted(statuses.items()) if _unexpected(status)
+        ],
+        "server errors": [
+            f"{status} × {n}" for status, n in sorted(statuses.items()) if _server_error(status)
+        ],
         "inconsistent": [
             t.plan.key
             for t in tallies
@@ -126,12 +139,21 @@ def judge(
         different_answers=len(details["different answers"]),
         unresolved=len(details["unresolved"]),
         inconsistent=len(details["inconsistent"]),
-        unexpected_responses=sum(n for s, n in statuses.items() if s not in (201, 402, 409, 503)),
+        unexpected_responses=sum(n for s, n in statuses.items() if _unexpected(s)),
+        server_errors=sum(n for s, n in statuses.items() if _server_error(s)),
         truncated=list(ledger.truncated),
         elapsed=round(elapsed, 1),
         metrics_missed=metrics_missed,
         details={name: keys for name, keys in details.items() if keys},
     )
+
+
+def _unexpected(status: int) -> bool:
+    return status < 500 and status not in EXPECTED
+
+
+def _server_error(status: int) -> bool:
+    return status >= 500 and status != 503
 
 
 def _by_key(rows: Iterable[Mapping[str, Any]], run_id: str) -> dict[int, list[Mapping[str, Any]]]:

@@ -9,7 +9,6 @@ GENERATED from ``idemflow/_async/driver.py`` by ``scripts/unasync.py``; do not e
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any, TypeAlias
@@ -18,6 +17,7 @@ from .._downstream import downstream_key
 from .._errors import ConfigurationError, StoreUnavailable
 from .._events import Event, Observer, error_event, null_observer
 from .._flow import ClaimKey, Complete, Execute, Flow, Release, Step, idempotency_flow
+from .._lease import new_lease_token
 from .._model import Clock, Intent, Outcome, Policy, Record, Response
 from ..stores.protocol import Store, Transaction
 
@@ -131,7 +131,9 @@ class Idempotency:
             raise ConfigurationError(msg)
         perform = _Performer(self, intent, handler, transaction, single_commit)
         try:
-            outcome = _drive(idempotency_flow(intent, self.policy, _lease()), perform)
+            outcome = _drive(
+                idempotency_flow(intent, self.policy, new_lease_token()), perform
+            )
         except BaseException as exc:
             perform.abandon()
             event = error_event(exc)
@@ -240,7 +242,3 @@ class _Performer:
             self._end(commit=False)
         except Exception:
             logger.warning("rollback after error failed", exc_info=True)
-
-
-def _lease() -> str:
-    return secrets.token_hex(16)

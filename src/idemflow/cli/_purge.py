@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 from urllib.parse import urlsplit
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, StoreUnavailable
 from ..stores._stats import stats_source
 from ._common import add_database_arguments, database_url
 from ._ops import add_json_argument, operated_store, rich_console
@@ -93,18 +93,18 @@ def run(args: argparse.Namespace) -> int:
         if getattr(store, "purge", None) is None:
             msg = f"{type(store).__name__} cannot purge"
             raise ConfigurationError(msg)
-        while True:
-            done = purge_pass(store, args.batch, _progress(args, store), stopping)
-            _say(
-                args,
-                f"purged {done.purged} expired records from {args.table} in "
-                f"{done.seconds:.2f}s ({_batches(done.batches)} of at most {args.batch})",
-                purged=done.purged,
-                batches=done.batches,
-                seconds=round(done.seconds, 3),
-            )
-            if args.every is None or stopping.wait(args.every):
-                return 0
+        if args.every is None:
+            _report(args, purge_pass(store, args.batch, _progress(args, store), stopping))
+            return 0
+        while not stopping.is_set():
+            # An outage (the database restarting) fails one pass; the next may
+            # succeed. Anything else (a missing table) ends the command.
+            try:
+                _report(args, purge_pass(store, args.batch, _progress(args, store), stopping))
+            except StoreUnavailable as exc:
+                print(f"idemflow purge: pass failed: {exc}", file=sys.stderr, flush=True)
+            stopping.wait(args.every)
+        return 0
 
 
 def purge_pass(store: Any, batch: int, progress: Progress, stopping: threading.Event) -> PurgePass:
@@ -128,6 +128,17 @@ def purge_pass(store: Any, batch: int, progress: Progress, stopping: threading.E
         finished = deleted < batch or stopping.is_set()
         progress(deleted, finished)
     return PurgePass(purged, batches, time.monotonic() - started)
+
+
+def _report(args: argparse.Namespace, done: PurgePass) -> None:
+    _say(
+        args,
+        f"purged {done.purged} expired records from {args.table} in "
+        f"{done.seconds:.2f}s ({_batches(done.batches)} of at most {args.batch})",
+        purged=done.purged,
+        batches=done.batches,
+        seconds=round(done.seconds, 3),
+    )
 
 
 def _batches(n: int) -> str:

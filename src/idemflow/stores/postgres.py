@@ -80,17 +80,18 @@ def postgres_dialect(
 def purge_statement(table: str) -> SQLStatement:
     """One bounded batch of expired records, found through the expiry index.
 
-    The batch's row addresses are read once (the InitPlan, an index scan on
-    ``<table>_expires``) and deleted by TID scan: as ``id IN (subquery)`` the
-    planner hash-joins against a sequential scan of the whole table for
-    every batch. The expiry is tested again on the row being deleted: a
-    record a new claim takes over while the batch waits for its lock is
-    re-checked as it is now, and kept. ``+ 0`` keeps that re-check from being
-    planned as a second scan of every expired record.
+    The batch's row addresses are read and locked once (the InitPlan, an index
+    scan on ``<table>_expires``) and deleted by TID scan: as ``id IN
+    (subquery)`` the planner hash-joins against a sequential scan of the whole
+    table for every batch. ``SKIP LOCKED``: a row a claim is taking over right
+    now is left for the next pass instead of waited for (the connections'
+    lock_timeout would fail the batch). The expiry is tested again on the
+    deleted row version, so a record taken over in between is kept; ``+ 0``
+    keeps that re-check from being planned as a second index scan.
     """
     return SQLStatement(
         f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
-        "WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit)) "
+        "WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit FOR UPDATE SKIP LOCKED)) "
         "AND expires_at + 0 <= :now"
     )
 
