@@ -43,7 +43,6 @@ import itertools
 import json
 import os
 import platform
-import secrets
 import sqlite3
 import sys
 import tempfile
@@ -65,6 +64,7 @@ from idemflow import (
     Response,
     fingerprint,
 )
+from idemflow._lease import new_lease_token
 from idemflow.stores._sql import COLUMNS, Dialect
 from idemflow.transactions import PsycopgTransaction
 
@@ -199,7 +199,8 @@ def library_replay(idem: Idempotency, keys: ReplayKeys) -> Op:
 
 
 def lease() -> str:
-    return secrets.token_hex(16)
+    """A lease token made the way the library makes its own (the claim needs one)."""
+    return new_lease_token()
 
 
 # --- SQLite -------------------------------------------------------------------

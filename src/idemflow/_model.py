@@ -29,6 +29,7 @@ __all__ = [
     "Response",
     "State",
     "Verdict",
+    "can_take_over",
     "default_classifier",
     "seconds",
 ]
@@ -145,6 +146,17 @@ class Outcome:
     response: Response
     replayed: bool
     record: Record
+
+
+def can_take_over(record: Record, fingerprint: str, now: float) -> bool:
+    """May a new claim take this existing record over?
+
+    Past retention it is a new intent; released by a transient failure, the
+    *same* request may retry it (keeping its recovery point). Stores make the
+    takeover itself one atomic compare-and-swap on exactly this condition.
+    """
+    expired = record.expires_at <= now
+    return expired or (record.state is State.RELEASED and record.fingerprint == fingerprint)
 
 
 def default_classifier(response: Response) -> Verdict:

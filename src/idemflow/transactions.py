@@ -25,7 +25,7 @@ implementing :class:`idemflow.stores.protocol.Transaction`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .stores._sql import row_mapping
@@ -93,13 +93,25 @@ class PsycopgTransaction:
     def fetchone(self, statement: Statement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
         cursor = self.connection.execute(statement.pyformat, statement.bind(params))
         row = cursor.fetchone()
-        return None if row is None else row_mapping(cursor.description, row)
+        return None if row is None else _psycopg_mapping(statement, cursor, row)
 
     def commit(self) -> None:
         self.connection.commit()
 
     def rollback(self) -> None:
         self.connection.rollback()
+
+
+# Result column names per statement text (they cannot change): psycopg builds
+# ``cursor.description`` afresh, one Column object per column, on every access.
+_psycopg_names: dict[str, tuple[str, ...]] = {}
+
+
+def _psycopg_mapping(statement: Statement, cursor: Any, row: Sequence[Any]) -> Mapping[str, Any]:
+    names = _psycopg_names.get(statement.pyformat)
+    if names is None:
+        names = _psycopg_names[statement.pyformat] = tuple(c[0] for c in cursor.description)
+    return dict(zip(names, row, strict=True))
 
 
 class AsyncPsycopgTransaction:
@@ -121,7 +133,7 @@ class AsyncPsycopgTransaction:
     ) -> Mapping[str, Any] | None:
         cursor = await self.connection.execute(statement.pyformat, statement.bind(params))
         row = await cursor.fetchone()
-        return None if row is None else row_mapping(cursor.description, row)
+        return None if row is None else _psycopg_mapping(statement, cursor, row)
 
     async def commit(self) -> None:
         await self.connection.commit()

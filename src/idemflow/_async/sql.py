@@ -9,12 +9,12 @@ to :class:`~idemflow.StoreUnavailable` at the boundary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 from .._errors import InProgress, LeaseLost, StoreUnavailable
-from .._model import Claim, Intent, Record, Response, State, record_from_row
+from .._model import Claim, Intent, Record, Response, State, can_take_over, record_from_row
 from ..stores._sql import (
     Dialect,
     SQLStatement,
@@ -28,6 +28,9 @@ from ..stores._sql import (
 from ..stores.protocol import AsyncTransaction
 
 __all__ = ["AsyncSQLStore"]
+
+_Row: TypeAlias = Mapping[str, Any] | None
+_Fetch: TypeAlias = Callable[[SQLStatement, Mapping[str, Any]], Awaitable[_Row]]
 
 # How often to claim again when the record we lost to vanished before we could
 # read it (released or purged in between). Twice in a row is already absurd.
@@ -78,37 +81,60 @@ class AsyncSQLStore:
     ) -> Claim:
         params = claim_params(intent, lease_token, now, expires_at)
         if transaction is not None:
-            return await self._claim_in(transaction, params)
+            return await self._claim_in(transaction, params, intent.fingerprint, now)
         with self._translate(), self._bounded_wait():
             async with self._connect() as conn:
-                for _ in range(_VANISHED_RETRIES):
-                    row = await self._fetchone(conn, self.dialect.claim, params)
-                    if row is not None:
-                        return Claim(owned=True, record=record_from_row(row))
-                    row = await self._fetchone(conn, self.dialect.select, params)
-                    if row is not None:
-                        return Claim(owned=False, record=record_from_row(row))
-        raise InProgress("the record for this Idempotency-Key keeps changing; retry later")
 
-    async def _claim_in(self, transaction: AsyncTransaction, params: Mapping[str, Any]) -> Claim:
+                async def fetch(statement: SQLStatement, values: Mapping[str, Any]) -> _Row:
+                    return await self._fetchone(conn, statement, values)
+
+                return await self._claim_with(fetch, params, intent.fingerprint, now)
+
+    async def _claim_in(
+        self,
+        transaction: AsyncTransaction,
+        params: Mapping[str, Any],
+        fingerprint: str,
+        now: float,
+    ) -> Claim:
         """Claim as the first write of the caller's transaction (single-commit mode).
 
         A concurrent duplicate's uncommitted claim would make us wait on its
         index entry; the dialect bounds that wait and we answer 409 instead.
         """
-        with self._translate():
-            with self._bounded_wait():
-                for statement in self.dialect.before_claim_in_transaction:
-                    await transaction.execute(statement, params)
-                row = await transaction.fetchone(self.dialect.claim, params)
-                for statement in self.dialect.after_claim_in_transaction:
-                    await transaction.execute(statement, params)
+        with self._translate(), self._bounded_wait():
+            for statement in self.dialect.before_claim_in_transaction:
+                await transaction.execute(statement, params)
+            claim = await self._claim_with(transaction.fetchone, params, fingerprint, now)
+            for statement in self.dialect.after_claim_in_transaction:
+                await transaction.execute(statement, params)
+            return claim
+
+    async def _claim_with(
+        self, fetch: _Fetch, params: Mapping[str, Any], fingerprint: str, now: float
+    ) -> Claim:
+        """Insert, or read and dispatch, or take over: ownership is decided by a statement.
+
+        The insert claims an absent key. A record that may be taken over
+        (expired, or released by this same request) is taken by a
+        compare-and-swap UPDATE; the read before it only spares replays that
+        UPDATE's row lock. A record that vanished in between (purged) or was
+        taken by a racing retry is simply tried again.
+        """
+        for _ in range(_VANISHED_RETRIES):
+            row = await fetch(self.dialect.claim, params)
             if row is not None:
                 return Claim(owned=True, record=record_from_row(row))
-            row = await transaction.fetchone(self.dialect.select, params)
-        if row is None:
-            raise InProgress("the record for this Idempotency-Key changed; retry later")
-        return Claim(owned=False, record=record_from_row(row))
+            row = await fetch(self.dialect.select, params)
+            if row is None:
+                continue
+            record = record_from_row(row)
+            if not can_take_over(record, fingerprint, now):
+                return Claim(owned=False, record=record)
+            row = await fetch(self.dialect.take_over, params)
+            if row is not None:
+                return Claim(owned=True, record=record_from_row(row))
+        raise InProgress("the record for this Idempotency-Key keeps changing; retry later")
 
     async def complete(
         self,

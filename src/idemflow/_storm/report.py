@@ -17,7 +17,7 @@ MUST_BE_ZERO = (
     ("keys with two different answers", "different_answers"),
     ("keys never resolved", "unresolved"),
     ("answers disagreeing with the ledger", "inconsistent"),
-    ("wrong answers (4xx but 402/409)", "unexpected_responses"),
+    ("wrong answers (4xx but 402/409)", "wrong_answers"),
 )
 PASS, FAIL = "ok", "VIOLATED"
 

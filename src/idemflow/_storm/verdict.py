@@ -48,7 +48,7 @@ class Verdict:
     different_answers: int
     unresolved: int
     inconsistent: int
-    unexpected_responses: int
+    wrong_answers: int
     #: 5xx other than 503: the server failed (the claim was released; clients
     #: retry them as HTTP says). Shown, not a violation of exactly-once.
     server_errors: int = 0
@@ -66,7 +66,7 @@ class Verdict:
             "keys with two different answers": self.different_answers,
             "keys never resolved": self.unresolved,
             "answers disagreeing with the ledger": self.inconsistent,
-            "wrong answers": self.unexpected_responses,
+            "wrong answers": self.wrong_answers,
             "lists cut short (cannot verify)": len(self.truncated),
         }
         return [name for name, count in checks.items() if count]
@@ -139,7 +139,7 @@ def judge(
         different_answers=len(details["different answers"]),
         unresolved=len(details["unresolved"]),
         inconsistent=len(details["inconsistent"]),
-        unexpected_responses=sum(n for s, n in statuses.items() if _unexpected(s)),
+        wrong_answers=sum(n for s, n in statuses.items() if _unexpected(s)),
         server_errors=sum(n for s, n in statuses.items() if _server_error(s)),
         truncated=list(ledger.truncated),
         elapsed=round(elapsed, 1),

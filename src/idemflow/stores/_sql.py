@@ -79,6 +79,7 @@ class Dialect:
     table: str
     ddl: Sequence[str]
     claim: SQLStatement
+    take_over: SQLStatement
     select: SQLStatement
     complete: SQLStatement
     release: SQLStatement
@@ -122,6 +123,7 @@ class Dialect:
             before_claim_in_transaction=tuple(map(SQLStatement, before)),
             after_claim_in_transaction=tuple(map(SQLStatement, after)),
             claim=SQLStatement(claim),
+            take_over=SQLStatement(take_over_claim(table)),
             select=SQLStatement(
                 f"SELECT {columns} FROM {table} "
                 "WHERE principal = :principal AND idempotency_key = :key"
@@ -169,33 +171,43 @@ class Dialect:
         )
 
 
-def upsert_claim(table: str) -> str:
-    """``INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING`` (PostgreSQL, SQLite ≥ 3.35).
+def insert_claim(table: str) -> str:
+    """The claim: ``INSERT … ON CONFLICT (principal, key) DO NOTHING RETURNING``.
 
-    The conflict branch only fires for a record that is past its retention
-    (a new intent: everything is reset) or was released by a transient failure
-    of the *same* request (the retry takes it over and keeps its recovery
-    point). In every other case nothing is written and nothing returned: the
-    key belongs to someone else, which is the answer.
+    One row back: the key is ours. Nothing back: someone holds it, and we read
+    their record to dispatch. DO NOTHING takes no lock on an existing row, so
+    replays of a settled key never queue behind each other.
     """
-    columns = ", ".join(COLUMNS)  # SQLite's RETURNING refuses qualified names
-    expired = "t.expires_at <= excluded.updated_at"
+    columns = ", ".join(COLUMNS)
     return (
-        f"INSERT INTO {table} AS t (principal, idempotency_key, fingerprint, endpoint, "
+        f"INSERT INTO {table} (principal, idempotency_key, fingerprint, endpoint, "
         "state, lease_token, correlation_id, created_at, updated_at, expires_at, attempt) "
         "VALUES (:principal, :key, :fingerprint, :endpoint, 'in_progress', :lease_token, "
         ":correlation_id, :now, :now, :expires_at, 1) "
-        "ON CONFLICT (principal, idempotency_key) DO UPDATE SET "
-        "fingerprint = excluded.fingerprint, endpoint = excluded.endpoint, "
-        "state = 'in_progress', lease_token = excluded.lease_token, "
-        "correlation_id = excluded.correlation_id, updated_at = excluded.updated_at, "
-        "expires_at = excluded.expires_at, "
-        f"created_at = CASE WHEN {expired} THEN excluded.created_at ELSE t.created_at END, "
-        f"recovery_point = CASE WHEN {expired} THEN NULL ELSE t.recovery_point END, "
-        f"attempt = CASE WHEN {expired} THEN 1 ELSE t.attempt + 1 END, "
+        f"ON CONFLICT (principal, idempotency_key) DO NOTHING RETURNING {columns}"
+    )
+
+
+def take_over_claim(table: str) -> str:
+    """The takeover: a compare-and-swap ``UPDATE … WHERE <may take over> RETURNING``.
+
+    Only tried when the record we read looks expired or released (see
+    :func:`idemflow._model.can_take_over`); the condition is repeated here so
+    that exactly one of several racing retries wins. Past retention everything
+    is reset (a new intent); a released record keeps its recovery point.
+    """
+    columns = ", ".join(COLUMNS)
+    expired = "expires_at <= :now"
+    return (
+        f"UPDATE {table} SET fingerprint = :fingerprint, endpoint = :endpoint, "
+        "state = 'in_progress', lease_token = :lease_token, "
+        "correlation_id = :correlation_id, updated_at = :now, expires_at = :expires_at, "
+        f"created_at = CASE WHEN {expired} THEN :now ELSE created_at END, "
+        f"recovery_point = CASE WHEN {expired} THEN NULL ELSE recovery_point END, "
+        f"attempt = CASE WHEN {expired} THEN 1 ELSE attempt + 1 END, "
         "response_status = NULL, response_headers = NULL, response_body = NULL "
-        f"WHERE {expired} "
-        "OR (t.state = 'released' AND t.fingerprint = excluded.fingerprint) "
+        "WHERE principal = :principal AND idempotency_key = :key "
+        f"AND ({expired} OR (state = 'released' AND fingerprint = :fingerprint)) "
         f"RETURNING {columns}"
     )
 

@@ -13,7 +13,7 @@ import itertools
 import threading
 
 from .._errors import LeaseLost
-from .._model import Claim, Intent, Record, Response, State
+from .._model import Claim, Intent, Record, Response, State, can_take_over
 from .protocol import AsyncTransaction, Transaction
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
@@ -40,7 +40,7 @@ class MemoryStore:
         with self._lock:
             slot = (intent.principal, intent.key)
             current = self.records.get(slot)
-            if current is not None and not _can_take_over(current, intent, now):
+            if current is not None and not can_take_over(current, intent.fingerprint, now):
                 return Claim(owned=False, record=current)
             record = _claimed(current, intent, lease_token, now, expires_at, self._ids)
             self.records[slot] = record
@@ -201,14 +201,6 @@ class AsyncMemoryStore:
 
     async def purge(self, now: float, limit: int) -> int:
         return self.sync.purge(now, limit)
-
-
-def _can_take_over(current: Record, intent: Intent, now: float) -> bool:
-    expired = current.expires_at <= now
-    retry_of_released = (
-        current.state is State.RELEASED and current.fingerprint == intent.fingerprint
-    )
-    return expired or retry_of_released
 
 
 def _claimed(

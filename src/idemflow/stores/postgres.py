@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._async.sql import AsyncSQLStore
 from .._sync.sql import SQLStore
-from ._sql import Dialect, SQLStatement, upsert_claim
+from ._sql import Dialect, SQLStatement, insert_claim
 
 if TYPE_CHECKING:
     import psycopg_pool
@@ -72,7 +72,7 @@ def postgres_dialect(
         ["SET LOCAL lock_timeout = DEFAULT"],
     )
     standard = Dialect.standard(
-        "postgresql", table, ddl, upsert_claim(table), around, skip_locked=True
+        "postgresql", table, ddl, insert_claim(table), around, skip_locked=True
     )
     return dataclasses.replace(standard, purge=purge_statement(table))
 
@@ -96,16 +96,22 @@ def purge_statement(table: str) -> SQLStatement:
     )
 
 
-def connection_options(claim_lock_timeout_ms: int) -> dict[str, Any]:
+def connection_options(claim_lock_timeout_ms: int, conninfo: str = "") -> dict[str, Any]:
     """Autocommit connections whose lock waits are bounded.
 
     A claim that meets another request's *uncommitted* claim (single-commit
-    mode) or its in-flight completion waits on that row; the bound turns the
-    wait into a 409 instead of a held connection. Our own statements are
-    single-row and short, so nothing legitimate waits this long. Pass the same
-    options if you bring your own pool.
+    mode) waits on its index entry; the bound turns the wait into a 409
+    instead of a held connection. Replays take no lock at all (the claim is
+    ``ON CONFLICT DO NOTHING``) and our other statements are single-row and
+    short, so nothing legitimate waits this long. Options already in
+    ``conninfo`` (a ``search_path``, say) are kept: a keyword would replace
+    them. Pass the same options if you bring your own pool.
     """
-    return {"autocommit": True, "options": f"-c lock_timeout={int(claim_lock_timeout_ms)}"}
+    from psycopg.conninfo import conninfo_to_dict
+
+    bound = f"-c lock_timeout={int(claim_lock_timeout_ms)}"
+    own = conninfo_to_dict(conninfo).get("options") if conninfo else None
+    return {"autocommit": True, "options": f"{own} {bound}" if own else bound}
 
 
 def is_lock_timeout(exc: BaseException) -> bool:
@@ -145,7 +151,7 @@ class PostgresStore(SQLStore):
                 pool,
                 min_size=1,
                 max_size=max_size,
-                kwargs=connection_options(claim_lock_timeout_ms),
+                kwargs=connection_options(claim_lock_timeout_ms, pool),
                 open=True,
                 timeout=5.0,
             )
@@ -185,7 +191,7 @@ class AsyncPostgresStore(AsyncSQLStore):
                 pool,
                 min_size=1,
                 max_size=max_size,
-                kwargs=connection_options(claim_lock_timeout_ms),
+                kwargs=connection_options(claim_lock_timeout_ms, pool),
                 open=False,
                 timeout=5.0,
             )

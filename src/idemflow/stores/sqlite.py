@@ -25,7 +25,7 @@ from .._async.sql import AsyncSQLStore
 from .._errors import ConfigurationError
 from .._model import Claim, Intent, Record, Response, State
 from .._sync.sql import SQLStore
-from ._sql import Dialect, upsert_claim
+from ._sql import Dialect, insert_claim
 from .protocol import AsyncTransaction
 
 __all__ = ["AsyncSQLiteStore", "SQLiteStore", "sqlite_dialect"]
@@ -60,7 +60,7 @@ def sqlite_dialect(table: str = DEFAULT_TABLE) -> Dialect:
         f"CREATE INDEX IF NOT EXISTS {table}_expires ON {table} (expires_at)",
         "COMMIT",
     ]
-    return Dialect.standard("sqlite", table, ddl, upsert_claim(table))
+    return Dialect.standard("sqlite", table, ddl, insert_claim(table))
 
 
 # Primary result codes that mean "cannot use the file now", not "bad SQL":

@@ -1,0 +1,76 @@
+"""PostgreSQL specifics: connection options, and replays that never queue on a lock."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from idemflow import Idempotency, InProgress, Intent, Policy, Response
+from tests.conftest import POSTGRES_URL, unreachable
+
+psycopg = pytest.importorskip("psycopg")
+from idemflow.stores.postgres import PostgresStore  # noqa: E402
+
+
+@pytest.fixture
+def schema(table_name: str) -> Iterator[str]:
+    name = f"s_{table_name}"
+    try:
+        with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3) as conn:
+            conn.execute(f"CREATE SCHEMA {name}")
+    except psycopg.OperationalError as exc:
+        unreachable("PostgreSQL", exc)
+    yield name
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {name} CASCADE")
+
+
+def test_options_in_the_url_are_kept(schema: str) -> None:
+    """A search_path given in the URL still applies next to our lock timeout."""
+    url = f"{POSTGRES_URL}?options=-c%20search_path%3D{schema}"
+    store = PostgresStore(url, table="keys", max_size=2)
+    try:
+        store.migrate()
+        with store.pool.connection() as conn:
+            search_path, lock_timeout = conn.execute(
+                "SELECT current_setting('search_path'), current_setting('lock_timeout')"
+            ).fetchone()
+    finally:
+        store.close()
+
+    assert (search_path, lock_timeout) == (schema, "50ms")
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        assert conn.execute(f"SELECT to_regclass('{schema}.keys')").fetchone()[0] is not None
+
+
+@pytest.mark.slow
+def test_concurrent_replays_of_a_settled_key_never_wait_on_each_other(schema: str) -> None:
+    """ON CONFLICT DO NOTHING locks nothing: 48 simultaneous replays all get the response."""
+    url = f"{POSTGRES_URL}?options=-c%20search_path%3D{schema}"
+    store = PostgresStore(url, table="keys", max_size=8)
+    store.migrate()
+    idem = Idempotency(store, Policy(request_timeout=5))
+    intent = Intent("alice", "settled", "fp", "POST /payments")
+    idem.run(intent, lambda attempt: Response(201, b"paid"))
+    barrier = threading.Barrier(48)
+    answers: list[object] = []
+
+    def replay() -> None:
+        barrier.wait()
+        for _ in range(20):
+            try:
+                outcome = idem.run(intent, lambda attempt: Response(500, b"must not run"))
+                answers.append((outcome.replayed, outcome.response.body))
+            except InProgress as exc:  # what a row lock would have caused
+                answers.append(exc)
+
+    threads = [threading.Thread(target=replay) for _ in range(48)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    store.close()
+
+    assert answers == [(True, b"paid")] * (48 * 20)
