@@ -23,6 +23,7 @@ from ._errors import (
     MissingKey,
     MissingPrincipal,
     ReplayForbidden,
+    ResponseNotStorable,
     StoreUnavailable,
 )
 from ._events import CountingObserver, Event, Observer, fan_out
@@ -70,6 +71,7 @@ __all__ = [
     "Record",
     "ReplayForbidden",
     "Response",
+    "ResponseNotStorable",
     "State",
     "StoreUnavailable",
     "Verdict",

@@ -16,6 +16,7 @@ Client errors carry their HTTP meaning (``status``, a problem ``type`` and a
     │   └── KeyReused           422    same key, different request
     ├── StoreUnavailable        503    the key store cannot be reached: fail closed
     └── ConfigurationError             unsafe or impossible settings (also a ValueError)
+        └── ResponseNotStorable 500    a response too large or streamed to store for replay
 
 The handler's own exceptions are never wrapped: after the claim is released
 they propagate unchanged.
@@ -35,6 +36,7 @@ __all__ = [
     "MissingKey",
     "MissingPrincipal",
     "ReplayForbidden",
+    "ResponseNotStorable",
     "StoreUnavailable",
 ]
 
@@ -165,3 +167,16 @@ class ConfigurationError(IdempotencyError, ValueError):
     """Settings that would break a guarantee (e.g. a stale threshold under the request timeout)."""
 
     __module__ = "idemflow"
+
+
+class ResponseNotStorable(ConfigurationError):
+    """The handler's response cannot be stored for replay: too large, or streamed.
+
+    Raised inside the operation, so the claim is released and, in transactional
+    mode, the operation's own writes roll back. Never replayed empty.
+    """
+
+    __module__ = "idemflow"
+    status = 500
+    slug = "response-not-storable"
+    title = "Response cannot be stored for replay"

@@ -40,6 +40,7 @@ from ._errors import (
     InProgress,
     MissingPrincipal,
     ReplayForbidden,
+    ResponseNotStorable,
     StoreUnavailable,
 )
 from ._fingerprint import DEFAULT_MAX_BODY_BYTES, fingerprint
@@ -114,18 +115,6 @@ ReplayAuthorizer: TypeAlias = Callable[[Record], bool | Awaitable[bool]]
 OperationHandler: TypeAlias = Callable[[AsyncAttempt], Awaitable[Response]]
 #: Opens the caller's transaction for one run, e.g. ``lambda: pooled_transaction(…)``.
 TransactionScope: TypeAlias = Callable[[], AbstractAsyncContextManager[AsyncTransaction]]
-
-
-class ResponseNotStorable(ConfigurationError):
-    """The handler's response cannot be stored for replay: too large, or streamed.
-
-    Raised inside the operation, so the claim is released and, in transactional
-    mode, the operation's own writes roll back. Never replayed empty.
-    """
-
-    status = 500
-    slug = "response-not-storable"
-    title = "Response cannot be stored for replay"
 
 
 @dataclass(frozen=True, slots=True)

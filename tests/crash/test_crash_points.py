@@ -135,6 +135,7 @@ def assert_same_as_live(demo: Demo, final: httpx.Response) -> None:
     """A 201 is byte for byte what a live success sends: the payment as GET shows it."""
     payment = final.json()
     assert final.headers["location"] == f"/payments/{payment['id']}"
+    assert final.headers["content-type"] == "application/json"
     with demo.client(headers=ALICE) as client:
         shown = client.get(final.headers["location"]).json()
     assert final.content == json.dumps(shown, separators=(",", ":")).encode()

@@ -84,6 +84,7 @@ class StormConfig:
                 "--kill-every needs the storm's own demo",
             ),
             (self.url is None or self.database is None, "--database is for the storm's own demo"),
+            (self.url is None or self.data_dir is None, "--data-dir is for the storm's own demo"),
             (bool(self.tokens), "at least one principal is needed"),
         ]
         for ok, message in checks:

@@ -101,8 +101,20 @@ def register(subparsers: Any) -> None:
         help="how long clients keep retrying after the window (default: the stale "
         "threshold + two sweeps + 10 s)",
     )
-    add("--seed", type=int, default=None, help="make keys, bodies and kill moments reproducible")
-    add("--data-dir", type=Path, default=None, help="keep the demo's files here (default: temp)")
+    add(
+        "--seed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="make keys, bodies and kill moments reproducible",
+    )
+    add(
+        "--data-dir",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="keep the demo's files here (default: a temporary folder, removed when green)",
+    )
     add("--json", action="store_true", help="print the verdict as JSON")
     parser.set_defaults(run=run)
 
@@ -146,8 +158,14 @@ def _or(value: Any, default: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .._storm import run_storm
-    from .._storm.report import render, render_json
+    from .._errors import ConfigurationError
+
+    try:
+        from .._storm import run_storm
+        from .._storm.report import render, render_json
+    except ImportError as exc:  # httpx and the demo's server come with the extra
+        msg = f"the storm needs the demo's extra: pip install 'idemflow[demo]' ({exc})"
+        raise ConfigurationError(msg) from exc
 
     config = config_from(args)
     result = asyncio.run(run_storm(config))

@@ -46,7 +46,7 @@ from .provider import Charge, FakeProvider, ProviderDeclined
 if TYPE_CHECKING:
     from .app import DemoService
 
-__all__ = ["STEPS", "PaymentReconciler", "start_recovery"]
+__all__ = ["STEPS", "PaymentReconciler", "recovery_sweeper", "start_recovery"]
 
 #: The steps whose downstream keys the reconciler needs: the payment row's
 #: ``intent_ref`` and the provider charge.
@@ -129,8 +129,13 @@ def start_recovery(service: DemoService) -> AsyncBackgroundSweeper | None:
     """
     if not service.settings.sweeper:
         return None
+    return start_background_sweeper(recovery_sweeper(service), every=sweep_interval(service))
+
+
+def recovery_sweeper(service: DemoService) -> AsyncSweeper:
+    """The demo's sweeper: its policy, its reconciler, transactions on its own pool."""
     db = service.db
-    sweeper = AsyncSweeper(
+    return AsyncSweeper(
         # Both demo stores (SQLite, PostgreSQL) have the maintenance statements.
         cast("AsyncMaintainableStore", db.store),
         service.idempotency.policy,
@@ -139,4 +144,3 @@ def start_recovery(service: DemoService) -> AsyncBackgroundSweeper | None:
         transaction_factory=lambda: pooled_transaction(db.connect, db.transaction),
         observer=service.metrics,
     )
-    return start_background_sweeper(sweeper, every=sweep_interval(service))
