@@ -171,6 +171,40 @@ class Dialect:
         )
 
 
+def create_table(
+    table: str, *, id_column: str, bigint: str, blob: str, unique: str = "UNIQUE"
+) -> list[str]:
+    """The key table and its two indexes, in a dialect's column types.
+
+    Unique ``(principal, idempotency_key)`` is the claim's decision procedure;
+    ``(state, updated_at)`` serves the sweeper's scan; ``expires_at`` purging.
+    """
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {table} (
+            {id_column},
+            principal TEXT NOT NULL,
+            idempotency_key TEXT NOT NULL,
+            fingerprint TEXT NOT NULL,
+            endpoint TEXT NOT NULL DEFAULT '',
+            state TEXT NOT NULL CHECK (state IN
+                ('in_progress', 'completed', 'failed_permanent', 'released', 'stale')),
+            lease_token TEXT,
+            recovery_point TEXT,
+            correlation_id TEXT,
+            response_status INTEGER,
+            response_headers TEXT,
+            response_body {blob},
+            created_at {bigint} NOT NULL,
+            updated_at {bigint} NOT NULL,
+            expires_at {bigint} NOT NULL,
+            attempt INTEGER NOT NULL DEFAULT 1,
+            {unique} (principal, idempotency_key)
+        )""",
+        f"CREATE INDEX IF NOT EXISTS {table}_state_updated ON {table} (state, updated_at)",
+        f"CREATE INDEX IF NOT EXISTS {table}_expires ON {table} (expires_at)",
+    ]
+
+
 def insert_claim(table: str) -> str:
     """The claim: ``INSERT … ON CONFLICT (principal, key) DO NOTHING RETURNING``.
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._async.sql import AsyncSQLStore
 from .._sync.sql import SQLStore
-from ._sql import Dialect, SQLStatement, insert_claim
+from ._sql import Dialect, SQLStatement, create_table, insert_claim
 
 if TYPE_CHECKING:
     import psycopg_pool
@@ -40,33 +40,14 @@ _MIGRATE_LOCK = 0x1DE3F10
 def postgres_dialect(
     table: str = DEFAULT_TABLE, claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS
 ) -> Dialect:
-    ddl = [
-        "BEGIN",
-        f"SELECT pg_advisory_xact_lock({_MIGRATE_LOCK})",
-        f"""CREATE TABLE IF NOT EXISTS {table} (
-            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-            principal TEXT NOT NULL,
-            idempotency_key TEXT NOT NULL,
-            fingerprint TEXT NOT NULL,
-            endpoint TEXT NOT NULL DEFAULT '',
-            state TEXT NOT NULL CHECK (state IN
-                ('in_progress', 'completed', 'failed_permanent', 'released', 'stale')),
-            lease_token TEXT,
-            recovery_point TEXT,
-            correlation_id TEXT,
-            response_status INTEGER,
-            response_headers TEXT,
-            response_body BYTEA,
-            created_at BIGINT NOT NULL,
-            updated_at BIGINT NOT NULL,
-            expires_at BIGINT NOT NULL,
-            attempt INTEGER NOT NULL DEFAULT 1,
-            CONSTRAINT {table}_principal_key UNIQUE (principal, idempotency_key)
-        )""",
-        f"CREATE INDEX IF NOT EXISTS {table}_state_updated ON {table} (state, updated_at)",
-        f"CREATE INDEX IF NOT EXISTS {table}_expires ON {table} (expires_at)",
-        "COMMIT",
-    ]
+    table_ddl = create_table(
+        table,
+        id_column="id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
+        bigint="BIGINT",
+        blob="BYTEA",
+        unique=f"CONSTRAINT {table}_principal_key UNIQUE",
+    )
+    ddl = ["BEGIN", f"SELECT pg_advisory_xact_lock({_MIGRATE_LOCK})", *table_ddl, "COMMIT"]
     around = (
         [f"SET LOCAL lock_timeout = '{int(claim_lock_timeout_ms)}ms'"],
         ["SET LOCAL lock_timeout = DEFAULT"],
@@ -114,6 +95,16 @@ def connection_options(claim_lock_timeout_ms: int, conninfo: str = "") -> dict[s
     return {"autocommit": True, "options": f"{own} {bound}" if own else bound}
 
 
+def _pool_settings(conninfo: str, max_size: int, claim_lock_timeout_ms: int) -> dict[str, Any]:
+    # Five seconds without a free connection is an outage (503), not a queue.
+    return {
+        "min_size": 1,
+        "max_size": max_size,
+        "kwargs": connection_options(claim_lock_timeout_ms, conninfo),
+        "timeout": 5.0,
+    }
+
+
 def is_lock_timeout(exc: BaseException) -> bool:
     """SQLSTATE 55P03, raised by psycopg directly or wrapped by SQLAlchemy (``.orig``)."""
     original = getattr(exc, "orig", None) or exc
@@ -148,12 +139,7 @@ class PostgresStore(SQLStore):
             import psycopg_pool
 
             pool = psycopg_pool.ConnectionPool(
-                pool,
-                min_size=1,
-                max_size=max_size,
-                kwargs=connection_options(claim_lock_timeout_ms, pool),
-                open=True,
-                timeout=5.0,
+                pool, **_pool_settings(pool, max_size, claim_lock_timeout_ms), open=True
             )
         self.pool = pool
         super().__init__(
@@ -188,12 +174,7 @@ class AsyncPostgresStore(AsyncSQLStore):
             import psycopg_pool
 
             pool = psycopg_pool.AsyncConnectionPool(
-                pool,
-                min_size=1,
-                max_size=max_size,
-                kwargs=connection_options(claim_lock_timeout_ms, pool),
-                open=False,
-                timeout=5.0,
+                pool, **_pool_settings(pool, max_size, claim_lock_timeout_ms), open=False
             )
         self.pool = pool
         super().__init__(

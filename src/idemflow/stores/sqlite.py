@@ -25,7 +25,7 @@ from .._async.sql import AsyncSQLStore
 from .._errors import ConfigurationError
 from .._model import Claim, Intent, Record, Response, State
 from .._sync.sql import SQLStore
-from ._sql import Dialect, insert_claim
+from ._sql import Dialect, create_table, insert_claim
 from .protocol import AsyncTransaction
 
 __all__ = ["AsyncSQLiteStore", "SQLiteStore", "sqlite_dialect"]
@@ -34,32 +34,10 @@ DEFAULT_TABLE = "idemflow_keys"
 
 
 def sqlite_dialect(table: str = DEFAULT_TABLE) -> Dialect:
-    ddl = [
-        "BEGIN IMMEDIATE",
-        f"""CREATE TABLE IF NOT EXISTS {table} (
-            id INTEGER PRIMARY KEY,
-            principal TEXT NOT NULL,
-            idempotency_key TEXT NOT NULL,
-            fingerprint TEXT NOT NULL,
-            endpoint TEXT NOT NULL DEFAULT '',
-            state TEXT NOT NULL CHECK (state IN
-                ('in_progress', 'completed', 'failed_permanent', 'released', 'stale')),
-            lease_token TEXT,
-            recovery_point TEXT,
-            correlation_id TEXT,
-            response_status INTEGER,
-            response_headers TEXT,
-            response_body BLOB,
-            created_at INTEGER NOT NULL,
-            updated_at INTEGER NOT NULL,
-            expires_at INTEGER NOT NULL,
-            attempt INTEGER NOT NULL DEFAULT 1,
-            UNIQUE (principal, idempotency_key)
-        )""",
-        f"CREATE INDEX IF NOT EXISTS {table}_state_updated ON {table} (state, updated_at)",
-        f"CREATE INDEX IF NOT EXISTS {table}_expires ON {table} (expires_at)",
-        "COMMIT",
-    ]
+    table_ddl = create_table(
+        table, id_column="id INTEGER PRIMARY KEY", bigint="INTEGER", blob="BLOB"
+    )
+    ddl = ["BEGIN IMMEDIATE", *table_ddl, "COMMIT"]
     return Dialect.standard("sqlite", table, ddl, insert_claim(table))
 
 
