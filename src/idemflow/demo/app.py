@@ -28,8 +28,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._async.driver import AsyncAttempt, AsyncIdempotency
+from .._errors import StoreUnavailable
 from .._events import Event
-from .._http import EdgeOptions, pooled_transaction, problem
+from .._http import EdgeOptions, pooled_transaction, problem, problem_for
 from .._model import Policy, Record, Response
 from ..integrations.starlette import (
     Idempotent,
@@ -39,6 +40,8 @@ from ..integrations.starlette import (
     to_starlette,
 )
 from ..metrics import PrometheusMetrics
+from ..stores.postgres import is_unavailable as postgres_unavailable
+from ..stores.sqlite import is_unavailable as sqlite_unavailable
 from ..sweeper import AsyncBackgroundSweeper
 from .db import Database, open_database
 from .faults import crash_point
@@ -317,6 +320,11 @@ async def http_error(request: Request, exc: Exception) -> StarletteResponse:
 
 
 async def server_error(request: Request, exc: Exception) -> StarletteResponse:
+    if database_unavailable(exc):
+        # Pool exhausted, server gone, SQLite locked past its busy timeout: an
+        # outage the client should retry (the claim was released), not a bug.
+        outage = StoreUnavailable(f"the payments database is unavailable: {type(exc).__name__}")
+        return to_starlette(problem_for(outage, request_id(request.scope)))
     print(f"idemflow demo: unhandled {type(exc).__name__}: {exc}", file=sys.stderr)
     response = problem(
         500,
@@ -326,6 +334,16 @@ async def server_error(request: Request, exc: Exception) -> StarletteResponse:
         request_id=request_id(request.scope),
     )
     return to_starlette(response)
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """Is ``exc`` a database outage (either backend) rather than a bug?"""
+    if sqlite_unavailable(exc):
+        return True
+    try:
+        return postgres_unavailable(exc)
+    except ImportError:  # psycopg not installed: it cannot be a PostgreSQL error
+        return False
 
 
 def create_app(service: DemoService | Settings) -> Starlette:
