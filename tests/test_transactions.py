@@ -609,3 +609,24 @@ async def test_async_sqlalchemy_joins_a_transaction_already_begun(
 
         assert setup.db.notes() == (["before", "during"] if earlier_write else ["during"])
         assert not holder.in_transaction()
+
+
+def test_single_commit_is_refused_where_duplicates_would_queue(tmp_path: Path) -> None:
+    """SQLite admits one writer: single-commit mode is a configuration error there."""
+    from idemflow import ConfigurationError, Idempotency, Intent, Response
+    from idemflow.stores.sqlite import SQLiteStore
+    from idemflow.transactions import SQLite3Transaction
+
+    path = tmp_path / "keys.db"
+    store = SQLiteStore(path)
+    store.migrate()
+    conn = sqlite3.connect(path, isolation_level=None)
+    with pytest.raises(ConfigurationError, match="single_commit"):
+        Idempotency(store).run(
+            Intent("alice", "k", "fp"),
+            lambda attempt: Response(201),
+            transaction=SQLite3Transaction(conn),
+            single_commit=True,
+        )
+    conn.close()
+    assert store.get("alice", "k") is None

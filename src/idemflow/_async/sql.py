@@ -53,6 +53,16 @@ class AsyncSQLStore:
 
     supports_transactions = True
 
+    @property
+    def supports_single_commit(self) -> bool:
+        """Can the claim join the caller's transaction without holding duplicates?
+
+        Only where the dialect bounds the wait on a concurrent uncommitted
+        claim (PostgreSQL's lock timeout). SQLite admits one writer: there a
+        duplicate would queue behind the whole transaction.
+        """
+        return bool(self.dialect.before_claim_in_transaction)
+
     def __init__(
         self,
         dialect: Dialect,

@@ -129,6 +129,12 @@ class Idempotency:
         if single_commit and transaction is None:
             msg = "single_commit needs the caller's transaction"
             raise ConfigurationError(msg)
+        if single_commit and not getattr(self.store, "supports_single_commit", False):
+            msg = (
+                f"{type(self.store).__name__} cannot bound a duplicate's wait on an "
+                "uncommitted claim; single_commit needs PostgreSQL or MySQL"
+            )
+            raise ConfigurationError(msg)
         perform = _Performer(self, intent, handler, transaction, single_commit)
         try:
             outcome = _drive(

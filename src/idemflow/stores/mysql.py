@@ -372,6 +372,10 @@ class MySQLStore(SQLStore):
     rests on a count it changes.
     """
 
+    # The claim in the caller's transaction bounds its lock wait itself
+    # (innodb_lock_wait_timeout, then restored): single-commit mode is safe.
+    supports_single_commit = True
+
     def __init__(
         self,
         connect: str | Mapping[str, Any] | Callable[[], Any],
