@@ -446,9 +446,7 @@ def library_transactional(
         return RESPONSE
 
     def op() -> None:
-        # Any: mypy finds PsycopgTransaction's SQLStatement parameters narrower
-        # than the Transaction protocol's Statement (reported, not ours to change).
-        transaction: Any = PsycopgTransaction(callers.get())
+        transaction = PsycopgTransaction(callers.get())
         outcome = idem.run(intent(keys()), handler, transaction=transaction, single_commit=single)
         if outcome.replayed:
             raise AssertionError("a fresh key was replayed")
