@@ -8,7 +8,7 @@ import os
 from .._errors import ConfigurationError
 from ..stores.urls import DATABASE_URL_ENV
 
-__all__ = ["add_database_arguments", "database_url"]
+__all__ = ["add_database_arguments", "database_url", "positive_int", "positive_seconds"]
 
 
 def add_database_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,3 +34,23 @@ def database_url(args: argparse.Namespace) -> str:
         msg = f"no DATABASE_URL given and ${DATABASE_URL_ENV} is not set"
         raise ConfigurationError(msg)
     return url
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        msg = f"must be a positive number of seconds, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        msg = f"must be a whole number of at least 1, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return int(text)

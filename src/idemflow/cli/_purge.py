@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from .._errors import ConfigurationError, StoreUnavailable
 from ..stores._stats import stats_source
-from ._common import add_database_arguments, database_url
+from ._common import add_database_arguments, database_url, positive_int, positive_seconds
 from ._ops import add_json_argument, operated_store, rich_console
 
 DEFAULT_BATCH = 1000
@@ -41,38 +41,20 @@ def register(subparsers: Any) -> None:
     add_database_arguments(parser)
     parser.add_argument(
         "--batch",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BATCH,
         metavar="N",
         help="records deleted per statement (default: %(default)s)",
     )
     parser.add_argument(
         "--every",
-        type=_positive,
+        type=positive_seconds,
         default=None,
         metavar="SECONDS",
         help="keep running, purging every SECONDS (stop with Ctrl-C or SIGTERM)",
     )
     add_json_argument(parser)
     parser.set_defaults(run=run)
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        msg = f"must be a whole number of at least 1, got {text!r}"
-        raise argparse.ArgumentTypeError(msg)
-    return int(text)
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        msg = f"must be a positive number of seconds, got {text!r}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
 
 
 @dataclass(frozen=True, slots=True)

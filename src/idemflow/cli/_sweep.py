@@ -19,7 +19,7 @@ from ..stores.protocol import Transaction
 from ..stores.urls import open_store, scheme_of, sqlite_path
 from ..sweeper import DEFAULT_BATCH_SIZE, Reconciler, Stop, Sweeper, SweepReport
 from . import describe
-from ._common import add_database_arguments, database_url
+from ._common import add_database_arguments, database_url, positive_int, positive_seconds
 
 # The request timeout assumed when none is given: a common proxy/server limit.
 # Operators should pass their real one: the stale threshold is derived from it.
@@ -42,20 +42,20 @@ def register(subparsers: Any) -> None:
     add_database_arguments(parser)
     parser.add_argument(
         "--request-timeout",
-        type=_positive,
+        type=positive_seconds,
         default=DEFAULT_REQUEST_TIMEOUT,
         metavar="SECONDS",
         help="the longest a protected request can run; use your app's value (default: %(default)g)",
     )
     parser.add_argument(
         "--stale-after",
-        type=_positive,
+        type=positive_seconds,
         metavar="SECONDS",
         help="stale threshold (default and minimum: 2 × request timeout + 10)",
     )
     parser.add_argument(
         "--retention",
-        type=_positive,
+        type=positive_seconds,
         default=DEFAULT_RETENTION,
         metavar="SECONDS",
         help="how long unresolved stale records are kept; use your app's value "
@@ -63,14 +63,14 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--batch",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BATCH_SIZE,
         metavar="N",
         help="records marked per statement (default: %(default)s)",
     )
     parser.add_argument(
         "--every",
-        type=_positive,
+        type=positive_seconds,
         metavar="SECONDS",
         help="sweep again every SECONDS until SIGINT/SIGTERM (default: sweep once)",
     )
@@ -207,21 +207,3 @@ def _transactions(url: str) -> Callable[[], contextlib.AbstractContextManager[Tr
             yield PsycopgTransaction(conn)
 
     return {"sqlite": sqlite, "postgresql": postgres}.get(family)
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        msg = f"must be a positive number of seconds, got {text!r}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        msg = f"must be a whole number of at least 1, got {text!r}"
-        raise argparse.ArgumentTypeError(msg)
-    return int(text)
