@@ -30,6 +30,11 @@ SUBS = [
         "GENERATED from ``idemflow/_async/\\1.py`` by ``scripts/unasync.py``; do not edit.",
     ),
     (r"\bAbstractAsyncContextManager\b", "AbstractContextManager"),
+    # A synchronous call cannot be cut in half by cancellation: no shield, no
+    # deferred cancellation to deliver (see idemflow/_concurrency.py).
+    (r"^from \.\._concurrency import .*\n", ""),
+    (r"\bawait async_shielded\((.*)\)(:?)$", r"\1\2"),
+    (r"^ *await async_cancel_point\(\).*\n", ""),
     (r"\basynccontextmanager\b", "contextmanager"),
     (r"\bAsync([A-Z]\w*)", r"\1"),
     (r"\basync def\b", "def"),

@@ -51,6 +51,7 @@ from idemflow.transactions import (
     PsycopgTransaction,
 )
 from tests.conftest import POSTGRES_URL, unreachable
+from tests.sweeping import async_sweep_away
 
 POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b'{"id":"pay_1"}\xff', (("content-type", "application/json"), ("x-a", "1")))
@@ -392,7 +393,8 @@ async def test_lease_lost_rolls_back_the_business_write(
     async with harness_for(name, tmp_path, table_name) as h:
 
         async def overrun(attempt: AsyncAttempt) -> Response:
-            h.clock.advance(3601)  # past retention: a new attempt takes the key over
+            h.clock.advance(3601)  # past the stale threshold: the sweeper ends our claim
+            assert len(await async_sweep_away(h.backend.store, h.clock())) == 1
             await Harness(h.backend, h.clock).run(intent(), responding(Response(201, b"new")))
             return CREATED
 

@@ -23,12 +23,26 @@ def record(**changes: object) -> Record:
     return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
-def test_the_same_intent_gets_the_same_key_whatever_the_database_assigned() -> None:
-    """A retry, a takeover or a record re-created after a rolled-back crash: one key."""
+def test_the_same_intent_gets_the_same_key_however_it_is_retried() -> None:
+    """A retry of a released key, a sweeper's takeover, a new lease: one key (the record
+    keeps created_at, the moment the intent began, through all of them)."""
     first = downstream_key(record(), "charge")
-    retried = record(id=9, lease_token="lease-2", created_at=1_800_000_123.0, attempt=3)
+    retried = record(
+        id=9, lease_token="lease-2", updated_at=1_800_000_123.0, attempt=3, recovery_point="x"
+    )
 
     assert downstream_key(retried, "charge") == first
+
+
+def test_a_new_retention_period_is_a_new_intent_with_new_keys() -> None:
+    """Past retention the same key and body start a new intent (created_at resets): the
+    provider must not answer the new intent with the old charge."""
+    first = downstream_key(record(), "charge")
+    renewed = record(created_at=1_800_090_000.0, attempt=1)
+
+    assert downstream_key(renewed, "charge") != first
+    # Milliseconds are what stores keep: sub-millisecond noise changes nothing.
+    assert downstream_key(record(created_at=1_800_000_000.0004), "charge") == first
 
 
 def test_every_part_of_the_intent_changes_the_key() -> None:

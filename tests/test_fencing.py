@@ -1,8 +1,8 @@
 """
 Fencing: a request that overran its lease has lost its key, in every store.
 
-Its claim ended (swept as stale, or its lease ran out on Redis) and may
-already belong to a new owner. Every write it still attempts — complete,
+Its claim ended (swept as stale and released) and may already belong to a
+new owner. Every write it still attempts — complete,
 release, checkpoint — is a compare-and-swap on its lease token and fails; its
 business transaction rolls back; the new owner's record is never touched.
 Runs over every store in ``tests/backends.py``.
@@ -49,11 +49,10 @@ def clock() -> FrozenClock:
 
 
 def end_the_claim(backend: Backend, clock: FrozenClock) -> None:
-    """Let the claim overrun its lease: the sweeper releases it, or (Redis) the lease ends."""
+    """Let the claim overrun its lease: the sweeper marks it stale and releases it."""
     clock.advance(POLICY.stale_seconds + 1)
-    if not backend.expires_by_itself:
-        report = Sweeper(backend.store, POLICY, clock=clock).sweep_once()
-        assert report.released == 1
+    report = Sweeper(backend.store, POLICY, clock=clock).sweep_once()
+    assert report.released == 1
 
 
 def new_owner(backend: Backend, clock: FrozenClock) -> Record:
@@ -80,7 +79,7 @@ def test_overrun_owner_cannot_complete_release_or_checkpoint_the_new_owners_clai
     before = current(backend)
 
     with pytest.raises(LeaseLost):
-        backend.store.complete(old, State.COMPLETED, OLD, clock())
+        backend.store.complete(old, State.COMPLETED, OLD, clock(), clock() + 3600)
     assert backend.store.release(old, clock()) is False
     with pytest.raises(LeaseLost):
         backend.store.checkpoint(old, "payment_created", clock())
@@ -100,10 +99,10 @@ def test_overrun_owner_cannot_overwrite_the_new_owners_response(
     old = backend.store.claim(intent(), "lease-old", clock(), clock() + 3600).record
     end_the_claim(backend, clock)
     mine = new_owner(backend, clock)
-    backend.store.complete(mine, State.COMPLETED, NEW, clock())
+    backend.store.complete(mine, State.COMPLETED, NEW, clock(), clock() + 3600)
 
     with pytest.raises(LeaseLost):
-        backend.store.complete(old, State.COMPLETED, OLD, clock())
+        backend.store.complete(old, State.COMPLETED, OLD, clock(), clock() + 3600)
     assert backend.store.release(old, clock()) is False
     with pytest.raises(LeaseLost):
         backend.store.checkpoint(old, "late", clock())
@@ -180,8 +179,7 @@ def test_overrun_request_is_refused_at_its_next_checkpoint(
     assert len(raised) == 1
     record = current(backend)
     assert (record.state, record.response) == (State.COMPLETED, NEW)
-    if not backend.expires_by_itself:  # released by the sweeper: the retry resumed from here
-        assert record.recovery_point == "payment_created"
+    assert record.recovery_point == "payment_created"  # released by the sweeper: resumed
 
 
 def test_every_claim_carries_its_own_lease_token(backend: Backend, clock: FrozenClock) -> None:
@@ -206,8 +204,7 @@ def test_every_claim_carries_its_own_lease_token(backend: Backend, clock: Frozen
 
 @pytest.fixture
 def sweepable(backend: Backend) -> Backend:
-    if backend.expires_by_itself:
-        pytest.skip(f"{backend.name}: a lease that ends leaves nothing marked stale")
+    """Every store: each one marks a claim stale and resolves it (Redis included)."""
     return backend
 
 
@@ -224,7 +221,7 @@ def test_swept_claim_is_fenced_before_anyone_takes_it_over(
     marked = current(sweepable)
 
     with pytest.raises(LeaseLost):
-        sweepable.store.complete(old, State.COMPLETED, OLD, clock())
+        sweepable.store.complete(old, State.COMPLETED, OLD, clock(), clock() + 3600)
     assert sweepable.store.release(old, clock()) is False
     with pytest.raises(LeaseLost):
         sweepable.store.checkpoint(old, "late", clock())
@@ -244,7 +241,7 @@ def test_reconciled_claim_keeps_the_providers_answer_against_its_old_owner(
     ).sweep_once()
 
     with pytest.raises(LeaseLost):
-        sweepable.store.complete(old, State.COMPLETED, OLD, clock())
+        sweepable.store.complete(old, State.COMPLETED, OLD, clock(), clock() + 3600)
     assert sweepable.store.release(old, clock()) is False
 
     record = current(sweepable)
@@ -262,7 +259,10 @@ def test_a_sweeper_cannot_resolve_a_record_it_no_longer_holds(
     clock.advance(1)
     (second_mark,) = store.sweep(State.STALE, clock(), clock(), clock() + 3600, 10)
 
-    assert store.settle_stale(first_mark, State.COMPLETED, OLD, clock()) is False
+    assert store.settle_stale(first_mark, State.COMPLETED, OLD, clock(), clock() + 3600) is False
     assert store.release_stale(first_mark, clock()) is False
-    assert store.settle_stale(second_mark, State.COMPLETED, RECONCILED, clock()) is True
+    assert (
+        store.settle_stale(second_mark, State.COMPLETED, RECONCILED, clock(), clock() + 3600)
+        is True
+    )
     assert current(sweepable).response == RECONCILED

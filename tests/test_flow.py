@@ -55,8 +55,8 @@ def record(
     )
 
 
-def start(policy: Policy = POLICY) -> tuple[Flow, Step]:
-    flow = idempotency_flow(INTENT, policy, "lease-1")
+def start(policy: Policy = POLICY, *, atomic: bool = True) -> tuple[Flow, Step]:
+    flow = idempotency_flow(INTENT, policy, "lease-1", atomic=atomic)
     return flow, next(flow)
 
 
@@ -68,9 +68,9 @@ def finish(flow: Flow, result: Any = None) -> Outcome:
     return outcome
 
 
-def owned(policy: Policy = POLICY) -> tuple[Flow, Record]:
+def owned(policy: Policy = POLICY, *, atomic: bool = True) -> tuple[Flow, Record]:
     """A flow whose claim we won, standing at the Execute step."""
-    flow, _ = start(policy)
+    flow, _ = start(policy, atomic=atomic)
     mine = record()
     step = flow.send(Claim(owned=True, record=mine))
     assert step == Execute(mine)
@@ -108,7 +108,7 @@ def test_success_is_completed_with_the_response(status: int) -> None:
 
     step = flow.send(response)
 
-    assert step == Complete(mine, State.COMPLETED, response)
+    assert step == Complete(mine, State.COMPLETED, response, 3600.0)
     assert finish(flow) == Outcome(response, replayed=False, record=mine)
 
 
@@ -120,7 +120,7 @@ def test_business_rejection_is_stored_as_failed_permanent(status: int) -> None:
 
     step = flow.send(rejected)
 
-    assert step == Complete(mine, State.FAILED_PERMANENT, rejected)
+    assert step == Complete(mine, State.FAILED_PERMANENT, rejected, 3600.0)
     assert finish(flow) == Outcome(rejected, replayed=False, record=mine)
 
 
@@ -175,13 +175,48 @@ def test_failed_completion_releases_then_reraises() -> None:
     """A completion that did not commit (e.g. a deferred constraint failed) settles nothing:
     the key is released, fenced by our lease, and the commit's error goes out unchanged."""
     flow, mine = owned()
-    assert flow.send(CREATED) == Complete(mine, State.COMPLETED, CREATED)
+    assert flow.send(CREATED) == Complete(mine, State.COMPLETED, CREATED, 3600.0)
     failed = RuntimeError("deferred constraint violated at COMMIT")
 
     assert flow.throw(failed) == Release(mine)
     with pytest.raises(RuntimeError) as raised:
         flow.send(None)
     assert raised.value is failed
+
+
+@pytest.mark.parametrize("error", [StoreUnavailable("connection lost"), RuntimeError("bug")])
+def test_failed_completion_without_a_shared_transaction_keeps_the_claim(
+    error: Exception,
+) -> None:
+    """No shared transaction: the effect happened, only its record failed. Releasing would
+    run it again on the retry, so the flow asks for no release and the key stays claimed
+    for the sweeper. A store outage says truthfully that the outcome went unrecorded."""
+    flow, mine = owned(atomic=False)
+    assert flow.send(CREATED) == Complete(mine, State.COMPLETED, CREATED, 3600.0)
+
+    with pytest.raises(type(error)) as raised:
+        flow.throw(error)
+    if isinstance(error, StoreUnavailable):
+        assert raised.value.__cause__ is error
+        assert "could not be recorded" in str(raised.value)
+    else:
+        assert raised.value is error
+
+
+def test_handler_exception_without_a_shared_transaction_still_releases() -> None:
+    """The handler raised before answering: by its contract nothing took effect."""
+    flow, mine = owned(atomic=False)
+    boom = ValueError("validation failed inside the handler")
+
+    assert flow.throw(boom) == Release(mine)
+    with pytest.raises(ValueError, match="validation failed"):
+        flow.send(None)
+
+
+def test_retention_starts_at_settlement_and_is_the_policy_retention() -> None:
+    policy = Policy(request_timeout=30, retention=2)  # shorter than the stale threshold
+    flow, mine = owned(policy)
+    assert flow.send(CREATED) == Complete(mine, State.COMPLETED, CREATED, 2.0)
 
 
 def test_failure_to_release_surfaces_after_a_transient_response() -> None:
@@ -271,7 +306,7 @@ def test_custom_classifier_changes_the_verdict() -> None:
     assert flow.send(Response(409)) == Release(mine)
 
     flow, mine = owned(policy)
-    assert flow.send(Response(503)) == Complete(mine, State.FAILED_PERMANENT, Response(503))
+    assert flow.send(Response(503)) == Complete(mine, State.FAILED_PERMANENT, Response(503), 3600.0)
 
     flow, mine = owned(policy)
-    assert flow.send(Response(422)) == Complete(mine, State.COMPLETED, Response(422))
+    assert flow.send(Response(422)) == Complete(mine, State.COMPLETED, Response(422), 3600.0)

@@ -76,19 +76,16 @@ def test_configuration_error_is_a_value_error() -> None:
         Policy(request_timeout=30, stale_after=10)
 
 
-@pytest.mark.parametrize("retention", [70, 69, timedelta(seconds=20)])
-def test_retention_must_exceed_the_stale_threshold(retention: float | timedelta) -> None:
-    """A key must not be purged before the sweeper could even call its claim stale."""
-    with pytest.raises(ConfigurationError, match="retention"):
-        Policy(request_timeout=30, retention=retention)
-
-
-def test_retention_is_checked_against_an_explicit_stale_threshold() -> None:
-    """The check uses the threshold actually in force, not the derived default."""
-    with pytest.raises(ConfigurationError, match="retention"):
-        Policy(request_timeout=1, stale_after=600, retention=600)
-
-    assert Policy(request_timeout=1, stale_after=600, retention=601).retention_seconds == 601
+@pytest.mark.parametrize("retention", [70, 2, 0.5, timedelta(seconds=20)])
+def test_any_positive_retention_is_accepted_whatever_the_stale_threshold(
+    retention: float | timedelta,
+) -> None:
+    """Retention counts from settlement and never ends a claim in flight (only the
+    sweeper does), so it need not exceed the stale threshold: 2 s is a valid retention."""
+    policy = Policy(request_timeout=30, retention=retention)
+    expected = retention.total_seconds() if isinstance(retention, timedelta) else retention
+    assert policy.retention_seconds == expected
+    assert policy.stale_seconds == 70
 
 
 @pytest.mark.parametrize("bad", [0, -1, timedelta(0), math.inf, math.nan, timedelta(seconds=-5)])

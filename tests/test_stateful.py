@@ -7,8 +7,9 @@ whole requests through ``Idempotency.run`` with random outcomes, and moves a
 frozen clock (sometimes past retention). After every step each record the
 store holds must equal the model's: the claim is owned exactly when the model
 says the key is free, owner writes fail with ``LeaseLost`` exactly when the
-model says the lease is gone, replays equal the stored responses, and expired
-records behave as absent. The same machine runs on the memory store and on
+model says the lease is gone, replays equal the stored responses, settled or
+released records past retention behave as absent, and a claim in flight is
+never taken over however old it is. The same machine runs on the memory store and on
 SQLite, so the reference store and the real one are held to one model.
 """
 
@@ -70,7 +71,12 @@ fingerprints = st.sampled_from(FINGERPRINTS)
 def slot_label(slot: Slot | None, now: int) -> str:
     if slot is None:
         return "absent"
-    return "expired" if slot.expires_at <= now else slot.state.value
+    return "expired" if past_retention(slot, now) else slot.state.value
+
+
+def past_retention(slot: Slot, now: int) -> bool:
+    """Settled or released, and its retention over; never a claim in flight or swept."""
+    return slot.state in (*SETTLED, State.RELEASED) and slot.expires_at <= now
 
 
 def ms(seconds: float) -> int:
@@ -127,10 +133,10 @@ class IdempotencyMachine(RuleBasedStateMachine):
         return ms(self.clock())
 
     def free_for(self, slot: Slot | None, fingerprint: str) -> bool:
-        """Absent, expired, or released by a transient failure of the same request."""
+        """Absent, past retention, or released by a transient failure of the same request."""
         return (
             slot is None
-            or slot.expires_at <= self.now()
+            or past_retention(slot, self.now())
             or (slot.state is State.RELEASED and slot.fingerprint == fingerprint)
         )
 
@@ -139,7 +145,7 @@ class IdempotencyMachine(RuleBasedStateMachine):
     ) -> Slot:
         """The model after a successful claim: an expired record starts over."""
         now = self.now()
-        fresh = slot is None or slot.expires_at <= now
+        fresh = slot is None or past_retention(slot, now)
         return Slot(
             state=State.IN_PROGRESS,
             fingerprint=fingerprint,
@@ -198,14 +204,14 @@ class IdempotencyMachine(RuleBasedStateMachine):
     def complete(self, record: Record, state: State, response: Response) -> None:
         owned = self.owns(record)
         try:
-            self.store.complete(record, state, response, self.clock())
+            self.store.complete(record, state, response, self.clock(), self.clock() + 3600)
         except LeaseLost:
             assert not owned, "LeaseLost although the claim is still ours"
             event("complete: lease lost")
             return
         assert owned, "completed a claim whose lease is gone"
         event("complete: settled")
-        self.update(record, state=state, response=response)
+        self.update(record, state=state, response=response, expires_at=self.now() + 3_600_000)
 
     @rule(record=held)
     def release(self, record: Record) -> None:
@@ -228,20 +234,21 @@ class IdempotencyMachine(RuleBasedStateMachine):
         event("checkpoint: recorded")
         self.update(record, recovery_point=point)
 
-    @rule(target=marked)
-    def sweep(self) -> Any:
+    @rule(target=marked, from_state=st.sampled_from([State.IN_PROGRESS, State.RELEASED]))
+    def sweep(self, from_state: State) -> Any:
         now = self.now()
         cutoff = now - ms(POLICY.stale_seconds)
         keep_until = now + ms(POLICY.retention_seconds)
         due = {
             slot
             for slot, s in self.model.items()
-            if s.state is State.IN_PROGRESS and s.updated_at < cutoff
+            if s.state is from_state
+            and s.updated_at < cutoff
+            # released records only when they got past a recovery point
+            and (from_state is State.IN_PROGRESS or s.recovery_point is not None)
         }
 
-        marked = self.store.sweep(
-            State.IN_PROGRESS, cutoff / 1000, now / 1000, keep_until / 1000, 1000
-        )
+        marked = self.store.sweep(from_state, cutoff / 1000, now / 1000, keep_until / 1000, 1000)
 
         assert {(r.principal, r.key) for r in marked} == due
         event(f"sweep: {len(marked)} marked")
@@ -257,8 +264,13 @@ class IdempotencyMachine(RuleBasedStateMachine):
             self.assert_matches(record, self.model[record.principal, record.key])
         return multiple(*marked)
 
-    @rule(record=consumes(marked), settle=st.booleans(), response=st.sampled_from(RESPONSES))
-    def resolve_stale(self, record: Record, settle: bool, response: Response) -> None:
+    @rule(
+        record=consumes(marked),
+        settle=st.booleans(),
+        forget=st.booleans(),
+        response=st.sampled_from(RESPONSES),
+    )
+    def resolve_stale(self, record: Record, settle: bool, forget: bool, response: Response) -> None:
         slot = self.model.get((record.principal, record.key))
         as_marked = (
             slot is not None
@@ -267,21 +279,29 @@ class IdempotencyMachine(RuleBasedStateMachine):
             and slot.updated_at == ms(record.updated_at)
         )
         if settle:
-            done = self.store.settle_stale(record, State.COMPLETED, response, self.clock())
+            done = self.store.settle_stale(
+                record, State.COMPLETED, response, self.clock(), self.clock() + 3600
+            )
         else:
-            done = self.store.release_stale(record, self.clock())
+            done = self.store.release_stale(record, self.clock(), forget_progress=forget)
 
         assert done is as_marked
         event(f"resolve_stale: {'done' if done else 'refused'}")
         if done and settle:
-            self.update(record, state=State.COMPLETED, response=response)
+            self.update(
+                record,
+                state=State.COMPLETED,
+                response=response,
+                expires_at=self.now() + 3_600_000,
+            )
         elif done:
-            self.update(record, state=State.RELEASED)
+            point = None if forget else record.recovery_point
+            self.update(record, state=State.RELEASED, recovery_point=point)
 
     @rule(limit=st.integers(min_value=1, max_value=4))
     def purge(self, limit: int) -> None:
         now = self.now()
-        due = [slot for slot, s in self.model.items() if s.expires_at <= now]
+        due = [slot for slot, s in self.model.items() if past_retention(s, now)]
 
         deleted = self.store.purge(self.clock(), limit)
 

@@ -45,6 +45,7 @@ from idemflow.transactions import (
     SQLite3Transaction,
 )
 from tests.conftest import POSTGRES_URL, unreachable
+from tests.sweeping import async_sweep_away, sweep_away
 
 POLICY = Policy(request_timeout=5, retention=3600)
 INTENT = Intent("alice", "k-1", "fp-1", endpoint="POST /payments")
@@ -311,8 +312,9 @@ def test_lost_claim_rolls_back_the_effect(setup: Setup) -> None:
         pytest.skip("BEGIN IMMEDIATE holds SQLite's write lock: no takeover can interleave")
 
     def handler(attempt: Attempt) -> Response:
-        setup.clock.advance(3601)  # past retention: a retry may take the key over
+        setup.clock.advance(3601)  # past the stale threshold: the sweeper ends our claim
         now = setup.clock()
+        assert len(sweep_away(setup.store, now)) == 1
         assert setup.store.claim(INTENT, "thief", now, now + 3600).owned
         setup.caller.write(attempt.connection, "second effect", None)
         return CREATED
@@ -542,8 +544,9 @@ async def test_async_lost_claim_rolls_back_the_effect(
     async with async_setup(case, tmp_path, table_name) as setup:
 
         async def handler(attempt: AsyncAttempt) -> Response:
-            setup.clock.advance(3601)
+            setup.clock.advance(3601)  # past the stale threshold: the sweeper ends our claim
             now = setup.clock()
+            assert len(await async_sweep_away(setup.store, now)) == 1
             assert (await setup.store.claim(INTENT, "thief", now, now + 3600)).owned
             await setup.caller.write(attempt.connection, "second effect", None)
             return CREATED

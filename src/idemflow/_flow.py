@@ -7,7 +7,7 @@ this generator yields and send the results back in; they decide nothing.
 
 A driver runs :func:`idempotency_flow` like this::
 
-    flow = idempotency_flow(intent, policy, lease_token)
+    flow = idempotency_flow(intent, policy, lease_token, atomic=transaction is not None)
     step = next(flow)
     while True:
         try:
@@ -25,7 +25,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from ._errors import InProgress, KeyReused, LeaseLost
+from ._errors import InProgress, KeyReused, LeaseLost, StoreUnavailable
 from ._model import Claim, Intent, Outcome, Policy, Record, Response, State, Verdict
 
 __all__ = ["Step", "dispatch", "idempotency_flow"]
@@ -49,16 +49,20 @@ class Execute:
 
 @dataclass(frozen=True, slots=True)
 class Complete:
-    """Store the settled outcome with a compare-and-swap on the lease, then commit."""
+    """Store the settled outcome with a compare-and-swap on the lease, then commit.
+
+    Its retention starts now: the outcome is replayed for ``retention`` seconds.
+    """
 
     record: Record
     state: State
     response: Response
+    retention: float
 
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """Roll back and give the key back, so the next retry really runs."""
+    """Roll back and give the key back (if the claim is committed), so the next retry runs."""
 
     record: Record
 
@@ -67,8 +71,13 @@ Step: TypeAlias = ClaimKey | Execute | Complete | Release
 Flow: TypeAlias = Generator[Step, Any, Outcome]
 
 
-def idempotency_flow(intent: Intent, policy: Policy, lease_token: str) -> Flow:
-    """The whole protocol. Yields steps; returns the :class:`Outcome` or raises."""
+def idempotency_flow(intent: Intent, policy: Policy, lease_token: str, *, atomic: bool) -> Flow:
+    """The whole protocol. Yields steps; returns the :class:`Outcome` or raises.
+
+    ``atomic``: the operation's effect commits or rolls back with the
+    completion (transactional mode). Without that, an effect may have
+    happened when its completion fails, and only the sweeper may decide.
+    """
     claim: Claim = yield ClaimKey(intent, lease_token, policy.retention_seconds)
     if not claim.owned:
         return dispatch(claim.record, intent, policy)
@@ -76,25 +85,37 @@ def idempotency_flow(intent: Intent, policy: Policy, lease_token: str) -> Flow:
     try:
         response: Response = yield Execute(record)
     except BaseException:
-        # Whatever went wrong, nothing settled: give the key back and let the
-        # handler's own exception through unchanged.
+        # The operation failed (or was cancelled) before it answered: nothing
+        # settled. Give the key back and let its own exception through unchanged.
         yield Release(record)
         raise
     verdict = policy.classify(response)
     if verdict is Verdict.TRANSIENT:
         yield Release(record)  # a 503 must not poison the key
-    else:
-        try:
-            yield Complete(record, verdict.value, response)
-        except LeaseLost:
-            raise  # the key is someone else's now: nothing of ours to release
-        except BaseException:
-            # The completion did not commit (or we cannot tell): nothing settled.
-            # The release is fenced by our lease and in_progress, so it changes
-            # nothing if the commit did happen.
+        return Outcome(response, replayed=False, record=record)
+    try:
+        yield Complete(record, verdict.value, response, policy.retention_seconds)
+    except LeaseLost:
+        raise  # the key is someone else's now: nothing of ours to release
+    except BaseException as exc:
+        if atomic:
+            # The completion did not commit (or we cannot tell), and the effect
+            # rolled back with it: nothing settled. The release is fenced by our
+            # lease and in_progress, so it changes nothing if the commit did happen.
             yield Release(record)
             raise
+        if isinstance(exc, StoreUnavailable):
+            # The effect happened; only its record is missing. Releasing would
+            # run it again: the key stays claimed for the sweeper's reconciler.
+            raise StoreUnavailable(_UNRECORDED, retry_after=exc.retry_after) from exc
+        raise
     return Outcome(response, replayed=False, record=record)
+
+
+_UNRECORDED = (
+    "the operation ran but its outcome could not be recorded; the key stays claimed "
+    "until it is recovered: retry later with the same key"
+)
 
 
 def dispatch(record: Record, intent: Intent, policy: Policy) -> Outcome:

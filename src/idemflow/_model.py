@@ -31,6 +31,7 @@ __all__ = [
     "Verdict",
     "can_take_over",
     "default_classifier",
+    "is_past_retention",
     "seconds",
 ]
 
@@ -149,14 +150,28 @@ class Outcome:
 
 
 def can_take_over(record: Record, fingerprint: str, now: float) -> bool:
-    """May a new claim take this existing record over?
+    """May a new claim take this existing record over? The one definition of the rule.
 
-    Past retention it is a new intent; released by a transient failure, the
-    *same* request may retry it (keeping its recovery point). Stores make the
-    takeover itself one atomic compare-and-swap on exactly this condition.
+    A *settled* or *released* record past its retention is a new intent; a
+    released record may also be retried by the *same* request (keeping its
+    recovery point). A record in flight (``in_progress``) or being recovered
+    (``stale``) is never taken over here, however old: only the sweeper's
+    fenced path ends it, so retention cannot hand a live claim to a second
+    request. Stores make the takeover itself one atomic compare-and-swap on
+    exactly this condition (see ``TAKE_OVER_SQL`` in ``idemflow.stores._sql``
+    and the Redis claim script); a test checks that they agree.
     """
-    expired = record.expires_at <= now
-    return expired or (record.state is State.RELEASED and record.fingerprint == fingerprint)
+    retried = record.state is State.RELEASED and record.fingerprint == fingerprint
+    return retried or is_past_retention(record, now)
+
+
+def is_past_retention(record: Record, now: float) -> bool:
+    """Does a takeover of ``record`` start a new intent (reset progress and downstream keys)?"""
+    return record.state in _EXPIRABLE and record.expires_at <= now
+
+
+#: The states whose record retention may end: settled outcomes and released keys.
+_EXPIRABLE = frozenset({State.COMPLETED, State.FAILED_PERMANENT, State.RELEASED})
 
 
 def default_classifier(response: Response) -> Verdict:
@@ -182,7 +197,9 @@ class Policy:
     Args:
         request_timeout: the longest a protected request can run (what your
             proxy or server enforces). The stale threshold is derived from it.
-        retention: how long a settled key is replayed (Stripe keeps at least 24 h).
+        retention: how long a settled outcome is replayed, counted from the moment
+            it settled (Stripe keeps at least 24 h). Any positive duration: it
+            never ends a claim in flight, only the sweeper does.
         stale_after: when an ``in_progress`` claim counts as crashed. Defaults to
             ``2 × request_timeout + 10 s``; anything closer to the timeout is
             rejected, because the sweeper would release live claims.
@@ -208,9 +225,6 @@ class Policy:
                 f"{seconds(STALE_MARGIN):g}s = {minimum:g}s, or the sweeper could "
                 "release a claim whose request is still running"
             )
-            raise ConfigurationError(msg)
-        if retention <= stale:
-            msg = f"retention={retention:g}s must exceed the stale threshold {stale:g}s"
             raise ConfigurationError(msg)
         if self.retry_after < 1:
             msg = "retry_after must be at least 1 second"

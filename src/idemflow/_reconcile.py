@@ -64,9 +64,20 @@ class Happened:
 
 @dataclass(frozen=True, slots=True)
 class DidNotHappen:
-    """The effect did not take place: release the key so the next retry really runs."""
+    """The effect did not take place: release the key so the next retry really runs.
+
+    Args:
+        reason: for the logs.
+        apply: undoes the local traces the attempt committed before its
+            external call (a ``pending`` row, say), on the connection of the
+            sweeper's transaction (``apply(connection)``; a coroutine function
+            for ``AsyncSweeper``). It commits together with the release, which
+            then also forgets the recovery point: a retry starts afresh. Needs
+            the sweeper's ``transaction_factory``.
+    """
 
     reason: str = ""
+    apply: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

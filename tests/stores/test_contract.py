@@ -229,6 +229,14 @@ def test_expired_record_is_treated_as_absent(harness: Harness, clock: FrozenCloc
     assert harness.calls == 2
 
 
+def sweep_away(store: Any, clock: FrozenClock) -> list[Any]:
+    """What the sweeper does to a claim whose request it takes for dead: mark, then release."""
+    marked = store.sweep(State.IN_PROGRESS, clock() + 1, clock(), clock() + 3600, 100)
+    for record in marked:
+        assert store.release_stale(record, clock())
+    return list(marked)
+
+
 def test_lost_claim_cannot_complete_and_its_effect_rolls_back(
     harness: Harness, backend: Backend, clock: FrozenClock
 ) -> None:
@@ -236,8 +244,10 @@ def test_lost_claim_cannot_complete_and_its_effect_rolls_back(
     taken_over: list[Outcome] = []
 
     def overrun(attempt: Attempt) -> Response:
-        # We run past retention; another attempt takes the key over meanwhile.
-        clock.advance(3601)
+        # We run past the stale threshold: the sweeper ends our claim and a
+        # retry takes the key over meanwhile.
+        clock.advance(POLICY.stale_seconds + 1)
+        assert len(sweep_away(backend.store, clock)) == 1
         taken_over.append(Harness(backend, clock).run(intent(), lambda a: Response(201, b"new")))
         return CREATED
 
@@ -253,17 +263,61 @@ def test_lost_claim_cannot_complete_and_its_effect_rolls_back(
         assert backend.count() == 1  # only the new owner's effect committed
 
 
+def test_retention_never_takes_over_a_claim_in_flight(backend: Backend, clock: FrozenClock) -> None:
+    """However long a claim runs, retention cannot hand its key to another request: only
+    the sweeper's fenced path ends a claim in flight."""
+    store = backend.store
+    first = store.claim(intent(), "lease-a", clock(), clock() + 1)
+    clock.advance(10_000)
+
+    same = store.claim(intent(), "lease-b", clock(), clock() + 1)
+    other = store.claim(intent(fp="fp-other"), "lease-c", clock(), clock() + 1)
+
+    assert first.owned
+    assert (same.owned, other.owned) == (False, False)
+    assert same.record.lease_token == "lease-a"
+    store.complete(first.record, State.COMPLETED, CREATED, clock(), clock() + 60)
+    settled = store.get("alice", "k-1")
+    assert settled is not None
+    assert settled.state is State.COMPLETED
+
+
+def test_retention_counts_from_settlement(backend: Backend, clock: FrozenClock) -> None:
+    """A short retention after a long request: replayed for the retention after it
+    settled, then the same key is a new intent (new created_at, no recovery point)."""
+    store = backend.store
+    first = store.claim(intent(), "lease-a", clock(), clock() + 2).record
+    store.checkpoint(first, "payment_created", clock())
+    clock.advance(100)  # the request ran far longer than the retention
+    store.complete(first, State.COMPLETED, CREATED, clock(), clock() + 2)
+    settled_at = clock()
+
+    clock.advance(1.5)
+    replay = store.claim(intent(fp="fp-other"), "lease-b", clock(), clock() + 2)
+    assert not replay.owned
+    assert replay.record.response == CREATED
+
+    clock.advance(1)
+    again = store.claim(intent(), "lease-c", clock(), clock() + 2)
+    assert again.owned
+    assert again.record.recovery_point is None
+    assert again.record.attempt == 1
+    assert again.record.created_at > settled_at
+    assert again.record.created_at != first.created_at
+
+
 def test_release_and_complete_are_fenced_by_the_lease(backend: Backend, clock: FrozenClock) -> None:
     """A stale owner's lease token can neither release nor complete the new owner's record."""
     store = backend.store
-    first = store.claim(intent(), "lease-a", clock(), clock() + 10).record
-    clock.advance(11)
-    second = store.claim(intent(), "lease-b", clock(), clock() + 10)
+    first = store.claim(intent(), "lease-a", clock(), clock() + 3600).record
+    clock.advance(POLICY.stale_seconds + 1)
+    sweep_away(store, clock)
+    second = store.claim(intent(), "lease-b", clock(), clock() + 3600)
     assert second.owned
 
     assert store.release(first, clock()) is False
     with pytest.raises(LeaseLost):
-        store.complete(first, State.COMPLETED, CREATED, clock())
+        store.complete(first, State.COMPLETED, CREATED, clock(), clock() + 3600)
     current = store.get("alice", "k-1")
     assert current is not None
     assert (current.state, current.lease_token) == (State.IN_PROGRESS, "lease-b")
@@ -306,16 +360,11 @@ def test_sweep_marks_each_stale_claim_once(backend: Backend, clock: FrozenClock)
     marked = store.sweep(State.IN_PROGRESS, clock() - 50, clock(), clock() + 3600, 100)
     again = store.sweep(State.IN_PROGRESS, clock() - 50, clock(), clock() + 3600, 100)
 
-    if backend.expires_by_itself:  # the lease ended the claim: nothing left to mark
-        assert (marked, again) == ([], [])
-        assert store.claim(intent("old"), "lease-c", clock(), clock() + 3600).owned
-        assert not store.claim(intent("fresh"), "lease-d", clock(), clock() + 3600).owned
-    else:
-        assert [r.key for r in marked] == ["old"]
-        assert marked[0].state is State.STALE
-        assert again == []
+    assert [r.key for r in marked] == ["old"]
+    assert marked[0].state is State.STALE
+    assert again == []
     with pytest.raises(LeaseLost):  # the crashed owner, should it wake, cannot complete
-        store.complete(old, State.COMPLETED, CREATED, clock())
+        store.complete(old, State.COMPLETED, CREATED, clock(), clock() + 3600)
 
 
 def test_stale_record_settles_or_releases_only_as_marked(
@@ -327,13 +376,10 @@ def test_stale_record_settles_or_releases_only_as_marked(
     store.claim(intent("b"), "lease-b", clock(), clock() + 3600)
     clock.advance(100)
     marked = store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 10)
-    if backend.expires_by_itself:
-        assert marked == []
-        pytest.skip("a store whose claims expire by themselves never marks one stale")
     a, b = sorted(marked, key=lambda r: r.key)
 
-    assert store.settle_stale(a, State.COMPLETED, CREATED, clock()) is True
-    assert store.settle_stale(a, State.COMPLETED, CREATED, clock()) is False
+    assert store.settle_stale(a, State.COMPLETED, CREATED, clock(), clock() + 3600) is True
+    assert store.settle_stale(a, State.COMPLETED, CREATED, clock(), clock() + 3600) is False
     assert store.release_stale(b, clock()) is True
     assert store.release_stale(b, clock()) is False
     settled, released = store.get("alice", "a"), store.get("alice", "b")
@@ -341,21 +387,51 @@ def test_stale_record_settles_or_releases_only_as_marked(
     assert released.state is State.RELEASED
 
 
-def test_purge_deletes_exactly_the_expired(backend: Backend, clock: FrozenClock) -> None:
-    """Purge removes records past retention in bounded batches, and nothing else."""
+def test_released_records_are_swept_only_past_a_recovery_point(
+    backend: Backend, clock: FrozenClock
+) -> None:
+    """An abandoned intent that got past a recovery point (an external call may have
+    happened) is marked for reconciliation; one with no progress holds nothing to resolve.
+    Releasing it with forget_progress clears the point, so the retry starts afresh."""
     store: Any = backend.store
-    for n in range(5):
-        store.claim(intent(f"old-{n}"), "l", clock(), clock() + 10)
-    store.claim(intent("young"), "l", clock(), clock() + 1000)
+    progressed = store.claim(intent("progressed"), "lease-a", clock(), clock() + 3600).record
+    store.checkpoint(progressed, "payment_created", clock())
+    assert store.release(progressed, clock())
+    plain = store.claim(intent("plain"), "lease-b", clock(), clock() + 3600).record
+    assert store.release(plain, clock())
+    clock.advance(100)
+
+    marked = store.sweep(State.RELEASED, clock() - 50, clock(), clock() + 3600, 10)
+
+    assert [(r.key, r.state, r.recovery_point) for r in marked] == [
+        ("progressed", State.STALE, "payment_created")
+    ]
+    assert store.release_stale(marked[0], clock(), forget_progress=True)
+    resumed = store.claim(intent("progressed"), "lease-c", clock(), clock() + 3600)
+    assert resumed.owned
+    assert resumed.record.recovery_point is None
+    assert resumed.record.created_at == progressed.created_at  # the same intent
+
+
+def test_purge_deletes_exactly_the_expired(backend: Backend, clock: FrozenClock) -> None:
+    """Purge removes settled and released records past retention in bounded batches, and
+    nothing else: never a claim in flight, however old its claim's expiry."""
+    store: Any = backend.store
+    for n in range(4):
+        old = store.claim(intent(f"old-{n}"), "l", clock(), clock() + 10).record
+        store.complete(old, State.COMPLETED, CREATED, clock(), clock() + 10)
+    released = store.claim(intent("old-released"), "l", clock(), clock() + 10).record
+    assert store.release(released, clock())
+    young = store.claim(intent("young"), "l", clock(), clock() + 10).record
+    store.complete(young, State.COMPLETED, CREATED, clock(), clock() + 1000)
+    store.claim(intent("running"), "l", clock(), clock() + 10)
     clock.advance(11)
 
-    if backend.expires_by_itself:  # TTLs delete; the expired are absent to a claim already
-        assert store.purge(clock(), 3) == 0
-        assert store.claim(intent("old-0", fp="fp-new"), "l2", clock(), clock() + 10).owned
-        assert not store.claim(intent("young", fp="fp-new"), "l2", clock(), clock() + 10).owned
-        return
     assert store.purge(clock(), 3) == 3
     assert store.purge(clock(), 3) == 2
     assert store.purge(clock(), 3) == 0
     assert store.get("alice", "young") is not None
     assert store.get("alice", "old-0") is None
+    running = store.get("alice", "running")
+    assert running is not None
+    assert running.state is State.IN_PROGRESS

@@ -103,20 +103,25 @@ def test_claim_counts_are_what_the_store_reads(
     store: MySQLStore, flag: int, expected: list[int]
 ) -> None:
     """The upsert counts insert 1, someone else's 0 (1 with CLIENT_FOUND_ROWS), takeover 2."""
-    from idemflow.stores._sql import claim_params
+    from idemflow.stores._sql import claim_params, complete_params
 
     claim = store.dialect.claim
-    attempts = [
-        ("lease-a", 1_000.0),  # absent: inserted
-        ("lease-b", 1_000.0),  # held by lease-a: untouched
-        ("lease-c", 4_601.0),  # past lease-a's retention (1 h): taken over
-    ]
     counts = []
     with contextlib.closing(connect(autocommit=True, client_flag=flag)) as conn:
-        for token, now in attempts:
+
+        def run(token: str, now: float) -> None:
             params = claim_params(intent(), token, now, now + 3600)
             with conn.cursor() as cursor:
                 counts.append(cursor.execute(claim.pyformat, claim.bind(params)))
+
+        run("lease-a", 1_000.0)  # absent: inserted
+        run("lease-b", 1_000.0)  # held by lease-a: untouched
+        record = store.get("alice", "k-1")
+        assert record is not None
+        done = complete_params(record, State.COMPLETED, Response(201), 1_000.0, 4_600.0)
+        with conn.cursor() as cursor:
+            cursor.execute(store.dialect.complete.pyformat, store.dialect.complete.bind(done))
+        run("lease-c", 4_601.0)  # settled, and past its retention (1 h): taken over
     assert counts == expected
 
 
@@ -129,6 +134,7 @@ def test_found_rows_store_decides_by_lease_token(table_name: str, store: MySQLSt
     assert found.release(first.record, clock())
     retry = found.claim(intent(), "lease-c", clock(), clock() + 60)
     late = found.claim(intent(), "lease-d", clock(), clock() + 60)
+    found.complete(retry.record, State.COMPLETED, Response(201), clock(), clock() + 60)
     clock.advance(61)
     expired = found.claim(intent(fp="fp-2"), "lease-e", clock(), clock() + 60)
     found.close()

@@ -12,12 +12,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
+from .._concurrency import async_cancel_point, async_shielded
 from .._downstream import downstream_key
-from .._errors import ConfigurationError, StoreUnavailable
+from .._errors import ConfigurationError
 from .._events import Event, Observer, error_event, null_observer
-from .._flow import ClaimKey, Complete, Execute, Flow, Release, Step, idempotency_flow
+from .._flow import ClaimKey, Complete, Execute, Flow, Step, idempotency_flow
 from .._lease import new_lease_token
-from .._model import Clock, Intent, Outcome, Policy, Record, Response
+from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response
 from ..stores.protocol import AsyncStore, AsyncTransaction
 
 __all__ = ["AsyncAttempt", "AsyncHandler", "AsyncIdempotency"]
@@ -38,6 +39,7 @@ class AsyncAttempt:
         store: AsyncStore,
         transaction: AsyncTransaction | None,
         clock: Clock,
+        on_commit: Callable[[], None] = lambda: None,
     ) -> None:
         self.record = record
         #: The last progress committed for this intent, by this or an earlier attempt.
@@ -45,6 +47,7 @@ class AsyncAttempt:
         self._store = store
         self._transaction = transaction
         self._clock = clock
+        self._on_commit = on_commit
 
     @property
     def connection(self) -> Any:
@@ -53,8 +56,9 @@ class AsyncAttempt:
     def downstream_key(self, step: str) -> str:
         """The idempotency key to send to a downstream provider for ``step``.
 
-        The same on every retry and after every crash, so a re-executed call
-        cannot charge twice.
+        The same on every retry and after every crash within one retention
+        period, so a re-executed call cannot charge twice; a new one after
+        retention, when the same key starts a new intent.
         """
         return downstream_key(self.record, step)
 
@@ -77,6 +81,9 @@ class AsyncAttempt:
         """
         await self.checkpoint(recovery_point)
         if self._transaction is not None:
+            # From here on the claim may be committed (single-commit mode), so
+            # a failure must give it back with a write of its own.
+            self._on_commit()
             await self._transaction.commit()
             await self._transaction.begin()
 
@@ -136,9 +143,10 @@ class AsyncIdempotency:
             raise ConfigurationError(msg)
         perform = _Performer(self, intent, handler, transaction, single_commit)
         try:
-            outcome = await _drive(
-                idempotency_flow(intent, self.policy, new_lease_token()), perform
+            flow = idempotency_flow(
+                intent, self.policy, new_lease_token(), atomic=transaction is not None
             )
+            outcome = await _drive(flow, perform)
         except BaseException as exc:
             await perform.abandon()
             event = error_event(exc)
@@ -169,7 +177,13 @@ async def _drive(flow: Flow, perform: Callable[[Step], Awaitable[Any]]) -> Outco
 
 
 class _Performer:
-    """Performs one run's steps against the store, the handler and the transaction."""
+    """Performs one run's steps against the store, the handler and the transaction.
+
+    Holds at most one connection at any moment: the claim and replays use the
+    store's (given back before the handler runs), everything after the claim
+    the caller's transaction, the release included, so a pool shared by the
+    store and the application can never deadlock on a request of its own.
+    """
 
     def __init__(
         self,
@@ -186,39 +200,75 @@ class _Performer:
         self._transaction = transaction
         self._single_commit = single_commit
         self._open = False  # is the caller's transaction begun and not yet ended?
+        # Does giving the claim back take a write? From the start with two
+        # commits; with one, once the first commit_phase may have committed it.
+        self._claim_committed = not single_commit
 
     async def __call__(self, step: Step) -> Any:
-        idem, store, now = self._idem, self._idem.store, self._idem.clock()
         if isinstance(step, ClaimKey):
-            in_transaction = await self._begin() if self._single_commit else None
-            claim = await store.claim(
-                step.intent, step.lease_token, now, now + step.retention, in_transaction
-            )
-            if claim.owned:
-                self.observe(Event.CLAIMED)
-            return claim
+            return await async_shielded(self._claim(step))
         if isinstance(step, Execute):
-            attempt = AsyncAttempt(step.record, store, self._transaction, idem.clock)
+            attempt = AsyncAttempt(
+                step.record, self._idem.store, self._transaction, self._idem.clock, self._committed
+            )
+            await async_cancel_point()  # a cancellation deferred by the claim: release now
             await self._begin()
             return await self._handler(attempt)
         if isinstance(step, Complete):
-            await store.complete(step.record, step.state, step.response, now, self._transaction)
-            await self._end(commit=True)
+            await async_shielded(self._complete(step))
             self.observe(Event.COMPLETED)
             return None
-        return await self._release(step)
+        if await async_shielded(self._release(step.record)):
+            self.observe(Event.RELEASED)
+        return None
 
-    async def _release(self, step: Release) -> None:
-        await self._end(commit=False)
-        if not self._single_commit:  # in single-commit mode the rollback released it
-            try:
-                await self._idem.store.release(step.record, self._idem.clock())
-            except StoreUnavailable:
-                # The handler's outcome matters more than our bookkeeping: the
-                # record stays in_progress and the sweeper will resolve it.
-                logger.warning("could not release claim; the sweeper will", exc_info=True)
-                return
-        self.observe(Event.RELEASED)
+    async def _claim(self, step: ClaimKey) -> Claim:
+        now = self._idem.clock()
+        in_transaction = await self._begin() if self._single_commit else None
+        claim = await self._idem.store.claim(
+            step.intent, step.lease_token, now, now + step.retention, in_transaction
+        )
+        if claim.owned:
+            self.observe(Event.CLAIMED)
+        return claim
+
+    async def _complete(self, step: Complete) -> None:
+        now = self._idem.clock()
+        await self._idem.store.complete(
+            step.record, step.state, step.response, now, now + step.retention, self._transaction
+        )
+        await self._end_with_commit()
+
+    async def _release(self, record: Record) -> bool:
+        """Roll back, then give the key back if the claim was committed.
+
+        Never raises: the flow re-raises the exception that led here, and our
+        cleanup must not replace it. What cannot be released is the sweeper's.
+        """
+        connection_usable = await self._rollback()
+        if not self._claim_committed:
+            return True  # single-commit mode: the rollback took the claim with it
+        transaction = self._transaction if connection_usable else None
+        try:
+            await self._release_on(transaction, record)
+        except Exception:
+            logger.warning("could not release claim; the sweeper will", exc_info=True)
+            return False
+        return True
+
+    async def _release_on(self, transaction: AsyncTransaction | None, record: Record) -> None:
+        """The fenced release, on the request's own connection when it has one."""
+        store, now = self._idem.store, self._idem.clock()
+        if transaction is None:
+            await store.release(record, now)
+            return
+        await transaction.begin()
+        self._open = True
+        await store.release(record, now, transaction)
+        await self._end_with_commit()
+
+    def _committed(self) -> None:
+        self._claim_committed = True
 
     def observe(self, event: Event) -> None:
         self._idem.observer(event, self._intent, self._idem.clock() - self._started)
@@ -229,21 +279,26 @@ class _Performer:
             self._open = True
         return self._transaction
 
-    async def _end(self, *, commit: bool) -> None:
+    async def _end_with_commit(self) -> None:
         if self._transaction is None or not self._open:
             return
-        if commit:
-            # Still open if COMMIT fails (SQLite keeps the transaction after a
-            # deferred constraint fails), so abandon() can roll it back.
-            await self._transaction.commit()
-            self._open = False
-        else:
-            self._open = False
+        # Still open if COMMIT fails (SQLite keeps the transaction after a
+        # deferred constraint fails), so abandon() can roll it back.
+        await self._transaction.commit()
+        self._open = False
+
+    async def _rollback(self) -> bool:
+        """Roll back if open; False when the rollback failed (the connection is unusable)."""
+        if self._transaction is None or not self._open:
+            return True
+        self._open = False
+        try:
             await self._transaction.rollback()
+        except Exception:
+            logger.warning("rollback failed; giving the connection up", exc_info=True)
+            return False
+        return True
 
     async def abandon(self) -> None:
         """Never leave the caller's transaction open behind an error."""
-        try:
-            await self._end(commit=False)
-        except Exception:
-            logger.warning("rollback after error failed", exc_info=True)
+        await self._rollback()

@@ -152,17 +152,21 @@ class AsyncSQLStore:
         state: State,
         response: Response,
         now: float,
+        expires_at: float,
         transaction: AsyncTransaction | None = None,
     ) -> None:
-        params = complete_params(record, state, response, now)
+        params = complete_params(record, state, response, now, expires_at)
         if not await self._write(self.dialect.complete, params, transaction):
             raise LeaseLost(
                 "the claim on this Idempotency-Key was taken over before completion; "
                 "the operation's transaction was rolled back"
             )
 
-    async def release(self, record: Record, now: float) -> bool:
-        return await self._write(self.dialect.release, owner_params(record, now), None)
+    async def release(
+        self, record: Record, now: float, transaction: AsyncTransaction | None = None
+    ) -> bool:
+        params = owner_params(record, now)
+        return await self._write(self.dialect.release, params, transaction)
 
     async def checkpoint(
         self,
@@ -202,15 +206,31 @@ class AsyncSQLStore:
         state: State,
         response: Response,
         now: float,
+        expires_at: float,
         transaction: AsyncTransaction | None = None,
     ) -> bool:
         """Complete a record this sweeper marked stale (a reconciler found the effect)."""
-        params = {**complete_params(record, state, response, now), **stale_params(record, now)}
+        params = {
+            **complete_params(record, state, response, now, expires_at),
+            **stale_params(record, now),
+        }
         return await self._write(self.dialect.settle_stale, params, transaction)
 
-    async def release_stale(self, record: Record, now: float) -> bool:
-        """Give back a key this sweeper marked stale (the effect did not happen)."""
-        return await self._write(self.dialect.release_stale, stale_params(record, now), None)
+    async def release_stale(
+        self,
+        record: Record,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+        *,
+        forget_progress: bool = False,
+    ) -> bool:
+        """Give back a key this sweeper marked stale (the effect did not happen).
+
+        ``forget_progress`` also clears the recovery point: the reconciler
+        undid the local traces, so a retry must start from the beginning.
+        """
+        params = stale_params(record, now, forget_progress=forget_progress)
+        return await self._write(self.dialect.release_stale, params, transaction)
 
     async def purge(self, now: float, limit: int) -> int:
         """Delete up to ``limit`` records past their retention; how many went."""

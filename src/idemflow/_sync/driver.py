@@ -14,11 +14,11 @@ from collections.abc import Callable
 from typing import Any, TypeAlias
 
 from .._downstream import downstream_key
-from .._errors import ConfigurationError, StoreUnavailable
+from .._errors import ConfigurationError
 from .._events import Event, Observer, error_event, null_observer
-from .._flow import ClaimKey, Complete, Execute, Flow, Release, Step, idempotency_flow
+from .._flow import ClaimKey, Complete, Execute, Flow, Step, idempotency_flow
 from .._lease import new_lease_token
-from .._model import Clock, Intent, Outcome, Policy, Record, Response
+from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response
 from ..stores.protocol import Store, Transaction
 
 __all__ = ["Attempt", "Handler", "Idempotency"]
@@ -39,6 +39,7 @@ class Attempt:
         store: Store,
         transaction: Transaction | None,
         clock: Clock,
+        on_commit: Callable[[], None] = lambda: None,
     ) -> None:
         self.record = record
         #: The last progress committed for this intent, by this or an earlier attempt.
@@ -46,6 +47,7 @@ class Attempt:
         self._store = store
         self._transaction = transaction
         self._clock = clock
+        self._on_commit = on_commit
 
     @property
     def connection(self) -> Any:
@@ -54,8 +56,9 @@ class Attempt:
     def downstream_key(self, step: str) -> str:
         """The idempotency key to send to a downstream provider for ``step``.
 
-        The same on every retry and after every crash, so a re-executed call
-        cannot charge twice.
+        The same on every retry and after every crash within one retention
+        period, so a re-executed call cannot charge twice; a new one after
+        retention, when the same key starts a new intent.
         """
         return downstream_key(self.record, step)
 
@@ -78,6 +81,9 @@ class Attempt:
         """
         self.checkpoint(recovery_point)
         if self._transaction is not None:
+            # From here on the claim may be committed (single-commit mode), so
+            # a failure must give it back with a write of its own.
+            self._on_commit()
             self._transaction.commit()
             self._transaction.begin()
 
@@ -137,9 +143,10 @@ class Idempotency:
             raise ConfigurationError(msg)
         perform = _Performer(self, intent, handler, transaction, single_commit)
         try:
-            outcome = _drive(
-                idempotency_flow(intent, self.policy, new_lease_token()), perform
+            flow = idempotency_flow(
+                intent, self.policy, new_lease_token(), atomic=transaction is not None
             )
+            outcome = _drive(flow, perform)
         except BaseException as exc:
             perform.abandon()
             event = error_event(exc)
@@ -170,7 +177,13 @@ def _drive(flow: Flow, perform: Callable[[Step], Any]) -> Outcome:
 
 
 class _Performer:
-    """Performs one run's steps against the store, the handler and the transaction."""
+    """Performs one run's steps against the store, the handler and the transaction.
+
+    Holds at most one connection at any moment: the claim and replays use the
+    store's (given back before the handler runs), everything after the claim
+    the caller's transaction, the release included, so a pool shared by the
+    store and the application can never deadlock on a request of its own.
+    """
 
     def __init__(
         self,
@@ -187,39 +200,74 @@ class _Performer:
         self._transaction = transaction
         self._single_commit = single_commit
         self._open = False  # is the caller's transaction begun and not yet ended?
+        # Does giving the claim back take a write? From the start with two
+        # commits; with one, once the first commit_phase may have committed it.
+        self._claim_committed = not single_commit
 
     def __call__(self, step: Step) -> Any:
-        idem, store, now = self._idem, self._idem.store, self._idem.clock()
         if isinstance(step, ClaimKey):
-            in_transaction = self._begin() if self._single_commit else None
-            claim = store.claim(
-                step.intent, step.lease_token, now, now + step.retention, in_transaction
-            )
-            if claim.owned:
-                self.observe(Event.CLAIMED)
-            return claim
+            return self._claim(step)
         if isinstance(step, Execute):
-            attempt = Attempt(step.record, store, self._transaction, idem.clock)
+            attempt = Attempt(
+                step.record, self._idem.store, self._transaction, self._idem.clock, self._committed
+            )
             self._begin()
             return self._handler(attempt)
         if isinstance(step, Complete):
-            store.complete(step.record, step.state, step.response, now, self._transaction)
-            self._end(commit=True)
+            self._complete(step)
             self.observe(Event.COMPLETED)
             return None
-        return self._release(step)
+        if self._release(step.record):
+            self.observe(Event.RELEASED)
+        return None
 
-    def _release(self, step: Release) -> None:
-        self._end(commit=False)
-        if not self._single_commit:  # in single-commit mode the rollback released it
-            try:
-                self._idem.store.release(step.record, self._idem.clock())
-            except StoreUnavailable:
-                # The handler's outcome matters more than our bookkeeping: the
-                # record stays in_progress and the sweeper will resolve it.
-                logger.warning("could not release claim; the sweeper will", exc_info=True)
-                return
-        self.observe(Event.RELEASED)
+    def _claim(self, step: ClaimKey) -> Claim:
+        now = self._idem.clock()
+        in_transaction = self._begin() if self._single_commit else None
+        claim = self._idem.store.claim(
+            step.intent, step.lease_token, now, now + step.retention, in_transaction
+        )
+        if claim.owned:
+            self.observe(Event.CLAIMED)
+        return claim
+
+    def _complete(self, step: Complete) -> None:
+        now = self._idem.clock()
+        self._idem.store.complete(
+            step.record, step.state, step.response, now, now + step.retention, self._transaction
+        )
+        self._end_with_commit()
+
+    def _release(self, record: Record) -> bool:
+        """Roll back, then give the key back if the claim was committed.
+
+        Never raises: the flow re-raises the exception that led here, and our
+        cleanup must not replace it. What cannot be released is the sweeper's.
+        """
+        connection_usable = self._rollback()
+        if not self._claim_committed:
+            return True  # single-commit mode: the rollback took the claim with it
+        transaction = self._transaction if connection_usable else None
+        try:
+            self._release_on(transaction, record)
+        except Exception:
+            logger.warning("could not release claim; the sweeper will", exc_info=True)
+            return False
+        return True
+
+    def _release_on(self, transaction: Transaction | None, record: Record) -> None:
+        """The fenced release, on the request's own connection when it has one."""
+        store, now = self._idem.store, self._idem.clock()
+        if transaction is None:
+            store.release(record, now)
+            return
+        transaction.begin()
+        self._open = True
+        store.release(record, now, transaction)
+        self._end_with_commit()
+
+    def _committed(self) -> None:
+        self._claim_committed = True
 
     def observe(self, event: Event) -> None:
         self._idem.observer(event, self._intent, self._idem.clock() - self._started)
@@ -230,21 +278,26 @@ class _Performer:
             self._open = True
         return self._transaction
 
-    def _end(self, *, commit: bool) -> None:
+    def _end_with_commit(self) -> None:
         if self._transaction is None or not self._open:
             return
-        if commit:
-            # Still open if COMMIT fails (SQLite keeps the transaction after a
-            # deferred constraint fails), so abandon() can roll it back.
-            self._transaction.commit()
-            self._open = False
-        else:
-            self._open = False
+        # Still open if COMMIT fails (SQLite keeps the transaction after a
+        # deferred constraint fails), so abandon() can roll it back.
+        self._transaction.commit()
+        self._open = False
+
+    def _rollback(self) -> bool:
+        """Roll back if open; False when the rollback failed (the connection is unusable)."""
+        if self._transaction is None or not self._open:
+            return True
+        self._open = False
+        try:
             self._transaction.rollback()
+        except Exception:
+            logger.warning("rollback failed; giving the connection up", exc_info=True)
+            return False
+        return True
 
     def abandon(self) -> None:
         """Never leave the caller's transaction open behind an error."""
-        try:
-            self._end(commit=False)
-        except Exception:
-            logger.warning("rollback after error failed", exc_info=True)
+        self._rollback()

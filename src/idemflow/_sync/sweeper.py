@@ -12,7 +12,12 @@ updated_at)`` index:
 1. ``in_progress`` records untouched for longer than ``policy.stale_after``
    are marked ``stale`` (one atomic statement per batch, so each is marked by
    exactly one sweeper) and resolved;
-2. records still ``stale`` after an earlier *unknown* answer (or a sweeper
+2. with a reconciler, ``released`` records that got past a recovery point and
+   were not retried for as long (an intent abandoned after a transient
+   failure, whose external call may have happened: rocket-rides' completer)
+   are marked and resolved the same way, so every intent converges even if
+   its client never comes back;
+3. records still ``stale`` after an earlier *unknown* answer (or a sweeper
    that died mid-resolution) are marked again once ``retry_unknown_after`` has
    passed, and resolved again.
 
@@ -26,7 +31,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 from .. import _reconcile
 from .._errors import ConfigurationError
@@ -128,7 +133,10 @@ class Sweeper:
         ``progress`` is called with the running totals after each batch.
         """
         now = self.clock()
-        report = self._drain(State.IN_PROGRESS, now - self.policy.stale_seconds, progress)
+        stale_cutoff = now - self.policy.stale_seconds
+        report = self._drain(State.IN_PROGRESS, stale_cutoff, progress)
+        if self.reconciler is not None:  # without one there is nothing to learn about them
+            report += self._drain(State.RELEASED, stale_cutoff, progress, report)
         return report + self._drain(
             State.STALE, now - self.retry_unknown_after, progress, report
         )
@@ -176,21 +184,26 @@ class Sweeper:
                 return report
             report += SweepReport(batches=1)
             for record in batch:
-                resolution = self._resolve(record)
+                resolution = self._resolve(record, abandoned=from_state is State.RELEASED)
                 report += SweepReport.of(resolution, retried=from_state is State.STALE)
             if progress is not None:
                 progress(report if before is None else before + report)
             if len(batch) < self.batch_size:
                 return report
 
-    def _resolve(self, record: Record) -> Resolution:
+    def _resolve(self, record: Record, *, abandoned: bool) -> Resolution:
+        """Ask, then settle or release as the answer says.
+
+        ``abandoned``: the record was released, not crashed. Its client gave
+        up, so a "did not happen" also forgets its recovery point; else it
+        would be swept again and again, and kept past its retention forever.
+        """
         started = self.clock()
         answer = self._ask(record)
         if isinstance(answer, Happened):
             resolution = self._settle(record, answer)
         elif isinstance(answer, DidNotHappen):
-            released = self.store.release_stale(record, self.clock())
-            resolution = Resolution.RELEASED if released else Resolution.LOST
+            resolution = self._release(record, answer, forget_progress=abandoned)
         else:
             resolution = Resolution.UNKNOWN
         self._report(record, resolution, self.clock() - started)
@@ -216,6 +229,32 @@ class Sweeper:
             return Unknown("not an answer")
         return answer
 
+    def _release(
+        self, record: Record, answer: DidNotHappen, *, forget_progress: bool
+    ) -> Resolution:
+        if answer.apply is None:
+            released = self.store.release_stale(
+                record, self.clock(), forget_progress=forget_progress
+            )
+            return Resolution.RELEASED if released else Resolution.LOST
+        if self._transactions is None:
+            return self._needs_transaction("DidNotHappen", record)
+
+        def release(transaction: Transaction) -> bool:
+            now = self.clock()
+            return self.store.release_stale(record, now, transaction, forget_progress=True)
+
+        return self._in_transaction(record, release, answer.apply, Resolution.RELEASED)
+
+    def _needs_transaction(self, answer: str, record: Record) -> Resolution:
+        logger.error(
+            "%s.apply for record %s needs the sweeper's transaction_factory; "
+            "the record stays stale",
+            answer,
+            record.id,
+        )
+        return Resolution.UNKNOWN
+
     def _settle(self, record: Record, answer: Happened) -> Resolution:
         state = settled_state(answer, self.policy)
         if state is None:
@@ -226,42 +265,49 @@ class Sweeper:
                 record.id,
             )
             return Resolution.UNKNOWN
+        expires_at = self.clock() + self.policy.retention_seconds
         if self._transactions is None:
             if answer.apply is not None:
-                logger.error(
-                    "Happened.apply for record %s needs the sweeper's transaction_factory; "
-                    "the record stays stale",
-                    record.id,
-                )
-                return Resolution.UNKNOWN
-            settled = self.store.settle_stale(record, state, answer.response, self.clock())
+                return self._needs_transaction("Happened", record)
+            settled = self.store.settle_stale(
+                record, state, answer.response, self.clock(), expires_at
+            )
             return Resolution.COMPLETED if settled else Resolution.LOST
-        return self._settle_in_transaction(record, state, answer)
 
-    def _settle_in_transaction(
-        self, record: Record, state: State, answer: Happened
+        def settle(transaction: Transaction) -> bool:
+            now = self.clock()
+            return self.store.settle_stale(
+                record, state, answer.response, now, expires_at, transaction
+            )
+
+        return self._in_transaction(record, settle, answer.apply, Resolution.COMPLETED)
+
+    def _in_transaction(
+        self,
+        record: Record,
+        write: Callable[[Transaction], bool],
+        apply: Callable[[Any], Any] | None,
+        resolution: Resolution,
     ) -> Resolution:
-        """Settle first (it locks the record), then apply; commit both or neither."""
+        """The fenced write first (it locks the record), then ``apply``; both or neither."""
         assert self._transactions is not None
         with self._transactions() as transaction:
             transaction.begin()
             try:
-                settled = self.store.settle_stale(
-                    record, state, answer.response, self.clock(), transaction
-                )
-                if settled and answer.apply is not None:
-                    answer.apply(transaction.connection)
+                written = write(transaction)
+                if written and apply is not None:
+                    apply(transaction.connection)
             except Exception:
                 transaction.rollback()
                 logger.warning(
-                    "settling record %s failed; it stays stale", record.id, exc_info=True
+                    "resolving record %s failed; it stays stale", record.id, exc_info=True
                 )
                 return Resolution.UNKNOWN
-            if not settled:  # re-marked by another sweeper: nothing of ours may commit
+            if not written:  # re-marked by another sweeper: nothing of ours may commit
                 transaction.rollback()
                 return Resolution.LOST
             transaction.commit()
-            return Resolution.COMPLETED
+            return resolution
 
     def _check_settings(self) -> None:
         """Refuse settings that cannot work, at construction time."""

@@ -17,7 +17,17 @@ from typing import Any
 
 from .._model import Intent, Record, Response, State, headers_to_json
 
-__all__ = ["COLUMNS", "Dialect", "SQLStatement", "claim_params", "complete_params"]
+__all__ = [
+    "COLUMNS",
+    "PAST_RETENTION_SQL",
+    "PURGEABLE_SQL",
+    "SWEEPABLE_SQL",
+    "TAKE_OVER_SQL",
+    "Dialect",
+    "SQLStatement",
+    "claim_params",
+    "complete_params",
+]
 
 COLUMNS = (
     "id",
@@ -63,12 +73,32 @@ class SQLStatement:
         return {name: params[name] for name in self.names}
 
 
+#: :func:`idemflow._model.is_past_retention` in SQL: a settled or released record
+#: whose retention ended. Never an ``in_progress`` or ``stale`` one.
+PAST_RETENTION_SQL = (
+    "(state IN ('completed', 'failed_permanent', 'released') AND expires_at <= :now)"
+)
+#: :func:`idemflow._model.can_take_over` in SQL (the claimant's ``:fingerprint``).
+TAKE_OVER_SQL = f"({PAST_RETENTION_SQL} OR (state = 'released' AND fingerprint = :fingerprint))"
+
+
 def _owned_by_caller(alias: str = "") -> str:
     """The fence every write of an owner carries: our record, our lease, still running."""
     prefix = f"{alias}." if alias else ""
     return (
         f"{prefix}id = :id AND {prefix}lease_token = :lease_token AND {prefix}state = 'in_progress'"
     )
+
+
+# A released record is swept only when it got past a recovery point (an external
+# call may have happened): the reconciler settles or undoes it, so an intent
+# whose client never retries still converges. Other released records hold
+# nothing to resolve.
+SWEEPABLE_SQL = "(state <> 'released' OR recovery_point IS NOT NULL)"
+# In flight or being recovered: never deleted for age, whatever expires_at says.
+# Spelled NOT IN so no planner serves the purge from the (state, updated_at)
+# index (SQLite did, then sorted every settled row): the expiry index must.
+PURGEABLE_SQL = "state NOT IN ('in_progress', 'stale')"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +160,8 @@ class Dialect:
             ),
             complete=SQLStatement(
                 f"UPDATE {table} SET state = :state, response_status = :status, "
-                "response_headers = :headers, response_body = :body, updated_at = :now "
-                f"WHERE {_owned_by_caller()}"
+                "response_headers = :headers, response_body = :body, updated_at = :now, "
+                f"expires_at = :expires_at WHERE {_owned_by_caller()}"
             ),
             release=SQLStatement(
                 f"UPDATE {table} SET state = 'released', updated_at = :now "
@@ -149,24 +179,28 @@ class Dialect:
             # already locked and takes the next LIMIT, marking the whole table.
             sweep=SQLStatement(
                 f"WITH due AS (SELECT id FROM {table} WHERE state = :from_state "
-                f"AND updated_at < :cutoff ORDER BY updated_at LIMIT :limit{lock}) "
+                f"AND updated_at < :cutoff AND {SWEEPABLE_SQL} "
+                f"ORDER BY updated_at LIMIT :limit{lock}) "
                 f"UPDATE {table} SET state = 'stale', updated_at = :now, "
                 "expires_at = CASE WHEN expires_at < :keep_until THEN :keep_until "
                 "ELSE expires_at END "
                 "WHERE id IN (SELECT id FROM due) "
-                f"AND state = :from_state AND updated_at < :cutoff RETURNING {columns}"
+                f"AND state = :from_state AND updated_at < :cutoff AND {SWEEPABLE_SQL} "
+                f"RETURNING {columns}"
             ),
             settle_stale=SQLStatement(
                 f"UPDATE {table} SET state = :state, response_status = :status, "
-                "response_headers = :headers, response_body = :body, updated_at = :now "
-                f"WHERE {marked}"
+                "response_headers = :headers, response_body = :body, updated_at = :now, "
+                f"expires_at = :expires_at WHERE {marked}"
             ),
             release_stale=SQLStatement(
-                f"UPDATE {table} SET state = 'released', updated_at = :now WHERE {marked}"
+                f"UPDATE {table} SET state = 'released', updated_at = :now, "
+                "recovery_point = CASE WHEN :forget_progress = 1 THEN NULL "
+                f"ELSE recovery_point END WHERE {marked}"
             ),
             purge=SQLStatement(
                 f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} "
-                "WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit)"
+                f"WHERE expires_at <= :now AND {PURGEABLE_SQL} ORDER BY expires_at LIMIT :limit)"
             ),
         )
 
@@ -231,7 +265,7 @@ def take_over_claim(table: str) -> str:
     is reset (a new intent); a released record keeps its recovery point.
     """
     columns = ", ".join(COLUMNS)
-    expired = "expires_at <= :now"
+    expired = PAST_RETENTION_SQL
     return (
         f"UPDATE {table} SET fingerprint = :fingerprint, endpoint = :endpoint, "
         "state = 'in_progress', lease_token = :lease_token, "
@@ -241,7 +275,7 @@ def take_over_claim(table: str) -> str:
         f"attempt = CASE WHEN {expired} THEN 1 ELSE attempt + 1 END, "
         "response_status = NULL, response_headers = NULL, response_body = NULL "
         "WHERE principal = :principal AND idempotency_key = :key "
-        f"AND ({expired} OR (state = 'released' AND fingerprint = :fingerprint)) "
+        f"AND {TAKE_OVER_SQL} "
         f"RETURNING {columns}"
     )
 
@@ -263,9 +297,12 @@ def owner_params(record: Record, now: float) -> dict[str, Any]:
     return {"id": record.id, "lease_token": record.lease_token, "now": int(now * 1000)}
 
 
-def complete_params(record: Record, state: State, response: Response, now: float) -> dict[str, Any]:
+def complete_params(
+    record: Record, state: State, response: Response, now: float, expires_at: float
+) -> dict[str, Any]:
     return {
         **owner_params(record, now),
+        "expires_at": int(expires_at * 1000),
         "state": state.value,
         "status": response.status,
         "headers": headers_to_json(response.headers),
@@ -285,9 +322,13 @@ def sweep_params(
     }
 
 
-def stale_params(record: Record, now: float) -> dict[str, Any]:
+def stale_params(record: Record, now: float, *, forget_progress: bool = False) -> dict[str, Any]:
     """Fence for a sweeper's write: the record exactly as this sweeper marked it."""
-    return {**owner_params(record, now), "marked_at": int(record.updated_at * 1000)}
+    return {
+        **owner_params(record, now),
+        "marked_at": int(record.updated_at * 1000),
+        "forget_progress": int(forget_progress),
+    }
 
 
 def row_mapping(description: Sequence[Any], row: Sequence[Any]) -> Mapping[str, Any]:

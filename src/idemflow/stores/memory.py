@@ -13,7 +13,7 @@ import itertools
 import threading
 
 from .._errors import LeaseLost
-from .._model import Claim, Intent, Record, Response, State, can_take_over
+from .._model import Claim, Intent, Record, Response, State, can_take_over, is_past_retention
 from .protocol import AsyncTransaction, Transaction
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
@@ -52,13 +52,15 @@ class MemoryStore:
         state: State,
         response: Response,
         now: float,
+        expires_at: float,
         transaction: Transaction | None = None,
     ) -> None:
-        if not self._update_owned(record, state=state, response=response, updated_at=now):
+        settled = {"state": state, "response": response, "expires_at": expires_at}
+        if not self._update_owned(record, updated_at=now, **settled):
             msg = "the claim on this Idempotency-Key was taken over before completion"
             raise LeaseLost(msg)
 
-    def release(self, record: Record, now: float) -> bool:
+    def release(self, record: Record, now: float, transaction: Transaction | None = None) -> bool:
         return self._update_owned(record, state=State.RELEASED, updated_at=now)
 
     def checkpoint(
@@ -84,7 +86,7 @@ class MemoryStore:
                 (
                     r
                     for r in self.records.values()
-                    if r.state is from_state and r.updated_at < cutoff
+                    if r.state is from_state and r.updated_at < cutoff and _sweepable(r)
                 ),
                 key=lambda r: r.updated_at,
             )[:limit]
@@ -104,16 +106,30 @@ class MemoryStore:
         state: State,
         response: Response,
         now: float,
+        expires_at: float,
         transaction: Transaction | None = None,
     ) -> bool:
-        return self._update_marked(record, state=state, response=response, updated_at=now)
+        settled = {"state": state, "response": response, "expires_at": expires_at}
+        return self._update_marked(record, updated_at=now, **settled)
 
-    def release_stale(self, record: Record, now: float) -> bool:
-        return self._update_marked(record, state=State.RELEASED, updated_at=now)
+    def release_stale(
+        self,
+        record: Record,
+        now: float,
+        transaction: Transaction | None = None,
+        *,
+        forget_progress: bool = False,
+    ) -> bool:
+        point = None if forget_progress else record.recovery_point
+        return self._update_marked(
+            record, state=State.RELEASED, updated_at=now, recovery_point=point
+        )
 
     def purge(self, now: float, limit: int) -> int:
         with self._lock:
-            expired = [slot for slot, r in self.records.items() if r.expires_at <= now][:limit]
+            expired = [slot for slot, r in self.records.items() if is_past_retention(r, now)][
+                :limit
+            ]
             for slot in expired:
                 del self.records[slot]
             return len(expired)
@@ -162,11 +178,14 @@ class AsyncMemoryStore:
         state: State,
         response: Response,
         now: float,
+        expires_at: float,
         transaction: AsyncTransaction | None = None,
     ) -> None:
-        self.sync.complete(record, state, response, now)
+        self.sync.complete(record, state, response, now, expires_at)
 
-    async def release(self, record: Record, now: float) -> bool:
+    async def release(
+        self, record: Record, now: float, transaction: AsyncTransaction | None = None
+    ) -> bool:
         return self.sync.release(record, now)
 
     async def checkpoint(
@@ -192,12 +211,20 @@ class AsyncMemoryStore:
         state: State,
         response: Response,
         now: float,
+        expires_at: float,
         transaction: AsyncTransaction | None = None,
     ) -> bool:
-        return self.sync.settle_stale(record, state, response, now)
+        return self.sync.settle_stale(record, state, response, now, expires_at)
 
-    async def release_stale(self, record: Record, now: float) -> bool:
-        return self.sync.release_stale(record, now)
+    async def release_stale(
+        self,
+        record: Record,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+        *,
+        forget_progress: bool = False,
+    ) -> bool:
+        return self.sync.release_stale(record, now, forget_progress=forget_progress)
 
     async def purge(self, now: float, limit: int) -> int:
         return self.sync.purge(now, limit)
@@ -211,7 +238,7 @@ def _claimed(
     expires_at: float,
     ids: itertools.count[int],
 ) -> Record:
-    fresh = current is None or current.expires_at <= now
+    fresh = current is None or is_past_retention(current, now)
     return Record(
         id=next(ids) if current is None else current.id,
         principal=intent.principal,
@@ -227,6 +254,11 @@ def _claimed(
         recovery_point=None if fresh or current is None else current.recovery_point,
         attempt=1 if fresh or current is None else current.attempt + 1,
     )
+
+
+def _sweepable(record: Record) -> bool:
+    """A released record is swept only past a recovery point (see the SQL stores)."""
+    return record.state is not State.RELEASED or record.recovery_point is not None
 
 
 def _owned(current: Record | None, record: Record) -> bool:

@@ -45,10 +45,14 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .._errors import ConfigurationError, InProgress, LeaseLost
-from .._model import Claim, Intent, Record, State, record_from_row
+from .._model import Claim, Intent, Record, State, can_take_over, record_from_row
 from .._sync.sql import SQLStore
 from ._sql import (
     COLUMNS,
+    PAST_RETENTION_SQL,
+    PURGEABLE_SQL,
+    SWEEPABLE_SQL,
+    TAKE_OVER_SQL,
     Dialect,
     SQLStatement,
     claim_params,
@@ -151,14 +155,14 @@ def upsert_claim(table: str) -> str:
     which case all see the old row). So the lease token goes first, guarded
     by the takeover condition on the old row; every later assignment asks
     "is the token ours now, or does the old row qualify", which gives the
-    same answer under both orders. ``expires_at`` goes last because
-    ``created_at``, ``recovery_point`` and ``attempt`` need its old value to
+    same answer under both orders. ``state`` and ``expires_at`` go last because
+    ``created_at``, ``recovery_point`` and ``attempt`` need their old values to
     tell a fresh intent (reset everything) from a retry of a released one
     (keep its recovery point).
     """
-    qualifies = "(expires_at <= :now OR (state = 'released' AND fingerprint = :fingerprint))"
+    qualifies = TAKE_OVER_SQL
     taken = f"(lease_token <=> :lease_token OR {qualifies})"
-    expired = "expires_at <= :now"
+    expired = PAST_RETENTION_SQL
 
     def guarded(column: str, value: str) -> str:
         return f"{column} = IF({taken}, {value}, {column})"
@@ -203,11 +207,12 @@ def mysql_dialect(table: str = DEFAULT_TABLE) -> Dialect:
         sweep=SQLStatement(
             f"UPDATE {table} SET state = 'stale', lease_token = :sweep_token, "
             "updated_at = :now, expires_at = GREATEST(expires_at, :keep_until) "
-            "WHERE state = :from_state AND updated_at < :cutoff "
+            f"WHERE state = :from_state AND updated_at < :cutoff AND {SWEEPABLE_SQL} "
             "ORDER BY updated_at LIMIT :limit"
         ),
         purge=SQLStatement(
-            f"DELETE FROM {table} WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit"
+            f"DELETE FROM {table} WHERE expires_at <= :now AND {PURGEABLE_SQL} "
+            "ORDER BY expires_at LIMIT :limit"
         ),
     )
 
@@ -572,9 +577,7 @@ class MySQLStore(SQLStore):
 
 def _may_take_over(row: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
     """Worth attempting the guarded upsert? (It checks again, atomically.)"""
-    expired = int(row["expires_at"]) <= int(params["now"])
-    released = row["state"] == State.RELEASED and row["fingerprint"] == params["fingerprint"]
-    return expired or released
+    return can_take_over(record_from_row(row), params["fingerprint"], params["now"] / 1000)
 
 
 def _busy() -> InProgress:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._async.sql import AsyncSQLStore
 from .._sync.sql import SQLStore
-from ._sql import Dialect, SQLStatement, create_table, insert_claim
+from ._sql import PURGEABLE_SQL, Dialect, SQLStatement, create_table, insert_claim
 
 if TYPE_CHECKING:
     import psycopg_pool
@@ -67,13 +67,15 @@ def purge_statement(table: str) -> SQLStatement:
     table for every batch. ``SKIP LOCKED``: a row a claim is taking over right
     now is left for the next pass instead of waited for (the connections'
     lock_timeout would fail the batch). The expiry is tested again on the
-    deleted row version, so a record taken over in between is kept; ``+ 0``
+    deleted row version (with the state: a record in flight or being recovered
+    is never purged), so a record taken over in between is kept; ``+ 0``
     keeps that re-check from being planned as a second index scan.
     """
     return SQLStatement(
         f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
-        "WHERE expires_at <= :now ORDER BY expires_at LIMIT :limit FOR UPDATE SKIP LOCKED)) "
-        "AND expires_at + 0 <= :now"
+        f"WHERE expires_at <= :now AND {PURGEABLE_SQL} "
+        "ORDER BY expires_at LIMIT :limit FOR UPDATE SKIP LOCKED)) "
+        f"AND expires_at + 0 <= :now AND {PURGEABLE_SQL}"
     )
 
 

@@ -104,15 +104,21 @@ class Store(Protocol):
         state: State,
         response: Response,
         now: float,
+        expires_at: float,
         transaction: Transaction | None = None,
     ) -> None:
         """Settle the record if it is still ours (``id``, lease token, ``in_progress``).
 
-        Raises ``LeaseLost`` when no row matched.
+        ``expires_at`` is the end of its retention, counted from now: how long
+        the outcome is replayed. Raises ``LeaseLost`` when no row matched.
         """
 
-    def release(self, record: Record, now: float) -> bool:
-        """Give the key back if it is still ours. False when it was not."""
+    def release(self, record: Record, now: float, transaction: Transaction | None = None) -> bool:
+        """Give the key back if it is still ours. False when it was not.
+
+        With ``transaction`` the write goes on the caller's connection (begun and
+        committed by the driver), so a request never needs a second connection.
+        """
 
     def checkpoint(
         self,
@@ -148,10 +154,13 @@ class AsyncStore(Protocol):
         state: State,
         response: Response,
         now: float,
+        expires_at: float,
         transaction: AsyncTransaction | None = None,
     ) -> None: ...
 
-    async def release(self, record: Record, now: float) -> bool: ...
+    async def release(
+        self, record: Record, now: float, transaction: AsyncTransaction | None = None
+    ) -> bool: ...
 
     async def checkpoint(
         self,
@@ -174,6 +183,8 @@ class MaintainableStore(Store, Protocol):
 
         One atomic statement per batch: a record is marked by one sweeper only.
         Marked records stay at least until ``keep_until`` (never purged unresolved).
+        ``from_state=RELEASED`` marks only released records *with* a recovery
+        point: an intent abandoned after progress that may include an external call.
         """
 
     def settle_stale(
@@ -182,15 +193,29 @@ class MaintainableStore(Store, Protocol):
         state: State,
         response: Response,
         now: float,
+        expires_at: float,
         transaction: Transaction | None = None,
     ) -> bool:
         """Settle a record exactly as this sweeper marked it; False if it changed."""
 
-    def release_stale(self, record: Record, now: float) -> bool:
-        """Release a record exactly as this sweeper marked it; False if it changed."""
+    def release_stale(
+        self,
+        record: Record,
+        now: float,
+        transaction: Transaction | None = None,
+        *,
+        forget_progress: bool = False,
+    ) -> bool:
+        """Release a record exactly as this sweeper marked it; False if it changed.
+
+        ``forget_progress`` clears its recovery point too (its local traces were undone).
+        """
 
     def purge(self, now: float, limit: int) -> int:
-        """Delete up to ``limit`` records past retention; returns how many."""
+        """Delete up to ``limit`` settled or released records past retention; how many.
+
+        Never an ``in_progress`` or ``stale`` record, however old.
+        """
 
 
 class AsyncMaintainableStore(AsyncStore, Protocol):
@@ -206,9 +231,17 @@ class AsyncMaintainableStore(AsyncStore, Protocol):
         state: State,
         response: Response,
         now: float,
+        expires_at: float,
         transaction: AsyncTransaction | None = None,
     ) -> bool: ...
 
-    async def release_stale(self, record: Record, now: float) -> bool: ...
+    async def release_stale(
+        self,
+        record: Record,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+        *,
+        forget_progress: bool = False,
+    ) -> bool: ...
 
     async def purge(self, now: float, limit: int) -> int: ...

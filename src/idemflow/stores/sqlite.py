@@ -14,6 +14,7 @@ through a thread-hop wrapper was measured 5–27× slower.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sqlite3
 import threading
@@ -58,6 +59,8 @@ class _Connections:
         self.path = path
         self._busy_timeout = busy_timeout
         self._local = threading.local()
+        self._opened: list[sqlite3.Connection] = []  # every thread's, so close() reaches them
+        self._lock = threading.Lock()
 
     def __call__(self) -> nullcontext[sqlite3.Connection]:
         # nullcontext, not @contextmanager: this runs twice per request, and a
@@ -66,7 +69,17 @@ class _Connections:
         if conn is None or self._local.pid != os.getpid():
             conn = connect(self.path, busy_timeout=self._busy_timeout)
             self._local.conn, self._local.pid = conn, os.getpid()
+            with self._lock:
+                self._opened.append(conn)
         return nullcontext(conn)
+
+    def close(self) -> None:
+        """Close every connection opened so far; a later call opens new ones."""
+        with self._lock:
+            opened, self._opened = self._opened, []
+            self._local = threading.local()
+        for conn in opened:
+            conn.close()
 
 
 def connect(path: str | Path, *, busy_timeout: float = 5.0) -> sqlite3.Connection:
@@ -88,12 +101,17 @@ class SQLiteStore(SQLStore):
         self, path: str | Path, *, table: str = DEFAULT_TABLE, busy_timeout: float = 5.0
     ) -> None:
         self.path = str(path)
+        self._connections = _Connections(self.path, busy_timeout)
         super().__init__(
             sqlite_dialect(table),
-            _Connections(self.path, busy_timeout),
+            self._connections,
             paramstyle="named",
             is_unavailable=is_unavailable,
         )
+
+    def close(self) -> None:
+        """Close the store's connections (one per thread that used it)."""
+        self._connections.close()
 
 
 class AsyncSQLiteStore:
@@ -134,15 +152,20 @@ class AsyncSQLiteStore:
         state: State,
         response: Response,
         now: float,
+        expires_at: float,
         transaction: AsyncTransaction | None = None,
     ) -> None:
         if transaction is None:
-            await asyncio.to_thread(self.sync.complete, record, state, response, now)
+            await asyncio.to_thread(self.sync.complete, record, state, response, now, expires_at)
             return
-        await self._in_transaction.complete(record, state, response, now, transaction)
+        await self._in_transaction.complete(record, state, response, now, expires_at, transaction)
 
-    async def release(self, record: Record, now: float) -> bool:
-        return await asyncio.to_thread(self.sync.release, record, now)
+    async def release(
+        self, record: Record, now: float, transaction: AsyncTransaction | None = None
+    ) -> bool:
+        if transaction is None:
+            return await asyncio.to_thread(self.sync.release, record, now)
+        return await self._in_transaction.release(record, now, transaction)
 
     async def checkpoint(
         self,
@@ -170,20 +193,44 @@ class AsyncSQLiteStore:
         state: State,
         response: Response,
         now: float,
+        expires_at: float,
         transaction: AsyncTransaction | None = None,
     ) -> bool:
         if transaction is None:
-            return await asyncio.to_thread(self.sync.settle_stale, record, state, response, now)
-        return await self._in_transaction.settle_stale(record, state, response, now, transaction)
+            return await asyncio.to_thread(
+                self.sync.settle_stale, record, state, response, now, expires_at
+            )
+        return await self._in_transaction.settle_stale(
+            record, state, response, now, expires_at, transaction
+        )
 
-    async def release_stale(self, record: Record, now: float) -> bool:
-        return await asyncio.to_thread(self.sync.release_stale, record, now)
+    async def release_stale(
+        self,
+        record: Record,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+        *,
+        forget_progress: bool = False,
+    ) -> bool:
+        if transaction is None:
+            return await asyncio.to_thread(
+                functools.partial(self.sync.release_stale, forget_progress=forget_progress),
+                record,
+                now,
+            )
+        return await self._in_transaction.release_stale(
+            record, now, transaction, forget_progress=forget_progress
+        )
 
     async def purge(self, now: float, limit: int) -> int:
         return await asyncio.to_thread(self.sync.purge, now, limit)
 
     async def migrate(self) -> None:
         await asyncio.to_thread(self.sync.migrate)
+
+    async def close(self) -> None:
+        """Close the connections this store opened (each worker thread's)."""
+        await asyncio.to_thread(self.sync.close)
 
 
 @asynccontextmanager

@@ -1,0 +1,55 @@
+"""
+Finishing a store write that must not be cut in half by cancellation.
+
+A claim, a completion or a release that is cancelled while it awaits may
+still commit (in SQLite's worker thread, or on the server after the query was
+sent); if its caller then stops, the key stays ``in_progress`` until the
+sweeper. So the async driver awaits these steps *shielded*: the step runs to
+its end, and the cancellation is delivered afterwards, at the next
+:func:`async_cancel_point`, where the flow gives back what was claimed.
+
+The sync driver is generated from the async one; ``scripts/unasync.py``
+drops both there: a synchronous call cannot be cut in half.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+__all__ = ["async_cancel_point", "async_shielded"]
+
+T = TypeVar("T")
+
+
+async def async_shielded(awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` to its end even if this task is cancelled meanwhile.
+
+    A cancellation that arrives meanwhile is requested again once the step is
+    done (the cancel count is kept, so ``asyncio.timeout`` still recognises
+    its own), and raises at the caller's next await.
+    """
+    task = asyncio.ensure_future(awaitable)
+    deferred = False
+    try:
+        while True:
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if task.done():  # the step itself was cancelled, not us
+                    raise
+                deferred = True
+    finally:
+        if deferred:
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+                current.cancel()
+
+
+async def async_cancel_point() -> None:
+    """Raise a cancellation :func:`async_shielded` deferred, before anything else runs."""
+    current = asyncio.current_task()
+    if current is not None and current.cancelling():
+        await asyncio.sleep(0)
