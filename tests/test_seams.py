@@ -1,0 +1,434 @@
+"""
+The seams around the core, under pressure and faults (issue 9, library side).
+
+Each test drives the real driver against a real database, with the fault made
+real too: a pool of one or two connections shared by the store and the
+application, a server connection terminated mid-request, a task cancelled
+while its claim is in flight, a rollback on a connection that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idemflow import (
+    AsyncAttempt,
+    AsyncIdempotency,
+    Attempt,
+    Idempotency,
+    InProgress,
+    Intent,
+    Policy,
+    Response,
+    State,
+    StoreUnavailable,
+)
+from idemflow._http import pooled_transaction
+from idemflow.stores.sqlite import AsyncSQLiteStore
+from tests.conftest import POSTGRES_URL, unreachable
+
+pytestmark = pytest.mark.anyio
+
+POLICY = Policy(request_timeout=5)
+CREATED = Response(201, b'{"id":"pay_1"}', (("content-type", "application/json"),))
+UNAVAILABLE = Response(503, b"provider down")
+
+
+def intent(key: str = "k-1") -> Intent:
+    return Intent("alice", key, "fp-1", endpoint="POST /payments")
+
+
+class Boom(Exception):
+    """The handler's own exception: it must come out of ``run`` unchanged."""
+
+
+# --- PostgreSQL fixtures ------------------------------------------------------
+
+
+def psycopg_or_skip() -> Any:
+    psycopg = pytest.importorskip("psycopg")
+    try:
+        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
+    except psycopg.OperationalError as exc:
+        unreachable("PostgreSQL", exc)
+    return psycopg
+
+
+@contextlib.contextmanager
+def postgres_tables(table: str) -> Iterator[Any]:
+    """The key table and a business table; dropped afterwards. Yields psycopg."""
+    psycopg = psycopg_or_skip()
+    from idemflow.stores.postgres import PostgresStore
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        store = PostgresStore(POSTGRES_URL, table=table, max_size=1)
+        store.migrate()
+        store.close()
+        conn.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
+        try:
+            yield psycopg
+        finally:
+            conn.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
+
+
+def business_rows(table: str) -> list[str]:
+    import psycopg
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        return [r[0] for r in conn.execute(f"SELECT note FROM biz_{table} ORDER BY id")]
+
+
+def terminate(application_name: str) -> int:
+    """End every server session of ``application_name`` (a real connection loss)."""
+    import psycopg
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name = %s AND pid <> pg_backend_pid()",
+            (application_name,),
+        ).fetchall()
+    return len(rows)
+
+
+def named_url(application_name: str) -> str:
+    return f"{POSTGRES_URL}?application_name={application_name}"
+
+
+@contextlib.asynccontextmanager
+async def shared_pool(table: str, size: int, application_name: str = "") -> AsyncIterator[Any]:
+    """An AsyncPostgresStore whose pool the application's transactions use too."""
+    from idemflow.stores.postgres import AsyncPostgresStore
+
+    url = named_url(application_name) if application_name else POSTGRES_URL
+    store = AsyncPostgresStore(url, table=table, max_size=size)
+    await store.pool.open(wait=True)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def transaction_on(store: Any) -> Any:
+    from idemflow.transactions import AsyncPsycopgTransaction
+
+    return pooled_transaction(store.pool.connection, AsyncPsycopgTransaction)
+
+
+# --- defect 1: a pool shared by the store and the application ---------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+@pytest.mark.parametrize("single_commit", [False, True], ids=["two-commit", "single-commit"])
+@pytest.mark.parametrize("pool_size", [1, 2])
+async def test_a_pool_shared_with_the_application_never_deadlocks_a_release(
+    pool_size: int, single_commit: bool, table_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """50 keys at once, each retried sequentially against a dependency failing half the
+    time, on a pool of 1–2 connections that store and handler share: every key reaches
+    201 with one committed effect, no sequential retrier ever sees a 409, nothing is left
+    for the sweeper. (The release used to take a second connection while the request
+    held one: with a small pool it timed out and poisoned the key.)"""
+    rng = random.Random(f"{pool_size}-{single_commit}")
+    conflicts: list[str] = []
+    attempts = 0
+    with postgres_tables(table_name), caplog.at_level(logging.WARNING, "idemflow"):
+        async with shared_pool(table_name, pool_size) as store:
+            idem = AsyncIdempotency(store, POLICY)
+
+            async def charge(attempt: AsyncAttempt) -> Response:
+                note = f"{attempt.record.key}/{attempt.record.attempt}"
+                await attempt.connection.execute(
+                    f"INSERT INTO biz_{table_name} (note) VALUES (%s)", (note,)
+                )
+                return UNAVAILABLE if rng.random() < 0.5 else CREATED
+
+            async def client(key: str) -> None:
+                nonlocal attempts
+                for _ in range(60):
+                    attempts += 1
+                    try:
+                        async with transaction_on(store) as transaction:
+                            outcome = await idem.run(
+                                intent(key),
+                                charge,
+                                transaction=transaction,
+                                single_commit=single_commit,
+                            )
+                    except InProgress:
+                        conflicts.append(key)
+                        continue
+                    if outcome.response.status == 201:
+                        return
+                pytest.fail(f"{key} never reached 201")
+
+            await asyncio.gather(*(client(f"key-{n}") for n in range(50)))
+            records = [await store.get("alice", f"key-{n}") for n in range(50)]
+        rows = business_rows(table_name)
+
+    assert conflicts == []
+    assert [r.state for r in records if r is not None] == [State.COMPLETED] * 50
+    assert len(rows) == 50  # the 503 attempts rolled back with their release
+    assert len({row.split("/")[0] for row in rows}) == 50
+    assert attempts > 75  # the dependency really failed about half the time
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+# --- defect 2: a failed completion without a shared transaction ---------------------
+
+
+@pytest.mark.postgres
+async def test_a_lost_completion_without_a_transaction_keeps_the_claim(table_name: str) -> None:
+    """The effect commits on its own (no shared transaction), then the store's connection
+    dies before the completion. Releasing would run the effect again on the retry; the key
+    stays claimed instead, the caller hears that the outcome went unrecorded, and a retry
+    gets 409 until the sweeper resolves it. One effect, whatever the client does."""
+    name = f"idemflow-seam-{uuid.uuid4().hex[:8]}"
+    with postgres_tables(table_name) as psycopg:
+        async with shared_pool(table_name, 1, name) as store:
+            idem = AsyncIdempotency(store, POLICY)
+
+            async def charge(attempt: AsyncAttempt) -> Response:
+                async with await psycopg.AsyncConnection.connect(
+                    POSTGRES_URL, autocommit=True
+                ) as own:
+                    await own.execute(f"INSERT INTO biz_{table_name} (note) VALUES ('charged')")
+                assert terminate(name) == 1  # the store's one pooled connection
+                return CREATED
+
+            with pytest.raises(StoreUnavailable, match="could not be recorded"):
+                await idem.run(intent(), charge)
+            with pytest.raises(InProgress):
+                await idem.run(intent(), charge)
+            record = await store.get("alice", "k-1")
+
+        assert record is not None
+        assert record.state is State.IN_PROGRESS  # the sweeper's and its reconciler's now
+        assert business_rows(table_name) == ["charged"]
+
+
+# --- defect 3: single-commit mode after commit_phase --------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("failure", ["transient", "exception"])
+async def test_single_commit_releases_what_commit_phase_committed(
+    failure: str, table_name: str
+) -> None:
+    """Once a commit_phase committed the claim with the first phase, a 503 or an exception
+    must give the key back with a write: the rollback no longer does. The retry resumes."""
+    with postgres_tables(table_name):
+        async with shared_pool(table_name, 1) as store:
+            idem = AsyncIdempotency(store, POLICY)
+
+            async def two_phases(attempt: AsyncAttempt) -> Response:
+                if attempt.recovery_point is None:
+                    await attempt.commit_phase("payment_created")
+                    if failure == "exception":
+                        raise Boom("provider exploded")
+                    return UNAVAILABLE
+                return CREATED
+
+            async with transaction_on(store) as transaction:
+                if failure == "exception":
+                    with pytest.raises(Boom):
+                        await idem.run(
+                            intent(), two_phases, transaction=transaction, single_commit=True
+                        )
+                else:
+                    first = await idem.run(
+                        intent(), two_phases, transaction=transaction, single_commit=True
+                    )
+                    assert first.response.status == 503
+            released = await store.get("alice", "k-1")
+            async with transaction_on(store) as transaction:
+                retry = await idem.run(
+                    intent(), two_phases, transaction=transaction, single_commit=True
+                )
+
+    assert released is not None
+    assert (released.state, released.recovery_point) == (State.RELEASED, "payment_created")
+    assert retry.response.status == 201
+
+
+@pytest.mark.mysql
+def test_single_commit_releases_after_commit_phase_on_mysql(table_name: str) -> None:
+    """The same on MariaDB, through the sync driver and the PyMySQL adapter."""
+    pymysql = pytest.importorskip("pymysql")
+    from idemflow.stores.mysql import MySQLStore, PyMySQLTransaction, connect_kwargs
+    from tests.backends import MYSQL_URL
+
+    try:
+        caller = pymysql.connect(**connect_kwargs(MYSQL_URL), autocommit=True)
+    except pymysql.err.OperationalError as exc:
+        unreachable("MariaDB", exc)
+    store = MySQLStore(MYSQL_URL, table=table_name, max_size=1)
+    try:
+        store.migrate()
+        idem = Idempotency(store, POLICY)
+
+        def two_phases(attempt: Attempt) -> Response:
+            if attempt.recovery_point is None:
+                attempt.commit_phase("payment_created")
+                return UNAVAILABLE
+            return CREATED
+
+        transaction = PyMySQLTransaction(caller)
+        first = idem.run(intent(), two_phases, transaction=transaction, single_commit=True)
+        released = store.get("alice", "k-1")
+        retry = idem.run(intent(), two_phases, transaction=transaction, single_commit=True)
+    finally:
+        with caller.cursor() as cursor:
+            cursor.execute(f"DROP TABLE IF EXISTS {table_name}")
+        caller.close()
+        store.close()
+
+    assert first.response.status == 503
+    assert released is not None
+    assert (released.state, released.recovery_point) == (State.RELEASED, "payment_created")
+    assert retry.response.status == 201
+
+
+# --- defect 11: a failed rollback never masks the handler's exception ----------------
+
+
+@pytest.mark.postgres
+async def test_the_handler_exception_survives_a_rollback_on_a_dead_connection(
+    table_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The handler's transaction loses its server session, then the handler raises. The
+    rollback fails; the caller must still see the handler's own exception, the key must
+    still be released (on a connection of the store's), and the retry must run."""
+    name = f"idemflow-seam-{uuid.uuid4().hex[:8]}"
+    boom = Boom("the handler's own failure")
+    with postgres_tables(table_name) as psycopg:
+        async with shared_pool(table_name, 2, name) as store:
+            idem = AsyncIdempotency(store, POLICY)
+
+            async def dies(attempt: AsyncAttempt) -> Response:
+                row = await (await attempt.connection.execute("SELECT pg_backend_pid()")).fetchone()
+                async with await psycopg.AsyncConnection.connect(
+                    POSTGRES_URL, autocommit=True
+                ) as killer:
+                    await killer.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+                raise boom
+
+            with caplog.at_level(logging.WARNING, "idemflow"), pytest.raises(Boom) as raised:
+                async with transaction_on(store) as transaction:
+                    await idem.run(intent(), dies, transaction=transaction)
+            released = await store.get("alice", "k-1")
+            async with transaction_on(store) as transaction:
+                retry = await idem.run(
+                    intent(), lambda a: _respond(CREATED), transaction=transaction
+                )
+
+    assert raised.value is boom
+    assert "rollback failed" in caplog.text
+    assert released is not None
+    assert released.state is State.RELEASED
+    assert retry.response.status == 201
+
+
+async def _respond(response: Response) -> Response:
+    return response
+
+
+# --- defect 10: cancellation -------------------------------------------------------
+
+
+class SignallingStore:
+    """A real store that says when a claim has been sent (so a test can cancel mid-claim)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.claim_sent = asyncio.Event()
+        self.supports_transactions = store.supports_transactions
+
+    async def claim(self, *args: Any, **kwargs: Any) -> Any:
+        pending = asyncio.ensure_future(self.store.claim(*args, **kwargs))
+        await asyncio.sleep(0)  # let the claim start (its thread, or its query)
+        self.claim_sent.set()
+        return await pending
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+@contextlib.asynccontextmanager
+async def async_store(kind: str, tmp_path: Path, table: str) -> AsyncIterator[Any]:
+    if kind == "sqlite":
+        store = AsyncSQLiteStore(tmp_path / "keys.db", table=table)
+        await store.migrate()
+        try:
+            yield store
+        finally:
+            await store.close()
+        return
+    with postgres_tables(table):
+        async with shared_pool(table, 2) as pooled:
+            yield pooled
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_cancelled_while_claiming_leaves_no_claim_behind(
+    kind: str, tmp_path: Path, table_name: str
+) -> None:
+    """A request cancelled while its claim is in flight (the claim commits anyway, in its
+    worker thread or on the server) gives the key back: no in_progress orphan, and the
+    handler never runs."""
+    ran: list[str] = []
+
+    async def handler(attempt: AsyncAttempt) -> Response:
+        ran.append(attempt.record.key)
+        return CREATED
+
+    async with async_store(kind, tmp_path, table_name) as real:
+        store = SignallingStore(real)
+        idem = AsyncIdempotency(store, POLICY)
+        task = asyncio.create_task(idem.run(intent(), handler))
+        await store.claim_sent.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        record = await real.get("alice", "k-1")
+        retry = await idem.run(intent(), handler)
+
+    assert ran == ["k-1"]  # only the retry ran
+    assert record is None or record.state is State.RELEASED
+    assert retry.response.status == 201
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def test_a_timeout_mid_handler_releases_and_stays_a_timeout(
+    kind: str, tmp_path: Path, table_name: str
+) -> None:
+    """``asyncio.timeout`` around a run: the handler is cancelled, the release is shielded
+    and completes, and the caller still gets its TimeoutError (the deferred cancellation
+    keeps asyncio's cancel count, so the timeout recognises it as its own)."""
+    entered = asyncio.Event()
+
+    async def slow(attempt: AsyncAttempt) -> Response:
+        entered.set()
+        await asyncio.sleep(30)
+        return CREATED
+
+    async with async_store(kind, tmp_path, table_name) as store:
+        idem = AsyncIdempotency(store, POLICY)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await idem.run(intent(), slow)
+        record = await store.get("alice", "k-1")
+
+    assert entered.is_set()
+    assert record is not None
+    assert record.state is State.RELEASED
