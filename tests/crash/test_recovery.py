@@ -57,6 +57,13 @@ async def crashed_claim(
     return replace(claim.record, recovery_point=phase)
 
 
+async def abandoned_claim(service: DemoService) -> Record:
+    """A record released CRASHED_AGO seconds ago after phase 1 (a 503 nobody retried)."""
+    record = await crashed_claim(service, phase=PAYMENT_CREATED)
+    assert await service.db.store.release(record, time.time() - CRASHED_AGO)
+    return record
+
+
 async def pending_row(service: DemoService, record: Record, customer: str = "ada") -> str:
     """Phase 1 as the handler commits it: a pending payment named by the downstream key."""
     payment_id = f"pay_{secrets.token_hex(6)}"
@@ -97,8 +104,10 @@ async def test_a_claim_without_phase_1_is_released(service: DemoService) -> None
     assert after.state is State.RELEASED
 
 
-async def test_phase_1_without_a_charge_is_released_and_keeps_its_row(service: DemoService) -> None:
-    """The provider holds nothing under the key: the retry resumes from the pending row."""
+async def test_phase_1_without_a_charge_is_released_and_its_row_forgotten(
+    service: DemoService,
+) -> None:
+    """The provider holds nothing under the key: the pending row goes, with the progress."""
     record = await crashed_claim(service, phase=PAYMENT_CREATED)
     payment_id = await pending_row(service, record)
     report = await recovery_sweeper(service).sweep_once()
@@ -106,8 +115,8 @@ async def test_phase_1_without_a_charge_is_released_and_keeps_its_row(service: D
     after = await service.db.store.get("alice", record.key)
     assert after is not None
     assert after.state is State.RELEASED
-    assert after.recovery_point == PAYMENT_CREATED
-    assert (await payment(service, payment_id) or {})["status"] == "pending"
+    assert after.recovery_point is None  # a retry starts afresh, from phase 1
+    assert await payment(service, payment_id) is None
 
 
 async def test_a_charge_settles_the_record_and_the_row_together(service: DemoService) -> None:
@@ -162,3 +171,41 @@ async def test_a_refund_is_local_and_released(service: DemoService) -> None:
     after = await service.db.store.get("alice", record.key)
     assert after is not None
     assert after.state is State.RELEASED
+
+
+async def test_an_abandoned_charged_intent_settles_without_a_retry(service: DemoService) -> None:
+    """Released after "timed out after charging", never retried: settled as the live 201."""
+    record = await abandoned_claim(service)
+    payment_id = await pending_row(service, record)
+    charge_id = await charge(service, record)
+    report = await recovery_sweeper(service).sweep_once()
+    assert report.completed == 1
+    row = await payment(service, payment_id)
+    assert row is not None
+    assert (row["status"], row["charge_id"]) == ("succeeded", charge_id)
+    after = await service.db.store.get("alice", record.key)
+    assert after is not None
+    assert after.state is State.COMPLETED
+    assert after.response == succeeded_response(row)
+
+
+async def test_an_abandoned_uncharged_intent_leaves_no_payment(service: DemoService) -> None:
+    """Released after "unreachable", never retried: the pending row is deleted."""
+    record = await abandoned_claim(service)
+    payment_id = await pending_row(service, record)
+    report = await recovery_sweeper(service).sweep_once()
+    assert report.released == 1
+    assert await payment(service, payment_id) is None
+    after = await service.db.store.get("alice", record.key)
+    assert after is not None
+    assert (after.state, after.recovery_point) == (State.RELEASED, None)
+    assert (await recovery_sweeper(service).sweep_once()).resolved == 0  # visited once
+
+
+async def test_a_recent_release_is_left_to_its_retry(service: DemoService) -> None:
+    """Released a moment ago: the client may still retry; the sweeper keeps off."""
+    record = await crashed_claim(service, phase=PAYMENT_CREATED)
+    assert await service.db.store.release(record, time.time())
+    payment_id = await pending_row(service, record)
+    assert (await recovery_sweeper(service).sweep_once()).resolved == 0
+    assert (await payment(service, payment_id) or {})["status"] == "pending"

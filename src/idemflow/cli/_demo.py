@@ -7,13 +7,17 @@ the other commands stay fast.
 from __future__ import annotations
 
 import argparse
+import math
 import secrets
 import socket
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError
 from ..demo.settings import DEFAULT_TOKENS, Settings, parse_duration, parse_token
+
+if TYPE_CHECKING:  # the app imports Starlette: only when the command runs
+    from ..demo.app import DemoService
 
 __all__ = ["banner", "register"]
 
@@ -92,7 +96,8 @@ def register(subparsers: Any) -> None:
         "--claim-commit",
         choices=("own", "single"),
         default="own",
-        help=argparse.SUPPRESS,
+        help="PostgreSQL: commit the claim on its own (own), or with the payment's first "
+        "phase (single: one commit fewer); SQLite supports own only (default: %(default)s)",
     )
     parser.set_defaults(run=run)
 
@@ -125,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_from(args)
     sock = _bind(settings.host, settings.port)
-    asyncio.run(_serve(settings, sock))
+    try:
+        asyncio.run(_serve(settings, sock))
+    finally:
+        sock.close()  # uvicorn closes it too; not when the service never started
     return 0
 
 
@@ -163,15 +171,32 @@ async def _serve(settings: Settings, sock: socket.socket) -> None:
         lifespan="on",
         access_log=settings.access_log,
         log_level="info",
-        timeout_graceful_shutdown=5,
+        # SIGTERM waits for requests in flight at least the request timeout:
+        # cut off earlier, a request would leave its claim for the sweeper.
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace.total_seconds()),
     )
     # Only warnings from the server itself; the banner says where it listens.
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     print(banner(settings, sock.getsockname()[1]), flush=True)
     try:
-        await uvicorn.Server(config).serve(sockets=[sock])
+        await _server(uvicorn, config, service).serve(sockets=[sock])
     finally:
         await service.stop()
+
+
+def _server(uvicorn: Any, config: Any, service: DemoService) -> Any:
+    """A uvicorn server that stops the service once requests in flight are done.
+
+    On SIGTERM uvicorn re-raises the signal as soon as it has shut down, so
+    code after ``serve()`` never runs: the sweeper and the pool stop here.
+    """
+
+    class Server(uvicorn.Server):  # type: ignore[misc]
+        async def shutdown(self, sockets: Any = None) -> None:
+            await super().shutdown(sockets=sockets)
+            await service.stop()
+
+    return Server(config)
 
 
 def banner(settings: Settings, port: int) -> str:

@@ -98,6 +98,7 @@ class DemoService:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.started = False
+        self._opened = False  # has start() begun since the last stop()?
         self._watching = False
         #: The background sweeper with the provider reconciler, while started.
         self.recovery: AsyncBackgroundSweeper | None = None
@@ -141,6 +142,7 @@ class DemoService:
 
     async def start(self) -> None:
         """Open (and migrate) the database and the provider's ledger."""
+        self._opened = True
         await self.db.open()
         self.provider.open()
         if not self._watching:  # idemflow_stale_in_progress{state}: crashed claims
@@ -152,6 +154,10 @@ class DemoService:
         self.started = True
 
     async def stop(self) -> None:
+        """Stop the sweeper, close the provider and the database; once per start."""
+        if not self._opened:
+            return
+        self._opened = False
         self.started = False
         if self.recovery is not None:  # before the database it sweeps closes
             await self.recovery.stop()

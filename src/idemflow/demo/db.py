@@ -302,9 +302,13 @@ class PostgresDatabase:
     """Keys and payments in PostgreSQL.
 
     The store and the endpoints share one pool. That is safe because a
-    request holds at most one connection at a time: the claim (and the
-    replay's authorization read) run before the endpoint's transaction takes
-    its connection, or after it gave it back.
+    protected request holds at most one pooled connection at any moment: the
+    claim runs before the endpoint's transaction takes its connection; the
+    handler's reads and writes, every checkpoint, the completion and (after a
+    rollback) the release run on that transaction's connection; the replay's
+    authorization read runs after it was given back. A second checkout while
+    one is held would deadlock a small pool under load (every request holding
+    one, waiting for another).
     """
 
     def __init__(self, url: str, *, pool_size: int = 8, claim_commit: str = "own") -> None:
@@ -403,9 +407,15 @@ def open_database(
     from ..stores.urls import scheme_of
     from ..stores.urls import sqlite_path as path_of
 
+    scheme = "sqlite" if url is None else scheme_of(url)
+    if scheme == "sqlite" and claim_commit != "own":
+        # SQLite has one writer: a claim left uncommitted in the endpoint's
+        # transaction would hold every other request's claim behind it,
+        # unbounded, instead of answering 409.
+        msg = "--claim-commit single needs PostgreSQL: SQLite commits each claim on its own"
+        raise ConfigurationError(msg)
     if url is None:
         return SQLiteDatabase(sqlite_path, pool_size=pool_size)
-    scheme = scheme_of(url)
     if scheme == "postgresql":
         return PostgresDatabase(url, pool_size=pool_size, claim_commit=claim_commit)
     if scheme == "sqlite":

@@ -153,6 +153,8 @@ def declined_response(payment_id: str, declined: ProviderDeclined) -> Response:
 
 
 _PAYMENT_COLUMNS = "id, principal, amount, currency, customer, status, charge_id, refunded"
+#: What the read endpoints show: payments whose intent settled (never ``pending``).
+_SETTLED = "status <> 'pending'"
 
 
 class Payments:
@@ -179,18 +181,28 @@ class Payments:
         self._timeout = provider_timeout.total_seconds()
 
     async def create(self, attempt: Phases, principal: str, payment: PaymentIn) -> Response:
-        """Charge once; 201, or 402 (declined, stored), or 503 (transient, released)."""
+        """Charge once; 201, or 402 (declined, stored), or 503 (transient, released).
+
+        Everything runs on ``attempt.connection``: a protected request holds at
+        most one pooled connection at any moment (a second checkout while the
+        attempt's transaction holds one deadlocks a small pool shared with the
+        store).
+        """
         conn = self._wrap(attempt.connection)
+        intent_ref = attempt.downstream_key("payment")
         if attempt.recovery_point is None:
-            row = await self._insert_pending(conn, attempt, principal, payment)
+            await self._insert_pending(conn, intent_ref, principal, payment)
             await attempt.commit_phase(PAYMENT_CREATED)
-        else:  # a retry after a transient failure or a crash: the row exists
-            row = await self._by_ref(attempt.downstream_key("payment"))
+        # A retry after a transient failure or a crash (recovery point set) finds
+        # the pending row under the same intent_ref, and charges with what the
+        # request says: the fingerprint proves it is the body that row was made
+        # from. Nothing is read before the call, so on SQLite no snapshot is
+        # pinned that the phase-3 write would have to upgrade from.
         request = ChargeRequest(
             attempt.downstream_key("charge"),
-            row["amount"],
-            row["currency"],
-            row["customer"],
+            payment.amount,
+            payment.currency,
+            payment.customer,
             principal,
         )
         try:
@@ -207,23 +219,22 @@ class Payments:
             )
         except ProviderDeclined as declined:
             crash_point("after_charge")  # TEST-ONLY: off unless IDEMFLOW_DEMO_CRASH_AT is set
-            await self._settle(conn, row["id"], "declined", declined.charge.id)
+            row = await self._settle(conn, intent_ref, "declined", declined.charge.id)
             return declined_response(row["id"], declined)
         crash_point("after_charge")  # TEST-ONLY: off unless IDEMFLOW_DEMO_CRASH_AT is set
-        return succeeded_response(await self._settle(conn, row["id"], "succeeded", charge.id))
+        return succeeded_response(await self._settle(conn, intent_ref, "succeeded", charge.id))
 
     async def _insert_pending(
-        self, conn: Connection, attempt: Phases, principal: str, payment: PaymentIn
-    ) -> dict[str, Any]:
+        self, conn: Connection, intent_ref: str, principal: str, payment: PaymentIn
+    ) -> None:
         row = {
             "id": "pay_" + secrets.token_hex(10),
-            "intent_ref": attempt.downstream_key("payment"),
+            "intent_ref": intent_ref,
             "principal": principal,
             "amount": payment.amount,
             "currency": payment.currency,
             "customer": payment.customer,
             "status": "pending",
-            "charge_id": None,
             "created_at": time.time(),
         }
         await conn.execute(
@@ -232,33 +243,21 @@ class Payments:
             ":customer, :status, :created_at)",
             row,
         )
-        return row
-
-    async def _by_ref(self, intent_ref: str) -> dict[str, Any]:
-        # Read on a connection of its own, outside the attempt's transaction: on
-        # SQLite a read there would pin a snapshot the phase-3 write could not
-        # upgrade from.
-        async with self._connect() as raw:
-            row = await self._wrap(raw).fetchone(
-                f"SELECT {_PAYMENT_COLUMNS} FROM payments WHERE intent_ref = :ref",
-                {"ref": intent_ref},
-            )
-        if row is None:
-            raise RuntimeError("recovery point payment_created without a payment row")
-        return row
 
     async def _settle(
-        self, conn: Connection, payment_id: str, status: str, charge_id: str
+        self, conn: Connection, intent_ref: str, status: str, charge_id: str
     ) -> dict[str, Any]:
-        await conn.execute(
-            "UPDATE payments SET status = :status, charge_id = :charge_id WHERE id = :id",
-            {"status": status, "charge_id": charge_id, "id": payment_id},
+        # Write first, then read, on the attempt's connection: on SQLite the
+        # write takes the lock at the newest snapshot, and the read sees it.
+        changed = await conn.execute(
+            "UPDATE payments SET status = :status, charge_id = :charge_id WHERE intent_ref = :ref",
+            {"status": status, "charge_id": charge_id, "ref": intent_ref},
         )
         row = await conn.fetchone(
-            f"SELECT {_PAYMENT_COLUMNS} FROM payments WHERE id = :id", {"id": payment_id}
+            f"SELECT {_PAYMENT_COLUMNS} FROM payments WHERE intent_ref = :ref", {"ref": intent_ref}
         )
-        if row is None:
-            raise RuntimeError(f"payment {payment_id} vanished")
+        if changed != 1 or row is None:
+            raise RuntimeError("recovery point payment_created without a payment row")
         return row
 
     async def refund(
@@ -301,16 +300,24 @@ class Payments:
         return Response.json(201, body)
 
     async def get(self, principal: str, payment_id: str) -> dict[str, Any] | None:
+        """One of ``principal``'s settled payments (a pending one is not shown: see list)."""
         async with self._connect() as raw:
             return await self._wrap(raw).fetchone(
-                f"SELECT {_PAYMENT_COLUMNS} FROM payments WHERE id = :id AND principal = :p",
+                f"SELECT {_PAYMENT_COLUMNS} FROM payments WHERE id = :id AND principal = :p "
+                f"AND {_SETTLED}",
                 {"id": payment_id, "p": principal},
             )
 
     async def list(self, principal: str, limit: int = 100) -> list[dict[str, Any]]:
+        """``principal``'s settled payments, newest first.
+
+        A pending row is an intent whose outcome is not known yet: the client
+        was told 503 (or never got an answer), so it is not shown. It settles
+        on a retry, or the sweeper's reconciler settles or deletes it.
+        """
         async with self._connect() as raw:
             return await self._wrap(raw).fetchall(
-                f"SELECT {_PAYMENT_COLUMNS} FROM payments WHERE principal = :p "
+                f"SELECT {_PAYMENT_COLUMNS} FROM payments WHERE principal = :p AND {_SETTLED} "
                 "ORDER BY created_at DESC LIMIT :limit",
                 {"p": principal, "limit": limit},
             )

@@ -1,24 +1,31 @@
 """
 Crash recovery for the demo: the reconciler and the background sweeper.
 
-A payment is three atomic phases (:mod:`idemflow.demo.payments`). A process
-that dies between them leaves its key ``in_progress``; once the claim is older
-than the stale threshold the sweeper marks it ``stale`` and asks
-:class:`PaymentReconciler` what the crashed attempt did, by the downstream key
-the attempt sent to the provider:
+A payment is three atomic phases (:mod:`idemflow.demo.payments`). An intent
+can stop between them in two ways: the process dies (its key stays
+``in_progress``), or the provider fails and the client, told 503, never
+retries (its key stays ``released`` with the recovery point
+``payment_created`` and a pending payment row). Either way the sweeper finds
+the record once it is untouched for longer than the stale threshold, marks it
+``stale`` and asks :class:`PaymentReconciler` what the attempt did, by the
+downstream key the attempt sent to the provider:
 
 ========================  ========================  ===========================================
-the process died…          the provider holds         the reconciler answers
+the intent stopped…        the provider holds         the reconciler answers
 ========================  ========================  ===========================================
 before phase 1 committed   nothing (no call made)     DidNotHappen: released, the retry starts over
-after phase 1              no charge under the key    DidNotHappen: released, the retry resumes
+after phase 1              no charge under the key    DidNotHappen: the pending row is deleted with
+                                                      the release (progress forgotten): nothing
+                                                      recorded; a retry starts over
 after the charge           the charge                 Happened: the stored answer and the payment
                                                       row's final status commit together
 ========================  ========================  ===========================================
 
-A ``Happened`` answer is exactly the response a live success would have
+So every intent converges, retried or not: charged, one succeeded (or
+declined) payment whose replay is the live answer; not charged, no payment
+row. A ``Happened`` answer is exactly the response a live success would have
 stored (the same builders make both), so a client cannot tell a reconciled
-payment from one that never crashed.
+payment from one that never stopped.
 """
 
 from __future__ import annotations
@@ -63,6 +70,9 @@ _SETTLE = (
     "UPDATE payments SET status = :status, charge_id = :charge_id "
     "WHERE id = :id AND status = 'pending'"
 )
+# Phase 1's only trace, undone when the provider holds no charge. At most one
+# row (intent_ref is unique); none if phase 1's row never committed.
+_FORGET = "DELETE FROM payments WHERE intent_ref = :ref AND status = 'pending'"
 
 
 class PaymentReconciler:
@@ -85,7 +95,8 @@ class PaymentReconciler:
             return DidNotHappen("phase 1 never committed: no payment row, so no charge")
         charge = await self.provider.find(downstream_keys["charge"])
         if charge is None:
-            return DidNotHappen("the provider holds no charge under the downstream key")
+            reason = "the provider holds no charge under the downstream key"
+            return DidNotHappen(reason, apply=_forget_row(self.db, downstream_keys["payment"]))
         row = await self._pending(downstream_keys["payment"])
         if row is None:
             return Unknown("charged, but no pending payment row to settle")
@@ -112,6 +123,15 @@ def _settle_row(db: Database, settled: dict[str, Any]) -> Callable[[Any], Awaita
         if changed != 1:  # raising rolls the settled record back too; asked again later
             msg = f"payment {settled['id']} is no longer pending"
             raise RuntimeError(msg)
+
+    return apply
+
+
+def _forget_row(db: Database, intent_ref: str) -> Callable[[Any], Awaitable[None]]:
+    """Delete the pending row, in the sweeper's transaction with the release."""
+
+    async def apply(connection: Any) -> None:
+        await db.wrap(connection).execute(_FORGET, {"ref": intent_ref})
 
     return apply
 

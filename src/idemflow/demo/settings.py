@@ -11,10 +11,13 @@ from types import MappingProxyType
 
 from .._errors import ConfigurationError
 
-__all__ = ["DEFAULT_TOKENS", "Settings", "parse_duration", "parse_token"]
+__all__ = ["DEFAULT_TOKENS", "SHUTDOWN_MARGIN", "Settings", "parse_duration", "parse_token"]
 
 #: token → principal. Printed at start; more with ``--token NAME:TOKEN``.
 DEFAULT_TOKENS: Mapping[str, str] = MappingProxyType({"alice-token": "alice", "bob-token": "bob"})
+
+#: Beyond the request timeout, what a graceful shutdown allows for the last writes.
+SHUTDOWN_MARGIN = timedelta(seconds=5)
 
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -85,6 +88,18 @@ class Settings:
             raise ConfigurationError("--port must be between 0 and 65535")
         if not self.tokens:
             raise ConfigurationError("at least one --token is needed")
+        if self.pool_size < 1:
+            raise ConfigurationError("--pool-size must be at least 1")
+
+    @property
+    def shutdown_grace(self) -> timedelta:
+        """How long a graceful shutdown (SIGTERM) waits for requests in flight.
+
+        At least the request timeout, plus room for the writes after it (the
+        completion or the release), so a shutdown never cuts a request off
+        mid-way and orphans its claim until the sweeper comes.
+        """
+        return self.request_timeout + SHUTDOWN_MARGIN
 
     @property
     def sqlite_path(self) -> Path:

@@ -1,0 +1,289 @@
+"""
+Pool pressure and faults through the real demo: every key converges, none is poisoned.
+
+The demo shares one small pool between the key store and the endpoints
+(PostgreSQL; on SQLite the pool is the endpoints' alone). A protected request
+holds at most one pooled connection at any moment, so with a pool of 1 or 2
+and 60 keys in flight nothing deadlocks: a provider failing half its calls
+costs retries, never a 409 to a client that retries one request at a time,
+never a "could not release claim" in the log.
+
+Then the demo is stopped mid-load, by SIGTERM (graceful: requests in flight
+finish) and by SIGKILL (nothing finishes). Half the clients keep retrying
+across the restart, half abandon their key at the first failure. Within the
+request timeout + the stale threshold + one sweep after the restart, every
+intent has converged without anyone's help: each provider charge has exactly
+one succeeded payment, no payment is left pending, no claim is unresolved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.http.conftest import ALICE, Demo, run_demo
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+KEYS = 60
+REQUEST_TIMEOUT = 1.0
+SWEEP_EVERY = 0.5
+#: The demo's stale threshold for REQUEST_TIMEOUT: 2 × timeout + 10 s.
+STALE_AFTER = 2 * REQUEST_TIMEOUT + 10
+#: A restart, and a loaded 2-core machine, on top of timeout + threshold + one sweep.
+SLACK = 6.0
+CONVERGE_WITHIN = REQUEST_TIMEOUT + STALE_AFTER + SWEEP_EVERY + SLACK
+#: Half the provider's calls fail (half of those after charging).
+FAULTY = (
+    *("--provider-failure-rate", "0.5", "--provider-latency-ms", "20"),
+    *("--request-timeout", f"{REQUEST_TIMEOUT:g}", "--sweep-every", f"{SWEEP_EVERY:g}"),
+)
+#: How long a sequential retrier keeps going before the test fails.
+RETRY_FOR = 45.0
+BACKOFF = 0.1
+
+
+@dataclass
+class Client:
+    """One key, retried one request at a time as a well-behaved client does."""
+
+    key: str
+    customer: str
+    #: Give up at the first answer that is not 201 (or a dropped connection).
+    abandons: bool = False
+    statuses: list[int] = field(default_factory=list)
+    errors: int = 0
+    final: httpx.Response | None = None
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return {"amount": 1234, "currency": "EUR", "customer": self.customer}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {**ALICE, "Idempotency-Key": self.key}
+
+
+def clients(count: int, tag: str, *, abandoning: int = 0) -> list[Client]:
+    run = uuid.uuid4().hex[:8]
+    return [
+        Client(f"{tag}-{run}-{n:03d}", f"{tag}-{run}-{n:03d}", abandons=n < abandoning)
+        for n in range(count)
+    ]
+
+
+async def retry_sequentially(http: httpx.AsyncClient, client: Client, deadline: float) -> None:
+    """POST until 201, sleeping Retry-After after a 409/503, backing off after a dropped call."""
+    loop = asyncio.get_running_loop()
+    while loop.time() < deadline:
+        try:
+            response = await http.post("/payments", json=client.body, headers=client.headers)
+        except httpx.TransportError:
+            client.errors += 1
+            if client.abandons:
+                return
+            await asyncio.sleep(BACKOFF)
+            continue
+        client.statuses.append(response.status_code)
+        if response.status_code == 201:
+            client.final = response
+            return
+        if client.abandons:
+            return
+        assert response.status_code in (409, 503), response.text
+        await asyncio.sleep(float(response.headers.get("retry-after", "1")))
+
+
+def new_http(url: str) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=KEYS + 10, max_keepalive_connections=KEYS + 10)
+    return httpx.AsyncClient(base_url=url, timeout=30, limits=limits)
+
+
+@contextlib.contextmanager
+def faulty_demo(
+    tmp_path: Path, database_url: str | None, pool_size: int, *extra: str
+) -> Iterator[Demo]:
+    with run_demo(
+        tmp_path / "data",
+        *FAULTY,
+        *("--pool-size", str(pool_size), *extra),
+        database_url=database_url,
+    ) as demo:
+        yield demo
+
+
+def payments_of(demo: Demo, customers: list[str]) -> dict[str, list[tuple[Any, ...]]]:
+    rows = demo.query("SELECT customer, id, status, charge_id FROM payments")
+    by_customer: dict[str, list[tuple[Any, ...]]] = {c: [] for c in customers}
+    for customer, *rest in rows:
+        if customer in by_customer:
+            by_customer[customer].append(tuple(rest))
+    return by_customer
+
+
+def charges_of(demo: Demo, customers: list[str]) -> dict[str, list[dict[str, Any]]]:
+    by_customer: dict[str, list[dict[str, Any]]] = {c: [] for c in customers}
+    with demo.client() as client:
+        ledger = client.get("/provider/charges", params={"limit": 10_000}).json()["charges"]
+    for charge in ledger:
+        if charge["customer"] in by_customer:
+            by_customer[charge["customer"]].append(charge)
+    return by_customer
+
+
+def assert_one_payment_and_one_charge_each(demo: Demo, everyone: list[Client]) -> None:
+    customers = [c.customer for c in everyone]
+    payments, charges = payments_of(demo, customers), charges_of(demo, customers)
+    for client in everyone:
+        assert client.final is not None, (client.key, client.statuses, client.errors)
+        answer = client.final.json()
+        assert payments[client.customer] == [(answer["id"], "succeeded", answer["charge_id"])]
+        assert [c["id"] for c in charges[client.customer]] == [answer["charge_id"]]
+
+
+def server_log(demo: Demo) -> str:
+    return demo.log.read_text(errors="replace")
+
+
+# --- a small pool, half the provider calls failing -------------------------------------------
+
+
+POOLS = [
+    pytest.param("postgresql", 1, marks=pytest.mark.postgres, id="postgresql-pool-1"),
+    pytest.param("postgresql", 2, marks=pytest.mark.postgres, id="postgresql-pool-2"),
+    pytest.param("sqlite", 1, id="sqlite-pool-1"),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("backend", "pool_size"), POOLS)
+async def test_every_key_reaches_201_with_a_tiny_shared_pool_and_a_failing_provider(
+    tmp_path: Path, request: pytest.FixtureRequest, backend: str, pool_size: int
+) -> None:
+    """60 keys at once, each retried sequentially: all 201, one payment + one charge, no 409."""
+    database_url = request.getfixturevalue("pg_url") if backend == "postgresql" else None
+    everyone = clients(KEYS, f"pool{pool_size}")
+    with faulty_demo(tmp_path, database_url, pool_size, "--provider-seed", "9") as demo:
+        deadline = asyncio.get_running_loop().time() + RETRY_FOR
+        async with new_http(demo.url) as http:
+            await asyncio.gather(*(retry_sequentially(http, c, deadline) for c in everyone))
+        statuses = [s for c in everyone for s in c.statuses]
+        assert 503 in statuses  # the provider did fail: the keys were released and retried
+        assert 409 not in statuses, "a sequential retrier met its own unreleased claim"
+        assert_one_payment_and_one_charge_each(demo, everyone)
+        keys = demo.query("SELECT state, count(*) FROM idemflow_keys GROUP BY state")
+        assert keys == [("completed", KEYS)]
+        log = server_log(demo)
+    assert "could not release claim" not in log
+    assert "Traceback" not in log
+
+
+# --- stopped mid-load: SIGTERM and SIGKILL ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unsettled:
+    """What is left unresolved in the demo's database (all zero once every intent converged)."""
+
+    pending_payments: int
+    in_flight_claims: int
+    released_with_progress: int
+
+    @classmethod
+    def read(cls, demo: Demo) -> Unsettled:
+        (pending,) = demo.query("SELECT count(*) FROM payments WHERE status = 'pending'")[0]
+        (in_flight,) = demo.query(
+            "SELECT count(*) FROM idemflow_keys WHERE state IN ('in_progress', 'stale')"
+        )[0]
+        (released,) = demo.query(
+            "SELECT count(*) FROM idemflow_keys "
+            "WHERE state = 'released' AND recovery_point IS NOT NULL"
+        )[0]
+        return cls(int(pending), int(in_flight), int(released))
+
+    @property
+    def converged(self) -> bool:
+        return self == Unsettled(0, 0, 0)
+
+
+def wait_until_converged(demo: Demo, within: float) -> float:
+    """Poll the database until nothing is unresolved; the seconds that took."""
+    started = time.monotonic()
+    while not (left := Unsettled.read(demo)).converged:
+        assert time.monotonic() - started < within, f"not converged after {within:g} s: {left}"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def assert_every_charge_has_one_succeeded_payment(demo: Demo, everyone: list[Client]) -> None:
+    customers = [c.customer for c in everyone]
+    payments, charges = payments_of(demo, customers), charges_of(demo, customers)
+    for client in everyone:
+        rows, charged = payments[client.customer], charges[client.customer]
+        assert len(charged) <= 1, charged
+        if charged:
+            assert rows == [(rows[0][0], "succeeded", charged[0]["id"])], (client.key, rows)
+        else:
+            assert rows == [], (client.key, rows)
+
+
+async def answered(everyone: list[Client], count: int) -> None:
+    while sum(c.final is not None for c in everyone) < count:
+        await asyncio.sleep(0.05)
+
+
+STOPS = [
+    pytest.param(signal.SIGTERM, id="SIGTERM"),
+    pytest.param(signal.SIGKILL, id="SIGKILL"),
+]
+
+
+@pytest.mark.postgres
+@pytest.mark.anyio
+@pytest.mark.parametrize("stop", STOPS)
+async def test_a_demo_stopped_mid_load_converges_after_restart(
+    tmp_path: Path, pg_url: str, stop: signal.Signals
+) -> None:
+    """Retried or abandoned, every intent settles within timeout + threshold + one sweep."""
+    everyone = clients(50, stop.name.lower(), abandoning=25)
+    loop = asyncio.get_running_loop()
+    slow = ("--provider-latency-ms", "300")  # requests are in flight when the signal lands
+    with faulty_demo(tmp_path, pg_url, 2, *slow) as doomed:
+        port = doomed.url.rsplit(":", 1)[1]
+        async with new_http(doomed.url) as http:
+            deadline = loop.time() + RETRY_FOR
+            load = asyncio.gather(*(retry_sequentially(http, c, deadline) for c in everyone))
+            await asyncio.wait_for(answered(everyone, 10), RETRY_FOR)
+            doomed.process.send_signal(stop)
+            assert await asyncio.to_thread(doomed.process.wait, 30) == -stop
+            if stop is signal.SIGTERM:
+                # Graceful: what was in flight finished or was released; nothing orphaned.
+                assert Unsettled.read(doomed).in_flight_claims == 0
+            with faulty_demo(tmp_path, pg_url, 2, *slow, "--port", port) as demo:
+                restarted = time.monotonic()
+                await load  # the persistent half gets its 201s across the restart
+                took = await asyncio.to_thread(wait_until_converged, demo, CONVERGE_WITHIN)
+                assert time.monotonic() - restarted < CONVERGE_WITHIN, took
+                assert_every_charge_has_one_succeeded_payment(demo, everyone)
+                assert all(c.final is not None for c in everyone if not c.abandons)
+                # Now the abandoned keys come back once: a charged intent replays its
+                # payment, one that was not charged runs afresh; one of each per key.
+                for client in everyone:
+                    client.abandons = False
+                await asyncio.gather(
+                    *(retry_sequentially(http, c, loop.time() + RETRY_FOR) for c in everyone)
+                )
+                assert_one_payment_and_one_charge_each(demo, everyone)
+                assert Unsettled.read(demo).converged
+                log = server_log(demo)
+    assert "could not release claim" not in log
