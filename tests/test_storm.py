@@ -20,9 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
+from idemflow._errors import ConfigurationError
 from idemflow._storm import StormConfig, run_storm
 from idemflow._storm.clients import KeyTally
 from idemflow._storm.config import KeyPlan
+from idemflow._storm.server import DemoProcess
 from idemflow._storm.service import Ledger, MetricsTally, parse_metrics
 from idemflow._storm.verdict import Verdict, judge
 from idemflow.cli import main
@@ -190,6 +192,30 @@ def test_kills_need_the_storms_own_demo(capsys: pytest.CaptureFixture[str]) -> N
     assert "only for the demo the storm starts itself" in capsys.readouterr().err
 
 
+def test_single_commit_storms_need_postgresql(capsys: pytest.CaptureFixture[str]) -> None:
+    """Single-commit on SQLite is refused up front, saying why; on PostgreSQL it is passed on."""
+    with pytest.raises(ConfigurationError, match="single needs --database postgresql"):
+        StormConfig(claim_commit="single")
+    with pytest.raises(ConfigurationError, match="single needs --database postgresql"):
+        StormConfig(claim_commit="single", database="sqlite:///tmp/x.db")
+    assert main(["storm", "--claim-commit", "single"]) == 1
+    assert "SQLite commits each claim on its own" in capsys.readouterr().err
+    assert main(["storm", "--url", "http://127.0.0.1:9", "--claim-commit", "single"]) == 1
+    assert "only for the demo the storm starts itself" in capsys.readouterr().err
+    config = StormConfig(claim_commit="single", database="postgresql://h/db")
+    command = DemoProcess(config, Path("unused")).command()
+    assert command[command.index("--claim-commit") + 1] == "single"
+    assert "--claim-commit" not in DemoProcess(StormConfig(), Path("unused")).command()
+
+
+def test_the_demo_refuses_single_commit_on_sqlite(capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo itself says so too, rather than silently committing claims on their own."""
+    assert (
+        main(["demo", "--claim-commit", "single", "--port", "0", "--data-dir", "/nonexistent"]) == 1
+    )
+    assert "--claim-commit single needs PostgreSQL" in capsys.readouterr().err
+
+
 # --- real storms ----------------------------------------------------------------------------
 
 
@@ -245,3 +271,48 @@ def test_the_storm_is_exactly_once_under_kills_on_sqlite() -> None:
 def test_the_storm_is_exactly_once_under_kills_on_postgresql(pg_url: str) -> None:
     """The same storm with keys and payments in PostgreSQL."""
     assert_exactly_once_under_kills(storm(*CI_STORM, "--database", pg_url))
+
+
+#: Single-commit mode under kills, with 40 % of provider calls failing.
+#: Smaller than CI_STORM to keep the suite's budget.
+SINGLE_COMMIT_STORM = [
+    *("--keys", "100", "--retries", "3", "--duration", "15"),
+    *("--kill-every", "1.5", "--min-kills", "6"),
+    *("--claim-commit", "single", "--provider-failure-rate", "0.4"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.timeout(240)
+def test_the_storm_is_exactly_once_with_single_commit_claims_on_postgresql(pg_url: str) -> None:
+    """--claim-commit single, 40 % provider failures, ≥ 6 SIGKILLs: nothing duplicated or left."""
+    verdict = storm(*SINGLE_COMMIT_STORM, "--database", pg_url)
+    assert verdict["violations"] == [], verdict["details"]
+    assert verdict["claim_commit"] == "single"
+    assert verdict["kills"] >= 6
+    assert verdict["duplicate_charges"] == verdict["duplicate_payments"] == 0
+    assert verdict["unresolved"] == verdict["different_answers"] == 0
+    assert verdict["payments"] == verdict["charges"] == 100
+    assert verdict["responses"].get("503", 0) > 0  # the provider failed: releases happened
+
+
+#: No kills, and less time to settle than the stale threshold (2 × 5 s + 10 s):
+#: a key whose claim a 503 did not release would wait for the sweeper, too long.
+SINGLE_COMMIT_RELEASES = [
+    *("--keys", "60", "--retries", "3", "--duration", "5", "--kill-every", "0"),
+    *("--request-timeout", "5", "--settle-for", "12"),
+    *("--claim-commit", "single", "--provider-failure-rate", "0.4"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.timeout(120)
+def test_single_commit_releases_every_503_at_once_on_postgresql(pg_url: str) -> None:
+    """After a committed phase, a 503 releases the claim: every key settles well before a sweep."""
+    verdict = storm(*SINGLE_COMMIT_RELEASES, "--database", pg_url)
+    assert verdict["violations"] == [], verdict["details"]
+    assert verdict["payments"] == verdict["charges"] == 60
+    assert verdict["releases"] == verdict["responses"]["503"] > 0
+    assert sum(verdict["stale_reclaimed"].values()) == 0  # nothing was left for the sweeper

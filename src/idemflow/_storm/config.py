@@ -8,9 +8,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from urllib.parse import urlsplit
 
 from .._errors import ConfigurationError
 from .._model import STALE_MARGIN, STALE_MULTIPLIER, seconds
+from ..demo.settings import SHUTDOWN_MARGIN
 
 __all__ = ["DEFAULT_TOKENS", "KeyPlan", "StormConfig", "plan_keys"]
 
@@ -19,6 +21,8 @@ DEFAULT_TOKENS: Mapping[str, str] = MappingProxyType({"alice": "alice-token", "b
 CURRENCIES = ("EUR", "USD", "GBP", "CHF")
 #: Customers named ``declined…`` are declined by the demo's provider (402, stored).
 DECLINED_PREFIX = "declined-"
+#: The demo's ``--claim-commit`` modes.
+CLAIM_COMMITS = ("own", "single")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,8 @@ class StormConfig:
         max_sleep: the longest a client honours a ``Retry-After`` for.
         data_dir: where the demo keeps its files (None: a fresh temporary folder).
         tokens: principal → bearer token.
+        claim_commit: how the demo commits each claim: ``own`` (a commit of its
+            own) or ``single`` (with the payment's first phase; PostgreSQL only).
     """
 
     url: str | None = None
@@ -66,6 +72,7 @@ class StormConfig:
     max_sleep: float = 2.0
     data_dir: Path | None = None
     tokens: Mapping[str, str] = field(default_factory=lambda: DEFAULT_TOKENS)
+    claim_commit: str = "own"
 
     def __post_init__(self) -> None:
         checks = [
@@ -86,10 +93,26 @@ class StormConfig:
             (self.url is None or self.database is None, "--database is for the storm's own demo"),
             (self.url is None or self.data_dir is None, "--data-dir is for the storm's own demo"),
             (bool(self.tokens), "at least one principal is needed"),
+            (self.claim_commit in CLAIM_COMMITS, "--claim-commit must be own or single"),
+            (
+                self.url is None or self.claim_commit == "own",
+                "--claim-commit is for the storm's own demo",
+            ),
+            (
+                self.claim_commit == "own" or _is_postgres(self.database),
+                "--claim-commit single needs --database postgresql://…: SQLite commits "
+                "each claim on its own (one writer: an uncommitted claim would hold "
+                "every other claim behind it)",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigurationError(message)
+
+    @property
+    def shutdown_grace(self) -> float:
+        """How long the demo's graceful shutdown may wait for requests in flight."""
+        return self.request_timeout + seconds(SHUTDOWN_MARGIN)
 
     @property
     def stale_after(self) -> float:
@@ -151,6 +174,11 @@ def plan_keys(config: StormConfig, run_id: str, rng: random.Random) -> list[KeyP
             )
         )
     return plans
+
+
+def _is_postgres(database: str | None) -> bool:
+    scheme = urlsplit(database or "").scheme.lower().split("+", 1)[0]
+    return scheme in ("postgresql", "postgres")
 
 
 def key_index(customer: str, run_id: str) -> int | None:

@@ -112,7 +112,8 @@ class _Storm:
         database = self.config.database or (
             f"SQLite in {self.server.data_dir}" if self.config.data_dir else "SQLite (temporary)"
         )
-        return f"the demo on {database.split('@')[-1]} at {self.url}"
+        mode = ", single-commit claims" if self.config.claim_commit == "single" else ""
+        return f"the demo on {database.split('@')[-1]}{mode} at {self.url}"
 
     async def run(self, run_id: str) -> Verdict:
         started = time.monotonic()

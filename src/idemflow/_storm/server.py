@@ -64,6 +64,8 @@ class DemoProcess:
             command += ["--provider-seed", str(config.seed * 1000 + self.incarnation)]
         if config.database:
             command += ["--database", config.database]
+        if config.claim_commit != "own":
+            command += ["--claim-commit", config.claim_commit]
         return command
 
     async def start(self) -> None:
@@ -107,13 +109,15 @@ class DemoProcess:
             log.write(f"--- incarnation {self.incarnation} SIGKILLed at {time.strftime('%X')}\n")
 
     async def stop(self) -> None:
-        """End the current incarnation politely (SIGTERM, then SIGKILL after 10 s)."""
+        """End the current incarnation politely: SIGTERM, then SIGKILL once its grace is over."""
         process, self._process = self._process, None
         if process is None or process.returncode is not None:
             return
         process.terminate()
         try:
-            await asyncio.wait_for(process.wait(), 10)
+            # Its graceful shutdown waits for requests in flight; a few seconds
+            # more for the lifespan shutdown (sweeper, pool) before SIGKILL.
+            await asyncio.wait_for(process.wait(), self.config.shutdown_grace + 5)
         except TimeoutError:
             process.kill()
             await process.wait()

@@ -87,6 +87,13 @@ def register(subparsers: Any) -> None:
         help=f"share of provider calls failing transiently (default: {DEMO_FAILURE_RATE:g})",
     )
     add(
+        "--claim-commit",
+        choices=("own", "single"),
+        default="own",
+        help="how the demo commits each claim: on its own, or with the payment's first phase "
+        "(single: PostgreSQL only, refused on SQLite) (default: %(default)s)",
+    )
+    add(
         "--declined-share",
         type=float,
         default=0.15,
@@ -128,6 +135,7 @@ def config_from(args: argparse.Namespace) -> Any:
     if args.url:
         given = [name for name in demo_only if getattr(args, name) is not None]
         given += ["min_kills"] if args.min_kills else []
+        given += ["claim_commit"] if args.claim_commit != "own" else []
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             msg = f"{flags}: only for the demo the storm starts itself, not with --url"
@@ -148,6 +156,7 @@ def config_from(args: argparse.Namespace) -> Any:
         seed=args.seed,
         settle_for=args.settle_for,
         data_dir=args.data_dir,
+        claim_commit=args.claim_commit,
     )
 
 
@@ -171,7 +180,12 @@ def run(args: argparse.Namespace) -> int:
     result = asyncio.run(run_storm(config))
     verdict = result.verdict
     if args.json:
-        extra = {"target": result.target, "run_id": result.run_id, "seed": result.seed}
+        extra = {
+            "target": result.target,
+            "run_id": result.run_id,
+            "seed": result.seed,
+            "claim_commit": config.claim_commit,
+        }
         render_json(verdict, {**extra, "data_dir": str(result.data_dir or "") or None})
     else:
         title = f"idemflow storm: {result.target} (run {result.run_id})"
