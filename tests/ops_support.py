@@ -47,7 +47,7 @@ def postgres_store(table: str) -> Iterator[Any]:
         psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
     except psycopg.OperationalError as exc:
         unreachable("PostgreSQL", exc)
-    store = PostgresStore(POSTGRES_URL, table=table, max_size=2)
+    store = PostgresStore(POSTGRES_URL, table=table, max_size=2, clock="caller")
     try:
         store.migrate()
         yield store

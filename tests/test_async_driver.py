@@ -151,7 +151,7 @@ def postgres_tables(table: str) -> Iterator[None]:
     except psycopg.OperationalError as exc:
         unreachable("PostgreSQL", exc)
     with conn:
-        store = PostgresStore(POSTGRES_URL, table=table, max_size=1)
+        store = PostgresStore(POSTGRES_URL, table=table, max_size=1, clock="caller")
         store.migrate()
         store.close()
         conn.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
@@ -168,7 +168,7 @@ async def postgres_backend(table: str, *, sqlalchemy: bool) -> AsyncIterator[Asy
 
         from idemflow.stores.postgres import AsyncPostgresStore
 
-        store = AsyncPostgresStore(POSTGRES_URL, table=table, max_size=2)
+        store = AsyncPostgresStore(POSTGRES_URL, table=table, max_size=2, clock="caller")
         engine: Any = None
         if sqlalchemy:
             from sqlalchemy.ext.asyncio import create_async_engine
@@ -465,7 +465,7 @@ def postgres_table(table_name: str) -> Iterator[str]:
 def sync_store(postgres_table: str) -> Iterator[Any]:
     from idemflow.stores.postgres import PostgresStore
 
-    store = PostgresStore(POSTGRES_URL, table=postgres_table, max_size=2)
+    store = PostgresStore(POSTGRES_URL, table=postgres_table, max_size=2, clock="caller")
     yield store
     store.close()
 
@@ -559,7 +559,7 @@ async def test_async_single_commit_duplicate_is_answered_at_once(postgres_table:
 
     from idemflow.stores.postgres import AsyncPostgresStore
 
-    store = AsyncPostgresStore(POSTGRES_URL, table=postgres_table, max_size=2)
+    store = AsyncPostgresStore(POSTGRES_URL, table=postgres_table, max_size=2, clock="caller")
     idem = AsyncIdempotency(store, POLICY)
     running = anyio.Event()
     elapsed: list[float] = []
@@ -610,7 +610,7 @@ def _single_commit_child(table: str, ready: Any) -> None:
     """Runs in a child process: claims in single-commit mode and hangs inside the handler."""
     from idemflow.stores.postgres import PostgresStore
 
-    store = PostgresStore(POSTGRES_URL, table=table, max_size=1)
+    store = PostgresStore(POSTGRES_URL, table=table, max_size=1, clock="caller")
 
     def hang(attempt: Attempt) -> Response:
         attempt.connection.execute(f"INSERT INTO biz_{table} (note) VALUES ('doomed')")

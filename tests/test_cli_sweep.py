@@ -104,7 +104,7 @@ def postgres_database(table: str) -> Iterator[Database]:
             conn.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
     except psycopg.OperationalError as exc:
         unreachable("PostgreSQL", exc)
-    store = PostgresStore(POSTGRES_URL, table=table, max_size=2)
+    store = PostgresStore(POSTGRES_URL, table=table, max_size=2, clock="caller")
     store.migrate()
 
     def notes() -> Counter[str]:

@@ -788,7 +788,7 @@ def _open_store(spec: tuple[str, tuple[Any, ...]]) -> Any:
         return SQLiteStore(location, table=table)
     from idemflow.stores.postgres import PostgresStore
 
-    return PostgresStore(location, table=table, max_size=2)
+    return PostgresStore(location, table=table, max_size=2, clock="caller")
 
 
 @pytest.mark.slow
@@ -924,7 +924,9 @@ def _async_store(kind: str, tmp_path: Path, table: str) -> Any:
         psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
     except psycopg.OperationalError as exc:
         unreachable("PostgreSQL", exc)
-    return _DroppingPostgres(AsyncPostgresStore(POSTGRES_URL, table=table, max_size=4), table)
+    return _DroppingPostgres(
+        AsyncPostgresStore(POSTGRES_URL, table=table, max_size=4, clock="caller"), table
+    )
 
 
 class _DroppingPostgres:

@@ -119,7 +119,7 @@ def postgres_database(table: str) -> Iterator[Database]:
     except psycopg.OperationalError as exc:
         unreachable("PostgreSQL", exc)
     with conn:
-        store = PostgresStore(POSTGRES_URL, table=table, max_size=1)
+        store = PostgresStore(POSTGRES_URL, table=table, max_size=1, clock="caller")
         store.migrate()
         store.close()
         for statement in business_ddl(db):
@@ -248,7 +248,7 @@ def sync_store(db: Database) -> Iterator[Any]:
         return
     from idemflow.stores.postgres import PostgresStore
 
-    store = PostgresStore(db.path, table=db.table, max_size=2)
+    store = PostgresStore(db.path, table=db.table, max_size=2, clock="caller")
     try:
         yield store
     finally:
@@ -463,7 +463,7 @@ async def async_store(db: Database) -> AsyncIterator[Any]:
         return
     from idemflow.stores.postgres import AsyncPostgresStore
 
-    store = AsyncPostgresStore(db.path, table=db.table, max_size=2)
+    store = AsyncPostgresStore(db.path, table=db.table, max_size=2, clock="caller")
     try:
         yield store
     finally:

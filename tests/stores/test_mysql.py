@@ -73,7 +73,7 @@ def store(table_name: str) -> Iterator[MySQLStore]:
         cursor.execute(
             f"CREATE TABLE biz_{table_name} (id BIGINT AUTO_INCREMENT PRIMARY KEY, k TEXT)"
         )
-    made = MySQLStore(MYSQL_URL, table=table_name, max_size=8)
+    made = MySQLStore(MYSQL_URL, table=table_name, max_size=8, clock="caller")
     made.migrate()
     yield made
     made.close()
@@ -127,7 +127,9 @@ def test_claim_counts_are_what_the_store_reads(
 
 def test_found_rows_store_decides_by_lease_token(table_name: str, store: MySQLStore) -> None:
     """With CLIENT_FOUND_ROWS the claim, the takeover and its loser are all read correctly."""
-    found = MySQLStore({**connect_kwargs(MYSQL_URL), "client_flag": FOUND_ROWS}, table=table_name)
+    found = MySQLStore(
+        {**connect_kwargs(MYSQL_URL), "client_flag": FOUND_ROWS}, table=table_name, clock="caller"
+    )
     clock = FrozenClock()
     first = found.claim(intent(), "lease-a", clock(), clock() + 60)
     second = found.claim(intent(), "lease-b", clock(), clock() + 60)
@@ -368,7 +370,7 @@ def test_unreachable_server_is_store_unavailable(tmp_path: Path) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    store = MySQLStore(f"mysql://root@127.0.0.1:{port}/test", timeout=2)
+    store = MySQLStore(f"mysql://root@127.0.0.1:{port}/test", timeout=2, clock="caller")
     handler = Recorder()
 
     with pytest.raises(StoreUnavailable) as raised:

@@ -30,7 +30,7 @@ def schema(table_name: str) -> Iterator[str]:
 def test_options_in_the_url_are_kept(schema: str) -> None:
     """A search_path given in the URL still applies next to our lock timeout."""
     url = f"{POSTGRES_URL}?options=-c%20search_path%3D{schema}"
-    store = PostgresStore(url, table="keys", max_size=2)
+    store = PostgresStore(url, table="keys", max_size=2, clock="caller")
     try:
         store.migrate()
         with store.pool.connection() as conn:
@@ -49,7 +49,7 @@ def test_options_in_the_url_are_kept(schema: str) -> None:
 def test_concurrent_replays_of_a_settled_key_never_wait_on_each_other(schema: str) -> None:
     """ON CONFLICT DO NOTHING locks nothing: 48 simultaneous replays all get the response."""
     url = f"{POSTGRES_URL}?options=-c%20search_path%3D{schema}"
-    store = PostgresStore(url, table="keys", max_size=8)
+    store = PostgresStore(url, table="keys", max_size=8, clock="caller")
     store.migrate()
     idem = Idempotency(store, Policy(request_timeout=5))
     intent = Intent("alice", "settled", "fp", "POST /payments")

@@ -91,21 +91,20 @@ class AsyncSQLStore:
     ) -> Claim:
         params = claim_params(intent, lease_token, now, expires_at)
         if transaction is not None:
-            return await self._claim_in(transaction, params, intent.fingerprint, now)
+            return await self._claim_in(transaction, params, intent.fingerprint)
         with self._translate(), self._bounded_wait():
             async with self._connect() as conn:
 
                 async def fetch(statement: SQLStatement, values: Mapping[str, Any]) -> _Row:
                     return await self._fetchone(conn, statement, values)
 
-                return await self._claim_with(fetch, params, intent.fingerprint, now)
+                return await self._claim_with(fetch, params, intent.fingerprint)
 
     async def _claim_in(
         self,
         transaction: AsyncTransaction,
         params: Mapping[str, Any],
         fingerprint: str,
-        now: float,
     ) -> Claim:
         """Claim as the first write of the caller's transaction (single-commit mode).
 
@@ -115,13 +114,13 @@ class AsyncSQLStore:
         with self._translate(), self._bounded_wait():
             for statement in self.dialect.before_claim_in_transaction:
                 await transaction.execute(statement, params)
-            claim = await self._claim_with(transaction.fetchone, params, fingerprint, now)
+            claim = await self._claim_with(transaction.fetchone, params, fingerprint)
             for statement in self.dialect.after_claim_in_transaction:
                 await transaction.execute(statement, params)
             return claim
 
     async def _claim_with(
-        self, fetch: _Fetch, params: Mapping[str, Any], fingerprint: str, now: float
+        self, fetch: _Fetch, params: Mapping[str, Any], fingerprint: str
     ) -> Claim:
         """Insert, or read and dispatch, or take over: ownership is decided by a statement.
 
@@ -135,11 +134,13 @@ class AsyncSQLStore:
             row = await fetch(self.dialect.claim, params)
             if row is not None:
                 return Claim(owned=True, record=record_from_row(row))
-            row = await fetch(self.dialect.select, params)
+            row = await fetch(self.dialect.read_for_claim, params)
             if row is None:
                 continue
             record = record_from_row(row)
-            if not can_take_over(record, fingerprint, now):
+            # On the store's clock (the database's, see on_database_clock): the
+            # take-over statement decides again on it, atomically.
+            if not can_take_over(record, fingerprint, row["clock_now"] / 1000):
                 return Claim(owned=False, record=record)
             row = await fetch(self.dialect.take_over, params)
             if row is not None:

@@ -10,14 +10,20 @@ same injected clock drives every store.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
+from .._errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 from .._model import Intent, Record, Response, State, headers_to_json
 
 __all__ = [
+    "CLOCK_NOW",
     "COLUMNS",
     "PAST_RETENTION_SQL",
     "PURGEABLE_SQL",
@@ -25,8 +31,11 @@ __all__ = [
     "TAKE_OVER_SQL",
     "Dialect",
     "SQLStatement",
+    "StoreClock",
+    "check_clock",
     "claim_params",
     "complete_params",
+    "on_database_clock",
 ]
 
 COLUMNS = (
@@ -101,6 +110,62 @@ SWEEPABLE_SQL = "(state <> 'released' OR recovery_point IS NOT NULL)"
 PURGEABLE_SQL = "state NOT IN ('in_progress', 'stale')"
 
 
+_BY_KEY = "WHERE principal = :principal AND idempotency_key = :key"
+#: The time a read is made at, read with the record (``clock_now``): the claim
+#: decides on it whether a take-over is worth trying. On the database clock it
+#: is the server's time, so a host whose clock runs ahead cannot conclude that
+#: a record is past its retention before the database does.
+CLOCK_NOW = ":now AS clock_now"
+
+#: Where the time every decision is taken on comes from (see :func:`on_database_clock`).
+StoreClock: TypeAlias = Literal["database", "caller"]
+
+_Statements = TypeVar("_Statements", bound="DataclassInstance")
+_CALLER_NOW = re.compile(r"(?<![:\w]):now\b")
+_MARK, _CALLER_MARK = "@@server_now@@", "@@caller_now@@"
+_INSTANTS = re.compile(r"(?<![:\w]):(expires_at|cutoff|keep_until)\b")
+
+
+def on_database_clock(dialect: _Statements, now_sql: str) -> _Statements:
+    """``dialect`` (or any frozen dataclass of statements) on the database server's clock.
+
+    With several application hosts and a sweeper on yet another, their clocks
+    disagree; a sweeper whose clock runs ahead would call live claims stale,
+    and a claimer whose clock runs ahead would take settled keys over before
+    their retention ended. So ``:now`` becomes ``now_sql`` (the server's epoch
+    milliseconds, one value per statement), and the instants the caller
+    computes from its own clock (``:expires_at``, ``:cutoff``, ``:keep_until``)
+    keep only their distance from the caller's ``:now``: an expiry one hour
+    ahead is one hour after the *server's* now. ``created_at`` (``:began_at``)
+    and the sweeper's fence (``:marked_at``) are identities, never compared
+    with a clock, and stay as sent.
+    """
+
+    server_now = f"({now_sql})"
+
+    def rewrite(statement: SQLStatement) -> SQLStatement:
+        # Instants first: their offsets name the caller's :now, which stays.
+        text = _INSTANTS.sub(lambda m: f"({_MARK} + (:{m[1]} - {_CALLER_MARK}))", statement.named)
+        text = _CALLER_NOW.sub(_MARK, text)
+        return SQLStatement(text.replace(_CALLER_MARK, ":now").replace(_MARK, server_now))
+
+    changes: dict[str, Any] = {}
+    for item in fields(dialect):
+        value = getattr(dialect, item.name)
+        if isinstance(value, SQLStatement):
+            changes[item.name] = rewrite(value)
+        elif isinstance(value, tuple) and all(isinstance(v, SQLStatement) for v in value):
+            changes[item.name] = tuple(rewrite(v) for v in value)
+    return dataclasses.replace(dialect, **changes)
+
+
+def check_clock(clock: str) -> StoreClock:
+    if clock not in ("database", "caller"):
+        msg = f"clock must be 'database' or 'caller', got {clock!r}"
+        raise ConfigurationError(msg)
+    return "database" if clock == "database" else "caller"
+
+
 @dataclass(frozen=True, slots=True)
 class Dialect:
     """Everything a SQL backend says. ``claim`` must be one atomic statement."""
@@ -111,6 +176,8 @@ class Dialect:
     claim: SQLStatement
     take_over: SQLStatement
     select: SQLStatement
+    #: ``select`` plus ``clock_now``: the time the claim's take-over test uses.
+    read_for_claim: SQLStatement
     complete: SQLStatement
     release: SQLStatement
     checkpoint: SQLStatement
@@ -154,10 +221,8 @@ class Dialect:
             after_claim_in_transaction=tuple(map(SQLStatement, after)),
             claim=SQLStatement(claim),
             take_over=SQLStatement(take_over_claim(table)),
-            select=SQLStatement(
-                f"SELECT {columns} FROM {table} "
-                "WHERE principal = :principal AND idempotency_key = :key"
-            ),
+            select=SQLStatement(f"SELECT {columns} FROM {table} {_BY_KEY}"),
+            read_for_claim=SQLStatement(f"SELECT {columns}, {CLOCK_NOW} FROM {table} {_BY_KEY}"),
             complete=SQLStatement(
                 f"UPDATE {table} SET state = :state, response_status = :status, "
                 "response_headers = :headers, response_body = :body, updated_at = :now, "
@@ -251,7 +316,7 @@ def insert_claim(table: str) -> str:
         f"INSERT INTO {table} (principal, idempotency_key, fingerprint, endpoint, "
         "state, lease_token, correlation_id, created_at, updated_at, expires_at, attempt) "
         "VALUES (:principal, :key, :fingerprint, :endpoint, 'in_progress', :lease_token, "
-        ":correlation_id, :now, :now, :expires_at, 1) "
+        ":correlation_id, :began_at, :now, :expires_at, 1) "
         f"ON CONFLICT (principal, idempotency_key) DO NOTHING RETURNING {columns}"
     )
 
@@ -270,7 +335,7 @@ def take_over_claim(table: str) -> str:
         f"UPDATE {table} SET fingerprint = :fingerprint, endpoint = :endpoint, "
         "state = 'in_progress', lease_token = :lease_token, "
         "correlation_id = :correlation_id, updated_at = :now, expires_at = :expires_at, "
-        f"created_at = CASE WHEN {expired} THEN :now ELSE created_at END, "
+        f"created_at = CASE WHEN {expired} THEN :began_at ELSE created_at END, "
         f"recovery_point = CASE WHEN {expired} THEN NULL ELSE recovery_point END, "
         f"attempt = CASE WHEN {expired} THEN 1 ELSE attempt + 1 END, "
         "response_status = NULL, response_headers = NULL, response_body = NULL "
@@ -289,6 +354,9 @@ def claim_params(intent: Intent, lease_token: str, now: float, expires_at: float
         "lease_token": lease_token,
         "correlation_id": intent.correlation_id,
         "now": int(now * 1000),
+        # When the intent begins, if this claim begins it: an identity for
+        # downstream keys, on the caller's clock even on the database's.
+        "began_at": int(now * 1000),
         "expires_at": int(expires_at * 1000),
     }
 

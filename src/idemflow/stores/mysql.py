@@ -48,6 +48,7 @@ from .._errors import ConfigurationError, InProgress, LeaseLost
 from .._model import Claim, Intent, Record, State, can_take_over, record_from_row
 from .._sync.sql import SQLStore
 from ._sql import (
+    CLOCK_NOW,
     COLUMNS,
     PAST_RETENTION_SQL,
     PURGEABLE_SQL,
@@ -55,7 +56,10 @@ from ._sql import (
     TAKE_OVER_SQL,
     Dialect,
     SQLStatement,
+    StoreClock,
+    check_clock,
     claim_params,
+    on_database_clock,
     owner_params,
     row_mapping,
     sweep_params,
@@ -169,7 +173,7 @@ def upsert_claim(table: str) -> str:
 
     assignments = [
         f"lease_token = IF({qualifies}, :lease_token, lease_token)",
-        guarded("created_at", f"IF({expired}, :now, created_at)"),
+        guarded("created_at", f"IF({expired}, :began_at, created_at)"),
         guarded("recovery_point", f"IF({expired}, NULL, recovery_point)"),
         guarded("attempt", f"IF({expired}, 1, attempt + 1)"),
         guarded("fingerprint", ":fingerprint"),
@@ -186,12 +190,17 @@ def upsert_claim(table: str) -> str:
         f"INSERT INTO {table} (principal, idempotency_key, fingerprint, endpoint, state, "
         "lease_token, correlation_id, created_at, updated_at, expires_at, attempt) "
         "VALUES (:principal, :key, :fingerprint, :endpoint, 'in_progress', :lease_token, "
-        ":correlation_id, :now, :now, :expires_at, 1) "
+        ":correlation_id, :began_at, :now, :expires_at, 1) "
         f"ON DUPLICATE KEY UPDATE {', '.join(assignments)}"
     )
 
 
-def mysql_dialect(table: str = DEFAULT_TABLE) -> Dialect:
+#: The server's time in epoch milliseconds, whatever the session's time zone;
+#: one value per statement.
+SERVER_NOW_MS = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000"
+
+
+def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") -> Dialect:
     """The shared fenced UPDATEs, with MySQL's own claim, read, sweep and purge.
 
     ``claim`` is the guarded upsert, which the store sends only for a
@@ -199,9 +208,10 @@ def mysql_dialect(table: str = DEFAULT_TABLE) -> Dialect:
     """
     standard = Dialect.standard("mysql", table, mysql_ddl(table), upsert_claim(table))
     by_key = "WHERE principal = :principal AND idempotency_key = :key"
-    return dataclasses.replace(
+    dialect = dataclasses.replace(
         standard,
         select=SQLStatement(f"SELECT {_SELECT_LIST} FROM {table} {by_key}"),
+        read_for_claim=SQLStatement(f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key}"),
         # No LIMIT inside IN (…) and no UPDATE … RETURNING: mark a batch with
         # a token of this sweep in one statement, then read it back by token.
         sweep=SQLStatement(
@@ -215,21 +225,24 @@ def mysql_dialect(table: str = DEFAULT_TABLE) -> Dialect:
             "ORDER BY expires_at LIMIT :limit"
         ),
     )
+    return on_database_clock(dialect, SERVER_NOW_MS) if clock == "database" else dialect
 
 
-def mysql_statements(table: str = DEFAULT_TABLE) -> MySQLStatements:
+def mysql_statements(table: str = DEFAULT_TABLE, clock: StoreClock = "database") -> MySQLStatements:
     """The plain INSERT, the locking reads and the maintenance read-backs."""
     by_key = "WHERE principal = :principal AND idempotency_key = :key"
-    return MySQLStatements(
+    statements = MySQLStatements(
         insert=SQLStatement(upsert_claim(table).split(" ON DUPLICATE KEY UPDATE ")[0]),
-        select_current=SQLStatement(f"SELECT {_SELECT_LIST} FROM {table} {by_key} FOR UPDATE"),
+        select_current=SQLStatement(
+            f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key} FOR UPDATE"
+        ),
         # LOCK IN SHARE MODE: spelled alike by MySQL 8 and MariaDB.
         select_shared=SQLStatement(
-            f"SELECT {_SELECT_LIST} FROM {table} {by_key} LOCK IN SHARE MODE"
+            f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key} LOCK IN SHARE MODE"
         ),
         swept=SQLStatement(
             f"SELECT {_SELECT_LIST} FROM {table} WHERE state = 'stale' "
-            "AND updated_at = :now AND lease_token = :sweep_token ORDER BY updated_at, id"
+            "AND lease_token = :sweep_token ORDER BY updated_at, id"
         ),
         still_owned=SQLStatement(
             f"SELECT id FROM {table} WHERE id = :id AND lease_token = :lease_token "
@@ -243,6 +256,7 @@ def mysql_statements(table: str = DEFAULT_TABLE) -> MySQLStatements:
             "SET SESSION innodb_lock_wait_timeout = @idemflow_lock_wait"
         ),
     )
+    return on_database_clock(statements, SERVER_NOW_MS) if clock == "database" else statements
 
 
 def error_code(exc: BaseException) -> int | None:
@@ -372,6 +386,9 @@ class MySQLStore(SQLStore):
             statements waits on a row another transaction holds; a claim that
             times out answers 409.
         timeout: connect timeout, and the longest wait for a free connection.
+        clock: ``"database"`` (the default) takes every time decision on the
+            server's clock (see :class:`idemflow.stores.postgres.PostgresStore`);
+            ``"caller"`` uses the ``now`` each call passes.
 
     The client flag ``CLIENT_FOUND_ROWS`` may be on or off: no decision
     rests on a count it changes.
@@ -389,15 +406,17 @@ class MySQLStore(SQLStore):
         max_size: int = 8,
         lock_wait_timeout: int = DEFAULT_LOCK_WAIT_TIMEOUT,
         timeout: float = 5.0,
+        clock: StoreClock = "database",
     ) -> None:
         if lock_wait_timeout < 1:
             msg = "lock_wait_timeout must be at least 1 second (InnoDB's minimum)"
             raise ConfigurationError(msg)
-        self.statements = mysql_statements(table)
+        clock = check_clock(clock)
+        self.statements = mysql_statements(table, clock)
         self.lock_wait_timeout = int(lock_wait_timeout)
         self.pool = _Pool(self._factory(connect, timeout), max_size, timeout)
         super().__init__(
-            mysql_dialect(table),
+            mysql_dialect(table, clock),
             self.pool.connection,
             paramstyle="pyformat",
             is_unavailable=is_unavailable,
@@ -445,7 +464,7 @@ class MySQLStore(SQLStore):
                 row_id = self._insert(conn, params)
                 if row_id is not None:
                     return Claim(owned=True, record=_inserted(intent, params, row_id))
-                row = self._fetchone(conn, self.dialect.select, params)
+                row = self._fetchone(conn, self.dialect.read_for_claim, params)
                 if row is None:  # released and purged in between: claim again
                     continue
                 if not _may_take_over(row, params):
@@ -577,7 +596,7 @@ class MySQLStore(SQLStore):
 
 def _may_take_over(row: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
     """Worth attempting the guarded upsert? (It checks again, atomically.)"""
-    return can_take_over(record_from_row(row), params["fingerprint"], params["now"] / 1000)
+    return can_take_over(record_from_row(row), params["fingerprint"], row["clock_now"] / 1000)
 
 
 def _busy() -> InProgress:
@@ -603,7 +622,7 @@ def _inserted(intent: Intent, params: Mapping[str, Any], row_id: int) -> Record:
         endpoint=intent.endpoint,
         state=State.IN_PROGRESS,
         lease_token=str(params["lease_token"]),
-        created_at=params["now"] / 1000,
+        created_at=params["began_at"] / 1000,
         updated_at=params["now"] / 1000,
         expires_at=params["expires_at"] / 1000,
         correlation_id=intent.correlation_id,

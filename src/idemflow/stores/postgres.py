@@ -19,7 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 from .._async.sql import AsyncSQLStore
 from .._sync.sql import SQLStore
-from ._sql import PURGEABLE_SQL, Dialect, SQLStatement, create_table, insert_claim
+from ._sql import (
+    PURGEABLE_SQL,
+    Dialect,
+    SQLStatement,
+    StoreClock,
+    check_clock,
+    create_table,
+    insert_claim,
+    on_database_clock,
+)
 
 if TYPE_CHECKING:
     import psycopg_pool
@@ -37,8 +46,14 @@ DEFAULT_CLAIM_LOCK_TIMEOUT_MS = 50
 _MIGRATE_LOCK = 0x1DE3F10
 
 
+#: The server's time in epoch milliseconds, one value per statement.
+SERVER_NOW_MS = "CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)"
+
+
 def postgres_dialect(
-    table: str = DEFAULT_TABLE, claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS
+    table: str = DEFAULT_TABLE,
+    claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
+    clock: StoreClock = "database",
 ) -> Dialect:
     table_ddl = create_table(
         table,
@@ -55,7 +70,8 @@ def postgres_dialect(
     standard = Dialect.standard(
         "postgresql", table, ddl, insert_claim(table), around, skip_locked=True
     )
-    return dataclasses.replace(standard, purge=purge_statement(table))
+    dialect = dataclasses.replace(standard, purge=purge_statement(table))
+    return on_database_clock(dialect, SERVER_NOW_MS) if clock == "database" else dialect
 
 
 def purge_statement(table: str) -> SQLStatement:
@@ -127,6 +143,11 @@ class PostgresStore(SQLStore):
         pool: a ``psycopg_pool.ConnectionPool`` whose connections are
             autocommit, or a conninfo string (``postgresql://…``) from which
             one is made with ``max_size`` connections.
+        clock: ``"database"`` (the default) takes every time decision (stale,
+            expired, retention) on the server's clock, so application hosts
+            and sweepers whose clocks disagree cannot take over a live claim
+            or an unexpired record; ``"caller"`` uses the ``now`` each call
+            passes (tests with a frozen clock).
     """
 
     def __init__(
@@ -136,6 +157,7 @@ class PostgresStore(SQLStore):
         table: str = DEFAULT_TABLE,
         max_size: int = 16,
         claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
+        clock: StoreClock = "database",
     ) -> None:
         if isinstance(pool, str):
             import psycopg_pool
@@ -145,7 +167,7 @@ class PostgresStore(SQLStore):
             )
         self.pool = pool
         super().__init__(
-            postgres_dialect(table, claim_lock_timeout_ms),
+            postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
             pool.connection,
             paramstyle="pyformat",
             is_unavailable=is_unavailable,
@@ -162,6 +184,7 @@ class AsyncPostgresStore(AsyncSQLStore):
     Args:
         pool: a ``psycopg_pool.AsyncConnectionPool`` of autocommit connections,
             or a conninfo string from which one is made (opened on first use).
+        clock: as for :class:`PostgresStore`.
     """
 
     def __init__(
@@ -171,6 +194,7 @@ class AsyncPostgresStore(AsyncSQLStore):
         table: str = DEFAULT_TABLE,
         max_size: int = 16,
         claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
+        clock: StoreClock = "database",
     ) -> None:
         if isinstance(pool, str):
             import psycopg_pool
@@ -180,7 +204,7 @@ class AsyncPostgresStore(AsyncSQLStore):
             )
         self.pool = pool
         super().__init__(
-            postgres_dialect(table, claim_lock_timeout_ms),
+            postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
             self._connection,
             paramstyle="pyformat",
             is_unavailable=is_unavailable,
