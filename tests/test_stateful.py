@@ -75,8 +75,13 @@ def slot_label(slot: Slot | None, now: int) -> str:
 
 
 def past_retention(slot: Slot, now: int) -> bool:
-    """Settled or released, and its retention over; never a claim in flight or swept."""
-    return slot.state in (*SETTLED, State.RELEASED) and slot.expires_at <= now
+    """Settled, or released with nothing to reconcile, and its retention over; never a
+    claim in flight or swept, nor a released one past a recovery point."""
+    if slot.expires_at > now:
+        return False
+    if slot.state is State.RELEASED:
+        return slot.recovery_point is None
+    return slot.state in SETTLED
 
 
 def ms(seconds: float) -> int:
@@ -145,7 +150,10 @@ class IdempotencyMachine(RuleBasedStateMachine):
     ) -> Slot:
         """The model after a successful claim: an expired record starts over."""
         now = self.now()
-        fresh = slot is None or past_retention(slot, now)
+        retry = (
+            slot is not None and slot.state is State.RELEASED and slot.fingerprint == fingerprint
+        )
+        fresh = slot is None or (past_retention(slot, now) and not retry)
         return Slot(
             state=State.IN_PROGRESS,
             fingerprint=fingerprint,

@@ -32,7 +32,9 @@ __all__ = [
     "can_take_over",
     "default_classifier",
     "is_past_retention",
+    "is_retry",
     "seconds",
+    "starts_new_intent",
 ]
 
 #: Returns the current time in seconds since the epoch. ``time.time`` by default.
@@ -152,26 +154,43 @@ class Outcome:
 def can_take_over(record: Record, fingerprint: str, now: float) -> bool:
     """May a new claim take this existing record over? The one definition of the rule.
 
-    A *settled* or *released* record past its retention is a new intent; a
-    released record may also be retried by the *same* request (keeping its
-    recovery point). A record in flight (``in_progress``) or being recovered
-    (``stale``) is never taken over here, however old: only the sweeper's
-    fenced path ends it, so retention cannot hand a live claim to a second
-    request. Stores make the takeover itself one atomic compare-and-swap on
-    exactly this condition (see ``TAKE_OVER_SQL`` in ``idemflow.stores._sql``
-    and the Redis claim script); a test checks that they agree.
+    A released record may be retried by the *same* request at any time (it
+    keeps its recovery point and downstream keys). Past its retention a
+    record is a new intent for any request (see :func:`is_past_retention`).
+    A record in flight (``in_progress``) or being recovered (``stale``) is
+    never taken over here, however old: only the sweeper's fenced path ends
+    it, so retention cannot hand a live claim to a second request. Stores
+    make the takeover itself one atomic compare-and-swap on exactly this
+    condition (``TAKE_OVER_SQL`` in ``idemflow.stores._sql``, the Redis claim
+    script); the contract suite checks that they agree.
     """
-    retried = record.state is State.RELEASED and record.fingerprint == fingerprint
-    return retried or is_past_retention(record, now)
+    return is_retry(record, fingerprint) or is_past_retention(record, now)
+
+
+def is_retry(record: Record, fingerprint: str) -> bool:
+    """The same request again, after a transient failure gave the key back."""
+    return record.state is State.RELEASED and record.fingerprint == fingerprint
 
 
 def is_past_retention(record: Record, now: float) -> bool:
-    """Does a takeover of ``record`` start a new intent (reset progress and downstream keys)?"""
-    return record.state in _EXPIRABLE and record.expires_at <= now
+    """Has this record's retention ended, so that the key is free for a new intent?
+
+    Settled outcomes, and released keys with nothing to resolve. A released
+    key whose attempt got past a recovery point (an external call may have
+    happened) is kept until it is reconciled or retried: taken over as a new
+    intent, its effect would never be reconciled, and the same request would
+    be charged again under new downstream keys.
+    """
+    if record.expires_at > now:
+        return False
+    if record.state is State.RELEASED:
+        return record.recovery_point is None
+    return record.state.is_settled
 
 
-#: The states whose record retention may end: settled outcomes and released keys.
-_EXPIRABLE = frozenset({State.COMPLETED, State.FAILED_PERMANENT, State.RELEASED})
+def starts_new_intent(record: Record, fingerprint: str, now: float) -> bool:
+    """Does taking ``record`` over begin a new intent (progress and downstream keys reset)?"""
+    return is_past_retention(record, now) and not is_retry(record, fingerprint)
 
 
 def default_classifier(response: Response) -> Verdict:

@@ -306,6 +306,30 @@ def test_retention_counts_from_settlement(backend: Backend, clock: FrozenClock) 
     assert again.record.created_at != first.created_at
 
 
+def test_a_released_intent_past_an_external_call_outlives_its_retention(
+    backend: Backend, clock: FrozenClock
+) -> None:
+    """Released after a recovery point (the provider may have charged), then left past its
+    retention: the same request still resumes it (same created_at, so the same downstream
+    keys: the provider de-duplicates), another request gets no takeover, and purge keeps
+    it: only reconciliation or a retry may end it, never the clock."""
+    store: Any = backend.store
+    first = store.claim(intent(), "lease-a", clock(), clock() + 2).record
+    store.checkpoint(first, "payment_created", clock())
+    assert store.release(first, clock())
+    clock.advance(10)
+
+    other = store.claim(intent(fp="fp-other"), "lease-b", clock(), clock() + 2)
+    assert store.purge(clock(), 10) == 0
+    retry = store.claim(intent(), "lease-c", clock(), clock() + 2)
+
+    assert not other.owned
+    assert retry.owned
+    assert retry.record.recovery_point == "payment_created"
+    assert retry.record.created_at == first.created_at
+    assert retry.record.attempt == 2
+
+
 def test_release_and_complete_are_fenced_by_the_lease(backend: Backend, clock: FrozenClock) -> None:
     """A stale owner's lease token can neither release nor complete the new owner's record."""
     store = backend.store

@@ -25,8 +25,10 @@ from .._model import Intent, Record, Response, State, headers_to_json
 __all__ = [
     "CLOCK_NOW",
     "COLUMNS",
+    "NEW_INTENT_SQL",
     "PAST_RETENTION_SQL",
     "PURGEABLE_SQL",
+    "RETRY_SQL",
     "SWEEPABLE_SQL",
     "TAKE_OVER_SQL",
     "Dialect",
@@ -82,13 +84,18 @@ class SQLStatement:
         return {name: params[name] for name in self.names}
 
 
-#: :func:`idemflow._model.is_past_retention` in SQL: a settled or released record
-#: whose retention ended. Never an ``in_progress`` or ``stale`` one.
+#: :func:`idemflow._model.is_retry` in SQL (the claimant's ``:fingerprint``).
+RETRY_SQL = "(state = 'released' AND fingerprint = :fingerprint)"
+#: :func:`idemflow._model.is_past_retention` in SQL: a settled record, or a
+#: released one with nothing to reconcile, whose retention ended.
 PAST_RETENTION_SQL = (
-    "(state IN ('completed', 'failed_permanent', 'released') AND expires_at <= :now)"
+    "(expires_at <= :now AND (state IN ('completed', 'failed_permanent') "
+    "OR (state = 'released' AND recovery_point IS NULL)))"
 )
-#: :func:`idemflow._model.can_take_over` in SQL (the claimant's ``:fingerprint``).
-TAKE_OVER_SQL = f"({PAST_RETENTION_SQL} OR (state = 'released' AND fingerprint = :fingerprint))"
+#: :func:`idemflow._model.can_take_over` in SQL.
+TAKE_OVER_SQL = f"({RETRY_SQL} OR {PAST_RETENTION_SQL})"
+#: :func:`idemflow._model.starts_new_intent` in SQL.
+NEW_INTENT_SQL = f"({PAST_RETENTION_SQL} AND NOT {RETRY_SQL})"
 
 
 def _owned_by_caller(alias: str = "") -> str:
@@ -104,10 +111,13 @@ def _owned_by_caller(alias: str = "") -> str:
 # whose client never retries still converges. Other released records hold
 # nothing to resolve.
 SWEEPABLE_SQL = "(state <> 'released' OR recovery_point IS NOT NULL)"
-# In flight or being recovered: never deleted for age, whatever expires_at says.
+# In flight, being recovered, or released past an external call (to be
+# reconciled): never deleted for age, whatever expires_at says.
 # Spelled NOT IN so no planner serves the purge from the (state, updated_at)
 # index (SQLite did, then sorted every settled row): the expiry index must.
-PURGEABLE_SQL = "state NOT IN ('in_progress', 'stale')"
+PURGEABLE_SQL = (
+    "state NOT IN ('in_progress', 'stale') AND (state <> 'released' OR recovery_point IS NULL)"
+)
 
 
 _BY_KEY = "WHERE principal = :principal AND idempotency_key = :key"
@@ -326,11 +336,12 @@ def take_over_claim(table: str) -> str:
 
     Only tried when the record we read looks expired or released (see
     :func:`idemflow._model.can_take_over`); the condition is repeated here so
-    that exactly one of several racing retries wins. Past retention everything
-    is reset (a new intent); a released record keeps its recovery point.
+    that exactly one of several racing retries wins. A new intent (past
+    retention, not a retry) resets everything; a retry of a released record
+    keeps its recovery point, created_at and so its downstream keys.
     """
     columns = ", ".join(COLUMNS)
-    expired = PAST_RETENTION_SQL
+    expired = NEW_INTENT_SQL
     return (
         f"UPDATE {table} SET fingerprint = :fingerprint, endpoint = :endpoint, "
         "state = 'in_progress', lease_token = :lease_token, "

@@ -13,7 +13,16 @@ import itertools
 import threading
 
 from .._errors import LeaseLost
-from .._model import Claim, Intent, Record, Response, State, can_take_over, is_past_retention
+from .._model import (
+    Claim,
+    Intent,
+    Record,
+    Response,
+    State,
+    can_take_over,
+    is_past_retention,
+    starts_new_intent,
+)
 from .protocol import AsyncTransaction, Transaction
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
@@ -238,7 +247,7 @@ def _claimed(
     expires_at: float,
     ids: itertools.count[int],
 ) -> Record:
-    fresh = current is None or is_past_retention(current, now)
+    fresh = current is None or starts_new_intent(current, intent.fingerprint, now)
     return Record(
         id=next(ids) if current is None else current.id,
         principal=intent.principal,

@@ -50,7 +50,7 @@ from .._sync.sql import SQLStore
 from ._sql import (
     CLOCK_NOW,
     COLUMNS,
-    PAST_RETENTION_SQL,
+    NEW_INTENT_SQL,
     PURGEABLE_SQL,
     SWEEPABLE_SQL,
     TAKE_OVER_SQL,
@@ -166,7 +166,7 @@ def upsert_claim(table: str) -> str:
     """
     qualifies = TAKE_OVER_SQL
     taken = f"(lease_token <=> :lease_token OR {qualifies})"
-    expired = PAST_RETENTION_SQL
+    expired = NEW_INTENT_SQL
 
     def guarded(column: str, value: str) -> str:
         return f"{column} = IF({taken}, {value}, {column})"
