@@ -305,6 +305,31 @@ class TestParseJson:
         with pytest.raises(InvalidBody, match=f"deeper than {MAX_DEPTH}"):
             parse_json(data)
 
+    @pytest.mark.parametrize(
+        "data",
+        [
+            b"[" * 10_000 + b"]" * 10_000,
+            b'{"a":' * 10_000 + b"1" + b"}" * 10_000,
+            b'{"a":[' * 5_000 + b"]}" * 5_000,
+        ],
+    )
+    def test_10000_deep_bodies_are_invalid_even_deep_in_a_call_stack(self, data: bytes) -> None:
+        """Issue 9, defect 12: deep JSON is InvalidBody wherever it is read, never a 500.
+
+        An ASGI server, middleware and the endpoint already use part of the
+        stack when the body is parsed; the refusal must not depend on how much.
+        """
+        import sys
+
+        def nested(levels: int) -> None:
+            if levels:
+                nested(levels - 1)
+                return
+            with pytest.raises(InvalidBody, match="deeper than"):
+                canonical_json_bytes(data)
+
+        nested(sys.getrecursionlimit() // 2)
+
     def test_messages_do_not_echo_the_body(self) -> None:
         """Parse errors name the problem and its position, never the body's content."""
         with pytest.raises(InvalidBody) as exc_info:

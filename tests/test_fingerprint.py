@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from idemflow._canonical import canonical_json
-from idemflow._errors import InvalidBody
-from idemflow._fingerprint import DEFAULT_MAX_BODY_BYTES, fingerprint
+from idemflow._errors import BodyTooLarge, InvalidBody
+from idemflow._fingerprint import DEFAULT_MAX_BODY_BYTES, canonical_query, fingerprint
 
 FUZZ = settings(max_examples=200, deadline=None)
 JSON = "application/json"
@@ -236,6 +236,60 @@ class TestSizeCap:
         """An oversized body is refused for its size, without being parsed."""
         with pytest.raises(InvalidBody, match="limit"):
             fp(b"[" * 100, max_body_bytes=50)
+
+    def test_over_the_cap_is_413(self) -> None:
+        """Too large is its own error, 413, still an InvalidBody."""
+        with pytest.raises(BodyTooLarge) as caught:
+            fp(b"x" * 11, "text/plain", max_body_bytes=10)
+        assert caught.value.status == 413
+        assert caught.value.slug == "body-too-large"
+
+
+class TestQuery:
+    """Issue 9, defect 9: the query string is part of the request."""
+
+    def test_no_query_hashes_as_before(self) -> None:
+        """A request without a query keeps the fingerprint it always had."""
+        body = b'{"a":1}'
+        assert fp(body, query="") == fp(body) == fp(body, query=b"") == fp(body, query="?")
+        assert fp(body) == fp(body, query="&")
+
+    def test_another_query_is_another_request(self) -> None:
+        assert fp(b"{}", query="x=1") != fp(b"{}", query="x=2")
+        assert fp(b"{}", query="x=1") != fp(b"{}")
+
+    def test_order_and_escaping_do_not_matter(self) -> None:
+        assert fp(b"{}", query="b=2&a=1") == fp(b"{}", query="a=%31&b=2")
+        assert fp(b"{}", query="a=x+y") == fp(b"{}", query="a=x%20y")
+
+    def test_the_query_cannot_move_into_the_route_or_the_body(self) -> None:
+        """The query is length-prefixed under a tag no body kind uses."""
+        with_query = fingerprint("POST", "/a", b"raw\nx", query="q=1")
+        assert with_query != fingerprint("POST", "/a?q=1", b"raw\nx")
+        assert with_query != fingerprint("POST", "/a", b"query\n3:q=1\nraw\nx")
+
+    @pytest.mark.parametrize(
+        ("query", "canonical"),
+        [
+            ("", b""),
+            ("b=2&a=1", b"a=1&b=2"),
+            ("a&a=", b"a=&a="),
+            ("a=1&&b=2", b"a=1&b=2"),
+            ("x=%ff", b"x=%FF"),
+            ("k%3Dv=1", b"k%3Dv=1"),
+            ("a=2&a=1", b"a=1&a=2"),
+        ],
+    )
+    def test_canonical_form(self, query: str, canonical: bytes) -> None:
+        assert canonical_query(query) == canonical
+
+    @FUZZ
+    @given(pairs=st.lists(st.tuples(st.text(max_size=5), st.text(max_size=5)), max_size=5))
+    def test_canonical_is_a_fixed_point(self, pairs: list[tuple[str, str]]) -> None:
+        from urllib.parse import urlencode
+
+        once = canonical_query(urlencode(pairs))
+        assert canonical_query(once) == once
 
 
 @FUZZ

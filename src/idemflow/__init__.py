@@ -12,9 +12,11 @@ from ._async.driver import AsyncAttempt, AsyncHandler, AsyncIdempotency
 from ._canonical import canonical_json
 from ._downstream import downstream_key
 from ._errors import (
+    BodyTooLarge,
     ClientError,
     ConfigurationError,
     IdempotencyError,
+    IncompleteBody,
     InProgress,
     InvalidBody,
     InvalidKey,
@@ -48,6 +50,7 @@ __all__ = [
     "AsyncHandler",
     "AsyncIdempotency",
     "Attempt",
+    "BodyTooLarge",
     "Claim",
     "ClientError",
     "Clock",
@@ -58,6 +61,7 @@ __all__ = [
     "Idempotency",
     "IdempotencyError",
     "InProgress",
+    "IncompleteBody",
     "Intent",
     "InvalidBody",
     "InvalidKey",

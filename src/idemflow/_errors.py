@@ -9,6 +9,8 @@ Client errors carry their HTTP meaning (``status``, a problem ``type`` and a
     │   ├── MissingKey          400    no Idempotency-Key where one is required
     │   ├── InvalidKey          400    malformed Idempotency-Key
     │   ├── InvalidBody         400    body over the fingerprint cap, or bad JSON
+    │   │   ├── BodyTooLarge    413    body over the cap, refused while it streams
+    │   │   └── IncompleteBody  400    the body did not arrive whole (client went away)
     │   ├── MissingPrincipal    401    no authenticated principal to scope the key
     │   ├── ReplayForbidden     403    the principal may no longer see the stored response
     │   ├── InProgress          409    the first request with this key is still running
@@ -16,7 +18,7 @@ Client errors carry their HTTP meaning (``status``, a problem ``type`` and a
     │   └── KeyReused           422    same key, different request
     ├── StoreUnavailable        503    the key store cannot be reached: fail closed
     └── ConfigurationError             unsafe or impossible settings (also a ValueError)
-        └── ResponseNotStorable 500    a response too large or streamed to store for replay
+        └── ResponseNotStorable 500    a response too large, streamed or unsendable to store
 
 The handler's own exceptions are never wrapped: after the claim is released
 they propagate unchanged.
@@ -25,10 +27,12 @@ they propagate unchanged.
 from __future__ import annotations
 
 __all__ = [
+    "BodyTooLarge",
     "ClientError",
     "ConfigurationError",
     "IdempotencyError",
     "InProgress",
+    "IncompleteBody",
     "InvalidBody",
     "InvalidKey",
     "KeyReused",
@@ -92,6 +96,23 @@ class InvalidBody(ClientError, ValueError):
     status = 400
     slug = "invalid-body"
     title = "Request body cannot be fingerprinted"
+
+
+class BodyTooLarge(InvalidBody):
+    """The body is over the cap: refused as soon as that is known, before it is all read."""
+
+    __module__ = "idemflow"
+    status = 413
+    slug = "body-too-large"
+    title = "Request body too large"
+
+
+class IncompleteBody(InvalidBody):
+    """The body did not arrive whole (the client went away): never fingerprinted or run."""
+
+    __module__ = "idemflow"
+    slug = "incomplete-body"
+    title = "Request body did not arrive whole"
 
 
 class MissingPrincipal(ClientError):
@@ -170,10 +191,13 @@ class ConfigurationError(IdempotencyError, ValueError):
 
 
 class ResponseNotStorable(ConfigurationError):
-    """The handler's response cannot be stored for replay: too large, or streamed.
+    """The handler's response cannot be stored for replay: too large, streamed, or unsendable.
 
-    Raised inside the operation, so the claim is released and, in transactional
-    mode, the operation's own writes roll back. Never replayed empty.
+    In transactional mode it is raised inside the operation, so the operation's
+    own writes roll back and the claim is released. Where the effect is not
+    ours to roll back (middleware mode, no transaction) the record is settled
+    with a ``response-not-stored`` marker instead (see ``idemflow._http``).
+    Never replayed empty.
     """
 
     __module__ = "idemflow"

@@ -1,7 +1,8 @@
 """
 The request fingerprint: what makes "same key, different request" detectable.
 
-A fingerprint is a SHA-256 digest over the method, the route and the body.
+A fingerprint is a SHA-256 digest over the method, the route, the query
+string (if any) and the body.
 JSON bodies (``application/json`` and any ``+json`` media type) are hashed in
 RFC 8785 canonical form, so a retry that re-serialises the same payload with
 other whitespace or key order still matches; other bodies are hashed as
@@ -14,17 +15,24 @@ The hashed message is unambiguous: a version tag, then the method and the
 route each prefixed with their length in bytes, then the body kind, then the
 body.  Without the lengths, route ``"/a\\nraw"`` with a JSON body would hash
 exactly like route ``"/a"`` with a raw body that starts ``"json\\n"``.
+
+The query string is part of the request (``?dry_run=1`` is another request
+than ``?dry_run=0``). It is hashed in canonical form (pairs percent-decoded,
+sorted, re-encoded), so a retry that orders or escapes its parameters
+differently still matches; a request without one hashes exactly as before
+the query was hashed at all, so no stored fingerprint changed meaning.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection
+from urllib.parse import quote_from_bytes, unquote_to_bytes
 
 from ._canonical import canonical_json_bytes
-from ._errors import InvalidBody
+from ._errors import BodyTooLarge
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "fingerprint"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "canonical_query", "fingerprint"]
 
 #: Bodies larger than this (1 MiB) are refused rather than hashed.
 DEFAULT_MAX_BODY_BYTES = 1_048_576
@@ -42,6 +50,7 @@ def fingerprint(
     content_type: str | None = None,
     exclude_fields: Collection[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    query: str | bytes = b"",
 ) -> str:
     """Return ``"sha256:<hex>"`` identifying this request's intent.
 
@@ -56,17 +65,19 @@ def fingerprint(
             :func:`~idemflow._canonical.canonical_json_bytes`.  Ignored for
             non-JSON bodies.
         max_body_bytes: The largest body that may be fingerprinted.
+        query: The raw query string (``a=1&b=2``, without ``?``); see
+            :func:`canonical_query`.
 
     Raises:
-        InvalidBody: The body is over ``max_body_bytes``, or is declared as
-            JSON and is not strict I-JSON.
+        InvalidBody: The body is declared as JSON and is not strict I-JSON
+            (:class:`~idemflow.BodyTooLarge`: it is over ``max_body_bytes``).
     """
     # Checked here too: a raw body would otherwise ignore the mistake silently
     # until the first JSON request.
     if isinstance(exclude_fields, str):
         raise TypeError("exclude_fields must be a collection of names, not a str")
     if len(body) > max_body_bytes:
-        raise InvalidBody(
+        raise BodyTooLarge(
             f"request body is {len(body)} bytes; "
             f"the limit for idempotent requests is {max_body_bytes} bytes"
         )
@@ -75,6 +86,11 @@ def fingerprint(
     digest = hashlib.sha256(_VERSION_TAG)
     digest.update(_length_prefixed(method.upper()))
     digest.update(_length_prefixed(route))
+    canonical = canonical_query(query)
+    if canonical:
+        # "query" can never be a body kind ("json", "raw"), so a digest with a
+        # query cannot collide with one without.
+        digest.update(b"query\n" + b"%d:%s\n" % (len(canonical), canonical))
     digest.update(kind + b"\n")
     # The body is last, so it needs no length: it runs to the end.
     digest.update(hashed_body)
@@ -111,3 +127,29 @@ def _length_prefixed(text: str) -> bytes:
     # to distinct bytes rather than raise.
     data = text.encode("utf-8", "surrogatepass")
     return b"%d:%s\n" % (len(data), data)
+
+
+def canonical_query(query: str | bytes) -> bytes:
+    """``query`` with its pairs percent-decoded, sorted and re-encoded: one spelling per meaning.
+
+    ``b=2&a=1``, ``a=1&b=2`` and ``a=%31&b=2`` are one query; ``a`` and ``a=``
+    are one pair; empty pieces (``a=1&&b=2``) are dropped. A str is taken as
+    latin-1, as ASGI servers decode bytes they pass on.
+    """
+    raw = query.encode("latin-1", "replace") if isinstance(query, str) else query
+    raw = raw.removeprefix(b"?")
+    if not raw:
+        return b""
+    pairs = sorted(
+        (_unquote(name), _unquote(value))
+        for name, _, value in (piece.partition(b"=") for piece in raw.split(b"&") if piece)
+    )
+    return b"&".join(_quote(name) + b"=" + _quote(value) for name, value in pairs)
+
+
+def _unquote(part: bytes) -> bytes:
+    return unquote_to_bytes(part.replace(b"+", b" "))
+
+
+def _quote(part: bytes) -> bytes:
+    return quote_from_bytes(part, safe="").encode("ascii")

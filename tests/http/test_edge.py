@@ -17,6 +17,7 @@ from idemflow import (
     MissingPrincipal,
     Response,
     StoreUnavailable,
+    default_classifier,
     fingerprint,
 )
 from idemflow._http import (
@@ -27,6 +28,7 @@ from idemflow._http import (
     problem_for,
     request_id_from,
     storable,
+    unsendable,
 )
 from idemflow.demo.settings import parse_duration, parse_token
 from idemflow.testing import AsyncMemoryStore
@@ -157,3 +159,101 @@ def test_tokens_are_name_colon_token() -> None:
     assert parse_token("carol:carol-token") == ("carol-token", "carol")
     with pytest.raises(ConfigurationError):
         parse_token("carol")
+
+
+# --- issue 9: the whole response is checked before anything is stored --------------------
+
+
+@pytest.mark.parametrize(
+    ("response", "why"),
+    [
+        (Response(201, b"", (("content-disposition", "attachment; filename=\u20ac"),)), "latin-1"),
+        (Response(201, b"", (("location", "/a\r\nset-cookie: x=1"),)), "location"),
+        (Response(201, b"", (("location", "/a\nb"),)), "LF"),
+        (Response(201, b"", (("location", "/a\x00"),)), "NUL"),
+        (Response(201, b"", (("x-bad name", "v"),)), "token"),
+        (Response(201, b"", (("", "v"),)), "token"),
+        (Response(99, b""), "final HTTP status"),
+        (Response(600, b""), "final HTTP status"),
+    ],
+)
+def test_a_response_that_cannot_be_sent_is_named_and_never_storable(
+    response: Response, why: str
+) -> None:
+    reason = unsendable(response)
+    assert reason is not None
+    assert why in reason
+    with pytest.raises(ResponseNotStorable):
+        storable(response, max_bytes=10)
+
+
+def test_tabs_and_latin_1_header_values_are_sendable() -> None:
+    response = Response(201, b"{}", (("content-disposition", "inline;\tfilename=caf\u00e9"),))
+    assert unsendable(response) is None
+
+
+def marked_intent_request(key: str) -> HTTPRequest:
+    return request(headers=[(b"idempotency-key", key.encode())], path_params={"id": "pay_9"})
+
+
+@pytest.mark.anyio
+async def test_without_a_transaction_an_unsendable_response_settles_a_marker_never_released() -> (
+    None
+):
+    """Defect 8: the effect is not ours to roll back, so the key must not run it again."""
+    store = AsyncMemoryStore()
+    idempotency = AsyncIdempotency(store)
+    edge = Edge(idempotency)
+    runs = 0
+
+    async def handler(attempt: object) -> Response:
+        nonlocal runs
+        runs += 1
+        return Response(201, b"{}", (("location", "/payments/9\r\nx: y"),))
+
+    first = await edge.respond(marked_intent_request("k-marker"), handler)  # type: ignore[arg-type]
+    again = await edge.respond(marked_intent_request("k-marker"), handler)  # type: ignore[arg-type]
+    assert runs == 1
+    body = json.loads(first.body)
+    assert first.status == 500
+    assert body["type"].endswith("/response-not-stored")
+    assert (body["original_status"], body["location"]) == (201, "/payments/9\r\nx: y")
+    assert again.body == first.body
+    assert again.header("idempotent-replayed") == "true"
+    record = await store.get("alice", "k-marker")
+    assert record is not None
+    assert record.state == "completed"
+    assert idempotency.policy.classify is default_classifier  # the caller's driver is untouched
+
+
+@pytest.mark.anyio
+async def test_a_marker_for_a_transient_response_is_released_like_the_response() -> None:
+    store = AsyncMemoryStore()
+    edge = Edge(AsyncIdempotency(store))
+
+    async def handler(attempt: object) -> Response:
+        return Response(503, b"", (("retry-after", "1\r\n"),))
+
+    answer = await edge.respond(marked_intent_request("k-503"), handler)  # type: ignore[arg-type]
+    assert answer.status == 500
+    assert "transient" in json.loads(answer.body)["detail"]
+    record = await store.get("alice", "k-503")
+    assert record is not None
+    assert record.state == "released"
+
+
+def test_the_query_string_is_fingerprinted_in_canonical_form() -> None:
+    """Defect 9: the query string is part of the request."""
+    edge = Edge(AsyncIdempotency(AsyncMemoryStore()))
+    plain = edge.intent(request())
+    assert plain.fingerprint == edge.intent(request(query="")).fingerprint
+    one = edge.intent(request(query="x=1&y=2"))
+    assert one.fingerprint == edge.intent(request(query="y=2&x=%31")).fingerprint
+    assert one.fingerprint != edge.intent(request(query="x=2&y=2")).fingerprint
+    assert one.fingerprint != plain.fingerprint
+    assert one.endpoint == plain.endpoint  # the label never carries values
+
+
+def test_negative_body_limits_are_refused() -> None:
+    with pytest.raises(ConfigurationError):
+        EdgeOptions(max_body_bytes=-1)

@@ -302,3 +302,29 @@ def test_an_unreachable_store_is_503_with_retry_after_and_the_handler_does_not_r
     assert_problem(response, 503, "store-unavailable")
     assert response.headers["retry-after"] == "1"
     assert calls["orders"] == 0
+
+
+def test_a_mounted_fastapi_app_names_its_mount_in_the_endpoint(table: str) -> None:
+    """Issue 9, defect 9: the same sub-app mounted twice is two endpoints, with their prefix."""
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    calls: collections.Counter[str] = collections.Counter()
+    inner = make_app(POSTGRES_URL, table, calls)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with inner.router.lifespan_context(inner):  # a mount does not run it
+            yield
+
+    outer = Starlette(routes=[Mount("/v1", app=inner), Mount("/v2", app=inner)], lifespan=lifespan)
+    key, name = new_key(), item()
+    headers = {"Authorization": "Bearer dana", "Idempotency-Key": key}
+    with serve(outer) as url, httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+        first = client.post("/v1/orders", json={"item": name, "quantity": 1})
+        other = client.post("/v2/orders", json={"item": name, "quantity": 1})
+    assert first.status_code == 201
+    assert_problem(other, 422, "key-reused")
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        sql = f"SELECT endpoint FROM {table} WHERE idempotency_key = %s"
+        assert conn.execute(sql, (key,)).fetchone() == ("POST /v1/orders",)

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
+import socket
+import threading
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -17,17 +22,34 @@ from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
 from idemflow import AsyncIdempotency, ConfigurationError, Policy, Record
 from idemflow.integrations.starlette import EdgeOptions, IdempotencyMiddleware, RequestIdMiddleware
 from idemflow.stores.sqlite import AsyncSQLiteStore
-from tests.http.conftest import assert_problem, new_key, serve
+from tests.http.conftest import STARTUP_SECONDS, assert_problem, new_key, serve
+from tests.http.rawhttp import (
+    ErrorLog,
+    Finished,
+    capture_errors,
+    post_chunks,
+    post_declaring,
+    send_partial,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
 LIMIT = 4096
+BODY_LIMIT = 65_536
 BINARY = bytes(range(256)) * 8  # every byte value, 2 KiB
+BAD_LOCATION = "/items/9\r\nx-injected: 1"
+
+
+@pytest.fixture
+def errors() -> Iterator[ErrorLog]:
+    """Server-side errors logged during the test (uvicorn's tracebacks included)."""
+    with capture_errors() as handler:
+        yield handler
 
 
 class HeaderAuth(AuthenticationBackend):
@@ -63,6 +85,10 @@ def make_app(store: AsyncSQLiteStore, calls: collections.Counter[str]) -> Starle
         calls["big"] += 1
         return Response(b"x" * (LIMIT + 1), media_type="text/plain")
 
+    async def bad_location(request: Request) -> Response:
+        calls["bad_location"] += 1
+        return JSONResponse({"n": 1}, status_code=201, headers={"Location": BAD_LOCATION})
+
     async def stream(request: Request) -> Response:
         calls["stream"] += 1
 
@@ -96,9 +122,12 @@ def make_app(store: AsyncSQLiteStore, calls: collections.Counter[str]) -> Starle
         "POST /stream",
         "POST /flaky",
         "POST /orders/{id}/notes",
+        "POST /bad-location",
     ]
-    options = EdgeOptions(max_response_bytes=LIMIT, authorize_replay=may_replay)
-    return Starlette(
+    options = EdgeOptions(
+        max_response_bytes=LIMIT, max_body_bytes=BODY_LIMIT, authorize_replay=may_replay
+    )
+    app = Starlette(
         routes=[
             Route("/items", create_item, methods=["POST"]),
             Route("/items", replace_item, methods=["PUT"]),
@@ -107,6 +136,7 @@ def make_app(store: AsyncSQLiteStore, calls: collections.Counter[str]) -> Starle
             Route("/stream", stream, methods=["POST"]),
             Route("/flaky", flaky, methods=["POST"]),
             Route("/orders/{id}/notes", note, methods=["POST"]),
+            Route("/bad-location", bad_location, methods=["POST"]),
             Route("/unprotected", unprotected, methods=["POST", "GET"]),
         ],
         middleware=[
@@ -117,11 +147,14 @@ def make_app(store: AsyncSQLiteStore, calls: collections.Counter[str]) -> Starle
             ),
         ],
     )
+    return Finished(app)
 
 
 class Server:
-    def __init__(self, url: str, store: AsyncSQLiteStore, calls: collections.Counter[str]) -> None:
-        self.url, self.store, self.calls = url, store, calls
+    def __init__(
+        self, url: str, store: AsyncSQLiteStore, calls: collections.Counter[str], app: Finished
+    ) -> None:
+        self.url, self.store, self.calls, self.finished = url, store, calls, app
 
     def client(self, user: str = "carol", key: str | None = None) -> httpx.Client:
         headers = {"X-User": user}
@@ -138,8 +171,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     store = AsyncSQLiteStore(tmp_path_factory.mktemp("mw") / "keys.db")
     store.sync.migrate()
     calls: collections.Counter[str] = collections.Counter()
-    with serve(make_app(store, calls)) as url:
-        yield Server(url, store, calls)
+    app = make_app(store, calls)
+    with serve(app) as url:
+        yield Server(url, store, calls, app)
 
 
 def test_the_first_request_runs_and_a_retry_replays_without_running_again(server: Server) -> None:
@@ -217,27 +251,120 @@ def test_binary_bodies_are_stored_and_replayed_byte_for_byte(server: Server) -> 
     assert again.headers["content-type"] == "application/octet-stream"
 
 
-def test_a_response_over_the_stored_body_limit_is_refused_not_replayed_empty(
+def test_a_response_over_the_stored_body_limit_settles_a_marker_and_never_runs_again(
     server: Server,
 ) -> None:
+    """Issue 9, defect 8: the effect happened; releasing would run it once more per retry."""
     key = new_key()
+    before = server.calls["big"]
     with server.client(key=key) as client:
         first = client.post("/big")
-        before = server.calls["big"]
         again = client.post("/big")
-    body = assert_problem(first, 500, "response-not-storable")
+    body = assert_problem(first, 500, "response-not-stored")
     assert str(LIMIT) in body["detail"]
-    assert_problem(again, 500, "response-not-storable")
-    assert server.calls["big"] == before + 1  # released: the retry ran again
+    assert body["original_status"] == 200
+    assert again.headers["idempotent-replayed"] == "true"
+    assert assert_problem(again, 500, "response-not-stored") == body
+    assert server.calls["big"] == before + 1  # never released: the retry did not run it
     record = server.record("carol", key)
     assert record is not None
-    assert record.state == "released"
+    assert record.state == "completed"
 
 
-def test_a_streaming_response_is_refused_with_an_explicit_error(server: Server) -> None:
+def test_a_header_that_cannot_be_sent_is_never_stored_and_never_run_again(
+    server: Server,
+) -> None:
+    """Issue 9, defect 8: a Location with CR/LF used to be stored, then fail every answer."""
+    key = new_key()
+    before = server.calls["bad_location"]
+    with server.client(key=key) as client:
+        first = client.post("/bad-location", json={})
+        again = client.post("/bad-location", json={})
+    body = assert_problem(first, 500, "response-not-stored")
+    assert (body["original_status"], body["location"]) == (201, BAD_LOCATION)
+    assert "location" in body["detail"]
+    assert assert_problem(again, 500, "response-not-stored") == body
+    assert again.headers["idempotent-replayed"] == "true"
+    assert server.calls["bad_location"] == before + 1
+    record = server.record("carol", key)
+    assert record is not None
+    assert record.state == "completed"
+    assert record.response is not None
+    assert all("\r" not in v and "\n" not in v for _, v in record.response.headers)
+
+
+def test_a_response_streamed_in_several_messages_is_stored_whole_and_replayed(
+    server: Server,
+) -> None:
+    """The app runs to its end; a streamed body that fits the limit is a body like any other."""
+    before = server.calls["stream"]
     with server.client(key=new_key()) as client:
-        body = assert_problem(client.post("/stream"), 500, "response-not-storable")
-    assert "stream" in body["detail"]
+        first = client.post("/stream")
+        again = client.post("/stream")
+    assert first.status_code == again.status_code == 200
+    assert first.content == again.content == b"onetwo"
+    assert again.headers["idempotent-replayed"] == "true"
+    assert server.calls["stream"] == before + 1
+
+
+def test_a_body_cut_short_by_a_disconnect_is_never_run_or_recorded(
+    server: Server, errors: ErrorLog
+) -> None:
+    """Issue 9, defect 4: 9 of 22 declared bytes, then a hang-up, used to run and record."""
+    key, test_id = new_key(), uuid.uuid4().hex
+    # Not declared JSON: a cut JSON body would fail the fingerprint's parser by luck.
+    body = b"amount=1000&note=whole"
+    headers = {"X-User": "carol", "Idempotency-Key": key, "X-Test-Id": test_id}
+    before = server.calls["items"]
+    send_partial(server.url, "/items", headers, declared=len(body), sent=body[:9])
+    assert server.finished.wait(test_id)
+    assert server.calls["items"] == before
+    assert server.record("carol", key) is None
+    with server.client(key=key) as client:
+        retry = client.post("/items", content=body)
+    assert retry.status_code == 201
+    assert server.calls["items"] == before + 1
+    assert errors.texts() == []
+
+
+def test_a_body_over_the_cap_is_refused_with_413_before_it_is_read(server: Server) -> None:
+    """Issue 9, defect 12: a Content-Length over the cap is answered at once, unread."""
+    key = new_key()
+    headers = {"X-User": "carol", "Idempotency-Key": key, "Content-Type": "application/json"}
+    before = server.calls["items"]
+    response = post_declaring(server.url, "/items", headers, length=100_000_000)
+    assert response.status == 413
+    problem = response.json()
+    assert problem["type"].endswith("/body-too-large")
+    assert str(BODY_LIMIT) in problem["detail"]
+    assert server.calls["items"] == before
+    assert server.record("carol", key) is None
+
+
+def test_a_streamed_body_over_the_cap_is_refused_while_it_streams(server: Server) -> None:
+    """Issue 9, defect 12: no Content-Length; refused once the bytes read pass the cap."""
+    key = new_key()
+    headers = {"X-User": "carol", "Idempotency-Key": key}
+    chunks = [b"x" * 16_384] * (BODY_LIMIT // 16_384 + 1)
+    before = server.calls["items"]
+    # The body is never finished: the answer can only come while it streams.
+    response = post_chunks(server.url, "/items", headers, chunks, finish=False)
+    assert response.status == 413
+    assert response.json()["type"].endswith("/body-too-large")
+    assert server.calls["items"] == before
+    assert server.record("carol", key) is None
+
+
+def test_the_query_string_is_part_of_the_request(server: Server) -> None:
+    """Issue 9, defect 9: ?x=1 and ?x=2 under one key used to replay each other."""
+    key = new_key()
+    with server.client(key=key) as client:
+        first = client.post("/items?x=1&y=a", json={})
+        reordered = client.post("/items?y=a&x=%31", json={})  # the same query, spelled otherwise
+        other = client.post("/items?x=2&y=a", json={})
+    assert first.status_code == 201
+    assert reordered.headers["idempotent-replayed"] == "true"
+    assert_problem(other, 422, "key-reused")
 
 
 def test_a_transient_5xx_is_not_stored_and_the_retry_really_runs(server: Server) -> None:
@@ -297,6 +424,138 @@ def test_an_unreachable_store_is_503_with_retry_after_and_the_endpoint_does_not_
     assert_problem(response, 503, "store-unavailable")
     assert response.headers["retry-after"] == "1"
     assert calls["items"] == 0
+
+
+def regional_app(store: AsyncSQLiteStore, calls: collections.Counter[str]) -> Starlette:
+    """One payments route mounted twice, a middleware in each mount."""
+
+    async def create(request: Request) -> Response:
+        calls[request.scope["root_path"]] += 1
+        return JSONResponse({"region": request.scope["root_path"]}, status_code=201)
+
+    idempotency = AsyncIdempotency(store, Policy(request_timeout=10))
+    inner = [
+        Middleware(IdempotencyMiddleware, idempotency=idempotency, endpoints=["POST /payments"])
+    ]
+    routes = [Route("/payments", create, methods=["POST"])]
+    return Starlette(
+        routes=[
+            Mount("/eu", routes=routes, middleware=inner),
+            Mount("/us", routes=routes, middleware=inner),
+        ],
+        middleware=[Middleware(AuthenticationMiddleware, backend=HeaderAuth())],
+    )
+
+
+def test_mounted_routes_are_different_endpoints(tmp_path: Path) -> None:
+    """Issue 9, defect 9: a key used on /eu/payments is not a request for /us/payments."""
+    store = AsyncSQLiteStore(tmp_path / "keys.db")
+    store.sync.migrate()
+    calls: collections.Counter[str] = collections.Counter()
+    key = new_key()
+    headers = {"X-User": "carol", "Idempotency-Key": key}
+    with serve(regional_app(store, calls)) as url, httpx.Client(base_url=url) as client:
+        eu = client.post("/eu/payments", json={}, headers=headers)
+        again = client.post("/eu/payments", json={}, headers=headers)
+        us = client.post("/us/payments", json={}, headers=headers)
+    assert eu.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert_problem(us, 422, "key-reused")
+    assert calls == {"/eu": 1}
+    record = store.sync.get("carol", key)
+    assert record is not None
+    assert record.endpoint == "POST /eu/payments"
+
+
+def startup_messages(app: Any) -> list[str]:
+    """Run ``app`` under uvicorn (default lifespan mode) and return why its startup failed."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    handler = ErrorLog()
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    exits: list[object] = []
+
+    def run() -> None:
+        try:
+            server.run(sockets=[sock])
+        except SystemExit as exc:  # uvicorn exits with 3 when the startup failed
+            exits.append(exc.code)
+
+    try:
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(STARTUP_SECONDS)
+        if thread.is_alive():
+            server.should_exit = True
+            thread.join(STARTUP_SECONDS)
+            pytest.fail("the server started: the streaming route was not refused")
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+        sock.close()
+    assert not server.started
+    assert exits == [3]
+    return handler.texts()
+
+
+def protected(routes: list[Any], endpoint: str, tmp_path: Path) -> Starlette:
+    store = AsyncSQLiteStore(tmp_path / "keys.db")
+    idempotency = AsyncIdempotency(store, Policy(request_timeout=10))
+    return Starlette(
+        routes=routes,
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=HeaderAuth()),
+            Middleware(IdempotencyMiddleware, idempotency=idempotency, endpoints=[endpoint]),
+        ],
+    )
+
+
+async def _chunks() -> AsyncIterator[bytes]:
+    yield b"a"
+
+
+async def declared_stream(request: Request) -> StreamingResponse:
+    return StreamingResponse(_chunks())
+
+
+def test_a_protected_route_declared_to_stream_is_refused_at_startup(tmp_path: Path) -> None:
+    """Issue 9, defect 8: what the route already tells is refused before any request."""
+    app = protected(
+        [Mount("/v1", routes=[Route("/exports", declared_stream, methods=["POST"])])],
+        "POST /v1/exports",
+        tmp_path,
+    )
+    messages = startup_messages(app)
+    assert any("POST /v1/exports" in m and "StreamingResponse" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("kind", ["response_class", "generator"])
+def test_a_fastapi_route_declared_to_stream_is_refused_at_startup(
+    tmp_path: Path, kind: str
+) -> None:
+    fastapi = pytest.importorskip("fastapi")
+    api = fastapi.FastAPI()
+    if kind == "response_class":
+
+        @api.post("/exports", response_class=StreamingResponse)
+        async def export() -> Any:
+            return StreamingResponse(_chunks())
+
+    else:
+
+        @api.post("/exports")
+        async def export_lines() -> AsyncIterator[dict[str, int]]:
+            yield {"line": 1}
+
+    store = AsyncSQLiteStore(tmp_path / "keys.db")
+    idempotency = AsyncIdempotency(store, Policy(request_timeout=10))
+    api.add_middleware(IdempotencyMiddleware, idempotency=idempotency, endpoints=["POST /exports"])
+    api.add_middleware(AuthenticationMiddleware, backend=HeaderAuth())
+    messages = startup_messages(api)
+    assert any("POST /exports" in m for m in messages), messages
 
 
 def test_the_middleware_refuses_to_run_without_authentication_before_it(tmp_path: Path) -> None:

@@ -20,6 +20,12 @@ validation (or a 401 from the auth dependency) is never recorded::
 what it returns (a ``str``, or an object with ``identity`` or ``username``)
 scopes the key. For middleware mode, use
 :class:`idemflow.integrations.starlette.IdempotencyMiddleware`.
+
+FastAPI reads a body model's bytes itself before any dependency runs, without
+a bound: ``max_body_bytes`` is then checked on what it read (413), after the
+memory was spent. Bound those apps where the bytes arrive (Starlette's
+``RequestBodyLimitMiddleware``, or the server). An endpoint without a body
+model has its body read by :meth:`IdempotentRequest.run`, bounded.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the

@@ -13,7 +13,7 @@ commit together, or neither does::
     idempotent = Idempotent(idem, connect=pool.connection, transaction=AsyncPsycopgTransaction)
 
     async def create_payment(request: Request) -> Response:
-        payment = parse(await request.body())       # 400 here is never recorded
+        payment = parse(await idempotent.body(request))   # 400 here is never recorded
         async def charge(attempt: AsyncAttempt) -> idemflow.Response:
             await attempt.connection.execute("INSERT INTO payments …")
             return idemflow.Response.json(201, {...})
@@ -27,6 +27,13 @@ record atomic**: it does not own the endpoint's transaction, so a crash between
 the endpoint's commit and the completion leaves the effect applied and the key
 ``in_progress`` (the sweeper resolves it, it cannot undo it).
 
+In both modes the request body is read whole before anything is claimed, and
+bounded (``EdgeOptions.max_body_bytes``): a body over the cap is refused with
+413 as soon as ``Content-Length`` or the bytes read so far say so, and a body
+that did not arrive whole (the client went away mid-body) is never
+fingerprinted, claimed or run. The route the fingerprint and the records
+name is the full template, mount prefixes included (:func:`route_template`).
+
 Both need authentication to run first: the principal comes from
 ``scope["user"]`` (starlette's ``AuthenticationMiddleware``) or a ``principal``
 hook; without one the request is refused with 401 rather than claimed
@@ -36,28 +43,40 @@ anonymously, unless the integration is marked ``public``.
 
 from __future__ import annotations
 
+import inspect
 import re
-from collections.abc import Awaitable, Callable, Iterable
-from contextlib import AbstractAsyncContextManager
+import typing
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, TypeAlias
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, StreamingResponse
 from starlette.responses import Response as StarletteResponse
-from starlette.routing import compile_path
+from starlette.routing import BaseRoute, Host, Match, Mount, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._async.driver import AsyncAttempt, AsyncIdempotency
-from .._errors import ConfigurationError, IdempotencyError
+from .._errors import (
+    BodyTooLarge,
+    ConfigurationError,
+    IdempotencyError,
+    IncompleteBody,
+)
 from .._http import (
     REQUEST_ID_HEADER,
     SAFE_METHODS,
     Edge,
     EdgeOptions,
     HTTPRequest,
+    RawHeaders,
     ResponseNotStorable,
+    header_values,
+    not_stored,
     pooled_transaction,
     problem_for,
     request_id_from,
+    sendable_headers,
 )
 from .._model import Response
 from ..stores.protocol import AsyncTransaction
@@ -69,13 +88,19 @@ __all__ = [
     "RequestIdMiddleware",
     "ResponseNotStorable",
     "authenticated_user",
+    "read_body",
     "request_id",
+    "route_template",
 ]
 
 #: Returns the authenticated principal of a request's scope, or None.
 PrincipalGetter: TypeAlias = Callable[[Scope], str | None]
 #: A transactional handler: business writes on ``attempt.connection``.
 StarletteHandler: TypeAlias = Callable[[AsyncAttempt], Awaitable[Response | StarletteResponse]]
+
+# Mounts nest this deep at most when the route template is looked up: a
+# bound on a walk that follows the application's own route tree.
+_MAX_MOUNT_DEPTH = 32
 
 
 def authenticated_user(scope: Scope) -> str | None:
@@ -190,7 +215,8 @@ class Idempotent:
 
         Call it after validating the request: failures before this call are
         never recorded. ``principal`` overrides the ``principal`` hook (the
-        FastAPI dependency passes what its auth dependency returned).
+        FastAPI dependency passes what its auth dependency returned). The
+        body is read with :meth:`body` (bounded, whole, or refused).
         """
         rid = request_id(request.scope)
         try:
@@ -202,10 +228,11 @@ class Idempotent:
                 request.method,
                 route_template(request.scope),
                 request.headers.raw,
-                await request.body(),
+                await self.body(request),
                 who,
                 rid,
                 _path_params(request.scope),
+                _query(request.scope),
             )
         except IdempotencyError as exc:
             return to_starlette(problem_for(exc, rid))
@@ -217,22 +244,173 @@ class Idempotent:
         )
         return to_starlette(response)
 
+    async def body(self, request: Request) -> bytes:
+        """The request body, whole and at most ``options.max_body_bytes``: see :func:`read_body`.
+
+        Validate from it before calling :meth:`run`; ``run`` reads the same bytes.
+        """
+        return await read_body(request, self.edge.options.max_body_bytes)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole request body, or an error before more than ``limit`` bytes are held.
+
+    Raises:
+        BodyTooLarge: ``Content-Length`` is over ``limit`` (nothing is read),
+            or the bytes received so far are (413, while the client still sends).
+        IncompleteBody: the client went away before the body ended, or sent
+            fewer bytes than its ``Content-Length``. Nothing may be
+            fingerprinted, claimed or run on part of a request.
+
+    The body is kept on the request, as ``Request.body()`` keeps it, so
+    ``await request.body()`` or ``request.json()`` afterwards return it.
+    """
+    cached = getattr(request, "_body", None)
+    if isinstance(cached, bytes):  # read before, by us or by the endpoint
+        if len(cached) > limit:
+            raise _too_large(len(cached), limit)
+        return cached
+    declared = _declared_length(request.headers.raw, limit)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with aclosing(request.stream()) as stream:
+            async for chunk in stream:
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(size, limit, streaming=True)
+                chunks.append(chunk)
+    except ClientDisconnect:
+        raise _went_away(size, declared) from None
+    if declared is not None and size != declared:
+        raise _went_away(size, declared)
+    body = b"".join(chunks)
+    # Starlette's own cache: request.body() returns it instead of reading again.
+    request._body = body
+    return body
+
+
+def _declared_length(headers: RawHeaders, limit: int) -> int | None:
+    """The ``Content-Length``, if one was sent; BodyTooLarge at once if it is over ``limit``."""
+    values = header_values(headers, "content-length")
+    text = values[0].strip() if values else ""
+    if not (text.isascii() and text.isdigit()):
+        return None  # none (chunked), or a framing the server already refused
+    digits = text.lstrip("0") or "0"
+    # More digits than the limit has: over it, without converting 5,000 digits.
+    if len(digits) > len(str(limit)) or int(digits) > limit:
+        raise BodyTooLarge(
+            f"the request body is {digits[:20]} bytes (Content-Length); "
+            f"the limit for idempotent requests is {limit} bytes"
+        )
+    return int(digits)
+
+
+def _too_large(size: int, limit: int, *, streaming: bool = False) -> BodyTooLarge:
+    read = f"more than {limit} bytes arrived" if streaming else f"the request body is {size} bytes"
+    return BodyTooLarge(f"{read}; the limit for idempotent requests is {limit} bytes")
+
+
+def _went_away(size: int, declared: int | None) -> IncompleteBody:
+    expected = f" of the {declared} declared" if declared is not None else ""
+    return IncompleteBody(
+        f"the request body ended after {size} bytes{expected}: the client went away; "
+        "nothing was recorded, send the whole request again"
+    )
+
 
 def route_template(scope: Scope) -> str:
-    """The template of the route that matched (``/payments/{id}``), else the raw path."""
+    """The full template of the route that matched: mount prefixes, then the route's own.
+
+    ``Mount("/eu", routes=[Route("/payments", …)])`` gives ``/eu/payments``;
+    ``Mount("/{region}", …)`` gives ``/{region}/payments`` (the value is a
+    path parameter, so label values stay bounded while the fingerprint, which
+    covers the parameters, tells regions apart). Without a matched route, the
+    raw path.
+    """
     route = scope.get("route")
     template = getattr(route, "path", None)
-    return template if isinstance(template, str) else str(scope["path"])
+    if not isinstance(template, str) or isinstance(route, Mount | Host):
+        return str(scope["path"])
+    return mount_prefix(scope) + template
+
+
+def mount_prefix(scope: Scope) -> str:
+    """The templates of the mounts this request went through (``""`` if none).
+
+    Each ``Mount`` appends the path it matched to ``scope["root_path"]``;
+    ``app_root_path`` is the root path before the first mount (a proxy's
+    prefix, the same for every request: not part of the route). The matched
+    text holds values (``/acme``), so the templates are found by walking the
+    application's routes from ``scope["router"]`` the way starlette matched
+    them. If that walk cannot account for the prefix (an app mounted by
+    something other than starlette), the matched text is used as it is.
+    """
+    root_path = str(scope.get("root_path", ""))
+    app_root = str(scope.get("app_root_path", root_path))
+    if not root_path.startswith(app_root) or root_path == app_root:
+        return ""
+    templates = _mount_templates(scope, app_root, root_path)
+    return root_path[len(app_root) :] if templates is None else templates
+
+
+def _mount_templates(scope: Scope, start: str, target: str) -> str | None:
+    routes: Sequence[BaseRoute] | None = getattr(scope.get("router"), "routes", None)
+    probe: Scope = {
+        "type": "http",
+        "path": scope["path"],
+        "root_path": start,
+        "method": scope.get("method", "POST"),
+        "headers": scope.get("headers", []),
+        "path_params": {},
+    }
+    prefix = ""
+    for _ in range(_MAX_MOUNT_DEPTH):
+        if probe["root_path"] == target:
+            return prefix
+        mount = _first_full_match(routes or (), probe)
+        if mount is None:
+            return None
+        route, child = mount
+        if isinstance(route, Mount):
+            prefix += route.path
+        probe = {**probe, **child}
+        routes = route.routes
+    return None
+
+
+def _first_full_match(
+    routes: Iterable[BaseRoute], probe: Scope
+) -> tuple[Mount | Host, Scope] | None:
+    """The mount (or host) starlette dispatched ``probe`` to; None if it went to a route."""
+    for route in routes:
+        match, child = route.matches(probe)
+        if match is Match.FULL:
+            return (route, child) if isinstance(route, Mount | Host) else None
+    return None
 
 
 def _path_params(scope: Scope) -> dict[str, str]:
     return {str(k): str(v) for k, v in scope.get("path_params", {}).items()}
 
 
+def _query(scope: Scope) -> str:
+    raw = scope.get("query_string", b"")
+    return raw.decode("latin-1") if isinstance(raw, bytes) else str(raw)
+
+
 def _storable_handler(handler: StarletteHandler) -> Callable[[AsyncAttempt], Awaitable[Response]]:
     async def operation(attempt: AsyncAttempt) -> Response:
         result = await handler(attempt)
-        return result if isinstance(result, Response) else from_starlette(result)
+        if isinstance(result, Response):
+            return result
+        if isinstance(result, StarletteResponse):
+            return from_starlette(result)
+        msg = (
+            f"the handler returned a {type(result).__name__}; return an idemflow.Response "
+            "(e.g. Response.json(201, {...})) or a starlette Response with its body in memory"
+        )
+        raise TypeError(msg)
 
     return operation
 
@@ -258,11 +436,12 @@ def from_starlette(response: StarletteResponse) -> Response:
 
 
 def to_starlette(response: Response) -> StarletteResponse:
-    """An idemflow Response as a starlette one, header lines kept as they are (repeats too)."""
+    """An idemflow Response as a starlette one, header lines kept as they are (repeats too).
+
+    Starlette writes ``Content-Length`` for the body; a handler's own is dropped.
+    """
     result = StarletteResponse(content=response.body, status_code=response.status)
-    result.raw_headers.extend(
-        (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.headers
-    )
+    result.raw_headers.extend(sendable_headers(response))
     return result
 
 
@@ -279,9 +458,23 @@ class IdempotencyMiddleware:
     It cannot put the completion in the endpoint's transaction (it does not
     own it): the endpoint's effect commits first, then the record. A 5xx, 408
     or 429 response (or an exception) releases the claim, so a retry runs the
-    endpoint again. Streaming responses and bodies over ``max_response_bytes``
-    are refused with a 500 problem and the claim released — the endpoint's
-    effect has happened by then, so do not opt such endpoints in.
+    endpoint again.
+
+    The app always runs to its end: its response is buffered (at most
+    ``max_response_bytes``, never an error raised into the app mid-stream).
+    A body sent in several messages is stored whole if it fits. One that
+    cannot be stored or sent whole (over the limit, a header that cannot be
+    sent, an ``http.response.pathsend``) is never released, since its effect
+    has happened: the key is settled with a ``response-not-stored`` marker
+    (see :func:`idemflow._http.not_stored`), which the caller gets and every
+    retry replays. An opted-in route whose endpoint is declared to stream
+    (a ``StreamingResponse``/``FileResponse`` response class or return
+    annotation, a generator endpoint) is refused at start-up (the ASGI
+    lifespan startup fails), and its requests answered 500 unrun.
+
+    The ``endpoints`` are templates relative to where the middleware sits:
+    inside ``Mount("/eu", …, middleware=[…])``, ``"POST /payments"`` matches
+    ``/eu/payments`` and its records name ``POST /eu/payments``.
 
     Place it after authentication (inside ``AuthenticationMiddleware``).
     """
@@ -301,43 +494,84 @@ class IdempotencyMiddleware:
         self._routes = [_compile_endpoint(endpoint) for endpoint in endpoints]
         if not self._routes:
             raise ConfigurationError("IdempotencyMiddleware needs at least one endpoint to protect")
+        self._refusal: str | None = None
+        self._checked = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
         route = self._match(scope) if scope["type"] == "http" else None
         if route is None:
             await self.app(scope, receive, send)
             return
         rid = request_id(scope)
         try:
+            refusal = self._check_routes()
+            if refusal is not None:
+                raise ConfigurationError(refusal)
             who = self._principal(scope)
-            body = await _read_body(receive, self.edge.options.max_body_bytes)
+            body = await _read_body(receive, scope, self.edge.options.max_body_bytes)
         except IdempotencyError as exc:
+            # After a disconnect this answer goes nowhere (the server drops
+            # it); it is sent all the same, so there is one path, no traceback.
             await send_response(send, problem_for(exc, rid))
             return
         template, params = route
-        request = HTTPRequest(scope["method"], template, scope["headers"], body, who, rid, params)
+        request = HTTPRequest(
+            scope["method"], template, scope["headers"], body, who, rid, params, _query(scope)
+        )
         response = await self.edge.respond(request, self._endpoint(scope, body, receive))
         await send_response(send, response)
 
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Fail the ASGI startup if an opted-in route is declared to stream."""
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            refusal = self._check_routes(again=True)
+            if refusal is not None:
+                await send({"type": "lifespan.startup.failed", "message": refusal})
+                return
+        pending = [message]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    def _check_routes(self, *, again: bool = False) -> str | None:
+        """Why this middleware must not run (a protected route that streams), or None."""
+        if again or not self._checked:
+            self._refusal = _streaming_refusal(self.app, self._routes)
+            self._checked = True
+        return self._refusal
+
     def _match(self, scope: Scope) -> tuple[str, dict[str, str]] | None:
-        """The opted-in route template this request matches, and its path parameters."""
+        """The opted-in route this request matches: its full template, and its path parameters.
+
+        The path is matched below the mount the middleware sits in (the
+        ``root_path``), and the mount's template and parameters are added.
+        """
         method = scope["method"].upper()
         if method in SAFE_METHODS:
             return None
-        path = scope.get("path", "")
+        path = _route_path(scope)
         for route_method, pattern, template in self._routes:
             match = pattern.match(path) if route_method == method else None
             if match is not None:
-                return template, match.groupdict()
+                params = {**_path_params(scope), **match.groupdict()}
+                return mount_prefix(scope) + template, params
         return None
 
     def _endpoint(
         self, scope: Scope, body: bytes, receive: Receive
     ) -> Callable[[AsyncAttempt], Awaitable[Response]]:
+        classify = self.edge.idempotency.policy.classify
+
         async def operation(attempt: AsyncAttempt) -> Response:
             buffer = _ResponseBuffer(self.edge.options.max_response_bytes)
             await self.app(scope, _replaying(body, receive), buffer.send)
-            return buffer.response()
+            return buffer.response(classify)
 
         return operation
 
@@ -351,20 +585,33 @@ def _compile_endpoint(endpoint: str) -> tuple[str, re.Pattern[str], str]:
     return method.upper(), pattern, template.strip()
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    """The request body; past ``limit`` bytes the rest is dropped (the fingerprint refuses it)."""
+def _route_path(scope: Scope) -> str:
+    """The path below ``root_path`` (the mount, or a proxy's prefix), as starlette routes it."""
+    path = str(scope.get("path", ""))
+    root_path = str(scope.get("root_path", ""))
+    if root_path and path.startswith(root_path) and path[len(root_path) :][:1] in ("/", ""):
+        return path[len(root_path) :]
+    return path
+
+
+async def _read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
+    """The whole request body, as :func:`read_body` reads it, from ASGI messages."""
+    declared = _declared_length(scope.get("headers", ()), limit)
     chunks: list[bytes] = []
     size = 0
     more = True
     while more:
         message = await receive()
-        if message["type"] != "http.request":
-            break  # the client went away; the fingerprint of what we have is moot
+        if message["type"] == "http.disconnect":
+            raise _went_away(size, declared)
         chunk = message.get("body", b"")
-        if size <= limit:
-            chunks.append(chunk)
-            size += len(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit, streaming=True)
+        chunks.append(chunk)
         more = bool(message.get("more_body", False))
+    if declared is not None and size != declared:
+        raise _went_away(size, declared)
     return b"".join(chunks)
 
 
@@ -383,31 +630,36 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
 
 
 class _ResponseBuffer:
-    """A ``send`` that keeps the app's response in memory instead of sending it."""
+    """A ``send`` that keeps the app's response in memory instead of sending it.
+
+    It never raises into the app: the app's effect is happening, and an error
+    mid-stream would only hide how it ended. It keeps at most ``limit`` body
+    bytes and counts the rest; :meth:`response` decides what can be stored.
+    """
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._start: Message | None = None
         self._chunks: list[bytes] = []
         self._size = 0
+        self._ended = False
+        self._other: str | None = None
 
     async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
+        kind = message["type"]
+        if kind == "http.response.start":
             self._start = message
-        elif message["type"] == "http.response.body":
-            if message.get("more_body", False):
-                msg = (
-                    "the endpoint streams its response, which middleware mode cannot store "
-                    "for replay; do not protect streaming endpoints"
-                )
-                raise ResponseNotStorable(msg)
-            self._chunks.append(message.get("body", b""))
-            self._size += len(self._chunks[-1])
-            if self._size > self._limit:
-                msg = f"the response body exceeds the stored-body limit of {self._limit} bytes"
-                raise ResponseNotStorable(msg)
+        elif kind == "http.response.body":
+            chunk = bytes(message.get("body", b""))
+            self._size += len(chunk)
+            if self._size <= self._limit:
+                self._chunks.append(chunk)
+            self._ended = not message.get("more_body", False)
+        elif self._other is None:  # http.response.pathsend, zerocopysend, trailers
+            self._other = kind
 
-    def response(self) -> Response:
+    def response(self, classify: Callable[[Response], Any]) -> Response:
+        """The app's response; a :func:`~idemflow._http.not_stored` marker if not whole."""
         if self._start is None:
             raise RuntimeError("the endpoint returned without sending a response")
         headers = tuple(
@@ -415,12 +667,117 @@ class _ResponseBuffer:
             for k, v in self._start.get("headers", ())
             if k.lower() != b"content-length"
         )
-        return Response(int(self._start["status"]), b"".join(self._chunks), headers)
+        response = Response(int(self._start["status"]), b"".join(self._chunks), headers)
+        reason = self._unstorable()
+        return response if reason is None else not_stored(response, reason, classify(response))
+
+    def _unstorable(self) -> str | None:
+        if self._other is not None:
+            return f"the endpoint sent its body as {self._other}, which cannot be buffered"
+        if self._size > self._limit:
+            return (
+                f"the response body is {self._size} bytes; the stored-body limit is "
+                f"{self._limit} bytes (raise max_response_bytes, or do not protect this endpoint)"
+            )
+        if not self._ended:
+            return "the endpoint returned before its response body ended"
+        return None
+
+
+# --- what a route declares ------------------------------------------------------------------
+
+_STREAMING = (StreamingResponse, FileResponse)
+
+
+def _streaming_refusal(
+    app: ASGIApp, endpoints: Sequence[tuple[str, re.Pattern[str], str]]
+) -> str | None:
+    """Why an opted-in endpoint cannot be protected: its route declares a streamed body."""
+    routes = _routes_below(app)
+    if routes is None:
+        return None
+    wanted = {(method, _normalised(template)) for method, _, template in endpoints}
+    for template, route in _leaf_routes(routes, "", 0):
+        why = _declares_streaming(route)
+        if why is None:
+            continue
+        methods = getattr(route, "methods", None) or {m for m, _ in wanted}
+        for method in methods:
+            if (str(method).upper(), _normalised(template)) in wanted:
+                return (
+                    f"{method} {template} is protected by IdempotencyMiddleware but {why}: a "
+                    "streamed body cannot be stored for replay, and a retry would run the "
+                    "endpoint again; return a body in memory, or do not protect it"
+                )
+    return None
+
+
+def _routes_below(app: ASGIApp) -> Sequence[BaseRoute] | None:
+    """The routes of the router under this middleware (through other middleware's ``.app``)."""
+    current: Any = app
+    for _ in range(_MAX_MOUNT_DEPTH):
+        routes = getattr(current, "routes", None)
+        if isinstance(routes, list):
+            return routes
+        current = getattr(current, "app", None)
+        if current is None:
+            return None
+    return None
+
+
+def _leaf_routes(
+    routes: Iterable[BaseRoute], prefix: str, depth: int
+) -> Iterator[tuple[str, BaseRoute]]:
+    for route in routes:
+        if isinstance(route, Mount | Host):
+            if depth < _MAX_MOUNT_DEPTH:
+                inner = prefix + route.path if isinstance(route, Mount) else prefix
+                yield from _leaf_routes(route.routes, inner, depth + 1)
+            continue
+        path = getattr(route, "path", None)
+        if isinstance(path, str):
+            yield prefix + path, route
+
+
+def _normalised(template: str) -> str:
+    """``/orders/{id:int}`` and ``/orders/{id}`` are one template."""
+    return re.sub(r"\{(\w+)(?::\w+)?\}", r"{\1}", template.strip())
+
+
+def _declares_streaming(route: BaseRoute) -> str | None:
+    """How ``route`` says it streams its response (FastAPI or starlette), or None."""
+    if getattr(route, "is_sse_stream", False) or getattr(route, "is_json_stream", False):
+        return "its endpoint is a generator FastAPI streams"
+    response_class: Any = getattr(route, "response_class", None)
+    response_class = getattr(response_class, "value", response_class)  # FastAPI's default
+    if _is_streaming_class(response_class):
+        return f"its response_class is {response_class.__name__}"
+    endpoint = getattr(route, "endpoint", None)
+    if endpoint is None or inspect.isclass(endpoint):
+        return None
+    return _endpoint_streams(endpoint)
+
+
+def _endpoint_streams(endpoint: Callable[..., Any]) -> str | None:
+    if inspect.isasyncgenfunction(endpoint) or inspect.isgeneratorfunction(endpoint):
+        return "its endpoint is a generator"
+    try:
+        annotation = inspect.signature(endpoint, eval_str=True).return_annotation
+    except (NameError, TypeError, ValueError, SyntaxError):
+        return None  # an annotation we cannot resolve declares nothing we can read
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if _is_streaming_class(candidate):
+            return f"its endpoint is annotated to return {candidate.__name__}"
+    return None
+
+
+def _is_streaming_class(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, _STREAMING)
 
 
 async def send_response(send: Send, response: Response) -> None:
     """Send an idemflow Response as ASGI messages (with its ``Content-Length``)."""
-    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.headers]
+    headers = sendable_headers(response)
     if response.status >= 200 and response.status not in (204, 304):
         headers.append((b"content-length", str(len(response.body)).encode("latin-1")))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
