@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from tests.http.conftest import ALICE, BOB, PAYMENT, Demo, assert_problem, new_key
+from tests.http.rawhttp import post_chunks, post_declaring, send_partial
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -238,3 +239,120 @@ def test_the_same_refund_key_on_another_payment_is_422_not_a_replay(demo: Demo) 
         )
         other = client.post(f"/payments/{second['id']}/refunds", json={"amount": 1})
     assert_problem(other, 422, "key-reused")
+
+
+# --- bad input is a 400 (or 413) problem, never a 500, and nothing is recorded (issue 9) ----
+
+
+def unrecorded(demo: Demo, key: str, payments_before: int) -> bool:
+    payments = demo.query("SELECT count(*) FROM payments")[0][0]
+    return demo.key_rows("alice", key) == [] and payments == payments_before
+
+
+def payment_count(demo: Demo) -> int:
+    return int(demo.query("SELECT count(*) FROM payments")[0][0])
+
+
+def test_10000_deep_json_is_400_and_not_recorded(demo: Demo) -> None:
+    """Defect 12: json.loads raised RecursionError, answered 500."""
+    key, before = new_key(), payment_count(demo)
+    body = b"[" * 10_000 + b"]" * 10_000
+    with demo.client(headers={**ALICE, "Idempotency-Key": key}) as client:
+        response = client.post("/payments", content=body, headers={"Content-Type": "text/plain"})
+        nested = client.post(
+            "/payments",
+            content=b'{"amount":' * 10_000 + b"1" + b"}" * 10_000,
+            headers={"Content-Type": "application/json"},
+        )
+    assert_problem(response, 400, "invalid-body")
+    assert_problem(nested, 400, "invalid-body")
+    assert unrecorded(demo, key, before)
+
+
+@pytest.mark.parametrize(
+    ("customer", "content_type"),
+    [
+        ("\\ud800", "text/plain"),  # a lone surrogate, escaped: the database cannot encode it
+        ("\\udfff ada", "application/octet-stream"),
+        ("ada\\u0000", "application/json"),  # NUL: PostgreSQL refuses it
+        ("ada\\u0007bell", "application/json"),
+        ("line\\nbreak", "application/json"),
+    ],
+)
+def test_unstorable_text_in_customer_is_400_and_not_recorded(
+    demo: Demo, customer: str, content_type: str
+) -> None:
+    """Defect 12: these reached the INSERT (500, or a NUL stored)."""
+    key, before = new_key(), payment_count(demo)
+    body = ('{"amount": 1000, "currency": "EUR", "customer": "' + customer + '"}').encode()
+    with demo.client(headers={**ALICE, "Idempotency-Key": key}) as client:
+        response = client.post("/payments", content=body, headers={"Content-Type": content_type})
+    assert_problem(response, 400, "invalid-body")
+    assert unrecorded(demo, key, before)
+
+
+@pytest.mark.parametrize("path", ["/payments", "/provider/charges"])
+@pytest.mark.parametrize("limit", ["\u00b2", "\u2460", "9" * 5000, "0", "-1", "ten", ""])
+def test_a_limit_that_is_not_a_count_is_400(demo: Demo, path: str, limit: str) -> None:
+    """Defect 12: str.isdigit() accepts '²' and '①', which int() refuses (500)."""
+    with demo.client(headers=ALICE) as client:
+        response = client.get(path, params={"limit": limit})
+    body = assert_problem(response, 400, "invalid-query")
+    assert "limit" in body["detail"]
+
+
+@pytest.mark.parametrize("path", ["/payments", "/provider/charges"])
+def test_a_limit_is_still_read_and_capped(demo: Demo, path: str) -> None:
+    with demo.client(headers=ALICE) as client:
+        assert client.get(path, params={"limit": "1"}).status_code == 200
+        assert client.get(path, params={"limit": "999999999"}).status_code == 200
+
+
+def test_a_declared_body_over_the_cap_is_413_at_once_and_not_recorded(demo: Demo) -> None:
+    """Defect 12: a 100 MB body was read whole (286 MiB of RSS) before its 400."""
+    key, before = new_key(), payment_count(demo)
+    headers = {**ALICE, "Idempotency-Key": key, "Content-Type": "application/json"}
+    response = post_declaring(demo.url, "/payments", headers, length=100_000_000)
+    assert response.status == 413
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json()["type"].endswith("/body-too-large")
+    assert unrecorded(demo, key, before)
+
+
+def test_a_streamed_body_over_the_cap_is_413_while_it_streams(demo: Demo) -> None:
+    key, before = new_key(), payment_count(demo)
+    headers = {**ALICE, "Idempotency-Key": key, "Content-Type": "application/json"}
+    chunks = [b" " * 65_536] * 17  # 1 MiB + 64 KiB, the body never finished
+    response = post_chunks(demo.url, "/payments", headers, chunks, finish=False)
+    assert response.status == 413
+    assert response.json()["type"].endswith("/body-too-large")
+    assert unrecorded(demo, key, before)
+
+
+def test_a_body_cut_short_is_not_run_recorded_or_logged_and_the_retry_charges_once(
+    demo: Demo,
+) -> None:
+    """Defects 4 and 15: a mid-body disconnect logged an "unhandled" traceback."""
+    key, before = new_key(), payment_count(demo)
+    body = json.dumps(PAYMENT).encode()
+    log_start = demo.log.stat().st_size
+    headers = {**ALICE, "Idempotency-Key": key, "Content-Type": "application/json"}
+    send_partial(demo.url, "/payments", headers, declared=len(body), sent=body[:9])
+    assert unrecorded(demo, key, before)
+    retry = post_payment(demo, key)  # after the server closed the first connection
+    assert retry.status_code == 201
+    assert payment_count(demo) == before + 1
+    assert demo.key_rows("alice", key) == [("completed", 201)]
+    with demo.log.open() as log:
+        log.seek(log_start)
+        written = log.read()
+    assert "unhandled" not in written
+    assert "Traceback" not in written
+
+
+def test_an_unauthenticated_request_is_the_documented_401_problem(demo: Demo) -> None:
+    """Defect 15: docs/http.md says missing-principal; the demo answered 'unauthenticated'."""
+    response = post_payment(demo, new_key(), headers={})
+    body = assert_problem(response, 401, "missing-principal")
+    assert body["title"] == "Authentication required"
+    assert response.headers["www-authenticate"].startswith("Bearer")

@@ -4,9 +4,10 @@ The demo payments service, a Starlette app built on idemflow's public API.
 Middleware, outermost first: ``X-Request-Id`` on every response, then bearer
 authentication (so the principal is known before any key is claimed), then the
 routes. The two write endpoints use transactional mode
-(:class:`idemflow.integrations.starlette.Idempotent`): they validate the body
-(400, never recorded), then claim, and their business rows commit with the
-completion.
+(:class:`idemflow.integrations.starlette.Idempotent`): they read the body
+whole and bounded (413 over the cap, nothing run for a body cut short),
+validate it (400, never recorded), then claim, and their business rows commit
+with the completion.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._async.driver import AsyncAttempt, AsyncIdempotency
-from .._errors import StoreUnavailable
+from .._errors import InvalidBody, MissingPrincipal, StoreUnavailable
 from .._events import Event
 from .._http import EdgeOptions, pooled_transaction, problem, problem_for
 from .._model import Policy, Record, Response
@@ -70,14 +71,9 @@ class BearerAuth:
         principal = self._principal(scope)
         scope["user"] = UnauthenticatedUser() if principal is None else SimpleUser(principal)
         if principal is None and scope["path"] not in PUBLIC_PATHS:
-            detail = "send Authorization: Bearer <token> with a known token"
-            response = problem(
-                401,
-                "Authentication required",
-                detail,
-                slug="unauthenticated",
-                request_id=request_id(scope),
-            )
+            # The library's own 401 (missing-principal), so the demo and docs/http.md agree.
+            missing = MissingPrincipal("send Authorization: Bearer <token> with a known token")
+            response = problem_for(missing, request_id(scope))
             headers = (*response.headers, ("www-authenticate", 'Bearer realm="idemflow-demo"'))
             await send_response(send, Response(response.status, response.body, headers))
             return
@@ -169,8 +165,8 @@ class DemoService:
 
     async def create_payment(self, request: Request) -> StarletteResponse:
         try:
-            payment = parse_payment(await request.body())
-        except InvalidRequest as exc:
+            payment = parse_payment(await self.idempotent.body(request))
+        except (InvalidRequest, InvalidBody) as exc:
             return invalid(request, exc)
         principal = request.user.identity
 
@@ -203,8 +199,8 @@ class DemoService:
 
     async def create_refund(self, request: Request) -> StarletteResponse:
         try:
-            refund = parse_refund(await request.body())
-        except InvalidRequest as exc:
+            refund = parse_refund(await self.idempotent.body(request))
+        except (InvalidRequest, InvalidBody) as exc:
             return invalid(request, exc)
         principal = request.user.identity
         payment_id = request.path_params["id"]
@@ -283,21 +279,42 @@ class PlainAttempt:
         await self._transaction.begin()
 
 
+class InvalidQuery(HTTPException):
+    """A query parameter that is not what the endpoint reads: 400 ``invalid-query``."""
+
+    slug = "invalid-query"
+    title = "Invalid query parameter"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(400, detail)
+
+
+# A count longer than this is no count a client means (and int() of 5,000
+# digits raises): refused before it is converted.
+_MAX_LIMIT_DIGITS = 9
+
+
 def query_limit(request: Request, default: int = 100, maximum: int = 100_000) -> int:
-    """``?limit=N`` on the list endpoints (at most ``maximum``), else ``default``."""
-    text = request.query_params.get("limit", "")
-    return min(int(text), maximum) if text.isdigit() and int(text) > 0 else default
+    """``?limit=N`` on the list endpoints (at most ``maximum``), else ``default``.
+
+    N is 1 or more, in ASCII digits: ``str.isdigit`` is also true of ``²`` and
+    ``①``, which ``int()`` refuses. Anything else is a 400, not a default.
+    """
+    text = request.query_params.get("limit")
+    if text is None:
+        return default
+    if not (text.isascii() and text.isdigit()) or len(text) > _MAX_LIMIT_DIGITS or int(text) < 1:
+        raise InvalidQuery(f"limit must be a whole number from 1 to {maximum} (ASCII digits)")
+    return min(int(text), maximum)
 
 
-def invalid(request: Request, exc: InvalidRequest) -> StarletteResponse:
+def invalid(request: Request, exc: InvalidRequest | InvalidBody) -> StarletteResponse:
+    """400 for a body the endpoint refuses; the library's own problem (413, …) for one it does."""
+    rid = request_id(request.scope)
+    if isinstance(exc, InvalidBody):  # over the cap, or cut short by a disconnect
+        return to_starlette(problem_for(exc, rid))
     return to_starlette(
-        problem(
-            400,
-            "Invalid request body",
-            str(exc),
-            slug="invalid-body",
-            request_id=request_id(request.scope),
-        )
+        problem(400, "Invalid request body", str(exc), slug="invalid-body", request_id=rid)
     )
 
 
@@ -308,17 +325,15 @@ def not_found(request: Request, payment_id: str) -> StarletteResponse:
     )
 
 
+_HTTP_TITLES = {404: "Not found", 405: "Method not allowed"}
+
+
 async def http_error(request: Request, exc: Exception) -> StarletteResponse:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
-    title = "Method not allowed" if status == 405 else "Not found" if status == 404 else "Error"
+    title = getattr(exc, "title", None) or _HTTP_TITLES.get(status, "Error")
+    slug = getattr(exc, "slug", None) or title.lower().replace(" ", "-")
     detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
-    response = problem(
-        status,
-        title,
-        str(detail),
-        slug=title.lower().replace(" ", "-"),
-        request_id=request_id(request.scope),
-    )
+    response = problem(status, title, str(detail), slug=slug, request_id=request_id(request.scope))
     result = to_starlette(response)
     if isinstance(exc, HTTPException) and exc.headers:
         result.headers.update(exc.headers)

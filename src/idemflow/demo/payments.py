@@ -18,14 +18,16 @@ ending in a recovery point a retry resumes from:
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
+import unicodedata
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
+from .._canonical import parse_json
+from .._errors import InvalidBody
 from .._http import problem
 from .._model import Response
 from .db import Connection
@@ -78,10 +80,13 @@ class RefundIn:
 
 
 def _object(body: bytes, fields: set[str]) -> dict[str, Any]:
+    # The fingerprint's own strict reader, whatever the Content-Type says: it
+    # refuses what json.loads would let through to a 500 (a 10,000-deep body,
+    # a lone surrogate the database cannot encode, duplicate members).
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest("the body must be a JSON object") from exc
+        data = parse_json(body)
+    except InvalidBody as exc:
+        raise InvalidRequest(f"the body must be a JSON object: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object")
     unknown = sorted(set(data) - fields)
@@ -110,7 +115,16 @@ def parse_payment(body: bytes) -> PaymentIn:
         raise InvalidRequest("customer must be a non-empty string")
     if len(customer) > MAX_CUSTOMER_LENGTH:
         raise InvalidRequest(f"customer must be at most {MAX_CUSTOMER_LENGTH} characters")
+    _printable("customer", customer)
     return PaymentIn(_amount(data["amount"]), currency, customer)
+
+
+def _printable(name: str, text: str) -> None:
+    """Refuse control characters (NUL: PostgreSQL cannot store it) and surrogates."""
+    for ch in text:
+        if unicodedata.category(ch) in ("Cc", "Cs"):
+            msg = f"{name} must not contain control characters (found U+{ord(ch):04X})"
+            raise InvalidRequest(msg)
 
 
 def parse_refund(body: bytes) -> RefundIn:
