@@ -118,9 +118,19 @@ def _reject_trailing(rest: str) -> None:
 
 
 def _check_bare(raw: str) -> str:
-    """Refuse what a bare key cannot hold; the rest is checked with the key."""
+    """Refuse what a bare key cannot hold; the rest is checked with the key.
+
+    A ``;`` starts parameters (``abc;p=1`` is the item ``abc`` with a
+    parameter), refused as for the quoted form, so the two forms agree on what
+    a key is; a key that contains ``;`` is sent quoted (``"a;b"``).
+    """
     if "," in raw:
         raise InvalidKey("Idempotency-Key: lists are not allowed; send one key")
+    if ";" in raw:
+        raise InvalidKey(
+            "Idempotency-Key: parameters are not allowed; a key containing ';' must be "
+            'sent quoted, e.g. "a;b"'
+        )
     if '"' in raw:
         raise InvalidKey(
             "Idempotency-Key: a bare key may not contain a double quote; "
