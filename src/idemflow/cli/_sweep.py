@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     )
     url = database_url(args)
     reconciler = _load_reconciler(args.reconciler) if args.reconciler else None
+    _require_sqlite_file(url)
     store = open_store(url, table=args.table)
     try:
         sweeper = Sweeper(
@@ -116,6 +118,20 @@ def run(args: argparse.Namespace) -> int:
         if close is not None:
             close()
     return 0
+
+
+def _require_sqlite_file(url: str) -> None:
+    """A sweep reads keys that exist: a missing SQLite file is a typo, never a new database.
+
+    Opening it would create an empty file (and the sweep would then fail on a
+    missing table, or report nothing to do), hiding the wrong path.
+    """
+    if scheme_of(url) != "sqlite":
+        return
+    path = sqlite_path(url)
+    if not os.path.isfile(path):
+        msg = f"no SQLite database at {path!r} (create it with: idemflow migrate {url})"
+        raise ConfigurationError(msg)
 
 
 def _sweep(sweeper: Sweeper, args: argparse.Namespace) -> None:
