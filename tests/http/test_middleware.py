@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import socket
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -467,6 +469,53 @@ def test_mounted_routes_are_different_endpoints(tmp_path: Path) -> None:
     assert record.endpoint == "POST /eu/payments"
 
 
+@contextlib.contextmanager
+def serve_behind_proxy(app: Any, root_path: str) -> Iterator[str]:
+    """Like ``serve``, with uvicorn's ``--root-path`` (a proxy that strips ``root_path``)."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, root_path=root_path, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while not server.started:
+            assert thread.is_alive(), "uvicorn did not start"
+            assert time.monotonic() < deadline, "uvicorn did not start in time"
+            time.sleep(0.02)  # polling uvicorn's own flag, with a deadline
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(STARTUP_SECONDS)
+        sock.close()
+
+
+def test_behind_a_proxy_root_path_the_routes_are_still_protected(tmp_path: Path) -> None:
+    """The ASGI path includes the proxy's root_path; it used to hide every opted-in route."""
+    store = AsyncSQLiteStore(tmp_path / "keys.db")
+    store.sync.migrate()
+    calls: collections.Counter[str] = collections.Counter()
+
+    async def create(request: Request) -> Response:
+        calls["items"] += 1
+        return JSONResponse({}, status_code=201)
+
+    app = protected([Route("/items", create, methods=["POST"])], "POST /items", tmp_path)
+    headers = {"X-User": "carol", "Idempotency-Key": new_key()}
+    with serve_behind_proxy(app, "/api") as url, httpx.Client(base_url=url) as client:
+        first = client.post("/items", headers=headers)
+        again = client.post("/items", headers=headers)
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert calls["items"] == 1
+    record = store.sync.get("carol", headers["Idempotency-Key"])
+    assert record is not None
+    assert record.endpoint == "POST /items"  # the proxy's prefix is not part of the route
+
+
 def startup_messages(app: Any) -> list[str]:
     """Run ``app`` under uvicorn (default lifespan mode) and return why its startup failed."""
     import uvicorn
@@ -502,6 +551,7 @@ def startup_messages(app: Any) -> list[str]:
 
 
 def protected(routes: list[Any], endpoint: str, tmp_path: Path) -> Starlette:
+    """``routes`` with ``endpoint`` protected, keys in ``tmp_path/keys.db``."""
     store = AsyncSQLiteStore(tmp_path / "keys.db")
     idempotency = AsyncIdempotency(store, Policy(request_timeout=10))
     return Starlette(
