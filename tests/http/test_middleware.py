@@ -100,6 +100,16 @@ def make_app(store: AsyncSQLiteStore, calls: collections.Counter[str]) -> Starle
 
         return StreamingResponse(chunks(), media_type="text/plain")
 
+    async def big_stream(request: Request) -> Response:
+        calls["big_stream"] += 1
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(3):
+                yield b"z" * LIMIT
+            calls["big_stream_ended"] += 1  # only if no send raised into the app
+
+        return StreamingResponse(chunks(), media_type="text/plain")
+
     async def flaky(request: Request) -> Response:
         calls["flaky"] += 1
         return JSONResponse({"n": calls["flaky"]}, status_code=503 if calls["flaky"] == 1 else 201)
@@ -125,6 +135,7 @@ def make_app(store: AsyncSQLiteStore, calls: collections.Counter[str]) -> Starle
         "POST /flaky",
         "POST /orders/{id}/notes",
         "POST /bad-location",
+        "POST /big-stream",
     ]
     options = EdgeOptions(
         max_response_bytes=LIMIT, max_body_bytes=BODY_LIMIT, authorize_replay=may_replay
@@ -139,6 +150,7 @@ def make_app(store: AsyncSQLiteStore, calls: collections.Counter[str]) -> Starle
             Route("/flaky", flaky, methods=["POST"]),
             Route("/orders/{id}/notes", note, methods=["POST"]),
             Route("/bad-location", bad_location, methods=["POST"]),
+            Route("/big-stream", big_stream, methods=["POST"]),
             Route("/unprotected", unprotected, methods=["POST", "GET"]),
         ],
         middleware=[
@@ -268,6 +280,25 @@ def test_a_response_over_the_stored_body_limit_settles_a_marker_and_never_runs_a
     assert again.headers["idempotent-replayed"] == "true"
     assert assert_problem(again, 500, "response-not-stored") == body
     assert server.calls["big"] == before + 1  # never released: the retry did not run it
+    record = server.record("carol", key)
+    assert record is not None
+    assert record.state == "completed"
+
+
+def test_a_stream_over_the_limit_runs_to_its_end_and_settles_a_marker(server: Server) -> None:
+    """Issue 9, defect 8: the buffer used to raise into the app mid-stream, then release."""
+    key = new_key()
+    before = server.calls["big_stream"], server.calls["big_stream_ended"]
+    with server.client(key=key) as client:
+        first = client.post("/big-stream")
+        again = client.post("/big-stream")
+    body = assert_problem(first, 500, "response-not-stored")
+    assert str(3 * LIMIT) in body["detail"]
+    assert again.headers["idempotent-replayed"] == "true"
+    assert (server.calls["big_stream"], server.calls["big_stream_ended"]) == (
+        before[0] + 1,
+        before[1] + 1,
+    )
     record = server.record("carol", key)
     assert record is not None
     assert record.state == "completed"
