@@ -62,6 +62,8 @@ class Client:
     #: Give up at the first answer that is not 201 (or a dropped connection).
     abandons: bool = False
     statuses: list[int] = field(default_factory=list)
+    #: The problem type of every 503: the provider's, or the store's (a pool timeout).
+    outages: list[str] = field(default_factory=list)
     errors: int = 0
     final: httpx.Response | None = None
 
@@ -95,6 +97,8 @@ async def retry_sequentially(http: httpx.AsyncClient, client: Client, deadline: 
             await asyncio.sleep(BACKOFF)
             continue
         client.statuses.append(response.status_code)
+        if response.status_code == 503:
+            client.outages.append(response.json()["type"].rsplit("/", 1)[-1])
         if response.status_code == 201:
             client.final = response
             return
@@ -177,9 +181,20 @@ async def test_every_key_reaches_201_with_a_tiny_shared_pool_and_a_failing_provi
         deadline = asyncio.get_running_loop().time() + RETRY_FOR
         async with new_http(demo.url) as http:
             await asyncio.gather(*(retry_sequentially(http, c, deadline) for c in everyone))
+            # And every key once more at once: replays, each authorized by a read.
+            replays = await asyncio.gather(
+                *(http.post("/payments", json=c.body, headers=c.headers) for c in everyone)
+            )
         statuses = [s for c in everyone for s in c.statuses]
         assert 503 in statuses  # the provider did fail: the keys were released and retried
         assert 409 not in statuses, "a sequential retrier met its own unreleased claim"
+        # A request waiting on a second pooled connection would time out as store-unavailable.
+        assert {o for c in everyone for o in c.outages} == {"provider-unavailable"}
+        for client, replay in zip(everyone, replays, strict=True):
+            assert replay.status_code == 201, replay.text
+            assert replay.headers["idempotent-replayed"] == "true"
+            assert client.final is not None
+            assert replay.content == client.final.content
         assert_one_payment_and_one_charge_each(demo, everyone)
         keys = demo.query("SELECT state, count(*) FROM idemflow_keys GROUP BY state")
         assert keys == [("completed", KEYS)]

@@ -49,7 +49,8 @@ def register(subparsers: Any) -> None:
         type=parse_duration,
         default=timedelta(hours=24),
         metavar="DURATION",
-        help="how long a settled key is replayed: 24h, 30m, 90s (default: 24h)",
+        help="how long a settled outcome is replayed, from when it settled: 24h, 30m, 2s "
+        "(default: 24h)",
     )
     add(
         "--provider-latency-ms",
@@ -71,8 +72,8 @@ def register(subparsers: Any) -> None:
         type=lambda text: timedelta(0) if text == "off" else parse_duration(text),
         default=None,
         metavar="DURATION|off",
-        help="resolve crashed claims this often, asking the provider (default: the request "
-        "timeout); off: never",
+        help="resolve crashed claims and abandoned intents this often, asking the provider "
+        "(default: the request timeout); off: never",
     )
     add(
         "--token",
@@ -91,7 +92,14 @@ def register(subparsers: Any) -> None:
     # For the benchmark and the tests only.
     add("--bench-routes", action="store_true", help=argparse.SUPPRESS)
     add("--provider-seed", type=int, default=None, help=argparse.SUPPRESS)
-    add("--pool-size", type=int, default=8, help=argparse.SUPPRESS)
+    add(
+        "--pool-size",
+        type=int,
+        default=8,
+        metavar="N",
+        help="pooled connections, shared by the key store and the endpoints on PostgreSQL "
+        "(on SQLite the endpoints' only) (default: %(default)s)",
+    )
     add(
         "--claim-commit",
         choices=("own", "single"),
