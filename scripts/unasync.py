@@ -32,7 +32,9 @@ SUBS = [
     (r"\bAbstractAsyncContextManager\b", "AbstractContextManager"),
     # A synchronous call cannot be cut in half by cancellation: no shield, no
     # deferred cancellation to deliver (see idemflow/_concurrency.py).
-    (r"^from \.\._concurrency import .*\n", ""),
+    (r"^from \.\._concurrency import async_cancel_point, async_shielded\n", ""),
+    (r"\basync_resolve\b", "resolve"),
+    (r"\baclose\b", "close"),
     (r"\bawait async_shielded\((.*)\)(:?)$", r"\1\2"),
     (r"^ *await async_cancel_point\(\).*\n", ""),
     (r"\basynccontextmanager\b", "contextmanager"),

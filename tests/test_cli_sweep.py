@@ -355,7 +355,7 @@ def test_malformed_arguments_are_usage_errors(tmp_path: Path, args: list[str]) -
     ("url", "extra", "says"),
     [
         ("", [], "no DATABASE_URL"),
-        ("sqlite:///{tmp}/missing/keys.db", [], "does not exist"),
+        ("sqlite:///{tmp}/missing/keys.db", [], "no SQLite database at"),
         ("sqlite:///{tmp}/k.db", ["--reconciler", "no_such_module:reconcile"], "cannot load"),
         ("sqlite:///{tmp}/k.db", ["--reconciler", "just-a-name"], "MODULE:NAME"),
         ("postgresql://postgres@127.0.0.1:1/test", [], "unavailable"),

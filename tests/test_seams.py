@@ -32,7 +32,7 @@ from idemflow import (
     State,
     StoreUnavailable,
 )
-from idemflow._http import pooled_transaction
+from idemflow._async.edge import pooled_transaction
 from idemflow.stores.sqlite import AsyncSQLiteStore
 from tests.conftest import POSTGRES_URL, unreachable
 

@@ -10,15 +10,23 @@ its end, and the cancellation is delivered afterwards, at the next
 
 The sync driver is generated from the async one; ``scripts/unasync.py``
 drops both there: a synchronous call cannot be cut in half.
+
+Also here: :func:`async_resolve` and its sync twin :func:`resolve`, for hooks
+a user may write either way (replay authorization): the async edge awaits an
+awaitable answer, the sync edge refuses one instead of taking a coroutine
+object for "allowed".
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable
 from typing import TypeVar
 
-__all__ = ["async_cancel_point", "async_shielded"]
+from ._errors import ConfigurationError
+
+__all__ = ["async_cancel_point", "async_resolve", "async_shielded", "resolve"]
 
 T = TypeVar("T")
 
@@ -53,3 +61,20 @@ async def async_cancel_point() -> None:
     current = asyncio.current_task()
     if current is not None and current.cancelling():
         await asyncio.sleep(0)
+
+
+async def async_resolve(answer: T | Awaitable[T]) -> T:
+    """A hook's answer: awaited if the hook was a coroutine function."""
+    if inspect.isawaitable(answer):
+        return await answer
+    return answer
+
+
+def resolve(answer: T | Awaitable[T]) -> T:
+    """A hook's answer in sync code, where an awaitable one is a configuration mistake."""
+    if inspect.isawaitable(answer):
+        if inspect.iscoroutine(answer):
+            answer.close()  # never awaited: say so here, not as a RuntimeWarning later
+        msg = "a coroutine function was given as a hook to sync code; pass a plain function"
+        raise ConfigurationError(msg)
+    return answer

@@ -89,7 +89,7 @@ def idempotency_flow(intent: Intent, policy: Policy, lease_token: str, *, atomic
         # settled. Give the key back and let its own exception through unchanged.
         yield Release(record)
         raise
-    verdict = policy.classify(response)
+    verdict = policy.verdict(response)
     if verdict is Verdict.TRANSIENT:
         yield Release(record)  # a 503 must not poison the key
         return Outcome(response, replayed=False, record=record)

@@ -3,7 +3,10 @@ The framework-neutral HTTP edge: request → :class:`Intent`, outcome or error �
 
 Every integration (``idemflow.integrations.starlette``, ``…fastapi``) only
 translates its framework's request into an :class:`HTTPRequest` and the
-:class:`~idemflow.Response` returned here into its framework's response. What
+:class:`~idemflow.Response` returned here into its framework's response.
+This module holds the rules and does no I/O; the one that runs a request
+through the driver is ``AsyncEdge`` in ``idemflow._async.edge``, and its
+generated sync twin ``Edge`` in ``idemflow._sync.edge`` (WSGI frameworks). What
 to do with a key is decided in ``idemflow._flow``; what it looks like on the
 wire is decided here, once, so the integrations cannot disagree:
 
@@ -29,34 +32,27 @@ wire is decided here, once, so the integrations cannot disagree:
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import inspect
 import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 from urllib.parse import urlencode
 
-from ._async.driver import AsyncAttempt, AsyncIdempotency
 from ._errors import (
     PROBLEM_BASE,
     ConfigurationError,
     IdempotencyError,
     InProgress,
     MissingPrincipal,
-    ReplayForbidden,
     ResponseNotStorable,
     StoreUnavailable,
 )
 from ._fingerprint import DEFAULT_MAX_BODY_BYTES, fingerprint
 from ._key import parse_key
-from ._model import Intent, Outcome, Record, Response, Verdict
-from .stores.protocol import AsyncTransaction
+from ._model import Classified, Intent, Outcome, Record, Response, Verdict
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
@@ -67,16 +63,16 @@ __all__ = [
     "REPLAYED_HEADERS",
     "REQUEST_ID_HEADER",
     "SAFE_METHODS",
-    "Edge",
     "EdgeOptions",
     "HTTPRequest",
-    "PooledTransaction",
     "ResponseNotStorable",
+    "intent_for",
     "not_stored",
-    "pooled_transaction",
+    "oversized",
     "problem",
     "problem_for",
     "request_id_from",
+    "storing",
     "unsendable",
 ]
 
@@ -140,9 +136,6 @@ _MAX_REQUEST_ID_LENGTH = 128
 RawHeaders: TypeAlias = Sequence[tuple[bytes, bytes]]
 #: Returns whether the principal may still see a stored response (sync or async).
 ReplayAuthorizer: TypeAlias = Callable[[Record], bool | Awaitable[bool]]
-OperationHandler: TypeAlias = Callable[[AsyncAttempt], Awaitable[Response]]
-#: Opens the caller's transaction for one run, e.g. ``lambda: pooled_transaction(…)``.
-TransactionScope: TypeAlias = Callable[[], AbstractAsyncContextManager[AsyncTransaction]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +185,7 @@ class EdgeOptions:
             answers 403. The principal already scopes the key; this re-checks
             object-level permission that may have changed since.
         max_response_bytes: the largest body stored for replay; a larger one is
-            never stored truncated: see :class:`Edge` for what happens instead.
+            never stored truncated: see :func:`storing` for what happens instead.
         max_body_bytes: the largest request body read (413 above it, refused
             while it streams).
         exclude_fields: JSON members left out of the fingerprint (per-attempt fields).
@@ -214,156 +207,48 @@ class EdgeOptions:
             raise ConfigurationError("max_body_bytes must not be negative")
 
 
-class Edge:
-    """Runs one protected request: intent, claim via the driver, response.
+def intent_for(request: HTTPRequest, options: EdgeOptions) -> Intent:
+    """The request's identity; raises the 400/401 client errors, claims nothing."""
+    principal = request.principal
+    if not principal:
+        if not options.public:
+            msg = "authenticate first: idempotency keys are scoped to the caller"
+            raise MissingPrincipal(msg)
+        principal = options.anonymous_principal
+    key = parse_key(header_values(request.headers, KEY_HEADER), strict=options.strict_key)
+    digest = fingerprint(
+        request.method,
+        request.fingerprinted_route,
+        request.body,
+        content_type=request.header("content-type"),
+        exclude_fields=options.exclude_fields,
+        max_body_bytes=options.max_body_bytes,
+        query=request.query,
+    )
+    return Intent(
+        principal, key, digest, endpoint=request.endpoint, correlation_id=request.request_id
+    )
 
-    A response the handler returns is checked whole before anything is
-    stored: status and every header sendable (:func:`unsendable`), body
-    within ``max_response_bytes``. What happens to one that fails depends on
-    whether the effect can still be undone:
 
-    - with a ``transaction`` (transactional mode) it is the handler's bug:
-      :class:`ResponseNotStorable` rolls the effect back with the claim, the
-      key is released and the client gets a 500 problem;
-    - without one (middleware mode, non-transactional use) the effect has
-      happened and stays: the key is never released after the endpoint ran.
-      It is settled with a :func:`not_stored` marker, a 500
-      ``response-not-stored`` problem naming the original status (and
-      ``Location``), which the first caller gets too and every retry replays.
+def storing(response: Response, verdict: Verdict, *, atomic: bool, max_bytes: int) -> Response:
+    """What to send and store for the handler's ``response``, checked whole first.
 
-    Args:
-        idempotency: the driver; its policy decides what is stored.
-        options: see :class:`EdgeOptions`.
+    ``atomic``: the handler's effect rolls back with the claim (a transaction),
+    so a response that cannot be stored is the handler's bug and undoes it
+    (:class:`ResponseNotStorable`). Without that the effect stays: the key is
+    settled with a :func:`not_stored` marker instead, never released. A
+    transient response is released, never stored: no size limit applies.
     """
-
-    def __init__(self, idempotency: AsyncIdempotency, options: EdgeOptions | None = None) -> None:
-        self.idempotency = idempotency
-        self.options = options or EdgeOptions()
-        self._marking: tuple[AsyncIdempotency, Any, AsyncIdempotency] | None = None
-
-    def intent(self, request: HTTPRequest) -> Intent:
-        """The request's identity; raises the 400/401 client errors, claims nothing."""
-        principal = request.principal
-        if not principal:
-            if not self.options.public:
-                msg = "authenticate first: idempotency keys are scoped to the caller"
-                raise MissingPrincipal(msg)
-            principal = self.options.anonymous_principal
-        key = parse_key(header_values(request.headers, KEY_HEADER), strict=self.options.strict_key)
-        digest = fingerprint(
-            request.method,
-            request.fingerprinted_route,
-            request.body,
-            content_type=request.header("content-type"),
-            exclude_fields=self.options.exclude_fields,
-            max_body_bytes=self.options.max_body_bytes,
-            query=request.query,
-        )
-        return Intent(
-            principal, key, digest, endpoint=request.endpoint, correlation_id=request.request_id
-        )
-
-    async def respond(
-        self,
-        request: HTTPRequest,
-        handler: OperationHandler,
-        *,
-        transaction: TransactionScope | None = None,
-        single_commit: bool = False,
-    ) -> Response:
-        """Answer ``request``: run ``handler`` once per key, or replay, or a problem.
-
-        ``transaction`` opens the caller's transaction for this one run (see
-        :func:`pooled_transaction`); it is closed before the replay
-        authorization hook runs, so the hook may use a connection of its own.
-        The first execution answers with the handler's full response; what is
-        stored (and replayed) keeps only the :data:`REPLAYED_HEADERS`. A
-        response that cannot be stored or sent whole: see :class:`Edge`.
-        Errors of idemflow become problem responses; the handler's own
-        exceptions propagate (after the claim was released).
-        """
-        try:
-            intent = self.intent(request)
-            sent: list[Response] = []
-            operation = self._storing(handler, sent, atomic=transaction is not None)
-            async with _scope(transaction) as opened:
-                outcome = await self._driver().run(
-                    intent, operation, transaction=opened, single_commit=single_commit
-                )
-            if outcome.replayed:
-                await self._authorize(outcome.record)
-                return with_request_id(replayed(outcome), request.request_id)
-            return with_request_id(sent[0], request.request_id)
-        except IdempotencyError as exc:
-            return problem_for(exc, request.request_id)
-
-    def _storing(
-        self, handler: OperationHandler, sent: list[Response], *, atomic: bool
-    ) -> OperationHandler:
-        """Wrap ``handler``: keep its full response to send, return the storable one.
-
-        ``atomic``: the handler's effect rolls back with the claim (a
-        transaction), so a response we cannot store may undo it.
-        """
-        limit = self.options.max_response_bytes
-        classify = self.idempotency.policy.classify
-
-        async def operation(attempt: AsyncAttempt) -> Response:
-            response = await handler(attempt)
-            if isinstance(response, _NotStored):  # the integration already knew
-                sent.append(response)
-                return response
-            verdict = classify(response)
-            reason = unsendable(response)
-            if reason is None and verdict is not Verdict.TRANSIENT:
-                reason = _oversized(response, limit)  # a transient one is never stored
-            if reason is not None:
-                if atomic:
-                    raise ResponseNotStorable(reason)
-                response = not_stored(response, reason, verdict)
-            sent.append(response)
-            return response if verdict is Verdict.TRANSIENT else storable(response, max_bytes=limit)
-
-        return operation
-
-    def _driver(self) -> AsyncIdempotency:
-        """The driver, with a policy that settles :func:`not_stored` markers.
-
-        The flow classifies every response with the policy; a marker (a 500)
-        would be classified transient and released, running the effect again
-        on the retry. A shallow copy of the driver (same store, clock and
-        observer) gets the policy whose classifier knows markers; the caller's
-        driver is left as it was.
-        """
-        idempotency = self.idempotency
-        cached = self._marking
-        if cached is not None and cached[0] is idempotency and cached[1] is idempotency.policy:
-            return cached[2]
-        marking = copy.copy(idempotency)
-        marking.policy = dataclasses.replace(
-            idempotency.policy, classify=_settling(idempotency.policy.classify)
-        )
-        self._marking = (idempotency, idempotency.policy, marking)
-        return marking
-
-    async def _authorize(self, record: Record) -> None:
-        hook = self.options.authorize_replay
-        if hook is None:
-            return
-        allowed = hook(record)
-        if inspect.isawaitable(allowed):
-            allowed = await allowed
-        if not allowed:
-            raise ReplayForbidden("this principal may no longer see the stored response")
-
-
-@asynccontextmanager
-async def _scope(transaction: TransactionScope | None) -> AsyncIterator[AsyncTransaction | None]:
-    if transaction is None:
-        yield None
-        return
-    async with transaction() as opened:
-        yield opened
+    if isinstance(response, Classified):  # a marker the integration already made
+        return response
+    reason = unsendable(response)
+    if reason is None and verdict is not Verdict.TRANSIENT:
+        reason = oversized(response, max_bytes)
+    if reason is None:
+        return response
+    if atomic:
+        raise ResponseNotStorable(reason)
+    return not_stored(response, reason, verdict)
 
 
 def header_values(headers: RawHeaders, name: str) -> list[str]:
@@ -387,9 +272,9 @@ def storable(response: Response, *, max_bytes: int) -> Response:
 
     A :func:`not_stored` marker is stored as it is.
     """
-    if isinstance(response, _NotStored):
+    if isinstance(response, Classified):
         return response
-    reason = unsendable(response) or _oversized(response, max_bytes)
+    reason = unsendable(response) or oversized(response, max_bytes)
     if reason is not None:
         raise ResponseNotStorable(reason)
     headers = tuple((k.lower(), v) for k, v in response.headers if k.lower() in REPLAYED_HEADERS)
@@ -419,7 +304,8 @@ def unsendable(response: Response) -> str | None:
     return None
 
 
-def _oversized(response: Response, max_bytes: int) -> str | None:
+def oversized(response: Response, max_bytes: int) -> str | None:
+    """Why ``response`` is too large to store (None if it is not)."""
     if len(response.body) <= max_bytes:
         return None
     return (
@@ -434,13 +320,6 @@ def _excerpt(value: object) -> str:
     if len(text) <= _EXCERPT_LENGTH:
         return repr(text)
     return repr(text[:_EXCERPT_LENGTH]) + "..."
-
-
-@dataclass(frozen=True, slots=True)
-class _NotStored(Response):
-    """A marker response, and the verdict of the response it stands for."""
-
-    verdict: Verdict = Verdict.COMPLETED
 
 
 def not_stored(original: Response, reason: str, verdict: Verdict) -> Response:
@@ -470,7 +349,7 @@ def not_stored(original: Response, reason: str, verdict: Verdict) -> Response:
         )
     logger.error("response not stored: %s", detail)
     marker = problem(500, "Response not stored", detail, slug=NOT_STORED_SLUG, **extensions)
-    return _NotStored(marker.status, marker.body, marker.headers, verdict)
+    return Classified(marker.status, marker.body, marker.headers, verdict)
 
 
 def _text_header(response: Response, name: str) -> str | None:
@@ -483,17 +362,6 @@ def _text_header(response: Response, name: str) -> str | None:
     except UnicodeEncodeError:  # a lone surrogate
         return None
     return value[:2048]
-
-
-def _settling(classify: Callable[[Response], Verdict]) -> Callable[[Response], Verdict]:
-    """``classify``, except that a :func:`not_stored` marker keeps its own verdict."""
-
-    def verdict(response: Response) -> Verdict:
-        if isinstance(response, _NotStored):
-            return response.verdict
-        return classify(response)
-
-    return verdict
 
 
 def replayed(outcome: Outcome) -> Response:
@@ -567,74 +435,12 @@ def problem_for(error: IdempotencyError, request_id: str | None = None) -> Respo
     )
 
 
-class PooledTransaction:
-    """A transaction adapter that checks its connection out only when it begins.
+def __getattr__(name: str) -> Any:
+    # The edge's I/O lives in idemflow._async.edge (and its generated sync
+    # twin); these names stay importable from here.
+    if name in ("Edge", "PooledTransaction", "pooled_transaction"):
+        from ._async import edge
 
-    Replays and 409 answers never begin a transaction, so they never take a
-    connection from the pool: duplicates cost one claim, not one pooled
-    connection each. The connection is kept until :meth:`aclose` (the end of
-    the request), across ``commit_phase`` boundaries, so ``attempt.connection``
-    names the same connection in every phase.
-
-    Args:
-        acquire: returns an async context manager yielding a connection, e.g.
-            ``psycopg_pool.AsyncConnectionPool.connection``.
-        adapter: wraps that connection, e.g.
-            :class:`idemflow.transactions.AsyncPsycopgTransaction`.
-    """
-
-    def __init__(
-        self,
-        acquire: Callable[[], AbstractAsyncContextManager[Any]],
-        adapter: Callable[[Any], AsyncTransaction],
-    ) -> None:
-        self._acquire = acquire
-        self._adapter = adapter
-        self._context: AbstractAsyncContextManager[Any] | None = None
-        self._inner: AsyncTransaction | None = None
-
-    @property
-    def connection(self) -> Any:
-        return None if self._inner is None else self._inner.connection
-
-    async def begin(self) -> None:
-        if self._inner is None:
-            self._context = self._acquire()
-            self._inner = self._adapter(await self._context.__aenter__())
-        await self._inner.begin()
-
-    async def execute(self, statement: Any, params: Any) -> int:
-        return await self._checked_out().execute(statement, params)
-
-    async def fetchone(self, statement: Any, params: Any) -> Any:
-        return await self._checked_out().fetchone(statement, params)
-
-    async def commit(self) -> None:
-        await self._checked_out().commit()
-
-    async def rollback(self) -> None:
-        await self._checked_out().rollback()
-
-    async def aclose(self) -> None:
-        """Give the connection back (if one was taken)."""
-        context, self._context, self._inner = self._context, None, None
-        if context is not None:
-            await context.__aexit__(None, None, None)
-
-    def _checked_out(self) -> AsyncTransaction:
-        if self._inner is None:
-            raise RuntimeError("the transaction has not begun")
-        return self._inner
-
-
-@asynccontextmanager
-async def pooled_transaction(
-    acquire: Callable[[], AbstractAsyncContextManager[Any]],
-    adapter: Callable[[Any], AsyncTransaction],
-) -> AsyncIterator[PooledTransaction]:
-    """A :class:`PooledTransaction` that gives its connection back on exit."""
-    transaction = PooledTransaction(acquire, adapter)
-    try:
-        yield transaction
-    finally:
-        await transaction.aclose()
+        return getattr(edge, "Async" + name if name[0].isupper() else name)
+    msg = f"module {__name__!r} has no attribute {name!r}"
+    raise AttributeError(msg)

@@ -21,6 +21,7 @@ from ._errors import ConfigurationError
 
 __all__ = [
     "Claim",
+    "Classified",
     "Clock",
     "Intent",
     "Outcome",
@@ -95,6 +96,18 @@ class Response:
 
     def json_body(self) -> Any:
         return json.loads(self.body)
+
+
+@dataclass(frozen=True, slots=True)
+class Classified(Response):
+    """A response that carries its own verdict instead of the policy's classification.
+
+    The HTTP edge answers with one when the endpoint ran but its response
+    cannot be stored whole: a 500 marker that must settle (the effect is not
+    ours to undo), where the policy would call any 500 transient and release.
+    """
+
+    verdict: Verdict = Verdict.COMPLETED
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +267,12 @@ class Policy:
             ("stale_after", stale),
         ):
             object.__setattr__(self, name, timedelta(seconds=value))
+
+    def verdict(self, response: Response) -> Verdict:
+        """What ``response`` means for the key: its own verdict, or the classifier's."""
+        if isinstance(response, Classified):
+            return response.verdict
+        return self.classify(response)
 
     @property
     def stale_seconds(self) -> float:

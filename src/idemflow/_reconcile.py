@@ -159,7 +159,7 @@ def settled_state(answer: Happened, policy: Policy) -> State | None:
     A transient response (503, 429, …) is not an outcome: storing it would
     poison the key, so the answer is treated as unknown.
     """
-    verdict = policy.classify(answer.response)
+    verdict = policy.verdict(answer.response)
     return None if verdict is Verdict.TRANSIENT else verdict.value
 
 

@@ -221,7 +221,7 @@ class _Run:
             attributes["idemflow.state"] = outcome.record.state.value
             self._link_original(outcome.record.correlation_id)
         else:
-            verdict = self.policy.classify(outcome.response)
+            verdict = self.policy.verdict(outcome.response)
             attributes["idemflow.state"] = (
                 "released" if verdict is Verdict.TRANSIENT else str(verdict.value)
             )

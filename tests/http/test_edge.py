@@ -20,8 +20,8 @@ from idemflow import (
     default_classifier,
     fingerprint,
 )
+from idemflow._async.edge import AsyncEdge as Edge
 from idemflow._http import (
-    Edge,
     EdgeOptions,
     HTTPRequest,
     ResponseNotStorable,

@@ -29,9 +29,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._async.driver import AsyncAttempt, AsyncIdempotency
+from .._async.edge import pooled_transaction
 from .._errors import InvalidBody, MissingPrincipal, StoreUnavailable
 from .._events import Event
-from .._http import EdgeOptions, pooled_transaction, problem, problem_for
+from .._http import EdgeOptions, problem, problem_for
 from .._model import Policy, Record, Response
 from ..integrations.starlette import (
     Idempotent,

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
-from .._http import pooled_transaction
+from .._async.edge import pooled_transaction
 from .._model import Record
 from ..stores.protocol import AsyncMaintainableStore
 from ..sweeper import (

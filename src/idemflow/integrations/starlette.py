@@ -57,6 +57,7 @@ from starlette.routing import BaseRoute, Host, Match, Mount, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._async.driver import AsyncAttempt, AsyncIdempotency
+from .._async.edge import AsyncEdge, pooled_transaction
 from .._errors import (
     BodyTooLarge,
     ConfigurationError,
@@ -66,14 +67,12 @@ from .._errors import (
 from .._http import (
     REQUEST_ID_HEADER,
     SAFE_METHODS,
-    Edge,
     EdgeOptions,
     HTTPRequest,
     RawHeaders,
     ResponseNotStorable,
     header_values,
     not_stored,
-    pooled_transaction,
     problem_for,
     request_id_from,
     sendable_headers,
@@ -198,7 +197,7 @@ class Idempotent:
                 "use IdempotencyMiddleware (middleware mode) with it"
             )
             raise ConfigurationError(msg)
-        self.edge = Edge(idempotency, options)
+        self.edge = AsyncEdge(idempotency, options)
         self._connect = connect
         self._transaction = transaction
         self._principal = principal
@@ -489,7 +488,7 @@ class IdempotencyMiddleware:
         options: EdgeOptions | None = None,
     ) -> None:
         self.app = app
-        self.edge = Edge(idempotency, options)
+        self.edge = AsyncEdge(idempotency, options)
         self._principal = principal
         self._routes = [_compile_endpoint(endpoint) for endpoint in endpoints]
         if not self._routes:
@@ -566,7 +565,7 @@ class IdempotencyMiddleware:
     def _endpoint(
         self, scope: Scope, body: bytes, receive: Receive
     ) -> Callable[[AsyncAttempt], Awaitable[Response]]:
-        classify = self.edge.idempotency.policy.classify
+        classify = self.edge.idempotency.policy.verdict
 
         async def operation(attempt: AsyncAttempt) -> Response:
             buffer = _ResponseBuffer(self.edge.options.max_response_bytes)

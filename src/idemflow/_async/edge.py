@@ -1,0 +1,209 @@
+"""
+The HTTP edge's I/O: one protected request through the driver, and its transaction.
+
+The rules (intent, what is stored, problems) live in ``idemflow._http``; this
+module only runs them, so ASGI and WSGI integrations answer alike.
+
+This is the async source of truth; ``idemflow/_sync/edge.py`` is generated
+from it by ``scripts/unasync.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, TypeAlias
+
+from .._concurrency import async_resolve
+from .._errors import IdempotencyError, ReplayForbidden
+from .._http import (
+    EdgeOptions,
+    HTTPRequest,
+    intent_for,
+    problem_for,
+    replayed,
+    storable,
+    storing,
+    with_request_id,
+)
+from .._model import Intent, Record, Response, Verdict
+from ..stores.protocol import AsyncTransaction
+from .driver import AsyncAttempt, AsyncIdempotency
+
+__all__ = [
+    "AsyncEdge",
+    "AsyncOperationHandler",
+    "AsyncPooledTransaction",
+    "AsyncTransactionScope",
+    "pooled_transaction",
+]
+
+AsyncOperationHandler: TypeAlias = Callable[[AsyncAttempt], Awaitable[Response]]
+#: Opens the caller's transaction for one run, e.g. ``lambda: pooled_transaction(…)``.
+AsyncTransactionScope: TypeAlias = Callable[[], AbstractAsyncContextManager[AsyncTransaction]]
+
+
+class AsyncEdge:
+    """Runs one protected request: intent, claim via the driver, response.
+
+    A response the handler returns is checked whole before anything is
+    stored (see :func:`idemflow._http.storing`): with a ``transaction`` an
+    unstorable one is the handler's bug (500, rolled back, key released);
+    without one the effect stays and the key is settled with a
+    ``response-not-stored`` marker, never released after the endpoint ran.
+
+    Args:
+        idempotency: the driver; its policy decides what is stored.
+        options: see :class:`idemflow._http.EdgeOptions`.
+    """
+
+    def __init__(self, idempotency: AsyncIdempotency, options: EdgeOptions | None = None) -> None:
+        self.idempotency = idempotency
+        self.options = options or EdgeOptions()
+
+    def intent(self, request: HTTPRequest) -> Intent:
+        """The request's identity; raises the 400/401 client errors, claims nothing."""
+        return intent_for(request, self.options)
+
+    async def respond(
+        self,
+        request: HTTPRequest,
+        handler: AsyncOperationHandler,
+        *,
+        transaction: AsyncTransactionScope | None = None,
+        single_commit: bool = False,
+    ) -> Response:
+        """Answer ``request``: run ``handler`` once per key, or replay, or a problem.
+
+        ``transaction`` opens the caller's transaction for this one run (see
+        :func:`pooled_transaction`); it is closed before the replay
+        authorization hook runs, so the hook may use a connection of its own.
+        The first execution answers with the handler's full response; what is
+        stored (and replayed) keeps only the allow-listed headers. Errors of
+        idemflow become problem responses; the handler's own exceptions
+        propagate (after the claim was released).
+        """
+        try:
+            intent = self.intent(request)
+            sent: list[Response] = []
+            operation = self._storing(handler, sent, atomic=transaction is not None)
+            async with _scope(transaction) as opened:
+                outcome = await self.idempotency.run(
+                    intent, operation, transaction=opened, single_commit=single_commit
+                )
+            if outcome.replayed:
+                await self._authorize(outcome.record)
+                return with_request_id(replayed(outcome), request.request_id)
+            return with_request_id(sent[0], request.request_id)
+        except IdempotencyError as exc:
+            return problem_for(exc, request.request_id)
+
+    def _storing(
+        self, handler: AsyncOperationHandler, sent: list[Response], *, atomic: bool
+    ) -> AsyncOperationHandler:
+        """Wrap ``handler``: keep what to send, return what to store."""
+        limit = self.options.max_response_bytes
+        policy = self.idempotency.policy
+
+        async def operation(attempt: AsyncAttempt) -> Response:
+            response = await handler(attempt)
+            verdict = policy.verdict(response)
+            response = storing(response, verdict, atomic=atomic, max_bytes=limit)
+            sent.append(response)
+            if verdict is Verdict.TRANSIENT:
+                return response  # released, never stored
+            return storable(response, max_bytes=limit)
+
+        return operation
+
+    async def _authorize(self, record: Record) -> None:
+        hook = self.options.authorize_replay
+        if hook is None:
+            return
+        if not await async_resolve(hook(record)):
+            raise ReplayForbidden("this principal may no longer see the stored response")
+
+
+@asynccontextmanager
+async def _scope(
+    transaction: AsyncTransactionScope | None,
+) -> AsyncIterator[AsyncTransaction | None]:
+    if transaction is None:
+        yield None
+        return
+    async with transaction() as opened:
+        yield opened
+
+
+class AsyncPooledTransaction:
+    """A transaction adapter that checks its connection out only when it begins.
+
+    Replays and 409 answers never begin a transaction, so they never take a
+    connection from the pool: duplicates cost one claim, not one pooled
+    connection each. The connection is kept until :meth:`aclose` (the end of
+    the request), across ``commit_phase`` boundaries and the release, so
+    ``attempt.connection`` names the same connection in every phase and a
+    request never holds two.
+
+    Args:
+        acquire: returns an async context manager yielding a connection, e.g.
+            ``psycopg_pool.AsyncConnectionPool.connection``.
+        adapter: wraps that connection, e.g.
+            :class:`idemflow.transactions.AsyncPsycopgTransaction`.
+    """
+
+    def __init__(
+        self,
+        acquire: Callable[[], AbstractAsyncContextManager[Any]],
+        adapter: Callable[[Any], AsyncTransaction],
+    ) -> None:
+        self._acquire = acquire
+        self._adapter = adapter
+        self._context: AbstractAsyncContextManager[Any] | None = None
+        self._inner: AsyncTransaction | None = None
+
+    @property
+    def connection(self) -> Any:
+        return None if self._inner is None else self._inner.connection
+
+    async def begin(self) -> None:
+        if self._inner is None:
+            self._context = self._acquire()
+            self._inner = self._adapter(await self._context.__aenter__())
+        await self._inner.begin()
+
+    async def execute(self, statement: Any, params: Any) -> int:
+        return await self._checked_out().execute(statement, params)
+
+    async def fetchone(self, statement: Any, params: Any) -> Any:
+        return await self._checked_out().fetchone(statement, params)
+
+    async def commit(self) -> None:
+        await self._checked_out().commit()
+
+    async def rollback(self) -> None:
+        await self._checked_out().rollback()
+
+    async def aclose(self) -> None:
+        """Give the connection back (if one was taken)."""
+        context, self._context, self._inner = self._context, None, None
+        if context is not None:
+            await context.__aexit__(None, None, None)
+
+    def _checked_out(self) -> AsyncTransaction:
+        if self._inner is None:
+            raise RuntimeError("the transaction has not begun")
+        return self._inner
+
+
+@asynccontextmanager
+async def pooled_transaction(
+    acquire: Callable[[], AbstractAsyncContextManager[Any]],
+    adapter: Callable[[Any], AsyncTransaction],
+) -> AsyncIterator[AsyncPooledTransaction]:
+    """An :class:`AsyncPooledTransaction` that gives its connection back on exit."""
+    transaction = AsyncPooledTransaction(acquire, adapter)
+    try:
+        yield transaction
+    finally:
+        await transaction.aclose()
