@@ -31,6 +31,13 @@ HEAVY = (
     "uvicorn",
     "httpx",
     "rich",
+    "django",
+    "rest_framework",
+    "flask",
+    "flask_sqlalchemy",
+    "flask_login",
+    "werkzeug",
+    "gunicorn",
 )
 
 PROBE = """

@@ -1,0 +1,30 @@
+"""
+idemflow for Django: ``pip install 'idemflow[django]'`` (``[drf]`` for Django REST framework).
+
+Add the app, and the key table lives in your database, created by ``manage.py migrate``::
+
+    INSTALLED_APPS = [..., "idemflow.integrations.django"]
+    IDEMFLOW = {"request_timeout": 30, "database": "default"}   # every key optional
+
+- :class:`DjangoStore` keeps key records on Django's own connections
+  (PostgreSQL, MySQL/MariaDB, SQLite), so the completion can be written in
+  the view's ``transaction.atomic()``: :class:`DjangoTransaction`.
+- ``manage.py idemflow_sweep`` resolves stale claims; ``manage.py
+  idemflow_purge`` deletes records past their retention.
+
+See ``docs/frameworks/django.md`` for the whole story, ``ATOMIC_REQUESTS`` included.
+"""
+
+from __future__ import annotations
+
+from .conf import IdemflowSettings, get_idempotency, get_store, idemflow_settings
+from .store import DjangoStore, DjangoTransaction
+
+__all__ = [
+    "DjangoStore",
+    "DjangoTransaction",
+    "IdemflowSettings",
+    "get_idempotency",
+    "get_store",
+    "idemflow_settings",
+]

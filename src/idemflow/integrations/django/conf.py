@@ -1,0 +1,133 @@
+"""
+``settings.IDEMFLOW``: the one place a Django project configures idemflow.
+
+::
+
+    IDEMFLOW = {
+        "request_timeout": 30,        # seconds or a timedelta: the longest a protected view runs
+        "retention": 86400,           # how long a settled outcome is replayed
+        "table": "idemflow_keys",     # the key table (created by `manage.py migrate`)
+        "database": "default",        # the DATABASES alias of the key table and the completion
+        "store": "django",            # or a DATABASE_URL: postgresql://…, mysql://…, redis://…
+    }
+
+Every key is optional. An unknown key or a bad value is an ``ImproperlyConfigured``
+at start-up (``AppConfig.ready``), never a 500 per request. The store and the
+driver built from it are made once per process and rebuilt when a test changes
+the setting (``override_settings``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+
+from ... import ConfigurationError, Idempotency, Policy
+from ...stores.protocol import Store
+
+__all__ = ["IdemflowSettings", "get_idempotency", "get_store", "idemflow_settings"]
+
+#: The store that lives on Django's own database connections.
+DJANGO_STORE = "django"
+
+_DEFAULTS: Mapping[str, Any] = {
+    "request_timeout": 30,
+    "retention": 86400,
+    "table": "idemflow_keys",
+    "database": "default",
+    "store": DJANGO_STORE,
+    "clock": "database",
+    "single_commit": False,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class IdemflowSettings:
+    """``settings.IDEMFLOW``, checked, with defaults filled in."""
+
+    request_timeout: float | timedelta
+    retention: float | timedelta
+    table: str
+    database: str
+    store: str
+    #: ``"database"``: every time decision on the database server's clock.
+    clock: str
+    #: Claim inside the view's transaction too (PostgreSQL, MySQL): one commit per request.
+    single_commit: bool
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(request_timeout=self.request_timeout, retention=self.retention)
+
+
+def idemflow_settings() -> IdemflowSettings:
+    """The checked settings; ``ImproperlyConfigured`` names what is wrong."""
+    given = getattr(settings, "IDEMFLOW", {}) or {}
+    if not isinstance(given, Mapping):
+        raise ImproperlyConfigured("settings.IDEMFLOW must be a dict")
+    unknown = sorted(set(given) - set(_DEFAULTS))
+    if unknown:
+        msg = f"settings.IDEMFLOW has unknown keys {unknown}; known: {sorted(_DEFAULTS)}"
+        raise ImproperlyConfigured(msg)
+    merged = {**_DEFAULTS, **given}
+    if merged["database"] not in settings.DATABASES:
+        msg = f"settings.IDEMFLOW['database'] = {merged['database']!r} is not in DATABASES"
+        raise ImproperlyConfigured(msg)
+    for name in ("table", "store", "database"):
+        if not isinstance(merged[name], str) or not merged[name]:
+            raise ImproperlyConfigured(f"settings.IDEMFLOW[{name!r}] must be a non-empty str")
+    chosen = IdemflowSettings(**merged)
+    try:
+        chosen.policy  # noqa: B018 -- durations are checked where they are defined
+    except ConfigurationError as exc:
+        raise ImproperlyConfigured(f"settings.IDEMFLOW: {exc}") from exc
+    if chosen.clock not in ("database", "caller"):
+        raise ImproperlyConfigured("settings.IDEMFLOW['clock'] must be 'database' or 'caller'")
+    return chosen
+
+
+_lock = threading.Lock()
+
+
+@functools.cache
+def _built() -> tuple[Store, Idempotency]:
+    chosen = idemflow_settings()
+    store: Store
+    if chosen.store == DJANGO_STORE:
+        from .store import DjangoStore
+
+        store = DjangoStore(chosen.database, table=chosen.table, clock=chosen.clock)
+    else:
+        from ...stores.urls import open_store
+
+        store = open_store(chosen.store, table=chosen.table)
+    return store, Idempotency(store, chosen.policy)
+
+
+def get_store() -> Store:
+    """The key store ``settings.IDEMFLOW`` names (made once per process)."""
+    with _lock:
+        return _built()[0]
+
+
+def get_idempotency() -> Idempotency:
+    """The driver on :func:`get_store` with the configured policy."""
+    with _lock:
+        return _built()[1]
+
+
+def _reset(*, setting: str, **kwargs: Any) -> None:
+    if setting in ("IDEMFLOW", "DATABASES"):
+        with _lock:
+            _built.cache_clear()
+
+
+setting_changed.connect(_reset, dispatch_uid="idemflow-settings")

@@ -1,0 +1,76 @@
+"""
+The migration operation that creates the key table: idemflow's own DDL, per vendor.
+
+There is one definition of the table, its constraints and its indexes: the
+DDL every idemflow store runs (``idemflow migrate``). This operation runs the
+``CREATE`` statements of the dialect :class:`~.store.DjangoStore` picks for
+the connection being migrated, so ``manage.py migrate`` and ``idemflow
+migrate`` give the same schema (a test compares them on each vendor).
+The migration's own transaction replaces the dialect's BEGIN/COMMIT.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import router
+from django.db.migrations.operations.base import Operation
+
+from .conf import idemflow_settings
+
+__all__ = ["CreateKeyTable", "key_table_ddl"]
+
+
+def key_table_ddl(vendor: str, table: str) -> list[str]:
+    """The ``CREATE TABLE``/``CREATE INDEX`` statements idemflow runs on ``vendor``."""
+    from .store import dialect_for
+
+    return [s for s in dialect_for(vendor, table).ddl if s.lstrip().upper().startswith("CREATE")]
+
+
+class CreateKeyTable(Operation):
+    """Create (or, backwards, drop) ``settings.IDEMFLOW['table']`` on the configured alias.
+
+    Only the alias named by ``settings.IDEMFLOW['database']`` gets the table
+    (and only if the database routers allow migrating this app there).
+    """
+
+    reversible = True
+    reduces_to_sql = True
+
+    def state_forwards(self, app_label: str, state: Any) -> None:
+        return  # no model: the table is idemflow's, read and written by its own SQL
+
+    def database_forwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        table = self._table_for(app_label, schema_editor)
+        if table is None:
+            return
+        for statement in key_table_ddl(schema_editor.connection.vendor, table):
+            schema_editor.execute(statement, params=None)
+
+    def database_backwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        table = self._table_for(app_label, schema_editor)
+        if table is not None:
+            schema_editor.execute(f"DROP TABLE IF EXISTS {table}", params=None)
+
+    def describe(self) -> str:
+        return "Create idemflow's key table (settings.IDEMFLOW['table'])"
+
+    @property
+    def migration_name_fragment(self) -> str:
+        return "idemflow_keys"
+
+    def deconstruct(self) -> tuple[str, list[Any], dict[str, Any]]:
+        return ("idemflow.integrations.django.operations.CreateKeyTable", [], {})
+
+    @staticmethod
+    def _table_for(app_label: str, schema_editor: Any) -> str | None:
+        chosen = idemflow_settings()
+        alias = schema_editor.connection.alias
+        if alias != chosen.database or not router.allow_migrate(alias, app_label):
+            return None
+        return chosen.table

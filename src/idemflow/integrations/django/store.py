@@ -1,0 +1,439 @@
+"""
+Key records in the Django project's own database, through Django's connections.
+
+:class:`DjangoStore` runs the SQL every idemflow store speaks (the PostgreSQL,
+MySQL/MariaDB or SQLite dialect, chosen from ``connection.vendor``) on the
+connections of a ``DATABASES`` alias; :class:`DjangoTransaction` lets the
+driver write the completion inside the view's ``transaction.atomic()``, so the
+business rows and the ``completed`` record commit together.
+
+Which connection a store statement (claim, replay read, release without a
+transaction, sweep, purge) runs on:
+
+- the thread's own connection (``connections[using]``) when it is in
+  autocommit, outside every atomic block: a claim then costs no connection
+  of its own and commits at once;
+- a **side connection** (a second connection of the same alias, one per
+  thread, made from the same settings) when the thread's connection is inside
+  an atomic block, e.g. in a view of an ``ATOMIC_REQUESTS=True`` project: a
+  claim written there would stay invisible to duplicates until the request
+  commits, and would vanish with a request that rolls back;
+- always the side connection on MySQL/MariaDB, whose session bounds lock
+  waits (``innodb_lock_wait_timeout``, 1 s): a duplicate that meets the key
+  row locked by a live transaction answers 409 instead of waiting InnoDB's
+  default 50 s. On PostgreSQL the side connection gets ``lock_timeout``
+  (50 ms) for the same reason.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db.utils import InterfaceError, OperationalError
+
+from ..._errors import ConfigurationError
+from ..._model import Claim, Intent, Record, Response, State
+from ..._sync.sql import SQLStore
+from ...stores import mysql, postgres, sqlite
+from ...stores._sql import Dialect, check_clock
+from ...stores.protocol import Statement, Transaction
+
+__all__ = ["DjangoStore", "DjangoTransaction", "dialect_for"]
+
+DEFAULT_TABLE = "idemflow_keys"
+
+# MySQL client/server errors that mean "the server is not there" (see
+# idemflow.stores.mysql): can't connect, gone away, too many connections,
+# shutting down, killed; and a lock wait that timed out (a 503, not a 500).
+_MYSQL_UNAVAILABLE = frozenset({1040, 1053, 1927, 2002, 2003, 2006, 2013, 4031, 1205})
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The driver's own error behind Django's wrapper (``django.db.utils.*``)."""
+    return exc.__cause__ if exc.__cause__ is not None else exc
+
+
+def _unavailable(vendor: str) -> Callable[[BaseException], bool]:
+    """Driver errors that mean "cannot reach the key store": a 503, fail closed."""
+
+    def check(exc: BaseException) -> bool:
+        if isinstance(exc, InterfaceError):
+            return True
+        if not isinstance(exc, OperationalError):
+            return False
+        if vendor == "sqlite":
+            return sqlite.is_unavailable(_cause(exc))
+        if vendor == "mysql":
+            return mysql.error_code(exc) in _MYSQL_UNAVAILABLE
+        return True  # PostgreSQL: as PostgresStore, any OperationalError is an outage
+
+    return check
+
+
+def _pg_lock_timeout(exc: BaseException) -> bool:
+    """SQLSTATE 55P03 from psycopg 3 (``sqlstate``) or psycopg2 (``pgcode``)."""
+    cause = _cause(exc)
+    return (getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)) == "55P03"
+
+
+# --- connections --------------------------------------------------------------------------
+
+
+class _SideConnections:
+    """One extra connection per (thread, alias), in autocommit, with bounded lock waits.
+
+    Django's connections belong to the thread that made them; so do these.
+    A connection that raised is closed, so the next use reconnects.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, using: str) -> Any:
+        opened: dict[str, Any] = self._local.__dict__.setdefault("opened", {})
+        conn = opened.get(using)
+        if conn is None:
+            conn = opened[using] = connections.create_connection(using)
+        if conn.connection is None:
+            conn.ensure_connection()
+            with conn.cursor() as cursor:
+                for statement in _session_bounds(conn.vendor):
+                    cursor.execute(statement)
+        return conn
+
+    def discard(self, using: str) -> None:
+        conn = self._local.__dict__.get("opened", {}).pop(using, None)
+        if conn is not None:
+            conn.close()
+
+
+def _session_bounds(vendor: str) -> tuple[str, ...]:
+    if vendor == "postgresql":
+        return (f"SET lock_timeout = '{postgres.DEFAULT_CLAIM_LOCK_TIMEOUT_MS}ms'",)
+    if vendor == "mysql":
+        return (f"SET SESSION innodb_lock_wait_timeout = {mysql.DEFAULT_LOCK_WAIT_TIMEOUT}",)
+    return ()
+
+
+_side = _SideConnections()
+
+
+def _busy(conn: Any) -> bool:
+    """Is the thread's connection inside a transaction (an atomic block, or autocommit off)?"""
+    return bool(conn.in_atomic_block) or not conn.get_autocommit()
+
+
+@contextmanager
+def _store_connection(using: str, *, always_side: bool) -> Iterator[Any]:
+    """The connection a store statement runs on (see the module's docstring)."""
+    shared = connections[using]
+    if not always_side and not _busy(shared):
+        yield shared
+        return
+    conn = _side.get(using)
+    try:
+        yield conn
+    except BaseException:
+        _side.discard(using)  # its session state is unknown now
+        raise
+
+
+class _Pool:
+    """What :class:`~idemflow.stores.mysql.MySQLStore` asks of its pool, on Django's connections."""
+
+    def __init__(self, using: str) -> None:
+        self.using = using
+
+    def connection(self) -> Any:
+        return _store_connection(self.using, always_side=True)
+
+    def close(self) -> None:
+        _side.discard(self.using)
+
+
+class _MySQL(mysql.MySQLStore):
+    """MySQLStore's claim algorithm on Django's connections instead of its own pool.
+
+    ``MySQLStore.__init__`` is not called: its pool would hand one thread's
+    connection to another, which Django's connections refuse.
+    """
+
+    def __init__(self, using: str, table: str, clock: str, lock_wait_timeout: int) -> None:
+        self.statements = mysql.mysql_statements(table, check_clock(clock))
+        self.lock_wait_timeout = lock_wait_timeout
+        self.pool = _Pool(using)  # type: ignore[assignment]
+        SQLStore.__init__(
+            self,
+            dialect_for("mysql", table, clock),
+            self.pool.connection,
+            paramstyle="pyformat",
+            is_unavailable=_unavailable("mysql"),
+            is_lock_timeout=mysql.is_contention,
+        )
+
+
+def dialect_for(vendor: str, table: str, clock: str = "caller") -> Dialect:
+    """The statements idemflow's own store for ``vendor`` runs (DDL included)."""
+    if vendor == "mysql":
+        return mysql.mysql_dialect(table, check_clock(clock))
+    if vendor == "postgresql":
+        return postgres.postgres_dialect(
+            table, postgres.DEFAULT_CLAIM_LOCK_TIMEOUT_MS, check_clock(clock)
+        )
+    if vendor == "sqlite":
+        # SQLite has no server clock to move to: the caller's is the only one.
+        return sqlite.sqlite_dialect(table)
+    msg = f"DjangoStore supports PostgreSQL, MySQL/MariaDB and SQLite, not {vendor!r}"
+    raise ConfigurationError(msg)
+
+
+def _inner_store(using: str, table: str, clock: str) -> SQLStore:
+    vendor = connections[using].vendor
+    if vendor == "mysql":
+        return _MySQL(using, table, clock, mysql.DEFAULT_LOCK_WAIT_TIMEOUT)
+    dialect = dialect_for(vendor, table, clock)
+
+    def connect() -> Any:
+        return _store_connection(using, always_side=False)
+
+    # Django's cursors take %(name)s on every backend (its SQLite wrapper converts them).
+    return SQLStore(
+        dialect,
+        connect,
+        paramstyle="pyformat",
+        is_unavailable=_unavailable(vendor),
+        is_lock_timeout=_pg_lock_timeout if vendor == "postgresql" else _never,
+    )
+
+
+def _never(exc: BaseException) -> bool:
+    return False  # SQLite: one writer, no lock wait to bound
+
+
+# --- the store ----------------------------------------------------------------------------
+
+
+class DjangoStore:
+    """Key records in a ``DATABASES`` alias, on Django's connections.
+
+    Args:
+        using: the alias (the key table and the completion live there).
+        table: the key table, created by ``manage.py migrate`` (the app's migration).
+        clock: ``"database"`` (default) takes every time decision on the
+            server's clock (PostgreSQL, MySQL); ``"caller"`` on the ``now``
+            each call passes (tests with a frozen clock). SQLite has only the caller's.
+    """
+
+    supports_transactions = True
+
+    def __init__(
+        self, using: str = DEFAULT_DB_ALIAS, *, table: str = DEFAULT_TABLE, clock: str = "database"
+    ) -> None:
+        self.using = using
+        self.table = table
+        self._inner = _inner_store(using, table, clock)
+        self.dialect = self._inner.dialect
+
+    @property
+    def vendor(self) -> str:
+        return str(connections[self.using].vendor)
+
+    @property
+    def supports_single_commit(self) -> bool:
+        """PostgreSQL and MySQL bound a duplicate's wait on an uncommitted claim; SQLite cannot."""
+        return bool(self._inner.supports_single_commit)
+
+    def claim(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        transaction: Transaction | None = None,
+    ) -> Claim:
+        return self._inner.claim(intent, lease_token, now, expires_at, transaction)
+
+    def complete(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        expires_at: float,
+        transaction: Transaction | None = None,
+    ) -> None:
+        self._inner.complete(record, state, response, now, expires_at, transaction)
+
+    def release(self, record: Record, now: float, transaction: Transaction | None = None) -> bool:
+        return self._inner.release(record, now, transaction)
+
+    def checkpoint(
+        self,
+        record: Record,
+        recovery_point: str,
+        now: float,
+        transaction: Transaction | None = None,
+    ) -> None:
+        self._inner.checkpoint(record, recovery_point, now, transaction)
+
+    def get(self, principal: str, key: str) -> Record | None:
+        return self._inner.get(principal, key)
+
+    def sweep(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+    ) -> list[Record]:
+        return self._inner.sweep(from_state, cutoff, now, keep_until, limit)
+
+    def settle_stale(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        expires_at: float,
+        transaction: Transaction | None = None,
+    ) -> bool:
+        return self._inner.settle_stale(record, state, response, now, expires_at, transaction)
+
+    def release_stale(
+        self,
+        record: Record,
+        now: float,
+        transaction: Transaction | None = None,
+        *,
+        forget_progress: bool = False,
+    ) -> bool:
+        return self._inner.release_stale(record, now, transaction, forget_progress=forget_progress)
+
+    def purge(self, now: float, limit: int) -> int:
+        return self._inner.purge(now, limit)
+
+    def migrate(self) -> None:
+        """Create the key table as ``idemflow migrate`` does (``manage.py migrate`` is the
+        Django way; both give the same schema)."""
+        self._inner.migrate()
+
+    def close(self) -> None:
+        """Close this thread's side connection (the thread's own belongs to Django)."""
+        _side.discard(self.using)
+
+
+# --- the view's transaction ---------------------------------------------------------------
+
+
+_SQLITE_NESTED = (
+    "idemflow cannot run inside an enclosing atomic block on SQLite (ATOMIC_REQUESTS, or "
+    "your own transaction.atomic()): SQLite admits one writer, so the key could not be "
+    "claimed or given back while the request's transaction writes. Decorate the view "
+    "function with @idempotent (it opts out of ATOMIC_REQUESTS and runs the view in a "
+    "transaction of its own), or use PostgreSQL or MySQL"
+)
+
+
+class _Rollback(Exception):
+    """Passed to ``Atomic.__exit__`` to make it roll back."""
+
+
+class DjangoTransaction:
+    """The view's ``transaction.atomic()`` on ``connections[using]``, as the driver needs it.
+
+    What the driver's begin/commit/rollback mean here:
+
+    - outside any atomic block (the usual case, and views decorated with
+      ``@idempotent``, which opt out of ``ATOMIC_REQUESTS`` for their alias):
+      ``begin`` enters an outermost ``atomic`` (BEGIN), ``commit`` leaves it
+      (COMMIT, then Django's ``on_commit`` callbacks), ``rollback`` leaves it
+      with an error (ROLLBACK). The completion is durable when the view's
+      response is returned;
+    - inside an enclosing atomic block (an ``ATOMIC_REQUESTS`` view, or your
+      own ``with transaction.atomic():`` around the call): ``begin`` is a
+      savepoint, ``commit`` releases it and ``rollback`` rolls back to it. We
+      never commit the enclosing transaction: the completion and the business
+      rows become durable together when *it* commits, and vanish together if
+      it rolls back (the key then stays ``in_progress`` until the sweeper
+      releases it, which is right: the effect was undone). Recovery points
+      (``commit_phase``) are then only as durable as the enclosing
+      transaction. After a rollback to the savepoint, nothing of the attempt
+      is left in the enclosing transaction, and what the driver writes next —
+      the release of the key — goes through an autocommit side connection, so
+      the key is given back even when the enclosing transaction rolls back
+      too (DRF marks it for rollback on every exception it handles).
+      On SQLite (one writer) this mode is refused with ``ConfigurationError``
+      and the key released: the release could not be written while the
+      enclosing transaction holds the write lock.
+
+    A transaction Django marked for rollback (a database error caught inside
+    it, or ``transaction.set_rollback(True)``) is never reported committed:
+    Django refuses the completion's UPDATE in it, so the key is released.
+    """
+
+    def __init__(self, using: str = DEFAULT_DB_ALIAS) -> None:
+        self.using = using
+        self._atomic: Any = None
+        self._nested = False
+        self._detached = False
+
+    @property
+    def connection(self) -> Any:
+        """``connections[using]``: what the ORM in the view writes through anyway."""
+        return connections[self.using]
+
+    @property
+    def nested(self) -> bool:
+        """Did the last ``begin`` open a savepoint inside an enclosing atomic block?"""
+        return self._nested
+
+    def begin(self) -> None:
+        if self._detached:
+            return  # autocommit on the side connection: nothing to begin
+        conn = connections[self.using]
+        self._nested = conn.in_atomic_block
+        if self._nested and conn.vendor == "sqlite":
+            # One writer: the release would queue behind the enclosing transaction's
+            # write lock, so it goes (now, before any write of ours) through the side
+            # connection, and the attempt is refused.
+            self._detached = True
+            raise ConfigurationError(_SQLITE_NESTED)
+        atomic = transaction.atomic(using=self.using)
+        atomic.__enter__()
+        self._atomic = atomic
+
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        with self._cursor() as cursor:
+            cursor.execute(statement.pyformat, statement.bind(params))
+            return int(cursor.rowcount)
+
+    def fetchone(self, statement: Statement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        with self._cursor() as cursor:
+            cursor.execute(statement.pyformat, statement.bind(params))
+            row = cursor.fetchone()
+            if row is None:
+                return None
+            return {column[0]: value for column, value in zip(cursor.description, row, strict=True)}
+
+    def commit(self) -> None:
+        atomic, self._atomic = self._atomic, None
+        if atomic is None:
+            return
+        atomic.__exit__(None, None, None)
+
+    def rollback(self) -> None:
+        atomic, self._atomic = self._atomic, None
+        if atomic is None:
+            return  # already ended (a failed COMMIT rolls back by itself)
+        atomic.__exit__(_Rollback, _Rollback(), None)
+        if self._nested:
+            self._detached = True
+
+    @contextmanager
+    def _cursor(self) -> Iterator[Any]:
+        if not self._detached:
+            with connections[self.using].cursor() as cursor:
+                yield cursor
+            return
+        with _store_connection(self.using, always_side=True) as conn, conn.cursor() as cursor:
+            yield cursor

@@ -1,0 +1,439 @@
+"""
+Django: the migration's schema, the completion inside ``transaction.atomic()``,
+enclosing atomic blocks (``ATOMIC_REQUESTS``), settings and the management commands.
+
+Every test runs on SQLite, PostgreSQL and MariaDB through Django's own
+connections; a duplicate "request" runs in a thread of its own, with its own
+connection, as Django serves requests.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.db import connections, transaction
+from django.test import override_settings
+
+from idemflow import (
+    Attempt,
+    ConfigurationError,
+    Idempotency,
+    InProgress,
+    Intent,
+    Policy,
+    Response,
+    State,
+)
+from idemflow.integrations.django import (
+    DjangoStore,
+    DjangoTransaction,
+    get_idempotency,
+    get_store,
+    idemflow_settings,
+)
+from idemflow.stores.urls import open_store
+from idemflow.testing import FrozenClock
+from tests.backends import MYSQL_URL
+from tests.conftest import POSTGRES_URL
+from tests.integrations.django_setup import VENDOR_ALIAS, execute, require
+
+POLICY = Policy(request_timeout=5, retention=3600)
+CREATED = Response.json(201, {"id": 1})
+VENDORS = [
+    "sqlite",
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    pytest.param("mysql", marks=pytest.mark.mysql),
+]
+SERVERS = VENDORS[1:]
+_ID = {
+    "sqlite": "id INTEGER PRIMARY KEY",
+    "postgres": "id BIGSERIAL PRIMARY KEY",
+    "mysql": "id BIGINT AUTO_INCREMENT PRIMARY KEY",
+}
+
+
+def intent(key: str = "k-1", principal: str = "alice", fp: str = "fp-1") -> Intent:
+    return Intent(principal, key, fp, endpoint="POST /payments", correlation_id="req-1")
+
+
+class Database:
+    """One vendor's alias with a key table and a business table of this test's own."""
+
+    def __init__(self, vendor: str, table: str) -> None:
+        self.vendor = vendor
+        self.alias = VENDOR_ALIAS[vendor]
+        self.table = table
+        require(self.alias)
+        self.store = DjangoStore(self.alias, table=table, clock="caller")
+        self.store.migrate()
+        execute(self.alias, f"CREATE TABLE biz_{table} ({_ID[vendor]}, note TEXT)")
+        self.clock = FrozenClock()
+        self.idem = Idempotency(self.store, POLICY, clock=self.clock)
+
+    def write(self, note: str) -> None:
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute(f"INSERT INTO biz_{self.table} (note) VALUES (%s)", [note])
+
+    def count(self) -> int:
+        return int(execute(self.alias, f"SELECT count(*) FROM biz_{self.table}")[0][0])
+
+    def state(self, key: str = "k-1") -> State | None:
+        record = self.store.get("alice", key)
+        return None if record is None else record.state
+
+    def run(self, handler: Callable[[Attempt], Response], key: str = "k-1") -> Any:
+        return self.idem.run(intent(key), handler, transaction=DjangoTransaction(self.alias))
+
+    def in_thread(self, action: Callable[[], Any]) -> Any:
+        """Run ``action`` as another request would: another thread, its own connection."""
+        result: list[Any] = []
+
+        def target() -> None:
+            try:
+                result.append(action())
+            except BaseException as exc:
+                result.append(exc)
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        return result[0]
+
+    def drop(self) -> None:
+        self.store.close()
+        execute(self.alias, f"DROP TABLE IF EXISTS {self.table}")
+        execute(self.alias, f"DROP TABLE IF EXISTS biz_{self.table}")
+
+
+@pytest.fixture(params=VENDORS)
+def db(request: pytest.FixtureRequest, table_name: str) -> Iterator[Database]:
+    made = Database(request.param, table_name)
+    yield made
+    made.drop()
+
+
+# --- completion in the view's transaction ---------------------------------------------------
+
+
+def test_completion_commits_with_the_business_row(db: Database) -> None:
+    """The handler's row and the completed record commit together, on Django's connection."""
+
+    def charge(attempt: Attempt) -> Response:
+        assert attempt.connection is connections[db.alias]
+        assert connections[db.alias].in_atomic_block  # the handler runs in transaction.atomic()
+        db.write("paid")
+        return CREATED
+
+    outcome = db.run(charge)
+
+    assert (outcome.response, outcome.replayed) == (CREATED, False)
+    assert (db.count(), db.state()) == (1, State.COMPLETED)
+    assert not connections[db.alias].in_atomic_block  # nothing left open
+    assert db.run(charge).replayed
+    assert db.count() == 1
+
+
+def test_transient_outcome_rolls_the_row_back_and_releases(db: Database) -> None:
+    def fail(attempt: Attempt) -> Response:
+        db.write("half-done")
+        return Response(503, b"provider down")
+
+    assert db.run(fail).response.status == 503
+    assert (db.count(), db.state()) == (0, State.RELEASED)
+
+
+def test_on_commit_callbacks_run_only_after_the_completion_commits(db: Database) -> None:
+    """Django's on_commit hooks fire after COMMIT: with the record, never after a rollback."""
+    fired: list[State | None] = []
+
+    def charge(attempt: Attempt) -> Response:
+        transaction.on_commit(lambda: fired.append(db.state()), using=db.alias)
+        return CREATED
+
+    def fail(attempt: Attempt) -> Response:
+        transaction.on_commit(lambda: fired.append(db.state("k-2")), using=db.alias)
+        return Response(503)
+
+    db.run(charge)
+    db.run(fail, key="k-2")
+
+    assert fired == [State.COMPLETED]
+
+
+def test_a_transaction_marked_for_rollback_is_never_reported_committed(db: Database) -> None:
+    """A database error caught inside the view's atomic block (Django marks it for rollback):
+    the response must not claim success; the key is released and nothing committed."""
+
+    def swallow(attempt: Attempt) -> Response:
+        db.write("paid")
+        transaction.set_rollback(True, using=db.alias)
+        return CREATED
+
+    with pytest.raises(transaction.TransactionManagementError):  # Django refuses the UPDATE
+        db.run(swallow)
+    assert (db.count(), db.state()) == (0, State.RELEASED)
+
+
+# --- inside an enclosing atomic block (ATOMIC_REQUESTS) -------------------------------------
+
+
+@pytest.fixture(params=SERVERS)
+def server_db(request: pytest.FixtureRequest, table_name: str) -> Iterator[Database]:
+    made = Database(request.param, table_name)
+    yield made
+    made.drop()
+
+
+def test_sqlite_refuses_an_enclosing_atomic_block_and_gives_the_key_back(
+    table_name: str,
+) -> None:
+    """One writer: inside the request's transaction the release could not be written once the
+    request wrote, so the attempt is refused before the handler runs, and the key released."""
+    db = Database("sqlite", table_name)
+    try:
+        ran: list[bool] = []
+        with (
+            pytest.raises(ConfigurationError, match="SQLite admits one writer"),
+            transaction.atomic(using=db.alias),
+        ):
+            db.run(lambda attempt: ran.append(True) or CREATED)
+        assert (ran, db.state()) == ([], State.RELEASED)
+    finally:
+        db.drop()
+
+
+def test_in_an_enclosing_atomic_block_the_claim_is_visible_before_the_handler_runs(
+    server_db: Database,
+) -> None:
+    """In an ATOMIC_REQUESTS view the request's transaction is open before idemflow runs: the
+    claim goes through a side connection and commits at once, so a duplicate from another
+    request gets 409 while the handler runs, and the completion commits with the request."""
+    seen: list[Any] = []
+
+    def charge(attempt: Attempt) -> Response:
+        seen.append(server_db.in_thread(lambda: server_db.store.get("alice", "k-1")))
+        seen.append(server_db.in_thread(lambda: server_db.idem.run(intent(), lambda a: CREATED)))
+        server_db.write("paid")
+        return CREATED
+
+    with transaction.atomic(using=server_db.alias):
+        server_db.run(charge)
+        assert connections[server_db.alias].in_atomic_block  # the request's transaction is not ours
+        assert (
+            server_db.in_thread(server_db.count) == 0
+        )  # nor committed by us: it commits with the request
+    committed, duplicate = seen
+
+    assert committed.state is State.IN_PROGRESS
+    assert isinstance(duplicate, InProgress)
+    assert (server_db.count(), server_db.state()) == (1, State.COMPLETED)
+
+
+def test_an_enclosing_rollback_takes_the_completion_and_the_row_with_it(
+    server_db: Database,
+) -> None:
+    """The request's transaction rolls back after idemflow returned: effect and record go
+    together; the key stays claimed (never settled without its effect) for the sweeper."""
+
+    class Abort(Exception):
+        pass
+
+    def charge(attempt: Attempt) -> Response:
+        server_db.write("paid")
+        return CREATED
+
+    def request() -> None:
+        with transaction.atomic(using=server_db.alias):
+            server_db.run(charge)
+            raise Abort
+
+    with pytest.raises(Abort):
+        request()
+
+    assert (server_db.count(), server_db.state()) == (0, State.IN_PROGRESS)
+
+
+def test_a_release_survives_the_enclosing_rollback(server_db: Database) -> None:
+    """The handler raises (a DRF ValidationError, say): the key must be given back although
+    the exception then rolls the request's transaction back (DRF marks it for rollback)."""
+
+    class Invalid(Exception):
+        pass
+
+    def reject(attempt: Attempt) -> Response:
+        server_db.write("half-done")
+        raise Invalid
+
+    with pytest.raises(Invalid), transaction.atomic(using=server_db.alias):
+        server_db.run(reject)
+
+    assert (server_db.count(), server_db.state()) == (0, State.RELEASED)
+    assert server_db.run(lambda attempt: CREATED).response == CREATED  # the retry really runs
+
+
+def test_a_transient_outcome_inside_an_enclosing_block_rolls_back_to_the_savepoint(
+    server_db: Database,
+) -> None:
+    """Only the attempt's writes are undone; the request's own earlier writes stay."""
+
+    def fail(attempt: Attempt) -> Response:
+        server_db.write("attempt")
+        return Response(503)
+
+    with transaction.atomic(using=server_db.alias):
+        server_db.write("before")
+        assert server_db.run(fail).response.status == 503
+
+    assert execute(server_db.alias, f"SELECT note FROM biz_{server_db.table}") == [("before",)]
+    assert server_db.state() is State.RELEASED
+
+
+# --- the migration ---------------------------------------------------------------------------
+
+
+def _schema(vendor: str, alias: str, table: str) -> list[Any]:
+    """The table's columns, constraints and indexes as the server reports them."""
+    if vendor == "postgres":
+        columns = execute(
+            alias,
+            "SELECT column_name, data_type, is_nullable, column_default, is_identity, "
+            "identity_generation FROM information_schema.columns WHERE table_name = %s "
+            "ORDER BY ordinal_position",
+            [table],
+        )
+        constraints = execute(
+            alias,
+            "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
+            "WHERE conrelid = %s::regclass ORDER BY conname",
+            [table],
+        )
+        indexes = execute(
+            alias,
+            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = %s ORDER BY indexname",
+            [table],
+        )
+        return [columns, constraints, indexes]
+    if vendor == "mysql":
+        return [execute(alias, f"SHOW CREATE TABLE {table}")[0][1]]
+    return execute(
+        alias,
+        "SELECT type, name, sql FROM sqlite_master WHERE tbl_name = %s ORDER BY name",
+        [table],
+    )
+
+
+def _store_url(vendor: str) -> str:
+    if vendor == "postgres":
+        return POSTGRES_URL
+    if vendor == "mysql":
+        return MYSQL_URL
+    return "sqlite:///" + str(connections["default"].settings_dict["NAME"])
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_the_migration_creates_the_schema_idemflow_migrate_creates(
+    vendor: str, table_name: str
+) -> None:
+    """`manage.py migrate` and `idemflow migrate` give the same columns, constraints and
+    indexes; `migrate idemflow zero` drops the table."""
+    alias = VENDOR_ALIAS[vendor]
+    require(alias)
+    settings = {"table": table_name, "database": alias}
+    out = io.StringIO()
+    try:
+        with override_settings(IDEMFLOW=settings):
+            call_command("migrate", "idemflow", database=alias, stdout=out, verbosity=0)
+            by_django = _schema(vendor, alias, table_name)
+            call_command("migrate", "idemflow", "zero", database=alias, stdout=out, verbosity=0)
+        assert table_name not in connections[alias].introspection.table_names()
+        store = open_store(_store_url(vendor), table=table_name)
+        try:
+            store.migrate()  # what `idemflow migrate URL --table …` runs
+        finally:
+            store.close()
+        by_idemflow = _schema(vendor, alias, table_name)
+    finally:
+        execute(alias, f"DROP TABLE IF EXISTS {table_name}")
+
+    assert by_django
+    assert by_django == by_idemflow
+
+
+def test_the_migration_leaves_other_aliases_alone(table_name: str) -> None:
+    """Only IDEMFLOW['database'] gets the key table."""
+    require("default")
+    settings = {"table": table_name, "database": "postgres"}
+    with override_settings(IDEMFLOW=settings):
+        call_command("migrate", "idemflow", database="default", verbosity=0)
+        try:
+            assert _schema("sqlite", "default", table_name) == []
+        finally:
+            call_command("migrate", "idemflow", "zero", database="default", verbosity=0)
+
+
+# --- settings and management commands ---------------------------------------------------------
+
+
+def test_settings_mistakes_are_improperly_configured() -> None:
+    with (
+        override_settings(IDEMFLOW={"request_timout": 30}),
+        pytest.raises(ImproperlyConfigured, match="unknown keys"),
+    ):
+        idemflow_settings()
+    with (
+        override_settings(IDEMFLOW={"database": "nowhere"}),
+        pytest.raises(ImproperlyConfigured, match="not in DATABASES"),
+    ):
+        idemflow_settings()
+    with (
+        override_settings(IDEMFLOW={"request_timeout": -1}),
+        pytest.raises(ImproperlyConfigured, match="request_timeout"),
+    ):
+        idemflow_settings()
+
+
+def test_settings_build_the_store_and_policy_once(table_name: str) -> None:
+    with override_settings(IDEMFLOW={"table": table_name, "request_timeout": 7, "retention": 60}):
+        store = get_store()
+        assert isinstance(store, DjangoStore)
+        assert (store.using, store.table) == ("default", table_name)
+        assert get_idempotency().policy.request_timeout.total_seconds() == 7
+        assert get_store() is store
+    assert get_store() is not store  # the override ended: rebuilt from the settings
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_management_commands_sweep_and_purge_the_django_store(vendor: str, table_name: str) -> None:
+    alias = VENDOR_ALIAS[vendor]
+    require(alias)
+    with override_settings(IDEMFLOW={"table": table_name, "database": alias, "clock": "caller"}):
+        store = get_store()
+        try:
+            store.migrate()  # type: ignore[attr-defined]
+            long_ago = 1_000_000.0
+            crashed = store.claim(intent("crashed"), "lease-a", long_ago, long_ago + 10)
+            settled = store.claim(intent("old"), "lease-b", long_ago, long_ago + 10).record
+            store.complete(settled, State.COMPLETED, CREATED, long_ago, long_ago + 10)
+            out = io.StringIO()
+
+            call_command("idemflow_sweep", stdout=out)
+            call_command("idemflow_purge", stdout=out)
+
+            assert crashed.owned
+            released = store.get("alice", "crashed")
+            assert released is not None
+            assert released.state is State.RELEASED
+            assert store.get("alice", "old") is None
+            assert "released=1" in out.getvalue()
+            assert "purged: 1 records" in out.getvalue()
+        finally:
+            execute(alias, f"DROP TABLE IF EXISTS {table_name}")
