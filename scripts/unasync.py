@@ -5,7 +5,8 @@ Generate ``src/idemflow/_sync/`` from ``src/idemflow/_async/``.
 The async modules are the source of truth. A small substitution table (after
 httpcore's ``scripts/unasync.py``) turns them into their sync twins; names are
 chosen so the table suffices (``AsyncX`` → ``X``). ``--check`` fails when a
-generated file is out of date, and CI runs it.
+generated file is out of date, or when a rule matches nothing (dead, or a
+source drifted from it), and CI runs it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ SUBS = [
     (r"\bAsync([A-Z]\w*)", r"\1"),
     (r"\basync def\b", "def"),
     (r"\basync with\b", "with"),
-    (r"\basync for\b", "for"),
     (r"\bawait ", ""),
     (r"\bAwaitable\[(\w+)\]", r"\1"),
     (r"\bAwaitable, ", ""),
@@ -50,7 +50,6 @@ SUBS = [
     (r"\bThe async driver\b", "The sync driver"),
     (r"\bon async DB-API\b", "on DB-API"),
     (r"\ban async context manager\b", "a context manager"),
-    (r"\basync source\b", "sync twin"),
     (r"Async shells", "Sync shells"),
 ]
 
@@ -60,15 +59,17 @@ HEADER = (
 )
 
 
-def unasync(text: str) -> str:
-    for pattern, replacement in SUBS:
-        text = re.sub(pattern, replacement, text, flags=re.MULTILINE)
+def unasync(text: str, used: set[int] | None = None) -> str:
+    for index, (pattern, replacement) in enumerate(SUBS):
+        text, count = re.subn(pattern, replacement, text, flags=re.MULTILINE)
+        if count and used is not None:
+            used.add(index)
     return text
 
 
-def expected() -> dict[Path, str]:
+def expected(used: set[int] | None = None) -> dict[Path, str]:
     return {
-        TARGET / src.name: HEADER.format(name=src.name) + unasync(src.read_text())
+        TARGET / src.name: HEADER.format(name=src.name) + unasync(src.read_text(), used)
         for src in sorted(SOURCE.glob("*.py"))
     }
 
@@ -76,7 +77,14 @@ def expected() -> dict[Path, str]:
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     stale = []
-    for path, text in expected().items():
+    used: set[int] = set()
+    generated = expected(used)
+    unused = [SUBS[i][0] for i in range(len(SUBS)) if i not in used]
+    if check and unused:
+        # A rule that matches nothing is dead, or a source drifted from it.
+        print(f"rules that match nothing: {', '.join(unused)}", file=sys.stderr)
+        return 1
+    for path, text in generated.items():
         if path.exists() and path.read_text() == text:
             continue
         stale.append(path)
