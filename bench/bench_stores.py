@@ -401,14 +401,17 @@ class RawRedis:
 
         def op() -> None:
             now, token, key = time.time(), lease(), keys()
-            target = self.layout.record_key(PRINCIPAL, key)
+            target = self.layout.keys(PRINCIPAL, key)
             args = self.layout.claim_args(intent(key), token, now, now + RETENTION)
-            reply = self.client.evalsha(self.sha["claim"], 1, target, *args)
+            reply = self.client.evalsha(self.sha["claim"], len(target), *target, *args)
             if reply[0] != b"new":
                 raise AssertionError(f"a fresh key was not new: {reply[0]!r}")
             record = _redis_record(token, key, now)
-            args = self.layout.complete_args(record, State.COMPLETED, RESPONSE, time.time())
-            if self.client.evalsha(self.sha["complete"], 1, target, *args) != 1:
+            done = time.time()
+            args = self.layout.complete_args(
+                record, State.COMPLETED, RESPONSE, done, done + RETENTION
+            )
+            if self.client.evalsha(self.sha["complete"], len(target), *target, *args) != 1:
                 raise AssertionError("completion refused")
 
         return op
@@ -416,9 +419,9 @@ class RawRedis:
     def replay(self, keys: ReplayKeys) -> Op:
         def op() -> None:
             now, key = time.time(), keys()
-            target = self.layout.record_key(PRINCIPAL, key)
+            target = self.layout.keys(PRINCIPAL, key)
             args = self.layout.claim_args(intent(key), lease(), now, now + RETENTION)
-            reply = self.client.evalsha(self.sha["claim"], 1, target, *args)
+            reply = self.client.evalsha(self.sha["claim"], len(target), *target, *args)
             fields = dict(zip(reply[1::2], reply[2::2], strict=True))
             if reply[0] != b"held" or fields[b"fingerprint"] != FINGERPRINT.encode():
                 raise AssertionError("expected a held record")
@@ -532,9 +535,9 @@ def claim_rates(settings: Settings, run_id: str, report: Report, cluster_url: st
 def _redis_claim(raw: RawRedis, keys: Keys) -> Op:
     def op() -> None:
         now, key = time.time(), keys()
-        target = raw.layout.record_key(PRINCIPAL, key)
+        target = raw.layout.keys(PRINCIPAL, key)
         args = raw.layout.claim_args(intent(key), lease(), now, now + RETENTION)
-        raw.client.evalsha(raw.sha["claim"], 1, target, *args)
+        raw.client.evalsha(raw.sha["claim"], len(target), *target, *args)
 
     return op
 
@@ -587,8 +590,7 @@ def postgres_claim(run_id: str) -> Iterator[Op | None]:
 # --- native clients (the servers' own capacity) --------------------------------
 
 NATIVE_SECONDS = 10
-REDIS_ARGS = ["1800000000000", "1800086400000", "1800000070000", "70000", "tok", "bench", "k"]
-REDIS_ARGS += [FINGERPRINT, ENDPOINT, "", "0"]
+REDIS_ARGS = ["1800000000000", "1800086400000", "tok", "bench", "k", FINGERPRINT, ENDPOINT, "", "0"]
 
 
 def native_rates(run_id: str, report: Report) -> None:
@@ -678,11 +680,15 @@ def native_mariadb(run_id: str) -> tuple[str, float] | None:
 
 def _redis_benchmarks(targets: list[tuple[int, str]]) -> float:
     """Run one redis-benchmark per (port, key pattern) at once; their requests/s summed."""
-    from idemflow.stores.redis import SHAS
+    from idemflow.stores.redis import INDEXES, SHAS
+
+    def keys(pattern: str) -> list[str]:  # the bucket's four indexes (same tag), then the record
+        tag = pattern[pattern.index("{") : pattern.index("}") + 1]
+        return [f"native:{tag}:i:{name}" for name in INDEXES] + [pattern]
 
     commands = [
         ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-c", "8", "-n", "100000",
-         "-r", "1000000000", "-q", "EVALSHA", SHAS["claim"], "1", pattern, *REDIS_ARGS]
+         "-r", "1000000000", "-q", "EVALSHA", SHAS["claim"], "5", *keys(pattern), *REDIS_ARGS]
         for port, pattern in targets
     ]  # fmt: skip
     running = [subprocess.Popen(c, stdout=subprocess.PIPE, text=True) for c in commands]

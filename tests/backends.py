@@ -38,8 +38,6 @@ class Backend:
     #: Opens a new store on the same data, e.g. in another process: (name, args).
     spec: tuple[str, tuple[Any, ...]] = ("memory", ())
     closers: list[Callable[[], None]] = field(default_factory=list)
-    #: Records leave by themselves (Redis TTLs): sweep finds nothing, purge deletes nothing.
-    expires_by_itself: bool = False
 
     @property
     def transactional(self) -> bool:
@@ -174,8 +172,7 @@ def _open_mysql(table: str, found_rows: bool = False) -> Store:
 # --- Redis / Redis Cluster --------------------------------------------------------
 
 REDIS_URL = os.environ.get("IDEMFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-#: The contract suite's policy (request_timeout=5, retention=3600): the Redis lease
-#: (its stale threshold, 20 s) is derived from it.
+#: The contract suite's policy (request_timeout=5, retention=3600).
 REDIS_POLICY_ARGS = (5.0, 3600.0)
 
 
@@ -199,7 +196,7 @@ def _open_redis(prefix: str, url: str = REDIS_URL, cluster: bool = False) -> Sto
     client = redis_client(url, cluster=cluster)
     timeout, retention = REDIS_POLICY_ARGS
     policy = Policy(request_timeout=timeout, retention=retention)
-    return RedisStore(client, policy=policy, prefix=prefix)
+    return RedisStore(client, policy=policy, prefix=prefix, clock="caller")
 
 
 def redis_backend(table: str, url: str = REDIS_URL, *, cluster: bool = False) -> Backend:
@@ -228,7 +225,6 @@ def redis_backend(table: str, url: str = REDIS_URL, *, cluster: bool = False) ->
         lambda conn, note: rows.append(note),
         lambda: len(rows),
         (name, (table, url)),
-        expires_by_itself=True,
     )
     backend.closers.append(drop)
     return backend

@@ -181,7 +181,7 @@ def assert_overlapped(rounds: list[collections.Counter[str]]) -> None:
 
 def prepare(kind: str, backend: Backend, key: str, clock: FrozenClock) -> None:
     """Leave ``key`` released by a transient failure, or settled and then expired."""
-    if kind == "fresh" or (kind == "expired" and backend.expires_by_itself):
+    if kind == "fresh":
         return
     status = 503 if kind == "released" else 201
     idem = Idempotency(backend.store, POLICY, clock=clock)
@@ -415,7 +415,7 @@ async def async_postgres(table: str) -> AsyncIterator[AsyncSetup]:
         admin = psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3)
     except psycopg.OperationalError as exc:
         unreachable("PostgreSQL", exc)
-    store = AsyncPostgresStore(POSTGRES_URL, table=table, max_size=8)
+    store = AsyncPostgresStore(POSTGRES_URL, table=table, max_size=8, clock="caller")
     with admin:
         await store.migrate()
         admin.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")

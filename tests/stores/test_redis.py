@@ -1,20 +1,27 @@
 """
 The Redis store beyond the shared contract: what only a Redis store has to show.
 
-The claim behaves as ``SET NX PX <lease>`` (the lease is the policy's stale
-threshold), settled records keep their own TTL, a replay is one round trip,
-the store refuses the caller's transaction at configuration time, and an
-unreachable or vanishing server is a 503, never a second execution.
+A claim never expires by itself: a crashed one stays ``in_progress`` (with
+its recovery point) until the sweeper marks it stale, fenced against its old
+owner and against other sweepers. Settled records keep their own TTL and an
+entry in their bucket's expiry index; every index entry matches its record
+after any mix of writes. A replay is one round trip, the store refuses the
+caller's transaction at configuration time, and an unreachable or vanishing
+server is a 503, never a second execution.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import json
+import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,6 +29,7 @@ import pytest
 
 from idemflow import (
     AsyncIdempotency,
+    Attempt,
     ConfigurationError,
     Idempotency,
     InProgress,
@@ -29,9 +37,19 @@ from idemflow import (
     KeyReused,
     LeaseLost,
     Policy,
+    Record,
     Response,
     State,
     StoreUnavailable,
+)
+from idemflow.cli import main
+from idemflow.sweeper import (
+    AsyncSweeper,
+    DidNotHappen,
+    Happened,
+    Sweeper,
+    SweepReport,
+    Unknown,
 )
 from idemflow.testing import FrozenClock
 from tests.backends import REDIS_URL, redis_client
@@ -41,11 +59,21 @@ from tests.stores._race import Recorder, assert_exactly_once, race_processes, ra
 redis = pytest.importorskip("redis")
 from redis.connection import Connection  # noqa: E402
 
-from idemflow.stores.redis import AsyncRedisStore, RedisStore, open_redis  # noqa: E402
+from idemflow.stores.redis import (  # noqa: E402
+    EXPIRES,
+    IN_PROGRESS,
+    RELEASED,
+    STALE,
+    AsyncRedisStore,
+    RedisStore,
+    open_redis,
+    record_from_hash,
+)
 
 pytestmark = pytest.mark.redis
 
-POLICY = Policy(request_timeout=5, retention=3600)  # lease: 2 × 5 s + 10 s = 20 s
+POLICY = Policy(request_timeout=5, retention=3600)  # stale after 2 × 5 s + 10 s = 20 s
+THRESHOLD = POLICY.stale_seconds
 CREATED = Response.json(201, {"id": "pay_1"})
 
 
@@ -60,7 +88,7 @@ def store(table_name: str) -> Iterator[RedisStore]:
         client.ping()
     except redis.exceptions.ConnectionError as exc:
         unreachable("Redis", exc)
-    made = RedisStore(client, policy=POLICY, prefix=table_name)
+    made = RedisStore(client, prefix=table_name, clock="caller")  # tests move a frozen clock
     yield made
     for key in client.scan_iter(match=f"{table_name}:*"):
         client.delete(key)
@@ -101,29 +129,86 @@ def own_redis_server(directory: Path) -> Iterator[tuple[subprocess.Popen[bytes],
         process.wait(timeout=10)
 
 
-# --- the claim and the record's life -----------------------------------------
+def ms(seconds: float) -> int:
+    return int(seconds * 1000)
 
 
-def test_claim_is_set_nx_with_the_policy_lease(store: RedisStore) -> None:
-    """An in-progress record lives for the stale threshold, then vanishes by itself."""
+def assert_indexes_match_records(store: RedisStore) -> dict[str, int]:
+    """Every index entry is its record's, with its record's score, and nothing is missing.
+
+    in_progress / stale / released-with-a-recovery-point: in their sweep index
+    by updated_at, no TTL, never purged. Settled, and released with nothing to
+    reconcile: in the expiry index by expires_at, with a TTL. Returns the
+    records per state (so a caller can check the workload did what it meant).
+    """
+    client, layout = store.client, store.layout
+    want: dict[bytes, dict[bytes, int]] = collections.defaultdict(dict)
+    states: collections.Counter[str] = collections.Counter()
+    for key in client.scan_iter(match=layout.record_pattern(), count=1000):
+        record = record_from_hash([x for pair in client.hgetall(key).items() for x in pair])
+        assert key == layout.record_key(record.principal, record.key)
+        indexes = layout.indexes(layout.bucket(record.principal, record.key))
+        states[record.state.value] += 1
+        ttl = client.pttl(key)
+        kept = record.state is State.RELEASED and record.recovery_point is not None
+        if record.state in (State.IN_PROGRESS, State.STALE):
+            position = IN_PROGRESS if record.state is State.IN_PROGRESS else STALE
+            want[indexes[position]][key] = ms(record.updated_at)
+            assert ttl == -1, f"{record.key} ({record.state}) must not expire by itself"
+        elif kept:
+            want[indexes[RELEASED]][key] = ms(record.updated_at)
+            assert ttl == -1, f"{record.key} (released with progress) must not expire"
+        else:
+            want[indexes[EXPIRES]][key] = ms(record.expires_at)
+            assert ttl > 0, f"{record.key} ({record.state}) needs its retention as TTL"
+    have: dict[bytes, dict[bytes, int]] = {}
+    pattern = re.escape(layout.prefix) + r":\{\d+\}:i:"
+    for name in client.scan_iter(match=f"{layout.prefix}:{{*}}:i:*", count=1000):
+        assert re.match(pattern.encode(), name)
+        have[name] = {m: int(s) for m, s in client.zrange(name, 0, -1, withscores=True)}
+    assert have == dict(want)
+    return dict(states)
+
+
+def keys_in_one_bucket(store: RedisStore, count: int) -> list[str]:
+    """``count`` keys of alice's whose records share one bucket (and so one slot)."""
+    first = store.layout.bucket("alice", "same-0")
+    found = ["same-0"]
+    n = 0
+    while len(found) < count:
+        n += 1
+        if store.layout.bucket("alice", f"same-{n}") == first:
+            found.append(f"same-{n}")
+    return found
+
+
+# --- the record's life: nothing in flight expires, the sweeper ends it ---------------
+
+
+def test_a_claim_never_expires_by_itself(store: RedisStore) -> None:
+    """An in_progress record has no TTL, however long its request runs; it is indexed."""
     clock = FrozenClock()
     claim = store.claim(intent(), "lease-a", clock(), clock() + 3600)
-    ttl_ms = store.client.pttl(store.layout.record_key("alice", "k-1"))
+    store.checkpoint(claim.record, "charged", clock())
+    key = store.layout.record_key("alice", "k-1")
 
     assert claim.owned
-    assert store.layout.lease_ms == 20_000 == POLICY.stale_seconds * 1000
-    assert 19_000 < ttl_ms <= 20_000
+    assert store.client.pttl(key) == -1
+    clock.advance(10 * THRESHOLD)
+    assert not store.claim(intent(), "lease-b", clock(), clock() + 3600).owned
+    assert assert_indexes_match_records(store) == {"in_progress": 1}
 
 
 def test_settled_record_keeps_its_own_ttl_for_the_retention(store: RedisStore) -> None:
-    """Completion replaces the lease with the rest of the retention period."""
+    """Completion gives the record its retention, counted from settlement, as its TTL."""
     clock = FrozenClock()
     claim = store.claim(intent(), "lease-a", clock(), clock() + 3600)
     clock.advance(10)
-    store.complete(claim.record, State.COMPLETED, CREATED, clock())
+    store.complete(claim.record, State.COMPLETED, CREATED, clock(), clock() + 3600)
 
     ttl_ms = store.client.pttl(store.layout.record_key("alice", "k-1"))
-    assert 3_589_000 < ttl_ms <= 3_590_000
+    assert 3_599_000 < ttl_ms <= 3_600_000
+    assert assert_indexes_match_records(store) == {"completed": 1}
 
 
 def test_released_record_waits_for_the_retry_of_the_same_request(store: RedisStore) -> None:
@@ -134,6 +219,7 @@ def test_released_record_waits_for_the_retry_of_the_same_request(store: RedisSto
     record = store.get("alice", "k-1")
     assert record is not None
     assert record.state is State.RELEASED
+    assert store.client.pttl(store.layout.record_key("alice", "k-1")) > 0  # nothing to resolve
 
     with pytest.raises(KeyReused):
         idem.run(intent(fp="fp-other"), lambda attempt: CREATED)
@@ -145,32 +231,281 @@ def test_released_record_waits_for_the_retry_of_the_same_request(store: RedisSto
     )
 
 
-def test_a_lease_that_ran_out_ends_the_claim(store: RedisStore) -> None:
-    """Past the lease the crashed claim is gone: a retry runs, the old owner cannot complete."""
+def test_a_crashed_claim_is_marked_stale_and_keeps_its_recovery_point(store: RedisStore) -> None:
+    """Past the threshold (not before) the sweeper marks the crash; it is asked with its point."""
     clock = FrozenClock()
     crashed = store.claim(intent(), "lease-a", clock(), clock() + 3600).record
-    clock.advance(19)
-    assert not store.claim(intent(), "lease-b", clock(), clock() + 3600).owned
-    clock.advance(2)
+    store.checkpoint(crashed, "charged", clock())
+    clock.advance(THRESHOLD)  # at the threshold: still live
+    assert Sweeper(store, POLICY, clock=clock).sweep_once() == SweepReport()
+    handler = Recorder()
+    with pytest.raises(InProgress):  # a retry is told to wait, it never runs a second time
+        Idempotency(store, POLICY, clock=clock).run(intent(), handler)
+    assert handler.calls == []
+    clock.advance(0.001)
+    asked: list[Record] = []
 
-    retry = store.claim(intent(), "lease-c", clock(), clock() + 3600)
+    def unsure(record: Record, keys: Mapping[str, str]) -> Unknown:
+        asked.append(record)
+        return Unknown("provider timed out")
 
-    assert retry.owned
-    assert retry.record.attempt == 1  # a fresh claim, as after SET NX on an expired key
+    report = Sweeper(store, POLICY, reconciler=unsure, clock=clock).sweep_once()
+
+    assert report == SweepReport(unknown=1, batches=1)
+    assert [(r.state, r.recovery_point, r.lease_token != "lease-a") for r in asked] == [
+        (State.STALE, "charged", True)
+    ]
+    assert assert_indexes_match_records(store) == {"stale": 1}
+    clock.advance(THRESHOLD + 1)  # asked again once retry_unknown_after has passed
+    done = Sweeper(store, POLICY, reconciler=lambda r, k: Happened(CREATED), clock=clock)
+    assert done.sweep_once() == SweepReport(completed=1, retried=1, batches=1)
+    replay = Idempotency(store, POLICY, clock=clock).run(intent(), handler)
+    assert (replay.replayed, replay.response, handler.calls) == (True, CREATED, [])
+    assert assert_indexes_match_records(store) == {"completed": 1}
+
+
+def test_an_overrun_owner_cannot_write_after_the_sweeper_marked_it(store: RedisStore) -> None:
+    """Marked stale, the record refuses its old owner; settled by the sweeper, still refuses.
+
+    The owner's scripts treat "already in the state I write" as their own
+    retried write: the sweeper's mark takes a token of its own so that a
+    settlement it wrote never passes for the owner's.
+    """
+    clock = FrozenClock()
+    old = store.claim(intent(), "lease-old", clock(), clock() + 3600).record
+    clock.advance(THRESHOLD + 1)
+    unsure = Sweeper(store, POLICY, reconciler=lambda r, k: Unknown(), clock=clock)
+    assert unsure.sweep_once().unknown == 1
+    marked = store.get("alice", "k-1")
+
     with pytest.raises(LeaseLost):
-        store.complete(crashed, State.COMPLETED, CREATED, clock())
+        store.complete(old, State.COMPLETED, CREATED, clock(), clock() + 3600)
+    assert store.release(old, clock()) is False
+    with pytest.raises(LeaseLost):
+        store.checkpoint(old, "late", clock())
+    assert store.get("alice", "k-1") == marked
+
+    clock.advance(THRESHOLD + 1)
+    reconciled = Response.json(201, {"id": "from_provider"})
+    happened = Sweeper(store, POLICY, reconciler=lambda r, k: Happened(reconciled), clock=clock)
+    assert happened.sweep_once().completed == 1
+    with pytest.raises(LeaseLost):  # the same state the sweeper wrote: not the owner's write
+        store.complete(old, State.COMPLETED, CREATED, clock(), clock() + 3600)
+    assert store.release(old, clock()) is False
+    settled = store.get("alice", "k-1")
+    assert settled is not None
+    assert (settled.state, settled.response) == (State.COMPLETED, reconciled)
 
 
-def test_checkpoint_renews_the_lease(store: RedisStore) -> None:
-    """A checkpoint counts as life: the lease runs from the checkpoint."""
+def test_two_sweepers_racing_resolve_each_stale_record_exactly_once(
+    store: RedisStore, table_name: str
+) -> None:
+    """Two sweepers (own clients) on the same 300 crashes: each asked about once, none lost."""
+    clock = FrozenClock()
+    keys = [f"crash-{n}" for n in range(300)]
+    for key in keys:
+        record = store.claim(intent(key), f"lease-{key}", clock(), clock() + 3600).record
+        store.checkpoint(record, "charged", clock())
+    clock.advance(THRESHOLD + 1)
+    asked: collections.Counter[str] = collections.Counter()
+    by_sweeper: collections.Counter[str] = collections.Counter()
+    started = {"a": threading.Event(), "b": threading.Event()}
+    lock = threading.Lock()
+    barrier = threading.Barrier(2, timeout=30)
+    reports: dict[str, SweepReport] = {}
+
+    def reconciler(name: str, other: str) -> Any:
+        def reconcile(record: Record, downstream: Mapping[str, str]) -> Happened:
+            with lock:
+                asked[record.key] += 1
+                by_sweeper[name] += 1
+            started[name].set()
+            # Neither gets past its first record before the other has one: they overlap.
+            assert started[other].wait(timeout=30)
+            return Happened(Response(201, record.key.encode()))
+
+        return reconcile
+
+    def sweep(name: str, other: str) -> None:
+        own = RedisStore(redis_client(), prefix=table_name, clock="caller")
+        sweeper = Sweeper(own, POLICY, reconciler=reconciler(name, other), clock=clock)
+        barrier.wait()
+        try:
+            reports[name] = sweeper.sweep_once()
+        finally:
+            own.close()
+
+    threads = [
+        threading.Thread(target=sweep, args=("a", "b")),
+        threading.Thread(target=sweep, args=("b", "a")),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+
+    assert set(asked) == set(keys)
+    assert set(asked.values()) == {1}
+    assert min(by_sweeper.values()) > 0
+    assert sum(r.completed for r in reports.values()) == len(keys)
+    assert sum(r.lost + r.unknown for r in reports.values()) == 0
+    for key in keys:
+        record = store.get("alice", key)
+        assert record is not None
+        assert (record.state, record.response) == (State.COMPLETED, Response(201, key.encode()))
+    assert assert_indexes_match_records(store) == {"completed": len(keys)}
+
+
+def test_indexes_match_the_records_after_a_mixed_workload(store: RedisStore) -> None:
+    """Completions, releases, crashes, three kinds of answers, takeovers, expiry and purge."""
+    clock = FrozenClock()
+    idem = Idempotency(store, POLICY, clock=clock)
+
+    def progressed_then_failed(attempt: Attempt) -> Response:
+        attempt.checkpoint("payment_created")
+        return Response(503)
+
+    for n in range(10):
+        idem.run(intent(f"done-{n}"), lambda attempt: CREATED)
+    for n in range(3):
+        idem.run(intent(f"declined-{n}"), lambda attempt: Response(402))
+    for n in range(5):
+        idem.run(intent(f"failed-{n}"), lambda attempt: Response(503))
+        idem.run(intent(f"progressed-{n}"), progressed_then_failed)
+    for n in range(6):
+        crashed = store.claim(intent(f"crash-{n}"), f"lease-{n}", clock(), clock() + 3600).record
+        if n % 2:
+            store.checkpoint(crashed, "charged", clock())
+    assert assert_indexes_match_records(store) == {
+        "completed": 10,
+        "failed_permanent": 3,
+        "released": 10,
+        "in_progress": 6,
+    }
+
+    clock.advance(THRESHOLD + 1)
+
+    def answer(record: Record, keys: Mapping[str, str]) -> Any:
+        number = int(record.key.rsplit("-", 1)[1])
+        if record.key.startswith("progressed-"):
+            return DidNotHappen("never charged") if number < 3 else Unknown()
+        return (Happened(CREATED), DidNotHappen(), Unknown())[number % 3]
+
+    Sweeper(store, POLICY, reconciler=answer, clock=clock).sweep_once()
+    states = assert_indexes_match_records(store)
+    assert states["stale"] == 2 + 2  # crash-2, crash-5; progressed-3, progressed-4
+
+    for n in range(5):  # retries: released takeovers, fresh or from their point
+        idem.run(intent(f"failed-{n}"), lambda attempt: CREATED)
+    idem.run(intent("crash-1"), lambda attempt: CREATED)
+    assert_indexes_match_records(store)
+
+    clock.advance(3601)  # past every retention
+    for n in range(4):  # expired takeovers: new intents under old keys
+        idem.run(intent(f"done-{n}", fp="fp-new"), lambda attempt: Response(503))
+    assert_indexes_match_records(store)
+    while store.purge(clock(), 4) == 4:
+        assert_indexes_match_records(store)
+    left = assert_indexes_match_records(store)
+    assert left == {"stale": 4, "released": 4}  # in recovery, and the four new intents
+
+
+def test_each_settling_write_purges_expired_records_of_its_bucket(store: RedisStore) -> None:
+    """Without any purge job the expiry index stays bounded: a completion takes two out."""
+    check_settling_write_purges_its_bucket(store)
+
+
+def check_settling_write_purges_its_bucket(store: RedisStore) -> None:
+    """Three records of one bucket expire; the next completion there deletes two of them."""
+    clock = FrozenClock()
+    old, new = keys_in_one_bucket(store, 4)[:3], keys_in_one_bucket(store, 4)[3]
+    for key in old:
+        record = store.claim(intent(key), "l", clock(), clock() + 10).record
+        store.complete(record, State.COMPLETED, CREATED, clock(), clock() + 10)
+    clock.advance(11)
+
+    record = store.claim(intent(new), "l", clock(), clock() + 3600).record
+    store.complete(record, State.COMPLETED, CREATED, clock(), clock() + 3600)
+
+    assert sum(store.get("alice", key) is None for key in old) == 2
+    assert assert_indexes_match_records(store) == {"completed": 2}
+    assert store.purge(clock(), 10) == 1
+    assert assert_indexes_match_records(store) == {"completed": 1}
+
+
+def test_purge_drops_the_entries_of_records_their_ttl_deleted(store: RedisStore) -> None:
+    """Redis deletes a settled record at the end of its TTL; purge then drops its entry."""
+    clock = FrozenClock()
+    record = store.claim(intent(), "l", clock(), clock() + 3600).record
+    store.complete(record, State.COMPLETED, CREATED, clock(), clock() + 0.05)
+    key = store.layout.record_key("alice", "k-1")
+    deadline = time.monotonic() + 10
+    while store.client.exists(key):
+        assert time.monotonic() < deadline, "the TTL never fired"
+        time.sleep(0.01)
+    expiry = store.layout.indexes(store.layout.bucket("alice", "k-1"))[EXPIRES]
+    assert store.client.zcard(expiry) == 1
+
+    assert store.purge(clock() + 1, 10) == 1
+    assert store.client.zcard(expiry) == 0
+
+
+def test_hosts_whose_clocks_run_ahead_decide_on_redis_time(table_name: str) -> None:
+    """On Redis's clock, a sweeper and a claimer five minutes ahead neither sweep a live
+    claim nor take over a settled key before its retention ends; on their own clocks they
+    would (the same steps on a caller-clock store, for contrast)."""
+    ahead = 300.0
+
+    def run(clock: Any) -> tuple[SweepReport, bool]:
+        client = redis_client()
+        store = RedisStore(client, prefix=f"{table_name}-{clock}", clock=clock)
+        try:
+            now = time.time()
+            store.claim(intent("live"), "lease-live", now, now + 3600)
+            done = store.claim(intent("settled"), "lease-done", now, now + 3600).record
+            store.complete(done, State.COMPLETED, CREATED, now, now + 60)  # a 60 s retention
+            fast = Policy(request_timeout=60, retention=60)  # stale after 130 s
+            swept = Sweeper(store, fast, clock=lambda: time.time() + ahead).sweep_once()
+            later = time.time() + ahead
+            taken = store.claim(intent("settled", fp="fp-other"), "l", later, later + 60).owned
+            return swept, taken
+        finally:
+            for key in client.scan_iter(match=f"{table_name}-{clock}:*"):
+                client.delete(key)
+            store.close()
+
+    assert run("database") == (SweepReport(), False)
+    assert run("caller") == (SweepReport(released=1, batches=1), True)
+
+
+def test_a_fresh_claim_reports_the_times_it_wrote(table_name: str) -> None:
+    """On Redis's clock the claim's record is the stored one: updated_at is Redis's now."""
+    client = redis_client()
+    store = RedisStore(client, prefix=table_name)
+    try:
+        now = time.time() - 3600  # a caller clock an hour behind
+        claim = store.claim(intent(), "lease-a", now, now + 60)
+        stored = store.get("alice", "k-1")
+    finally:
+        for key in client.scan_iter(match=f"{table_name}:*"):
+            client.delete(key)
+        store.close()
+    assert claim.record == stored
+    assert abs(claim.record.updated_at - time.time()) < 60
+    assert claim.record.expires_at - claim.record.updated_at == pytest.approx(60, abs=0.01)
+    assert claim.record.created_at == int(now * 1000) / 1000  # the intent's identity, as sent
+
+
+def test_checkpoint_counts_as_life(store: RedisStore) -> None:
+    """The sweeper's threshold runs from the last checkpoint, not from the claim."""
     clock = FrozenClock()
     claim = store.claim(intent(), "lease-a", clock(), clock() + 3600)
     clock.advance(15)
     store.checkpoint(claim.record, "charged", clock())
     clock.advance(15)
 
-    assert not store.claim(intent(), "lease-b", clock(), clock() + 3600).owned
-    store.complete(claim.record, State.COMPLETED, CREATED, clock())
+    assert Sweeper(store, POLICY, clock=clock).sweep_once() == SweepReport()
+    store.complete(claim.record, State.COMPLETED, CREATED, clock(), clock() + 3600)
 
 
 def test_every_script_is_safe_to_retry(store: RedisStore) -> None:
@@ -181,12 +516,13 @@ def test_every_script_is_safe_to_retry(store: RedisStore) -> None:
     assert (first.owned, again.owned) == (True, True)
     assert again.record.id == first.record.id
 
-    store.complete(first.record, State.COMPLETED, CREATED, clock())
-    store.complete(first.record, State.COMPLETED, CREATED, clock())  # no LeaseLost
+    store.complete(first.record, State.COMPLETED, CREATED, clock(), clock() + 3600)
+    store.complete(first.record, State.COMPLETED, CREATED, clock(), clock() + 3600)
 
     other = store.claim(intent("k-2"), "lease-b", clock(), clock() + 3600).record
     assert store.release(other, clock()) is True
     assert store.release(other, clock()) is True
+    assert_indexes_match_records(store)
 
 
 class CountingConnection(Connection):
@@ -207,7 +543,7 @@ def test_replay_is_one_round_trip(store: RedisStore) -> None:
     idem.run(intent(), lambda attempt: CREATED)
     pool = redis.ConnectionPool.from_url(REDIS_URL, connection_class=CountingConnection)
     counting = RedisStore(
-        redis.Redis(connection_pool=pool), policy=POLICY, prefix=store.layout.prefix
+        redis.Redis(connection_pool=pool), prefix=store.layout.prefix, clock="caller"
     )
     counting.client.ping()
     CountingConnection.sent.clear()
@@ -222,14 +558,18 @@ def test_replay_is_one_round_trip(store: RedisStore) -> None:
 def test_a_server_that_lost_its_scripts_gets_them_again(tmp_path: Path) -> None:
     """After SCRIPT FLUSH (or a restart) the first call reloads the script and still decides."""
     with own_redis_server(tmp_path) as (_, url):
-        store = RedisStore(redis_client(url), policy=POLICY, prefix="flushed")
+        store = RedisStore(redis_client(url), prefix="flushed", clock="caller")
         store.client.script_flush()
         clock = FrozenClock()
 
         first = store.claim(intent(), "lease-a", clock(), clock() + 60)
         second = store.claim(intent(), "lease-b", clock(), clock() + 60)
+        clock.advance(THRESHOLD + 1)
+        store.client.script_flush()
+        marked = store.sweep(State.IN_PROGRESS, clock() - THRESHOLD, clock(), clock() + 60, 10)
         store.close()
     assert (first.owned, second.owned) == (True, False)
+    assert [r.state for r in marked] == [State.STALE]
 
 
 def test_keys_are_case_and_space_exact(store: RedisStore) -> None:
@@ -243,6 +583,64 @@ def test_keys_are_case_and_space_exact(store: RedisStore) -> None:
     assert {o.response.body for o in bodies} == {b"Key", b"key", b"k", b"k "}
 
 
+# --- operations: the CLI's sweep, stats and purge --------------------------------------
+
+
+def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    code = main([*argv, "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)
+
+
+def test_idemflow_sweep_stats_and_purge_work_on_redis(
+    store: RedisStore, table_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The operator's commands run on a redis:// URL: the crash is swept, counted, purged."""
+    now = time.time()
+    store.claim(intent("crashed"), "lease-c", now - 100, now + 3600)  # older than 70 s
+    done = store.claim(intent("done"), "lease-d", now - 7200, now).record
+    store.complete(done, State.COMPLETED, CREATED, now - 7200, now - 3600)
+    url, table = REDIS_URL, ("--table", table_name)
+
+    before = cli_json(capsys, "stats", url, *table)
+    swept = cli_json(capsys, "sweep", url, *table)
+    after = cli_json(capsys, "stats", url, *table)
+    purged = cli_json(capsys, "purge", url, *table)
+
+    assert before["by_state"] | {"in_progress": 1} == before["by_state"]
+    assert (before["by_state"]["completed"], before["in_progress_past_stale_threshold"]) == (1, 1)
+    assert before["oldest_in_progress"]["key"] == "crashed"
+    assert before["expired_unpurged"] == 1
+    assert (swept["released"], swept["batches"]) == (1, 1)
+    assert after["by_state"]["released"] == 1
+    assert after["in_progress_past_request_timeout"] == 0
+    assert purged["purged"] == 1
+    assert store.get("alice", "done") is None
+    assert assert_indexes_match_records(store) == {"released": 1}
+
+
+def test_the_stuck_claims_gauge_reads_a_redis_store(store: RedisStore) -> None:
+    """The gauge counts claims older than the request timeout, and swept unresolved ones."""
+    from idemflow.metrics import PrometheusMetrics
+
+    clock = FrozenClock()
+    for key in ("a", "b", "c"):
+        store.claim(intent(key), key, clock(), clock() + 3600)
+    clock.advance(THRESHOLD + 1)
+    store.claim(intent("fresh"), "fresh", clock(), clock() + 3600)
+    store.sweep(State.IN_PROGRESS, clock() - THRESHOLD, clock(), clock() + 3600, 1)
+    metrics = PrometheusMetrics()
+    metrics.watch_stale_claims(store, POLICY.request_timeout, cache_seconds=0, clock=clock)
+
+    def sample(state: str) -> float | None:
+        name = "idemflow_stale_in_progress"
+        value: float | None = metrics.registry.get_sample_value(name, {"state": state})
+        return value
+
+    assert (sample("in_progress"), sample("stale")) == (2.0, 1.0)
+
+
 # --- configuration ---------------------------------------------------------------
 
 
@@ -254,6 +652,8 @@ def test_a_transaction_is_refused_before_anything_is_claimed(store: RedisStore) 
         Idempotency(store, POLICY).run(intent(), handler, transaction=object())  # type: ignore[arg-type]
     assert handler.calls == []
     assert store.get("alice", "k-1") is None
+    with pytest.raises(ConfigurationError, match="cannot share a transaction_factory"):
+        Sweeper(store, POLICY, transaction_factory=contextlib.nullcontext)  # type: ignore[arg-type]
 
 
 def test_a_decoding_client_is_refused_at_construction() -> None:
@@ -264,11 +664,11 @@ def test_a_decoding_client_is_refused_at_construction() -> None:
     client.close()
 
 
-def test_lease_follows_the_policy() -> None:
-    """The lease is the policy's stale threshold; without a policy, the default one's."""
+def test_a_prefix_with_a_hash_tag_is_refused() -> None:
+    """The prefix comes before the bucket's hash tag: a brace in it would pick the slot."""
     client = redis_client()
-    assert RedisStore(client, policy=Policy(request_timeout=60)).layout.lease_ms == 130_000
-    assert RedisStore(client).layout.lease_ms == Policy().stale_seconds * 1000
+    with pytest.raises(ConfigurationError, match="braces"):
+        RedisStore(client, prefix="app{1}")
     client.close()
 
 
@@ -286,6 +686,8 @@ def test_unreachable_redis_is_store_unavailable() -> None:
         Idempotency(store, POLICY).run(intent(), handler)
     assert raised.value.status == 503
     assert handler.calls == []
+    with pytest.raises(StoreUnavailable):
+        store.sweep(State.IN_PROGRESS, 0, 0, 0, 10)
 
 
 def test_redis_stopping_mid_request_is_a_503_not_a_second_execution(tmp_path: Path) -> None:
@@ -349,6 +751,48 @@ async def test_async_store_runs_replays_and_refuses(table_name: str) -> None:
     assert len(seen) == 1
     assert record is not None
     assert record.recovery_point == "halfway"
+
+
+@pytest.mark.anyio
+async def test_async_store_sweeps_resolves_and_purges(table_name: str) -> None:
+    """AsyncSweeper on AsyncRedisStore: crashes marked once, settled or released, then purged."""
+    from redis.asyncio import Redis
+
+    client = Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+    try:
+        await client.ping()
+    except redis.exceptions.ConnectionError as exc:
+        unreachable("Redis", exc)
+    store = AsyncRedisStore(client, prefix=table_name, clock="caller")
+    clock = FrozenClock()
+
+    async def answer(record: Record, keys: Mapping[str, str]) -> Any:
+        return Happened(CREATED) if record.key == "charged" else DidNotHappen()
+
+    try:
+        for key in ("charged", "never"):
+            record = (await store.claim(intent(key), key, clock(), clock() + 3600)).record
+            await store.checkpoint(record, "payment_created", clock())
+        clock.advance(THRESHOLD + 1)
+        report = await AsyncSweeper(store, POLICY, reconciler=answer, clock=clock).sweep_once()
+        again = await AsyncSweeper(store, POLICY, reconciler=answer, clock=clock).sweep_once()
+        charged, never = await store.get("alice", "charged"), await store.get("alice", "never")
+        clock.advance(3601)
+        purged = await store.purge(clock(), 10)
+        gone = await store.get("alice", "charged")
+        kept = await store.get("alice", "never")
+    finally:
+        async for key in client.scan_iter(match=f"{table_name}:*"):
+            await client.delete(key)
+        await store.close()
+    assert (report.completed, report.released, report.batches) == (1, 1, 1)
+    assert again == SweepReport()
+    assert charged is not None
+    assert never is not None
+    assert (charged.state, charged.response) == (State.COMPLETED, CREATED)
+    assert (never.state, never.recovery_point) == (State.RELEASED, "payment_created")
+    assert (purged, gone) == (1, None)
+    assert kept is not None  # released past a recovery point: kept for its retry, never purged
 
 
 # --- races ------------------------------------------------------------------------------

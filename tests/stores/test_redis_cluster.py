@@ -1,9 +1,10 @@
 """
 The Redis store, unchanged, on a real three-master Redis Cluster.
 
-The shared contract runs here through the ``redis-cluster`` backend; these
-tests add what a cluster adds: records spread over every node (no hot
-principal), each record's keys in one slot, races across nodes, and a dead
+The shared contract, the fencing and the sweeper suites run here through the
+``redis-cluster`` backend; these tests add what a cluster adds: records and
+their bucket indexes spread over every node (no hot principal), each record's
+keys in one slot, the sweeper crossing nodes, races across nodes, and a dead
 master answered with 503.
 """
 
@@ -14,14 +15,20 @@ from collections.abc import Iterator
 
 import pytest
 
-from idemflow import Idempotency, Intent, Policy, Response, StoreUnavailable
+from idemflow import Idempotency, Intent, Policy, Response, State, StoreUnavailable
+from idemflow.sweeper import Happened, Sweeper, Unknown
+from idemflow.testing import FrozenClock
 from tests._redis_cluster import ClusterUnavailable, RedisClusterProcess, shared_cluster
 from tests.backends import redis_client
 from tests.conftest import unreachable
 from tests.stores._race import Recorder, assert_exactly_once, race_processes, race_threads
 
 pytest.importorskip("redis")
-from idemflow.stores.redis import RedisStore
+from idemflow.stores.redis import INDEXES, RedisStore
+from tests.stores.test_redis import (
+    assert_indexes_match_records,
+    check_settling_write_purges_its_bucket,
+)
 
 pytestmark = pytest.mark.redis
 
@@ -40,7 +47,7 @@ def started() -> RedisClusterProcess:
 @pytest.fixture
 def cluster_store(table_name: str) -> Iterator[RedisStore]:
     cluster = started()
-    store = RedisStore(redis_client(cluster.url, cluster=True), policy=POLICY, prefix=table_name)
+    store = RedisStore(redis_client(cluster.url, cluster=True), prefix=table_name, clock="caller")
     yield store
     for key in store.client.scan_iter(match=f"{table_name}:*"):
         store.client.delete(key)
@@ -64,19 +71,64 @@ def test_records_of_one_principal_spread_over_every_master(cluster_store: RedisS
 
     assert len(per_node) == 3
     assert min(per_node.values()) >= 8  # 20 each on average
-    assert len(slots) == 60
+    assert len(slots) >= 55  # 60 keys in 1024 buckets: a few may share one
     assert all(cluster_store.client.exists(key) for key in keys)
 
 
-def test_a_record_is_one_key_in_the_slot_of_its_hash_tag(cluster_store: RedisStore) -> None:
-    """The hash tag alone picks the slot, so every script touches one slot only."""
-    key = cluster_store.layout.record_key("alice", "k-1")
+def test_a_record_and_its_bucket_indexes_share_one_slot(cluster_store: RedisStore) -> None:
+    """The bucket's hash tag alone picks the slot, so every script touches one slot only."""
+    layout = cluster_store.layout
+    key = layout.record_key("alice", "k-1")
     tag = key[key.index(b"{") + 1 : key.index(b"}")]
+    indexes = layout.indexes(layout.bucket("alice", "k-1"))
 
-    assert cluster_store.client.keyslot(key) == cluster_store.client.keyslot(b"{%s}" % tag)
+    slot = cluster_store.client.keyslot(key)
+    assert {cluster_store.client.keyslot(name) for name in indexes} == {slot}
+    assert cluster_store.client.keyslot(b"{%s}" % tag) == slot
     Idempotency(cluster_store, POLICY).run(Intent("alice", "k-1", "fp"), lambda a: CREATED)
-    tagged = list(cluster_store.client.scan_iter(match=f"{cluster_store.layout.prefix}:*"))
-    assert tagged == [key]
+    tagged = set(cluster_store.client.scan_iter(match=f"{layout.prefix}:*"))
+    assert tagged == {key, indexes[INDEXES.index("expires")]}
+
+
+def test_records_and_indexes_land_on_every_master_and_the_sweeper_reaches_them(
+    cluster_store: RedisStore,
+) -> None:
+    """Crashes on all three masters are marked by one sweep and resolved, index by index."""
+    clock = FrozenClock()
+    keys = [f"crash-{n}" for n in range(60)]
+    for key in keys:
+        record = cluster_store.claim(Intent("alice", key, "fp"), key, clock(), clock() + 3600)
+        cluster_store.checkpoint(record.record, "charged", clock())
+    layout = cluster_store.layout
+    names = {
+        state: {layout.indexes(layout.bucket("alice", key))[position] for key in keys}
+        for position, state in enumerate(("in_progress", "stale"))
+    }
+    records = [layout.record_key("alice", key) for key in keys]
+    assert len({node_of(cluster_store, key) for key in records}) == 3
+    assert len({node_of(cluster_store, name) for name in names["in_progress"]}) == 3
+    assert all(cluster_store.client.zcard(name) for name in names["in_progress"])
+    clock.advance(POLICY.stale_seconds + 1)
+
+    report = Sweeper(cluster_store, POLICY, reconciler=lambda r, k: Unknown(), clock=clock)
+    assert report.sweep_once().unknown == len(keys)
+
+    assert assert_indexes_match_records(cluster_store) == {"stale": len(keys)}
+    assert len({node_of(cluster_store, name) for name in names["stale"]}) == 3
+    clock.advance(POLICY.stale_seconds + 1)
+    settle = Sweeper(cluster_store, POLICY, reconciler=lambda r, k: Happened(CREATED), clock=clock)
+    assert settle.sweep_once().completed == len(keys)
+    assert assert_indexes_match_records(cluster_store) == {"completed": len(keys)}
+    record = cluster_store.get("alice", "crash-0")
+    assert record is not None
+    assert (record.state, record.recovery_point) == (State.COMPLETED, "charged")
+
+
+def test_a_settling_write_purges_its_bucket_on_the_node_of_that_bucket(
+    cluster_store: RedisStore,
+) -> None:
+    """The chore that keeps the expiry index bounded stays within one slot on a cluster."""
+    check_settling_write_purges_its_bucket(cluster_store)
 
 
 @pytest.mark.slow
@@ -112,7 +164,7 @@ def test_a_dead_master_is_a_503_for_its_slots() -> None:
     except (ClusterUnavailable, OSError) as exc:
         unreachable("Redis Cluster", exc)
     with cluster:
-        store = RedisStore(redis_client(cluster.url, cluster=True), policy=POLICY, prefix="dead")
+        store = RedisStore(redis_client(cluster.url, cluster=True), prefix="dead")
         idem = Idempotency(store, POLICY)
         key = store.layout.record_key("alice", "k-1")
         owner = store.client.get_node_from_key(key).port
@@ -121,6 +173,8 @@ def test_a_dead_master_is_a_503_for_its_slots() -> None:
 
         with pytest.raises(StoreUnavailable) as raised:
             idem.run(Intent("alice", "k-1", "fp"), handler)
+        with pytest.raises(StoreUnavailable):  # the sweeper's walk reaches the dead node too
+            store.sweep(State.IN_PROGRESS, 0, 0, 0, 10)
         store.client.close()
     assert raised.value.status == 503
     assert handler.calls == []
@@ -128,15 +182,17 @@ def test_a_dead_master_is_a_503_for_its_slots() -> None:
 
 @pytest.mark.anyio
 async def test_async_store_on_the_async_cluster_client(table_name: str) -> None:
-    """AsyncRedisStore on redis.asyncio's RedisCluster: one execution, then replays, per key."""
+    """AsyncRedisStore on redis.asyncio's RedisCluster: runs, replays, and a sweep across nodes."""
     from idemflow import AsyncAttempt, AsyncIdempotency
     from idemflow.stores.redis import AsyncRedisStore, open_redis
+    from idemflow.sweeper import AsyncSweeper
 
     url = started().url.replace("redis://", "redis+cluster://")
-    store = open_redis(url, policy=POLICY, prefix=table_name, asynchronous=True)
+    store = open_redis(url, prefix=table_name, asynchronous=True, clock="caller")
     assert isinstance(store, AsyncRedisStore)
     idem = AsyncIdempotency(store, POLICY)
     calls: list[str] = []
+    clock = FrozenClock()
 
     async def handler(attempt: AsyncAttempt) -> Response:
         calls.append(attempt.record.key)
@@ -145,9 +201,14 @@ async def test_async_store_on_the_async_cluster_client(table_name: str) -> None:
     try:
         first = [await idem.run(Intent("alice", f"k-{n}", "fp"), handler) for n in range(12)]
         again = [await idem.run(Intent("alice", f"k-{n}", "fp"), handler) for n in range(12)]
+        for n in range(12):
+            await store.claim(Intent("alice", f"crash-{n}", "fp"), f"c{n}", clock(), clock() + 60)
+        clock.advance(POLICY.stale_seconds + 1)
+        swept = await AsyncSweeper(store, POLICY, clock=clock).sweep_once()
     finally:
         async for key in store.client.scan_iter(match=f"{table_name}:*"):
             await store.client.delete(key)
         await store.close()
     assert [o.replayed for o in first + again] == [False] * 12 + [True] * 12
     assert len(calls) == 12
+    assert swept.released == 12
