@@ -12,11 +12,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeAlias
-from urllib.parse import urlsplit
 
 from .._errors import ConfigurationError, StoreUnavailable
 from ..stores._stats import stats_source
-from ._common import add_database_arguments, database_url, positive_int, positive_seconds
+from ._common import add_database_arguments, positive_int, positive_seconds
 from ._ops import add_json_argument, operated_store, rich_console
 
 DEFAULT_BATCH = 1000
@@ -34,8 +33,8 @@ def register(subparsers: Any) -> None:
             "in batches of --batch records: each batch is one short statement, so no "
             "lock is held for long. Records past their retention are already treated "
             "as absent by the next claim; purging only reclaims their space. Shows "
-            "progress on a terminal and prints a summary. Redis stores need no purge: "
-            "their records expire by TTL."
+            "progress on a terminal and prints a summary. On Redis, settled records also "
+            "expire by TTL; purge removes them by this host's clock, with their index entries."
         ),
     )
     add_database_arguments(parser)
@@ -67,10 +66,6 @@ class PurgePass:
 
 
 def run(args: argparse.Namespace) -> int:
-    url = database_url(args)
-    if urlsplit(url).scheme.lower().split("+", 1)[0] in ("redis", "rediss"):
-        _say(args, "redis:// stores expire records by TTL: nothing to purge", purged=0)
-        return 0
     with operated_store(args) as store, _stop_on_sigterm() as stopping:
         if getattr(store, "purge", None) is None:
             msg = f"{type(store).__name__} cannot purge"

@@ -97,7 +97,7 @@ class StatsSource(Protocol):
 
 
 def stats_source(store: Any) -> StatsSource:
-    """The stats view of ``store``; ConfigurationError for a store that has none (Redis)."""
+    """The stats view of ``store``; ConfigurationError for a store that has none."""
     # The async SQLite and memory stores wrap a sync one; the async PostgreSQL
     # store does not (open a sync store on the same URL for stats).
     inner = getattr(store, "sync", store)
@@ -105,9 +105,12 @@ def stats_source(store: Any) -> StatsSource:
         return SQLStats(inner)
     if isinstance(inner, MemoryStore):
         return MemoryStats(inner)
+    own: Callable[[], StatsSource] | None = getattr(inner, "stats_source", None)
+    if own is not None:  # a store that answers for itself (Redis)
+        return own()
     msg = (
-        f"{type(store).__name__} cannot answer stats queries: only SQL and memory "
-        "stores can (Redis records expire by TTL; use redis-cli --scan to look)"
+        f"{type(store).__name__} cannot answer stats queries: only the sync SQL, "
+        "memory and Redis stores can (open a sync store on the same database)"
     )
     raise ConfigurationError(msg)
 
