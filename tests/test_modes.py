@@ -1,0 +1,772 @@
+"""
+What each failure leaves behind, per mode: the cells of the table in
+docs/crash-safety.md ("What each failure leaves behind, per mode") that no
+other test proved (issue 9: "a table checked against these tests").
+
+The modes are the four ways a request can be protected: a transaction shared
+with the handler, committing the claim on its own (two-commit) or with the
+handler's first phase (single-commit); ``run()`` without a transaction; and
+``IdempotencyMiddleware``. As in tests/test_seams.py every fault is real: a
+server session terminated, a task cancelled while its claim is in flight, a
+deferred constraint failing at COMMIT, a claim swept away mid-request by the
+sweeper's own statements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import JSONResponse
+from starlette.responses import Response as StarletteResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import idemflow
+from idemflow import (
+    AsyncAttempt,
+    AsyncIdempotency,
+    Intent,
+    LeaseLost,
+    Policy,
+    Response,
+    State,
+    StoreUnavailable,
+)
+from idemflow._http import pooled_transaction
+from idemflow.integrations.starlette import IdempotencyMiddleware, Idempotent
+from idemflow.stores.sqlite import AsyncSQLiteStore
+from idemflow.testing import FrozenClock
+from tests.conftest import POSTGRES_URL, unreachable
+from tests.http.conftest import assert_problem, new_key, serve
+from tests.sweeping import async_sweep_away
+
+if TYPE_CHECKING:
+    from idemflow.stores._sql import StoreClock
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+POLICY = Policy(request_timeout=5)
+CREATED = Response(201, b'{"id":"pay_1"}', (("content-type", "application/json"),))
+UNAVAILABLE = Response(503, b"provider down")
+ORPHAN = 42  # a parent id that never exists: the deferred foreign key fails at COMMIT
+BAD_LOCATION = "/payments/1\r\nset-cookie: stolen=1"  # a header that cannot be sent
+
+IN_A_TRANSACTION = pytest.mark.parametrize(
+    "single_commit", [False, True], ids=["two-commit", "single-commit"]
+)
+
+
+def intent(key: str = "k-1") -> Intent:
+    return Intent("alice", key, "fp-1", endpoint="POST /payments")
+
+
+# --- PostgreSQL: a key table, a business table, pools shared by store and handler -----
+
+
+def psycopg_or_skip() -> Any:
+    psycopg = pytest.importorskip("psycopg")
+    try:
+        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
+    except psycopg.OperationalError as exc:
+        unreachable("PostgreSQL", exc)
+    return psycopg
+
+
+@contextlib.contextmanager
+def postgres_tables(table: str) -> Iterator[Any]:
+    """The key table, and a business table whose deferred foreign key can fail a COMMIT."""
+    psycopg = psycopg_or_skip()
+    from idemflow.stores.postgres import PostgresStore
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        store = PostgresStore(POSTGRES_URL, table=table, max_size=1)
+        store.migrate()
+        store.close()
+        conn.execute(f"CREATE TABLE parent_{table} (id INTEGER PRIMARY KEY)")
+        conn.execute(
+            f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT, parent INTEGER "
+            f"REFERENCES parent_{table} (id) DEFERRABLE INITIALLY DEFERRED)"
+        )
+        try:
+            yield psycopg
+        finally:
+            conn.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}, parent_{table}")
+
+
+def business_rows(table: str) -> list[str]:
+    import psycopg
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        return [r[0] for r in conn.execute(f"SELECT note FROM biz_{table} ORDER BY id")]
+
+
+def terminate(application_name: str) -> int:
+    """End every server session of ``application_name`` (a real connection loss)."""
+    import psycopg
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name = %s AND pid <> pg_backend_pid()",
+            (application_name,),
+        ).fetchall()
+    return len(rows)
+
+
+async def terminate_own_session(connection: Any) -> None:
+    """End the server session behind ``connection`` from another one."""
+    import psycopg
+
+    row = await (await connection.execute("SELECT pg_backend_pid()")).fetchone()
+    async with await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as killer:
+        await killer.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+
+
+@contextlib.asynccontextmanager
+async def pooled_store(
+    table: str, size: int = 2, *, clock: StoreClock = "database"
+) -> AsyncIterator[Any]:
+    """An AsyncPostgresStore whose pool the application's transactions use too."""
+    from idemflow.stores.postgres import AsyncPostgresStore
+
+    options: dict[str, Any] = {} if clock == "database" else {"clock": clock}  # the default
+    store = AsyncPostgresStore(POSTGRES_URL, table=table, max_size=size, **options)
+    await store.pool.open(wait=True)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def transaction_on(store: Any) -> Any:
+    from idemflow.transactions import AsyncPsycopgTransaction
+
+    return pooled_transaction(store.pool.connection, AsyncPsycopgTransaction)
+
+
+async def insert(attempt: AsyncAttempt, table: str, note: str, parent: int | None = None) -> None:
+    await attempt.connection.execute(
+        f"INSERT INTO biz_{table} (note, parent) VALUES (%s, %s)", (note, parent)
+    )
+
+
+async def run_in_transaction(
+    store: Any,
+    handler: Callable[[AsyncAttempt], Awaitable[Response]],
+    *,
+    single_commit: bool,
+    idem: AsyncIdempotency | None = None,
+) -> idemflow.Outcome:
+    idem = idem or AsyncIdempotency(store, POLICY)
+    async with transaction_on(store) as transaction:
+        return await idem.run(
+            intent(), handler, transaction=transaction, single_commit=single_commit
+        )
+
+
+class SignallingStore:
+    """A real store that says when a claim has been sent (so a test can cancel mid-claim)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.claim_sent = asyncio.Event()
+        self.supports_transactions = store.supports_transactions
+        self.supports_single_commit = getattr(store, "supports_single_commit", False)
+
+    async def claim(self, *args: Any, **kwargs: Any) -> Any:
+        pending = asyncio.ensure_future(self.store.claim(*args, **kwargs))
+        await asyncio.sleep(0)  # let the claim start (its query is on its way)
+        self.claim_sent.set()
+        return await pending
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def expected_after_a_rollback(single_commit: bool) -> State | None:
+    """Two commits: the claim was committed, so it is released. One: it rolled back."""
+    return None if single_commit else State.RELEASED
+
+
+async def state_of(store: Any, key: str = "k-1") -> State | None:
+    record = await store.get("alice", key)
+    return None if record is None else record.state
+
+
+# --- transactional modes ---------------------------------------------------------------
+
+
+@pytest.mark.postgres
+@IN_A_TRANSACTION
+async def test_cancelled_while_claiming_in_a_transaction_leaves_no_claim(
+    single_commit: bool, table_name: str
+) -> None:
+    """Cancelled while the claim is in flight: the claim finishes (shielded), the deferred
+    cancellation is delivered before the handler, and what was claimed is given back: with
+    two commits by a fenced release on the request's own connection, with one by the
+    rollback. The handler never runs; the retry does."""
+    ran: list[int] = []
+
+    async def handler(attempt: AsyncAttempt) -> Response:
+        ran.append(attempt.record.attempt)
+        return CREATED
+
+    with postgres_tables(table_name):
+        async with pooled_store(table_name) as real:
+            store = SignallingStore(real)
+            idem = AsyncIdempotency(store, POLICY)
+            task = asyncio.create_task(
+                run_in_transaction(store, handler, single_commit=single_commit, idem=idem)
+            )
+            await store.claim_sent.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            left = await state_of(real)
+            retry = await run_in_transaction(store, handler, single_commit=single_commit, idem=idem)
+
+    assert left is expected_after_a_rollback(single_commit)
+    assert retry.response.status == 201
+    assert ran == [1 if single_commit else 2]  # only the retry ran
+
+
+@pytest.mark.postgres
+@IN_A_TRANSACTION
+async def test_cancelled_mid_handler_in_a_transaction_rolls_back_the_effect(
+    single_commit: bool, table_name: str
+) -> None:
+    """``asyncio.timeout`` around a run in a transaction: the handler's write rolls back, the
+    key is given back (released, or gone with the single commit's rollback), and the caller
+    still gets its TimeoutError."""
+    entered = asyncio.Event()
+
+    async def slow(attempt: AsyncAttempt) -> Response:
+        await insert(attempt, table_name, "half-done")
+        entered.set()
+        await asyncio.sleep(30)
+        return CREATED
+
+    with postgres_tables(table_name):
+        async with pooled_store(table_name) as store:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await run_in_transaction(store, slow, single_commit=single_commit)
+            left = await state_of(store)
+        rows = business_rows(table_name)
+
+    assert entered.is_set()
+    assert left is expected_after_a_rollback(single_commit)
+    assert rows == []
+
+
+@pytest.mark.postgres
+@IN_A_TRANSACTION
+async def test_a_lost_completion_in_a_transaction_rolls_back_and_frees_the_key(
+    single_commit: bool, table_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The handler's connection dies before the completion is written. The effect was in the
+    same transaction, so nothing happened: the caller hears StoreUnavailable, the key is
+    free again (released through a connection of the store's, or never committed), and the
+    retry runs once."""
+    with postgres_tables(table_name):
+        async with pooled_store(table_name) as store:
+
+            async def charge(attempt: AsyncAttempt) -> Response:
+                await insert(attempt, table_name, "charged")
+                await terminate_own_session(attempt.connection)
+                return CREATED
+
+            with pytest.raises(StoreUnavailable):
+                await run_in_transaction(store, charge, single_commit=single_commit)
+            left = await state_of(store)
+
+            async def again(attempt: AsyncAttempt) -> Response:
+                await insert(attempt, table_name, "retried")
+                return CREATED
+
+            retry = await run_in_transaction(store, again, single_commit=single_commit)
+        rows = business_rows(table_name)
+
+    assert left is expected_after_a_rollback(single_commit)
+    assert retry.response.status == 201
+    assert rows == ["retried"]
+
+
+@pytest.mark.postgres
+async def test_single_commit_failed_commit_leaves_no_record(table_name: str) -> None:
+    """A COMMIT refused by a deferred constraint takes the claim with it in single-commit
+    mode: no effect, no record, and the retry is attempt 1 of a fresh claim."""
+    with postgres_tables(table_name):
+        async with pooled_store(table_name) as store:
+
+            async def orphan(attempt: AsyncAttempt) -> Response:
+                await insert(attempt, table_name, "orphan", ORPHAN)
+                return CREATED
+
+            with pytest.raises(Exception, match=r"(?i)foreign key") as raised:
+                await run_in_transaction(store, orphan, single_commit=True)
+            left = await state_of(store)
+
+            async def fine(attempt: AsyncAttempt) -> Response:
+                await insert(attempt, table_name, "fine")
+                return CREATED
+
+            retry = await run_in_transaction(store, fine, single_commit=True)
+        rows = business_rows(table_name)
+
+    assert not isinstance(raised.value, LeaseLost)
+    assert left is None
+    assert (retry.response.status, retry.record.attempt) == (201, 1)
+    assert rows == ["fine"]
+
+
+@pytest.mark.postgres
+async def test_single_commit_lease_lost_after_commit_phase_keeps_only_the_committed_phase(
+    table_name: str,
+) -> None:
+    """After its first commit_phase a single-commit claim is committed, so the sweeper can
+    end it. The owner's completion then matches nothing: LeaseLost, the open phase rolls
+    back, the committed phase and its recovery point stay, and the record is the
+    sweeper's (here released, as a reconciler that says "did not happen" leaves it)."""
+    clock = FrozenClock()
+    with postgres_tables(table_name):
+        async with pooled_store(table_name, clock="caller") as store:
+            idem = AsyncIdempotency(store, POLICY, clock=clock)
+
+            async def overrun(attempt: AsyncAttempt) -> Response:
+                await insert(attempt, table_name, "phase 1")
+                await attempt.commit_phase("payment_created")
+                await insert(attempt, table_name, "phase 2")
+                clock.advance(POLICY.stale_seconds + 1)  # the request outlived its timeout
+                assert len(await async_sweep_away(store, clock())) == 1
+                return CREATED
+
+            with pytest.raises(LeaseLost):
+                await run_in_transaction(store, overrun, single_commit=True, idem=idem)
+            record = await store.get("alice", "k-1")
+        rows = business_rows(table_name)
+
+    assert rows == ["phase 1"]
+    assert record is not None
+    assert (record.state, record.recovery_point) == (State.RELEASED, "payment_created")
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("shared", [True, False], ids=["two-commit", "no-transaction"])
+async def test_a_failure_after_commit_phase_releases_and_keeps_the_recovery_point(
+    shared: bool, table_name: str
+) -> None:
+    """A 503 after a commit_phase (a checkpoint, without a transaction): the key is released
+    with its recovery point, so the retry resumes after the committed phase instead of
+    starting over (single-commit mode: tests/test_seams.py)."""
+    resumed: list[str | None] = []
+    with postgres_tables(table_name):
+        async with pooled_store(table_name) as store:
+            idem = AsyncIdempotency(store, POLICY)
+
+            async def two_phases(attempt: AsyncAttempt) -> Response:
+                resumed.append(attempt.recovery_point)
+                if attempt.recovery_point is None:
+                    await attempt.commit_phase("payment_created")
+                    return UNAVAILABLE
+                return CREATED
+
+            async def once() -> idemflow.Outcome:
+                if shared:
+                    return await run_in_transaction(store, two_phases, single_commit=False)
+                return await idem.run(intent(), two_phases)
+
+            first = await once()
+            released = await store.get("alice", "k-1")
+            retry = await once()
+
+    assert first.response.status == 503
+    assert released is not None
+    assert (released.state, released.recovery_point) == (State.RELEASED, "payment_created")
+    assert retry.response.status == 201
+    assert resumed == [None, "payment_created"]
+
+
+@pytest.mark.postgres
+async def test_single_commit_with_its_connection_gone_before_the_claim_runs_nothing(
+    table_name: str,
+) -> None:
+    """The database connection a single-commit request would claim on is dead before the
+    claim: nothing is written and the handler never runs. (The error is the connection's
+    own: the claim is the first statement of the caller's transaction.)"""
+    psycopg = psycopg_or_skip()
+    from idemflow.transactions import AsyncPsycopgTransaction
+
+    ran: list[str] = []
+
+    async def handler(attempt: AsyncAttempt) -> Response:
+        ran.append("ran")
+        return CREATED
+
+    with postgres_tables(table_name):
+        async with pooled_store(table_name) as store:
+            idem = AsyncIdempotency(store, POLICY)
+            async with await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as conn:
+                await terminate_own_session(conn)
+                with pytest.raises((StoreUnavailable, psycopg.OperationalError)):
+                    await idem.run(
+                        intent(),
+                        handler,
+                        transaction=AsyncPsycopgTransaction(conn),
+                        single_commit=True,
+                    )
+            left = await state_of(store)
+
+    assert ran == []
+    assert left is None
+
+
+# --- HTTP, transactional single-commit mode ----------------------------------------------
+
+
+@pytest.mark.postgres
+def test_single_commit_unstorable_response_rolls_back_the_claim_with_the_effect(
+    table_name: str,
+) -> None:
+    """Through a real server: a response with a header that cannot be sent is the handler's
+    bug in a transaction. In single-commit mode the rollback takes the effect and the claim
+    together: a 500 problem, no row, no record (two-commit mode: tests/http/)."""
+    psycopg_pool = pytest.importorskip("psycopg_pool")
+    from idemflow.stores.postgres import AsyncPostgresStore
+    from idemflow.transactions import AsyncPsycopgTransaction
+
+    with postgres_tables(table_name):
+        pool = psycopg_pool.AsyncConnectionPool(
+            POSTGRES_URL, min_size=1, max_size=2, kwargs={"autocommit": True}, open=False
+        )
+        store = AsyncPostgresStore(pool, table=table_name)
+        idempotent = Idempotent(
+            AsyncIdempotency(store, POLICY),
+            connect=pool.connection,
+            transaction=AsyncPsycopgTransaction,
+            principal=lambda scope: "carol",
+            single_commit=True,
+        )
+
+        async def create(request: Request) -> StarletteResponse:
+            async def handler(attempt: AsyncAttempt) -> Response:
+                await insert(attempt, table_name, "charged")
+                return Response.json(201, {"id": 1}, [("location", BAD_LOCATION)])
+
+            return await idempotent.run(request, handler)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            await pool.open(wait=True)
+            yield
+            await pool.close()
+
+        app = Starlette(routes=[Route("/payments", create, methods=["POST"])], lifespan=lifespan)
+        key = new_key()
+        with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+            answer = client.post("/payments", content=b"{}", headers={"Idempotency-Key": key})
+        rows = business_rows(table_name)
+        record = _sync_record(table_name, "carol", key)
+
+    assert_problem(answer, 500, "response-not-storable")
+    assert rows == []
+    assert record is None
+
+
+def _sync_record(table: str, principal: str, key: str) -> Any:
+    from idemflow.stores.postgres import PostgresStore
+
+    store = PostgresStore(POSTGRES_URL, table=table, max_size=1)
+    try:
+        return store.get(principal, key)
+    finally:
+        store.close()
+
+
+# --- middleware mode -------------------------------------------------------------------
+
+
+class HeaderAuth(AuthenticationBackend):
+    """``X-User: name`` authenticates as ``name`` (tests only)."""
+
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, SimpleUser] | None:
+        user = conn.headers.get("x-user")
+        return None if user is None else (AuthCredentials(["authenticated"]), SimpleUser(user))
+
+
+def middleware_app(
+    idempotency: AsyncIdempotency,
+    endpoint: Callable[[Request], Awaitable[StarletteResponse]],
+    lifespan: Any = None,
+) -> Starlette:
+    return Starlette(
+        routes=[Route("/payments", endpoint, methods=["POST"])],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=HeaderAuth()),
+            Middleware(
+                IdempotencyMiddleware, idempotency=idempotency, endpoints=["POST /payments"]
+            ),
+        ],
+        lifespan=lifespan,
+    )
+
+
+def post(client: httpx.Client, key: str) -> httpx.Response:
+    return client.post("/payments", json={}, headers={"X-User": "carol", "Idempotency-Key": key})
+
+
+@contextlib.contextmanager
+def sqlite_store(tmp_path: Path) -> Iterator[AsyncSQLiteStore]:
+    store = AsyncSQLiteStore(tmp_path / "keys.db")
+    store.sync.migrate()
+    try:
+        yield store
+    finally:
+        store.sync.close()
+
+
+class ServerSees:
+    """Outermost ASGI wrapper: keeps what the application raised to its server.
+
+    Starlette answers 500 and re-raises for the server to log; a server that gets the
+    exception may reset the connection before the client read the 500. Keeping it here
+    makes the answer reliable and lets the test see the exception came out unchanged.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.raised: list[Exception] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except Exception as exc:
+            self.raised.append(exc)
+
+
+def test_middleware_endpoint_exception_releases_and_the_retry_runs_it_again(
+    tmp_path: Path,
+) -> None:
+    """The endpoint raises: the server answers 500, the key is released (the middleware
+    cannot undo what the endpoint did, and by its contract an endpoint that raised did
+    nothing), and the retry runs the endpoint again."""
+    calls: collections.Counter[str] = collections.Counter()
+
+    async def create(request: Request) -> StarletteResponse:
+        calls["payments"] += 1
+        if calls["payments"] == 1:
+            raise RuntimeError("the endpoint's own failure")
+        return JSONResponse({"n": calls["payments"]}, status_code=201)
+
+    with sqlite_store(tmp_path) as store:
+        app = ServerSees(middleware_app(AsyncIdempotency(store, POLICY), create))
+        key = new_key()
+        with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+            first = post(client, key)
+            left = store.sync.get("carol", key)
+            retry = post(client, key)
+
+    assert first.status_code == 500
+    assert [str(exc) for exc in app.raised] == ["the endpoint's own failure"]  # unchanged
+    assert left is not None
+    assert left.state is State.RELEASED
+    assert retry.status_code == 201
+    assert calls["payments"] == 2
+
+
+@pytest.mark.postgres
+def test_middleware_lost_completion_keeps_the_claim_and_answers_503(table_name: str) -> None:
+    """The endpoint's effect happened, then the store's connection died before the
+    completion. Releasing would run the endpoint again on the retry: the key stays claimed
+    for the sweeper, the client gets a 503 saying the outcome went unrecorded, and the
+    retry gets 409, not a second execution."""
+    psycopg_pool = pytest.importorskip("psycopg_pool")
+    from idemflow.stores.postgres import AsyncPostgresStore
+
+    name = f"idemflow-modes-{uuid.uuid4().hex[:8]}"
+    calls: collections.Counter[str] = collections.Counter()
+    with postgres_tables(table_name):
+        pool = psycopg_pool.AsyncConnectionPool(
+            f"{POSTGRES_URL}?application_name={name}",
+            min_size=1,
+            max_size=1,
+            kwargs={"autocommit": True},
+            open=False,
+        )
+        store = AsyncPostgresStore(pool, table=table_name)
+
+        async def create(request: Request) -> StarletteResponse:
+            calls["payments"] += 1
+            assert terminate(name) == 1  # the store's one pooled connection
+            return JSONResponse({"id": 1}, status_code=201)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            await pool.open(wait=True)
+            yield
+            await pool.close()
+
+        app = middleware_app(AsyncIdempotency(store, POLICY), create, lifespan)
+        key = new_key()
+        with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+            first = post(client, key)
+            retry = post(client, key)
+        record = _sync_record(table_name, "carol", key)
+
+    body = assert_problem(first, 503, "store-unavailable")
+    assert "could not be recorded" in body["detail"]
+    assert_problem(retry, 409, "in-progress")
+    assert record is not None
+    assert record.state is State.IN_PROGRESS  # the sweeper's (and its reconciler's) now
+    assert calls["payments"] == 1
+
+
+def test_middleware_lost_lease_answers_409_and_the_sweepers_resolution_stands(
+    tmp_path: Path,
+) -> None:
+    """The endpoint outlives the stale threshold and the sweeper ends its claim meanwhile.
+    Its completion matches nothing: 409 lease-lost. The endpoint's effect is not the
+    middleware's to roll back; the record is what the sweeper made of it."""
+    clock = FrozenClock()
+    calls: collections.Counter[str] = collections.Counter()
+    with sqlite_store(tmp_path) as store:
+
+        async def create(request: Request) -> StarletteResponse:
+            calls["payments"] += 1
+            clock.advance(POLICY.stale_seconds + 1)
+            assert len(await async_sweep_away(store, clock())) == 1
+            return JSONResponse({"id": 1}, status_code=201)
+
+        app = middleware_app(AsyncIdempotency(store, POLICY, clock=clock), create)
+        key = new_key()
+        with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+            answer = post(client, key)
+        record = store.sync.get("carol", key)
+
+    assert_problem(answer, 409, "lease-lost")
+    assert record is not None
+    assert record.state is State.RELEASED  # as the sweeper left it
+    assert calls["payments"] == 1
+
+
+# Cancellation is the ASGI server's doing (a shutdown past its grace period cancels the
+# request's task), so these two call the application as a server does, and cancel it.
+
+
+def http_scope(key: str) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/payments",
+        "raw_path": b"/payments",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"x-user", b"carol"),
+            (b"idempotency-key", key.encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"2"),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+
+
+async def call_asgi(app: ASGIApp, key: str) -> list[Message]:
+    """One request as a server sends it; the client then stays connected until the end."""
+    sent: list[Message] = []
+    delivered = False
+    stays = asyncio.Event()
+
+    async def receive() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await stays.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await app(http_scope(key), receive, send)
+    return sent
+
+
+def status_of(messages: list[Message]) -> int:
+    return int(next(m["status"] for m in messages if m["type"] == "http.response.start"))
+
+
+async def test_middleware_cancelled_while_claiming_leaves_no_claim(tmp_path: Path) -> None:
+    """The server cancels the request while its claim is in flight: the claim finishes,
+    the key is given back, the endpoint never runs, and the next request runs it."""
+    calls: collections.Counter[str] = collections.Counter()
+
+    async def create(request: Request) -> StarletteResponse:
+        calls["payments"] += 1
+        return JSONResponse({"id": 1}, status_code=201)
+
+    with sqlite_store(tmp_path) as real:
+        store = SignallingStore(real)
+        app = middleware_app(AsyncIdempotency(store, POLICY), create)
+        key = new_key()
+        task = asyncio.create_task(call_asgi(app, key))
+        await store.claim_sent.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        left = await real.get("carol", key)
+        retry = await call_asgi(app, key)
+
+    assert left is None or left.state is State.RELEASED
+    assert status_of(retry) == 201
+    assert calls["payments"] == 1  # only the retry ran
+
+
+async def test_middleware_cancelled_mid_endpoint_releases_the_key(tmp_path: Path) -> None:
+    """The server cancels the request while the endpoint runs: the key is released
+    (shielded, fenced), so the retry runs the endpoint again; whatever the cancelled
+    endpoint had committed stays, as for an endpoint that raised."""
+    entered = asyncio.Event()
+    calls: collections.Counter[str] = collections.Counter()
+
+    async def create(request: Request) -> StarletteResponse:
+        calls["payments"] += 1
+        if calls["payments"] == 1:
+            entered.set()
+            await asyncio.Event().wait()  # until cancelled
+        return JSONResponse({"id": 1}, status_code=201)
+
+    with sqlite_store(tmp_path) as store:
+        app = middleware_app(AsyncIdempotency(store, POLICY), create)
+        key = new_key()
+        task = asyncio.create_task(call_asgi(app, key))
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        left = await store.get("carol", key)
+        retry = await call_asgi(app, key)
+
+    assert left is not None
+    assert left.state is State.RELEASED
+    assert status_of(retry) == 201
+    assert calls["payments"] == 2
