@@ -150,15 +150,13 @@ def released_past_retention(demo: Demo, key: str) -> bool | None:
     return True if rows and rows[0][0] <= time.time() * 1000 else None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library take-over rule: a released record past retention is taken over as a NEW "
-    "intent even when it has a recovery point past an external call, so the retry gets new "
-    "downstream keys: the first charge (made before the provider timed out) is never "
-    "reconciled and the request is charged twice (reported to the lead)",
-)
 def test_a_retry_after_a_short_retention_does_not_charge_a_503_twice(tmp_path: Path) -> None:
-    """503 "timed out after charging", retried past a 2 s retention: still one charge."""
+    """503 "timed out after charging", retried past a 2 s retention: still one charge.
+
+    A released key whose attempt got past an external call outlives its
+    retention: the retry resumes it with the same downstream keys, rather
+    than starting a new intent that would charge again.
+    """
     flags = ("--retention", "2s", "--provider-failure-rate", "0.5")
     # The first call fails after charging; the retry's call succeeds.
     seed = str(seed_for(lambda r: r[0] < 0.5 <= r[1] and r[2] >= 0.5, draws=3))
@@ -171,6 +169,37 @@ def test_a_retry_after_a_short_retention_does_not_charge_a_503_twice(tmp_path: P
         assert retried.status_code == 201, retried.text
         assert [c["id"] for c in charges_for(demo, customer)] == [retried.json()["charge_id"]]
         assert [r[1] for r in payment_rows(demo, customer)] == ["succeeded"]
+
+
+def test_another_body_waits_until_the_abandoned_intent_is_reconciled(tmp_path: Path) -> None:
+    """Past retention, a released key with a charge refuses a new body until it is reconciled.
+
+    SQLite only: the take-over rule itself is checked on every store by the
+    contract suite; this is the demo's view of it.
+    """
+    flags = (
+        *("--retention", "2s", "--provider-failure-rate", "0.5"),
+        *("--request-timeout", f"{REQUEST_TIMEOUT:g}", "--sweep-every", f"{SWEEP_EVERY:g}"),
+        # The first call fails after charging; the next one succeeds.
+        *("--provider-seed", str(seed_for(lambda r: r[0] < 0.5 <= r[1] and r[2] >= 0.5, 3))),
+    )
+    with run_demo(tmp_path / "data", *flags) as demo:
+        key, first, other = new_key(), f"first-{new_key()}", f"other-{new_key()}"
+        assert_problem(post(demo, key, body_for(first)), 503, "provider-unavailable")
+        poll("retention over", lambda: released_past_retention(demo, key), within=10)
+        assert_problem(post(demo, key, body_for(other)), 422, "key-reused")
+
+        def accepted() -> httpx.Response | None:
+            response = post(demo, key, body_for(other))
+            assert response.status_code in (201, 409, 422), response.text
+            return response if response.status_code == 201 else None
+
+        created = poll("the other body accepted", accepted, within=SETTLE_WITHIN + 5)
+        assert "idempotent-replayed" not in created.headers
+        ((_, status, charge_id),) = payment_rows(demo, first)  # reconciled, not lost
+        assert [c["id"] for c in charges_for(demo, first)] == [charge_id]
+        assert status == "succeeded"
+        assert [c["id"] for c in charges_for(demo, other)] == [created.json()["charge_id"]]
 
 
 # --- a 503 records nothing; an abandoned intent converges -----------------------------------
