@@ -9,6 +9,9 @@ Add the app, and the key table lives in your database, created by ``manage.py mi
 - :class:`DjangoStore` keeps key records on Django's own connections
   (PostgreSQL, MySQL/MariaDB, SQLite), so the completion can be written in
   the view's ``transaction.atomic()``: :class:`DjangoTransaction`.
+- :func:`idempotent` protects a function view, a class-based view's method
+  or a DRF action; :class:`IdempotencyMiddleware` protects the endpoints
+  ``IDEMFLOW['endpoints']`` lists.
 - ``manage.py idemflow_sweep`` resolves stale claims; ``manage.py
   idemflow_purge`` deletes records past their retention.
 
@@ -18,13 +21,18 @@ See ``docs/frameworks/django.md`` for the whole story, ``ATOMIC_REQUESTS`` inclu
 from __future__ import annotations
 
 from .conf import IdemflowSettings, get_idempotency, get_store, idemflow_settings
+from .middleware import IdempotencyMiddleware
 from .store import DjangoStore, DjangoTransaction
+from .views import idempotency_public, idempotent
 
 __all__ = [
     "DjangoStore",
     "DjangoTransaction",
     "IdemflowSettings",
+    "IdempotencyMiddleware",
     "get_idempotency",
     "get_store",
     "idemflow_settings",
+    "idempotency_public",
+    "idempotent",
 ]

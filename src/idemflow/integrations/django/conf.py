@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -31,6 +31,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 
 from ... import ConfigurationError, Idempotency, Policy
+from ..._fingerprint import DEFAULT_MAX_BODY_BYTES
+from ..._http import DEFAULT_MAX_RESPONSE_BYTES
 from ...stores.protocol import Store
 
 __all__ = ["IdemflowSettings", "get_idempotency", "get_store", "idemflow_settings"]
@@ -46,6 +48,14 @@ _DEFAULTS: Mapping[str, Any] = {
     "store": DJANGO_STORE,
     "clock": "database",
     "single_commit": False,
+    # The HTTP side (decorator and middleware):
+    "principal": None,  # dotted path or callable: request -> str | None (default: request.user.pk)
+    "endpoints": (),  # what IdempotencyMiddleware protects: "POST /payments/<int:pk>/refunds"
+    "auth_middleware": (),  # further middleware that must run before IdempotencyMiddleware
+    "max_body_bytes": DEFAULT_MAX_BODY_BYTES,
+    "max_response_bytes": DEFAULT_MAX_RESPONSE_BYTES,
+    "exclude_fields": (),
+    "strict_key": False,
 }
 
 
@@ -62,6 +72,13 @@ class IdemflowSettings:
     clock: str
     #: Claim inside the view's transaction too (PostgreSQL, MySQL): one commit per request.
     single_commit: bool
+    principal: Any
+    endpoints: Sequence[str]
+    auth_middleware: Sequence[str]
+    max_body_bytes: int
+    max_response_bytes: int
+    exclude_fields: Sequence[str]
+    strict_key: bool
 
     @property
     def policy(self) -> Policy:

@@ -1,0 +1,70 @@
+"""
+Settings of the example shop. The database comes from ``SHOP_DATABASE_URL``:
+``sqlite:////tmp/shop.db`` (the default), ``postgresql://user@host:5432/db``
+or ``mysql://user:pw@host:3306/db`` (through PyMySQL).
+"""
+
+import os
+from urllib.parse import unquote, urlsplit
+
+SECRET_KEY = "example-only-not-secret"
+DEBUG = False
+ALLOWED_HOSTS = ["*"]
+ROOT_URLCONF = "shop.urls"
+USE_TZ = True
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "rest_framework",
+    "idemflow.integrations.django",  # the key table's migration, idemflow_sweep/idemflow_purge
+    "shop",
+]
+
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "shop.auth.HeaderUserMiddleware",
+    "idemflow.integrations.django.middleware.IdempotencyMiddleware",
+]
+SESSION_ENGINE = "django.contrib.sessions.backends.signed_cookies"
+
+
+def _database(url: str) -> dict:
+    parts = urlsplit(url)
+    if parts.scheme == "sqlite":
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": parts.path[1:] if parts.path.startswith("//") else parts.path.lstrip("/"),
+            "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL", "timeout": 10},
+        }
+    common = {
+        "NAME": parts.path.lstrip("/"),
+        "USER": unquote(parts.username or ""),
+        "PASSWORD": unquote(parts.password or ""),
+        "HOST": parts.hostname or "127.0.0.1",
+        "PORT": str(parts.port or ""),
+        "ATOMIC_REQUESTS": os.environ.get("SHOP_ATOMIC_REQUESTS") == "1",
+    }
+    if parts.scheme.startswith("postgres"):
+        return {**common, "ENGINE": "django.db.backends.postgresql"}
+    import pymysql  # Django's MySQL backend speaks mysqlclient's interface; PyMySQL offers it
+
+    pymysql.install_as_MySQLdb()
+    return {**common, "ENGINE": "django.db.backends.mysql", "OPTIONS": {"charset": "utf8mb4"}}
+
+
+DATABASES = {"default": _database(os.environ.get("SHOP_DATABASE_URL", "sqlite:////tmp/shop.db"))}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["shop.auth.HeaderAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+}
+
+IDEMFLOW = {
+    "request_timeout": 10,
+    "auth_middleware": ["shop.auth.HeaderUserMiddleware"],
+    # The middleware protects these; the other endpoints use @idempotent.
+    "endpoints": ["POST /mw/payments"],
+}

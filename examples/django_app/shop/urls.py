@@ -1,0 +1,10 @@
+from django.urls import path
+
+from . import views
+
+urlpatterns = [
+    path("payments", views.create_payment),
+    path("cbv/payments", views.PaymentView.as_view()),
+    path("drf/payments", views.PaymentViewSet.as_view({"post": "create"})),
+    path("mw/payments", views.middleware_payment),
+]

@@ -1,0 +1,90 @@
+"""
+Four ways to protect ``POST …/payments``; each writes one Payment row in the
+transaction idemflow writes its completion in.
+
+Test hooks (not part of the pattern): ``X-Fail: 503`` answers a transient 503
+(nothing stored: the retry runs), ``X-Hold: <path>`` keeps the request running
+until that file exists (to observe the 409 of a duplicate).
+"""
+
+import json
+import os
+import time
+
+from django.core.exceptions import BadRequest
+from django.http import JsonResponse
+from django.utils.decorators import method_decorator
+from django.views import View
+from rest_framework import serializers, viewsets
+from rest_framework.response import Response
+
+from idemflow.integrations.django import idempotent
+
+from .models import Payment
+
+
+def _amount(request) -> int:
+    try:
+        amount = json.loads(request.body)["amount"]
+    except (ValueError, KeyError, TypeError):
+        raise BadRequest('send {"amount": <int>}') from None
+    if not isinstance(amount, int) or amount <= 0:
+        raise BadRequest("amount must be a positive integer")
+    return amount
+
+
+def _hooks(request):
+    hold = request.headers.get("X-Hold")
+    deadline = time.monotonic() + 10
+    while hold and not os.path.exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.01)  # polled by the test, with a deadline: not synchronisation
+    if request.headers.get("X-Fail") == "503":
+        return JsonResponse({"error": "provider unavailable"}, status=503)
+    return None
+
+
+def _pay(request, via: str) -> JsonResponse:
+    amount = _amount(request)
+    payment = Payment.objects.create(principal=str(request.user.pk), amount=amount, via=via)
+    failed = _hooks(request)
+    if failed is not None:
+        return failed  # rolled back with the payment: nothing happened
+    return JsonResponse({"id": payment.pk, "amount": amount}, status=201)
+
+
+# 1. A function view: the decorator is the whole integration.
+@idempotent(validate=_amount)
+def create_payment(request):
+    return _pay(request, "function")
+
+
+# 2. A class-based view's method.
+@method_decorator(idempotent(validate=_amount), name="post")
+class PaymentView(View):
+    def post(self, request):
+        return _pay(request, "cbv")
+
+
+# 3. A DRF action: DRF authenticates first, the serializer validates before the claim.
+class PaymentIn(serializers.Serializer):
+    amount = serializers.IntegerField(min_value=1)
+
+
+def _valid(view, request):
+    PaymentIn(data=request.data).is_valid(raise_exception=True)
+
+
+class PaymentViewSet(viewsets.ViewSet):
+    @idempotent(validate=_valid)
+    def create(self, request):
+        amount = request.data["amount"]
+        payment = Payment.objects.create(principal=str(request.user.pk), amount=amount, via="drf")
+        failed = _hooks(request)
+        if failed is not None:
+            return Response({"error": "provider unavailable"}, status=503)
+        return Response({"id": payment.pk, "amount": amount}, status=201)
+
+
+# 4. Protected by IdempotencyMiddleware (IDEMFLOW["endpoints"]): no decorator.
+def middleware_payment(request):
+    return _pay(request, "middleware")

@@ -1,0 +1,225 @@
+"""
+A Django request through idemflow's sync edge, and back as a Django response.
+
+Shared by :func:`~.views.idempotent` and :class:`~.middleware.IdempotencyMiddleware`:
+both build an :class:`~idemflow._http.HTTPRequest` from the request (the route
+*template* Django matched, its parameters, the raw headers, the body read
+whole and bounded) and run the view as the handler inside
+:class:`~.store.DjangoTransaction`, so the view's ORM writes and the
+completion commit together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.utils.module_loading import import_string
+
+from ..._errors import (
+    BodyTooLarge,
+    ConfigurationError,
+    IdempotencyError,
+    IncompleteBody,
+    MissingPrincipal,
+    ResponseNotStorable,
+)
+from ..._http import (
+    REQUEST_ID_HEADER,
+    SAFE_METHODS,
+    EdgeOptions,
+    HTTPRequest,
+    RawHeaders,
+    problem_for,
+    request_id_from,
+    sendable_headers,
+)
+from ..._model import Response
+from ..._sync.edge import Edge
+from .conf import IdemflowSettings, get_idempotency, idemflow_settings
+from .store import DjangoTransaction
+
+__all__ = ["django_request", "from_django", "protect", "request_user", "to_django"]
+
+#: Runs the protected view and returns its Django response.
+ViewCall = Callable[[], HttpResponseBase]
+
+
+def request_user(request: Any) -> str | None:
+    """The default principal: the primary key of ``request.user`` when authenticated.
+
+    The primary key, not the username: a username can change hands, and a new
+    owner must never be replayed the old one's responses.
+    """
+    user = getattr(request, "user", None)
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None
+    return str(user.pk)
+
+
+def _principal_getter(chosen: IdemflowSettings) -> Callable[[Any], str | None]:
+    getter = chosen.principal
+    if getter is None:
+        return request_user
+    if isinstance(getter, str):
+        getter = import_string(getter)
+    if not callable(getter):
+        raise ConfigurationError("settings.IDEMFLOW['principal'] must be a callable or its path")
+    return getter  # type: ignore[no-any-return]
+
+
+def _headers(request: HttpRequest) -> RawHeaders:
+    """The request's header lines as the WSGI server passed them (``META``), latin-1."""
+    lines = []
+    for name, value in request.META.items():
+        if name.startswith("HTTP_"):
+            header = name[5:].replace("_", "-").lower()
+        elif name in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+            header = name.replace("_", "-").lower()
+        else:
+            continue
+        if isinstance(value, str):
+            lines.append((header.encode("latin-1"), value.encode("latin-1", "replace")))
+    return lines
+
+
+def _body(request: HttpRequest, limit: int) -> bytes:
+    """The whole body, at most ``limit`` bytes; 413 before reading when the length says so."""
+    text = str(request.META.get("CONTENT_LENGTH") or "").strip()
+    declared = int(text) if text.isdigit() and len(text) <= len(str(limit)) + 1 else None
+    if text.isdigit() and (declared is None or declared > limit):
+        raise BodyTooLarge(
+            f"the request body is {text[:20]} bytes (Content-Length); "
+            f"the limit for idempotent requests is {limit} bytes"
+        )
+    body = bytes(request.body)
+    if len(body) > limit:
+        raise BodyTooLarge(f"more than {limit} bytes arrived; the limit is {limit} bytes")
+    if declared is not None and len(body) != declared:
+        raise IncompleteBody(
+            f"the request body ended after {len(body)} bytes of the {declared} declared: "
+            "the client went away; nothing was recorded, send the whole request again"
+        )
+    return body
+
+
+def django_request(
+    request: Any, principal: str | None, request_id: str, limit: int, match: Any = None
+) -> HTTPRequest:
+    """``request`` (Django's, or DRF's wrapping one) as the edge sees it.
+
+    The route is the template Django matched (``/payments/<int:pk>/refunds``),
+    so records and metrics name a bounded set of endpoints; its parameters
+    are part of the fingerprint.
+    """
+    raw: HttpRequest = getattr(request, "_request", request)
+    match = match if match is not None else raw.resolver_match
+    route = f"/{match.route}" if match is not None and match.route else raw.path
+    params = {} if match is None else {str(k): str(v) for k, v in match.kwargs.items()}
+    if match is not None:
+        params.update({str(i): str(v) for i, v in enumerate(match.args)})
+    return HTTPRequest(
+        raw.method or "POST",
+        route,
+        _headers(raw),
+        _body(raw, limit),
+        principal,
+        request_id,
+        params,
+        str(raw.META.get("QUERY_STRING", "")),
+    )
+
+
+def from_django(response: HttpResponseBase) -> Response:
+    """A Django (or rendered DRF) response with its body in memory, as an idemflow Response."""
+    if getattr(response, "streaming", False) or not isinstance(response, HttpResponse):
+        msg = (
+            f"{type(response).__name__} streams its body, which cannot be stored for replay; "
+            "return a response with the body in memory from protected views"
+        )
+        raise ResponseNotStorable(msg)
+    headers = [(str(k), str(v)) for k, v in response.items()]
+    headers += [("set-cookie", morsel.OutputString()) for morsel in response.cookies.values()]
+    return Response(response.status_code, bytes(response.content), tuple(headers))
+
+
+def to_django(response: Response) -> HttpResponse:
+    """An idemflow Response (a replay, a problem) as a Django one, header for header."""
+    result = HttpResponse(content=response.body, status=response.status)
+    del result["Content-Type"]  # only the stored headers: no default text/html
+    for name, value in sendable_headers(response):
+        key, text = name.decode("latin-1"), value.decode("latin-1")
+        # Django keeps one value per name: repeated lines (Link, Vary) are joined.
+        result[key] = f"{result[key]}, {text}" if key in result else text
+    return result
+
+
+def protect(
+    request: Any,
+    view: ViewCall,
+    *,
+    public: bool = False,
+    validate: Callable[[], object] | None = None,
+    match: Any = None,
+) -> HttpResponseBase:
+    """Run ``view`` once per ``(principal, Idempotency-Key)`` in its own transaction.
+
+    ``validate`` runs after the body was read and before anything is claimed:
+    what it raises (a DRF ``ValidationError``, Django's ``BadRequest``) passes
+    through and is never recorded.
+    """
+    chosen = idemflow_settings()
+    raw = getattr(request, "_request", request)
+    rid = request_id_from(_headers(raw))
+    options = _options(chosen, public)
+    try:
+        if str(raw.method).upper() in SAFE_METHODS:
+            msg = f"{raw.method} is idempotent already; protect unsafe methods only"
+            raise ConfigurationError(msg)
+        who = _principal_getter(chosen)(request)
+        http = django_request(request, who, rid, options.max_body_bytes, match)
+        if not who and not public:
+            raise MissingPrincipal("authenticate first: idempotency keys are scoped to the caller")
+    except IdempotencyError as exc:
+        return to_django(problem_for(exc, rid))
+    if validate is not None:
+        validate()
+    return _respond(http, view, options, chosen)
+
+
+def _respond(
+    http: HTTPRequest, view: ViewCall, options: EdgeOptions, chosen: IdemflowSettings
+) -> HttpResponseBase:
+    ran: list[tuple[HttpResponseBase, Response]] = []
+
+    def handler(attempt: Any) -> Response:
+        original = view()
+        converted = from_django(original)
+        ran.append((original, converted))
+        return converted
+
+    edge = Edge(get_idempotency(), options)
+    answer = edge.respond(
+        http,
+        handler,
+        transaction=lambda: nullcontext(DjangoTransaction(chosen.database)),
+        single_commit=chosen.single_commit,
+    )
+    if ran and answer.body is ran[0][1].body and answer.status == ran[0][1].status:
+        original = ran[0][0]  # the first execution: the view's own response object, cookies and all
+        if REQUEST_ID_HEADER not in original:
+            original[REQUEST_ID_HEADER] = http.request_id
+        return original
+    return to_django(answer)
+
+
+def _options(chosen: IdemflowSettings, public: bool) -> EdgeOptions:
+    return EdgeOptions(
+        public=public,
+        max_body_bytes=chosen.max_body_bytes,
+        max_response_bytes=chosen.max_response_bytes,
+        exclude_fields=tuple(chosen.exclude_fields),
+        strict_key=chosen.strict_key,
+    )

@@ -1,0 +1,116 @@
+"""
+``IdempotencyMiddleware``: protect the endpoints ``IDEMFLOW['endpoints']`` names.
+
+::
+
+    MIDDLEWARE = [
+        ...,
+        "django.contrib.auth.middleware.AuthenticationMiddleware",
+        "idemflow.integrations.django.middleware.IdempotencyMiddleware",  # after authentication
+    ]
+    IDEMFLOW = {"endpoints": ["POST /payments/", "POST /payments/<int:pk>/refunds"]}
+
+Each entry is a method and the route *template* as written in the URLconf
+(with a leading ``/``). A protected request runs the rest of the stack — the
+view, and any middleware below this one — inside a ``transaction.atomic()``
+on ``IDEMFLOW['database']`` that the completion is written in (with
+``ATOMIC_REQUESTS`` the view's own atomic block becomes a savepoint in it).
+Anything else passes through untouched.
+
+The principal is ``request.user`` (``IDEMFLOW['principal']`` to change it): the
+middleware refuses to start (``ImproperlyConfigured``) when it is placed before
+``AuthenticationMiddleware`` or any middleware listed in
+``IDEMFLOW['auth_middleware']``. An anonymous request is a 401 unless the view
+is marked :func:`~.views.idempotency_public`. DRF authenticates inside the
+view, after every middleware: for DRF views use :func:`~.views.idempotent`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest, HttpResponseBase
+from django.urls import Resolver404, resolve
+from django.utils.module_loading import import_string
+
+from ..._http import SAFE_METHODS
+from .conf import idemflow_settings
+from .http import protect
+
+__all__ = ["AUTHENTICATION_MIDDLEWARE", "IdempotencyMiddleware"]
+
+AUTHENTICATION_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
+
+
+class IdempotencyMiddleware:
+    """See the module's docstring."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
+        chosen = idemflow_settings()
+        _check_order(type(self), chosen.principal is None, chosen.auth_middleware)
+        self.get_response = get_response
+        self.endpoints = frozenset(_endpoint(entry) for entry in chosen.endpoints)
+        if not self.endpoints:
+            msg = "IdempotencyMiddleware protects IDEMFLOW['endpoints']; none are listed"
+            raise ImproperlyConfigured(msg)
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        method = str(request.method).upper()
+        match = None if method in SAFE_METHODS else _resolve(request)
+        if match is None or (method, f"/{match.route}") not in self.endpoints:
+            return self.get_response(request)
+        public = bool(getattr(match.func, "idemflow_public", False))
+        return protect(request, lambda: self.get_response(request), public=public, match=match)
+
+
+def _resolve(request: HttpRequest) -> Any:
+    try:
+        return resolve(request.path_info, urlconf=getattr(request, "urlconf", None))
+    except Resolver404:
+        return None
+
+
+def _endpoint(entry: str) -> tuple[str, str]:
+    method, _, route = entry.strip().partition(" ")
+    route = route.strip()
+    if not route.startswith("/") or method.upper() in SAFE_METHODS or not method:
+        msg = f"IDEMFLOW['endpoints'] entry {entry!r} must be 'POST /route/<param>' (unsafe method)"
+        raise ImproperlyConfigured(msg)
+    return method.upper(), route
+
+
+def _check_order(own: type, default_principal: bool, extra: Any) -> None:
+    """Authentication must run before idempotency: keys are never claimed anonymously."""
+    paths = list(settings.MIDDLEWARE)
+    positions = [i for i, path in enumerate(paths) if _is(path, own)]
+    mine = positions[0] if positions else len(paths)
+    required = list(extra)
+    if default_principal:
+        required.insert(0, AUTHENTICATION_MIDDLEWARE)
+    for path in required:
+        if path not in paths:
+            if path == AUTHENTICATION_MIDDLEWARE and default_principal:
+                msg = (
+                    "IdempotencyMiddleware reads request.user, but AuthenticationMiddleware is "
+                    "not in MIDDLEWARE; add it before IdempotencyMiddleware, or set "
+                    "IDEMFLOW['principal']"
+                )
+                raise ImproperlyConfigured(msg)
+            continue
+        if paths.index(path) > mine:
+            msg = (
+                f"IdempotencyMiddleware is placed before {path} in MIDDLEWARE: it would "
+                "claim keys before authentication ran; move it after"
+            )
+            raise ImproperlyConfigured(msg)
+
+
+def _is(path: str, own: type) -> bool:
+    try:
+        found = import_string(path)
+    except ImportError:
+        return False
+    return isinstance(found, type) and issubclass(found, own)

@@ -1,0 +1,126 @@
+"""
+``@idempotent``: one decorator for function views, class-based view methods and DRF actions.
+
+::
+
+    @idempotent
+    def create_payment(request):                      # a function view
+        payment = Payment.objects.create(amount=json.loads(request.body)["amount"])
+        return JsonResponse({"id": payment.pk}, status=201)
+
+    class PaymentViewSet(viewsets.ViewSet):
+        @idempotent(validate=lambda self, request: PaymentSerializer(data=request.data)
+                    .is_valid(raise_exception=True))
+        def create(self, request):                    # a DRF action: DRF authenticated already
+            ...
+            return Response(serializer.data, status=201)
+
+The view runs once per ``(principal, Idempotency-Key)``, inside a
+``transaction.atomic()`` on ``IDEMFLOW['database']`` in which the completion
+is written: its ORM writes and the stored response commit together. Retries
+get the stored response byte for byte, with ``Idempotent-Replayed: true``.
+
+On a DRF method the decorator runs after DRF's ``initial()`` (authentication,
+permissions, throttling): ``request.user`` is DRF's principal, and 401/403/429
+answers never reach the claim. The DRF ``Response`` is rendered here (through
+the view's own renderer), so what is stored is what was sent. ``validate``
+runs after the body was read and before the claim: its exceptions pass
+through and are never recorded, so a client that fixes its body may retry
+with the same key. An exception from the view releases the key and passes
+through unchanged.
+
+A decorated *function* view opts out of ``ATOMIC_REQUESTS`` for the key
+table's alias: idemflow's own transaction takes its place (the claim must
+commit before the view runs). A method runs inside the request's transaction
+when ``ATOMIC_REQUESTS`` is on: see :class:`~.store.DjangoTransaction`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from django.http import HttpRequest
+
+from .conf import idemflow_settings
+from .http import protect
+
+__all__ = ["idempotency_public", "idempotent"]
+
+_View = TypeVar("_View", bound=Callable[..., Any])
+
+
+@overload
+def idempotent(view: _View) -> _View: ...
+@overload
+def idempotent(
+    *, public: bool = False, validate: Callable[..., object] | None = None
+) -> Callable[[_View], _View]: ...
+
+
+def idempotent(
+    view: Any = None,
+    *,
+    public: bool = False,
+    validate: Callable[..., object] | None = None,
+) -> Any:
+    """Protect a view (see the module's docstring).
+
+    Args:
+        public: the view is deliberately unauthenticated; its keys are scoped
+            to ``"anonymous"``. Otherwise an anonymous request is a 401.
+        validate: called with the view's own arguments before the claim.
+    """
+
+    def decorate(inner: _View) -> _View:
+        @functools.wraps(inner)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            request = _request_in(args)
+            return protect(
+                request,
+                lambda: _rendered(inner(*args, **kwargs), args, request, kwargs),
+                public=public or _is_public(inner),
+                validate=None if validate is None else lambda: validate(*args, **kwargs),
+            )
+
+        alias = idemflow_settings().database
+        # Django reads this off the view it resolved: a decorated function view
+        # runs in idemflow's transaction, not in an ATOMIC_REQUESTS one.
+        non_atomic = set(getattr(inner, "_non_atomic_requests", set()))
+        wrapper._non_atomic_requests = non_atomic | {alias}  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate if view is None else decorate(view)
+
+
+def idempotency_public(view: _View) -> _View:
+    """Mark a view deliberately unauthenticated for :class:`~.middleware.IdempotencyMiddleware`."""
+    view.idemflow_public = True  # type: ignore[attr-defined]
+    return view
+
+
+def _is_public(view: Any) -> bool:
+    return bool(getattr(view, "idemflow_public", False))
+
+
+def _request_in(args: tuple[Any, ...]) -> Any:
+    """The request among a view's first arguments (``request``, or ``self, request``)."""
+    for candidate in args[:2]:
+        if isinstance(getattr(candidate, "_request", candidate), HttpRequest):
+            return candidate
+    msg = "@idempotent decorates views: no HttpRequest among the first arguments"
+    raise TypeError(msg)
+
+
+def _rendered(response: Any, args: tuple[Any, ...], request: Any, kwargs: Any) -> Any:
+    """A DRF Response, finalized by its view and rendered: the bytes that are sent."""
+    render = getattr(response, "render", None)
+    if render is None or getattr(response, "is_rendered", True):
+        return response
+    view = args[0] if args and args[0] is not request else None
+    finalize = getattr(view, "finalize_response", None)
+    if finalize is not None and getattr(response, "accepted_renderer", None) is None:
+        view_args = args[2:] if view is not None else args[1:]
+        response = finalize(request, response, *view_args, **kwargs)
+    return response.render()

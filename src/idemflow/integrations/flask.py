@@ -1,0 +1,349 @@
+"""
+idemflow for Flask: ``pip install 'idemflow[flask]'``.
+
+::
+
+    db = SQLAlchemy(app)                       # Flask-SQLAlchemy (or pass transaction=…)
+    idem = Idempotency(app, db=db)             # keys in the same database as db.session
+
+    @app.post("/payments")
+    @idem.protect
+    def create_payment():
+        db.session.add(Payment(amount=request.json["amount"]))
+        return {"id": ...}, 201
+
+The view runs once per ``(principal, Idempotency-Key)``; its ``db.session``
+writes and the stored response commit in one transaction (the session's),
+so no crash can keep one without the other. Retries get the stored response
+byte for byte, with ``Idempotent-Replayed: true``; a duplicate of a request
+still running gets 409 with ``Retry-After``; the same key with another body
+422; a 5xx releases the key so the retry really runs.
+
+Configuration (``app.config``): ``IDEMFLOW_STORE`` (a ``DATABASE_URL``; by
+default Flask-SQLAlchemy's own database), ``IDEMFLOW_TABLE``,
+``IDEMFLOW_REQUEST_TIMEOUT``, ``IDEMFLOW_RETENTION``, ``IDEMFLOW_SINGLE_COMMIT``,
+``IDEMFLOW_MAX_BODY_BYTES``, ``IDEMFLOW_MAX_RESPONSE_BYTES``. The principal
+comes from ``principal=`` (a callable returning the caller's id, or None), by
+default Flask-Login's ``current_user`` when the app has a login manager.
+``flask idemflow migrate|sweep|purge`` manage the key table.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, TypeVar
+
+from flask import Flask, current_app, request
+from flask import Response as FlaskResponse
+from werkzeug.exceptions import ClientDisconnected
+
+from .._errors import (
+    BodyTooLarge,
+    ConfigurationError,
+    IdempotencyError,
+    IncompleteBody,
+    MissingPrincipal,
+    ResponseNotStorable,
+)
+from .._fingerprint import DEFAULT_MAX_BODY_BYTES
+from .._http import (
+    DEFAULT_MAX_RESPONSE_BYTES,
+    REQUEST_ID_HEADER,
+    SAFE_METHODS,
+    EdgeOptions,
+    HTTPRequest,
+    problem_for,
+    request_id_from,
+    sendable_headers,
+)
+from .._model import Policy, Response
+from .._sync.driver import Idempotency as Driver
+from .._sync.edge import Edge
+from ..stores.protocol import Store, Transaction
+
+__all__ = ["Idempotency", "flask_login_user", "from_flask", "to_flask"]
+
+_View = TypeVar("_View", bound=Callable[..., Any])
+#: Opens the transaction the completion is written in, for one request.
+TransactionFactory = Callable[[], AbstractContextManager[Transaction]]
+PrincipalGetter = Callable[[], "str | None"]
+
+_CONFIG: dict[str, Any] = {
+    "IDEMFLOW_STORE": None,
+    "IDEMFLOW_TABLE": "idemflow_keys",
+    "IDEMFLOW_REQUEST_TIMEOUT": 30,
+    "IDEMFLOW_RETENTION": 86400,
+    "IDEMFLOW_SINGLE_COMMIT": False,
+    "IDEMFLOW_MAX_BODY_BYTES": DEFAULT_MAX_BODY_BYTES,
+    "IDEMFLOW_MAX_RESPONSE_BYTES": DEFAULT_MAX_RESPONSE_BYTES,
+}
+
+
+def flask_login_user() -> str | None:
+    """The default principal: Flask-Login's ``current_user.get_id()`` when authenticated."""
+    from flask_login import current_user
+
+    if not getattr(current_user, "is_authenticated", False):
+        return None
+    identity = current_user.get_id()
+    return None if identity is None else str(identity)
+
+
+_ANONYMOUS = "authenticate first: idempotency keys are scoped to the caller"
+
+
+class _State:
+    """What one app's requests share: the driver on its store, and how to open transactions."""
+
+    def __init__(self, store: Store, policy: Policy, app: Flask) -> None:
+        self.store = store
+        self.driver = Driver(store, policy)
+        self.single_commit = bool(app.config["IDEMFLOW_SINGLE_COMMIT"])
+        self.max_body_bytes = int(app.config["IDEMFLOW_MAX_BODY_BYTES"])
+        self.max_response_bytes = int(app.config["IDEMFLOW_MAX_RESPONSE_BYTES"])
+
+
+class Idempotency:
+    """The Flask extension: ``Idempotency(app)`` or ``Idempotency()`` then ``init_app(app)``.
+
+    Args:
+        db: a Flask-SQLAlchemy ``SQLAlchemy``: the completion is written in
+            ``db.session``'s transaction, and the key table lives in its
+            database unless ``IDEMFLOW_STORE`` names another.
+        transaction: instead of ``db``, opens the transaction the view writes
+            in, e.g. ``lambda: nullcontext(SQLAlchemyTransaction(session))``.
+            Without either, the completion is written after the view returned
+            (the weaker mode: a crash in between leaves the key for the sweeper).
+        store: a store object instead of ``IDEMFLOW_STORE``.
+        principal: returns the caller's id (None when anonymous).
+    """
+
+    def __init__(
+        self,
+        app: Flask | None = None,
+        *,
+        db: Any = None,
+        transaction: TransactionFactory | None = None,
+        store: Store | None = None,
+        principal: PrincipalGetter | None = None,
+    ) -> None:
+        if db is not None and transaction is not None:
+            raise ConfigurationError("pass db= or transaction=, not both")
+        self.db = db
+        self._transaction = transaction
+        self._store = store
+        self._principal = principal
+        if app is not None:
+            self.init_app(app)
+
+    def init_app(self, app: Flask) -> None:
+        for key, value in _CONFIG.items():
+            app.config.setdefault(key, value)
+        policy = Policy(
+            request_timeout=app.config["IDEMFLOW_REQUEST_TIMEOUT"],
+            retention=app.config["IDEMFLOW_RETENTION"],
+        )
+        if self._principal is None and getattr(app, "login_manager", None) is None:
+            msg = (
+                "Idempotency needs the caller's identity: pass principal=… or set up "
+                "Flask-Login (keys are never claimed anonymously)"
+            )
+            raise ConfigurationError(msg)
+        app.extensions["idemflow"] = _State(self._store or self._open_store(app), policy, app)
+        app.cli.add_command(_cli(self))
+
+    def protect(
+        self,
+        view: Any = None,
+        *,
+        public: bool = False,
+        validate: Callable[..., object] | None = None,
+    ) -> Any:
+        """Protect a view; ``@idem.protect`` or ``@idem.protect(public=…, validate=…)``.
+
+        ``validate`` is called with the view's arguments after the body was read
+        and before the claim: what it raises (a 400) is never recorded.
+        """
+
+        def decorate(inner: _View) -> _View:
+            @functools.wraps(inner)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                check = None if validate is None else lambda: validate(*args, **kwargs)
+                return self._protected(lambda: inner(*args, **kwargs), public, check)
+
+            return wrapper  # type: ignore[return-value]
+
+        return decorate if view is None else decorate(view)
+
+    def state(self, app: Flask | None = None) -> _State:
+        found = (app or current_app).extensions.get("idemflow")
+        if not isinstance(found, _State):
+            raise ConfigurationError("Idempotency.init_app(app) was not called for this app")
+        return found
+
+    def _protected(
+        self, view: Callable[[], Any], public: bool, validate: Callable[[], object] | None
+    ) -> FlaskResponse:
+        state = self.state()
+        headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers]
+        rid = request_id_from(headers)
+        options = EdgeOptions(
+            public=public,
+            max_body_bytes=state.max_body_bytes,
+            max_response_bytes=state.max_response_bytes,
+        )
+        try:
+            if request.method.upper() in SAFE_METHODS:
+                msg = f"{request.method} is idempotent already; protect unsafe methods only"
+                raise ConfigurationError(msg)
+            who = (self._principal or flask_login_user)()
+            if not who and not public:
+                raise MissingPrincipal(
+                    "authenticate first: idempotency keys are scoped to the caller"
+                )
+            http = HTTPRequest(
+                request.method,
+                request.url_rule.rule if request.url_rule is not None else request.path,
+                headers,
+                _body(state.max_body_bytes),
+                who,
+                rid,
+                {str(k): str(v) for k, v in (request.view_args or {}).items()},
+                request.query_string.decode("latin-1"),
+            )
+        except IdempotencyError as exc:
+            return to_flask(problem_for(exc, rid))
+        if validate is not None:
+            validate()
+        return self._respond(state, http, view, options)
+
+    def _respond(
+        self, state: _State, http: HTTPRequest, view: Callable[[], Any], options: EdgeOptions
+    ) -> FlaskResponse:
+        ran: list[tuple[FlaskResponse, Response]] = []
+
+        def handler(attempt: Any) -> Response:
+            original = current_app.make_response(view())
+            converted = from_flask(original)
+            ran.append((original, converted))
+            return converted
+
+        answer = Edge(state.driver, options).respond(
+            http,
+            handler,
+            transaction=self._transactions(),
+            single_commit=state.single_commit,
+        )
+        if ran and answer.body is ran[0][1].body and answer.status == ran[0][1].status:
+            original = ran[0][0]  # the first execution: the view's own response, cookies and all
+            original.headers.setdefault(REQUEST_ID_HEADER, http.request_id)
+            return original
+        return to_flask(answer)
+
+    def _transactions(self) -> TransactionFactory | None:
+        if self._transaction is not None:
+            return self._transaction
+        if self.db is None:
+            return None
+        from ..transactions import SQLAlchemyTransaction
+
+        db = self.db
+        # db.session is a scoped_session: the request's own Session is what it returns.
+        return lambda: nullcontext(SQLAlchemyTransaction(db.session()))
+
+    def _open_store(self, app: Flask) -> Store:
+        url = app.config["IDEMFLOW_STORE"]
+        if url is None and self.db is not None:
+            with app.app_context():
+                url = _plain_url(self.db.engine.url)
+        if not url:
+            raise ConfigurationError("set IDEMFLOW_STORE (a DATABASE_URL) or pass db= or store=")
+        from ..stores.urls import open_store
+
+        store: Store = open_store(str(url), table=app.config["IDEMFLOW_TABLE"])
+        return store
+
+
+def _plain_url(url: Any) -> str:
+    """SQLAlchemy's URL as idemflow's stores name it (``postgresql+psycopg://`` → ``postgresql://``)."""
+    rendered = str(url.render_as_string(hide_password=False))
+    scheme, _, rest = rendered.partition("://")
+    return f"{scheme.split('+', 1)[0]}://{rest}"
+
+
+def _body(limit: int) -> bytes:
+    """The whole body, at most ``limit`` bytes; 413 before reading when the length says so."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise BodyTooLarge(
+            f"the request body is {declared} bytes (Content-Length); "
+            f"the limit for idempotent requests is {limit} bytes"
+        )
+    try:
+        body = request.get_data(cache=True)
+    except ClientDisconnected:
+        raise IncompleteBody(
+            "the request body ended before its Content-Length: the client went away; "
+            "nothing was recorded, send the whole request again"
+        ) from None
+    if len(body) > limit:
+        raise BodyTooLarge(f"more than {limit} bytes arrived; the limit is {limit} bytes")
+    return body
+
+
+def from_flask(response: FlaskResponse) -> Response:
+    """A Flask response with its body in memory as an idemflow Response."""
+    if response.is_streamed or response.direct_passthrough:
+        msg = (
+            "the view streams its response, which cannot be stored for replay; "
+            "return a body in memory from protected views"
+        )
+        raise ResponseNotStorable(msg)
+    headers = tuple((k, v) for k, v in response.headers.items() if k.lower() != "content-length")
+    return Response(response.status_code, response.get_data(), headers)
+
+
+def to_flask(response: Response) -> FlaskResponse:
+    """An idemflow Response (a replay, a problem) as a Flask one, header lines as they are."""
+    result = FlaskResponse(response.body, status=response.status)
+    result.headers.clear()  # only the stored headers: no default text/html
+    for name, value in sendable_headers(response):
+        result.headers.add(name.decode("latin-1"), value.decode("latin-1"))
+    return result
+
+
+def _cli(extension: Idempotency) -> Any:
+    import click
+    from flask.cli import AppGroup
+
+    group = AppGroup("idemflow", help="idemflow's key table: migrate, sweep, purge.")
+
+    @group.command("migrate")
+    def migrate() -> None:
+        """Create the key table and its indexes (safe to run again)."""
+        extension.state().store.migrate()  # type: ignore[attr-defined]
+        click.echo("migrated")
+
+    @group.command("sweep")
+    def sweep() -> None:
+        """Release claims left in progress past the stale threshold."""
+        from ..sweeper import Sweeper
+
+        state = extension.state()
+        report = Sweeper(state.store, state.driver.policy).sweep_once()  # type: ignore[arg-type]
+        click.echo(f"swept: released={report.released} unknown={report.unknown}")
+
+    @group.command("purge")
+    @click.option("--batch", default=1000, show_default=True)
+    def purge(batch: int) -> None:
+        """Delete records past their retention, in batches."""
+        store: Any = extension.state().store
+        total = 0
+        while (deleted := store.purge(time.time(), batch)) > 0:
+            total += deleted
+        click.echo(f"purged: {total} records")
+
+    return group
