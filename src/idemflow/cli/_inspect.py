@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any
 
-from .._model import Record
+from .._model import Record, is_past_retention
 from ..logs import key_digest
 from ._common import add_database_arguments
 from ._ops import add_json_argument, age, intermixed, iso, operated_store, print_json, print_pairs
@@ -85,7 +85,7 @@ def describe_record(record: Record, now: float) -> dict[str, Any]:
         "expires_at": iso(record.expires_at),
         "age_seconds": round(now - record.created_at, 3),
         "idle_seconds": round(now - record.updated_at, 3),
-        "expired": record.expires_at <= now,
+        "expired": is_past_retention(record, now),
         "response": None
         if response is None
         else {

@@ -4,8 +4,10 @@ The SQL every relational store speaks, built once per dialect and table name.
 Backends differ in what they say, not in how the flow goes: a dialect is a
 bundle of statement texts; one executor (``idemflow._async.sql`` and its
 generated sync twin) runs any of them. Times are integers of milliseconds
-since the epoch, supplied by the caller's clock, never the database's, so the
-same injected clock drives every store.
+since the epoch. The shared stores take them from the database server's clock
+(:func:`on_database_clock`: hosts whose clocks disagree cannot take a live
+claim or an unexpired record over); ``clock="caller"`` and the one-host
+stores (SQLite) take the caller's, so an injected clock drives them in tests.
 """
 
 from __future__ import annotations

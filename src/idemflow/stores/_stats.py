@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .._errors import ConfigurationError
-from .._model import State
+from .._model import State, is_past_retention
 from .._sync.sql import SQLStore
-from ._sql import SQLStatement
+from ._sql import PAST_RETENTION_SQL, SQLStatement
 from .memory import MemoryStore
 
 __all__ = [
@@ -143,7 +143,9 @@ class SQLStats:
             f"SELECT principal, idempotency_key, endpoint, created_at, updated_at FROM {table} "
             "WHERE state = 'in_progress' ORDER BY updated_at LIMIT 1"
         )
-        self._expired = SQLStatement(f"SELECT COUNT(*) FROM {table} WHERE expires_at <= :now")
+        # Exactly what purge would delete: not in-flight, stale or
+        # released-past-a-recovery-point records, whose expires_at means nothing.
+        self._expired = SQLStatement(f"SELECT COUNT(*) FROM {table} WHERE {PAST_RETENTION_SQL}")
 
     def stuck_claims(self, cutoff: float) -> dict[str, int]:
         rows = self._rows(self._stuck, {"cutoff": _ms(cutoff)})
@@ -221,7 +223,7 @@ class MemoryStats:
         return counts
 
     def expired(self, now: float) -> int:
-        return sum(1 for record in self._records() if record.expires_at <= now)
+        return sum(1 for record in self._records() if is_past_retention(record, now))
 
     def snapshot(self, now: float, request_timeout: float, stale_after: float) -> StoreStats:
         records = self._records()
