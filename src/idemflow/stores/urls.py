@@ -90,8 +90,8 @@ def _open_mysql(url: str, table: str, asynchronous: bool) -> Any:
 def _open_redis(url: str, table: str, asynchronous: bool) -> Any:
     """``redis://`` or ``rediss://``; ``redis+cluster://`` for a Redis Cluster.
 
-    The table name is the key prefix. The lease comes from the default
-    ``Policy``; pass ``policy=`` to ``RedisStore`` yourself for another one.
+    The table name is the key prefix. Decisions are on Redis's clock, as
+    every store opened from a URL decides on its server's.
     """
     try:
         from .redis import open_redis
