@@ -135,7 +135,7 @@ class AsyncIdempotency:
         if single_commit and transaction is None:
             msg = "single_commit needs the caller's transaction"
             raise ConfigurationError(msg)
-        if single_commit and not getattr(self.store, "supports_single_commit", False):
+        if single_commit and not self.store.supports_single_commit:
             msg = (
                 f"{type(self.store).__name__} cannot bound a duplicate's wait on an "
                 "uncommitted claim; single_commit needs PostgreSQL or MySQL"

@@ -32,6 +32,7 @@ class MemoryStore:
     """A dict and a lock. Thread-safe; not shared between processes."""
 
     supports_transactions = False
+    supports_single_commit = False
 
     def __init__(self) -> None:
         self.records: dict[tuple[str, str], Record] = {}
@@ -167,6 +168,7 @@ class AsyncMemoryStore:
     """:class:`MemoryStore` for asyncio code (the same dict, no awaiting inside)."""
 
     supports_transactions = False
+    supports_single_commit = False
 
     def __init__(self, store: MemoryStore | None = None) -> None:
         self.sync = store or MemoryStore()

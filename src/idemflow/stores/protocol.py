@@ -9,7 +9,9 @@ record; the rules about *when* to call which live in ``idemflow._flow``.
 :mod:`idemflow.transactions`): the completion is written there so the business
 effect and the ``completed`` record commit together. Stores whose data cannot
 share the caller's transaction set ``supports_transactions = False`` and the
-driver refuses a transaction at configuration time.
+driver refuses a transaction at configuration time; likewise
+``supports_single_commit`` for a claim inside that transaction. Callers rely
+on these two declarations, never on probing a store's attributes.
 """
 
 from __future__ import annotations
@@ -84,6 +86,15 @@ class Store(Protocol):
     def supports_transactions(self) -> bool:
         """Can completions be written in the caller's transaction?"""
 
+    @property
+    def supports_single_commit(self) -> bool:
+        """Can the claim itself join the caller's transaction (``single_commit=True``)?
+
+        Only where a duplicate's wait on an uncommitted claim is bounded (a
+        lock timeout answers 409): PostgreSQL, MySQL/MariaDB. Never where one
+        writer queues every other (SQLite) or nothing is transactional (Redis).
+        """
+
     def claim(
         self,
         intent: Intent,
@@ -138,6 +149,9 @@ class AsyncStore(Protocol):
 
     @property
     def supports_transactions(self) -> bool: ...
+
+    @property
+    def supports_single_commit(self) -> bool: ...
 
     async def claim(
         self,

@@ -660,6 +660,7 @@ class RedisStore:
     """
 
     supports_transactions = False
+    supports_single_commit = False
 
     def __init__(
         self,
@@ -854,6 +855,7 @@ class AsyncRedisStore:
     """:class:`RedisStore` for asyncio code, on ``redis.asyncio.Redis`` (or its cluster client)."""
 
     supports_transactions = False
+    supports_single_commit = False
 
     def __init__(
         self,

@@ -118,6 +118,8 @@ class AsyncSQLiteStore:
     """The SQLite store for asyncio code: each operation is one hop to a thread."""
 
     supports_transactions = True
+    # One writer at a time: a duplicate would queue behind the whole transaction.
+    supports_single_commit = False
 
     def __init__(
         self, path: str | Path, *, table: str = DEFAULT_TABLE, busy_timeout: float = 5.0
