@@ -60,13 +60,15 @@ def valid_amount() -> None:
 @app.post("/payments")
 @idem.protect(validate=valid_amount)
 def create_payment():
-    payment = Payment(principal=current_user.get_id(), amount=request.json["amount"])
-    db.session.add(payment)
-    db.session.flush()
+    # The slow part (a provider's call) before the first write: on SQLite a transaction
+    # that wrote holds the one write lock, and a duplicate's claim would queue behind it.
     hold = request.headers.get("X-Hold")
     deadline = time.monotonic() + 10
     while hold and not os.path.exists(hold) and time.monotonic() < deadline:
         time.sleep(0.01)  # polled by the test, with a deadline
+    payment = Payment(principal=current_user.get_id(), amount=request.json["amount"])
+    db.session.add(payment)
+    db.session.flush()
     if request.headers.get("X-Fail") == "503":
         return {"error": "provider unavailable"}, 503
     return {"id": payment.id, "amount": payment.amount}, 201

@@ -33,11 +33,13 @@ SESSION_ENGINE = "django.contrib.sessions.backends.signed_cookies"
 
 def _database(url: str) -> dict:
     parts = urlsplit(url)
+    atomic_requests = os.environ.get("SHOP_ATOMIC_REQUESTS") == "1"
     if parts.scheme == "sqlite":
         return {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": parts.path[1:] if parts.path.startswith("//") else parts.path.lstrip("/"),
             "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL", "timeout": 10},
+            "ATOMIC_REQUESTS": atomic_requests,
         }
     common = {
         "NAME": parts.path.lstrip("/"),
@@ -45,7 +47,7 @@ def _database(url: str) -> dict:
         "PASSWORD": unquote(parts.password or ""),
         "HOST": parts.hostname or "127.0.0.1",
         "PORT": str(parts.port or ""),
-        "ATOMIC_REQUESTS": os.environ.get("SHOP_ATOMIC_REQUESTS") == "1",
+        "ATOMIC_REQUESTS": atomic_requests,
     }
     if parts.scheme.startswith("postgres"):
         return {**common, "ENGINE": "django.db.backends.postgresql"}

@@ -33,22 +33,25 @@ def _amount(request) -> int:
     return amount
 
 
-def _hooks(request):
+def _hold(request) -> None:
+    """The slow part (a provider's call) comes before the first write: on SQLite a
+    transaction that wrote holds the one write lock, and a duplicate's claim would queue."""
     hold = request.headers.get("X-Hold")
     deadline = time.monotonic() + 10
     while hold and not os.path.exists(hold) and time.monotonic() < deadline:
         time.sleep(0.01)  # polled by the test, with a deadline: not synchronisation
-    if request.headers.get("X-Fail") == "503":
-        return JsonResponse({"error": "provider unavailable"}, status=503)
-    return None
+
+
+def _failed(request) -> bool:
+    return request.headers.get("X-Fail") == "503"
 
 
 def _pay(request, via: str) -> JsonResponse:
     amount = _amount(request)
+    _hold(request)
     payment = Payment.objects.create(principal=str(request.user.pk), amount=amount, via=via)
-    failed = _hooks(request)
-    if failed is not None:
-        return failed  # rolled back with the payment: nothing happened
+    if _failed(request):  # rolled back with the payment: nothing happened
+        return JsonResponse({"error": "provider unavailable"}, status=503)
     return JsonResponse({"id": payment.pk, "amount": amount}, status=201)
 
 
@@ -78,9 +81,9 @@ class PaymentViewSet(viewsets.ViewSet):
     @idempotent(validate=_valid)
     def create(self, request):
         amount = request.data["amount"]
+        _hold(request)
         payment = Payment.objects.create(principal=str(request.user.pk), amount=amount, via="drf")
-        failed = _hooks(request)
-        if failed is not None:
+        if _failed(request):
             return Response({"error": "provider unavailable"}, status=503)
         return Response({"id": payment.pk, "amount": amount}, status=201)
 

@@ -23,6 +23,12 @@ middleware refuses to start (``ImproperlyConfigured``) when it is placed before
 ``IDEMFLOW['auth_middleware']``. An anonymous request is a 401 unless the view
 is marked :func:`~.views.idempotency_public`. DRF authenticates inside the
 view, after every middleware: for DRF views use :func:`~.views.idempotent`.
+
+The claim comes before the view, so the view's own validation runs after
+it: an exception the view raises (``BadRequest``, a DRF ``ValidationError``)
+releases the key rather than storing the 400 Django answers, but the key
+stays bound to that request (a corrected body under the same key is a 422).
+To validate before the claim, use ``@idempotent(validate=…)``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from .http import protect
 __all__ = ["AUTHENTICATION_MIDDLEWARE", "IdempotencyMiddleware"]
 
 AUTHENTICATION_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
+_RAISED = "_idemflow_view_raised"
 
 
 class IdempotencyMiddleware:
@@ -63,7 +70,23 @@ class IdempotencyMiddleware:
         if match is None or (method, f"/{match.route}") not in self.endpoints:
             return self.get_response(request)
         public = bool(getattr(match.func, "idemflow_public", False))
-        return protect(request, lambda: self.get_response(request), public=public, match=match)
+        return protect(request, lambda: self._view(request), public=public, match=match)
+
+    def _view(self, request: HttpRequest) -> HttpResponseBase:
+        """The rest of the stack; an exception the view raised is raised again here.
+
+        Django turns it into a response (a 400 for ``BadRequest``, a 500) below
+        us; raised again, it releases the key instead of being stored, and
+        Django answers it with the same response above us.
+        """
+        response = self.get_response(request)
+        raised = request.__dict__.pop(_RAISED, None)
+        if isinstance(raised, BaseException):
+            raise raised
+        return response
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> None:
+        request.__dict__[_RAISED] = exception  # Django goes on to answer it
 
 
 def _resolve(request: HttpRequest) -> Any:

@@ -1,0 +1,444 @@
+"""
+The example apps under examples/, served by gunicorn (gthread workers) on 127.0.0.1.
+
+One server per (app, database): the Django shop on SQLite, PostgreSQL and
+MariaDB, the Flask shop on SQLite and PostgreSQL, each on a database created
+for the module. Every scenario uses a principal of its own, so the business
+rows it counts are its own. The Django shop protects four endpoints (a
+function view, a class-based view, a DRF action, the middleware); each
+scenario runs on every one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("gunicorn")
+pytest.importorskip("django")
+pytest.importorskip("flask_sqlalchemy")
+
+from tests.backends import MYSQL_URL  # noqa: E402
+from tests.conftest import POSTGRES_URL, unreachable  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+DJANGO_PATHS = ["/payments", "/cbv/payments", "/drf/payments", "/mw/payments"]
+_LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+)")
+
+
+@dataclass
+class Shop:
+    """A running example app and the database behind it."""
+
+    base: str
+    url: str
+    table: str
+    key_table: str = "idemflow_keys"
+
+    def rows(self, principal: str) -> int:
+        return int(
+            self._query(f"SELECT count(*) FROM {self.table} WHERE principal = %s", principal)
+        )
+
+    def key_rows(self, principal: str) -> int:
+        return int(
+            self._query(f"SELECT count(*) FROM {self.key_table} WHERE principal = %s", principal)
+        )
+
+    def state(self, principal: str) -> str | None:
+        found = self._query(f"SELECT state FROM {self.key_table} WHERE principal = %s", principal)
+        return None if found is None else str(found)
+
+    def _query(self, sql: str, value: str) -> Any:
+        if self.url.startswith("sqlite"):
+            with contextlib.closing(sqlite3.connect(self.url[len("sqlite:///") :])) as conn:
+                row = conn.execute(sql.replace("%s", "?"), (value,)).fetchone()
+        elif self.url.startswith("postgresql"):
+            import psycopg
+
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                row = conn.execute(sql, (value,)).fetchone()
+        else:
+            import pymysql
+
+            from idemflow.stores.mysql import connect_kwargs
+
+            conn = pymysql.connect(**connect_kwargs(self.url))
+            with contextlib.closing(conn), conn.cursor() as cursor:
+                cursor.execute(sql, (value,))
+                row = cursor.fetchone()
+        if row is None:
+            return None
+        value = row[0]
+        return value.decode() if isinstance(value, bytes) else value
+
+
+@contextlib.contextmanager
+def _database(vendor: str, tmp: Path) -> Iterator[str]:
+    """A database of the module's own on ``vendor``: its URL."""
+    name = f"idemflow_ex_{uuid.uuid4().hex[:10]}"
+    if vendor == "sqlite":
+        yield f"sqlite:///{tmp / 'shop.db'}"
+        return
+    if vendor == "postgres":
+        import psycopg
+
+        try:
+            admin = psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3)
+        except psycopg.OperationalError as exc:
+            unreachable("PostgreSQL", exc)
+        with admin:
+            admin.execute(f"CREATE DATABASE {name}")
+        try:
+            yield POSTGRES_URL.rsplit("/", 1)[0] + f"/{name}"
+        finally:
+            with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+                admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        return
+    import pymysql
+
+    from idemflow.stores.mysql import connect_kwargs
+
+    kwargs = connect_kwargs(MYSQL_URL)
+    try:
+        admin = pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
+    except pymysql.err.OperationalError as exc:
+        unreachable("MariaDB", exc)
+    with contextlib.closing(admin), admin.cursor() as cursor:
+        cursor.execute(f"CREATE DATABASE {name}")
+    try:
+        yield MYSQL_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with contextlib.closing(pymysql.connect(**kwargs)) as admin, admin.cursor() as cursor:
+            cursor.execute(f"DROP DATABASE IF EXISTS {name}")
+
+
+def _run(args: list[str], cwd: Path, env: dict[str, str]) -> None:
+    done = subprocess.run(
+        args, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def _gunicorn(app: str, cwd: Path, env: dict[str, str], log: Path) -> Iterator[str]:
+    """gunicorn with 2 gthread workers of 8 threads on a free loopback port: its base URL."""
+    args = [sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "8", "-w", "2"]
+    args += ["-b", "127.0.0.1:0", "--graceful-timeout", "5", "--log-file", str(log), app]
+    process = subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 30
+        port = None
+        while port is None and time.monotonic() < deadline and process.poll() is None:
+            found = _LISTENING.search(log.read_text() if log.exists() else "")
+            port = found.group(1) if found else None
+            time.sleep(0.05)  # polling the log with a deadline
+        assert port is not None, log.read_text() if log.exists() else "gunicorn did not start"
+        base = f"http://127.0.0.1:{port}"
+        _wait_ready(base, deadline)
+        yield base
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_ready(base: str, deadline: float) -> None:
+    """Both workers booted: poll until requests are answered (a 404/405 is an answer)."""
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(base + "/", timeout=2)
+            return
+        except httpx.TransportError:
+            time.sleep(0.05)
+    raise AssertionError("gunicorn does not answer")
+
+
+def _env(url: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_")}
+    env["SHOP_DATABASE_URL"] = url
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _django_shop(
+    vendor: str, tmp: Path, stack: contextlib.ExitStack, *, atomic_requests: bool = False
+) -> Shop:
+    cwd = EXAMPLES / "django_app"
+    env = _env(stack.enter_context(_database(vendor, tmp)))
+    env["SHOP_ATOMIC_REQUESTS"] = "1" if atomic_requests else "0"
+    _run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd, env)
+    base = stack.enter_context(_gunicorn("shop.wsgi", cwd, env, tmp / "gunicorn.log"))
+    return Shop(base, env["SHOP_DATABASE_URL"], "shop_payment")
+
+
+def _flask_shop(vendor: str, tmp: Path, stack: contextlib.ExitStack) -> Shop:
+    cwd = EXAMPLES / "flask_app"
+    env = _env(stack.enter_context(_database(vendor, tmp)))
+    flask = [sys.executable, "-m", "flask", "--app", "app"]
+    _run([*flask, "init-db"], cwd, env)
+    _run([*flask, "idemflow", "migrate"], cwd, env)
+    base = stack.enter_context(_gunicorn("app:app", cwd, env, tmp / "gunicorn.log"))
+    return Shop(base, env["SHOP_DATABASE_URL"], "payment")
+
+
+class Servers:
+    """The module's servers, started on first use, stopped when the module ends."""
+
+    def __init__(self, tmp: pytest.TempPathFactory, stack: contextlib.ExitStack) -> None:
+        self._tmp, self._stack = tmp, stack
+        self._shops: dict[tuple[str, str], Shop] = {}
+
+    def get(self, app: str, vendor: str) -> Shop:
+        if (app, vendor) not in self._shops:
+            tmp = self._tmp.mktemp(f"{app}-{vendor}")
+            if app == "flask":
+                shop = _flask_shop(vendor, tmp, self._stack)
+            else:
+                atomic = app == "django-atomic"
+                shop = _django_shop(vendor, tmp, self._stack, atomic_requests=atomic)
+            self._shops[app, vendor] = shop
+        return self._shops[app, vendor]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    with contextlib.ExitStack() as stack:
+        yield Servers(tmp_path_factory, stack)
+
+
+@dataclass
+class Endpoint:
+    shop: Shop
+    path: str
+
+    def post(
+        self,
+        key: str | None,
+        principal: str | None,
+        body: bytes = b'{"amount": 10}',
+        **headers: str,
+    ) -> Any:
+        sent = {"content-type": "application/json"}
+        if key is not None:
+            sent["idempotency-key"] = key
+        if principal is not None:
+            sent["x-user"] = principal
+        sent.update({k.replace("_", "-"): v for k, v in headers.items()})
+        return httpx.post(self.shop.base + self.path, content=body, headers=sent, timeout=30)
+
+
+_MARKS = {"sqlite": (), "postgres": (pytest.mark.postgres,), "mysql": (pytest.mark.mysql,)}
+ENDPOINTS = (
+    [
+        pytest.param(("django", vendor, path), marks=_MARKS[vendor], id=f"django-{vendor}{path}")
+        for vendor in ("sqlite", "postgres", "mysql")
+        for path in DJANGO_PATHS
+    ]
+    + [
+        # ATOMIC_REQUESTS=True: the function views opt out (idemflow's transaction instead);
+        # the CBV and DRF methods run inside the request's transaction (a savepoint).
+        pytest.param(
+            ("django-atomic", vendor, path),
+            marks=_MARKS[vendor],
+            id=f"django-atomic-{vendor}{path}",
+        )
+        for vendor in ("postgres", "mysql")
+        for path in DJANGO_PATHS
+    ]
+    + [
+        pytest.param(("flask", vendor, "/payments"), marks=_MARKS[vendor], id=f"flask-{vendor}")
+        for vendor in ("sqlite", "postgres")
+    ]
+)
+
+
+@pytest.fixture(params=ENDPOINTS)
+def endpoint(request: pytest.FixtureRequest, servers: Servers) -> Endpoint:
+    app, vendor, path = request.param
+    return Endpoint(servers.get(app, vendor), path)
+
+
+def who() -> str:
+    return f"user-{uuid.uuid4().hex[:8]}"
+
+
+def test_first_execution_then_a_byte_identical_replay(endpoint: Endpoint) -> None:
+    alice = who()
+    first = endpoint.post("k-1", alice)
+    replay = endpoint.post("k-1", alice)
+
+    assert first.status_code == 201, first.text
+    assert (replay.status_code, replay.content) == (201, first.content)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert "idempotent-replayed" not in first.headers
+    assert replay.headers["content-type"] == first.headers["content-type"]
+    assert replay.headers["idempotency-original-request-id"] == first.headers["x-request-id"]
+    assert endpoint.shop.rows(alice) == 1
+
+
+def test_the_same_key_for_another_body_is_a_422(endpoint: Endpoint) -> None:
+    alice = who()
+    assert endpoint.post("k-1", alice).status_code == 201
+    reused = endpoint.post("k-1", alice, b'{"amount": 99}')
+
+    assert reused.status_code == 422
+    assert reused.headers["content-type"] == "application/problem+json"
+    assert reused.json()["type"].endswith("/key-reused")
+    assert endpoint.shop.rows(alice) == 1
+
+
+def test_a_duplicate_of_a_running_request_is_a_409_with_retry_after(
+    endpoint: Endpoint, tmp_path: Path
+) -> None:
+    alice, gate = who(), tmp_path / "release"
+    results: list[Any] = []
+    first = threading.Thread(
+        target=lambda: results.append(endpoint.post("k-1", alice, x_hold=str(gate)))
+    )
+    first.start()
+    try:
+        deadline = time.monotonic() + 10
+        while endpoint.shop.state(alice) != "in_progress" and time.monotonic() < deadline:
+            time.sleep(0.02)  # polling the key table with a deadline
+        duplicate = endpoint.post("k-1", alice)
+    finally:
+        gate.touch()
+        first.join(timeout=30)
+
+    assert duplicate.status_code == 409
+    assert int(duplicate.headers["retry-after"]) >= 1
+    assert results[0].status_code == 201
+    assert endpoint.post("k-1", alice).content == results[0].content
+    assert endpoint.shop.rows(alice) == 1
+
+
+def test_fifty_parallel_identical_posts_make_one_business_row(endpoint: Endpoint) -> None:
+    alice = who()
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        answers = list(pool.map(lambda _: endpoint.post("k-storm", alice), range(50)))
+
+    statuses = sorted({a.status_code for a in answers})
+    created = [a for a in answers if a.status_code == 201]
+    assert set(statuses) <= {201, 409}, [a.text for a in answers if a.status_code not in (201, 409)]
+    assert created
+    assert len({a.content for a in created}) == 1  # every 201 is the same response
+    assert endpoint.shop.rows(alice) == 1
+
+
+def test_principals_are_isolated(endpoint: Endpoint) -> None:
+    alice, bob = who(), who()
+    mine = endpoint.post("k-1", alice)
+    theirs = endpoint.post("k-1", bob)
+
+    assert (mine.status_code, theirs.status_code) == (201, 201)
+    assert "idempotent-replayed" not in theirs.headers
+    assert mine.json()["id"] != theirs.json()["id"]
+    assert (endpoint.shop.rows(alice), endpoint.shop.rows(bob)) == (1, 1)
+
+
+def test_400_and_401_are_never_recorded(endpoint: Endpoint) -> None:
+    """No key, no principal, or a body the view's validation refuses: nothing is claimed,
+    so the corrected request with the same key is a first execution, not a 422."""
+    alice = who()
+    missing = endpoint.post(None, alice)
+    anonymous = endpoint.post("k-1", None)
+    invalid = endpoint.post("k-1", alice, b'{"amount": -5}')
+
+    assert missing.status_code == 400
+    assert missing.json()["type"].endswith("/missing-key")
+    assert anonymous.status_code == 401
+    assert invalid.status_code == 400
+    if endpoint.path == "/mw/payments":
+        # The middleware claims before the view validates: the view's exception releases
+        # the key (the 400 is not stored), which stays bound to the refused body.
+        assert endpoint.shop.state(alice) == "released"
+        again = endpoint.post("k-1", alice, b'{"amount": -5}')
+        assert (again.status_code, "idempotent-replayed" in again.headers) == (400, False)
+        return
+    assert endpoint.shop.key_rows(alice) == 0
+    assert endpoint.post("k-1", alice).status_code == 201
+    assert endpoint.shop.rows(alice) == 1
+
+
+def test_a_transient_503_is_released_and_the_retry_really_runs(endpoint: Endpoint) -> None:
+    alice = who()
+    failed = endpoint.post("k-1", alice, x_fail="503")
+
+    assert failed.status_code == 503
+    assert endpoint.shop.rows(alice) == 0  # rolled back with the release
+    assert endpoint.shop.state(alice) == "released"
+    retry = endpoint.post("k-1", alice)
+    assert retry.status_code == 201
+    assert "idempotent-replayed" not in retry.headers
+    assert endpoint.shop.rows(alice) == 1
+
+
+def test_the_django_middleware_refuses_to_start_before_authentication(tmp_path: Path) -> None:
+    """A wiring mistake fails the server's start, not each request."""
+    cwd = EXAMPLES / "django_app"
+    env = _env(f"sqlite:///{tmp_path / 'shop.db'}")
+    script = (
+        "import django, os\n"
+        "os.environ['DJANGO_SETTINGS_MODULE'] = 'shop.settings'\n"
+        "from django.conf import settings\n"
+        "django.setup()\n"
+        "m = settings.MIDDLEWARE\n"
+        "settings.MIDDLEWARE = [m[-1], *m[:-1]]\n"
+        "from django.core.wsgi import get_wsgi_application\n"
+        "get_wsgi_application()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert done.returncode != 0
+    assert "ImproperlyConfigured" in done.stderr
+    assert "placed before" in done.stderr
+
+
+@pytest.mark.parametrize("path", ["/cbv/payments", "/drf/payments"])
+def test_sqlite_under_atomic_requests_protects_function_views_and_refuses_methods(
+    servers: Servers, path: str
+) -> None:
+    """ATOMIC_REQUESTS on SQLite: a decorated function view opts out of the request's
+    transaction and works; a method runs inside it, where one writer cannot claim and
+    give keys back, so it is refused with a 500 problem naming the fix, key released."""
+    shop = servers.get("django-atomic", "sqlite")
+    alice = who()
+    assert Endpoint(shop, "/payments").post("k-1", alice).status_code == 201
+
+    refused = Endpoint(shop, path).post("k-2", alice)
+
+    assert refused.status_code == 500
+    assert refused.headers["content-type"] == "application/problem+json"
+    assert "SQLite admits one writer" in refused.json()["detail"]
+    assert shop.rows(alice) == 1
