@@ -1,0 +1,100 @@
+"""
+The Flask extension in-process (Flask's test client) on a real SQLite file: configuration
+mistakes, a principal callable, and a plain SQLAlchemy session as the transaction.
+The served behaviour (gunicorn, PostgreSQL) is in test_wsgi_apps.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("flask")
+sqlalchemy = pytest.importorskip("sqlalchemy")
+
+from flask import Flask, g, request  # noqa: E402
+from sqlalchemy.orm import Session  # noqa: E402
+
+from idemflow import ConfigurationError, State  # noqa: E402
+from idemflow.integrations.flask import Idempotency  # noqa: E402
+from idemflow.stores.sqlite import SQLiteStore  # noqa: E402
+from idemflow.transactions import SQLAlchemyTransaction  # noqa: E402
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> Iterator[tuple[Any, SQLiteStore]]:
+    path = tmp_path / "app.db"
+    engine = sqlalchemy.create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE payment (id INTEGER PRIMARY KEY, amount INTEGER)")
+    store = SQLiteStore(path)
+    store.migrate()
+    yield engine, store
+    store.close()
+    engine.dispose()
+
+
+def test_no_principal_source_is_refused_at_init(database: tuple[Any, SQLiteStore]) -> None:
+    """Keys are never claimed anonymously: no principal= and no Flask-Login is a start-up error."""
+    _, store = database
+    with pytest.raises(ConfigurationError, match="principal"):
+        Idempotency(Flask(__name__), store=store)
+
+
+def test_a_plain_sqlalchemy_session_carries_the_completion(
+    database: tuple[Any, SQLiteStore],
+) -> None:
+    """transaction= with SQLAlchemyTransaction: the row and the record commit together;
+    a 503 rolls the row back and releases the key; the principal comes from the callable."""
+    engine, store = database
+    app = Flask(__name__)
+
+    @contextlib.contextmanager
+    def session_transaction() -> Iterator[SQLAlchemyTransaction]:
+        with Session(engine) as session:
+            g.session = session
+            yield SQLAlchemyTransaction(session)
+
+    idem = Idempotency(
+        app,
+        store=store,
+        transaction=session_transaction,
+        principal=lambda: request.headers.get("X-User"),
+    )
+
+    @app.post("/payments/<int:order>")
+    @idem.protect
+    def pay(order: int) -> Any:
+        g.session.execute(sqlalchemy.text("INSERT INTO payment (amount) VALUES (:a)"), {"a": order})
+        if request.headers.get("X-Fail"):
+            return {"error": "down"}, 503
+        return {"order": order}, 201
+
+    client = app.test_client()
+    headers = {"X-User": "alice", "Idempotency-Key": "k-1"}
+    failed = client.post("/payments/7", headers={**headers, "X-Fail": "1"}, json={})
+    first = client.post("/payments/7", headers=headers, json={})
+    replay = client.post("/payments/7", headers=headers, json={})
+    other_order = client.post("/payments/8", headers=headers, json={})
+
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT amount FROM payment").fetchall()
+    record = store.get("alice", "k-1")
+    assert failed.status_code == 503
+    assert (first.status_code, replay.data, replay.headers["Idempotent-Replayed"]) == (
+        201,
+        first.data,
+        "true",
+    )
+    assert other_order.status_code == 422  # path parameters are part of the request
+    assert rows == [(7,)]
+    assert record is not None
+    assert (record.state, record.endpoint, record.attempt) == (
+        State.COMPLETED,
+        "POST /payments/<int:order>",
+        2,
+    )
