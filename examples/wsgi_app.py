@@ -37,13 +37,13 @@ import contextlib
 import json
 import os
 import sqlite3
-import threading
 from collections.abc import Iterable, Iterator
+from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from idemflow import Idempotency, Policy
-from idemflow.integrations.wsgi import IdempotencyMiddleware, status_line
+from idemflow.integrations.wsgi import IdempotencyMiddleware
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
@@ -142,9 +142,9 @@ class PaymentsApp:
             return respond(start_response, 200, {"payments": self.database.listed(principal)})
         if parts == ["payments"] and method == "POST":
             return self.pay(environ, start_response, principal, None)
-        if len(parts) == 3 and parts[0] == "payments" and parts[2] == "refunds":
-            if method == "POST" and parts[1].isdigit():
-                return self.pay(environ, start_response, principal, int(parts[1]))
+        refund = len(parts) == 3 and parts[0] == "payments" and parts[2] == "refunds"
+        if refund and method == "POST" and parts[1].isdigit():
+            return self.pay(environ, start_response, principal, int(parts[1]))
         return respond(start_response, 404, {"title": "not found"})
 
     def pay(
@@ -195,7 +195,10 @@ def respond(
     headers: list[tuple[str, str]] | None = None,
 ) -> list[bytes]:
     body = json.dumps(content).encode()
-    start_response(status_line(status), [("Content-Type", "application/json"), *(headers or [])])
+    start_response(
+        f"{status} {HTTPStatus(status).phrase}",
+        [("Content-Type", "application/json"), *(headers or [])],
+    )
     return [body]
 
 
@@ -235,7 +238,6 @@ def create_app(url: str | None = None, data: Path | None = None) -> WSGIApplicat
     return BearerAuth(protected)  # authentication runs first: it sets the principal
 
 
-_lock = threading.Lock()
 app = create_app(
     os.environ.get("WSGI_APP_DATABASE_URL") or None,
     Path(os.environ.get("WSGI_APP_DATA", "wsgi-app-data")),

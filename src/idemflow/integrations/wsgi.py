@@ -1,0 +1,470 @@
+"""
+idemflow for any WSGI application (Flask, Django, Falcon, Bottle, a bare callable).
+
+Middleware mode, the weaker one: :class:`IdempotencyMiddleware` wraps the
+application, claims the key, runs the application with the request's body,
+captures its response, stores it and replays it. It does not own the
+application's transaction, so it **cannot make the effect and the record
+atomic**: the application commits its effect first, the record is written
+second, and a crash in between leaves the effect applied and the key
+``in_progress`` for the sweeper (which resolves the key; it cannot undo the
+effect). Where the effect lives in the key store's database, use the
+framework's transactional integration instead (Django, Flask, FastAPI).
+
+It follows the rules of the ASGI middleware
+(:class:`idemflow.integrations.starlette.IdempotencyMiddleware`) exactly; the
+rules themselves live in ``idemflow._http`` and the sync ``Edge``:
+
+- only the ``endpoints`` listed opt in (``"POST /payments"``,
+  ``"POST /payments/{id}/refunds"``); every other request, and every
+  GET/HEAD/OPTIONS/TRACE, passes through untouched;
+- the principal comes from ``REMOTE_USER`` (or a ``principal`` hook); without
+  one the request is refused (401) unless ``EdgeOptions(public=True)``;
+- the body is read whole and bounded before anything is claimed: a
+  ``Content-Length`` over ``max_body_bytes`` is a 413 at once, unread; a body
+  without one (chunked, ``wsgi.input_terminated``) is a 413 as soon as the
+  bytes read pass the cap; a body that ends before its ``Content-Length``, or
+  whose read fails (the client went away), is never fingerprinted, claimed or
+  run (400 ``incomplete-body``, logged nowhere);
+- the application gets a fresh ``wsgi.input`` holding exactly that body, and
+  always runs to its end: its response is captured (at most
+  ``max_response_bytes`` of body kept, the rest counted) and its iterable
+  always closed. A response that cannot be stored or sent whole (too large, a
+  header or status that cannot be sent, a body that is not bytes) is never
+  released, since its effect happened: the key is settled with a
+  ``response-not-stored`` marker that the first caller gets too and every
+  retry replays;
+- a 5xx, 408, 425 or 429 response, or an exception, releases the claim; the
+  exception propagates to the server unchanged;
+- every response it makes carries ``X-Request-Id`` (the client's, if sane; it
+  is also ``environ["idemflow.request_id"]`` for the application's logs).
+
+The route a record names is ``SCRIPT_NAME`` (where the application is
+mounted, by a dispatcher or a proxy) followed by the template, so the same
+application mounted at ``/eu`` and ``/us`` is two endpoints.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from .._errors import BodyTooLarge, ConfigurationError, IdempotencyError, IncompleteBody
+from .._http import (
+    SAFE_METHODS,
+    EdgeOptions,
+    HTTPRequest,
+    RawHeaders,
+    not_stored,
+    problem_for,
+    request_id_from,
+)
+from .._model import Response
+from .._sync.driver import Attempt, Idempotency
+from .._sync.edge import Edge
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
+
+__all__ = [
+    "EdgeOptions",
+    "Endpoint",
+    "IdempotencyMiddleware",
+    "compile_endpoint",
+    "read_body",
+    "remote_user",
+    "request_id",
+]
+
+#: Returns the authenticated principal of a request's environ, or None.
+PrincipalGetter: TypeAlias = Callable[["WSGIEnvironment"], "str | None"]
+
+#: Where the request's correlation id is kept for the application.
+REQUEST_ID_KEY = "idemflow.request_id"
+
+# How much of the body one read asks the server for.
+_READ_SIZE = 65_536
+
+# A method is an HTTP token (RFC 9110 §9.1).
+_METHOD = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# A parameter is a whole path segment: ``{name}``.
+_PARAMETER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# The status line a WSGI application passes: three digits, then a reason.
+_STATUS = re.compile(r"([0-9]{3})(?: .*)?")
+
+# Framing is the server's business (we write Content-Length); the others
+# are hop-by-hop, which PEP 3333 forbids an application to send.
+_NOT_FORWARDED = frozenset(
+    {
+        "connection",
+        "content-length",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+
+
+def remote_user(environ: WSGIEnvironment) -> str | None:
+    """``REMOTE_USER``, as the server or an authentication middleware set it (None if unset)."""
+    value = environ.get("REMOTE_USER")
+    return value if isinstance(value, str) and value else None
+
+
+def request_id(environ: WSGIEnvironment, headers: RawHeaders | None = None) -> str:
+    """This request's correlation id (the client's ``X-Request-Id`` if sane), kept in environ."""
+    value = environ.get(REQUEST_ID_KEY)
+    if not isinstance(value, str):
+        value = request_id_from(raw_headers(environ) if headers is None else headers)
+        environ[REQUEST_ID_KEY] = value
+    return value
+
+
+class IdempotencyMiddleware:
+    """Middleware mode for WSGI: claim, capture the response, store it, replay it.
+
+    Args:
+        app: the WSGI application whose endpoints are protected.
+        idempotency: the (sync) driver: store, policy, observer.
+        endpoints: ``"METHOD /route/{param}"`` templates, relative to where
+            the application is mounted (``PATH_INFO``). A parameter is a whole
+            segment and matches any text but ``/``.
+        principal: reads the authenticated principal from the environ
+            (default: ``REMOTE_USER``). Place the middleware inside your
+            authentication middleware, so it has run.
+        options: public endpoints, replay authorization, size limits.
+
+    Raises:
+        ConfigurationError: no endpoint, a malformed template, a safe method
+            (it would never be protected), or an async driver.
+    """
+
+    def __init__(
+        self,
+        app: WSGIApplication,
+        *,
+        idempotency: Idempotency,
+        endpoints: Iterable[str],
+        principal: PrincipalGetter = remote_user,
+        options: EdgeOptions | None = None,
+    ) -> None:
+        if not isinstance(idempotency, Idempotency):
+            msg = (
+                f"the WSGI middleware runs in a thread, not a loop: pass idemflow.Idempotency, "
+                f"not {type(idempotency).__name__}"
+            )
+            raise ConfigurationError(msg)
+        self.app = app
+        self.edge = Edge(idempotency, options)
+        self._principal = principal
+        self._endpoints = [compile_endpoint(endpoint) for endpoint in endpoints]
+        if not self._endpoints:
+            raise ConfigurationError("IdempotencyMiddleware needs at least one endpoint to protect")
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        route = self._match(environ)
+        if route is None:
+            return self.app(environ, start_response)
+        headers = raw_headers(environ)
+        rid = request_id(environ, headers)
+        try:
+            who = self._principal(environ)
+            body = read_body(environ, self.edge.options.max_body_bytes)
+        except IdempotencyError as exc:
+            # After a disconnect this answer goes nowhere; it is sent all the
+            # same, so there is one path and no traceback.
+            return send(start_response, problem_for(exc, rid))
+        template, params = route
+        request = HTTPRequest(
+            str(environ["REQUEST_METHOD"]),
+            template,
+            headers,
+            body,
+            who,
+            rid,
+            params,
+            str(environ.get("QUERY_STRING", "")),
+        )
+        response = self.edge.respond(request, self._endpoint(environ, body))
+        return send(start_response, response)
+
+    def _match(self, environ: WSGIEnvironment) -> tuple[str, dict[str, str]] | None:
+        """The opted-in endpoint this request matches: its full template and path parameters."""
+        method = str(environ.get("REQUEST_METHOD", "GET")).upper()
+        if method in SAFE_METHODS:
+            return None
+        path = str(environ.get("PATH_INFO", "")) or "/"
+        for endpoint in self._endpoints:
+            match = endpoint.pattern.fullmatch(path) if endpoint.method == method else None
+            if match is not None:
+                return str(environ.get("SCRIPT_NAME", "")) + endpoint.template, match.groupdict()
+        return None
+
+    def _endpoint(self, environ: WSGIEnvironment, body: bytes) -> Callable[[Attempt], Response]:
+        classify = self.edge.idempotency.policy.verdict
+        limit = self.edge.options.max_response_bytes
+
+        def operation(attempt: Attempt) -> Response:
+            # The server's stream is spent: the application reads our copy.
+            environ["wsgi.input"] = io.BytesIO(body)
+            environ["CONTENT_LENGTH"] = str(len(body))
+            environ["wsgi.input_terminated"] = True
+            captured = _Captured(limit)
+            result = self.app(environ, captured.start_response)
+            try:
+                for chunk in result:
+                    captured.add(chunk)
+            finally:
+                close = getattr(result, "close", None)
+                if close is not None:
+                    close()
+            return captured.response(classify)
+
+        return operation
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One opted-in endpoint: its method, its template, and the pattern matching ``PATH_INFO``."""
+
+    method: str
+    template: str
+    pattern: re.Pattern[str]
+
+
+def compile_endpoint(endpoint: str) -> Endpoint:
+    """``"POST /payments/{id}/refunds"`` compiled; ConfigurationError if it is malformed."""
+    method, _, template = endpoint.strip().partition(" ")
+    method, template = method.upper(), template.strip()
+    if not _METHOD.fullmatch(method) or not template.startswith("/"):
+        msg = f"endpoint {endpoint!r} must be 'METHOD /route/{{param}}'"
+        raise ConfigurationError(msg)
+    if method in SAFE_METHODS:
+        msg = (
+            f"endpoint {endpoint!r}: {method} is idempotent already and is never "
+            "protected; list unsafe methods only"
+        )
+        raise ConfigurationError(msg)
+    parts: list[str] = []
+    names: set[str] = set()
+    for segment in template.split("/")[1:]:
+        parameter = _PARAMETER.fullmatch(segment)
+        if parameter is not None:
+            name = parameter.group(1)
+            if name in names:
+                msg = f"endpoint {endpoint!r} names the parameter {name!r} twice"
+                raise ConfigurationError(msg)
+            names.add(name)
+            parts.append(f"(?P<{name}>[^/]+)")
+        elif "{" in segment or "}" in segment:
+            msg = f"endpoint {endpoint!r}: a parameter is a whole segment, '{{name}}'"
+            raise ConfigurationError(msg)
+        else:
+            parts.append(re.escape(_native(segment)))
+    return Endpoint(method, template, re.compile("/" + "/".join(parts)))
+
+
+def _native(text: str) -> str:
+    """``text`` as WSGI spells a path: its UTF-8 bytes decoded as latin-1 (PEP 3333)."""
+    return text.encode("utf-8").decode("latin-1")
+
+
+def raw_headers(environ: WSGIEnvironment) -> list[tuple[bytes, bytes]]:
+    """The request's header lines as (lower-case name, value) bytes, from ``HTTP_*`` keys."""
+    headers: list[tuple[bytes, bytes]] = []
+    for key, value in environ.items():
+        if key.startswith("HTTP_"):
+            name = key[5:].replace("_", "-").lower()
+        elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+            name = key.replace("_", "-").lower()
+        else:
+            continue
+        if isinstance(value, str) and value:
+            headers.append((name.encode("latin-1"), value.encode("latin-1", "replace")))
+    return headers
+
+
+# --- the request body -----------------------------------------------------------------------
+
+
+def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
+    """The whole request body, or an error before more than ``limit`` bytes are held.
+
+    Raises:
+        BodyTooLarge: ``CONTENT_LENGTH`` is over ``limit`` (nothing is read), or
+            the bytes read so far are (413, while the client still sends).
+        IncompleteBody: fewer bytes than ``CONTENT_LENGTH`` arrived, or the
+            server's stream failed (the client went away mid-body).
+
+    Without ``CONTENT_LENGTH`` the body is read to its end only if the server
+    says the stream ends there (``wsgi.input_terminated``, as gunicorn does for
+    chunked bodies); otherwise PEP 3333 makes it empty.
+    """
+    declared = _declared_length(environ.get("CONTENT_LENGTH"), limit)
+    if declared is None and not environ.get("wsgi.input_terminated"):
+        return b""
+    stream = environ.get("wsgi.input")
+    chunks: list[bytes] = []
+    size = 0
+    while declared is None or size < declared:
+        want = _READ_SIZE if declared is None else min(_READ_SIZE, declared - size)
+        chunk = _read(stream, want)
+        if chunk is None:
+            raise _went_away(size, declared)
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(
+                f"more than {limit} bytes arrived; the limit for idempotent requests is "
+                f"{limit} bytes"
+            )
+        chunks.append(chunk)
+    if declared is not None and size != declared:
+        raise _went_away(size, declared)
+    return b"".join(chunks)
+
+
+def _read(stream: Any, size: int) -> bytes | None:
+    """At most ``size`` bytes of the server's stream; None if reading it failed."""
+    if stream is None:
+        return b""
+    try:
+        chunk = stream.read(size)
+    # Every server has its own way to say the client went away: gunicorn's
+    # NoMoreData and InvalidChunkSize, werkzeug's ClientDisconnected, an
+    # OSError. Whatever it is, the body did not arrive whole.
+    except Exception:  # noqa: BLE001
+        return None
+    return bytes(chunk)
+
+
+def _declared_length(value: object, limit: int) -> int | None:
+    """The ``Content-Length``, if one was sent; BodyTooLarge at once if it is over ``limit``."""
+    text = value.strip() if isinstance(value, str) else ""
+    if not (text.isascii() and text.isdigit()):
+        return None  # none (chunked), or a framing the server already refused
+    digits = text.lstrip("0") or "0"
+    # More digits than the limit has: over it, without converting 5,000 digits.
+    if len(digits) > len(str(limit)) or int(digits) > limit:
+        raise BodyTooLarge(
+            f"the request body is {digits[:20]} bytes (Content-Length); "
+            f"the limit for idempotent requests is {limit} bytes"
+        )
+    return int(digits)
+
+
+def _went_away(size: int, declared: int | None) -> IncompleteBody:
+    expected = f" of the {declared} declared" if declared is not None else ""
+    return IncompleteBody(
+        f"the request body ended after {size} bytes{expected}: the client went away; "
+        "nothing was recorded, send the whole request again"
+    )
+
+
+# --- the application's response -------------------------------------------------------------
+
+
+class _Captured:
+    """A ``start_response`` and body sink that keep the application's response in memory.
+
+    It never raises into the application: its effect is happening, and an
+    error mid-body would only hide how it ended. It keeps at most ``limit``
+    body bytes and counts the rest; :meth:`response` decides what can be stored.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._status: object = None
+        self._headers: list[Any] = []
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._not_bytes: str | None = None
+
+    def start_response(
+        self, status: str, headers: list[tuple[str, str]], exc_info: Any = None
+    ) -> Callable[[bytes], object]:
+        # Nothing has been sent yet, so an error page may replace the headers
+        # (PEP 3333 allows it with exc_info; without it, it is a second call).
+        if self._status is not None and exc_info is None:
+            raise RuntimeError("start_response was called twice without exc_info")
+        self._status, self._headers = status, list(headers)
+        return self._write
+
+    def _write(self, data: bytes) -> object:
+        """The legacy ``write`` callable: the same as yielding ``data``."""
+        self.add(data)
+        return None
+
+    def add(self, chunk: object) -> None:
+        if not isinstance(chunk, bytes | bytearray | memoryview):
+            self._not_bytes = self._not_bytes or type(chunk).__name__
+            return
+        self._size += len(chunk)
+        if self._size <= self._limit:
+            self._chunks.append(bytes(chunk))
+
+    def response(self, classify: Callable[[Response], Any]) -> Response:
+        """The application's response; a :func:`~idemflow._http.not_stored` marker if not whole."""
+        if self._status is None:
+            raise RuntimeError("the WSGI application returned without calling start_response")
+        status = _STATUS.fullmatch(self._status) if isinstance(self._status, str) else None
+        if status is None:
+            msg = f"the WSGI application's status {self._status!r} is not '<3 digits> <reason>'"
+            raise RuntimeError(msg)
+        headers = tuple(
+            (name, value)
+            for name, value in (_pair(header) for header in self._headers)
+            if not (isinstance(name, str) and name.lower() == "content-length")
+        )
+        response = Response(int(status.group(1)), b"".join(self._chunks), headers)
+        reason = self._unstorable()
+        return response if reason is None else not_stored(response, reason, classify(response))
+
+    def _unstorable(self) -> str | None:
+        if self._not_bytes is not None:
+            return f"the application yielded a {self._not_bytes}, not bytes"
+        if self._size > self._limit:
+            return (
+                f"the response body is {self._size} bytes; the stored-body limit is "
+                f"{self._limit} bytes (raise max_response_bytes, or do not protect this endpoint)"
+            )
+        return None
+
+
+def _pair(header: Any) -> tuple[Any, Any]:
+    """A header as the application passed it; anything but a pair is an unsendable name."""
+    if isinstance(header, tuple | list) and len(header) == 2:
+        return header[0], header[1]
+    return header, ""
+
+
+def send(start_response: StartResponse, response: Response) -> list[bytes]:
+    """Answer with an idemflow Response: status line, headers, its Content-Length, its body."""
+    headers = [
+        (name, value) for name, value in response.headers if name.lower() not in _NOT_FORWARDED
+    ]
+    if response.status >= 200 and response.status not in (204, 304):
+        headers.append(("Content-Length", str(len(response.body))))
+    start_response(status_line(response.status), headers)
+    return [response.body]
+
+
+def status_line(status: int) -> str:
+    """``201 Created``: WSGI wants the reason phrase; an unregistered status gets its class's."""
+    try:
+        return f"{status} {HTTPStatus(status).phrase}"
+    except ValueError:
+        return f"{status} {_CLASS_PHRASES.get(status // 100, 'Unknown')}"
+
+
+_CLASS_PHRASES = {2: "Success", 3: "Redirection", 4: "Client Error", 5: "Server Error"}
