@@ -45,16 +45,23 @@ from idemflow import (
     State,
     StoreUnavailable,
 )
-from idemflow._http import pooled_transaction
 from idemflow.integrations.starlette import IdempotencyMiddleware, Idempotent
 from idemflow.stores.sqlite import AsyncSQLiteStore
 from idemflow.testing import FrozenClock
-from tests.conftest import POSTGRES_URL, unreachable
+from tests.conftest import POSTGRES_URL
+from tests.faults import (
+    SignallingStore,
+    business_rows,
+    psycopg_or_skip,
+    shared_pool,
+    terminate,
+    transaction_on,
+)
 from tests.http.conftest import assert_problem, new_key, serve
 from tests.sweeping import async_sweep_away
 
 if TYPE_CHECKING:
-    from idemflow.stores._sql import StoreClock
+    pass
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -74,15 +81,6 @@ def intent(key: str = "k-1") -> Intent:
 
 
 # --- PostgreSQL: a key table, a business table, pools shared by store and handler -----
-
-
-def psycopg_or_skip() -> Any:
-    psycopg = pytest.importorskip("psycopg")
-    try:
-        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
-    except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
-    return psycopg
 
 
 @contextlib.contextmanager
@@ -106,26 +104,6 @@ def postgres_tables(table: str) -> Iterator[Any]:
             conn.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}, parent_{table}")
 
 
-def business_rows(table: str) -> list[str]:
-    import psycopg
-
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-        return [r[0] for r in conn.execute(f"SELECT note FROM biz_{table} ORDER BY id")]
-
-
-def terminate(application_name: str) -> int:
-    """End every server session of ``application_name`` (a real connection loss)."""
-    import psycopg
-
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE application_name = %s AND pid <> pg_backend_pid()",
-            (application_name,),
-        ).fetchall()
-    return len(rows)
-
-
 async def terminate_own_session(connection: Any) -> None:
     """End the server session behind ``connection`` from another one."""
     import psycopg
@@ -133,28 +111,6 @@ async def terminate_own_session(connection: Any) -> None:
     row = await (await connection.execute("SELECT pg_backend_pid()")).fetchone()
     async with await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as killer:
         await killer.execute("SELECT pg_terminate_backend(%s)", (row[0],))
-
-
-@contextlib.asynccontextmanager
-async def pooled_store(
-    table: str, size: int = 2, *, clock: StoreClock = "database"
-) -> AsyncIterator[Any]:
-    """An AsyncPostgresStore whose pool the application's transactions use too."""
-    from idemflow.stores.postgres import AsyncPostgresStore
-
-    options: dict[str, Any] = {} if clock == "database" else {"clock": clock}  # the default
-    store = AsyncPostgresStore(POSTGRES_URL, table=table, max_size=size, **options)
-    await store.pool.open(wait=True)
-    try:
-        yield store
-    finally:
-        await store.close()
-
-
-def transaction_on(store: Any) -> Any:
-    from idemflow.transactions import AsyncPsycopgTransaction
-
-    return pooled_transaction(store.pool.connection, AsyncPsycopgTransaction)
 
 
 async def insert(attempt: AsyncAttempt, table: str, note: str, parent: int | None = None) -> None:
@@ -175,25 +131,6 @@ async def run_in_transaction(
         return await idem.run(
             intent(), handler, transaction=transaction, single_commit=single_commit
         )
-
-
-class SignallingStore:
-    """A real store that says when a claim has been sent (so a test can cancel mid-claim)."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.claim_sent = asyncio.Event()
-        self.supports_transactions = store.supports_transactions
-        self.supports_single_commit = getattr(store, "supports_single_commit", False)
-
-    async def claim(self, *args: Any, **kwargs: Any) -> Any:
-        pending = asyncio.ensure_future(self.store.claim(*args, **kwargs))
-        await asyncio.sleep(0)  # let the claim start (its query is on its way)
-        self.claim_sent.set()
-        return await pending
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
 
 
 def expected_after_a_rollback(single_commit: bool) -> State | None:
@@ -225,7 +162,7 @@ async def test_cancelled_while_claiming_in_a_transaction_leaves_no_claim(
         return CREATED
 
     with postgres_tables(table_name):
-        async with pooled_store(table_name) as real:
+        async with shared_pool(table_name) as real:
             store = SignallingStore(real)
             idem = AsyncIdempotency(store, POLICY)
             task = asyncio.create_task(
@@ -260,7 +197,7 @@ async def test_cancelled_mid_handler_in_a_transaction_rolls_back_the_effect(
         return CREATED
 
     with postgres_tables(table_name):
-        async with pooled_store(table_name) as store:
+        async with shared_pool(table_name) as store:
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.5):
                     await run_in_transaction(store, slow, single_commit=single_commit)
@@ -282,7 +219,7 @@ async def test_a_lost_completion_in_a_transaction_rolls_back_and_frees_the_key(
     free again (released through a connection of the store's, or never committed), and the
     retry runs once."""
     with postgres_tables(table_name):
-        async with pooled_store(table_name) as store:
+        async with shared_pool(table_name) as store:
 
             async def charge(attempt: AsyncAttempt) -> Response:
                 await insert(attempt, table_name, "charged")
@@ -310,7 +247,7 @@ async def test_single_commit_failed_commit_leaves_no_record(table_name: str) -> 
     """A COMMIT refused by a deferred constraint takes the claim with it in single-commit
     mode: no effect, no record, and the retry is attempt 1 of a fresh claim."""
     with postgres_tables(table_name):
-        async with pooled_store(table_name) as store:
+        async with shared_pool(table_name) as store:
 
             async def orphan(attempt: AsyncAttempt) -> Response:
                 await insert(attempt, table_name, "orphan", ORPHAN)
@@ -343,7 +280,7 @@ async def test_single_commit_lease_lost_after_commit_phase_keeps_only_the_commit
     sweeper's (here released, as a reconciler that says "did not happen" leaves it)."""
     clock = FrozenClock()
     with postgres_tables(table_name):
-        async with pooled_store(table_name, clock="caller") as store:
+        async with shared_pool(table_name, clock="caller") as store:
             idem = AsyncIdempotency(store, POLICY, clock=clock)
 
             async def overrun(attempt: AsyncAttempt) -> Response:
@@ -374,7 +311,7 @@ async def test_a_failure_after_commit_phase_releases_and_keeps_the_recovery_poin
     starting over (single-commit mode: tests/test_seams.py)."""
     resumed: list[str | None] = []
     with postgres_tables(table_name):
-        async with pooled_store(table_name) as store:
+        async with shared_pool(table_name) as store:
             idem = AsyncIdempotency(store, POLICY)
 
             async def two_phases(attempt: AsyncAttempt) -> Response:
@@ -417,7 +354,7 @@ async def test_single_commit_with_its_connection_gone_before_the_claim_runs_noth
         return CREATED
 
     with postgres_tables(table_name):
-        async with pooled_store(table_name) as store:
+        async with shared_pool(table_name) as store:
             idem = AsyncIdempotency(store, POLICY)
             async with await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as conn:
                 await terminate_own_session(conn)

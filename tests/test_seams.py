@@ -32,9 +32,16 @@ from idemflow import (
     State,
     StoreUnavailable,
 )
-from idemflow._async.edge import pooled_transaction
 from idemflow.stores.sqlite import AsyncSQLiteStore
 from tests.conftest import POSTGRES_URL, unreachable
+from tests.faults import (
+    SignallingStore,
+    business_rows,
+    psycopg_or_skip,
+    shared_pool,
+    terminate,
+    transaction_on,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -54,15 +61,6 @@ class Boom(Exception):
 # --- PostgreSQL fixtures ------------------------------------------------------
 
 
-def psycopg_or_skip() -> Any:
-    psycopg = pytest.importorskip("psycopg")
-    try:
-        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
-    except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
-    return psycopg
-
-
 @contextlib.contextmanager
 def postgres_tables(table: str) -> Iterator[Any]:
     """The key table and a business table; dropped afterwards. Yields psycopg."""
@@ -78,50 +76,6 @@ def postgres_tables(table: str) -> Iterator[Any]:
             yield psycopg
         finally:
             conn.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
-
-
-def business_rows(table: str) -> list[str]:
-    import psycopg
-
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-        return [r[0] for r in conn.execute(f"SELECT note FROM biz_{table} ORDER BY id")]
-
-
-def terminate(application_name: str) -> int:
-    """End every server session of ``application_name`` (a real connection loss)."""
-    import psycopg
-
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE application_name = %s AND pid <> pg_backend_pid()",
-            (application_name,),
-        ).fetchall()
-    return len(rows)
-
-
-def named_url(application_name: str) -> str:
-    return f"{POSTGRES_URL}?application_name={application_name}"
-
-
-@contextlib.asynccontextmanager
-async def shared_pool(table: str, size: int, application_name: str = "") -> AsyncIterator[Any]:
-    """An AsyncPostgresStore whose pool the application's transactions use too."""
-    from idemflow.stores.postgres import AsyncPostgresStore
-
-    url = named_url(application_name) if application_name else POSTGRES_URL
-    store = AsyncPostgresStore(url, table=table, max_size=size)
-    await store.pool.open(wait=True)
-    try:
-        yield store
-    finally:
-        await store.close()
-
-
-def transaction_on(store: Any) -> Any:
-    from idemflow.transactions import AsyncPsycopgTransaction
-
-    return pooled_transaction(store.pool.connection, AsyncPsycopgTransaction)
 
 
 # --- defect 1: a pool shared by the store and the application ---------------------
@@ -344,24 +298,6 @@ async def _respond(response: Response) -> Response:
 
 
 # --- defect 10: cancellation -------------------------------------------------------
-
-
-class SignallingStore:
-    """A real store that says when a claim has been sent (so a test can cancel mid-claim)."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.claim_sent = asyncio.Event()
-        self.supports_transactions = store.supports_transactions
-
-    async def claim(self, *args: Any, **kwargs: Any) -> Any:
-        pending = asyncio.ensure_future(self.store.claim(*args, **kwargs))
-        await asyncio.sleep(0)  # let the claim start (its thread, or its query)
-        self.claim_sent.set()
-        return await pending
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,93 @@
+"""
+Real faults for the mode and seam tests: lost server sessions, small shared
+pools, a store that tells when its claim is on its way (so a test can cancel
+it mid-flight). PostgreSQL only; every helper talks to the real server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from idemflow._async.edge import pooled_transaction
+from idemflow.stores._sql import StoreClock
+from tests.conftest import POSTGRES_URL, unreachable
+
+
+def psycopg_or_skip() -> Any:
+    psycopg = pytest.importorskip("psycopg")
+    try:
+        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
+    except psycopg.OperationalError as exc:
+        unreachable("PostgreSQL", exc)
+    return psycopg
+
+
+def business_rows(table: str) -> list[str]:
+    import psycopg
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        return [r[0] for r in conn.execute(f"SELECT note FROM biz_{table} ORDER BY id")]
+
+
+def terminate(application_name: str) -> int:
+    """End every server session of ``application_name`` (a real connection loss)."""
+    import psycopg
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name = %s AND pid <> pg_backend_pid()",
+            (application_name,),
+        ).fetchall()
+    return len(rows)
+
+
+def named_url(application_name: str) -> str:
+    return f"{POSTGRES_URL}?application_name={application_name}"
+
+
+@contextlib.asynccontextmanager
+async def shared_pool(
+    table: str, size: int = 2, application_name: str = "", *, clock: StoreClock = "database"
+) -> AsyncIterator[Any]:
+    """An AsyncPostgresStore whose pool the application's transactions use too."""
+    from idemflow.stores.postgres import AsyncPostgresStore
+
+    url = named_url(application_name) if application_name else POSTGRES_URL
+    store = AsyncPostgresStore(url, table=table, max_size=size, clock=clock)
+    await store.pool.open(wait=True)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def transaction_on(store: Any) -> Any:
+    """The request's transaction, on a connection of the store's own pool."""
+    from idemflow.transactions import AsyncPsycopgTransaction
+
+    return pooled_transaction(store.pool.connection, AsyncPsycopgTransaction)
+
+
+class SignallingStore:
+    """A real store that says when a claim has been sent (so a test can cancel mid-claim)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.claim_sent = asyncio.Event()
+        self.supports_transactions = store.supports_transactions
+        self.supports_single_commit = store.supports_single_commit
+
+    async def claim(self, *args: Any, **kwargs: Any) -> Any:
+        pending = asyncio.ensure_future(self.store.claim(*args, **kwargs))
+        await asyncio.sleep(0)  # let the claim start (its thread, or its query)
+        self.claim_sent.set()
+        return await pending
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
