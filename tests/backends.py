@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +86,7 @@ def postgres_backend(table: str) -> Backend:
             conn.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
     except psycopg.OperationalError as exc:
         unreachable("PostgreSQL", exc)
-    store = PostgresStore(POSTGRES_URL, table=table, max_size=8)
+    store = PostgresStore(POSTGRES_URL, table=table, max_size=8, clock="caller")
     store.migrate()
 
     @contextlib.contextmanager
@@ -134,7 +134,7 @@ def mysql_backend(table: str, *, found_rows: bool = False) -> Backend:
         cursor.execute(
             f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
         )
-    store = MySQLStore(kwargs, table=table, max_size=8)
+    store = MySQLStore(kwargs, table=table, max_size=8, clock="caller")
     store.migrate()
 
     @contextlib.contextmanager
@@ -166,7 +166,7 @@ def _open_mysql(table: str, found_rows: bool = False) -> Store:
     from idemflow.stores.mysql import MySQLStore, connect_kwargs
 
     kwargs = {**connect_kwargs(MYSQL_URL), "client_flag": 2 if found_rows else 0}
-    return MySQLStore(kwargs, table=table, max_size=4)
+    return MySQLStore(kwargs, table=table, max_size=4, clock="caller")
 
 
 # --- Redis / Redis Cluster --------------------------------------------------------
@@ -286,7 +286,7 @@ def open_store(spec: tuple[str, tuple[Any, ...]]) -> Store:
         from idemflow.stores.postgres import PostgresStore
 
         url, table = args
-        return PostgresStore(url, table=table, max_size=4)
+        return PostgresStore(url, table=table, max_size=4, clock="caller")
     return STORE_OPENERS[kind](*args)
 
 
@@ -372,7 +372,27 @@ CALLER_OPENERS: dict[str, Callable[..., Caller]] = {
 }
 
 
-@pytest.fixture(params=sorted(BACKENDS))
+#: The marker each service-backed store carries, so ``-m "not mysql"`` deselects it.
+SERVICE_MARKS = {
+    "postgres": "postgres",
+    "mysql": "mysql",
+    "mysql-found-rows": "mysql",
+    "redis": "redis",
+    "redis-cluster": "redis",
+}
+
+
+def backend_params(names: Iterable[str]) -> list[Any]:
+    """``names`` as fixture params, each marked with its service (if any)."""
+    return [
+        pytest.param(name, marks=getattr(pytest.mark, SERVICE_MARKS[name]))
+        if name in SERVICE_MARKS
+        else name
+        for name in names
+    ]
+
+
+@pytest.fixture(params=backend_params(sorted(BACKENDS)))
 def backend(request: pytest.FixtureRequest, tmp_path: Path, table_name: str) -> Iterator[Backend]:
     made = BACKENDS[request.param](tmp_path, table_name)
     yield made
