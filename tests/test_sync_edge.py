@@ -163,6 +163,43 @@ def test_replay_authorization_is_asked_and_an_async_hook_is_refused(
     assert "coroutine function" in json.loads(refused.body)["detail"]
 
 
+def hammer(edge: Edge, transaction: Any, table: str, execute: Any) -> list[int]:
+    """20 threads, each retrying its own key until 201 against a dependency failing every
+    other call; returns every status seen."""
+    lock, calls, statuses = threading.Lock(), [0], []
+
+    def charge(attempt: Attempt) -> Response:
+        execute(attempt.connection, f"INSERT INTO biz_{table} VALUES (%s)", attempt.record.key)
+        with lock:
+            calls[0] += 1
+            failing = calls[0] % 2 == 1
+        return Response(503, b"down") if failing else CREATED
+
+    def client(key: str) -> None:
+        for _ in range(20):
+            answer = edge.respond(request(key), charge, transaction=transaction)
+            with lock:
+                statuses.append(answer.status)
+            if answer.status == 201:
+                return
+
+    threads = [threading.Thread(target=client, args=(f"k-{n}",)) for n in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return statuses
+
+
+def psycopg_execute(conn: Any, sql: str, value: str) -> None:
+    conn.execute(sql, (value,))
+
+
+def pymysql_execute(conn: Any, sql: str, value: str) -> None:
+    with conn.cursor() as cursor:
+        cursor.execute(sql, (value,))
+
+
 @pytest.mark.postgres
 @pytest.mark.parametrize("pool_size", [1, 2])
 def test_threads_sharing_a_tiny_pool_with_the_store_never_deadlock(
@@ -190,42 +227,57 @@ def test_threads_sharing_a_tiny_pool_with_the_store_never_deadlock(
     store.migrate()
     with pool.connection() as conn:
         conn.execute(f"CREATE TABLE biz_{table_name} (note TEXT)")
-    edge = Edge(Idempotency(store, POLICY))
-    lock, calls, statuses = threading.Lock(), [0], []
-
-    def charge(attempt: Attempt) -> Response:
-        attempt.connection.execute(
-            f"INSERT INTO biz_{table_name} VALUES (%s)", (attempt.record.key,)
-        )
-        with lock:
-            calls[0] += 1
-            failing = calls[0] % 2 == 1
-        return Response(503, b"down") if failing else CREATED
-
-    def client(key: str) -> None:
-        for _ in range(20):
-            answer = edge.respond(
-                request(key),
-                charge,
-                transaction=lambda: pooled_transaction(pool.connection, PsycopgTransaction),
-            )
-            with lock:
-                statuses.append(answer.status)
-            if answer.status == 201:
-                return
-
     try:
-        threads = [threading.Thread(target=client, args=(f"k-{n}",)) for n in range(20)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        statuses = hammer(
+            Edge(Idempotency(store, POLICY)),
+            lambda: pooled_transaction(pool.connection, PsycopgTransaction),
+            table_name,
+            psycopg_execute,
+        )
         with pool.connection() as conn:
             rows = [r[0] for r in conn.execute(f"SELECT note FROM biz_{table_name}")]
     finally:
         with pool.connection() as conn:
             conn.execute(f"DROP TABLE IF EXISTS {table_name}, biz_{table_name}")
         pool.close()
+
+    assert 409 not in statuses
+    assert statuses.count(201) == 20
+    assert sorted(rows) == sorted(f"k-{n}" for n in range(20))
+
+
+@pytest.mark.mysql
+@pytest.mark.parametrize("pool_size", [1, 2])
+def test_threads_sharing_a_tiny_mysql_pool_with_the_store_never_deadlock(
+    pool_size: int, table_name: str
+) -> None:
+    """The same on MariaDB: the MySQL store's own pool of 1-2 serves the requests too."""
+    pymysql = pytest.importorskip("pymysql")
+    from idemflow.stores.mysql import MySQLStore, PyMySQLTransaction, connect_kwargs
+    from tests.backends import MYSQL_URL
+
+    try:
+        pymysql.connect(**connect_kwargs(MYSQL_URL)).close()
+    except pymysql.err.OperationalError as exc:
+        unreachable("MariaDB", exc)
+    store = MySQLStore(MYSQL_URL, table=table_name, max_size=pool_size, timeout=10)
+    store.migrate()
+    with store.pool.connection() as conn, conn.cursor() as cursor:
+        cursor.execute(f"CREATE TABLE biz_{table_name} (note TEXT)")
+    try:
+        statuses = hammer(
+            Edge(Idempotency(store, POLICY)),
+            lambda: pooled_transaction(store.pool.connection, PyMySQLTransaction),
+            table_name,
+            pymysql_execute,
+        )
+        with store.pool.connection() as conn, conn.cursor() as cursor:
+            cursor.execute(f"SELECT note FROM biz_{table_name}")
+            rows = [r[0] for r in cursor.fetchall()]
+    finally:
+        with store.pool.connection() as conn, conn.cursor() as cursor:
+            cursor.execute(f"DROP TABLE IF EXISTS {table_name}, biz_{table_name}")
+        store.close()
 
     assert 409 not in statuses
     assert statuses.count(201) == 20
