@@ -1,85 +1,303 @@
 """
 idemflow for FastAPI, transactional mode: ``pip install 'idemflow[fastapi]'``.
 
-A dependency hands the endpoint an :class:`IdempotentRequest`. The endpoint's
-body has been validated by FastAPI before the endpoint runs, and the claim is
-made only when the endpoint calls :meth:`IdempotentRequest.run`, so a 422 from
-validation (or a 401 from the auth dependency) is never recorded::
+The endpoint runs whole inside the claim, in the transaction the completion
+is written in, and keeps FastAPI's ``response_model``::
 
-    idempotent = Idempotent(idem, connect=pool.connection, transaction=AsyncPsycopgTransaction)
-    Idem = Annotated[IdempotentRequest, Depends(dependency(idempotent, principal=current_user))]
+    Idem = Annotated[IdempotentRequest, Depends(dependency(pool, principal=current_user))]
+    router = APIRouter(route_class=IdempotentRoute)
 
-    @app.post("/payments", status_code=201)
-    async def create_payment(payment: PaymentIn, idem: Idem) -> Response:
-        async def charge(attempt: AsyncAttempt) -> idemflow.Response:
-            await attempt.connection.execute("INSERT INTO payments …")
-            return idemflow.Response.json(201, {...})
-        return await idem.run(charge)
+    @router.post("/orders", status_code=201, response_model=OrderOut)
+    async def create_order(order: OrderIn, idem: Idem) -> OrderOut:
+        cursor = await idem.connection.execute("INSERT INTO orders … RETURNING id", …)
+        return OrderOut(...)
 
-``principal`` is your authentication dependency: FastAPI runs it first, and
-what it returns (a ``str``, or an object with ``identity`` or ``username``)
-scopes the key. For middleware mode, use
-:class:`idemflow.integrations.starlette.IdempotencyMiddleware`.
+``pool`` is a ``psycopg_pool.AsyncConnectionPool`` (keys and rows in its
+database); for any other store or transaction adapter pass an
+:class:`~idemflow.integrations.starlette.Idempotent` instead.
+:class:`IdempotentRoute` protects every route whose endpoint takes an
+:class:`IdempotentRequest` parameter. FastAPI resolves the authentication
+dependency (``principal``) and validates ``OrderIn`` first, so a 401 or a 422
+is never recorded; then the key is claimed and the endpoint runs on
+``idem.connection``. What it returns is serialised by FastAPI's own machinery
+(``response_model``, ``status_code``, ``response_class``, a ``Response``
+parameter's headers) inside the protected run, so the stored and replayed
+body is exactly what FastAPI sent; a response that does not validate is the
+handler's bug (500, rolled back, key released).
 
-FastAPI reads a body model's bytes itself before any dependency runs, without
-a bound: ``max_body_bytes`` is then checked on what it read (413), after the
-memory was spent. Bound those apps where the bytes arrive (Starlette's
-``RequestBodyLimitMiddleware``, or the server). An endpoint without a body
-model has its body read by :meth:`IdempotentRequest.run`, bounded.
+The route class also:
+
+- documents the ``Idempotency-Key`` header (required, or optional with
+  ``dependency(..., required=False)``), the ``application/problem+json``
+  answers (400, 401, 409 and 503 with ``Retry-After``, 413, 422) and the
+  ``Idempotent-Replayed`` response header in the OpenAPI document;
+- refuses at start-up (``ConfigurationError`` when the route is declared)
+  what would otherwise be a 500 on every request: a protected GET (or any safe
+  method), a sync endpoint, a streamed response, the dependency used other
+  than as an endpoint parameter. ``dependency()`` without ``principal=``
+  (no authentication) is refused when it is called;
+- reads the body whole and bounded (``EdgeOptions.max_body_bytes``) before
+  FastAPI does: a body over the cap is a 413 problem at once (unread) or
+  while it streams, and a body cut short is never validated, claimed or run.
+
+The earlier form still works, with any route class: the endpoint calls
+``await idem.run(handler)`` with a handler that returns idemflow's
+``Response``. It has no OpenAPI documentation and no start-up checks, and
+FastAPI reads a body model's bytes itself, without a bound. For middleware
+mode, use :class:`idemflow.integrations.starlette.IdempotencyMiddleware`.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the
 # dependency's signature at runtime, including names from this closure.
 
-from collections.abc import Callable
+import contextlib
+import copy
+import functools
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from fastapi.datastructures import DefaultPlaceholder
+from fastapi.routing import APIRoute, serialize_response
+from fastapi.utils import deep_dict_update, is_body_allowed_for_status_code
 from starlette.responses import Response as StarletteResponse
+from starlette.types import Receive, Scope, Send
 
-from .._errors import ConfigurationError
-from .starlette import Idempotent, StarletteHandler
+from .._async.driver import AsyncAttempt, AsyncIdempotency
+from .._async.edge import pooled_transaction
+from .._errors import ConfigurationError, IdempotencyError, MissingPrincipal
+from .._http import (
+    KEY_HEADER,
+    ORIGINAL_REQUEST_ID_HEADER,
+    PROBLEM_CONTENT_TYPE,
+    REPLAYED_HEADER,
+    REQUEST_ID_HEADER,
+    SAFE_METHODS,
+    EdgeOptions,
+    header_values,
+    problem_for,
+)
+from .._model import Policy, Response, Verdict
+from .starlette import (
+    Idempotent,
+    StarletteHandler,
+    _declares_streaming,
+    _read_body,
+    _replaying,
+    authenticated_user,
+    request_id,
+    send_response,
+    to_starlette,
+)
 
-__all__ = ["IdempotentRequest", "dependency"]
+__all__ = ["EdgeOptions", "IdempotentRequest", "IdempotentRoute", "dependency", "scope_user"]
+
+# The attribute marking a callable returned by dependency(), for the route class.
+_MARK = "__idemflow_protection__"
+
+
+@dataclass(frozen=True, slots=True)
+class _Protection:
+    idempotent: Idempotent
+    required: bool
 
 
 class IdempotentRequest:
-    """One request's handle on transactional idempotency; see :meth:`run`."""
+    """One request's handle on transactional idempotency.
 
-    def __init__(self, idempotent: Idempotent, request: Request, principal: str | None) -> None:
+    Under :class:`IdempotentRoute` the endpoint already runs protected: write
+    on :attr:`connection` and return what FastAPI should serialise. Otherwise
+    call :meth:`run` with a handler.
+    """
+
+    def __init__(
+        self,
+        idempotent: Idempotent,
+        request: Request,
+        principal: str | None,
+        *,
+        required: bool = True,
+    ) -> None:
         self._idempotent = idempotent
         self._request = request
         #: None: read it from the scope; "": the auth dependency found nobody (401).
         self._principal = principal
+        self._required = required
+        self._attempt: AsyncAttempt | None = None
+        self._plain: Any = None  # the transaction of an unprotected run (no key, not required)
+
+    @property
+    def key_sent(self) -> bool:
+        """Whether the request carries an ``Idempotency-Key`` header."""
+        return bool(header_values(self._request.headers.raw, KEY_HEADER))
+
+    @property
+    def attempt(self) -> AsyncAttempt | None:
+        """The claimed attempt (checkpoints, downstream keys); None in an unprotected run."""
+        if self._attempt is None and self._plain is None:
+            raise RuntimeError("there is no attempt outside the protected endpoint's run")
+        return self._attempt
+
+    @property
+    def connection(self) -> Any:
+        """The connection of the transaction the completion is written in: write on it."""
+        if self._attempt is not None:
+            return self._attempt.connection
+        if self._plain is not None:
+            return self._plain.connection
+        msg = (
+            "idem.connection exists only while the endpoint runs protected: declare the "
+            "route with route_class=IdempotentRoute (or use idem.run(handler))"
+        )
+        raise RuntimeError(msg)
 
     async def run(self, handler: StarletteHandler) -> StarletteResponse:
         """Run ``handler`` once per key in the endpoint's transaction, or replay, or refuse."""
+        if self._attempt is not None:  # IdempotentRoute already protects this endpoint
+            return _as_starlette(await handler(self._attempt))
+        if self._plain is not None:
+            msg = "idem.run needs an Idempotency-Key: without one, write on idem.connection"
+            raise ConfigurationError(msg)
         return await self._idempotent.run(self._request, handler, principal=self._principal)
+
+    async def _protect(self, call: Callable[[], Awaitable[StarletteResponse]]) -> StarletteResponse:
+        """Run the endpoint (``call``) protected; plainly if its key is optional and absent."""
+        if not self._required and not self.key_sent:
+            if not self._principal and not self._idempotent.edge.options.public:
+                # The same rule as with a key: nobody is refused, never run anonymously.
+                refusal = MissingPrincipal("authenticate first: this endpoint is not public")
+                return to_starlette(problem_for(refusal, request_id(self._request.scope)))
+            return await self._unprotected(call)
+
+        async def handler(attempt: AsyncAttempt) -> StarletteResponse:
+            self._attempt = attempt
+            try:
+                return await call()
+            finally:
+                self._attempt = None
+
+        return await self._idempotent.run(self._request, handler, principal=self._principal)
+
+    async def _unprotected(
+        self, call: Callable[[], Awaitable[StarletteResponse]]
+    ) -> StarletteResponse:
+        """No key, and none required: the endpoint runs once, in a transaction of its own.
+
+        As in a protected run, a transient answer (5xx, 408, 425, 429) rolls its writes back.
+        """
+        idempotent = self._idempotent
+        async with pooled_transaction(idempotent._connect, idempotent._transaction) as plain:
+            await plain.begin()
+            self._plain = plain
+            try:
+                response = await call()
+            except BaseException:
+                # The endpoint's own exception propagates, even if the rollback fails.
+                with contextlib.suppress(Exception):
+                    await plain.rollback()
+                raise
+            finally:
+                self._plain = None
+            verdict = idempotent.edge.idempotency.policy.verdict(
+                Response(response.status_code, b"", ())
+            )
+            if verdict is Verdict.TRANSIENT:
+                await plain.rollback()
+            else:
+                await plain.commit()
+            return response
 
 
 def dependency(
-    idempotent: Idempotent, *, principal: Callable[..., Any] | None = None
+    idempotent: Any,
+    *,
+    principal: Callable[..., Any] | None = None,
+    required: bool = True,
+    policy: Policy | None = None,
+    options: EdgeOptions | None = None,
 ) -> Callable[..., Any]:
     """A FastAPI dependency yielding :class:`IdempotentRequest`.
 
     Args:
-        idempotent: the transactional configuration (store, connections, options).
-        principal: your authentication dependency. Without it the principal is
-            read from ``scope["user"]`` (starlette's ``AuthenticationMiddleware``).
+        idempotent: the transactional configuration (store, connections,
+            options): an :class:`~idemflow.integrations.starlette.Idempotent`,
+            or, as a shorthand, a ``psycopg_pool.AsyncConnectionPool`` of
+            autocommit connections: keys in its database (the
+            ``idemflow_keys`` table), the endpoint's transaction on a
+            connection of the same pool, ``policy`` and ``options`` as given.
+        principal: your authentication dependency; FastAPI runs it first, and
+            what it returns (a ``str``, or an object with ``identity`` or
+            ``username``; None for nobody, answered 401) scopes the key. For
+            starlette's ``AuthenticationMiddleware`` pass :func:`scope_user`.
+            Only a ``public`` endpoint (``EdgeOptions(public=True)``) may omit it.
+        required: whether a request must carry an ``Idempotency-Key`` (400
+            ``missing-key`` without one). With False (and
+            :class:`IdempotentRoute`), a request without one runs unprotected,
+            once, in a transaction of its own; the header is documented optional.
+
+    Raises:
+        ConfigurationError: no ``principal`` on an endpoint that is not public:
+            keys are never claimed anonymously.
     """
+    if not isinstance(idempotent, Idempotent):
+        idempotent = _on_pool(idempotent, policy, options)
+    elif policy is not None or options is not None:
+        raise ConfigurationError("policy= and options= belong to the Idempotent given")
+    public = idempotent.edge.options.public
+    if principal is None and not public:
+        msg = (
+            "dependency() needs principal=<your authentication dependency> (keys are "
+            "scoped to the caller); with starlette's AuthenticationMiddleware pass "
+            "principal=scope_user; a deliberately public endpoint sets EdgeOptions(public=True)"
+        )
+        raise ConfigurationError(msg)
+    protection = _Protection(idempotent, required)
+
     if principal is None:
 
-        async def from_scope(request: Request) -> IdempotentRequest:
-            return IdempotentRequest(idempotent, request, None)
+        async def anonymous(request: Request) -> IdempotentRequest:
+            return IdempotentRequest(idempotent, request, "", required=required)
 
-        return from_scope
+        setattr(anonymous, _MARK, protection)
+        return anonymous
 
     async def from_dependency(
         request: Request, who: Annotated[Any, Depends(principal)]
     ) -> IdempotentRequest:
-        return IdempotentRequest(idempotent, request, principal_name(who) or "")
+        return IdempotentRequest(idempotent, request, principal_name(who) or "", required=required)
 
+    setattr(from_dependency, _MARK, protection)
     return from_dependency
+
+
+def _on_pool(pool: Any, policy: Policy | None, options: EdgeOptions | None) -> Idempotent:
+    """The transactional configuration for a psycopg async pool: keys and rows in one database."""
+    cls = type(pool)
+    if not (cls.__module__.startswith("psycopg_pool") and cls.__name__ == "AsyncConnectionPool"):
+        msg = (
+            f"dependency() takes an Idempotent or a psycopg_pool.AsyncConnectionPool, not "
+            f"{cls.__name__}"
+        )
+        raise TypeError(msg)
+    from ..stores.postgres import AsyncPostgresStore
+    from ..transactions import AsyncPsycopgTransaction
+
+    return Idempotent(
+        AsyncIdempotency(AsyncPostgresStore(pool), policy),
+        connect=pool.connection,
+        transaction=AsyncPsycopgTransaction,
+        options=options,
+    )
+
+
+def scope_user(request: Request) -> str | None:
+    """A principal dependency reading ``request.user`` (starlette's ``AuthenticationMiddleware``).
+
+    Raises ConfigurationError if no authentication middleware ran at all.
+    """
+    return authenticated_user(request.scope)
 
 
 def principal_name(who: Any) -> str | None:
@@ -92,3 +310,273 @@ def principal_name(who: Any) -> str | None:
             return value
     msg = f"the principal dependency returned {type(who).__name__}; return a str (or None)"
     raise ConfigurationError(msg)
+
+
+# --- the route class ------------------------------------------------------------------------
+
+
+class IdempotentRoute(APIRoute):
+    """An ``APIRoute`` that protects endpoints taking an :class:`IdempotentRequest` parameter.
+
+    ``APIRouter(route_class=IdempotentRoute)``, or ``app.router.route_class =
+    IdempotentRoute`` before the routes are declared. A route without the
+    dependency is an ordinary ``APIRoute``.
+    """
+
+    #: What protects this route (None: an ordinary route).
+    protection: _Protection | None = None
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(path, endpoint, **kwargs)
+        found = _protected_parameter(self)
+        if found is None:
+            return
+        name, protection = found
+        _refuse_misconfigured(self, endpoint)
+        self.protection = protection
+        extra = _documentation(self, required=protection.required)
+        if kwargs.get("openapi_extra"):
+            deep_dict_update(extra, kwargs["openapi_extra"])  # the route's own words win
+        kwargs["openapi_extra"] = extra
+        # Built again around the endpoint, so the whole endpoint runs protected.
+        super().__init__(path, _protected(endpoint, name, self), **kwargs)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Read the body whole and bounded before FastAPI does, then handle as usual."""
+        if self.protection is None or scope.get("method") not in (self.methods or ()):
+            await super().handle(scope, receive, send)
+            return
+        limit = self.protection.idempotent.edge.options.max_body_bytes
+        try:
+            body = await _read_body(receive, scope, limit)
+        except IdempotencyError as exc:
+            # After a disconnect this answer goes nowhere; it is sent all the same.
+            await send_response(send, problem_for(exc, request_id(scope)))
+            return
+        await super().handle(scope, _replaying(body, receive), send)
+
+
+def _protected_parameter(route: APIRoute) -> tuple[str, _Protection] | None:
+    """The endpoint parameter that receives the :class:`IdempotentRequest`, and its protection."""
+    found: list[tuple[str | None, _Protection]] = []
+    for dependant in route.dependant.dependencies:
+        protection = getattr(dependant.call, _MARK, None)
+        if isinstance(protection, _Protection):
+            found.append((dependant.name, protection))
+    if not found:
+        return None
+    name, protection = found[0]
+    if len(found) > 1 or name is None:
+        msg = (
+            f"{_label(route)}: declare the idemflow dependency once, as a parameter of the "
+            "endpoint (idem: Idem), not in dependencies=[...]"
+        )
+        raise ConfigurationError(msg)
+    return name, protection
+
+
+def _refuse_misconfigured(route: APIRoute, endpoint: Callable[..., Any]) -> None:
+    """What would fail every request instead fails now, naming the route."""
+    safe = sorted((route.methods or set()) & SAFE_METHODS)
+    if safe:
+        msg = (
+            f"{_label(route)} is protected by idemflow, but {', '.join(safe)} is idempotent "
+            "already; protect unsafe methods only"
+        )
+        raise ConfigurationError(msg)
+    why = _declares_streaming(route)
+    if why is not None:
+        msg = f"{_label(route)} is protected by idemflow but {why}: it cannot be stored for replay"
+        raise ConfigurationError(msg)
+    if not inspect.iscoroutinefunction(inspect.unwrap(endpoint)):
+        msg = (
+            f"{_label(route)} is protected by idemflow but its endpoint is not 'async def': "
+            "it writes on idem.connection, an async connection"
+        )
+        raise ConfigurationError(msg)
+
+
+def _label(route: APIRoute) -> str:
+    return f"{'/'.join(sorted(route.methods or ()))} {route.path}"
+
+
+def _protected(
+    endpoint: Callable[..., Any], name: str, route: APIRoute
+) -> Callable[..., Awaitable[StarletteResponse]]:
+    """``endpoint``, run whole inside the claim, its return value rendered there by FastAPI."""
+
+    @functools.wraps(endpoint)
+    async def protected(**values: Any) -> StarletteResponse:
+        idem: IdempotentRequest = values[name]
+
+        async def call() -> StarletteResponse:
+            result = await endpoint(**values)
+            return await _rendered(route, idem._request.scope, result, values)
+
+        return await idem._protect(call)
+
+    return protected
+
+
+async def _rendered(
+    route: APIRoute, scope: Scope, result: Any, values: dict[str, Any]
+) -> StarletteResponse:
+    """What FastAPI would send for ``result``: response_model, status_code, response_class."""
+    if isinstance(result, StarletteResponse | Response):
+        return _as_starlette(result)
+    serving = _serving(route, scope)
+    content = await serialize_response(
+        field=serving.response_field,
+        response_content=result,
+        include=serving.response_model_include,
+        exclude=serving.response_model_exclude,
+        by_alias=serving.response_model_by_alias,
+        exclude_unset=serving.response_model_exclude_unset,
+        exclude_defaults=serving.response_model_exclude_defaults,
+        exclude_none=serving.response_model_exclude_none,
+    )
+    # A ``response: Response`` parameter's status and headers apply, as in FastAPI.
+    sub = next((v for v in values.values() if isinstance(v, StarletteResponse)), None)
+    status = serving.status_code
+    if sub is not None and sub.status_code:
+        status = sub.status_code
+    response_class: Any = serving.response_class
+    if isinstance(response_class, DefaultPlaceholder):
+        response_class = response_class.value
+    response: StarletteResponse = response_class(
+        content, **({"status_code": status} if status else {})
+    )
+    if not is_body_allowed_for_status_code(response.status_code):
+        response.body = b""
+    if sub is not None:
+        response.raw_headers.extend(sub.headers.raw)
+    return response
+
+
+def _serving(route: APIRoute, scope: Scope) -> Any:
+    """The route as this request sees it: FastAPI (0.120+) serves a route included in a
+    router through an "effective" copy holding the router's defaults."""
+    effective = scope.get("fastapi", {}).get("effective_route_context")
+    if effective is not None and getattr(effective, "original_route", None) is route:
+        return effective
+    return route
+
+
+def _as_starlette(result: Any) -> StarletteResponse:
+    if isinstance(result, StarletteResponse):
+        return result
+    if isinstance(result, Response):
+        return to_starlette(result)
+    msg = (
+        f"the handler returned a {type(result).__name__}; return an idemflow.Response "
+        "(e.g. Response.json(201, {...})) or a starlette Response with its body in memory"
+    )
+    raise TypeError(msg)
+
+
+# --- what the OpenAPI document says -----------------------------------------------------------
+
+_PROBLEM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "An RFC 9457 problem (https://idemflow.dev/problems/<slug>).",
+    "required": ["type", "title", "status", "detail"],
+    "properties": {
+        "type": {"type": "string", "format": "uri"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+    },
+    "additionalProperties": True,
+}
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds to wait before retrying with the same key.",
+        "schema": {"type": "integer", "minimum": 0},
+    }
+}
+_PROBLEMS: dict[str, tuple[str, bool]] = {
+    "400": (
+        "`missing-key`, `invalid-key`: no or a malformed Idempotency-Key; `invalid-body`, "
+        "`incomplete-body`: a body that cannot be fingerprinted or did not arrive whole. "
+        "Nothing was recorded.",
+        False,
+    ),
+    "401": ("`missing-principal`: authenticate first; keys are scoped to the caller.", False),
+    "409": (
+        "`in-progress`: the first request with this key is still running; retry after "
+        "`Retry-After` seconds with the same key. `lease-lost`: the claim was taken over.",
+        True,
+    ),
+    "413": ("`body-too-large`: the body is over the limit for idempotent requests.", False),
+    "422": (
+        "Validation Error, or `key-reused`: this Idempotency-Key was first used for a "
+        "different request (body, method, route, path parameters or query string).",
+        False,
+    ),
+    "503": (
+        "`store-unavailable`: the idempotency key store cannot be reached; retry after "
+        "`Retry-After` seconds with the same key.",
+        True,
+    ),
+}
+
+
+def _documentation(route: APIRoute, *, required: bool) -> dict[str, Any]:
+    """The route's ``openapi_extra``: the key header, the problem answers, the replay headers."""
+    problem = {PROBLEM_CONTENT_TYPE: {"schema": copy.deepcopy(_PROBLEM_SCHEMA)}}
+    responses: dict[str, Any] = {
+        _success_status(route): {"headers": _replay_headers()},
+    }
+    for status, (description, retry) in _PROBLEMS.items():
+        answer: dict[str, Any] = {"description": description, "content": copy.deepcopy(problem)}
+        if retry:
+            answer["headers"] = copy.deepcopy(_RETRY_AFTER)
+        responses[status] = answer
+    key = {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": required,
+        "description": (
+            "A unique key per operation (1-255 printable ASCII characters, bare or as an "
+            "RFC 9651 quoted string). Retrying with the same key and the same request "
+            "returns the first response instead of running it again."
+            + ("" if required else " Optional: without one the request runs unprotected.")
+        ),
+        "schema": {"type": "string", "minLength": 1},
+    }
+    return {"parameters": [key], "responses": responses}
+
+
+def _replay_headers() -> dict[str, Any]:
+    return {
+        _title_case(REPLAYED_HEADER): {
+            "description": "`true` when this is the stored response of an earlier request "
+            "with the same key, replayed (the endpoint did not run again).",
+            "schema": {"type": "string", "enum": ["true"]},
+        },
+        _title_case(ORIGINAL_REQUEST_ID_HEADER): {
+            "description": "On a replay: the X-Request-Id of the request that produced it.",
+            "schema": {"type": "string"},
+        },
+        _title_case(REQUEST_ID_HEADER): {
+            "description": "This request's correlation id.",
+            "schema": {"type": "string"},
+        },
+    }
+
+
+def _title_case(name: str) -> str:
+    return "-".join(part.capitalize() for part in name.split("-"))
+
+
+def _success_status(route: APIRoute) -> str:
+    """The status FastAPI documents the success under: ``status_code``, or the class's default."""
+    if route.status_code is not None:
+        return str(route.status_code)
+    response_class: Any = route.response_class
+    if isinstance(response_class, DefaultPlaceholder):
+        response_class = response_class.value
+    default = inspect.signature(response_class.__init__).parameters.get("status_code")
+    return (
+        str(default.default) if default is not None and isinstance(default.default, int) else "200"
+    )

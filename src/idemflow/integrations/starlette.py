@@ -328,6 +328,11 @@ def route_template(scope: Scope) -> str:
     raw path.
     """
     route = scope.get("route")
+    # FastAPI (0.120+) serves a route included under a prefix through an
+    # "effective" copy holding the full path; scope["route"] is the original.
+    effective = scope.get("fastapi", {}).get("effective_route_context")
+    if effective is not None and getattr(effective, "original_route", None) is route:
+        route = effective
     template = getattr(route, "path", None)
     if not isinstance(template, str) or isinstance(route, Mount | Host):
         return str(scope["path"])
