@@ -15,7 +15,7 @@ true``) and no second row is written.
 Configuration (environment variables):
 
 - ``WSGI_APP_DATA``: the directory of the SQLite files (``payments.db``, and
-  ``keys.db`` for the idempotency keys); default ``./wsgi-app-data``;
+  ``keys.db`` for the idempotency keys); default ``<tmp>/idemflow-wsgi-app``;
 - ``WSGI_APP_DATABASE_URL``: a ``postgresql://`` URL: payments and keys in
   PostgreSQL instead (``pip install 'idemflow[postgres]'``).
 
@@ -37,6 +37,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import tempfile
 from collections.abc import Iterable, Iterator
 from http import HTTPStatus
 from pathlib import Path
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 ENDPOINTS = ["POST /payments", "POST /payments/{id}/refunds"]
 MAX_BODY = 1_048_576
+DEFAULT_DATA = Path(tempfile.gettempdir()) / "idemflow-wsgi-app"
 
 
 class Database:
@@ -227,7 +229,7 @@ def key_store(url: str | None, data: Path) -> Any:
 
 
 def create_app(url: str | None = None, data: Path | None = None) -> WSGIApplication:
-    data = data or Path("wsgi-app-data")
+    data = data or DEFAULT_DATA
     data.mkdir(parents=True, exist_ok=True)
     payments = PaymentsApp(Database(url, data))
     # idemflow: a store, a driver, and the middleware around the app.
@@ -240,7 +242,7 @@ def create_app(url: str | None = None, data: Path | None = None) -> WSGIApplicat
 
 app = create_app(
     os.environ.get("WSGI_APP_DATABASE_URL") or None,
-    Path(os.environ.get("WSGI_APP_DATA", "wsgi-app-data")),
+    Path(os.environ.get("WSGI_APP_DATA", DEFAULT_DATA)),
 )
 
 
