@@ -9,6 +9,7 @@ backend speaks mysqlclient's interface). Tables are per test, as elsewhere.
 from __future__ import annotations
 
 import contextlib
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +50,13 @@ def _mysql() -> dict[str, Any]:
     import pymysql
 
     pymysql.install_as_MySQLdb()
+    # Django imports MySQLdb.constants, MySQLdb.converters, … : without aliases
+    # Python would run PyMySQL's submodules a second time under those names and
+    # rebind pymysql.err to the copy, so the errors PyMySQL raises would no
+    # longer be instances of pymysql.err.* (tests elsewhere catch those).
+    for name, module in list(sys.modules.items()):
+        if name.startswith("pymysql."):
+            sys.modules.setdefault("MySQLdb" + name[len("pymysql") :], module)
     kwargs = connect_kwargs(MYSQL_URL)
     return {
         "ENGINE": "django.db.backends.mysql",
