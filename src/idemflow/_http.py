@@ -43,8 +43,10 @@ from urllib.parse import urlencode
 
 from ._errors import (
     PROBLEM_BASE,
+    BodyTooLarge,
     ConfigurationError,
     IdempotencyError,
+    IncompleteBody,
     InProgress,
     MissingPrincipal,
     ResponseNotStorable,
@@ -66,6 +68,9 @@ __all__ = [
     "EdgeOptions",
     "HTTPRequest",
     "ResponseNotStorable",
+    "body_cut_short",
+    "body_too_large",
+    "declared_length",
     "intent_for",
     "not_stored",
     "oversized",
@@ -249,6 +254,41 @@ def storing(response: Response, verdict: Verdict, *, atomic: bool, max_bytes: in
     if atomic:
         raise ResponseNotStorable(reason)
     return not_stored(response, reason, verdict)
+
+
+def declared_length(value: str | None, limit: int) -> int | None:
+    """A request's ``Content-Length``, if one was sent; BodyTooLarge at once if over ``limit``.
+
+    Every integration reads a body whole and bounded before anything is
+    claimed; this, :func:`body_too_large` and :func:`body_cut_short` are the
+    rules they share.
+    """
+    text = value.strip() if isinstance(value, str) else ""
+    if not (text.isascii() and text.isdigit()):
+        return None  # none (chunked), or a framing the server already refused
+    digits = text.lstrip("0") or "0"
+    # More digits than the limit has: over it, without converting 5,000 digits.
+    if len(digits) > len(str(limit)) or int(digits) > limit:
+        raise BodyTooLarge(
+            f"the request body is {digits[:20]} bytes (Content-Length); "
+            f"the limit for idempotent requests is {limit} bytes"
+        )
+    return int(digits)
+
+
+def body_too_large(size: int, limit: int, *, streaming: bool = False) -> BodyTooLarge:
+    """The 413 for a body that passed ``limit`` (while it streamed, or in a buffer)."""
+    read = f"more than {limit} bytes arrived" if streaming else f"the request body is {size} bytes"
+    return BodyTooLarge(f"{read}; the limit for idempotent requests is {limit} bytes")
+
+
+def body_cut_short(size: int, declared: int | None) -> IncompleteBody:
+    """The 400 for a body that did not arrive whole: never fingerprinted, claimed or run."""
+    expected = f" of the {declared} declared" if declared is not None else ""
+    return IncompleteBody(
+        f"the request body ended after {size} bytes{expected}: the client went away; "
+        "nothing was recorded, send the whole request again"
+    )
 
 
 def header_values(headers: RawHeaders, name: str) -> list[str]:

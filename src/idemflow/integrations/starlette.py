@@ -59,18 +59,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._async.driver import AsyncAttempt, AsyncIdempotency
 from .._async.edge import AsyncEdge, pooled_transaction
 from .._errors import (
-    BodyTooLarge,
     ConfigurationError,
     IdempotencyError,
-    IncompleteBody,
 )
 from .._http import (
     REQUEST_ID_HEADER,
     SAFE_METHODS,
     EdgeOptions,
     HTTPRequest,
-    RawHeaders,
     ResponseNotStorable,
+    body_cut_short,
+    body_too_large,
+    declared_length,
     header_values,
     not_stored,
     problem_for,
@@ -267,9 +267,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     cached = getattr(request, "_body", None)
     if isinstance(cached, bytes):  # read before, by us or by the endpoint
         if len(cached) > limit:
-            raise _too_large(len(cached), limit)
+            raise body_too_large(len(cached), limit)
         return cached
-    declared = _declared_length(request.headers.raw, limit)
+    declared = declared_length(request.headers.get("content-length"), limit)
     chunks: list[bytes] = []
     size = 0
     try:
@@ -277,45 +277,20 @@ async def read_body(request: Request, limit: int) -> bytes:
             async for chunk in stream:
                 size += len(chunk)
                 if size > limit:
-                    raise _too_large(size, limit, streaming=True)
+                    raise body_too_large(size, limit, streaming=True)
                 chunks.append(chunk)
     except ClientDisconnect:
-        raise _went_away(size, declared) from None
+        raise body_cut_short(size, declared) from None
     if declared is not None and size != declared:
-        raise _went_away(size, declared)
+        raise body_cut_short(size, declared)
     body = b"".join(chunks)
     # Starlette's own cache: request.body() returns it instead of reading again.
     request._body = body
     return body
 
 
-def _declared_length(headers: RawHeaders, limit: int) -> int | None:
-    """The ``Content-Length``, if one was sent; BodyTooLarge at once if it is over ``limit``."""
-    values = header_values(headers, "content-length")
-    text = values[0].strip() if values else ""
-    if not (text.isascii() and text.isdigit()):
-        return None  # none (chunked), or a framing the server already refused
-    digits = text.lstrip("0") or "0"
-    # More digits than the limit has: over it, without converting 5,000 digits.
-    if len(digits) > len(str(limit)) or int(digits) > limit:
-        raise BodyTooLarge(
-            f"the request body is {digits[:20]} bytes (Content-Length); "
-            f"the limit for idempotent requests is {limit} bytes"
-        )
-    return int(digits)
-
-
-def _too_large(size: int, limit: int, *, streaming: bool = False) -> BodyTooLarge:
-    read = f"more than {limit} bytes arrived" if streaming else f"the request body is {size} bytes"
-    return BodyTooLarge(f"{read}; the limit for idempotent requests is {limit} bytes")
-
-
-def _went_away(size: int, declared: int | None) -> IncompleteBody:
-    expected = f" of the {declared} declared" if declared is not None else ""
-    return IncompleteBody(
-        f"the request body ended after {size} bytes{expected}: the client went away; "
-        "nothing was recorded, send the whole request again"
-    )
+def _first(values: list[str]) -> str | None:
+    return values[0] if values else None
 
 
 def route_template(scope: Scope) -> str:
@@ -600,22 +575,24 @@ def _route_path(scope: Scope) -> str:
 
 async def _read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
     """The whole request body, as :func:`read_body` reads it, from ASGI messages."""
-    declared = _declared_length(scope.get("headers", ()), limit)
+    declared = declared_length(
+        _first(header_values(scope.get("headers", ()), "content-length")), limit
+    )
     chunks: list[bytes] = []
     size = 0
     more = True
     while more:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise _went_away(size, declared)
+            raise body_cut_short(size, declared)
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise _too_large(size, limit, streaming=True)
+            raise body_too_large(size, limit, streaming=True)
         chunks.append(chunk)
         more = bool(message.get("more_body", False))
     if declared is not None and size != declared:
-        raise _went_away(size, declared)
+        raise body_cut_short(size, declared)
     return b"".join(chunks)
 
 

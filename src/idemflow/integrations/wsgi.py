@@ -53,12 +53,14 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from .._errors import BodyTooLarge, ConfigurationError, IdempotencyError, IncompleteBody
+from .._errors import BodyTooLarge, ConfigurationError, IdempotencyError
 from .._http import (
     SAFE_METHODS,
     EdgeOptions,
     HTTPRequest,
     RawHeaders,
+    body_cut_short,
+    declared_length,
     not_stored,
     problem_for,
     request_id_from,
@@ -309,7 +311,7 @@ def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
     says the stream ends there (``wsgi.input_terminated``, as gunicorn does for
     chunked bodies); otherwise PEP 3333 makes it empty.
     """
-    declared = _declared_length(environ.get("CONTENT_LENGTH"), limit)
+    declared = declared_length(environ.get("CONTENT_LENGTH"), limit)
     if declared is None and not environ.get("wsgi.input_terminated"):
         return b""
     stream = environ.get("wsgi.input")
@@ -319,7 +321,7 @@ def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
         want = _READ_SIZE if declared is None else min(_READ_SIZE, declared - size)
         chunk = _read(stream, want)
         if chunk is None:
-            raise _went_away(size, declared)
+            raise body_cut_short(size, declared)
         if not chunk:
             break
         size += len(chunk)
@@ -330,7 +332,7 @@ def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
             )
         chunks.append(chunk)
     if declared is not None and size != declared:
-        raise _went_away(size, declared)
+        raise body_cut_short(size, declared)
     return b"".join(chunks)
 
 
@@ -346,29 +348,6 @@ def _read(stream: Any, size: int) -> bytes | None:
     except Exception:  # noqa: BLE001
         return None
     return bytes(chunk)
-
-
-def _declared_length(value: object, limit: int) -> int | None:
-    """The ``Content-Length``, if one was sent; BodyTooLarge at once if it is over ``limit``."""
-    text = value.strip() if isinstance(value, str) else ""
-    if not (text.isascii() and text.isdigit()):
-        return None  # none (chunked), or a framing the server already refused
-    digits = text.lstrip("0") or "0"
-    # More digits than the limit has: over it, without converting 5,000 digits.
-    if len(digits) > len(str(limit)) or int(digits) > limit:
-        raise BodyTooLarge(
-            f"the request body is {digits[:20]} bytes (Content-Length); "
-            f"the limit for idempotent requests is {limit} bytes"
-        )
-    return int(digits)
-
-
-def _went_away(size: int, declared: int | None) -> IncompleteBody:
-    expected = f" of the {declared} declared" if declared is not None else ""
-    return IncompleteBody(
-        f"the request body ended after {size} bytes{expected}: the client went away; "
-        "nothing was recorded, send the whole request again"
-    )
 
 
 # --- the application's response -------------------------------------------------------------
