@@ -425,3 +425,23 @@ def test_four_processes_race_for_each_key(store: MySQLStore, table_name: str) ->
     )
     for counts in totals.values():
         assert_exactly_once(counts, 52)
+
+
+def test_unavailable_is_recognised_whichever_copy_of_pymysql_raised_it() -> None:
+    """PyMySQL installed as MySQLdb (Django does this) runs pymysql/err.py a second time:
+    its errors are other classes of the same names. An outage stays a 503 either way."""
+    import importlib.util
+
+    from idemflow.stores.mysql import is_unavailable
+
+    spec = importlib.util.spec_from_file_location("MySQLdb_copy.err", pymysql.err.__file__)
+    assert spec is not None
+    assert spec.loader is not None
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+
+    assert copy.OperationalError is not pymysql.err.OperationalError
+    assert is_unavailable(copy.OperationalError(2003, "Can't connect to MySQL server"))
+    assert is_unavailable(pymysql.err.OperationalError(2013, "Lost connection"))
+    assert not is_unavailable(copy.OperationalError(1064, "syntax error"))
+    assert not is_unavailable(copy.ProgrammingError(2003, "not an outage class"))

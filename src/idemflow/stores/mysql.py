@@ -86,6 +86,8 @@ DEFAULT_LOCK_WAIT_TIMEOUT = 1
 # shutting down (1053), connection killed (1927 MariaDB, 4031 MySQL 8).
 _UNREACHABLE = frozenset({1040, 1053, 1927, 2002, 2003, 2006, 2013, 4031})
 _DUPLICATE, _LOCK_WAIT_TIMEOUT, _DEADLOCK = 1062, 1205, 1213
+#: Error numbers that mean the server cannot take the statement now: a 503, not a 500.
+UNAVAILABLE_CODES = _UNREACHABLE | {_LOCK_WAIT_TIMEOUT}
 # Claim again when the record we lost to vanished before we could read it.
 _VANISHED_RETRIES = 3
 # A deadlock victim's statement had no effect: claiming again is safe.
@@ -268,14 +270,15 @@ def error_code(exc: BaseException) -> int | None:
 
 def is_unavailable(exc: BaseException) -> bool:
     """Cannot reach the server, or it is too busy to take the statement: fail closed."""
-    import pymysql
-
-    if isinstance(exc, _PoolExhausted | pymysql.err.InterfaceError):
+    if isinstance(exc, _PoolExhausted) or _is_driver_error(exc, "InterfaceError"):
         return True
-    code = error_code(exc)
-    return isinstance(exc, pymysql.err.OperationalError) and (
-        code in _UNREACHABLE or code == _LOCK_WAIT_TIMEOUT
-    )
+    return _is_driver_error(exc, "OperationalError") and error_code(exc) in UNAVAILABLE_CODES
+
+
+def _is_driver_error(exc: BaseException, name: str) -> bool:
+    """Is ``exc`` PyMySQL's error ``name``? By name, not identity: PyMySQL installed as
+    MySQLdb (Django) runs its error module a second time, with classes of its own."""
+    return any(c.__name__ == name and c.__module__.endswith(".err") for c in type(exc).__mro__)
 
 
 def is_contention(exc: BaseException) -> bool:

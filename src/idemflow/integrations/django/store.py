@@ -46,12 +46,6 @@ __all__ = ["DjangoStore", "DjangoTransaction", "dialect_for"]
 
 DEFAULT_TABLE = "idemflow_keys"
 
-# MySQL client/server errors that mean "the server is not there" (see
-# idemflow.stores.mysql): can't connect, gone away, too many connections,
-# shutting down, killed; and a lock wait that timed out (a 503, not a 500).
-_MYSQL_UNAVAILABLE = frozenset({1040, 1053, 1927, 2002, 2003, 2006, 2013, 4031, 1205})
-
-
 def _cause(exc: BaseException) -> BaseException:
     """The driver's own error behind Django's wrapper (``django.db.utils.*``)."""
     return exc.__cause__ if exc.__cause__ is not None else exc
@@ -68,7 +62,7 @@ def _unavailable(vendor: str) -> Callable[[BaseException], bool]:
         if vendor == "sqlite":
             return sqlite.is_unavailable(_cause(exc))
         if vendor == "mysql":
-            return mysql.error_code(exc) in _MYSQL_UNAVAILABLE
+            return mysql.error_code(exc) in mysql.UNAVAILABLE_CODES
         return True  # PostgreSQL: as PostgresStore, any OperationalError is an outage
 
     return check
