@@ -434,10 +434,11 @@ def test_unavailable_is_recognised_whichever_copy_of_pymysql_raised_it() -> None
 
     from idemflow.stores.mysql import is_unavailable
 
-    spec = importlib.util.spec_from_file_location("MySQLdb_copy.err", pymysql.err.__file__)
+    spec = importlib.util.spec_from_file_location("MySQLdb.err", pymysql.err.__file__)
     assert spec is not None
     assert spec.loader is not None
     copy = importlib.util.module_from_spec(spec)
+    copy.__package__ = "pymysql"  # its relative imports; nothing enters sys.modules
     spec.loader.exec_module(copy)
 
     assert copy.OperationalError is not pymysql.err.OperationalError
