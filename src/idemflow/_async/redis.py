@@ -1,0 +1,251 @@
+"""
+The Redis store's I/O: every operation one script call (or one pipelined walk).
+
+The rules it sends (key layout, Lua scripts, argument spelling) live in
+``idemflow.stores._redis``. This is the async source of truth;
+``idemflow/_sync/redis.py`` is generated from it by ``scripts/unasync.py``.
+Import both stores from :mod:`idemflow.stores.redis`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from .._errors import LeaseLost
+from .._lease import new_lease_token
+from .._model import Claim, Intent, Policy, Record, Response, State
+from ..stores._redis import (
+    DEFAULT_PREFIX,
+    EXPIRES,
+    ON_CLOCK,
+    layout_for,
+    ms,
+    probe_args,
+    record_from_hash,
+    record_from_reply,
+    refuse_transaction,
+    swept_index,
+    translated,
+)
+from ..stores._sql import StoreClock, check_clock
+from ..stores.protocol import AsyncTransaction
+
+__all__ = ["AsyncRedisStore"]
+
+
+class AsyncRedisStore:
+    """Key records in Redis or Redis Cluster, on a redis-py client (``redis.asyncio``'s for async).
+
+    Args:
+        client: a redis-py client with ``decode_responses=False``. Bound its
+            retries (``retry=Retry(…, retries=2)``, ``socket_timeout``): an
+            outage is answered 503 only once they are spent. Every script is
+            safe to retry.
+        policy: accepted for compatibility and not used: a record's life no
+            longer depends on it (claims end through the sweeper, whose
+            threshold comes from its own policy; retention comes with each write).
+        prefix: the start of every key this store writes.
+        clock: ``"database"`` (the default): every decision is taken on Redis's
+            own clock (``TIME`` in each script; on each master's in a cluster),
+            and the instants a caller computes (an expiry, the sweeper's cutoff)
+            keep only their distance from the caller's now, so app servers and
+            sweepers whose clocks disagree still agree on what is stale or
+            expired. ``"caller"``: the caller's ``now`` as given (tests that
+            move a frozen clock).
+
+    ``supports_transactions`` is False: ``Idempotency.run(…, transaction=…)``
+    raises ``ConfigurationError`` before claiming anything. Run the sweeper
+    (``idemflow sweep redis://…``) as for the SQL stores: a crashed claim
+    stays ``in_progress`` until it marks it stale.
+    """
+
+    supports_transactions = False
+    supports_single_commit = False
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        policy: Policy | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        clock: StoreClock = "database",
+    ) -> None:
+        from redis.exceptions import NoScriptError
+
+        self.client = client
+        self.layout = layout_for(client, prefix)
+        self._scripts, self._shas = ON_CLOCK[check_clock(clock)]
+        self._no_script = NoScriptError
+
+    async def claim(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> Claim:
+        refuse_transaction(transaction)
+        args = self.layout.claim_args(intent, lease_token, now, expires_at)
+        keys = self.layout.keys(intent.principal, intent.key)
+        with translated():
+            reply = await self._evalsha("claim", keys, args)
+        return self.layout.claimed(reply, intent, lease_token, now, expires_at)
+
+    async def complete(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        expires_at: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> None:
+        refuse_transaction(transaction)
+        args = self.layout.complete_args(record, state, response, now, expires_at)
+        if not await self._fenced("complete", record, args):
+            raise LeaseLost(
+                "the claim on this Idempotency-Key was taken over or swept before completion"
+            )
+
+    async def release(
+        self, record: Record, now: float, transaction: AsyncTransaction | None = None
+    ) -> bool:
+        refuse_transaction(transaction)
+        return await self._fenced("release", record, self.layout.release_args(record, now))
+
+    async def checkpoint(
+        self,
+        record: Record,
+        recovery_point: str,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> None:
+        refuse_transaction(transaction)
+        args = self.layout.checkpoint_args(record, recovery_point, now)
+        if not await self._fenced("checkpoint", record, args):
+            raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
+
+    async def get(self, principal: str, key: str) -> Record | None:
+        with translated():
+            flat = await self.client.hgetall(self.layout.record_key(principal, key))
+        return record_from_reply(flat)
+
+    async def sweep(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+    ) -> list[Record]:
+        """Mark up to ``limit`` records untouched since ``cutoff`` stale, bucket by bucket."""
+        index = swept_index(from_state)
+        args = self.layout.sweep_args(from_state, cutoff, now, keep_until, new_lease_token())
+        marked: list[Record] = []
+
+        async def mark(bucket: int, members: list[bytes]) -> int:
+            reply = await self._evalsha("sweep", (*self.layout.indexes(bucket), *members), args)
+            marked.extend(record_from_hash(flat) for flat in reply)
+            return len(reply)
+
+        await self._walk(index, now, cutoff, limit, mark)
+        return marked
+
+    async def settle_stale(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        expires_at: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> bool:
+        refuse_transaction(transaction)
+        args = self.layout.settle_stale_args(record, state, response, now, expires_at)
+        return await self._fenced("settle_stale", record, args)
+
+    async def release_stale(
+        self,
+        record: Record,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+        *,
+        forget_progress: bool = False,
+    ) -> bool:
+        refuse_transaction(transaction)
+        args = self.layout.release_stale_args(record, now, forget_progress)
+        return await self._fenced("release_stale", record, args)
+
+    async def purge(self, now: float, limit: int) -> int:
+        """Delete up to ``limit`` settled or released records past retention.
+
+        Counts the expiry entries whose record Redis already deleted by TTL too.
+        """
+        args = [ms(now)]
+
+        async def delete(bucket: int, members: list[bytes]) -> int:
+            keys = (*self.layout.indexes(bucket), *members)
+            return int(await self._evalsha("purge", keys, args))
+
+        return await self._walk(EXPIRES, now, now, limit, delete)
+
+    async def migrate(self) -> None:
+        """Nothing to create; loads the scripts (on every master of a cluster)."""
+        with translated():
+            for lua in self._scripts.values():
+                await self.client.script_load(lua)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def _walk(
+        self,
+        index: int,
+        now: float,
+        bound: float,
+        limit: int,
+        act: Callable[[int, list[bytes]], Awaitable[int]],
+    ) -> int:
+        """Probe every bucket's ``index`` for entries due by ``bound``; ``act`` on them.
+
+        Stops once ``act`` has handled ``limit``; returns how many it handled.
+        """
+        done = 0
+        with translated():
+            for chunk in self.layout.walk():
+                probed = await self._probe(chunk, probe_args(index, now, bound, limit - done))
+                for bucket, members in zip(chunk, probed, strict=True):
+                    if members:
+                        done += await act(bucket, members[: limit - done])
+                        if done >= limit:
+                            return done
+        return done
+
+    async def _probe(self, chunk: Sequence[int], args: tuple[int, list[Any]]) -> list[Any]:
+        """One pipelined round trip: the probe script on each bucket (on its own node)."""
+        try:
+            return list(await self._probes(chunk, args).execute())
+        except self._no_script:  # SCRIPT FLUSH or a restart: load it, then once more
+            await self.client.script_load(self._scripts["probe"])
+            return list(await self._probes(chunk, args).execute())
+
+    def _probes(self, chunk: Sequence[int], args: tuple[int, list[Any]]) -> Any:
+        index, argv = args
+        pipe = self.client.pipeline(transaction=False)
+        for bucket in chunk:
+            # execute_command: redis-py's cluster pipeline refuses its evalsha()
+            # method, yet routes the command itself by its one key (one slot).
+            name = self.layout.indexes(bucket)[index]
+            pipe.execute_command("EVALSHA", self._shas["probe"], 1, name, *argv)
+        return pipe
+
+    async def _fenced(self, script: str, record: Record, args: list[Any]) -> bool:
+        keys = self.layout.keys(record.principal, record.key)
+        with translated():
+            return bool(await self._evalsha(script, keys, args))
+
+    async def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
+        """One round trip; a server that lost its script cache is sent the text once."""
+        sha = self._shas[script]
+        try:
+            return await self.client.evalsha(sha, len(keys), *keys, *args)
+        except self._no_script:  # SCRIPT FLUSH or a restart: load it, then once more
+            await self.client.script_load(self._scripts[script])
+            return await self.client.evalsha(sha, len(keys), *keys, *args)

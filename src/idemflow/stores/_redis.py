@@ -1,0 +1,590 @@
+"""
+The Redis store's rules, without I/O: where records and indexes live, the Lua
+scripts that decide, how their arguments are spelled and their replies read.
+
+The stores that send them are ``AsyncRedisStore`` in ``idemflow._async.redis``
+and its generated sync twin; import both from :mod:`idemflow.stores.redis`,
+whose docstring explains the design.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import ConfigurationError, StoreUnavailable
+from .._model import (
+    Claim,
+    Intent,
+    Record,
+    Response,
+    State,
+    headers_from_json,
+    headers_to_json,
+)
+from ._sql import StoreClock
+
+DEFAULT_PREFIX = "idemflow"
+
+#: How many buckets (hash tags, so slots) the records of one prefix spread over.
+#: Fixed: a record's key name depends on it.
+BUCKETS = 1024
+#: Buckets probed per pipelined round trip when the sweeper or purge walks them.
+PROBE_CHUNK = 128
+
+#: A bucket's indexes, in the order every script gets them as KEYS[1..4].
+IN_PROGRESS, STALE, RELEASED, EXPIRES = range(4)
+INDEXES = ("in_progress", "stale", "released", "expires")
+#: The index each state the sweeper marks from is found in.
+SWEPT_FROM = {State.IN_PROGRESS: IN_PROGRESS, State.STALE: STALE, State.RELEASED: RELEASED}
+
+# Clients made from a URL give up fast: a request waits at most about
+# connect timeout × (retries + 1) before its 503, and every script is safe to
+# retry (a retried write finds its own result and reports it again).
+SOCKET_TIMEOUT = 5.0
+CONNECT_TIMEOUT = 2.0
+RETRIES = 2
+
+# Every script starts on its clock: ``now`` (ms) is the time its decisions are
+# taken on. On the store's clock (the default) that is Redis's own ``TIME``,
+# one clock for every app server and sweeper, and each instant a caller
+# computed on its own clock (an expiry, the sweeper's cutoff) keeps only its
+# distance from the caller's now, ARGV[1]: ``at(instant)``. On the caller's
+# clock (frozen-clock tests) ``now`` is ARGV[1] and ``at`` changes nothing.
+# ``created_at`` is an identity (it names the intent's downstream keys), never
+# compared: it stays the caller's ARGV[1]. Times are written as integer strings.
+_ON_STORE_CLOCK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+_ON_CALLER_CLOCK = """
+local now = tonumber(ARGV[1])
+"""
+_CLOCK = """
+local function at(instant) return now + (tonumber(instant) - tonumber(ARGV[1])) end
+local function ms(number) return string.format('%d', number) end
+local NOW = ms(now)
+"""
+
+# Every script but the probe: KEYS[1..4] the bucket's indexes, then the record(s).
+_INDEXES = """
+local IP, ST, REL, EXP = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+"""
+
+# What the scripts that settle or delete records share (kept out of the claim's
+# hot path: a script pays for the closures it defines on every call).
+_RETENTION = """
+-- A settled or released record is replayed (or retried) until it expires. With
+-- nothing left to resolve it joins the expiry index and gets the rest of its
+-- retention as its TTL; released past a recovery point, it is the sweeper's
+-- (and its retry's) until resolved: no TTL, never purged.
+local function retain(k, expires, progress)
+  if progress then
+    redis.call('ZADD', REL, NOW, k)
+  else
+    redis.call('ZADD', EXP, expires, k)
+    redis.call('PEXPIRE', k, ms(math.max(1, tonumber(expires) - now)))
+  end
+end
+
+-- Delete k if its retention ended (_model.is_past_retention): 1. An entry whose
+-- record its TTL already deleted is dropped: 1. An entry that is not the
+-- expiry index's is dropped, one with an old score corrected: 0.
+local function purge_one(k)
+  local cur = redis.call('HMGET', k, 'state', 'expires_at', 'recovery_point')
+  local state = cur[1]
+  local purgeable = state == 'completed' or state == 'failed_permanent'
+    or (state == 'released' and not cur[3])
+  if purgeable and tonumber(cur[2]) > now then
+    redis.call('ZADD', EXP, cur[2], k)
+    return 0
+  end
+  redis.call('ZREM', EXP, k)
+  if not purgeable then
+    if state then return 0 end
+    return 1
+  end
+  redis.call('DEL', k)
+  return 1
+end
+
+-- Each settling write adds one expiry entry and purges up to two past retention
+-- (same bucket, so same slot): the index stays bounded without a purge job.
+local function trim(own)
+  for _, k in ipairs(redis.call('ZRANGEBYSCORE', EXP, '-inf', NOW, 'LIMIT', 0, 2)) do
+    if k ~= own then purge_one(k) end
+  end
+end
+"""
+
+# KEYS[5]: the record. ARGV: now, expires_at, lease_token, principal, key,
+# fingerprint, endpoint, correlation_id, has_correlation_id. Returns {'new',
+# updated_at, expires_at} when a fresh record was written, else {'taken' |
+# 'held', field, value, …}: taken over by us (or our own claim, retried after
+# a lost reply), or held. The take-over rule is _model.can_take_over: the
+# same request retrying a released record, or a record past its retention
+# (settled, or released with nothing to reconcile); only the latter, when it
+# is not a retry, starts a new intent. In flight (in_progress) or being
+# recovered (stale) is never taken over, however old: only the sweeper ends it.
+_CLAIM = """
+local K = KEYS[5]
+local cur = redis.call('HMGET', K, 'state', 'fingerprint', 'expires_at', 'lease_token',
+  'recovery_point')
+local state = cur[1]
+local retry = false
+if state then
+  if state == 'in_progress' and cur[4] == ARGV[3] then
+    return {'taken', unpack(redis.call('HGETALL', K))}
+  end
+  retry = state == 'released' and cur[2] == ARGV[6]
+  local past = tonumber(cur[3]) <= now and (state == 'completed' or state == 'failed_permanent'
+    or (state == 'released' and not cur[5]))
+  if not (retry or past) then
+    return {'held', unpack(redis.call('HGETALL', K))}
+  end
+  redis.call('ZREM', EXP, K)
+  redis.call('ZREM', REL, K)
+end
+local expires = ms(at(ARGV[2]))
+if retry then
+  redis.call('HDEL', K, 'response_status', 'response_headers', 'response_body', 'correlation_id')
+  redis.call('HINCRBY', K, 'attempt', 1)
+  redis.call('PERSIST', K)
+else
+  if state then redis.call('DEL', K) end
+  redis.call('HSET', K, 'id', ARGV[3], 'principal', ARGV[4], 'key', ARGV[5],
+    'created_at', ARGV[1], 'attempt', 1)
+end
+redis.call('HSET', K, 'state', 'in_progress', 'lease_token', ARGV[3], 'fingerprint', ARGV[6],
+  'endpoint', ARGV[7], 'updated_at', NOW, 'expires_at', expires)
+if ARGV[9] == '1' then redis.call('HSET', K, 'correlation_id', ARGV[8]) end
+redis.call('ZADD', IP, NOW, K)
+if retry then return {'taken', unpack(redis.call('HGETALL', K))} end
+return {'new', NOW, expires}
+"""
+
+# The fence every owner write shares: our record (id, lease token), still in
+# progress. ARGV[2..3]: id, lease_token. A write the client retries after a
+# lost reply finds its own result already there (``done``) and reports success
+# again; a record the sweeper marked carries the sweeper's token, never ours.
+_FENCE = """
+local K = KEYS[5]
+local cur = redis.call('HMGET', K, 'id', 'lease_token', 'state', 'expires_at', 'recovery_point')
+if cur[1] ~= ARGV[2] or cur[2] ~= ARGV[3] then return 0 end
+if cur[3] == done then return 1 end
+if cur[3] ~= 'in_progress' then return 0 end
+"""
+
+# ARGV[4..8]: state, status, headers, body, expires_at (retention from now).
+_COMPLETE = (
+    "local done = ARGV[4]"
+    + _FENCE
+    + """
+local expires = ms(at(ARGV[8]))
+redis.call('HSET', K, 'state', ARGV[4], 'response_status', ARGV[5],
+  'response_headers', ARGV[6], 'response_body', ARGV[7], 'updated_at', NOW,
+  'expires_at', expires)
+redis.call('ZREM', IP, K)
+retain(K, expires, false)
+trim(K)
+return 1
+"""
+)
+
+# The claim's expires_at bounds a released record.
+_RELEASE = (
+    "local done = 'released'"
+    + _FENCE
+    + """
+redis.call('HSET', K, 'state', 'released', 'updated_at', NOW)
+redis.call('ZREM', IP, K)
+retain(K, cur[4], cur[5])
+trim(K)
+return 1
+"""
+)
+
+# ARGV[4]: recovery_point. A checkpoint counts as life: updated_at moves on.
+_CHECKPOINT = (
+    "local done = nil"
+    + _FENCE
+    + """
+redis.call('HSET', K, 'recovery_point', ARGV[4], 'updated_at', NOW)
+redis.call('ZADD', IP, NOW, K)
+return 1
+"""
+)
+
+# KEYS[1]: one index of one bucket. ARGV: now, bound (an instant), limit, '1'
+# if the bound is inclusive. What is due there, oldest first: the sweeper's
+# and purge's look before they act (on each node's own clock in a cluster).
+_PROBE = """
+local bound = ms(at(ARGV[2]))
+if ARGV[4] ~= '1' then bound = '(' .. bound end
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', bound, 'LIMIT', 0, tonumber(ARGV[3]))
+"""
+
+# KEYS[5…]: records the probe listed as due. ARGV: now, from_state, cutoff,
+# keep_until, sweep token. Each is re-checked (state, age) and marked only if
+# still due, so of two sweepers each record goes to one; the mark takes a
+# token of the sweeper's own, which fences the old owner out. Entries that no
+# longer belong to the index are dropped. Returns the marked records.
+_SWEEP = """
+local from = ARGV[2]
+local index = (from == 'in_progress' and IP) or (from == 'stale' and ST) or REL
+local cutoff, keep = at(ARGV[3]), at(ARGV[4])
+local marked = {}
+for i = 5, #KEYS do
+  local k = KEYS[i]
+  local cur = redis.call('HMGET', k, 'state', 'updated_at', 'expires_at', 'recovery_point')
+  if cur[1] ~= from or (from == 'released' and not cur[4]) then
+    redis.call('ZREM', index, k)
+  elseif tonumber(cur[2]) < cutoff then
+    local expires = cur[3]
+    if tonumber(expires) < keep then expires = ms(keep) end
+    redis.call('HSET', k, 'state', 'stale', 'lease_token', ARGV[5], 'updated_at', NOW,
+      'expires_at', expires)
+    redis.call('ZREM', index, k)
+    redis.call('ZADD', ST, NOW, k)
+    marked[#marked + 1] = redis.call('HGETALL', k)
+  end
+end
+return marked
+"""
+
+# The fence of a sweeper's write: the record exactly as this sweeper marked it
+# (id, its token, stale, updated_at of the mark). ARGV[2..4]: id, token, marked_at.
+_MARKED = """
+local K = KEYS[5]
+local cur = redis.call('HMGET', K, 'id', 'lease_token', 'state', 'updated_at', 'expires_at',
+  'recovery_point')
+if cur[1] ~= ARGV[2] or cur[2] ~= ARGV[3] or cur[3] ~= 'stale' or cur[4] ~= ARGV[4] then
+  return 0
+end
+redis.call('ZREM', ST, K)
+"""
+
+# ARGV[5..9]: state, status, headers, body, expires_at.
+_SETTLE_STALE = (
+    _MARKED
+    + """
+local expires = ms(at(ARGV[9]))
+redis.call('HSET', K, 'state', ARGV[5], 'response_status', ARGV[6],
+  'response_headers', ARGV[7], 'response_body', ARGV[8], 'updated_at', NOW,
+  'expires_at', expires)
+retain(K, expires, false)
+trim(K)
+return 1
+"""
+)
+
+# ARGV[5]: '1' to forget the recovery point (the reconciler undid its traces).
+_RELEASE_STALE = (
+    _MARKED
+    + """
+local progress = cur[6]
+if ARGV[5] == '1' then
+  progress = false
+  redis.call('HDEL', K, 'recovery_point')
+end
+redis.call('HSET', K, 'state', 'released', 'updated_at', NOW)
+retain(K, cur[5], progress)
+trim(K)
+return 1
+"""
+)
+
+# KEYS[5…]: records the probe listed as past retention. ARGV: now.
+_PURGE = """
+local purged = 0
+for i = 5, #KEYS do purged = purged + purge_one(KEYS[i]) end
+return purged
+"""
+
+#: Each script's body and what it needs before it: the record indexes, the retention helpers.
+_BODIES = {
+    "claim": (_INDEXES, _CLAIM),
+    "complete": (_INDEXES + _RETENTION, _COMPLETE),
+    "release": (_INDEXES + _RETENTION, _RELEASE),
+    "checkpoint": (_INDEXES, _CHECKPOINT),
+    "probe": ("", _PROBE),
+    "sweep": (_INDEXES, _SWEEP),
+    "settle_stale": (_INDEXES + _RETENTION, _SETTLE_STALE),
+    "release_stale": (_INDEXES + _RETENTION, _RELEASE_STALE),
+    "purge": (_INDEXES + _RETENTION, _PURGE),
+}
+
+
+def scripts(clock: StoreClock = "database") -> dict[str, str]:
+    """Every script's text, on Redis's clock (``database``) or the caller's."""
+    start = _ON_STORE_CLOCK if clock == "database" else _ON_CALLER_CLOCK
+    return {name: start + _CLOCK + head + body for name, (head, body) in _BODIES.items()}
+
+
+def _shas(texts: dict[str, str]) -> dict[str, str]:
+    return {name: hashlib.sha1(lua.encode()).hexdigest() for name, lua in texts.items()}
+
+
+#: The scripts a store on Redis's clock (the default) runs, and the SHA-1s ``EVALSHA`` names.
+SCRIPTS = scripts("database")
+SHAS = _shas(SCRIPTS)
+_CALLER_SCRIPTS = scripts("caller")
+ON_CLOCK = {"database": (SCRIPTS, SHAS), "caller": (_CALLER_SCRIPTS, _shas(_CALLER_SCRIPTS))}
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Cannot reach Redis, or the cluster is moving a slot or electing a master."""
+    from redis import exceptions as e
+
+    return isinstance(
+        exc,
+        e.ConnectionError
+        | e.TimeoutError
+        | e.ClusterDownError
+        | e.ClusterError
+        | e.TryAgainError
+        | e.MasterDownError
+        | e.ReadOnlyError
+        | e.SlotNotCoveredError
+        | e.RedisClusterException
+        | TimeoutError,
+    )
+
+
+@contextmanager
+def translated() -> Iterator[None]:
+    """Redis failures become StoreUnavailable (503): fail closed, never run twice."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_unavailable(exc):
+            raise
+        raise StoreUnavailable(f"redis key store unavailable: {exc}".strip()) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where records and indexes live and how the scripts' arguments are spelled (no I/O).
+
+    Args:
+        prefix: the start of every key (one per application or test).
+        buckets: how many hash tags the records spread over (see the module).
+    """
+
+    prefix: str
+    buckets: int = BUCKETS
+    _indexes: tuple[tuple[bytes, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if any(c in self.prefix for c in "{}"):
+            msg = f"the Redis key prefix must not contain braces (hash tags): {self.prefix!r}"
+            raise ConfigurationError(msg)
+        head = self.prefix.encode()
+        indexes = tuple(
+            tuple(b"%s:{%d}:i:%s" % (head, bucket, name.encode()) for name in INDEXES)
+            for bucket in range(self.buckets)
+        )
+        object.__setattr__(self, "_indexes", indexes)
+
+    def bucket(self, principal: str, key: str) -> int:
+        return self._locate(principal, key)[0]
+
+    def record_key(self, principal: str, key: str) -> bytes:
+        """``prefix:{bucket}:k:len:principal:key``; the bucket (from a digest) picks the slot.
+
+        Length-prefixed so no two (principal, key) pairs share a name; the
+        digest spreads them over every bucket instead of putting one
+        principal's keys in one.
+        """
+        return self._locate(principal, key)[1]
+
+    def keys(self, principal: str, key: str) -> tuple[bytes, ...]:
+        """What a record's scripts get as KEYS: its bucket's four indexes, then the record."""
+        bucket, record = self._locate(principal, key)
+        return (*self._indexes[bucket], record)
+
+    def indexes(self, bucket: int) -> tuple[bytes, ...]:
+        """A bucket's indexes: in_progress, stale, released, expires (all in one slot)."""
+        return self._indexes[bucket]
+
+    def record_pattern(self) -> str:
+        """A ``SCAN MATCH`` pattern for every record of this prefix (not the indexes)."""
+        return _glob_escape(self.prefix) + ":{*}:k:*"
+
+    def walk(self) -> Iterator[tuple[int, ...]]:
+        """Every bucket once, in chunks of :data:`PROBE_CHUNK`, from a random one."""
+        start = random.randrange(self.buckets)
+        order = [(start + n) % self.buckets for n in range(self.buckets)]
+        for at in range(0, self.buckets, PROBE_CHUNK):
+            yield tuple(order[at : at + PROBE_CHUNK])
+
+    def _locate(self, principal: str, key: str) -> tuple[int, bytes]:
+        who, what = principal.encode(), key.encode()
+        name = b"%d:%s:%s" % (len(who), who, what)
+        digest = hashlib.blake2b(name, digest_size=8).digest()
+        bucket = int.from_bytes(digest, "big") % self.buckets
+        return bucket, b"%s:{%d}:k:%s" % (self.prefix.encode(), bucket, name)
+
+    # --- script arguments (ARGV[1] is always now, in ms) ---------------------------
+
+    def claim_args(
+        self, intent: Intent, lease_token: str, now: float, expires_at: float
+    ) -> list[Any]:
+        return [
+            ms(now),
+            ms(expires_at),
+            lease_token,
+            intent.principal,
+            intent.key,
+            intent.fingerprint,
+            intent.endpoint,
+            intent.correlation_id or "",
+            "0" if intent.correlation_id is None else "1",
+        ]
+
+    def claimed(
+        self, reply: Sequence[Any], intent: Intent, lease_token: str, now: float, expires_at: float
+    ) -> Claim:
+        verdict = text(reply[0])
+        if verdict == "new":  # the times the script wrote, on its clock: {'new', now, expires}
+            record = Record(
+                id=lease_token,
+                principal=intent.principal,
+                key=intent.key,
+                fingerprint=intent.fingerprint,
+                endpoint=intent.endpoint,
+                state=State.IN_PROGRESS,
+                lease_token=lease_token,
+                created_at=ms(now) / 1000,
+                updated_at=int(reply[1]) / 1000,
+                expires_at=int(reply[2]) / 1000,
+                correlation_id=intent.correlation_id,
+            )
+            return Claim(owned=True, record=record)
+        return Claim(owned=verdict == "taken", record=record_from_hash(reply[1:]))
+
+    def owner_args(self, record: Record, now: float) -> list[Any]:
+        return [ms(now), str(record.id), record.lease_token or ""]
+
+    def complete_args(
+        self, record: Record, state: State, response: Response, now: float, expires_at: float
+    ) -> list[Any]:
+        return [*self.owner_args(record, now), *_outcome(state, response), ms(expires_at)]
+
+    def release_args(self, record: Record, now: float) -> list[Any]:
+        return self.owner_args(record, now)
+
+    def checkpoint_args(self, record: Record, recovery_point: str, now: float) -> list[Any]:
+        return [*self.owner_args(record, now), recovery_point]
+
+    def sweep_args(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, token: str
+    ) -> list[Any]:
+        return [ms(now), from_state.value, ms(cutoff), ms(keep_until), token]
+
+    def marked_args(self, record: Record, now: float) -> list[Any]:
+        """The sweeper's fence: the record as marked (id, token, updated_at)."""
+        return [*self.owner_args(record, now), ms(record.updated_at)]
+
+    def settle_stale_args(
+        self, record: Record, state: State, response: Response, now: float, expires_at: float
+    ) -> list[Any]:
+        return [*self.marked_args(record, now), *_outcome(state, response), ms(expires_at)]
+
+    def release_stale_args(self, record: Record, now: float, forget_progress: bool) -> list[Any]:
+        return [*self.marked_args(record, now), "1" if forget_progress else "0"]
+
+
+def _outcome(state: State, response: Response) -> list[Any]:
+    return [state.value, response.status, headers_to_json(response.headers), response.body]
+
+
+def swept_index(from_state: State) -> int:
+    try:
+        return SWEPT_FROM[from_state]
+    except KeyError:
+        msg = f"the sweeper marks in_progress, stale or released records, not {from_state.value}"
+        raise ConfigurationError(msg) from None
+
+
+def probe_args(index: int, now: float, bound: float, limit: int) -> tuple[int, list[Any]]:
+    """The probe's arguments: entries below ``bound`` (up to it, for the expiry index)."""
+    return index, [ms(now), ms(bound), limit, "1" if index == EXPIRES else "0"]
+
+
+def ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def record_from_hash(flat: Sequence[bytes]) -> Record:
+    """A record from ``HGETALL``'s flat ``field, value, …`` reply (bytes; times in ms).
+
+    On the replay path, so written for speed: one dict, no per-field helpers.
+    """
+    pairs = iter(flat)
+    fields: dict[bytes, bytes] = dict(zip(pairs, pairs, strict=True))
+    get = fields.get
+    status = get(b"response_status")
+    response = None
+    if status is not None:
+        body = get(b"response_body") or b""
+        response = Response(int(status), body, headers_from_json(get(b"response_headers")))
+    return Record(
+        id=fields[b"id"].decode(),
+        principal=fields[b"principal"].decode(),
+        key=fields[b"key"].decode(),
+        fingerprint=fields[b"fingerprint"].decode(),
+        endpoint=fields[b"endpoint"].decode(),
+        state=State(fields[b"state"].decode()),
+        lease_token=_optional(get(b"lease_token")),
+        created_at=int(fields[b"created_at"]) / 1000,
+        updated_at=int(fields[b"updated_at"]) / 1000,
+        expires_at=int(fields[b"expires_at"]) / 1000,
+        correlation_id=_optional(get(b"correlation_id")),
+        recovery_point=_optional(get(b"recovery_point")),
+        response=response,
+        attempt=int(get(b"attempt") or 1),
+    )
+
+
+def _optional(value: bytes | None) -> str | None:
+    return None if value is None else value.decode()
+
+
+def layout_for(client: Any, prefix: str) -> Layout:
+    """Check the client can carry bytes."""
+    if client.get_encoder().decode_responses:
+        msg = (
+            "the Redis client must not decode responses (decode_responses=False): "
+            "stored bodies are bytes"
+        )
+        raise ConfigurationError(msg)
+    return Layout(prefix)
+
+
+def record_from_reply(flat: Any) -> Record | None:
+    """HGETALL answers a list (RESP2 raw) or a dict (parsed); empty when absent."""
+    if not flat:
+        return None
+    if isinstance(flat, dict):
+        flat = [item for pair in flat.items() for item in pair]
+    return record_from_hash(flat)
+
+
+def refuse_transaction(transaction: object) -> None:
+    """The driver refuses first; a direct caller is told the same."""
+    if transaction is not None:
+        msg = "the Redis store cannot share the caller's transaction"
+        raise ConfigurationError(msg)
