@@ -13,12 +13,15 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Any, Literal, TypeAlias
 
-from .._errors import InProgress, LeaseLost, StoreUnavailable
+from .._errors import LeaseLost, StoreUnavailable
 from .._model import Claim, Intent, Record, Response, State, can_take_over, record_from_row
 from ..stores._sql import (
+    CLAIM_RETRIES,
     Dialect,
     SQLStatement,
+    claim_busy,
     claim_params,
+    claim_unsettled,
     complete_params,
     owner_params,
     row_mapping,
@@ -32,9 +35,6 @@ __all__ = ["AsyncSQLStore"]
 _Row: TypeAlias = Mapping[str, Any] | None
 _Fetch: TypeAlias = Callable[[SQLStatement, Mapping[str, Any]], Awaitable[_Row]]
 
-# How often to claim again when the record we lost to vanished before we could
-# read it (released or purged in between). Twice in a row is already absurd.
-_VANISHED_RETRIES = 3
 
 
 class AsyncSQLStore:
@@ -130,7 +130,7 @@ class AsyncSQLStore:
         UPDATE's row lock. A record that vanished in between (purged) or was
         taken by a racing retry is simply tried again.
         """
-        for _ in range(_VANISHED_RETRIES):
+        for _ in range(CLAIM_RETRIES):
             row = await fetch(self.dialect.claim, params)
             if row is not None:
                 return Claim(owned=True, record=record_from_row(row))
@@ -145,7 +145,7 @@ class AsyncSQLStore:
             row = await fetch(self.dialect.take_over, params)
             if row is not None:
                 return Claim(owned=True, record=record_from_row(row))
-        raise InProgress("the record for this Idempotency-Key keeps changing; retry later")
+        raise claim_unsettled()
 
     async def complete(
         self,
@@ -321,8 +321,7 @@ class AsyncSQLStore:
             yield
         except Exception as exc:
             if self._is_lock_timeout(exc):
-                msg = "a request with this Idempotency-Key is still in progress"
-                raise InProgress(msg) from exc
+                raise claim_busy() from exc
             raise
 
     @contextmanager

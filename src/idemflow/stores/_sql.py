@@ -18,13 +18,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, InProgress
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 from .._model import Intent, Record, Response, State, headers_to_json
 
 __all__ = [
+    "CLAIM_RETRIES",
     "CLOCK_NOW",
     "COLUMNS",
     "NEW_INTENT_SQL",
@@ -37,7 +38,9 @@ __all__ = [
     "SQLStatement",
     "StoreClock",
     "check_clock",
+    "claim_busy",
     "claim_params",
+    "claim_unsettled",
     "complete_params",
     "on_database_clock",
 ]
@@ -120,6 +123,21 @@ SWEEPABLE_SQL = "(state <> 'released' OR recovery_point IS NOT NULL)"
 PURGEABLE_SQL = (
     "state NOT IN ('in_progress', 'stale') AND (state <> 'released' OR recovery_point IS NULL)"
 )
+
+
+#: How often a claim is tried again when the record it lost to vanished before
+#: it could be read (released or purged in between). Twice in a row is absurd.
+CLAIM_RETRIES = 3
+
+
+def claim_busy() -> InProgress:
+    """The 409 of a claim that waited its bounded time on another's uncommitted claim."""
+    return InProgress("a request with this Idempotency-Key is still in progress")
+
+
+def claim_unsettled() -> InProgress:
+    """The 409 of a claim whose record changed under it :data:`CLAIM_RETRIES` times."""
+    return InProgress("the record for this Idempotency-Key keeps changing; retry later")
 
 
 _BY_KEY = "WHERE principal = :principal AND idempotency_key = :key"

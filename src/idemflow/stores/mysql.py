@@ -44,10 +44,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from .._errors import ConfigurationError, InProgress, LeaseLost
+from .._errors import ConfigurationError, LeaseLost
 from .._model import Claim, Intent, Record, State, can_take_over, record_from_row
 from .._sync.sql import SQLStore
 from ._sql import (
+    CLAIM_RETRIES,
     CLOCK_NOW,
     COLUMNS,
     NEW_INTENT_SQL,
@@ -58,7 +59,9 @@ from ._sql import (
     SQLStatement,
     StoreClock,
     check_clock,
+    claim_busy,
     claim_params,
+    claim_unsettled,
     on_database_clock,
     owner_params,
     row_mapping,
@@ -88,8 +91,6 @@ _UNREACHABLE = frozenset({1040, 1053, 1927, 2002, 2003, 2006, 2013, 4031})
 _DUPLICATE, _LOCK_WAIT_TIMEOUT, _DEADLOCK = 1062, 1205, 1213
 #: Error numbers that mean the server cannot take the statement now: a 503, not a 500.
 UNAVAILABLE_CODES = _UNREACHABLE | {_LOCK_WAIT_TIMEOUT}
-# Claim again when the record we lost to vanished before we could read it.
-_VANISHED_RETRIES = 3
 # A deadlock victim's statement had no effect: claiming again is safe.
 _DEADLOCK_RETRIES = 5
 _FOUND_ROWS = 2  # pymysql.constants.CLIENT.FOUND_ROWS
@@ -463,7 +464,7 @@ class MySQLStore(SQLStore):
         if transaction is not None:
             return self._claim_in_transaction(transaction, params)
         with self._translate(), self.pool.connection() as conn:
-            for _ in range(_VANISHED_RETRIES):
+            for _ in range(CLAIM_RETRIES):
                 row_id = self._insert(conn, params)
                 if row_id is not None:
                     return Claim(owned=True, record=_inserted(intent, params, row_id))
@@ -474,7 +475,7 @@ class MySQLStore(SQLStore):
                     return Claim(owned=False, record=record_from_row(row))
                 self._statement(conn, self.dialect.claim, params)
                 return _decided(self._fetchone(conn, self.dialect.select, params), lease_token)
-        raise _busy()
+        raise claim_busy()
 
     def _insert(self, conn: Any, params: Mapping[str, Any]) -> int | None:
         """The new row's id, or None when the key exists (error 1062)."""
@@ -500,10 +501,10 @@ class MySQLStore(SQLStore):
                     if error_code(exc) == _DEADLOCK:
                         continue
                     if error_code(exc) == _LOCK_WAIT_TIMEOUT:
-                        raise _busy() from exc
+                        raise claim_busy() from exc
                     raise
                 return int(cursor.lastrowid or 0)
-        raise _busy()
+        raise claim_busy()
 
     def _claim_in_transaction(self, transaction: Transaction, params: Mapping[str, Any]) -> Claim:
         """Claim as a write of the caller's transaction (``single_commit=True``).
@@ -525,7 +526,7 @@ class MySQLStore(SQLStore):
                     row = transaction.fetchone(self.statements.select_current, params)
             except Exception as exc:
                 if is_contention(exc):
-                    raise _busy() from exc
+                    raise claim_busy() from exc
                 raise
             finally:
                 transaction.execute(self.statements.restore_lock_wait, {})
@@ -602,14 +603,10 @@ def _may_take_over(row: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
     return can_take_over(record_from_row(row), params["fingerprint"], row["clock_now"] / 1000)
 
 
-def _busy() -> InProgress:
-    return InProgress("a request with this Idempotency-Key is still in progress")
-
-
 def _decided(row: Mapping[str, Any] | None, lease_token: str) -> Claim:
     """Ours if the row carries our (unique) lease token: the statement wrote it only if we won."""
     if row is None:  # purged between the claim and the read: vanishingly rare
-        raise InProgress("the record for this Idempotency-Key changed; retry later")
+        raise claim_unsettled()
     record = record_from_row(row)
     owned = record.lease_token == lease_token and record.state is State.IN_PROGRESS
     return Claim(owned=owned, record=record)
