@@ -11,6 +11,8 @@ handler is untouched: use the connection or session as you always do.
 You hold                               Adapter
 =====================================  ===================================
 ``sqlite3.Connection``                 :class:`SQLite3Transaction`
+``sqlite3.Connection``, from asyncio   :class:`AsyncSQLite3Transaction` on an
+                                       :class:`AsyncSQLite3Connection`
 ``psycopg.Connection``                 :class:`PsycopgTransaction`
 ``psycopg.AsyncConnection``            :class:`AsyncPsycopgTransaction`
 SQLAlchemy ``Connection``/``Session``  :class:`SQLAlchemyTransaction`
@@ -24,9 +26,11 @@ implementing :class:`idemflow.stores.protocol.Transaction`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from .stores._sql import row_mapping
 from .stores.protocol import Statement
@@ -34,6 +38,8 @@ from .stores.protocol import Statement
 __all__ = [
     "AsyncPsycopgTransaction",
     "AsyncSQLAlchemyTransaction",
+    "AsyncSQLite3Connection",
+    "AsyncSQLite3Transaction",
     "PsycopgTransaction",
     "SQLAlchemyTransaction",
     "SQLite3Transaction",
@@ -74,6 +80,70 @@ class SQLite3Transaction:
 
     def rollback(self) -> None:
         self.connection.rollback()
+
+
+T = TypeVar("T")
+
+
+class AsyncSQLite3Connection:
+    """A ``sqlite3.Connection`` for asyncio: its statements run, in order, on a thread of its own.
+
+    One worker thread per connection, never a shared pool: with shared
+    workers, statements waiting for SQLite's write lock could take every
+    worker and starve the very transaction that holds the lock (and must
+    commit to free it).
+
+    Args:
+        raw: an autocommit connection that may cross threads
+            (``isolation_level=None, check_same_thread=False``), as
+            :func:`idemflow.stores.sqlite.connect` opens it.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idemflow-sqlite")
+
+    async def run(self, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` on this connection's thread, e.g. ``run(raw.execute, sql)``."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
+
+    def close(self) -> None:
+        """Finish the statements already handed over, then close the connection."""
+        self._thread.shutdown(wait=True)
+        self.raw.close()
+
+
+class AsyncSQLite3Transaction:
+    """:class:`SQLite3Transaction` for asyncio, on an :class:`AsyncSQLite3Connection`.
+
+    ``attempt.connection`` is that :class:`AsyncSQLite3Connection`: run your
+    own statements through its :meth:`~AsyncSQLite3Connection.run`, so they
+    take their turn on its thread with idemflow's. The transaction begins
+    deferred, as :class:`SQLite3Transaction` explains: a phase that waits on
+    an external call before its first write holds no lock;
+    ``immediate=True`` takes the lock at once.
+    """
+
+    def __init__(self, connection: AsyncSQLite3Connection, *, immediate: bool = False) -> None:
+        self.connection = connection
+        self._sync = SQLite3Transaction(connection.raw, immediate=immediate)
+
+    async def begin(self) -> None:
+        await self.connection.run(self._sync.begin)
+
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        return await self.connection.run(self._sync.execute, statement, params)
+
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        return await self.connection.run(self._sync.fetchone, statement, params)
+
+    async def commit(self) -> None:
+        await self.connection.run(self._sync.commit)
+
+    async def rollback(self) -> None:
+        await self.connection.run(self._sync.rollback)
 
 
 class PsycopgTransaction:

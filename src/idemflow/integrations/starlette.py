@@ -39,6 +39,17 @@ Both need authentication to run first: the principal comes from
 hook; without one the request is refused with 401 rather than claimed
 anonymously, unless the integration is marked ``public``.
 :class:`RequestIdMiddleware` gives every response its ``X-Request-Id``.
+
+For an application's own endpoints and error handlers, the pieces the two
+modes are built from: :func:`problem` (an RFC 9457 problem response) and
+:func:`problem_for` (the problem for one of idemflow's errors, 409 and 503
+with ``Retry-After``), :func:`parse_json` (the fingerprint's strict I-JSON
+reader: ``InvalidBody`` for what ``json.loads`` would let through),
+:func:`to_starlette` / :func:`from_starlette` and :func:`send_response`
+(idemflow responses on the wire), and :func:`pooled_transaction` (a
+transaction adapter that takes a pooled connection only when it begins: what
+:class:`Idempotent` runs each request in, and a sweeper's
+``transaction_factory``).
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._async.driver import AsyncAttempt, AsyncIdempotency
 from .._async.edge import AsyncEdge, pooled_transaction
+from .._canonical import parse_json
 from .._errors import (
     ConfigurationError,
     IdempotencyError,
@@ -73,6 +85,7 @@ from .._http import (
     declared_length,
     header_values,
     not_stored,
+    problem,
     problem_for,
     request_id_from,
     sendable_headers,
@@ -87,9 +100,16 @@ __all__ = [
     "RequestIdMiddleware",
     "ResponseNotStorable",
     "authenticated_user",
+    "from_starlette",
+    "parse_json",
+    "pooled_transaction",
+    "problem",
+    "problem_for",
     "read_body",
     "request_id",
     "route_template",
+    "send_response",
+    "to_starlette",
 ]
 
 #: Returns the authenticated principal of a request's scope, or None.

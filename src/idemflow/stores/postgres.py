@@ -33,7 +33,14 @@ from ._sql import (
 if TYPE_CHECKING:
     import psycopg_pool
 
-__all__ = ["AsyncPostgresStore", "PostgresStore", "postgres_dialect"]
+__all__ = [
+    "DEFAULT_CLAIM_LOCK_TIMEOUT_MS",
+    "AsyncPostgresStore",
+    "PostgresStore",
+    "connection_options",
+    "is_unavailable",
+    "postgres_dialect",
+]
 
 DEFAULT_TABLE = "idemflow_keys"
 

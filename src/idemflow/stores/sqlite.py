@@ -29,7 +29,7 @@ from .._sync.sql import SQLStore
 from ._sql import Dialect, create_table, insert_claim
 from .protocol import AsyncTransaction
 
-__all__ = ["AsyncSQLiteStore", "SQLiteStore", "sqlite_dialect"]
+__all__ = ["AsyncSQLiteStore", "SQLiteStore", "connect", "is_unavailable", "sqlite_dialect"]
 
 DEFAULT_TABLE = "idemflow_keys"
 
@@ -48,6 +48,7 @@ _UNAVAILABLE_CODES = frozenset({5, 6, 8, 10, 13, 14})
 
 
 def is_unavailable(exc: BaseException) -> bool:
+    """The file cannot be used now (locked past the busy timeout, read-only, full): an outage."""
     code = getattr(exc, "sqlite_errorcode", None)
     return isinstance(exc, sqlite3.Error) and code is not None and code & 0xFF in _UNAVAILABLE_CODES
 

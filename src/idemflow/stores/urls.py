@@ -24,7 +24,14 @@ from urllib.parse import urlsplit
 
 from .._errors import ConfigurationError
 
-__all__ = ["DATABASE_URL_ENV", "OPENERS", "open_async_store", "open_store", "scheme_of"]
+__all__ = [
+    "DATABASE_URL_ENV",
+    "OPENERS",
+    "open_async_store",
+    "open_store",
+    "scheme_of",
+    "sqlite_path",
+]
 
 #: Environment variable every command reads when no URL is given.
 DATABASE_URL_ENV = "IDEMFLOW_DATABASE_URL"
