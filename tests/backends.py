@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from idemflow.stores.memory import MemoryStore
-from idemflow.stores.protocol import Store, Transaction
+from idemflow.stores.protocol import MaintainableStore, Store, Transaction
 from idemflow.stores.sqlite import SQLiteStore
 from idemflow.transactions import PsycopgTransaction, SQLite3Transaction
 
@@ -28,7 +28,8 @@ from idemflow.transactions import PsycopgTransaction, SQLite3Transaction
 @dataclass
 class Backend:
     name: str
-    store: Store
+    #: Every backend's store has the maintenance statements (the sweeper's, the purger's).
+    store: MaintainableStore
     #: Opens a caller connection in a transaction adapter; None if unsupported.
     open_transaction: Callable[[], contextlib.AbstractContextManager[Transaction]] | None
     #: Writes one business row through the caller's connection.

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from idemflow import Intent, Record, Response, State, downstream_key
+from idemflow.stores.protocol import Store
 from idemflow.sweeper import Answer, Happened
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,8 +53,8 @@ def provider_says_charged(record: Record, downstream_keys: Mapping[str, str]) ->
 class Database:
     url: str
     table: str
-    store: Any
-    notes: Any  # () -> Counter of business rows
+    store: Store
+    notes: Callable[[], Counter[str]]  # the business rows, read on a connection of its own
 
     def crash(self, key: str, age: float) -> Record:
         """A claim whose request died ``age`` seconds ago."""
@@ -222,7 +223,9 @@ def test_reconciler_settles_with_the_business_row(database: Database) -> None:
     assert done.returncode == 0, done.stderr
     assert "1 completed" in done.stdout
     record = database.store.get("alice", "paid")
+    assert record is not None
     assert record.state is State.COMPLETED
+    assert record.response is not None
     assert record.response.json_body() == {"charge": downstream_key(crashed, "charge")}
     assert database.notes() == Counter({"paid": 1})
 

@@ -40,6 +40,13 @@ QUERY = SQLStatement(
 )
 
 
+def bound(values: dict[str, Any]) -> dict[str, Any]:
+    """The query's parameters: it names some, so ``bind`` never answers None here."""
+    params = QUERY.bind(values)
+    assert params is not None
+    return params
+
+
 def record(state: State, expired: bool, recovery_point: str | None) -> Record:
     expires_at = (NOW_MS - 1 if expired else NOW_MS + 1) / 1000
     return Record(
@@ -75,7 +82,7 @@ def expected(
 @contextlib.contextmanager
 def sqlite_query() -> Iterator[Callable[[dict[str, Any]], tuple[int, ...]]]:
     with contextlib.closing(sqlite3.connect(":memory:")) as conn:
-        yield lambda values: tuple(conn.execute(QUERY.named, QUERY.bind(values)).fetchone())
+        yield lambda values: tuple(conn.execute(QUERY.named, bound(values)).fetchone())
 
 
 @contextlib.contextmanager
@@ -91,7 +98,7 @@ def postgres_query() -> Iterator[Callable[[dict[str, Any]], tuple[int, ...]]]:
     )
     text = text.replace("%(recovery_point)s AS", "%(recovery_point)s::text AS")
     with conn:
-        yield lambda values: tuple(conn.execute(text, QUERY.bind(values)).fetchone())
+        yield lambda values: tuple(conn.execute(text, bound(values)).fetchone())
 
 
 @contextlib.contextmanager
@@ -107,7 +114,7 @@ def mysql_query() -> Iterator[Callable[[dict[str, Any]], tuple[int, ...]]]:
 
     def run(values: dict[str, Any]) -> tuple[int, ...]:
         with conn.cursor() as cursor:
-            cursor.execute(QUERY.pyformat, QUERY.bind(values))
+            cursor.execute(QUERY.pyformat, bound(values))
             return tuple(int(v) for v in cursor.fetchone())
 
     with contextlib.closing(conn):

@@ -45,6 +45,7 @@ from idemflow.sweeper import (
     AsyncSweeper,
     DidNotHappen,
     Happened,
+    Reconciler,
     Sweeper,
     SweepReport,
     Unknown,
@@ -221,8 +222,12 @@ def test_impossible_sweeper_settings_are_rejected(settings: dict[str, Any]) -> N
 
 def test_transaction_factory_needs_a_store_that_shares_transactions() -> None:
     """The memory store cannot commit a business row with the record: refused."""
+
+    def never_opened() -> contextlib.AbstractContextManager[Transaction]:
+        raise AssertionError("refused before any transaction is opened")
+
     with pytest.raises(ConfigurationError, match="transaction"):
-        Sweeper(MemoryStore(), POLICY, transaction_factory=contextlib.nullcontext)
+        Sweeper(MemoryStore(), POLICY, transaction_factory=never_opened)
 
 
 # --- reconciliation -----------------------------------------------------------
@@ -415,13 +420,17 @@ def test_every_resolution_reaches_the_observer(backend: Backend, clock: FrozenCl
     for key in ("done", "gone", "lost-track"):
         crash_after_claim(backend, clock, key)
     clock.advance(STALE + 1)
-    answers = {"done": Happened(RECONCILED), "gone": DidNotHappen(), "lost-track": Unknown()}
+    answers: dict[str, Answer] = {
+        "done": Happened(RECONCILED),
+        "gone": DidNotHappen(),
+        "lost-track": Unknown(),
+    }
     recorder = Recorder()
 
     Sweeper(
         backend.store,
         POLICY,
-        reconciler=lambda record, keys: answers[record.key],
+        reconciler=lambda record, downstream_keys: answers[record.key],
         clock=clock,
         observer=recorder,
     ).sweep_once()
@@ -446,10 +455,14 @@ def test_prometheus_metrics_count_resolutions(clock: FrozenClock) -> None:
     for key in ("a", "b"):
         store.claim(intent(key), "lease", clock(), clock() + 3600)
     clock.advance(STALE + 1)
-    answers = {"a": DidNotHappen(), "b": Unknown()}
+    answers: dict[str, Answer] = {"a": DidNotHappen(), "b": Unknown()}
 
     Sweeper(
-        store, POLICY, reconciler=lambda r, k: answers[r.key], clock=clock, observer=metrics
+        store,
+        POLICY,
+        reconciler=lambda record, downstream_keys: answers[record.key],
+        clock=clock,
+        observer=metrics,
     ).sweep_once()
 
     def sample(name: str, **labels: str) -> float | None:
@@ -622,7 +635,7 @@ def test_slow_sweeper_loses_its_record_to_one_that_re_marked_it(
     recorder = Recorder()
     factory = backend.open_transaction
 
-    def sweeper(reconciler: Callable[[Record, Mapping[str, str]], Answer]) -> Sweeper:
+    def sweeper(reconciler: Reconciler) -> Sweeper:
         return Sweeper(
             backend.store,
             POLICY,
@@ -640,7 +653,7 @@ def test_slow_sweeper_loses_its_record_to_one_that_re_marked_it(
 
     inner_reports: list[SweepReport] = []
 
-    def stuck(record: Record, keys: Mapping[str, str]) -> Answer:
+    def stuck(record: Record, downstream_keys: Mapping[str, str]) -> Answer:
         clock.advance(61)  # so long that the record is due again
         inner_reports.append(sweeper(lambda r, k: answer()).sweep_once())
         return answer()
@@ -663,7 +676,7 @@ class _BusinessAnswer:
     def __init__(self, write: Callable[[Any, str], None] | None) -> None:
         self.write = write
 
-    def __call__(self, record: Record, keys: Mapping[str, str]) -> Answer:
+    def __call__(self, record: Record, downstream_keys: Mapping[str, str]) -> Answer:
         write = self.write
         if write is None:  # a store without transactions: nothing local to apply
             return Happened(RECONCILED)
@@ -875,7 +888,7 @@ def test_async_sweeper_resolves_like_the_sync_one(
     """AsyncSweeper: releases a crashed claim, settles a reconciled one, runs in a task."""
     store = _async_store(kind, tmp_path, table_name)
 
-    async def reconcile(record: Record, keys: Mapping[str, str]) -> Answer:
+    async def reconcile(record: Record, downstream_keys: Mapping[str, str]) -> Answer:
         await asyncio.sleep(0)
         return Happened(RECONCILED) if record.key == "paid" else DidNotHappen()
 

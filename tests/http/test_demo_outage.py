@@ -31,6 +31,8 @@ def locked_sqlite_error(tmp_path: Path) -> sqlite3.OperationalError:
 
 
 def refused_postgres_error() -> Exception:
+    import psycopg  # typed, unlike the module-level handle that skips without it
+
     try:
         psycopg.connect("postgresql://postgres@127.0.0.1:1/test", connect_timeout=2)
     except psycopg.OperationalError as exc:
@@ -56,4 +58,4 @@ async def test_an_outage_becomes_a_503_problem_with_retry_after() -> None:
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
     assert response.headers["content-type"] == "application/problem+json"
-    assert json.loads(response.body)["status"] == 503
+    assert json.loads(bytes(response.body))["status"] == 503

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 
+import httpx
 import pytest
 
 from tests.http.conftest import ALICE, BOB, PAYMENT, Demo, assert_problem, new_key
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def post_payment(
     demo: Demo, key: str | None, body: object = PAYMENT, headers: dict[str, str] = ALICE
-):
+) -> httpx.Response:
     sent = dict(headers)
     if key is not None:
         sent["Idempotency-Key"] = key
@@ -74,7 +75,9 @@ def test_a_missing_key_is_400_and_nothing_is_recorded(demo: Demo) -> None:
 def test_a_malformed_key_is_400_and_nothing_is_recorded(demo: Demo, key: str) -> None:
     before = demo.query("SELECT count(*) FROM idemflow_keys")[0][0]
     with demo.client() as client:
-        headers = {**ALICE, "Idempotency-Key": key.encode("utf-8")}
+        # Bytes, so that a key httpx could not encode as ASCII still goes out as sent.
+        headers = {name.encode(): value.encode() for name, value in ALICE.items()}
+        headers[b"Idempotency-Key"] = key.encode("utf-8")
         response = client.post("/payments", json=PAYMENT, headers=headers)
     assert_problem(response, 400, "invalid-key")
     assert demo.query("SELECT count(*) FROM idemflow_keys")[0][0] == before

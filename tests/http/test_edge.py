@@ -211,8 +211,8 @@ async def test_without_a_transaction_an_unsendable_response_settles_a_marker_nev
         runs += 1
         return Response(201, b"{}", (("location", "/payments/9\r\nx: y"),))
 
-    first = await edge.respond(marked_intent_request("k-marker"), handler)  # type: ignore[arg-type]
-    again = await edge.respond(marked_intent_request("k-marker"), handler)  # type: ignore[arg-type]
+    first = await edge.respond(marked_intent_request("k-marker"), handler)
+    again = await edge.respond(marked_intent_request("k-marker"), handler)
     assert runs == 1
     body = json.loads(first.body)
     assert first.status == 500
@@ -234,7 +234,7 @@ async def test_a_marker_for_a_transient_response_is_released_like_the_response()
     async def handler(attempt: object) -> Response:
         return Response(503, b"", (("retry-after", "1\r\n"),))
 
-    answer = await edge.respond(marked_intent_request("k-503"), handler)  # type: ignore[arg-type]
+    answer = await edge.respond(marked_intent_request("k-503"), handler)
     assert answer.status == 500
     assert "transient" in json.loads(answer.body)["detail"]
     record = await store.get("alice", "k-503")

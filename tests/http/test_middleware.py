@@ -62,7 +62,7 @@ class HeaderAuth(AuthenticationBackend):
         return None if user is None else (AuthCredentials(["authenticated"]), SimpleUser(user))
 
 
-def make_app(store: AsyncSQLiteStore, calls: collections.Counter[str]) -> Starlette:
+def make_app(store: AsyncSQLiteStore, calls: collections.Counter[str]) -> Finished:
     async def create_item(request: Request) -> Response:
         calls["items"] += 1
         await asyncio.sleep(float(request.query_params.get("sleep", "0")))
@@ -617,8 +617,10 @@ def test_a_protected_route_declared_to_stream_is_refused_at_startup(tmp_path: Pa
 def test_a_fastapi_route_declared_to_stream_is_refused_at_startup(
     tmp_path: Path, kind: str
 ) -> None:
-    fastapi = pytest.importorskip("fastapi")
-    api = fastapi.FastAPI()
+    pytest.importorskip("fastapi")
+    from fastapi import FastAPI
+
+    api = FastAPI()
     if kind == "response_class":
 
         @api.post("/exports", response_class=StreamingResponse)

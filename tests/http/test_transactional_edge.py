@@ -151,7 +151,10 @@ class App:
 
     def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-            return conn.execute(sql.format(table=self.table), params).fetchall()
+            rows: list[tuple[Any, ...]] = conn.execute(
+                sql.format(table=self.table), params
+            ).fetchall()
+            return rows
 
     def key(self, key: str) -> tuple[Any, ...] | None:
         rows = self.query("SELECT state, endpoint FROM {table} WHERE idempotency_key = %s", key)

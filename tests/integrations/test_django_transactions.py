@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import threading
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -201,11 +202,16 @@ def test_sqlite_refuses_an_enclosing_atomic_block_and_gives_the_key_back(
     db = Database("sqlite", table_name)
     try:
         ran: list[bool] = []
+
+        def handler(attempt: Attempt) -> Response:
+            ran.append(True)
+            return CREATED
+
         with (
             pytest.raises(ConfigurationError, match="SQLite admits one writer"),
             transaction.atomic(using=db.alias),
         ):
-            db.run(lambda attempt: ran.append(True) or CREATED)
+            db.run(handler)
         assert (ran, db.state()) == ([], State.RELEASED)
     finally:
         db.drop()
@@ -406,7 +412,7 @@ def test_settings_build_the_store_and_policy_once(table_name: str) -> None:
         store = get_store()
         assert isinstance(store, DjangoStore)
         assert (store.using, store.table) == ("default", table_name)
-        assert get_idempotency().policy.request_timeout.total_seconds() == 7
+        assert get_idempotency().policy.request_timeout == timedelta(seconds=7)
         assert get_store() is store
     assert get_store() is not store  # the override ended: rebuilt from the settings
 

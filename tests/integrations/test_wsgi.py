@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import httpx
@@ -28,10 +28,14 @@ import pytest
 
 from idemflow import ConfigurationError, Idempotency, Policy, Record, State
 from idemflow.integrations.wsgi import EdgeOptions, IdempotencyMiddleware, compile_endpoint
+from idemflow.stores.protocol import Store
 from idemflow.stores.sqlite import SQLiteStore
 from tests.conftest import POSTGRES_URL, unreachable
 from tests.http.conftest import assert_problem
 from tests.http.rawhttp import post_chunks, post_declaring, send_partial
+
+if TYPE_CHECKING:
+    from idemflow.stores.postgres import PostgresStore
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,7 +61,7 @@ class Served:
     data: Path
     database_url: str | None
     log: Path
-    store: Any
+    store: Store
 
     def client(self, user: str | None = "alice", key: str | None = None) -> httpx.Client:
         headers = {}
@@ -200,7 +204,7 @@ def served(
     log = data / "gunicorn.log"
     with gunicorn(env, log) as url:
         if database_url is None:
-            store: Any = SQLiteStore(data / "keys.db")
+            store: SQLiteStore | PostgresStore = SQLiteStore(data / "keys.db")
         else:
             from idemflow.stores.postgres import PostgresStore
 

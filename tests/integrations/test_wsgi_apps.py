@@ -68,8 +68,8 @@ class Shop:
 
     def _query(self, sql: str, value: str) -> Any:
         if self.url.startswith("sqlite"):
-            with contextlib.closing(sqlite3.connect(self.url[len("sqlite:///") :])) as conn:
-                row = conn.execute(sql.replace("%s", "?"), (value,)).fetchone()
+            with contextlib.closing(sqlite3.connect(self.url[len("sqlite:///") :])) as lite:
+                row = lite.execute(sql.replace("%s", "?"), (value,)).fetchone()
         elif self.url.startswith("postgresql"):
             import psycopg
 

@@ -44,9 +44,11 @@ from idemflow import (
 )
 from idemflow.cli import main
 from idemflow.sweeper import (
+    Answer,
     AsyncSweeper,
     DidNotHappen,
     Happened,
+    Reconciler,
     Sweeper,
     SweepReport,
     Unknown,
@@ -245,7 +247,7 @@ def test_a_crashed_claim_is_marked_stale_and_keeps_its_recovery_point(store: Red
     clock.advance(0.001)
     asked: list[Record] = []
 
-    def unsure(record: Record, keys: Mapping[str, str]) -> Unknown:
+    def unsure(record: Record, downstream_keys: Mapping[str, str]) -> Unknown:
         asked.append(record)
         return Unknown("provider timed out")
 
@@ -304,8 +306,8 @@ def test_two_sweepers_racing_resolve_each_stale_record_exactly_once(
     clock = FrozenClock()
     keys = [f"crash-{n}" for n in range(300)]
     for key in keys:
-        record = store.claim(intent(key), f"lease-{key}", clock(), clock() + 3600).record
-        store.checkpoint(record, "charged", clock())
+        claimed = store.claim(intent(key), f"lease-{key}", clock(), clock() + 3600).record
+        store.checkpoint(claimed, "charged", clock())
     clock.advance(THRESHOLD + 1)
     asked: collections.Counter[str] = collections.Counter()
     by_sweeper: collections.Counter[str] = collections.Counter()
@@ -314,8 +316,8 @@ def test_two_sweepers_racing_resolve_each_stale_record_exactly_once(
     barrier = threading.Barrier(2, timeout=30)
     reports: dict[str, SweepReport] = {}
 
-    def reconciler(name: str, other: str) -> Any:
-        def reconcile(record: Record, downstream: Mapping[str, str]) -> Happened:
+    def reconciler(name: str, other: str) -> Reconciler:
+        def reconcile(record: Record, downstream_keys: Mapping[str, str]) -> Happened:
             with lock:
                 asked[record.key] += 1
                 by_sweeper[name] += 1
@@ -385,7 +387,7 @@ def test_indexes_match_the_records_after_a_mixed_workload(store: RedisStore) -> 
 
     clock.advance(THRESHOLD + 1)
 
-    def answer(record: Record, keys: Mapping[str, str]) -> Any:
+    def answer(record: Record, downstream_keys: Mapping[str, str]) -> Answer:
         number = int(record.key.rsplit("-", 1)[1])
         if record.key.startswith("progressed-"):
             return DidNotHappen("never charged") if number < 3 else Unknown()
@@ -766,7 +768,7 @@ async def test_async_store_sweeps_resolves_and_purges(table_name: str) -> None:
     store = AsyncRedisStore(client, prefix=table_name, clock="caller")
     clock = FrozenClock()
 
-    async def answer(record: Record, keys: Mapping[str, str]) -> Any:
+    async def answer(record: Record, downstream_keys: Mapping[str, str]) -> Answer:
         return Happened(CREATED) if record.key == "charged" else DidNotHappen()
 
     try:

@@ -97,8 +97,8 @@ def test_records_and_indexes_land_on_every_master_and_the_sweeper_reaches_them(
     clock = FrozenClock()
     keys = [f"crash-{n}" for n in range(60)]
     for key in keys:
-        record = cluster_store.claim(Intent("alice", key, "fp"), key, clock(), clock() + 3600)
-        cluster_store.checkpoint(record.record, "charged", clock())
+        claim = cluster_store.claim(Intent("alice", key, "fp"), key, clock(), clock() + 3600)
+        cluster_store.checkpoint(claim.record, "charged", clock())
     layout = cluster_store.layout
     names = {
         state: {layout.indexes(layout.bucket("alice", key))[position] for key in keys}
