@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-pytest_plugins = ["tests.backends"]
+pytest_plugins = ["tests.backends", "tests.factories"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

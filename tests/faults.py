@@ -11,20 +11,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
-
 from idemflow._async.edge import pooled_transaction
 from idemflow.stores._sql import StoreClock
-from tests.conftest import POSTGRES_URL, unreachable
-
-
-def psycopg_or_skip() -> Any:
-    psycopg = pytest.importorskip("psycopg")
-    try:
-        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
-    except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
-    return psycopg
+from tests.conftest import POSTGRES_URL
 
 
 def business_rows(table: str) -> list[str]:

@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from idemflow import Idempotency, Intent, Policy, Response, fingerprint
 from idemflow.stores.sqlite import SQLiteStore
 from idemflow.testing import FrozenClock
-from tests.conftest import POSTGRES_URL, unreachable
+from tests.conftest import POSTGRES_URL
+from tests.factories import psycopg_or_skip
 
 #: (metric sample name, sorted label pairs) -> value
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -40,13 +40,9 @@ def sqlite_store(tmp_path: Path, table: str) -> Iterator[SQLiteStore]:
 @contextlib.contextmanager
 def postgres_store(table: str) -> Iterator[Any]:
     """A migrated PostgreSQL store on its own table, dropped afterwards."""
-    psycopg = pytest.importorskip("psycopg")
+    psycopg = psycopg_or_skip()
     from idemflow.stores.postgres import PostgresStore
 
-    try:
-        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
-    except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
     store = PostgresStore(POSTGRES_URL, table=table, max_size=2, clock="caller")
     try:
         store.migrate()

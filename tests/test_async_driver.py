@@ -51,16 +51,13 @@ from idemflow.transactions import (
     PsycopgTransaction,
 )
 from tests.conftest import POSTGRES_URL, unreachable
+from tests.factories import intent
 from tests.sweeping import async_sweep_away
 
 POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b'{"id":"pay_1"}\xff', (("content-type", "application/json"), ("x-a", "1")))
 
 AsyncWrite = Callable[[Any, str], Awaitable[None]]
-
-
-def intent(key: str = "k-1", fp: str = "fp-1", principal: str = "alice") -> Intent:
-    return Intent(principal, key, fp, endpoint="POST /payments", correlation_id="req-1")
 
 
 # --- async backends -------------------------------------------------------------

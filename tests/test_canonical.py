@@ -11,20 +11,9 @@ from hypothesis import strategies as st
 
 from idemflow._canonical import MAX_DEPTH, canonical_json, canonical_json_bytes, parse_json
 from idemflow._errors import InvalidBody
+from tests.factories import JSON_VALUES, reordered
 
 FUZZ = settings(max_examples=300, deadline=None)
-
-JSON_VALUES = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
-    max_leaves=12,
-)
 
 
 def canonical(data: bytes, *exclude: str) -> str:
@@ -33,17 +22,6 @@ def canonical(data: bytes, *exclude: str) -> str:
 
 def double(bits: str) -> float:
     value: float = struct.unpack(">d", bytes.fromhex(bits))[0]
-    return value
-
-
-def reordered(value: Any, rnd: random.Random) -> Any:
-    """A copy of ``value`` whose objects list their members in random order."""
-    if isinstance(value, dict):
-        items = list(value.items())
-        rnd.shuffle(items)
-        return {name: reordered(member, rnd) for name, member in items}
-    if isinstance(value, list):
-        return [reordered(item, rnd) for item in value]
     return value
 
 

@@ -20,6 +20,7 @@ import pytest
 from idemflow import Idempotency, Intent, KeyReused, Policy, Response, State
 from idemflow.sweeper import Sweeper
 from tests.conftest import POSTGRES_URL, unreachable
+from tests.factories import psycopg_or_skip
 
 POLICY = Policy(request_timeout=5, retention=60)  # stale after 20 s
 AHEAD = 300.0  # five minutes: far past both the stale threshold and the retention
@@ -35,13 +36,9 @@ def intent(fingerprint: str = "fp-1") -> Intent:
 
 
 def postgres_store(table: str) -> Iterator[Any]:
-    psycopg = pytest.importorskip("psycopg")
+    psycopg = psycopg_or_skip()
     from idemflow.stores.postgres import PostgresStore
 
-    try:
-        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
-    except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
     store = PostgresStore(POSTGRES_URL, table=table, max_size=2)
     store.migrate()
     try:

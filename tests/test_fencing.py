@@ -19,7 +19,6 @@ import pytest
 from idemflow import (
     Attempt,
     Idempotency,
-    Intent,
     LeaseLost,
     Outcome,
     Policy,
@@ -31,21 +30,13 @@ from idemflow.stores.protocol import Transaction
 from idemflow.sweeper import Happened, Sweeper, SweepReport, Unknown
 from idemflow.testing import FrozenClock
 from tests.backends import Backend
+from tests.factories import intent
 
 # The same numbers as the Redis backend's policy: its lease is this stale threshold.
 POLICY = Policy(request_timeout=5, retention=3600)
 OLD = Response.json(201, {"owner": "old"})
 NEW = Response.json(201, {"owner": "new"})
 RECONCILED = Response.json(201, {"owner": "provider"})
-
-
-def intent() -> Intent:
-    return Intent("alice", "k-1", "fp-1", endpoint="POST /payments", correlation_id="req-1")
-
-
-@pytest.fixture
-def clock() -> FrozenClock:
-    return FrozenClock()
 
 
 def end_the_claim(backend: Backend, clock: FrozenClock) -> None:

@@ -13,36 +13,14 @@ from hypothesis import strategies as st
 from idemflow._canonical import canonical_json
 from idemflow._errors import BodyTooLarge, InvalidBody
 from idemflow._fingerprint import DEFAULT_MAX_BODY_BYTES, canonical_query, fingerprint
+from tests.factories import JSON_VALUES, reordered
 
 FUZZ = settings(max_examples=200, deadline=None)
 JSON = "application/json"
 
-JSON_VALUES = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
-    max_leaves=12,
-)
-
 
 def fp(body: bytes, content_type: str | None = JSON, **kwargs: Any) -> str:
     return fingerprint("POST", "/payments", body, content_type=content_type, **kwargs)
-
-
-def reordered(value: Any, rnd: random.Random) -> Any:
-    """A copy of ``value`` whose objects list their members in random order."""
-    if isinstance(value, dict):
-        items = list(value.items())
-        rnd.shuffle(items)
-        return {name: reordered(member, rnd) for name, member in items}
-    if isinstance(value, list):
-        return [reordered(item, rnd) for item in value]
-    return value
 
 
 class TestDigest:

@@ -27,10 +27,10 @@ from idemflow import (
     Verdict,
 )
 from idemflow._flow import ClaimKey, Complete, Execute, Flow, Release, Step, idempotency_flow
+from tests.factories import CREATED_AT as CREATED
 
 POLICY = Policy(request_timeout=5, retention=3600, retry_after=7)
 INTENT = Intent("alice", "k-1", "fp-1", endpoint="POST /payments", correlation_id="req-1")
-CREATED = Response.json(201, {"id": "pay_1"}, [("location", "/payments/pay_1")])
 
 
 def record(

@@ -38,7 +38,6 @@ import idemflow
 from idemflow import (
     AsyncAttempt,
     AsyncIdempotency,
-    Intent,
     LeaseLost,
     Policy,
     Response,
@@ -49,10 +48,11 @@ from idemflow.integrations.starlette import IdempotencyMiddleware, Idempotent
 from idemflow.stores.sqlite import AsyncSQLiteStore
 from idemflow.testing import FrozenClock
 from tests.conftest import POSTGRES_URL
+from tests.factories import CREATED, psycopg_or_skip
+from tests.factories import uncorrelated_intent as intent
 from tests.faults import (
     SignallingStore,
     business_rows,
-    psycopg_or_skip,
     shared_pool,
     terminate,
     transaction_on,
@@ -66,7 +66,6 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 POLICY = Policy(request_timeout=5)
-CREATED = Response(201, b'{"id":"pay_1"}', (("content-type", "application/json"),))
 UNAVAILABLE = Response(503, b"provider down")
 ORPHAN = 42  # a parent id that never exists: the deferred foreign key fails at COMMIT
 BAD_LOCATION = "/payments/1\r\nset-cookie: stolen=1"  # a header that cannot be sent
@@ -74,10 +73,6 @@ BAD_LOCATION = "/payments/1\r\nset-cookie: stolen=1"  # a header that cannot be 
 IN_A_TRANSACTION = pytest.mark.parametrize(
     "single_commit", [False, True], ids=["two-commit", "single-commit"]
 )
-
-
-def intent(key: str = "k-1") -> Intent:
-    return Intent("alice", key, "fp-1", endpoint="POST /payments")
 
 
 # --- PostgreSQL: a key table, a business table, pools shared by store and handler -----

@@ -26,7 +26,6 @@ from idemflow import (
     Attempt,
     Idempotency,
     InProgress,
-    Intent,
     Policy,
     Response,
     State,
@@ -34,10 +33,11 @@ from idemflow import (
 )
 from idemflow.stores.sqlite import AsyncSQLiteStore
 from tests.conftest import POSTGRES_URL, unreachable
+from tests.factories import CREATED, psycopg_or_skip
+from tests.factories import uncorrelated_intent as intent
 from tests.faults import (
     SignallingStore,
     business_rows,
-    psycopg_or_skip,
     shared_pool,
     terminate,
     transaction_on,
@@ -46,12 +46,7 @@ from tests.faults import (
 pytestmark = pytest.mark.anyio
 
 POLICY = Policy(request_timeout=5)
-CREATED = Response(201, b'{"id":"pay_1"}', (("content-type", "application/json"),))
 UNAVAILABLE = Response(503, b"provider down")
-
-
-def intent(key: str = "k-1") -> Intent:
-    return Intent("alice", key, "fp-1", endpoint="POST /payments")
 
 
 class Boom(Exception):

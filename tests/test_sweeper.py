@@ -53,10 +53,11 @@ from idemflow.sweeper import (
 )
 from idemflow.testing import FrozenClock
 from tests.backends import BACKENDS, Backend
+from tests.factories import CREATED_AT as CREATED
+from tests.factories import psycopg_or_skip
 
 POLICY = Policy(request_timeout=5, retention=3600)  # stale after 2 × 5 + 10 = 20 s
 STALE = POLICY.stale_seconds
-CREATED = Response.json(201, {"id": "pay_1"}, [("location", "/payments/pay_1")])
 RECONCILED = Response.json(201, {"id": "pay_from_provider"})
 
 
@@ -124,11 +125,6 @@ def _transaction(backend: Backend) -> Iterator[Transaction | None]:
         return
     with backend.open_transaction() as transaction:
         yield transaction
-
-
-@pytest.fixture
-def clock() -> FrozenClock:
-    return FrozenClock()
 
 
 @pytest.fixture(params=sorted(BACKENDS))
@@ -929,14 +925,10 @@ def _async_store(kind: str, tmp_path: Path, table: str) -> Any:
         return AsyncMemoryStore()
     if kind == "sqlite":
         return AsyncSQLiteStore(tmp_path / "async.db", table=table)
-    psycopg = pytest.importorskip("psycopg")
+    psycopg_or_skip()
     from idemflow.stores.postgres import AsyncPostgresStore
-    from tests.conftest import POSTGRES_URL, unreachable
+    from tests.conftest import POSTGRES_URL
 
-    try:
-        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
-    except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
     return _DroppingPostgres(
         AsyncPostgresStore(POSTGRES_URL, table=table, max_size=4, clock="caller"), table
     )

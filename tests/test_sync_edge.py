@@ -24,9 +24,10 @@ from idemflow._sync.edge import Edge, pooled_transaction
 from idemflow.stores.sqlite import SQLiteStore
 from idemflow.transactions import PsycopgTransaction, SQLite3Transaction
 from tests.conftest import POSTGRES_URL, unreachable
+from tests.factories import CREATED_AT as CREATED
+from tests.factories import psycopg_or_skip
 
 POLICY = Policy(request_timeout=5)
-CREATED = Response.json(201, {"id": "pay_1"}, [("location", "/payments/pay_1")])
 
 
 def request(key: str = "k-1", body: bytes = b'{"amount":1}', principal: str = "alice") -> Any:
@@ -207,14 +208,10 @@ def test_threads_sharing_a_tiny_pool_with_the_store_never_deadlock(
 ) -> None:
     """20 threads, one pool of 1-2 connections for the store and the requests, a dependency
     failing every other call: every key ends 201 with one business row, no 409."""
-    psycopg = pytest.importorskip("psycopg")
+    psycopg_or_skip()
     psycopg_pool = pytest.importorskip("psycopg_pool")
     from idemflow.stores.postgres import PostgresStore, connection_options
 
-    try:
-        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
-    except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
     pool = psycopg_pool.ConnectionPool(
         POSTGRES_URL,
         min_size=1,

@@ -45,11 +45,11 @@ from idemflow.transactions import (
     SQLite3Transaction,
 )
 from tests.conftest import POSTGRES_URL, unreachable
+from tests.factories import CREATED
 from tests.sweeping import async_sweep_away, sweep_away
 
 POLICY = Policy(request_timeout=5, retention=3600)
 INTENT = Intent("alice", "k-1", "fp-1", endpoint="POST /payments")
-CREATED = Response.json(201, {"id": "pay_1"})
 ORPHAN = 42  # a parent id that never exists: the deferred foreign key fails at COMMIT
 
 

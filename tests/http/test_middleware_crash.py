@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -31,15 +30,10 @@ import pytest
 from idemflow import Policy, State
 from idemflow.stores.sqlite import SQLiteStore
 from idemflow.sweeper import Sweeper
+from tests.factories import free_port
 
 pytestmark = pytest.mark.slow
 POLICY = Policy(request_timeout=1)  # as the app's
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @contextlib.contextmanager

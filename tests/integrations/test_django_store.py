@@ -21,7 +21,7 @@ from idemflow.integrations.django import DjangoStore, DjangoTransaction
 from tests.backends import Backend
 from tests.integrations.django_setup import VENDOR_ALIAS, execute, own_connection, require
 from tests.stores.test_contract import *  # noqa: F403 -- the contract's scenarios, run here
-from tests.stores.test_contract import clock, harness  # noqa: F401 -- their fixtures
+from tests.stores.test_contract import harness  # noqa: F401 -- its fixture (clock is shared)
 
 _BUSINESS_ID = {
     "sqlite": "id INTEGER PRIMARY KEY",

@@ -26,7 +26,6 @@ from idemflow import (
     ConfigurationError,
     Idempotency,
     InProgress,
-    Intent,
     Policy,
     Response,
     State,
@@ -42,6 +41,7 @@ from idemflow.stores.urls import open_store
 from idemflow.testing import FrozenClock
 from tests.backends import MYSQL_URL
 from tests.conftest import POSTGRES_URL
+from tests.factories import intent
 from tests.integrations.django_setup import VENDOR_ALIAS, execute, require
 
 POLICY = Policy(request_timeout=5, retention=3600)
@@ -57,10 +57,6 @@ _ID = {
     "postgres": "id BIGSERIAL PRIMARY KEY",
     "mysql": "id BIGINT AUTO_INCREMENT PRIMARY KEY",
 }
-
-
-def intent(key: str = "k-1", principal: str = "alice", fp: str = "fp-1") -> Intent:
-    return Intent(principal, key, fp, endpoint="POST /payments", correlation_id="req-1")
 
 
 class Database:

@@ -27,13 +27,10 @@ from idemflow import (
 )
 from idemflow.testing import FrozenClock
 from tests.backends import Backend
+from tests.factories import CREATED_AT as CREATED
+from tests.factories import intent
 
 POLICY = Policy(request_timeout=5, retention=3600)
-CREATED = Response.json(201, {"id": "pay_1"}, [("location", "/payments/pay_1")])
-
-
-def intent(key: str = "k-1", principal: str = "alice", fp: str = "fp-1") -> Intent:
-    return Intent(principal, key, fp, endpoint="POST /payments", correlation_id="req-1")
 
 
 class Harness:
@@ -68,11 +65,6 @@ class Harness:
             return
         with self.backend.open_transaction() as transaction:
             yield transaction
-
-
-@pytest.fixture
-def clock() -> FrozenClock:
-    return FrozenClock()
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ from idemflow import (
     Attempt,
     Idempotency,
     InProgress,
-    Intent,
     LeaseLost,
     Policy,
     Response,
@@ -36,6 +35,8 @@ from idemflow import (
 from idemflow.testing import FrozenClock
 from tests.backends import MYSQL_URL
 from tests.conftest import unreachable
+from tests.factories import CREATED
+from tests.factories import uncorrelated_intent as intent
 from tests.stores._race import Recorder, assert_exactly_once, race_processes, race_threads
 
 pymysql = pytest.importorskip("pymysql")
@@ -50,13 +51,8 @@ from idemflow.stores.mysql import (  # noqa: E402
 pytestmark = pytest.mark.mysql
 
 POLICY = Policy(request_timeout=5, retention=3600)
-CREATED = Response.json(201, {"id": "pay_1"})
 FOUND_ROWS = 2
 ISOLATION_LEVELS = ["READ COMMITTED", "REPEATABLE READ"]
-
-
-def intent(key: str = "k-1", fp: str = "fp-1", principal: str = "alice") -> Intent:
-    return Intent(principal, key, fp, endpoint="POST /payments")
 
 
 def connect(**extra: Any) -> Any:

@@ -17,7 +17,6 @@ import contextlib
 import json
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -33,7 +32,6 @@ from idemflow import (
     ConfigurationError,
     Idempotency,
     InProgress,
-    Intent,
     KeyReused,
     LeaseLost,
     Policy,
@@ -56,6 +54,8 @@ from idemflow.sweeper import (
 from idemflow.testing import FrozenClock
 from tests.backends import REDIS_URL, redis_client
 from tests.conftest import unreachable
+from tests.factories import CREATED, free_port
+from tests.factories import uncorrelated_intent as intent
 from tests.stores._race import Recorder, assert_exactly_once, race_processes, race_threads
 
 redis = pytest.importorskip("redis")
@@ -76,11 +76,6 @@ pytestmark = pytest.mark.redis
 
 POLICY = Policy(request_timeout=5, retention=3600)  # stale after 2 × 5 s + 10 s = 20 s
 THRESHOLD = POLICY.stale_seconds
-CREATED = Response.json(201, {"id": "pay_1"})
-
-
-def intent(key: str = "k-1", fp: str = "fp-1") -> Intent:
-    return Intent("alice", key, fp, endpoint="POST /payments")
 
 
 @pytest.fixture
@@ -95,12 +90,6 @@ def store(table_name: str) -> Iterator[RedisStore]:
     for key in client.scan_iter(match=f"{table_name}:*"):
         client.delete(key)
     made.close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @contextlib.contextmanager

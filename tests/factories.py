@@ -1,0 +1,86 @@
+"""
+Small things many test modules build the same way: intents, responses, a frozen
+clock, a PostgreSQL guard, JSON values in random member order.
+
+Only what several modules wrote identically lives here; a module whose intent or
+response differs on purpose (another endpoint, a correlation id per key, a body
+of its own) keeps its own. ``tests/conftest.py`` registers this module as a
+plugin, so its fixtures (``clock``) reach every test.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import strategies as st
+
+from idemflow import Intent, Response
+from idemflow.testing import FrozenClock
+from tests.conftest import POSTGRES_URL, unreachable
+
+#: A payment created: the JSON body a handler answers with.
+CREATED = Response.json(201, {"id": "pay_1"})
+#: :data:`CREATED` with the new payment's location, for tests that check headers survive.
+CREATED_AT = Response.json(201, {"id": "pay_1"}, [("location", "/payments/pay_1")])
+
+
+def intent(key: str = "k-1", *, principal: str = "alice", fp: str = "fp-1") -> Intent:
+    """A payment request's intent, sent with the correlation id ``req-1``."""
+    return Intent(principal, key, fp, endpoint="POST /payments", correlation_id="req-1")
+
+
+def uncorrelated_intent(key: str = "k-1", *, principal: str = "alice", fp: str = "fp-1") -> Intent:
+    """:func:`intent` of a request that sent no correlation id."""
+    return Intent(principal, key, fp, endpoint="POST /payments")
+
+
+@pytest.fixture
+def clock() -> FrozenClock:
+    """A clock of the test's own that moves only when the test advances it."""
+    return FrozenClock()
+
+
+def psycopg_or_skip() -> ModuleType:
+    """psycopg, once the PostgreSQL server answers (skipped locally, failed in CI if not)."""
+    psycopg: ModuleType = pytest.importorskip("psycopg")
+    try:
+        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
+    except psycopg.OperationalError as exc:
+        unreachable("PostgreSQL", exc)
+    return psycopg
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on (as of now)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+#: Any JSON document: scalars, and arrays and objects nested a few levels.
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def reordered(value: Any, rnd: random.Random) -> Any:
+    """A copy of ``value`` whose objects list their members in random order."""
+    if isinstance(value, dict):
+        items = list(value.items())
+        rnd.shuffle(items)
+        return {name: reordered(member, rnd) for name, member in items}
+    if isinstance(value, list):
+        return [reordered(item, rnd) for item in value]
+    return value
