@@ -168,7 +168,7 @@ def postgres_schema() -> Iterator[str]:
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
-#: backend name → the demo's flags (``--claim-commit``: see ``idemflow.demo.db``).
+#: backend name → the demo's flags (``--claim-commit``: see ``idemflow_demo.db``).
 BACKENDS = {
     "sqlite": (),
     "postgres": (),

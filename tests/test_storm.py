@@ -21,13 +21,13 @@ import httpx
 import pytest
 
 from idemflow._errors import ConfigurationError
-from idemflow._storm import StormConfig, run_storm
-from idemflow._storm.clients import KeyTally
-from idemflow._storm.config import KeyPlan
-from idemflow._storm.server import DemoProcess
-from idemflow._storm.service import Ledger, MetricsTally, parse_metrics
-from idemflow._storm.verdict import Verdict, judge
 from idemflow.cli import main
+from idemflow_demo.storm import StormConfig, run_storm
+from idemflow_demo.storm.clients import KeyTally
+from idemflow_demo.storm.config import KeyPlan
+from idemflow_demo.storm.server import DemoProcess
+from idemflow_demo.storm.service import Ledger, MetricsTally, parse_metrics
+from idemflow_demo.storm.verdict import Verdict, judge
 from tests.http.conftest import pg_url, run_demo
 
 __all__ = ["pg_url"]

@@ -2,7 +2,7 @@
 Crash tests: real ``idemflow demo`` processes that SIGKILL themselves at a chosen point.
 
 The hook is the demo's test-only ``IDEMFLOW_DEMO_CRASH_AT`` variable
-(``idemflow.demo.faults``); the servers, the databases and the kill are real.
+(``idemflow_demo.faults``); the servers, the databases and the kill are real.
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ import pytest
 from idemflow import Intent, State
 from idemflow._downstream import downstream_key
 from idemflow._model import Record
-from idemflow.demo import Settings
-from idemflow.demo.app import DemoService
-from idemflow.demo.payments import PAYMENT_CREATED, succeeded_response
-from idemflow.demo.provider import ChargeRequest, ProviderDeclined
-from idemflow.demo.recovery import recovery_sweeper
+from idemflow_demo import Settings
+from idemflow_demo.app import DemoService
+from idemflow_demo.payments import PAYMENT_CREATED, succeeded_response
+from idemflow_demo.provider import ChargeRequest, ProviderDeclined
+from idemflow_demo.recovery import recovery_sweeper
 
 pytestmark = pytest.mark.anyio
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from starlette.requests import Request
 
-from idemflow.demo.app import database_unavailable, server_error
+from idemflow_demo.app import database_unavailable, server_error
 
 psycopg = pytest.importorskip("psycopg")
 

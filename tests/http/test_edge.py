@@ -30,8 +30,8 @@ from idemflow._http import (
     storable,
     unsendable,
 )
-from idemflow.demo.settings import parse_duration, parse_token
 from idemflow.testing import AsyncMemoryStore
+from idemflow_demo.settings import parse_duration, parse_token
 
 
 def request(**changes: object) -> HTTPRequest:

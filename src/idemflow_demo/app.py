@@ -28,23 +28,33 @@ from starlette.responses import Response as StarletteResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._async.driver import AsyncAttempt, AsyncIdempotency
-from .._async.edge import pooled_transaction
-from .._errors import InvalidBody, MissingPrincipal, StoreUnavailable
-from .._events import Event
-from .._http import EdgeOptions, problem, problem_for
-from .._model import Policy, Record, Response
-from ..integrations.starlette import (
+from idemflow import (
+    AsyncAttempt,
+    AsyncIdempotency,
+    Event,
+    InvalidBody,
+    MissingPrincipal,
+    Policy,
+    Record,
+    Response,
+    StoreUnavailable,
+)
+from idemflow.integrations.starlette import (
+    EdgeOptions,
     Idempotent,
     RequestIdMiddleware,
+    pooled_transaction,
+    problem,
+    problem_for,
     request_id,
     send_response,
     to_starlette,
 )
-from ..metrics import PrometheusMetrics
-from ..stores.postgres import is_unavailable as postgres_unavailable
-from ..stores.sqlite import is_unavailable as sqlite_unavailable
-from ..sweeper import AsyncBackgroundSweeper
+from idemflow.metrics import PrometheusMetrics
+from idemflow.stores.postgres import is_unavailable as postgres_unavailable
+from idemflow.stores.sqlite import is_unavailable as sqlite_unavailable
+from idemflow.sweeper import AsyncBackgroundSweeper
+
 from .db import Database, open_database
 from .faults import crash_point
 from .payments import InvalidRequest, Payments, parse_payment, parse_refund, payment_json

@@ -12,16 +12,19 @@ from __future__ import annotations
 import asyncio
 import re
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, cast
 
-from .._errors import ConfigurationError
-from ..stores.protocol import AsyncStore, AsyncTransaction, Statement
-from ..stores.sqlite import AsyncSQLiteStore, connect
-from ..transactions import AsyncPsycopgTransaction, SQLite3Transaction
+from idemflow import ConfigurationError
+from idemflow.stores.protocol import AsyncStore, AsyncTransaction
+from idemflow.stores.sqlite import AsyncSQLiteStore, connect
+from idemflow.transactions import (
+    AsyncPsycopgTransaction,
+    AsyncSQLite3Connection,
+    AsyncSQLite3Transaction,
+)
 
 __all__ = ["Connection", "Database", "SQLiteDatabase", "open_database"]
 
@@ -49,8 +52,6 @@ _SCHEMA = (
         created_at DOUBLE PRECISION NOT NULL
     )""",
 )
-
-T = TypeVar("T")
 
 _NAMED = re.compile(r"(?<![:\w]):([a-z_]+)")
 
@@ -96,30 +97,14 @@ class Database(Protocol):
 # --- SQLite -----------------------------------------------------------------------------------
 
 
-class PooledSQLite:
-    """A sqlite3 connection with a worker thread of its own.
+class _SQLiteConnection:
+    """Business SQL on an :class:`~idemflow.transactions.AsyncSQLite3Connection`.
 
-    Its statements never queue behind other connections' statements: with a
-    shared thread pool, workers blocked waiting for SQLite's write lock could
-    starve the very transaction that holds it (and must commit to free it).
+    Its statements take their turn on the connection's own thread with the
+    completion's (never a shared pool: see there why).
     """
 
-    def __init__(self, raw: sqlite3.Connection) -> None:
-        self.raw = raw
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="demo-sqlite")
-
-    async def run(self, function: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
-
-    def close(self) -> None:
-        self._thread.shutdown(wait=True)
-        self.raw.close()
-
-
-class _SQLiteConnection:
-    """Business SQL on a :class:`PooledSQLite`."""
-
-    def __init__(self, pooled: PooledSQLite) -> None:
+    def __init__(self, pooled: AsyncSQLite3Connection) -> None:
         self.pooled = pooled
 
     async def execute(self, sql: str, params: Mapping[str, Any] | None = None) -> int:
@@ -150,46 +135,17 @@ def _sqlite_rows(
     return [dict(zip(names, row, strict=True)) for row in rows]
 
 
-class AsyncSQLite3Transaction:
-    """:class:`idemflow.transactions.SQLite3Transaction` for asyncio, on a :class:`PooledSQLite`.
-
-    The transaction begins deferred: it takes SQLite's write lock at its first
-    write, so a phase that waits on the provider holds no lock.
-    """
-
-    def __init__(self, connection: PooledSQLite) -> None:
-        self.connection = connection
-        self._sync = SQLite3Transaction(connection.raw)
-
-    async def begin(self) -> None:
-        await self.connection.run(self._sync.begin)
-
-    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        return await self.connection.run(self._sync.execute, statement, params)
-
-    async def fetchone(
-        self, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        return await self.connection.run(self._sync.fetchone, statement, params)
-
-    async def commit(self) -> None:
-        await self.connection.run(self._sync.commit)
-
-    async def rollback(self) -> None:
-        await self.connection.run(self._sync.rollback)
-
-
 class SQLitePool:
     """A few autocommit sqlite3 connections to one file, handed out one request at a time."""
 
     def __init__(self, path: Path, size: int) -> None:
         self.path = path
         self._size = size
-        self._idle: asyncio.Queue[PooledSQLite] | None = None
-        self._all: list[PooledSQLite] = []
+        self._idle: asyncio.Queue[AsyncSQLite3Connection] | None = None
+        self._all: list[AsyncSQLite3Connection] = []
 
     @asynccontextmanager
-    async def connection(self) -> AsyncIterator[PooledSQLite]:
+    async def connection(self) -> AsyncIterator[AsyncSQLite3Connection]:
         idle = self._queue()
         pooled = await idle.get()
         try:
@@ -199,11 +155,11 @@ class SQLitePool:
                 await pooled.run(pooled.raw.rollback)
             idle.put_nowait(pooled)
 
-    def _queue(self) -> asyncio.Queue[PooledSQLite]:
+    def _queue(self) -> asyncio.Queue[AsyncSQLite3Connection]:
         if self._idle is None:
             self._idle = asyncio.Queue()
             for _ in range(self._size):
-                pooled = PooledSQLite(connect(self.path, busy_timeout=10.0))
+                pooled = AsyncSQLite3Connection(connect(self.path, busy_timeout=10.0))
                 self._all.append(pooled)
                 self._idle.put_nowait(pooled)
         return self._idle
@@ -227,10 +183,12 @@ class SQLiteDatabase:
         self.store = AsyncSQLiteStore(path, table=KEY_TABLE, busy_timeout=10.0)
         self.pool = SQLitePool(path, pool_size)
 
-    def connect(self) -> AbstractAsyncContextManager[PooledSQLite]:
+    def connect(self) -> AbstractAsyncContextManager[AsyncSQLite3Connection]:
         return self.pool.connection()
 
     def transaction(self, raw: Any) -> AsyncTransaction:
+        # Deferred: SQLite's write lock is taken at the first write, so a
+        # phase that waits on the provider holds no lock.
         return AsyncSQLite3Transaction(raw)
 
     def wrap(self, raw: Any) -> Connection:
@@ -315,7 +273,7 @@ class PostgresDatabase:
         try:
             import psycopg_pool
 
-            from ..stores.postgres import AsyncPostgresStore
+            from idemflow.stores.postgres import AsyncPostgresStore
         except ImportError as exc:  # pragma: no cover - depends on the install
             msg = "PostgreSQL needs the driver: pip install 'idemflow[postgres]'"
             raise ConfigurationError(msg) from exc
@@ -347,7 +305,7 @@ class PostgresDatabase:
         return _PsycopgConnection(raw)
 
     def stats_store(self) -> Any:
-        from ..stores.postgres import PostgresStore
+        from idemflow.stores.postgres import PostgresStore
 
         if self._stats is None:  # one connection: a COUNT every few seconds at most
             import psycopg_pool
@@ -387,25 +345,19 @@ def _connection_options(url: str, *, bounded_locks: bool) -> dict[str, Any]:
     key into 409s under load. ``options`` given as a keyword would replace the
     URL's own (a ``search_path``, say): they are joined instead.
     """
-    from psycopg.conninfo import conninfo_to_dict
-
-    from ..stores.postgres import DEFAULT_CLAIM_LOCK_TIMEOUT_MS, connection_options
+    from idemflow.stores.postgres import DEFAULT_CLAIM_LOCK_TIMEOUT_MS, connection_options
 
     if not bounded_locks:
         return {"autocommit": True}
-    options = connection_options(DEFAULT_CLAIM_LOCK_TIMEOUT_MS)
-    own = conninfo_to_dict(url).get("options")
-    if own:
-        options["options"] = f"{own} {options['options']}"
-    return options
+    return connection_options(DEFAULT_CLAIM_LOCK_TIMEOUT_MS, url)
 
 
 def open_database(
     url: str | None, sqlite_path: Path, *, pool_size: int = 8, claim_commit: str = "own"
 ) -> Database:
     """PostgreSQL for a ``postgresql://`` URL, else the SQLite file at ``sqlite_path``."""
-    from ..stores.urls import scheme_of
-    from ..stores.urls import sqlite_path as path_of
+    from idemflow.stores.urls import scheme_of
+    from idemflow.stores.urls import sqlite_path as path_of
 
     scheme = "sqlite" if url is None else scheme_of(url)
     if scheme == "sqlite" and claim_commit != "own":

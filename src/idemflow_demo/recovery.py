@@ -34,10 +34,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
-from .._async.edge import pooled_transaction
-from .._model import Record
-from ..stores.protocol import AsyncMaintainableStore
-from ..sweeper import (
+from idemflow import Record
+from idemflow.integrations.starlette import pooled_transaction
+from idemflow.stores.protocol import AsyncMaintainableStore
+from idemflow.sweeper import (
     Answer,
     AsyncBackgroundSweeper,
     AsyncSweeper,
@@ -46,6 +46,7 @@ from ..sweeper import (
     Unknown,
     start_background_sweeper,
 )
+
 from .db import Database
 from .payments import PAYMENT_CREATED, declined_response, succeeded_response
 from .provider import Charge, FakeProvider, ProviderDeclined

@@ -10,9 +10,9 @@ from pathlib import Path
 from types import MappingProxyType
 from urllib.parse import urlsplit
 
-from .._errors import ConfigurationError
-from .._model import STALE_MARGIN, STALE_MULTIPLIER, seconds
-from ..demo.settings import SHUTDOWN_MARGIN
+from idemflow import ConfigurationError, Policy
+
+from ..settings import SHUTDOWN_MARGIN
 
 __all__ = ["DEFAULT_TOKENS", "KeyPlan", "StormConfig", "plan_keys"]
 
@@ -112,12 +112,12 @@ class StormConfig:
     @property
     def shutdown_grace(self) -> float:
         """How long the demo's graceful shutdown may wait for requests in flight."""
-        return self.request_timeout + seconds(SHUTDOWN_MARGIN)
+        return self.request_timeout + SHUTDOWN_MARGIN.total_seconds()
 
     @property
     def stale_after(self) -> float:
-        """The service's stale threshold, derived as idemflow's Policy derives it."""
-        return self.request_timeout * STALE_MULTIPLIER + seconds(STALE_MARGIN)
+        """The service's stale threshold: its Policy's, derived from the request timeout."""
+        return Policy(request_timeout=self.request_timeout).stale_seconds
 
     @property
     def sweep_interval(self) -> float:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..stores.sqlite import connect
+from idemflow.stores.sqlite import connect
 
 __all__ = ["Charge", "ChargeRequest", "FakeProvider", "ProviderDeclined", "ProviderUnavailable"]
 

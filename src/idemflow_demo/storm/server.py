@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from .._errors import ConfigurationError
+from idemflow import ConfigurationError
+
 from .config import StormConfig
 
 __all__ = ["DemoProcess", "StormError"]

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
-from .._canonical import parse_json
-from .._errors import InvalidBody
-from .._http import problem
-from .._model import Response
+from idemflow import InvalidBody, Response
+from idemflow.integrations.starlette import parse_json, problem
+
 from .db import Connection
 from .faults import crash_point
 from .provider import ChargeRequest, FakeProvider, ProviderDeclined, ProviderUnavailable

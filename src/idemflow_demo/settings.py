@@ -9,7 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 from types import MappingProxyType
 
-from .._errors import ConfigurationError
+from idemflow import ConfigurationError
 
 __all__ = ["DEFAULT_TOKENS", "SHUTDOWN_MARGIN", "Settings", "parse_duration", "parse_token"]
 
@@ -72,9 +72,9 @@ class Settings:
     provider_seed: int | None = None
     pool_size: int = 8
     #: PostgreSQL: how the claim commits (``own`` or ``single``; see
-    #: ``idemflow.demo.db.CLAIM_COMMITS``). SQLite always commits it alone.
+    #: ``idemflow_demo.db.CLAIM_COMMITS``). SQLite always commits it alone.
     claim_commit: str = "own"
-    #: Resolve crashed claims in the background (``idemflow.demo.recovery``).
+    #: Resolve crashed claims in the background (``idemflow_demo.recovery``).
     sweeper: bool = True
     #: How often the sweeper runs; None: every request timeout.
     sweep_every: timedelta | None = None

@@ -11,7 +11,7 @@ One storm from start to verdict.
    sweeper resolves it) or the settle time runs out.
 4. Check: one more retry per answered key (it must be a replay of the same
    answer), then the service's payments, the provider's ledger and the
-   metrics, judged by :func:`idemflow._storm.verdict.judge`.
+   metrics, judged by :func:`idemflow_demo.storm.verdict.judge`.
 """
 
 from __future__ import annotations
