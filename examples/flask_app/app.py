@@ -9,7 +9,12 @@ committed in ``db.session``'s transaction.
 The caller names itself in ``X-User`` (stand-in authentication through
 Flask-Login's request loader). Test hooks, not part of the pattern:
 ``X-Fail: 503`` answers a transient 503, ``X-Hold: <path>`` keeps the request
-running until that file exists.
+running until that file exists (at most 10 s or ``SHOP_HOLD_LIMIT`` seconds;
+it creates ``<path>.waiting`` when it starts to wait),
+``X-Hold-After-Write: <path>`` the same after the payment row was written
+(PostgreSQL only: the fault tests kill or outlive a request whose row is pending);
+``SHOP_REQUEST_TIMEOUT`` shortens the request timeout (and so the stale threshold)
+for the fault tests.
 """
 
 import os
@@ -25,7 +30,7 @@ app = Flask(__name__)
 app.config["SQLALCHEMY_DATABASE_URI"] = os.environ.get(
     "SHOP_DATABASE_URL", "sqlite:////tmp/flask-shop.db"
 ).replace("postgresql://", "postgresql+psycopg://", 1)
-app.config["IDEMFLOW_REQUEST_TIMEOUT"] = 10
+app.config["IDEMFLOW_REQUEST_TIMEOUT"] = float(os.environ.get("SHOP_REQUEST_TIMEOUT", "10"))
 db = SQLAlchemy(app)
 login = LoginManager(app)
 
@@ -57,18 +62,26 @@ def valid_amount() -> None:
         abort(400, 'send {"amount": <positive int>}')
 
 
+def hold(header: str) -> None:
+    """A test hook: wait until the file the header names exists (with a deadline)."""
+    gate = request.headers.get(header)
+    if gate:
+        open(f"{gate}.waiting", "w").close()  # tells the test the request got this far
+    deadline = time.monotonic() + float(os.environ.get("SHOP_HOLD_LIMIT", "10"))
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.01)  # polled by the test, with a deadline
+
+
 @app.post("/payments")
 @idem.protect(validate=valid_amount)
 def create_payment():
     # The slow part (a provider's call) before the first write: on SQLite a transaction
     # that wrote holds the one write lock, and a duplicate's claim would queue behind it.
-    hold = request.headers.get("X-Hold")
-    deadline = time.monotonic() + 10
-    while hold and not os.path.exists(hold) and time.monotonic() < deadline:
-        time.sleep(0.01)  # polled by the test, with a deadline
+    hold("X-Hold")
     payment = Payment(principal=current_user.get_id(), amount=request.json["amount"])
     db.session.add(payment)
     db.session.flush()
+    hold("X-Hold-After-Write")
     if request.headers.get("X-Fail") == "503":
         return {"error": "provider unavailable"}, 503
     return {"id": payment.id, "amount": payment.amount}, 201

@@ -65,7 +65,8 @@ REST_FRAMEWORK = {
 }
 
 IDEMFLOW = {
-    "request_timeout": 10,
+    # SHOP_REQUEST_TIMEOUT: the fault tests shorten it so the stale threshold is seconds.
+    "request_timeout": float(os.environ.get("SHOP_REQUEST_TIMEOUT", "10")),
     "auth_middleware": ["shop.auth.HeaderUserMiddleware"],
     # The middleware protects these; the other endpoints use @idempotent.
     "endpoints": ["POST /mw/payments"],

@@ -4,7 +4,11 @@ transaction idemflow writes its completion in.
 
 Test hooks (not part of the pattern): ``X-Fail: 503`` answers a transient 503
 (nothing stored: the retry runs), ``X-Hold: <path>`` keeps the request running
-until that file exists (to observe the 409 of a duplicate).
+until that file exists (to observe the 409 of a duplicate), at most 10 s or
+``SHOP_HOLD_LIMIT`` seconds, and creates ``<path>.waiting`` when it starts to
+wait; ``X-Hold-After-Write: <path>`` holds the same way after the payment row was
+written, uncommitted (PostgreSQL and MariaDB only: the fault tests kill or outlive
+a request whose row is pending).
 """
 
 import json
@@ -33,11 +37,13 @@ def _amount(request) -> int:
     return amount
 
 
-def _hold(request) -> None:
+def _hold(request, header: str = "X-Hold") -> None:
     """The slow part (a provider's call) comes before the first write: on SQLite a
     transaction that wrote holds the one write lock, and a duplicate's claim would queue."""
-    hold = request.headers.get("X-Hold")
-    deadline = time.monotonic() + 10
+    hold = request.headers.get(header)
+    if hold:
+        open(f"{hold}.waiting", "w").close()  # tells the test the request got this far
+    deadline = time.monotonic() + float(os.environ.get("SHOP_HOLD_LIMIT", "10"))
     while hold and not os.path.exists(hold) and time.monotonic() < deadline:
         time.sleep(0.01)  # polled by the test, with a deadline: not synchronisation
 
@@ -50,6 +56,7 @@ def _pay(request, via: str) -> JsonResponse:
     amount = _amount(request)
     _hold(request)
     payment = Payment.objects.create(principal=str(request.user.pk), amount=amount, via=via)
+    _hold(request, "X-Hold-After-Write")
     if _failed(request):  # rolled back with the payment: nothing happened
         return JsonResponse({"error": "provider unavailable"}, status=503)
     return JsonResponse({"id": payment.pk, "amount": amount}, status=201)
@@ -83,6 +90,7 @@ class PaymentViewSet(viewsets.ViewSet):
         amount = request.data["amount"]
         _hold(request)
         payment = Payment.objects.create(principal=str(request.user.pk), amount=amount, via="drf")
+        _hold(request, "X-Hold-After-Write")
         if _failed(request):
             return Response({"error": "provider unavailable"}, status=503)
         return Response({"id": payment.pk, "amount": amount}, status=201)
