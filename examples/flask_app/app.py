@@ -14,7 +14,8 @@ it creates ``<path>.waiting`` when it starts to wait),
 ``X-Hold-After-Write: <path>`` the same after the payment row was written
 (PostgreSQL only: the fault tests kill or outlive a request whose row is pending);
 ``SHOP_REQUEST_TIMEOUT`` shortens the request timeout (and so the stale threshold)
-for the fault tests.
+for the fault tests. ``/_bench/payments`` is the endpoint without idemflow, for
+bench/bench_frameworks.py only.
 """
 
 import os
@@ -85,6 +86,21 @@ def create_payment():
     if request.headers.get("X-Fail") == "503":
         return {"error": "provider unavailable"}, 503
     return {"id": payment.id, "amount": payment.amount}, 201
+
+
+# Benchmark only (bench/bench_frameworks.py): the endpoint above without idemflow, the
+# same validation and write, committed by the view itself. Not a pattern to copy.
+@app.post("/_bench/payments")
+def create_payment_unprotected():
+    if not current_user.is_authenticated:
+        abort(401)
+    valid_amount()
+    payment = Payment(principal=current_user.get_id(), amount=request.json["amount"])
+    db.session.add(payment)
+    db.session.flush()
+    answer = {"id": payment.id, "amount": payment.amount}  # read before commit expires it
+    db.session.commit()
+    return answer, 201
 
 
 @app.cli.command("init-db")

@@ -48,6 +48,8 @@ def _database(url: str) -> dict:
         "HOST": parts.hostname or "127.0.0.1",
         "PORT": str(parts.port or ""),
         "ATOMIC_REQUESTS": atomic_requests,
+        # SHOP_CONN_MAX_AGE: persistent connections (bench/bench_frameworks.py sets it).
+        "CONN_MAX_AGE": int(os.environ.get("SHOP_CONN_MAX_AGE", "0")),
     }
     if parts.scheme.startswith("postgres"):
         return {**common, "ENGINE": "django.db.backends.postgresql"}

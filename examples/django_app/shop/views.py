@@ -9,6 +9,8 @@ until that file exists (to observe the 409 of a duplicate), at most 10 s or
 wait; ``X-Hold-After-Write: <path>`` holds the same way after the payment row was
 written, uncommitted (PostgreSQL and MariaDB only: the fault tests kill or outlive
 a request whose row is pending).
+``/_bench/drf/payments`` is the DRF action without idemflow, for
+bench/bench_frameworks.py only.
 """
 
 import json
@@ -99,3 +101,13 @@ class PaymentViewSet(viewsets.ViewSet):
 # 4. Protected by IdempotencyMiddleware (IDEMFLOW["endpoints"]): no decorator.
 def middleware_payment(request):
     return _pay(request, "middleware")
+
+
+# Benchmark only (bench/bench_frameworks.py): the DRF action above without idemflow, the
+# same validation and write in Django's autocommit. Not a pattern to copy.
+class UnprotectedPaymentViewSet(viewsets.ViewSet):
+    def create(self, request):
+        _valid(self, request)
+        amount = request.data["amount"]
+        payment = Payment.objects.create(principal=str(request.user.pk), amount=amount, via="drf")
+        return Response({"id": payment.pk, "amount": amount}, status=201)
