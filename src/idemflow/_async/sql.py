@@ -36,7 +36,6 @@ _Row: TypeAlias = Mapping[str, Any] | None
 _Fetch: TypeAlias = Callable[[SQLStatement, Mapping[str, Any]], Awaitable[_Row]]
 
 
-
 class AsyncSQLStore:
     """A key store on any SQL dialect, with connections from ``connect()``.
 

@@ -37,7 +37,6 @@ _Row: TypeAlias = Mapping[str, Any] | None
 _Fetch: TypeAlias = Callable[[SQLStatement, Mapping[str, Any]], _Row]
 
 
-
 class SQLStore:
     """A key store on any SQL dialect, with connections from ``connect()``.
 

@@ -46,6 +46,7 @@ __all__ = ["DjangoStore", "DjangoTransaction", "dialect_for"]
 
 DEFAULT_TABLE = "idemflow_keys"
 
+
 def _cause(exc: BaseException) -> BaseException:
     """The driver's own error behind Django's wrapper (``django.db.utils.*``)."""
     return exc.__cause__ if exc.__cause__ is not None else exc
