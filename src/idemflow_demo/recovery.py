@@ -1,7 +1,7 @@
 """
 Crash recovery for the demo: the reconciler and the background sweeper.
 
-A payment is three atomic phases (:mod:`idemflow.demo.payments`). An intent
+A payment is three atomic phases (:mod:`idemflow_demo.payments`). An intent
 can stop between them in two ways: the process dies (its key stays
 ``in_progress``), or the provider fails and the client, told 503, never
 retries (its key stays ``released`` with the recovery point
