@@ -68,7 +68,7 @@ class AsyncReconciler(Protocol):
     of its own beyond asking. Raising counts as :class:`Unknown`.
     """
 
-    async def __call__(self, record: Record, downstream_keys: Mapping[str, str]) -> Answer: ...
+    async def __call__(self, record: Record, downstream_keys: Mapping[str, str], /) -> Answer: ...
 
 
 class AsyncSweeper:

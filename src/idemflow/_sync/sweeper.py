@@ -69,7 +69,7 @@ class Reconciler(Protocol):
     of its own beyond asking. Raising counts as :class:`Unknown`.
     """
 
-    def __call__(self, record: Record, downstream_keys: Mapping[str, str]) -> Answer: ...
+    def __call__(self, record: Record, downstream_keys: Mapping[str, str], /) -> Answer: ...
 
 
 class Sweeper:
