@@ -25,6 +25,9 @@ __all__ = ["AsyncAttempt", "AsyncHandler", "AsyncIdempotency"]
 
 logger = logging.getLogger("idemflow")
 
+#: How often a failed release is sent again before the key is left to the sweeper.
+RELEASE_ATTEMPTS = 3
+
 
 class AsyncAttempt:
     """What the operation gets: its claimed record and the caller's connection.
@@ -249,12 +252,19 @@ class _Performer:
         if not self._claim_committed:
             return True  # single-commit mode: the rollback took the claim with it
         transaction = self._transaction if connection_usable else None
-        try:
-            await self._release_on(transaction, record)
-        except Exception:
-            logger.warning("could not release claim; the sweeper will", exc_info=True)
-            return False
-        return True
+        for attempt in range(1, RELEASE_ATTEMPTS + 1):
+            try:
+                await self._release_on(transaction, record)
+            except Exception:
+                # A deadlock victim (InnoDB under load) or a serialization
+                # failure: the fenced release is idempotent, so it is simply
+                # sent again; a key left claimed waits for the sweeper.
+                if attempt == RELEASE_ATTEMPTS or not await self._rollback():
+                    logger.warning("could not release claim; the sweeper will", exc_info=True)
+                    return False
+            else:
+                return True
+        return False
 
     async def _release_on(self, transaction: AsyncTransaction | None, record: Record) -> None:
         """The fenced release, on the request's own connection when it has one."""
