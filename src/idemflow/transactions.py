@@ -21,17 +21,20 @@ SQLAlchemy ``AsyncConnection``/        :class:`AsyncSQLAlchemyTransaction`
 =====================================  ===================================
 
 Each adapter is a handful of lines; write your own for another driver by
-implementing :class:`idemflow.stores.protocol.Transaction`.
+implementing :class:`idemflow.stores.protocol.Transaction`. The psycopg and
+SQLAlchemy pairs are written once (``idemflow._async.transactions``) and the
+sync ones generated from them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ._async.transactions import AsyncPsycopgTransaction, AsyncSQLAlchemyTransaction
+from ._sync.transactions import PsycopgTransaction, SQLAlchemyTransaction
 from .stores._sql import row_mapping
 from .stores.protocol import Statement
 
@@ -144,140 +147,3 @@ class AsyncSQLite3Transaction:
 
     async def rollback(self) -> None:
         await self.connection.run(self._sync.rollback)
-
-
-class PsycopgTransaction:
-    """A ``psycopg.Connection``, autocommit or not."""
-
-    def __init__(self, connection: Any) -> None:
-        self.connection = connection
-
-    def begin(self) -> None:
-        # A non-autocommit connection begins by itself on the first statement.
-        if self.connection.autocommit:
-            self.connection.execute("BEGIN")
-
-    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        return int(self.connection.execute(statement.pyformat, statement.bind(params)).rowcount)
-
-    def fetchone(self, statement: Statement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        cursor = self.connection.execute(statement.pyformat, statement.bind(params))
-        row = cursor.fetchone()
-        return None if row is None else _psycopg_mapping(statement, cursor, row)
-
-    def commit(self) -> None:
-        self.connection.commit()
-
-    def rollback(self) -> None:
-        self.connection.rollback()
-
-
-# Result column names per statement text (they cannot change): psycopg builds
-# ``cursor.description`` afresh, one Column object per column, on every access.
-_psycopg_names: dict[str, tuple[str, ...]] = {}
-
-
-def _psycopg_mapping(statement: Statement, cursor: Any, row: Sequence[Any]) -> Mapping[str, Any]:
-    names = _psycopg_names.get(statement.pyformat)
-    if names is None:
-        names = _psycopg_names[statement.pyformat] = tuple(c[0] for c in cursor.description)
-    return dict(zip(names, row, strict=True))
-
-
-class AsyncPsycopgTransaction:
-    """A ``psycopg.AsyncConnection``, autocommit or not."""
-
-    def __init__(self, connection: Any) -> None:
-        self.connection = connection
-
-    async def begin(self) -> None:
-        if self.connection.autocommit:
-            await self.connection.execute("BEGIN")
-
-    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        cursor = await self.connection.execute(statement.pyformat, statement.bind(params))
-        return int(cursor.rowcount)
-
-    async def fetchone(
-        self, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        cursor = await self.connection.execute(statement.pyformat, statement.bind(params))
-        row = await cursor.fetchone()
-        return None if row is None else _psycopg_mapping(statement, cursor, row)
-
-    async def commit(self) -> None:
-        await self.connection.commit()
-
-    async def rollback(self) -> None:
-        await self.connection.rollback()
-
-
-@functools.lru_cache(maxsize=64)
-def _text(named: str) -> Any:
-    from sqlalchemy import text
-
-    return text(named)
-
-
-class SQLAlchemyTransaction:
-    """A SQLAlchemy ``Connection`` or ``Session``; joins a transaction already begun."""
-
-    def __init__(self, connection: Any) -> None:
-        self.connection = connection
-
-    def begin(self) -> None:
-        if not self.connection.in_transaction():
-            self.connection.begin()
-
-    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        result = self.connection.execute(_text(statement.named), statement.bind(params))
-        return int(result.rowcount)
-
-    def fetchone(self, statement: Statement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        result = self.connection.execute(_text(statement.named), statement.bind(params))
-        row = result.mappings().fetchone()
-        return None if row is None else dict(row)
-
-    def commit(self) -> None:
-        self.connection.commit()
-
-    def rollback(self) -> None:
-        active = self.connection.in_transaction()
-        self.connection.rollback()
-        if not active:
-            # After a failed COMMIT a Connection drops its transaction without a
-            # ROLLBACK, but SQLite keeps it open (with the write lock): end it.
-            self.connection.begin()
-            self.connection.rollback()
-
-
-class AsyncSQLAlchemyTransaction:
-    """A SQLAlchemy ``AsyncConnection`` or ``AsyncSession``; joins a transaction already begun."""
-
-    def __init__(self, connection: Any) -> None:
-        self.connection = connection
-
-    async def begin(self) -> None:
-        if not self.connection.in_transaction():
-            await self.connection.begin()
-
-    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        result = await self.connection.execute(_text(statement.named), statement.bind(params))
-        return int(result.rowcount)
-
-    async def fetchone(
-        self, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        result = await self.connection.execute(_text(statement.named), statement.bind(params))
-        row = result.mappings().fetchone()
-        return None if row is None else dict(row)
-
-    async def commit(self) -> None:
-        await self.connection.commit()
-
-    async def rollback(self) -> None:
-        active = self.connection.in_transaction()
-        await self.connection.rollback()
-        if not active:  # see SQLAlchemyTransaction.rollback
-            await self.connection.begin()
-            await self.connection.rollback()
