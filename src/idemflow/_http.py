@@ -77,6 +77,7 @@ __all__ = [
     "problem",
     "problem_for",
     "request_id_from",
+    "stored_form",
     "storing",
     "unsendable",
 ]
@@ -317,6 +318,14 @@ def storable(response: Response, *, max_bytes: int) -> Response:
     reason = unsendable(response) or oversized(response, max_bytes)
     if reason is not None:
         raise ResponseNotStorable(reason)
+    return stored_form(response)
+
+
+def stored_form(response: Response) -> Response:
+    """``response`` with only the :data:`REPLAYED_HEADERS`, for a response already checked
+    whole (by :func:`storing`); a :func:`not_stored` marker as it is."""
+    if isinstance(response, Classified):
+        return response
     headers = tuple((k.lower(), v) for k, v in response.headers if k.lower() in REPLAYED_HEADERS)
     return Response(response.status, response.body, headers)
 

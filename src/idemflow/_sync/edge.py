@@ -23,7 +23,7 @@ from .._http import (
     intent_for,
     problem_for,
     replayed,
-    storable,
+    stored_form,
     storing,
     with_request_id,
 )
@@ -113,7 +113,7 @@ class Edge:
             sent.append(response)
             if verdict is Verdict.TRANSIENT:
                 return response  # released, never stored
-            return storable(response, max_bytes=limit)
+            return stored_form(response)  # checked whole by storing() already
 
         return operation
 
