@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import version
 
 from .._errors import IdempotencyError
 
@@ -30,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="idemflow",
         description="Make non-idempotent HTTP writes safe to retry: operate idemflow key stores.",
     )
+    # The installed distribution's version: pyproject.toml is its one source.
+    parser.add_argument("--version", action="version", version=f"idemflow {version('idemflow')}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"{__name__}.{name}").register(subparsers)
