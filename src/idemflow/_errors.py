@@ -1,30 +1,34 @@
 """
 The one exception tree of idemflow.
 
-Client errors carry their HTTP meaning (``status``, a problem ``type`` and a
-``title``) so every integration renders them the same way::
+Client errors carry their HTTP meaning (``status``, a problem ``type``, a
+``title`` and whether the same request may be sent again, ``retryable``) so
+every integration renders them the same way; each ``type`` URI is a page of
+the documentation (``docs/problems/<slug>.md``)::
 
     IdempotencyError
-    ├── ClientError                    (the request must change, or wait)
-    │   ├── MissingKey          400    no Idempotency-Key where one is required
-    │   ├── InvalidKey          400    malformed Idempotency-Key
-    │   ├── InvalidBody         400    body over the fingerprint cap, or bad JSON
-    │   │   ├── BodyTooLarge    413    body over the cap, refused while it streams
-    │   │   └── IncompleteBody  400    the body did not arrive whole (client went away)
-    │   ├── MissingPrincipal    401    no authenticated principal to scope the key
-    │   ├── ReplayForbidden     403    the principal may no longer see the stored response
-    │   ├── InProgress          409    the first request with this key is still running
-    │   │   └── LeaseLost       409    our claim was taken over; our transaction must not commit
-    │   └── KeyReused           422    same key, different request
-    ├── StoreUnavailable        503    the key store cannot be reached: fail closed
-    └── ConfigurationError             unsafe or impossible settings (also a ValueError)
-        └── ResponseNotStorable 500    a response too large, streamed or unsendable to store
+    ├── ClientError                         (the request must change, or wait)
+    │   ├── MissingKey          400         no Idempotency-Key where one is required
+    │   ├── InvalidKey          400         malformed Idempotency-Key
+    │   ├── InvalidBody         400         body over the fingerprint cap, or bad JSON
+    │   │   ├── BodyTooLarge    413         body over the cap, refused while it streams
+    │   │   └── IncompleteBody  400 retry   the body did not arrive whole (client went away)
+    │   ├── MissingPrincipal    401         no authenticated principal to scope the key
+    │   ├── ReplayForbidden     403         the principal may no longer see the stored response
+    │   ├── InProgress          409 retry   the first request with this key is still running
+    │   │   └── LeaseLost       409 retry   our claim was taken over: we must not commit
+    │   └── KeyReused           422         same key, different request
+    ├── StoreUnavailable        503 retry   the key store cannot be reached: fail closed
+    └── ConfigurationError                  unsafe or impossible settings (also a ValueError)
+        └── ResponseNotStorable 500         a response too large, streamed or unsendable to store
 
 The handler's own exceptions are never wrapped: after the claim is released
 they propagate unchanged.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 __all__ = [
     "BodyTooLarge",
@@ -42,6 +46,7 @@ __all__ = [
     "ReplayForbidden",
     "ResponseNotStorable",
     "StoreUnavailable",
+    "problem_types",
 ]
 
 PROBLEM_BASE = "https://idemflow.dev/problems/"
@@ -55,6 +60,10 @@ class IdempotencyError(Exception):
     status: int = 500
     slug: str = "idempotency-error"
     title: str = "Idempotency error"
+    #: Whether the same request, unchanged and under the same key, may be sent
+    #: again (after ``Retry-After`` where there is one) and can then succeed.
+    #: The problem body's ``retryable`` member; defined here, once per type.
+    retryable: ClassVar[bool] = False
 
     @property
     def detail(self) -> str:
@@ -113,6 +122,7 @@ class IncompleteBody(InvalidBody):
     __module__ = "idemflow"
     slug = "incomplete-body"
     title = "Request body did not arrive whole"
+    retryable = True
 
 
 class MissingPrincipal(ClientError):
@@ -144,6 +154,7 @@ class InProgress(ClientError):
     status = 409
     slug = "in-progress"
     title = "A request is outstanding for this Idempotency-Key"
+    retryable = True
 
     def __init__(self, message: str = "", *, retry_after: int = 1) -> None:
         super().__init__(message)
@@ -178,6 +189,7 @@ class StoreUnavailable(IdempotencyError):
     status = 503
     slug = "store-unavailable"
     title = "Idempotency store unavailable"
+    retryable = True
 
     def __init__(self, message: str = "", *, retry_after: int = 1) -> None:
         super().__init__(message)
@@ -204,3 +216,18 @@ class ResponseNotStorable(ConfigurationError):
     status = 500
     slug = "response-not-storable"
     title = "Response cannot be stored for replay"
+
+
+def problem_types() -> dict[str, type[IdempotencyError]]:
+    """Every problem type idemflow's errors answer with: slug → the error class naming it.
+
+    A subclass that keeps its parent's slug (``ConfigurationError``) shares
+    its parent's type.
+    """
+    found: dict[str, type[IdempotencyError]] = {}
+    pending: list[type[IdempotencyError]] = [IdempotencyError]
+    while pending:
+        error = pending.pop()
+        found.setdefault(error.slug, error)
+        pending += error.__subclasses__()
+    return found

@@ -51,10 +51,11 @@ from ._errors import (
     MissingPrincipal,
     ResponseNotStorable,
     StoreUnavailable,
+    problem_types,
 )
 from ._fingerprint import DEFAULT_MAX_BODY_BYTES, fingerprint
 from ._key import parse_key
-from ._model import Classified, Intent, Outcome, Record, Response, Verdict
+from ._model import Classified, Intent, Outcome, Record, Response, Verdict, default_classifier
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
@@ -72,6 +73,7 @@ __all__ = [
     "body_too_large",
     "declared_length",
     "intent_for",
+    "is_retryable",
     "not_stored",
     "oversized",
     "problem",
@@ -397,7 +399,11 @@ def not_stored(original: Response, reason: str, verdict: Verdict) -> Response:
             f"not be stored for replay: {reason}; do not retry, look up what it did"
         )
     logger.error("response not stored: %s", detail)
-    marker = problem(500, "Response not stored", detail, slug=NOT_STORED_SLUG, **extensions)
+    # Released (transient): the retry runs again. Settled: it replays this marker.
+    retryable = verdict is Verdict.TRANSIENT
+    marker = problem(
+        500, "Response not stored", detail, slug=NOT_STORED_SLUG, retryable=retryable, **extensions
+    )
     return Classified(marker.status, marker.body, marker.headers, verdict)
 
 
@@ -448,14 +454,22 @@ def problem(
     slug: str,
     retry_after: int | None = None,
     request_id: str | None = None,
+    retryable: bool | None = None,
     **extensions: Any,
 ) -> Response:
-    """An RFC 9457 problem response (``type`` is ``https://idemflow.dev/problems/<slug>``)."""
+    """An RFC 9457 problem response (``type`` is ``https://idemflow.dev/problems/<slug>``).
+
+    Its ``retryable`` member says whether the same request, unchanged, may be
+    sent again and then succeed (:func:`is_retryable`), unless given.
+    """
+    if retryable is None:
+        retryable = is_retryable(slug, status)
     content = {
         "type": PROBLEM_BASE + slug,
         "title": title,
         "status": status,
         "detail": detail,
+        "retryable": retryable,
         **extensions,
     }
     body = json.dumps(content, separators=(",", ":"), ensure_ascii=False).encode()
@@ -465,6 +479,20 @@ def problem(
     if request_id is not None:
         headers.append((REQUEST_ID_HEADER, request_id))
     return Response(status, body, tuple(headers))
+
+
+def is_retryable(slug: str, status: int) -> bool:
+    """The ``retryable`` member of a problem of type ``slug``.
+
+    An idemflow error decides for its own type (``IdempotencyError.retryable``);
+    any other problem, an application's own, is retryable when the default
+    classifier calls its status transient (408, 425, 429, 5xx): such an
+    outcome is released, not stored, so the retry runs again.
+    """
+    error = problem_types().get(slug)
+    if error is not None:
+        return error.retryable
+    return default_classifier(Response(status)) is Verdict.TRANSIENT
 
 
 def problem_for(error: IdempotencyError, request_id: str | None = None) -> Response:
@@ -481,6 +509,7 @@ def problem_for(error: IdempotencyError, request_id: str | None = None) -> Respo
         slug=error.slug,
         retry_after=retry_after,
         request_id=request_id,
+        retryable=error.retryable,
     )
 
 

@@ -22,7 +22,10 @@ from typing import Any
 import httpx
 import pytest
 
+from idemflow._errors import PROBLEM_BASE
+from idemflow._http import NOT_STORED_SLUG
 from tests.conftest import POSTGRES_URL, unreachable
+from tests.problem_pages import page, slug_of
 
 ALICE = {"Authorization": "Bearer alice-token"}
 BOB = {"Authorization": "Bearer bob-token"}
@@ -183,14 +186,22 @@ def serve(app: Any) -> Iterator[str]:
 def assert_problem(
     response: httpx.Response, status: int, slug: str | None = None
 ) -> dict[str, Any]:
-    """An RFC 9457 problem body with type, title, status and detail."""
+    """An RFC 9457 problem body with type, title, status, detail and its type's ``retryable``."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/problem+json"
     body: dict[str, Any] = response.json()
-    assert {"type", "title", "status", "detail"} <= set(body)
+    assert {"type", "title", "status", "detail", "retryable"} <= set(body)
     assert body["status"] == status
     assert body["title"]
     assert body["detail"]
+    assert isinstance(body["retryable"], bool)
     if slug is not None:
-        assert body["type"].endswith("/" + slug)
+        assert body["type"] == PROBLEM_BASE + slug
+    # Its type is published, and the body agrees with what the page tells clients.
+    published = page(slug_of(body["type"]))
+    assert published.uri == body["type"]
+    if published.status is not None:
+        assert published.status == status
+        if published.slug != NOT_STORED_SLUG:  # the marker's verdict decides (test_edge)
+            assert body["retryable"] is published.retryable, published.slug
     return body

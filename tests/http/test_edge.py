@@ -49,24 +49,25 @@ def request(**changes: object) -> HTTPRequest:
 
 
 @pytest.mark.parametrize(
-    ("error", "status", "retry_after"),
+    ("error", "status", "retry_after", "retryable"),
     [
-        (KeyReused("x"), 422, None),
-        (InProgress("x", retry_after=3), 409, "3"),
-        (StoreUnavailable("x", retry_after=2), 503, "2"),
-        (MissingPrincipal("x"), 401, None),
-        (ResponseNotStorable("x"), 500, None),
+        (KeyReused("x"), 422, None, False),
+        (InProgress("x", retry_after=3), 409, "3", True),
+        (StoreUnavailable("x", retry_after=2), 503, "2", True),
+        (MissingPrincipal("x"), 401, None, False),
+        (ResponseNotStorable("x"), 500, None, False),
     ],
 )
 def test_every_error_renders_as_an_rfc_9457_problem(
-    error: Exception, status: int, retry_after: str | None
+    error: Exception, status: int, retry_after: str | None, retryable: bool
 ) -> None:
     response = problem_for(error, "rid")  # type: ignore[arg-type]
     body = json.loads(response.body)
     assert response.status == status
     assert response.header("content-type") == "application/problem+json"
-    assert set(body) == {"type", "title", "status", "detail"}
+    assert set(body) == {"type", "title", "status", "detail", "retryable"}
     assert body["status"] == status
+    assert body["retryable"] is retryable
     assert body["type"].startswith("https://")
     assert response.header("retry-after") == retry_after
     assert response.header("x-request-id") == "rid"

@@ -479,12 +479,16 @@ def _as_starlette(result: Any) -> StarletteResponse:
 _PROBLEM_SCHEMA: dict[str, Any] = {
     "type": "object",
     "description": "An RFC 9457 problem (https://idemflow.dev/problems/<slug>).",
-    "required": ["type", "title", "status", "detail"],
+    "required": ["type", "title", "status", "detail", "retryable"],
     "properties": {
         "type": {"type": "string", "format": "uri"},
         "title": {"type": "string"},
         "status": {"type": "integer"},
         "detail": {"type": "string"},
+        "retryable": {
+            "type": "boolean",
+            "description": "Whether the same request, unchanged, may be sent again.",
+        },
     },
     "additionalProperties": True,
 }
