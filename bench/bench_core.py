@@ -65,7 +65,7 @@ from idemflow import (
     fingerprint,
 )
 from idemflow._lease import new_lease_token
-from idemflow.stores._sql import COLUMNS, Dialect
+from idemflow.stores.sql import COLUMNS, Dialect
 from idemflow.transactions import PsycopgTransaction
 
 from ._harness import Contender, Crew, Row, interleave, parse_list, table, task_slice
@@ -148,7 +148,7 @@ def intent(key: str) -> Intent:
 
 
 def claim_params(key: str, lease_token: str, now: float) -> dict[str, Any]:
-    """The claim's parameters, exactly as ``idemflow.stores._sql.claim_params`` builds them."""
+    """The claim's parameters, exactly as ``idemflow.stores.sql.claim_params`` builds them."""
     return {
         "principal": PRINCIPAL,
         "key": key,

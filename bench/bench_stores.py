@@ -205,7 +205,7 @@ class RawMySQL:
             return count, cursor
 
     def claim_complete(self, keys: Keys) -> Op:
-        from idemflow.stores._sql import claim_params, complete_params
+        from idemflow.stores.sql.dialect import claim_params, complete_params
 
         def op() -> None:
             now, token = time.time(), lease()
@@ -227,7 +227,7 @@ class RawMySQL:
     def replay(self, keys: ReplayKeys) -> Op:
         import pymysql
 
-        from idemflow.stores._sql import claim_params
+        from idemflow.stores.sql.dialect import claim_params
 
         def op() -> None:
             now = time.time()
@@ -320,7 +320,7 @@ def bench_claim_forms(settings: Settings, run_id: str, raw: RawMySQL, report: Re
     Both read the row when the key exists (a replay); neither takes over here
     (the replay keys are completed and within retention).
     """
-    from idemflow.stores._sql import claim_params
+    from idemflow.stores.sql.dialect import claim_params
 
     plain_insert = raw.insert.pyformat
     select = raw.dialect.select
@@ -489,7 +489,7 @@ def started_cluster() -> Iterator[str]:
 
 def claim_rates(settings: Settings, run_id: str, report: Report, cluster_url: str | None) -> None:
     """Claims per second, raw, each on a fresh key, at the highest caller count."""
-    from idemflow.stores._sql import claim_params
+    from idemflow.stores.sql.dialect import claim_params
 
     callers = max(settings.callers)
     ops: dict[str, Op] = {}
@@ -558,8 +558,8 @@ def postgres_claim(run_id: str) -> Iterator[Op | None]:
         import psycopg
         import psycopg_pool
 
-        from idemflow.stores._sql import claim_params
         from idemflow.stores.postgres import PostgresStore
+        from idemflow.stores.sql.dialect import claim_params
     except ImportError:
         yield None
         return
@@ -614,8 +614,8 @@ def _substitute(sql: str, values: dict[str, str]) -> str:
 
 def native_postgres(run_id: str) -> tuple[str, float] | None:
     """pgbench, 16 clients, the claim statement (each its own transaction) on random keys."""
-    from idemflow.stores._sql import upsert_claim
     from idemflow.stores.postgres import PostgresStore
+    from idemflow.stores.sql import insert_claim
 
     if shutil.which("pgbench") is None:
         return None
@@ -623,7 +623,7 @@ def native_postgres(run_id: str) -> tuple[str, float] | None:
     store = PostgresStore(POSTGRES_URL, table=table, max_size=2)
     store.migrate()
     now_ms = "(extract(epoch from now()) * 1000)::bigint"
-    sql = _substitute(upsert_claim(table), {
+    sql = _substitute(insert_claim(table), {
         "principal": "'bench'", "key": "(:k)::text", "fingerprint": f"'{FINGERPRINT}'",
         "endpoint": f"'{ENDPOINT}'", "lease_token": "md5(random()::text)",
         "correlation_id": "NULL", "now": now_ms, "expires_at": f"{now_ms} + 86400000",

@@ -174,7 +174,7 @@ def can_take_over(record: Record, fingerprint: str, now: float) -> bool:
     never taken over here, however old: only the sweeper's fenced path ends
     it, so retention cannot hand a live claim to a second request. Stores
     make the takeover itself one atomic compare-and-swap on exactly this
-    condition (``TAKE_OVER_SQL`` in ``idemflow.stores._sql``, the Redis claim
+    condition (``TAKE_OVER_SQL`` in ``idemflow.stores.sql``, the Redis claim
     script); the contract suite checks that they agree.
     """
     return is_retry(record, fingerprint) or is_past_retention(record, now)

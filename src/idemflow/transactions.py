@@ -15,6 +15,7 @@ You hold                               Adapter
                                        :class:`AsyncSQLite3Connection`
 ``psycopg.Connection``                 :class:`PsycopgTransaction`
 ``psycopg.AsyncConnection``            :class:`AsyncPsycopgTransaction`
+``pymysql.Connection``                 :class:`PyMySQLTransaction`
 SQLAlchemy ``Connection``/``Session``  :class:`SQLAlchemyTransaction`
 SQLAlchemy ``AsyncConnection``/        :class:`AsyncSQLAlchemyTransaction`
 ``AsyncSession``
@@ -35,8 +36,8 @@ from typing import Any, TypeVar
 
 from ._async.transactions import AsyncPsycopgTransaction, AsyncSQLAlchemyTransaction
 from ._sync.transactions import PsycopgTransaction, SQLAlchemyTransaction
-from .stores._sql import row_mapping
 from .stores.protocol import Statement
+from .stores.sql import row_mapping
 
 __all__ = [
     "AsyncPsycopgTransaction",
@@ -44,6 +45,7 @@ __all__ = [
     "AsyncSQLite3Connection",
     "AsyncSQLite3Transaction",
     "PsycopgTransaction",
+    "PyMySQLTransaction",
     "SQLAlchemyTransaction",
     "SQLite3Transaction",
 ]
@@ -83,6 +85,47 @@ class SQLite3Transaction:
 
     def rollback(self) -> None:
         self.connection.rollback()
+
+
+_IN_TRANSACTION = 1  # pymysql.constants.SERVER_STATUS.SERVER_STATUS_IN_TRANS
+
+
+class PyMySQLTransaction:
+    """A ``pymysql.Connection``; joins a transaction the caller already began.
+
+    Works under any isolation level: the store's own statements in your
+    transaction are writes or locking reads, which always see the latest
+    committed row, never an older REPEATABLE READ snapshot.
+    """
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    def begin(self) -> None:
+        # BEGIN would silently commit what the caller's transaction already did.
+        if not self.connection.server_status & _IN_TRANSACTION:
+            self.connection.begin()
+
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        with self.connection.cursor() as cursor:
+            return int(cursor.execute(statement.pyformat, _bind(statement, params)))
+
+    def fetchone(self, statement: Statement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        with self.connection.cursor() as cursor:
+            cursor.execute(statement.pyformat, _bind(statement, params))
+            row = cursor.fetchone()
+            return None if row is None else row_mapping(cursor.description, row)
+
+    def commit(self) -> None:
+        self.connection.commit()
+
+    def rollback(self) -> None:
+        self.connection.rollback()
+
+
+def _bind(statement: Statement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    bind = getattr(statement, "bind", None)
+    return dict(params) if bind is None else bind(params)
 
 
 T = TypeVar("T")

@@ -19,9 +19,8 @@ from typing import Any, Protocol
 
 from .._errors import ConfigurationError
 from .._model import State, is_past_retention
-from .._sync.sql import SQLStore
-from ._sql import PAST_RETENTION_SQL, SQLStatement
 from .memory import MemoryStore
+from .sql import PAST_RETENTION_SQL, SQLStatement, SQLStore
 
 __all__ = [
     "OldestClaim",

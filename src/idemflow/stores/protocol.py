@@ -17,8 +17,9 @@ on these two declarations, never on probing a store's attributes.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, TypeAlias
 
+from .._errors import ConfigurationError
 from .._model import Claim, Intent, Record, Response, State
 
 __all__ = [
@@ -28,8 +29,24 @@ __all__ = [
     "MaintainableStore",
     "Statement",
     "Store",
+    "StoreClock",
     "Transaction",
+    "check_clock",
 ]
+
+#: Where the time every decision is taken on comes from: the store server's
+#: clock (``"database"``, the default of the shared stores: hosts whose clocks
+#: disagree cannot take a live claim or an unexpired record over) or the
+#: ``now`` each call passes (``"caller"``: one-host stores, tests with a frozen clock).
+StoreClock: TypeAlias = Literal["database", "caller"]
+
+
+def check_clock(clock: str) -> StoreClock:
+    """``clock`` as a :data:`StoreClock`, or :class:`~idemflow.ConfigurationError`."""
+    if clock not in ("database", "caller"):
+        msg = f"clock must be 'database' or 'caller', got {clock!r}"
+        raise ConfigurationError(msg)
+    return "database" if clock == "database" else "caller"
 
 
 class Statement(Protocol):

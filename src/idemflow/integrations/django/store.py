@@ -37,10 +37,9 @@ from django.db.utils import InterfaceError, OperationalError
 
 from ..._errors import ConfigurationError
 from ..._model import Claim, Intent, Record, Response, State
-from ..._sync.sql import SQLStore
 from ...stores import mysql, postgres, sqlite
-from ...stores._sql import Dialect, check_clock
 from ...stores.protocol import Statement, Transaction
+from ...stores.sql import Dialect, SQLStore, check_clock
 
 __all__ = ["DjangoStore", "DjangoTransaction", "dialect_for"]
 

@@ -2,9 +2,10 @@
 The Redis store's I/O: every operation one script call (or one pipelined walk).
 
 The rules it sends (key layout, Lua scripts, argument spelling) live in
-``idemflow.stores._redis``. This is the async source of truth;
-``idemflow/_sync/redis.py`` is generated from it by ``scripts/unasync.py``.
-Import both stores from :mod:`idemflow.stores.redis`.
+``_scripts.py`` next to it. Import both stores from :mod:`idemflow.stores.redis`.
+
+This is the async source of truth; ``idemflow/stores/redis/_sync.py`` is generated
+from it by ``scripts/unasync.py``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from .._errors import LeaseLost
-from .._lease import new_lease_token
-from .._model import Claim, Intent, Policy, Record, Response, State
-from ..stores._redis import (
+from ..._errors import LeaseLost
+from ..._lease import new_lease_token
+from ..._model import Claim, Intent, Policy, Record, Response, State
+from ..protocol import AsyncTransaction, StoreClock, check_clock
+from ._scripts import (
     DEFAULT_PREFIX,
     EXPIRES,
     ON_CLOCK,
@@ -28,8 +30,6 @@ from ..stores._redis import (
     swept_index,
     translated,
 )
-from ..stores._sql import StoreClock, check_clock
-from ..stores.protocol import AsyncTransaction
 
 __all__ = ["AsyncRedisStore"]
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from .._async.sql import AsyncSQLStore
-from .._sync.sql import SQLStore
-from ._sql import (
+from ..sql import (
     PURGEABLE_SQL,
+    AsyncSQLStore,
     Dialect,
     SQLStatement,
+    SQLStore,
     StoreClock,
     check_clock,
     create_table,

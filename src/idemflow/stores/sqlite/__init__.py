@@ -22,12 +22,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
 
-from .._async.sql import AsyncSQLStore
-from .._errors import ConfigurationError
-from .._model import Claim, Intent, Record, Response, State
-from .._sync.sql import SQLStore
-from ._sql import Dialect, create_table, insert_claim
-from .protocol import AsyncTransaction
+from ..._errors import ConfigurationError
+from ..._model import Claim, Intent, Record, Response, State
+from ..protocol import AsyncTransaction
+from ..sql import AsyncSQLStore, Dialect, SQLStore, create_table, insert_claim
 
 __all__ = ["AsyncSQLiteStore", "SQLiteStore", "connect", "is_unavailable", "sqlite_dialect"]
 

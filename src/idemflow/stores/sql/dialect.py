@@ -1,13 +1,21 @@
 """
-The SQL every relational store speaks, built once per dialect and table name.
+What a SQL dialect is made of: the statements every relational store speaks,
+built once per dialect and table name, and the rules they spell in SQL.
 
-Backends differ in what they say, not in how the flow goes: a dialect is a
-bundle of statement texts; one executor (``idemflow._async.sql`` and its
-generated sync twin) runs any of them. Times are integers of milliseconds
-since the epoch. The shared stores take them from the database server's clock
-(:func:`on_database_clock`: hosts whose clocks disagree cannot take a live
-claim or an unexpired record over); ``clock="caller"`` and the one-host
-stores (SQLite) take the caller's, so an injected clock drives them in tests.
+Backends differ in what they say, not in how the flow goes: a
+:class:`Dialect` is a bundle of statement texts; one executor
+(:class:`~idemflow.stores.sql.SQLStore` / :class:`~idemflow.stores.sql.AsyncSQLStore`)
+runs any of them. To add a SQL database, build its dialect with
+:meth:`Dialect.standard` (and :func:`create_table`, :func:`insert_claim`),
+replace the statements it spells differently with :func:`dataclasses.replace`,
+and wrap it with :func:`on_database_clock` (see ``docs/architecture.md``,
+"Adding a store"; :mod:`idemflow.stores.postgres` is the worked example).
+
+Times are integers of milliseconds since the epoch. The shared stores take
+them from the database server's clock (:func:`on_database_clock`: hosts whose
+clocks disagree cannot take a live claim or an unexpired record over);
+``clock="caller"`` and the one-host stores (SQLite) take the caller's, so an
+injected clock drives them in tests.
 """
 
 from __future__ import annotations
@@ -16,13 +24,14 @@ import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._errors import ConfigurationError, InProgress
+from ..._errors import InProgress
+from ..._model import Intent, Record, Response, State, headers_to_json
+from ..protocol import StoreClock, check_clock
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
-from .._model import Intent, Record, Response, State, headers_to_json
 
 __all__ = [
     "CLAIM_RETRIES",
@@ -42,7 +51,14 @@ __all__ = [
     "claim_params",
     "claim_unsettled",
     "complete_params",
+    "create_table",
+    "insert_claim",
     "on_database_clock",
+    "owner_params",
+    "row_mapping",
+    "stale_params",
+    "sweep_params",
+    "take_over_claim",
 ]
 
 COLUMNS = (
@@ -147,9 +163,6 @@ _BY_KEY = "WHERE principal = :principal AND idempotency_key = :key"
 #: a record is past its retention before the database does.
 CLOCK_NOW = ":now AS clock_now"
 
-#: Where the time every decision is taken on comes from (see :func:`on_database_clock`).
-StoreClock: TypeAlias = Literal["database", "caller"]
-
 _Statements = TypeVar("_Statements", bound="DataclassInstance")
 _CALLER_NOW = re.compile(r"(?<![:\w]):now\b")
 _MARK, _CALLER_MARK = "@@server_now@@", "@@caller_now@@"
@@ -187,13 +200,6 @@ def on_database_clock(dialect: _Statements, now_sql: str) -> _Statements:
         elif isinstance(value, tuple) and all(isinstance(v, SQLStatement) for v in value):
             changes[item.name] = tuple(rewrite(v) for v in value)
     return dataclasses.replace(dialect, **changes)
-
-
-def check_clock(clock: str) -> StoreClock:
-    if clock not in ("database", "caller"):
-        msg = f"clock must be 'database' or 'caller', got {clock!r}"
-        raise ConfigurationError(msg)
-    return "database" if clock == "database" else "caller"
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,8 @@ import dataclasses
 import itertools
 import threading
 
-from .._errors import LeaseLost
-from .._model import (
+from ..._errors import LeaseLost
+from ..._model import (
     Claim,
     Intent,
     Record,
@@ -23,7 +23,7 @@ from .._model import (
     is_past_retention,
     starts_new_intent,
 )
-from .protocol import AsyncTransaction, Transaction
+from ..protocol import AsyncTransaction, Transaction
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
 

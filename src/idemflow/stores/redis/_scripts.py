@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import ConfigurationError, StoreUnavailable
-from .._model import (
+from ..._errors import ConfigurationError, StoreUnavailable
+from ..._model import (
     Claim,
     Intent,
     Record,
@@ -26,7 +26,7 @@ from .._model import (
     headers_from_json,
     headers_to_json,
 )
-from ._sql import StoreClock
+from ..protocol import StoreClock
 
 DEFAULT_PREFIX = "idemflow"
 

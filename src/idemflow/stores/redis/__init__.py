@@ -63,10 +63,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .._async.redis import AsyncRedisStore
-from .._model import Policy, State
-from .._sync.redis import RedisStore as _GeneratedRedisStore
-from ._redis import (
+from ..._model import Policy, State
+from ..protocol import StoreClock
+from ._async import AsyncRedisStore
+from ._scripts import (
     CONNECT_TIMEOUT,
     DEFAULT_PREFIX,
     EXPIRES,
@@ -85,10 +85,10 @@ from ._redis import (
     text,
     translated,
 )
-from ._sql import StoreClock
+from ._sync import RedisStore as _GeneratedRedisStore
 
 if TYPE_CHECKING:
-    from ._stats import OldestClaim, StoreStats
+    from .._stats import OldestClaim, StoreStats
 
 __all__ = [
     "EXPIRES",
@@ -141,7 +141,7 @@ class RedisStats:
         return expired
 
     def snapshot(self, now: float, request_timeout: float, stale_after: float) -> StoreStats:
-        from ._stats import StoreStats
+        from .._stats import StoreStats
 
         with translated():
             counts = self._counts()
@@ -196,7 +196,7 @@ class RedisStats:
                 tally[text(state), text(endpoint or b"")] += 1
 
     def _oldest_in_progress(self) -> OldestClaim | None:
-        from ._stats import OldestClaim
+        from .._stats import OldestClaim
 
         oldest: tuple[float, bytes] | None = None
         for chunk in self._layout.walk():

@@ -1,0 +1,66 @@
+"""
+MySQL 8 and MariaDB (≥ 10.6): key records in InnoDB, on PyMySQL.
+
+Neither server has ``UPDATE … RETURNING`` (MySQL 8 has no ``INSERT …
+RETURNING`` either), and ``INSERT IGNORE`` is out: it turns every error
+(truncation, bad values, a NULL in a NOT NULL column) into a warning, so
+"0 rows" would no longer mean "duplicate". The claim is therefore:
+
+1. a plain ``INSERT``: it succeeds (the key is ours, and we know every
+   column of the row: one round trip), or fails with error 1062;
+2. on 1062, the current row is read. Held, or settled: that is the answer
+   (a replay is these two round trips). Past its retention, or released by
+   this same request: a takeover is attempted with one
+   ``INSERT … ON DUPLICATE KEY UPDATE`` whose every assignment is guarded by
+   that same condition on the *current* row, writing a fresh lease token only
+   if it still holds; reading the row back by that token tells us whether
+   we won.
+
+Each decision is one atomic statement; the reads only report or route it.
+``INSERT … ON DUPLICATE KEY UPDATE`` for every claim was measured and
+rejected: its long guarded statement costs the server about twice a plain
+insert, and halved fresh-claim throughput at 16 callers (``python -m
+bench.bench_stores``, ``docs/stores.md``). Its affected-row count (1 new, 2
+updated, 0 untouched; *1* untouched under ``CLIENT_FOUND_ROWS``) is never
+trusted alone: ownership is read off the lease token, so the store is correct
+with the flag on or off.
+
+Keys, principals and fingerprints are ``VARBINARY``: MySQL's ``*_bin``
+collations (``ascii_bin``, ``utf8mb4_bin``) are PAD SPACE, so ``'k'`` and
+``'k '`` would collide in the unique index; binary strings compare byte for
+byte, so neither case nor trailing spaces can merge two keys.
+"""
+
+from __future__ import annotations
+
+from ...transactions import PyMySQLTransaction
+from ._errors import UNAVAILABLE_CODES, error_code, is_contention, is_unavailable
+from ._statements import (
+    DEFAULT_TABLE,
+    SERVER_NOW_MS,
+    MySQLStatements,
+    mysql_ddl,
+    mysql_dialect,
+    mysql_statements,
+    upsert_claim,
+)
+from ._store import DEFAULT_LOCK_WAIT_TIMEOUT, MySQLStore
+from ._url import connect_kwargs
+
+__all__ = [
+    "DEFAULT_LOCK_WAIT_TIMEOUT",
+    "DEFAULT_TABLE",
+    "SERVER_NOW_MS",
+    "UNAVAILABLE_CODES",
+    "MySQLStatements",
+    "MySQLStore",
+    "PyMySQLTransaction",
+    "connect_kwargs",
+    "error_code",
+    "is_contention",
+    "is_unavailable",
+    "mysql_ddl",
+    "mysql_dialect",
+    "mysql_statements",
+    "upsert_claim",
+]

@@ -1,0 +1,185 @@
+"""MySQL's statements: the table, the guarded takeover upsert, the dialect and the
+reads it adds to it (the claim algorithm that sends them is ``_store.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..sql.dialect import (
+    CLOCK_NOW,
+    COLUMNS,
+    NEW_INTENT_SQL,
+    PURGEABLE_SQL,
+    SWEEPABLE_SQL,
+    TAKE_OVER_SQL,
+    Dialect,
+    SQLStatement,
+    StoreClock,
+    on_database_clock,
+)
+
+DEFAULT_TABLE = "idemflow_keys"
+
+# Binary strings come back as bytes; the model wants text.
+_TEXT_COLUMNS = {"principal": "utf8mb4", "idempotency_key": "ascii", "fingerprint": "ascii"}
+_SELECT_LIST = ", ".join(
+    f"CONVERT({c} USING {_TEXT_COLUMNS[c]}) AS {c}" if c in _TEXT_COLUMNS else c for c in COLUMNS
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MySQLStatements:
+    """What MySQL says beyond the shared :class:`Dialect`."""
+
+    #: The plain INSERT that claims a new key (error 1062 when it exists).
+    insert: SQLStatement
+    #: The current row, read with a lock: the latest committed version even
+    #: inside a REPEATABLE READ transaction whose snapshot is older.
+    select_current: SQLStatement
+    select_shared: SQLStatement
+    #: The rows one sweep marked (found by its sweep token).
+    swept: SQLStatement
+    #: Is the record still ours? For an update that matched but changed nothing.
+    still_owned: SQLStatement
+    #: Bound, then restore, the caller's lock wait around a claim in its transaction.
+    bound_lock_wait: SQLStatement
+    restore_lock_wait: SQLStatement
+
+
+def mysql_ddl(table: str) -> list[str]:
+    """One ``CREATE TABLE IF NOT EXISTS`` with its indexes (MySQL 8 has no
+    ``CREATE INDEX IF NOT EXISTS``, so they live inside it)."""
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {table} (
+            id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+            principal VARBINARY(255) NOT NULL,
+            idempotency_key VARBINARY(255) NOT NULL,
+            fingerprint VARBINARY(128) NOT NULL,
+            endpoint VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL DEFAULT '',
+            state VARCHAR(16) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+            lease_token VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NULL,
+            recovery_point VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
+            correlation_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
+            response_status INT NULL,
+            response_headers MEDIUMTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
+            response_body LONGBLOB NULL,
+            created_at BIGINT NOT NULL,
+            updated_at BIGINT NOT NULL,
+            expires_at BIGINT NOT NULL,
+            attempt INT NOT NULL DEFAULT 1,
+            UNIQUE KEY {table}_principal_key (principal, idempotency_key),
+            KEY {table}_state_updated (state, updated_at),
+            KEY {table}_expires (expires_at),
+            CONSTRAINT {table}_state CHECK (state IN
+                ('in_progress', 'completed', 'failed_permanent', 'released', 'stale'))
+        ) ENGINE=InnoDB"""
+    ]
+
+
+def upsert_claim(table: str) -> str:
+    """The takeover: ``INSERT … ON DUPLICATE KEY UPDATE``, every assignment guarded alike.
+
+    MySQL evaluates the assignments left to right, each seeing the columns
+    already changed (MariaDB too, unless ``SIMULTANEOUS_ASSIGNMENT`` is on, in
+    which case all see the old row). So the lease token goes first, guarded
+    by the takeover condition on the old row; every later assignment asks
+    "is the token ours now, or does the old row qualify", which gives the
+    same answer under both orders. ``state`` and ``expires_at`` go last because
+    ``created_at``, ``recovery_point`` and ``attempt`` need their old values to
+    tell a fresh intent (reset everything) from a retry of a released one
+    (keep its recovery point).
+    """
+    qualifies = TAKE_OVER_SQL
+    taken = f"(lease_token <=> :lease_token OR {qualifies})"
+    expired = NEW_INTENT_SQL
+
+    def guarded(column: str, value: str) -> str:
+        return f"{column} = IF({taken}, {value}, {column})"
+
+    assignments = [
+        f"lease_token = IF({qualifies}, :lease_token, lease_token)",
+        guarded("created_at", f"IF({expired}, :began_at, created_at)"),
+        guarded("recovery_point", f"IF({expired}, NULL, recovery_point)"),
+        guarded("attempt", f"IF({expired}, 1, attempt + 1)"),
+        guarded("fingerprint", ":fingerprint"),
+        guarded("endpoint", ":endpoint"),
+        guarded("correlation_id", ":correlation_id"),
+        guarded("response_status", "NULL"),
+        guarded("response_headers", "NULL"),
+        guarded("response_body", "NULL"),
+        guarded("updated_at", ":now"),
+        guarded("state", "'in_progress'"),
+        guarded("expires_at", ":expires_at"),
+    ]
+    return (
+        f"INSERT INTO {table} (principal, idempotency_key, fingerprint, endpoint, state, "
+        "lease_token, correlation_id, created_at, updated_at, expires_at, attempt) "
+        "VALUES (:principal, :key, :fingerprint, :endpoint, 'in_progress', :lease_token, "
+        ":correlation_id, :began_at, :now, :expires_at, 1) "
+        f"ON DUPLICATE KEY UPDATE {', '.join(assignments)}"
+    )
+
+
+#: The server's time in epoch milliseconds, whatever the session's time zone;
+#: one value per statement.
+SERVER_NOW_MS = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000"
+
+
+def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") -> Dialect:
+    """The shared fenced UPDATEs, with MySQL's own claim, read, sweep and purge.
+
+    ``claim`` is the guarded upsert, which the store sends only for a
+    takeover; a new key is claimed by :func:`mysql_statements`' plain INSERT.
+    """
+    standard = Dialect.standard("mysql", table, mysql_ddl(table), upsert_claim(table))
+    by_key = "WHERE principal = :principal AND idempotency_key = :key"
+    dialect = dataclasses.replace(
+        standard,
+        select=SQLStatement(f"SELECT {_SELECT_LIST} FROM {table} {by_key}"),
+        read_for_claim=SQLStatement(f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key}"),
+        # No LIMIT inside IN (…) and no UPDATE … RETURNING: mark a batch with
+        # a token of this sweep in one statement, then read it back by token.
+        sweep=SQLStatement(
+            f"UPDATE {table} SET state = 'stale', lease_token = :sweep_token, "
+            "updated_at = :now, expires_at = GREATEST(expires_at, :keep_until) "
+            f"WHERE state = :from_state AND updated_at < :cutoff AND {SWEEPABLE_SQL} "
+            "ORDER BY updated_at LIMIT :limit"
+        ),
+        purge=SQLStatement(
+            f"DELETE FROM {table} WHERE expires_at <= :now AND {PURGEABLE_SQL} "
+            "ORDER BY expires_at LIMIT :limit"
+        ),
+    )
+    return on_database_clock(dialect, SERVER_NOW_MS) if clock == "database" else dialect
+
+
+def mysql_statements(table: str = DEFAULT_TABLE, clock: StoreClock = "database") -> MySQLStatements:
+    """The plain INSERT, the locking reads and the maintenance read-backs."""
+    by_key = "WHERE principal = :principal AND idempotency_key = :key"
+    statements = MySQLStatements(
+        insert=SQLStatement(upsert_claim(table).split(" ON DUPLICATE KEY UPDATE ")[0]),
+        select_current=SQLStatement(
+            f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key} FOR UPDATE"
+        ),
+        # LOCK IN SHARE MODE: spelled alike by MySQL 8 and MariaDB.
+        select_shared=SQLStatement(
+            f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key} LOCK IN SHARE MODE"
+        ),
+        swept=SQLStatement(
+            f"SELECT {_SELECT_LIST} FROM {table} WHERE state = 'stale' "
+            "AND lease_token = :sweep_token ORDER BY updated_at, id"
+        ),
+        still_owned=SQLStatement(
+            f"SELECT id FROM {table} WHERE id = :id AND lease_token = :lease_token "
+            "AND state = 'in_progress' FOR UPDATE"
+        ),
+        bound_lock_wait=SQLStatement(
+            "SET @idemflow_lock_wait = @@SESSION.innodb_lock_wait_timeout, "
+            "SESSION innodb_lock_wait_timeout = :lock_wait"
+        ),
+        restore_lock_wait=SQLStatement(
+            "SET SESSION innodb_lock_wait_timeout = @idemflow_lock_wait"
+        ),
+    )
+    return on_database_clock(statements, SERVER_NOW_MS) if clock == "database" else statements

@@ -1,0 +1,294 @@
+"""The MySQL store: its claim algorithm, on the shared SQL executor (see the package docstring)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..._errors import ConfigurationError, LeaseLost
+from ..._model import Claim, Intent, Record, State, can_take_over, record_from_row
+from ..protocol import Transaction
+from ..sql import SQLStore
+from ..sql.dialect import (
+    CLAIM_RETRIES,
+    SQLStatement,
+    StoreClock,
+    check_clock,
+    claim_busy,
+    claim_params,
+    claim_unsettled,
+    owner_params,
+    row_mapping,
+    sweep_params,
+)
+from ._errors import (
+    DEADLOCK,
+    DUPLICATE,
+    LOCK_WAIT_TIMEOUT,
+    error_code,
+    is_contention,
+    is_unavailable,
+)
+from ._pool import Pool
+from ._statements import DEFAULT_TABLE, mysql_dialect, mysql_statements
+from ._url import connect_kwargs
+
+#: How long (whole seconds, InnoDB's minimum is 1) a claim waits on a row
+#: another transaction holds before answering 409 instead: never hold a
+#: connection per duplicate.
+DEFAULT_LOCK_WAIT_TIMEOUT = 1
+# A deadlock victim's statement had no effect: claiming again is safe.
+_DEADLOCK_RETRIES = 5
+
+
+class MySQLStore(SQLStore):
+    """Key records in MySQL 8 or MariaDB.
+
+    Args:
+        connect: a ``mysql://user:password@host:port/db`` URL, a dict of
+            ``pymysql.connect`` arguments, or a function returning a new PyMySQL
+            connection. Either way the store keeps up to ``max_size`` of them,
+            switched to autocommit, so each statement is its own snapshot and
+            a duplicate's read sees the current row.
+        lock_wait_timeout: the longest (seconds) one of the store's
+            statements waits on a row another transaction holds; a claim that
+            times out answers 409.
+        timeout: connect timeout, and the longest wait for a free connection.
+        clock: ``"database"`` (the default) takes every time decision on the
+            server's clock (see :class:`idemflow.stores.postgres.PostgresStore`);
+            ``"caller"`` uses the ``now`` each call passes.
+
+    The client flag ``CLIENT_FOUND_ROWS`` may be on or off: no decision
+    rests on a count it changes.
+    """
+
+    # The claim in the caller's transaction bounds its lock wait itself
+    # (innodb_lock_wait_timeout, then restored): single-commit mode is safe.
+    supports_single_commit = True
+
+    def __init__(
+        self,
+        connect: str | Mapping[str, Any] | Callable[[], Any],
+        *,
+        table: str = DEFAULT_TABLE,
+        max_size: int = 8,
+        lock_wait_timeout: int = DEFAULT_LOCK_WAIT_TIMEOUT,
+        timeout: float = 5.0,
+        clock: StoreClock = "database",
+    ) -> None:
+        if lock_wait_timeout < 1:
+            msg = "lock_wait_timeout must be at least 1 second (InnoDB's minimum)"
+            raise ConfigurationError(msg)
+        clock = check_clock(clock)
+        self.statements = mysql_statements(table, clock)
+        self.lock_wait_timeout = int(lock_wait_timeout)
+        self.pool = Pool(self._factory(connect, timeout), max_size, timeout)
+        super().__init__(
+            mysql_dialect(table, clock),
+            self.pool.connection,
+            paramstyle="pyformat",
+            is_unavailable=is_unavailable,
+            is_lock_timeout=is_contention,
+        )
+
+    def _factory(
+        self, connect: str | Mapping[str, Any] | Callable[[], Any], timeout: float
+    ) -> Callable[[], Any]:
+        if callable(connect):
+            return connect
+        import pymysql
+
+        kwargs = {
+            "connect_timeout": timeout,
+            "init_command": f"SET SESSION innodb_lock_wait_timeout = {self.lock_wait_timeout}",
+            "charset": "utf8mb4",
+            **(connect_kwargs(connect) if isinstance(connect, str) else dict(connect)),
+        }
+        return lambda: pymysql.connect(**kwargs)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def claim(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        transaction: Transaction | None = None,
+    ) -> Claim:
+        """A plain INSERT decides a new key; a guarded upsert decides a takeover.
+
+        Each decision is one atomic statement. The read after a duplicate only
+        tells us whether a takeover is worth attempting (past retention, or
+        released by this same request); the upsert then re-checks that on the
+        current row and writes our lease token only if it still holds.
+        """
+        params = claim_params(intent, lease_token, now, expires_at)
+        if transaction is not None:
+            return self._claim_in_transaction(transaction, params)
+        with self._translate(), self.pool.connection() as conn:
+            for _ in range(CLAIM_RETRIES):
+                row_id = self._insert(conn, params)
+                if row_id is not None:
+                    return Claim(owned=True, record=_inserted(intent, params, row_id))
+                row = self._fetchone(conn, self.dialect.read_for_claim, params)
+                if row is None:  # released and purged in between: claim again
+                    continue
+                if not _may_take_over(row, params):
+                    return Claim(owned=False, record=record_from_row(row))
+                self._statement(conn, self.dialect.claim, params)
+                return _decided(self._fetchone(conn, self.dialect.select, params), lease_token)
+        raise claim_busy()
+
+    def _insert(self, conn: Any, params: Mapping[str, Any]) -> int | None:
+        """The new row's id, or None when the key exists (error 1062)."""
+        try:
+            return self._statement(conn, self.statements.insert, params)
+        except Exception as exc:
+            if error_code(exc) == DUPLICATE:
+                return None
+            raise
+
+    def _statement(self, conn: Any, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+        """Run a claiming statement; the id it inserted (0 if none).
+
+        A deadlock victim's statement had no effect, so it is simply run
+        again; a lock wait that times out means a live transaction holds the
+        row, which is a 409.
+        """
+        for _ in range(_DEADLOCK_RETRIES):
+            with conn.cursor() as cursor:
+                try:
+                    cursor.execute(statement.pyformat, statement.bind(params))
+                except Exception as exc:
+                    if error_code(exc) == DEADLOCK:
+                        continue
+                    if error_code(exc) == LOCK_WAIT_TIMEOUT:
+                        raise claim_busy() from exc
+                    raise
+                return int(cursor.lastrowid or 0)
+        raise claim_busy()
+
+    def _claim_in_transaction(self, transaction: Transaction, params: Mapping[str, Any]) -> Claim:
+        """Claim as a write of the caller's transaction (``single_commit=True``).
+
+        Every read here is a locking read: under REPEATABLE READ a plain
+        SELECT would answer from the transaction's snapshot, which may
+        predate the winner's commit (no row at all, or its old state).
+        ``FOR SHARE``/``FOR UPDATE`` read the latest committed version; the
+        failed INSERT already holds a shared lock on the duplicate, so the
+        shared read never waits. Ownership is read off our lease token.
+        """
+        bound = {**params, "lock_wait": self.lock_wait_timeout}
+        with self._translate():
+            transaction.execute(self.statements.bound_lock_wait, bound)
+            try:
+                row = self._insert_or_read(transaction, params)
+                if row is not None and _may_take_over(row, params):
+                    transaction.execute(self.dialect.claim, params)
+                    row = transaction.fetchone(self.statements.select_current, params)
+            except Exception as exc:
+                if is_contention(exc):
+                    raise claim_busy() from exc
+                raise
+            finally:
+                transaction.execute(self.statements.restore_lock_wait, {})
+        return _decided(row, str(params["lease_token"]))
+
+    def _insert_or_read(
+        self, transaction: Transaction, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        try:
+            transaction.execute(self.statements.insert, params)
+        except Exception as exc:
+            if error_code(exc) != DUPLICATE:
+                raise
+            return transaction.fetchone(self.statements.select_shared, params)
+        return transaction.fetchone(self.statements.select_current, params)
+
+    def checkpoint(
+        self,
+        record: Record,
+        recovery_point: str,
+        now: float,
+        transaction: Transaction | None = None,
+    ) -> None:
+        """Record progress; an identical checkpoint in the same millisecond is not a loss.
+
+        Without ``CLIENT_FOUND_ROWS`` MySQL counts *changed* rows, so a
+        checkpoint that rewrites the same values reports 0; we then ask
+        whether the record is still ours before calling the claim lost.
+        """
+        params = {**owner_params(record, now), "recovery_point": recovery_point}
+        if self._write(self.dialect.checkpoint, params, transaction):
+            return
+        if not self._still_owned(params, transaction):
+            raise LeaseLost("the claim on this Idempotency-Key was taken over")
+
+    def _still_owned(self, params: Mapping[str, Any], transaction: Transaction | None) -> bool:
+        statement = self.statements.still_owned
+        with self._translate():
+            if transaction is not None:
+                return transaction.fetchone(statement, params) is not None
+            with self.pool.connection() as conn:
+                return self._fetchone(conn, statement, params) is not None
+
+    def sweep(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+    ) -> list[Record]:
+        """Mark up to ``limit`` stale claims with this sweep's token, then read them back.
+
+        The marked records carry the sweep token as their lease token: only
+        this sweeper can settle or release them, and the crashed owner's
+        token no longer matches anything.
+        """
+        params = {
+            **sweep_params(from_state, cutoff, now, keep_until, limit),
+            "sweep_token": secrets.token_hex(16),
+        }
+        with self._translate(), self.pool.connection() as conn:
+            cursor = conn.cursor()
+            try:
+                marked = cursor.execute(
+                    self.dialect.sweep.pyformat, self.dialect.sweep.bind(params)
+                )
+                if not marked:
+                    return []
+                cursor.execute(self.statements.swept.pyformat, self.statements.swept.bind(params))
+                rows = cursor.fetchall()
+                return [record_from_row(row_mapping(cursor.description, r)) for r in rows]
+            finally:
+                cursor.close()
+
+
+def _may_take_over(row: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
+    """Worth attempting the guarded upsert? (It checks again, atomically.)"""
+    return can_take_over(record_from_row(row), params["fingerprint"], row["clock_now"] / 1000)
+
+
+def _decided(row: Mapping[str, Any] | None, lease_token: str) -> Claim:
+    """Ours if the row carries our (unique) lease token: the statement wrote it only if we won."""
+    if row is None:  # purged between the claim and the read: vanishingly rare
+        raise claim_unsettled()
+    record = record_from_row(row)
+    owned = record.lease_token == lease_token and record.state is State.IN_PROGRESS
+    return Claim(owned=owned, record=record)
+
+
+def _inserted(intent: Intent, params: Mapping[str, Any], row_id: int) -> Record:
+    """The row our plain INSERT created: exactly the values we sent."""
+    return Record(
+        id=row_id,
+        principal=intent.principal,
+        key=intent.key,
+        fingerprint=intent.fingerprint,
+        endpoint=intent.endpoint,
+        state=State.IN_PROGRESS,
+        lease_token=str(params["lease_token"]),
+        created_at=params["began_at"] / 1000,
+        updated_at=params["now"] / 1000,
+        expires_at=params["expires_at"] / 1000,
+        correlation_id=intent.correlation_id,
+    )

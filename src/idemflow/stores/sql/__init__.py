@@ -1,0 +1,57 @@
+"""
+The SQL family: one executor for every relational store, and the public seam
+for adding a SQL database.
+
+- :mod:`idemflow.stores.sql.dialect`: :class:`Dialect` (the statements a
+  database speaks), :meth:`Dialect.standard`, :func:`on_database_clock`, and
+  the rules spelled in SQL (``TAKE_OVER_SQL``, ``PURGEABLE_SQL``, …);
+- :class:`SQLStore` / :class:`AsyncSQLStore`: run any dialect on DB-API
+  connections (``stores/sql/_async.py`` is the source, ``_sync.py`` is
+  generated from it by ``scripts/unasync.py``). They hold no SQL of their own
+  and take no decision about keys.
+
+:mod:`idemflow.stores.postgres` and :mod:`idemflow.stores.sqlite` are built
+from these pieces alone; ``docs/architecture.md`` ("Adding a store") walks
+through a new one.
+"""
+
+from ..protocol import StoreClock, check_clock
+from ._async import AsyncSQLStore
+from ._sync import SQLStore
+from .dialect import (
+    COLUMNS,
+    NEW_INTENT_SQL,
+    PAST_RETENTION_SQL,
+    PURGEABLE_SQL,
+    RETRY_SQL,
+    SWEEPABLE_SQL,
+    TAKE_OVER_SQL,
+    Dialect,
+    SQLStatement,
+    create_table,
+    insert_claim,
+    on_database_clock,
+    row_mapping,
+    take_over_claim,
+)
+
+__all__ = [
+    "COLUMNS",
+    "NEW_INTENT_SQL",
+    "PAST_RETENTION_SQL",
+    "PURGEABLE_SQL",
+    "RETRY_SQL",
+    "SWEEPABLE_SQL",
+    "TAKE_OVER_SQL",
+    "AsyncSQLStore",
+    "Dialect",
+    "SQLStatement",
+    "SQLStore",
+    "StoreClock",
+    "check_clock",
+    "create_table",
+    "insert_claim",
+    "on_database_clock",
+    "row_mapping",
+    "take_over_claim",
+]
