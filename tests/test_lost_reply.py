@@ -1,0 +1,178 @@
+"""
+A claim that committed but whose answer was lost: claimed, then swept, then run once.
+
+The claim statement reaches the server and commits (the store's connection is
+autocommit), and its reply is lost on the way back (a loopback proxy drops it
+and closes the connection). The request cannot know it owns the key: it
+answers 503 ``StoreUnavailable`` and never runs the handler. The key stays
+**claimed** with no progress: a retry gets 409, never a second execution
+while the first could still be running. Past the stale threshold the sweeper
+releases it (nothing ran, nothing to reconcile) and the next retry runs the
+handler exactly once. This is the row "The claim fails" of the failure table
+in docs/crash-safety.md, for two-commit mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import pytest
+
+from idemflow import Attempt, Idempotency, InProgress, Policy, Response, State, StoreUnavailable
+from idemflow.stores.protocol import MaintainableStore
+from idemflow.sweeper import Sweeper
+from idemflow.testing import FrozenClock
+from tests._proxy import LosingProxy, losing_proxy
+from tests.backends import MYSQL_URL, REDIS_URL
+from tests.conftest import POSTGRES_URL
+from tests.factories import CREATED
+from tests.factories import uncorrelated_intent as intent
+
+POLICY = Policy(request_timeout=5)
+
+
+class ProxiedStore(MaintainableStore, Protocol):
+    """What this test needs of a store besides the protocol: its table made, and closing."""
+
+    def migrate(self) -> None: ...
+    def close(self) -> None: ...
+
+
+#: Builds a store that talks to the database through the proxy's port.
+Opener = Callable[[int, str], ProxiedStore]
+
+
+def _postgres(port: int, table: str) -> ProxiedStore:
+    pytest.importorskip("psycopg")
+    from idemflow.stores.postgres import PostgresStore
+
+    url = POSTGRES_URL.replace(":5432/", f":{port}/")
+    return PostgresStore(url, table=table, max_size=1, clock="caller")
+
+
+def _mysql(port: int, table: str) -> ProxiedStore:
+    pytest.importorskip("pymysql")
+    from idemflow.stores.mysql import MySQLStore, connect_kwargs
+
+    return MySQLStore({**connect_kwargs(MYSQL_URL), "port": port}, table=table, clock="caller")
+
+
+def _redis(port: int, prefix: str) -> ProxiedStore:
+    pytest.importorskip("redis")
+    from redis import Redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from idemflow.stores.redis import RedisStore
+
+    # No client-side retry: the lost reply must surface as the failure it is.
+    client = Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0), socket_timeout=5)
+    return RedisStore(client, policy=POLICY, prefix=prefix, clock="caller")
+
+
+def _target(url: str, default: int) -> tuple[str, int]:
+    return "127.0.0.1", urlsplit(url).port or default
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How to reach one database through the proxy, and to drop the test's table there."""
+
+    open: Opener
+    target: tuple[str, int]
+    drop: Callable[[str], None] = lambda name: None  # Redis keys expire with the retention
+
+
+def _drop_postgres(name: str) -> None:
+    import psycopg
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f"DROP TABLE IF EXISTS {name}")
+
+
+def _drop_mysql(name: str) -> None:
+    import pymysql
+
+    from idemflow.stores.mysql import connect_kwargs
+
+    with pymysql.connect(**connect_kwargs(MYSQL_URL), autocommit=True) as conn:
+        conn.cursor().execute(f"DROP TABLE IF EXISTS {name}")
+
+
+STORES = [
+    pytest.param(
+        Backend(_postgres, _target(POSTGRES_URL, 5432), _drop_postgres),
+        marks=pytest.mark.postgres,
+        id="postgres",
+    ),
+    pytest.param(
+        Backend(_mysql, _target(MYSQL_URL, 3306), _drop_mysql), marks=pytest.mark.mysql, id="mysql"
+    ),
+    pytest.param(Backend(_redis, _target(REDIS_URL, 6379)), marks=pytest.mark.redis, id="redis"),
+]
+
+
+def is_the_claim(name: bytes) -> Callable[[bytes], bool]:
+    """The request that claims: the SQL insert into the key table, or the Lua call on its keys."""
+    return lambda chunk: (
+        (b"INSERT INTO " + name in chunk)
+        or (b"EVALSHA" in chunk and name in chunk and b"k-lost" in chunk)
+    )
+
+
+@contextlib.contextmanager
+def store_behind(backend: Backend) -> Iterator[tuple[ProxiedStore, LosingProxy]]:
+    name = f"lost_{uuid.uuid4().hex[:10]}"
+    with losing_proxy(backend.target, is_the_claim(name.encode())) as proxy:
+        store = backend.open(proxy.port, name)
+        store.migrate()
+        try:
+            yield store, proxy
+        finally:
+            store.close()
+            backend.drop(name)
+
+
+@pytest.mark.parametrize("backend", STORES)
+def test_a_claim_whose_answer_was_lost_stays_claimed_until_swept_then_runs_once(
+    backend: Backend,
+) -> None:
+    clock = FrozenClock()
+    ran: list[int] = []
+
+    def charge(attempt: Attempt) -> Response:
+        ran.append(1)
+        return CREATED
+
+    with store_behind(backend) as (store, proxy):
+        idem = Idempotency(store, POLICY, clock=clock)
+        with pytest.raises(StoreUnavailable):
+            idem.run(intent("k-lost"), charge)
+        assert proxy.lost.is_set(), "the claim's reply was not the one lost"
+        assert ran == []
+        record = store.get("alice", "k-lost")
+        assert record is not None
+        assert record.state is State.IN_PROGRESS  # it did commit
+
+        # Until the threshold, every retry is told to come back: nothing runs twice.
+        clock.advance(POLICY.stale_seconds - 1)
+        with pytest.raises(InProgress):
+            idem.run(intent("k-lost"), charge)
+        Sweeper(store, POLICY, clock=clock).sweep_once()
+        assert store.get("alice", "k-lost").state is State.IN_PROGRESS  # type: ignore[union-attr]
+
+        # Past it, the sweeper releases the claim (no progress: nothing to reconcile) ...
+        clock.advance(2)
+        report = Sweeper(store, POLICY, clock=clock).sweep_once()
+        assert report.released == 1, report
+        # ... and the retry runs the handler exactly once; later retries replay it.
+        first = idem.run(intent("k-lost"), charge)
+        again = idem.run(intent("k-lost"), charge)
+    assert (first.response.status, first.replayed) == (201, False)
+    assert (again.response.status, again.replayed) == (201, True)
+    assert ran == [1]
