@@ -1,10 +1,14 @@
 """
-The storm's clients: well-behaved retriers, several at once per key.
+The storm's clients: several at once per key, each one operation of ``idemflow.client``.
 
-A client sends its key's payment until it gets a settled answer (201 or 402)
-or the deadline passes. On 409 and 503 it sleeps for ``Retry-After`` (capped,
-with jitter, so a crowd does not come back in lockstep); on a dropped or
-refused connection (the server was just killed) it backs off exponentially.
+A client sends its key's payment once through the library's async transport
+(:class:`idemflow.client.AsyncIdempotentTransport`), the client half of the
+protocol, so the storm proves it too: the transport keeps the plan's key,
+retries dropped and refused connections (the server was just killed) with
+jittered exponential backoff, retries 409 and 503 after ``Retry-After``, and
+stops at a settled answer (201 or 402) or the storm's deadline, which kills
+past the window push back. Every attempt is counted through the transport's
+``on_attempt`` observer.
 """
 
 from __future__ import annotations
@@ -12,22 +16,30 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
+from idemflow.client import (
+    DEADLINE,
+    DEFAULT_RETRY_STATUSES,
+    AsyncIdempotentTransport,
+    AttemptReport,
+    RetryPolicy,
+    replayed,
+)
+
 from .config import KeyPlan, StormConfig
 
-__all__ = ["SETTLED", "Deadline", "KeyTally", "new_client", "retry_until_answered"]
+__all__ = ["SETTLED", "Deadline", "KeyTally", "new_client", "send_payment"]
 
 #: Answers that end a client's retries: the payment's outcome, stored for replay.
 SETTLED = frozenset({201, 402})
-#: Answers a client retries after ``Retry-After``: in progress, transient.
-RETRYABLE = frozenset({409, 503})
-REPLAYED_HEADER = "idempotent-replayed"
-
-FIRST_BACKOFF = 0.1  # seconds after the first connection error; doubles up to MAX_BACKOFF
-MAX_BACKOFF = 1.0
+#: Retried besides the client's defaults (409 in flight, 503, …): a 500 releases
+#: the key too, and a storm client presses on through it as HTTP allows.
+RETRIED = DEFAULT_RETRY_STATUSES | {500}
+FIRST_BACKOFF = 0.1  # seconds: the first backoff ceiling; it doubles up to the storm's cap
 
 
 @dataclass
@@ -69,18 +81,48 @@ class KeyTally:
         return sum(self.statuses[status] for status in SETTLED)
 
     def saw(self, response: httpx.Response) -> None:
+        """The answer an operation ended with."""
         self.statuses[response.status_code] += 1
         if response.status_code in SETTLED:
             self.answers.add((response.status_code, response.content))
-            self.last_replayed = response.headers.get(REPLAYED_HEADER) == "true"
+            self.last_replayed = replayed(response)
             self.replays += self.last_replayed
 
+    def attempted(self, report: AttemptReport) -> None:
+        """One attempt; an answer the client retried is counted here, the last by :meth:`saw`."""
+        self.requests += 1
+        if report.failure is not None:
+            self.errors += 1
+        elif report.status is not None and report.decision.retry:
+            self.statuses[report.status] += 1
 
-def new_client(url: str, config: StormConfig) -> httpx.AsyncClient:
-    """One connection pool for all clients; waiting for a pooled connection never times out."""
-    timeout = httpx.Timeout(3 * config.request_timeout + 10, pool=None)
+
+def new_client(
+    url: str, config: StormConfig, tallies: Sequence[KeyTally], rng: random.Random
+) -> httpx.AsyncClient:
+    """One connection pool and one keyed transport for all clients; attempts tallied by key.
+
+    Waiting for a pooled connection never times out (the deadline still bounds it).
+    """
+    by_key = {tally.plan.key: tally for tally in tallies}
+
+    def attempted(report: AttemptReport) -> None:
+        tally = by_key.get(report.key)
+        if tally is not None:
+            tally.attempted(report)
+
+    policy = RetryPolicy(
+        backoff=FIRST_BACKOFF,
+        max_backoff=config.max_backoff,
+        retry_statuses=RETRIED,
+        random=rng.random,
+    )
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-    return httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
+    transport = AsyncIdempotentTransport(
+        httpx.AsyncHTTPTransport(limits=limits), policy=policy, on_attempt=attempted
+    )
+    timeout = httpx.Timeout(3 * config.request_timeout + 10, pool=None)
+    return httpx.AsyncClient(base_url=url, timeout=timeout, transport=transport)
 
 
 def headers_for(plan: KeyPlan, config: StormConfig) -> dict[str, str]:
@@ -91,43 +133,24 @@ def headers_for(plan: KeyPlan, config: StormConfig) -> dict[str, str]:
     }
 
 
-async def retry_until_answered(
-    http: httpx.AsyncClient,
-    tally: KeyTally,
-    config: StormConfig,
-    deadline: Deadline,
-    rng: random.Random,
+async def send_payment(
+    http: httpx.AsyncClient, tally: KeyTally, config: StormConfig, deadline: Deadline
 ) -> None:
-    """Send ``tally.plan``'s payment until a settled answer or the deadline."""
+    """Send ``tally.plan``'s payment: the client retries it until settled or the deadline."""
     loop = asyncio.get_running_loop()
-    headers = headers_for(tally.plan, config)
-    backoff = FIRST_BACKOFF
-    while deadline.left(loop) > 0:
-        tally.requests += 1
-        try:
-            response = await http.post("/payments", content=tally.plan.body, headers=headers)
-        except httpx.TransportError:
-            tally.errors += 1
-            await _sleep_until(loop, deadline, backoff * rng.uniform(0.5, 1.0))
-            backoff = min(backoff * 2, MAX_BACKOFF)
-            continue
-        backoff = FIRST_BACKOFF
-        tally.saw(response)
-        if response.status_code in SETTLED:
-            return
-        # 409/503 say when to come back; anything else is unexpected (counted
-        # as such) and retried like a 503, as a client facing a 500 would.
-        await _sleep_until(loop, deadline, retry_after(response, config.max_sleep, rng))
+    if deadline.left(loop) <= 0:
+        return
 
+    def left() -> float:
+        return deadline.left(loop)
 
-def retry_after(response: httpx.Response, cap: float, rng: random.Random) -> float:
-    """``Retry-After`` seconds (1 if absent or not a number), capped, plus up to 25 % jitter."""
     try:
-        wanted = float(response.headers.get("retry-after", "1"))
-    except ValueError:
-        wanted = 1.0
-    return min(max(wanted, 0.0), cap) * rng.uniform(1.0, 1.25)
-
-
-async def _sleep_until(loop: asyncio.AbstractEventLoop, deadline: Deadline, delay: float) -> None:
-    await asyncio.sleep(max(0.0, min(delay, deadline.left(loop))))
+        response = await http.post(
+            "/payments",
+            content=tally.plan.body,
+            headers=headers_for(tally.plan, config),
+            extensions={DEADLINE: left},
+        )
+    except httpx.TransportError:
+        return  # no answer by the deadline (every attempt was counted)
+    tally.saw(response)

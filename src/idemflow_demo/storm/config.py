@@ -48,7 +48,8 @@ class StormConfig:
         seed: makes the keys, bodies, start times and kill moments reproducible.
         settle_for: how long clients keep retrying after the attack window
             (None: the stale threshold + two sweeps + 10 s).
-        max_sleep: the longest a client honours a ``Retry-After`` for.
+        max_backoff: the cap of a client's backoff between attempts where the
+            server gives no ``Retry-After`` (a refused connection while the demo restarts).
         data_dir: where the demo keeps its files (None: a fresh temporary folder).
         tokens: principal → bearer token.
         claim_commit: how the demo commits each claim: ``own`` (a commit of its
@@ -69,7 +70,7 @@ class StormConfig:
     declined_share: float = 0.15
     seed: int | None = None
     settle_for: float | None = None
-    max_sleep: float = 2.0
+    max_backoff: float = 1.0
     data_dir: Path | None = None
     tokens: Mapping[str, str] = field(default_factory=lambda: DEFAULT_TOKENS)
     claim_commit: str = "own"

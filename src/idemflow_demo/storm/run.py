@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from .clients import Deadline, KeyTally, new_client, retry_until_answered
+from .clients import Deadline, KeyTally, new_client, send_payment
 from .config import KeyPlan, StormConfig, plan_keys
 from .server import DemoProcess
 from .service import MetricsTally, read_ledger
@@ -120,7 +120,7 @@ class _Storm:
         if self.server is not None:
             self.say(f"storm: starting {self.target}")
             await self.server.start()
-        async with new_client(self.url, self.config) as http:
+        async with new_client(self.url, self.config, self.tallies, self.rng) as http:
             await self.metrics.scrape(http, self._incarnation())
             if self.server is None:
                 self.metrics.set_baseline(0)
@@ -184,7 +184,7 @@ class _Storm:
 
     async def _client(self, http: httpx.AsyncClient, tally: KeyTally) -> None:
         await asyncio.sleep(self.rng.uniform(0, CLIENT_SPREAD))
-        await retry_until_answered(http, tally, self.config, self.deadline, self.rng)
+        await send_payment(http, tally, self.config, self.deadline)
 
     async def _kill_loop(
         self, http: httpx.AsyncClient, server: DemoProcess, every: float, attack_end: float
@@ -244,7 +244,7 @@ class _Storm:
     async def _late_retry(self, http: httpx.AsyncClient, tally: KeyTally) -> None:
         deadline = Deadline(asyncio.get_running_loop().time() + LATE_RETRY_SECONDS)
         answered = tally.settled
-        await retry_until_answered(http, tally, self.config, deadline, self.rng)
+        await send_payment(http, tally, self.config, deadline)
         tally.late_replayed = tally.settled > answered and tally.last_replayed
 
 

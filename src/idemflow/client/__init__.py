@@ -1,0 +1,122 @@
+"""
+idemflow.client: the other half of the protocol, a client that uses keys right.
+
+Each unsafe request (POST and PATCH by default) gets one ``Idempotency-Key``
+**per logical operation**, chosen before the first attempt (or the caller's,
+kept verbatim), and is retried safely: on connection errors, read timeouts, a
+``409`` in flight, ``429`` and ``503`` (and ``408``, ``425``, ``502``,
+``504``), honouring ``Retry-After``, with capped exponential backoff and full
+jitter, within a total deadline. Settled answers (2xx, 3xx, 400, 401, 403,
+422, other 4xx, and every replay) are never retried, and one key is never sent
+with a different request: the client refuses it locally
+(:class:`KeyReusedLocally`). See ``docs/client.md``.
+
+- httpx: :class:`IdempotentTransport`, :class:`AsyncIdempotentTransport`;
+- requests: :class:`IdempotentAdapter`, :func:`idempotent_session`;
+- after the call: :func:`outcome` (key, attempts, replayed), :func:`replayed`.
+
+Importing this package imports neither httpx nor requests: each comes with
+the first name taken from it (``pip install 'idemflow[client]'``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ._keys import KeyForm, KeyLedger, KeyReusedLocally, encode_key, uuid4_key
+from ._retry import (
+    DEFAULT_METHODS,
+    DEFAULT_RETRY_STATUSES,
+    OUTCOME,
+    AttemptReport,
+    ClientOutcome,
+    Decision,
+    Failure,
+    Operation,
+    Operations,
+    RetryPolicy,
+    is_replay,
+    parse_retry_after,
+)
+
+if TYPE_CHECKING:
+    from ._httpx import DEADLINE, AsyncIdempotentTransport, IdempotentTransport
+    from ._requests import IdempotentAdapter, idempotent_session
+
+__all__ = [
+    "DEADLINE",
+    "DEFAULT_METHODS",
+    "DEFAULT_RETRY_STATUSES",
+    "OUTCOME",
+    "AsyncIdempotentTransport",
+    "AttemptReport",
+    "ClientOutcome",
+    "Decision",
+    "Failure",
+    "IdempotentAdapter",
+    "IdempotentTransport",
+    "KeyForm",
+    "KeyLedger",
+    "KeyReusedLocally",
+    "Operation",
+    "Operations",
+    "RetryPolicy",
+    "encode_key",
+    "idempotent_session",
+    "is_replay",
+    "outcome",
+    "parse_retry_after",
+    "replayed",
+    "uuid4_key",
+]
+
+#: Names served from a module that imports an optional dependency, and its extra.
+_LAZY = {
+    "DEADLINE": "_httpx",
+    "AsyncIdempotentTransport": "_httpx",
+    "IdempotentTransport": "_httpx",
+    "IdempotentAdapter": "_requests",
+    "idempotent_session": "_requests",
+}
+_NEEDS = {"_httpx": "httpx", "_requests": "requests"}
+
+
+class _HasHeaders(Protocol):
+    @property
+    def headers(self) -> Any: ...
+
+
+def outcome(response: _HasHeaders) -> ClientOutcome | None:
+    """How the operation behind ``response`` went, or None if the client did not manage it.
+
+    Works on an ``httpx.Response`` (``response.extensions[OUTCOME]``) and a
+    ``requests.Response`` alike.
+    """
+    extensions = getattr(response, "extensions", None)
+    if isinstance(extensions, Mapping):
+        found = extensions.get(OUTCOME)
+        return found if isinstance(found, ClientOutcome) else None
+    found = getattr(response, "_idemflow_outcome", None)
+    return found if isinstance(found, ClientOutcome) else None
+
+
+def replayed(response: _HasHeaders) -> bool:
+    """Is ``response`` the server's stored answer (``Idempotent-Replayed: true``)?"""
+    return is_replay(response.headers)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        msg = f"module {__name__!r} has no attribute {name!r}"
+        raise AttributeError(msg)
+    try:
+        loaded = importlib.import_module(f"{__name__}.{module}")
+    except ImportError as exc:
+        msg = (
+            f"idemflow.client.{name} needs {_NEEDS[module]}: pip install 'idemflow[client]' ({exc})"
+        )
+        raise ImportError(msg) from exc
+    return getattr(loaded, name)

@@ -1,0 +1,234 @@
+"""
+httpx transports that key and retry unsafe requests: sync and async.
+
+Both are thin loops around the sans-I/O :class:`~idemflow.client._retry.Operation`
+(every decision is taken there, once); what is here is only httpx's I/O:
+reading the body once, sending it, reading the answer whole (an answer cut
+off mid-body is retried like any lost answer), sleeping.
+
+Use them as any httpx transport::
+
+    client = httpx.Client(transport=IdempotentTransport())
+    async_client = httpx.AsyncClient(transport=AsyncIdempotentTransport())
+
+The wrapped transport (``httpx.HTTPTransport()`` by default) takes the
+connection settings: ``IdempotentTransport(httpx.HTTPTransport(limits=…))``.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+import httpx
+
+from ._keys import HEADER, KeyLedger
+from ._retry import (
+    OUTCOME,
+    Deadline,
+    Decision,
+    Failure,
+    Observer,
+    Operation,
+    Operations,
+    RetryPolicy,
+)
+
+__all__ = ["DEADLINE", "AsyncIdempotentTransport", "IdempotentTransport", "failure_of"]
+
+#: A request extension overriding the policy's deadline for one request:
+#: ``client.post(url, extensions={DEADLINE: 5.0})``, or a function returning the seconds left.
+DEADLINE = "idemflow.deadline"
+
+#: httpx's errors by what they say about the request (anything else: not retried).
+_FAILURES: tuple[tuple[type[httpx.TransportError], Failure], ...] = (
+    (httpx.ConnectError, Failure.CONNECT),
+    (httpx.ConnectTimeout, Failure.CONNECT),
+    (httpx.PoolTimeout, Failure.CONNECT),
+    (httpx.ReadTimeout, Failure.TIMEOUT),
+    (httpx.WriteTimeout, Failure.TIMEOUT),
+    (httpx.ReadError, Failure.DISCONNECTED),
+    (httpx.WriteError, Failure.DISCONNECTED),
+    (httpx.CloseError, Failure.DISCONNECTED),
+    (httpx.RemoteProtocolError, Failure.DISCONNECTED),
+)
+
+
+def failure_of(error: httpx.TransportError) -> Failure:
+    """What an httpx error says about the request; a TLS failure is never retried."""
+    if _caused_by_tls(error):
+        return Failure.FATAL
+    for kind, failure in _FAILURES:
+        if isinstance(error, kind):
+            return failure
+    return Failure.FATAL
+
+
+class _Keyed:
+    """What the sync and async transports share: the start of an operation, its end."""
+
+    def __init__(
+        self, policy: RetryPolicy | None, ledger: KeyLedger | None, observer: Observer | None
+    ) -> None:
+        self.operations = Operations(policy, ledger, observer)
+
+    def manages(self, request: httpx.Request) -> bool:
+        return self.operations.policy.manages(request.method)
+
+    def start(self, request: httpx.Request, body: bytes) -> tuple[Operation, dict[str, Any]]:
+        """Choose the key (before any attempt), add its header; return the caller's timeouts."""
+        deadline: Deadline | None = request.extensions.get(DEADLINE)
+        operation = self.operations.start(
+            request.method,
+            str(request.url),
+            request.headers,
+            request.headers.get_list(HEADER),
+            body,
+            deadline,
+        )
+        if operation.sent.header_value is not None:
+            request.headers[HEADER] = operation.sent.header_value
+        timeouts: dict[str, Any] = dict(request.extensions.get("timeout") or {})
+        return operation, timeouts
+
+    @staticmethod
+    def arm(request: httpx.Request, operation: Operation, timeouts: Mapping[str, Any]) -> None:
+        """This attempt's timeouts: the caller's, cut to the time left before the deadline."""
+        names = timeouts or dict.fromkeys(("connect", "read", "write", "pool"))
+        capped = {name: operation.cap(value) for name, value in names.items()}
+        request.extensions = {**request.extensions, "timeout": capped}
+
+    @staticmethod
+    def answered(operation: Operation, response: httpx.Response, body: bytes) -> Decision:
+        return operation.answered(response.status_code, response.headers, body)
+
+    @staticmethod
+    def failed(operation: Operation, error: httpx.TransportError) -> Decision:
+        return operation.failed(failure_of(error), error)
+
+    @staticmethod
+    def finish(operation: Operation, response: httpx.Response, body: bytes) -> httpx.Response:
+        """The final answer, read whole, with the operation's outcome in its extensions."""
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=httpx.ByteStream(body),
+            extensions={**response.extensions, OUTCOME: operation.outcome()},
+        )
+
+
+class IdempotentTransport(httpx.BaseTransport):
+    """Gives each unsafe request one key and retries it safely (see :mod:`idemflow.client`).
+
+    Args:
+        wrapped: the transport that sends (``httpx.HTTPTransport()`` by default).
+        policy: which methods, what is retried, the deadline, the keys.
+        ledger: the keys sent and what with; share one between transports to
+            share the check.
+        on_attempt: called after every attempt with an :class:`AttemptReport`.
+        sleep: waits between attempts (injected in tests).
+    """
+
+    def __init__(
+        self,
+        wrapped: httpx.BaseTransport | None = None,
+        *,
+        policy: RetryPolicy | None = None,
+        ledger: KeyLedger | None = None,
+        on_attempt: Observer | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._wrapped = wrapped or httpx.HTTPTransport()
+        self._keyed = _Keyed(policy, ledger, on_attempt)
+        self._sleep = sleep
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if not self._keyed.manages(request):
+            return self._wrapped.handle_request(request)
+        operation, timeouts = self._keyed.start(request, request.read())
+        while True:
+            self._keyed.arm(request, operation, timeouts)
+            try:
+                response = self._wrapped.handle_request(request)
+                body = _read(response)
+            except httpx.TransportError as error:
+                decision = self._keyed.failed(operation, error)
+                if not decision.retry:
+                    raise
+            else:
+                decision = self._keyed.answered(operation, response, body)
+                if not decision.retry:
+                    return self._keyed.finish(operation, response, body)
+            self._sleep(decision.delay)
+
+    def close(self) -> None:
+        self._wrapped.close()
+
+
+class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
+    """The async twin of :class:`IdempotentTransport`; sleeps with anyio (asyncio or trio)."""
+
+    def __init__(
+        self,
+        wrapped: httpx.AsyncBaseTransport | None = None,
+        *,
+        policy: RetryPolicy | None = None,
+        ledger: KeyLedger | None = None,
+        on_attempt: Observer | None = None,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+    ) -> None:
+        self._wrapped = wrapped or httpx.AsyncHTTPTransport()
+        self._keyed = _Keyed(policy, ledger, on_attempt)
+        self._sleep = sleep
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if not self._keyed.manages(request):
+            return await self._wrapped.handle_async_request(request)
+        operation, timeouts = self._keyed.start(request, await request.aread())
+        while True:
+            self._keyed.arm(request, operation, timeouts)
+            try:
+                response = await self._wrapped.handle_async_request(request)
+                body = await _aread(response)
+            except httpx.TransportError as error:
+                decision = self._keyed.failed(operation, error)
+                if not decision.retry:
+                    raise
+            else:
+                decision = self._keyed.answered(operation, response, body)
+                if not decision.retry:
+                    return self._keyed.finish(operation, response, body)
+            await self._sleep(decision.delay)
+
+    async def aclose(self) -> None:
+        await self._wrapped.aclose()
+
+
+def _read(response: httpx.Response) -> bytes:
+    """The answer's bytes as sent (still encoded): the client decodes them once, later."""
+    try:
+        return b"".join(response.iter_raw())
+    finally:
+        response.close()
+
+
+async def _aread(response: httpx.Response) -> bytes:
+    try:
+        return b"".join([chunk async for chunk in response.aiter_raw()])
+    finally:
+        await response.aclose()
+
+
+def _caused_by_tls(error: BaseException) -> bool:
+    """A certificate or handshake failure: retrying meets it again."""
+    seen: BaseException | None = error
+    for _ in range(16):  # a chain is short; a cycle must not hang us
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -1,0 +1,400 @@
+"""
+The client's retry policy, sans I/O: what to do after each attempt.
+
+The transports (httpx sync and async, requests) are thin loops around one
+:class:`Operation`: they send, tell it what came back (:meth:`Operation.answered`
+or :meth:`Operation.failed`), and sleep for the :class:`Decision`'s delay or
+stop. Every rule lives here, once, and runs under a fake clock in the tests.
+
+What is retried, and why it is safe: every retried request carries the same
+key and the same bytes, so the server runs the operation at most once and a
+retry of one that ran is answered by the stored response.
+
+- no answer: the connection could not be made, dropped mid-request or
+  mid-answer, or the answer did not come in time (the request may have run:
+  the key makes finding out safe);
+- ``409`` while the first request with the key is still in flight (it carries
+  ``Retry-After``, or the problem type ``in-progress``/``lease-lost``): any
+  other 409 is a settled answer;
+- ``408``, ``425``, ``429``, ``502``, ``503``, ``504``: nothing was settled
+  (idemflow releases the key on these), come back later.
+
+Never retried: a replay (``Idempotent-Replayed: true``: the answer is
+settled, whatever its status), and every other status: 2xx, 3xx, 400, 401,
+403, 422 and the other 4xx are settled answers a retry would only repeat;
+``500`` is a server bug a retry usually meets again (add it to
+``retry_statuses`` if yours are transient).
+
+When: never sooner than ``Retry-After`` says (delta-seconds or an HTTP-date),
+otherwise after a capped exponential backoff with full jitter (a random delay
+between 0 and ``min(max_backoff, backoff × 2ⁿ)``), and never past the
+deadline: an attempt that could not start before it is not made, and each
+attempt's timeouts are cut to the time left.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, timedelta
+from email.utils import parsedate_to_datetime
+from typing import TypeAlias
+
+from .._errors import ConfigurationError
+from .._model import Duration, seconds
+from ._keys import (
+    KeyFactory,
+    KeyForm,
+    KeyLedger,
+    SentKey,
+    excerpt,
+    request_fingerprint,
+    scope_of,
+    uuid4_key,
+)
+
+__all__ = [
+    "DEFAULT_METHODS",
+    "DEFAULT_RETRY_STATUSES",
+    "OUTCOME",
+    "AttemptReport",
+    "ClientOutcome",
+    "Deadline",
+    "Decision",
+    "Failure",
+    "Observer",
+    "Operation",
+    "Operations",
+    "RetryPolicy",
+    "is_replay",
+    "parse_retry_after",
+]
+
+#: Methods that get a key and the retry loop; others pass through untouched.
+DEFAULT_METHODS = frozenset({"POST", "PATCH"})
+#: Statuses that settle nothing: retried (409 only while in flight; see the module doc).
+DEFAULT_RETRY_STATUSES = frozenset({408, 409, 425, 429, 502, 503, 504})
+#: Where a transport puts the :class:`ClientOutcome` (httpx ``response.extensions``).
+OUTCOME = "idemflow.client"
+#: A per-request deadline: seconds, a ``timedelta``, or a function returning the
+#: seconds left (a deadline that moves, e.g. extended while a service restarts).
+Deadline: TypeAlias = Duration | Callable[[], float]
+
+REPLAYED_HEADER = "idempotent-replayed"
+#: Problem types (RFC 9457) that mean "the first request with this key is in flight".
+IN_FLIGHT_PROBLEMS = ("/in-progress", "/lease-lost")
+
+
+class Failure(enum.Enum):
+    """How an attempt ended without an answer; each transport maps its library's errors."""
+
+    #: The connection could not be made (refused, unreachable, no pooled
+    #: connection in time): nothing was sent.
+    CONNECT = "connect error"
+    #: Sent, and the answer did not come within the read timeout: it may have run.
+    TIMEOUT = "read timeout"
+    #: The connection dropped mid-request or mid-answer: it may have run.
+    DISCONNECTED = "connection lost"
+    #: Not the network: TLS, a proxy's refusal, a protocol or decoding error. Not retried.
+    FATAL = "not retryable"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What to do after an attempt: retry after ``delay`` seconds, or stop."""
+
+    retry: bool
+    delay: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptReport:
+    """One attempt, as an ``on_attempt`` observer sees it (for logs, metrics, tests)."""
+
+    key: str
+    number: int
+    #: The answer's status, or None when there was none (see ``failure``).
+    status: int | None
+    failure: Failure | None
+    error: BaseException | None
+    decision: Decision
+
+
+#: Called after every attempt (logs, metrics, tests).
+Observer: TypeAlias = Callable[[AttemptReport], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOutcome:
+    """How an operation ended; see :func:`idemflow.client.outcome`."""
+
+    key: str
+    attempts: int
+    #: The final answer is the server's stored one (``Idempotent-Replayed: true``).
+    replayed: bool
+    status: int | None
+    #: True when retrying stopped on an answer the client would have retried
+    #: (the deadline or ``max_attempts``): the operation's fate is unknown.
+    exhausted: bool
+    reason: str
+    elapsed: float
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How the client keys and retries unsafe requests. Durations: ``timedelta`` or seconds.
+
+    Args:
+        methods: the methods that get a key and retries (others pass through).
+        deadline: the most one operation may take, attempts and waits together.
+        max_attempts: at most this many attempts (None: as many as the deadline allows).
+        backoff: the first retry's backoff ceiling; it doubles with every retry.
+        max_backoff: the backoff ceiling's cap. ``Retry-After`` may ask for more.
+        retry_statuses: statuses retried (409 only while in flight).
+        key_factory: makes a new key (UUIDv4 by default).
+        key_form: how a generated key is written: bare (default) or as an sf-string.
+        clock: monotonic seconds, for the deadline (injected in tests).
+        wall_clock: seconds since the epoch, to read an HTTP-date ``Retry-After``.
+        random: a uniform number in [0, 1), for the jitter.
+    """
+
+    methods: frozenset[str] = DEFAULT_METHODS
+    deadline: Duration = timedelta(seconds=30)
+    max_attempts: int | None = None
+    backoff: Duration = timedelta(milliseconds=100)
+    max_backoff: Duration = timedelta(seconds=5)
+    retry_statuses: frozenset[int] = DEFAULT_RETRY_STATUSES
+    key_factory: KeyFactory = uuid4_key
+    key_form: KeyForm = KeyForm.BARE
+    clock: Callable[[], float] = field(default=time.monotonic)
+    wall_clock: Callable[[], float] = field(default=time.time)
+    random: Callable[[], float] = field(default=random.random)
+
+    def __post_init__(self) -> None:
+        for name in ("deadline", "backoff", "max_backoff"):
+            value = seconds(getattr(self, name))
+            if not math.isfinite(value) or value <= 0:
+                msg = f"{name} must be a positive duration, got {getattr(self, name)!r}"
+                raise ConfigurationError(msg)
+            object.__setattr__(self, name, timedelta(seconds=value))
+        if self.max_attempts is not None and self.max_attempts < 1:
+            msg = "max_attempts must be at least 1 (or None)"
+            raise ConfigurationError(msg)
+        object.__setattr__(self, "methods", frozenset(m.upper() for m in self.methods))
+        unsettled = {s for s in self.retry_statuses if not 400 <= s <= 599}
+        if unsettled:
+            msg = f"retry_statuses must be 4xx or 5xx, got {sorted(unsettled)}"
+            raise ConfigurationError(msg)
+
+    def manages(self, method: str) -> bool:
+        return method.upper() in self.methods
+
+
+class Operation:
+    """One logical request: its key, and the decisions taken after each attempt.
+
+    Mutable and private to the call that sends it; never shared.
+    """
+
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        sent: SentKey,
+        deadline: Deadline | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        self.policy = policy
+        self.sent = sent
+        self._observer = observer
+        self.attempts = 0
+        self._started = policy.clock()
+        self._left = _seconds_left(deadline or policy.deadline, policy.clock, self._started)
+        self._last: Decision | None = None
+        self._exhausted = False
+        self._status: int | None = None
+        self._replayed = False
+
+    @property
+    def key(self) -> str:
+        return self.sent.key
+
+    def time_left(self) -> float:
+        """Seconds until the deadline (negative once it passed)."""
+        return self._left()
+
+    def cap(self, timeout: float | None) -> float | None:
+        """An attempt's timeout cut to the time left; the first attempt is always made."""
+        left = self.time_left()
+        if left <= 0:
+            return timeout
+        return left if timeout is None else min(timeout, left)
+
+    def answered(self, status: int, headers: Mapping[str, str], body: bytes = b"") -> Decision:
+        """An answer came back; ``headers`` is case-insensitive (httpx's, requests')."""
+        self.attempts += 1
+        self._status = status
+        self._replayed = is_replay(headers)
+        decision = self._after_answer(status, headers, body)
+        self._report(AttemptReport(self.key, self.attempts, status, None, None, decision))
+        return decision
+
+    def failed(self, failure: Failure, error: BaseException | None = None) -> Decision:
+        """No answer came back; a final ``error`` gets a note saying why retrying stopped."""
+        self.attempts += 1
+        self._status = None
+        self._replayed = False
+        if failure is Failure.FATAL:
+            decision = self._stop(failure.value)
+        else:
+            decision = self._retry(self._jitter(), failure.value)
+        self._report(AttemptReport(self.key, self.attempts, None, failure, error, decision))
+        if error is not None and not decision.retry:
+            error.add_note(
+                f"idemflow.client: Idempotency-Key {excerpt(self.key)}, "
+                f"{self.attempts} attempt(s): {decision.reason}"
+            )
+        return decision
+
+    def outcome(self) -> ClientOutcome:
+        last = self._last or Decision(False, 0.0, "not sent")
+        return ClientOutcome(
+            key=self.key,
+            attempts=self.attempts,
+            replayed=self._replayed,
+            status=self._status,
+            exhausted=self._exhausted,
+            reason=last.reason,
+            elapsed=self.policy.clock() - self._started,
+        )
+
+    def _after_answer(self, status: int, headers: Mapping[str, str], body: bytes) -> Decision:
+        if self._replayed:
+            return self._stop(f"{status}, replayed: settled")
+        if not self._retryable(status, headers, body):
+            return self._stop(f"{status}: settled")
+        wanted = parse_retry_after(headers.get("retry-after"), self.policy.wall_clock())
+        if wanted is None:
+            return self._retry(self._jitter(), f"{status}")
+        return self._retry(max(wanted, self._jitter()), f"{status}, Retry-After {wanted:g} s")
+
+    def _report(self, report: AttemptReport) -> None:
+        if self._observer is not None:
+            self._observer(report)
+
+    def _retryable(self, status: int, headers: Mapping[str, str], body: bytes) -> bool:
+        if status not in self.policy.retry_statuses:
+            return False
+        return status != 409 or _in_flight(headers, body)
+
+    def _jitter(self) -> float:
+        """Full jitter: uniform in [0, min(max_backoff, backoff × 2^retries))."""
+        retries = max(self.attempts - 1, 0)
+        ceiling = seconds(self.policy.backoff) * 2.0 ** min(retries, 60)
+        return self.policy.random() * min(seconds(self.policy.max_backoff), ceiling)
+
+    def _retry(self, delay: float, why: str) -> Decision:
+        limit = self.policy.max_attempts
+        if limit is not None and self.attempts >= limit:
+            return self._stop(f"gave up after {self.attempts} attempts: {why}", exhausted=True)
+        if delay >= self.time_left():
+            return self._stop(f"gave up at the deadline: {why}", exhausted=True)
+        self._last = Decision(True, delay, why)
+        return self._last
+
+    def _stop(self, why: str, *, exhausted: bool = False) -> Decision:
+        self._exhausted = exhausted
+        self._last = Decision(False, 0.0, why)
+        return self._last
+
+
+class Operations:
+    """A transport's start of every operation: the policy, and the keys it sent (one ledger)."""
+
+    def __init__(
+        self,
+        policy: RetryPolicy | None = None,
+        ledger: KeyLedger | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        self.policy = policy or RetryPolicy()
+        self.ledger = ledger or KeyLedger()
+        self.observer = observer
+
+    def start(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        key_values: Sequence[str],
+        body: bytes,
+        deadline: Deadline | None = None,
+    ) -> Operation:
+        """The key and the retry state of one request, before its first attempt.
+
+        Raises:
+            idemflow.InvalidKey: the caller's ``Idempotency-Key`` (or a generated one) is malformed.
+            KeyReusedLocally: the caller's key was sent before with another request.
+        """
+        sent = self.ledger.choose(
+            key_values,
+            self.policy.key_factory,
+            self.policy.key_form,
+            scope=scope_of(url, headers),
+            fingerprint=request_fingerprint(method, url, body),
+        )
+        return Operation(self.policy, sent, deadline, self.observer)
+
+
+def is_replay(headers: Mapping[str, str]) -> bool:
+    """Is this the server's stored answer (``Idempotent-Replayed: true``)?"""
+    value = (headers.get(REPLAYED_HEADER) or "").strip().lower()
+    return value in ("true", "?1")
+
+
+def parse_retry_after(value: str | None, now: float) -> float | None:
+    """``Retry-After`` in seconds from ``now`` (epoch seconds), or None if absent or invalid.
+
+    RFC 9110 §10.2.3: delta-seconds (``120``) or an HTTP-date (IMF-fixdate, and
+    the obsolete RFC 850 and asctime forms); a date in the past is 0.
+    """
+    if value is None:
+        return None
+    text = value.strip()
+    if text.isascii() and text.isdigit():
+        return float(text)
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # asctime carries no zone: HTTP dates are GMT
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, when.timestamp() - now)
+
+
+def _in_flight(headers: Mapping[str, str], body: bytes) -> bool:
+    """A 409 that says "still running, come back": ``Retry-After`` or an in-flight problem."""
+    if headers.get("retry-after") is not None:
+        return True
+    if "json" not in (headers.get("content-type") or ""):
+        return False
+    try:
+        problem = json.loads(body)
+    except ValueError:
+        return False
+    kind = problem.get("type") if isinstance(problem, dict) else None
+    return isinstance(kind, str) and kind.endswith(IN_FLIGHT_PROBLEMS)
+
+
+def _seconds_left(
+    deadline: Deadline, clock: Callable[[], float], start: float
+) -> Callable[[], float]:
+    if callable(deadline):
+        return deadline
+    end = start + seconds(deadline)
+    return lambda: end - clock()
