@@ -323,7 +323,8 @@ class Operations:
         observer: Observer | None = None,
     ) -> None:
         self.policy = policy or RetryPolicy()
-        self.ledger = ledger or KeyLedger()
+        # Not `ledger or …`: an empty ledger is falsy, and a shared one must stay shared.
+        self.ledger = ledger if ledger is not None else KeyLedger()
         self.observer = observer
 
     def start(
