@@ -206,14 +206,33 @@ def test_a_409_is_retried_only_while_in_flight(clock: FrozenClock) -> None:
     ]
     for fields, body in in_flight:
         assert start(policy(clock)).answered(409, fields, body).retry
+    assert (
+        start(policy(clock))
+        .answered(409, headers(content_type=problem), b'{"type": "about:blank", "retryable": true}')
+        .retry
+    )
     settled = [
         (headers(), b""),
+        (headers(content_type="application/json"), b'{"type": "x/in-progress"}'),
         (headers(content_type=problem), b'{"type": "https://example/problems/duplicate"}'),
         (headers(content_type=problem), b"not json"),
         (headers(content_type=problem), b'["in-progress"]'),
     ]
     for fields, body in settled:
         assert not start(policy(clock)).answered(409, fields, body).retry
+
+
+def test_a_problems_retryable_member_has_the_last_word(clock: FrozenClock) -> None:
+    """false vetoes any retry; true makes a 5xx transient; a settled 4xx stays settled."""
+    problem = headers(content_type="application/problem+json", retry_after="1")
+    never = b'{"type": "x", "retryable": false}'
+    for status in (409, 429, 503):
+        assert not start(policy(clock)).answered(status, problem, never).retry
+    again = b'{"type": "https://idemflow.dev/problems/response-not-stored", "retryable": true}'
+    assert start(policy(clock)).answered(500, problem, again).retry
+    for status in (400, 422):
+        assert not start(policy(clock)).answered(status, problem, again).retry
+    assert not start(policy(clock)).answered(500, problem, b'{"retryable": "yes"}').retry
 
 
 def test_retry_statuses_are_configurable(clock: FrozenClock) -> None:

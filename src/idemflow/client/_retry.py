@@ -17,7 +17,11 @@ retry of one that ran is answered by the stored response.
   ``Retry-After``, or the problem type ``in-progress``/``lease-lost``): any
   other 409 is a settled answer;
 - ``408``, ``425``, ``429``, ``502``, ``503``, ``504``: nothing was settled
-  (idemflow releases the key on these), come back later.
+  (idemflow releases the key on these), come back later; and any 5xx whose
+  problem body says ``"retryable": true``.
+
+A problem body's ``retryable: false`` (idemflow's problems carry the member)
+vetoes a retry of any status: the server says the same request cannot succeed.
 
 Never retried: a replay (``Idempotent-Replayed: true``: the answer is
 settled, whatever its status), and every other status: 2xx, 3xx, 400, 401,
@@ -288,9 +292,19 @@ class Operation:
             self._observer(report)
 
     def _retryable(self, status: int, headers: Mapping[str, str], body: bytes) -> bool:
-        if status not in self.policy.retry_statuses:
+        """The status decides, and a problem's ``retryable`` member where it says more.
+
+        ``retryable: false`` vetoes a retry (the same request cannot succeed);
+        ``true`` marks a 409 as in flight and a 5xx as transient. It never
+        turns a settled 4xx into a retry.
+        """
+        problem = _problem(headers, body)
+        says = problem.get("retryable") if problem is not None else None
+        if says is False:
             return False
-        return status != 409 or _in_flight(headers, body)
+        if status == 409:
+            return status in self.policy.retry_statuses and _in_flight(headers, problem, says)
+        return status in self.policy.retry_statuses or (status >= 500 and says is True)
 
     def _jitter(self) -> float:
         """Full jitter: uniform in [0, min(max_backoff, backoff × 2^retries))."""
@@ -378,17 +392,26 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
     return max(0.0, when.timestamp() - now)
 
 
-def _in_flight(headers: Mapping[str, str], body: bytes) -> bool:
-    """A 409 that says "still running, come back": ``Retry-After`` or an in-flight problem."""
-    if headers.get("retry-after") is not None:
-        return True
-    if "json" not in (headers.get("content-type") or ""):
-        return False
+def _problem(headers: Mapping[str, str], body: bytes) -> dict[str, object] | None:
+    """The RFC 9457 problem in the body, or None (only ``application/problem+json`` is read)."""
+    if "problem+json" not in (headers.get("content-type") or ""):
+        return None
     try:
         problem = json.loads(body)
     except ValueError:
-        return False
-    kind = problem.get("type") if isinstance(problem, dict) else None
+        return None
+    return problem if isinstance(problem, dict) else None
+
+
+def _in_flight(headers: Mapping[str, str], problem: dict[str, object] | None, says: object) -> bool:
+    """A 409 that says "still running, come back".
+
+    ``Retry-After``, a problem ``retryable: true``, or the problem types
+    ``in-progress``/``lease-lost``; any other 409 is a settled conflict.
+    """
+    if headers.get("retry-after") is not None or says is True:
+        return True
+    kind = problem.get("type") if problem is not None else None
     return isinstance(kind, str) and kind.endswith(IN_FLIGHT_PROBLEMS)
 
 
