@@ -387,3 +387,10 @@ def test_the_policy_refuses_nonsense() -> None:
     assert RetryPolicy(methods=frozenset({"post", "put"})).manages("PUT")
     assert not RetryPolicy().manages("GET")
     assert RetryPolicy().deadline == timedelta(seconds=30)
+
+
+def test_a_zero_deadline_is_a_deadline(clock: FrozenClock) -> None:
+    """A per-request deadline of 0 is not "none": no retry, though the attempt is made."""
+    operation = Operations(policy(clock)).start("POST", URL, ALICE, [], BODY, 0)
+    assert operation.time_left() == 0
+    assert not operation.failed(Failure.CONNECT).retry

@@ -218,7 +218,8 @@ class Operation:
         self._observer = observer
         self.attempts = 0
         self._started = policy.clock()
-        self._left = _seconds_left(deadline or policy.deadline, policy.clock, self._started)
+        chosen = policy.deadline if deadline is None else deadline  # 0 is a deadline too
+        self._left = _seconds_left(chosen, policy.clock, self._started)
         self._last: Decision | None = None
         self._exhausted = False
         self._status: int | None = None
