@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +171,108 @@ def _open_mysql(table: str, found_rows: bool = False) -> Store:
     return MySQLStore(kwargs, table=table, max_size=4, clock="caller")
 
 
+# --- MariaDB Galera (three primaries) ------------------------------------------------
+
+
+def galera_connector(urls: tuple[str, ...]) -> Callable[[], Any]:
+    """A PyMySQL connection factory that opens each new connection on the next node.
+
+    The store's pool, and every caller connection, spread over all primaries:
+    claimants of one key race from different nodes, and meet in certification.
+    """
+    import itertools
+
+    import pymysql
+
+    from idemflow.stores.mysql import DEFAULT_LOCK_WAIT_TIMEOUT, connect_kwargs
+
+    nodes = itertools.cycle([connect_kwargs(url) for url in urls])
+    lock = threading.Lock()
+    init = f"SET SESSION innodb_lock_wait_timeout = {DEFAULT_LOCK_WAIT_TIMEOUT}"
+
+    def connect() -> Any:
+        with lock:
+            kwargs = next(nodes)
+        return pymysql.connect(**kwargs, charset="utf8mb4", connect_timeout=5, init_command=init)
+
+    return connect
+
+
+def galera_urls() -> tuple[str, ...]:
+    """The session's Galera cluster (started on first use): one URL per primary."""
+    from tests._galera import GaleraUnavailable, shared_cluster
+    from tests.conftest import unreachable
+
+    try:
+        return tuple(shared_cluster().urls)
+    except (GaleraUnavailable, OSError) as exc:
+        unreachable("MariaDB Galera", exc)
+        raise  # unreachable() never returns
+
+
+def galera_backend(table: str) -> Backend:
+    """The MySQL store, unchanged, on a 3-node Galera cluster, its connections on every node."""
+    pytest.importorskip("pymysql")
+    urls = galera_urls()
+    store = _open_galera(table, urls, max_size=8)
+    store.migrate()
+    open_transaction, write = _galera_caller(table, urls)
+    connect = galera_connector(urls)
+    with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
+        cursor.execute(
+            f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
+        )
+
+    def count() -> int:
+        # wsrep_sync_wait: wait until this node has applied every commit made before.
+        with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
+            cursor.execute("SET SESSION wsrep_sync_wait = 1")
+            cursor.execute(f"SELECT count(*) FROM biz_{table}")
+            return int(cursor.fetchone()[0])
+
+    def drop() -> None:
+        store.close()
+        with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
+            cursor.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
+
+    backend = Backend("galera", store, open_transaction, write, count, ("galera", (table, urls)))
+    backend.closers.append(drop)
+    return backend
+
+
+def _open_galera(table: str, urls: tuple[str, ...], max_size: int = 4) -> Any:
+    from idemflow.stores.mysql import MySQLStore
+
+    return MySQLStore(galera_connector(urls), table=table, max_size=max_size, clock="caller")
+
+
+def _galera_caller(table: str, urls: tuple[str, ...]) -> Caller:
+    from idemflow.stores.mysql import PyMySQLTransaction
+
+    connect = galera_connector(urls)
+
+    @contextlib.contextmanager
+    def open_transaction() -> Iterator[Transaction]:
+        with contextlib.closing(connect()) as conn:
+            conn.autocommit(True)
+            yield PyMySQLTransaction(conn)
+
+    def write(conn: Any, note: str) -> None:
+        with conn.cursor() as cursor:
+            cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
+    return open_transaction, write
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_galera() -> Iterator[None]:
+    """Stop the session's Galera cluster (if a test started one) and remove its files."""
+    yield
+    from tests._galera import stop_shared_cluster
+
+    stop_shared_cluster()
+
+
 # --- Redis / Redis Cluster --------------------------------------------------------
 
 REDIS_URL = os.environ.get("IDEMFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -274,6 +377,7 @@ BACKENDS: dict[str, Callable[[Path, str], Backend]] = {
     "mysql-found-rows": lambda tmp_path, table: mysql_backend(table, found_rows=True),
     "redis": lambda tmp_path, table: redis_backend(table),
     "redis-cluster": lambda tmp_path, table: redis_cluster_backend(table),
+    "galera": lambda tmp_path, table: galera_backend(table),
 }
 
 
@@ -297,6 +401,7 @@ STORE_OPENERS: dict[str, Callable[..., Store]] = {
     "mysql-found-rows": lambda table: _open_mysql(table, found_rows=True),
     "redis": _open_redis,
     "redis-cluster": lambda prefix, url: _open_redis(prefix, url, cluster=True),
+    "galera": _open_galera,
 }
 
 
@@ -370,6 +475,7 @@ CALLER_OPENERS: dict[str, Callable[..., Caller]] = {
     "postgres": _postgres_caller,
     "mysql": _mysql_caller,
     "mysql-found-rows": lambda table: _mysql_caller(table, found_rows=True),
+    "galera": _galera_caller,
 }
 
 
@@ -380,6 +486,7 @@ SERVICE_MARKS = {
     "mysql-found-rows": "mysql",
     "redis": "redis",
     "redis-cluster": "redis",
+    "galera": "mysql",
 }
 
 
