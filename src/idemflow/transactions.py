@@ -117,7 +117,17 @@ class PyMySQLTransaction:
             return None if row is None else row_mapping(cursor.description, row)
 
     def commit(self) -> None:
-        self.connection.commit()
+        try:
+            self.connection.commit()
+        except Exception as exc:
+            # A deadlock or (Galera) a failed certification rolled everything
+            # back, the effect with the completion: a 503 to retry, not a 500.
+            from .stores.mysql._errors import is_conflict
+            from .stores.mysql._store import rolled_back
+
+            if is_conflict(exc):
+                raise rolled_back() from exc
+            raise
 
     def rollback(self) -> None:
         self.connection.rollback()

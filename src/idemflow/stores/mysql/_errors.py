@@ -4,8 +4,10 @@ from __future__ import annotations
 
 # Client errors meaning "the server is not there": can't connect (2002,
 # 2003), gone away / lost (2006, 2013), too many connections (1040), server
-# shutting down (1053), connection killed (1927 MariaDB, 4031 MySQL 8).
-_UNREACHABLE = frozenset({1040, 1053, 1927, 2002, 2003, 2006, 2013, 4031})
+# shutting down (1053), connection killed (1927 MariaDB, 4031 MySQL 8), and a
+# Galera node outside the primary component (1047 "WSREP has not yet prepared
+# node for application use": partitioned from the quorum, or still joining).
+_UNREACHABLE = frozenset({1040, 1047, 1053, 1927, 2002, 2003, 2006, 2013, 4031})
 #: Duplicate key, lock wait timeout, deadlock.
 DUPLICATE, LOCK_WAIT_TIMEOUT, DEADLOCK = 1062, 1205, 1213
 #: Error numbers that mean the server cannot take the statement now: a 503, not a 500.
@@ -30,6 +32,14 @@ def _is_driver_error(exc: BaseException, name: str) -> bool:
     """Is ``exc`` PyMySQL's error ``name``? By name, not identity: PyMySQL installed as
     MySQLdb (Django) runs its error module a second time, with classes of its own."""
     return any(c.__name__ == name and c.__module__.endswith(".err") for c in type(exc).__mro__)
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """A deadlock victim, or (Galera) a certification failure, which MariaDB reports alike.
+
+    Either way the statement, and the transaction it ran in, had no effect.
+    """
+    return error_code(exc) == DEADLOCK
 
 
 def is_contention(exc: BaseException) -> bool:

@@ -45,6 +45,8 @@ class MySQLStatements:
     #: Bound, then restore, the caller's lock wait around a claim in its transaction.
     bound_lock_wait: SQLStatement
     restore_lock_wait: SQLStatement
+    #: Is this node a Galera (wsrep) node? No row on MySQL 8, ``OFF`` on a plain MariaDB.
+    wsrep_on: SQLStatement
 
 
 def mysql_ddl(table: str) -> list[str]:
@@ -178,6 +180,7 @@ def mysql_statements(table: str = DEFAULT_TABLE, clock: StoreClock = "database")
             "SET @idemflow_lock_wait = @@SESSION.innodb_lock_wait_timeout, "
             "SESSION innodb_lock_wait_timeout = :lock_wait"
         ),
+        wsrep_on=SQLStatement("SHOW VARIABLES LIKE 'wsrep_on'"),
         restore_lock_wait=SQLStatement(
             "SET SESSION innodb_lock_wait_timeout = @idemflow_lock_wait"
         ),

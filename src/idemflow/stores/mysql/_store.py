@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import secrets
-from collections.abc import Callable, Mapping
-from typing import Any
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
-from ..._errors import ConfigurationError, LeaseLost
+from ..._errors import ConfigurationError, LeaseLost, StoreUnavailable
 from ..._model import Claim, Intent, Record, State, can_take_over, record_from_row
 from ..protocol import Transaction
 from ..sql import SQLStore
@@ -23,10 +26,10 @@ from ..sql.dialect import (
     sweep_params,
 )
 from ._errors import (
-    DEADLOCK,
     DUPLICATE,
     LOCK_WAIT_TIMEOUT,
     error_code,
+    is_conflict,
     is_contention,
     is_unavailable,
 )
@@ -38,8 +41,45 @@ from ._url import connect_kwargs
 #: another transaction holds before answering 409 instead: never hold a
 #: connection per duplicate.
 DEFAULT_LOCK_WAIT_TIMEOUT = 1
-# A deadlock victim's statement had no effect: claiming again is safe.
+# A deadlock victim's statement (or, on Galera, one that failed certification)
+# had no effect: sending it again is safe.
 _DEADLOCK_RETRIES = 5
+# Between those: on Galera the winner's write set is committed but may not be
+# applied on this node yet; a short random pause lets it land (seconds).
+_CONFLICT_BACKOFF = 0.002
+_CONFLICT_BACKOFF_MAX = 0.05
+
+T = TypeVar("T")
+
+
+def rolled_back() -> StoreUnavailable:
+    """The 503 of a caller's transaction that a conflicting write rolled back."""
+    return StoreUnavailable(
+        "the transaction was rolled back by a conflicting write (a deadlock, or a Galera "
+        "certification failure): nothing was recorded; retry with the same key"
+    )
+
+
+def _pause(attempt: int) -> None:
+    time.sleep(random.uniform(0, min(_CONFLICT_BACKOFF * 2**attempt, _CONFLICT_BACKOFF_MAX)))
+
+
+def retry_conflicts(run: Callable[[], T]) -> T:
+    """Run an autocommit statement again while it loses a deadlock or certification.
+
+    Only for statements that decide on the current row (fenced updates, the
+    sweep's mark, purge): each attempt is judged again by its WHERE clause.
+    Still losing after :data:`_DEADLOCK_RETRIES` attempts is a 503.
+    """
+    for attempt in range(_DEADLOCK_RETRIES):
+        try:
+            return run()
+        except Exception as exc:
+            if not is_conflict(exc):
+                raise
+        _pause(attempt)
+    msg = "the key store kept losing write conflicts (deadlock or Galera certification)"
+    raise StoreUnavailable(msg)
 
 
 class MySQLStore(SQLStore):
@@ -64,8 +104,11 @@ class MySQLStore(SQLStore):
     """
 
     # The claim in the caller's transaction bounds its lock wait itself
-    # (innodb_lock_wait_timeout, then restored): single-commit mode is safe.
+    # (innodb_lock_wait_timeout, then restored): single-commit mode is safe,
+    # except on Galera, where the claim refuses it (see _claim_in_transaction).
     supports_single_commit = True
+    #: Is the server a Galera node? Learnt by the first single-commit claim.
+    _galera: bool | None = None
 
     def __init__(
         self,
@@ -138,38 +181,56 @@ class MySQLStore(SQLStore):
                     continue
                 if not _may_take_over(row, params):
                     return Claim(owned=False, record=record_from_row(row))
-                self._statement(conn, self.dialect.claim, params)
+                self._take_over(conn, params)
                 return _decided(self._fetchone(conn, self.dialect.select, params), lease_token)
         raise claim_busy()
 
+    def _take_over(self, conn: Any, params: Mapping[str, Any]) -> None:
+        """The guarded upsert. One that kept losing conflicts lost to a write of this
+        row: what the row says now (read next, by our token) is the answer."""
+        try:
+            self._statement(conn, self.dialect.claim, params)
+        except Exception as exc:
+            if not is_conflict(exc):
+                raise
+
     def _insert(self, conn: Any, params: Mapping[str, Any]) -> int | None:
-        """The new row's id, or None when the key exists (error 1062)."""
+        """The new row's id, or None when the key exists (error 1062).
+
+        An insert that keeps losing a conflict (deadlock, or on Galera the
+        certification of another node's insert of this key) lost it to a row
+        that exists: None too, so the caller reads that row and dispatches.
+        """
         try:
             return self._statement(conn, self.statements.insert, params)
         except Exception as exc:
-            if error_code(exc) == DUPLICATE:
+            if error_code(exc) == DUPLICATE or is_conflict(exc):
                 return None
             raise
 
     def _statement(self, conn: Any, statement: SQLStatement, params: Mapping[str, Any]) -> int:
         """Run a claiming statement; the id it inserted (0 if none).
 
-        A deadlock victim's statement had no effect, so it is simply run
-        again; a lock wait that times out means a live transaction holds the
-        row, which is a 409.
+        A deadlock victim's statement had no effect, so it is run again after
+        a short pause (on Galera, a certification failure means another
+        node's write of this row was ordered first: once applied here, the
+        statement sees it). A lock wait that times out means a live
+        transaction holds the row, which is a 409. Still conflicting after
+        :data:`_DEADLOCK_RETRIES`: the last conflict is raised.
         """
-        for _ in range(_DEADLOCK_RETRIES):
+        for attempt in range(_DEADLOCK_RETRIES):
             with conn.cursor() as cursor:
                 try:
                     cursor.execute(statement.pyformat, statement.bind(params))
                 except Exception as exc:
-                    if error_code(exc) == DEADLOCK:
+                    if is_conflict(exc) and attempt + 1 < _DEADLOCK_RETRIES:
+                        _pause(attempt)
                         continue
                     if error_code(exc) == LOCK_WAIT_TIMEOUT:
                         raise claim_busy() from exc
                     raise
                 return int(cursor.lastrowid or 0)
-        raise claim_busy()
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _claim_in_transaction(self, transaction: Transaction, params: Mapping[str, Any]) -> Claim:
         """Claim as a write of the caller's transaction (``single_commit=True``).
@@ -183,6 +244,7 @@ class MySQLStore(SQLStore):
         """
         bound = {**params, "lock_wait": self.lock_wait_timeout}
         with self._translate():
+            self._refuse_galera(transaction)
             transaction.execute(self.statements.bound_lock_wait, bound)
             try:
                 row = self._insert_or_read(transaction, params)
@@ -196,6 +258,40 @@ class MySQLStore(SQLStore):
             finally:
                 transaction.execute(self.statements.restore_lock_wait, {})
         return _decided(row, str(params["lease_token"]))
+
+    def _refuse_galera(self, transaction: Transaction) -> None:
+        """Single-commit mode needs the INSERT to decide. On Galera it does not: two
+        nodes' inserts of one key both succeed locally, both handlers run, and one
+        transaction fails certification at COMMIT. Refused before anything is claimed."""
+        if self._galera is None:
+            row = transaction.fetchone(self.statements.wsrep_on, {})
+            self._galera = row is not None and str(row["Value"]).upper() == "ON"
+        if self._galera:
+            msg = (
+                "single_commit is refused on Galera (wsrep_on=ON): a claim in your "
+                "transaction is only certified at COMMIT, so two nodes could both run "
+                "the handler; use the two-commit mode (the default)"
+            )
+            raise ConfigurationError(msg)
+
+    def _write(
+        self, statement: SQLStatement, params: Mapping[str, Any], transaction: Transaction | None
+    ) -> bool:
+        """A fenced UPDATE; a conflict it loses is sent again (autocommit) or is a 503.
+
+        Autocommit: the losing statement had no effect and the fence judges the
+        current row again, so it is retried. In the caller's transaction the
+        conflict rolled the whole transaction back (the effect with it): a 503
+        the flow answers after releasing the claim, never a 500.
+        """
+        if transaction is None:
+            return retry_conflicts(lambda: super(MySQLStore, self)._write(statement, params, None))
+        with _rolled_back_is_503():
+            return super()._write(statement, params, transaction)
+
+    def purge(self, now: float, limit: int) -> int:
+        """Delete up to ``limit`` records past retention, again if it loses a conflict."""
+        return retry_conflicts(lambda: super(MySQLStore, self).purge(now, limit))
 
     def _insert_or_read(
         self, transaction: Transaction, params: Mapping[str, Any]
@@ -231,7 +327,8 @@ class MySQLStore(SQLStore):
         statement = self.statements.still_owned
         with self._translate():
             if transaction is not None:
-                return transaction.fetchone(statement, params) is not None
+                with _rolled_back_is_503():
+                    return transaction.fetchone(statement, params) is not None
             with self.pool.connection() as conn:
                 return self._fetchone(conn, statement, params) is not None
 
@@ -248,6 +345,10 @@ class MySQLStore(SQLStore):
             **sweep_params(from_state, cutoff, now, keep_until, limit),
             "sweep_token": secrets.token_hex(16),
         }
+        # A mark that lost a conflict marked nothing; the next one decides afresh.
+        return retry_conflicts(lambda: self._mark(params))
+
+    def _mark(self, params: Mapping[str, Any]) -> list[Record]:
         with self._translate(), self.pool.connection() as conn:
             cursor = conn.cursor()
             try:
@@ -261,6 +362,16 @@ class MySQLStore(SQLStore):
                 return [record_from_row(row_mapping(cursor.description, r)) for r in rows]
             finally:
                 cursor.close()
+
+
+@contextmanager
+def _rolled_back_is_503() -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        if is_conflict(exc):
+            raise rolled_back() from exc
+        raise
 
 
 def _may_take_over(row: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
