@@ -120,11 +120,28 @@ NEW_INTENT_SQL = f"({PAST_RETENTION_SQL} AND NOT {RETRY_SQL})"
 
 
 def _owned_by_caller(alias: str = "") -> str:
-    """The fence every write of an owner carries: our record, our lease, still running."""
+    """The fence every write of an owner carries: our record, our lease, still running.
+
+    The state is compared through COALESCE so that only the primary key can
+    serve the statement (see :func:`_in_state`).
+    """
     prefix = f"{alias}." if alias else ""
     return (
-        f"{prefix}id = :id AND {prefix}lease_token = :lease_token AND {prefix}state = 'in_progress'"
+        f"{prefix}id = :id AND {prefix}lease_token = :lease_token "
+        f"AND {_in_state('in_progress', prefix)}"
     )
+
+
+def _in_state(state: str, prefix: str = "") -> str:
+    """``state = '<state>'`` in a form no index can serve, for statements that name their row.
+
+    A connection that prepares a fenced write while the key table is empty or
+    unanalysed keeps a generic plan; with a bare ``state = …`` PostgreSQL's
+    picks the ``(state, updated_at)`` index for it, and every later execution
+    scans all rows in that state instead of finding one by its primary key
+    (tests/stores/test_postgres_plans.py).
+    """
+    return f"COALESCE({prefix}state, '') = '{state}'"
 
 
 # A released record is swept only when it got past a recovery point (an external
@@ -245,8 +262,10 @@ class Dialect:
         columns = ", ".join(COLUMNS)
         before, after = around_claim_in_transaction
         lock = " FOR UPDATE SKIP LOCKED" if skip_locked else ""
+        # The sweeper's fence: the row it marked, unchanged since; served by
+        # the primary key only (see _in_state).
         marked = (
-            "id = :id AND lease_token = :lease_token AND state = 'stale' "
+            f"id = :id AND lease_token = :lease_token AND {_in_state('stale')} "
             "AND updated_at = :marked_at"
         )
         return cls(
