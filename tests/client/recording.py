@@ -8,6 +8,10 @@ its method, path, ``Idempotency-Key`` lines and body. It is not a server and
 answers nothing itself: when the server behind it dies, it closes the
 client's connection, so the client sees the drop the server caused; while the
 server is down, every connection it accepts is closed at once.
+
+:meth:`RecordingRelay.cut_answers` makes it a fault on the wire too: the next
+answers are cut off a few bytes into their body, as a connection lost on the
+way back would, after the server did its work.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ __all__ = ["Recorded", "RecordingRelay", "recording_relay"]
 
 #: A request head is never this long in these tests; past it the stream is not HTTP.
 MAX_HEAD = 64 * 1024
+#: How much of a cut answer's body still gets through.
+CUT_AFTER = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +53,9 @@ class RecordingRelay:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
+        self._cuts = 0
+        #: Answers cut so far.
+        self.cut = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @property
@@ -57,6 +66,19 @@ class RecordingRelay:
         with self._lock:
             assert not self._errors, self._errors
             return [r for r in self._requests if path is None or r.path == path]
+
+    def cut_answers(self, count: int) -> None:
+        """Cut the answers on the next ``count`` connections short, mid-body."""
+        with self._lock:
+            self._cuts = count
+
+    def _take_cut(self) -> bool:
+        with self._lock:
+            if self._cuts <= 0:
+                return False
+            self._cuts -= 1
+            self.cut += 1
+            return True
 
     def start(self) -> None:
         self._thread.start()
@@ -95,7 +117,8 @@ class RecordingRelay:
             client_out.close()
             return
         inbound = asyncio.ensure_future(self._pump(client_in, server_out, record=True))
-        outbound = asyncio.ensure_future(self._pump(server_in, client_out, record=False))
+        back = self._cut_short if self._take_cut() else self._pump
+        outbound = asyncio.ensure_future(back(server_in, client_out, record=False))
         try:
             await asyncio.wait([inbound, outbound], return_when=asyncio.FIRST_COMPLETED)
         finally:  # one side closed (or the relay stops): close the other
@@ -120,6 +143,21 @@ class RecordingRelay:
                         buffer = b""
                 sink.write(chunk)
                 await sink.drain()
+
+    async def _cut_short(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, *, record: bool
+    ) -> None:
+        """Forward the answer's head and CUT_AFTER bytes of its body, then hang up."""
+        buffer = b""
+        with contextlib.suppress(OSError):
+            while (end := buffer.find(b"\r\n\r\n")) < 0 or len(buffer) < end + 4 + CUT_AFTER:
+                chunk = await source.read(65536)
+                if not chunk:
+                    break
+                buffer += chunk
+            end = buffer.find(b"\r\n\r\n")
+            sink.write(buffer[: end + 4 + CUT_AFTER] if end >= 0 else buffer)
+            await sink.drain()
 
     def _record(self, buffer: bytes) -> bytes:
         """Record every whole request in ``buffer``; return what is left of the next one."""

@@ -66,6 +66,16 @@ def flaky(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Demo, Reco
         yield demo, relay
 
 
+@pytest.fixture(scope="module")
+def steady(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Demo, RecordingRelay]]:
+    """The demo with a provider that never fails, behind a recording relay."""
+    with (
+        run_demo(tmp_path_factory.mktemp("steady") / "data") as demo,
+        recording_relay(port_of(demo.url)) as relay,
+    ):
+        yield demo, relay
+
+
 def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
@@ -201,9 +211,9 @@ def test_a_key_is_never_sent_with_a_second_body(flaky: tuple[Demo, RecordingRela
     assert len(sent) == first_outcome.attempts + found.attempts
 
 
-def test_settled_answers_are_sent_once(flaky: tuple[Demo, RecordingRelay]) -> None:
+def test_settled_answers_are_sent_once(steady: tuple[Demo, RecordingRelay]) -> None:
     """401, 400 and 422 are answers, not failures: one attempt each, never retried."""
-    _, relay = flaky
+    _, relay = steady
     key = f"settled-{uuid.uuid4().hex}"
     customer = f"settled-{uuid.uuid4().hex[:8]}"
 
@@ -217,7 +227,7 @@ def test_settled_answers_are_sent_once(flaky: tuple[Demo, RecordingRelay]) -> No
     invalid = {**JSON, "Idempotency-Key": key + "-400"}
     assert send(b'{"amount": -1}', invalid).status_code == 400
     mine = {**JSON, "Idempotency-Key": key}
-    assert send(payment(customer), mine).status_code == 201  # after retries, if the provider failed
+    assert send(payment(customer), mine).status_code == 201
     reused = send(payment(customer, 2500), mine)
     assert reused.status_code == 422
     found = outcome(reused)
@@ -228,9 +238,29 @@ def test_settled_answers_are_sent_once(flaky: tuple[Demo, RecordingRelay]) -> No
     assert len([r for r in relay.requests() if r.keys == (key,) and b"2500" in r.body]) == 1
 
 
-def test_a_generated_key_in_the_sf_string_form(flaky: tuple[Demo, RecordingRelay]) -> None:
+@pytest.mark.parametrize("runner", ["httpx-sync", "requests"])
+def test_an_answer_cut_short_is_retried(steady: tuple[Demo, RecordingRelay], runner: str) -> None:
+    """The 201 is cut off mid-body, after the server did its work: retried into its replay.
+
+    The transports read the answer whole inside their retry loop, so a cut is
+    a lost answer like any other (and not an error the caller meets later).
+    """
+    demo, relay = steady
+    customers = [f"cut-{runner}-{uuid.uuid4().hex[:8]}"]
+    cut_before = relay.cut
+    relay.cut_answers(1)
+    finals = RUNNERS[runner](relay.url, customers)
+    assert relay.cut == cut_before + 1
+    assert [end.status for end in finals] == [201]
+    assert (finals[0].outcome.attempts, finals[0].outcome.replayed) == (2, True)
+    ours = [r for r in relay.requests("/payments") if customer_of(r) in customers]
+    assert_one_key_one_body(ours, finals)
+    assert_charged_once(demo, finals)
+
+
+def test_a_generated_key_in_the_sf_string_form(steady: tuple[Demo, RecordingRelay]) -> None:
     """KeyForm.SF_STRING: the wire carries "…", the server reads the same key."""
-    demo, relay = flaky
+    demo, relay = steady
     customer = f"sf-{uuid.uuid4().hex[:8]}"
     transport = IdempotentTransport(policy=RetryPolicy(key_form=KeyForm.SF_STRING))
     with httpx.Client(base_url=relay.url, transport=transport, timeout=30) as client:
