@@ -26,6 +26,7 @@ PAIRS = [
     (ROOT / "_async", ROOT / "_sync"),
     (ROOT / "stores" / "sql" / "_async.py", ROOT / "stores" / "sql" / "_sync.py"),
     (ROOT / "stores" / "redis" / "_async.py", ROOT / "stores" / "redis" / "_sync.py"),
+    (ROOT / "stores" / "memory" / "_async.py", ROOT / "stores" / "memory" / "_sync.py"),
 ]
 
 #: The sentence every source carries, naming its twin (checked against PAIRS).

@@ -285,7 +285,7 @@ def test_the_gauge_query_reads_the_state_age_index(tmp_path: Path, table_name: s
     """EXPLAIN on 20 000 analysed rows: two ranges of <table>_state_updated, no table scan."""
     import psycopg
 
-    from idemflow.stores._stats import SQLStats
+    from idemflow.stores.sql import SQLStats
     from tests.conftest import POSTGRES_URL
 
     with (
@@ -298,7 +298,9 @@ def test_the_gauge_query_reads_the_state_age_index(tmp_path: Path, table_name: s
             "SELECT 'p', 'k' || g, 'f', 'e', 'completed', g, g, g FROM generate_series(1, 20000) g"
         )
         conn.execute(f"ANALYZE {table_name}")
-        stuck = SQLStats(store)._stuck
+        stats = store.stats()
+        assert isinstance(stats, SQLStats)
+        stuck = stats._stuck
         rows = conn.execute("EXPLAIN " + stuck.pyformat, stuck.bind({"cutoff": 500})).fetchall()
     plan = "\n".join(row[0] for row in rows)
     assert f"Index Scan on {table_name}_state_updated" in plan, plan

@@ -37,7 +37,8 @@ from prometheus_client.registry import Collector
 
 from ._events import Event
 from ._model import Clock, Duration, Intent, seconds
-from .stores._stats import STUCK_STATES, StatsSource, stats_source
+from .stores.protocol import ObservableStore
+from .stores.stats import STUCK_STATES, StatsSource
 
 __all__ = ["RESOLUTIONS", "PrometheusMetrics"]
 
@@ -139,7 +140,7 @@ class PrometheusMetrics:
 
     def watch_stale_claims(
         self,
-        store: Any,
+        store: ObservableStore,
         request_timeout: Duration,
         *,
         cache_seconds: float = DEFAULT_GAUGE_CACHE_SECONDS,
@@ -154,7 +155,9 @@ class PrometheusMetrics:
         ``cache_seconds`` at most.
 
         Args:
-            store: a synchronous SQL store or a memory store. Asyncio apps pass
+            store: a store that answers stats (``ObservableStore``): a sync SQL,
+                memory or Redis store, or the async SQLite or memory one. Asyncio apps on
+                PostgreSQL or Redis pass
                 a sync store opened on the same database (a pool of one or two
                 connections is plenty).
             request_timeout: the same timeout as the app's ``Policy``.
@@ -162,7 +165,7 @@ class PrometheusMetrics:
         """
         gauge = StuckClaimsGauge(
             f"{self.namespace}_stale_in_progress",
-            stats_source(store),
+            store.stats(),
             seconds(request_timeout),
             cache_seconds,
             clock,

@@ -108,11 +108,11 @@ class PyMySQLTransaction:
 
     def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
         with self.connection.cursor() as cursor:
-            return int(cursor.execute(statement.pyformat, _bind(statement, params)))
+            return int(cursor.execute(statement.pyformat, statement.bind(params)))
 
     def fetchone(self, statement: Statement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
         with self.connection.cursor() as cursor:
-            cursor.execute(statement.pyformat, _bind(statement, params))
+            cursor.execute(statement.pyformat, statement.bind(params))
             row = cursor.fetchone()
             return None if row is None else row_mapping(cursor.description, row)
 
@@ -131,11 +131,6 @@ class PyMySQLTransaction:
 
     def rollback(self) -> None:
         self.connection.rollback()
-
-
-def _bind(statement: Statement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    bind = getattr(statement, "bind", None)
-    return dict(params) if bind is None else bind(params)
 
 
 T = TypeVar("T")

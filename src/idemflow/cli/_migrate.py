@@ -29,8 +29,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         store.migrate()
     finally:
-        close = getattr(store, "close", None)
-        if close is not None:
-            close()
+        store.close()
     print(f"migrated {args.table} on {url.split('@')[-1]}")
     return 0

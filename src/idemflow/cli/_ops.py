@@ -18,8 +18,9 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from .._errors import ConfigurationError, StoreUnavailable
-from ..stores._stats import missing_table_is_clear
-from ..stores.urls import _redact, open_store, scheme_of, sqlite_path
+from ..stores.protocol import OperableStore
+from ..stores.sql import missing_table_is_clear
+from ..stores.urls import open_store, redact, scheme_of, sqlite_path
 from ._common import database_url
 
 __all__ = [
@@ -46,7 +47,7 @@ def add_json_argument(parser: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def operated_store(args: argparse.Namespace) -> Iterator[Any]:
+def operated_store(args: argparse.Namespace) -> Iterator[OperableStore]:
     """The store named by the command line, checked reachable first, closed afterwards."""
     url = database_url(args)
     _check_reachable(url, scheme_of(url))
@@ -55,9 +56,7 @@ def operated_store(args: argparse.Namespace) -> Iterator[Any]:
         with missing_table_is_clear(args.table):
             yield store
     finally:
-        close = getattr(store, "close", None)
-        if close is not None:
-            close()
+        store.close()
 
 
 def _check_reachable(url: str, scheme: str) -> None:
@@ -77,7 +76,7 @@ def _check_reachable(url: str, scheme: str) -> None:
             psycopg.connect(conninfo, connect_timeout=_CONNECT_TIMEOUT_SECONDS).close()
         except psycopg.Error as exc:
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            msg = f"cannot reach {_redact(url)}: {reason}"
+            msg = f"cannot reach {redact(url)}: {reason}"
             raise StoreUnavailable(msg) from exc
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from .._errors import ConfigurationError, StoreUnavailable
-from ..stores._stats import stats_source
+from ..stores.protocol import MaintainableStore, ObservableStore
 from ._common import add_database_arguments, positive_int, positive_seconds
 from ._ops import add_json_argument, operated_store, rich_console
 
@@ -67,9 +67,6 @@ class PurgePass:
 
 def run(args: argparse.Namespace) -> int:
     with operated_store(args) as store, _stop_on_sigterm() as stopping:
-        if getattr(store, "purge", None) is None:
-            msg = f"{type(store).__name__} cannot purge"
-            raise ConfigurationError(msg)
         if args.every is None:
             _report(args, purge_pass(store, args.batch, _progress(args, store), stopping))
             return 0
@@ -84,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
-def purge_pass(store: Any, batch: int, progress: Progress, stopping: threading.Event) -> PurgePass:
+def purge_pass(
+    store: MaintainableStore, batch: int, progress: Progress, stopping: threading.Event
+) -> PurgePass:
     """Delete everything expired as of now, ``batch`` records per statement.
 
     ``now`` is fixed for the pass, so it ends even while records keep expiring
@@ -133,7 +132,7 @@ def _say(args: argparse.Namespace, text: str, **fields: Any) -> None:
 # --- progress -------------------------------------------------------------------
 
 
-def _progress(args: argparse.Namespace, store: Any) -> Progress:
+def _progress(args: argparse.Namespace, store: ObservableStore) -> Progress:
     """Report deleted rows on a terminal: a Rich bar, or a counter without Rich."""
     if args.json or not sys.stderr.isatty():
         return lambda deleted, last: None
@@ -144,10 +143,10 @@ def _progress(args: argparse.Namespace, store: Any) -> Progress:
     return _bar(console, total)
 
 
-def _expected(store: Any) -> int | None:
+def _expected(store: ObservableStore) -> int | None:
     """How many records are expired now (one COUNT on the expiry index), if the store says."""
     try:
-        return stats_source(store).expired(time.time())
+        return store.stats().expired(time.time())
     except ConfigurationError:
         return None
 

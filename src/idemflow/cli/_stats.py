@@ -8,7 +8,7 @@ from typing import Any
 
 from .._model import Policy, State
 from ..logs import key_digest
-from ..stores._stats import StoreStats, stats_source
+from ..stores.stats import StoreStats
 from ._common import add_database_arguments
 from ._ops import add_json_argument, age, iso, operated_store, print_json, print_pairs, print_table
 
@@ -50,9 +50,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     policy = Policy(request_timeout=args.request_timeout, stale_after=args.stale_after)
     with operated_store(args) as store:
-        stats = stats_source(store).snapshot(
-            time.time(), args.request_timeout, policy.stale_seconds
-        )
+        stats = store.stats().snapshot(time.time(), args.request_timeout, policy.stale_seconds)
     if args.json:
         print_json(stats_json(stats))
         return 0

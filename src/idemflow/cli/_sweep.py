@@ -114,9 +114,7 @@ def run(args: argparse.Namespace) -> int:
         )
         _sweep(sweeper, args)
     finally:
-        close = getattr(store, "close", None)
-        if close is not None:
-            close()
+        store.close()
     return 0
 
 

@@ -10,8 +10,10 @@ record; the rules about *when* to call which live in ``idemflow._flow``.
 effect and the ``completed`` record commit together. Stores whose data cannot
 share the caller's transaction set ``supports_transactions = False`` and the
 driver refuses a transaction at configuration time; likewise
-``supports_single_commit`` for a claim inside that transaction. Callers rely
-on these two declarations, never on probing a store's attributes.
+``supports_single_commit`` for a claim inside that transaction. The sweeper
+and purge need a :class:`MaintainableStore`, the operator's questions an
+:class:`ObservableStore`, the commands an :class:`OperableStore`. Callers rely
+on these declarations, never on probing a store's attributes.
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ from typing import Any, Literal, Protocol, TypeAlias
 
 from .._errors import ConfigurationError
 from .._model import Claim, Intent, Record, Response, State
+from .stats import StatsSource
 
 __all__ = [
     "AsyncMaintainableStore",
+    "AsyncOperableStore",
     "AsyncStore",
     "AsyncTransaction",
     "MaintainableStore",
+    "ObservableStore",
+    "OperableStore",
     "Statement",
+    "StatsSource",
     "Store",
     "StoreClock",
     "Transaction",
@@ -276,3 +283,32 @@ class AsyncMaintainableStore(AsyncStore, Protocol):
     ) -> bool: ...
 
     async def purge(self, now: float, limit: int) -> int: ...
+
+
+class ObservableStore(Protocol):
+    """A store that answers the operator's questions (``idemflow stats``, the stuck gauge)."""
+
+    def stats(self) -> StatsSource:
+        """The questions, asked synchronously; ConfigurationError where this store cannot answer.
+
+        The sync SQL, memory and Redis stores answer; the async SQL and Redis
+        stores refuse (open a sync store on the same database). Callers call
+        it and never probe for it.
+        """
+
+
+class OperableStore(MaintainableStore, ObservableStore, Protocol):
+    """What :func:`idemflow.stores.urls.open_store` opens and the operator commands run on."""
+
+    def migrate(self) -> None:
+        """Create the table (or nothing to create), idempotently."""
+
+    def close(self) -> None:
+        """Release the store's connections."""
+
+
+class AsyncOperableStore(AsyncMaintainableStore, Protocol):
+    """What :func:`idemflow.stores.urls.open_async_store` opens."""
+
+    async def migrate(self) -> None: ...
+    async def close(self) -> None: ...

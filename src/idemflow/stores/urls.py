@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from .._errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from .protocol import AsyncOperableStore, OperableStore
 
 __all__ = [
     "DATABASE_URL_ENV",
     "OPENERS",
     "open_async_store",
     "open_store",
+    "redact",
     "scheme_of",
     "sqlite_path",
 ]
@@ -43,7 +47,7 @@ def scheme_of(url: str) -> str:
     family = {"postgres": "postgresql", "mariadb": "mysql", "rediss": "redis"}.get(scheme, scheme)
     if family not in OPENERS:
         known = ", ".join(f"{name}://" for name in sorted(OPENERS))
-        msg = f"unsupported database URL {_redact(url)!r}: use one of {known}"
+        msg = f"unsupported database URL {redact(url)!r}: use one of {known}"
         raise ConfigurationError(msg)
     return family
 
@@ -117,17 +121,19 @@ OPENERS: dict[str, Callable[[str, str, bool], Any]] = {
 }
 
 
-def open_store(url: str, *, table: str = "idemflow_keys") -> Any:
+def open_store(url: str, *, table: str = "idemflow_keys") -> OperableStore:
     """A synchronous store for ``url``."""
-    return OPENERS[scheme_of(url)](url, table, False)
+    store: OperableStore = OPENERS[scheme_of(url)](url, table, False)
+    return store
 
 
-def open_async_store(url: str, *, table: str = "idemflow_keys") -> Any:
+def open_async_store(url: str, *, table: str = "idemflow_keys") -> AsyncOperableStore:
     """An asyncio store for ``url``."""
-    return OPENERS[scheme_of(url)](url, table, True)
+    store: AsyncOperableStore = OPENERS[scheme_of(url)](url, table, True)
+    return store
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
     """Never print a password."""
     parts = urlsplit(url)
     if parts.password:

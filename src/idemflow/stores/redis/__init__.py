@@ -59,11 +59,9 @@ see ``docs/stores.md``.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..._model import Policy, State
+from ..._model import Policy
 from ..protocol import StoreClock
 from ._async import AsyncRedisStore
 from ._scripts import (
@@ -79,16 +77,10 @@ from ._scripts import (
     SOCKET_TIMEOUT,
     STALE,
     is_unavailable,
-    ms,
     record_from_hash,
-    record_from_reply,
-    text,
-    translated,
 )
-from ._sync import RedisStore as _GeneratedRedisStore
-
-if TYPE_CHECKING:
-    from .._stats import OldestClaim, StoreStats
+from ._stats import RedisStats
+from ._sync import RedisStore
 
 __all__ = [
     "EXPIRES",
@@ -105,115 +97,6 @@ __all__ = [
     "open_redis",
     "record_from_hash",
 ]
-
-
-class RedisStore(_GeneratedRedisStore):
-    __doc__ = _GeneratedRedisStore.__doc__
-
-    def stats_source(self) -> RedisStats:
-        """What ``idemflow stats`` and the stuck-claims gauge read."""
-        return RedisStats(self)
-
-
-class RedisStats:
-    """The operator's questions (``idemflow stats``, the stuck-claims gauge), asked of Redis.
-
-    Counts come from the bucket indexes, one pipelined round trip per
-    :data:`PROBE_CHUNK` buckets; only the breakdown by state and endpoint
-    reads every record (``SCAN``), as the SQL stores' full scan does.
-    """
-
-    def __init__(self, store: RedisStore) -> None:
-        self.table = store.layout.prefix
-        self._client = store.client
-        self._layout = store.layout
-
-    def stuck_claims(self, cutoff: float) -> dict[str, int]:
-        running, stale = self._sums(
-            lambda pipe, idx: pipe.zcount(idx[IN_PROGRESS], "-inf", f"({ms(cutoff)}"),
-            lambda pipe, idx: pipe.zcard(idx[STALE]),
-        )
-        return {State.IN_PROGRESS.value: running, State.STALE.value: stale}
-
-    def expired(self, now: float) -> int:
-        """Expiry entries past ``now``: records not purged yet (or just deleted by their TTL)."""
-        (expired,) = self._sums(lambda pipe, idx: pipe.zcount(idx[EXPIRES], "-inf", ms(now)))
-        return expired
-
-    def snapshot(self, now: float, request_timeout: float, stale_after: float) -> StoreStats:
-        from .._stats import StoreStats
-
-        with translated():
-            counts = self._counts()
-            oldest = self._oldest_in_progress()
-            stuck = self.stuck_claims(now - request_timeout)[State.IN_PROGRESS.value]
-            past_stale = self.stuck_claims(now - stale_after)[State.IN_PROGRESS.value]
-            expired = self.expired(now)
-        return StoreStats(
-            table=self.table,
-            now=now,
-            request_timeout=request_timeout,
-            stale_after=stale_after,
-            counts=tuple((s, e, n) for (s, e), n in sorted(counts.items())),
-            oldest_in_progress=oldest,
-            past_request_timeout=stuck,
-            past_stale_threshold=past_stale,
-            expired_unpurged=expired,
-        )
-
-    def _sums(self, *asks: Callable[[Any, tuple[bytes, ...]], object]) -> list[int]:
-        """Each question asked of every bucket's indexes, summed; one walk for all."""
-        totals = [0] * len(asks)
-        with translated():
-            for chunk in self._layout.walk():
-                pipe = self._client.pipeline(transaction=False)
-                for bucket in chunk:
-                    for ask in asks:
-                        ask(pipe, self._layout.indexes(bucket))
-                replies = pipe.execute()
-                for n in range(len(asks)):
-                    totals[n] += sum(int(count) for count in replies[n :: len(asks)])
-        return totals
-
-    def _counts(self) -> Counter[tuple[str, str]]:
-        """(state, endpoint) → records, reading every record's two fields (SCAN)."""
-        tally: Counter[tuple[str, str]] = Counter()
-        batch: list[bytes] = []
-        for key in self._client.scan_iter(match=self._layout.record_pattern(), count=1000):
-            batch.append(key)
-            if len(batch) >= 500:
-                self._tally(batch, tally)
-                batch = []
-        self._tally(batch, tally)
-        return tally
-
-    def _tally(self, keys: list[bytes], tally: Counter[tuple[str, str]]) -> None:
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hmget(key, "state", "endpoint")
-        for state, endpoint in pipe.execute() if keys else []:
-            if state is not None:  # deleted by its TTL since the SCAN saw it
-                tally[text(state), text(endpoint or b"")] += 1
-
-    def _oldest_in_progress(self) -> OldestClaim | None:
-        from .._stats import OldestClaim
-
-        oldest: tuple[float, bytes] | None = None
-        for chunk in self._layout.walk():
-            pipe = self._client.pipeline(transaction=False)
-            for bucket in chunk:
-                pipe.zrange(self._layout.indexes(bucket)[IN_PROGRESS], 0, 0, withscores=True)
-            for first in pipe.execute():
-                if first and (oldest is None or first[0][1] < oldest[0]):
-                    oldest = (first[0][1], first[0][0])
-        if oldest is None:
-            return None
-        found = record_from_reply(self._client.hgetall(oldest[1]))
-        if found is None:
-            return None
-        return OldestClaim(
-            found.principal, found.key, found.endpoint, found.created_at, found.updated_at
-        )
 
 
 def open_redis(

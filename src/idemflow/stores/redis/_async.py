@@ -30,11 +30,12 @@ from ._scripts import (
     swept_index,
     translated,
 )
+from ._stats import AsyncRedisObservable
 
 __all__ = ["AsyncRedisStore"]
 
 
-class AsyncRedisStore:
+class AsyncRedisStore(AsyncRedisObservable):
     """Key records in Redis or Redis Cluster, on a redis-py client (``redis.asyncio``'s for async).
 
     Args:

@@ -31,11 +31,12 @@ from ._scripts import (
     swept_index,
     translated,
 )
+from ._stats import RedisObservable
 
 __all__ = ["RedisStore"]
 
 
-class RedisStore:
+class RedisStore(RedisObservable):
     """Key records in Redis or Redis Cluster, on a redis-py client (``redis.asyncio``'s for async).
 
     Args:

@@ -17,6 +17,7 @@ through a new one.
 
 from ..protocol import StoreClock, check_clock
 from ._async import AsyncSQLStore
+from ._stats import SQLStats, is_missing_table, missing_table_is_clear
 from ._sync import SQLStore
 from .dialect import (
     COLUMNS,
@@ -46,11 +47,14 @@ __all__ = [
     "AsyncSQLStore",
     "Dialect",
     "SQLStatement",
+    "SQLStats",
     "SQLStore",
     "StoreClock",
     "check_clock",
     "create_table",
     "insert_claim",
+    "is_missing_table",
+    "missing_table_is_clear",
     "on_database_clock",
     "row_mapping",
     "take_over_claim",

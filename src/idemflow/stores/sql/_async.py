@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeAlias
 from ..._errors import LeaseLost, StoreUnavailable
 from ..._model import Claim, Intent, Record, Response, State, can_take_over, record_from_row
 from ..protocol import AsyncTransaction
+from ._stats import AsyncSQLObservable
 from .dialect import (
     CLAIM_RETRIES,
     Dialect,
@@ -39,7 +40,7 @@ _Row: TypeAlias = Mapping[str, Any] | None
 _Fetch: TypeAlias = Callable[[SQLStatement, Mapping[str, Any]], Awaitable[_Row]]
 
 
-class AsyncSQLStore:
+class AsyncSQLStore(AsyncSQLObservable):
     """A key store on any SQL dialect, with connections from ``connect()``.
 
     Args:

@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeAlias
 from ..._errors import LeaseLost, StoreUnavailable
 from ..._model import Claim, Intent, Record, Response, State, can_take_over, record_from_row
 from ..protocol import Transaction
+from ._stats import SQLObservable
 from .dialect import (
     CLAIM_RETRIES,
     Dialect,
@@ -40,7 +41,7 @@ _Row: TypeAlias = Mapping[str, Any] | None
 _Fetch: TypeAlias = Callable[[SQLStatement, Mapping[str, Any]], _Row]
 
 
-class SQLStore:
+class SQLStore(SQLObservable):
     """A key store on any SQL dialect, with connections from ``connect()``.
 
     Args:

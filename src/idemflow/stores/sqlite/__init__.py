@@ -25,7 +25,7 @@ from pathlib import Path
 from ..._errors import ConfigurationError
 from ..._model import Claim, Intent, Record, Response, State
 from ..protocol import AsyncTransaction
-from ..sql import AsyncSQLStore, Dialect, SQLStore, create_table, insert_claim
+from ..sql import AsyncSQLStore, Dialect, SQLStats, SQLStore, create_table, insert_claim
 
 __all__ = ["AsyncSQLiteStore", "SQLiteStore", "connect", "is_unavailable", "sqlite_dialect"]
 
@@ -228,6 +228,10 @@ class AsyncSQLiteStore:
 
     async def migrate(self) -> None:
         await asyncio.to_thread(self.sync.migrate)
+
+    def stats(self) -> SQLStats:
+        """The operator's questions, on the sync store's connections (a local file: no hop)."""
+        return self.sync.stats()
 
     async def close(self) -> None:
         """Close the connections this store opened (each worker thread's)."""

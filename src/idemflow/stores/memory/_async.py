@@ -1,0 +1,219 @@
+"""
+An in-memory store for users' own tests (and the reference the others match).
+
+It follows the SQL stores to the letter: the claim takes over expired records
+and released records of the same request, every owner write is fenced by the
+lease token. It cannot share a caller's transaction, so the drivers refuse one.
+
+This is the async source of truth; ``idemflow/stores/memory/_sync.py`` is generated
+from it by ``scripts/unasync.py``. Import both stores from :mod:`idemflow.stores.memory`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from ..._errors import LeaseLost
+from ..._model import (
+    Claim,
+    Intent,
+    Record,
+    Response,
+    State,
+    can_take_over,
+    is_past_retention,
+    starts_new_intent,
+)
+from ..protocol import AsyncTransaction
+from ._table import MemoryStats, MemoryTable, SharesTable
+
+__all__ = ["AsyncMemoryStore"]
+
+
+class AsyncMemoryStore:
+    """A dict and a lock. Thread-safe; not shared between processes.
+
+    Nothing inside awaits: the async store and the sync one are the same code.
+    ``store``: share the records of another memory store, sync or async (a
+    test's sweeper and its app, say).
+    """
+
+    supports_transactions = False
+    supports_single_commit = False
+
+    def __init__(self, store: SharesTable | None = None) -> None:
+        self.table = MemoryTable() if store is None else store.table
+        self.records = self.table.records
+        self._lock = self.table.lock
+        self._ids = self.table.ids
+
+    async def claim(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> Claim:
+        with self._lock:
+            slot = (intent.principal, intent.key)
+            current = self.records.get(slot)
+            if current is not None and not can_take_over(current, intent.fingerprint, now):
+                return Claim(owned=False, record=current)
+            record = _claimed(current, intent, lease_token, now, expires_at, self._ids)
+            self.records[slot] = record
+            return Claim(owned=True, record=record)
+
+    async def complete(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        expires_at: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> None:
+        settled = {"state": state, "response": response, "expires_at": expires_at}
+        if not self._update_owned(record, updated_at=now, **settled):
+            msg = "the claim on this Idempotency-Key was taken over before completion"
+            raise LeaseLost(msg)
+
+    async def release(
+        self, record: Record, now: float, transaction: AsyncTransaction | None = None
+    ) -> bool:
+        return self._update_owned(record, state=State.RELEASED, updated_at=now)
+
+    async def checkpoint(
+        self,
+        record: Record,
+        recovery_point: str,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> None:
+        if not self._update_owned(record, recovery_point=recovery_point, updated_at=now):
+            msg = "the claim on this Idempotency-Key was taken over"
+            raise LeaseLost(msg)
+
+    async def get(self, principal: str, key: str) -> Record | None:
+        with self._lock:
+            return self.records.get((principal, key))
+
+    async def sweep(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+    ) -> list[Record]:
+        with self._lock:
+            due = sorted(
+                (
+                    r
+                    for r in self.records.values()
+                    if r.state is from_state and r.updated_at < cutoff and _sweepable(r)
+                ),
+                key=lambda r: r.updated_at,
+            )[:limit]
+            marked = [
+                dataclasses.replace(
+                    r, state=State.STALE, updated_at=now, expires_at=max(r.expires_at, keep_until)
+                )
+                for r in due
+            ]
+            for record in marked:
+                self.records[record.principal, record.key] = record
+            return marked
+
+    async def settle_stale(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        expires_at: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> bool:
+        settled = {"state": state, "response": response, "expires_at": expires_at}
+        return self._update_marked(record, updated_at=now, **settled)
+
+    async def release_stale(
+        self,
+        record: Record,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+        *,
+        forget_progress: bool = False,
+    ) -> bool:
+        point = None if forget_progress else record.recovery_point
+        return self._update_marked(
+            record, state=State.RELEASED, updated_at=now, recovery_point=point
+        )
+
+    async def purge(self, now: float, limit: int) -> int:
+        with self._lock:
+            expired = [slot for slot, r in self.records.items() if is_past_retention(r, now)][
+                :limit
+            ]
+            for slot in expired:
+                del self.records[slot]
+            return len(expired)
+
+    def stats(self) -> MemoryStats:
+        """The operator's questions (``idemflow stats``, the stuck-claims gauge), from the dict."""
+        return MemoryStats(self.table)
+
+    def _update_marked(self, record: Record, **changes: object) -> bool:
+        with self._lock:
+            slot = (record.principal, record.key)
+            current = self.records.get(slot)
+            if current != record:  # exactly as this sweeper marked it, or not ours
+                return False
+            self.records[slot] = dataclasses.replace(current, **changes)  # type: ignore[arg-type]
+            return True
+
+    def _update_owned(self, record: Record, **changes: object) -> bool:
+        with self._lock:
+            slot = (record.principal, record.key)
+            current = self.records.get(slot)
+            if not _owned(current, record):
+                return False
+            assert current is not None
+            self.records[slot] = dataclasses.replace(current, **changes)  # type: ignore[arg-type]
+            return True
+
+
+def _claimed(
+    current: Record | None,
+    intent: Intent,
+    lease_token: str,
+    now: float,
+    expires_at: float,
+    ids: itertools.count[int],
+) -> Record:
+    fresh = current is None or starts_new_intent(current, intent.fingerprint, now)
+    return Record(
+        id=next(ids) if current is None else current.id,
+        principal=intent.principal,
+        key=intent.key,
+        fingerprint=intent.fingerprint,
+        endpoint=intent.endpoint,
+        state=State.IN_PROGRESS,
+        lease_token=lease_token,
+        created_at=now if fresh or current is None else current.created_at,
+        updated_at=now,
+        expires_at=expires_at,
+        correlation_id=intent.correlation_id,
+        recovery_point=None if fresh or current is None else current.recovery_point,
+        attempt=1 if fresh or current is None else current.attempt + 1,
+    )
+
+
+def _sweepable(record: Record) -> bool:
+    """A released record is swept only past a recovery point (see the SQL stores)."""
+    return record.state is not State.RELEASED or record.recovery_point is not None
+
+
+def _owned(current: Record | None, record: Record) -> bool:
+    return (
+        current is not None
+        and current.id == record.id
+        and current.lease_token == record.lease_token
+        and current.state is State.IN_PROGRESS
+    )

@@ -1,0 +1,159 @@
+"""
+The operator's questions (see :mod:`idemflow.stores.stats`) on any SQL store.
+
+Every question is one statement, and the ones asked on every scrape (stuck
+claims) or every purge (expired records) run through the ``(state,
+updated_at)`` and ``(expires_at)`` indexes, so they stay cheap however large
+the table grows. The per-state-and-endpoint breakdown is the one full scan;
+only ``idemflow stats`` asks it.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+from ..._errors import ConfigurationError
+from ..stats import STUCK_STATES, OldestClaim, StatsSource, StoreStats, stats_refused
+from .dialect import PAST_RETENTION_SQL, Dialect, SQLStatement
+
+__all__ = [
+    "AsyncSQLObservable",
+    "SQLObservable",
+    "SQLStats",
+    "is_missing_table",
+    "missing_table_is_clear",
+]
+
+
+class SQLObservable:
+    """What :class:`~idemflow.stores.sql.SQLStore` adds for operators: its stats.
+
+    A base of the generated sync executor (its async source names
+    :class:`AsyncSQLObservable`), so only the sync store answers.
+    """
+
+    dialect: Dialect
+    _connect: Callable[[], AbstractContextManager[Any]]
+    _pyformat: bool
+
+    def stats(self) -> SQLStats:
+        """The operator's questions (``idemflow stats``, the stuck-claims gauge) on this table."""
+        return SQLStats(self.dialect.table, self._connect, pyformat=self._pyformat)
+
+
+class AsyncSQLObservable:
+    """What :class:`~idemflow.stores.sql.AsyncSQLStore` answers for operators: nothing."""
+
+    def stats(self) -> StatsSource:
+        """Refused: the operator's questions are asked synchronously (scrapes, the CLI)."""
+        raise stats_refused(self)
+
+
+class SQLStats:
+    """Stats queries on any SQL store, on the store's own connections."""
+
+    def __init__(
+        self, table: str, connect: Callable[[], AbstractContextManager[Any]], *, pyformat: bool
+    ) -> None:
+        self.table = table
+        self._connect = connect
+        self._pyformat = pyformat
+        self._by_state_endpoint = SQLStatement(
+            f"SELECT state, endpoint, COUNT(*) FROM {table} "
+            "GROUP BY state, endpoint ORDER BY state, endpoint"
+        )
+        # Both arms are range scans of the (state, updated_at) index.
+        self._stuck = SQLStatement(
+            f"SELECT state, COUNT(*) FROM {table} "
+            "WHERE (state = 'in_progress' AND updated_at < :cutoff) OR state = 'stale' "
+            "GROUP BY state"
+        )
+        self._in_progress_before = SQLStatement(
+            f"SELECT COUNT(*) FROM {table} WHERE state = 'in_progress' AND updated_at < :cutoff"
+        )
+        self._oldest = SQLStatement(
+            f"SELECT principal, idempotency_key, endpoint, created_at, updated_at FROM {table} "
+            "WHERE state = 'in_progress' ORDER BY updated_at LIMIT 1"
+        )
+        # Exactly what purge would delete: not in-flight, stale or
+        # released-past-a-recovery-point records, whose expires_at means nothing.
+        self._expired = SQLStatement(f"SELECT COUNT(*) FROM {table} WHERE {PAST_RETENTION_SQL}")
+
+    def stuck_claims(self, cutoff: float) -> dict[str, int]:
+        rows = self._rows(self._stuck, {"cutoff": _ms(cutoff)})
+        counts = {state.value: 0 for state in STUCK_STATES}
+        counts.update({str(state): int(n) for state, n in rows})
+        return counts
+
+    def expired(self, now: float) -> int:
+        return self._count(self._expired, {"now": _ms(now)})
+
+    def snapshot(self, now: float, request_timeout: float, stale_after: float) -> StoreStats:
+        counts = tuple(
+            (str(state), str(endpoint), int(n))
+            for state, endpoint, n in self._rows(self._by_state_endpoint, {})
+        )
+        oldest = self._rows(self._oldest, {})
+        return StoreStats(
+            table=self.table,
+            now=now,
+            request_timeout=request_timeout,
+            stale_after=stale_after,
+            counts=counts,
+            oldest_in_progress=_oldest_claim(oldest[0]) if oldest else None,
+            past_request_timeout=self._count(
+                self._in_progress_before, {"cutoff": _ms(now - request_timeout)}
+            ),
+            past_stale_threshold=self._count(
+                self._in_progress_before, {"cutoff": _ms(now - stale_after)}
+            ),
+            expired_unpurged=self.expired(now),
+        )
+
+    def _count(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+        rows = self._rows(statement, params)
+        return int(rows[0][0]) if rows else 0
+
+    def _rows(self, statement: SQLStatement, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        text = statement.pyformat if self._pyformat else statement.named
+        with missing_table_is_clear(self.table), self._connect() as conn:
+            cursor = conn.cursor()
+            try:
+                cursor.execute(text, statement.bind(params) or {})
+                return [tuple(row) for row in cursor.fetchall()]
+            finally:
+                cursor.close()
+
+
+def _oldest_claim(row: tuple[Any, ...]) -> OldestClaim:
+    principal, key, endpoint, created_at, updated_at = row
+    return OldestClaim(principal, key, endpoint, created_at / 1000, updated_at / 1000)
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+@contextmanager
+def missing_table_is_clear(table: str) -> Iterator[None]:
+    """A missing key table becomes one actionable line instead of a driver error."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_missing_table(exc):
+            raise
+        msg = f"table {table} does not exist: run idemflow migrate"
+        raise ConfigurationError(msg) from exc
+
+
+def is_missing_table(exc: BaseException) -> bool:
+    """SQLite's "no such table", PostgreSQL's 42P01, MySQL's 1146."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return str(exc).startswith("no such table")
+    if getattr(exc, "sqlstate", None) == "42P01":
+        return True
+    args: tuple[Any, ...] = getattr(exc, "args", ())
+    return bool(args) and args[0] == 1146 and "doesn't exist" in str(exc)

@@ -1,0 +1,93 @@
+"""
+What an operator asks a key store: how many records in which state, what is stuck, what is due.
+
+A store that answers declares it: ``stats()`` (see
+:class:`~idemflow.stores.protocol.ObservableStore`) returns a
+:class:`StatsSource`. The metrics gauge (``idemflow.metrics``) and ``idemflow
+stats`` read the same numbers from it. Each store answers from its own
+package (``stores/sql/_stats.py``, ``stores/memory/_table.py``,
+``stores/redis/``); this module is only the vocabulary they share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .._errors import ConfigurationError
+from .._model import State
+
+__all__ = ["STUCK_STATES", "OldestClaim", "StatsSource", "StoreStats", "stats_refused"]
+
+#: States a stuck claim can be in: never swept, or swept and not yet resolved.
+STUCK_STATES = (State.IN_PROGRESS, State.STALE)
+
+
+@dataclass(frozen=True, slots=True)
+class OldestClaim:
+    """The ``in_progress`` record untouched the longest. Times are epoch seconds."""
+
+    principal: str
+    key: str
+    endpoint: str
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """One snapshot of a key table, as ``idemflow stats`` prints it.
+
+    ``past_request_timeout`` counts ``in_progress`` records untouched for longer
+    than the request timeout (what the gauge exports: each one is a crashed
+    attempt); ``past_stale_threshold`` those the sweeper will take
+    (``Policy.stale_after``, derived from the same timeout).
+    """
+
+    table: str
+    now: float
+    request_timeout: float
+    stale_after: float
+    counts: tuple[tuple[str, str, int], ...]
+    oldest_in_progress: OldestClaim | None
+    past_request_timeout: int
+    past_stale_threshold: int
+    expired_unpurged: int
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, _, n in self.counts)
+
+    def by_state(self) -> dict[str, int]:
+        """Records per state, every state listed (zero included)."""
+        totals = dict.fromkeys((state.value for state in State), 0)
+        for state, _, n in self.counts:
+            totals[state] = totals.get(state, 0) + n
+        return totals
+
+
+class StatsSource(Protocol):
+    """**Protocol:** the questions a store answers for operators."""
+
+    table: str
+
+    def stuck_claims(self, cutoff: float) -> dict[str, int]:
+        """``in_progress`` records untouched since before ``cutoff``, and every ``stale`` one.
+
+        Keyed by state (``in_progress``, ``stale``); both keys always present.
+        """
+
+    def snapshot(self, now: float, request_timeout: float, stale_after: float) -> StoreStats:
+        """Everything ``idemflow stats`` shows."""
+
+    def expired(self, now: float) -> int:
+        """Records past their retention, not purged yet."""
+
+
+def stats_refused(store: object) -> ConfigurationError:
+    """What an async store's ``stats()`` raises: the questions are asked synchronously."""
+    msg = (
+        f"{type(store).__name__} cannot answer stats queries: open a sync store on the "
+        "same database (a pool of one or two connections is plenty)"
+    )
+    return ConfigurationError(msg)
