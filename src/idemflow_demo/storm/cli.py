@@ -94,6 +94,46 @@ def register(subparsers: Any) -> None:
         help="how the demo commits each claim: on its own, or with the payment's first phase "
         "(single: PostgreSQL only, refused on SQLite) (default: %(default)s)",
     )
+    network = parser.add_argument_group(
+        "network faults",
+        "break the network between the demo and its PostgreSQL (--database): a loopback "
+        "relay the storm partitions, delays and stalls (this kernel has no netem)",
+    )
+    network.add_argument(
+        "--partition-every",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="partition the link about this often (default: never)",
+    )
+    network.add_argument(
+        "--partition-for",
+        type=float,
+        default=1.5,
+        metavar="SECONDS",
+        help="how long a partition lasts, on average (default: %(default)g)",
+    )
+    network.add_argument(
+        "--network-delay-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="delay of every chunk on the link (default: %(default)g)",
+    )
+    network.add_argument(
+        "--network-jitter-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="± this much around the delay (default: %(default)g)",
+    )
+    network.add_argument(
+        "--network-stall-rate",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="share of chunks lost and retransmitted 200–600 ms late (default: %(default)g)",
+    )
     add(
         "--declined-share",
         type=float,
@@ -159,6 +199,11 @@ def config_from(args: argparse.Namespace) -> Any:
         settle_for=args.settle_for,
         data_dir=args.data_dir,
         claim_commit=args.claim_commit,
+        partition_every=args.partition_every,
+        partition_for=args.partition_for,
+        network_delay_ms=args.network_delay_ms,
+        network_jitter_ms=args.network_jitter_ms,
+        network_stall_rate=args.network_stall_rate,
     )
 
 
@@ -187,11 +232,15 @@ def run(args: argparse.Namespace) -> int:
             "run_id": result.run_id,
             "seed": result.seed,
             "claim_commit": config.claim_commit,
+            "partitions": result.partitions,
+            "connections_reset": result.resets,
         }
         render_json(verdict, {**extra, "data_dir": str(result.data_dir or "") or None})
     else:
         title = f"idemflow storm: {result.target} (run {result.run_id})"
         render(verdict, title)
+        if result.partitions:
+            print(f"  network: {result.partitions} partitions, {result.resets} connections reset")
         if result.data_dir is not None:
             print(f"  the demo's files and log are kept in {result.data_dir}")
     return 0 if verdict.ok else EXIT_VIOLATED

@@ -54,6 +54,14 @@ class StormConfig:
         tokens: principal → bearer token.
         claim_commit: how the demo commits each claim: ``own`` (a commit of its
             own) or ``single`` (with the payment's first phase; PostgreSQL only).
+        partition_every: cut the network between the demo and its database
+            about this often (None: never); needs ``database``. See
+            :mod:`idemflow_demo.storm.network`.
+        partition_for: how long a partition lasts, on average.
+        network_delay_ms, network_jitter_ms: every chunk on that link waits
+            ``delay ± jitter``.
+        network_stall_rate: the share of chunks "lost" (one retransmission
+            timeout late).
     """
 
     url: str | None = None
@@ -74,6 +82,17 @@ class StormConfig:
     data_dir: Path | None = None
     tokens: Mapping[str, str] = field(default_factory=lambda: DEFAULT_TOKENS)
     claim_commit: str = "own"
+    partition_every: float | None = None
+    partition_for: float = 1.5
+    network_delay_ms: float = 0.0
+    network_jitter_ms: float = 0.0
+    network_stall_rate: float = 0.0
+
+    @property
+    def network_faults(self) -> bool:
+        """Whether the storm puts a faulty link between the demo and its database."""
+        shaped = self.network_delay_ms or self.network_jitter_ms or self.network_stall_rate
+        return self.partition_every is not None or bool(shaped)
 
     def __post_init__(self) -> None:
         checks = [
@@ -104,6 +123,23 @@ class StormConfig:
                 "--claim-commit single needs --database postgresql://…: SQLite commits "
                 "each claim on its own (one writer: an uncommitted claim would hold "
                 "every other claim behind it)",
+            ),
+        ]
+        checks += [
+            (
+                self.partition_every is None or self.partition_every > 0,
+                "--partition-every must be positive",
+            ),
+            (self.partition_for > 0, "--partition-for must be positive"),
+            (
+                min(self.network_delay_ms, self.network_jitter_ms) >= 0,
+                "--network-delay-ms and --network-jitter-ms must not be negative",
+            ),
+            (0 <= self.network_stall_rate < 1, "--network-stall-rate must be in [0, 1)"),
+            (
+                not self.network_faults or (self.url is None and _is_postgres(self.database)),
+                "network faults need the storm's own demo on --database postgresql://…: "
+                "the faulty link sits between the demo and its database",
             ),
         ]
         for ok, message in checks:

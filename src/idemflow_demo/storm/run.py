@@ -6,7 +6,10 @@ One storm from start to verdict.
    attack window and retry until answered; meanwhile the killer SIGKILLs the
    demo at random moments about ``kill_every`` apart and restarts it on the
    same database and port.
-3. Settle: after the window, no more kills; clients keep retrying until
+   With network faults, the link between the demo and its database is
+   partitioned at random moments about ``partition_every`` apart (and may
+   delay and stall every chunk): see :mod:`idemflow_demo.storm.network`.
+3. Settle: after the window, no more faults; clients keep retrying until
    every key is answered (a claim orphaned by a kill answers 409 until the
    sweeper resolves it) or the settle time runs out.
 4. Check: one more retry per answered key (it must be a replay of the same
@@ -24,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ import httpx
 
 from .clients import Deadline, KeyTally, new_client, send_payment
 from .config import KeyPlan, StormConfig, plan_keys
+from .network import FaultyLink, LinkFaults
 from .server import DemoProcess
 from .service import MetricsTally, read_ledger
 from .verdict import Verdict, judge
@@ -55,6 +59,9 @@ class StormResult:
     seed: int | None
     #: The demo's files (its log among them); kept when the verdict is red.
     data_dir: Path | None
+    #: Network faults: partitions made, and connections they reset.
+    partitions: int = 0
+    resets: int = 0
 
 
 Progress = Callable[[str], None]
@@ -73,17 +80,35 @@ async def run_storm(config: StormConfig, *, progress: Progress | None = _stderr)
     data_dir = config.data_dir
     if config.url is None and data_dir is None:
         data_dir = Path(tempfile.mkdtemp(prefix="idemflow-storm-"))
-    server = DemoProcess(config, data_dir) if data_dir is not None and not config.url else None
-    storm = _Storm(config, plans, server, rng, say)
+    link = _link(config, rng) if config.network_faults else None
+    if link is not None:
+        await link.start()
+    server = None
+    if data_dir is not None and not config.url:
+        linked = replace(config, database=link.url(config.database or "")) if link else config
+        server = DemoProcess(linked, data_dir)
+    storm = _Storm(config, plans, server, rng, say, link)
     try:
         verdict = await storm.run(run_id)
     finally:
         if server is not None:
             await server.stop()
+        if link is not None:
+            await link.stop()
     keep = data_dir is not None and (config.data_dir is not None or not verdict.ok)
     if data_dir is not None and not keep:
         shutil.rmtree(data_dir, ignore_errors=True)
-    return StormResult(verdict, storm.target, run_id, config.seed, data_dir if keep else None)
+    partitions, resets = (link.partitions, link.resets) if link else (0, 0)
+    return StormResult(
+        verdict, storm.target, run_id, config.seed, data_dir if keep else None, partitions, resets
+    )
+
+
+def _link(config: StormConfig, rng: random.Random) -> FaultyLink:
+    faults = LinkFaults(
+        config.network_delay_ms, config.network_jitter_ms, config.network_stall_rate
+    )
+    return FaultyLink.for_url(config.database or "", faults, random.Random(rng.random()))
 
 
 class _Storm:
@@ -94,9 +119,11 @@ class _Storm:
         server: DemoProcess | None,
         rng: random.Random,
         say: Progress,
+        link: FaultyLink | None = None,
     ) -> None:
         self.config = config
         self.server = server
+        self.link = link
         self.rng = rng
         self.say = say
         self.tallies = [KeyTally(plan) for plan in plans]
@@ -113,6 +140,8 @@ class _Storm:
             f"SQLite in {self.server.data_dir}" if self.config.data_dir else "SQLite (temporary)"
         )
         mode = ", single-commit claims" if self.config.claim_commit == "single" else ""
+        if self.link is not None:
+            mode += ", through a faulty network"
         return f"the demo on {database.split('@')[-1]}{mode} at {self.url}"
 
     async def run(self, run_id: str) -> Verdict:
@@ -153,26 +182,39 @@ class _Storm:
             f"storm: {len(self.tallies)} keys × {self.config.retries} clients over "
             f"{self.config.duration:g} s"
             + (f", a SIGKILL every ~{self.config.kill_every:g} s" if self._killing() else "")
+            + (
+                f", a network partition every ~{self.config.partition_every:g} s"
+                if self.link is not None and self.config.partition_every is not None
+                else ""
+            )
             + f"; then up to {self.config.settle_seconds:g} s to settle"
         )
         clients = asyncio.ensure_future(
             asyncio.gather(*(self._key(http, t, start) for t in self.tallies))
         )
         reporter = asyncio.ensure_future(self._report_progress(http, start))
-        killer = None
+        faults = []
         if self.server is not None and self.config.kill_every is not None:
-            killer = asyncio.ensure_future(
-                self._kill_loop(http, self.server, self.config.kill_every, attack_end)
+            faults.append(
+                asyncio.ensure_future(
+                    self._kill_loop(http, self.server, self.config.kill_every, attack_end)
+                )
+            )
+        if self.link is not None and self.config.partition_every is not None:
+            faults.append(
+                asyncio.ensure_future(
+                    self._partition_loop(self.link, self.config.partition_every, attack_end)
+                )
             )
         try:
-            await _first_failure(clients, killer)
+            await _first_failure(clients, faults)
         finally:
             self.done.set()
             reporter.cancel()
             clients.cancel()  # a no-op unless the killer failed (the demo did not come back)
             await asyncio.gather(reporter, clients, return_exceptions=True)
-            if killer is not None:
-                await killer  # its restart in progress ends first; its failure is raised here
+            for fault in faults:
+                await fault  # a restart in progress ends first; a failure is raised here
 
     def _killing(self) -> bool:
         return self.server is not None and self.config.kill_every is not None
@@ -209,6 +251,24 @@ class _Storm:
             last_kill = loop.time()
             self.deadline.extend_to(last_kill + self.config.settle_seconds)
             await server.start()
+
+    async def _partition_loop(self, link: FaultyLink, every: float, attack_end: float) -> None:
+        """Partition the database link at random moments ~``every`` apart, within the window.
+
+        Each partition lasts about ``partition_for``; clients keep their
+        deadline ``settle_seconds`` past the last heal.
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            at = loop.time() + every * self.rng.uniform(0.5, 1.5)
+            if at >= attack_end or await self._done_within(at - loop.time()):
+                return
+            link.partition()
+            try:
+                await asyncio.sleep(self.config.partition_for * self.rng.uniform(0.5, 1.5))
+            finally:
+                link.heal()
+            self.deadline.extend_to(loop.time() + self.config.settle_seconds)
 
     async def _done_within(self, seconds: float) -> bool:
         try:
@@ -249,12 +309,12 @@ class _Storm:
 
 
 async def _first_failure(
-    clients: asyncio.Future[list[None]], killer: asyncio.Future[None] | None
+    clients: asyncio.Future[list[None]], faults: Sequence[asyncio.Future[None]]
 ) -> None:
-    """Wait for the clients, unless the killer fails first (the demo did not come back)."""
-    if killer is not None:
-        both: list[asyncio.Future[Any]] = [clients, killer]
-        await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
-        if killer.done() and killer.exception() is not None:
+    """Wait for the clients, unless a fault fails first (the demo did not come back)."""
+    pending: set[asyncio.Future[Any]] = {clients, *faults}
+    while not clients.done():
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if any(f.exception() is not None for f in done if f is not clients):
             return
     await clients
