@@ -8,6 +8,7 @@ next step the flow asks for.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -27,6 +28,7 @@ from idemflow import (
     Verdict,
 )
 from idemflow._flow import ClaimKey, Complete, Execute, Flow, Release, Step, idempotency_flow
+from idemflow.testing import FrozenClock
 from tests.factories import CREATED_AT as CREATED
 
 POLICY = Policy(request_timeout=5, retention=3600, retry_after=7)
@@ -259,6 +261,39 @@ def test_unsettled_record_is_in_progress_with_the_policy_retry_after(state: Stat
     assert type(raised.value) is InProgress
     assert raised.value.status == 409
     assert raised.value.retry_after == 7
+
+
+def test_a_409s_retry_after_is_dated_by_the_drivers_clock(clock: FrozenClock) -> None:
+    """The flow asks its clock when the 409 is answered: the record's age decides the hint."""
+    policy = Policy(request_timeout=30, retention=3600)  # stale after 70 s, swept every 7 s
+    existing = replace(record(), updated_at=clock())
+    hints = []
+    for age in (0.5, 12.0, 45.0):
+        clock.advance(age - (clock() - existing.updated_at))
+        flow = idempotency_flow(INTENT, policy, "lease-1", atomic=True, clock=clock)
+        next(flow)
+        with pytest.raises(InProgress) as raised:
+            flow.send(Claim(owned=False, record=existing))
+        hints.append(raised.value.retry_after)
+
+    assert hints == [1, 12, 32]  # live: its age so far; timed out: until the sweep ends it
+
+
+@pytest.mark.parametrize("busy", [InProgress("lock wait"), LeaseLost("lost")])
+def test_a_409_raised_without_a_record_gets_the_policys_floor(busy: InProgress) -> None:
+    """The store's own 409s (lock wait, lease lost) carry at least ``Policy.retry_after``."""
+    flow, _ = start()
+    with pytest.raises(InProgress) as raised:
+        flow.throw(busy)
+    assert raised.value is busy
+    assert busy.retry_after == 7
+
+    flow, _ = owned()
+    flow.send(Response(201))
+    lost = LeaseLost("swept")
+    with pytest.raises(LeaseLost):
+        flow.throw(lost)
+    assert lost.retry_after == 7
 
 
 @pytest.mark.parametrize("state", [State.COMPLETED, State.FAILED_PERMANENT])

@@ -9,7 +9,17 @@ from datetime import timedelta
 
 import pytest
 
-from idemflow import ConfigurationError, Policy, Response, Verdict, default_classifier
+from idemflow import (
+    ConfigurationError,
+    Policy,
+    Record,
+    Response,
+    State,
+    Verdict,
+    default_classifier,
+)
+from idemflow._model import retry_after
+from idemflow.testing import FrozenClock
 
 
 def test_defaults_derive_the_stale_threshold_from_the_timeout() -> None:
@@ -132,3 +142,105 @@ def test_policy_is_frozen() -> None:
 def test_default_classifier(status: int, verdict: Verdict) -> None:
     """2xx/3xx completed; 408, 425, 429 and 5xx transient; every other 4xx permanent."""
     assert default_classifier(Response(status)) is verdict
+
+
+# --- Retry-After: derived from the record, the policy's value is the floor ------
+
+SLOW = Policy(request_timeout=30)  # stale after 70 s, swept every 7 s: nothing ends after 77 s
+
+
+def claimed_at(clock: FrozenClock, state: State = State.IN_PROGRESS) -> Record:
+    """A record whose claim was taken (or last renewed) at the clock's now."""
+    now = clock()
+    return Record(1, "alice", "k-1", "fp-1", "POST /x", state, "lease", now, now, now + 3600)
+
+
+def test_the_background_sweep_interval_is_a_tenth_of_the_threshold() -> None:
+    """A crashed claim ends within 1.1 × the threshold, not threshold + a request timeout."""
+    assert SLOW.sweep_interval == 7.0
+    assert Policy(request_timeout=10).sweep_interval == 3.0
+    assert Policy(request_timeout=1).sweep_interval == 1.0  # never less often than before
+
+
+@pytest.mark.parametrize(
+    ("age", "expected"),
+    [
+        (0.0, 1),  # just claimed: it is probably about to finish
+        (0.3, 1),
+        (10.0, 10),  # has run 10 s: wait as long again
+        (25.0, 5),  # but never past the request's own deadline (30 s)
+        (30.0, 47),  # timed out without ending: the sweeper ends it at 70 + 7 s
+        (60.0, 17),
+        (76.5, 7),  # the sweep is due any moment: one interval
+        (500.0, 7),  # the sweeper is late (not running?): ask again every interval
+    ],
+)
+def test_a_claims_retry_after_follows_its_age(
+    clock: FrozenClock, age: float, expected: int
+) -> None:
+    """Live: as long as it has run, up to its deadline; orphaned: until the next sweep."""
+    record = claimed_at(clock)
+    clock.advance(age)
+
+    assert retry_after(record, SLOW, clock()) == expected
+
+
+@pytest.mark.parametrize(("age", "expected"), [(0.5, 7), (20.0, 57), (100.0, 7)])
+def test_a_stale_claims_retry_after_waits_for_its_resolution(
+    clock: FrozenClock, age: float, expected: int
+) -> None:
+    """Fresh marks are being reconciled (one interval); unknown ones are asked again later."""
+    record = claimed_at(clock, State.STALE)
+    clock.advance(age)
+
+    assert retry_after(record, SLOW, clock()) == expected
+
+
+@pytest.mark.parametrize("state", [State.RELEASED, State.COMPLETED, State.FAILED_PERMANENT])
+def test_records_about_to_change_hands_get_the_floor(clock: FrozenClock, state: State) -> None:
+    """Released (a retry is taking it over) or settled without a response: retry soon."""
+    record = claimed_at(clock, state)
+    clock.advance(40)
+
+    assert retry_after(record, SLOW, clock()) == 1
+    assert retry_after(record, Policy(request_timeout=30, retry_after=4), clock()) == 4
+
+
+def test_the_policys_retry_after_is_a_floor(clock: FrozenClock) -> None:
+    """``Policy.retry_after`` (1 s by default) still holds: never less, more when known."""
+    policy = Policy(request_timeout=30, retry_after=5)
+    record = claimed_at(clock)
+
+    assert retry_after(record, policy, clock()) == 5
+    clock.advance(60)
+    assert retry_after(record, policy, clock()) == 17
+
+
+def test_retry_after_is_whole_seconds_within_bounds_at_every_age(clock: FrozenClock) -> None:
+    """At least 1 s, at most threshold + one interval, also for a record dated in the future."""
+    record = claimed_at(clock)
+    clock.advance(-5)  # the store's clock runs ahead of ours
+    hints = [retry_after(record, SLOW, clock())]
+    for _ in range(400):
+        clock.advance(0.25)
+        hints += [retry_after(record, SLOW, clock()), retry_after(record, SLOW, clock())]
+    assert all(isinstance(hint, int) and 1 <= hint <= 77 for hint in hints)
+
+
+@pytest.mark.parametrize("timeout", [1, 5, 30, 300])
+def test_a_client_honouring_retry_after_asks_a_handful_of_times(
+    clock: FrozenClock, timeout: float
+) -> None:
+    """From the crash until the worst-case sweep, a client asks ~10 times, not once a second.
+
+    With the old constant 1 s it asked threshold + interval times (77 for a 30 s timeout).
+    """
+    policy = Policy(request_timeout=timeout)
+    record = claimed_at(clock)
+    resolved_by = record.updated_at + policy.stale_seconds + policy.sweep_interval
+    asked = 0
+    while clock() < resolved_by:
+        asked += 1
+        clock.advance(retry_after(record, policy, clock()))
+    assert asked <= 12
+    assert clock() - resolved_by <= policy.sweep_interval + 1  # and not long after it ended

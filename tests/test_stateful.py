@@ -46,6 +46,7 @@ from idemflow import (
     Response,
     State,
 )
+from idemflow._model import retry_after
 from idemflow.stores.memory import MemoryStore
 from idemflow.stores.sqlite import SQLiteStore
 from idemflow.testing import FrozenClock
@@ -389,7 +390,9 @@ class IdempotencyMachine(RuleBasedStateMachine):
             event("run: replayed")
         else:
             assert type(error) is InProgress, (error, result)
-            assert error.retry_after == POLICY.retry_after
+            # Dated by the slot's own age (the model's updated_at, not the store's).
+            dated = Record(0, "", "", "", "", slot.state, None, 0, slot.updated_at / 1000, 0)
+            assert error.retry_after == retry_after(dated, POLICY, self.clock())
             event(f"run: in progress ({slot.state.value})")
 
     def after_run(

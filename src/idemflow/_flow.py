@@ -7,7 +7,7 @@ this generator yields and send the results back in; they decide nothing.
 
 A driver runs :func:`idempotency_flow` like this::
 
-    flow = idempotency_flow(intent, policy, lease_token, atomic=transaction is not None)
+    flow = idempotency_flow(intent, policy, lease_token, atomic=..., clock=clock)
     step = next(flow)
     while True:
         try:
@@ -21,12 +21,24 @@ A driver runs :func:`idempotency_flow` like this::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from ._errors import InProgress, KeyReused, LeaseLost, StoreUnavailable
-from ._model import Claim, Intent, Outcome, Policy, Record, Response, State, Verdict
+from ._model import (
+    Claim,
+    Clock,
+    Intent,
+    Outcome,
+    Policy,
+    Record,
+    Response,
+    State,
+    Verdict,
+    retry_after,
+)
 
 __all__ = ["Step", "dispatch", "idempotency_flow"]
 
@@ -71,16 +83,29 @@ Step: TypeAlias = ClaimKey | Execute | Complete | Release
 Flow: TypeAlias = Generator[Step, Any, Outcome]
 
 
-def idempotency_flow(intent: Intent, policy: Policy, lease_token: str, *, atomic: bool) -> Flow:
+def idempotency_flow(
+    intent: Intent, policy: Policy, lease_token: str, *, atomic: bool, clock: Clock = time.time
+) -> Flow:
     """The whole protocol. Yields steps; returns the :class:`Outcome` or raises.
 
     ``atomic``: the operation's effect commits or rolls back with the
     completion (transactional mode). Without that, an effect may have
     happened when its completion fails, and only the sweeper may decide.
+    ``clock`` dates a 409's ``Retry-After`` (see :func:`idemflow._model.retry_after`).
     """
+    try:
+        return (yield from _protocol(intent, policy, lease_token, atomic, clock))
+    except InProgress as busy:
+        # A 409 raised without the record to date it (the store's lock wait on
+        # an uncommitted claim, a lease lost): the policy's floor still holds.
+        busy.retry_after = max(busy.retry_after, policy.retry_after)
+        raise
+
+
+def _protocol(intent: Intent, policy: Policy, lease_token: str, atomic: bool, clock: Clock) -> Flow:
     claim: Claim = yield ClaimKey(intent, lease_token, policy.retention_seconds)
     if not claim.owned:
-        return dispatch(claim.record, intent, policy)
+        return dispatch(claim.record, intent, policy, clock())
     record = claim.record
     try:
         response: Response = yield Execute(record)
@@ -118,12 +143,13 @@ _UNRECORDED = (
 )
 
 
-def dispatch(record: Record, intent: Intent, policy: Policy) -> Outcome:
+def dispatch(record: Record, intent: Intent, policy: Policy, now: float) -> Outcome:
     """Answer a request whose claim found someone else's record. Order matters.
 
     1. A different request under the same key is the client's bug: 422, even
        while the first is still running.
-    2. In flight (or stale and being reconciled): 409 at once, never wait.
+    2. In flight (or stale and being reconciled): 409 at once, never wait,
+       with the ``Retry-After`` the record's age says (``now`` dates it).
     3. Settled: the stored response, verbatim.
     """
     if record.fingerprint != intent.fingerprint:
@@ -134,7 +160,7 @@ def dispatch(record: Record, intent: Intent, policy: Policy) -> Outcome:
         raise KeyReused(msg)
     if record.state.is_settled and record.response is not None:
         return Outcome(record.response, replayed=True, record=record)
-    raise InProgress(_BUSY[record.state], retry_after=policy.retry_after)
+    raise InProgress(_BUSY[record.state], retry_after=retry_after(record, policy, now))
 
 
 _BUSY = {

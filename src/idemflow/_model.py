@@ -34,6 +34,7 @@ __all__ = [
     "default_classifier",
     "is_past_retention",
     "is_retry",
+    "retry_after",
     "seconds",
     "starts_new_intent",
 ]
@@ -220,6 +221,10 @@ def default_classifier(response: Response) -> Verdict:
 # no request can still be running by then, because the timeout killed it.
 STALE_MULTIPLIER = 2.0
 STALE_MARGIN = timedelta(seconds=10)
+# The background sweeper passes this many times per stale threshold, so a
+# crashed claim ends within threshold × (1 + 1/10), not threshold + a whole
+# request timeout; every pass is one indexed statement per state, so cheap.
+SWEEPS_PER_THRESHOLD = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +240,9 @@ class Policy:
         stale_after: when an ``in_progress`` claim counts as crashed. Defaults to
             ``2 × request_timeout + 10 s``; anything closer to the timeout is
             rejected, because the sweeper would release live claims.
-        retry_after: the ``Retry-After`` hint, in whole seconds, on 409 answers.
+        retry_after: the least ``Retry-After``, in whole seconds, on 409 answers.
+            The hint itself is derived from the record (see :func:`retry_after`):
+            when its request must have finished, or when the sweeper ends it.
         classify: maps a response to completed / failed_permanent / transient.
     """
 
@@ -281,6 +288,51 @@ class Policy:
     @property
     def retention_seconds(self) -> float:
         return seconds(self.retention)
+
+    @property
+    def timeout_seconds(self) -> float:
+        return seconds(self.request_timeout)
+
+    @property
+    def sweep_interval(self) -> float:
+        """Seconds between background sweeps by default.
+
+        A tenth of the stale threshold, or the request timeout if that is
+        shorter (the old default, so no policy is swept less often than before).
+        """
+        return min(self.stale_seconds / SWEEPS_PER_THRESHOLD, self.timeout_seconds)
+
+
+def retry_after(record: Record, policy: Policy, now: float) -> int:
+    """Whole seconds a 409 on ``record`` asks the client to wait: the one definition.
+
+    Derived from what the record tells (``updated_at`` is when its claim was
+    taken or last renewed, on the store's clock) and what the policy knows:
+
+    - a live claim (younger than the request timeout) ends by ``updated_at +
+      request_timeout`` at the latest; one that has run a while probably runs
+      longer, so wait as long as it has run, never past that deadline (a
+      client honouring it backs off on its own: 1, 1, 2, 4, … s);
+    - an orphaned claim (older than the timeout: its request was killed
+      without ending it) ends when the sweeper passes after ``updated_at +
+      stale_after``; a sweeper already overdue is waited for one interval;
+    - a claim being recovered (``stale``) is being reconciled now if fresh
+      (one interval), else asked again a threshold after it was marked.
+
+    Clamped to ``policy.retry_after`` (the floor, 1 s by default) and to the
+    threshold plus one interval (nothing known takes longer).
+    """
+    interval = policy.sweep_interval
+    age = max(0.0, now - record.updated_at)
+    swept_by = record.updated_at + policy.stale_seconds + interval - now
+    wait = 0.0
+    if record.state is State.IN_PROGRESS:
+        timeout = policy.timeout_seconds
+        wait = min(age, timeout - age) if age < timeout else max(swept_by, interval)
+    elif record.state is State.STALE:
+        wait = interval if age < interval else max(swept_by, interval)
+    ceiling = math.ceil(policy.stale_seconds + interval)
+    return max(policy.retry_after, min(math.ceil(wait), ceiling))
 
 
 def _positive(name: str, value: Duration) -> float:

@@ -75,7 +75,7 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="DURATION|off",
         help="resolve crashed claims and abandoned intents this often, asking the provider "
-        "(default: the request timeout); off: never",
+        "(default: a tenth of the stale threshold, at most the request timeout); off: never",
     )
     add(
         "--token",

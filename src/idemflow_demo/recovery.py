@@ -137,9 +137,9 @@ def _forget_row(db: Database, intent_ref: str) -> Callable[[Any], Awaitable[None
     return apply
 
 
-def sweep_interval(service: DemoService) -> timedelta:
-    """``--sweep-every``, else the request timeout (the library's default)."""
-    return service.settings.sweep_every or service.settings.request_timeout
+def sweep_interval(service: DemoService) -> timedelta | None:
+    """``--sweep-every``, else None: the library's default (``Policy.sweep_interval``)."""
+    return service.settings.sweep_every
 
 
 def start_recovery(service: DemoService) -> AsyncBackgroundSweeper | None:

@@ -3,8 +3,10 @@ A middleware-mode app for the crash test: uvicorn serves it in a subprocess.
 
 ``POST /things`` writes a business row in its own SQLite file (committed at
 once: middleware mode shares no transaction with the key record), then waits
-for ``slow_seconds`` so the test can SIGKILL the server mid-handler. Paths come
-from the environment (``CRASH_APP_DIR``).
+for ``slow_seconds`` so the test can SIGKILL the server mid-handler. Settings
+come from the environment: ``CRASH_APP_DIR`` (the files),
+``CRASH_APP_TIMEOUT`` (the request timeout, 1 s), ``CRASH_APP_SWEEP`` (run a
+background sweeper: ``default`` for the library's interval, or seconds).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -25,9 +29,11 @@ from starlette.routing import Route
 from idemflow import AsyncIdempotency, Policy
 from idemflow.integrations.starlette import IdempotencyMiddleware
 from idemflow.stores.sqlite import AsyncSQLiteStore
+from idemflow.sweeper import AsyncSweeper, start_background_sweeper
 
 DIRECTORY = Path(os.environ.get("CRASH_APP_DIR", "."))
-POLICY = Policy(request_timeout=1)  # stale after 12 s
+POLICY = Policy(request_timeout=float(os.environ.get("CRASH_APP_TIMEOUT", "1")))  # 1 s: stale at 12
+SWEEP = os.environ.get("CRASH_APP_SWEEP")  # None: no sweeper in the app
 
 
 class HeaderUser(AuthenticationBackend):
@@ -49,7 +55,18 @@ def make_app() -> Starlette:
     store = AsyncSQLiteStore(DIRECTORY / "keys.db")
     store.sync.migrate()
     idempotency = AsyncIdempotency(store, POLICY)
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        if SWEEP is None:
+            yield
+            return
+        every = None if SWEEP == "default" else float(SWEEP)
+        async with start_background_sweeper(AsyncSweeper(store, POLICY), every=every):
+            yield
+
     return Starlette(
+        lifespan=lifespan,
         routes=[Route("/things", create, methods=["POST"])],
         middleware=[
             Middleware(AuthenticationMiddleware, backend=HeaderUser()),

@@ -147,7 +147,11 @@ class AsyncIdempotency:
         perform = _Performer(self, intent, handler, transaction, single_commit)
         try:
             flow = idempotency_flow(
-                intent, self.policy, new_lease_token(), atomic=transaction is not None
+                intent,
+                self.policy,
+                new_lease_token(),
+                atomic=transaction is not None,
+                clock=self.clock,
             )
             outcome = await _drive(flow, perform)
         except BaseException as exc:

@@ -143,20 +143,26 @@ class AsyncSweeper:
     async def run_forever(
         self, every: Duration | None = None, *, stop: _reconcile.AsyncStop | None = None
     ) -> None:
-        """Sweep every ``every`` seconds (default: the request timeout) until ``stop`` is set.
+        """Sweep every ``every`` seconds until ``stop`` is set.
 
-        A failed pass (store unreachable) is logged and the loop goes on.
+        The default is ``policy.sweep_interval``, a tenth of the stale
+        threshold (at most the request timeout): a crashed claim ends at most
+        that long after it became stale (a whole request timeout later with
+        the old default), which is also what a 409's ``Retry-After`` promises. Passes start on
+        that beat (the time a pass takes is not added to the wait). A failed
+        pass (store unreachable) is logged and the loop goes on.
         """
-        interval = seconds(self.policy.request_timeout if every is None else every)
+        interval = seconds(self.policy.sweep_interval if every is None else every)
         stop = stop or _reconcile.AsyncStop()
         while not stop.is_set():
+            started = time.monotonic()
             try:
                 await self.sweep_once()
             except Exception as exc:  # an outage must not end the loop
                 logger.error(
                     "sweep pass failed: %s", exc, exc_info=logger.isEnabledFor(logging.DEBUG)
                 )
-            if await stop.wait(interval):
+            if await stop.wait(max(0.0, interval - (time.monotonic() - started))):
                 return
 
     #: ``await sweeper.run(every=30)`` reads better in asyncio code.

@@ -147,7 +147,11 @@ class Idempotency:
         perform = _Performer(self, intent, handler, transaction, single_commit)
         try:
             flow = idempotency_flow(
-                intent, self.policy, new_lease_token(), atomic=transaction is not None
+                intent,
+                self.policy,
+                new_lease_token(),
+                atomic=transaction is not None,
+                clock=self.clock,
             )
             outcome = _drive(flow, perform)
         except BaseException as exc:
