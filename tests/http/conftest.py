@@ -48,11 +48,16 @@ class Demo:
     database_url: str | None = None
     log: Path = field(default_factory=Path)
 
+    # Idle connections expire (2 s) before uvicorn's keep-alive (5 s) closes them:
+    # a request sent on a connection the server is closing dies as a ReadError.
     def client(self, **kwargs: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=30, **kwargs)
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        return httpx.Client(base_url=self.url, timeout=30, limits=limits, **kwargs)
 
     def async_client(self, **kwargs: Any) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+        limits = httpx.Limits(
+            max_connections=100, max_keepalive_connections=100, keepalive_expiry=2.0
+        )
         return httpx.AsyncClient(base_url=self.url, timeout=30, limits=limits, **kwargs)
 
     def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:

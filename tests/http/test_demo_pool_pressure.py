@@ -109,7 +109,12 @@ async def retry_sequentially(http: httpx.AsyncClient, client: Client, deadline: 
 
 
 def new_http(url: str) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=KEYS + 10, max_keepalive_connections=KEYS + 10)
+    # Idle connections expire before uvicorn's 5 s keep-alive closes them: a
+    # request sent on a connection the server is closing dies as a ReadError
+    # (seen in the replay burst, after clients that finished early sat idle).
+    limits = httpx.Limits(
+        max_connections=KEYS + 10, max_keepalive_connections=KEYS + 10, keepalive_expiry=2.0
+    )
     return httpx.AsyncClient(base_url=url, timeout=30, limits=limits)
 
 
