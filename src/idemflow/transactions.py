@@ -122,8 +122,7 @@ class PyMySQLTransaction:
         except Exception as exc:
             # A deadlock or (Galera) a failed certification rolled everything
             # back, the effect with the completion: a 503 to retry, not a 500.
-            from .stores.mysql._errors import is_conflict
-            from .stores.mysql._store import rolled_back
+            from .stores.mysql import is_conflict, rolled_back
 
             if is_conflict(exc):
                 raise rolled_back() from exc

@@ -13,7 +13,6 @@ import collections
 import contextlib
 import multiprocessing
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,8 +21,9 @@ from idemflow.stores.protocol import Store, Transaction
 
 POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b"created")
-#: How long the winner holds the claim: long enough for every claimant to arrive.
-HOLD = 0.05
+#: The longest the winner holds its claim waiting for the others' answers: reached
+#: only when a second claimant executes too (then the count fails the round).
+HOLD_LIMIT = 10.0
 BARRIER_TIMEOUT = 120.0
 
 OpenTransaction = Callable[[], contextlib.AbstractContextManager[Transaction | None]]
@@ -51,9 +51,15 @@ def race_round(
     barrier = threading.Barrier(claimants, action=start)
     outcomes: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
+    # The winner holds its claim until every other claimant of this process has
+    # its answer (409 or, after the winner, the replay cannot happen yet): the
+    # claims overlap by construction, not by a sleep long enough.
+    others_answered = threading.Event()
+    if claimants == 1:
+        others_answered.set()
 
     def handler(attempt: Attempt) -> Response:
-        time.sleep(HOLD)
+        others_answered.wait(HOLD_LIMIT)
         if write is not None:
             write(attempt.connection, key)
         return CREATED
@@ -76,6 +82,8 @@ def race_round(
                 result = f"error: {type(exc).__name__}: {exc}"
         with lock:
             outcomes[result] += 1
+            if outcomes.total() >= claimants - 1:
+                others_answered.set()
 
     threads = [threading.Thread(target=claimant) for _ in range(claimants)]
     for thread in threads:

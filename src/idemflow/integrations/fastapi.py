@@ -65,10 +65,10 @@ from fastapi.utils import deep_dict_update, is_body_allowed_for_status_code
 from starlette.responses import Response as StarletteResponse
 from starlette.types import Receive, Scope, Send
 
-from .._async.driver import AsyncAttempt, AsyncIdempotency
-from .._async.edge import pooled_transaction
+from .. import AsyncAttempt, AsyncIdempotency
 from .._errors import ConfigurationError, IdempotencyError, MissingPrincipal
-from .._http import (
+from .._model import Policy, Response, Verdict
+from ..edge import (
     KEY_HEADER,
     ORIGINAL_REQUEST_ID_HEADER,
     PROBLEM_CONTENT_TYPE,
@@ -79,7 +79,7 @@ from .._http import (
     header_values,
     problem_for,
 )
-from .._model import Policy, Response, Verdict
+from ..edge import async_pooled_transaction as pooled_transaction
 from .starlette import (
     Idempotent,
     StarletteHandler,

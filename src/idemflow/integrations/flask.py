@@ -40,6 +40,7 @@ from flask import Flask, current_app, request
 from flask import Response as FlaskResponse
 from werkzeug.exceptions import ClientDisconnected
 
+from .. import Idempotency as Driver
 from .._errors import (
     BodyTooLarge,
     ConfigurationError,
@@ -48,20 +49,19 @@ from .._errors import (
     MissingPrincipal,
     ResponseNotStorable,
 )
-from .._fingerprint import DEFAULT_MAX_BODY_BYTES
-from .._http import (
+from .._model import Policy, Response
+from ..edge import (
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
     REQUEST_ID_HEADER,
     SAFE_METHODS,
+    Edge,
     EdgeOptions,
     HTTPRequest,
     problem_for,
     request_id_from,
     sendable_headers,
 )
-from .._model import Policy, Response
-from .._sync.driver import Idempotency as Driver
-from .._sync.edge import Edge
 from ..stores.protocol import Store, Transaction
 
 __all__ = ["Idempotency", "flask_login_user", "from_flask", "to_flask"]

@@ -67,30 +67,31 @@ from starlette.responses import Response as StarletteResponse
 from starlette.routing import BaseRoute, Host, Match, Mount, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .._async.driver import AsyncAttempt, AsyncIdempotency
-from .._async.edge import AsyncEdge, pooled_transaction
-from .._canonical import parse_json
+from .. import AsyncAttempt, AsyncIdempotency
 from .._errors import (
     ConfigurationError,
     IdempotencyError,
+    ResponseNotStorable,
 )
-from .._http import (
+from .._model import Response
+from ..edge import (
     REQUEST_ID_HEADER,
     SAFE_METHODS,
+    AsyncEdge,
     EdgeOptions,
     HTTPRequest,
-    ResponseNotStorable,
     body_cut_short,
     body_too_large,
     declared_length,
     header_values,
     not_stored,
+    parse_json,
     problem,
     problem_for,
     request_id_from,
     sendable_headers,
 )
-from .._model import Response
+from ..edge import async_pooled_transaction as pooled_transaction
 from ..stores.protocol import AsyncTransaction
 
 __all__ = [

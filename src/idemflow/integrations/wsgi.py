@@ -53,9 +53,12 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from .. import Attempt, Idempotency
 from .._errors import BodyTooLarge, ConfigurationError, IdempotencyError
-from .._http import (
+from .._model import Response
+from ..edge import (
     SAFE_METHODS,
+    Edge,
     EdgeOptions,
     HTTPRequest,
     RawHeaders,
@@ -65,9 +68,6 @@ from .._http import (
     problem_for,
     request_id_from,
 )
-from .._model import Response
-from .._sync.driver import Attempt, Idempotency
-from .._sync.edge import Edge
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment

@@ -31,8 +31,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 
 from ... import ConfigurationError, Idempotency, Policy
-from ..._fingerprint import DEFAULT_MAX_BODY_BYTES
-from ..._http import DEFAULT_MAX_RESPONSE_BYTES
+from ...edge import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BYTES
 from ...stores.protocol import Store
 
 __all__ = ["IdemflowSettings", "get_idempotency", "get_store", "idemflow_settings"]

@@ -26,9 +26,11 @@ from ..._errors import (
     MissingPrincipal,
     ResponseNotStorable,
 )
-from ..._http import (
+from ..._model import Response
+from ...edge import (
     REQUEST_ID_HEADER,
     SAFE_METHODS,
+    Edge,
     EdgeOptions,
     HTTPRequest,
     RawHeaders,
@@ -36,8 +38,6 @@ from ..._http import (
     request_id_from,
     sendable_headers,
 )
-from ..._model import Response
-from ..._sync.edge import Edge
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
 from .store import DjangoTransaction
 

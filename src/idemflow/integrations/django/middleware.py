@@ -42,7 +42,7 @@ from django.http import HttpRequest, HttpResponseBase
 from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
 
-from ..._http import SAFE_METHODS
+from ...edge import SAFE_METHODS
 from .conf import idemflow_settings
 from .http import protect
 

@@ -34,7 +34,7 @@ byte, so neither case nor trailing spaces can merge two keys.
 from __future__ import annotations
 
 from ...transactions import PyMySQLTransaction
-from ._errors import UNAVAILABLE_CODES, error_code, is_contention, is_unavailable
+from ._errors import UNAVAILABLE_CODES, error_code, is_conflict, is_contention, is_unavailable
 from ._statements import (
     DEFAULT_TABLE,
     SERVER_NOW_MS,
@@ -44,7 +44,7 @@ from ._statements import (
     mysql_statements,
     upsert_claim,
 )
-from ._store import DEFAULT_LOCK_WAIT_TIMEOUT, MySQLStore
+from ._store import DEFAULT_LOCK_WAIT_TIMEOUT, MySQLStore, rolled_back
 from ._url import connect_kwargs
 
 __all__ = [
@@ -57,10 +57,12 @@ __all__ = [
     "PyMySQLTransaction",
     "connect_kwargs",
     "error_code",
+    "is_conflict",
     "is_contention",
     "is_unavailable",
     "mysql_ddl",
     "mysql_dialect",
     "mysql_statements",
+    "rolled_back",
     "upsert_claim",
 ]

@@ -1,0 +1,142 @@
+"""
+The house's layers, checked on the import graph of ``src/idemflow``.
+
+A private module (a name starting with ``_``) belongs to its package: only
+modules of that package (and of its subpackages) import it. So a store never
+reaches into another store's internals (``stores/postgres`` may use
+``stores.sql``, never ``stores.sql._async``), and the CLI, ``metrics`` and
+``transactions`` ask stores through their public modules. The root package's
+private modules are the core's: the drivers, edge and sweeper (``_async``,
+``_sync``) and the root modules use them freely; every other package may use
+only the kernel below (the vocabulary every ``idemflow`` name is re-exported
+from). Integrations take the HTTP edge from :mod:`idemflow.edge`, never from
+``idemflow._http``, ``idemflow._sync`` or ``idemflow._async``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PACKAGE = SRC / "idemflow"
+
+#: Root-private modules every layer may import, and why.
+KERNEL = {
+    "idemflow._model": "Record, State, Policy…: re-exported by idemflow, the shared vocabulary",
+    "idemflow._errors": "the one exception tree, re-exported by idemflow",
+    "idemflow._lease": "lease tokens, which every store that claims must mint alike",
+}
+
+#: Known arrows past this rule, each with its reason; the test fails when one
+#: disappears too, so the list only shrinks.
+EXCEPTIONS = {
+    ("idemflow.client._keys", "idemflow._key"): "the client checks keys by the server's grammar",
+}
+
+
+def module_name(path: Path) -> tuple[str, ...]:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def package_of(path: Path) -> tuple[str, ...]:
+    name = module_name(path)
+    return name if path.name == "__init__.py" else name[:-1]
+
+
+def imports(path: Path) -> set[tuple[str, ...]]:
+    """Every module ``path`` imports, absolute; ``from x import name`` counts x.name too."""
+    found: set[tuple[str, ...]] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {tuple(alias.name.split(".")) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package_of(path)[: len(package_of(path)) - node.level + 1] if node.level else ()
+            module = base + tuple((node.module or "").split(".") if node.module else ())
+            found.add(module)
+            # A private name belongs to the package it is defined in: ``from .. import
+            # _sync`` names a subpackage, ``from .starlette import _helper`` a name of
+            # the integrations package.
+            owner = module if SRC.joinpath(*module).is_dir() else module[:-1]
+            found |= {(*owner, alias.name) for alias in node.names if alias.name.startswith("_")}
+    return {name for name in found if name and name[0] == "idemflow"}
+
+
+def is_core(name: tuple[str, ...]) -> bool:
+    """Root modules and the I/O shells: the core, which owns the root's private modules."""
+    return len(name) <= 2 or name[1] in ("_async", "_sync")
+
+
+def violation(importer: tuple[str, ...], imported: tuple[str, ...]) -> str | None:
+    private = next((i for i, part in enumerate(imported) if part.startswith("_")), None)
+    if private is None or imported[private].startswith("__"):
+        return None
+    owner = imported[:private]
+    if importer[: len(owner)] != owner:
+        return f"{'.'.join(importer)} imports {'.'.join(imported)}, private to {'.'.join(owner)}"
+    if owner == ("idemflow",) and not is_core(importer):
+        if ".".join(imported[:2]) in KERNEL:
+            return None
+        return f"{'.'.join(importer)} imports {'.'.join(imported)}, private to the core"
+    return None
+
+
+def arrows() -> dict[tuple[str, str], str]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = module_name(path)
+        for imported in imports(path):
+            message = violation(importer, imported)
+            if message is not None:
+                found[
+                    ".".join(importer), ".".join(imported[:2] if len(imported) > 1 else imported)
+                ] = message
+    return found
+
+
+def test_no_arrow_into_another_package_s_private_module() -> None:
+    """The layers hold: what is private is used by its own package (or, the kernel, by all)."""
+    unexpected = {pair: why for pair, why in arrows().items() if pair not in EXCEPTIONS}
+
+    assert unexpected == {}
+
+
+def test_every_known_exception_is_still_needed() -> None:
+    """An exception that no longer happens is taken off the list."""
+    gone = set(EXCEPTIONS) - set(arrows())
+
+    assert gone == set()
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported", "allowed"),
+    [
+        ("idemflow.stores.postgres", "idemflow.stores.sql", True),
+        ("idemflow.stores.postgres", "idemflow.stores.sql._async", False),
+        ("idemflow.stores.sql._async", "idemflow.stores.sql._stats", True),
+        ("idemflow.stores.sql._async", "idemflow._model", True),
+        ("idemflow.integrations.flask", "idemflow._http", False),
+        ("idemflow.integrations.flask", "idemflow._sync.edge", False),
+        ("idemflow.integrations.flask", "idemflow.edge", True),
+        ("idemflow.edge", "idemflow._http", True),
+        ("idemflow._sync.driver", "idemflow._flow", True),
+        ("idemflow.cli._purge", "idemflow.stores._stats", False),
+        ("idemflow.cli._purge", "idemflow.cli._ops", True),
+    ],
+)
+def test_the_rule_itself(importer: str, imported: str, allowed: bool) -> None:
+    """The checker tells the arrows the house allows from those it does not."""
+    message = violation(tuple(importer.split(".")), tuple(imported.split(".")))
+
+    assert (message is None) is allowed, message
+
+
+def test_relative_imports_resolve_to_the_module_they_name() -> None:
+    """``from ..sql import x`` in ``stores/postgres/__init__.py`` is ``idemflow.stores.sql``."""
+    found = imports(PACKAGE / "stores" / "postgres" / "__init__.py")
+
+    assert ("idemflow", "stores", "sql") in found
+    assert all(name[:3] != ("idemflow", "stores", "postgres") for name in found)
