@@ -451,7 +451,7 @@ def redis_store(url: str, cluster: bool, prefix: str) -> Any:
 
     client_class: Any = RedisCluster if cluster else Redis
     client = client_class.from_url(url, max_connections=32)
-    return RedisStore(client, policy=POLICY, prefix=prefix)
+    return RedisStore(client, policy=POLICY, prefix=prefix, allow_volatile=True)
 
 
 def bench_redis(settings: Settings, run_id: str, report: Report, url: str, cluster: bool) -> None:

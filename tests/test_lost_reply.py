@@ -72,7 +72,7 @@ def _redis(port: int, prefix: str) -> ProxiedStore:
 
     # No client-side retry: the lost reply must surface as the failure it is.
     client = Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0), socket_timeout=5)
-    return RedisStore(client, policy=POLICY, prefix=prefix, clock="caller")
+    return RedisStore(client, policy=POLICY, prefix=prefix, clock="caller", allow_volatile=True)
 
 
 def _target(url: str, default: int) -> tuple[str, int]:

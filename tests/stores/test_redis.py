@@ -85,7 +85,8 @@ def store(table_name: str) -> Iterator[RedisStore]:
         client.ping()
     except redis.exceptions.ConnectionError as exc:
         unreachable("Redis", exc)
-    made = RedisStore(client, prefix=table_name, clock="caller")  # tests move a frozen clock
+    # A frozen clock moves in these tests; the shared Redis keeps nothing on disk.
+    made = RedisStore(client, prefix=table_name, clock="caller", allow_volatile=True)
     yield made
     for key in client.scan_iter(match=f"{table_name}:*"):
         client.delete(key)
@@ -318,7 +319,7 @@ def test_two_sweepers_racing_resolve_each_stale_record_exactly_once(
         return reconcile
 
     def sweep(name: str, other: str) -> None:
-        own = RedisStore(redis_client(), prefix=table_name, clock="caller")
+        own = RedisStore(redis_client(), prefix=table_name, clock="caller", allow_volatile=True)
         sweeper = Sweeper(own, POLICY, reconciler=reconciler(name, other), clock=clock)
         barrier.wait()
         try:
@@ -449,7 +450,7 @@ def test_hosts_whose_clocks_run_ahead_decide_on_redis_time(table_name: str) -> N
 
     def run(clock: Any) -> tuple[SweepReport, bool]:
         client = redis_client()
-        store = RedisStore(client, prefix=f"{table_name}-{clock}", clock=clock)
+        store = RedisStore(client, prefix=f"{table_name}-{clock}", clock=clock, allow_volatile=True)
         try:
             now = time.time()
             store.claim(intent("live"), "lease-live", now, now + 3600)
@@ -472,7 +473,7 @@ def test_hosts_whose_clocks_run_ahead_decide_on_redis_time(table_name: str) -> N
 def test_a_fresh_claim_reports_the_times_it_wrote(table_name: str) -> None:
     """On Redis's clock the claim's record is the stored one: updated_at is Redis's now."""
     client = redis_client()
-    store = RedisStore(client, prefix=table_name)
+    store = RedisStore(client, prefix=table_name, allow_volatile=True)
     try:
         now = time.time() - 3600  # a caller clock an hour behind
         claim = store.claim(intent(), "lease-a", now, now + 60)
@@ -534,9 +535,12 @@ def test_replay_is_one_round_trip(store: RedisStore) -> None:
     idem.run(intent(), lambda attempt: CREATED)
     pool = redis.ConnectionPool.from_url(REDIS_URL, connection_class=CountingConnection)
     counting = RedisStore(
-        redis.Redis(connection_pool=pool), prefix=store.layout.prefix, clock="caller"
+        redis.Redis(connection_pool=pool),
+        prefix=store.layout.prefix,
+        clock="caller",
+        allow_volatile=True,
     )
-    counting.client.ping()
+    counting.start()  # what an app does at start-up: the epochs, written once
     CountingConnection.sent.clear()
 
     outcome = Idempotency(counting, POLICY).run(intent(), lambda attempt: Response(500))
@@ -549,7 +553,7 @@ def test_replay_is_one_round_trip(store: RedisStore) -> None:
 def test_a_server_that_lost_its_scripts_gets_them_again(tmp_path: Path) -> None:
     """After SCRIPT FLUSH (or a restart) the first call reloads the script and still decides."""
     with own_redis_server(tmp_path) as (_, url):
-        store = RedisStore(redis_client(url), prefix="flushed", clock="caller")
+        store = RedisStore(redis_client(url), prefix="flushed", clock="caller", allow_volatile=True)
         store.client.script_flush()
         clock = FrozenClock()
 
@@ -669,7 +673,7 @@ def test_a_prefix_with_a_hash_tag_is_refused() -> None:
 def test_unreachable_redis_is_store_unavailable() -> None:
     """Nothing listening on the port: 503, and the handler never runs."""
     url = f"redis://127.0.0.1:{free_port()}/0"
-    store = open_redis(url, policy=POLICY)
+    store = open_redis(url + "?allow_volatile=1", policy=POLICY)
     assert isinstance(store, RedisStore)
     handler = Recorder()
 
@@ -684,7 +688,7 @@ def test_unreachable_redis_is_store_unavailable() -> None:
 def test_redis_stopping_mid_request_is_a_503_not_a_second_execution(tmp_path: Path) -> None:
     """The server dies while the handler runs: the completion fails closed, nothing reruns."""
     with own_redis_server(tmp_path) as (process, url):
-        store = RedisStore(redis_client(url), policy=POLICY, prefix="outage")
+        store = RedisStore(redis_client(url), policy=POLICY, prefix="outage", allow_volatile=True)
         idem = Idempotency(store, POLICY)
         calls: list[object] = []
 
@@ -715,7 +719,7 @@ async def test_async_store_runs_replays_and_refuses(table_name: str) -> None:
         await client.ping()
     except redis.exceptions.ConnectionError as exc:
         unreachable("Redis", exc)
-    store = AsyncRedisStore(client, policy=POLICY, prefix=table_name)
+    store = AsyncRedisStore(client, policy=POLICY, prefix=table_name, allow_volatile=True)
     idem = AsyncIdempotency(store, POLICY)
     seen: list[BaseException] = []
 
@@ -754,7 +758,7 @@ async def test_async_store_sweeps_resolves_and_purges(table_name: str) -> None:
         await client.ping()
     except redis.exceptions.ConnectionError as exc:
         unreachable("Redis", exc)
-    store = AsyncRedisStore(client, prefix=table_name, clock="caller")
+    store = AsyncRedisStore(client, prefix=table_name, clock="caller", allow_volatile=True)
     clock = FrozenClock()
 
     async def answer(record: Record, downstream_keys: Mapping[str, str]) -> Answer:

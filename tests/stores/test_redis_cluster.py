@@ -73,7 +73,9 @@ def server(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def cluster_store(server: str, table_name: str) -> Iterator[RedisStore]:
     cluster = started(server)
-    store = RedisStore(redis_client(cluster.url, cluster=True), prefix=table_name, clock="caller")
+    client = redis_client(cluster.url, cluster=True)
+    # The test clusters keep nothing on disk: acknowledged.
+    store = RedisStore(client, prefix=table_name, clock="caller", allow_volatile=True)
     yield store
     for key in store.client.scan_iter(match=f"{table_name}:*"):
         store.client.delete(key)
@@ -114,14 +116,17 @@ def test_a_record_and_its_bucket_indexes_share_one_slot(cluster_store: RedisStor
     layout = cluster_store.layout
     key = layout.record_key("alice", "k-1")
     tag = key[key.index(b"{") + 1 : key.index(b"}")]
-    indexes = layout.indexes(layout.bucket("alice", "k-1"))
+    bucket = layout.bucket("alice", "k-1")
+    indexes = layout.indexes(bucket)
 
     slot = cluster_store.client.keyslot(key)
     assert {cluster_store.client.keyslot(name) for name in indexes} == {slot}
+    assert cluster_store.client.keyslot(layout.epoch_key(bucket)) == slot
     assert cluster_store.client.keyslot(b"{%s}" % tag) == slot
     Idempotency(cluster_store, POLICY).run(Intent("alice", "k-1", "fp"), lambda a: CREATED)
     tagged = set(cluster_store.client.scan_iter(match=f"{layout.prefix}:*"))
-    assert tagged == {key, indexes[INDEXES.index("expires")]}
+    epochs = {layout.epoch_key(n) for n in range(layout.buckets)}
+    assert tagged == {key, indexes[INDEXES.index("expires")]} | epochs
 
 
 def test_records_and_indexes_land_on_every_master_and_the_sweeper_reaches_them(
@@ -198,7 +203,8 @@ def test_a_dead_master_is_a_503_for_its_slots(server: str) -> None:
     except (ClusterUnavailable, OSError) as exc:
         unreachable(server, exc)
     with cluster:
-        store = RedisStore(redis_client(cluster.url, cluster=True), prefix="dead")
+        client = redis_client(cluster.url, cluster=True)
+        store = RedisStore(client, prefix="dead", allow_volatile=True)
         idem = Idempotency(store, POLICY)
         key = store.layout.record_key("alice", "k-1")
         owner = store.client.get_node_from_key(key).port
@@ -222,7 +228,9 @@ async def test_async_store_on_the_async_cluster_client(server: str, table_name: 
     from idemflow.sweeper import AsyncSweeper
 
     url = started(server).url.replace("redis://", "redis+cluster://")
-    store = open_redis(url, prefix=table_name, asynchronous=True, clock="caller")
+    store = open_redis(
+        url + "?allow_volatile=1", prefix=table_name, asynchronous=True, clock="caller"
+    )
     assert isinstance(store, AsyncRedisStore)
     idem = AsyncIdempotency(store, POLICY)
     calls: list[str] = []

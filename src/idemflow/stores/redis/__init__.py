@@ -106,11 +106,18 @@ def open_redis(
     policy: Policy | None = None,
     asynchronous: bool = False,
     clock: StoreClock = "database",
+    allow_volatile: bool = False,
 ) -> RedisStore | AsyncRedisStore:
-    """A store on a client made from ``url``; ``redis+cluster://`` means a Redis Cluster."""
+    """A store on a client made from ``url``; ``redis+cluster://`` means a Redis Cluster.
+
+    ``?allow_volatile=1`` in the URL is ``allow_volatile=True``: a server without
+    persistence is accepted (see :class:`RedisStore`).
+    """
     from redis.backoff import ExponentialBackoff
     from redis.retry import Retry
 
+    url, volatile = _without_option(url, "allow_volatile")
+    allow_volatile = allow_volatile or volatile
     cluster = url.lower().startswith("redis+cluster://")
     if cluster:
         url = "redis://" + url.split("://", 1)[1]
@@ -124,9 +131,25 @@ def open_redis(
         from redis.asyncio.cluster import RedisCluster as AsyncCluster
 
         aclient: Any = (AsyncCluster if cluster else AsyncRedis).from_url(url, **options)
-        return AsyncRedisStore(aclient, policy=policy, prefix=prefix, clock=clock)
+        return AsyncRedisStore(
+            aclient, policy=policy, prefix=prefix, clock=clock, allow_volatile=allow_volatile
+        )
     from redis import Redis
     from redis.cluster import RedisCluster
 
     client: Any = (RedisCluster if cluster else Redis).from_url(url, **options)
-    return RedisStore(client, policy=policy, prefix=prefix, clock=clock)
+    return RedisStore(
+        client, policy=policy, prefix=prefix, clock=clock, allow_volatile=allow_volatile
+    )
+
+
+def _without_option(url: str, name: str) -> tuple[str, bool]:
+    """``url`` without the query option ``name`` (redis-py would refuse it), and its truth."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    values = [value for key, value in query if key == name]
+    kept = urlencode([(key, value) for key, value in query if key != name])
+    truthy = any(value.lower() in ("", "1", "true", "yes") for value in values)
+    return urlunsplit(parts._replace(query=kept)), truthy

@@ -23,10 +23,12 @@ from ._scripts import (
     ON_CLOCK,
     layout_for,
     ms,
+    persistence_problem,
     probe_args,
     record_from_hash,
     record_from_reply,
     refuse_transaction,
+    refuse_volatile,
     swept_index,
     translated,
 )
@@ -43,9 +45,10 @@ class AsyncRedisStore(AsyncRedisObservable):
             retries (``retry=Retry(…, retries=2)``, ``socket_timeout``): an
             outage is answered 503 only once they are spent. Every script is
             safe to retry.
-        policy: accepted for compatibility and not used: a record's life no
-            longer depends on it (claims end through the sweeper, whose
-            threshold comes from its own policy; retention comes with each write).
+        policy: your app's policy: its stale threshold is how long claims
+            are refused after a data loss is found (below). A record's life does
+            not depend on it (claims end through the sweeper; retention comes
+            with each write). Default: ``Policy()``.
         prefix: the start of every key this store writes.
         clock: ``"database"`` (the default): every decision is taken on Redis's
             own clock (``TIME`` in each script; on each master's in a cluster),
@@ -54,6 +57,17 @@ class AsyncRedisStore(AsyncRedisObservable):
             sweepers whose clocks disagree still agree on what is stale or
             expired. ``"caller"``: the caller's ``now`` as given (tests that
             move a frozen clock).
+        allow_volatile: accept a server that keeps neither an AOF nor RDB
+            snapshots. Without it the first claim checks every master
+            (``CONFIG GET appendonly`` / ``save``) and raises
+            ``ConfigurationError``: restarted, such a server forgets every
+            claim, and requests in flight run a second time.
+
+    A data loss while running is detected, bucket by bucket: the store writes
+    each bucket's epoch key when it starts, and a claim that finds its
+    bucket's epoch gone answers 503 + ``Retry-After`` until the stale
+    threshold has passed, so that no request in flight before the loss can
+    run again while it may still be running.
 
     ``supports_transactions`` is False: ``Idempotency.run(…, transaction=…)``
     raises ``ConfigurationError`` before claiming anything. Run the sweeper
@@ -71,13 +85,19 @@ class AsyncRedisStore(AsyncRedisObservable):
         policy: Policy | None = None,
         prefix: str = DEFAULT_PREFIX,
         clock: StoreClock = "database",
+        allow_volatile: bool = False,
     ) -> None:
-        from redis.exceptions import NoScriptError
+        from redis.exceptions import NoScriptError, ResponseError
 
         self.client = client
         self.layout = layout_for(client, prefix)
         self._scripts, self._shas = ON_CLOCK[check_clock(clock)]
         self._no_script = NoScriptError
+        self._response_error = ResponseError
+        self.allow_volatile = allow_volatile
+        #: How long claims are refused in a bucket whose data vanished (seconds).
+        self.quarantine = (policy or Policy()).stale_seconds
+        self._started = False
 
     async def claim(
         self,
@@ -88,11 +108,45 @@ class AsyncRedisStore(AsyncRedisObservable):
         transaction: AsyncTransaction | None = None,
     ) -> Claim:
         refuse_transaction(transaction)
-        args = self.layout.claim_args(intent, lease_token, now, expires_at)
-        keys = self.layout.keys(intent.principal, intent.key)
+        if not self._started:
+            await self.start()
+        args = self.layout.claim_args(intent, lease_token, now, expires_at, self.quarantine)
+        keys = self.layout.claim_keys(intent.principal, intent.key)
         with translated():
             reply = await self._evalsha("claim", keys, args)
         return self.layout.claimed(reply, intent, lease_token, now, expires_at)
+
+    async def start(self) -> None:
+        """Refuse a volatile server (unless allowed), then write every bucket's epoch.
+
+        Run by the first claim; safe to run again (the epochs are ``SET NX``).
+        A store started after a loss cannot tell an emptied server from a new
+        one: it is the stores running during the loss that find it.
+        """
+        with translated():
+            if not self.allow_volatile:
+                refuse_volatile(persistence_problem(await self._persistence()))
+            pipe = self.client.pipeline(transaction=False)
+            for bucket in range(self.layout.buckets):
+                pipe.set(self.layout.epoch_key(bucket), "0", nx=True)
+            await pipe.execute()
+        self._started = True
+
+    async def _persistence(self) -> list[dict[str, Any]]:
+        """Each master's ``appendonly`` and ``save`` settings (every master of a cluster)."""
+        primaries = getattr(self.client, "get_primaries", None)
+        targets: list[Any] = [None] if primaries is None else list(primaries())
+        configs = []
+        for node in targets:
+            where = {} if node is None else {"target_nodes": node}
+            config = {"node": "the server" if node is None else f"{node.host}:{node.port}"}
+            try:
+                for name in ("appendonly", "save"):
+                    config.update(await self.client.config_get(name, **where))
+            except self._response_error as exc:  # CONFIG renamed or denied (managed Redis)
+                config["unknown"] = f"CONFIG GET refused ({exc})"
+            configs.append(config)
+        return configs
 
     async def complete(
         self,

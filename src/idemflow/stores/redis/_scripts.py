@@ -10,8 +10,9 @@ whose docstring explains the design.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,7 +131,25 @@ end
 # (settled, or released with nothing to reconcile); only the latter, when it
 # is not a retry, starts a new intent. In flight (in_progress) or being
 # recovered (stale) is never taken over, however old: only the sweeper ends it.
+#
+# KEYS[6]: the bucket's epoch, ARGV[10]: the quarantine (ms). The store writes
+# every bucket's epoch ("0") when it starts; an epoch that is gone means this
+# bucket's data vanished since (a restart without persistence, a flush, an
+# empty replica promoted): requests that claimed before the loss may still be
+# running, and their records are gone. So the epoch is written again with the
+# time of discovery, and every claim in the bucket answers {'lost', ms left}
+# until the quarantine (the stale threshold) has passed since then. (Only the
+# benchmark's raw calls leave KEYS[6] out.)
 _CLAIM = """
+if KEYS[6] then
+  local armed = redis.call('GET', KEYS[6])
+  if not armed then
+    redis.call('SET', KEYS[6], NOW)
+    armed = NOW
+  end
+  local left = tonumber(armed) + tonumber(ARGV[10]) - now
+  if left > 0 then return {'lost', ms(left)} end
+end
 local K = KEYS[5]
 local cur = redis.call('HMGET', K, 'state', 'fingerprint', 'expires_at', 'lease_token',
   'recovery_point')
@@ -407,6 +426,15 @@ class Layout:
         bucket, record = self._locate(principal, key)
         return (*self._indexes[bucket], record)
 
+    def claim_keys(self, principal: str, key: str) -> tuple[bytes, ...]:
+        """The claim's KEYS: those of :meth:`keys`, then the bucket's epoch."""
+        bucket, record = self._locate(principal, key)
+        return (*self._indexes[bucket], record, self.epoch_key(bucket))
+
+    def epoch_key(self, bucket: int) -> bytes:
+        """The bucket's epoch (same slot): its absence tells the claim that data was lost."""
+        return b"%s:{%d}:epoch" % (self.prefix.encode(), bucket)
+
     def indexes(self, bucket: int) -> tuple[bytes, ...]:
         """A bucket's indexes: in_progress, stale, released, expires (all in one slot)."""
         return self._indexes[bucket]
@@ -432,7 +460,12 @@ class Layout:
     # --- script arguments (ARGV[1] is always now, in ms) ---------------------------
 
     def claim_args(
-        self, intent: Intent, lease_token: str, now: float, expires_at: float
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        quarantine: float = 0.0,
     ) -> list[Any]:
         return [
             ms(now),
@@ -444,12 +477,15 @@ class Layout:
             intent.endpoint,
             intent.correlation_id or "",
             "0" if intent.correlation_id is None else "1",
+            ms(quarantine),
         ]
 
     def claimed(
         self, reply: Sequence[Any], intent: Intent, lease_token: str, now: float, expires_at: float
     ) -> Claim:
         verdict = text(reply[0])
+        if verdict == "lost":
+            raise data_lost(int(reply[1]) / 1000)
         if verdict == "new":  # the times the script wrote, on its clock: {'new', now, expires}
             record = Record(
                 id=lease_token,
@@ -588,3 +624,37 @@ def refuse_transaction(transaction: object) -> None:
     if transaction is not None:
         msg = "the Redis store cannot share the caller's transaction"
         raise ConfigurationError(msg)
+
+
+def data_lost(left: float) -> StoreUnavailable:
+    """The 503 of a claim in a bucket whose data vanished, until its quarantine ends."""
+    return StoreUnavailable(
+        "the Redis key store lost its data (restarted without persistence, flushed, or "
+        "failed over to an empty replica): claims wait until requests in flight before "
+        "the loss have ended",
+        retry_after=max(1, math.ceil(left)),
+    )
+
+
+def persistence_problem(configs: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why these nodes' ``CONFIG GET appendonly`` / ``save`` answers lose data on restart,
+    or None when each node keeps an AOF or RDB snapshots."""
+    for config in configs:
+        values = {text(name): text(value) for name, value in config.items()}
+        if "unknown" in values:
+            return f"{values['node']}: cannot tell, {values['unknown']}"
+        if values.get("appendonly", "no") != "yes" and not values.get("save", "").strip():
+            node = values.get("node", "the server")
+            return f"{node} has neither AOF (appendonly no) nor RDB snapshots (save '')"
+    return None
+
+
+def refuse_volatile(problem: str | None) -> None:
+    if problem is None:
+        return
+    msg = (
+        f"refusing a Redis that forgets every claim when it restarts: {problem}. Enable "
+        "persistence (appendonly yes, appendfsync everysec or always), or acknowledge it "
+        "with allow_volatile=True (?allow_volatile=1 in a URL): see docs/stores.md"
+    )
+    raise ConfigurationError(msg)
