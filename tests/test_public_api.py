@@ -8,6 +8,7 @@ tests imported (``idemflow.testing``, drivers, frameworks) can hide a leak.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -93,3 +94,55 @@ def test_import_pulls_in_no_framework_or_driver(fresh: dict[str, list[str]], pac
     loaded = [m for m in fresh["modules"] if m == package or m.startswith(f"{package}.")]
 
     assert loaded == []
+
+
+#: Where each store's public names have always been importable from (issue 10 moved
+#: the code into one package per backend; these paths must keep working).
+STORE_PATHS = [
+    ("idemflow.stores", ["AsyncMemoryStore", "AsyncStore", "AsyncTransaction", "MemoryStore"]),
+    ("idemflow.stores.postgres", ["AsyncPostgresStore", "PostgresStore", "connection_options"]),
+    ("idemflow.stores.postgres", ["DEFAULT_CLAIM_LOCK_TIMEOUT_MS", "SERVER_NOW_MS"]),
+    ("idemflow.stores.postgres", ["is_unavailable", "postgres_dialect"]),
+    ("idemflow.stores.mysql", ["MySQLStore", "PyMySQLTransaction", "connect_kwargs"]),
+    ("idemflow.stores.mysql", ["mysql_dialect", "mysql_statements", "SERVER_NOW_MS"]),
+    ("idemflow.stores.mysql", ["is_unavailable", "upsert_claim"]),
+    ("idemflow.stores.sqlite", ["AsyncSQLiteStore", "SQLiteStore", "connect", "is_unavailable"]),
+    ("idemflow.stores.sqlite", ["sqlite_dialect"]),
+    ("idemflow.stores.redis", ["AsyncRedisStore", "RedisStats", "RedisStore", "open_redis"]),
+    ("idemflow.stores.redis", ["EXPIRES", "INDEXES", "IN_PROGRESS", "SCRIPTS", "SHAS"]),
+    ("idemflow.stores.redis", ["record_from_hash", "is_unavailable"]),
+    ("idemflow.stores.memory", ["AsyncMemoryStore", "MemoryStore"]),
+    ("idemflow.stores.protocol", ["MaintainableStore", "Statement", "Store", "Transaction"]),
+    ("idemflow.stores.protocol", ["ObservableStore", "OperableStore", "StoreClock"]),
+    ("idemflow.stores.sql", ["AsyncSQLStore", "Dialect", "SQLStatement", "SQLStore"]),
+    ("idemflow.stores.sql", ["on_database_clock", "create_table", "insert_claim"]),
+    ("idemflow.stores.stats", ["OldestClaim", "StatsSource", "StoreStats"]),
+    ("idemflow.stores.urls", ["open_async_store", "open_store", "scheme_of", "sqlite_path"]),
+    ("idemflow.transactions", ["AsyncPsycopgTransaction", "AsyncSQLAlchemyTransaction"]),
+    ("idemflow.transactions", ["AsyncSQLite3Connection", "AsyncSQLite3Transaction"]),
+    ("idemflow.transactions", ["PsycopgTransaction", "PyMySQLTransaction"]),
+    ("idemflow.transactions", ["SQLAlchemyTransaction", "SQLite3Transaction"]),
+    ("idemflow.tracing", ["AsyncTracedIdempotency", "TracedIdempotency", "TracingObserver"]),
+    ("idemflow.tracing", ["linked_context", "traced", "traceparent"]),
+    ("idemflow.edge", ["AsyncEdge", "Edge", "HTTPRequest", "pooled_transaction"]),
+]
+
+
+@pytest.mark.parametrize(("module", "names"), STORE_PATHS)
+def test_every_public_store_path_still_imports(module: str, names: list[str]) -> None:
+    """Each documented name resolves where it always did, and is in that module's ``__all__``."""
+    imported = importlib.import_module(module)
+
+    assert [name for name in names if not hasattr(imported, name)] == []
+    assert [name for name in names if name not in imported.__all__] == []
+
+
+def test_the_memory_stores_share_one_table() -> None:
+    """``AsyncMemoryStore(store)`` reads and writes the records of the store it was given."""
+    from idemflow.stores.memory import AsyncMemoryStore, MemoryStore
+
+    sync = MemoryStore()
+    shared = AsyncMemoryStore(sync)
+
+    assert shared.table is sync.table
+    assert shared.records is sync.records

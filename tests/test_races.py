@@ -51,8 +51,9 @@ pytestmark = pytest.mark.slow
 POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b"created", (("x-race", "1"),))
 CLAIMANTS = 50
-#: How long the winner holds its claim: long enough for every claimant to arrive.
-HOLD = 0.02
+#: The longest the winner holds its claim waiting for every other claimant's answer:
+#: reached only when a second one executes too (then the round fails its count).
+HOLD_LIMIT = 10.0
 BARRIER_TIMEOUT = 60.0
 #: Rounds per backend: enough to meet a rare window, few enough for ~20 s per backend.
 THREAD_ROUNDS = 30
@@ -127,6 +128,10 @@ class Race:
         self.executions: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(claimants, thread_name_prefix="claimant")
+        # Per round: the winner holds its claim until every other claimant has its
+        # answer, so the claims overlap by construction rather than by a sleep.
+        self._answered = 0
+        self._others_answered = threading.Event()
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -134,10 +139,22 @@ class Race:
     def round(self, key: str) -> collections.Counter[str]:
         """All claimants released at once on ``key``; what each of them got."""
         barrier = threading.Barrier(self.claimants, action=self.start)
+        self._answered = 0
+        self._others_answered = threading.Event()
+        if self.claimants == 1:
+            self._others_answered.set()
         futures = [self._pool.submit(self._claimant, key, barrier) for _ in range(self.claimants)]
         return collections.Counter(future.result() for future in futures)
 
     def _claimant(self, key: str, barrier: threading.Barrier) -> str:
+        answer = self._attempt(key, barrier)
+        with self._lock:
+            self._answered += 1
+            if self._answered >= self.claimants - 1:
+                self._others_answered.set()
+        return answer
+
+    def _attempt(self, key: str, barrier: threading.Barrier) -> str:
         transaction = (
             None if self.open_transaction is None else LazyTransaction(self.open_transaction)
         )
@@ -158,7 +175,7 @@ class Race:
         def handler(attempt: Attempt) -> Response:
             with self._lock:
                 self.executions[key] += 1
-            time.sleep(HOLD)
+            self._others_answered.wait(HOLD_LIMIT)
             self.write(attempt.connection, key)
             return CREATED
 
@@ -444,14 +461,24 @@ async def async_round(
     """``CLAIMANTS`` tasks released together by one event."""
     idem = AsyncIdempotency(setup.store, POLICY)
     go = asyncio.Event()
+    # The winner holds its claim until every other task has its answer.
+    others_answered = asyncio.Event()
+    answered = collections.Counter[str]()
 
     async def handler(attempt: AsyncAttempt) -> Response:
         executions[key] += 1
-        await asyncio.sleep(HOLD)
+        await asyncio.wait_for(others_answered.wait(), HOLD_LIMIT)
         await setup.write(attempt.connection, key)
         return CREATED
 
     async def claimant() -> str:
+        answer = await attempt_claim()
+        answered["n"] += 1
+        if answered["n"] >= CLAIMANTS - 1:
+            others_answered.set()
+        return answer
+
+    async def attempt_claim() -> str:
         transaction = None if setup.opener is None else AsyncLazyTransaction(setup.opener)
         await go.wait()
         try:

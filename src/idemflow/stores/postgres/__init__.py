@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_CLAIM_LOCK_TIMEOUT_MS",
+    "SERVER_NOW_MS",
     "AsyncPostgresStore",
     "PostgresStore",
     "connection_options",
