@@ -141,12 +141,15 @@ def _run(args: list[str], cwd: Path, env: dict[str, str]) -> None:
 def _gunicorn(app: str, cwd: Path, env: dict[str, str], log: Path) -> Iterator[str]:
     """gunicorn with 2 gthread workers of 8 threads on a free loopback port: its base URL."""
     args = [sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "8", "-w", "2"]
-    args += ["-b", "127.0.0.1:0", "--graceful-timeout", "5", "--log-file", str(log), app]
+    # No control socket: its default path is one per user, and parallel test
+    # servers would take it from each other.
+    args += ["-b", "127.0.0.1:0", "--no-control-socket", "--graceful-timeout", "5"]
+    args += ["--log-file", str(log), app]
     process = subprocess.Popen(
         args, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
     )
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # two Django workers booting on a loaded machine
         port = None
         while port is None and time.monotonic() < deadline and process.poll() is None:
             found = _LISTENING.search(log.read_text() if log.exists() else "")
