@@ -126,7 +126,7 @@ class MySQLStore(SQLStore):
         clock = check_clock(clock)
         self.statements = mysql_statements(table, clock)
         self.lock_wait_timeout = int(lock_wait_timeout)
-        self.pool = Pool(self._factory(connect, timeout), max_size, timeout)
+        self.pool = Pool(_causal(self._factory(connect, timeout)), max_size, timeout)
         super().__init__(
             mysql_dialect(table, clock),
             self.pool.connection,
@@ -362,6 +362,29 @@ class MySQLStore(SQLStore):
                 return [record_from_row(row_mapping(cursor.description, r)) for r in rows]
             finally:
                 cursor.close()
+
+
+def _causal(factory: Callable[[], Any]) -> Callable[[], Any]:
+    """New connections, each told to read causally if the server is a Galera node.
+
+    ``wsrep_sync_wait = 1``: a read waits until this node has applied every
+    commit the cluster certified before it. The store's reads only route its
+    decisions (every decision is a certified write), so this is not needed
+    for the guarantees; it makes the answers exact: a retry that reaches
+    another node right after the completion (or the release) finds it, and
+    gets the replay (or runs) instead of a 409. One query per new connection.
+    """
+
+    def connect() -> Any:
+        conn = factory()
+        with conn.cursor() as cursor:
+            cursor.execute("SHOW VARIABLES LIKE 'wsrep_on'")
+            row = cursor.fetchone()
+            if row is not None and str(row[1]).upper() == "ON":
+                cursor.execute("SET SESSION wsrep_sync_wait = 1")
+        return conn
+
+    return connect
 
 
 @contextmanager
