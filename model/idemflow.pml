@@ -118,7 +118,7 @@
 #define RTRANS 3
 
 #define SETTLED(v)  (ST(v) == COMP || ST(v) == PERM)
-/* _model.is_retry / is_past_retention / can_take_over (stores/_sql.py TAKE_OVER_SQL) */
+/* _model.is_retry / is_past_retention / can_take_over (stores/sql/dialect.py TAKE_OVER_SQL) */
 #define IS_RETRY(v, f)  (ST(v) == REL && FP(v) == f)
 #define PAST_RET(v)     (EXP(v) && (SETTLED(v) || (ST(v) == REL && !RP(v))))
 #ifdef M_RETAKE
@@ -128,7 +128,7 @@
 #define CODE_PAST(v)    PAST_RET(v)
 #endif
 #define TAKE_OVER(v, f) (IS_RETRY(v, f) || CODE_PAST(v))
-/* _sql PURGEABLE_SQL */
+/* stores/sql/dialect.py PURGEABLE_SQL */
 #define PURGEABLE(v)    PAST_RET(v)
 
 /* ---- the world ----------------------------------------------------------------------- */
@@ -180,7 +180,7 @@ bit S1_one_effect_per_intent, S2_completed_has_its_effect, S3_no_transient_store
 #define RECOF(s) PRIN(s)
 #endif
 
-/* Owner writes are fenced: our lease, still in progress (stores/_sql._owned_by_caller). */
+/* Owner writes are fenced: our lease, still in progress (stores/sql/dialect._owned_by_caller). */
 #define OWNED(r) (ST(rec[r]) == INP && TOK(rec[r]) == me)
 #define ME_UNCOMMITTED(r) (lk[r] == me + 1)
 
