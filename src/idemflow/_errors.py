@@ -20,7 +20,9 @@ the documentation (``docs/problems/<slug>.md``)::
     │   └── KeyReused           422         same key, different request
     ├── StoreUnavailable        503 retry   the key store cannot be reached: fail closed
     └── ConfigurationError                  unsafe or impossible settings (also a ValueError)
-        └── ResponseNotStorable 500         a response too large, streamed or unsendable to store
+        ├── ResponseNotStorable 500         a response too large, streamed or unsendable to store
+        ├── MissingExtra                    an optional dependency is not installed (an ImportError)
+        └── MissingTable                    the key table was never created: run idemflow migrate
 
 The handler's own exceptions are never wrapped: after the claim is released
 they propagate unchanged.
@@ -41,8 +43,10 @@ __all__ = [
     "InvalidKey",
     "KeyReused",
     "LeaseLost",
+    "MissingExtra",
     "MissingKey",
     "MissingPrincipal",
+    "MissingTable",
     "ReplayForbidden",
     "ResponseNotStorable",
     "StoreUnavailable",
@@ -216,6 +220,30 @@ class ResponseNotStorable(ConfigurationError):
     status = 500
     slug = "response-not-storable"
     title = "Response cannot be stored for replay"
+
+
+class MissingExtra(ConfigurationError, ImportError):
+    """An optional dependency is not installed; the message names the extra that installs it.
+
+    Also an ``ImportError``, so ``except ImportError`` around an optional
+    integration keeps working.
+    """
+
+    __module__ = "idemflow"
+
+    def __init__(self, needed_by: str, module: str, extra: str) -> None:
+        super().__init__(f"{needed_by} needs {module}: pip install 'idemflow[{extra}]'")
+        self.name = module
+        self.extra = extra
+
+
+class MissingTable(ConfigurationError):
+    """The store's key table does not exist: it was never migrated (``idemflow migrate URL``)."""
+
+    __module__ = "idemflow"
+    status = 500
+    slug = "store-not-migrated"
+    title = "The idempotency key table does not exist"
 
 
 def problem_types() -> dict[str, type[IdempotencyError]]:

@@ -31,14 +31,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
 from ._events import Event
+from ._extras import optional
 from ._model import Clock, Duration, Intent, seconds
 from .stores.protocol import ObservableStore
 from .stores.stats import STUCK_STATES, StatsSource
+
+with optional("idemflow.metrics"):
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+    from prometheus_client.core import GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
 
 __all__ = ["RESOLUTIONS", "PrometheusMetrics"]
 

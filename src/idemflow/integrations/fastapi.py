@@ -58,15 +58,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
-from fastapi.datastructures import DefaultPlaceholder
-from fastapi.routing import APIRoute, serialize_response
-from fastapi.utils import deep_dict_update, is_body_allowed_for_status_code
-from starlette.responses import Response as StarletteResponse
-from starlette.types import Receive, Scope, Send
-
 from .. import AsyncAttempt, AsyncIdempotency
 from .._errors import ConfigurationError, IdempotencyError, MissingPrincipal
+from .._extras import optional
 from .._model import Policy, Response, Verdict
 from ..edge import (
     KEY_HEADER,
@@ -80,17 +74,27 @@ from ..edge import (
     problem_for,
 )
 from ..edge import async_pooled_transaction as pooled_transaction
-from .starlette import (
-    Idempotent,
-    StarletteHandler,
-    _declares_streaming,
-    _read_body,
-    _replaying,
-    authenticated_user,
-    request_id,
-    send_response,
-    to_starlette,
-)
+
+# fastapi first: without it, the hint names the fastapi extra (starlette comes with it).
+with optional("idemflow.integrations.fastapi"):
+    from fastapi import Depends, Request
+    from fastapi.datastructures import DefaultPlaceholder
+    from fastapi.routing import APIRoute, serialize_response
+    from fastapi.utils import deep_dict_update, is_body_allowed_for_status_code
+    from starlette.responses import Response as StarletteResponse
+    from starlette.types import Receive, Scope, Send
+
+    from .starlette import (
+        Idempotent,
+        StarletteHandler,
+        _declares_streaming,
+        _read_body,
+        _replaying,
+        authenticated_user,
+        request_id,
+        send_response,
+        to_starlette,
+    )
 
 __all__ = ["EdgeOptions", "IdempotentRequest", "IdempotentRoute", "dependency", "scope_user"]
 

@@ -36,10 +36,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
-from flask import Flask, current_app, request
-from flask import Response as FlaskResponse
-from werkzeug.exceptions import ClientDisconnected
-
 from .. import Idempotency as Driver
 from .._errors import (
     BodyTooLarge,
@@ -49,6 +45,7 @@ from .._errors import (
     MissingPrincipal,
     ResponseNotStorable,
 )
+from .._extras import optional
 from .._model import Policy, Response
 from ..edge import (
     DEFAULT_MAX_BODY_BYTES,
@@ -63,6 +60,11 @@ from ..edge import (
     sendable_headers,
 )
 from ..stores.protocol import Store, Transaction
+
+with optional("idemflow.integrations.flask"):
+    from flask import Flask, current_app, request
+    from flask import Response as FlaskResponse
+    from werkzeug.exceptions import ClientDisconnected
 
 __all__ = ["Idempotency", "flask_login_user", "from_flask", "to_flask"]
 

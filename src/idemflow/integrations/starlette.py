@@ -61,18 +61,13 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, TypeAlias
 
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import FileResponse, StreamingResponse
-from starlette.responses import Response as StarletteResponse
-from starlette.routing import BaseRoute, Host, Match, Mount, compile_path
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
 from .. import AsyncAttempt, AsyncIdempotency
 from .._errors import (
     ConfigurationError,
     IdempotencyError,
     ResponseNotStorable,
 )
+from .._extras import optional
 from .._model import Response
 from ..edge import (
     REQUEST_ID_HEADER,
@@ -93,6 +88,13 @@ from ..edge import (
 )
 from ..edge import async_pooled_transaction as pooled_transaction
 from ..stores.protocol import AsyncTransaction
+
+with optional("idemflow.integrations.starlette"):
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import FileResponse, StreamingResponse
+    from starlette.responses import Response as StarletteResponse
+    from starlette.routing import BaseRoute, Host, Match, Mount, compile_path
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = [
     "EdgeOptions",

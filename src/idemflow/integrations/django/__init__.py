@@ -20,10 +20,13 @@ See ``docs/frameworks/django.md`` for the whole story, ``ATOMIC_REQUESTS`` inclu
 
 from __future__ import annotations
 
-from .conf import IdemflowSettings, get_idempotency, get_store, idemflow_settings
-from .middleware import IdempotencyMiddleware
-from .store import DjangoStore, DjangoTransaction
-from .views import idempotency_public, idempotent
+from ..._extras import optional
+
+with optional("idemflow.integrations.django"):
+    from .conf import IdemflowSettings, get_idempotency, get_store, idemflow_settings
+    from .middleware import IdempotencyMiddleware
+    from .store import DjangoStore, DjangoTransaction
+    from .views import idempotency_public, idempotent
 
 __all__ = [
     "DjangoStore",

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, LeaseLost, StoreUnavailable
+from ..._extras import optional
 from ..._model import Claim, Intent, Record, State, can_take_over, record_from_row
 from ..protocol import Transaction
 from ..sql import SQLStore
@@ -140,7 +141,8 @@ class MySQLStore(SQLStore):
     ) -> Callable[[], Any]:
         if callable(connect):
             return connect
-        import pymysql
+        with optional("idemflow.stores.mysql"):
+            import pymysql
 
         kwargs = {
             "connect_timeout": timeout,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from ..._extras import optional
 from ..sql import (
     PURGEABLE_SQL,
     AsyncSQLStore,
@@ -114,7 +115,8 @@ def connection_options(claim_lock_timeout_ms: int, conninfo: str = "") -> dict[s
     ``conninfo`` (a ``search_path``, say) are kept: a keyword would replace
     them. Pass the same options if you bring your own pool.
     """
-    from psycopg.conninfo import conninfo_to_dict
+    with optional("idemflow.stores.postgres"):
+        from psycopg.conninfo import conninfo_to_dict
 
     bound = f"-c lock_timeout={int(claim_lock_timeout_ms)}"
     own = conninfo_to_dict(conninfo).get("options") if conninfo else None
@@ -168,7 +170,8 @@ class PostgresStore(SQLStore):
         clock: StoreClock = "database",
     ) -> None:
         if isinstance(pool, str):
-            import psycopg_pool
+            with optional("idemflow.stores.postgres"):
+                import psycopg_pool
 
             pool = psycopg_pool.ConnectionPool(
                 pool, **_pool_settings(pool, max_size, claim_lock_timeout_ms), open=True
@@ -205,7 +208,8 @@ class AsyncPostgresStore(AsyncSQLStore):
         clock: StoreClock = "database",
     ) -> None:
         if isinstance(pool, str):
-            import psycopg_pool
+            with optional("idemflow.stores.postgres"):
+                import psycopg_pool
 
             pool = psycopg_pool.AsyncConnectionPool(
                 pool, **_pool_settings(pool, max_size, claim_lock_timeout_ms), open=False

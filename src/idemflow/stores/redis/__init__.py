@@ -61,6 +61,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._extras import optional
 from ..._model import Policy
 from ..protocol import StoreClock
 from ._async import AsyncRedisStore
@@ -113,8 +114,9 @@ def open_redis(
     ``?allow_volatile=1`` in the URL is ``allow_volatile=True``: a server without
     persistence is accepted (see :class:`RedisStore`).
     """
-    from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
+    with optional("idemflow.stores.redis"):
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
 
     url, volatile = _without_option(url, "allow_volatile")
     allow_volatile = allow_volatile or volatile

@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeAlias
 from ..._errors import LeaseLost, StoreUnavailable
 from ..._model import Claim, Intent, Record, Response, State, can_take_over, record_from_row
 from ..protocol import AsyncTransaction
-from ._stats import AsyncSQLObservable
+from ._stats import AsyncSQLObservable, is_missing_table, missing_table
 from .dialect import (
     CLAIM_RETRIES,
     Dialect,
@@ -329,10 +329,16 @@ class AsyncSQLStore(AsyncSQLObservable):
 
     @contextmanager
     def _translate(self) -> Iterator[None]:
-        """Driver errors that mean "unreachable" become StoreUnavailable (fail closed)."""
+        """Driver errors that mean "unreachable" become StoreUnavailable (fail closed).
+
+        A missing key table is the newcomer's mistake, not an outage: it
+        becomes :class:`~idemflow.MissingTable`, naming the command that fixes it.
+        """
         try:
             yield
         except Exception as exc:
+            if is_missing_table(exc):
+                raise missing_table(self.dialect.table, self.dialect.name) from exc
             if not self._is_unavailable(exc):
                 raise
             msg = f"{self.dialect.name} key store unavailable: {exc}".strip()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-from ..._errors import ConfigurationError
+from ..._errors import MissingTable
 from ..stats import STUCK_STATES, OldestClaim, StatsSource, StoreStats, stats_refused
 from .dialect import PAST_RETENTION_SQL, Dialect, SQLStatement
 
@@ -24,6 +24,7 @@ __all__ = [
     "SQLObservable",
     "SQLStats",
     "is_missing_table",
+    "missing_table",
     "missing_table_is_clear",
 ]
 
@@ -143,10 +144,20 @@ def missing_table_is_clear(table: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if not is_missing_table(exc):
+        # The store's own hint (MissingTable) too: the CLI's line names no URL, it has one.
+        if not (isinstance(exc, MissingTable) or is_missing_table(exc)):
             raise
-        msg = f"table {table} does not exist: run idemflow migrate"
-        raise ConfigurationError(msg) from exc
+        raise missing_table(table) from exc
+
+
+def missing_table(table: str, store: str = "") -> MissingTable:
+    """The one hint for a key table that was never created, from the library and the CLI."""
+    if not store:  # the CLI, which was given the URL
+        return MissingTable(f"table {table} does not exist: run idemflow migrate")
+    return MissingTable(
+        f"table {table} does not exist in the {store} key store: run idemflow migrate "
+        "DATABASE_URL (or store.migrate()) once before serving requests"
+    )
 
 
 def is_missing_table(exc: BaseException) -> bool:

@@ -1,0 +1,55 @@
+"""
+Optional dependencies: a missing one is one line naming the extra that installs it.
+
+Every import of an optional dependency sits in an ``optional(...)`` block, in
+the module (or at the call) that needs it, so ``import idemflow`` stays light
+and a newcomer reads ``idemflow.stores.postgres needs psycopg_pool: pip install
+'idemflow[postgres]'`` instead of a bare ``ModuleNotFoundError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ._errors import MissingExtra
+
+__all__ = ["EXTRAS", "optional"]
+
+#: The extra (pyproject.toml) that installs each optional top-level package.
+EXTRAS = {
+    "psycopg": "postgres",
+    "psycopg_pool": "postgres",
+    "pymysql": "mysql",
+    "redis": "redis",
+    "sqlalchemy": "sqlalchemy",
+    "starlette": "starlette",
+    "fastapi": "fastapi",
+    "django": "django",
+    "rest_framework": "drf",
+    "flask": "flask",
+    "werkzeug": "flask",
+    "prometheus_client": "metrics",
+    "opentelemetry": "tracing",
+    "rich": "cli",
+    "httpx": "client",
+    "requests": "client",
+}
+
+
+@contextmanager
+def optional(needed_by: str) -> Iterator[None]:
+    """Imports in this block are optional dependencies of ``needed_by`` (a module or a name).
+
+    A missing package that an extra installs becomes :class:`MissingExtra`;
+    any other import error (a broken install, a missing transitive
+    dependency) propagates unchanged.
+    """
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").split(".")[0]
+        extra = EXTRAS.get(package)
+        if extra is None:
+            raise
+        raise MissingExtra(needed_by, package, extra) from exc
