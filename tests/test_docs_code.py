@@ -16,8 +16,9 @@ What a block is, is said by an HTML comment on the line before its fence
     address, an app that serves forever): type-checked, not run.
 ``<!-- docs-code: fragment -->``
     part of a larger program (names it uses come from around it): compiled
-    and type-checked with undefined names allowed (they are ``Any``), so what
-    it does with idemflow's own names is still checked.
+    and type-checked with undefined names and modules that do not exist
+    allowed (they are ``Any``), so what it does with idemflow's own names is
+    still checked.
 
 Type checks are mypy's ``check_untyped_defs`` (a doc's functions need not be
 annotated), with the project's settings for untyped dependencies.
@@ -44,6 +45,8 @@ FENCE = re.compile(
 )
 MARKER = re.compile(r"<!--\s*docs-code:\s*(?P<mode>[\w-]+)\s*-->\s*$")
 TIMEOUT = 120
+#: A fragment may use names from around it and import a module it stands for.
+FRAGMENT_HEADER = '# mypy: disable-error-code="name-defined, import-not-found"\n'
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def mypy_config(path: Path) -> None:
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = tmp_path_factory.mktemp("docs-code")
     for block in BLOCKS:
-        header = '# mypy: disable-error-code="name-defined"\n' if block.mode == "fragment" else ""
+        header = FRAGMENT_HEADER if block.mode == "fragment" else ""
         (where / f"{block.module}.py").write_text(header + block.code)
     return where
 
