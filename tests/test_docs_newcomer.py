@@ -181,3 +181,28 @@ def test_a_missing_mysql_table_names_idemflow_migrate() -> None:
             Idempotency(store).run(INTENT, lambda attempt: Response(201))
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "says"),
+    [
+        ("GET /payments", "idempotent already"),
+        ("head /payments", "idempotent already"),
+        ("/payments", "must be 'METHOD /route/"),
+        ("POST payments", "must be 'METHOD /route/"),
+    ],
+)
+def test_a_middleware_endpoint_that_could_never_be_protected_is_refused_at_start_up(
+    endpoint: str, says: str
+) -> None:
+    """Starlette's IdempotencyMiddleware, like the WSGI one: at construction, not at a request."""
+    from idemflow.integrations.starlette import IdempotencyMiddleware
+    from idemflow.testing import AsyncMemoryStore
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        raise AssertionError("never called")
+
+    with pytest.raises(ConfigurationError, match=says):
+        IdempotencyMiddleware(
+            app, idempotency=AsyncIdempotency(AsyncMemoryStore()), endpoints=[endpoint]
+        )

@@ -580,8 +580,14 @@ class IdempotencyMiddleware:
 
 def _compile_endpoint(endpoint: str) -> tuple[str, re.Pattern[str], str]:
     method, _, template = endpoint.strip().partition(" ")
-    if not template.startswith("/"):
+    if not method.isalpha() or not template.startswith("/"):
         msg = f"endpoint {endpoint!r} must be 'METHOD /route/{{param}}'"
+        raise ConfigurationError(msg)
+    if method.upper() in SAFE_METHODS:  # it would never be protected: say so at start-up
+        msg = (
+            f"endpoint {endpoint!r}: {method.upper()} is idempotent already and is never "
+            "protected; list unsafe methods only"
+        )
         raise ConfigurationError(msg)
     pattern, _, _ = compile_path(template.strip())
     return method.upper(), pattern, template.strip()
