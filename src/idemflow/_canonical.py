@@ -64,6 +64,12 @@ def parse_json(data: bytes) -> Any:
     return value
 
 
+def _parse(data: bytes) -> tuple[Any, bool]:
+    """:func:`parse_json`, and whether the value is *plain* (see :func:`_check_tree`)."""
+    value = _loads(_decode(data))
+    return value, _check_tree(value)
+
+
 def _decode(data: bytes) -> str:
     try:
         text = data.decode("utf-8")
@@ -137,26 +143,41 @@ def _bounded_int(text: str) -> int:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _check_tree(value: Any) -> None:
-    """Refuse lone surrogates anywhere and nesting beyond MAX_DEPTH.
+def _check_tree(value: Any) -> bool:
+    """Refuse lone surrogates anywhere and nesting beyond MAX_DEPTH; True if *plain*.
 
     The json module decodes ``"\\ud83d\\ude00"`` to one character, so any
     surrogate left in a string came from an unpaired escape.  Iterative, so
     that a deep body cannot exhaust the stack while we look at it.
+
+    Plain: no float anywhere and no member name beyond the BMP. For such a
+    value ``json.dumps`` (sorted, compact, not ASCII-escaped) writes exactly
+    RFC 8785: ints are written alike, strings are escaped alike (``"``,
+    ``\\``, the short escapes, other controls as lower-case ``\\u00xx``),
+    and code-point order is UTF-16 order when no name has an astral character.
     """
+    plain = True
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, str):
             _check_text(item)
+        elif isinstance(item, float):
+            plain = False
         elif isinstance(item, dict | list):
             if depth > MAX_DEPTH:
                 raise _too_deep()
             if isinstance(item, dict):
                 for name in item:
                     _check_text(name)
+                    if plain and not name.isascii() and _ASTRAL.search(name):
+                        plain = False
                 item = item.values()
             stack.extend((child, depth + 1) for child in item)
+    return plain
+
+
+_ASTRAL = re.compile("[\U00010000-\U0010ffff]")
 
 
 def _check_text(text: str) -> None:
@@ -327,10 +348,17 @@ def canonical_json_bytes(data: bytes, exclude_fields: Collection[str] = ()) -> b
     # members "i" and "d".
     if isinstance(exclude_fields, str):
         raise TypeError("exclude_fields must be a collection of names, not a str")
-    value = parse_json(data)
+    value, plain = _parse(data)
     for path in exclude_fields:
         _drop(value, path.split("."))
+    if plain:  # the same bytes, from the C encoder (see _check_tree)
+        return _PLAIN.encode(value).encode("utf-8")
     return canonical_json(value)
+
+
+_PLAIN = json.JSONEncoder(
+    ensure_ascii=False, sort_keys=True, separators=(",", ":"), check_circular=False
+)
 
 
 def _drop(value: Any, path: list[str]) -> None:

@@ -106,6 +106,18 @@ class _State:
         self.single_commit = bool(app.config["IDEMFLOW_SINGLE_COMMIT"])
         self.max_body_bytes = int(app.config["IDEMFLOW_MAX_BODY_BYTES"])
         self.max_response_bytes = int(app.config["IDEMFLOW_MAX_RESPONSE_BYTES"])
+        # Built once, not per request: the options are checked when made.
+        self.edges = {
+            public: Edge(
+                self.driver,
+                EdgeOptions(
+                    public=public,
+                    max_body_bytes=self.max_body_bytes,
+                    max_response_bytes=self.max_response_bytes,
+                ),
+            )
+            for public in (False, True)
+        }
 
 
 class Idempotency:
@@ -192,11 +204,7 @@ class Idempotency:
         state = self.state()
         headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers]
         rid = request_id_from(headers)
-        options = EdgeOptions(
-            public=public,
-            max_body_bytes=state.max_body_bytes,
-            max_response_bytes=state.max_response_bytes,
-        )
+        edge = state.edges[public]
         try:
             if request.method.upper() in SAFE_METHODS:
                 msg = f"{request.method} is idempotent already; protect unsafe methods only"
@@ -220,10 +228,10 @@ class Idempotency:
             return to_flask(problem_for(exc, rid))
         if validate is not None:
             validate()
-        return self._respond(state, http, view, options)
+        return self._respond(state, http, view, edge)
 
     def _respond(
-        self, state: _State, http: HTTPRequest, view: Callable[[], Any], options: EdgeOptions
+        self, state: _State, http: HTTPRequest, view: Callable[[], Any], edge: Edge
     ) -> FlaskResponse:
         ran: list[tuple[FlaskResponse, Response]] = []
 
@@ -233,7 +241,7 @@ class Idempotency:
             ran.append((original, converted))
             return converted
 
-        answer = Edge(state.driver, options).respond(
+        answer = edge.respond(
             http,
             handler,
             transaction=self._transactions(),

@@ -85,7 +85,18 @@ class IdemflowSettings:
 
 
 def idemflow_settings() -> IdemflowSettings:
-    """The checked settings; ``ImproperlyConfigured`` names what is wrong."""
+    """The checked settings; ``ImproperlyConfigured`` names what is wrong.
+
+    Checked once, not on every protected request (a Policy is built to check
+    the durations); a change of ``IDEMFLOW`` or ``DATABASES`` (Django's
+    ``setting_changed``) checks them again.
+    """
+    with _lock:
+        return _checked()
+
+
+@functools.cache
+def _checked() -> IdemflowSettings:
     given = getattr(settings, "IDEMFLOW", {}) or {}
     if not isinstance(given, Mapping):
         raise ImproperlyConfigured("settings.IDEMFLOW must be a dict")
@@ -115,7 +126,7 @@ _lock = threading.Lock()
 
 @functools.cache
 def _built() -> tuple[Store, Idempotency]:
-    chosen = idemflow_settings()
+    chosen = _checked()
     store: Store
     if chosen.store == DJANGO_STORE:
         from .store import DjangoStore
@@ -143,6 +154,7 @@ def get_idempotency() -> Idempotency:
 def _reset(*, setting: str, **kwargs: Any) -> None:
     if setting in ("IDEMFLOW", "DATABASES"):
         with _lock:
+            _checked.cache_clear()
             _built.cache_clear()
 
 

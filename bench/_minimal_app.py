@@ -1,0 +1,89 @@
+"""
+The minimal endpoint ``bench/bench_middleware.py`` serves: middleware mode on one store.
+
+``POST /things`` (protected by ``IdempotencyMiddleware``) and ``POST /plain/things``
+(the same endpoint, not opted in) parse the JSON body and answer 201 with a
+small JSON object: no business write, so what protection costs is all there
+is to see. Settings from the environment: ``BENCH_STORE`` (``sqlite``,
+``postgres``, ``redis``), ``BENCH_URL`` (the PostgreSQL conninfo or Redis URL),
+``BENCH_DIR`` (the SQLite file's directory), ``BENCH_PREFIX`` (Redis keys).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from idemflow import AsyncIdempotency, Policy
+from idemflow.integrations.starlette import IdempotencyMiddleware
+
+KIND = os.environ.get("BENCH_STORE", "sqlite")
+URL = os.environ.get("BENCH_URL", "")
+
+
+class Bearer(AuthenticationBackend):
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, SimpleUser]:
+        return AuthCredentials(["authenticated"]), SimpleUser("alice")
+
+
+async def create(request: Request) -> JSONResponse:
+    order = json.loads(await request.body())
+    return JSONResponse({"id": "thing_1", "amount": order["amount"]}, status_code=201)
+
+
+def _store() -> Any:
+    if KIND == "postgres":
+        from idemflow.stores.postgres import AsyncPostgresStore
+
+        return AsyncPostgresStore(URL, max_size=8)
+    if KIND == "redis":
+        import redis.asyncio
+
+        from idemflow.stores.redis import AsyncRedisStore
+
+        client = redis.asyncio.Redis.from_url(URL)
+        return AsyncRedisStore(client, prefix=os.environ.get("BENCH_PREFIX", "bench:"))
+    from idemflow.stores.sqlite import AsyncSQLiteStore
+
+    return AsyncSQLiteStore(Path(os.environ.get("BENCH_DIR", ".")) / "keys.db")
+
+
+def make_app() -> Starlette:
+    store = _store()
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        if KIND != "redis":
+            await store.migrate()
+        yield
+
+    return Starlette(
+        lifespan=lifespan,
+        routes=[
+            Route("/things", create, methods=["POST"]),
+            Route("/plain/things", create, methods=["POST"]),
+        ],
+        middleware=[
+            Middleware(AuthenticationMiddleware, backend=Bearer()),
+            Middleware(
+                IdempotencyMiddleware,
+                idempotency=AsyncIdempotency(store, Policy()),
+                endpoints=["POST /things"],
+            ),
+        ],
+    )
+
+
+app = make_app()

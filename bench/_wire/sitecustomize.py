@@ -1,0 +1,90 @@
+"""
+Round trips counted on the client side of every server process a benchmark starts.
+
+``bench/_wire.py`` (``wire_env``) puts this directory on ``PYTHONPATH`` and sets
+``IDEMFLOW_BENCH_WIRE`` to a directory; Python then imports this module at
+start-up in every process (uvicorn, gunicorn's workers, the demo), and each
+process keeps one counter file there, rewritten after every round trip:
+
+- PostgreSQL (psycopg 3): every request psycopg sends and waits for: a
+  statement (prepared or not, and the ``PREPARE`` of one), ``BEGIN``,
+  ``COMMIT``, ``ROLLBACK``, a pool's check or reset;
+- Redis (redis-py): every ``send_packed_command`` (a pipeline sends once).
+
+Only benchmarks set the variable; without it this module does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+_DIRECTORY = os.environ.get("IDEMFLOW_BENCH_WIRE")
+
+
+class _Counter:
+    def __init__(self, directory: str) -> None:
+        self._directory = directory
+        self._lock = threading.Lock()
+        self._counts = {"postgres": 0, "redis": 0}
+        self._fd: int | None = None
+        self._pid = -1
+
+    def add(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+            if self._pid != os.getpid():  # a forked worker counts in a file of its own
+                self._pid = os.getpid()
+                self._counts = {key: int(key == name) for key in self._counts}
+                path = os.path.join(self._directory, f"{self._pid}.count")
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            text = f"{self._counts['postgres']} {self._counts['redis']}\n"
+            assert self._fd is not None
+            os.pwrite(self._fd, text.encode().ljust(48), 0)
+
+
+def _install(counter: _Counter) -> None:
+    try:
+        from psycopg import _connection_base, _cursor_base
+    except ImportError:
+        pass
+    else:
+        # Each of these sends one request and reads its results before the
+        # caller goes on (no pipeline mode on these paths): one round trip.
+        for owner, name in (
+            (_connection_base.BaseConnection, "_exec_command"),  # BEGIN, COMMIT, ROLLBACK
+            (_cursor_base.BaseCursor, "_execute_send"),
+            (_cursor_base.BaseCursor, "_send_prepare"),
+            (_cursor_base.BaseCursor, "_send_query_prepared"),
+        ):
+            setattr(owner, name, _counted(counter, "postgres", getattr(owner, name)))
+    try:
+        import redis.asyncio.connection as async_redis
+        import redis.connection as sync_redis
+    except ImportError:
+        return
+    sync_send = sync_redis.AbstractConnection.send_packed_command
+    async_send = async_redis.AbstractConnection.send_packed_command
+
+    def send(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        counter.add("redis")
+        return sync_send(self, *args, **kwargs)
+
+    async def asend(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        counter.add("redis")
+        return await async_send(self, *args, **kwargs)
+
+    sync_redis.AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
+    async_redis.AbstractConnection.send_packed_command = asend  # type: ignore[method-assign]
+
+
+def _counted(counter: _Counter, name: str, method):  # type: ignore[no-untyped-def]
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        counter.add(name)
+        return method(*args, **kwargs)
+
+    return counted
+
+
+if _DIRECTORY:
+    _install(_Counter(_DIRECTORY))

@@ -1,0 +1,297 @@
+"""
+What middleware mode costs a minimal endpoint, per store: throughput, server CPU, round trips.
+
+Run::
+
+    .venv/bin/python -m bench.bench_middleware [--seconds 2] [--rounds 5] [--clients 1,16]
+                                               [--stores sqlite,postgres,redis]
+
+For each store one server is started (``bench/_minimal_app.py`` under uvicorn,
+one worker, its own process): a Starlette app whose ``POST /things`` is protected
+by ``IdempotencyMiddleware`` and whose ``POST /plain/things`` is the same
+endpoint, not opted in. The endpoint parses the JSON body and answers 201: no
+business write, so the ratio shows protection's whole cost against the
+cheapest endpoint there is (the worst case). Three paths take turns in short
+slices in one run (``unprotected``, ``protected`` with a fresh key,
+``replay`` of a completed key), through the load generator of
+``bench/bench_http.py``; each slice also reads the CPU the server process (and,
+for PostgreSQL, the backends serving it, found by ``application_name``) spent.
+
+Then a second server of the same store, started with the round-trip counters
+of ``bench/_wire`` (a separate one, so counting costs nothing in the timed
+run), gets ``--count`` sequential requests per path: the round trips per
+request to PostgreSQL or Redis, counted in the server's drivers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from tests.factories import free_port
+
+from bench._wire import read_counts, wire_env
+from bench.bench_frameworks import _cpu_seconds
+from bench.bench_http import POSTGRES_URL, Client, Tally, open_clients, postgres_schema
+
+ROOT = Path(__file__).resolve().parents[1]
+REDIS_URL = os.environ.get("IDEMFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+BODY = b'{"amount":1000,"currency":"EUR","customer":"ada"}'
+PATHS = ("unprotected", "protected", "replay")
+
+
+def request_bytes(path: str, key: str | None) -> bytes:
+    lines = [
+        f"POST {path} HTTP/1.1",
+        "Host: 127.0.0.1",
+        "Content-Type: application/json",
+        f"Content-Length: {len(BODY)}",
+    ]
+    if key is not None:
+        lines.append(f"Idempotency-Key: {key}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + BODY
+
+
+@dataclass
+class Server:
+    url: str
+    pid: int
+    application_name: str | None
+    wire: Path | None
+
+
+@dataclass
+class Metered:
+    tally: Tally = field(default_factory=Tally)
+    app_cpu: float = 0.0
+    db_cpu: float = 0.0
+
+
+@contextlib.contextmanager
+def store_settings(store: str, workdir: Path) -> Iterator[dict[str, str]]:
+    """Environment for the app: a schema of its own, a Redis prefix of its own."""
+    if store == "postgres":
+        app_name = f"idemflow_bench_{uuid.uuid4().hex[:8]}"
+        with postgres_schema() as url:
+            yield {"BENCH_STORE": store, "BENCH_URL": f"{url}&application_name={app_name}"}
+        return
+    if store == "redis":
+        prefix = f"bench:{uuid.uuid4().hex[:8]}:"
+        try:
+            yield {"BENCH_STORE": store, "BENCH_URL": REDIS_URL, "BENCH_PREFIX": prefix}
+        finally:
+            import redis
+
+            client = redis.Redis.from_url(REDIS_URL)
+            for key in client.scan_iter(match=prefix + "*", count=1000):
+                client.delete(key)
+            client.close()
+        return
+    yield {"BENCH_STORE": store, "BENCH_DIR": str(workdir)}
+
+
+@contextlib.contextmanager
+def server(settings: dict[str, str], wire: Path | None = None) -> Iterator[Server]:
+    port = free_port()
+    command = [sys.executable, "-m", "uvicorn", "bench._minimal_app:app", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--log-level", "warning", "--no-access-log"]
+    env = {**os.environ, **settings, **(wire_env(wire) if wire is not None else {})}
+    process = subprocess.Popen(command, env=env, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                httpx.get(url + "/", timeout=1)
+                break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the app did not start")
+            time.sleep(0.05)
+        app_name = settings.get("BENCH_URL", "").partition("application_name=")[2] or None
+        yield Server(url, process.pid, app_name, wire)
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def backends(application_name: str | None) -> list[int]:
+    if application_name is None:
+        return []
+    import psycopg
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (application_name,)
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
+async def run_slice(
+    target: Server, clients: list[Client], make: Callable[[], bytes], seconds: float, out: Metered
+) -> None:
+    pids = backends(target.application_name)
+    app_before = _cpu_seconds(target.pid)
+    db_before = sum(_cpu_seconds(pid) for pid in pids)
+    deadline = time.perf_counter() + seconds
+    done = 0
+
+    async def worker(client: Client) -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            out.tally.statuses[await client.send(make())] += 1
+            done += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in clients))
+    elapsed = time.perf_counter() - started
+    out.app_cpu += _cpu_seconds(target.pid) - app_before
+    out.db_cpu += sum(_cpu_seconds(pid) for pid in pids) - db_before
+    out.tally.requests += done
+    out.tally.seconds += elapsed
+    out.tally.rates.append(done / elapsed)
+
+
+def makers(replay_key: str) -> dict[str, Callable[[], bytes]]:
+    return {
+        "unprotected": lambda: request_bytes("/plain/things", None),
+        "protected": lambda: request_bytes("/things", f"bench-{uuid.uuid4().hex}"),
+        "replay": lambda: request_bytes("/things", replay_key),
+    }
+
+
+async def measure(target: Server, n: int, seconds: float, rounds: int) -> dict[str, Metered]:
+    clients = await open_clients(target.url, n)
+    replay_key = f"bench-replay-{uuid.uuid4().hex}"
+    assert await clients[0].send(request_bytes("/things", replay_key)) == 201
+    make = makers(replay_key)
+    results = {name: Metered() for name in PATHS}
+    for name in PATHS:  # warm every path (connections, prepared statements)
+        await run_slice(target, clients, make[name], min(0.5, seconds), Metered())
+    for round_ in range(rounds):
+        order = PATHS[round_ % len(PATHS) :] + PATHS[: round_ % len(PATHS)]
+        for name in order:
+            await run_slice(target, clients, make[name], seconds, results[name])
+    for client in clients:
+        client.writer.close()
+    return results
+
+
+async def count_round_trips(target: Server, requests: int) -> dict[str, float]:
+    """Round trips per request of each path, ``requests`` sequential requests each."""
+    assert target.wire is not None
+    (client,) = await open_clients(target.url, 1)
+    replay_key = f"bench-replay-{uuid.uuid4().hex}"
+    assert await client.send(request_bytes("/things", replay_key)) == 201
+    make = makers(replay_key)
+    counts = {}
+    for name in PATHS:
+        for _ in range(5):  # warm: prepared statements, pool connections
+            await client.send(make[name]())
+        before = sum(read_counts(target.wire))
+        for _ in range(requests):
+            assert await client.send(make[name]()) == 201
+        counts[name] = (sum(read_counts(target.wire)) - before) / requests
+    client.writer.close()
+    return counts
+
+
+def paired(numerator: Tally, denominator: Tally) -> tuple[float, float, float]:
+    ratios = [n / d for n, d in zip(numerator.rates, denominator.rates, strict=True) if d]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=2.0, help="length of one slice")
+    parser.add_argument("--rounds", type=int, default=5, help="slices per path")
+    parser.add_argument("--clients", default="1,16", help="concurrent clients, comma-separated")
+    parser.add_argument("--stores", default="sqlite,postgres,redis")
+    parser.add_argument("--count", type=int, default=200, help="requests per path counted")
+    args = parser.parse_args(argv)
+    throughput, cpu, trips = [], [], []
+    with tempfile.TemporaryDirectory() as workdir:
+        for store in args.stores.split(","):
+            with store_settings(store, Path(workdir)) as settings:
+                with server(settings) as target:
+                    for n in [int(c) for c in args.clients.split(",")]:
+                        results = asyncio.run(measure(target, n, args.seconds, args.rounds))
+                        throughput.append(throughput_row(store, n, results))
+                        cpu.extend(cpu_rows(store, n, results))
+                        print(throughput[-1], file=sys.stderr, flush=True)
+                wire = Path(workdir) / f"wire-{store}"
+                wire.mkdir()
+                with server(settings, wire) as target:
+                    counted = asyncio.run(count_round_trips(target, args.count))
+                trips.append(
+                    f"| {store} | middleware | "
+                    + " | ".join(f"{counted[name]:.2f}" for name in PATHS)
+                    + " |"
+                )
+    print(
+        "| store | clients | unprotected req/s | protected req/s | protected ÷ unprotected "
+        "(median, min–max) | replay req/s | replay ÷ protected | non-2xx |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n".join(throughput))
+    print()
+    print(
+        "| store | clients | path | app server CPU µs/req | store server CPU µs/req "
+        "| total | added by protection |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    print("\n".join(cpu))
+    print()
+    print("| store | mode | round trips: unprotected | protected | replay |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    print("\n".join(trips))
+    return 0
+
+
+def throughput_row(store: str, n: int, results: dict[str, Metered]) -> str:
+    plain, protected, replay = (results[name].tally for name in PATHS)
+    ratio, low, high = paired(protected, plain)
+    replay_ratio, _, _ = paired(replay, protected)
+    odd = sum(c for r in results.values() for s, c in r.tally.statuses.items() if s >= 300)
+    return (
+        f"| {store} | {n} | {plain.rate:,.0f} | {protected.rate:,.0f} "
+        f"| {protected.rate / plain.rate:.2f} ({ratio:.2f}, {low:.2f}–{high:.2f}) "
+        f"| {replay.rate:,.0f} | {replay_ratio:.2f} | {odd} |"
+    )
+
+
+def cpu_rows(store: str, n: int, results: dict[str, Metered]) -> list[str]:
+    def per_request(name: str) -> tuple[float, float]:
+        one = results[name]
+        count = max(one.tally.requests, 1)
+        return one.app_cpu / count * 1e6, one.db_cpu / count * 1e6
+
+    base = sum(per_request("unprotected"))
+    rows = []
+    for name in PATHS:
+        app, db = per_request(name)
+        db_text = f"{db:,.0f}" if store == "postgres" else "–"
+        rows.append(
+            f"| {store} | {n} | {name} | {app:,.0f} | {db_text} | {app + db:,.0f} "
+            f"| {app + db - base:+,.0f} |"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
