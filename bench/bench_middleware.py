@@ -192,8 +192,8 @@ async def measure(target: Server, n: int, seconds: float, rounds: int) -> dict[s
     return results
 
 
-async def count_round_trips(target: Server, requests: int) -> dict[str, float]:
-    """Round trips per request of each path, ``requests`` sequential requests each."""
+async def count_round_trips(target: Server, requests: int) -> dict[str, tuple[float, float]]:
+    """Round trips and pool checkouts per request of each path, ``requests`` sequential each."""
     assert target.wire is not None
     (client,) = await open_clients(target.url, 1)
     replay_key = f"bench-replay-{uuid.uuid4().hex}"
@@ -203,10 +203,11 @@ async def count_round_trips(target: Server, requests: int) -> dict[str, float]:
     for name in PATHS:
         for _ in range(5):  # warm: prepared statements, pool connections
             await client.send(make[name]())
-        before = sum(read_counts(target.wire))
+        trips, checkouts = read_counts(target.wire)
         for _ in range(requests):
             assert await client.send(make[name]()) == 201
-        counts[name] = (sum(read_counts(target.wire)) - before) / requests
+        trips_after, checkouts_after = read_counts(target.wire)
+        counts[name] = ((trips_after - trips) / requests, (checkouts_after - checkouts) / requests)
     client.writer.close()
     return counts
 
@@ -223,13 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", default="1,16", help="concurrent clients, comma-separated")
     parser.add_argument("--stores", default="sqlite,postgres,redis")
     parser.add_argument("--count", type=int, default=200, help="requests per path counted")
+    parser.add_argument("--only-count", action="store_true", help="round trips only, no timing")
     args = parser.parse_args(argv)
     throughput, cpu, trips = [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         for store in args.stores.split(","):
             with store_settings(store, Path(workdir)) as settings:
                 with server(settings) as target:
-                    for n in [int(c) for c in args.clients.split(",")]:
+                    for n in [] if args.only_count else [int(c) for c in args.clients.split(",")]:
                         results = asyncio.run(measure(target, n, args.seconds, args.rounds))
                         throughput.append(throughput_row(store, n, results))
                         cpu.extend(cpu_rows(store, n, results))
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                     counted = asyncio.run(count_round_trips(target, args.count))
                 trips.append(
                     f"| {store} | middleware | "
-                    + " | ".join(f"{counted[name]:.2f}" for name in PATHS)
+                    + " | ".join(f"{trip:.2f} ({out:.2f})" for trip, out in counted.values())
                     + " |"
                 )
     print(
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
     print("\n".join(cpu))
     print()
-    print("| store | mode | round trips: unprotected | protected | replay |")
+    print("| store | mode | round trips (pool checkouts): unprotected | protected | replay |")
     print("| --- | --- | ---: | ---: | ---: |")
     print("\n".join(trips))
     return 0

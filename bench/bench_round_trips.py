@@ -8,8 +8,10 @@ Run::
 
 Each target is started with the counters of ``bench/_wire`` (every request
 psycopg sends and waits for: a statement, its ``PREPARE``, ``BEGIN``,
-``COMMIT``, ``ROLLBACK``, a pool's check) and gets ``--count`` sequential
-requests per path after a warm-up, one keep-alive connection:
+``COMMIT``, ``ROLLBACK``, a pool's check; and every ``psycopg_pool`` checkout,
+which does not see SQLAlchemy's pool nor Django's persistent connection) and
+gets ``--count`` sequential requests per path after a warm-up, one keep-alive
+connection:
 
 - ``demo``: ``idemflow demo --bench-routes`` on PostgreSQL (transactional,
   two commits: the claim commits alone; the three-phase payment with its
@@ -86,7 +88,9 @@ def shop(name: str, workdir: Path) -> Iterator[tuple[str, dict[str, Callable[[],
         yield shops[name][0].base, make
 
 
-async def count(url: str, make: dict[str, Callable[[], bytes]], wire: Path, n: int) -> list[float]:
+async def count(
+    url: str, make: dict[str, Callable[[], bytes]], wire: Path, n: int
+) -> list[tuple[float, float]]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     client = bench_frameworks.Client(reader, writer)
@@ -100,11 +104,12 @@ async def count(url: str, make: dict[str, Callable[[], bytes]], wire: Path, n: i
     for name in PATHS:
         for _ in range(5):  # warm: pool connections, prepared statements
             await send(make[name]())
-        before = sum(read_counts(wire))
+        trips, checkouts = read_counts(wire)
         for _ in range(n):
             status = await send(make[name]())
             assert status == 201, (name, status)
-        per_request.append((sum(read_counts(wire)) - before) / n)
+        trips_after, checkouts_after = read_counts(wire)
+        per_request.append(((trips_after - trips) / n, (checkouts_after - checkouts) / n))
     writer.close()
     return per_request
 
@@ -135,14 +140,17 @@ def main(argv: list[str] | None = None) -> int:
             wire.mkdir()
             with counted_env(wire), start(workdir) as (url, make):
                 counts = asyncio.run(count(url, make, wire, args.count))
-            plain, protected, replay = counts
+            (plain, plain_out), (protected, protected_out), (replay, replay_out) = counts
             rows.append(
                 f"| {label} | {plain:.2f} | {protected:.2f} | {protected - plain:+.2f} "
-                f"| {replay:.2f} |"
+                f"| {replay:.2f} | {plain_out:.2f} / {protected_out:.2f} / {replay_out:.2f} |"
             )
             print(rows[-1], file=sys.stderr, flush=True)
-    print("| app and mode | unprotected | protected | added | replay |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print(
+        "| app and mode | round trips: unprotected | protected | added | replay "
+        "| psycopg_pool checkouts: unprotected / protected / replay |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     print("\n".join(rows))
     return 0
 

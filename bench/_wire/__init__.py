@@ -17,11 +17,11 @@ def wire_env(directory: Path) -> dict[str, str]:
 
 
 def read_counts(directory: Path) -> tuple[int, int]:
-    """PostgreSQL and Redis round trips so far, summed over every process's file."""
-    postgres = redis = 0
+    """Round trips (PostgreSQL and Redis together) and pool checkouts so far, every process."""
+    trips = checkouts = 0
     for path in directory.glob("*.count"):
-        fields = path.read_text().split()
-        if len(fields) >= 2:
-            postgres += int(fields[0])
-            redis += int(fields[1])
-    return postgres, redis
+        fields = [int(field) for field in path.read_text().split()]
+        if len(fields) >= 3:
+            trips += fields[0] + fields[1]
+            checkouts += fields[2]
+    return trips, checkouts

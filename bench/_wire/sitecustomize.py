@@ -9,7 +9,8 @@ process keeps one counter file there, rewritten after every round trip:
 - PostgreSQL (psycopg 3): every request psycopg sends and waits for: a
   statement (prepared or not, and the ``PREPARE`` of one), ``BEGIN``,
   ``COMMIT``, ``ROLLBACK``, a pool's check or reset;
-- Redis (redis-py): every ``send_packed_command`` (a pipeline sends once).
+- Redis (redis-py): every ``send_packed_command`` (a pipeline sends once);
+- pool checkouts: every ``getconn`` of a ``psycopg_pool`` pool.
 
 Only benchmarks set the variable; without it this module does nothing.
 """
@@ -26,7 +27,7 @@ class _Counter:
     def __init__(self, directory: str) -> None:
         self._directory = directory
         self._lock = threading.Lock()
-        self._counts = {"postgres": 0, "redis": 0}
+        self._counts = {"postgres": 0, "redis": 0, "checkouts": 0}
         self._fd: int | None = None
         self._pid = -1
 
@@ -38,14 +39,15 @@ class _Counter:
                 self._counts = {key: int(key == name) for key in self._counts}
                 path = os.path.join(self._directory, f"{self._pid}.count")
                 self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            text = f"{self._counts['postgres']} {self._counts['redis']}\n"
+            counts = self._counts
+            text = f"{counts['postgres']} {counts['redis']} {counts['checkouts']}\n"
             assert self._fd is not None
             os.pwrite(self._fd, text.encode().ljust(48), 0)
 
 
 def _install(counter: _Counter) -> None:
     try:
-        from psycopg import _connection_base, _cursor_base
+        from psycopg import _connection_base, _cursor_base, client_cursor
     except ImportError:
         pass
     else:
@@ -56,8 +58,17 @@ def _install(counter: _Counter) -> None:
             (_cursor_base.BaseCursor, "_execute_send"),
             (_cursor_base.BaseCursor, "_send_prepare"),
             (_cursor_base.BaseCursor, "_send_query_prepared"),
+            (client_cursor.ClientCursorMixin, "_execute_send"),  # Django's cursors
         ):
             setattr(owner, name, _counted(counter, "postgres", getattr(owner, name)))
+    try:
+        import psycopg_pool
+    except ImportError:
+        pass
+    else:
+        # A connection taken from a psycopg pool (the stores', the demo's).
+        for pool in (psycopg_pool.ConnectionPool, psycopg_pool.AsyncConnectionPool):
+            pool.getconn = _counted(counter, "checkouts", pool.getconn)  # type: ignore[method-assign]
     try:
         import redis.asyncio.connection as async_redis
         import redis.connection as sync_redis
