@@ -188,7 +188,12 @@ def galera_connector(urls: tuple[str, ...]) -> Callable[[], Any]:
 
     nodes = itertools.cycle([connect_kwargs(url) for url in urls])
     lock = threading.Lock()
-    init = f"SET SESSION innodb_lock_wait_timeout = {DEFAULT_LOCK_WAIT_TIMEOUT}"
+    # wsrep_sync_wait = 1, as docs/stores.md recommends for callers' connections: a
+    # transaction begins only once its node applied the claim made on another node.
+    init = (
+        f"SET SESSION innodb_lock_wait_timeout = {DEFAULT_LOCK_WAIT_TIMEOUT}, "
+        "SESSION wsrep_sync_wait = 1"
+    )
 
     def connect() -> Any:
         with lock:

@@ -50,6 +50,10 @@ _DEADLOCK_RETRIES = 5
 _CONFLICT_BACKOFF = 0.002
 _CONFLICT_BACKOFF_MAX = 0.05
 
+#: Galera: how often a fenced write in the caller's transaction that found no row
+#: is judged again (pauses of up to 16, 32, 50, 50 … ms: the claim's apply lag).
+_APPLY_RETRIES = 8
+
 T = TypeVar("T")
 
 
@@ -127,7 +131,7 @@ class MySQLStore(SQLStore):
         clock = check_clock(clock)
         self.statements = mysql_statements(table, clock)
         self.lock_wait_timeout = int(lock_wait_timeout)
-        self.pool = Pool(_causal(self._factory(connect, timeout)), max_size, timeout)
+        self.pool = Pool(self._causal(self._factory(connect, timeout)), max_size, timeout)
         super().__init__(
             mysql_dialect(table, clock),
             self.pool.connection,
@@ -154,6 +158,34 @@ class MySQLStore(SQLStore):
 
     def close(self) -> None:
         self.pool.close()
+
+    #: Has a connection of this store reported ``wsrep_on=ON`` (a Galera node)?
+    galera_seen = False
+
+    def _causal(self, factory: Callable[[], Any]) -> Callable[[], Any]:
+        """New connections, each told to act causally if the server is a Galera node.
+
+        ``wsrep_sync_wait = 3``: a read, ``UPDATE`` or ``DELETE`` first waits
+        until this node has applied every commit the cluster certified before
+        it. Every decision is a certified write, so the guarantees do not need
+        it; the answers do: a fenced write (a completion on another node than
+        its claim) would otherwise miss a claim not applied here yet and call
+        the lease lost, and a retry reaching another node right after the
+        completion would get a 409 instead of the replay. One query per new
+        connection.
+        """
+
+        def connect() -> Any:
+            conn = factory()
+            with conn.cursor() as cursor:
+                cursor.execute(self.statements.wsrep_on.pyformat)
+                row = cursor.fetchone()
+                if row is not None and str(row[1]).upper() == "ON":
+                    cursor.execute("SET SESSION wsrep_sync_wait = 3")
+                    self.galera_seen = True
+            return conn
+
+        return connect
 
     def claim(
         self,
@@ -289,7 +321,20 @@ class MySQLStore(SQLStore):
         if transaction is None:
             return retry_conflicts(lambda: super(MySQLStore, self)._write(statement, params, None))
         with _rolled_back_is_503():
-            return super()._write(statement, params, transaction)
+            if super()._write(statement, params, transaction):
+                return True
+            if not self.galera_seen:
+                return False
+            # Galera: your connection's node may not have applied the claim yet
+            # (made on another node, a moment ago). A causal wait cannot be asked
+            # for inside a transaction, so judge again after short pauses; a
+            # lease really lost stays lost. (wsrep_sync_wait >= 1 on your
+            # connections makes BEGIN wait instead: see docs/stores.md.)
+            for attempt in range(_APPLY_RETRIES):
+                _pause(attempt + 3)
+                if super()._write(statement, params, transaction):
+                    return True
+            return False
 
     def purge(self, now: float, limit: int) -> int:
         """Delete up to ``limit`` records past retention, again if it loses a conflict."""
@@ -364,29 +409,6 @@ class MySQLStore(SQLStore):
                 return [record_from_row(row_mapping(cursor.description, r)) for r in rows]
             finally:
                 cursor.close()
-
-
-def _causal(factory: Callable[[], Any]) -> Callable[[], Any]:
-    """New connections, each told to read causally if the server is a Galera node.
-
-    ``wsrep_sync_wait = 1``: a read waits until this node has applied every
-    commit the cluster certified before it. The store's reads only route its
-    decisions (every decision is a certified write), so this is not needed
-    for the guarantees; it makes the answers exact: a retry that reaches
-    another node right after the completion (or the release) finds it, and
-    gets the replay (or runs) instead of a 409. One query per new connection.
-    """
-
-    def connect() -> Any:
-        conn = factory()
-        with conn.cursor() as cursor:
-            cursor.execute("SHOW VARIABLES LIKE 'wsrep_on'")
-            row = cursor.fetchone()
-            if row is not None and str(row[1]).upper() == "ON":
-                cursor.execute("SET SESSION wsrep_sync_wait = 1")
-        return conn
-
-    return connect
 
 
 @contextmanager
