@@ -218,7 +218,8 @@ class RawMySQL:
                     raise AssertionError("a fresh key was not inserted")
                 record = _record_stub(cursor.lastrowid, token)
                 complete = self.dialect.complete
-                params = complete_params(record, _completed(), RESPONSE, time.time())
+                done = time.time()
+                params = complete_params(record, _completed(), RESPONSE, done, done + RETENTION)
                 if cursor.execute(complete.pyformat, complete.bind(params)) != 1:
                     raise AssertionError("completion matched no row")
 
