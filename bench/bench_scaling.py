@@ -71,6 +71,7 @@ import platform
 import random
 import re
 import shutil
+import signal
 import sqlite3
 import statistics
 import subprocess
@@ -1185,6 +1186,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_args(argv)
+    # A SIGTERM (a stopped job) must still drop the tables and stop the private servers:
+    # as SystemExit, it unwinds through every cleanup.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     _tests_importable()
     if "fsync" in settings.parts or "galera" in settings.parts:
         for tool in ("redis-benchmark", "redis-cli", "mariadb-slap"):
