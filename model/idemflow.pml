@@ -354,7 +354,13 @@ inline complete() {
   :: MAY(STORE_FAILURES) ->            /* the store cannot write it */
      faults++;
 #if LOCALROW
-     release_claim();                    /* the transaction never commits: effect gone too */
+     if                                  /* the transaction never commits: its effect is gone */
+     :: !myrp -> release_claim()
+#ifdef M_RELPHASE
+     :: myrp -> release_claim()          /* bug: a provider call past the phase stays */
+#endif
+     :: else                             /* past a committed phase: the sweeper's (_flow) */
+     fi;
 #elif defined(M_RELNOTX)
      release_claim();                    /* bug: the effect happened, and will run again */
 #endif
@@ -423,6 +429,16 @@ again:
 #endif
     crash_point()
   };
+#if MODE == SC && !defined(M_SCRESUME)
+  if
+  :: myrp && ME_UNCOMMITTED(r) ->
+     atomic {          /* resuming past a phase: the take-over commits first (_flow CommitClaim) */
+       observe_claim(rec[r]); rec[r] = mine; lk[r] = 0; hl[r] = 1; mine = 0; INV(r);
+       crash_point()
+     }
+  :: else
+  fi;
+#endif
 #if MODE == SC || (MODE == TC && EXTERNAL)
   if
   :: !myrp && verdict == RNONE ->

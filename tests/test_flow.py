@@ -27,7 +27,17 @@ from idemflow import (
     StoreUnavailable,
     Verdict,
 )
-from idemflow._flow import ClaimKey, Complete, Execute, Flow, Release, Step, idempotency_flow
+from idemflow._flow import (
+    ClaimKey,
+    CommitClaim,
+    Complete,
+    Execute,
+    Flow,
+    PhaseCommitted,
+    Release,
+    Step,
+    idempotency_flow,
+)
 from idemflow.testing import FrozenClock
 from tests.factories import CREATED_AT as CREATED
 
@@ -180,10 +190,36 @@ def test_failed_completion_releases_then_reraises() -> None:
     assert flow.send(CREATED) == Complete(mine, State.COMPLETED, CREATED, 3600.0)
     failed = RuntimeError("deferred constraint violated at COMMIT")
 
-    assert flow.throw(failed) == Release(mine)
+    assert flow.throw(failed) == PhaseCommitted(mine)
+    assert flow.send(False) == Release(mine)  # no phase of its own committed
     with pytest.raises(RuntimeError) as raised:
         flow.send(None)
     assert raised.value is failed
+
+
+def test_failed_completion_after_a_committed_phase_keeps_the_claim() -> None:
+    """Past a ``commit_phase`` the effect no longer rolls back whole: an external call made
+    after it may have happened. Releasing would let a retry make it again (a second charge
+    without a downstream key), so the key stays claimed for the sweeper's reconciler and
+    the outage says the outcome went unrecorded."""
+    flow, mine = owned()
+    assert flow.send(CREATED) == Complete(mine, State.COMPLETED, CREATED, 3600.0)
+
+    assert flow.throw(StoreUnavailable("connection lost")) == PhaseCommitted(mine)
+    with pytest.raises(StoreUnavailable, match="could not be recorded"):
+        flow.send(True)
+
+
+def test_failed_completion_of_a_resumed_intent_keeps_the_claim() -> None:
+    """A retry that resumed after an earlier attempt's committed phase runs past it too: its
+    record says so, and the flow keeps the claim without asking the driver."""
+    flow, _ = start()
+    resumed = replace(record(), recovery_point="charging")
+    assert flow.send(Claim(owned=True, record=resumed)) == Execute(resumed)
+    assert flow.send(CREATED) == Complete(resumed, State.COMPLETED, CREATED, 3600.0)
+
+    with pytest.raises(StoreUnavailable, match="could not be recorded"):
+        flow.throw(StoreUnavailable("connection lost"))
 
 
 @pytest.mark.parametrize("error", [StoreUnavailable("connection lost"), RuntimeError("bug")])
@@ -345,3 +381,19 @@ def test_custom_classifier_changes_the_verdict() -> None:
 
     flow, mine = owned(policy)
     assert flow.send(Response(422)) == Complete(mine, State.COMPLETED, Response(422), 3600.0)
+
+
+@pytest.mark.parametrize("recovery_point", [None, "charging"])
+def test_single_commit_commits_a_take_over_past_a_phase_before_executing(
+    recovery_point: str | None,
+) -> None:
+    """Single-commit mode keeps the claim in the caller's transaction, except when the
+    intent resumes past a committed phase: then the claim commits before the operation."""
+    flow = idempotency_flow(INTENT, POLICY, "lease-1", atomic=True, single_commit=True)
+    next(flow)
+    mine = replace(record(), recovery_point=recovery_point)
+    step = flow.send(Claim(owned=True, record=mine))
+    if recovery_point is not None:
+        assert step == CommitClaim(mine)
+        step = flow.send(None)
+    assert step == Execute(mine)

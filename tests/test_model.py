@@ -76,6 +76,10 @@ CORRECT = (
     safe("middleware, downstream key", MIDDLEWARE, "DK"),
     safe("middleware, reconciler", MIDDLEWARE, "RECON"),
     safe("two principals, one key", TWO_COMMIT, "TENANT"),
+    # A provider call past a committed phase, no downstream key: the reconciler
+    # suffices, because a failed completion keeps the claim for it.
+    safe("two-commit, provider call, reconciler only", TWO_COMMIT, "EXT", "RECON"),
+    safe("single-commit, provider call, reconciler only", SINGLE_COMMIT, "EXT", "RECON"),
 )
 
 LIVENESS = tuple(
@@ -93,10 +97,6 @@ LIVENESS = tuple(
 GIVEN_UP = (
     fails("no transaction, no downstream key, no reconciler", ONE_EFFECT, NO_TRANSACTION),
     fails("middleware, no downstream key, no reconciler", ONE_EFFECT, MIDDLEWARE),
-    fails("two-commit, provider call, reconciler only", ONE_EFFECT, TWO_COMMIT, "EXT", "RECON"),
-    fails(
-        "single-commit, provider call, reconciler only", ONE_EFFECT, SINGLE_COMMIT, "EXT", "RECON"
-    ),
 )
 
 MUTANTS = (
@@ -109,6 +109,22 @@ MUTANTS = (
         NO_TRANSACTION,
         "RECON",
         "M_RELNOTX",
+    ),
+    fails(
+        "release after a failed completion past a committed phase",
+        ONE_EFFECT,
+        TWO_COMMIT,
+        "EXT",
+        "RECON",
+        "M_RELPHASE",
+    ),
+    fails(
+        "single-commit resume without committing the take-over first",
+        ONE_EFFECT,
+        SINGLE_COMMIT,
+        "EXT",
+        "RECON",
+        "M_SCRESUME",
     ),
     fails(
         "retention take-over of an in-flight record", ONE_EFFECT, NO_TRANSACTION, "DK", "M_RETAKE"

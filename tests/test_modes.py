@@ -38,6 +38,7 @@ import idemflow
 from idemflow import (
     AsyncAttempt,
     AsyncIdempotency,
+    InProgress,
     LeaseLost,
     Policy,
     Response,
@@ -235,6 +236,70 @@ async def test_a_lost_completion_in_a_transaction_rolls_back_and_frees_the_key(
     assert left is expected_after_a_rollback(single_commit)
     assert retry.response.status == 201
     assert rows == ["retried"]
+
+
+@pytest.mark.postgres
+@IN_A_TRANSACTION
+async def test_a_lost_completion_after_a_committed_phase_keeps_the_claim(
+    single_commit: bool, table_name: str
+) -> None:
+    """Past a ``commit_phase`` the provider was called: that effect does not roll back with
+    the completion. The connection dies before the completion is written: the caller hears
+    "could not be recorded", the key stays claimed at its recovery point, and a retry gets
+    409 instead of calling the provider a second time (the sweeper's reconciler decides)."""
+    provider_calls: list[str] = []
+
+    async def charge(attempt: AsyncAttempt) -> Response:
+        await insert(attempt, table_name, "payment")
+        await attempt.commit_phase("charging")
+        provider_calls.append(attempt.downstream_key("charge"))  # no downstream key honoured
+        await insert(attempt, table_name, "charged")
+        await terminate_own_session(attempt.connection)
+        return CREATED
+
+    with postgres_tables(table_name):
+        async with shared_pool(table_name) as store:
+            with pytest.raises(StoreUnavailable, match="could not be recorded"):
+                await run_in_transaction(store, charge, single_commit=single_commit)
+            record = await store.get("alice", "k-1")
+            with pytest.raises(InProgress):
+                await run_in_transaction(store, charge, single_commit=single_commit)
+        rows = business_rows(table_name)
+
+    assert record is not None
+    assert (record.state, record.recovery_point) == (State.IN_PROGRESS, "charging")
+    assert len(provider_calls) == 1
+    assert rows == ["payment"]  # the committed phase stays; what followed rolled back
+
+
+@pytest.mark.postgres
+async def test_single_commit_commits_the_take_over_before_resuming_past_a_phase(
+    table_name: str,
+) -> None:
+    """A single-commit retry that resumes after a committed phase may call the provider
+    first thing. Its take-over is committed before the handler runs: had it stayed in the
+    open transaction, a crash would roll it back, the intent would read "released" again,
+    and the next retry would resume (and call) a second time (found by model/idemflow.pml)."""
+    seen: list[tuple[str | None, State | None]] = []
+
+    async def first(attempt: AsyncAttempt) -> Response:
+        await insert(attempt, table_name, "payment")
+        await attempt.commit_phase("charging")
+        return Response(503)  # transient past the phase: released with its recovery point
+
+    async def resumed(attempt: AsyncAttempt) -> Response:
+        # What any other session sees while the resumed handler runs.
+        seen.append((attempt.recovery_point, await state_of(store)))
+        return CREATED
+
+    with postgres_tables(table_name):
+        async with shared_pool(table_name) as store:
+            await run_in_transaction(store, first, single_commit=True)
+            assert await state_of(store) is State.RELEASED
+            outcome = await run_in_transaction(store, resumed, single_commit=True)
+
+    assert seen == [("charging", State.IN_PROGRESS)]
+    assert outcome.response.status == 201
 
 
 @pytest.mark.postgres

@@ -53,6 +53,13 @@ class ClaimKey:
 
 
 @dataclass(frozen=True, slots=True)
+class CommitClaim:
+    """Commit the claim before the operation runs (single-commit mode, resuming past a phase)."""
+
+    record: Record
+
+
+@dataclass(frozen=True, slots=True)
 class Execute:
     """Run the operation; in transactional mode, inside the caller's open transaction."""
 
@@ -79,22 +86,44 @@ class Release:
     record: Record
 
 
-Step: TypeAlias = ClaimKey | Execute | Complete | Release
+@dataclass(frozen=True, slots=True)
+class PhaseCommitted:
+    """Ask the driver whether this run committed a phase (``attempt.commit_phase``): a bool.
+
+    (A resumed run knows it from its record: ``recovery_point`` is set.)
+
+    Past a committed phase the effect no longer rolls back whole with the
+    completion: an external call made after it may have happened.
+    """
+
+    record: Record
+
+
+Step: TypeAlias = ClaimKey | CommitClaim | Execute | Complete | Release | PhaseCommitted
 Flow: TypeAlias = Generator[Step, Any, Outcome]
 
 
 def idempotency_flow(
-    intent: Intent, policy: Policy, lease_token: str, *, atomic: bool, clock: Clock = time.time
+    intent: Intent,
+    policy: Policy,
+    lease_token: str,
+    *,
+    atomic: bool,
+    single_commit: bool = False,
+    clock: Clock = time.time,
 ) -> Flow:
     """The whole protocol. Yields steps; returns the :class:`Outcome` or raises.
 
     ``atomic``: the operation's effect commits or rolls back with the
-    completion (transactional mode). Without that, an effect may have
-    happened when its completion fails, and only the sweeper may decide.
-    ``clock`` dates a 409's ``Retry-After`` (see :func:`idemflow._model.retry_after`).
+    completion (transactional mode), until it commits a phase of its own.
+    Without that, an effect may have happened when its completion fails, and
+    only the sweeper may decide.
+    ``single_commit``: the claim is part of the caller's transaction until its
+    first commit. ``clock`` dates a 409's ``Retry-After`` (see
+    :func:`idemflow._model.retry_after`).
     """
     try:
-        return (yield from _protocol(intent, policy, lease_token, atomic, clock))
+        return (yield from _protocol(intent, policy, lease_token, atomic, single_commit, clock))
     except InProgress as busy:
         # A 409 raised without the record to date it (the store's lock wait on
         # an uncommitted claim, a lease lost): the policy's floor still holds.
@@ -102,11 +131,23 @@ def idempotency_flow(
         raise
 
 
-def _protocol(intent: Intent, policy: Policy, lease_token: str, atomic: bool, clock: Clock) -> Flow:
+def _protocol(
+    intent: Intent,
+    policy: Policy,
+    lease_token: str,
+    atomic: bool,
+    single_commit: bool,
+    clock: Clock,
+) -> Flow:
     claim: Claim = yield ClaimKey(intent, lease_token, policy.retention_seconds)
     if not claim.owned:
         return dispatch(claim.record, intent, policy, clock())
     record = claim.record
+    if single_commit and record.recovery_point is not None:
+        # Resuming past a committed phase, the operation's next step may be an
+        # external call: a crash that rolled the take-over back would leave the
+        # intent released, and a retry would resume (and call) a second time.
+        yield CommitClaim(record)
     try:
         response: Response = yield Execute(record)
     except BaseException:
@@ -123,18 +164,27 @@ def _protocol(intent: Intent, policy: Policy, lease_token: str, atomic: bool, cl
     except LeaseLost:
         raise  # the key is someone else's now: nothing of ours to release
     except BaseException as exc:
-        if atomic:
+        if atomic and not (yield from _past_a_committed_phase(record)):
             # The completion did not commit (or we cannot tell), and the effect
             # rolled back with it: nothing settled. The release is fenced by our
             # lease and in_progress, so it changes nothing if the commit did happen.
             yield Release(record)
             raise
         if isinstance(exc, StoreUnavailable):
-            # The effect happened; only its record is missing. Releasing would
-            # run it again: the key stays claimed for the sweeper's reconciler.
+            # The effect happened, or its part past a committed phase may have
+            # (an external call): only its record is missing. Releasing would run
+            # it again: the key stays claimed for the sweeper's reconciler.
             raise StoreUnavailable(_UNRECORDED, retry_after=exc.retry_after) from exc
         raise
     return Outcome(response, replayed=False, record=record)
+
+
+def _past_a_committed_phase(record: Record) -> Generator[Step, Any, bool]:
+    """Does the intent run past a committed phase (an earlier attempt's, or this run's)?"""
+    if record.recovery_point is not None:
+        return True
+    committed: bool = yield PhaseCommitted(record)
+    return committed
 
 
 _UNRECORDED = (

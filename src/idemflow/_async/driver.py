@@ -16,7 +16,16 @@ from .._concurrency import async_cancel_point, async_shielded
 from .._downstream import downstream_key
 from .._errors import ConfigurationError
 from .._events import Event, Observer, error_event, null_observer
-from .._flow import ClaimKey, Complete, Execute, Flow, Step, idempotency_flow
+from .._flow import (
+    ClaimKey,
+    CommitClaim,
+    Complete,
+    Execute,
+    Flow,
+    PhaseCommitted,
+    Step,
+    idempotency_flow,
+)
 from .._lease import new_lease_token
 from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response
 from ..stores.protocol import AsyncStore, AsyncTransaction
@@ -151,6 +160,7 @@ class AsyncIdempotency:
                 self.policy,
                 new_lease_token(),
                 atomic=transaction is not None,
+                single_commit=single_commit,
                 clock=self.clock,
             )
             outcome = await _drive(flow, perform)
@@ -210,6 +220,8 @@ class _Performer:
         # Does giving the claim back take a write? From the start with two
         # commits; with one, once the first commit_phase may have committed it.
         self._claim_committed = not single_commit
+        # Has the handler committed a phase (and so part of its effect) yet?
+        self._phase_committed = False
 
     async def __call__(self, step: Step) -> Any:
         if isinstance(step, ClaimKey):
@@ -224,6 +236,11 @@ class _Performer:
         if isinstance(step, Complete):
             await async_shielded(self._complete(step))
             self.observe(Event.COMPLETED)
+            return None
+        if isinstance(step, PhaseCommitted):
+            return self._phase_committed
+        if isinstance(step, CommitClaim):
+            await async_shielded(self._commit_claim())
             return None
         if await async_shielded(self._release(step.record)):
             self.observe(Event.RELEASED)
@@ -281,8 +298,12 @@ class _Performer:
         await store.release(record, now, transaction)
         await self._end_with_commit()
 
+    async def _commit_claim(self) -> None:
+        self._claim_committed = True  # giving it back takes a write from here on
+        await self._end_with_commit()
+
     def _committed(self) -> None:
-        self._claim_committed = True
+        self._claim_committed = self._phase_committed = True
 
     def observe(self, event: Event) -> None:
         self._idem.observer(event, self._intent, self._idem.clock() - self._started)
