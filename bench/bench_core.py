@@ -82,7 +82,7 @@ RETENTION = Policy().retention_seconds
 POSTGRES_URL = os.environ.get(
     "IDEMFLOW_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
-PATHS = ("claim", "replay", "transactional", "async")
+PATHS = ("claim", "replay", "transactional", "async", "round-trips")
 
 # Column positions in a claim/select row (the dialect returns COLUMNS in order).
 ID, FP, STATE = (COLUMNS.index(c) for c in ("id", "fingerprint", "state"))
@@ -108,6 +108,7 @@ class Settings:
 class Report:
     rows: list[Row] = field(default_factory=list)
     commit_rows: list[Row] = field(default_factory=list)
+    trip_rows: list[Row] = field(default_factory=list)
 
 
 # --- what both sides do -------------------------------------------------------
@@ -157,6 +158,7 @@ def claim_params(key: str, lease_token: str, now: float) -> dict[str, Any]:
         "lease_token": lease_token,
         "correlation_id": None,
         "now": int(now * 1000),
+        "began_at": int(now * 1000),
         "expires_at": int((now + RETENTION) * 1000),
     }
 
@@ -167,6 +169,7 @@ def complete_params(record_id: int, lease_token: str, now: float) -> dict[str, A
         "id": record_id,
         "lease_token": lease_token,
         "now": int(now * 1000),
+        "expires_at": int((now + RETENTION) * 1000),
         "state": "completed",
         "status": RESPONSE.status,
         "headers": json.dumps([list(pair) for pair in RESPONSE.headers], separators=(",", ":")),
@@ -326,31 +329,56 @@ def compare(settings: Settings, crew: Crew, backend: str, path: str, raw: Op, li
 
 
 class RawPostgres:
-    """The dialect's statements through psycopg, on the same pool the store uses."""
+    """The dialect's statements through psycopg, on the same pool the store uses.
+
+    Where the dialect reads a lost claim's record in the claim statement itself
+    (``claim_or_read``, one round trip for a replay), the raw side sends that
+    same statement; :meth:`replay_two` is the older pair (claim, then select).
+    """
 
     def __init__(self, pool: Any, dialect: Dialect, business_insert: str) -> None:
         self._pool = pool
         self._dialect = dialect
         self._business_insert = business_insert
+        combined = dialect.claim_or_read
+        self._claim = (combined or dialect.claim).pyformat
+        self._offset = 0 if combined is None else 1  # the ``claimed`` column comes first
+        self._combined = combined is not None
 
     def claim_complete(self, keys: Keys) -> Op:
-        claim, complete = self._dialect.claim.pyformat, self._dialect.complete.pyformat
-        pool = self._pool
+        claim, complete = self._claim, self._dialect.complete.pyformat
+        pool, offset, combined = self._pool, self._offset, self._combined
 
         def op() -> None:
             token = lease()
             with pool.connection() as conn:
                 row = conn.execute(claim, claim_params(keys(), token, time.time())).fetchone()
-            if row is None:
+            if row is None or (combined and not row[0]):
                 raise AssertionError("a fresh key was not claimed")
             with pool.connection() as conn:
-                done = conn.execute(complete, complete_params(row[ID], token, time.time()))
+                done = conn.execute(complete, complete_params(row[ID + offset], token, time.time()))
             if done.rowcount != 1:
                 raise AssertionError("completion matched no row")
 
         return op
 
     def replay(self, keys: ReplayKeys) -> Op:
+        if not self._combined:
+            return self.replay_two(keys)
+        claim, pool = self._claim, self._pool
+
+        def op() -> None:
+            params = claim_params(keys(), lease(), time.time())
+            with pool.connection() as conn:
+                row = conn.execute(claim, params).fetchone()
+            if row is None or row[0]:
+                raise AssertionError("a completed key was claimed")
+            check_replay(row[1:])
+
+        return op
+
+    def replay_two(self, keys: ReplayKeys) -> Op:
+        """The replay as two statements: the plain claim (no row), then the select."""
         claim, select = self._dialect.claim.pyformat, self._dialect.select.pyformat
         pool = self._pool
 
@@ -540,6 +568,18 @@ def postgres_paths(
     if "replay" in settings.paths:
         pair = (raw.replay(replay_keys), library_replay(idem, replay_keys))
         report.rows.append(compare(settings, crew, "postgresql", "replay", *pair))
+    if "replay" in settings.paths and "round-trips" in settings.paths:
+        results = interleave(
+            [
+                Contender("two", crew.slice(raw.replay_two(replay_keys))),
+                Contender("one", crew.slice(raw.replay(replay_keys))),
+            ],
+            seconds=settings.seconds,
+            slices=settings.slices,
+        )
+        row = Row.compare("postgresql", "raw replay", crew.size, results, "two", "one")
+        report.trip_rows.append(row)
+        print(table([row]).splitlines()[-1], flush=True)
 
 
 def transactional(
@@ -595,34 +635,45 @@ class RawAsyncPostgres:
     def __init__(self, pool: Any, dialect: Dialect) -> None:
         self._pool = pool
         self._dialect = dialect
+        combined = dialect.claim_or_read
+        self._claim = (combined or dialect.claim).pyformat
+        self._offset = 0 if combined is None else 1
+        self._combined = combined is not None
 
     def claim_complete(self, keys: Keys) -> AsyncOp:
-        claim, complete = self._dialect.claim.pyformat, self._dialect.complete.pyformat
-        pool = self._pool
+        claim, complete = self._claim, self._dialect.complete.pyformat
+        pool, offset, combined = self._pool, self._offset, self._combined
 
         async def op() -> None:
             token = lease()
             async with pool.connection() as conn:
                 cursor = await conn.execute(claim, claim_params(keys(), token, time.time()))
                 row = await cursor.fetchone()
-            if row is None:
+            if row is None or (combined and not row[0]):
                 raise AssertionError("a fresh key was not claimed")
+            params = complete_params(row[ID + offset], token, time.time())
             async with pool.connection() as conn:
-                done = await conn.execute(complete, complete_params(row[ID], token, time.time()))
+                done = await conn.execute(complete, params)
             if done.rowcount != 1:
                 raise AssertionError("completion matched no row")
 
         return op
 
     def replay(self, keys: ReplayKeys) -> AsyncOp:
-        claim, select = self._dialect.claim.pyformat, self._dialect.select.pyformat
-        pool = self._pool
+        claim, select = self._claim, self._dialect.select.pyformat
+        pool, combined = self._pool, self._combined
 
         async def op() -> None:
             params = claim_params(keys(), lease(), time.time())
             async with pool.connection() as conn:
                 cursor = await conn.execute(claim, params)
-                if await cursor.fetchone() is not None:
+                row = await cursor.fetchone()
+                if combined:
+                    if row is None or row[0]:
+                        raise AssertionError("a completed key was claimed")
+                    check_replay(row[1:])
+                    return
+                if row is not None:
                     raise AssertionError("a completed key was claimed")
                 cursor = await conn.execute(select, params)
                 row = await cursor.fetchone()
@@ -769,6 +820,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("\nlibrary / raw (the same statements through the same driver):\n")
     print(table(report.rows, cpu=True))
+    if report.trip_rows:
+        print("\nreplay in one statement (claim_or_read) / two (claim, select), raw psycopg:\n")
+        print(table(report.trip_rows, ("two statements ops/s", "one statement ops/s"), cpu=True))
     if report.commit_rows:
         print("\none commit / two commits (transactional mode, PostgreSQL):\n")
         print(table(report.commit_rows, ("two commits ops/s", "one commit ops/s"), cpu=True))

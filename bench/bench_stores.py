@@ -400,10 +400,12 @@ class RawRedis:
     def claim_complete(self, keys: Keys) -> Op:
         from idemflow import State
 
+        quarantine = self.store.quarantine
+
         def op() -> None:
             now, token, key = time.time(), lease(), keys()
-            target = self.layout.keys(PRINCIPAL, key)
-            args = self.layout.claim_args(intent(key), token, now, now + RETENTION)
+            target = self.layout.claim_keys(PRINCIPAL, key)
+            args = self.layout.claim_args(intent(key), token, now, now + RETENTION, quarantine)
             reply = self.client.evalsha(self.sha["claim"], len(target), *target, *args)
             if reply[0] != b"new":
                 raise AssertionError(f"a fresh key was not new: {reply[0]!r}")
@@ -412,16 +414,19 @@ class RawRedis:
             args = self.layout.complete_args(
                 record, State.COMPLETED, RESPONSE, done, done + RETENTION
             )
-            if self.client.evalsha(self.sha["complete"], len(target), *target, *args) != 1:
+            fenced = target[:-1]  # the completion's KEYS: the claim's without the epoch
+            if self.client.evalsha(self.sha["complete"], len(fenced), *fenced, *args) != 1:
                 raise AssertionError("completion refused")
 
         return op
 
     def replay(self, keys: ReplayKeys) -> Op:
+        quarantine = self.store.quarantine
+
         def op() -> None:
             now, key = time.time(), keys()
-            target = self.layout.keys(PRINCIPAL, key)
-            args = self.layout.claim_args(intent(key), lease(), now, now + RETENTION)
+            target = self.layout.claim_keys(PRINCIPAL, key)
+            args = self.layout.claim_args(intent(key), lease(), now, now + RETENTION, quarantine)
             reply = self.client.evalsha(self.sha["claim"], len(target), *target, *args)
             fields = dict(zip(reply[1::2], reply[2::2], strict=True))
             if reply[0] != b"held" or fields[b"fingerprint"] != FINGERPRINT.encode():

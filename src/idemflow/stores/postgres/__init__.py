@@ -30,6 +30,7 @@ from ..sql import (
     insert_claim,
     on_database_clock,
 )
+from ..sql.dialect import claim_or_read
 
 if TYPE_CHECKING:
     import psycopg_pool
@@ -79,7 +80,9 @@ def postgres_dialect(
     standard = Dialect.standard(
         "postgresql", table, ddl, insert_claim(table), around, skip_locked=True
     )
-    dialect = dataclasses.replace(standard, purge=purge_statement(table))
+    # A replay is one round trip: the claim and the read of the record it lost to.
+    combined = SQLStatement(claim_or_read(table, insert_claim(table)))
+    dialect = dataclasses.replace(standard, purge=purge_statement(table), claim_or_read=combined)
     return on_database_clock(dialect, SERVER_NOW_MS) if clock == "database" else dialect
 
 

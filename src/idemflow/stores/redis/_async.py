@@ -25,6 +25,7 @@ from ._scripts import (
     ms,
     persistence_problem,
     probe_args,
+    raise_unavailable,
     record_from_hash,
     record_from_reply,
     refuse_transaction,
@@ -112,8 +113,12 @@ class AsyncRedisStore(AsyncRedisObservable):
             await self.start()
         args = self.layout.claim_args(intent, lease_token, now, expires_at, self.quarantine)
         keys = self.layout.claim_keys(intent.principal, intent.key)
-        with translated():
+        # try/except, not translated(): a generator context manager per call costs.
+        try:
             reply = await self._evalsha("claim", keys, args)
+        except Exception as exc:
+            raise_unavailable(exc)
+            raise
         return self.layout.claimed(reply, intent, lease_token, now, expires_at)
 
     async def start(self) -> None:
@@ -293,8 +298,11 @@ class AsyncRedisStore(AsyncRedisObservable):
 
     async def _fenced(self, script: str, record: Record, args: list[Any]) -> bool:
         keys = self.layout.keys(record.principal, record.key)
-        with translated():
+        try:
             return bool(await self._evalsha(script, keys, args))
+        except Exception as exc:
+            raise_unavailable(exc)
+            raise
 
     async def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
         """One round trip; a server that lost its script cache is sent the text once."""

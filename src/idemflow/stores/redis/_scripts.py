@@ -374,6 +374,12 @@ def is_unavailable(exc: BaseException) -> bool:
     )
 
 
+def raise_unavailable(exc: Exception) -> None:
+    """Raise the StoreUnavailable (503) a Redis failure means; return if it means none."""
+    if is_unavailable(exc):
+        raise StoreUnavailable(f"redis key store unavailable: {exc}".strip()) from exc
+
+
 @contextmanager
 def translated() -> Iterator[None]:
     """Redis failures become StoreUnavailable (503): fail closed, never run twice."""
@@ -397,6 +403,8 @@ class Layout:
     prefix: str
     buckets: int = BUCKETS
     _indexes: tuple[tuple[bytes, ...], ...] = field(init=False, repr=False, compare=False)
+    _epochs: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
+    _head: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if any(c in self.prefix for c in "{}"):
@@ -408,6 +416,9 @@ class Layout:
             for bucket in range(self.buckets)
         )
         object.__setattr__(self, "_indexes", indexes)
+        epochs = tuple(b"%s:{%d}:epoch" % (head, bucket) for bucket in range(self.buckets))
+        object.__setattr__(self, "_epochs", epochs)
+        object.__setattr__(self, "_head", head)
 
     def bucket(self, principal: str, key: str) -> int:
         return self._locate(principal, key)[0]
@@ -429,11 +440,11 @@ class Layout:
     def claim_keys(self, principal: str, key: str) -> tuple[bytes, ...]:
         """The claim's KEYS: those of :meth:`keys`, then the bucket's epoch."""
         bucket, record = self._locate(principal, key)
-        return (*self._indexes[bucket], record, self.epoch_key(bucket))
+        return (*self._indexes[bucket], record, self._epochs[bucket])
 
     def epoch_key(self, bucket: int) -> bytes:
         """The bucket's epoch (same slot): its absence tells the claim that data was lost."""
-        return b"%s:{%d}:epoch" % (self.prefix.encode(), bucket)
+        return self._epochs[bucket]
 
     def indexes(self, bucket: int) -> tuple[bytes, ...]:
         """A bucket's indexes: in_progress, stale, released, expires (all in one slot)."""
@@ -455,7 +466,7 @@ class Layout:
         name = b"%d:%s:%s" % (len(who), who, what)
         digest = hashlib.blake2b(name, digest_size=8).digest()
         bucket = int.from_bytes(digest, "big") % self.buckets
-        return bucket, b"%s:{%d}:k:%s" % (self.prefix.encode(), bucket, name)
+        return bucket, b"%s:{%d}:k:%s" % (self._head, bucket, name)
 
     # --- script arguments (ARGV[1] is always now, in ms) ---------------------------
 
@@ -536,7 +547,7 @@ class Layout:
 
 
 def _outcome(state: State, response: Response) -> list[Any]:
-    return [state.value, response.status, headers_to_json(response.headers), response.body]
+    return [state.value, response.status, _headers_json(response.headers), response.body]
 
 
 def swept_index(from_state: State) -> int:
@@ -576,27 +587,58 @@ def record_from_hash(flat: Sequence[bytes]) -> Record:
     response = None
     if status is not None:
         body = get(b"response_body") or b""
-        response = Response(int(status), body, headers_from_json(get(b"response_headers")))
+        response = Response(int(status), body, _headers(get(b"response_headers")))
+    lease_token = get(b"lease_token")
+    correlation_id = get(b"correlation_id")
+    recovery_point = get(b"recovery_point")
+    attempt = get(b"attempt")
     return Record(
-        id=fields[b"id"].decode(),
-        principal=fields[b"principal"].decode(),
-        key=fields[b"key"].decode(),
-        fingerprint=fields[b"fingerprint"].decode(),
-        endpoint=fields[b"endpoint"].decode(),
-        state=State(fields[b"state"].decode()),
-        lease_token=_optional(get(b"lease_token")),
-        created_at=int(fields[b"created_at"]) / 1000,
-        updated_at=int(fields[b"updated_at"]) / 1000,
-        expires_at=int(fields[b"expires_at"]) / 1000,
-        correlation_id=_optional(get(b"correlation_id")),
-        recovery_point=_optional(get(b"recovery_point")),
-        response=response,
-        attempt=int(get(b"attempt") or 1),
+        fields[b"id"].decode(),
+        fields[b"principal"].decode(),
+        fields[b"key"].decode(),
+        fields[b"fingerprint"].decode(),
+        fields[b"endpoint"].decode(),
+        _STATES[fields[b"state"]],
+        None if lease_token is None else lease_token.decode(),
+        int(fields[b"created_at"]) / 1000,
+        int(fields[b"updated_at"]) / 1000,
+        int(fields[b"expires_at"]) / 1000,
+        None if correlation_id is None else correlation_id.decode(),
+        None if recovery_point is None else recovery_point.decode(),
+        response,
+        1 if attempt is None else int(attempt),
     )
 
 
-def _optional(value: bytes | None) -> str | None:
-    return None if value is None else value.decode()
+_STATES = {state.value.encode(): state for state in State}
+# Stored headers (JSON bytes) → their tuple, and back: most responses of an
+# endpoint repeat theirs. Tuples are immutable, so sharing them is safe; each
+# cache is bounded by a reset.
+_HEADERS: dict[bytes, tuple[tuple[str, str], ...]] = {}
+_HEADERS_JSON: dict[tuple[tuple[str, str], ...], str] = {}
+_CACHED = 512
+
+
+def _headers(text: bytes | None) -> tuple[tuple[str, str], ...]:
+    if text is None:
+        return ()
+    headers = _HEADERS.get(text)
+    if headers is None:
+        headers = headers_from_json(text)
+        if len(_HEADERS) >= _CACHED:
+            _HEADERS.clear()
+        _HEADERS[text] = headers
+    return headers
+
+
+def _headers_json(headers: tuple[tuple[str, str], ...]) -> str:
+    text = _HEADERS_JSON.get(headers)
+    if text is None:
+        text = headers_to_json(headers)
+        if len(_HEADERS_JSON) >= _CACHED:
+            _HEADERS_JSON.clear()
+        _HEADERS_JSON[headers] = text
+    return text
 
 
 def layout_for(client: Any, prefix: str) -> Layout:

@@ -26,6 +26,7 @@ from ._scripts import (
     ms,
     persistence_problem,
     probe_args,
+    raise_unavailable,
     record_from_hash,
     record_from_reply,
     refuse_transaction,
@@ -113,8 +114,12 @@ class RedisStore(RedisObservable):
             self.start()
         args = self.layout.claim_args(intent, lease_token, now, expires_at, self.quarantine)
         keys = self.layout.claim_keys(intent.principal, intent.key)
-        with translated():
+        # try/except, not translated(): a generator context manager per call costs.
+        try:
             reply = self._evalsha("claim", keys, args)
+        except Exception as exc:
+            raise_unavailable(exc)
+            raise
         return self.layout.claimed(reply, intent, lease_token, now, expires_at)
 
     def start(self) -> None:
@@ -294,8 +299,11 @@ class RedisStore(RedisObservable):
 
     def _fenced(self, script: str, record: Record, args: list[Any]) -> bool:
         keys = self.layout.keys(record.principal, record.key)
-        with translated():
+        try:
             return bool(self._evalsha(script, keys, args))
+        except Exception as exc:
+            raise_unavailable(exc)
+            raise
 
     def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
         """One round trip; a server that lost its script cache is sent the text once."""

@@ -37,12 +37,12 @@ class SQLObservable:
     """
 
     dialect: Dialect
-    _connect: Callable[[], AbstractContextManager[Any]]
+    _read_connect: Callable[[], AbstractContextManager[Any]]
     _pyformat: bool
 
     def stats(self) -> SQLStats:
         """The operator's questions (``idemflow stats``, the stuck-claims gauge) on this table."""
-        return SQLStats(self.dialect.table, self._connect, pyformat=self._pyformat)
+        return SQLStats(self.dialect.table, self._read_connect, pyformat=self._pyformat)
 
 
 class AsyncSQLObservable:

@@ -17,20 +17,22 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal, TypeAlias
 
-from ..._errors import LeaseLost, StoreUnavailable
+from ..._errors import ConfigurationError, LeaseLost, StoreUnavailable
 from ..._model import Claim, Intent, Record, Response, State, can_take_over, record_from_row
 from ..protocol import Transaction
 from ._stats import SQLObservable, is_missing_table, missing_table
 from .dialect import (
     CLAIM_RETRIES,
     Dialect,
+    RowShape,
     SQLStatement,
     claim_busy,
     claim_params,
     claim_unsettled,
     complete_params,
     owner_params,
-    row_mapping,
+    record_from_values,
+    row_shape,
     stale_params,
     sweep_params,
 )
@@ -53,6 +55,8 @@ class SQLStore(SQLObservable):
             store" (connection refused, pool exhausted, database locked).
         is_lock_timeout: recognises the error a bounded wait on a concurrent
             uncommitted claim raises (single-commit mode only).
+        read_connect: connections for reads alone (:meth:`get`, stats), where
+            they may differ (SQLite's skip its writer lock); ``connect`` by default.
     """
 
     supports_transactions = True
@@ -75,15 +79,19 @@ class SQLStore(SQLObservable):
         paramstyle: Literal["named", "pyformat"],
         is_unavailable: Callable[[BaseException], bool],
         is_lock_timeout: Callable[[BaseException], bool] = lambda exc: False,
+        read_connect: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.dialect = dialect
         self._connect = connect
+        self._read_connect = read_connect or connect
         self._pyformat = paramstyle == "pyformat"
         self._is_unavailable = is_unavailable
         self._is_lock_timeout = is_lock_timeout
         # Result column names per statement text (they cannot change), because
         # psycopg builds ``cursor.description`` afresh on every access.
         self._names: dict[str, tuple[str, ...]] = {}
+        # Where each record statement's result holds the record, per text.
+        self._shapes: dict[str, RowShape] = {}
 
     def claim(
         self,
@@ -96,13 +104,90 @@ class SQLStore(SQLObservable):
         params = claim_params(intent, lease_token, now, expires_at)
         if transaction is not None:
             return self._claim_in(transaction, params, intent.fingerprint)
-        with self._translate(), self._bounded_wait():
+        # The hot path, flat: one checkout, one cursor for every statement of
+        # the claim, rows read as tuples, errors translated only when raised.
+        try:
             with self._connect() as conn:
+                cursor = conn.cursor()
+                try:
+                    return self._claim_on(cursor, params, intent.fingerprint)
+                finally:
+                    cursor.close()
+        except Exception as exc:
+            failure = self._claim_failure(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
 
-                def fetch(statement: SQLStatement, values: Mapping[str, Any]) -> _Row:
-                    return self._fetchone(conn, statement, values)
+    def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
+        """:meth:`_claim_with` on one cursor of the store's own connection.
 
-                return self._claim_with(fetch, params, intent.fingerprint)
+        Where the dialect has :attr:`~Dialect.claim_or_read`, the claim and the
+        read of a record it lost to are one statement (one round trip for a
+        replay); an empty answer (the holder committed after our snapshot, or
+        vanished) is asked again.
+        """
+        dialect = self.dialect
+        combined = dialect.claim_or_read
+        for _ in range(CLAIM_RETRIES):
+            if combined is not None:
+                row, shape = self._row(cursor, combined, params)
+                if row is None:
+                    continue
+                if row[shape.claimed]:
+                    return Claim(owned=True, record=record_from_values(row, shape.start))
+            else:
+                row, shape = self._row(cursor, dialect.claim, params)
+                if row is not None:
+                    return Claim(owned=True, record=record_from_values(row, shape.start))
+                row, shape = self._row(cursor, dialect.read_for_claim, params)
+                if row is None:
+                    continue
+            record = record_from_values(row, shape.start)
+            # On the store's clock (the database's, see on_database_clock): the
+            # take-over statement decides again on it, atomically.
+            if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
+                return Claim(owned=False, record=record)
+            row, shape = self._row(cursor, dialect.take_over, params)
+            if row is not None:
+                return Claim(owned=True, record=record_from_values(row, shape.start))
+        raise claim_unsettled()
+
+    def _row(
+        self, cursor: Any, statement: SQLStatement, params: Mapping[str, Any]
+    ) -> tuple[Any, RowShape]:
+        """The statement's one row (a tuple) or None, and where the record sits in it."""
+        text = statement.pyformat if self._pyformat else statement.named
+        cursor.execute(text, statement.bind(params))
+        # fetchall, not fetchone: it runs the statement to its end, so on
+        # SQLite an INSERT … RETURNING commits and frees the write lock now,
+        # not after our Python work (other writers wait until then).
+        rows = cursor.fetchall()
+        shape = self._shapes.get(text)
+        if shape is None:
+            shape = self._learn_shape(text, cursor)
+        return (rows[0] if rows else None), shape
+
+    def _learn_shape(self, text: str, cursor: Any) -> RowShape:
+        """Read once per statement (psycopg builds ``cursor.description`` afresh each time)."""
+        shape = row_shape([column[0] for column in cursor.description])
+        if shape is None:
+            msg = f"{self.dialect.name}: a record statement must return COLUMNS in order: {text}"
+            raise ConfigurationError(msg)
+        self._shapes[text] = shape
+        return shape
+
+    def _claim_failure(self, exc: Exception) -> Exception:
+        """What a failed claim raises: 409 for a bounded wait that ran out, 503 when unreachable."""
+        if self._is_lock_timeout(exc):
+            return claim_busy()
+        return self._unavailable(exc)
+
+    def _unavailable(self, exc: Exception) -> Exception:
+        """``exc`` itself, or the StoreUnavailable it means (fail closed)."""
+        if not self._is_unavailable(exc):
+            return exc
+        return StoreUnavailable(f"{self.dialect.name} key store unavailable: {exc}".strip())
 
     def _claim_in(
         self,
@@ -132,7 +217,9 @@ class SQLStore(SQLObservable):
         (expired, or released by this same request) is taken by a
         compare-and-swap UPDATE; the read before it only spares replays that
         UPDATE's row lock. A record that vanished in between (purged) or was
-        taken by a racing retry is simply tried again.
+        taken by a racing retry is simply tried again. (Rows as mappings: the
+        caller's transaction adapters answer so; the store's own connection
+        takes :meth:`_claim_on`.)
         """
         for _ in range(CLAIM_RETRIES):
             row = fetch(self.dialect.claim, params)
@@ -142,8 +229,6 @@ class SQLStore(SQLObservable):
             if row is None:
                 continue
             record = record_from_row(row)
-            # On the store's clock (the database's, see on_database_clock): the
-            # take-over statement decides again on it, atomically.
             if not can_take_over(record, fingerprint, row["clock_now"] / 1000):
                 return Claim(owned=False, record=record)
             row = fetch(self.dialect.take_over, params)
@@ -180,7 +265,12 @@ class SQLStore(SQLObservable):
         now: float,
         transaction: Transaction | None = None,
     ) -> None:
-        params = {**owner_params(record, now), "recovery_point": recovery_point}
+        params = {
+            "id": record.id,
+            "lease_token": record.lease_token,
+            "now": int(now * 1000),
+            "recovery_point": recovery_point,
+        }
         if not self._write(self.dialect.checkpoint, params, transaction):
             raise LeaseLost("the claim on this Idempotency-Key was taken over")
 
@@ -201,7 +291,10 @@ class SQLStore(SQLObservable):
                         self._text(self.dialect.sweep), self.dialect.sweep.bind(params)
                     )
                     rows = cursor.fetchall()
-                    return [record_from_row(row_mapping(cursor.description, r)) for r in rows]
+                    if not rows:
+                        return []
+                    start = self._learn_shape(self._text(self.dialect.sweep), cursor).start
+                    return [record_from_values(row, start) for row in rows]
                 finally:
                     cursor.close()
 
@@ -266,11 +359,20 @@ class SQLStore(SQLObservable):
                     cursor.close()
 
     def get(self, principal: str, key: str) -> Record | None:
-        with self._translate():
-            with self._connect() as conn:
-                params = {"principal": principal, "key": key}
-                row = self._fetchone(conn, self.dialect.select, params)
-        return None if row is None else record_from_row(row)
+        params = {"principal": principal, "key": key}
+        try:
+            with self._read_connect() as conn:
+                cursor = conn.cursor()
+                try:
+                    row, shape = self._row(cursor, self.dialect.select, params)
+                finally:
+                    cursor.close()
+        except Exception as exc:
+            failure = self._unavailable(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+        return None if row is None else record_from_values(row, shape.start)
 
     def _write(
         self,
@@ -279,16 +381,22 @@ class SQLStore(SQLObservable):
         transaction: Transaction | None,
     ) -> bool:
         """Run a fenced UPDATE; True when it changed our row."""
-        with self._translate():
+        try:
             if transaction is not None:
                 return transaction.execute(statement, params) == 1
             with self._connect() as conn:
                 cursor = conn.cursor()
                 try:
-                    cursor.execute(self._text(statement), statement.bind(params))
+                    text = statement.pyformat if self._pyformat else statement.named
+                    cursor.execute(text, statement.bind(params))
                     return bool(cursor.rowcount == 1)
                 finally:
                     cursor.close()
+        except Exception as exc:
+            failure = self._unavailable(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
 
     def _fetchone(
         self, conn: Any, statement: SQLStatement, params: Mapping[str, Any]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..._errors import InProgress
-from ..._model import Intent, Record, Response, State, headers_to_json
+from ..._model import Intent, Record, Response, State, headers_from_json, headers_to_json
 from ..protocol import StoreClock, check_clock
 
 if TYPE_CHECKING:
@@ -44,18 +44,23 @@ __all__ = [
     "SWEEPABLE_SQL",
     "TAKE_OVER_SQL",
     "Dialect",
+    "RowShape",
     "SQLStatement",
     "StoreClock",
     "check_clock",
     "claim_busy",
+    "claim_or_read",
     "claim_params",
     "claim_unsettled",
     "complete_params",
     "create_table",
+    "headers_json",
     "insert_claim",
     "on_database_clock",
     "owner_params",
+    "record_from_values",
     "row_mapping",
+    "row_shape",
     "stale_params",
     "sweep_params",
     "take_over_claim",
@@ -243,6 +248,11 @@ class Dialect:
     #: (single-commit mode), e.g. to bound the wait on a concurrent claim.
     before_claim_in_transaction: tuple[SQLStatement, ...] = ()
     after_claim_in_transaction: tuple[SQLStatement, ...] = ()
+    #: The claim and, when it loses, the existing record, in one statement
+    #: (:func:`claim_or_read`: ``claimed``, the columns, ``clock_now``), for
+    #: databases that can write in a CTE (PostgreSQL). Without it the executor
+    #: sends ``claim`` then ``read_for_claim``: two round trips for a replay.
+    claim_or_read: SQLStatement | None = None
 
     @classmethod
     def standard(
@@ -376,6 +386,30 @@ def insert_claim(table: str) -> str:
     )
 
 
+def claim_or_read(table: str, claim: str) -> str:
+    """``claim`` (an ``INSERT … DO NOTHING RETURNING``) and the row it lost to, in one statement.
+
+    The claim stays the one atomic decision: a row comes back with
+    ``claimed = 1`` only when the INSERT wrote it. Otherwise the same
+    statement reads the record that holds the key (``claimed = 0``), with
+    ``clock_now``: a replay is one round trip instead of two. The read sees
+    the statement's snapshot, so a key whose holder committed after it began
+    (a racing first claim) gives no row at all, and the executor asks again,
+    as when the record vanished between the two statements.
+    """
+    columns = ", ".join(COLUMNS)
+    return (
+        f"WITH claimed AS ({claim}) "
+        f"SELECT 1 AS claimed, {columns}, {CLOCK_NOW_BIGINT} FROM claimed "
+        f"UNION ALL SELECT 0 AS claimed, {columns}, {CLOCK_NOW_BIGINT} FROM {table} "
+        f"{_BY_KEY} AND NOT EXISTS (SELECT 1 FROM claimed)"
+    )
+
+
+#: :data:`CLOCK_NOW` typed, for the two branches of a UNION.
+CLOCK_NOW_BIGINT = "CAST(:now AS BIGINT) AS clock_now"
+
+
 def take_over_claim(table: str) -> str:
     """The takeover: a compare-and-swap ``UPDATE … WHERE <may take over> RETURNING``.
 
@@ -425,11 +459,13 @@ def complete_params(
     record: Record, state: State, response: Response, now: float, expires_at: float
 ) -> dict[str, Any]:
     return {
-        **owner_params(record, now),
+        "id": record.id,
+        "lease_token": record.lease_token,
+        "now": int(now * 1000),
         "expires_at": int(expires_at * 1000),
         "state": state.value,
         "status": response.status,
-        "headers": headers_to_json(response.headers),
+        "headers": headers_json(response.headers),
         "body": response.body,
     }
 
@@ -457,3 +493,94 @@ def stale_params(record: Record, now: float, *, forget_progress: bool = False) -
 
 def row_mapping(description: Sequence[Any], row: Sequence[Any]) -> Mapping[str, Any]:
     return {column[0]: value for column, value in zip(description, row, strict=True)}
+
+
+@dataclass(frozen=True, slots=True)
+class RowShape:
+    """Where a statement's result puts the record: ``COLUMNS`` in order from ``start``.
+
+    ``clock_now`` and ``claimed`` are the positions of those extra columns, or -1.
+    Learnt once per statement from its cursor's description (:func:`row_shape`),
+    so rows are read as tuples, never turned into dicts.
+    """
+
+    start: int
+    clock_now: int = -1
+    claimed: int = -1
+
+
+def row_shape(names: Sequence[str]) -> RowShape | None:
+    """The shape of a result with these column names, or None if COLUMNS are not in a run."""
+    names = list(names)
+    try:
+        start = names.index(COLUMNS[0])
+    except ValueError:
+        return None
+    if tuple(names[start : start + len(COLUMNS)]) != COLUMNS:
+        return None
+    clock = names.index("clock_now") if "clock_now" in names else -1
+    claimed = names.index("claimed") if "claimed" in names else -1
+    return RowShape(start, clock, claimed)
+
+
+_STATES = {state.value: state for state in State}
+# Stored headers as JSON text → the tuple they decode to (immutable, so shared).
+# Most responses of one endpoint carry the same headers; bounded by a reset.
+_HEADERS: dict[Any, tuple[tuple[str, str], ...]] = {}
+_HEADERS_JSON: dict[tuple[tuple[str, str], ...], str] = {}
+_CACHED = 512
+
+
+def _headers(text: Any) -> tuple[tuple[str, str], ...]:
+    headers = _HEADERS.get(text)
+    if headers is None:
+        headers = headers_from_json(text)
+        if len(_HEADERS) >= _CACHED:
+            _HEADERS.clear()
+        if isinstance(text, str | bytes):
+            _HEADERS[text] = headers
+    return headers
+
+
+def headers_json(headers: tuple[tuple[str, str], ...]) -> str:
+    """``headers_to_json``, remembered per headers tuple (most responses repeat theirs)."""
+    text = _HEADERS_JSON.get(headers)
+    if text is None:
+        text = headers_to_json(headers)
+        if len(_HEADERS_JSON) >= _CACHED:
+            _HEADERS_JSON.clear()
+        _HEADERS_JSON[headers] = text
+    return text
+
+
+def record_from_values(row: Sequence[Any], start: int) -> Record:
+    """A Record straight from a result tuple holding ``COLUMNS`` from ``start`` (times in ms).
+
+    The replay and claim paths' one conversion: no dict, no per-field helpers.
+    """
+    (
+        record_id, principal, key, fingerprint, endpoint, state, lease_token,
+        recovery_point, correlation_id, status, headers, body,
+        created_at, updated_at, expires_at, attempt,
+    ) = row[start : start + 16]  # fmt: skip
+    response = None
+    if status is not None:
+        if type(body) is not bytes:
+            body = bytes(body or b"")
+        response = Response(int(status), body, _headers(headers))
+    return Record(
+        record_id,
+        principal,
+        key,
+        fingerprint,
+        endpoint,
+        _STATES[state],
+        lease_token,
+        created_at / 1000,
+        updated_at / 1000,
+        expires_at / 1000,
+        correlation_id,
+        recovery_point,
+        response,
+        int(attempt),
+    )

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
 
-from ..._errors import ConfigurationError
+from ..._errors import ConfigurationError, StoreUnavailable
 from ..._model import Claim, Intent, Record, Response, State
 from ..protocol import AsyncTransaction
 from ..sql import AsyncSQLStore, Dialect, SQLStats, SQLStore, create_table, insert_claim
@@ -51,8 +51,58 @@ def is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.Error) and code is not None and code & 0xFF in _UNAVAILABLE_CODES
 
 
+# One lock per database file and process: this process's writers queue on it
+# and wake the moment it is free, instead of SQLite's busy handler, which
+# sleeps (1 ms, then longer) and retries; at 16 threads they mostly slept.
+# Other processes still meet SQLite's own lock: busy_timeout stays the fallback.
+_WRITERS: dict[str, threading.RLock] = {}
+_WRITERS_GUARD = threading.Lock()
+
+
+def _writer_lock(path: str) -> threading.RLock:
+    key = path if path == ":memory:" or path.startswith("file:") else os.path.realpath(path)
+    with _WRITERS_GUARD:
+        lock = _WRITERS.get(key)
+        if lock is None:
+            lock = _WRITERS[key] = threading.RLock()
+        return lock
+
+
+# A child inherits the locks as they were at the fork, perhaps held by a
+# parent's thread that does not exist there: it starts with its own.
+os.register_at_fork(after_in_child=_WRITERS.clear)
+
+
+class _Writer:
+    """A thread's connection, entered while holding the process's lock on its file.
+
+    One per (thread, process), reused by every operation (no allocation per call).
+    """
+
+    __slots__ = ("_lock", "_timeout", "conn")
+
+    def __init__(self, conn: sqlite3.Connection, lock: threading.RLock, timeout: float) -> None:
+        self.conn = conn
+        self._lock = lock
+        self._timeout = timeout
+
+    def __enter__(self) -> sqlite3.Connection:
+        if not self._lock.acquire(timeout=self._timeout):
+            msg = "sqlite key store unavailable: the database stayed locked past busy_timeout"
+            raise StoreUnavailable(msg)
+        return self.conn
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+
 class _Connections:
-    """One autocommit connection per (process, thread): sqlite3 objects must not cross either."""
+    """One autocommit connection per (process, thread): sqlite3 objects must not cross either.
+
+    Calling it gives the connection for writes (under the process's lock on
+    the file, see :class:`_Writer`); :meth:`reader` gives it without the lock
+    (WAL readers never wait for the writer).
+    """
 
     def __init__(self, path: str, busy_timeout: float) -> None:
         self.path = path
@@ -61,16 +111,24 @@ class _Connections:
         self._opened: list[sqlite3.Connection] = []  # every thread's, so close() reaches them
         self._lock = threading.Lock()
 
-    def __call__(self) -> nullcontext[sqlite3.Connection]:
-        # nullcontext, not @contextmanager: this runs twice per request, and a
-        # generator-based context manager costs several times more.
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is None or self._local.pid != os.getpid():
-            conn = connect(self.path, busy_timeout=self._busy_timeout)
-            self._local.conn, self._local.pid = conn, os.getpid()
-            with self._lock:
-                self._opened.append(conn)
-        return nullcontext(conn)
+    def __call__(self) -> _Writer:
+        writer: _Writer | None = getattr(self._local, "writer", None)
+        if writer is None or self._local.pid != os.getpid():
+            writer = self._open()
+        return writer
+
+    def reader(self) -> nullcontext[sqlite3.Connection]:
+        # nullcontext, not @contextmanager: a generator-based context manager
+        # costs several times more.
+        return nullcontext(self().conn)
+
+    def _open(self) -> _Writer:
+        conn = connect(self.path, busy_timeout=self._busy_timeout)
+        writer = _Writer(conn, _writer_lock(self.path), self._busy_timeout)
+        self._local.writer, self._local.pid = writer, os.getpid()
+        with self._lock:
+            self._opened.append(conn)
+        return writer
 
     def close(self) -> None:
         """Close every connection opened so far; a later call opens new ones."""
@@ -106,6 +164,7 @@ class SQLiteStore(SQLStore):
             self._connections,
             paramstyle="named",
             is_unavailable=is_unavailable,
+            read_connect=self._connections.reader,
         )
 
     def close(self) -> None:
