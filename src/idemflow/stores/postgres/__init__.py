@@ -186,6 +186,7 @@ class PostgresStore(SQLStore):
             paramstyle="pyformat",
             is_unavailable=is_unavailable,
             is_lock_timeout=is_lock_timeout,
+            extra_params=True,
         )
 
     def close(self) -> None:
@@ -224,6 +225,7 @@ class AsyncPostgresStore(AsyncSQLStore):
             paramstyle="pyformat",
             is_unavailable=is_unavailable,
             is_lock_timeout=is_lock_timeout,
+            extra_params=True,
         )
 
     def _connection(self) -> Any:

@@ -56,6 +56,9 @@ class AsyncSQLStore(AsyncSQLObservable):
             uncommitted claim raises (single-commit mode only).
         read_connect: connections for reads alone (:meth:`get`, stats), where
             they may differ (SQLite's skip its writer lock); ``connect`` by default.
+        extra_params: the driver ignores parameters a statement does not name
+            (sqlite3, psycopg), so the claim and fenced writes send their
+            parameters as built instead of a copy per statement.
     """
 
     supports_transactions = True
@@ -79,10 +82,12 @@ class AsyncSQLStore(AsyncSQLObservable):
         is_unavailable: Callable[[BaseException], bool],
         is_lock_timeout: Callable[[BaseException], bool] = lambda exc: False,
         read_connect: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+        extra_params: bool = False,
     ) -> None:
         self.dialect = dialect
         self._connect = connect
         self._read_connect = read_connect or connect
+        self._extra_params = extra_params
         self._pyformat = paramstyle == "pyformat"
         self._is_unavailable = is_unavailable
         self._is_lock_timeout = is_lock_timeout
@@ -157,7 +162,7 @@ class AsyncSQLStore(AsyncSQLObservable):
     ) -> tuple[Any, RowShape]:
         """The statement's one row (a tuple) or None, and where the record sits in it."""
         text = statement.pyformat if self._pyformat else statement.named
-        await cursor.execute(text, statement.bind(params))
+        await cursor.execute(text, params if self._extra_params else statement.bind(params))
         # fetchall, not fetchone: it runs the statement to its end, so on
         # SQLite an INSERT … RETURNING commits and frees the write lock now,
         # not after our Python work (other writers wait until then).
@@ -387,7 +392,8 @@ class AsyncSQLStore(AsyncSQLObservable):
                 cursor = conn.cursor()
                 try:
                     text = statement.pyformat if self._pyformat else statement.named
-                    await cursor.execute(text, statement.bind(params))
+                    bound = params if self._extra_params else statement.bind(params)
+                    await cursor.execute(text, bound)
                     return bool(cursor.rowcount == 1)
                 finally:
                     await cursor.close()

@@ -57,6 +57,9 @@ class SQLStore(SQLObservable):
             uncommitted claim raises (single-commit mode only).
         read_connect: connections for reads alone (:meth:`get`, stats), where
             they may differ (SQLite's skip its writer lock); ``connect`` by default.
+        extra_params: the driver ignores parameters a statement does not name
+            (sqlite3, psycopg), so the claim and fenced writes send their
+            parameters as built instead of a copy per statement.
     """
 
     supports_transactions = True
@@ -80,10 +83,12 @@ class SQLStore(SQLObservable):
         is_unavailable: Callable[[BaseException], bool],
         is_lock_timeout: Callable[[BaseException], bool] = lambda exc: False,
         read_connect: Callable[[], AbstractContextManager[Any]] | None = None,
+        extra_params: bool = False,
     ) -> None:
         self.dialect = dialect
         self._connect = connect
         self._read_connect = read_connect or connect
+        self._extra_params = extra_params
         self._pyformat = paramstyle == "pyformat"
         self._is_unavailable = is_unavailable
         self._is_lock_timeout = is_lock_timeout
@@ -158,7 +163,7 @@ class SQLStore(SQLObservable):
     ) -> tuple[Any, RowShape]:
         """The statement's one row (a tuple) or None, and where the record sits in it."""
         text = statement.pyformat if self._pyformat else statement.named
-        cursor.execute(text, statement.bind(params))
+        cursor.execute(text, params if self._extra_params else statement.bind(params))
         # fetchall, not fetchone: it runs the statement to its end, so on
         # SQLite an INSERT … RETURNING commits and frees the write lock now,
         # not after our Python work (other writers wait until then).
@@ -388,7 +393,8 @@ class SQLStore(SQLObservable):
                 cursor = conn.cursor()
                 try:
                     text = statement.pyformat if self._pyformat else statement.named
-                    cursor.execute(text, statement.bind(params))
+                    bound = params if self._extra_params else statement.bind(params)
+                    cursor.execute(text, bound)
                     return bool(cursor.rowcount == 1)
                 finally:
                     cursor.close()

@@ -87,7 +87,7 @@ class _Writer:
         self._timeout = timeout
 
     def __enter__(self) -> sqlite3.Connection:
-        if not self._lock.acquire(timeout=self._timeout):
+        if not self._lock.acquire(False) and not self._lock.acquire(timeout=self._timeout):
             msg = "sqlite key store unavailable: the database stayed locked past busy_timeout"
             raise StoreUnavailable(msg)
         return self.conn
@@ -165,6 +165,7 @@ class SQLiteStore(SQLStore):
             paramstyle="named",
             is_unavailable=is_unavailable,
             read_connect=self._connections.reader,
+            extra_params=True,
         )
 
     def close(self) -> None:
