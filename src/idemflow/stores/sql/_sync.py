@@ -189,7 +189,13 @@ class SQLStore(SQLObservable):
         return self._unavailable(exc)
 
     def _unavailable(self, exc: Exception) -> Exception:
-        """``exc`` itself, or the StoreUnavailable it means (fail closed)."""
+        """``exc`` itself, or what it means: StoreUnavailable (fail closed), MissingTable.
+
+        :meth:`_translate`'s rules, for the hot paths that catch instead of
+        entering a context manager on every call.
+        """
+        if is_missing_table(exc):
+            return missing_table(self.dialect.table, self.dialect.name)
         if not self._is_unavailable(exc):
             return exc
         return StoreUnavailable(f"{self.dialect.name} key store unavailable: {exc}".strip())
