@@ -82,7 +82,7 @@ RETENTION = Policy().retention_seconds
 POSTGRES_URL = os.environ.get(
     "IDEMFLOW_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
-PATHS = ("claim", "replay", "transactional", "async", "round-trips")
+PATHS = ("claim", "replay", "transactional", "async", "round-trips", "store")
 
 # Column positions in a claim/select row (the dialect returns COLUMNS in order).
 ID, FP, STATE = (COLUMNS.index(c) for c in ("id", "fingerprint", "state"))
@@ -201,6 +201,31 @@ def library_replay(idem: Idempotency, keys: ReplayKeys) -> Op:
     return op
 
 
+def store_claim_complete(store: Any, keys: Keys) -> Op:
+    """The store's own methods, no driver: what the store adds to the statements."""
+    from idemflow import State
+
+    def op() -> None:
+        now = time.time()
+        claim = store.claim(intent(keys()), lease(), now, now + RETENTION)
+        if not claim.owned:
+            raise AssertionError("a fresh key was not claimed")
+        done = time.time()
+        store.complete(claim.record, State.COMPLETED, RESPONSE, done, done + RETENTION)
+
+    return op
+
+
+def store_replay(store: Any, keys: ReplayKeys) -> Op:
+    def op() -> None:
+        now = time.time()
+        claim = store.claim(intent(keys()), lease(), now, now + RETENTION)
+        if claim.owned or claim.record.response is None:
+            raise AssertionError("a completed key was claimed")
+
+    return op
+
+
 def lease() -> str:
     """A lease token made the way the library makes its own (the claim needs one)."""
     return new_lease_token()
@@ -286,6 +311,10 @@ def bench_sqlite(settings: Settings, run_id: str, report: Report) -> None:
                     if "replay" in settings.paths:
                         pair = (raw.replay(replay_keys), library_replay(idem, replay_keys))
                         report.rows.append(compare(settings, crew, "sqlite", "replay", *pair))
+                    if "store" in settings.paths:
+                        store_rows(
+                            settings, run_id, report, crew, "sqlite", raw, store, replay_keys
+                        )
             with contextlib.closing(raw.connection()) as conn:
                 audit("sqlite", conn.execute(STATE_COUNTS.format(table=store.dialect.table)))
         finally:
@@ -568,6 +597,8 @@ def postgres_paths(
     if "replay" in settings.paths:
         pair = (raw.replay(replay_keys), library_replay(idem, replay_keys))
         report.rows.append(compare(settings, crew, "postgresql", "replay", *pair))
+    if "store" in settings.paths:
+        store_rows(settings, run_id, report, crew, "postgresql", raw, idem.store, replay_keys)
     if "replay" in settings.paths and "round-trips" in settings.paths:
         results = interleave(
             [
@@ -580,6 +611,27 @@ def postgres_paths(
         row = Row.compare("postgresql", "raw replay", crew.size, results, "two", "one")
         report.trip_rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
+
+
+def store_rows(
+    settings: Settings,
+    run_id: str,
+    report: Report,
+    crew: Crew,
+    backend: str,
+    raw: Any,
+    store: Any,
+    replay_keys: ReplayKeys,
+) -> None:
+    """Raw against the store's claim and complete called directly (the driver left out)."""
+    label = f"store-{backend}-{crew.size}"
+    pair = (
+        raw.claim_complete(Keys(run_id, f"raw-{label}")),
+        store_claim_complete(store, Keys(run_id, f"lib-{label}")),
+    )
+    report.rows.append(compare(settings, crew, backend, "store: claim+complete", *pair))
+    pair = (raw.replay(replay_keys), store_replay(store, replay_keys))
+    report.rows.append(compare(settings, crew, backend, "store: replay", *pair))
 
 
 def transactional(
