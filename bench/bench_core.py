@@ -27,6 +27,12 @@ table is printed: raw ops/s, library ops/s, and their ratio. The paths:
 ``async …`` (PostgreSQL)
     ``AsyncIdempotency`` on ``AsyncPostgresStore`` against raw async psycopg,
     asyncio tasks on one event loop.
+``store: …`` (``--paths store``)
+    the store's own ``claim`` and ``complete`` called directly, without
+    ``Idempotency.run``, against the same raw side: the store's share alone.
+``raw replay`` (``--paths replay,round-trips``, PostgreSQL)
+    raw against raw: the replay as the dialect's one ``claim_or_read``
+    statement against the older pair (claim, then select).
 
 The raw side reads its statement text from the store's own dialect
 (``store.dialect.claim.pyformat`` …) and builds the same parameters, so the
