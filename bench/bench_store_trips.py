@@ -173,16 +173,20 @@ def postgres_rows(runs: int) -> list[Row]:
                 return RESPONSE
 
             for single in (False, True):
-                trace.take()
-                for n in range(runs):
-                    key = f"txn-{single}-{n}"
-                    intent = Intent("bench", key, FINGERPRINT, endpoint="POST /bench")
-                    transaction = PsycopgTransaction(caller)
-                    idem.run(intent, handler, transaction=transaction, single_commit=single)
                 path = "txn one-commit" if single else "txn two-commit"
-                rows.append(
-                    ("postgresql", f"{path}, with the business INSERT", trace.take() / runs)
-                )
+                for replay in (False, True):
+                    trace.take()
+                    for n in range(runs):
+                        key = f"txn-{single}-{n}"
+                        intent = Intent("bench", key, FINGERPRINT, endpoint="POST /bench")
+                        transaction = PsycopgTransaction(caller)
+                        outcome = idem.run(
+                            intent, handler, transaction=transaction, single_commit=single
+                        )
+                        if outcome.replayed is not replay:
+                            raise AssertionError(f"{path}: replayed={outcome.replayed}")
+                    what = "replay" if replay else "with the business INSERT"
+                    rows.append(("postgresql", f"{path}, {what}", trace.take() / runs))
         trace.close()
         return rows
 

@@ -231,13 +231,21 @@ class AsyncSQLStore(AsyncSQLObservable):
         caller's transaction adapters answer so; the store's own connection
         takes :meth:`_claim_on`.)
         """
+        combined = self.dialect.claim_or_read
         for _ in range(CLAIM_RETRIES):
-            row = await fetch(self.dialect.claim, params)
-            if row is not None:
-                return Claim(owned=True, record=record_from_row(row))
-            row = await fetch(self.dialect.read_for_claim, params)
-            if row is None:
-                continue
+            if combined is not None:  # one statement, as in _claim_on
+                row = await fetch(combined, params)
+                if row is None:
+                    continue
+                if row["claimed"]:
+                    return Claim(owned=True, record=record_from_row(row))
+            else:
+                row = await fetch(self.dialect.claim, params)
+                if row is not None:
+                    return Claim(owned=True, record=record_from_row(row))
+                row = await fetch(self.dialect.read_for_claim, params)
+                if row is None:
+                    continue
             record = record_from_row(row)
             if not can_take_over(record, fingerprint, row["clock_now"] / 1000):
                 return Claim(owned=False, record=record)
