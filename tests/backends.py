@@ -13,7 +13,7 @@ import contextlib
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,6 +169,56 @@ def _open_mysql(table: str, found_rows: bool = False) -> Store:
 
     kwargs = {**connect_kwargs(MYSQL_URL), "client_flag": 2 if found_rows else 0}
     return MySQLStore(kwargs, table=table, max_size=4, clock="caller")
+
+
+@dataclass
+class AsyncMySQL:
+    """The asyncio MySQL store on its own tables, and how a request opens its transaction."""
+
+    store: Any
+    #: A fresh asyncmy connection per request, as an AsyncmyTransaction.
+    open_transaction: Callable[[], contextlib.AbstractAsyncContextManager[Any]]
+    notes: Callable[[], list[str]]
+
+
+@contextlib.asynccontextmanager
+async def async_mysql_backend(table: str, *, max_size: int = 8) -> AsyncIterator[AsyncMySQL]:
+    """AsyncMySQLStore (asyncmy) on MariaDB: the key table and ``biz_<table>``, dropped after."""
+    pymysql = pytest.importorskip("pymysql")
+    asyncmy = pytest.importorskip("asyncmy")
+    from idemflow.stores.mysql import AsyncMySQLStore, AsyncmyTransaction, connect_kwargs
+    from tests.conftest import unreachable
+
+    kwargs = connect_kwargs(MYSQL_URL)
+    try:
+        admin = pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
+    except pymysql.err.OperationalError as exc:
+        unreachable("MariaDB", exc)
+    store = AsyncMySQLStore(kwargs, table=table, max_size=max_size, clock="caller")
+
+    @contextlib.asynccontextmanager
+    async def open_transaction() -> AsyncIterator[Any]:
+        conn = await asyncmy.connect(**kwargs, autocommit=True)
+        try:
+            yield AsyncmyTransaction(conn)
+        finally:
+            await conn.ensure_closed()
+
+    def notes() -> list[str]:
+        with admin.cursor() as cursor:
+            cursor.execute(f"SELECT note FROM biz_{table} ORDER BY id")
+            return [r[0] for r in cursor.fetchall()]
+
+    with contextlib.closing(admin), admin.cursor() as cursor:
+        await store.migrate()
+        cursor.execute(
+            f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
+        )
+        try:
+            yield AsyncMySQL(store, open_transaction, notes)
+        finally:
+            await store.close()
+            cursor.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
 
 
 # --- MariaDB Galera (three primaries) ------------------------------------------------

@@ -199,18 +199,34 @@ async def postgres_backend(table: str, *, sqlalchemy: bool) -> AsyncIterator[Asy
                 await engine.dispose()
 
 
+@contextlib.asynccontextmanager
+async def mysql_backend(table: str) -> AsyncIterator[AsyncBackend]:
+    """AsyncMySQLStore (asyncmy), the caller's transaction an AsyncmyTransaction."""
+    from tests.backends import async_mysql_backend
+
+    async def write(conn: Any, note: str) -> None:
+        async with conn.cursor() as cursor:
+            await cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
+    async with async_mysql_backend(table, max_size=2) as mysql:
+        yield AsyncBackend(mysql.store, mysql.open_transaction, write, mysql.notes)
+
+
 BACKENDS = [
     "memory",
     "sqlite-sqlalchemy-session",
     "sqlite-sqlalchemy-connection",
     "postgres-psycopg",
     "postgres-sqlalchemy-connection",
+    "mysql-asyncmy",
 ]
 
 
 def open_backend(name: str, tmp_path: Path, table: str) -> Any:
     if name == "memory":
         return memory_backend()
+    if name == "mysql-asyncmy":
+        return mysql_backend(table)
     if name.startswith("sqlite"):
         return sqlite_backend(tmp_path, table, session=name.endswith("session"))
     return postgres_backend(table, sqlalchemy=name.endswith("sqlalchemy-connection"))

@@ -497,14 +497,29 @@ async def async_round(
     return collections.Counter(await asyncio.gather(*tasks))
 
 
+@contextlib.asynccontextmanager
+async def async_mysql(table: str) -> AsyncIterator[AsyncSetup]:
+    """AsyncMySQLStore (asyncmy) on MariaDB, the caller's transaction an AsyncmyTransaction."""
+    from tests.backends import async_mysql_backend
+
+    async def write(conn: Any, note: str) -> None:
+        async with conn.cursor() as cursor:
+            await cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
+    async with async_mysql_backend(table) as mysql:
+        yield AsyncSetup(mysql.store, mysql.open_transaction, write, lambda: len(mysql.notes()))
+
+
 @pytest.mark.anyio
-@pytest.mark.parametrize("name", ["memory", "sqlite", "postgres"])
+@pytest.mark.parametrize("name", ["memory", "sqlite", "postgres", "mysql"])
 async def test_async_tasks_claim_exactly_once(name: str, tmp_path: Path, table_name: str) -> None:
     """≥ 50 asyncio tasks per key through AsyncIdempotency: one execution per key."""
     if name == "memory":
         opened_setup = async_memory()
     elif name == "sqlite":
         opened_setup = async_sqlite(tmp_path, table_name)
+    elif name == "mysql":
+        opened_setup = async_mysql(table_name)
     else:
         opened_setup = async_postgres(table_name)
     async with opened_setup as setup:

@@ -16,6 +16,7 @@ You hold                               Adapter
 ``psycopg.Connection``                 :class:`PsycopgTransaction`
 ``psycopg.AsyncConnection``            :class:`AsyncPsycopgTransaction`
 ``pymysql.Connection``                 :class:`PyMySQLTransaction`
+``asyncmy`` connection                 :class:`AsyncmyTransaction`
 SQLAlchemy ``Connection``/``Session``  :class:`SQLAlchemyTransaction`
 SQLAlchemy ``AsyncConnection``/        :class:`AsyncSQLAlchemyTransaction`
 ``AsyncSession``
@@ -44,6 +45,7 @@ __all__ = [
     "AsyncSQLAlchemyTransaction",
     "AsyncSQLite3Connection",
     "AsyncSQLite3Transaction",
+    "AsyncmyTransaction",
     "PsycopgTransaction",
     "PyMySQLTransaction",
     "SQLAlchemyTransaction",
@@ -130,6 +132,48 @@ class PyMySQLTransaction:
 
     def rollback(self) -> None:
         self.connection.rollback()
+
+
+class AsyncmyTransaction:
+    """An asyncmy connection (asyncio MySQL/MariaDB): :class:`PyMySQLTransaction`, awaited.
+
+    The caller's transaction for :class:`~idemflow.stores.mysql.AsyncMySQLStore`;
+    it joins a transaction the caller already began, under any isolation level.
+    """
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    async def begin(self) -> None:
+        # BEGIN would silently commit what the caller's transaction already did.
+        if not self.connection.server_status & _IN_TRANSACTION:
+            await self.connection.begin()
+
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        async with self.connection.cursor() as cursor:
+            return int(await cursor.execute(statement.pyformat, statement.bind(params)))
+
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        async with self.connection.cursor() as cursor:
+            await cursor.execute(statement.pyformat, statement.bind(params))
+            row = await cursor.fetchone()
+            return None if row is None else row_mapping(cursor.description, row)
+
+    async def commit(self) -> None:
+        try:
+            await self.connection.commit()
+        except Exception as exc:
+            # As PyMySQLTransaction.commit: a conflict rolled everything back (a 503).
+            from .stores.mysql import is_conflict, rolled_back
+
+            if is_conflict(exc):
+                raise rolled_back() from exc
+            raise
+
+    async def rollback(self) -> None:
+        await self.connection.rollback()
 
 
 T = TypeVar("T")

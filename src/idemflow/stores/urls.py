@@ -8,6 +8,7 @@ URL                                     Store
 ``sqlite:////absolute/path.db``
 ``postgresql://user@host:5432/db``      :class:`~idemflow.stores.postgres.PostgresStore`
 ``mysql://user:pw@host:3306/db``        :class:`~idemflow.stores.mysql.MySQLStore`
+                                        (async: :class:`~idemflow.stores.mysql.AsyncMySQLStore`)
 ``redis://host:6379/0``                 :class:`~idemflow.stores.redis.RedisStore`
 ``redis+cluster://host:7000/0``         the same, on ``redis.cluster.RedisCluster``
 ======================================  ==========================================
@@ -87,15 +88,14 @@ def _open_postgres(url: str, table: str, asynchronous: bool) -> Any:
 
 
 def _open_mysql(url: str, table: str, asynchronous: bool) -> Any:
-    if asynchronous:
-        msg = "the MySQL store is synchronous (PyMySQL); use open_store()"
-        raise ConfigurationError(msg)
+    """PyMySQL for :func:`open_store`, asyncmy for :func:`open_async_store`."""
     try:
-        from .mysql import MySQLStore
+        from .mysql import AsyncMySQLStore, MySQLStore
     except ImportError as exc:  # pragma: no cover - depends on the install
         msg = "MySQL needs the driver: pip install 'idemflow[mysql]'"
         raise ConfigurationError(msg) from exc
-    return MySQLStore(url.replace("mariadb://", "mysql://", 1), table=table)
+    store = AsyncMySQLStore if asynchronous else MySQLStore
+    return store(url.replace("mariadb://", "mysql://", 1), table=table)
 
 
 def _open_redis(url: str, table: str, asynchronous: bool) -> Any:

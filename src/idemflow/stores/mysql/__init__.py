@@ -1,5 +1,6 @@
 """
-MySQL 8 and MariaDB (≥ 10.6): key records in InnoDB, on PyMySQL.
+MySQL 8 and MariaDB (≥ 10.6): key records in InnoDB, on PyMySQL (:class:`MySQLStore`)
+or, from asyncio, on asyncmy (:class:`AsyncMySQLStore`, the same statements and rules).
 
 Neither server has ``UPDATE … RETURNING`` (MySQL 8 has no ``INSERT …
 RETURNING`` either), and ``INSERT IGNORE`` is out: it turns every error
@@ -33,7 +34,8 @@ byte, so neither case nor trailing spaces can merge two keys.
 
 from __future__ import annotations
 
-from ...transactions import PyMySQLTransaction
+from ...transactions import AsyncmyTransaction, PyMySQLTransaction
+from ._async_store import AsyncMySQLStore
 from ._errors import UNAVAILABLE_CODES, error_code, is_conflict, is_contention, is_unavailable
 from ._statements import (
     DEFAULT_TABLE,
@@ -52,6 +54,8 @@ __all__ = [
     "DEFAULT_TABLE",
     "SERVER_NOW_MS",
     "UNAVAILABLE_CODES",
+    "AsyncMySQLStore",
+    "AsyncmyTransaction",
     "MySQLStatements",
     "MySQLStore",
     "PyMySQLTransaction",

@@ -1,4 +1,4 @@
-"""What a PyMySQL error means: taken, contended, or the server is not there (a 503)."""
+"""What a PyMySQL (or asyncmy) error means: taken, contended, or the server is not there (a 503)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ UNAVAILABLE_CODES = _UNREACHABLE | {LOCK_WAIT_TIMEOUT}
 
 
 def error_code(exc: BaseException) -> int | None:
-    """The server's error number of a PyMySQL error (or of one wrapped by SQLAlchemy)."""
+    """The server's error number of a PyMySQL or asyncmy error (or of one wrapped by SQLAlchemy)."""
     original = getattr(exc, "orig", None) or exc
     args = getattr(original, "args", ())
     return args[0] if args and isinstance(args[0], int) else None
@@ -29,9 +29,14 @@ def is_unavailable(exc: BaseException) -> bool:
 
 
 def _is_driver_error(exc: BaseException, name: str) -> bool:
-    """Is ``exc`` PyMySQL's error ``name``? By name, not identity: PyMySQL installed as
-    MySQLdb (Django) runs its error module a second time, with classes of its own."""
-    return any(c.__name__ == name and c.__module__.endswith(".err") for c in type(exc).__mro__)
+    """Is ``exc`` PyMySQL's (or asyncmy's) error ``name``? By name, not identity: PyMySQL
+    installed as MySQLdb (Django) runs its error module a second time, with classes of its own."""
+    return any(c.__name__ == name and _is_driver_module(c.__module__) for c in type(exc).__mro__)
+
+
+def _is_driver_module(module: str) -> bool:
+    """PyMySQL's error module is any ``….err``; asyncmy's is ``asyncmy.errors``."""
+    return module.endswith(".err") or module == "asyncmy.errors"
 
 
 def is_conflict(exc: BaseException) -> bool:
