@@ -91,7 +91,11 @@ class AsyncMySQLStore(AsyncSQLStore):
             ``asyncmy.connect`` arguments, or a coroutine function returning a
             new asyncmy connection. The store keeps up to ``max_size`` of them,
             in autocommit.
-        lock_wait_timeout, timeout, clock: as for
+        lock_wait_timeout: the longest (seconds) one of the store's statements
+            waits on a row another transaction holds; a claim that times out
+            answers 409 (as :class:`~idemflow.stores.mysql.MySQLStore`).
+        timeout: connect timeout, and the longest wait for a free connection.
+        clock: ``"database"`` (the default) or ``"caller"``, as for
             :class:`~idemflow.stores.mysql.MySQLStore`.
 
     Every decision is the sync store's, statement for statement; the caller's
