@@ -151,6 +151,26 @@ async def test_transaction_adapter_joins_a_transaction_already_begun(table_name:
         assert mysql.notes() == ["before", "in"]
 
 
+async def test_a_connection_factory_of_the_callers_is_switched_to_autocommit(
+    table_name: str,
+) -> None:
+    """A claim through connections the caller's coroutine makes (autocommit off) is
+    committed at once: another connection sees it."""
+
+    async def factory() -> Any:
+        return await asyncmy.connect(**connect_kwargs(MYSQL_URL), autocommit=False)
+
+    async with async_mysql_backend(table_name) as mysql:
+        store = AsyncMySQLStore(factory, table=table_name, clock="caller")
+        try:
+            assert (await store.claim(intent(), "mine", T0, T0 + 3600)).owned
+        finally:
+            await store.close()
+        seen = await mysql.store.get("alice", "k-1")
+    assert seen is not None
+    assert seen.lease_token == "mine"
+
+
 async def test_unreachable_server_is_store_unavailable() -> None:
     """Nothing listening: 503, the handler never runs."""
     with socket.socket() as probe:

@@ -55,7 +55,11 @@ class AsyncPool:
             if time.monotonic() - since > _PING_AFTER:
                 await conn.ping(reconnect=True)
             return conn
-        return await self._factory()
+        conn = await self._factory()
+        # A factory of the caller's may hand out a connection in a transaction:
+        # each statement of the store must be its own (no round trip if it is).
+        await conn.autocommit(True)
+        return conn
 
     async def close(self) -> None:
         idle, self._idle = self._idle, []
