@@ -221,6 +221,149 @@ async def async_mysql_backend(table: str, *, max_size: int = 8) -> AsyncIterator
             cursor.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
 
 
+class LoopThread:
+    """An event loop in a thread of its own: sync callers run coroutines on it."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Any) -> Any:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=120)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+class BridgedTransaction:
+    """An async transaction adapter, driven from sync code on a :class:`LoopThread`."""
+
+    def __init__(self, inner: Any, loop: LoopThread) -> None:
+        self.inner, self._loop = inner, loop
+
+    @property
+    def connection(self) -> Any:
+        return self.inner.connection
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+        return lambda *args: self._loop.run(method(*args))
+
+
+class BridgedStore:
+    """An async store, driven from sync code on a :class:`LoopThread`: so the sync contract
+    suite runs the async store's own code (its caller transactions bridged alike)."""
+
+    def __init__(self, inner: Any, loop: LoopThread) -> None:
+        self.inner, self._loop = inner, loop
+
+    def __getattr__(self, name: str) -> Any:
+        import inspect
+
+        value = getattr(self.inner, name)
+        if not inspect.iscoroutinefunction(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            args = tuple(_awaitable(a) for a in args)
+            kwargs = {k: _awaitable(v) for k, v in kwargs.items()}
+            return self._loop.run(value(*args, **kwargs))
+
+        return call
+
+
+class ThreadedTransaction:
+    """A sync transaction a test wrapped around a :class:`BridgedTransaction` (one that
+    pauses its commit, say), for the async store: each call runs in a worker thread, so
+    the bridged one it reaches can run its coroutine on the (free) loop."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    @property
+    def connection(self) -> Any:
+        return self.inner.connection
+
+    def __getattr__(self, name: str) -> Any:
+        import asyncio
+
+        method = getattr(self.inner, name)
+
+        async def call(*args: Any) -> Any:
+            return await asyncio.to_thread(method, *args)
+
+        return call
+
+
+def _awaitable(value: Any) -> Any:
+    """A store call's argument, with any caller transaction made one the async store awaits."""
+    if isinstance(value, BridgedTransaction):
+        return value.inner
+    if hasattr(value, "fetchone") and hasattr(value, "commit"):
+        return ThreadedTransaction(value)
+    return value
+
+
+def async_mysql_bridged_backend(table: str) -> Backend:
+    """AsyncMySQLStore (asyncmy) through :class:`BridgedStore`, for the sync contract suite."""
+    pymysql = pytest.importorskip("pymysql")
+    asyncmy = pytest.importorskip("asyncmy")
+    from idemflow.stores.mysql import AsyncMySQLStore, AsyncmyTransaction, connect_kwargs
+    from tests.conftest import unreachable
+
+    kwargs = connect_kwargs(MYSQL_URL)
+    try:
+        admin = pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
+    except pymysql.err.OperationalError as exc:
+        unreachable("MariaDB", exc)
+    with admin.cursor() as cursor:
+        cursor.execute(
+            f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
+        )
+    loop = LoopThread()
+    store: Any = BridgedStore(
+        AsyncMySQLStore(kwargs, table=table, max_size=8, clock="caller"), loop
+    )
+    store.migrate()
+
+    @contextlib.contextmanager
+    def open_transaction() -> Iterator[Any]:
+        conn = loop.run(asyncmy.connect(**kwargs, autocommit=True))
+        try:
+            yield BridgedTransaction(AsyncmyTransaction(conn), loop)
+        finally:
+            loop.run(conn.ensure_closed())
+
+    def write(conn: Any, note: str) -> None:
+        async def insert() -> None:
+            async with conn.cursor() as cursor:
+                await cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
+        loop.run(insert())
+
+    def count() -> int:
+        with admin.cursor() as cursor:
+            cursor.execute(f"SELECT count(*) FROM biz_{table}")
+            return int(cursor.fetchone()[0])
+
+    def drop() -> None:
+        store.close()
+        loop.stop()
+        with contextlib.closing(admin), admin.cursor() as cursor:
+            cursor.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
+
+    backend = Backend("mysql-async", store, open_transaction, write, count, ("mysql", (table,)))
+    backend.closers.append(drop)
+    return backend
+
+
 # --- MariaDB Galera (three primaries) ------------------------------------------------
 
 
@@ -442,6 +585,7 @@ BACKENDS: dict[str, Callable[[Path, str], Backend]] = {
     "redis-cluster": lambda tmp_path, table: redis_cluster_backend(table),
     "valkey-cluster": lambda tmp_path, table: redis_cluster_backend(table, valkey=True),
     "galera": lambda tmp_path, table: galera_backend(table),
+    "mysql-async": lambda tmp_path, table: async_mysql_bridged_backend(table),
 }
 
 
@@ -553,6 +697,7 @@ SERVICE_MARKS = {
     "redis-cluster": "redis",
     "valkey-cluster": "redis",
     "galera": "mysql",
+    "mysql-async": "mysql",
 }
 
 
