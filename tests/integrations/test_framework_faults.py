@@ -15,7 +15,7 @@ sweeper each framework ships.
   completion is refused (409 lease-lost) and its payment row rolls back with it.
 
 Every scenario needs a claim older than the stale threshold (2 × request timeout +
-10 s: 11 s with the 0.5 s request timeout the servers get here), so the scenarios
+10 s: 16 s with the 3 s request timeout the servers get here), so the scenarios
 are *staged*: when the module starts, one server per scenario is started and its
 first phase (the request sent, then killed or held) runs for all of them at once,
 in threads. Each test then waits for its own claims to age, sweeps and checks. The
@@ -61,8 +61,10 @@ from idemflow.stores.postgres import SERVER_NOW_MS as POSTGRES_NOW_MS  # noqa: E
 
 pytestmark = pytest.mark.slow
 
-#: The servers' request timeout: the stale threshold derived from it is 11 s.
-REQUEST_TIMEOUT = 0.5
+#: The servers' request timeout: the stale threshold derived from it is 16 s, room for
+#: a loaded machine to stage every scenario (start, send, kill, run manage.py) well
+#: before it, so the early sweep is early.
+REQUEST_TIMEOUT = 3.0
 STALE_AFTER = Policy(request_timeout=REQUEST_TIMEOUT).stale_seconds
 #: How long a held request may wait for its gate: past any test's wait.
 HOLD_LIMIT = 60
