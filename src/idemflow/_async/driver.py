@@ -293,8 +293,8 @@ class _Performer:
         if transaction is None:
             await store.release(record, now)
             return
+        self._open = True  # before: a BEGIN that fails (or is cancelled) may still have run
         await transaction.begin()
-        self._open = True
         await store.release(record, now, transaction)
         await self._end_with_commit()
 
@@ -310,8 +310,10 @@ class _Performer:
 
     async def _begin(self) -> AsyncTransaction | None:
         if self._transaction is not None and not self._open:
-            await self._transaction.begin()
+            # Open from before the BEGIN: one that fails, or is cancelled, may still have
+            # begun (SQLite's worker thread runs it anyway), so the error path rolls back.
             self._open = True
+            await self._transaction.begin()
         return self._transaction
 
     async def _end_with_commit(self) -> None:

@@ -143,7 +143,10 @@ class AsyncPooledTransaction:
     connection each. The connection is kept until :meth:`aclose` (the end of
     the request), across ``commit_phase`` boundaries and the release, so
     ``attempt.connection`` names the same connection in every phase and a
-    request never holds two.
+    request never holds two. One that fails to begin or to roll back (its
+    session is gone) is given back at once, with its error, so the pool
+    discards it and a store write that follows (the release) never waits
+    behind it; the next :meth:`begin` takes another.
 
     Args:
         acquire: returns an async context manager yielding a connection, e.g.
@@ -170,7 +173,11 @@ class AsyncPooledTransaction:
         if self._inner is None:
             self._context = self._acquire()
             self._inner = self._adapter(await self._context.__aenter__())
-        await self._inner.begin()
+        try:
+            await self._inner.begin()
+        except BaseException as exc:
+            await self._give_up(exc)
+            raise
 
     async def execute(self, statement: Any, params: Any) -> int:
         return await self._checked_out().execute(statement, params)
@@ -182,13 +189,32 @@ class AsyncPooledTransaction:
         await self._checked_out().commit()
 
     async def rollback(self) -> None:
-        await self._checked_out().rollback()
+        if self._inner is None:
+            return  # never begun, or given up: nothing is open
+        try:
+            await self._inner.rollback()
+        except BaseException as exc:
+            await self._give_up(exc)
+            raise
 
     async def aclose(self) -> None:
         """Give the connection back (if one was taken)."""
         context, self._context, self._inner = self._context, None, None
         if context is not None:
             await context.__aexit__(None, None, None)
+
+    async def _give_up(self, error: BaseException) -> None:
+        """Give a connection that failed back now, with ``error``: a pool closes or discards
+        a connection returned with an error instead of handing it out again (the MySQL
+        stores' pools reuse any other), and with a pool of one shared with the store, the
+        release that follows needs that very slot."""
+        context, self._context, self._inner = self._context, None, None
+        if context is None:
+            return
+        try:
+            await context.__aexit__(type(error), error, error.__traceback__)
+        except Exception:  # noqa: BLE001 -- the pool's cleanup of a dead connection; error says it
+            return
 
     def _checked_out(self) -> AsyncTransaction:
         if self._inner is None:

@@ -292,8 +292,8 @@ class _Performer:
         if transaction is None:
             store.release(record, now)
             return
+        self._open = True  # before: a BEGIN that fails (or is cancelled) may still have run
         transaction.begin()
-        self._open = True
         store.release(record, now, transaction)
         self._end_with_commit()
 
@@ -309,8 +309,10 @@ class _Performer:
 
     def _begin(self) -> Transaction | None:
         if self._transaction is not None and not self._open:
-            self._transaction.begin()
+            # Open from before the BEGIN: one that fails, or is cancelled, may still have
+            # begun (SQLite's worker thread runs it anyway), so the error path rolls back.
             self._open = True
+            self._transaction.begin()
         return self._transaction
 
     def _end_with_commit(self) -> None:

@@ -144,7 +144,10 @@ class PooledTransaction:
     connection each. The connection is kept until :meth:`close` (the end of
     the request), across ``commit_phase`` boundaries and the release, so
     ``attempt.connection`` names the same connection in every phase and a
-    request never holds two.
+    request never holds two. One that fails to begin or to roll back (its
+    session is gone) is given back at once, with its error, so the pool
+    discards it and a store write that follows (the release) never waits
+    behind it; the next :meth:`begin` takes another.
 
     Args:
         acquire: returns a context manager yielding a connection, e.g.
@@ -171,7 +174,11 @@ class PooledTransaction:
         if self._inner is None:
             self._context = self._acquire()
             self._inner = self._adapter(self._context.__enter__())
-        self._inner.begin()
+        try:
+            self._inner.begin()
+        except BaseException as exc:
+            self._give_up(exc)
+            raise
 
     def execute(self, statement: Any, params: Any) -> int:
         return self._checked_out().execute(statement, params)
@@ -183,13 +190,32 @@ class PooledTransaction:
         self._checked_out().commit()
 
     def rollback(self) -> None:
-        self._checked_out().rollback()
+        if self._inner is None:
+            return  # never begun, or given up: nothing is open
+        try:
+            self._inner.rollback()
+        except BaseException as exc:
+            self._give_up(exc)
+            raise
 
     def close(self) -> None:
         """Give the connection back (if one was taken)."""
         context, self._context, self._inner = self._context, None, None
         if context is not None:
             context.__exit__(None, None, None)
+
+    def _give_up(self, error: BaseException) -> None:
+        """Give a connection that failed back now, with ``error``: a pool closes or discards
+        a connection returned with an error instead of handing it out again (the MySQL
+        stores' pools reuse any other), and with a pool of one shared with the store, the
+        release that follows needs that very slot."""
+        context, self._context, self._inner = self._context, None, None
+        if context is None:
+            return
+        try:
+            context.__exit__(type(error), error, error.__traceback__)
+        except Exception:  # noqa: BLE001 -- the pool's cleanup of a dead connection; error says it
+            return
 
     def _checked_out(self) -> Transaction:
         if self._inner is None:
