@@ -8,6 +8,7 @@ next step the flow asks for.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import Any
 
@@ -162,14 +163,39 @@ def test_handler_exception_releases_then_reraises_the_same_object() -> None:
 
 
 def test_base_exceptions_from_the_handler_also_release() -> None:
-    """Cancellation or Ctrl-C inside the handler still gives the key back."""
+    """Cancellation or Ctrl-C inside the handler still gives the key back (before any
+    committed phase: the flow asks, and the driver says none)."""
     flow, mine = owned()
     interrupt = KeyboardInterrupt()
 
-    assert flow.throw(interrupt) == Release(mine)
+    assert flow.throw(interrupt) == PhaseCommitted(mine)
+    assert flow.send(False) == Release(mine)
     with pytest.raises(KeyboardInterrupt) as raised:
         flow.send(None)
     assert raised.value is interrupt
+
+
+@pytest.mark.parametrize("recovery_point", [None, "charging"], ids=["own-phase", "resumed"])
+def test_a_cancellation_past_a_committed_phase_keeps_the_claim(
+    recovery_point: str | None,
+) -> None:
+    """Cancelled past a committed phase (its own, or from the start of a resumed run: the
+    driver knows whether it started), the operation may have made the external call that
+    followed it and never said otherwise: no release, the key is the sweeper's. An
+    exception is the operation's own answer, and still releases."""
+    flow, _ = start()
+    mine = replace(record(), recovery_point=recovery_point)
+    assert flow.send(Claim(owned=True, record=mine)) == Execute(mine)
+    cancelled = asyncio.CancelledError()
+
+    assert flow.throw(cancelled) == PhaseCommitted(mine)
+    with pytest.raises(asyncio.CancelledError) as raised:
+        flow.send(True)
+    assert raised.value is cancelled
+
+    flow, _ = start()
+    assert flow.send(Claim(owned=True, record=mine)) == Execute(mine)
+    assert flow.throw(RuntimeError("the handler's own")) == Release(mine)
 
 
 def test_lost_lease_at_completion_propagates_without_a_release() -> None:

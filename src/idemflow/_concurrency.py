@@ -45,8 +45,10 @@ async def async_shielded(awaitable: Awaitable[T]) -> T:
             try:
                 return await asyncio.shield(task)
             except asyncio.CancelledError:
-                if task.done():  # the step itself was cancelled, not us
+                if task.cancelled():  # the step itself was cancelled, not us
                     raise
+                # Cancelled meanwhile, or as the step ended (its result is there, and
+                # the next shield hands it over): deliver the cancellation afterwards.
                 deferred = True
     finally:
         if deferred:

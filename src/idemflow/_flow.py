@@ -88,9 +88,12 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class PhaseCommitted:
-    """Ask the driver whether this run committed a phase (``attempt.commit_phase``): a bool.
+    """Ask the driver whether this run's operation went past a committed phase: a bool.
 
-    (A resumed run knows it from its record: ``recovery_point`` is set.)
+    It did once it committed one (``attempt.commit_phase``; without a
+    transaction every checkpoint is written at once), or once it started
+    from its record's ``recovery_point`` (a resumed run; when the operation
+    answered, the flow knows that from the record without asking).
 
     Past a committed phase the effect no longer rolls back whole with the
     completion: an external call made after it may have happened.
@@ -150,7 +153,15 @@ def _protocol(
         yield CommitClaim(record)
     try:
         response: Response = yield Execute(record)
-    except BaseException:
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and (
+            yield from _past_a_committed_phase(record, answered=False)
+        ):
+            # Cancelled (or told to exit) past a committed phase: the external call
+            # made after it may have happened, and the operation never said it did
+            # not. Releasing would let a retry resume and make it again: the key
+            # stays claimed for the sweeper's reconciler.
+            raise
         # The operation failed (or was cancelled) before it answered: nothing
         # settled. Give the key back and let its own exception through unchanged.
         yield Release(record)
@@ -179,9 +190,13 @@ def _protocol(
     return Outcome(response, replayed=False, record=record)
 
 
-def _past_a_committed_phase(record: Record) -> Generator[Step, Any, bool]:
-    """Does the intent run past a committed phase (an earlier attempt's, or this run's)?"""
-    if record.recovery_point is not None:
+def _past_a_committed_phase(record: Record, *, answered: bool = True) -> Generator[Step, Any, bool]:
+    """Did the operation run past a committed phase (an earlier attempt's, or its own)?
+
+    One that ``answered`` ran, past its record's recovery point if it has one;
+    one that did not may have been stopped before it started: the driver knows.
+    """
+    if answered and record.recovery_point is not None:
         return True
     committed: bool = yield PhaseCommitted(record)
     return committed

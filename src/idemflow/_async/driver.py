@@ -82,6 +82,8 @@ class AsyncAttempt:
         """
         await self._store.checkpoint(self.record, recovery_point, self._clock(), self._transaction)
         self.recovery_point = recovery_point
+        if self._transaction is None:
+            self._on_commit()  # written at once: a committed phase
 
     async def commit_phase(self, recovery_point: str) -> None:
         """End an atomic phase: checkpoint, commit, and begin the next transaction.
@@ -220,7 +222,7 @@ class _Performer:
         # Does giving the claim back take a write? From the start with two
         # commits; with one, once the first commit_phase may have committed it.
         self._claim_committed = not single_commit
-        # Has the handler committed a phase (and so part of its effect) yet?
+        # Has the handler gone past a committed phase (and so part of its effect) yet?
         self._phase_committed = False
 
     async def __call__(self, step: Step) -> Any:
@@ -232,6 +234,8 @@ class _Performer:
             )
             await async_cancel_point()  # a cancellation deferred by the claim: release now
             await self._begin()
+            # A resumed operation runs past the phase its record names from its start.
+            self._phase_committed = step.record.recovery_point is not None
             return await self._handler(attempt)
         if isinstance(step, Complete):
             await async_shielded(self._complete(step))
@@ -337,5 +341,10 @@ class _Performer:
         return True
 
     async def abandon(self) -> None:
-        """Never leave the caller's transaction open behind an error."""
-        await self._rollback()
+        """Never leave the caller's transaction open behind an error.
+
+        Shielded, as the release's rollback is: a rollback cut short by a second
+        cancellation would give the connection back in its open transaction (or
+        dead, unnoticed) to the pool the store shares.
+        """
+        await async_shielded(self._rollback())
