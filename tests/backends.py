@@ -717,3 +717,546 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path, table_name: str) -> 
     yield made
     for close in made.closers:
         close()
+
+
+# --- one store per mode, on a pool its application shares (tests/test_phase_rules.py) ----
+
+
+@dataclass
+class Rig:
+    """A store, the request's transaction on that store's own pool, and real faults.
+
+    Sync rigs are driven by the sync driver (in a worker thread), async ones by the async
+    driver; ``write``/``lose`` are coroutine functions on async rigs, plain ones on sync.
+    """
+
+    name: str
+    store: Any
+    sync: bool
+    #: Opens the request's transaction on the store's own pool (None: no-transaction mode).
+    transaction: Callable[[], Any] | None
+    #: Writes one business row through the attempt's connection.
+    write: Callable[[Any, str], Any]
+    #: A real fault, from the handler: its completion can no longer be written.
+    lose: Callable[[Any], Any]
+    #: The committed business rows, read on a connection outside the pool.
+    notes: Callable[[], list[str]]
+    #: A record's state read outside the pool (from inside a handler); None: no record.
+    peek: Callable[[str], Any]
+    #: What the lost completion surfaces as.
+    lost: type[BaseException] = Exception
+    #: Undoes ``lose`` once the run is over (a lock held on the file, say).
+    heal: Callable[[], None] = lambda: None
+
+    @property
+    def single_commit(self) -> bool:
+        return self.transaction is not None and bool(self.store.supports_single_commit)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """A store method, awaited or run in a worker thread."""
+        import asyncio
+
+        function = getattr(self.store, method)
+        if self.sync:
+            return await asyncio.to_thread(function, *args)
+        return await function(*args)
+
+
+#: Rigs sharing the caller's transaction: (kind, service mark or None).
+TRANSACTIONAL_RIGS = (
+    ("postgres", "postgres"),
+    ("postgres-sync", "postgres"),
+    ("mysql", "mysql"),
+    ("mysql-sync", "mysql"),
+    ("sqlite", None),
+    ("sqlite-sync", None),
+)
+#: Rigs in no-transaction mode (``run()`` without ``transaction=``).
+NO_TRANSACTION_RIGS = (
+    ("postgres", "postgres"),
+    ("mysql", "mysql"),
+    ("mysql-sync", "mysql"),
+    ("sqlite", None),
+    ("redis", "redis"),
+    ("redis-sync", "redis"),
+    ("memory", None),
+)
+
+
+def rig_params(rigs: Iterable[tuple[str, str | None]]) -> list[Any]:
+    return [
+        pytest.param(kind, marks=getattr(pytest.mark, mark)) if mark else kind
+        for kind, mark in rigs
+    ]
+
+
+@contextlib.asynccontextmanager
+async def open_rig(
+    kind: str, table: str, tmp_path: Path, *, transactional: bool, pool_size: int = 1
+) -> AsyncIterator[Rig]:
+    """The store ``kind`` names on a pool of ``pool_size`` that requests share, clock="caller"."""
+    openers = {
+        "postgres": _postgres_rig,
+        "postgres-sync": _postgres_rig,
+        "mysql": _mysql_rig,
+        "mysql-sync": _mysql_rig,
+        "sqlite": _sqlite_rig,
+        "sqlite-sync": _sqlite_rig,
+        "redis": _redis_rig,
+        "redis-sync": _redis_rig,
+        "memory": _memory_rig,
+    }
+    async with openers[kind](kind, table, tmp_path, transactional, pool_size) as rig:
+        yield rig
+
+
+@contextlib.asynccontextmanager
+async def _postgres_rig(
+    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int
+) -> AsyncIterator[Rig]:
+    from tests.factories import psycopg_or_skip
+
+    psycopg = psycopg_or_skip()
+    from idemflow import StoreUnavailable
+    from idemflow._async.edge import pooled_transaction as async_pooled
+    from idemflow._sync.edge import pooled_transaction as sync_pooled
+    from idemflow.stores.postgres import AsyncPostgresStore, PostgresStore
+    from idemflow.transactions import AsyncPsycopgTransaction, PsycopgTransaction
+    from tests.conftest import POSTGRES_URL
+    from tests.faults import named_url, terminate
+
+    name = f"idemflow-{table}"  # the store's connections, so a fault can end them
+    admin = psycopg.connect(POSTGRES_URL, autocommit=True)
+    admin.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
+    outside = PostgresStore(POSTGRES_URL, table=table, max_size=1, clock="caller")
+    outside.migrate()
+    sync = kind.endswith("-sync")
+    store: Any
+    if sync:
+        store = PostgresStore(named_url(name), table=table, max_size=pool_size, clock="caller")
+    else:
+        store = AsyncPostgresStore(named_url(name), table=table, max_size=pool_size, clock="caller")
+        await store.pool.open(wait=True)
+
+    def end_session(pid: int) -> None:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+    if sync:
+
+        def write(conn: Any, note: str) -> None:
+            conn.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
+        def lose(conn: Any) -> None:
+            if conn is None:  # no transaction: the store's own connection goes
+                terminate(name)
+                return
+            end_session(conn.execute("SELECT pg_backend_pid()").fetchone()[0])
+
+        def transaction() -> Any:
+            return sync_pooled(store.pool.connection, PsycopgTransaction)
+    else:
+
+        async def write(conn: Any, note: str) -> None:  # type: ignore[misc]
+            await conn.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
+        async def lose(conn: Any) -> None:  # type: ignore[misc]
+            if conn is None:
+                terminate(name)
+                return
+            row = await (await conn.execute("SELECT pg_backend_pid()")).fetchone()
+            end_session(row[0])
+
+        def transaction() -> Any:
+            return async_pooled(store.pool.connection, AsyncPsycopgTransaction)
+
+    def notes() -> list[str]:
+        return [r[0] for r in admin.execute(f"SELECT note FROM biz_{table} ORDER BY id")]
+
+    def peek(key: str) -> Any:
+        record = outside.get("alice", key)
+        return None if record is None else record.state
+
+    try:
+        yield Rig(
+            kind,
+            store,
+            sync,
+            transaction if transactional else None,
+            write,
+            lose,
+            notes,
+            peek,
+            StoreUnavailable,
+        )
+    finally:
+        if sync:
+            store.close()
+        else:
+            await store.close()
+        outside.close()
+        admin.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
+        admin.close()
+
+
+@contextlib.asynccontextmanager
+async def _mysql_rig(
+    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int
+) -> AsyncIterator[Rig]:
+    pymysql = pytest.importorskip("pymysql")
+    from idemflow import StoreUnavailable
+    from idemflow._async.edge import pooled_transaction as async_pooled
+    from idemflow._sync.edge import pooled_transaction as sync_pooled
+    from idemflow.stores.mysql import (
+        AsyncMySQLStore,
+        AsyncmyTransaction,
+        MySQLStore,
+        PyMySQLTransaction,
+        connect_kwargs,
+    )
+    from tests.conftest import unreachable
+
+    kwargs = {**connect_kwargs(MYSQL_URL), "charset": "utf8mb4"}
+    init = "SET SESSION innodb_lock_wait_timeout = 5"
+    try:
+        admin = pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
+    except pymysql.err.OperationalError as exc:
+        unreachable("MariaDB", exc)
+
+    def sql(statement: str) -> list[Any]:
+        with admin.cursor() as cursor:
+            cursor.execute(statement)
+            return list(cursor.fetchall())
+
+    sql(f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)")
+    outside = MySQLStore(MYSQL_URL, table=table, max_size=1, clock="caller")
+    outside.migrate()
+    opened: list[int] = []  # the store's connections (thread ids), so a fault can end them
+    sync = kind.endswith("-sync")
+    store: Any
+
+    def kill_store_connections() -> None:
+        assert opened
+        for thread_id in opened:
+            with contextlib.suppress(pymysql.err.OperationalError):  # already gone
+                sql(f"KILL {thread_id}")
+        opened.clear()
+
+    if sync:
+
+        def connect() -> Any:
+            conn = pymysql.connect(**kwargs, autocommit=True, init_command=init)
+            opened.append(conn.thread_id())
+            return conn
+
+        store = MySQLStore(connect, table=table, max_size=pool_size, clock="caller")
+
+        def write(conn: Any, note: str) -> None:
+            with conn.cursor() as cursor:
+                cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
+        def lose(conn: Any) -> None:
+            if conn is None:
+                kill_store_connections()
+                return
+            sql(f"KILL {conn.thread_id()}")
+
+        def transaction() -> Any:
+            return sync_pooled(store.pool.connection, PyMySQLTransaction)
+    else:
+        asyncmy = pytest.importorskip("asyncmy")
+
+        async def aconnect() -> Any:
+            conn = await asyncmy.connect(**kwargs, autocommit=True, init_command=init)
+            async with conn.cursor() as cursor:
+                await cursor.execute("SELECT CONNECTION_ID()")
+                opened.append((await cursor.fetchone())[0])
+            return conn
+
+        store = AsyncMySQLStore(aconnect, table=table, max_size=pool_size, clock="caller")
+
+        async def write(conn: Any, note: str) -> None:  # type: ignore[misc]
+            async with conn.cursor() as cursor:
+                await cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
+        async def lose(conn: Any) -> None:  # type: ignore[misc]
+            if conn is None:
+                kill_store_connections()
+                return
+            async with conn.cursor() as cursor:
+                await cursor.execute("SELECT CONNECTION_ID()")
+                thread_id = (await cursor.fetchone())[0]
+            sql(f"KILL {thread_id}")
+
+        def transaction() -> Any:
+            return async_pooled(store.pool.connection, AsyncmyTransaction)
+
+    def notes() -> list[str]:
+        return [r[0] for r in sql(f"SELECT note FROM biz_{table} ORDER BY id")]
+
+    def peek(key: str) -> Any:
+        record = outside.get("alice", key)
+        return None if record is None else record.state
+
+    try:
+        yield Rig(
+            kind,
+            store,
+            sync,
+            transaction if transactional else None,
+            write,
+            lose,
+            notes,
+            peek,
+            StoreUnavailable,
+        )
+    finally:
+        if sync:
+            store.close()
+        else:
+            await store.close()
+        outside.close()
+        sql(f"DROP TABLE IF EXISTS {table}, biz_{table}")
+        admin.close()
+
+
+#: A parent id that never exists: a business row naming it fails the COMMIT (deferred FK).
+ORPHAN_PARENT = 42
+
+
+@contextlib.asynccontextmanager
+async def _sqlite_rig(
+    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int
+) -> AsyncIterator[Rig]:
+    """SQLite has no pool: each request opens its connection. Its faults: in a transaction,
+    a deferred foreign key that fails the COMMIT; without one, another connection holding
+    the write lock past the store's busy timeout (so the completion is "database is locked")."""
+    from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore
+    from idemflow.transactions import AsyncSQLite3Connection, AsyncSQLite3Transaction
+
+    path = str(tmp_path / f"{table}.db")
+    sync = kind.endswith("-sync")
+    store: Any
+    if sync:
+        store = SQLiteStore(path, table=table, busy_timeout=0.05)
+        store.migrate()
+    else:
+        store = AsyncSQLiteStore(path, table=table, busy_timeout=0.05)
+        await store.migrate()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("CREATE TABLE parent (id INTEGER PRIMARY KEY)")
+        conn.execute(
+            "CREATE TABLE business (id INTEGER PRIMARY KEY, note TEXT, parent INTEGER "
+            "REFERENCES parent (id) DEFERRABLE INITIALLY DEFERRED)"
+        )
+        conn.commit()
+    holders: list[sqlite3.Connection] = []
+
+    def caller() -> sqlite3.Connection:
+        conn = sqlite3.connect(path, isolation_level=None, timeout=10, check_same_thread=False)
+        conn.execute("PRAGMA foreign_keys = ON")
+        return conn
+
+    def hold_the_write_lock() -> None:
+        holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        holder.execute("BEGIN IMMEDIATE")
+        holders.append(holder)
+
+    def heal() -> None:
+        for holder in holders:
+            holder.rollback()
+            holder.close()
+        holders.clear()
+
+    orphan = "INSERT INTO business (note, parent) VALUES ('orphan', ?)"
+    if sync:
+
+        def write(conn: Any, note: str) -> None:
+            conn.execute("INSERT INTO business (note) VALUES (?)", (note,))
+
+        def lose(conn: Any) -> None:
+            if conn is None:
+                hold_the_write_lock()
+                return
+            conn.execute(orphan, (ORPHAN_PARENT,))
+
+        @contextlib.contextmanager
+        def transaction() -> Iterator[Any]:
+            with contextlib.closing(caller()) as conn:
+                yield SQLite3Transaction(conn)
+    else:
+
+        async def write(conn: Any, note: str) -> None:  # type: ignore[misc]
+            await conn.run(conn.raw.execute, "INSERT INTO business (note) VALUES (?)", (note,))
+
+        async def lose(conn: Any) -> None:  # type: ignore[misc]
+            if conn is None:
+                hold_the_write_lock()
+                return
+            await conn.run(conn.raw.execute, orphan, (ORPHAN_PARENT,))
+
+        @contextlib.asynccontextmanager
+        async def transaction() -> AsyncIterator[Any]:  # type: ignore[misc]
+            conn = AsyncSQLite3Connection(caller())
+            try:
+                yield AsyncSQLite3Transaction(conn)
+            finally:
+                conn.close()
+
+    def notes() -> list[str]:
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            return [r[0] for r in conn.execute("SELECT note FROM business ORDER BY id")]
+
+    def peek(key: str) -> Any:  # another connection to the file
+        outside = SQLiteStore(path, table=table)
+        try:
+            record = outside.get("alice", key)
+        finally:
+            outside.close()
+        return None if record is None else record.state
+
+    try:
+        yield Rig(
+            kind,
+            store,
+            sync,
+            transaction if transactional else None,
+            write,
+            lose,
+            notes,
+            peek,
+            sqlite3.IntegrityError if transactional else _store_unavailable(),
+            heal,
+        )
+    finally:
+        heal()
+        if sync:
+            store.close()
+        else:
+            await store.close()
+
+
+def _store_unavailable() -> type[BaseException]:
+    from idemflow import StoreUnavailable
+
+    return StoreUnavailable
+
+
+@contextlib.asynccontextmanager
+async def _redis_rig(
+    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int
+) -> AsyncIterator[Rig]:
+    """One connection (``single_connection_client``), no client-side retry: a fault that ends
+    it (``CLIENT KILL``) reaches the store, as the loss of the server would."""
+    pytest.importorskip("redis")
+    from redis import Redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from idemflow import Policy, StoreUnavailable
+    from idemflow.stores.redis import AsyncRedisStore, RedisStore
+    from tests.conftest import unreachable
+
+    timeout, retention = REDIS_POLICY_ARGS
+    policy = Policy(request_timeout=timeout, retention=retention)
+    options: dict[str, Any] = {
+        "socket_timeout": 5,
+        "socket_connect_timeout": 2,
+        "single_connection_client": True,
+    }
+    admin = redis_client()
+    try:
+        admin.ping()
+    except Exception as exc:
+        unreachable("Redis", exc)
+    sync = kind.endswith("-sync")
+    store: Any
+    if sync:
+        client: Any = Redis.from_url(REDIS_URL, retry=Retry(NoBackoff(), 0), **options)
+        store = RedisStore(client, policy=policy, prefix=table, clock="caller", allow_volatile=True)
+        store.migrate()
+    else:
+        from redis.asyncio import Redis as AsyncRedis
+        from redis.asyncio.retry import Retry as AsyncRetry
+
+        client = AsyncRedis.from_url(REDIS_URL, retry=AsyncRetry(NoBackoff(), 0), **options)
+        store = AsyncRedisStore(
+            client, policy=policy, prefix=table, clock="caller", allow_volatile=True
+        )
+        await store.migrate()
+
+    # The store's one connection ends (it reconnects on the command after the next).
+    def lose(conn: Any) -> None:
+        assert admin.client_kill_filter(_id=client.client_id()) == 1
+
+    async def alose(conn: Any) -> None:
+        assert admin.client_kill_filter(_id=await client.client_id()) == 1
+
+    try:
+        yield Rig(
+            kind,
+            store,
+            sync,
+            None,
+            lambda conn, note: None,
+            lose if sync else alose,
+            list,
+            lambda key: None,
+            StoreUnavailable,
+        )
+    finally:
+        for key in admin.scan_iter(match=f"{table}:*", count=1000):
+            admin.delete(key)
+        admin.close()
+        if sync:
+            store.close()
+        else:
+            await store.close()
+
+
+class LosesCompletion:
+    """A memory store whose next completion fails as an unreachable store's would (the memory
+    store has no I/O to break: this double stands for the fault)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.armed = False
+
+    async def complete(self, *args: Any, **kwargs: Any) -> None:
+        from idemflow import StoreUnavailable
+
+        if self.armed:
+            self.armed = False
+            raise StoreUnavailable("memory store: the completion could not be written")
+        await self.inner.complete(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@contextlib.asynccontextmanager
+async def _memory_rig(
+    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int
+) -> AsyncIterator[Rig]:
+    from idemflow import StoreUnavailable
+    from idemflow.stores.memory import AsyncMemoryStore
+
+    store = LosesCompletion(AsyncMemoryStore())
+
+    async def lose(conn: Any) -> None:
+        store.armed = True
+
+    def heal() -> None:
+        store.armed = False
+
+    yield Rig(
+        kind,
+        store,
+        False,
+        None,
+        lambda conn, note: None,
+        lose,
+        list,
+        lambda k: None,
+        StoreUnavailable,
+        heal,
+    )
