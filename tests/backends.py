@@ -828,7 +828,10 @@ async def _postgres_rig(
     name = f"idemflow-{table}"  # the store's connections, so a fault can end them
     admin = psycopg.connect(POSTGRES_URL, autocommit=True)
     admin.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
-    outside = PostgresStore(POSTGRES_URL, table=table, max_size=1, clock="caller")
+    # Its DDL may wait on a catalog lock other tests hold: not the claims' 50 ms bound.
+    outside = PostgresStore(
+        POSTGRES_URL, table=table, max_size=1, clock="caller", claim_lock_timeout_ms=10_000
+    )
     outside.migrate()
     sync = kind.endswith("-sync")
     store: Any

@@ -41,12 +41,20 @@ class Side:
     kind: str
     table: str
 
-    def store(self) -> Any:
-        """A sync store on a pool of one connection, deciding on the caller's clock."""
+    def store(self, *, migrating: bool = False) -> Any:
+        """A sync store on a pool of one connection, deciding on the caller's clock
+        (``migrating``: its DDL may wait on a catalog lock, not the claims' 50 ms)."""
         if self.kind == "postgres":
-            from idemflow.stores.postgres import PostgresStore
+            from idemflow.stores.postgres import DEFAULT_CLAIM_LOCK_TIMEOUT_MS, PostgresStore
 
-            return PostgresStore(POSTGRES_URL, table=self.table, max_size=1, clock="caller")
+            bound = 10_000 if migrating else DEFAULT_CLAIM_LOCK_TIMEOUT_MS
+            return PostgresStore(
+                POSTGRES_URL,
+                table=self.table,
+                max_size=1,
+                clock="caller",
+                claim_lock_timeout_ms=bound,
+            )
         from idemflow.stores.mysql import MySQLStore
 
         return MySQLStore(MYSQL_URL, table=self.table, max_size=1, clock="caller")

@@ -73,7 +73,7 @@ def tables(kind: str) -> Iterator[Side]:
         except pymysql.err.OperationalError as exc:
             unreachable("MariaDB", exc)
     side = Side(kind, f"idem_{uuid.uuid4().hex[:12]}")
-    store = side.store()
+    store = side.store(migrating=True)
     store.migrate()
     store.close()
     with side.connect() as conn:
