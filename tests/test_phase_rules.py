@@ -541,3 +541,58 @@ async def test_cancelled_at_any_await_never_charges_twice(
                     failures.append(f"{where}: charged {world.charged(key)} times in all")
 
     assert failures == [], "\n".join(failures)
+
+
+# --- middleware: the endpoint's effect is its own, so a lost completion keeps the claim ----
+
+
+@pytest.mark.parametrize("kind", rig_params(r for r in NO_TRANSACTION_RIGS if "-sync" not in r[0]))
+async def test_middleware_lost_completion_keeps_the_claim_on_every_store(
+    kind: str, tmp_path: Path, table_name: str, clock: FrozenClock
+) -> None:
+    """``IdempotencyMiddleware`` cannot share the endpoint's transaction: the endpoint
+    charged, then the store lost the completion. Every store answers a 503 that says the
+    outcome went unrecorded, keeps the claim (409 to the retry, not a second charge), and
+    the sweeper's reconciler settles it into the replayed 201."""
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.responses import Response as StarletteResponse
+
+    from tests.test_modes import call_asgi, middleware_app, status_of
+
+    async with open_rig(kind, table_name, tmp_path, transactional=False) as rig:
+        world = World(rig, clock)
+
+        async def create(request: Request) -> StarletteResponse:
+            key = request.headers["idempotency-key"]
+            world.charges.append((key, key))  # the endpoint's own effect
+            await rig.lose(None)
+            return JSONResponse({"id": "pay_1"}, status_code=201)
+
+        app = middleware_app(AsyncIdempotency(rig.store, POLICY, clock=clock), create)
+        first = await call_asgi(app, "k-mw")
+        rig.heal()
+        retry = await call_asgi(app, "k-mw")
+        held = await rig.call("get", "carol", "k-mw")
+
+        def answer(record: Any, keys: Any) -> Any:
+            return Happened(CREATED) if world.charged(record.key) else DidNotHappen()
+
+        async def reconciler(record: Any, keys: Any) -> Any:
+            return answer(record, keys)
+
+        clock.advance(POLICY.stale_seconds + 1)
+        report = await AsyncSweeper(
+            rig.store, POLICY, reconciler=reconciler, clock=clock
+        ).sweep_once()
+        replay = await call_asgi(app, "k-mw")
+
+    body = b"".join(m.get("body", b"") for m in first if m["type"] == "http.response.body")
+    assert status_of(first) == 503
+    assert b"could not be recorded" in body
+    assert status_of(retry) == 409
+    assert held is not None
+    assert held.state is State.IN_PROGRESS
+    assert report.completed == 1
+    assert status_of(replay) == 201
+    assert world.charged("k-mw") == 1
