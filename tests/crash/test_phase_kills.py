@@ -53,7 +53,7 @@ from tests.crash._phase_child import (
 )
 from tests.crash._phase_child import launch as _launch
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @contextlib.contextmanager
