@@ -6,7 +6,8 @@ Run::
     .venv/bin/python -m bench.bench_recovery [--timeout 10] [--trials 3]
 
 Each trial starts a middleware-mode Starlette app under uvicorn (its own
-process, SQLite key store, ``bench/_recovery_app.py``), sends a request whose
+process, SQLite key store, the crash test's own app
+``tests/http/middleware_crash_app.py``), sends a request whose
 endpoint writes and then waits, and SIGKILLs the server mid-handler: the claim
 stays ``in_progress``. The app is started again with a background sweeper at
 the library's default interval, and one client posts the same key, sleeping
@@ -69,11 +70,11 @@ def _server(
     directory: Path, timeout: float, *, sweep: bool
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = _free_port()
-    command = [sys.executable, "-m", "uvicorn", "bench._recovery_app:app", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--log-level", "warning"]
-    env = {**os.environ, "RECOVERY_DIR": str(directory), "RECOVERY_TIMEOUT": str(timeout)}
+    command = [sys.executable, "-m", "uvicorn", "tests.http.middleware_crash_app:app"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    env = {**os.environ, "CRASH_APP_DIR": str(directory), "CRASH_APP_TIMEOUT": str(timeout)}
     if sweep:
-        env["RECOVERY_SWEEP"] = "1"
+        env["CRASH_APP_SWEEP"] = "default"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
     process = subprocess.Popen(command, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
