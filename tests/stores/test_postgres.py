@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -11,7 +12,7 @@ from idemflow import Idempotency, InProgress, Intent, Policy, Response
 from tests.conftest import POSTGRES_URL, unreachable
 
 psycopg = pytest.importorskip("psycopg")
-from idemflow.stores.postgres import PostgresStore  # noqa: E402
+from idemflow.stores.postgres import _MIGRATE_LOCK, PostgresStore  # noqa: E402
 
 
 @pytest.fixture
@@ -41,6 +42,42 @@ def test_options_in_the_url_are_kept(schema: str) -> None:
         store.close()
 
     assert (search_path, lock_timeout) == (schema, "50ms")
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        assert conn.execute(f"SELECT to_regclass('{schema}.keys')").fetchone()[0] is not None
+
+
+def test_migrate_waits_for_another_migration(schema: str) -> None:
+    """Migrations queue on one advisory lock (any table): the claims' 50 ms must not bound it."""
+    url = f"{POSTGRES_URL}?options=-c%20search_path%3D{schema}"
+    store = PostgresStore(url, table="keys", max_size=2, clock="caller")
+    failures: list[BaseException] = []
+
+    def migrate() -> None:
+        try:
+            store.migrate()
+        except BaseException as exc:
+            failures.append(exc)
+
+    try:
+        with psycopg.connect(url) as other, psycopg.connect(url, autocommit=True) as watcher:
+            other.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATE_LOCK,))  # mid-migration
+            migration = threading.Thread(target=migrate)
+            migration.start()
+            deadline = time.monotonic() + 10
+            while migration.is_alive() and time.monotonic() < deadline:
+                # Hold the lock until the migration has waited far longer than 50 ms.
+                waited = watcher.execute(
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'advisory' "
+                    "AND now() - waitstart > interval '500 ms'"
+                ).fetchone()
+                if waited and waited[0]:
+                    break
+            other.commit()
+            migration.join(30)
+    finally:
+        store.close()
+
+    assert failures == []
     with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
         assert conn.execute(f"SELECT to_regclass('{schema}.keys')").fetchone()[0] is not None
 

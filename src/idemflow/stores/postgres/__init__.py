@@ -54,6 +54,8 @@ DEFAULT_CLAIM_LOCK_TIMEOUT_MS = 50
 
 # Serialises concurrent `idemflow migrate` runs (CREATE … IF NOT EXISTS races).
 _MIGRATE_LOCK = 0x1DE3F10
+#: How long a migration waits for a lock (a busy table's writers, another migration).
+MIGRATE_LOCK_TIMEOUT_S = 60
 
 
 #: The server's time in epoch milliseconds, one value per statement.
@@ -72,7 +74,16 @@ def postgres_dialect(
         blob="BYTEA",
         unique=f"CONSTRAINT {table}_principal_key UNIQUE",
     )
-    ddl = ["BEGIN", f"SELECT pg_advisory_xact_lock({_MIGRATE_LOCK})", *table_ddl, "COMMIT"]
+    # The connections' lock_timeout bounds a claim's wait, not a migration's:
+    # CREATE INDEX waits for every open transaction writing to the table (and
+    # the advisory lock for another migration), which is long for a claim.
+    ddl = [
+        "BEGIN",
+        f"SET LOCAL lock_timeout = '{MIGRATE_LOCK_TIMEOUT_S}s'",
+        f"SELECT pg_advisory_xact_lock({_MIGRATE_LOCK})",
+        *table_ddl,
+        "COMMIT",
+    ]
     around = (
         [f"SET LOCAL lock_timeout = '{int(claim_lock_timeout_ms)}ms'"],
         ["SET LOCAL lock_timeout = DEFAULT"],
