@@ -37,12 +37,15 @@ Run (from the repository root; the defaults are tiny, for a quick look)::
     against PostgreSQL.
 
 Tables are filled by the database itself (``INSERT … SELECT`` over
-``generate_series``, MariaDB's sequence engine, a recursive CTE on SQLite;
-pipelined ``EVALSHA`` of the store's own scripts on Redis), in the schema
+``generate_series``, MariaDB's sequence engine with the secondary indexes
+built after the rows, a recursive CTE on SQLite; pipelined ``EVALSHA`` of the
+store's own claim and completion scripts on Redis), in the schema
 ``store.migrate()`` creates, under unique names, and dropped at the end.
-Redis runs as a private ``redis-server`` without persistence (started and
-stopped by this script), never the shared one. What is measured goes through
-the public API only: ``Idempotency``, the stores, ``Sweeper``.
+Redis runs as a private ``redis-server`` with AOF (``appendfsync everysec``;
+started and stopped by this script), never the shared one. The principals
+part reuses the sizes part's table when ``--hot-size`` is one of its sizes.
+What is measured goes through the public API only: ``Idempotency``, the
+stores, ``Sweeper``.
 ``fsync``
     The Redis store's claim script (``EVALSHA``, the store's own Lua, fresh
     keys) through three ``redis-benchmark`` processes × 8 connections against
@@ -104,7 +107,11 @@ BACKENDS = ("postgres", "sqlite", "mariadb", "redis")
 PARTS = ("sizes", "principals", "partitioned", "stores")
 ALL_PARTS = (*PARTS, "fsync", "galera")
 #: Rows written per statement (or pipeline) while filling: progress, bounded transactions.
-FILL_CHUNK = {"postgres": 1_000_000, "sqlite": 1_000_000, "mariadb": 250_000, "redis": 2_000}
+FILL_CHUNK = {"postgres": 1_000_000, "sqlite": 1_000_000, "mariadb": 250_000, "redis": 1_000_000}
+#: Records per pipeline of the Redis fill (claims, then their completions), and the
+#: threads sending them (one builds a pipeline while another's is on the server).
+REDIS_PIPELINE = 2_000
+REDIS_FILL_THREADS = 3
 HOT = "hot-principal"
 #: Threads writing records through the store where the database cannot fill itself (Redis).
 FILL_THREADS = 16
@@ -315,12 +322,18 @@ class KeyTable:
     def fill(self) -> float:
         """Write the ``size`` completed records; seconds it took."""
         started = time.perf_counter()
-        for lo in range(0, self.size, FILL_CHUNK[self.backend]):
-            self.fill_rows(lo, min(self.size, lo + FILL_CHUNK[self.backend]))
-            if self.size > 1_000_000:
-                print(f"#   {self.name}: {human(min(self.size, lo + FILL_CHUNK[self.backend]))}")
+        self.before_fill()
+        chunk = FILL_CHUNK[self.backend]
+        for lo in range(0, self.size, chunk):
+            hi = min(self.size, lo + chunk)
+            self.fill_rows(lo, hi)
+            if self.size > 1_000_000 and hi % 1_000_000 == 0:
+                print(f"#   {self.name}: {human(hi)} in {time.perf_counter() - started:.0f}s")
         self.after_fill()
         return time.perf_counter() - started
+
+    def before_fill(self) -> None:
+        """Anything a bulk load does first (MariaDB: set its secondary indexes aside)."""
 
     def fill_rows(self, lo: int, hi: int) -> None:
         raise NotImplementedError
@@ -353,7 +366,7 @@ class PostgresTable(KeyTable):
             self.execute(*hash_partitioned_ddl(self.name, partitions, id_index=id_index))
         self.partitions = partitions
         self.id_index = id_index
-        self.store = PostgresStore(POSTGRES_URL, table=self.name, max_size=16)
+        self.store = PostgresStore(shared_pool(), table=self.name)
         self.store.migrate()
 
     @property
@@ -428,8 +441,28 @@ class PostgresTable(KeyTable):
         return str(row[0]) if row else ""
 
     def drop(self) -> None:
-        self.store.close()
+        # The pool is every table's: closed once, at the end of the run.
         self.execute(f"DROP TABLE IF EXISTS {self.name}")
+
+
+#: Connections of the one pool every PostgreSQL table's store shares (``--postgres-pool``):
+#: the server is shared, so the whole run holds at most this many (plus one to fill).
+POSTGRES_POOL = {"size": 8}
+_POOLS: list[Any] = []
+
+
+def shared_pool() -> Any:
+    """The run's one PostgreSQL pool, opened on first use (closed by :func:`close_pools`)."""
+    if not _POOLS:
+        from idemflow.stores.postgres import PostgresStore
+
+        _POOLS.append(PostgresStore(POSTGRES_URL, max_size=POSTGRES_POOL["size"]).pool)
+    return _POOLS[0]
+
+
+def close_pools() -> None:
+    while _POOLS:
+        _POOLS.pop().close()
 
 
 def hash_partitioned_ddl(table_name: str, partitions: int, *, id_index: bool = True) -> list[str]:
@@ -545,7 +578,7 @@ class MariaDBTable(KeyTable):
         self.store = MySQLStore(MYSQL_URL, table=self.name, max_size=16)
         self.store.migrate()
 
-    def execute(self, statement: str, params: Sequence[Any] = ()) -> None:
+    def execute(self, statement: str, params: Sequence[Any] = ()) -> Any:
         import pymysql
 
         from idemflow.stores.mysql import connect_kwargs
@@ -553,6 +586,28 @@ class MariaDBTable(KeyTable):
         conn = pymysql.connect(**connect_kwargs(MYSQL_URL), autocommit=True)
         with contextlib.closing(conn), conn.cursor() as cursor:
             cursor.execute(statement, tuple(params) or None)
+            return cursor.fetchall()
+
+    def _create_table(self) -> str:
+        """The table's ``CREATE TABLE``, less its next auto-increment value."""
+        text = str(self.execute(f"SHOW CREATE TABLE {self.name}")[0][1])
+        return re.sub(r" AUTO_INCREMENT=\d+", "", text)
+
+    def before_fill(self) -> None:
+        """A bulk load, as a DBA would do it: the rows first, the secondary indexes after.
+
+        Inserting 10M random keys into the unique index one by one reads a leaf
+        from disk for nearly every row once the index outgrows the buffer pool
+        (128 MB here, ``O_DIRECT``: no page cache behind it); building the index
+        afterwards sorts instead. The indexes come back exactly as the store's
+        ``CREATE TABLE`` made them (checked in :meth:`after_fill`).
+        """
+        self._schema = self._create_table()
+        self._indexes = re.findall(r"^\s*((?:UNIQUE )?KEY `(\w+)` \([^)]*\))", self._schema, re.M)
+        if not self._indexes:
+            raise AssertionError(f"no secondary index in {self._schema}")
+        drops = ", ".join(f"DROP INDEX `{name}`" for _, name in self._indexes)
+        self.execute(f"ALTER TABLE {self.name} {drops}")
 
     def _insert(self, select: str, params: Sequence[Any]) -> None:
         self.execute(
@@ -581,6 +636,10 @@ class MariaDBTable(KeyTable):
         )
 
     def after_fill(self) -> None:
+        adds = ", ".join(f"ADD {definition}" for definition, _ in self._indexes)
+        self.execute(f"ALTER TABLE {self.name} {adds}")
+        if (rebuilt := self._create_table()) != self._schema:
+            raise AssertionError(f"the rebuilt table differs:\n{rebuilt}\n{self._schema}")
         self.execute(f"ANALYZE TABLE {self.name}")
 
     def add_rows(self, tag: str, count: int, state: State, at_ms: int, expires_ms: int) -> None:
@@ -623,10 +682,11 @@ class MariaDBTable(KeyTable):
 
 class RedisTable(KeyTable):
     """A prefix on a private Redis (or cluster), filled through the store's own claim and
-    completion: Redis has no INSERT … SELECT, and the record layout is the store's business.
+    completion scripts: Redis has no INSERT … SELECT, and the record layout is the store's
+    business. The table itself goes in pipelines of those scripts (:meth:`fill_rows`).
 
-    Filling uses a second store on the caller's clock, so records can be written in
-    the past (crashed claims, expired records); what is measured uses the default one.
+    The extra records (crashed claims, expired ones) go through a second store on the
+    caller's clock, so they can be written in the past; what is measured uses the default one.
     """
 
     backend = "redis"
@@ -664,10 +724,48 @@ class RedisTable(KeyTable):
             for _ in pool.map(write, rows, chunksize=256):
                 pass
 
+    def before_fill(self) -> None:
+        self.store.start()  # the buckets' epochs: a claim in a bucket without one is refused
+
     def fill_rows(self, lo: int, hi: int) -> None:
-        at = now_ms()
-        rows = [(principal_of(g, self.principals), key_of(g)) for g in range(lo, hi)]
-        self._write(rows, State.COMPLETED, at, at + RETENTION_MS)
+        """The store's own claim and completion scripts, pipelined: claims, then completions.
+
+        ``REDIS_FILL_THREADS`` threads each send pipelines of ``REDIS_PIPELINE``
+        records; every claim must come back new (so every record is written).
+        """
+        spans = [(at, min(hi, at + REDIS_PIPELINE)) for at in range(lo, hi, REDIS_PIPELINE)]
+        with ThreadPoolExecutor(REDIS_FILL_THREADS) as pool:
+            for _ in pool.map(self._fill_span, spans):
+                pass
+
+    def _fill_span(self, span: tuple[int, int]) -> None:
+        from idemflow.stores.redis import SHAS
+
+        layout, now = self.store.layout, time.time()
+        expires = now + POLICY.retention_seconds
+        intents = [
+            Intent(principal_of(g, self.principals), key_of(g), FINGERPRINT, endpoint=ENDPOINT)
+            for g in range(*span)
+        ]
+        pipe = self.client.pipeline(transaction=False)
+        for g, intent in zip(range(*span), intents, strict=True):
+            keys = layout.claim_keys(intent.principal, intent.key)
+            args = layout.claim_args(intent, f"fill{g}", now, expires, self.store.quarantine)
+            pipe.execute_command("EVALSHA", SHAS["claim"], len(keys), *keys, *args)
+        claims = [
+            layout.claimed(reply, intent, f"fill{g}", now, expires)
+            for g, intent, reply in zip(range(*span), intents, pipe.execute(), strict=True)
+        ]
+        if not all(claim.owned for claim in claims):
+            raise AssertionError(f"a record to fill existed already, in {span}")
+        pipe = self.client.pipeline(transaction=False)
+        for claim in claims:
+            record = claim.record
+            keys = layout.keys(record.principal, record.key)
+            args = layout.complete_args(record, State.COMPLETED, RESPONSE, now, expires)
+            pipe.execute_command("EVALSHA", SHAS["complete"], len(keys), *keys, *args)
+        if not all(pipe.execute()):
+            raise AssertionError(f"a filled record could not be completed, in {span}")
 
     def add_rows(self, tag: str, count: int, state: State, at_ms: int, expires_ms: int) -> None:
         rows = [(f"extra-{tag}", f"{tag}-{n}") for n in range(count)]
@@ -758,6 +856,7 @@ class Settings:
     partition_size: int
     partitions: int
     stores_size: int
+    postgres_pool: int
     run_id: str
     runs: int
 
@@ -1007,7 +1106,10 @@ class Servers:
         """A private redis-server with AOF (``appendfsync everysec``, what docs/stores.md
         recommends): a store that keeps claims must not run on a server that forgets them."""
         if self._redis is None:
-            port = self._stack.enter_context(private_server("redis-server", FSYNC["everysec"]))
+            # No automatic AOF rewrite: a fork of a server holding millions of records
+            # would copy much of its memory while the fill writes.
+            options = (*FSYNC["everysec"], "--auto-aof-rewrite-percentage", "0")
+            port = self._stack.enter_context(private_server("redis-server", options))
             self._redis = f"redis://127.0.0.1:{port}/0"
         return self._redis
 
@@ -1054,18 +1156,28 @@ def run(settings: Settings, run_id: str) -> None:
     opened: list[KeyTable] = []
     with contextlib.ExitStack() as stack:
         servers = Servers(stack)
+        stack.callback(close_pools)
         stack.callback(drop_all, opened)
+        # The sizes part's tables, by backend and size: the principals part reuses one
+        # of the size it needs instead of filling another (10M records take minutes).
+        sized: dict[tuple[str, int], KeyTable] = {}
         if "sizes" in settings.parts:
             for backend in settings.backends:
                 print(f"\n## {backend}: table size", flush=True)
                 tables = filled(backend, run_id, settings.sizes[backend], settings, servers, opened)
+                sized.update({(backend, t.size): t for t in tables})
                 throughput(settings, backend, tables)
                 sweep_cost(settings, backend, tables)
                 purge_rate(settings, backend, tables)
         if "principals" in settings.parts:
             for backend in settings.backends:
                 print(f"\n## {backend}: one hot principal", flush=True)
-                (t,) = filled(backend, run_id + "h", [settings.hot_size], settings, servers, opened)
+                t = sized.get((backend, settings.hot_size))
+                if t is None:
+                    size = [settings.hot_size]
+                    (t,) = filled(backend, run_id + "h", size, settings, servers, opened)
+                else:
+                    print(f"# on the sizes part's table {t.name}", flush=True)
                 principals_part(settings, backend, t)
         if "partitioned" in settings.parts and "postgres" in settings.backends:
             print("\n## postgres: partitioned key table", flush=True)
@@ -1146,6 +1258,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--slices", type=int, default=4)
     parser.add_argument("--warmup", type=float, default=0.5, help="unmeasured, per contender")
     parser.add_argument("--callers", type=int, default=16)
+    parser.add_argument(
+        "--postgres-pool", type=int, default=8, help="connections all PostgreSQL tables share"
+    )
     parser.add_argument("--principals", type=count, default=1000)
     parser.add_argument(
         "--stale", type=counts, default=(100, 1000), help="crashed claims per sweep"
@@ -1179,6 +1294,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         partition_size=args.partition_size,
         partitions=args.partitions,
         stores_size=args.stores_size,
+        postgres_pool=args.postgres_pool,
         run_id=args.run_id,
         runs=args.runs,
     )
@@ -1186,6 +1302,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_args(argv)
+    POSTGRES_POOL["size"] = settings.postgres_pool
     # A SIGTERM (a stopped job) must still drop the tables and stop the private servers:
     # as SystemExit, it unwinds through every cleanup.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
