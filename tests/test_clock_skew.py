@@ -138,3 +138,48 @@ def test_a_claimer_whose_clock_runs_behind_still_sees_retention_end(store: Any) 
 
     assert not outcome.replayed
     assert outcome.response.body == b"new"
+
+
+def redis_store(table: str) -> Iterator[Any]:
+    pytest.importorskip("redis")
+    from idemflow.stores.redis import RedisStore
+    from tests.backends import redis_client
+
+    client = redis_client()
+    try:
+        client.ping()
+    except Exception as exc:
+        unreachable("Redis", exc)
+    store = RedisStore(client, policy=POLICY, prefix=table, allow_volatile=True)
+    store.migrate()
+    try:
+        yield store
+    finally:
+        for key in client.scan_iter(match=f"{table}:*", count=1000):
+            client.delete(key)
+        store.close()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("mysql", marks=pytest.mark.mysql),
+        pytest.param("redis", marks=pytest.mark.redis),
+    ]
+)
+def scheduled_store(request: pytest.FixtureRequest, table_name: str) -> Iterator[Any]:
+    yield from {**STORES, "redis": redis_store}[request.param](table_name)
+
+
+def test_a_sweeper_whose_clock_runs_ahead_sleeps_until_the_database_s_deadline(
+    scheduled_store: Any,
+) -> None:
+    """Its next pass is due when the claim is stale on the database's clock: a whole
+    threshold from now, not five minutes ago (which would pass now and find nothing)."""
+    now = time.time()
+    assert scheduled_store.claim(intent(), "lease-live", now, now + 60).owned
+
+    due = Sweeper(scheduled_store, POLICY, clock=ahead).due_in()
+
+    assert due is not None
+    assert POLICY.stale_seconds - 5 < due <= POLICY.stale_seconds + 0.001

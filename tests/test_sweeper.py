@@ -42,10 +42,12 @@ from idemflow.stores.protocol import Transaction
 from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 from idemflow.sweeper import (
     Answer,
+    AsyncStop,
     AsyncSweeper,
     DidNotHappen,
     Happened,
     Reconciler,
+    Stop,
     Sweeper,
     SweepReport,
     Unknown,
@@ -860,21 +862,163 @@ def test_background_sweeper_survives_an_outage_and_stops_on_request(
     assert not background.running
 
 
-def test_run_forever_ends_when_stopped(clock: FrozenClock) -> None:
-    """``run_forever`` sweeps on its interval until its stop is set."""
-    from idemflow.sweeper import Stop
+class ClockStop(Stop):
+    """A loop's stop whose wait moves the frozen clock instead of sleeping.
 
-    store, stop, passes = MemoryStore(), Stop(), Counter[str]()
+    Each wait is recorded with the time it started; the stop is set when
+    ``done()`` holds (checked before each wait) or after ``most`` waits.
+    """
 
-    class Counting(Sweeper):
-        def sweep_once(self, progress: Any = None) -> SweepReport:
-            passes["n"] += 1
-            if passes["n"] == 3:
-                stop.set()
-            return super().sweep_once(progress)
+    def __init__(self, clock: FrozenClock, done: Callable[[], bool], most: int = 200) -> None:
+        super().__init__()
+        self.clock, self.done, self.most = clock, done, most
+        self.waits: list[tuple[float, float]] = []
 
-    Counting(store, POLICY, clock=clock).run_forever(every=0.001, stop=stop)
-    assert passes["n"] == 3
+    def wait(self, timeout: float) -> bool:
+        if self.done() or len(self.waits) >= self.most:
+            self.set()
+            return True
+        self.waits.append((self.clock(), timeout))
+        self.clock.advance(timeout)
+        return False
+
+
+class CountingSweeper(Sweeper):
+    """A sweeper that remembers when (on its clock) each of its passes started."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.passes: list[float] = []
+
+    def sweep_once(self, progress: Any = None) -> SweepReport:
+        self.passes.append(self.clock())
+        return super().sweep_once(progress)
+
+
+class CannotTell(MemoryStore):
+    """A memory store that cannot say when its next record falls due."""
+
+    def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
+        return None
+
+
+def _released(store: Any, key: str = "k-1") -> Callable[[], bool]:
+    return lambda: getattr(store.get("alice", key), "state", None) is State.RELEASED
+
+
+def test_a_crashed_claim_ends_at_its_threshold_not_an_interval_later(
+    backend: Backend, clock: FrozenClock
+) -> None:
+    """The loop sleeps until the oldest claim in flight can be stale (at most an interval
+    at a time), so it passes once, a millisecond past the threshold, and releases it."""
+    claimed_at = clock()
+    crash_after_claim(backend, clock)
+    clock.advance(STALE - 3)  # the loop starts 3 s before the threshold (an interval is 2 s)
+    sweeper = CountingSweeper(backend.store, POLICY, clock=clock)
+    stop = ClockStop(clock, _released(backend.store))
+
+    sweeper.run_forever(stop=stop)
+
+    assert _released(backend.store)()
+    assert len(sweeper.passes) == 1
+    assert 0 < sweeper.passes[0] - (claimed_at + STALE) <= 0.003
+    assert max(timeout for _, timeout in stop.waits) <= POLICY.sweep_interval
+
+
+def test_an_idle_sweeper_looks_every_interval_and_never_passes(
+    backend: Backend, clock: FrozenClock
+) -> None:
+    """Nothing in flight, nothing stale: one look per interval, no pass."""
+    sweeper = CountingSweeper(backend.store, POLICY, clock=clock)
+    stop = ClockStop(clock, lambda: False, most=2)
+
+    sweeper.run_forever(stop=stop)
+
+    assert sweeper.passes == []
+    assert [timeout for _, timeout in stop.waits] == [POLICY.sweep_interval] * 2
+
+
+def test_a_record_asked_again_is_looked_at_when_its_retry_is_due(clock: FrozenClock) -> None:
+    """An unknown answer leaves the record stale; the next pass comes when it may be
+    asked again (``retry_unknown_after``), not on the interval's beat."""
+    store = MemoryStore()
+    store.claim(intent(), "lease", clock(), clock() + 3600)
+    clock.advance(STALE + 1)
+    sweeper = CountingSweeper(
+        store, POLICY, clock=clock, reconciler=Answers(Unknown("down")), retry_unknown_after=7.5
+    )
+    stop = ClockStop(clock, lambda: len(sweeper.passes) >= 2)
+
+    sweeper.run_forever(every=5, stop=stop)
+
+    marked, asked_again = sweeper.passes
+    assert 7.5 < asked_again - marked <= 7.503
+
+
+def test_a_store_that_cannot_tell_is_swept_on_the_interval_s_beat(clock: FrozenClock) -> None:
+    """``next_due`` answers None: a pass every interval, as before, and the crashed claim
+    ends within one interval after its threshold."""
+    store = CannotTell()
+    claimed_at = clock()
+    store.claim(intent(), "lease", clock(), clock() + 3600)
+    sweeper = CountingSweeper(store, POLICY, clock=clock)
+    stop = ClockStop(clock, _released(store))
+
+    sweeper.run_forever(every=3, stop=stop)
+
+    assert _released(store)()
+    assert len(sweeper.passes) == len(stop.waits) + 1
+    assert {round(timeout, 1) for _, timeout in stop.waits} == {3.0}
+    assert STALE < sweeper.passes[-1] - claimed_at <= STALE + 3
+
+
+def test_a_record_still_due_after_a_pass_is_tried_again_soon_not_busily(
+    clock: FrozenClock,
+) -> None:
+    """A claim the pass could not mark (here: a store that never marks) is looked at again
+    after a short pause, neither at once nor an interval later."""
+
+    class Stubborn(MemoryStore):
+        def sweep(self, *args: Any) -> list[Record]:
+            return []
+
+    store = Stubborn()
+    store.claim(intent(), "lease", clock(), clock() + 3600)
+    clock.advance(STALE + 1)
+    sweeper = CountingSweeper(store, POLICY, clock=clock)
+    stop = ClockStop(clock, lambda: False, most=3)
+
+    sweeper.run_forever(stop=stop)
+
+    assert len(sweeper.passes) == len(stop.waits) + 1 == 4  # a pass before each wait
+    pauses = {timeout for _, timeout in stop.waits}
+    assert len(pauses) == 1
+    assert 0.01 <= pauses.pop() <= POLICY.sweep_interval / 10
+
+
+def test_async_run_forever_sleeps_until_the_threshold(clock: FrozenClock) -> None:
+    """The async loop schedules exactly as the sync one (it is its source)."""
+    store = AsyncMemoryStore()
+    waits: list[float] = []
+
+    class AsyncClockStop(AsyncStop):
+        async def wait(self, timeout: float) -> bool:
+            record = await store.get("alice", "k-1")
+            if record is not None and record.state is State.RELEASED:
+                return True
+            waits.append(timeout)
+            clock.advance(timeout)
+            return False
+
+    async def scenario() -> float:
+        await store.claim(intent(), "lease", clock(), clock() + 3600)
+        claimed_at = clock()
+        await AsyncSweeper(store, POLICY, clock=clock).run_forever(stop=AsyncClockStop())
+        return clock() - claimed_at
+
+    elapsed = asyncio.run(scenario())
+    assert STALE < elapsed <= STALE + 0.003
+    assert max(waits) <= POLICY.sweep_interval
 
 
 @pytest.mark.parametrize("kind", ["memory", "sqlite", "postgres"])

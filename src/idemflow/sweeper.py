@@ -131,10 +131,12 @@ def start_background_sweeper(
 def start_background_sweeper(
     sweeper: Sweeper | AsyncSweeper, *, every: Duration | None = None
 ) -> BackgroundSweeper | AsyncBackgroundSweeper:
-    """Run ``sweeper`` every ``every`` seconds in the background.
+    """Run ``sweeper`` in the background: at each earliest stale deadline, looking at least
+    every ``every`` seconds (see :meth:`Sweeper.run_forever`).
 
-    The default, ``policy.sweep_interval``, is a tenth of the stale threshold:
-    a crashed claim ends within 1.1 × the threshold.
+    A crashed claim ends milliseconds after its threshold; on a store that
+    cannot tell its earliest deadline, within one ``every`` after it (the
+    default, ``policy.sweep_interval``, is a tenth of the threshold).
 
     A :class:`Sweeper` runs in a daemon thread; an :class:`AsyncSweeper` in a
     task of the running event loop (call this from inside it, e.g. in a

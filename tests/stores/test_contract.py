@@ -8,6 +8,7 @@ driver exactly as a user's service layer would call it.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -451,3 +452,40 @@ def test_purge_deletes_exactly_the_expired(backend: Backend, clock: FrozenClock)
     running = store.get("alice", "running")
     assert running is not None
     assert running.state is State.IN_PROGRESS
+
+
+def test_next_due_is_the_deadline_of_the_oldest_record_sweep_would_mark(
+    backend: Backend, clock: FrozenClock
+) -> None:
+    """``next_due``: the oldest sweepable record's ``updated_at`` minus the cutoff (negative
+    once it is due), ``inf`` when there is none; settled records and released ones
+    without a recovery point never count. The sweeper sleeps until it."""
+    store: Any = backend.store
+
+    def due(state: State, threshold: float = 50) -> float | None:
+        answer: float | None = store.next_due(state, clock() - threshold, clock())
+        return answer
+
+    assert [due(s) for s in (State.IN_PROGRESS, State.STALE, State.RELEASED)] == [math.inf] * 3
+    first = store.claim(intent("first"), "lease-a", clock(), clock() + 3600).record
+    clock.advance(10)
+    store.claim(intent("second"), "lease-b", clock(), clock() + 3600)
+    assert due(State.IN_PROGRESS) == pytest.approx(40, abs=0.001)  # the first, 10 s old
+
+    store.complete(first, State.COMPLETED, CREATED, clock(), clock() + 3600)
+    assert due(State.IN_PROGRESS) == pytest.approx(50, abs=0.001)  # now the second
+    clock.advance(60)
+    assert due(State.IN_PROGRESS) == pytest.approx(-10, abs=0.001)  # due 10 s ago
+
+    (marked,) = store.sweep(State.IN_PROGRESS, clock() - 50, clock(), clock() + 3600, 10)
+    assert due(State.IN_PROGRESS) == math.inf
+    assert due(State.STALE, threshold=30) == pytest.approx(30, abs=0.001)  # to ask again
+    assert store.release_stale(marked, clock())
+    assert due(State.STALE) == math.inf
+    assert due(State.RELEASED) == math.inf  # released, nothing to reconcile
+
+    progressed = store.claim(intent("progressed"), "lease-c", clock(), clock() + 3600).record
+    store.checkpoint(progressed, "payment_created", clock())
+    clock.advance(5)
+    assert store.release(progressed, clock())
+    assert due(State.RELEASED) == pytest.approx(50, abs=0.001)

@@ -27,6 +27,7 @@ a sweeper whose record was re-marked by another can no longer write it.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -56,6 +57,12 @@ logger = logging.getLogger("idemflow.sweeper")
 #: Records marked per statement. Small enough that one batch's UPDATE holds
 #: its row locks briefly; large enough that a backlog clears in few round trips.
 DEFAULT_BATCH_SIZE = 100
+#: How long past a record's deadline the sweeper wakes: the SQL and Redis stores keep
+#: whole milliseconds, and a record is due once strictly older than the cutoff (two
+#: milliseconds, so the cutoff's own rounding to one cannot land on the deadline).
+DEADLINE_MARGIN = 0.002
+#: The shortest wait between passes when a record is still due right after one.
+MIN_PAUSE = 0.05
 
 
 class AsyncReconciler(Protocol):
@@ -140,30 +147,81 @@ class AsyncSweeper:
             State.STALE, now - self.retry_unknown_after, progress, report
         )
 
+    async def due_in(self) -> float | None:
+        """Seconds until a pass would have something to do: negative if it has now.
+
+        The earliest deadline among the records a pass looks at (in flight past
+        the threshold; released past a recovery point, with a reconciler;
+        stale past ``retry_unknown_after``), each asked of the store
+        (``next_due``: one index probe on the SQL stores); ``math.inf`` when
+        there is none, None when the store cannot tell.
+        """
+        now = self.clock()
+        stale_cutoff = now - self.policy.stale_seconds
+        asked = [(State.IN_PROGRESS, stale_cutoff), (State.STALE, now - self.retry_unknown_after)]
+        if self.reconciler is not None:
+            asked.append((State.RELEASED, stale_cutoff))
+        soonest = math.inf
+        for state, cutoff in asked:
+            due = await self.store.next_due(state, cutoff, now)
+            if due is None:
+                return None
+            soonest = min(soonest, due)
+        return soonest
+
     async def run_forever(
         self, every: Duration | None = None, *, stop: _reconcile.AsyncStop | None = None
     ) -> None:
-        """Sweep every ``every`` seconds until ``stop`` is set.
+        """Sweep at the earliest stale deadline, or at least every ``every`` seconds.
 
-        The default is ``policy.sweep_interval``, a tenth of the stale
-        threshold (at most the request timeout): a crashed claim ends at most
-        that long after it became stale (a whole request timeout later with
-        the old default), which is also what a 409's ``Retry-After`` promises. Passes start on
-        that beat (the time a pass takes is not added to the wait). A failed
-        pass (store unreachable) is logged and the loop goes on.
+        After each look the loop sleeps until the oldest claim in flight (or
+        record to ask again) can become due (:meth:`due_in`), so a crashed
+        claim ends a few milliseconds after its threshold, and a sweeper with
+        nothing due passes only when something is: it asks one index probe
+        per state instead. Nothing needs to wake it earlier: a claim written
+        while it sleeps is due a whole threshold later. It looks at least every
+        ``every`` seconds (default ``policy.sweep_interval``, a tenth of the
+        stale threshold, at most the request timeout), which bounds a wrong
+        answer (a host whose clock lags writing on its own clock).
+
+        On a store that cannot tell (``next_due`` answers None) it passes every
+        ``every`` seconds, on that beat (the time a pass takes is not added
+        to the wait): a crashed claim then ends within one interval after its
+        threshold, what a 409's ``Retry-After`` promises. A failed pass or look
+        (store unreachable) is logged and the loop goes on.
         """
         interval = seconds(self.policy.sweep_interval if every is None else every)
         stop = stop or _reconcile.AsyncStop()
         while not stop.is_set():
             started = time.monotonic()
             try:
-                await self.sweep_once()
+                wait = await self._pass_if_due(interval)
             except Exception as exc:  # an outage must not end the loop
                 logger.error(
                     "sweep pass failed: %s", exc, exc_info=logger.isEnabledFor(logging.DEBUG)
                 )
-            if await stop.wait(max(0.0, interval - (time.monotonic() - started))):
+                wait = None
+            if wait is None:  # on the interval's beat
+                wait = interval - (time.monotonic() - started)
+            if await stop.wait(max(0.0, wait)):
                 return
+
+    async def _pass_if_due(self, interval: float) -> float | None:
+        """Pass if something is due; the wait until the next look (None: the interval's beat)."""
+        due = await self.due_in()
+        if due is not None and due >= 0:
+            return min(due + DEADLINE_MARGIN, interval)
+        await self.sweep_once()
+        if due is None:
+            return None
+        after = await self.due_in()
+        if after is None:
+            return None
+        if after < 0:
+            # Due again at once: a record that fell due during the pass, or one it
+            # could not take (locked by a completion committing now). Soon, not busily.
+            return min(MIN_PAUSE, interval)
+        return min(after + DEADLINE_MARGIN, interval)
 
     #: ``await sweeper.run(every=30)`` reads better in asyncio code.
     run = run_forever

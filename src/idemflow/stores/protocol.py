@@ -225,6 +225,19 @@ class MaintainableStore(Store, Protocol):
         point: an intent abandoned after progress that may include an external call.
         """
 
+    def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
+        """Seconds until :meth:`sweep` with this ``cutoff`` would find a record to mark.
+
+        ``oldest updated_at − cutoff`` over the records :meth:`sweep` considers
+        (``from_state``; released ones only with a recovery point), measured as
+        :meth:`sweep` measures, so on the database clock only the cutoff's
+        distance from ``now`` counts. Negative: one is due already. ``math.inf``:
+        none is in ``from_state``. ``None``: this store cannot tell cheaply, and
+        the sweeper passes every interval instead of at the earliest deadline.
+        Records written later cannot be due sooner than ``now − cutoff`` from now,
+        which is what lets the sweeper sleep until the answer without being woken.
+        """
+
     def settle_stale(
         self,
         record: Record,
@@ -262,6 +275,8 @@ class AsyncMaintainableStore(AsyncStore, Protocol):
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]: ...
+
+    async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None: ...
 
     async def settle_stale(
         self,

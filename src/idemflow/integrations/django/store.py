@@ -282,6 +282,9 @@ class DjangoStore:
     ) -> list[Record]:
         return self._inner.sweep(from_state, cutoff, now, keep_until, limit)
 
+    def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
+        return self._inner.next_due(from_state, cutoff, now)
+
     def settle_stale(
         self,
         record: Record,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 from ..._errors import LeaseLost
 from ..._model import (
@@ -120,6 +121,19 @@ class AsyncMemoryStore:
             for record in marked:
                 self.records[record.principal, record.key] = record
             return marked
+
+    async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
+        """Seconds until :meth:`sweep` with ``cutoff`` would mark a record (math.inf: none)."""
+        with self._lock:
+            oldest = min(
+                (
+                    r.updated_at
+                    for r in self.records.values()
+                    if r.state is from_state and _sweepable(r)
+                ),
+                default=math.inf,
+            )
+        return oldest - cutoff
 
     async def settle_stale(
         self,

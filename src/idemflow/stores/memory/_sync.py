@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 from ..._errors import LeaseLost
 from ..._model import (
@@ -121,6 +122,19 @@ class MemoryStore:
             for record in marked:
                 self.records[record.principal, record.key] = record
             return marked
+
+    def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
+        """Seconds until :meth:`sweep` with ``cutoff`` would mark a record (math.inf: none)."""
+        with self._lock:
+            oldest = min(
+                (
+                    r.updated_at
+                    for r in self.records.values()
+                    if r.state is from_state and _sweepable(r)
+                ),
+                default=math.inf,
+            )
+        return oldest - cutoff
 
     def settle_stale(
         self,

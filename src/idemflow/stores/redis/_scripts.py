@@ -247,6 +247,15 @@ if ARGV[4] ~= '1' then bound = '(' .. bound end
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', bound, 'LIMIT', 0, tonumber(ARGV[3]))
 """
 
+# KEYS[1]: one index of one bucket. ARGV: now, cutoff (an instant). The sweeper's
+# schedule: the oldest entry's score minus the cutoff, in ms, on this node's
+# clock (negative: due already), or nil for an empty index.
+_DUE = """
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if #first == 0 then return false end
+return ms(tonumber(first[2]) - at(ARGV[2]))
+"""
+
 # KEYS[5…]: records the probe listed as due. ARGV: now, from_state, cutoff,
 # keep_until, sweep token. Each is re-checked (state, age) and marked only if
 # still due, so of two sweepers each record goes to one; the mark takes a
@@ -331,6 +340,7 @@ _BODIES = {
     "release": (_INDEXES + _RETENTION, _RELEASE),
     "checkpoint": (_INDEXES, _CHECKPOINT),
     "probe": ("", _PROBE),
+    "due": ("", _DUE),
     "sweep": (_INDEXES, _SWEEP),
     "settle_stale": (_INDEXES + _RETENTION, _SETTLE_STALE),
     "release_stale": (_INDEXES + _RETENTION, _RELEASE_STALE),

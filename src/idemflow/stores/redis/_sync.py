@@ -11,6 +11,7 @@ GENERATED from ``idemflow/stores/redis/_async.py`` by ``scripts/unasync.py``; do
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -209,6 +210,22 @@ class RedisStore(RedisObservable):
         self._walk(index, now, cutoff, limit, mark)
         return marked
 
+    def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
+        """Seconds until :meth:`sweep` with ``cutoff`` would mark a record (math.inf: none).
+
+        The oldest entry of every bucket's index, in pipelined round trips of
+        :data:`PROBE_CHUNK` buckets: the walk an idle sweep makes, without its marks.
+        """
+        index = swept_index(from_state)
+        argv = [ms(now), ms(cutoff)]
+        soonest = math.inf
+        with translated():
+            for chunk in self.layout.walk():
+                for reply in self._ask_each("due", chunk, index, argv):
+                    if reply is not None:
+                        soonest = min(soonest, int(reply) / 1000)
+        return soonest
+
     def settle_stale(
         self,
         record: Record,
@@ -281,20 +298,25 @@ class RedisStore(RedisObservable):
 
     def _probe(self, chunk: Sequence[int], args: tuple[int, list[Any]]) -> list[Any]:
         """One pipelined round trip: the probe script on each bucket (on its own node)."""
-        try:
-            return list(self._probes(chunk, args).execute())
-        except self._no_script:  # SCRIPT FLUSH or a restart: load it, then once more
-            self.client.script_load(self._scripts["probe"])
-            return list(self._probes(chunk, args).execute())
+        return self._ask_each("probe", chunk, *args)
 
-    def _probes(self, chunk: Sequence[int], args: tuple[int, list[Any]]) -> Any:
-        index, argv = args
+    def _ask_each(
+        self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
+    ) -> list[Any]:
+        """One pipelined round trip: a one-key script on one index of each bucket."""
+        try:
+            return list(self._each(script, chunk, index, argv).execute())
+        except self._no_script:  # SCRIPT FLUSH or a restart: load it, then once more
+            self.client.script_load(self._scripts[script])
+            return list(self._each(script, chunk, index, argv).execute())
+
+    def _each(self, script: str, chunk: Sequence[int], index: int, argv: list[Any]) -> Any:
         pipe = self.client.pipeline(transaction=False)
         for bucket in chunk:
             # execute_command: redis-py's cluster pipeline refuses its evalsha()
             # method, yet routes the command itself by its one key (one slot).
             name = self.layout.indexes(bucket)[index]
-            pipe.execute_command("EVALSHA", self._shas["probe"], 1, name, *argv)
+            pipe.execute_command("EVALSHA", self._shas[script], 1, name, *argv)
         return pipe
 
     def _fenced(self, script: str, record: Record, args: list[Any]) -> bool:

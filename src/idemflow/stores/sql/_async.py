@@ -12,6 +12,7 @@ from it by ``scripts/unasync.py``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Any, Literal, TypeAlias
@@ -315,6 +316,26 @@ class AsyncSQLStore(AsyncSQLObservable):
                     return [record_from_values(row, start) for row in rows]
                 finally:
                     await cursor.close()
+
+    async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
+        """Seconds until :meth:`sweep` with ``cutoff`` would mark a record (the Protocol's).
+
+        One probe of the ``(state, updated_at)`` index (the dialect's ``due``);
+        None where the dialect has none.
+        """
+        statement = self.dialect.due
+        if statement is None:
+            return None
+        params = sweep_params(from_state, cutoff, now, now, 1)
+        with self._translate():
+            async with self._read_connect() as conn:
+                cursor = conn.cursor()
+                try:
+                    await cursor.execute(self._text(statement), statement.bind(params))
+                    row = await cursor.fetchone()
+                finally:
+                    await cursor.close()
+        return math.inf if row is None else float(row[0]) / 1000
 
     async def settle_stale(
         self,

@@ -13,6 +13,7 @@ GENERATED from ``idemflow/stores/sql/_async.py`` by ``scripts/unasync.py``; do n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal, TypeAlias
@@ -316,6 +317,26 @@ class SQLStore(SQLObservable):
                     return [record_from_values(row, start) for row in rows]
                 finally:
                     cursor.close()
+
+    def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
+        """Seconds until :meth:`sweep` with ``cutoff`` would mark a record (the Protocol's).
+
+        One probe of the ``(state, updated_at)`` index (the dialect's ``due``);
+        None where the dialect has none.
+        """
+        statement = self.dialect.due
+        if statement is None:
+            return None
+        params = sweep_params(from_state, cutoff, now, now, 1)
+        with self._translate():
+            with self._read_connect() as conn:
+                cursor = conn.cursor()
+                try:
+                    cursor.execute(self._text(statement), statement.bind(params))
+                    row = cursor.fetchone()
+                finally:
+                    cursor.close()
+        return math.inf if row is None else float(row[0]) / 1000
 
     def settle_stale(
         self,

@@ -253,6 +253,10 @@ class Dialect:
     #: databases that can write in a CTE (PostgreSQL). Without it the executor
     #: sends ``claim`` then ``read_for_claim``: two round trips for a replay.
     claim_or_read: SQLStatement | None = None
+    #: The sweeper's schedule: ``due_in``, the oldest sweepable record's
+    #: ``updated_at`` minus ``:cutoff`` (no row: none), one probe of the
+    #: ``(state, updated_at)`` index. Without it the sweeper passes every interval.
+    due: SQLStatement | None = None
 
     @classmethod
     def standard(
@@ -331,6 +335,11 @@ class Dialect:
             purge=SQLStatement(
                 f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} "
                 f"WHERE expires_at <= :now AND {PURGEABLE_SQL} ORDER BY expires_at LIMIT :limit)"
+            ),
+            # The sweep's own condition, without its age: the first row in index order.
+            due=SQLStatement(
+                f"SELECT updated_at - :cutoff AS due_in FROM {table} "
+                f"WHERE state = :from_state AND {SWEEPABLE_SQL} ORDER BY updated_at LIMIT 1"
             ),
         )
 

@@ -248,6 +248,9 @@ class AsyncSQLiteStore:
     ) -> list[Record]:
         return await asyncio.to_thread(self.sync.sweep, from_state, cutoff, now, keep_until, limit)
 
+    async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
+        return await asyncio.to_thread(self.sync.next_due, from_state, cutoff, now)
+
     async def settle_stale(
         self,
         record: Record,
