@@ -80,6 +80,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -105,7 +106,7 @@ MYSQL_URL = os.environ.get("IDEMFLOW_TEST_MYSQL_URL", "mysql://root@127.0.0.1:33
 BACKENDS = ("postgres", "sqlite", "mariadb", "redis")
 #: The parts run by default: quick, and no root needed (fsync and galera are asked for).
 PARTS = ("sizes", "principals", "partitioned", "stores")
-ALL_PARTS = (*PARTS, "fsync", "galera")
+ALL_PARTS = (*PARTS, "deadline", "fsync", "galera")
 #: Rows written per statement (or pipeline) while filling: progress, bounded transactions.
 FILL_CHUNK = {"postgres": 1_000_000, "sqlite": 1_000_000, "mariadb": 250_000, "redis": 1_000_000}
 #: Records per pipeline of the Redis fill (claims, then their completions), and the
@@ -857,6 +858,9 @@ class Settings:
     partitions: int
     stores_size: int
     postgres_pool: int
+    deadline_claims: int
+    deadline_window: float
+    deadline_timeout: float
     run_id: str
     runs: int
 
@@ -1184,6 +1188,104 @@ def run(settings: Settings, run_id: str) -> None:
             partitioned_part(settings, run_id, opened)
         if "stores" in settings.parts:
             stores_part(settings, run_id, servers, opened)
+        if "deadline" in settings.parts:
+            deadline_part(settings, run_id, servers, opened)
+
+
+# --- when a crashed claim ends: the sweeper's schedule ----------------------------
+
+
+class OnTheBeat:
+    """A store that cannot tell its next deadline (``next_due`` answers None), so its
+    sweeper passes every interval: the schedule before the sweeper asked."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
+        return None
+
+
+def deadline_part(
+    settings: Settings, run_id: str, servers: Servers, opened: list[KeyTable]
+) -> None:
+    """Crashed claims at random instants; how long past its threshold each one ends.
+
+    Per backend, two tables, each with a background ``Sweeper.run_forever`` at the
+    policy's default interval: one asks the store for its earliest deadline, the
+    other (:class:`OnTheBeat`) passes every interval. The same claims crash on both
+    at the same instants (``--deadline-claims`` over ``--deadline-window`` seconds);
+    a record's lateness is its release's ``updated_at`` minus its claim's plus the
+    threshold, both on the store's clock.
+    """
+    from idemflow.sweeper import Stop
+
+    policy = Policy(request_timeout=settings.deadline_timeout)
+    print(
+        f"\n## when a crashed claim ends: threshold {policy.stale_seconds:g}s, "
+        f"interval {policy.sweep_interval:g}s, {settings.deadline_claims} claims over "
+        f"{settings.deadline_window:g}s",
+        flush=True,
+    )
+    modes = ("at the earliest deadline", "every interval")
+    tables: dict[tuple[str, str], KeyTable] = {}
+    for backend in settings.backends:
+        for mode in modes:
+            tag = run_id + ("dd" if mode == modes[0] else "di")
+            (tables[backend, mode],) = filled(backend, tag, [1000], settings, servers, opened)
+    stop = Stop()
+    threads = []
+    for (_, mode), t in tables.items():
+        store = t.store if mode == modes[0] else OnTheBeat(t.store)
+        sweeper = Sweeper(store, policy)
+        threads.append(threading.Thread(target=sweeper.run_forever, kwargs={"stop": stop}))
+    for thread in threads:
+        thread.start()
+    claimed: dict[tuple[str, str], list[Any]] = {slot: [] for slot in tables}
+    try:
+        began = time.monotonic()
+        instants = sorted(random.uniform(0, settings.deadline_window) for _ in range(
+            settings.deadline_claims))  # fmt: skip
+        for n, instant in enumerate(instants):
+            time.sleep(max(0.0, began + instant - time.monotonic()))
+            for slot, t in tables.items():
+                intent = Intent("crash", f"crash-{n}", FINGERPRINT, endpoint=ENDPOINT)
+                now = time.time()
+                claim = t.store.claim(intent, f"lease-{n}", now, now + 3600)
+                claimed[slot].append(claim.record)
+        deadline = time.monotonic() + policy.stale_seconds + 5 * policy.sweep_interval + 10
+        while time.monotonic() < deadline and not all(
+            t.store.get("crash", r.key).state is State.RELEASED
+            for slot, t in tables.items()
+            for r in claimed[slot]
+        ):
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    print(
+        "\n| backend | sweeper passes | crashed claims "
+        "| ms past the threshold: median | p90 | max |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for (backend, mode), t in tables.items():
+        late = []
+        for record in claimed[backend, mode]:
+            now_record = t.store.get("crash", record.key)
+            if now_record.state is not State.RELEASED:
+                raise AssertionError(f"{t.name}: {record.key} never released")
+            late.append((now_record.updated_at - record.updated_at - policy.stale_seconds) * 1000)
+        late.sort()
+        p90 = late[min(len(late) - 1, int(0.9 * len(late)))]
+        print(
+            f"| {backend} | {mode} | {len(late)} | {statistics.median(late):,.0f} "
+            f"| {p90:,.0f} | {max(late):,.0f} |",
+            flush=True,
+        )
 
 
 def stores_part(settings: Settings, run_id: str, servers: Servers, opened: list[KeyTable]) -> None:
@@ -1272,6 +1374,11 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--partition-size", type=count, default=10_000)
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--stores-size", type=count, default=10_000)
+    parser.add_argument("--deadline-claims", type=int, default=20, help="deadline: crashes")
+    parser.add_argument("--deadline-window", type=float, default=10.0, help="deadline: seconds")
+    parser.add_argument(
+        "--deadline-timeout", type=float, default=1.0, help="deadline: the policy's request timeout"
+    )
     parser.add_argument("--run-id", default=uuid.uuid4().hex[:8], help="names the tables")
     args = parser.parse_args(argv)
     parts = frozenset(parse_list(args.parts))
@@ -1295,6 +1402,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         partitions=args.partitions,
         stores_size=args.stores_size,
         postgres_pool=args.postgres_pool,
+        deadline_claims=args.deadline_claims,
+        deadline_window=args.deadline_window,
+        deadline_timeout=args.deadline_timeout,
         run_id=args.run_id,
         runs=args.runs,
     )
