@@ -32,7 +32,9 @@ BY_ID = ("complete", "release", "checkpoint", "settle_stale", "release_stale")
 BY_KEY = ("take_over", "select", "read_for_claim")
 #: The parameters' SQL types (as psycopg would send them); the others are text.
 TYPES = {
-    **dict.fromkeys(("id", "now", "expires_at", "marked_at", "began_at", "status"), "bigint"),
+    **dict.fromkeys(
+        ("id", "now", "expires_at", "marked_at", "began_at", "status", "cutoff"), "bigint"
+    ),
     "body": "bytea",
     "forget_progress": "integer",
 }
@@ -101,3 +103,15 @@ def test_a_statement_by_key_is_served_by_the_unique_key(
     plan = generic_plan(conn, getattr(dialect, statement).named)
     assert f"using {dialect.table}_principal_key" in plan, plan
     assert "state_updated" not in plan, plan
+
+
+def test_the_sweeper_s_question_is_one_probe_of_the_state_index(
+    unanalysed: tuple[Any, Dialect],
+) -> None:
+    """``next_due`` reads the first row of ``(state, updated_at)`` in index order: never a
+    scan and sort of the table, whatever the generic plan knew of it."""
+    conn, dialect = unanalysed
+    assert dialect.due is not None
+    plan = generic_plan(conn, dialect.due.named)
+    assert f"using {dialect.table}_state_updated" in plan, plan
+    assert "Sort" not in plan and "Seq Scan" not in plan, plan
