@@ -193,36 +193,54 @@ class Sweeper:
         """
         interval = seconds(self.policy.sweep_interval if every is None else every)
         stop = stop or _reconcile.Stop()
+        due = False  # the last look found a deadline within the wait: pass on waking
         while not stop.is_set():
             started = time.monotonic()
             try:
-                wait = self._pass_if_due(interval)
+                wait, due = self._step(interval, due=due)
             except Exception as exc:  # an outage must not end the loop
                 logger.error(
                     "sweep pass failed: %s", exc, exc_info=logger.isEnabledFor(logging.DEBUG)
                 )
-                wait = None
+                wait, due = None, False
             if wait is None:  # on the interval's beat
                 wait = interval - (time.monotonic() - started)
             if stop.wait(max(0.0, wait)):
                 return
 
-    def _pass_if_due(self, interval: float) -> float | None:
-        """Pass if something is due; the wait until the next look (None: the interval's beat)."""
-        due = self.due_in()
-        if due is not None and due >= 0:
-            return min(due + DEADLINE_MARGIN, interval)
+    def _step(self, interval: float, *, due: bool) -> tuple[float | None, bool]:
+        """Look (unless a pass is ``due``), pass if something is due, look again.
+
+        Returns the wait until the next step (None: the interval's beat) and
+        whether a pass is due when it ends, so the step after a deadline passes
+        without asking first (on Redis a look walks every bucket).
+        """
+        if not due:
+            asked = self.clock()
+            until = self.due_in()
+            if until is not None and until >= 0:
+                return self._until(until, asked, interval)
+            if until is None:
+                self.sweep_once()
+                return None, False
         self.sweep_once()
-        if due is None:
-            return None
+        asked = self.clock()
         after = self.due_in()
         if after is None:
-            return None
+            return None, False
         if after < 0:
             # Due again at once: a record that fell due during the pass, or one it
             # could not take (locked by a completion committing now). Soon, not busily.
-            return min(MIN_PAUSE, interval)
-        return min(after + DEADLINE_MARGIN, interval)
+            return min(MIN_PAUSE, interval), True
+        return self._until(after, asked, interval)
+
+    def _until(self, until: float, asked: float, interval: float) -> tuple[float, bool]:
+        """The wait for a deadline ``until`` seconds after ``asked`` (the answer's own
+        time is taken off), at most ``interval``; and whether a pass is due after it."""
+        wait = until + DEADLINE_MARGIN - (self.clock() - asked)
+        if wait <= interval:
+            return max(0.0, wait), True
+        return interval, False
 
     #: ``sweeper.run(every=30)`` reads better in asyncio code.
     run = run_forever
