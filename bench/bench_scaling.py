@@ -8,6 +8,7 @@ Run (from the repository root; the defaults are tiny, for a quick look)::
         [--backends postgres,sqlite,mariadb,redis] [--seconds N] [--slices N]
         [--postgres-sizes 10k,1M,10M] [--sqlite-sizes …] [--mariadb-sizes …]
         [--redis-sizes …] [--stale 200,2000] [--expired 50k]
+    .venv/bin/python -m bench.bench_scaling --only deadline [--deadline-claims 40]
     .venv/bin/python -m bench.bench_scaling --only fsync,galera [--runs 3]   # as root
 
 (``--parts`` is another name for ``--only``.) The parts:
@@ -46,6 +47,12 @@ started and stopped by this script), never the shared one. The principals
 part reuses the sizes part's table when ``--hot-size`` is one of its sizes.
 What is measured goes through the public API only: ``Idempotency``, the
 stores, ``Sweeper``.
+``deadline`` (asked for: at least one stale threshold, 12 s, long)
+    how long past its threshold a crashed claim ends: per backend two tables,
+    each with a background ``Sweeper.run_forever``, one asking the store for
+    its earliest deadline, the other on the interval's beat (``OnTheBeat``);
+    ``--deadline-claims`` crashes at random instants over
+    ``--deadline-window`` seconds, the same on both.
 ``fsync``
     The Redis store's claim script (``EVALSHA``, the store's own Lua, fresh
     keys) through three ``redis-benchmark`` processes × 8 connections against
