@@ -734,15 +734,19 @@ MANY = 200
 def test_parallel_sweeper_threads_resolve_each_record_exactly_once(
     backend: Backend, clock: FrozenClock
 ) -> None:
-    """Four sweepers in threads over 200 stale records: 200 resolutions, one per record."""
+    """Four sweepers in threads over 200 stale records: 200 resolutions, one per record.
+
+    InnoDB may pick a settle's transaction as a deadlock victim: that record
+    stays stale (counted unknown) and one more pass resolves it, never twice.
+    """
     for n in range(MANY):
         crash_after_claim(backend, clock, f"k-{n}")
     clock.advance(STALE + 1)
     recorder = Recorder()
     start = threading.Barrier(4)
 
-    def sweep() -> SweepReport:
-        sweeper = Sweeper(
+    def sweeper() -> Sweeper:
+        return Sweeper(
             backend.store,
             POLICY,
             reconciler=_BusinessAnswer(backend.write if backend.transactional else None),
@@ -751,17 +755,25 @@ def test_parallel_sweeper_threads_resolve_each_record_exactly_once(
             batch_size=10,
             observer=recorder,
         )
+
+    def sweep() -> SweepReport:
+        one = sweeper()
         start.wait()
-        return sweeper.sweep_once()
+        return one.sweep_once()
 
     threads = [in_thread(sweep) for _ in range(4)]
     for thread, _ in threads:
         thread.join(120)
     reports = [results[0] for _, results in threads]
-
     assert all(isinstance(r, SweepReport) for r in reports), reports
-    assert sum(r.completed for r in reports) == MANY
-    assert sum(r.lost for r in reports) == 0
+    left_stale = sum(r.unknown for r in reports)
+    if not backend.name.startswith(("mysql", "galera")):
+        assert left_stale == 0  # only InnoDB's deadlock victims may be left for a later pass
+    then = sweeper().sweep_once()
+
+    assert then.completed == left_stale
+    assert sum(r.completed for r in reports) + then.completed == MANY
+    assert sum(r.lost for r in reports) + then.lost == 0
     assert recorder.keys() == Counter({f"k-{n}": 1 for n in range(MANY)})
     if backend.transactional:  # one business row per record, each with its settle
         assert backend.count() == MANY
