@@ -27,6 +27,7 @@ PAIRS = [
     (ROOT / "stores" / "sql" / "_async.py", ROOT / "stores" / "sql" / "_sync.py"),
     (ROOT / "stores" / "redis" / "_async.py", ROOT / "stores" / "redis" / "_sync.py"),
     (ROOT / "stores" / "memory" / "_async.py", ROOT / "stores" / "memory" / "_sync.py"),
+    (ROOT / "stores" / "mysql" / "_async.py", ROOT / "stores" / "mysql" / "_sync.py"),
 ]
 
 #: The sentence every source carries, naming its twin (checked against PAIRS).

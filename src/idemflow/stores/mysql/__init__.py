@@ -35,9 +35,17 @@ byte, so neither case nor trailing spaces can merge two keys.
 from __future__ import annotations
 
 from ...transactions import AsyncmyTransaction, PyMySQLTransaction
-from ._async_store import AsyncMySQLStore
-from ._errors import UNAVAILABLE_CODES, error_code, is_conflict, is_contention, is_unavailable
+from ._async import AsyncMySQLStore
+from ._errors import (
+    UNAVAILABLE_CODES,
+    error_code,
+    is_conflict,
+    is_contention,
+    is_unavailable,
+    rolled_back,
+)
 from ._statements import (
+    DEFAULT_LOCK_WAIT_TIMEOUT,
     DEFAULT_TABLE,
     SERVER_NOW_MS,
     MySQLStatements,
@@ -46,7 +54,7 @@ from ._statements import (
     mysql_statements,
     upsert_claim,
 )
-from ._store import DEFAULT_LOCK_WAIT_TIMEOUT, MySQLStore, rolled_back
+from ._sync import MySQLStore
 from ._url import connect_kwargs
 
 __all__ = [

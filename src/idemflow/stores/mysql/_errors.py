@@ -1,6 +1,13 @@
-"""What a PyMySQL (or asyncmy) error means: taken, contended, or the server is not there (a 503)."""
+"""What a PyMySQL (or asyncmy) error means: taken, contended, or the server is not there (a 503),
+and how long a statement that lost a conflict waits before it is sent again."""
 
 from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ..._errors import StoreUnavailable
 
 # Client errors meaning "the server is not there": can't connect (2002,
 # 2003), gone away / lost (2006, 2013), too many connections (1040), server
@@ -50,6 +57,48 @@ def is_conflict(exc: BaseException) -> bool:
 def is_contention(exc: BaseException) -> bool:
     """A lock wait timeout or deadlock: another transaction holds this key's row."""
     return error_code(exc) in (LOCK_WAIT_TIMEOUT, DEADLOCK)
+
+
+#: A deadlock victim's statement (or, on Galera, one that failed certification)
+#: had no effect: sending it again is safe, this many times in all.
+DEADLOCK_RETRIES = 5
+#: Galera: how often a fenced write in the caller's transaction that found no row
+#: is judged again (pauses of up to 16, 32, 50, 50 … ms: the claim's apply lag).
+APPLY_RETRIES = 8
+# Between attempts: on Galera the winner's write set is committed but may not be
+# applied on this node yet; a short random pause lets it land (seconds).
+_CONFLICT_BACKOFF = 0.002
+_CONFLICT_BACKOFF_MAX = 0.05
+
+
+def conflict_pause(attempt: int) -> float:
+    """How long (seconds, random: full jitter) to wait before attempt ``attempt + 1``."""
+    return random.uniform(0, min(_CONFLICT_BACKOFF * 2**attempt, _CONFLICT_BACKOFF_MAX))
+
+
+def rolled_back() -> StoreUnavailable:
+    """The 503 of a caller's transaction that a conflicting write rolled back."""
+    return StoreUnavailable(
+        "the transaction was rolled back by a conflicting write (a deadlock, or a Galera "
+        "certification failure): nothing was recorded; retry with the same key"
+    )
+
+
+def kept_losing() -> StoreUnavailable:
+    """The 503 of an autocommit statement still losing conflicts after every retry."""
+    msg = "the key store kept losing write conflicts (deadlock or Galera certification)"
+    return StoreUnavailable(msg)
+
+
+@contextmanager
+def rolled_back_is_503() -> Iterator[None]:
+    """A conflict inside the caller's transaction rolled it all back: :func:`rolled_back`."""
+    try:
+        yield
+    except Exception as exc:
+        if is_conflict(exc):
+            raise rolled_back() from exc
+        raise
 
 
 class PoolExhausted(Exception):

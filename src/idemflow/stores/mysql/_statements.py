@@ -1,11 +1,15 @@
 """MySQL's statements: the table, the guarded takeover upsert, the dialect and the
-reads it adds to it (the claim algorithm that sends them is ``_store.py``)."""
+reads it adds to it, and what the claim's answers mean (the claim algorithm that
+sends them is ``_async.py``, and its generated twin ``_sync.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from ..._model import Claim, Intent, Record, State, can_take_over, record_from_row
 from ..sql.dialect import (
     CLOCK_NOW,
     COLUMNS,
@@ -16,10 +20,15 @@ from ..sql.dialect import (
     Dialect,
     SQLStatement,
     StoreClock,
+    claim_unsettled,
     on_database_clock,
 )
 
 DEFAULT_TABLE = "idemflow_keys"
+#: How long (whole seconds, InnoDB's minimum is 1) a claim waits on a row
+#: another transaction holds before answering 409 instead: never hold a
+#: connection per duplicate.
+DEFAULT_LOCK_WAIT_TIMEOUT = 1
 
 # Binary strings come back as bytes; the model wants text.
 _TEXT_COLUMNS = {"principal": "utf8mb4", "idempotency_key": "ascii", "fingerprint": "ascii"}
@@ -186,3 +195,34 @@ def mysql_statements(table: str = DEFAULT_TABLE, clock: StoreClock = "database")
         ),
     )
     return on_database_clock(statements, SERVER_NOW_MS) if clock == "database" else statements
+
+
+def may_take_over(row: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
+    """Worth attempting the guarded upsert? (It checks again, atomically.)"""
+    return can_take_over(record_from_row(row), params["fingerprint"], row["clock_now"] / 1000)
+
+
+def decided(row: Mapping[str, Any] | None, lease_token: str) -> Claim:
+    """Ours if the row carries our (unique) lease token: the statement wrote it only if we won."""
+    if row is None:  # purged between the claim and the read: vanishingly rare
+        raise claim_unsettled()
+    record = record_from_row(row)
+    owned = record.lease_token == lease_token and record.state is State.IN_PROGRESS
+    return Claim(owned=owned, record=record)
+
+
+def inserted(intent: Intent, params: Mapping[str, Any], row_id: int) -> Record:
+    """The row our plain INSERT created: exactly the values we sent."""
+    return Record(
+        id=row_id,
+        principal=intent.principal,
+        key=intent.key,
+        fingerprint=intent.fingerprint,
+        endpoint=intent.endpoint,
+        state=State.IN_PROGRESS,
+        lease_token=str(params["lease_token"]),
+        created_at=params["began_at"] / 1000,
+        updated_at=params["now"] / 1000,
+        expires_at=params["expires_at"] / 1000,
+        correlation_id=intent.correlation_id,
+    )

@@ -1,0 +1,485 @@
+"""
+The MySQL store's I/O: its pool of autocommit connections and its claim algorithm
+(the package docstring says why), on the shared SQL executor.
+
+The driver is named only through ``_binding.py`` (asyncmy here, PyMySQL in the
+twin); the statements are ``_statements.py``'s, the error rules ``_errors.py``'s.
+Import both stores from :mod:`idemflow.stores.mysql`.
+
+This is the async source of truth; ``idemflow/stores/mysql/_sync.py`` is generated
+from it by ``scripts/unasync.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from ..._errors import ConfigurationError, LeaseLost
+from ..._model import Claim, Intent, Record, State, record_from_row
+from ..protocol import AsyncTransaction
+from ..sql import AsyncSQLStore
+from ..sql.dialect import (
+    CLAIM_RETRIES,
+    SQLStatement,
+    StoreClock,
+    check_clock,
+    claim_busy,
+    claim_params,
+    owner_params,
+    row_mapping,
+    sweep_params,
+)
+from ._binding import AsyncBinding
+from ._errors import (
+    APPLY_RETRIES,
+    DEADLOCK_RETRIES,
+    DUPLICATE,
+    LOCK_WAIT_TIMEOUT,
+    PoolExhausted,
+    conflict_pause,
+    error_code,
+    is_conflict,
+    is_contention,
+    kept_losing,
+    rolled_back_is_503,
+)
+from ._statements import (
+    DEFAULT_LOCK_WAIT_TIMEOUT,
+    DEFAULT_TABLE,
+    decided,
+    inserted,
+    may_take_over,
+    mysql_dialect,
+    mysql_statements,
+)
+from ._url import connect_kwargs
+
+T = TypeVar("T")
+
+#: An idle connection older than this is pinged before use (seconds).
+PING_AFTER = 30.0
+
+
+class AsyncPool:
+    """The store's own small pool of autocommit connections.
+
+    Neither driver's fits: PyMySQL has none, and asyncmy's cannot be told to
+    drop a connection that saw an error. Here a connection that saw any error
+    (or whose task was cancelled while it was out) is closed rather than
+    reused: its session state, or its socket's place in the protocol, is
+    unknown. One idle for longer than :data:`PING_AFTER` is pinged (and
+    reconnected) first, so a server that dropped it while idle
+    (``wait_timeout``) costs a round trip, not a 503. After ``fork`` the child
+    starts empty and never touches the parent's sockets. The idle connections
+    sit in a deque, whose appends and pops are atomic, so threads share it
+    without a lock.
+    """
+
+    def __init__(
+        self, factory: Callable[[], Awaitable[Any]], max_size: int, timeout: float
+    ) -> None:
+        self._factory = factory
+        self._max_size = max_size
+        self._timeout = timeout
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._idle: deque[tuple[Any, float]] = deque()
+        self._slots = AsyncBinding.Slots(self._max_size)
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[Any]:
+        if self._pid != os.getpid():
+            self._reset()
+        if not await self._slots.take(self._timeout):
+            msg = f"all {self._max_size} MySQL connections busy for {self._timeout:g}s"
+            raise PoolExhausted(msg)
+        try:
+            conn = await self._checkout()
+            try:
+                yield conn
+            except BaseException:
+                AsyncBinding.drop(conn)
+                raise
+            self._idle.append((conn, time.monotonic()))
+        finally:
+            self._slots.release()
+
+    async def _checkout(self) -> Any:
+        try:
+            conn, since = self._idle.pop()
+        except IndexError:
+            conn = await self._factory()
+            # A factory of the caller's may hand out a connection in a transaction:
+            # each statement of the store must be its own (no round trip if it is).
+            await conn.autocommit(True)
+            return conn
+        if time.monotonic() - since > PING_AFTER:
+            await conn.ping(reconnect=True)
+        return conn
+
+    async def close(self) -> None:
+        while True:
+            try:
+                conn, _ = self._idle.pop()
+            except IndexError:
+                return
+            await AsyncBinding.close(conn)
+
+
+async def _pause(attempt: int) -> None:
+    await AsyncBinding.sleep(conflict_pause(attempt))
+
+
+async def retry_conflicts(run: Callable[[], Awaitable[T]]) -> T:
+    """Run an autocommit statement again while it loses a deadlock or certification.
+
+    Only for statements that decide on the current row (fenced updates, the
+    sweep's mark, purge): each attempt is judged again by its WHERE clause.
+    Still losing after :data:`~._errors.DEADLOCK_RETRIES` attempts is a 503.
+    """
+    for attempt in range(DEADLOCK_RETRIES):
+        try:
+            return await run()
+        except Exception as exc:
+            if not is_conflict(exc):
+                raise
+        await _pause(attempt)
+    raise kept_losing()
+
+
+class AsyncMySQLStore(AsyncSQLStore):
+    """Key records in MySQL 8 or MariaDB.
+
+    Args:
+        connect: a ``mysql://user:password@host:port/db`` URL, a dict of the
+            driver's ``connect`` arguments, or a function returning a new
+            connection of it (PyMySQL for the sync store; asyncmy, awaited, for
+            the asyncio one). Either way the store keeps up to ``max_size`` of
+            them, switched to autocommit, so each statement is its own snapshot
+            and a duplicate's read sees the current row.
+        lock_wait_timeout: the longest (seconds) one of the store's
+            statements waits on a row another transaction holds; a claim that
+            times out answers 409.
+        timeout: connect timeout, and the longest wait for a free connection.
+        clock: ``"database"`` (the default) takes every time decision on the
+            server's clock (see :class:`idemflow.stores.postgres.PostgresStore`);
+            ``"caller"`` uses the ``now`` each call passes.
+
+    The client flag ``CLIENT_FOUND_ROWS`` may be on or off: no decision
+    rests on a count it changes.
+    """
+
+    # The claim in the caller's transaction bounds its lock wait itself
+    # (innodb_lock_wait_timeout, then restored): single-commit mode is safe,
+    # except on Galera, where the claim refuses it (see _claim_in_transaction).
+    supports_single_commit = True
+    #: Is the server a Galera node? Learnt by the first single-commit claim.
+    _galera: bool | None = None
+    #: Has a connection of this store reported ``wsrep_on=ON`` (a Galera node)?
+    galera_seen = False
+
+    def __init__(
+        self,
+        connect: str | Mapping[str, Any] | Callable[[], Awaitable[Any]],
+        *,
+        table: str = DEFAULT_TABLE,
+        max_size: int = 8,
+        lock_wait_timeout: int = DEFAULT_LOCK_WAIT_TIMEOUT,
+        timeout: float = 5.0,
+        clock: StoreClock = "database",
+    ) -> None:
+        if lock_wait_timeout < 1:
+            msg = "lock_wait_timeout must be at least 1 second (InnoDB's minimum)"
+            raise ConfigurationError(msg)
+        clock = check_clock(clock)
+        self.statements = mysql_statements(table, clock)
+        self.lock_wait_timeout = int(lock_wait_timeout)
+        self.pool = AsyncPool(self._causal(self._factory(connect, timeout)), max_size, timeout)
+        super().__init__(
+            mysql_dialect(table, clock),
+            self.pool.connection,
+            paramstyle="pyformat",
+            is_unavailable=AsyncBinding.is_unavailable,
+            is_lock_timeout=is_contention,
+        )
+
+    def _factory(
+        self, connect: str | Mapping[str, Any] | Callable[[], Awaitable[Any]], timeout: float
+    ) -> Callable[[], Awaitable[Any]]:
+        if callable(connect):
+            return connect
+        return AsyncBinding.connector(
+            {
+                "connect_timeout": timeout,
+                "init_command": f"SET SESSION innodb_lock_wait_timeout = {self.lock_wait_timeout}",
+                "charset": "utf8mb4",
+                **(connect_kwargs(connect) if isinstance(connect, str) else dict(connect)),
+            }
+        )
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    def _causal(self, factory: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+        """New connections, each told to act causally if the server is a Galera node.
+
+        ``wsrep_sync_wait = 3``: a read, ``UPDATE`` or ``DELETE`` first waits
+        until this node has applied every commit the cluster certified before
+        it. Every decision is a certified write, so the guarantees do not need
+        it; the answers do: a fenced write (a completion on another node than
+        its claim) would otherwise miss a claim not applied here yet and call
+        the lease lost, and a retry reaching another node right after the
+        completion would get a 409 instead of the replay. One query per new
+        connection.
+        """
+
+        async def connect() -> Any:
+            conn = await factory()
+            async with conn.cursor() as cursor:
+                await cursor.execute(self.statements.wsrep_on.pyformat)
+                row = await cursor.fetchone()
+                if row is not None and str(row[1]).upper() == "ON":
+                    await cursor.execute("SET SESSION wsrep_sync_wait = 3")
+                    self.galera_seen = True
+            return conn
+
+        return connect
+
+    async def claim(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> Claim:
+        """A plain INSERT decides a new key; a guarded upsert decides a takeover.
+
+        Each decision is one atomic statement. The read after a duplicate only
+        tells us whether a takeover is worth attempting (past retention, or
+        released by this same request); the upsert then re-checks that on the
+        current row and writes our lease token only if it still holds.
+        """
+        params = claim_params(intent, lease_token, now, expires_at)
+        if transaction is not None:
+            return await self._claim_in_transaction(transaction, params)
+        with self._translate():
+            async with self.pool.connection() as conn:
+                for _ in range(CLAIM_RETRIES):
+                    row_id = await self._insert(conn, params)
+                    if row_id is not None:
+                        return Claim(owned=True, record=inserted(intent, params, row_id))
+                    row = await self._fetchone(conn, self.dialect.read_for_claim, params)
+                    if row is None:  # released and purged in between: claim again
+                        continue
+                    if not may_take_over(row, params):
+                        return Claim(owned=False, record=record_from_row(row))
+                    await self._take_over(conn, params)
+                    current = await self._fetchone(conn, self.dialect.select, params)
+                    return decided(current, lease_token)
+        raise claim_busy()
+
+    async def _take_over(self, conn: Any, params: Mapping[str, Any]) -> None:
+        """The guarded upsert. One that kept losing conflicts lost to a write of this
+        row: what the row says now (read next, by our token) is the answer."""
+        try:
+            await self._statement(conn, self.dialect.claim, params)
+        except Exception as exc:
+            if not is_conflict(exc):
+                raise
+
+    async def _insert(self, conn: Any, params: Mapping[str, Any]) -> int | None:
+        """The new row's id, or None when the key exists (error 1062).
+
+        An insert that keeps losing a conflict (deadlock, or on Galera the
+        certification of another node's insert of this key) lost it to a row
+        that exists: None too, so the caller reads that row and dispatches.
+        """
+        try:
+            return await self._statement(conn, self.statements.insert, params)
+        except Exception as exc:
+            if error_code(exc) == DUPLICATE or is_conflict(exc):
+                return None
+            raise
+
+    async def _statement(
+        self, conn: Any, statement: SQLStatement, params: Mapping[str, Any]
+    ) -> int:
+        """Run a claiming statement; the id it inserted (0 if none).
+
+        A deadlock victim's statement had no effect, so it is run again after
+        a short pause (on Galera, a certification failure means another
+        node's write of this row was ordered first: once applied here, the
+        statement sees it). A lock wait that times out means a live
+        transaction holds the row, which is a 409. Still conflicting after
+        :data:`~._errors.DEADLOCK_RETRIES`: the last conflict is raised.
+        """
+        for attempt in range(DEADLOCK_RETRIES):
+            async with conn.cursor() as cursor:
+                try:
+                    await cursor.execute(statement.pyformat, statement.bind(params))
+                except Exception as exc:
+                    if is_conflict(exc) and attempt + 1 < DEADLOCK_RETRIES:
+                        await _pause(attempt)
+                        continue
+                    if error_code(exc) == LOCK_WAIT_TIMEOUT:
+                        raise claim_busy() from exc
+                    raise
+                return int(cursor.lastrowid or 0)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _claim_in_transaction(
+        self, transaction: AsyncTransaction, params: Mapping[str, Any]
+    ) -> Claim:
+        """Claim as a write of the caller's transaction (``single_commit=True``).
+
+        Every read here is a locking read: under REPEATABLE READ a plain
+        SELECT would answer from the transaction's snapshot, which may
+        predate the winner's commit (no row at all, or its old state).
+        ``FOR SHARE``/``FOR UPDATE`` read the latest committed version; the
+        failed INSERT already holds a shared lock on the duplicate, so the
+        shared read never waits. Ownership is read off our lease token.
+        """
+        bound = {**params, "lock_wait": self.lock_wait_timeout}
+        with self._translate():
+            await self._refuse_galera(transaction)
+            await transaction.execute(self.statements.bound_lock_wait, bound)
+            try:
+                row = await self._insert_or_read(transaction, params)
+                if row is not None and may_take_over(row, params):
+                    await transaction.execute(self.dialect.claim, params)
+                    row = await transaction.fetchone(self.statements.select_current, params)
+            except Exception as exc:
+                if is_contention(exc):
+                    raise claim_busy() from exc
+                raise
+            finally:
+                await transaction.execute(self.statements.restore_lock_wait, {})
+        return decided(row, str(params["lease_token"]))
+
+    async def _refuse_galera(self, transaction: AsyncTransaction) -> None:
+        """Single-commit mode needs the INSERT to decide. On Galera it does not: two
+        nodes' inserts of one key both succeed locally, both handlers run, and one
+        transaction fails certification at COMMIT. Refused before anything is claimed."""
+        if self._galera is None:
+            row = await transaction.fetchone(self.statements.wsrep_on, {})
+            self._galera = row is not None and str(row["Value"]).upper() == "ON"
+        if self._galera:
+            msg = (
+                "single_commit is refused on Galera (wsrep_on=ON): a claim in your "
+                "transaction is only certified at COMMIT, so two nodes could both run "
+                "the handler; use the two-commit mode (the default)"
+            )
+            raise ConfigurationError(msg)
+
+    async def _insert_or_read(
+        self, transaction: AsyncTransaction, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        try:
+            await transaction.execute(self.statements.insert, params)
+        except Exception as exc:
+            if error_code(exc) != DUPLICATE:
+                raise
+            return await transaction.fetchone(self.statements.select_shared, params)
+        return await transaction.fetchone(self.statements.select_current, params)
+
+    async def _write(
+        self,
+        statement: SQLStatement,
+        params: Mapping[str, Any],
+        transaction: AsyncTransaction | None,
+    ) -> bool:
+        """A fenced UPDATE; a conflict it loses is sent again (autocommit) or is a 503.
+
+        Autocommit: the losing statement had no effect and the fence judges the
+        current row again, so it is retried. In the caller's transaction the
+        conflict rolled the whole transaction back (the effect with it): a 503
+        the flow answers after releasing the claim, never a 500.
+        """
+        parent = super()._write
+        if transaction is None:
+            return await retry_conflicts(lambda: parent(statement, params, None))
+        with rolled_back_is_503():
+            if await parent(statement, params, transaction):
+                return True
+            if not self.galera_seen:
+                return False
+            # Galera: your connection's node may not have applied the claim yet
+            # (made on another node, a moment ago). A causal wait cannot be asked
+            # for inside a transaction, so judge again after short pauses; a
+            # lease really lost stays lost. (wsrep_sync_wait >= 1 on your
+            # connections makes BEGIN wait instead: see docs/stores.md.)
+            for attempt in range(APPLY_RETRIES):
+                await _pause(attempt + 3)
+                if await parent(statement, params, transaction):
+                    return True
+            return False
+
+    async def purge(self, now: float, limit: int) -> int:
+        """Delete up to ``limit`` records past retention, again if it loses a conflict."""
+        parent = super().purge
+        return await retry_conflicts(lambda: parent(now, limit))
+
+    async def checkpoint(
+        self,
+        record: Record,
+        recovery_point: str,
+        now: float,
+        transaction: AsyncTransaction | None = None,
+    ) -> None:
+        """Record progress; an identical checkpoint in the same millisecond is not a loss.
+
+        Without ``CLIENT_FOUND_ROWS`` MySQL counts *changed* rows, so a
+        checkpoint that rewrites the same values reports 0; we then ask
+        whether the record is still ours before calling the claim lost.
+        """
+        params = {**owner_params(record, now), "recovery_point": recovery_point}
+        if await self._write(self.dialect.checkpoint, params, transaction):
+            return
+        if not await self._still_owned(params, transaction):
+            raise LeaseLost("the claim on this Idempotency-Key was taken over")
+
+    async def _still_owned(
+        self, params: Mapping[str, Any], transaction: AsyncTransaction | None
+    ) -> bool:
+        statement = self.statements.still_owned
+        with self._translate():
+            if transaction is not None:
+                with rolled_back_is_503():
+                    return await transaction.fetchone(statement, params) is not None
+            async with self.pool.connection() as conn:
+                return await self._fetchone(conn, statement, params) is not None
+
+    async def sweep(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+    ) -> list[Record]:
+        """Mark up to ``limit`` stale claims with this sweep's token, then read them back.
+
+        The marked records carry the sweep token as their lease token: only
+        this sweeper can settle or release them, and the crashed owner's
+        token no longer matches anything.
+        """
+        params = {
+            **sweep_params(from_state, cutoff, now, keep_until, limit),
+            "sweep_token": secrets.token_hex(16),
+        }
+        # A mark that lost a conflict marked nothing; the next one decides afresh.
+        return await retry_conflicts(lambda: self._mark(params))
+
+    async def _mark(self, params: Mapping[str, Any]) -> list[Record]:
+        with self._translate():
+            async with self.pool.connection() as conn, conn.cursor() as cursor:
+                sweep, swept = self.dialect.sweep, self.statements.swept
+                if not await cursor.execute(sweep.pyformat, sweep.bind(params)):
+                    return []
+                await cursor.execute(swept.pyformat, swept.bind(params))
+                rows = await cursor.fetchall()
+                return [record_from_row(row_mapping(cursor.description, r)) for r in rows]
