@@ -553,6 +553,60 @@ def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return thread, results
 
 
+@contextlib.contextmanager
+def sweeper_waiting(backend: Backend) -> Iterator[Callable[[], bool]]:
+    """Is the sweeper now waiting on the paused commit? Asked where the wait shows.
+
+    SQLite: the sweeper holds the store's writer lock of the file (its UPDATE then
+    waits on the file lock the caller's transaction holds). MySQL, Galera: its
+    UPDATE is running on the server (on any node, for Galera), where it waits for
+    the row lock the paused transaction holds. (The process list, not
+    ``innodb_trx``: that one is a cache, refreshed only when it was not read for
+    100 ms.) PostgreSQL's never waits (SKIP LOCKED): nothing to ask.
+    """
+    kind, args = backend.spec
+    if kind == "postgres":
+        yield lambda: False
+        return
+    if kind == "sqlite":
+        from idemflow.stores.sqlite import _writer_lock
+
+        lock = _writer_lock(args[0])
+
+        def held_elsewhere() -> bool:
+            if lock.acquire(blocking=False):
+                lock.release()
+                return False
+            return True
+
+        yield held_elsewhere
+        return
+    assert kind.startswith("mysql") or kind == "galera", f"where does {kind}'s sweeper wait?"
+    import pymysql
+
+    from idemflow.stores.mysql import connect_kwargs
+    from tests.backends import MYSQL_URL
+
+    table = args[0]
+    urls = args[1] if kind == "galera" else (MYSQL_URL,)
+    conns = [pymysql.connect(**connect_kwargs(url), autocommit=True) for url in urls]
+    query = "SELECT COUNT(*) FROM information_schema.processlist WHERE info LIKE %s"
+
+    def updating() -> bool:
+        for conn in conns:
+            with conn.cursor() as cursor:
+                cursor.execute(query, (f"UPDATE {table} SET state = 'stale'%",))
+                if cursor.fetchone()[0]:
+                    return True
+        return False
+
+    try:
+        yield updating
+    finally:
+        for conn in conns:
+            conn.close()
+
+
 def test_sweeper_skips_a_completion_committing_at_the_threshold(
     transactional: Backend, clock: FrozenClock
 ) -> None:
@@ -574,14 +628,18 @@ def test_sweeper_skips_a_completion_committing_at_the_threshold(
 
     original, outcome = in_thread(original_request)
     assert paused.written.wait(10), outcome
-    sweeping, swept = in_thread(Sweeper(transactional.store, POLICY, clock=clock).sweep_once)
-    if transactional.name == "postgres":
-        # SKIP LOCKED: the sweeper passes over the locked row without waiting.
-        sweeping.join(10)
-        assert not sweeping.is_alive()
-    else:
-        # One writer (SQLite) or a plain row lock (MySQL): the sweeper queues behind the commit.
-        time.sleep(0.3)
+    # Ready to look before the sweeper starts: its lock wait is bounded (1 s on MySQL).
+    with sweeper_waiting(transactional) as waiting:
+        sweeping, swept = in_thread(Sweeper(transactional.store, POLICY, clock=clock).sweep_once)
+        if transactional.name == "postgres":
+            # SKIP LOCKED: the sweeper passes over the locked row without waiting.
+            sweeping.join(10)
+            assert not sweeping.is_alive()
+        else:
+            # One writer (SQLite) or a plain row lock (MySQL): the sweeper queues behind
+            # the commit. The commit goes on once the sweeper is seen waiting for it.
+            wait_for(lambda: waiting() or not sweeping.is_alive())
+            assert sweeping.is_alive(), f"the sweeper did not wait for the commit: {swept}"
     paused.go_on.set()
     original.join(10)
     sweeping.join(10)
