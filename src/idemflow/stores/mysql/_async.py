@@ -16,12 +16,13 @@ import os
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
 from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, LeaseLost
-from ..._model import Claim, Intent, Record, State, record_from_row
+from ..._model import Claim, Intent, Record, State, can_take_over, record_from_row
 from ..protocol import AsyncTransaction
 from ..sql import AsyncSQLStore
 from ..sql.dialect import (
@@ -32,12 +33,14 @@ from ..sql.dialect import (
     claim_busy,
     claim_params,
     owner_params,
+    record_from_values,
     row_mapping,
     sweep_params,
 )
 from ._binding import AsyncBinding
 from ._errors import (
     APPLY_RETRIES,
+    DEADLOCK,
     DEADLOCK_RETRIES,
     DUPLICATE,
     LOCK_WAIT_TIMEOUT,
@@ -78,7 +81,7 @@ class AsyncPool:
     (``wait_timeout``) costs a round trip, not a 503. After ``fork`` the child
     starts empty and never touches the parent's sockets. The idle connections
     sit in a deque, whose appends and pops are atomic, so threads share it
-    without a lock.
+    without a lock; the last one returned is the next one out.
     """
 
     def __init__(
@@ -94,23 +97,9 @@ class AsyncPool:
         self._idle: deque[tuple[Any, float]] = deque()
         self._slots = AsyncBinding.Slots(self._max_size)
 
-    @asynccontextmanager
-    async def connection(self) -> AsyncIterator[Any]:
-        if self._pid != os.getpid():
-            self._reset()
-        if not await self._slots.take(self._timeout):
-            msg = f"all {self._max_size} MySQL connections busy for {self._timeout:g}s"
-            raise PoolExhausted(msg)
-        try:
-            conn = await self._checkout()
-            try:
-                yield conn
-            except BaseException:
-                AsyncBinding.drop(conn)
-                raise
-            self._idle.append((conn, time.monotonic()))
-        finally:
-            self._slots.release()
+    def connection(self) -> AbstractAsyncContextManager[Any]:
+        """A connection for one ``async with`` block; closed, not kept, if the block raised."""
+        return AsyncCheckout(self)
 
     async def _checkout(self) -> Any:
         try:
@@ -132,6 +121,44 @@ class AsyncPool:
             except IndexError:
                 return
             await AsyncBinding.close(conn)
+
+
+class AsyncCheckout:
+    """One use of a pooled connection (a class, not a generator: it is on every call's path)."""
+
+    __slots__ = ("_conn", "_pool", "_slots")
+
+    def __init__(self, pool: AsyncPool) -> None:
+        self._pool = pool
+
+    async def __aenter__(self) -> Any:
+        pool = self._pool
+        if pool._pid != os.getpid():
+            pool._reset()
+        self._slots = slots = pool._slots
+        if not await slots.take(pool._timeout):
+            msg = f"all {pool._max_size} MySQL connections busy for {pool._timeout:g}s"
+            raise PoolExhausted(msg)
+        try:
+            self._conn = await pool._checkout()
+        except BaseException:
+            slots.release()
+            raise
+        return self._conn
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            if kind is None:
+                self._pool._idle.append((self._conn, time.monotonic()))
+            else:
+                AsyncBinding.drop(self._conn)
+        finally:
+            self._slots.release()
 
 
 async def _pause(attempt: int) -> None:
@@ -271,32 +298,51 @@ class AsyncMySQLStore(AsyncSQLStore):
         params = claim_params(intent, lease_token, now, expires_at)
         if transaction is not None:
             return await self._claim_in_transaction(transaction, params)
-        with self._translate():
+        # The hot path, flat (as the SQL executor's): one checkout, one cursor for
+        # every statement, rows read as tuples, errors translated only when raised.
+        try:
             async with self.pool.connection() as conn:
-                for _ in range(CLAIM_RETRIES):
-                    row_id = await self._insert(conn, params)
-                    if row_id is not None:
-                        return Claim(owned=True, record=inserted(intent, params, row_id))
-                    row = await self._fetchone(conn, self.dialect.read_for_claim, params)
-                    if row is None:  # released and purged in between: claim again
-                        continue
-                    if not may_take_over(row, params):
-                        return Claim(owned=False, record=record_from_row(row))
-                    await self._take_over(conn, params)
-                    current = await self._fetchone(conn, self.dialect.select, params)
-                    return decided(current, lease_token)
+                cursor = conn.cursor()
+                try:
+                    return await self._claim_autocommit(cursor, intent, params)
+                finally:
+                    await cursor.close()
+        except Exception as exc:
+            failure = self._unavailable(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    async def _claim_autocommit(
+        self, cursor: Any, intent: Intent, params: Mapping[str, Any]
+    ) -> Claim:
+        for _ in range(CLAIM_RETRIES):
+            row_id = await self._insert(cursor, params)
+            if row_id is not None:
+                return Claim(owned=True, record=inserted(intent, params, row_id))
+            row, shape = await self._row(cursor, self.dialect.read_for_claim, params)
+            if row is None:  # released and purged in between: claim again
+                continue
+            record = record_from_values(row, shape.start)
+            # On the server's clock (or the caller's): the upsert decides again on it.
+            if not can_take_over(record, intent.fingerprint, row[shape.clock_now] / 1000):
+                return Claim(owned=False, record=record)
+            await self._take_over(cursor, params)
+            row, shape = await self._row(cursor, self.dialect.select, params)
+            current = None if row is None else record_from_values(row, shape.start)
+            return decided(current, str(params["lease_token"]))
         raise claim_busy()
 
-    async def _take_over(self, conn: Any, params: Mapping[str, Any]) -> None:
+    async def _take_over(self, cursor: Any, params: Mapping[str, Any]) -> None:
         """The guarded upsert. One that kept losing conflicts lost to a write of this
         row: what the row says now (read next, by our token) is the answer."""
         try:
-            await self._statement(conn, self.dialect.claim, params)
+            await self._statement(cursor, self.dialect.claim, params)
         except Exception as exc:
             if not is_conflict(exc):
                 raise
 
-    async def _insert(self, conn: Any, params: Mapping[str, Any]) -> int | None:
+    async def _insert(self, cursor: Any, params: Mapping[str, Any]) -> int | None:
         """The new row's id, or None when the key exists (error 1062).
 
         An insert that keeps losing a conflict (deadlock, or on Galera the
@@ -304,14 +350,14 @@ class AsyncMySQLStore(AsyncSQLStore):
         that exists: None too, so the caller reads that row and dispatches.
         """
         try:
-            return await self._statement(conn, self.statements.insert, params)
+            return await self._statement(cursor, self.statements.insert, params)
         except Exception as exc:
-            if error_code(exc) == DUPLICATE or is_conflict(exc):
+            if error_code(exc) in (DUPLICATE, DEADLOCK):
                 return None
             raise
 
     async def _statement(
-        self, conn: Any, statement: SQLStatement, params: Mapping[str, Any]
+        self, cursor: Any, statement: SQLStatement, params: Mapping[str, Any]
     ) -> int:
         """Run a claiming statement; the id it inserted (0 if none).
 
@@ -322,18 +368,19 @@ class AsyncMySQLStore(AsyncSQLStore):
         transaction holds the row, which is a 409. Still conflicting after
         :data:`~._errors.DEADLOCK_RETRIES`: the last conflict is raised.
         """
+        text, bound = statement.pyformat, statement.bind(params)
         for attempt in range(DEADLOCK_RETRIES):
-            async with conn.cursor() as cursor:
-                try:
-                    await cursor.execute(statement.pyformat, statement.bind(params))
-                except Exception as exc:
-                    if is_conflict(exc) and attempt + 1 < DEADLOCK_RETRIES:
-                        await _pause(attempt)
-                        continue
-                    if error_code(exc) == LOCK_WAIT_TIMEOUT:
-                        raise claim_busy() from exc
-                    raise
-                return int(cursor.lastrowid or 0)
+            try:
+                await cursor.execute(text, bound)
+            except Exception as exc:
+                code = error_code(exc)
+                if code == DEADLOCK and attempt + 1 < DEADLOCK_RETRIES:
+                    await _pause(attempt)
+                    continue
+                if code == LOCK_WAIT_TIMEOUT:
+                    raise claim_busy() from exc
+                raise
+            return int(cursor.lastrowid or 0)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _claim_in_transaction(
@@ -363,7 +410,7 @@ class AsyncMySQLStore(AsyncSQLStore):
                 raise
             finally:
                 await transaction.execute(self.statements.restore_lock_wait, {})
-        return decided(row, str(params["lease_token"]))
+        return decided(None if row is None else record_from_row(row), str(params["lease_token"]))
 
     async def _refuse_galera(self, transaction: AsyncTransaction) -> None:
         """Single-commit mode needs the INSERT to decide. On Galera it does not: two

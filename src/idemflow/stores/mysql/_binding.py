@@ -13,7 +13,7 @@ manager, ``execute``, ``fetchone``, ``fetchall``, ``lastrowid``,
 from __future__ import annotations
 
 import asyncio
-import threading
+import queue
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -96,9 +96,25 @@ class Binding:
 
     close = drop
 
-    class Slots(threading.BoundedSemaphore):
-        """How many of the pool's connections may be out at once (across threads)."""
+    class Slots:
+        """How many of the pool's connections may be out at once (across threads).
+
+        A queue of tokens, not a ``threading.Semaphore``: its get and put are C,
+        several microseconds less on every checkout.
+        """
+
+        def __init__(self, size: int) -> None:
+            self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+            for _ in range(size):
+                self._tokens.put(None)
 
         def take(self, timeout: float) -> bool:
             """One slot, waiting up to ``timeout`` seconds; False if none came free."""
-            return self.acquire(timeout=timeout)
+            try:
+                self._tokens.get(timeout=timeout)
+            except queue.Empty:
+                return False
+            return True
+
+        def release(self) -> None:
+            self._tokens.put(None)

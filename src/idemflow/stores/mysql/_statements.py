@@ -202,11 +202,10 @@ def may_take_over(row: Mapping[str, Any], params: Mapping[str, Any]) -> bool:
     return can_take_over(record_from_row(row), params["fingerprint"], row["clock_now"] / 1000)
 
 
-def decided(row: Mapping[str, Any] | None, lease_token: str) -> Claim:
+def decided(record: Record | None, lease_token: str) -> Claim:
     """Ours if the row carries our (unique) lease token: the statement wrote it only if we won."""
-    if row is None:  # purged between the claim and the read: vanishingly rare
+    if record is None:  # purged between the claim and the read: vanishingly rare
         raise claim_unsettled()
-    record = record_from_row(row)
     owned = record.lease_token == lease_token and record.state is State.IN_PROGRESS
     return Claim(owned=owned, record=record)
 
