@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, LeaseLost
-from ..._model import Claim, Intent, Record, State, can_take_over, record_from_row
+from ..._model import Claim, Record, State, can_take_over, record_from_row
 from ..protocol import AsyncTransaction
 from ..sql import AsyncSQLStore
 from ..sql.dialect import (
@@ -31,7 +31,6 @@ from ..sql.dialect import (
     StoreClock,
     check_clock,
     claim_busy,
-    claim_params,
     owner_params,
     record_from_values,
     row_mapping,
@@ -206,7 +205,7 @@ class AsyncMySQLStore(AsyncSQLStore):
 
     # The claim in the caller's transaction bounds its lock wait itself
     # (innodb_lock_wait_timeout, then restored): single-commit mode is safe,
-    # except on Galera, where the claim refuses it (see _claim_in_transaction).
+    # except on Galera, where the claim refuses it (see _claim_in).
     supports_single_commit = True
     #: Is the server a Galera node? Learnt by the first single-commit claim.
     _galera: bool | None = None
@@ -280,52 +279,26 @@ class AsyncMySQLStore(AsyncSQLStore):
 
         return connect
 
-    async def claim(
-        self,
-        intent: Intent,
-        lease_token: str,
-        now: float,
-        expires_at: float,
-        transaction: AsyncTransaction | None = None,
-    ) -> Claim:
+    async def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
         """A plain INSERT decides a new key; a guarded upsert decides a takeover.
 
         Each decision is one atomic statement. The read after a duplicate only
         tells us whether a takeover is worth attempting (past retention, or
         released by this same request); the upsert then re-checks that on the
-        current row and writes our lease token only if it still holds.
+        current row and writes our lease token only if it still holds. (The
+        executor's ``claim`` calls this on one cursor of the store's own
+        connection, and translates what it raises.)
         """
-        params = claim_params(intent, lease_token, now, expires_at)
-        if transaction is not None:
-            return await self._claim_in_transaction(transaction, params)
-        # The hot path, flat (as the SQL executor's): one checkout, one cursor for
-        # every statement, rows read as tuples, errors translated only when raised.
-        try:
-            async with self.pool.connection() as conn:
-                cursor = conn.cursor()
-                try:
-                    return await self._claim_autocommit(cursor, intent, params)
-                finally:
-                    await cursor.close()
-        except Exception as exc:
-            failure = self._unavailable(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
-
-    async def _claim_autocommit(
-        self, cursor: Any, intent: Intent, params: Mapping[str, Any]
-    ) -> Claim:
         for _ in range(CLAIM_RETRIES):
             row_id = await self._insert(cursor, params)
             if row_id is not None:
-                return Claim(owned=True, record=inserted(intent, params, row_id))
+                return Claim(owned=True, record=inserted(params, row_id))
             row, shape = await self._row(cursor, self.dialect.read_for_claim, params)
             if row is None:  # released and purged in between: claim again
                 continue
             record = record_from_values(row, shape.start)
             # On the server's clock (or the caller's): the upsert decides again on it.
-            if not can_take_over(record, intent.fingerprint, row[shape.clock_now] / 1000):
+            if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
                 return Claim(owned=False, record=record)
             await self._take_over(cursor, params)
             row, shape = await self._row(cursor, self.dialect.select, params)
@@ -383,8 +356,8 @@ class AsyncMySQLStore(AsyncSQLStore):
             return int(cursor.lastrowid or 0)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _claim_in_transaction(
-        self, transaction: AsyncTransaction, params: Mapping[str, Any]
+    async def _claim_in(
+        self, transaction: AsyncTransaction, params: Mapping[str, Any], fingerprint: str
     ) -> Claim:
         """Claim as a write of the caller's transaction (``single_commit=True``).
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..._model import Claim, Intent, Record, State, can_take_over, record_from_row
+from ..._model import Claim, Record, State, can_take_over, record_from_row
 from ..sql.dialect import (
     CLOCK_NOW,
     COLUMNS,
@@ -210,18 +210,18 @@ def decided(record: Record | None, lease_token: str) -> Claim:
     return Claim(owned=owned, record=record)
 
 
-def inserted(intent: Intent, params: Mapping[str, Any], row_id: int) -> Record:
-    """The row our plain INSERT created: exactly the values we sent."""
+def inserted(params: Mapping[str, Any], row_id: int) -> Record:
+    """The row our plain INSERT created: exactly the values we sent (``claim_params``)."""
     return Record(
         id=row_id,
-        principal=intent.principal,
-        key=intent.key,
-        fingerprint=intent.fingerprint,
-        endpoint=intent.endpoint,
+        principal=params["principal"],
+        key=params["key"],
+        fingerprint=params["fingerprint"],
+        endpoint=params["endpoint"],
         state=State.IN_PROGRESS,
         lease_token=str(params["lease_token"]),
         created_at=params["began_at"] / 1000,
         updated_at=params["now"] / 1000,
         expires_at=params["expires_at"] / 1000,
-        correlation_id=intent.correlation_id,
+        correlation_id=params["correlation_id"],
     )
