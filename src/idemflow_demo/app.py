@@ -7,7 +7,8 @@ routes. The two write endpoints use transactional mode
 (:class:`idemflow.integrations.starlette.Idempotent`): they read the body
 whole and bounded (413 over the cap, nothing run for a body cut short),
 validate it (400, never recorded), then claim, and their business rows commit
-with the completion.
+with the completion. With the keys in Redis they cannot: the same endpoints
+run in the no-transaction mode (:mod:`idemflow_demo.unshared`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idemflow import (
-    AsyncAttempt,
     AsyncIdempotency,
     Event,
     InvalidBody,
@@ -56,11 +56,13 @@ from idemflow.stores.sqlite import is_unavailable as sqlite_unavailable
 from idemflow.sweeper import AsyncBackgroundSweeper
 
 from .db import Database, open_database
+from .db_mysql import PoolTimeout
 from .faults import crash_point
-from .payments import InvalidRequest, Payments, parse_payment, parse_refund, payment_json
+from .payments import InvalidRequest, Payments, Phases, parse_payment, parse_refund, payment_json
 from .provider import FakeProvider
 from .recovery import start_recovery
 from .settings import Settings
+from .unshared import UnsharedIdempotent
 
 __all__ = ["DemoService", "create_app"]
 
@@ -125,15 +127,29 @@ class DemoService:
         policy = Policy(request_timeout=settings.request_timeout, retention=settings.retention)
         self.idempotency = AsyncIdempotency(self.db.store, policy, observer=self.metrics)
         self.payments = Payments(
-            self.provider, self.db.wrap, self.db.connect, settings.request_timeout
+            self.provider,
+            self.db.wrap,
+            self.db.connect,
+            settings.request_timeout,
+            transactional=self.db.transactional,
         )
-        self.idempotent = Idempotent(
-            self.idempotency,
-            connect=self.db.connect,
-            transaction=self.db.transaction,
-            options=EdgeOptions(authorize_replay=self.may_replay),
-            single_commit=self.db.single_commit,
-        )
+        options = EdgeOptions(authorize_replay=self.may_replay)
+        self.idempotent: Idempotent | UnsharedIdempotent
+        if self.db.transactional:
+            self.idempotent = Idempotent(
+                self.idempotency,
+                connect=self.db.connect,
+                transaction=self.db.transaction,
+                options=options,
+                single_commit=self.db.single_commit,
+            )
+        else:  # keys in Redis: the business rows commit apart, before the completion
+            self.idempotent = UnsharedIdempotent(
+                self.idempotency,
+                connect=self.db.connect,
+                transaction=self.db.transaction,
+                options=options,
+            )
         for endpoint in PROTECTED:  # every outcome shows on /metrics from the start, at 0
             for event in Event:
                 self.metrics.requests.labels(event.value, endpoint)
@@ -181,7 +197,7 @@ class DemoService:
             return invalid(request, exc)
         principal = request.user.identity
 
-        async def charge(attempt: AsyncAttempt) -> Response:
+        async def charge(attempt: Phases) -> Response:
             crash_point("after_claim")  # TEST-ONLY: off unless IDEMFLOW_DEMO_CRASH_AT is set
             return await self.payments.create(attempt, principal, payment)
 
@@ -218,7 +234,7 @@ class DemoService:
         if await self.payments.get(principal, payment_id) is None:
             return not_found(request, payment_id)
 
-        async def refund_once(attempt: AsyncAttempt) -> Response:
+        async def refund_once(attempt: Phases) -> Response:
             return await self.payments.refund(attempt, principal, payment_id, refund)
 
         return await self.idempotent.run(request, refund_once)
@@ -369,13 +385,31 @@ async def server_error(request: Request, exc: Exception) -> StarletteResponse:
 
 
 def database_unavailable(exc: BaseException) -> bool:
-    """Is ``exc`` a database outage (either backend) rather than a bug?"""
-    if sqlite_unavailable(exc):
+    """Is ``exc`` a database outage (any backend) rather than a bug?"""
+    if sqlite_unavailable(exc) or isinstance(exc, PoolTimeout):
         return True
     try:
-        return postgres_unavailable(exc)
+        if postgres_unavailable(exc):
+            return True
     except ImportError:  # psycopg not installed: it cannot be a PostgreSQL error
+        pass
+    return mysql_unavailable(exc) or redis_unavailable(exc)
+
+
+def mysql_unavailable(exc: BaseException) -> bool:
+    """MySQL's rules (``idemflow.stores.mysql.is_unavailable``), and a socket asyncmy
+    lets through unwrapped: reset, broken pipe, or the stream cut mid-reply."""
+    from idemflow.stores.mysql import is_unavailable
+
+    return is_unavailable(exc) or isinstance(exc, ConnectionError | asyncio.IncompleteReadError)
+
+
+def redis_unavailable(exc: BaseException) -> bool:
+    try:
+        from idemflow.stores.redis import is_unavailable
+    except ImportError:  # redis-py not installed: it cannot be a Redis error
         return False
+    return is_unavailable(exc)
 
 
 def create_app(service: DemoService | Settings) -> Starlette:

@@ -31,11 +31,18 @@ def register(subparsers: Any) -> None:
         description=(
             "A small payments service protected by idemflow: POST /payments with an "
             "Idempotency-Key charges a fake external provider once, however often it is "
-            "retried. Embedded SQLite under --data-dir by default."
+            "retried. Embedded SQLite under --data-dir by default; PostgreSQL, MySQL/MariaDB "
+            "or Redis (keys in Redis, payments in SQLite) with --database."
         ),
     )
     add = parser.add_argument
-    add("--database", metavar="URL", help="postgresql://… (default: SQLite under --data-dir)")
+    add(
+        "--database",
+        metavar="URL",
+        help="postgresql://…, mysql://… (or mariadb://…), or redis://… for the keys with the "
+        "payments in SQLite under --data-dir; add ?allow_volatile=1 for a Redis without "
+        "persistence, &key_prefix=NAME to share one (default: SQLite under --data-dir)",
+    )
     add("--data-dir", default="idemflow-data", help="local data folder (default: %(default)s)")
     add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     add("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
@@ -100,14 +107,16 @@ def register(subparsers: Any) -> None:
         default=8,
         metavar="N",
         help="pooled connections, shared by the key store and the endpoints on PostgreSQL "
-        "(on SQLite the endpoints' only) (default: %(default)s)",
+        "(on MySQL as many again for the key store; on SQLite and Redis the endpoints' "
+        "only) (default: %(default)s)",
     )
     add(
         "--claim-commit",
         choices=("own", "single"),
         default="own",
         help="PostgreSQL: commit the claim on its own (own), or with the payment's first "
-        "phase (single: one commit fewer); SQLite supports own only (default: %(default)s)",
+        "phase (single: one commit fewer); the other databases run own only "
+        "(default: %(default)s)",
     )
     parser.set_defaults(run=run)
 
@@ -213,7 +222,9 @@ def banner(settings: Settings, port: int) -> str:
     """Where it listens, the tokens, and three curl lines: a charge, a replay, a 422."""
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "") else settings.host
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    where = settings.database_url or f"SQLite {settings.sqlite_path}"
+    where = f"keys + payments: {settings.database_url or f'SQLite {settings.sqlite_path}'}"
+    if settings.database_url and settings.database_url.lower().startswith("redis"):
+        where = f"keys: {settings.database_url}; payments: SQLite {settings.sqlite_path}"
     tokens = ", ".join(f"{name}: {token}" for token, name in settings.tokens.items())
     key = f"demo-{secrets.token_hex(4)}"
     token = next(iter(settings.tokens))
@@ -226,7 +237,7 @@ def banner(settings: Settings, port: int) -> str:
     return "\n".join(
         [
             f"idemflow demo: payments service listening on {url}",
-            f"  keys + payments: {where}; provider ledger: SQLite {settings.provider_path}",
+            f"  {where}; provider ledger: SQLite {settings.provider_path}",
             f"  bearer tokens: {tokens}",
             "",
             "Try it (paste into another terminal):",

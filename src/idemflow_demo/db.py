@@ -1,10 +1,14 @@
 """
-The demo's database: key store, payments and refunds in one database.
+The demo's database: key store, payments and refunds.
 
-Both live in the same database so that the payment row and the ``completed``
-key record commit in one transaction. SQLite (the default, a file under the
-data folder) and PostgreSQL are supported; the business SQL is written once
-with ``:name`` placeholders and run through a small async :class:`Connection`.
+Where both live in the same database the payment row and the ``completed``
+key record commit in one transaction: SQLite (the default, a file under the
+data folder), PostgreSQL and MySQL/MariaDB (:mod:`idemflow_demo.db_mysql`).
+With Redis (:mod:`idemflow_demo.db_redis`) the keys live in Redis and the
+payments in an embedded SQLite file, with no transaction shared between them
+(:attr:`Database.transactional` is False: see :mod:`idemflow_demo.unshared`).
+The business SQL is written once with ``:name`` placeholders and run through a
+small async :class:`Connection`.
 """
 
 from __future__ import annotations
@@ -26,11 +30,24 @@ from idemflow.transactions import (
     AsyncSQLite3Transaction,
 )
 
-__all__ = ["Connection", "Database", "SQLiteDatabase", "open_database"]
+__all__ = [
+    "CLAIM_COMMITS",
+    "KEY_TABLE",
+    "SCHEMA",
+    "Connection",
+    "Database",
+    "PostgresDatabase",
+    "SQLiteConnection",
+    "SQLiteDatabase",
+    "SQLitePool",
+    "create_schema_sqlite",
+    "open_database",
+    "pyformat",
+]
 
 KEY_TABLE = "idemflow_keys"
 
-_SCHEMA = (
+SCHEMA = (
     """CREATE TABLE IF NOT EXISTS payments (
         id TEXT PRIMARY KEY,
         intent_ref TEXT UNIQUE,
@@ -78,6 +95,14 @@ class Database(Protocol):
     def single_commit(self) -> bool:
         """Can the claim join the endpoint's transaction (PostgreSQL)?"""
 
+    @property
+    def transactional(self) -> bool:
+        """Do the key records and the business rows commit in one transaction?
+
+        False for Redis: the completion is written after the business rows
+        committed, on the store's own connection (the no-transaction mode).
+        """
+
     def connect(self) -> AbstractAsyncContextManager[Any]:
         """A raw driver connection from the pool (autocommit)."""
 
@@ -97,7 +122,7 @@ class Database(Protocol):
 # --- SQLite -----------------------------------------------------------------------------------
 
 
-class _SQLiteConnection:
+class SQLiteConnection:
     """Business SQL on an :class:`~idemflow.transactions.AsyncSQLite3Connection`.
 
     Its statements take their turn on the connection's own thread with the
@@ -177,6 +202,7 @@ class SQLiteDatabase:
     # One writer at a time: a claim held in an open transaction would queue
     # every duplicate behind it instead of answering 409.
     single_commit = False
+    transactional = True
 
     def __init__(self, path: Path, *, pool_size: int = 8) -> None:
         self.path = path
@@ -192,7 +218,7 @@ class SQLiteDatabase:
         return AsyncSQLite3Transaction(raw)
 
     def wrap(self, raw: Any) -> Connection:
-        return _SQLiteConnection(raw)
+        return SQLiteConnection(raw)
 
     def stats_store(self) -> Any:
         return self.store.sync
@@ -201,14 +227,14 @@ class SQLiteDatabase:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         await self.store.migrate()
         async with self.connect() as pooled:
-            await pooled.run(_create_schema_sqlite, pooled.raw)
+            await pooled.run(create_schema_sqlite, pooled.raw)
 
     async def close(self) -> None:
         self.pool.close()
 
 
-def _create_schema_sqlite(raw: sqlite3.Connection) -> None:
-    for statement in _SCHEMA:
+def create_schema_sqlite(raw: sqlite3.Connection) -> None:
+    for statement in SCHEMA:
         raw.execute(statement)
 
 
@@ -222,7 +248,7 @@ class _PsycopgConnection:
         self.raw = raw
 
     async def execute(self, sql: str, params: Mapping[str, Any] | None = None) -> int:
-        cursor = await self.raw.execute(_pyformat(sql), params or None)
+        cursor = await self.raw.execute(pyformat(sql), params or None)
         return int(cursor.rowcount)
 
     async def fetchone(
@@ -239,13 +265,13 @@ class _PsycopgConnection:
     async def _rows(
         self, sql: str, params: Mapping[str, Any] | None, *, one: bool
     ) -> list[dict[str, Any]]:
-        cursor = await self.raw.execute(_pyformat(sql), params or None)
+        cursor = await self.raw.execute(pyformat(sql), params or None)
         rows: Sequence[Any] = [await cursor.fetchone()] if one else await cursor.fetchall()
         names = [column.name for column in cursor.description or ()]
         return [dict(zip(names, row, strict=True)) for row in rows if row is not None]
 
 
-def _pyformat(sql: str) -> str:
+def pyformat(sql: str) -> str:
     return _NAMED.sub(r"%(\1)s", sql)
 
 
@@ -282,6 +308,7 @@ class PostgresDatabase:
             raise ConfigurationError(msg)
         self.url = url.replace("postgres://", "postgresql://", 1)
         self.single_commit = claim_commit == "single"
+        self.transactional = True
         self.pool = psycopg_pool.AsyncConnectionPool(
             self.url,
             min_size=1,
@@ -326,7 +353,7 @@ class PostgresDatabase:
         async with self.pool.connection() as raw, raw.transaction():
             # Serialise concurrent demo starts on one database.
             await raw.execute("SELECT pg_advisory_xact_lock(4242)")
-            for statement in _SCHEMA:
+            for statement in SCHEMA:
                 await raw.execute(statement)
 
     async def close(self) -> None:
@@ -355,16 +382,27 @@ def _connection_options(url: str, *, bounded_locks: bool) -> dict[str, Any]:
 def open_database(
     url: str | None, sqlite_path: Path, *, pool_size: int = 8, claim_commit: str = "own"
 ) -> Database:
-    """PostgreSQL for a ``postgresql://`` URL, else the SQLite file at ``sqlite_path``."""
+    """The database a URL names; the SQLite file at ``sqlite_path`` when there is none.
+
+    ``postgresql://`` and ``mysql://`` (or ``mariadb://``) hold keys and
+    payments; ``redis://`` holds the keys, and the payments go to the SQLite
+    file at ``sqlite_path``.
+    """
     from idemflow.stores.urls import scheme_of
     from idemflow.stores.urls import sqlite_path as path_of
 
     scheme = "sqlite" if url is None else scheme_of(url)
-    if scheme == "sqlite" and claim_commit != "own":
+    if claim_commit != "own" and scheme != "postgresql":
         # SQLite has one writer: a claim left uncommitted in the endpoint's
         # transaction would hold every other request's claim behind it,
-        # unbounded, instead of answering 409.
-        msg = "--claim-commit single needs PostgreSQL: SQLite commits each claim on its own"
+        # unbounded, instead of answering 409. Redis has no transaction to
+        # join; the demo runs MySQL in two-commit mode.
+        msg = (
+            "--claim-commit single needs PostgreSQL: SQLite commits each claim on its own"
+            if scheme == "sqlite"
+            else f"--claim-commit single needs PostgreSQL: the demo commits each claim on its "
+            f"own on {scheme}"
+        )
         raise ConfigurationError(msg)
     if url is None:
         return SQLiteDatabase(sqlite_path, pool_size=pool_size)
@@ -372,5 +410,13 @@ def open_database(
         return PostgresDatabase(url, pool_size=pool_size, claim_commit=claim_commit)
     if scheme == "sqlite":
         return SQLiteDatabase(Path(path_of(url)), pool_size=pool_size)
-    msg = f"the demo runs on SQLite or PostgreSQL, not {scheme}"
+    if scheme == "mysql":
+        from .db_mysql import MySQLDatabase
+
+        return MySQLDatabase(url, pool_size=pool_size)
+    if scheme == "redis":
+        from .db_redis import RedisDatabase
+
+        return RedisDatabase(url, sqlite_path, pool_size=pool_size)
+    msg = f"the demo runs on SQLite, PostgreSQL, MySQL/MariaDB or Redis, not {scheme}"
     raise ConfigurationError(msg)

@@ -13,11 +13,18 @@ ending in a recovery point a retry resumes from:
    claim, or after a crash) cannot charge twice.
 3. the payment is marked ``succeeded`` with the charge id, and the completion
    (the stored 201) commits in that same transaction.
+
+Without a transaction shared with the key store (keys in Redis: see
+:mod:`idemflow_demo.unshared`) each phase's rows commit before its recovery
+point is written, so phase 1 may find its row already there (an earlier
+attempt committed it, then lost its checkpoint): its insert leaves an
+existing row alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 import time
 import unicodedata
@@ -42,6 +49,8 @@ __all__ = [
     "RefundIn",
     "parse_payment",
     "parse_refund",
+    "refund_id",
+    "refund_response",
 ]
 
 MAX_AMOUNT = 1_000_000_000
@@ -165,6 +174,35 @@ def declined_response(payment_id: str, declined: ProviderDeclined) -> Response:
     )
 
 
+def refund_id(downstream_key: str) -> str:
+    """A refund's id, from its attempt's downstream key: the same for every retry.
+
+    So a refund can be looked up by the key it was made under (the
+    reconciler's question when its completion was lost), and one made twice
+    would collide on the primary key instead of refunding again.
+    """
+    return "re_" + hashlib.sha256(downstream_key.encode()).hexdigest()[:20]
+
+
+def refund_response(row: Mapping[str, Any]) -> Response:
+    """The 201 a refund answers (and the sweeper's reconciler stores)."""
+    body = {
+        "id": row["id"],
+        "payment_id": row["payment_id"],
+        "amount": row["amount"],
+        "status": "succeeded",
+    }
+    return Response.json(201, body)
+
+
+_INSERT_PENDING = (
+    "INSERT INTO payments (id, intent_ref, principal, amount, currency, customer, "
+    "status, created_at) VALUES (:id, :intent_ref, :principal, :amount, :currency, "
+    ":customer, :status, :created_at)"
+)
+#: SQLite and PostgreSQL: the row of an earlier attempt (same intent) is left as it is.
+_INSERT_PENDING_ONCE = _INSERT_PENDING + " ON CONFLICT (intent_ref) DO NOTHING"
+
 _PAYMENT_COLUMNS = "id, principal, amount, currency, customer, status, charge_id, refunded"
 #: What the read endpoints show: payments whose intent settled (never ``pending``).
 _SETTLED = "status <> 'pending'"
@@ -179,6 +217,8 @@ class Payments:
         connect: a pooled raw connection, for reads outside a transaction.
         provider_timeout: the longest a provider call may take (a timeout is
             a transient failure: the claim is released).
+        transactional: the key store shares the payments' transaction; when
+            it does not, phase 1 may meet its own row from an earlier attempt.
     """
 
     def __init__(
@@ -187,8 +227,11 @@ class Payments:
         wrap: Callable[[Any], Connection],
         connect: Callable[[], Any],
         provider_timeout: timedelta,
+        *,
+        transactional: bool = True,
     ) -> None:
         self.provider = provider
+        self._insert = _INSERT_PENDING if transactional else _INSERT_PENDING_ONCE
         self._wrap = wrap
         self._connect = connect
         self._timeout = provider_timeout.total_seconds()
@@ -250,12 +293,7 @@ class Payments:
             "status": "pending",
             "created_at": time.time(),
         }
-        await conn.execute(
-            "INSERT INTO payments (id, intent_ref, principal, amount, currency, customer, "
-            "status, created_at) VALUES (:id, :intent_ref, :principal, :amount, :currency, "
-            ":customer, :status, :created_at)",
-            row,
-        )
+        await conn.execute(self._insert, row)
 
     async def _settle(
         self, conn: Connection, intent_ref: str, status: str, charge_id: str
@@ -292,25 +330,19 @@ class Payments:
                 "the payment is not succeeded, or the refund exceeds what is left",
                 slug="refund-not-possible",
             )
-        refund_id = "re_" + secrets.token_hex(10)
+        row = {
+            "id": refund_id(attempt.downstream_key("refund")),
+            "payment_id": payment_id,
+            "principal": principal,
+            "amount": refund.amount,
+            "now": time.time(),
+        }
         await conn.execute(
             "INSERT INTO refunds (id, payment_id, principal, amount, created_at) "
             "VALUES (:id, :payment_id, :principal, :amount, :now)",
-            {
-                "id": refund_id,
-                "payment_id": payment_id,
-                "principal": principal,
-                "amount": refund.amount,
-                "now": time.time(),
-            },
+            row,
         )
-        body = {
-            "id": refund_id,
-            "payment_id": payment_id,
-            "amount": refund.amount,
-            "status": "succeeded",
-        }
-        return Response.json(201, body)
+        return refund_response(row)
 
     async def get(self, principal: str, payment_id: str) -> dict[str, Any] | None:
         """One of ``principal``'s settled payments (a pending one is not shown: see list)."""

@@ -26,6 +26,26 @@ declined) payment whose replay is the live answer; not charged, no payment
 row. A ``Happened`` answer is exactly the response a live success would have
 stored (the same builders make both), so a client cannot tell a reconciled
 payment from one that never stopped.
+
+Without a shared transaction (keys in Redis, payments in SQLite:
+:attr:`Database.transactional` False) the sweeper has no transaction in which
+to write the rows with the record, and the rows may be ahead of the record
+(they commit first):
+
+========================  ========================  ===========================================
+the intent stopped…        the provider holds         the reconciler answers
+========================  ========================  ===========================================
+before its checkpoint      nothing (no call made)     DidNotHappen: released; the retry's phase 1
+                                                      finds the row it may have left
+after phase 1              no charge under the key    DidNotHappen: released; a retry resumes
+                                                      after phase 1 (an abandoned intent's pending
+                                                      row stays, never listed)
+after the charge           the charge                 Happened, from the payment row: a pending
+                                                      row is settled first (fenced on pending, so
+                                                      done once), one the live path settled before
+                                                      its completion was lost is read as it is
+a refund, completion lost  the refund row             Happened (its id is its downstream key's)
+========================  ========================  ===========================================
 """
 
 from __future__ import annotations
@@ -48,7 +68,13 @@ from idemflow.sweeper import (
 )
 
 from .db import Database
-from .payments import PAYMENT_CREATED, declined_response, succeeded_response
+from .payments import (
+    PAYMENT_CREATED,
+    declined_response,
+    refund_id,
+    refund_response,
+    succeeded_response,
+)
 from .provider import Charge, FakeProvider, ProviderDeclined
 
 if TYPE_CHECKING:
@@ -57,10 +83,11 @@ if TYPE_CHECKING:
 __all__ = ["STEPS", "PaymentReconciler", "recovery_sweeper", "start_recovery"]
 
 #: The steps whose downstream keys the reconciler needs: the payment row's
-#: ``intent_ref`` and the provider charge.
-STEPS = ("payment", "charge")
+#: ``intent_ref``, the provider charge, and a refund's id.
+STEPS = ("payment", "charge", "refund")
 
 PAYMENTS_ENDPOINT = "POST /payments"
+REFUNDS_ENDPOINT = "POST /payments/{id}/refunds"
 
 _PENDING = (
     "SELECT id, amount, currency, customer, status, charge_id FROM payments "
@@ -74,6 +101,10 @@ _SETTLE = (
 # Phase 1's only trace, undone when the provider holds no charge. At most one
 # row (intent_ref is unique); none if phase 1's row never committed.
 _FORGET = "DELETE FROM payments WHERE intent_ref = :ref AND status = 'pending'"
+_PAYMENT = (
+    "SELECT id, amount, currency, customer, status, charge_id FROM payments WHERE intent_ref = :ref"
+)
+_REFUND = "SELECT id, payment_id, amount FROM refunds WHERE id = :id"
 
 
 class PaymentReconciler:
@@ -89,33 +120,69 @@ class PaymentReconciler:
         self.db = db
 
     async def __call__(self, record: Record, downstream_keys: Mapping[str, str]) -> Answer:
-        if record.endpoint != PAYMENTS_ENDPOINT:
-            # Refunds are one local transaction: uncommitted means rolled back.
-            return DidNotHappen("a local operation: its transaction rolled back")
+        if record.endpoint == PAYMENTS_ENDPOINT:
+            return await self._payment(record, downstream_keys)
+        if record.endpoint == REFUNDS_ENDPOINT and not self.db.transactional:
+            return await self._refund(downstream_keys["refund"])
+        # Refunds are one local transaction: uncommitted means rolled back.
+        return DidNotHappen("a local operation: its transaction rolled back")
+
+    async def _payment(self, record: Record, downstream_keys: Mapping[str, str]) -> Answer:
+        shared = self.db.transactional
         if record.recovery_point != PAYMENT_CREATED:
             return DidNotHappen("phase 1 never committed: no payment row, so no charge")
         charge = await self.provider.find(downstream_keys["charge"])
         if charge is None:
             reason = "the provider holds no charge under the downstream key"
-            return DidNotHappen(reason, apply=_forget_row(self.db, downstream_keys["payment"]))
-        row = await self._pending(downstream_keys["payment"])
+            # Without a transaction to delete the row in, a retry resumes with it.
+            forget = _forget_row(self.db, downstream_keys["payment"]) if shared else None
+            return DidNotHappen(reason, apply=forget)
+        if not shared:
+            return await self._settled_apart(downstream_keys["payment"], charge)
+        row = await self._read(_PENDING, {"ref": downstream_keys["payment"]})
         if row is None:
             return Unknown("charged, but no pending payment row to settle")
         return _happened(row, charge, self.db)
 
-    async def _pending(self, intent_ref: str) -> dict[str, Any] | None:
+    async def _read(self, sql: str, params: Mapping[str, Any]) -> dict[str, Any] | None:
         async with self.db.connect() as raw:
-            return await self.db.wrap(raw).fetchone(_PENDING, {"ref": intent_ref})
+            return await self.db.wrap(raw).fetchone(sql, params)
+
+    async def _settled_apart(self, intent_ref: str, charge: Charge) -> Answer:
+        """No shared transaction: settle the row now (once), then answer from it."""
+        row = await self._read(_PAYMENT, {"ref": intent_ref})
+        if row is None:
+            return Unknown("charged, but no payment row to settle")
+        if row["status"] == "pending":
+            settled = {**row, "status": charge.status, "charge_id": charge.id}
+            async with self.db.connect() as raw:
+                # Fenced on 'pending'; 0 rows: settled meanwhile, read again next sweep.
+                if await self.db.wrap(raw).execute(_SETTLE, settled) != 1:
+                    return Unknown("the payment row changed while it was settled")
+            row = settled
+        if (row["status"], row["charge_id"]) != (charge.status, charge.id):
+            return Unknown("the payment row disagrees with the provider's charge")
+        return _happened(row, charge, None)
+
+    async def _refund(self, downstream_key: str) -> Answer:
+        """No shared transaction: the refund committed if its row exists."""
+        row = await self._read(_REFUND, {"id": refund_id(downstream_key)})
+        if row is None:
+            return DidNotHappen("no refund row under the attempt's id: it rolled back")
+        return Happened(refund_response(row))
 
 
-def _happened(row: dict[str, Any], charge: Charge, db: Database) -> Happened:
-    """The live path's answer for this charge, and the row update that goes with it."""
+def _happened(row: dict[str, Any], charge: Charge, db: Database | None) -> Happened:
+    """The live path's answer for this charge, and the row update that goes with it.
+
+    ``db`` None: the row is settled already (no transaction to settle it in).
+    """
     settled = {**row, "status": charge.status, "charge_id": charge.id}
     if charge.status == "declined":
         response = declined_response(row["id"], ProviderDeclined(charge))
     else:
         response = succeeded_response(settled)
-    return Happened(response, apply=_settle_row(db, settled))
+    return Happened(response, apply=None if db is None else _settle_row(db, settled))
 
 
 def _settle_row(db: Database, settled: dict[str, Any]) -> Callable[[Any], Awaitable[None]]:
@@ -157,11 +224,14 @@ def recovery_sweeper(service: DemoService) -> AsyncSweeper:
     """The demo's sweeper: its policy, its reconciler, transactions on its own pool."""
     db = service.db
     return AsyncSweeper(
-        # Both demo stores (SQLite, PostgreSQL) have the maintenance statements.
+        # Every demo store (SQLite, PostgreSQL, MySQL, Redis) has the maintenance statements.
         cast("AsyncMaintainableStore", db.store),
         service.idempotency.policy,
         reconciler=PaymentReconciler(service.provider, db),
         steps=STEPS,
-        transaction_factory=lambda: pooled_transaction(db.connect, db.transaction),
+        # Redis shares no transaction: its answers carry no apply (see the table above).
+        transaction_factory=(
+            (lambda: pooled_transaction(db.connect, db.transaction)) if db.transactional else None
+        ),
         observer=service.metrics,
     )

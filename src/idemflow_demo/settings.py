@@ -50,9 +50,10 @@ def parse_token(text: str) -> tuple[str, str]:
 class Settings:
     """Everything the demo service needs to start.
 
-    ``database_url`` None means embedded SQLite under ``data_dir``. The fake
-    provider's ledger always lives in its own SQLite file under ``data_dir``:
-    charging it and writing the payment row are a real dual write.
+    ``database_url`` None means embedded SQLite under ``data_dir``; a
+    ``redis://`` URL keeps the keys in Redis and the payments in that SQLite
+    file. The fake provider's ledger always lives in its own SQLite file under
+    ``data_dir``: charging it and writing the payment row are a real dual write.
     """
 
     database_url: str | None = None
@@ -72,7 +73,7 @@ class Settings:
     provider_seed: int | None = None
     pool_size: int = 8
     #: PostgreSQL: how the claim commits (``own`` or ``single``; see
-    #: ``idemflow_demo.db.CLAIM_COMMITS``). SQLite always commits it alone.
+    #: ``idemflow_demo.db.CLAIM_COMMITS``). The others always commit it alone.
     claim_commit: str = "own"
     #: Resolve crashed claims in the background (``idemflow_demo.recovery``).
     sweeper: bool = True
