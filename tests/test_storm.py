@@ -23,7 +23,7 @@ import pytest
 from idemflow._errors import ConfigurationError
 from idemflow.cli import main
 from idemflow_demo.storm import StormConfig, run_storm
-from idemflow_demo.storm.clients import KeyTally
+from idemflow_demo.storm.clients import KeyTally, RetryAfterCheck
 from idemflow_demo.storm.config import KeyPlan
 from idemflow_demo.storm.server import DemoProcess
 from idemflow_demo.storm.service import Ledger, MetricsTally, parse_metrics
@@ -123,6 +123,10 @@ def cut_a_list_short(tallies: list[KeyTally], ledger: Ledger) -> None:
     ledger.truncated.append("GET /provider/charges")
 
 
+def answer_503_without_retry_after(tallies: list[KeyTally], ledger: Ledger) -> None:
+    tallies[0].without_retry_after += 1
+
+
 BROKEN: list[tuple[Callable[[list[KeyTally], Ledger], None], str]] = [
     (charge_twice, "duplicate charges"),
     (charge_twice_under_one_downstream_key, "duplicate charges"),
@@ -134,6 +138,7 @@ BROKEN: list[tuple[Callable[[list[KeyTally], Ledger], None], str]] = [
     (execute_again_later, "answers disagreeing with the ledger"),
     (answer_422, "wrong answers"),
     (cut_a_list_short, "lists cut short (cannot verify)"),
+    (answer_503_without_retry_after, "409 or 503 without Retry-After"),
 ]
 
 
@@ -158,6 +163,24 @@ idemflow_requests_total{endpoint="POST /payments/{id}/refunds",outcome="released
 idemflow_stale_reclaimed_total{resolution="completed"} 2.0
 idemflow_stale_reclaimed_total{resolution="released"} 5.0
 """
+
+
+@pytest.mark.anyio
+async def test_every_409_and_503_without_retry_after_is_counted_for_its_key() -> None:
+    """The check under the retrying transport sees each answer, the retried ones included."""
+    answers = iter([(503, {}), (409, {"retry-after": "1"}), (409, {}), (201, {})])
+
+    def serve(request: httpx.Request) -> httpx.Response:
+        status, headers = next(answers)
+        return httpx.Response(status, headers=headers)
+
+    key = plan(0)
+    tally = KeyTally(key)
+    check = RetryAfterCheck(httpx.MockTransport(serve), {key.key: tally})
+    async with httpx.AsyncClient(transport=check, base_url="http://demo") as client:
+        for _ in range(4):
+            await client.post("/payments", headers={"idempotency-key": key.key})
+    assert tally.without_retry_after == 2
 
 
 def test_a_server_error_is_shown_but_breaks_nothing() -> None:

@@ -35,7 +35,12 @@ def register(subparsers: Any) -> None:
     )
     add = parser.add_argument
     add("--url", help="attack this running service instead of starting the demo (no kills)")
-    add("--database", metavar="URL", help="the demo's database: postgresql://… (default: SQLite)")
+    add(
+        "--database",
+        metavar="URL",
+        help="the demo's database: postgresql://…, mysql://…, or redis://… (keys in Redis, "
+        "payments in SQLite) (default: SQLite)",
+    )
     add("--keys", type=int, default=150, metavar="N", help="distinct keys (default: %(default)s)")
     add(
         "--retries",
@@ -96,8 +101,9 @@ def register(subparsers: Any) -> None:
     )
     network = parser.add_argument_group(
         "network faults",
-        "break the network between the demo and its PostgreSQL (--database): a loopback "
-        "relay the storm partitions, delays and stalls (this kernel has no netem)",
+        "break the network between the demo and its PostgreSQL, MySQL/MariaDB or Redis "
+        "(--database): a loopback relay the storm partitions, delays and stalls (this kernel "
+        "has no netem)",
     )
     network.add_argument(
         "--partition-every",

@@ -8,7 +8,8 @@ retries dropped and refused connections (the server was just killed) with
 jittered exponential backoff, retries 409 and 503 after ``Retry-After``, and
 stops at a settled answer (201 or 402) or the storm's deadline, which kills
 past the window push back. Every attempt is counted through the transport's
-``on_attempt`` observer.
+``on_attempt`` observer, and every 409 or 503 answered without the
+``Retry-After`` its problem promises is counted apart (a violation).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ __all__ = ["SETTLED", "Deadline", "KeyTally", "new_client", "send_payment"]
 
 #: Answers that end a client's retries: the payment's outcome, stored for replay.
 SETTLED = frozenset({201, 402})
+#: Answers that must say when to come back: in flight (409), unavailable (503).
+NEEDS_RETRY_AFTER = frozenset({409, 503})
 #: Retried besides the client's defaults (409 in flight, 503, …): a 500 releases
 #: the key too, and a storm client presses on through it as HTTP allows.
 RETRIED = DEFAULT_RETRY_STATUSES | {500}
@@ -70,6 +73,8 @@ class KeyTally:
     last_replayed: bool = False
     #: The closing retry after the storm: None if not made, else did it replay the answer?
     late_replayed: bool | None = None
+    #: 409 and 503 answers that came without ``Retry-After``.
+    without_retry_after: int = 0
 
     @property
     def resolved(self) -> bool:
@@ -118,11 +123,29 @@ def new_client(
         random=rng.random,
     )
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-    transport = AsyncIdempotentTransport(
-        httpx.AsyncHTTPTransport(limits=limits), policy=policy, on_attempt=attempted
-    )
+    checked = RetryAfterCheck(httpx.AsyncHTTPTransport(limits=limits), by_key)
+    transport = AsyncIdempotentTransport(checked, policy=policy, on_attempt=attempted)
     timeout = httpx.Timeout(3 * config.request_timeout + 10, pool=None)
     return httpx.AsyncClient(base_url=url, timeout=timeout, transport=transport)
+
+
+class RetryAfterCheck(httpx.AsyncBaseTransport):
+    """Under the retrying transport: every answer, each 409 and 503 checked for ``Retry-After``."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, tallies: dict[str, KeyTally]) -> None:
+        self.inner = inner
+        self.tallies = tallies
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if response.status_code in NEEDS_RETRY_AFTER and "retry-after" not in response.headers:
+            tally = self.tallies.get(request.headers.get("idempotency-key", ""))
+            if tally is not None:
+                tally.without_retry_after += 1
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 def headers_for(plan: KeyPlan, config: StormConfig) -> dict[str, str]:

@@ -55,7 +55,8 @@ class StormConfig:
         claim_commit: how the demo commits each claim: ``own`` (a commit of its
             own) or ``single`` (with the payment's first phase; PostgreSQL only).
         partition_every: cut the network between the demo and its database
-            about this often (None: never); needs ``database``. See
+            about this often (None: never); needs a PostgreSQL, MySQL/MariaDB or
+            Redis ``database``. See
             :mod:`idemflow_demo.storm.network`.
         partition_for: how long a partition lasts, on average.
         network_delay_ms, network_jitter_ms: every chunk on that link waits
@@ -137,9 +138,9 @@ class StormConfig:
             ),
             (0 <= self.network_stall_rate < 1, "--network-stall-rate must be in [0, 1)"),
             (
-                not self.network_faults or (self.url is None and _is_postgres(self.database)),
-                "network faults need the storm's own demo on --database postgresql://…: "
-                "the faulty link sits between the demo and its database",
+                not self.network_faults or (self.url is None and is_networked(self.database)),
+                "network faults need the storm's own demo on --database postgresql://…, "
+                "mysql://… or redis://…: the faulty link sits between the demo and its database",
             ),
         ]
         for ok, message in checks:
@@ -213,9 +214,29 @@ def plan_keys(config: StormConfig, run_id: str, rng: random.Random) -> list[KeyP
     return plans
 
 
+def _scheme(database: str | None) -> str:
+    return urlsplit(database or "").scheme.lower().split("+", 1)[0]
+
+
 def _is_postgres(database: str | None) -> bool:
-    scheme = urlsplit(database or "").scheme.lower().split("+", 1)[0]
-    return scheme in ("postgresql", "postgres")
+    return _scheme(database) in ("postgresql", "postgres")
+
+
+#: Databases the demo reaches over TCP, so through the storm's faulty link;
+#: the port each listens on by default.
+NETWORKED = MappingProxyType(
+    {"postgresql": 5432, "postgres": 5432, "mysql": 3306, "mariadb": 3306, "redis": 6379}
+)
+
+
+def is_networked(database: str | None) -> bool:
+    """Does the demo reach ``database`` over TCP (not an embedded SQLite file)?"""
+    return _scheme(database) in NETWORKED
+
+
+def default_port(database: str) -> int:
+    """The port ``database`` names, or its scheme's default."""
+    return urlsplit(database).port or NETWORKED.get(_scheme(database), 5432)
 
 
 def key_index(customer: str, run_id: str) -> int | None:

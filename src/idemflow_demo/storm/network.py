@@ -77,13 +77,18 @@ class FaultyLink:
         self._up = asyncio.Event()
         self._up.set()
         self._connections: set[_Connection] = set()
+        #: The tasks serving connections: stop() waits for them, so none is
+        #: left for the event loop to cancel (and log) when it closes.
+        self._handlers: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
         self.port = 0
 
     @classmethod
     def for_url(cls, url: str, faults: LinkFaults, rng: random.Random) -> FaultyLink:
-        parts = urlsplit(url)
-        return cls((parts.hostname or "127.0.0.1", parts.port or 5432), faults, rng)
+        """A link to the server ``url`` names (its scheme's port if it names none)."""
+        from .config import default_port
+
+        return cls((urlsplit(url).hostname or "127.0.0.1", default_port(url)), faults, rng)
 
     def url(self, url: str) -> str:
         """``url`` with its host and port replaced by the link's."""
@@ -102,6 +107,8 @@ class FaultyLink:
         for connection in list(self._connections):
             connection.reset()
         self._up.set()
+        if self._handlers:  # their transports are aborted: each ends at once
+            await asyncio.wait(list(self._handlers), timeout=5.0)
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -125,6 +132,10 @@ class FaultyLink:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = _Connection(writer)
         self._connections.add(connection)
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._handlers.add(handler)
+            handler.add_done_callback(self._handlers.discard)
         try:
             if self.partitioned:  # the SYN is lost: the connection dies with the partition
                 connection.doomed = True

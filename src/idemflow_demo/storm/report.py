@@ -18,6 +18,7 @@ MUST_BE_ZERO = (
     ("keys never resolved", "unresolved"),
     ("answers disagreeing with the ledger", "inconsistent"),
     ("wrong answers (4xx but 402/409)", "wrong_answers"),
+    ("409 or 503 without Retry-After", "without_retry_after"),
 )
 PASS, FAIL = "ok", "VIOLATED"
 

@@ -52,6 +52,8 @@ class Verdict:
     #: 5xx other than 503: the server failed (the claim was released; clients
     #: retry them as HTTP says). Shown, not a violation of exactly-once.
     server_errors: int = 0
+    #: 409 and 503 answers without ``Retry-After``: a client cannot know when to retry.
+    without_retry_after: int = 0
     truncated: list[str] = field(default_factory=list)
     elapsed: float = 0.0
     #: Killed incarnations whose /metrics could not be read: counters are a lower bound.
@@ -67,6 +69,7 @@ class Verdict:
             "keys never resolved": self.unresolved,
             "answers disagreeing with the ledger": self.inconsistent,
             "wrong answers": self.wrong_answers,
+            "409 or 503 without Retry-After": self.without_retry_after,
             "lists cut short (cannot verify)": len(self.truncated),
         }
         return [name for name, count in checks.items() if count]
@@ -104,6 +107,7 @@ def judge(
         "wrong answers": [
             f"{status} × {n}" for status, n in sorted(statuses.items()) if _unexpected(status)
         ],
+        "without retry-after": [t.plan.key for t in tallies if t.without_retry_after],
         "server errors": [
             f"{status} × {n}" for status, n in sorted(statuses.items()) if _server_error(status)
         ],
@@ -141,6 +145,7 @@ def judge(
         inconsistent=len(details["inconsistent"]),
         wrong_answers=sum(n for s, n in statuses.items() if _unexpected(s)),
         server_errors=sum(n for s, n in statuses.items() if _server_error(s)),
+        without_retry_after=sum(t.without_retry_after for t in tallies),
         truncated=list(ledger.truncated),
         elapsed=round(elapsed, 1),
         metrics_missed=metrics_missed,
