@@ -24,6 +24,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from idemflow import ConfigurationError
+from idemflow.stores.mysql import DEFAULT_LOCK_WAIT_TIMEOUT
 from idemflow.stores.protocol import AsyncTransaction, Statement
 
 from .db import KEY_TABLE, Connection, pyformat
@@ -61,6 +62,22 @@ MYSQL_SCHEMA = (
 #: ``CLIENT_FOUND_ROWS``: an UPDATE counts the rows it matched, as SQLite and
 #: PostgreSQL do, not only those it changed.
 _FOUND_ROWS = 2
+
+#: The endpoints' sessions, set on each new connection:
+#:
+#: - a statement waits at most the key store's lock wait for a row another
+#:   transaction holds (InnoDB's default is 50 s), then fails: a 503, rolled
+#:   back and released. A transaction stuck behind a lock keeps its own locks
+#:   meanwhile, and the key store's claims queue behind those: with 50 s, one
+#:   partition's stuck COMMIT left the store's pool exhausted for half a minute;
+#: - READ COMMITTED: no gap locks (REPEATABLE READ's next-key locks on the
+#:   payments' indexes made unrelated payments wait on each other). The
+#:   payment code writes before it reads, and the completion is a locking
+#:   UPDATE: both levels keep its guarantees (``docs/stores.md``).
+SESSION = (
+    f"SET SESSION innodb_lock_wait_timeout = {DEFAULT_LOCK_WAIT_TIMEOUT}",
+    "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+)
 
 
 class PoolTimeout(Exception):
@@ -122,7 +139,15 @@ class MySQLPool:
     async def _connect(self) -> MySQLConnection:
         import asyncmy
 
-        return MySQLConnection(await asyncmy.connect(**self._kwargs))
+        raw = await asyncmy.connect(**self._kwargs)
+        try:
+            async with raw.cursor() as cursor:
+                for statement in SESSION:
+                    await cursor.execute(statement)
+        except BaseException:
+            raw.close()
+            raise
+        return MySQLConnection(raw)
 
     async def _give_back(self, pooled: MySQLConnection) -> None:
         if not pooled.broken and pooled.raw.get_transaction_status():
