@@ -209,6 +209,20 @@ def sweep_interval(service: DemoService) -> timedelta | None:
     return service.settings.sweep_every
 
 
+def retry_stale_after(service: DemoService) -> timedelta:
+    """How long a record this sweeper marked stale waits before it is asked about again.
+
+    The library's default is the stale threshold, so a resolution that failed
+    half-way (the store or the pool out of reach just after the mark, a reply
+    lost in a partition) left its key waiting a second threshold: measured in
+    the network storm, keys then settled 25–45 s after their claim and missed
+    the storm's deadline. One request timeout is enough: every write of a
+    resolution is fenced by the mark's token, so a sweeper that marks the
+    record again meanwhile only makes the first one's write change nothing.
+    """
+    return service.settings.request_timeout
+
+
 def start_recovery(service: DemoService) -> AsyncBackgroundSweeper | None:
     """Start the demo's background sweeper (None when ``--sweep-every off``).
 
@@ -233,5 +247,6 @@ def recovery_sweeper(service: DemoService) -> AsyncSweeper:
         transaction_factory=(
             (lambda: pooled_transaction(db.connect, db.transaction)) if db.transactional else None
         ),
+        retry_unknown_after=retry_stale_after(service),
         observer=service.metrics,
     )
