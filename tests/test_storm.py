@@ -9,6 +9,7 @@ hundreds of keys with three concurrent retrying clients each.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import subprocess
@@ -229,6 +230,31 @@ def test_single_commit_storms_need_postgresql(capsys: pytest.CaptureFixture[str]
     command = DemoProcess(config, Path("unused")).command()
     assert command[command.index("--claim-commit") + 1] == "single"
     assert "--claim-commit" not in DemoProcess(StormConfig(), Path("unused")).command()
+
+
+def test_several_databases_start_one_demo_each_on_one_ledger(tmp_path: Path) -> None:
+    """--database twice: a demo per URL, logs apart, failures apart, one data folder."""
+    from idemflow_demo.storm.cli import config_from, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    nodes = ["mysql://root@127.0.0.1:4001/test", "mysql://root@127.0.0.1:4002/test"]
+    args = parser.parse_args(["storm", "--seed", "7", *(f"--database={url}" for url in nodes)])
+    config = config_from(args)
+    assert config.databases == tuple(nodes)
+    assert config.more_databases == (nodes[1],)
+    second = DemoProcess(config, tmp_path, index=1)
+    assert (second.log, DemoProcess(config, tmp_path).log) == (
+        tmp_path / "demo-2.log",
+        tmp_path / "demo.log",
+    )
+    command = second.command()
+    assert command[command.index("--provider-seed") + 1] == "7100"  # seed × 1000 + 100 × index
+    assert command[command.index("--data-dir") + 1] == str(tmp_path)
+    with pytest.raises(ConfigurationError, match="needs a first one"):
+        StormConfig(more_databases=(nodes[1],))
+    with pytest.raises(ConfigurationError, match="network faults need"):
+        StormConfig(database=nodes[0], more_databases=("sqlite:///x.db",), partition_every=1)
 
 
 def test_the_demo_refuses_single_commit_on_sqlite(capsys: pytest.CaptureFixture[str]) -> None:

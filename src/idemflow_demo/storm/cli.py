@@ -38,8 +38,11 @@ def register(subparsers: Any) -> None:
     add(
         "--database",
         metavar="URL",
+        action="append",
         help="the demo's database: postgresql://…, mysql://…, or redis://… (keys in Redis, "
-        "payments in SQLite) (default: SQLite)",
+        "payments in SQLite) (default: SQLite). Repeat it for one demo per URL (the nodes of "
+        "a Galera cluster), sharing one provider ledger; each key's clients go to different "
+        "demos",
     )
     add("--keys", type=int, default=150, metavar="N", help="distinct keys (default: %(default)s)")
     add(
@@ -191,7 +194,8 @@ def config_from(args: argparse.Namespace) -> Any:
     kill_every = DEMO_KILL_EVERY if args.kill_every is None else args.kill_every
     return StormConfig(
         url=args.url.rstrip("/") if args.url else None,
-        database=args.database,
+        database=args.database[0] if args.database else None,
+        more_databases=tuple(args.database[1:]) if args.database else (),
         keys=args.keys,
         retries=args.retries,
         duration=args.duration,

@@ -32,6 +32,11 @@ class StormConfig:
     Args:
         url: the service to attack; None starts the demo (and may kill it).
         database: the demo's database URL (None: SQLite in ``data_dir``).
+        more_databases: more URLs, one more demo on each, all sharing the first
+            one's data folder (so one provider ledger): the nodes of a
+            multi-primary cluster (Galera), or several app servers on one
+            database. Each key's clients go to different demos, so its
+            claimants race through different nodes.
         keys: distinct idempotency keys, each a payment of its own.
         retries: concurrent clients per key, each retrying until it gets an answer.
         duration: the attack window: keys start at random moments within it,
@@ -67,6 +72,7 @@ class StormConfig:
 
     url: str | None = None
     database: str | None = None
+    more_databases: tuple[str, ...] = ()
     keys: int = 150
     retries: int = 3
     duration: float = 20.0
@@ -112,6 +118,10 @@ class StormConfig:
                 "--kill-every needs the storm's own demo",
             ),
             (self.url is None or self.database is None, "--database is for the storm's own demo"),
+            (
+                not self.more_databases or self.database is not None,
+                "more than one --database needs a first one",
+            ),
             (self.url is None or self.data_dir is None, "--data-dir is for the storm's own demo"),
             (bool(self.tokens), "at least one principal is needed"),
             (self.claim_commit in CLAIM_COMMITS, "--claim-commit must be own or single"),
@@ -138,7 +148,8 @@ class StormConfig:
             ),
             (0 <= self.network_stall_rate < 1, "--network-stall-rate must be in [0, 1)"),
             (
-                not self.network_faults or (self.url is None and is_networked(self.database)),
+                not self.network_faults
+                or (self.url is None and all(is_networked(db) for db in self.databases)),
                 "network faults need the storm's own demo on --database postgresql://…, "
                 "mysql://… or redis://…: the faulty link sits between the demo and its database",
             ),
@@ -146,6 +157,11 @@ class StormConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigurationError(message)
+
+    @property
+    def databases(self) -> tuple[str, ...]:
+        """Every database a demo of the storm's runs on (none: SQLite)."""
+        return (self.database, *self.more_databases) if self.database else ()
 
     @property
     def shutdown_grace(self) -> float:

@@ -9,6 +9,10 @@ One storm from start to verdict.
    With network faults, the link between the demo and its database is
    partitioned at random moments about ``partition_every`` apart (and may
    delay and stall every chunk): see :mod:`idemflow_demo.storm.network`.
+   With several databases (``more_databases``: the nodes of a Galera
+   cluster), one demo runs on each, each behind a link of its own; each key's
+   clients go to different demos, and each kill or partition hits one demo
+   (or its link) at random.
 3. Settle: after the window, no more faults; clients keep retrying until
    every key is answered (a claim orphaned by a kill answers 409 until the
    sweeper resolves it) or the settle time runs out.
@@ -20,6 +24,7 @@ One storm from start to verdict.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import secrets
 import shutil
@@ -29,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -65,6 +70,7 @@ class StormResult:
 
 
 Progress = Callable[[str], None]
+T = TypeVar("T")
 
 
 def _stderr(line: str) -> None:
@@ -80,35 +86,42 @@ async def run_storm(config: StormConfig, *, progress: Progress | None = _stderr)
     data_dir = config.data_dir
     if config.url is None and data_dir is None:
         data_dir = Path(tempfile.mkdtemp(prefix="idemflow-storm-"))
-    link = _link(config, rng) if config.network_faults else None
-    if link is not None:
+    links = [_link(config, url, rng) for url in config.databases] if config.network_faults else []
+    for link in links:
         await link.start()
-    server = None
+    servers = []
     if data_dir is not None and not config.url:
-        linked = replace(config, database=link.url(config.database or "")) if link else config
-        server = DemoProcess(linked, data_dir)
-    storm = _Storm(config, plans, server, rng, say, link)
+        for index, url in enumerate(config.databases or (None,)):
+            database = links[index].url(url) if links and url else url
+            one = replace(config, database=database, more_databases=())
+            servers.append(DemoProcess(one, data_dir, index=index))
+    storm = _Storm(config, plans, servers, rng, say, links)
     try:
         verdict = await storm.run(run_id)
     finally:
-        if server is not None:
+        for server in servers:
             await server.stop()
-        if link is not None:
+        for link in links:
             await link.stop()
     keep = data_dir is not None and (config.data_dir is not None or not verdict.ok)
     if data_dir is not None and not keep:
         shutil.rmtree(data_dir, ignore_errors=True)
-    partitions, resets = (link.partitions, link.resets) if link else (0, 0)
+    partitions = sum(link.partitions for link in links)
+    resets = sum(link.resets for link in links)
     return StormResult(
         verdict, storm.target, run_id, config.seed, data_dir if keep else None, partitions, resets
     )
 
 
-def _link(config: StormConfig, rng: random.Random) -> FaultyLink:
+def _link(config: StormConfig, url: str, rng: random.Random) -> FaultyLink:
     faults = LinkFaults(
         config.network_delay_ms, config.network_jitter_ms, config.network_stall_rate
     )
-    return FaultyLink.for_url(config.database or "", faults, random.Random(rng.random()))
+    return FaultyLink.for_url(url, faults, random.Random(rng.random()))
+
+
+#: Metrics readings are kept per incarnation; demo ``i``'s are numbered from ``i × this``.
+_INCARNATIONS_PER_DEMO = 100_000
 
 
 class _Storm:
@@ -116,64 +129,94 @@ class _Storm:
         self,
         config: StormConfig,
         plans: Sequence[KeyPlan],
-        server: DemoProcess | None,
+        servers: Sequence[DemoProcess],
         rng: random.Random,
         say: Progress,
-        link: FaultyLink | None = None,
+        links: Sequence[FaultyLink] = (),
     ) -> None:
         self.config = config
-        self.server = server
-        self.link = link
+        self.servers = list(servers)
+        self.links = list(links)
         self.rng = rng
         self.say = say
         self.tallies = [KeyTally(plan) for plan in plans]
         self.metrics = MetricsTally()
-        self.url = config.url or (server.url if server else "")
+        self.urls = [config.url] if config.url else [server.url for server in self.servers]
+        self.url = self.urls[0] if self.urls else ""
+        self.https: list[httpx.AsyncClient] = []
         self.done = asyncio.Event()
         self.deadline = Deadline(0.0)
 
     @property
+    def kills(self) -> int:
+        return sum(server.kills for server in self.servers)
+
+    @property
     def target(self) -> str:
-        if self.server is None:
+        if not self.servers:
             return self.url
-        database = self.config.database or (
-            f"SQLite in {self.server.data_dir}" if self.config.data_dir else "SQLite (temporary)"
+        data_dir = self.servers[0].data_dir
+        databases = self.config.databases or (
+            f"SQLite in {data_dir}" if self.config.data_dir else "SQLite (temporary)",
         )
         mode = ", single-commit claims" if self.config.claim_commit == "single" else ""
-        if self.link is not None:
+        if self.links:
             mode += ", through a faulty network"
-        return f"the demo on {database.split('@')[-1]}{mode} at {self.url}"
+        where = ", ".join(database.split("@")[-1] for database in databases)
+        if len(self.servers) > 1:
+            urls = ", ".join(server.url for server in self.servers)
+            return f"{len(self.servers)} demos on {where}{mode} at {urls}"
+        return f"the demo on {where}{mode} at {self.url}"
 
     async def run(self, run_id: str) -> Verdict:
         started = time.monotonic()
-        if self.server is not None:
+        if self.servers:
             self.say(f"storm: starting {self.target}")
-            await self.server.start()
-        async with new_client(self.url, self.config, self.tallies, self.rng) as http:
-            await self.metrics.scrape(http, self._incarnation())
-            if self.server is None:
+        for server in self.servers:
+            await server.start()
+        async with contextlib.AsyncExitStack() as stack:
+            for url in self.urls:
+                client = new_client(url, self.config, self.tallies, self.rng)
+                self.https.append(await stack.enter_async_context(client))
+            await self._scrape()
+            if not self.servers:
                 self.metrics.set_baseline(0)
-            await self._attack(http)
+            await self._attack()
             self.say("storm: every client is done; checking replays, payments and the ledger")
-            await self._late_retries(http)
-            await self.metrics.scrape(http, self._incarnation())
+            await self._late_retries()
+            await self._scrape()
             limit = 2 * len(self.tallies) + 1000
-            ledger = await read_ledger(http, self.config, run_id, limit)
+            ledger = await read_ledger(self.https[0], self.config, run_id, limit)
         return judge(
             self.tallies,
             ledger,
             self.metrics.totals(),
             run_id=run_id,
             clients_per_key=self.config.retries,
-            kills=self.server.kills if self.server else 0,
+            kills=self.kills,
             elapsed=time.monotonic() - started,
             metrics_missed=self.metrics.missed,
         )
 
-    def _incarnation(self) -> int:
-        return self.server.incarnation if self.server else 0
+    def _incarnation(self, index: int = 0) -> int:
+        if not self.servers:
+            return 0
+        return index * _INCARNATIONS_PER_DEMO + self.servers[index].incarnation
 
-    async def _attack(self, http: httpx.AsyncClient) -> None:
+    async def _scrape(self, *, timeout: float = 10.0) -> None:
+        """Every demo's counters (a reading per incarnation of each)."""
+        for index, http in enumerate(self.https):
+            await self.metrics.scrape(http, self._incarnation(index), timeout=timeout)
+
+    def _http_for(self, tally: KeyTally, client: int) -> httpx.AsyncClient:
+        """A key's clients take the demos in turn, from one the key's index picks."""
+        return self.https[(tally.plan.index + client) % len(self.https)]
+
+    def _pick(self, choices: Sequence[T]) -> T:
+        """One at random; the only one without a draw (a seeded storm stays as it was)."""
+        return choices[0] if len(choices) == 1 else self.rng.choice(choices)
+
+    async def _attack(self) -> None:
         loop = asyncio.get_running_loop()
         start = loop.time()
         attack_end = start + self.config.duration
@@ -184,27 +227,23 @@ class _Storm:
             + (f", a SIGKILL every ~{self.config.kill_every:g} s" if self._killing() else "")
             + (
                 f", a network partition every ~{self.config.partition_every:g} s"
-                if self.link is not None and self.config.partition_every is not None
+                if self.links and self.config.partition_every is not None
                 else ""
             )
             + f"; then up to {self.config.settle_seconds:g} s to settle"
         )
         clients = asyncio.ensure_future(
-            asyncio.gather(*(self._key(http, t, start) for t in self.tallies))
+            asyncio.gather(*(self._key(t, start) for t in self.tallies))
         )
-        reporter = asyncio.ensure_future(self._report_progress(http, start))
+        reporter = asyncio.ensure_future(self._report_progress(start))
         faults = []
-        if self.server is not None and self.config.kill_every is not None:
+        if self.servers and self.config.kill_every is not None:
             faults.append(
-                asyncio.ensure_future(
-                    self._kill_loop(http, self.server, self.config.kill_every, attack_end)
-                )
+                asyncio.ensure_future(self._kill_loop(self.config.kill_every, attack_end))
             )
-        if self.link is not None and self.config.partition_every is not None:
+        if self.links and self.config.partition_every is not None:
             faults.append(
-                asyncio.ensure_future(
-                    self._partition_loop(self.link, self.config.partition_every, attack_end)
-                )
+                asyncio.ensure_future(self._partition_loop(self.config.partition_every, attack_end))
             )
         try:
             await _first_failure(clients, faults)
@@ -217,20 +256,18 @@ class _Storm:
                 await fault  # a restart in progress ends first; a failure is raised here
 
     def _killing(self) -> bool:
-        return self.server is not None and self.config.kill_every is not None
+        return bool(self.servers) and self.config.kill_every is not None
 
-    async def _key(self, http: httpx.AsyncClient, tally: KeyTally, start: float) -> None:
+    async def _key(self, tally: KeyTally, start: float) -> None:
         loop = asyncio.get_running_loop()
         await asyncio.sleep(max(0.0, start + tally.plan.start - loop.time()))
-        await asyncio.gather(*(self._client(http, tally) for _ in range(self.config.retries)))
+        await asyncio.gather(*(self._client(tally, n) for n in range(self.config.retries)))
 
-    async def _client(self, http: httpx.AsyncClient, tally: KeyTally) -> None:
+    async def _client(self, tally: KeyTally, client: int) -> None:
         await asyncio.sleep(self.rng.uniform(0, CLIENT_SPREAD))
-        await send_payment(http, tally, self.config, self.deadline)
+        await send_payment(self._http_for(tally, client), tally, self.config, self.deadline)
 
-    async def _kill_loop(
-        self, http: httpx.AsyncClient, server: DemoProcess, every: float, attack_end: float
-    ) -> None:
+    async def _kill_loop(self, every: float, attack_end: float) -> None:
         """SIGKILL at random moments ~``every`` apart, never before the demo served a bit.
 
         Kills stop at the end of the window or once every client is done,
@@ -241,21 +278,24 @@ class _Storm:
         last_kill = loop.time()
         while True:
             at = max(last_kill + every * self.rng.uniform(0.5, 1.5), loop.time() + every / 4)
-            if server.kills < self.config.min_kills:
+            if self.kills < self.config.min_kills:
                 await asyncio.sleep(at - loop.time())
             elif at >= attack_end or await self._done_within(at - loop.time()):
                 return
+            index = self._pick(range(len(self.servers)))
+            server = self.servers[index]
             # Its counters die with it: read them first, briefly (a kill must not wait).
-            await self.metrics.scrape(http, server.incarnation, timeout=1.0)
+            await self.metrics.scrape(self.https[index], self._incarnation(index), timeout=1.0)
             await server.kill()
             last_kill = loop.time()
             self.deadline.extend_to(last_kill + self.config.settle_seconds)
             await server.start()
 
-    async def _partition_loop(self, link: FaultyLink, every: float, attack_end: float) -> None:
-        """Partition the database link at random moments ~``every`` apart, within the window.
+    async def _partition_loop(self, every: float, attack_end: float) -> None:
+        """Partition a database link at random moments ~``every`` apart, within the window.
 
-        Each partition lasts about ``partition_for``; clients keep their
+        Each partition lasts about ``partition_for`` and cuts one demo's link
+        (picked at random when there are several); clients keep their
         deadline ``settle_seconds`` past the last heal.
         """
         loop = asyncio.get_running_loop()
@@ -263,6 +303,7 @@ class _Storm:
             at = loop.time() + every * self.rng.uniform(0.5, 1.5)
             if at >= attack_end or await self._done_within(at - loop.time()):
                 return
+            link = self._pick(self.links)
             link.partition()
             try:
                 await asyncio.sleep(self.config.partition_for * self.rng.uniform(0.5, 1.5))
@@ -277,27 +318,27 @@ class _Storm:
             return False
         return True
 
-    async def _report_progress(self, http: httpx.AsyncClient, start: float) -> None:
+    async def _report_progress(self, start: float) -> None:
         """A line every few seconds; and a reading of the counters, in case a kill misses one."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(PROGRESS_EVERY)
-            await self.metrics.scrape(http, self._incarnation(), timeout=1.0)
+            await self._scrape(timeout=1.0)
             answered = sum(t.resolved for t in self.tallies)
             requests = sum(t.requests for t in self.tallies)
-            kills = self.server.kills if self.server else 0
+            kills = self.kills
             self.say(
                 f"storm: {loop.time() - start:4.0f} s  {answered}/{len(self.tallies)} keys "
                 f"answered  {requests} requests  {kills} kills"
             )
 
-    async def _late_retries(self, http: httpx.AsyncClient) -> None:
+    async def _late_retries(self) -> None:
         """One more retry per answered key: it must replay the same answer."""
         gate = asyncio.Semaphore(32)
 
         async def late(tally: KeyTally) -> None:
             async with gate:
-                await self._late_retry(http, tally)
+                await self._late_retry(self._http_for(tally, 0), tally)
 
         await asyncio.gather(*(late(t) for t in self.tallies if t.resolved))
 

@@ -38,15 +38,20 @@ class DemoProcess:
     """``idemflow demo`` in a subprocess; each (re)start is a new incarnation.
 
     Its output goes to ``data_dir/demo.log``, appended across incarnations: a
-    traceback there is what to read when a verdict is red.
+    traceback there is what to read when a verdict is red. Beside the first,
+    demo ``index`` n logs to ``demo-<n + 1>.log`` in the same folder (whose
+    provider ledger they share).
     """
 
-    def __init__(self, config: StormConfig, data_dir: Path, *, port: int | None = None) -> None:
+    def __init__(
+        self, config: StormConfig, data_dir: Path, *, port: int | None = None, index: int = 0
+    ) -> None:
         self.config = config
         self.data_dir = data_dir
+        self.index = index
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = data_dir / "demo.log"
+        self.log = data_dir / ("demo.log" if index == 0 else f"demo-{index + 1}.log")
         self.incarnation = 0
         self.kills = 0
         #: Seconds each incarnation took to answer /healthz.
@@ -62,7 +67,8 @@ class DemoProcess:
         command += ["--provider-latency-ms", str(config.provider_latency_ms)]
         command += ["--provider-failure-rate", f"{config.provider_failure_rate:g}"]
         if config.seed is not None:  # each incarnation its own, reproducible failures
-            command += ["--provider-seed", str(config.seed * 1000 + self.incarnation)]
+            seed = config.seed * 1000 + 100 * self.index + self.incarnation
+            command += ["--provider-seed", str(seed)]
         if config.database:
             command += ["--database", config.database]
         if config.claim_commit != "own":
