@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -92,6 +92,23 @@ class MySQLConnection:
         #: A statement failed or was cancelled on it: its session state, or
         #: where its socket stands in the protocol, is unknown. Never reused.
         self.broken = False
+        #: Gives its pool slot back (set while it is checked out).
+        self.give_slot_back: Callable[[], None] = lambda: None
+
+    def mark_broken(self) -> None:
+        """Close it now and give its slot back at once, not when the request ends.
+
+        A request whose connection failed still holds it until it is done,
+        and what it does next may take long: the release of its claim goes
+        through the key store's own pool, three times 5 s at worst when that
+        pool is busy too (``idemflow``'s driver). Meanwhile the slot would be
+        taken by a connection nobody can use; after a partition, every slot
+        at once.
+        """
+        if not self.broken:
+            self.broken = True
+            self.raw.close()  # abrupt: nothing is sent on a socket in an unknown state
+            self.give_slot_back()
 
 
 class MySQLPool:
@@ -124,17 +141,27 @@ class MySQLPool:
         except TimeoutError:
             msg = f"all {self._size} MySQL connections of the demo busy for {self._timeout:g}s"
             raise PoolTimeout(msg) from None
+        released = False
+
+        def give_slot_back() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                slots.release()
+
         try:
             pooled = self._idle.pop() if self._idle else await self._connect()
+            pooled.give_slot_back = give_slot_back
             try:
                 yield pooled
             except BaseException:
-                pooled.broken = True
+                pooled.mark_broken()
                 raise
             finally:
+                pooled.give_slot_back = lambda: None
                 await self._give_back(pooled)
         finally:
-            slots.release()
+            give_slot_back()
 
     async def _connect(self) -> MySQLConnection:
         import asyncmy
@@ -154,9 +181,9 @@ class MySQLPool:
             try:  # an error left a transaction open: never hand that on
                 await pooled.raw.rollback()
             except Exception:  # noqa: BLE001 -- broken after all: closed below
-                pooled.broken = True
+                pooled.mark_broken()
         if pooled.broken or not pooled.raw.connected:
-            pooled.raw.close()  # abrupt: nothing is sent on a socket in an unknown state
+            pooled.mark_broken()
             return
         self._idle.append(pooled)
 
@@ -180,7 +207,7 @@ class _Guarded:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         if kind is not None:
-            self.pooled.broken = True
+            self.pooled.mark_broken()
 
 
 class MySQLTransaction:
