@@ -9,6 +9,7 @@ next step the flow asks for.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -21,6 +22,7 @@ from idemflow import (
     KeyReused,
     LeaseLost,
     Outcome,
+    OutcomeUnknown,
     Policy,
     Record,
     Response,
@@ -196,6 +198,75 @@ def test_a_cancellation_past_a_committed_phase_keeps_the_claim(
     flow, _ = start()
     assert flow.send(Claim(owned=True, record=mine)) == Execute(mine)
     assert flow.throw(RuntimeError("the handler's own")) == Release(mine)
+
+
+#: POLICY's sweeper horizon: its 20 s stale threshold (2 x 5 s + 10 s) plus one 2 s interval.
+SWEPT_WITHIN = 22
+
+
+@pytest.mark.parametrize("recovery_point", [None, "charging"], ids=["fresh", "resumed"])
+@pytest.mark.parametrize("atomic", [True, False], ids=["two-commit", "no-transaction"])
+def test_an_unknown_outcome_keeps_a_durable_claim_without_asking(
+    atomic: bool, recovery_point: str | None
+) -> None:
+    """The handler says it cannot tell whether its external effect happened. Its claim is
+    durable from the claim on with two commits, without a transaction and in middleware
+    mode: no release (a retry would call again), no question to the driver, the very same
+    exception out, its ``retry_after`` raised to when the sweeper will have passed."""
+    flow, _ = start(atomic=atomic)
+    mine = replace(record(), recovery_point=recovery_point)
+    assert flow.send(Claim(owned=True, record=mine)) == Execute(mine)
+    unknown = OutcomeUnknown("the provider timed out")
+
+    with pytest.raises(OutcomeUnknown) as raised:
+        flow.throw(unknown)
+    assert raised.value is unknown
+    assert (
+        unknown.retry_after
+        == SWEPT_WITHIN
+        == math.ceil(POLICY.stale_seconds + POLICY.sweep_interval)
+    )
+
+
+def test_an_unknown_outcome_never_lowers_the_handlers_retry_after() -> None:
+    flow, _ = owned()
+    with pytest.raises(OutcomeUnknown) as raised:
+        flow.throw(OutcomeUnknown(retry_after=600))
+    assert raised.value.retry_after == 600
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["own-phase", "resumed"])
+def test_single_commit_keeps_an_unknown_outcome_past_a_committed_phase_only(
+    resumed: bool,
+) -> None:
+    """Single-commit mode: before the first ``commit_phase`` the claim is in the request's
+    transaction, and the rollback takes it with the effect (nothing durable to keep: the
+    Release step is that rollback). Past a committed phase (its own, or a resumed run's,
+    whose take-over committed first) the claim is durable and stays."""
+    mine = replace(record(), recovery_point="charging" if resumed else None)
+
+    def executing() -> Flow:
+        flow = idempotency_flow(INTENT, POLICY, "lease-1", atomic=True, single_commit=True)
+        next(flow)
+        step = flow.send(Claim(owned=True, record=mine))
+        if resumed:
+            assert step == CommitClaim(mine)
+            step = flow.send(None)
+        assert step == Execute(mine)
+        return flow
+
+    flow = executing()
+    assert flow.throw(OutcomeUnknown()) == PhaseCommitted(mine)
+    with pytest.raises(OutcomeUnknown) as kept:
+        flow.send(True)
+    assert kept.value.retry_after == SWEPT_WITHIN
+
+    flow = executing()
+    assert flow.throw(OutcomeUnknown()) == PhaseCommitted(mine)
+    assert flow.send(False) == Release(mine)
+    with pytest.raises(OutcomeUnknown) as rolled_back:
+        flow.send(None)
+    assert rolled_back.value.retry_after == POLICY.retry_after
 
 
 def test_lost_lease_at_completion_propagates_without_a_release() -> None:

@@ -36,6 +36,7 @@ from idemflow import (
     Idempotency,
     InProgress,
     Outcome,
+    OutcomeUnknown,
     Policy,
     Response,
     State,
@@ -60,7 +61,8 @@ class Script:
     past one. Steps: ``write:<note>`` (a business row on the attempt's connection),
     ``phase`` (``commit_phase``), ``call`` (the provider charges: no downstream key is
     honoured), ``lose`` (the rig's real fault), ``peek`` (the record as another session
-    sees it), ``503`` (answer a transient failure). It then answers 201."""
+    sees it), ``503`` (answer a transient failure), ``unknown`` (raise ``OutcomeUnknown``).
+    It then answers 201."""
 
     fresh: tuple[str, ...]
     resumed: tuple[str, ...] = ("call", "write:charged")
@@ -185,6 +187,8 @@ def _act(world: World, attempt: Any, step: str) -> Any:
         return None
     if kind == "await":  # the provider's answer, awaited (nothing to wait for when sync)
         return None if world.rig.sync else asyncio.sleep(0)
+    if kind == "unknown":  # the provider's answer never came: tests/test_outcome_unknown.py
+        raise OutcomeUnknown("the provider timed out after the charge was sent")
     raise AssertionError(step)
 
 

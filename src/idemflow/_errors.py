@@ -19,13 +19,15 @@ the documentation (``docs/problems/<slug>.md``)::
     │   │   └── LeaseLost       409 retry   our claim was taken over: we must not commit
     │   └── KeyReused           422         same key, different request
     ├── StoreUnavailable        503 retry   the key store cannot be reached: fail closed
+    ├── OutcomeUnknown          503 retry   the handler cannot tell if its external effect happened
     └── ConfigurationError                  unsafe or impossible settings (also a ValueError)
         ├── ResponseNotStorable 500         a response too large, streamed or unsendable to store
         ├── MissingExtra                    an optional dependency is not installed (an ImportError)
         └── MissingTable                    the key table was never created: run idemflow migrate
 
 The handler's own exceptions are never wrapped: after the claim is released
-they propagate unchanged.
+they propagate unchanged. ``OutcomeUnknown`` is the one a handler raises on
+purpose: it keeps the claim for the sweeper instead of releasing it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
     "MissingKey",
     "MissingPrincipal",
     "MissingTable",
+    "OutcomeUnknown",
     "ReplayForbidden",
     "ResponseNotStorable",
     "StoreUnavailable",
@@ -193,6 +196,38 @@ class StoreUnavailable(IdempotencyError):
     status = 503
     slug = "store-unavailable"
     title = "Idempotency store unavailable"
+    retryable = True
+
+    def __init__(self, message: str = "", *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class OutcomeUnknown(IdempotencyError):
+    """Raise it from a handler that cannot tell whether its external effect happened.
+
+    A provider call that timed out, or whose connection broke after the request
+    was sent: the charge may or may not have been made. Any other exception
+    releases the key (a handler that raised did nothing), and a retry would
+    make the call again; this one keeps the claim wherever it is durable (two
+    commits, single-commit past a ``commit_phase``, no transaction,
+    middleware), so a retry gets ``409`` until the sweeper's reconciler settles
+    or releases it (without a reconciler the sweeper releases it after the
+    stale threshold and the retry resumes: safe with a downstream key). The
+    request's own transaction still rolls back what it wrote since its last
+    ``commit_phase``. In single-commit mode before the first ``commit_phase``
+    nothing is durable yet and the claim rolls back with the rest: make
+    external calls after one.
+
+    The caller gets a ``503`` with ``Retry-After``: ``retry_after`` is raised
+    to when the sweeper will have passed when the claim is kept. Raised
+    unchanged (the same object) out of ``run``.
+    """
+
+    __module__ = "idemflow"
+    status = 503
+    slug = "outcome-unknown"
+    title = "The outcome of this request is not known yet"
     retryable = True
 
     def __init__(self, message: str = "", *, retry_after: int = 1) -> None:

@@ -14,7 +14,7 @@ import threading
 from collections import Counter
 from typing import Protocol
 
-from ._errors import InProgress, KeyReused, LeaseLost, StoreUnavailable
+from ._errors import InProgress, KeyReused, LeaseLost, OutcomeUnknown, StoreUnavailable
 from ._model import Intent
 
 __all__ = ["CountingObserver", "Event", "Observer", "error_event", "fan_out", "null_observer"]
@@ -32,6 +32,9 @@ class Event(enum.StrEnum):
     LEASE_LOST = "lease_lost"
     STALE_RECLAIMED = "stale_reclaimed"
     STORE_UNAVAILABLE = "store_unavailable"
+    #: The handler raised ``OutcomeUnknown``: 503, and the key stays claimed for the
+    #: sweeper's reconciler (released only in single-commit mode before a commit_phase).
+    OUTCOME_UNKNOWN = "outcome_unknown"
 
 
 class Observer(Protocol):
@@ -92,6 +95,7 @@ def error_event(exc: BaseException) -> Event | None:
         (InProgress, Event.IN_PROGRESS_CONFLICT),
         (KeyReused, Event.FINGERPRINT_MISMATCH),
         (StoreUnavailable, Event.STORE_UNAVAILABLE),
+        (OutcomeUnknown, Event.OUTCOME_UNKNOWN),
     ):
         if isinstance(exc, kind):
             return event

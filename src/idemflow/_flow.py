@@ -21,12 +21,13 @@ A driver runs :func:`idempotency_flow` like this::
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from ._errors import InProgress, KeyReused, LeaseLost, StoreUnavailable
+from ._errors import InProgress, KeyReused, LeaseLost, OutcomeUnknown, StoreUnavailable
 from ._model import (
     Claim,
     Clock,
@@ -154,16 +155,17 @@ def _protocol(
     try:
         response: Response = yield Execute(record)
     except BaseException as exc:
-        if not isinstance(exc, Exception) and (
-            yield from _past_a_committed_phase(record, answered=False)
-        ):
-            # Cancelled (or told to exit) past a committed phase: the external call
-            # made after it may have happened, and the operation never said it did
-            # not. Releasing would let a retry resume and make it again: the key
-            # stays claimed for the sweeper's reconciler.
+        if (yield from _outcome_unknown(exc, record, single_commit)):
+            # The external call may have happened and nobody can say: releasing would
+            # let a retry resume and make it again. The key stays claimed (the driver
+            # rolls back what is still open) for the sweeper's reconciler.
+            if isinstance(exc, OutcomeUnknown):
+                exc.retry_after = max(exc.retry_after, _swept_within(policy))
             raise
         # The operation failed (or was cancelled) before it answered: nothing
         # settled. Give the key back and let its own exception through unchanged.
+        if isinstance(exc, OutcomeUnknown):
+            exc.retry_after = max(exc.retry_after, policy.retry_after)
         yield Release(record)
         raise
     verdict = policy.verdict(response)
@@ -188,6 +190,37 @@ def _protocol(
             raise StoreUnavailable(_UNRECORDED, retry_after=exc.retry_after) from exc
         raise
     return Outcome(response, replayed=False, record=record)
+
+
+def _outcome_unknown(
+    exc: BaseException, record: Record, single_commit: bool
+) -> Generator[Step, Any, bool]:
+    """Did the operation end without an answer, its effect unknown, where its claim is durable?
+
+    The one rule for an operation that ends without answering (DEVELOPERS.md, guarantee
+    2: an unknown outcome is never resolved by re-executing):
+
+    - ``OutcomeUnknown``: the handler says it cannot tell whether its external effect
+      happened. Unknown wherever the claim is durable: from the claim on with two
+      commits, without a transaction and in middleware mode; in single-commit mode only
+      past a committed phase (before it the claim rolls back with the transaction, and
+      there is nothing to keep).
+    - any other exception: the handler's own answer, by contract that it did nothing.
+    - a cancellation (or a BaseException): unknown past a committed phase, where the
+      external call made after it may have happened and the handler never said it did not.
+    """
+    if isinstance(exc, OutcomeUnknown):
+        if not single_commit:
+            return True
+    elif isinstance(exc, Exception):
+        return False
+    return (yield from _past_a_committed_phase(record, answered=False))
+
+
+def _swept_within(policy: Policy) -> int:
+    """Whole seconds until the sweeper has passed over a claim left now: its threshold
+    plus one interval (the longest a 409 on it ever asks a client to wait)."""
+    return max(policy.retry_after, math.ceil(policy.stale_seconds + policy.sweep_interval))
 
 
 def _past_a_committed_phase(record: Record, *, answered: bool = True) -> Generator[Step, Any, bool]:

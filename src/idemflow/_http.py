@@ -49,6 +49,7 @@ from ._errors import (
     IncompleteBody,
     InProgress,
     MissingPrincipal,
+    OutcomeUnknown,
     ResponseNotStorable,
     StoreUnavailable,
     problem_types,
@@ -498,7 +499,7 @@ def is_retryable(slug: str, status: int) -> bool:
 def problem_for(error: IdempotencyError, request_id: str | None = None) -> Response:
     """The problem response for one of idemflow's errors (409 and 503 with ``Retry-After``)."""
     retry_after = None
-    if isinstance(error, InProgress | StoreUnavailable):
+    if isinstance(error, InProgress | StoreUnavailable | OutcomeUnknown):
         retry_after = error.retry_after
     if not isinstance(error, ResponseNotStorable) and error.status >= 500:
         logger.error("idempotency failure: %s", error)

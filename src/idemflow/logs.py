@@ -18,7 +18,7 @@ field               value
 
 Quiet at ``INFO`` on the normal paths: claims, completions and replays log at
 ``DEBUG``; 409s, 422s and released claims at ``INFO``; store outages, lost
-leases and reclaimed stale claims at ``WARNING``.
+leases, unknown outcomes and reclaimed stale claims at ``WARNING``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ DEFAULT_LEVELS: Mapping[Event, int] = {
     Event.STALE_RECLAIMED: logging.WARNING,
     Event.STORE_UNAVAILABLE: logging.WARNING,
     Event.LEASE_LOST: logging.WARNING,
+    Event.OUTCOME_UNKNOWN: logging.WARNING,
 }
 
 _MESSAGES: Mapping[Event, str] = {
@@ -55,6 +56,7 @@ _MESSAGES: Mapping[Event, str] = {
     Event.STALE_RECLAIMED: "stale claim reclaimed on %s",
     Event.STORE_UNAVAILABLE: "idempotency key store unavailable on %s: answered 503",
     Event.LEASE_LOST: "claim taken over before completion on %s: work rolled back",
+    Event.OUTCOME_UNKNOWN: "outcome unknown on %s: answered 503, the claim kept for the sweeper",
 }
 
 _DIGEST_BYTES = 8

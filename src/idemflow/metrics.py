@@ -8,7 +8,8 @@ path, and the key or principal never appear.
 
 - ``idemflow_requests_total{outcome, endpoint}``: every outcome (claimed,
   replayed, in_progress_conflict, fingerprint_mismatch, released,
-  stale_reclaimed, store_unavailable, and completed, lease_lost).
+  stale_reclaimed, store_unavailable, outcome_unknown, and completed,
+  lease_lost).
 - ``idemflow_claim_seconds{endpoint}``: time to claim a key (histogram).
 - ``idemflow_replay_seconds{endpoint}``: time to answer with a stored response.
 - ``idemflow_stale_in_progress{state}``: claims older than the request timeout
