@@ -15,8 +15,8 @@
  *   LIVE   liveness run: the LTL properties below, with pan -a -f (weak fairness)
  *   M_*    one re-introduced bug (see "Mutants" in docs/model.md)
  *
- * Faults: CRASHES, TRANSIENTS, OVERRUNS, UNKNOWNS, STORE_FAILURES, EXPIRIES
- * (each 0/1: may it happen at all) and MAXFAULTS (how many of them, of any
+ * Faults: CRASHES, TRANSIENTS, OVERRUNS, UNKNOWNS, STORE_FAILURES, EXPIRIES,
+ * UNANSWERED (each 0/1: may it happen at all) and MAXFAULTS (how many of them, of any
  * kinds, in one execution; default 2). Every check explores every
  * interleaving of every combination of up to MAXFAULTS faults.
  *
@@ -59,6 +59,10 @@
 #endif
 #ifndef EXPIRIES
 #define EXPIRIES 1         /* a record's retention ends (counts as one of MAXFAULTS) */
+#endif
+#ifndef UNANSWERED
+#define UNANSWERED 1       /* the handler ends without an answer after its external call:
+                              cancelled past a committed phase, or it raised OutcomeUnknown */
 #endif
 #ifndef MAXEXP
 #define MAXEXP 1           /* retention expiries in all (intents the observer tells apart - 1) */
@@ -303,6 +307,25 @@ inline release_claim() {
   assert(!OWNED(r) || S7_transient_gives_the_key_back)
 }
 
+/* The handler ends without an answer after its external call, which may or may not have
+ * happened: cancelled past a committed phase, or it raised OutcomeUnknown
+ * (_flow._outcome_unknown). Its open transaction rolls back; a claim that is durable (every
+ * claim here: committed at the claim, or by the commit_phase before the call) stays for the
+ * sweeper, never released for a retry to call again; an uncommitted one (single-commit before
+ * any phase: not reached here) goes with the rollback. The client is told 503 and retries. */
+inline unanswered() {
+  if
+  :: MAY(UNANSWERED) ->
+     faults++;
+#ifdef M_RELUNKNOWN
+     release_claim();                    /* bug: released, as any exception once was */
+#endif
+     if :: ME_UNCOMMITTED(r) -> lk[r] = 0 :: else fi;
+     run_over()
+  :: true
+  fi
+}
+
 /* The claim (rule 1: one atomic statement; the code branches on its result only). */
 inline claim() {
 #ifndef M_CTA
@@ -466,6 +489,7 @@ again:
   :: verdict == RNONE ->
      atomic {
        external_effect();
+       unanswered();
 #if LOCALROW
        if :: verdict == ROK -> haverow = 1 :: else fi;
 #endif

@@ -77,7 +77,8 @@ CORRECT = (
     safe("middleware, reconciler", MIDDLEWARE, "RECON"),
     safe("two principals, one key", TWO_COMMIT, "TENANT"),
     # A provider call past a committed phase, no downstream key: the reconciler
-    # suffices, because a failed completion keeps the claim for it.
+    # suffices, because a failed completion, and a handler that ends without an
+    # answer after the call (cancelled, or OutcomeUnknown), keep the claim for it.
     safe("two-commit, provider call, reconciler only", TWO_COMMIT, "EXT", "RECON"),
     safe("single-commit, provider call, reconciler only", SINGLE_COMMIT, "EXT", "RECON"),
 )
@@ -117,6 +118,29 @@ MUTANTS = (
         "EXT",
         "RECON",
         "M_RELPHASE",
+    ),
+    fails(
+        "release when the handler ends unanswered past a committed phase",
+        ONE_EFFECT,
+        TWO_COMMIT,
+        "EXT",
+        "RECON",
+        "M_RELUNKNOWN",
+    ),
+    fails(
+        "release when the handler ends unanswered, single-commit",
+        ONE_EFFECT,
+        SINGLE_COMMIT,
+        "EXT",
+        "RECON",
+        "M_RELUNKNOWN",
+    ),
+    fails(
+        "release when the handler ends unanswered, no transaction",
+        ONE_EFFECT,
+        NO_TRANSACTION,
+        "RECON",
+        "M_RELUNKNOWN",
     ),
     fails(
         "single-commit resume without committing the take-over first",

@@ -1,0 +1,258 @@
+"""
+``OutcomeUnknown`` through every framework's own door: the WSGI middleware, the FastAPI
+dependency (Starlette's ``Idempotent``), Flask's ``protect`` and Django's ``@idempotent``,
+in process. An endpoint that charged and then cannot tell whether the charge went through
+raises ``OutcomeUnknown``: the caller gets a 503 outcome-unknown problem with
+``Retry-After``, the key stays ``in_progress`` (the endpoint's transaction rolled back what
+it wrote), and a retry gets 409 instead of running the endpoint again. The ASGI middleware,
+on every store, is in tests/test_outcome_unknown.py.
+"""
+
+# No ``from __future__ import annotations``: FastAPI must see the local ``Idem`` alias.
+
+import contextlib
+import json
+import sqlite3
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import pytest
+
+from idemflow import Idempotency, OutcomeUnknown, Policy, State
+from idemflow.stores.sqlite import SQLiteStore
+
+POLICY = Policy(request_timeout=5)
+#: POLICY's sweeper horizon (20 s threshold, 2 s interval): the least Retry-After to expect.
+SWEPT_WITHIN = 22
+UNKNOWN = "https://idemflow.dev/problems/outcome-unknown"
+
+
+def assert_outcome_unknown(status: int, headers: Any, body: bytes) -> None:
+    problem = json.loads(body)
+    assert status == 503, body
+    assert (problem["type"], problem["status"], problem["retryable"]) == (UNKNOWN, 503, True)
+    assert int(headers["retry-after"]) >= SWEPT_WITHIN
+
+
+@contextlib.contextmanager
+def sqlite_keys(tmp_path: Path) -> Iterator[tuple[Path, SQLiteStore]]:
+    path = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("CREATE TABLE payment (id INTEGER PRIMARY KEY, note TEXT)")
+        conn.commit()
+    store = SQLiteStore(path)
+    store.migrate()
+    try:
+        yield path, store
+    finally:
+        store.close()
+
+
+def payments(path: Path) -> int:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return int(conn.execute("SELECT count(*) FROM payment").fetchone()[0])
+
+
+def test_the_wsgi_middleware_keeps_the_claim_of_an_unknown_outcome(tmp_path: Path) -> None:
+    """Middleware mode (no shared transaction): the endpoint's exception reaches the
+    middleware, which answers 503 and leaves the key claimed for the sweeper."""
+    from idemflow.integrations.wsgi import IdempotencyMiddleware
+
+    calls: list[str] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        calls.append(environ["PATH_INFO"])
+        raise OutcomeUnknown("the provider did not answer")
+
+    with sqlite_keys(tmp_path) as (_, store):
+        protected = IdempotencyMiddleware(
+            app, idempotency=Idempotency(store, POLICY), endpoints=["POST /payments"]
+        )
+
+        def authenticated(environ: dict[str, Any], start_response: Any) -> Any:
+            environ["REMOTE_USER"] = "carol"
+            return protected(environ, start_response)
+
+        transport = httpx.WSGITransport(app=authenticated)
+        with httpx.Client(transport=transport, base_url="http://shop") as client:
+            headers = {"Idempotency-Key": "k-wsgi"}
+            first = client.post("/payments", content=b"{}", headers=headers)
+            retry = client.post("/payments", content=b"{}", headers=headers)
+        held = store.get("carol", "k-wsgi")
+
+    assert_outcome_unknown(first.status_code, first.headers, first.content)
+    assert retry.status_code == 409
+    assert held is not None
+    assert held.state is State.IN_PROGRESS
+    assert calls == ["/payments"]
+
+
+def test_flask_protect_keeps_the_claim_and_rolls_the_session_back(tmp_path: Path) -> None:
+    """Transactional (two commits): the view's row rolls back with its session, the claim
+    stays, 503 then 409."""
+    pytest.importorskip("flask")
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from flask import Flask, g
+    from sqlalchemy.orm import Session
+
+    from idemflow.integrations.flask import Idempotency as FlaskIdempotency
+    from idemflow.transactions import SQLAlchemyTransaction
+
+    with sqlite_keys(tmp_path) as (path, store):
+        engine = sqlalchemy.create_engine(f"sqlite:///{path}")
+        app = Flask(__name__)
+
+        @contextlib.contextmanager
+        def session_transaction() -> Iterator[SQLAlchemyTransaction]:
+            with Session(engine) as session:
+                g.session = session
+                yield SQLAlchemyTransaction(session)
+
+        idem = FlaskIdempotency(
+            app, store=store, transaction=session_transaction, principal=lambda: "alice"
+        )
+        calls: list[int] = []
+
+        @app.post("/payments")
+        @idem.protect
+        def pay() -> Any:
+            calls.append(1)
+            g.session.execute(sqlalchemy.text("INSERT INTO payment (note) VALUES ('pending')"))
+            raise OutcomeUnknown("the provider did not answer")
+
+        client = app.test_client()
+        headers = {"Idempotency-Key": "k-flask"}
+        first = client.post("/payments", headers=headers, json={})
+        retry = client.post("/payments", headers=headers, json={})
+        held = store.get("alice", "k-flask")
+        engine.dispose()
+        rows = payments(path)
+
+    assert_outcome_unknown(first.status_code, first.headers, first.data)
+    assert retry.status_code == 409
+    assert held is not None
+    assert held.state is State.IN_PROGRESS
+    assert (calls, rows) == ([1], 0)
+
+
+def test_django_idempotent_keeps_the_claim_and_rolls_the_atomic_block_back(
+    table_name: str,
+) -> None:
+    """``@idempotent`` on a function view, on Django's SQLite alias: the view's row rolls
+    back with idemflow's ``atomic()`` block, the claim stays, 503 then 409."""
+    pytest.importorskip("django")
+    from django.db import connections
+    from django.http import HttpRequest, HttpResponse
+    from django.test import RequestFactory, override_settings
+
+    from idemflow.integrations.django import DjangoStore, get_store, idempotent
+    from tests.integrations.django_setup import execute, require
+
+    require("default")
+    business = f"biz_{table_name}"
+    execute("default", f"CREATE TABLE {business} (id INTEGER PRIMARY KEY, note TEXT)")
+    calls: list[int] = []
+
+    @idempotent
+    def pay(request: HttpRequest) -> HttpResponse:
+        calls.append(1)
+        with connections["default"].cursor() as cursor:
+            cursor.execute(f"INSERT INTO {business} (note) VALUES ('pending')")
+        raise OutcomeUnknown("the provider did not answer")
+
+    settings = {"table": table_name, "request_timeout": 5, "principal": lambda r: "dora"}
+    try:
+        with override_settings(IDEMFLOW=settings):
+            DjangoStore("default", table=table_name).migrate()
+            store = get_store()
+            factory = RequestFactory()
+            answers = [
+                pay(factory.post("/payments", b"{}", "application/json", HTTP_IDEMPOTENCY_KEY="k"))
+                for _ in range(2)
+            ]
+            held = store.get("dora", "k")
+        rows = execute("default", f"SELECT count(*) FROM {business}")[0][0]
+    finally:
+        execute("default", f"DROP TABLE IF EXISTS {business}")
+        execute("default", f"DROP TABLE IF EXISTS {table_name}")
+
+    first, retry = answers
+    assert_outcome_unknown(first.status_code, first.headers, first.content)
+    assert retry.status_code == 409
+    assert held is not None
+    assert held.state is State.IN_PROGRESS
+    assert (calls, rows) == ([1], 0)
+
+
+@pytest.mark.postgres
+@pytest.mark.anyio
+async def test_the_fastapi_dependency_keeps_the_claim_and_rolls_the_rows_back(
+    table_name: str,
+) -> None:
+    """``IdempotentRequest.run`` (Starlette's ``Idempotent``) on PostgreSQL: the endpoint's
+    row rolls back with its transaction, the claim stays, 503 then 409."""
+    pytest.importorskip("fastapi")
+    psycopg = pytest.importorskip("psycopg")
+    psycopg_pool = pytest.importorskip("psycopg_pool")
+    from fastapi import Depends, FastAPI
+    from starlette.responses import Response as StarletteResponse
+
+    import idemflow
+    from idemflow import AsyncAttempt, AsyncIdempotency
+    from idemflow.integrations.fastapi import IdempotentRequest, dependency
+    from idemflow.integrations.starlette import Idempotent
+    from idemflow.stores.postgres import AsyncPostgresStore, PostgresStore
+    from idemflow.transactions import AsyncPsycopgTransaction
+    from tests.conftest import POSTGRES_URL, unreachable
+
+    try:
+        admin = psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as exc:
+        unreachable("PostgreSQL", exc)
+    business = f"biz_{table_name}"
+    admin.execute(f"CREATE TABLE {business} (id BIGSERIAL PRIMARY KEY, note TEXT)")
+    PostgresStore(POSTGRES_URL, table=table_name, max_size=1).migrate()
+    pool = psycopg_pool.AsyncConnectionPool(
+        POSTGRES_URL, min_size=1, max_size=2, kwargs={"autocommit": True}, open=False
+    )
+    await pool.open(wait=True)
+    idempotent = Idempotent(
+        AsyncIdempotency(AsyncPostgresStore(pool, table=table_name), POLICY),
+        connect=pool.connection,
+        transaction=AsyncPsycopgTransaction,
+    )
+    Idem = Annotated[IdempotentRequest, Depends(dependency(idempotent, principal=lambda: "erin"))]
+    app = FastAPI()
+    calls: list[int] = []
+
+    @app.post("/payments")
+    async def pay(idem: Idem) -> StarletteResponse:
+        async def handler(attempt: AsyncAttempt) -> idemflow.Response:
+            calls.append(1)
+            await attempt.connection.execute(f"INSERT INTO {business} (note) VALUES ('pending')")
+            raise OutcomeUnknown("the provider did not answer")
+
+        return await idem.run(handler)
+
+    key = str(uuid.uuid4())
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://shop") as client:
+            headers = {"Idempotency-Key": key}
+            first = await client.post("/payments", content=b"{}", headers=headers)
+            retry = await client.post("/payments", content=b"{}", headers=headers)
+        held = await idempotent.edge.idempotency.store.get("erin", key)
+        rows = admin.execute(f"SELECT count(*) FROM {business}").fetchone()[0]
+    finally:
+        await pool.close()
+        admin.execute(f"DROP TABLE IF EXISTS {table_name}, {business}")
+        admin.close()
+
+    assert_outcome_unknown(first.status_code, first.headers, first.content)
+    assert retry.status_code == 409
+    assert held is not None
+    assert held.state is State.IN_PROGRESS
+    assert (calls, rows) == ([1], 0)
