@@ -17,6 +17,7 @@ from idemflow import (
     Idempotency,
     InProgress,
     KeyReused,
+    OutcomeUnknown,
     Policy,
     Response,
     State,
@@ -160,6 +161,25 @@ def test_an_unreachable_store_increments_store_unavailable(
     samples = scrape()
     assert outcome(samples, "store_unavailable") == 1
     assert outcome(samples, "claimed") == 0
+
+
+def test_an_unknown_outcome_is_counted_and_its_key_is_not_released(
+    idem: Idempotency, scrape: Callable[[], Samples]
+) -> None:
+    """OutcomeUnknown keeps the claim: counted as outcome_unknown, never as released, and
+    the retry that finds the key held is an in_progress_conflict."""
+
+    def timed_out(attempt: object) -> Response:
+        raise OutcomeUnknown("the provider did not answer")
+
+    with pytest.raises(OutcomeUnknown):
+        idem.run(intent("k1"), timed_out)
+    with pytest.raises(InProgress):
+        idem.run(intent("k1"), created)
+    samples = scrape()
+    assert outcome(samples, "outcome_unknown") == 1
+    assert outcome(samples, "released") == 0
+    assert outcome(samples, "in_progress_conflict") == 1
 
 
 def test_an_intent_without_endpoint_is_counted_under_unknown(

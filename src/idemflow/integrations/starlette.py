@@ -460,7 +460,7 @@ class IdempotencyMiddleware:
     It cannot put the completion in the endpoint's transaction (it does not
     own it): the endpoint's effect commits first, then the record. A 5xx, 408
     or 429 response (or an exception) releases the claim, so a retry runs the
-    endpoint again.
+    endpoint again; an ``OutcomeUnknown`` keeps it for the sweeper (a 503).
 
     The app always runs to its end: its response is buffered (at most
     ``max_response_bytes``, never an error raised into the app mid-stream).

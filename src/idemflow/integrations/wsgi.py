@@ -35,7 +35,9 @@ rules themselves live in ``idemflow._http`` and the sync ``Edge``:
   ``response-not-stored`` marker that the first caller gets too and every
   retry replays;
 - a 5xx, 408, 425 or 429 response, or an exception, releases the claim; the
-  exception propagates to the server unchanged;
+  exception propagates to the server unchanged. ``OutcomeUnknown`` (the app
+  cannot tell whether its effect happened) keeps it for the sweeper instead:
+  a 503 ``outcome-unknown`` problem;
 - every response it makes carries ``X-Request-Id`` (the client's, if sane; it
   is also ``environ["idemflow.request_id"]`` for the application's logs).
 
