@@ -160,6 +160,32 @@ def is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
 
 
+def _open_pool(pool: Any, max_size: int, claim_lock_timeout_ms: int, *, asynchronous: bool) -> Any:
+    """``pool`` itself, or a pool made from a conninfo string (opened now if sync)."""
+    if not isinstance(pool, str):
+        return pool
+    with optional("idemflow.stores.postgres"):
+        import psycopg_pool
+
+    settings = _pool_settings(pool, max_size, claim_lock_timeout_ms)
+    if asynchronous:  # an async pool cannot open in __init__: _OpeningConnection opens it
+        return psycopg_pool.AsyncConnectionPool(pool, **settings, open=False)
+    return psycopg_pool.ConnectionPool(pool, **settings, open=True)
+
+
+def _executor_options(
+    pool: Any, table: str, claim_lock_timeout_ms: int, clock: StoreClock
+) -> dict[str, Any]:
+    """What both stores give the SQL executor besides their ``connect``."""
+    return {
+        "dialect": postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
+        "paramstyle": "pyformat",
+        "is_unavailable": is_unavailable,
+        "is_lock_timeout": is_lock_timeout,
+        "extra_params": True,
+    }
+
+
 class PostgresStore(SQLStore):
     """Key records in PostgreSQL.
 
@@ -183,22 +209,11 @@ class PostgresStore(SQLStore):
         claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
         clock: StoreClock = "database",
     ) -> None:
-        if isinstance(pool, str):
-            with optional("idemflow.stores.postgres"):
-                import psycopg_pool
-
-            pool = psycopg_pool.ConnectionPool(
-                pool, **_pool_settings(pool, max_size, claim_lock_timeout_ms), open=True
-            )
-        self.pool = pool
-        super().__init__(
-            postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
-            pool.connection,
-            paramstyle="pyformat",
-            is_unavailable=is_unavailable,
-            is_lock_timeout=is_lock_timeout,
-            extra_params=True,
+        self.pool: psycopg_pool.ConnectionPool[Any] = _open_pool(
+            pool, max_size, claim_lock_timeout_ms, asynchronous=False
         )
+        options = _executor_options(self.pool, table, claim_lock_timeout_ms, clock)
+        super().__init__(connect=self.pool.connection, **options)
 
     def close(self) -> None:
         self.pool.close()
@@ -222,22 +237,11 @@ class AsyncPostgresStore(AsyncSQLStore):
         claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
         clock: StoreClock = "database",
     ) -> None:
-        if isinstance(pool, str):
-            with optional("idemflow.stores.postgres"):
-                import psycopg_pool
-
-            pool = psycopg_pool.AsyncConnectionPool(
-                pool, **_pool_settings(pool, max_size, claim_lock_timeout_ms), open=False
-            )
-        self.pool = pool
-        super().__init__(
-            postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
-            self._connection,
-            paramstyle="pyformat",
-            is_unavailable=is_unavailable,
-            is_lock_timeout=is_lock_timeout,
-            extra_params=True,
+        self.pool: psycopg_pool.AsyncConnectionPool[Any] = _open_pool(
+            pool, max_size, claim_lock_timeout_ms, asynchronous=True
         )
+        options = _executor_options(self.pool, table, claim_lock_timeout_ms, clock)
+        super().__init__(connect=self._connection, **options)
 
     def _connection(self) -> Any:
         return _OpeningConnection(self.pool)
