@@ -10,6 +10,9 @@ while the first could still be running. Past the stale threshold the sweeper
 releases it (nothing ran, nothing to reconcile) and the next retry runs the
 handler exactly once. This is the row "The claim fails" of the failure table
 in docs/crash-safety.md, for two-commit mode.
+
+The completion's reply lost (PostgreSQL, where it travels with its COMMIT)
+is the other unknown: there the record is settled once, never run again.
 """
 
 from __future__ import annotations
@@ -23,7 +26,16 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from idemflow import Attempt, Idempotency, InProgress, Policy, Response, State, StoreUnavailable
+from idemflow import (
+    Attempt,
+    Idempotency,
+    InProgress,
+    Outcome,
+    Policy,
+    Response,
+    State,
+    StoreUnavailable,
+)
 from idemflow.stores.protocol import MaintainableStore
 from idemflow.sweeper import Sweeper
 from idemflow.testing import FrozenClock
@@ -176,3 +188,65 @@ def test_a_claim_whose_answer_was_lost_stays_claimed_until_swept_then_runs_once(
     assert (first.response.status, first.replayed) == (201, False)
     assert (again.response.status, again.replayed) == (201, True)
     assert ran == [1]
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("phase", [False, True], ids=["one-phase", "past-a-phase"])
+def test_a_completion_whose_commit_reply_was_lost_settles_once_and_never_runs_again(
+    phase: bool,
+) -> None:
+    """Two commits on PostgreSQL: the completion travels with its COMMIT in one message
+    (``WITH fenced AS (UPDATE …) SELECT …; COMMIT``). The server runs it and its reply is
+    lost. The request cannot know it committed: it answers 503 (with a committed phase
+    behind it, "could not be recorded", the key left to the sweeper). The fenced release
+    it may send changes nothing of a completed record, so effect and record stand once,
+    and every retry replays: the handler never runs a second time."""
+    psycopg = pytest.importorskip("psycopg")
+    from idemflow.edge import pooled_transaction
+    from idemflow.stores.postgres import PostgresStore
+    from idemflow.transactions import PsycopgTransaction
+
+    name = f"lost_{uuid.uuid4().hex[:10]}"
+    ran: list[int] = []
+
+    def charge(attempt: Attempt) -> Response:
+        ran.append(1)
+        attempt.connection.execute(f"INSERT INTO biz_{name} (note) VALUES ('paid')")
+        if phase:
+            attempt.commit_phase("payment_created")
+        return CREATED
+
+    def the_completion(chunk: bytes) -> bool:
+        return b"WITH fenced AS (UPDATE " in chunk and b"response_status" in chunk
+
+    with (
+        psycopg.connect(POSTGRES_URL, autocommit=True) as admin,
+        losing_proxy(_target(POSTGRES_URL, 5432), the_completion) as proxy,
+    ):
+        admin.execute(f"CREATE TABLE biz_{name} (id BIGSERIAL PRIMARY KEY, note TEXT)")
+        url = POSTGRES_URL.replace(":5432/", f":{proxy.port}/")
+        store = PostgresStore(url, table=name, max_size=2, clock="caller")
+        try:
+            store.migrate()
+            idem = Idempotency(store, POLICY, clock=FrozenClock())
+
+            def run() -> Outcome:
+                with pooled_transaction(store.pool.connection, PsycopgTransaction) as tx:
+                    return idem.run(intent("k-lost"), charge, transaction=tx)
+
+            with pytest.raises(StoreUnavailable) as unknown:
+                run()
+            assert proxy.lost.is_set(), "the completion's reply was not the one lost"
+            record = store.get("alice", "k-lost")
+            retries = [run(), run()]
+        finally:
+            store.close()
+            rows = admin.execute(f"SELECT note FROM biz_{name}").fetchall()
+            admin.execute(f"DROP TABLE IF EXISTS {name}, biz_{name}")
+
+    assert ("could not be recorded" in str(unknown.value)) is phase
+    assert record is not None
+    assert record.state is State.COMPLETED  # the COMMIT ran: effect and record together
+    assert [r.replayed for r in retries] == [True, True]
+    assert ran == [1]
+    assert rows == [("paid",)]

@@ -29,6 +29,7 @@ from .._http import (
 from .._model import Intent, Record, Response, Verdict
 from ..stores.protocol import AsyncTransaction
 from .driver import AsyncAttempt, AsyncIdempotency
+from .transactions import execute_and_commit
 
 __all__ = [
     "AsyncEdge",
@@ -196,6 +197,10 @@ class AsyncPooledTransaction:
         except BaseException as exc:
             await self._give_up(exc)
             raise
+
+    async def execute_and_commit(self, statement: Any, params: Any, *, begin: bool = False) -> int:
+        """The write and its COMMIT together where the adapter can (see ``AsyncCommitAfter``)."""
+        return await execute_and_commit(self._checked_out(), statement, params, begin=begin)
 
     async def aclose(self) -> None:
         """Give the connection back (if one was taken)."""

@@ -8,12 +8,17 @@ from it by ``scripts/unasync.py``. Import the adapters from :mod:`idemflow.trans
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..stores.protocol import Statement
+from ..stores.protocol import AsyncTransaction, CommitFailed, Statement
 
-__all__ = ["AsyncPsycopgTransaction", "AsyncSQLAlchemyTransaction"]
+__all__ = [
+    "AsyncCommitAfter",
+    "AsyncPsycopgTransaction",
+    "AsyncSQLAlchemyTransaction",
+    "execute_and_commit",
+]
 
 
 class AsyncPsycopgTransaction:
@@ -43,6 +48,168 @@ class AsyncPsycopgTransaction:
 
     async def rollback(self) -> None:
         await self.connection.rollback()
+
+    async def execute_and_commit(
+        self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
+    ) -> int:
+        """The fenced write, its COMMIT (and the next BEGIN) in one simple-query message.
+
+        The write is sent inside a statement that raises on the server when
+        it changed no row, so the rest of the message (the COMMIT) never runs
+        and the transaction stays open, failed, for the driver to roll back.
+        The parameters are bound on the client (a simple query carries
+        several statements; the extended protocol one). Psycopg's pipeline
+        mode cannot send one: there it is the write, then ``commit()``.
+        """
+        import psycopg
+
+        connection = self.connection
+        if connection.pgconn.pipeline_status:
+            return await _execute_then_commit(self, statement, params, begin)
+        cursor = psycopg.AsyncClientCursor(connection)
+        try:
+            await cursor.execute(_fenced(statement.pyformat, begin), statement.bind(params))
+        except psycopg.Error as exc:
+            if getattr(exc, "sqlstate", None) == "22P02" and _NO_ROW in str(exc):
+                return 0  # the fence: nothing committed, the transaction failed and open
+            idle = psycopg.pq.TransactionStatus.IDLE
+            if connection.info.transaction_status == idle:
+                # The write went through (a failed one leaves the transaction
+                # open); the COMMIT ran and failed, ending it.
+                raise CommitFailed from exc
+            raise
+        finally:
+            await cursor.close()
+        return 1
+
+
+#: What the fence of :func:`_fenced` says when the write matched no row.
+_NO_ROW = "idemflow: the fenced write matched no row"
+
+
+@functools.lru_cache(maxsize=64)
+def _fenced(update: str, begin: bool) -> str:
+    """``update`` made to raise when it changes no row, then COMMIT (and BEGIN).
+
+    The cast fails at run time only (its input depends on the row count: a
+    constant arm would be folded, and fail, at plan time). ``update`` has no
+    RETURNING of its own; ``id`` is the primary key, so at most one row.
+    """
+    then = "; COMMIT; BEGIN" if begin else "; COMMIT"
+    return (
+        f"WITH fenced AS ({update} RETURNING 1) "
+        f"SELECT CAST(CASE COUNT(*) WHEN 1 THEN '1' ELSE '{_NO_ROW}' END AS INTEGER) "
+        f"FROM fenced{then}"
+    )
+
+
+async def _execute_then_commit(
+    transaction: AsyncTransaction, statement: Statement, params: Mapping[str, Any], begin: bool
+) -> int:
+    """``execute_and_commit`` in three round trips, for a transaction that cannot send one."""
+    changed = await transaction.execute(statement, params)
+    if changed != 1:
+        return changed
+    try:
+        await transaction.commit()
+        if begin:
+            await transaction.begin()
+    except Exception as exc:
+        raise CommitFailed from exc
+    return changed
+
+
+async def execute_and_commit(
+    transaction: AsyncTransaction,
+    statement: Statement,
+    params: Mapping[str, Any],
+    *,
+    begin: bool = False,
+) -> int:
+    """``transaction.execute_and_commit`` where it has one, else the write then ``commit()``."""
+    fused = getattr(transaction, "execute_and_commit", None)
+    if fused is None:
+        return await _execute_then_commit(transaction, statement, params, begin)
+    changed: int = await fused(statement, params, begin=begin)
+    return changed
+
+
+class AsyncCommitAfter:
+    """The caller's transaction, for one fenced write its COMMIT follows at once.
+
+    The driver passes it to the store's ``complete`` or ``checkpoint``, then
+    calls :meth:`finish`. Where the transaction has ``execute_and_commit``
+    (the psycopg adapters), the store's write carries the COMMIT (and, with
+    ``begin``, the next BEGIN) in one round trip; elsewhere the write is sent
+    as it always was and :meth:`finish` commits. Either way the store sees
+    the write's row count (0: ``LeaseLost``, nothing committed) and the
+    COMMIT's own error comes out of :meth:`finish`, as from a ``commit()``.
+
+    ``on_commit`` is called once the COMMIT may have run (sent, whatever
+    came back), never when the fence stopped it.
+    """
+
+    def __init__(
+        self,
+        transaction: AsyncTransaction,
+        *,
+        begin: bool = False,
+        on_commit: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._transaction = transaction
+        self._fused = getattr(transaction, "execute_and_commit", None)
+        self._begin = begin
+        self._on_commit = on_commit
+        self._committed = False
+        self._error: BaseException | None = None
+
+    @property
+    def connection(self) -> Any:
+        return self._transaction.connection
+
+    async def begin(self) -> None:
+        await self._transaction.begin()
+
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        if self._committed:
+            raise RuntimeError("the write this transaction was lent for has committed")
+        if self._fused is None:
+            return await self._transaction.execute(statement, params)
+        try:
+            changed: int = await self._fused(statement, params, begin=self._begin)
+        except CommitFailed as failed:
+            self._committed, self._error = True, failed.__cause__
+            self._on_commit()
+            return 1
+        except BaseException:
+            self._on_commit()  # sent, perhaps with its COMMIT: it may have committed
+            raise
+        if changed == 1:
+            self._committed = True
+            self._on_commit()
+        return changed
+
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        return await self._transaction.fetchone(statement, params)
+
+    async def commit(self) -> None:
+        await self._transaction.commit()
+
+    async def rollback(self) -> None:
+        await self._transaction.rollback()
+
+    async def finish(self) -> None:
+        """Commit (and begin) unless the write did; raise the COMMIT's own error if it failed."""
+        if self._committed:
+            if self._error is not None:
+                raise self._error
+            return
+        self._on_commit()
+        await self._transaction.commit()
+        if self._begin:
+            await self._transaction.begin()
 
 
 # Result column names per statement text (they cannot change): psycopg builds

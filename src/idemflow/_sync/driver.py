@@ -29,6 +29,7 @@ from .._flow import (
 from .._lease import new_lease_token
 from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response
 from ..stores.protocol import Store, Transaction
+from .transactions import CommitAfter
 
 __all__ = ["Attempt", "Handler", "Idempotency"]
 
@@ -93,13 +94,17 @@ class Attempt:
         the local writes it depends on are durable and the call is not made
         while holding locks.
         """
-        self.checkpoint(recovery_point)
-        if self._transaction is not None:
-            # From here on the claim may be committed (single-commit mode), so
-            # a failure must give it back with a write of its own.
-            self._on_commit()
-            self._transaction.commit()
-            self._transaction.begin()
+        if self._transaction is None:
+            self.checkpoint(recovery_point)
+            return
+        # The checkpoint carries the COMMIT and the next BEGIN where the adapter
+        # can send them together. Once the COMMIT may have run, the claim may be
+        # committed (single-commit mode): a failure must give it back with a
+        # write of its own (on_commit).
+        phase = CommitAfter(self._transaction, begin=True, on_commit=self._on_commit)
+        self._store.checkpoint(self.record, recovery_point, self._clock(), phase)
+        self.recovery_point = recovery_point
+        phase.finish()
 
 
 Handler: TypeAlias = Callable[[Attempt], Response]
@@ -260,11 +265,20 @@ class _Performer:
         return claim
 
     def _complete(self, step: Complete) -> None:
-        now = self._idem.clock()
-        self._idem.store.complete(
-            step.record, step.state, step.response, now, now + step.retention, self._transaction
-        )
-        self._end_with_commit()
+        now, store = self._idem.clock(), self._idem.store
+        expires_at = now + step.retention
+        if self._transaction is None or not self._open:
+            store.complete(
+                step.record, step.state, step.response, now, expires_at, self._transaction
+            )
+            return
+        # The completion carries the COMMIT where the adapter can send them together.
+        # Still open if the COMMIT fails (SQLite keeps the transaction after a
+        # deferred constraint fails), so abandon() can roll it back.
+        ending = CommitAfter(self._transaction)
+        store.complete(step.record, step.state, step.response, now, expires_at, ending)
+        ending.finish()
+        self._open = False
 
     def _release(self, record: Record) -> bool:
         """Roll back, then give the key back if the claim was committed.

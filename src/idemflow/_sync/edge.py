@@ -30,6 +30,7 @@ from .._http import (
 from .._model import Intent, Record, Response, Verdict
 from ..stores.protocol import Transaction
 from .driver import Attempt, Idempotency
+from .transactions import execute_and_commit
 
 __all__ = [
     "Edge",
@@ -197,6 +198,10 @@ class PooledTransaction:
         except BaseException as exc:
             self._give_up(exc)
             raise
+
+    def execute_and_commit(self, statement: Any, params: Any, *, begin: bool = False) -> int:
+        """The write and its COMMIT together where the adapter can (see ``CommitAfter``)."""
+        return execute_and_commit(self._checked_out(), statement, params, begin=begin)
 
     def close(self) -> None:
         """Give the connection back (if one was taken)."""

@@ -14,6 +14,13 @@ driver refuses a transaction at configuration time; likewise
 and purge need a :class:`MaintainableStore`, the operator's questions an
 :class:`ObservableStore`, the commands an :class:`OperableStore`. Callers rely
 on these declarations, never on probing a store's attributes.
+
+An optional capability saves round trips; the driver uses it where a
+transaction offers it and the plain protocol everywhere else (a transaction
+of your own needs none): a transaction with ``execute_and_commit``
+(:class:`CommittingTransaction`) sends a fenced write together with the
+``COMMIT`` that ends its phase (the psycopg adapters: one message, in which a
+write that matched no row raises on the server, so the ``COMMIT`` never runs).
 """
 
 from __future__ import annotations
@@ -26,10 +33,13 @@ from .._model import Claim, Intent, Record, Response, State
 from .stats import StatsSource
 
 __all__ = [
+    "AsyncCommittingTransaction",
     "AsyncMaintainableStore",
     "AsyncOperableStore",
     "AsyncStore",
     "AsyncTransaction",
+    "CommitFailed",
+    "CommittingTransaction",
     "MaintainableStore",
     "ObservableStore",
     "OperableStore",
@@ -101,6 +111,36 @@ class AsyncTransaction(Protocol):
     ) -> Mapping[str, Any] | None: ...
     async def commit(self) -> None: ...
     async def rollback(self) -> None: ...
+
+
+class CommitFailed(Exception):
+    """Raised by ``execute_and_commit`` when the write went through but its COMMIT failed.
+
+    (Or the ``BEGIN`` after it.) The ``COMMIT``'s own error is its ``__cause__``:
+    the driver raises that one, as it would from a ``commit()`` of its own.
+    """
+
+
+class CommittingTransaction(Transaction, Protocol):
+    """Optional: a transaction that sends a fenced write and its COMMIT in one round trip."""
+
+    def execute_and_commit(
+        self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
+    ) -> int:
+        """Run the write; commit (then begin again, with ``begin``) only if it changed one row.
+
+        Returns the rows the write changed. Anything but 1 commits nothing
+        and leaves the transaction open, to be rolled back. Raises
+        :class:`CommitFailed` when the write went through and the COMMIT did not.
+        """
+
+
+class AsyncCommittingTransaction(AsyncTransaction, Protocol):
+    """:class:`CommittingTransaction` with coroutines."""
+
+    async def execute_and_commit(
+        self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
+    ) -> int: ...
 
 
 class Store(Protocol):
