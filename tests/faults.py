@@ -73,7 +73,14 @@ class SignallingStore:
         self.supports_single_commit = store.supports_single_commit
 
     async def claim(self, *args: Any, **kwargs: Any) -> Any:
-        pending = asyncio.ensure_future(self.store.claim(*args, **kwargs))
+        return await self._signalled(self.store.claim(*args, **kwargs))
+
+    async def claim_on_lent(self, *args: Any, **kwargs: Any) -> Any:
+        """The two-commit claim on the request's own connection (PostgreSQL's)."""
+        return await self._signalled(self.store.claim_on_lent(*args, **kwargs))
+
+    async def _signalled(self, claim: Any) -> Any:
+        pending = asyncio.ensure_future(claim)
         await asyncio.sleep(0)  # let the claim start (its thread, or its query)
         self.claim_sent.set()
         return await pending

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sqlite3
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -319,10 +319,10 @@ class PostgresDatabase:
         )
         self.store = AsyncPostgresStore(self.pool, table=KEY_TABLE)
         self._stats: Any = None
-
-    def connect(self) -> AbstractAsyncContextManager[Any]:
-        connection: AbstractAsyncContextManager[Any] = self.pool.connection()
-        return connection
+        # The pool's own ``connection``: a request's transaction taken from it
+        # is one the store recognises, so the claim runs on that connection too
+        # (one checkout per request).
+        self.connect: Callable[[], AbstractAsyncContextManager[Any]] = self.pool.connection
 
     def transaction(self, raw: Any) -> AsyncTransaction:
         # cast: the adapter takes the concrete SQLStatement the protocol abstracts.

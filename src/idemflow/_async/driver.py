@@ -207,6 +207,9 @@ class _Performer:
     store's (given back before the handler runs), everything after the claim
     the caller's transaction, the release included, so a pool shared by the
     store and the application can never deadlock on a request of its own.
+    Where the transaction takes its connection from the store's own pool, the
+    claim runs on that very connection (two commits: committed alone, before
+    BEGIN), so the request checks one connection out, not two.
     """
 
     def __init__(
@@ -229,6 +232,16 @@ class _Performer:
         self._claim_committed = not single_commit
         # Has the handler gone past a committed phase (and so part of its effect) yet?
         self._phase_committed = False
+        # Two commits: the claim may run on the transaction's own connection
+        # (it lends one from the store's pool), committed alone before BEGIN.
+        self._lender = (
+            transaction
+            if transaction is not None
+            and not single_commit
+            and getattr(idempotency.store, "claims_on_lent_connections", False)
+            and hasattr(transaction, "lend")
+            else None
+        )
 
     async def __call__(self, step: Step) -> Any:
         if isinstance(step, ClaimKey):
@@ -257,10 +270,17 @@ class _Performer:
 
     async def _claim(self, step: ClaimKey) -> Claim:
         now = self._idem.clock()
-        in_transaction = await self._begin() if self._single_commit else None
-        claim = await self._idem.store.claim(
-            step.intent, step.lease_token, now, now + step.retention, in_transaction
-        )
+        store, expires_at = self._idem.store, now + step.retention
+        if self._lender is not None:
+            # Two commits, on the connection the transaction then uses (one checkout).
+            claim: Claim = await store.claim_on_lent(  # type: ignore[attr-defined]
+                step.intent, step.lease_token, now, expires_at, self._lender
+            )
+        else:
+            in_transaction = await self._begin() if self._single_commit else None
+            claim = await store.claim(
+                step.intent, step.lease_token, now, expires_at, in_transaction
+            )
         if claim.owned:
             self.observe(Event.CLAIMED)
         return claim

@@ -141,7 +141,9 @@ class AsyncPooledTransaction:
 
     Replays and 409 answers never begin a transaction, so they never take a
     connection from the pool: duplicates cost one claim, not one pooled
-    connection each. The connection is kept until :meth:`aclose` (the end of
+    connection each. (Or it lends its connection to the claim, when both come
+    from the store's pool: then the claim's checkout is the request's only
+    one.) The connection is kept until :meth:`aclose` (the end of
     the request), across ``commit_phase`` boundaries and the release, so
     ``attempt.connection`` names the same connection in every phase and a
     request never holds two. One that fails to begin or to roll back (its
@@ -201,6 +203,21 @@ class AsyncPooledTransaction:
     async def execute_and_commit(self, statement: Any, params: Any, *, begin: bool = False) -> int:
         """The write and its COMMIT together where the adapter can (see ``AsyncCommitAfter``)."""
         return await execute_and_commit(self._checked_out(), statement, params, begin=begin)
+
+    async def lend(self, source: Any) -> Any:
+        """The connection, taken now, for a claim, if ``source`` is where it comes from; else None.
+
+        ``source`` is the store's own (its pool's ``connection``): only then
+        is the claim's connection one the store would have used, and the
+        request takes one connection instead of two. Otherwise nothing is
+        taken, and the connection is taken when the transaction begins.
+        """
+        if source != self._acquire:
+            return None
+        if self._inner is None:
+            self._context = self._acquire()
+            self._inner = self._adapter(await self._context.__aenter__())
+        return self._inner.connection
 
     async def aclose(self) -> None:
         """Give the connection back (if one was taken)."""

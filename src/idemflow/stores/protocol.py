@@ -15,12 +15,19 @@ and purge need a :class:`MaintainableStore`, the operator's questions an
 :class:`ObservableStore`, the commands an :class:`OperableStore`. Callers rely
 on these declarations, never on probing a store's attributes.
 
-An optional capability saves round trips; the driver uses it where a
-transaction offers it and the plain protocol everywhere else (a transaction
-of your own needs none): a transaction with ``execute_and_commit``
-(:class:`CommittingTransaction`) sends a fenced write together with the
-``COMMIT`` that ends its phase (the psycopg adapters: one message, in which a
-write that matched no row raises on the server, so the ``COMMIT`` never runs).
+Two optional capabilities save round trips and pool checkouts; the driver
+uses them where both sides offer them and the plain protocol everywhere else
+(a store or transaction of your own needs neither):
+
+- a transaction with ``execute_and_commit`` (:class:`CommittingTransaction`)
+  sends a fenced write together with the ``COMMIT`` that ends its phase (the
+  psycopg adapters: one message, in which a write that matched no row raises
+  on the server, so the ``COMMIT`` never runs);
+- a store that declares ``claims_on_lent_connections`` has
+  ``claim_on_lent(intent, lease_token, now, expires_at, lender)`` for
+  two-commit mode: the claim commits on its own, on the connection the
+  request's transaction then uses, when that transaction lends one from the
+  store's own pool (:class:`LendingTransaction`).
 """
 
 from __future__ import annotations
@@ -34,12 +41,14 @@ from .stats import StatsSource
 
 __all__ = [
     "AsyncCommittingTransaction",
+    "AsyncLendingTransaction",
     "AsyncMaintainableStore",
     "AsyncOperableStore",
     "AsyncStore",
     "AsyncTransaction",
     "CommitFailed",
     "CommittingTransaction",
+    "LendingTransaction",
     "MaintainableStore",
     "ObservableStore",
     "OperableStore",
@@ -141,6 +150,25 @@ class AsyncCommittingTransaction(AsyncTransaction, Protocol):
     async def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
     ) -> int: ...
+
+
+class LendingTransaction(Transaction, Protocol):
+    """Optional: a transaction that can lend its connection to the claim before it begins."""
+
+    def lend(self, source: Any) -> Any:
+        """Its connection, taken from ``source`` now if not yet taken, or None.
+
+        ``source`` is the store's own connection source (a pool's
+        ``connection``): a connection is lent only when this transaction
+        takes its connections from there, so the claim runs on a connection
+        the store would have used itself. Nothing is taken when it is not.
+        """
+
+
+class AsyncLendingTransaction(AsyncTransaction, Protocol):
+    """:class:`LendingTransaction` with coroutines."""
+
+    async def lend(self, source: Any) -> Any: ...
 
 
 class Store(Protocol):

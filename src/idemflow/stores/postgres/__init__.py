@@ -35,6 +35,8 @@ from ..sql.dialect import claim_or_read
 if TYPE_CHECKING:
     import psycopg_pool
 
+    from ..._model import Claim
+
 __all__ = [
     "DEFAULT_CLAIM_LOCK_TIMEOUT_MS",
     "SERVER_NOW_MS",
@@ -160,6 +162,14 @@ def is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
 
 
+def _claims_alone_on(connection: Any) -> bool:
+    """Does a statement on ``connection`` commit on its own now (autocommit, no transaction)?"""
+    from psycopg.pq import TransactionStatus
+
+    status = connection.info.transaction_status
+    return bool(connection.autocommit) and status == TransactionStatus.IDLE
+
+
 def _open_pool(pool: Any, max_size: int, claim_lock_timeout_ms: int, *, asynchronous: bool) -> Any:
     """``pool`` itself, or a pool made from a conninfo string (opened now if sync)."""
     if not isinstance(pool, str):
@@ -183,6 +193,9 @@ def _executor_options(
         "is_unavailable": is_unavailable,
         "is_lock_timeout": is_lock_timeout,
         "extra_params": True,
+        # A request's transaction on this same pool lends its connection to the claim.
+        "lend_source": pool.connection,
+        "claims_alone_on": _claims_alone_on,
     }
 
 
@@ -192,7 +205,10 @@ class PostgresStore(SQLStore):
     Args:
         pool: a ``psycopg_pool.ConnectionPool`` whose connections are
             autocommit, or a conninfo string (``postgresql://…``) from which
-            one is made with ``max_size`` connections.
+            one is made with ``max_size`` connections. A request whose
+            transaction takes its connection from this pool
+            (``pooled_transaction(store.pool.connection, …)``) claims on that
+            connection too, in two-commit mode: one checkout per request.
         clock: ``"database"`` (the default) takes every time decision (stale,
             expired, retention) on the server's clock, so application hosts
             and sweepers whose clocks disagree cannot take over a live claim
@@ -245,6 +261,12 @@ class AsyncPostgresStore(AsyncSQLStore):
 
     def _connection(self) -> Any:
         return _OpeningConnection(self.pool)
+
+    async def claim_on_lent(self, *args: Any, **kwargs: Any) -> Claim:
+        """As the executor's, once the pool is open (the lent connection is taken from it)."""
+        if self.pool.closed:
+            await self.pool.open(wait=False)
+        return await super().claim_on_lent(*args, **kwargs)
 
     async def close(self) -> None:
         await self.pool.close()

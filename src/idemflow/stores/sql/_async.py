@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeAlias
 
 from ..._errors import ConfigurationError, LeaseLost, StoreUnavailable
 from ..._model import Claim, Intent, Record, Response, State, can_take_over, record_from_row
-from ..protocol import AsyncTransaction
+from ..protocol import AsyncLendingTransaction, AsyncTransaction
 from ._stats import AsyncSQLObservable, is_missing_table, missing_table
 from .dialect import (
     CLAIM_RETRIES,
@@ -60,6 +60,12 @@ class AsyncSQLStore(AsyncSQLObservable):
         extra_params: the driver ignores parameters a statement does not name
             (sqlite3, psycopg), so the claim and fenced writes send their
             parameters as built instead of a copy per statement.
+        lend_source: where the store's own connections come from (a pool's
+            ``connection``), for claims on a connection the request's
+            transaction lends (:attr:`claims_on_lent_connections`).
+        claims_alone_on: whether a lent connection commits a statement on its
+            own right now (autocommit, no transaction open); required with
+            ``lend_source``.
     """
 
     supports_transactions = True
@@ -84,8 +90,12 @@ class AsyncSQLStore(AsyncSQLObservable):
         is_lock_timeout: Callable[[BaseException], bool] = lambda exc: False,
         read_connect: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
         extra_params: bool = False,
+        lend_source: Any = None,
+        claims_alone_on: Callable[[Any], bool] = lambda connection: False,
     ) -> None:
         self.dialect = dialect
+        self._lend_source = lend_source
+        self._claims_alone_on = claims_alone_on
         self._connect = connect
         self._read_connect = read_connect or connect
         self._extra_params = extra_params
@@ -97,6 +107,11 @@ class AsyncSQLStore(AsyncSQLObservable):
         self._names: dict[str, tuple[str, ...]] = {}
         # Where each record statement's result holds the record, per text.
         self._shapes: dict[str, RowShape] = {}
+
+    @property
+    def claims_on_lent_connections(self) -> bool:
+        """Can :meth:`claim_on_lent` claim on the request's connection (two commits)?"""
+        return self._lend_source is not None
 
     async def claim(
         self,
@@ -123,6 +138,38 @@ class AsyncSQLStore(AsyncSQLObservable):
             if failure is exc:
                 raise
             raise failure from exc
+
+    async def claim_on_lent(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        lender: AsyncLendingTransaction,
+    ) -> Claim:
+        """:meth:`claim`, committed on its own, on the connection ``lender`` will use.
+
+        ``lender`` is the request's transaction, not yet begun (two-commit
+        mode). When it takes its connections from this store's own source, it
+        lends one now (and keeps it for the transaction) and the claim runs
+        there: one checkout per request instead of two. Otherwise the claim
+        runs as :meth:`claim` does, on a connection of the store's.
+        """
+        params = claim_params(intent, lease_token, now, expires_at)
+        try:
+            lent = await lender.lend(self._lend_source) if self._lend_source else None
+            if lent is not None and self._claims_alone_on(lent):
+                cursor = lent.cursor()
+                try:
+                    return await self._claim_on(cursor, params, intent.fingerprint)
+                finally:
+                    await cursor.close()
+        except Exception as exc:
+            failure = self._claim_failure(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+        return await self.claim(intent, lease_token, now, expires_at)
 
     async def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
         """:meth:`_claim_with` on one cursor of the store's own connection.

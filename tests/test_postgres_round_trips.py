@@ -1,0 +1,322 @@
+"""
+PostgreSQL, transactional two-commit mode: protection adds no round trip and no checkout.
+
+A protected request's fenced writes travel with the COMMIT that ends their
+phase, in one message (``checkpoint; COMMIT; BEGIN`` for ``commit_phase``,
+``complete; COMMIT`` for the completion), and its claim runs on the
+connection its transaction then uses when both come from the store's pool.
+So the same work protected and unprotected sends as many messages and takes
+one connection from the pool. The fence still holds: a write that matches no
+row raises on the server, so its COMMIT never runs (a lost lease commits
+nothing of its phase), and a cancellation while the message is in flight
+commits nothing either.
+
+Round trips are counted on the wire (libpq's trace of the pool's connections:
+each flight ending in ``Sync`` or a simple ``Query``), checkouts by the
+pool's own statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idemflow import (
+    AsyncAttempt,
+    AsyncIdempotency,
+    Attempt,
+    Idempotency,
+    LeaseLost,
+    Policy,
+    Response,
+    State,
+)
+from idemflow.edge import async_pooled_transaction, pooled_transaction
+from idemflow.stores.postgres import AsyncPostgresStore, PostgresStore, connection_options
+from idemflow.testing import FrozenClock
+from idemflow.transactions import AsyncPsycopgTransaction, PsycopgTransaction
+from tests.conftest import POSTGRES_URL
+from tests.factories import CREATED, psycopg_or_skip
+from tests.factories import uncorrelated_intent as intent
+from tests.faults import business_rows
+from tests.sweeping import sweep_away
+
+pytestmark = pytest.mark.postgres
+
+POLICY = Policy(request_timeout=5)
+#: BEGIN, INSERT, COMMIT, BEGIN, UPDATE, COMMIT: two phases, unprotected.
+UNPROTECTED_TRIPS = 6
+_FLIGHT = re.compile(r"(^|\t)F\t\d+\t(Sync|Query)\b")
+
+
+class WireTrace:
+    """libpq's protocol trace of every pooled connection, read back as round trips."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._file = path.open("w")
+        self._seen = 0
+
+    def attach(self, conn: Any) -> None:
+        conn.pgconn.trace(self._file.fileno())
+
+    async def attach_async(self, conn: Any) -> None:
+        self.attach(conn)
+
+    def take(self) -> int:
+        """Round trips since the last call."""
+        self._file.flush()
+        lines = self._path.read_text().splitlines()
+        flights = sum(1 for line in lines[self._seen :] if _FLIGHT.search(line))
+        self._seen = len(lines)
+        return flights
+
+
+@contextlib.contextmanager
+def tables(table: str) -> Iterator[None]:
+    psycopg = psycopg_or_skip()
+    PostgresStore(POSTGRES_URL, table=table, max_size=1).migrate()
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
+        try:
+            yield
+        finally:
+            conn.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
+
+
+def pool_kwargs(size: int = 1) -> dict[str, Any]:
+    """The store's own settings, so the counts are those of a store-made pool."""
+    return {"min_size": 1, "max_size": size, "kwargs": connection_options(50), "timeout": 5.0}
+
+
+def insert(table: str) -> str:
+    return f"INSERT INTO biz_{table} (note) VALUES (%s)"
+
+
+def update(table: str) -> str:
+    return f"UPDATE biz_{table} SET note = note || '+' WHERE note = %s"
+
+
+def unprotected(conn: Any, table: str, note: str) -> None:
+    """The same two phases with no idempotency: the baseline's round trips."""
+    for statement in ("BEGIN", insert(table), "COMMIT", "BEGIN", update(table), "COMMIT"):
+        conn.execute(statement, (note,) if "%s" in statement else None)
+
+
+def requests(pool: Any) -> int:
+    """Checkouts since the last call (``requests_num`` of ``pop_stats``)."""
+    return int(pool.pop_stats().get("requests_num", 0))
+
+
+def test_a_protected_request_sends_the_round_trips_of_the_same_work_unprotected(
+    table_name: str, tmp_path: Path
+) -> None:
+    """Sync: 6 round trips and one checkout either way, on a pool of one shared connection."""
+    import psycopg_pool
+
+    trace = WireTrace(tmp_path / "libpq.trace")
+
+    def charge(attempt: Attempt) -> Response:
+        attempt.connection.execute(insert(table_name), ("paid",))
+        attempt.commit_phase("payment_created")
+        attempt.connection.execute(update(table_name), ("paid",))
+        return CREATED
+
+    with (
+        tables(table_name),
+        psycopg_pool.ConnectionPool(POSTGRES_URL, **pool_kwargs(), configure=trace.attach) as pool,
+    ):
+        store = PostgresStore(pool, table=table_name)
+        idem = Idempotency(store, POLICY)
+        requests(pool), trace.take()
+        with pool.connection() as conn:
+            unprotected(conn, table_name, "plain")
+        plain = (trace.take(), requests(pool))
+        with pooled_transaction(pool.connection, PsycopgTransaction) as transaction:
+            outcome = idem.run(intent(), charge, transaction=transaction)
+        protected = (trace.take(), requests(pool))
+        record = store.get("alice", "k-1")
+        rows = business_rows(table_name)
+
+    assert outcome.response == CREATED
+    assert record is not None
+    assert (record.state, record.recovery_point) == (State.COMPLETED, "payment_created")
+    assert rows == ["plain+", "paid+"]
+    assert plain == (UNPROTECTED_TRIPS, 1)
+    assert protected == plain
+
+
+@pytest.mark.anyio
+async def test_an_async_protected_request_sends_the_round_trips_of_the_same_work_unprotected(
+    table_name: str, tmp_path: Path
+) -> None:
+    """Async: the same counts through AsyncPostgresStore and the async pooled transaction."""
+    import psycopg_pool
+
+    trace = WireTrace(tmp_path / "libpq.trace")
+
+    async def charge(attempt: AsyncAttempt) -> Response:
+        await attempt.connection.execute(insert(table_name), ("paid",))
+        await attempt.commit_phase("payment_created")
+        await attempt.connection.execute(update(table_name), ("paid",))
+        return CREATED
+
+    with tables(table_name):
+        async with psycopg_pool.AsyncConnectionPool(
+            POSTGRES_URL, **pool_kwargs(), configure=trace.attach_async, open=False
+        ) as pool:
+            store = AsyncPostgresStore(pool, table=table_name)
+            idem = AsyncIdempotency(store, POLICY)
+            requests(pool), trace.take()
+            async with async_pooled_transaction(pool.connection, AsyncPsycopgTransaction) as tx:
+                outcome = await idem.run(intent(), charge, transaction=tx)
+            protected = (trace.take(), requests(pool))
+        rows = business_rows(table_name)
+
+    assert outcome.response == CREATED
+    assert rows == ["paid+"]
+    assert protected == (UNPROTECTED_TRIPS, 1)
+
+
+def test_a_transaction_on_another_pool_is_not_lent_to_the_claim(
+    table_name: str, tmp_path: Path
+) -> None:
+    """The claim takes a connection of the request's transaction only from the store's own
+    pool: the application's pool here is another one, so the claim runs on the store's and
+    the application's connection is taken when the transaction begins, as before."""
+    import psycopg_pool
+
+    with (
+        tables(table_name),
+        psycopg_pool.ConnectionPool(POSTGRES_URL, **pool_kwargs()) as keys,
+        psycopg_pool.ConnectionPool(POSTGRES_URL, **pool_kwargs()) as app,
+    ):
+        idem = Idempotency(PostgresStore(keys, table=table_name), POLICY)
+        requests(keys), requests(app)
+        with pooled_transaction(app.connection, PsycopgTransaction) as transaction:
+            outcome = idem.run(intent(), lambda attempt: CREATED, transaction=transaction)
+        checkouts = (requests(keys), requests(app))
+
+    assert outcome.response == CREATED
+    assert checkouts == (1, 1)
+
+
+def test_a_lost_lease_at_commit_phase_commits_nothing_of_that_phase(table_name: str) -> None:
+    """Two commits: the claim is swept and taken over during the second phase. Its
+    ``commit_phase`` travels with its COMMIT, so the fence raising on the server is all that
+    stops that COMMIT: the handler gets LeaseLost, the second phase's row rolls back, the
+    first phase's stays, and the new owner's record is untouched."""
+    clock = FrozenClock()
+    raised: list[LeaseLost] = []
+
+    def charge(attempt: Attempt) -> Response:
+        attempt.connection.execute(insert(table_name), ("phase 1",))
+        attempt.commit_phase("payment_created")
+        clock.advance(POLICY.stale_seconds + 1)
+        assert len(sweep_away(store, clock())) == 1
+        assert store.claim(intent(), "thief", clock(), clock() + 3600).owned
+        attempt.connection.execute(insert(table_name), ("phase 2",))
+        with pytest.raises(LeaseLost) as lost:
+            attempt.commit_phase("charged")
+        raised.append(lost.value)
+        raise lost.value
+
+    with tables(table_name):
+        store = PostgresStore(POSTGRES_URL, table=table_name, max_size=2, clock="caller")
+        try:
+            idem = Idempotency(store, POLICY, clock=clock)
+            with (
+                pooled_transaction(store.pool.connection, PsycopgTransaction) as transaction,
+                pytest.raises(LeaseLost),
+            ):
+                idem.run(intent(), charge, transaction=transaction)
+            record = store.get("alice", "k-1")
+        finally:
+            store.close()
+        rows = business_rows(table_name)
+
+    assert len(raised) == 1
+    assert record is not None
+    assert (record.state, record.lease_token) == (State.IN_PROGRESS, "thief")
+    assert record.recovery_point == "payment_created"
+    assert rows == ["phase 1"]
+
+
+@pytest.mark.anyio
+async def test_cancelled_while_commit_phase_is_in_flight_commits_nothing(table_name: str) -> None:
+    """The task is cancelled while ``checkpoint; COMMIT; BEGIN`` waits on the server (another
+    session holds the key's row lock): psycopg cancels the statement, so neither the phase's
+    row nor its recovery point commits; the caller gets its CancelledError, the key is
+    released, and the retry starts over from the beginning."""
+    import psycopg
+
+    inserted, locked = asyncio.Event(), asyncio.Event()
+    attempts: list[str | None] = []
+
+    async def charge(attempt: AsyncAttempt) -> Response:
+        attempts.append(attempt.recovery_point)
+        await attempt.connection.execute(insert(table_name), (f"try {len(attempts)}",))
+        if len(attempts) == 1:
+            inserted.set()
+            await locked.wait()
+        await attempt.commit_phase("payment_created")
+        return CREATED
+
+    async def run(store: AsyncPostgresStore) -> Any:
+        async with async_pooled_transaction(store.pool.connection, AsyncPsycopgTransaction) as tx:
+            return await AsyncIdempotency(store, POLICY).run(intent(), charge, transaction=tx)
+
+    with tables(table_name):
+        # Lock waits bounded at 10 s, not 50 ms: the checkpoint waits for the cancel.
+        store = AsyncPostgresStore(
+            POSTGRES_URL, table=table_name, max_size=2, claim_lock_timeout_ms=10_000
+        )
+        try:
+            async with (
+                await psycopg.AsyncConnection.connect(POSTGRES_URL) as locker,
+                await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as watcher,
+            ):
+                task = asyncio.create_task(run(store))
+                await inserted.wait()
+                await locker.execute(f"SELECT 1 FROM {table_name} FOR UPDATE")
+                locked.set()
+                await waiting_on_a_lock(watcher, "%WITH fenced AS%")  # the checkpoint
+                task.cancel()
+                await waiting_on_a_lock(watcher, "%'released'%")  # cancelled; the release
+                await locker.rollback()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            left = await store.get("alice", "k-1")
+            retry = await run(store)
+        finally:
+            await store.close()
+        rows = business_rows(table_name)
+
+    assert left is not None
+    assert (left.state, left.recovery_point) == (State.RELEASED, None)
+    assert retry.response == CREATED
+    assert attempts == [None, None]  # the retry did not resume past a phase
+    assert rows == ["try 2"]
+
+
+async def waiting_on_a_lock(watcher: Any, query: str, deadline: float = 10.0) -> None:
+    """Poll (autocommit: a fresh snapshot each time) until a session waits on a lock."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + deadline
+    while loop.time() < until:
+        cursor = await watcher.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE %s",
+            (query,),
+        )
+        row = await cursor.fetchone()
+        if row and row[0]:
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"no session waited on a lock in {query}")
