@@ -23,7 +23,8 @@ table is printed: raw ops/s, library ops/s, and their ratio. The paths:
     the claim commits alone, then a business ``INSERT`` and the completion
     commit together on a caller's connection; or (``single_commit=True``) the
     claim, the ``INSERT`` and the completion commit once. A second table gives
-    one commit / two commits.
+    one commit / two commits. The completion and its ``COMMIT`` are one
+    message on both sides (the psycopg adapters' fenced form).
 ``async …`` (PostgreSQL)
     ``AsyncIdempotency`` on ``AsyncPostgresStore`` against raw async psycopg,
     asyncio tasks on one event loop.
@@ -70,6 +71,7 @@ from idemflow import (
     Response,
     fingerprint,
 )
+from idemflow._async.transactions import _fenced
 from idemflow._lease import new_lease_token
 from idemflow.stores.sql import COLUMNS, Dialect
 from idemflow.transactions import PsycopgTransaction
@@ -470,10 +472,17 @@ class RawPostgres:
 
     @staticmethod
     def _complete_and_commit(caller: Any, complete: str, record_id: int, token: str) -> None:
-        if caller.execute(complete, complete_params(record_id, token, time.time())).rowcount != 1:
-            caller.rollback()
-            raise AssertionError("completion matched no row")
-        caller.commit()
+        """The completion and its COMMIT in one message, as the psycopg adapters send them.
+
+        (The fenced form raises on the server when it matches no row.)
+        """
+        import psycopg
+
+        cursor = psycopg.ClientCursor(caller)
+        try:
+            cursor.execute(_fenced(complete, False), complete_params(record_id, token, time.time()))
+        finally:
+            cursor.close()
 
 
 class CallerConnections:

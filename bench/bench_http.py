@@ -27,6 +27,13 @@ each about equally:
 statement of the endpoint's first transaction) for comparison; it is not the
 demo's default.
 
+``--baseline-src DIR`` (a ``src`` folder of another tree, e.g. ``git archive``
+of an older commit) also starts, per backend, a demo server running that
+tree's idemflow (``PYTHONPATH``), on a schema of its own, and its paths take
+their turns in the same rotation: before and after in one run, under the
+same load. ``--pool-size`` is passed to every demo (two PostgreSQL servers of
+``--pool-size 7`` hold 16 connections with their gauges').
+
 Targets: protected ≥ 0.80 × unprotected on PostgreSQL at 32 clients, and a
 replay at least as fast as a first execution.
 """
@@ -96,6 +103,9 @@ class Tally:
     seconds: float = 0.0
     statuses: Counter[int] = field(default_factory=Counter)
     rates: list[float] = field(default_factory=list)
+    #: CPU seconds of the demo process and of the PostgreSQL backends serving it.
+    app_cpu: float = 0.0
+    db_cpu: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -111,10 +121,54 @@ async def open_clients(url: str, count: int) -> list[Client]:
     return clients
 
 
+@dataclass(frozen=True)
+class Target:
+    """A demo server: where to send requests, and whose CPU to read (``/proc``)."""
+
+    url: str
+    pid: int | None = None
+    application_name: str | None = None
+
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds so far: the server process's, its PostgreSQL backends' (summed)."""
+        app = cpu_seconds(self.pid) if self.pid is not None else 0.0
+        return app, sum(cpu_seconds(pid) for pid in backends(self.application_name))
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def backends(application_name: str | None) -> list[int]:
+    """The PostgreSQL backends of the connections named ``application_name``."""
+    if application_name is None:
+        return []
+    import psycopg
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (application_name,)
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
 async def run_slice(
-    clients: list[Client], make: Callable[[], bytes], seconds: float, tally: Tally
+    clients: list[Client],
+    make: Callable[[], bytes],
+    seconds: float,
+    tally: Tally,
+    target: Target | None = None,
 ) -> None:
     """Every client sends requests back to back until the slice ends."""
+    app_before, db_before = target.cpu() if target is not None else (0.0, 0.0)
     deadline = time.perf_counter() + seconds
     done = 0
 
@@ -127,31 +181,58 @@ async def run_slice(
     started = time.perf_counter()
     await asyncio.gather(*(worker(c) for c in clients))
     elapsed = time.perf_counter() - started
+    if target is not None:
+        app_after, db_after = target.cpu()
+        tally.app_cpu += app_after - app_before
+        tally.db_cpu += db_after - db_before
     tally.requests += done
     tally.seconds += elapsed
     tally.rates.append(done / elapsed)
 
 
 async def measure(url: str, clients_n: int, seconds: float, rounds: int) -> dict[str, Tally]:
-    clients = await open_clients(url, clients_n)
-    replay_key = f"bench-replay-{uuid.uuid4().hex}"
-    assert await clients[0].send(request_bytes("/payments", replay_key)) == 201
-    makers: dict[str, Callable[[], bytes]] = {
+    return (await measure_servers({"": Target(url)}, clients_n, seconds, rounds))[""]
+
+
+async def measure_servers(
+    urls: dict[str, Target], clients_n: int, seconds: float, rounds: int
+) -> dict[str, dict[str, Tally]]:
+    """Every path of every server (label → server) in one rotation of slices."""
+    clients, makers = {}, {}
+    for label, target in urls.items():
+        clients[label] = await open_clients(target.url, clients_n)
+        replay_key = f"bench-replay-{uuid.uuid4().hex}"
+        assert await clients[label][0].send(request_bytes("/payments", replay_key)) == 201
+        makers[label] = path_makers(replay_key)
+    contenders = [(label, name) for label in urls for name in PATHS]
+    tallies = {label: {name: Tally() for name in PATHS} for label in urls}
+    # Warm up every path once (connections, prepared statements, caches).
+    for label, name in contenders:
+        await run_slice(clients[label], makers[label][name], min(0.5, seconds), Tally())
+    for round_ in range(rounds):
+        shift = round_ % len(contenders)
+        for label, name in contenders[shift:] + contenders[:shift]:
+            if len(urls) > 1:
+                # Idle through the other server's slices, longer than uvicorn's
+                # keep-alive (5 s): connect afresh, then warm the path again.
+                for client in clients[label]:
+                    client.writer.close()
+                clients[label] = await open_clients(urls[label].url, clients_n)
+                await run_slice(clients[label], makers[label][name], 0.2, Tally())
+            tally = tallies[label][name]
+            await run_slice(clients[label], makers[label][name], seconds, tally, urls[label])
+    for group in clients.values():
+        for client in group:
+            client.writer.close()
+    return tallies
+
+
+def path_makers(replay_key: str) -> dict[str, Callable[[], bytes]]:
+    return {
         "unprotected": lambda: request_bytes("/_bench/payments", None),
         "protected": lambda: request_bytes("/payments", f"bench-{uuid.uuid4().hex}"),
         "replay": lambda: request_bytes("/payments", replay_key),
     }
-    tallies = {name: Tally() for name in PATHS}
-    # Warm up every path once (connections, prepared statements, caches).
-    for name in PATHS:
-        await run_slice(clients, makers[name], min(0.5, seconds), Tally())
-    for round_ in range(rounds):
-        order = PATHS[round_ % len(PATHS) :] + PATHS[: round_ % len(PATHS)]
-        for name in order:
-            await run_slice(clients, makers[name], seconds, tallies[name])
-    for client in clients:
-        client.writer.close()
-    return tallies
 
 
 @contextlib.contextmanager
@@ -178,15 +259,37 @@ BACKENDS = {
 
 
 @contextlib.contextmanager
-def server(backend: str, workdir: Path) -> Iterator[str]:
-    data = workdir / backend
-    flags = ("--bench-routes", *BACKENDS[backend])
-    if backend == "sqlite":
-        with run_demo(data, *flags) as demo:
-            yield demo.url
+def server(
+    backend: str, workdir: Path, *extra: str, source: str | None = None, name: str = ""
+) -> Iterator[Target]:
+    """One demo server for ``backend``; with ``source``, running that tree's idemflow."""
+    data = workdir / (name or backend)
+    flags = ("--bench-routes", *BACKENDS[backend], *extra)
+    with contextlib.ExitStack() as stack:
+        url = app_name = None
+        if backend != "sqlite":
+            app_name = f"idemflow_bench_{uuid.uuid4().hex[:8]}"
+            url = f"{stack.enter_context(postgres_schema())}&application_name={app_name}"
+        with python_path(source):
+            demo = stack.enter_context(run_demo(data, *flags, database_url=url))
+        yield Target(demo.url, demo.process.pid, app_name)
+
+
+@contextlib.contextmanager
+def python_path(source: str | None) -> Iterator[None]:
+    """Children started inside import idemflow from ``source`` first (when given)."""
+    if source is None:
+        yield
         return
-    with postgres_schema() as url, run_demo(data, *flags, database_url=url) as demo:
-        yield demo.url
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [source, saved]))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,22 +298,67 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="slices per path")
     parser.add_argument("--clients", default="1,32", help="concurrent clients, comma-separated")
     parser.add_argument("--backends", default="sqlite,postgres,postgres-single")
+    parser.add_argument(
+        "--baseline-src", help="a src folder of another tree, measured in the same rotation"
+    )
+    parser.add_argument("--pool-size", type=int, help="the demos' --pool-size")
     args = parser.parse_args(argv)
     clients = [int(c) for c in args.clients.split(",")]
+    extra = () if args.pool_size is None else ("--pool-size", str(args.pool_size))
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for backend in args.backends.split(","):
-            with server(backend, Path(workdir)) as url:
+            with contextlib.ExitStack() as stack:
+                urls = {backend: stack.enter_context(server(backend, Path(workdir), *extra))}
+                if args.baseline_src:
+                    label = f"{backend} (baseline)"
+                    urls[label] = stack.enter_context(
+                        server(
+                            backend,
+                            Path(workdir),
+                            *extra,
+                            source=args.baseline_src,
+                            name=f"{backend}-baseline",
+                        )
+                    )
                 for n in clients:
-                    tallies = asyncio.run(measure(url, n, args.seconds, args.rounds))
-                    rows.append((backend, n, tallies))
-                    print(row(backend, n, tallies), file=sys.stderr, flush=True)
-                    for name, tally in tallies.items():
-                        odd = {s: c for s, c in tally.statuses.items() if s >= 300}
-                        if odd:
-                            print(f"  {backend} {n} {name}: {odd}", file=sys.stderr, flush=True)
+                    measured = asyncio.run(measure_servers(urls, n, args.seconds, args.rounds))
+                    for label, tallies in measured.items():
+                        rows.append((label, n, tallies))
+                        print(row(label, n, tallies), file=sys.stderr, flush=True)
+                        report_odd(label, n, tallies)
     print(table(rows))
+    print("\nserver CPU per request (the demo process / its PostgreSQL backends), µs:\n")
+    print(cpu_table(rows))
+    if args.baseline_src:
+        print("\nprotected / unprotected, this tree ÷ the baseline's (same rotation):\n")
+        print(versus(rows))
     return 0
+
+
+def report_odd(label: str, n: int, tallies: dict[str, Tally]) -> None:
+    for name, tally in tallies.items():
+        odd = {s: c for s, c in tally.statuses.items() if s >= 300}
+        if odd:
+            print(f"  {label} {n} {name}: {odd}", file=sys.stderr, flush=True)
+
+
+def versus(rows: list[tuple[str, int, dict[str, Tally]]]) -> str:
+    """Per backend and client count: each tree's protected/unprotected, and their ratio."""
+    found = {(label, n): tallies for label, n, tallies in rows}
+    lines = [
+        "| backend | clients | baseline protected/unprotected | this tree | this ÷ baseline |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for (label, n), tallies in found.items():
+        base = found.get((f"{label} (baseline)", n))
+        if base is None:
+            continue
+        before = paired(base["protected"], base["unprotected"])
+        after = paired(tallies["protected"], tallies["unprotected"])
+        ratio = after / before if before else 0.0
+        lines.append(f"| {label} | {n} | {before:.2f} | {after:.2f} | {ratio:.2f} |")
+    return "\n".join(lines)
 
 
 HEADER = (
@@ -242,6 +390,25 @@ def row(backend: str, clients: int, tallies: dict[str, Tally]) -> str:
 
 def table(rows: list[tuple[str, int, dict[str, Tally]]]) -> str:
     return "\n".join([HEADER, *(row(b, n, t) for b, n, t in rows)])
+
+
+def cpu_table(rows: list[tuple[str, int, dict[str, Tally]]]) -> str:
+    """Per path: app / PostgreSQL CPU per request, and what protection adds in all."""
+    lines = [
+        "| backend | clients | unprotected | protected | replay | added by protection |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+    def per_request(tally: Tally) -> tuple[float, float]:
+        done = tally.requests or 1
+        return tally.app_cpu / done * 1e6, tally.db_cpu / done * 1e6
+
+    for label, n, tallies in rows:
+        cells = {name: per_request(tallies[name]) for name in PATHS}
+        added = sum(cells["protected"]) - sum(cells["unprotected"])
+        shown = " | ".join(f"{app:,.0f} / {db:,.0f}" for app, db in cells.values())
+        lines.append(f"| {label} | {n} | {shown} | {added:+,.0f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
