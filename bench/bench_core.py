@@ -24,7 +24,7 @@ table is printed: raw ops/s, library ops/s, and their ratio. The paths:
     commit together on a caller's connection; or (``single_commit=True``) the
     claim, the ``INSERT`` and the completion commit once. A second table gives
     one commit / two commits. The completion and its ``COMMIT`` are one
-    message on both sides (the psycopg adapters' fenced form).
+    pipeline on both sides (the psycopg adapters' fenced form).
 ``async …`` (PostgreSQL)
     ``AsyncIdempotency`` on ``AsyncPostgresStore`` against raw async psycopg,
     asyncio tasks on one event loop.
@@ -472,17 +472,13 @@ class RawPostgres:
 
     @staticmethod
     def _complete_and_commit(caller: Any, complete: str, record_id: int, token: str) -> None:
-        """The completion and its COMMIT in one message, as the psycopg adapters send them.
+        """The completion and its COMMIT in one pipeline, as the psycopg adapters send them.
 
         (The fenced form raises on the server when it matches no row.)
         """
-        import psycopg
-
-        cursor = psycopg.ClientCursor(caller)
-        try:
-            cursor.execute(_fenced(complete, False), complete_params(record_id, token, time.time()))
-        finally:
-            cursor.close()
+        with caller.pipeline():
+            caller.execute(_fenced(complete), complete_params(record_id, token, time.time()))
+            caller.execute("COMMIT")
 
 
 class CallerConnections:

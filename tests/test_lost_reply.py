@@ -195,8 +195,9 @@ def test_a_claim_whose_answer_was_lost_stays_claimed_until_swept_then_runs_once(
 def test_a_completion_whose_commit_reply_was_lost_settles_once_and_never_runs_again(
     phase: bool,
 ) -> None:
-    """Two commits on PostgreSQL: the completion travels with its COMMIT in one message
-    (``WITH fenced AS (UPDATE …) SELECT …; COMMIT``). The server runs it and its reply is
+    """Two commits on PostgreSQL: the completion travels with its COMMIT in one round trip
+    (a pipeline: ``WITH fenced AS (UPDATE …) SELECT …``, ``COMMIT``, one ``Sync``). The
+    server runs both and the reply is
     lost. The request cannot know it committed: it answers 503 (with a committed phase
     behind it, "could not be recorded", the key left to the sweeper). The fenced release
     it may send changes nothing of a completed record, so effect and record stand once,

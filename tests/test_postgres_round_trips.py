@@ -2,8 +2,8 @@
 PostgreSQL, transactional two-commit mode: protection adds no round trip and no checkout.
 
 A protected request's fenced writes travel with the COMMIT that ends their
-phase, in one message (``checkpoint; COMMIT; BEGIN`` for ``commit_phase``,
-``complete; COMMIT`` for the completion), and its claim runs on the
+phase, in one round trip (a pipeline: checkpoint, ``COMMIT``, ``BEGIN`` for
+``commit_phase``; completion, ``COMMIT``), and its claim runs on the
 connection its transaction then uses when both come from the store's pool.
 So the same work protected and unprotected sends as many messages and takes
 one connection from the pool. The fence still holds: a write that matches no

@@ -116,3 +116,18 @@ def test_the_sweeper_s_question_is_one_probe_of_the_state_index(
     assert f"using {dialect.table}_state_updated" in plan, plan
     assert "Sort" not in plan, plan
     assert "Seq Scan" not in plan, plan
+
+
+@pytest.mark.parametrize("statement", ["complete", "checkpoint"])
+def test_a_fenced_write_sent_with_its_commit_is_served_by_the_primary_key(
+    unanalysed: tuple[Any, Dialect], statement: str
+) -> None:
+    """The form the psycopg adapters pipeline with the COMMIT (the write in a CTE that
+    raises when it changed no row) is prepared as any statement: its generic plan too must
+    find the row by id."""
+    from idemflow._async.transactions import _fenced
+
+    conn, dialect = unanalysed
+    plan = generic_plan(conn, _fenced(getattr(dialect, statement).named))
+    assert f"using {dialect.table}_pkey" in plan, plan
+    assert "state_updated" not in plan, plan

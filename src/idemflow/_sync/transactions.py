@@ -53,23 +53,27 @@ class PsycopgTransaction:
     def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
     ) -> int:
-        """The fenced write, its COMMIT (and the next BEGIN) in one simple-query message.
+        """The fenced write, its COMMIT (and the next BEGIN) in one round trip.
 
-        The write is sent inside a statement that raises on the server when
-        it changed no row, so the rest of the message (the COMMIT) never runs
-        and the transaction stays open, failed, for the driver to roll back.
-        The parameters are bound on the client (a simple query carries
-        several statements; the extended protocol one). Psycopg's pipeline
-        mode cannot send one: there it is the write, then ``commit()``.
+        Sent in one pipeline (one ``Sync``): the write inside a statement
+        that raises on the server when it changed no row, so the server
+        skips the rest of the pipeline (the COMMIT) and the transaction stays
+        open, failed, for the driver to roll back. The write is prepared as
+        any statement psycopg runs often (its plan cached per connection, its
+        row found by id whatever the plan: see ``_owned_by_caller``). Without
+        pipeline support in libpq: the write, then ``commit()``.
         """
         import psycopg
 
-        connection = self.connection
-        if connection.pgconn.pipeline_status:
+        if not _pipelines_supported():
             return _execute_then_commit(self, statement, params, begin)
-        cursor = psycopg.ClientCursor(connection)
+        connection = self.connection
         try:
-            cursor.execute(_fenced(statement.pyformat, begin), statement.bind(params))
+            with connection.pipeline():
+                connection.execute(_fenced(statement.pyformat), statement.bind(params))
+                connection.execute("COMMIT")
+                if begin:
+                    connection.execute("BEGIN")
         except psycopg.Error as exc:
             if getattr(exc, "sqlstate", None) == "22P02" and _NO_ROW in str(exc):
                 return 0  # the fence: nothing committed, the transaction failed and open
@@ -79,8 +83,6 @@ class PsycopgTransaction:
                 # open); the COMMIT ran and failed, ending it.
                 raise CommitFailed from exc
             raise
-        finally:
-            cursor.close()
         return 1
 
 
@@ -89,19 +91,25 @@ _NO_ROW = "idemflow: the fenced write matched no row"
 
 
 @functools.lru_cache(maxsize=64)
-def _fenced(update: str, begin: bool) -> str:
-    """``update`` made to raise when it changes no row, then COMMIT (and BEGIN).
+def _fenced(update: str) -> str:
+    """``update`` made to raise when it changes no row.
 
     The cast fails at run time only (its input depends on the row count: a
     constant arm would be folded, and fail, at plan time). ``update`` has no
     RETURNING of its own; ``id`` is the primary key, so at most one row.
     """
-    then = "; COMMIT; BEGIN" if begin else "; COMMIT"
     return (
         f"WITH fenced AS ({update} RETURNING 1) "
         f"SELECT CAST(CASE COUNT(*) WHEN 1 THEN '1' ELSE '{_NO_ROW}' END AS INTEGER) "
-        f"FROM fenced{then}"
+        "FROM fenced"
     )
+
+
+@functools.cache
+def _pipelines_supported() -> bool:
+    import psycopg
+
+    return bool(psycopg.Pipeline.is_supported())
 
 
 def _execute_then_commit(

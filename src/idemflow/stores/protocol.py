@@ -21,8 +21,8 @@ uses them where both sides offer them and the plain protocol everywhere else
 
 - a transaction with ``execute_and_commit`` (:class:`CommittingTransaction`)
   sends a fenced write together with the ``COMMIT`` that ends its phase (the
-  psycopg adapters: one message, in which a write that matched no row raises
-  on the server, so the ``COMMIT`` never runs);
+  psycopg adapters: one pipeline, one round trip, in which a write that
+  matched no row raises on the server, so the ``COMMIT`` never runs);
 - a store that declares ``claims_on_lent_connections`` has
   ``claim_on_lent(intent, lease_token, now, expires_at, lender)`` for
   two-commit mode: the claim commits on its own, on the connection the
