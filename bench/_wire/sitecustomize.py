@@ -8,7 +8,8 @@ process keeps one counter file there, rewritten after every round trip:
 
 - PostgreSQL (psycopg 3): every request psycopg sends and waits for: a
   statement (prepared or not, and the ``PREPARE`` of one), ``BEGIN``,
-  ``COMMIT``, ``ROLLBACK``, a pool's check or reset;
+  ``COMMIT``, ``ROLLBACK``, a pool's check or reset; in pipeline mode, each
+  ``Sync`` (the statements it ends travel together);
 - Redis (redis-py): every ``send_packed_command`` (a pipeline sends once);
 - pool checkouts: every ``getconn`` of a ``psycopg_pool`` pool.
 
@@ -51,8 +52,11 @@ def _install(counter: _Counter) -> None:
     except ImportError:
         pass
     else:
+        from psycopg import _pipeline_base
+
         # Each of these sends one request and reads its results before the
-        # caller goes on (no pipeline mode on these paths): one round trip.
+        # caller goes on: one round trip. In pipeline mode they only queue
+        # their request; the round trip is the pipeline's Sync, counted once.
         for owner, name in (
             (_connection_base.BaseConnection, "_exec_command"),  # BEGIN, COMMIT, ROLLBACK
             (_cursor_base.BaseCursor, "_execute_send"),
@@ -60,7 +64,9 @@ def _install(counter: _Counter) -> None:
             (_cursor_base.BaseCursor, "_send_query_prepared"),
             (client_cursor.ClientCursorMixin, "_execute_send"),  # Django's cursors
         ):
-            setattr(owner, name, _counted(counter, "postgres", getattr(owner, name)))
+            setattr(owner, name, _unless_pipelined(counter, getattr(owner, name)))
+        sync = _pipeline_base.BasePipeline._enqueue_sync
+        _pipeline_base.BasePipeline._enqueue_sync = _counted(counter, "postgres", sync)  # type: ignore[method-assign]
     try:
         import psycopg_pool
     except ImportError:
@@ -87,6 +93,16 @@ def _install(counter: _Counter) -> None:
 
     sync_redis.AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
     async_redis.AbstractConnection.send_packed_command = asend  # type: ignore[method-assign]
+
+
+def _unless_pipelined(counter: _Counter, method):  # type: ignore[no-untyped-def]
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        connection = getattr(self, "_conn", self)  # a cursor's, or the connection itself
+        if getattr(connection, "_pipeline", None) is None:
+            counter.add("postgres")
+        return method(self, *args, **kwargs)
+
+    return counted
 
 
 def _counted(counter: _Counter, name: str, method):  # type: ignore[no-untyped-def]
