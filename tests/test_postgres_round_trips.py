@@ -8,8 +8,8 @@ connection its transaction then uses when both come from the store's pool.
 So the same work protected and unprotected sends as many messages and takes
 one connection from the pool. The fence still holds: a write that matches no
 row raises on the server, so its COMMIT never runs (a lost lease commits
-nothing of its phase), and a cancellation while the message is in flight
-commits nothing either.
+nothing of its phase), and a cancellation while the round trip is in flight
+commits nothing either, and leaves the key claimed (the request cannot know).
 
 Round trips are counted on the wire (libpq's trace of the pool's connections:
 each flight ending in ``Sync`` or a simple ``Query``), checkouts by the
@@ -32,6 +32,7 @@ from idemflow import (
     AsyncIdempotency,
     Attempt,
     Idempotency,
+    InProgress,
     LeaseLost,
     Policy,
     Response,
@@ -45,7 +46,7 @@ from tests.conftest import POSTGRES_URL
 from tests.factories import CREATED, psycopg_or_skip
 from tests.factories import uncorrelated_intent as intent
 from tests.faults import business_rows
-from tests.sweeping import sweep_away
+from tests.sweeping import async_sweep_away, sweep_away
 
 pytestmark = pytest.mark.postgres
 
@@ -249,13 +250,18 @@ def test_a_lost_lease_at_commit_phase_commits_nothing_of_that_phase(table_name: 
 
 
 @pytest.mark.anyio
-async def test_cancelled_while_commit_phase_is_in_flight_commits_nothing(table_name: str) -> None:
-    """The task is cancelled while ``checkpoint; COMMIT; BEGIN`` waits on the server (another
-    session holds the key's row lock): psycopg cancels the statement, so neither the phase's
-    row nor its recovery point commits; the caller gets its CancelledError, the key is
-    released, and the retry starts over from the beginning."""
+async def test_cancelled_while_commit_phase_is_in_flight_stays_claimed_and_commits_nothing(
+    table_name: str,
+) -> None:
+    """The task is cancelled while ``commit_phase``'s round trip (checkpoint, ``COMMIT``,
+    ``BEGIN``) waits on the server (another session holds the key's row lock). psycopg
+    cancels the statement there, so neither the phase's row nor its recovery point
+    commits; but the request cannot know that its COMMIT did not run: the key stays
+    claimed (a retry gets 409, nothing runs twice) until the sweeper releases it, and the
+    retry then starts over from the beginning."""
     import psycopg
 
+    clock = FrozenClock()
     inserted, locked = asyncio.Event(), asyncio.Event()
     attempts: list[str | None] = []
 
@@ -269,13 +275,18 @@ async def test_cancelled_while_commit_phase_is_in_flight_commits_nothing(table_n
         return CREATED
 
     async def run(store: AsyncPostgresStore) -> Any:
+        idem = AsyncIdempotency(store, POLICY, clock=clock)
         async with async_pooled_transaction(store.pool.connection, AsyncPsycopgTransaction) as tx:
-            return await AsyncIdempotency(store, POLICY).run(intent(), charge, transaction=tx)
+            return await idem.run(intent(), charge, transaction=tx)
 
     with tables(table_name):
         # Lock waits bounded at 10 s, not 50 ms: the checkpoint waits for the cancel.
         store = AsyncPostgresStore(
-            POSTGRES_URL, table=table_name, max_size=2, claim_lock_timeout_ms=10_000
+            POSTGRES_URL,
+            table=table_name,
+            max_size=2,
+            claim_lock_timeout_ms=10_000,
+            clock="caller",
         )
         try:
             async with (
@@ -288,25 +299,33 @@ async def test_cancelled_while_commit_phase_is_in_flight_commits_nothing(table_n
                 locked.set()
                 await waiting_on_a_lock(watcher, "%WITH fenced AS%")  # the checkpoint
                 task.cancel()
-                await waiting_on_a_lock(watcher, "%'released'%")  # cancelled; the release
+                # Once the server cancelled it, free the row: a release would go through.
+                await waiting_on_a_lock(watcher, "%WITH fenced AS%", waiting=False)
                 await locker.rollback()
                 with pytest.raises(asyncio.CancelledError):
                     await task
             left = await store.get("alice", "k-1")
+            with pytest.raises(InProgress):
+                await run(store)
+            clock.advance(POLICY.stale_seconds + 1)
+            assert len(await async_sweep_away(store, clock())) == 1
             retry = await run(store)
         finally:
             await store.close()
         rows = business_rows(table_name)
 
     assert left is not None
-    assert (left.state, left.recovery_point) == (State.RELEASED, None)
+    assert (left.state, left.recovery_point) == (State.IN_PROGRESS, None)
     assert retry.response == CREATED
     assert attempts == [None, None]  # the retry did not resume past a phase
     assert rows == ["try 2"]
 
 
-async def waiting_on_a_lock(watcher: Any, query: str, deadline: float = 10.0) -> None:
-    """Poll (autocommit: a fresh snapshot each time) until a session waits on a lock."""
+async def waiting_on_a_lock(
+    watcher: Any, query: str, *, waiting: bool = True, deadline: float = 10.0
+) -> None:
+    """Poll (autocommit: a fresh snapshot each time) until a session waits on a lock in a
+    statement like ``query`` (or, ``waiting=False``, until none does)."""
     loop = asyncio.get_running_loop()
     until = loop.time() + deadline
     while loop.time() < until:
@@ -316,7 +335,7 @@ async def waiting_on_a_lock(watcher: Any, query: str, deadline: float = 10.0) ->
             (query,),
         )
         row = await cursor.fetchone()
-        if row and row[0]:
+        if bool(row and row[0]) is waiting:
             return
         await asyncio.sleep(0.01)
-    pytest.fail(f"no session waited on a lock in {query}")
+    pytest.fail(f"a wait on a lock in {query} never {'began' if waiting else 'ended'}")
