@@ -48,6 +48,8 @@ class RedisClusterProcess:
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     #: The server binary every node runs.
     server: str = "redis-server"
+    #: Each node's persistence options (none by default: nothing kept on disk).
+    persistence: tuple[str, ...] = ("--save", "", "--appendonly", "no")
 
     @property
     def url(self) -> str:
@@ -58,25 +60,43 @@ class RedisClusterProcess:
         return [f"127.0.0.1:{port}" for port in self.ports]
 
     @classmethod
-    def start(cls, masters: int = MASTERS, server: str = "redis-server") -> RedisClusterProcess:
+    def start(
+        cls,
+        masters: int = MASTERS,
+        server: str = "redis-server",
+        persistence: tuple[str, ...] | None = None,
+    ) -> RedisClusterProcess:
         for tool in (server, "redis-cli"):
             if shutil.which(tool) is None:
                 raise ClusterUnavailable(f"{tool} is not installed")
         directory = Path(tempfile.mkdtemp(prefix="idemflow-cluster-"))
         cluster = cls(directory, _free_ports(masters), server=server)
+        if persistence is not None:
+            cluster.persistence = persistence
         try:
             for port in cluster.ports:
-                cluster.processes.append(_node(cluster.directory, port, server))
+                (directory / str(port)).mkdir()
+                cluster.processes.append(_node(directory, port, server, cluster.persistence))
             for port in cluster.ports:
                 _wait(functools.partial(_answers, port, "PONG", "PING"), f"node {port} up")
             _create(cluster.addresses)
             for port in cluster.ports:
-                healthy = functools.partial(_answers, port, "cluster_state:ok", "CLUSTER", "INFO")
-                _wait(healthy, f"node {port} cluster_state:ok")
+                _wait_healthy(port)
         except BaseException:
             cluster.stop()
             raise
         return cluster
+
+    def restart(self, port: int) -> None:
+        """Stop one node (SIGTERM) and start it again on its files; wait until it serves."""
+        index = self.ports.index(port)
+        process = self.processes[index]
+        process.terminate()
+        process.wait(timeout=10)
+        self.processes[index] = _node(self.directory, port, self.server, self.persistence)
+        _wait(functools.partial(_answers, port, "PONG", "PING"), f"node {port} up")
+        for each in self.ports:
+            _wait_healthy(each)
 
     def stop(self) -> None:
         """Shut every node down without saving, then remove the directory."""
@@ -125,9 +145,10 @@ def _is_free(port: int) -> bool:
     return True
 
 
-def _node(directory: Path, port: int, server: str) -> subprocess.Popen[bytes]:
+def _node(
+    directory: Path, port: int, server: str, persistence: tuple[str, ...]
+) -> subprocess.Popen[bytes]:
     node_dir = directory / str(port)
-    node_dir.mkdir()
     command = [
         server,
         "--port", str(port),
@@ -136,8 +157,7 @@ def _node(directory: Path, port: int, server: str) -> subprocess.Popen[bytes]:
         "--cluster-config-file", str(node_dir / "nodes.conf"),
         "--cluster-node-timeout", "2000",
         "--dir", str(node_dir),
-        "--save", "",
-        "--appendonly", "no",
+        *persistence,
         "--logfile", str(node_dir / "redis.log"),
     ]  # fmt: skip
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -163,6 +183,11 @@ def _cli(port: int, *args: str) -> str:
 
 def _answers(port: int, expected: str, *command: str) -> bool:
     return expected in _cli(port, *command)
+
+
+def _wait_healthy(port: int) -> None:
+    healthy = functools.partial(_answers, port, "cluster_state:ok", "CLUSTER", "INFO")
+    _wait(healthy, f"node {port} cluster_state:ok")
 
 
 def _wait(ready: Callable[[], bool], what: str) -> None:

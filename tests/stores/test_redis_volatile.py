@@ -27,6 +27,7 @@ import pytest
 from idemflow import (
     ConfigurationError,
     Idempotency,
+    InProgress,
     LeaseLost,
     Policy,
     Response,
@@ -237,3 +238,172 @@ def test_a_store_started_on_an_existing_server_does_not_quarantine(tmp_path: Pat
         assert Idempotency(second, POLICY).run(intent(), Recorder()).replayed
         assert not Idempotency(second, POLICY).run(intent("k-2"), Recorder()).replayed
         second.close()
+
+
+# --- a restart that keeps the data: the server's boot (INFO's run_id) -------------------
+
+PERSISTENT = ("--save", "", "--appendonly", "yes", "--appendfsync", "everysec")
+
+
+def lose(store: Any, *keys: str) -> None:
+    """What a crash takes from an AOF fsynced every second: the last writes (these claims)."""
+    for key in keys:
+        assert store.client.delete(store.layout.record_key("alice", key)) == 1
+
+
+@pytest.mark.parametrize("name", SERVERS)
+def test_claims_in_flight_across_a_restart_with_persistence_never_run_twice(
+    name: str, tmp_path: Path
+) -> None:
+    """Five requests are running when a server with an AOF restarts (a new run_id); the
+    claims of three of them were its last writes, lost as a crash with ``appendfsync
+    everysec`` loses them. No retry runs beside its request: where the record is gone
+    the claim would write, and is told 503 + Retry-After until the stale threshold has
+    passed; where it is kept, 409. A settled key still replays and the kept requests
+    complete during the quarantine; then the lost ones run once."""
+    clock = FrozenClock()
+    keys = [f"k-{n}" for n in range(5)]
+    lost, kept = keys[:3], keys[3:]
+    with server(name, tmp_path, *PERSISTENT) as running:
+        store = RedisStore(redis_client(running.url), policy=POLICY, prefix="boot", clock="caller")
+        idem = Idempotency(store, POLICY, clock=clock)
+        idem.run(intent("done"), Recorder())
+        release, claimed = threading.Event(), threading.Semaphore(0)
+        first: dict[str, str] = {}
+
+        def running_request(key: str) -> None:
+            def handler(attempt: Any) -> Response:
+                claimed.release()
+                assert release.wait(60)
+                return CREATED
+
+            try:
+                idem.run(intent(key), handler)
+                first[key] = "completed"
+            except LeaseLost:
+                first[key] = "lease lost"
+
+        threads = [threading.Thread(target=running_request, args=(key,)) for key in keys]
+        for thread in threads:
+            thread.start()
+        for _ in keys:
+            assert claimed.acquire(timeout=60)
+
+        running.restart()  # the data kept, the boot new
+        lose(store, *lost)
+        retries = Recorder()
+        refused = []
+        for key in [*lost, "fresh"]:
+            with pytest.raises(StoreUnavailable, match="restarted or lost data") as raised:
+                idem.run(intent(key), retries)
+            refused.append(raised.value)
+        for key in kept:
+            with pytest.raises(InProgress):
+                idem.run(intent(key), retries)
+        assert idem.run(intent("done"), retries).replayed
+        release.set()
+        for thread in threads:
+            thread.join(timeout=60)
+
+        assert retries.calls == []
+        assert all(1 <= a.retry_after <= POLICY.stale_seconds + 1 for a in refused)
+        assert first == {**dict.fromkeys(lost, "lease lost"), **dict.fromkeys(kept, "completed")}
+        clock.advance(POLICY.stale_seconds + 1)
+        for key in [*lost, "fresh"]:
+            assert not idem.run(intent(key), retries).replayed
+        assert [attempt.record.key for attempt in retries.calls] == [*lost, "fresh"]
+        store.close()
+
+
+def test_a_restart_is_found_by_a_store_started_after_it_and_ends_a_threshold_after_the_boot(
+    tmp_path: Path,
+) -> None:
+    """The epochs remember the boot they were written on, so a store that starts only
+    after the restart refuses too; a second store finding the same restart later does
+    not start the quarantine again (it ends a threshold after the boot). A SCRIPT FLUSH
+    (the same boot) or the app restarting (the same server) quarantines nothing."""
+    clock = FrozenClock()
+    with server("redis-server", tmp_path, *PERSISTENT) as running:
+
+        def store() -> RedisStore:
+            client = redis_client(running.url)
+            return RedisStore(client, policy=POLICY, prefix="late", clock="caller")
+
+        before = store()
+        Idempotency(before, POLICY, clock=clock).run(intent("k-1"), Recorder())
+        before.client.script_flush()
+        assert not Idempotency(before, POLICY, clock=clock).run(intent("k-2"), Recorder()).replayed
+        before.close()
+        again = store()
+        assert not Idempotency(again, POLICY, clock=clock).run(intent("k-3"), Recorder()).replayed
+        again.close()
+
+        running.restart()
+        after = store()
+        idem = Idempotency(after, POLICY, clock=clock)
+        with pytest.raises(StoreUnavailable, match="restarted or lost data") as found:
+            idem.run(intent("k-4"), Recorder())
+        assert idem.run(intent("k-1"), Recorder()).replayed
+        clock.advance(POLICY.stale_seconds / 2)
+        later = store()
+        with pytest.raises(StoreUnavailable) as still:
+            Idempotency(later, POLICY, clock=clock).run(intent("k-4"), Recorder())
+        clock.advance(POLICY.stale_seconds / 2 + 1)
+        assert not Idempotency(later, POLICY, clock=clock).run(intent("k-4"), Recorder()).replayed
+        after.close()
+        later.close()
+    assert found.value.retry_after <= POLICY.stale_seconds + 1
+    assert still.value.retry_after <= POLICY.stale_seconds / 2 + 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", SERVERS)
+async def test_the_async_store_finds_a_restart_too(name: str, tmp_path: Path) -> None:
+    """AsyncRedisStore: a request in flight whose claim a restart lost is not run again
+    beside it (503 + Retry-After), a settled key replays; after the threshold it runs."""
+    import asyncio
+
+    from redis.asyncio import Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from idemflow import AsyncIdempotency
+    from idemflow.stores.redis import AsyncRedisStore
+
+    clock = FrozenClock()
+    with server(name, tmp_path, *PERSISTENT) as running:
+        client = Redis.from_url(
+            running.url, socket_connect_timeout=2, socket_timeout=5, retry=Retry(NoBackoff(), 1)
+        )
+        store = AsyncRedisStore(client, policy=POLICY, prefix="aboot", clock="caller")
+        idem = AsyncIdempotency(store, POLICY, clock=clock)
+        calls: list[str] = []
+        release, claimed = asyncio.Event(), asyncio.Event()
+
+        async def handler(attempt: Any) -> Response:
+            calls.append(attempt.record.key)
+            claimed.set()
+            await asyncio.wait_for(release.wait(), 60)
+            return CREATED
+
+        release.set()
+        await idem.run(intent("done"), handler)
+        release.clear()
+        claimed.clear()
+        in_flight = asyncio.ensure_future(idem.run(intent("k-1"), handler))
+        await asyncio.wait_for(claimed.wait(), 30)
+        running.restart()
+        sync = RedisStore(redis_client(running.url), prefix="aboot", allow_volatile=True)
+        lose(sync, "k-1")
+        with pytest.raises(StoreUnavailable, match="restarted or lost data") as raised:
+            await idem.run(intent("k-1"), handler)
+        assert (await idem.run(intent("done"), handler)).replayed
+        release.set()
+        with pytest.raises(LeaseLost):
+            await in_flight
+        clock.advance(POLICY.stale_seconds + 1)
+        assert not (await idem.run(intent("k-1"), handler)).replayed
+        await store.close()
+        sync.close()
+    assert calls == ["done", "k-1", "k-1"]
+    assert 1 <= raised.value.retry_after <= POLICY.stale_seconds + 1

@@ -132,24 +132,22 @@ end
 # is not a retry, starts a new intent. In flight (in_progress) or being
 # recovered (stale) is never taken over, however old: only the sweeper ends it.
 #
-# KEYS[6]: the bucket's epoch, ARGV[10]: the quarantine (ms). The store writes
-# every bucket's epoch ("0") when it starts; an epoch that is gone means this
-# bucket's data vanished since (a restart without persistence, a flush, an
-# empty replica promoted): requests that claimed before the loss may still be
-# running, and their records are gone. So the epoch is written again with the
-# time of discovery, and every claim in the bucket answers {'lost', ms left}
-# until the quarantine (the stale threshold) has passed since then. (Only the
-# benchmark's raw calls leave KEYS[6] out.)
+# KEYS[6]: the bucket's epoch, ARGV[10]: the quarantine (ms). The epoch holds
+# "<armed_ms> <run_id>": when a loss was last found in the bucket (0: never)
+# and the server boot (INFO's run_id) the bucket was last seen on, which the
+# boot script (_BOOT) writes and compares; a claim reads only the first field.
+# The store writes every bucket's epoch when it starts. An epoch that is gone
+# means this bucket's data vanished since (a restart without persistence, a
+# flush, an empty replica promoted); a boot that changed means the server
+# restarted (or failed over) and may have lost its last writes (an AOF fsynced
+# every second, RDB snapshots). Either way requests that claimed before may
+# still be running, and their records may be gone. So every claim in the bucket
+# that would write a record (a fresh key, a take-over) answers {'lost', ms left}
+# until the quarantine (the stale threshold) has passed since the loss was found
+# (a vanished epoch is written again with that time) or since the boot. A claim
+# that only reads (a replay, a request in flight: 409, a key reused: 422) still
+# answers from the record. (Only the benchmark's raw calls leave KEYS[6] out.)
 _CLAIM = """
-if KEYS[6] then
-  local armed = redis.call('GET', KEYS[6])
-  if not armed then
-    redis.call('SET', KEYS[6], NOW)
-    armed = NOW
-  end
-  local left = tonumber(armed) + tonumber(ARGV[10]) - now
-  if left > 0 then return {'lost', ms(left)} end
-end
 local K = KEYS[5]
 local cur = redis.call('HMGET', K, 'state', 'fingerprint', 'expires_at', 'lease_token',
   'recovery_point')
@@ -165,6 +163,19 @@ if state then
   if not (retry or past) then
     return {'held', unpack(redis.call('HGETALL', K))}
   end
+end
+if KEYS[6] then
+  local epoch = redis.call('GET', KEYS[6])
+  local armed = now
+  if epoch then
+    armed = tonumber(string.match(epoch, '^%d+'))
+  else
+    redis.call('SET', KEYS[6], NOW)
+  end
+  local left = armed + tonumber(ARGV[10]) - now
+  if left > 0 then return {'lost', ms(left)} end
+end
+if state then
   redis.call('ZREM', EXP, K)
   redis.call('ZREM', REL, K)
 end
@@ -184,6 +195,36 @@ if ARGV[9] == '1' then redis.call('HSET', K, 'correlation_id', ARGV[8]) end
 redis.call('ZADD', IP, NOW, K)
 if retry then return {'taken', unpack(redis.call('HGETALL', K))} end
 return {'new', NOW, expires}
+"""
+
+# KEYS: buckets' epochs (one on a cluster: one slot per script). ARGV: now, '1'
+# to write the epochs that are absent (the store's start; elsewhere an absent
+# epoch is a loss the next claim finds). Tells each epoch which server boot it
+# is on: the script cache does not survive a restart, so every store runs this
+# before it loads the scripts into a server (at its start, and whenever a script
+# is missing), and no claim runs on a boot whose epochs were not told. An epoch
+# last seen on another boot is armed from that boot (now - uptime, a second
+# late at most), so the quarantine ends a stale threshold after the restart
+# however late a bucket is found, and at once where the restart is older. An
+# epoch that never saw a boot (written before this rule, or by a claim that
+# found it gone) just learns it. Returns the boot's run_id.
+_BOOT = """
+local info = redis.call('INFO', 'server')
+local run = string.match(info, 'run_id:(%x+)')
+local boot = now - 1000 * tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+for i = 1, #KEYS do
+  local epoch = redis.call('GET', KEYS[i])
+  if not epoch then
+    if ARGV[2] == '1' then redis.call('SET', KEYS[i], '0 ' .. run) end
+  else
+    local armed, seen = string.match(epoch, '^(%d+) ?(%x*)')
+    if seen ~= run then
+      if seen ~= '' then armed = ms(math.max(tonumber(armed), boot)) end
+      redis.call('SET', KEYS[i], armed .. ' ' .. run)
+    end
+  end
+end
+return run
 """
 
 # The fence every owner write shares: our record (id, lease token), still in
@@ -363,6 +404,11 @@ SCRIPTS = scripts("database")
 SHAS = _shas(SCRIPTS)
 _CALLER_SCRIPTS = scripts("caller")
 ON_CLOCK = {"database": (SCRIPTS, SHAS), "caller": (_CALLER_SCRIPTS, _shas(_CALLER_SCRIPTS))}
+#: The boot script on each clock: sent with ``EVAL`` (rarely: at start, after a restart).
+BOOT = {
+    clock: start + _CLOCK + _BOOT
+    for clock, start in (("database", _ON_STORE_CLOCK), ("caller", _ON_CALLER_CLOCK))
+}
 
 
 def is_unavailable(exc: BaseException) -> bool:
@@ -679,11 +725,11 @@ def refuse_transaction(transaction: object) -> None:
 
 
 def data_lost(left: float) -> StoreUnavailable:
-    """The 503 of a claim in a bucket whose data vanished, until its quarantine ends."""
+    """The 503 of a claim that would write in a bucket that may have lost data, until its
+    quarantine ends."""
     return StoreUnavailable(
-        "the Redis key store lost its data (restarted without persistence, flushed, or "
-        "failed over to an empty replica): claims wait until requests in flight before "
-        "the loss have ended",
+        "the Redis key store restarted or lost data (restarted, flushed, or failed over): "
+        "new claims wait until requests in flight before it have ended",
         retry_after=max(1, math.ceil(left)),
     )
 

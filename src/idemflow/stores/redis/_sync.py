@@ -12,6 +12,7 @@ GENERATED from ``idemflow/stores/redis/_async.py`` by ``scripts/unasync.py``; do
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from ..._lease import new_lease_token
 from ..._model import Claim, Intent, Policy, Record, Response, State
 from ..protocol import Transaction, StoreClock, check_clock
 from ._scripts import (
+    BOOT,
     DEFAULT_PREFIX,
     EXPIRES,
     ON_CLOCK,
@@ -67,10 +69,13 @@ class RedisStore(RedisObservable):
             claim, and requests in flight run a second time.
 
     A data loss while running is detected, bucket by bucket: the store writes
-    each bucket's epoch key when it starts, and a claim that finds its
-    bucket's epoch gone answers 503 + ``Retry-After`` until the stale
-    threshold has passed, so that no request in flight before the loss can
-    run again while it may still be running.
+    each bucket's epoch key when it starts, with the server's boot (``INFO``'s
+    ``run_id``). A bucket whose epoch is gone (its data vanished), or was last
+    seen on another boot (the server restarted or failed over, and may have
+    lost its last writes), answers the claims that would write a record 503 +
+    ``Retry-After`` until the stale threshold has passed since the loss was
+    found, or since the boot: no request in flight before it can run again
+    while it may still be running. Replays, 409s and 422s answer throughout.
 
     ``supports_transactions`` is False: ``Idempotency.run(…, transaction=…)``
     raises ``ConfigurationError`` before claiming anything. Run the sweeper
@@ -95,6 +100,8 @@ class RedisStore(RedisObservable):
         self.client = client
         self.layout = layout_for(client, prefix)
         self._scripts, self._shas = ON_CLOCK[check_clock(clock)]
+        self._boot_script = BOOT[clock]
+        self._cluster = hasattr(client, "get_primaries")
         self._no_script = NoScriptError
         self._response_error = ResponseError
         self.allow_volatile = allow_volatile
@@ -112,7 +119,7 @@ class RedisStore(RedisObservable):
     ) -> Claim:
         refuse_transaction(transaction)
         if not self._started:
-            self.start()
+            self.start(now)
         args = self.layout.claim_args(intent, lease_token, now, expires_at, self.quarantine)
         keys = self.layout.claim_keys(intent.principal, intent.key)
         # try/except, not translated(): a generator context manager per call costs.
@@ -123,21 +130,47 @@ class RedisStore(RedisObservable):
             raise
         return self.layout.claimed(reply, intent, lease_token, now, expires_at)
 
-    def start(self) -> None:
-        """Refuse a volatile server (unless allowed), then write every bucket's epoch.
+    def start(self, now: float | None = None) -> None:
+        """Refuse a volatile server (unless allowed), write every bucket's epoch, load the scripts.
 
-        Run by the first claim; safe to run again (the epochs are ``SET NX``).
-        A store started after a loss cannot tell an emptied server from a new
-        one: it is the stores running during the loss that find it.
+        Run by the first claim (``now`` on the caller's clock; the time by
+        default); safe to run again. An epoch that exists learns the server's
+        boot, or is armed if it saw another (see :meth:`_prepare`). A store
+        started after a loss cannot tell an emptied server from a new one: it
+        is the stores running during the loss that find it, and every store
+        finds a restart.
         """
+        at = ms(time.time() if now is None else now)
         with translated():
             if not self.allow_volatile:
                 refuse_volatile(persistence_problem(self._persistence()))
-            pipe = self.client.pipeline(transaction=False)
-            for bucket in range(self.layout.buckets):
-                pipe.set(self.layout.epoch_key(bucket), "0", nx=True)
-            pipe.execute()
+            self._prepare(at, create=True)
         self._started = True
+
+    def _prepare(self, now_ms: int, *, create: bool = False) -> None:
+        """The boot script on every bucket's epoch, then every script loaded.
+
+        Whenever scripts are loaded into a server (at start, when one is
+        missing: a restart, a failover, ``SCRIPT FLUSH``): no claim can run on
+        a boot whose epochs were not compared with it first. On one server
+        both travel in one pipeline, on one connection, so a restart cannot
+        fall between them (a connection does not survive one); on a cluster
+        the boot runs per bucket (one slot per script), routed by its one key.
+        """
+        epochs = [self.layout.epoch_key(bucket) for bucket in range(self.layout.buckets)]
+        argv = [now_ms, "1" if create else "0"]
+        pipe = self.client.pipeline(transaction=False)
+        if not self._cluster:
+            pipe.eval(self._boot_script, len(epochs), *epochs, *argv)
+            for lua in self._scripts.values():
+                pipe.script_load(lua)
+            pipe.execute()
+            return
+        for epoch in epochs:
+            pipe.execute_command("EVAL", self._boot_script, 1, epoch, *argv)
+        pipe.execute()
+        for lua in self._scripts.values():
+            self.client.script_load(lua)
 
     def _persistence(self) -> list[dict[str, Any]]:
         """Each master's ``appendonly`` and ``save`` settings (every master of a cluster)."""
@@ -265,10 +298,9 @@ class RedisStore(RedisObservable):
         return self._walk(EXPIRES, now, now, limit, delete)
 
     def migrate(self) -> None:
-        """Nothing to create; loads the scripts (on every master of a cluster)."""
+        """Nothing to create; loads the scripts (on every master of a cluster), the boot first."""
         with translated():
-            for lua in self._scripts.values():
-                self.client.script_load(lua)
+            self._prepare(ms(time.time()))
 
     def close(self) -> None:
         self.client.close()
@@ -306,8 +338,8 @@ class RedisStore(RedisObservable):
         """One pipelined round trip: a one-key script on one index of each bucket."""
         try:
             return list(self._each(script, chunk, index, argv).execute())
-        except self._no_script:  # SCRIPT FLUSH or a restart: load it, then once more
-            self.client.script_load(self._scripts[script])
+        except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts, once more
+            self._prepare(argv[0])
             return list(self._each(script, chunk, index, argv).execute())
 
     def _each(self, script: str, chunk: Sequence[int], index: int, argv: list[Any]) -> Any:
@@ -332,6 +364,6 @@ class RedisStore(RedisObservable):
         sha = self._shas[script]
         try:
             return self.client.evalsha(sha, len(keys), *keys, *args)
-        except self._no_script:  # SCRIPT FLUSH or a restart: load it, then once more
-            self.client.script_load(self._scripts[script])
+        except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts, once more
+            self._prepare(args[0])
             return self.client.evalsha(sha, len(keys), *keys, *args)
