@@ -299,3 +299,29 @@ def test_a_restarted_master_quarantines_the_claims_that_would_write_on_its_slots
         assert not any(idem.run(Intent("alice", key, "fp"), handler).replayed for key in on_it)
         store.close()
     assert [attempt.record.key for attempt in handler.calls] == [*elsewhere, *on_it]
+
+
+def test_a_cluster_that_refuses_the_cross_slot_boot_is_told_its_boot_bucket_by_bucket(
+    server: str, table_name: str
+) -> None:
+    """Where a master refuses the boot script over the buckets it serves (Redis before 7,
+    a slot that moved), the store tells each bucket's epoch the boot one by one."""
+    cluster = started(server)
+    store = RedisStore(
+        redis_client(cluster.url, cluster=True), prefix=table_name, allow_volatile=True
+    )
+    refused = {**store._boot_scripts, "node": "#!lua flags=no-such-flag\nreturn 1"}
+    store._boot_scripts = refused
+    store.start()
+    epochs = [store.layout.epoch_key(bucket) for bucket in range(store.layout.buckets)]
+    values = [store.client.get(epoch) for epoch in epochs]
+    runs = {
+        store.client.get_node_from_key(epoch).name: value.split()[1]
+        for epoch, value in zip(epochs, values, strict=True)
+    }
+    for epoch in epochs:
+        store.client.delete(epoch)
+    store.close()
+    assert all(value.startswith(b"0 ") for value in values)
+    assert len(runs) == len(cluster.ports)
+    assert len(set(runs.values())) == len(cluster.ports)  # each master's own run_id

@@ -20,10 +20,11 @@ from ..._lease import new_lease_token
 from ..._model import Claim, Intent, Policy, Record, Response, State
 from ..protocol import AsyncTransaction, StoreClock, check_clock
 from ._scripts import (
-    BOOT,
+    BOOT_SCRIPTS,
     DEFAULT_PREFIX,
     EXPIRES,
     ON_CLOCK,
+    AsyncStartGate,
     layout_for,
     ms,
     persistence_problem,
@@ -99,7 +100,8 @@ class AsyncRedisStore(AsyncRedisObservable):
         self.client = client
         self.layout = layout_for(client, prefix)
         self._scripts, self._shas = ON_CLOCK[check_clock(clock)]
-        self._boot_script = BOOT[clock]
+        self._boot_scripts = BOOT_SCRIPTS[clock]
+        self._gate = AsyncStartGate()
         self._cluster = hasattr(client, "get_primaries")
         self._no_script = NoScriptError
         self._response_error = ResponseError
@@ -118,7 +120,9 @@ class AsyncRedisStore(AsyncRedisObservable):
     ) -> Claim:
         refuse_transaction(transaction)
         if not self._started:
-            await self.start(now)
+            async with self._gate:  # the first claims of many callers: one starts the store
+                if not self._started:
+                    await self.start(now)
         args = self.layout.claim_args(intent, lease_token, now, expires_at, self.quarantine)
         keys = self.layout.claim_keys(intent.principal, intent.key)
         # try/except, not translated(): a generator context manager per call costs.
@@ -153,23 +157,43 @@ class AsyncRedisStore(AsyncRedisObservable):
         missing: a restart, a failover, ``SCRIPT FLUSH``): no claim can run on
         a boot whose epochs were not compared with it first. On one server
         both travel in one pipeline, on one connection, so a restart cannot
-        fall between them (a connection does not survive one); on a cluster
-        the boot runs per bucket (one slot per script), routed by its one key.
+        fall between them (a connection does not survive one).
         """
         epochs = [self.layout.epoch_key(bucket) for bucket in range(self.layout.buckets)]
         argv = [now_ms, "1" if create else "0"]
-        pipe = self.client.pipeline(transaction=False)
-        if not self._cluster:
-            pipe.eval(self._boot_script, len(epochs), *epochs, *argv)
+        if self._cluster:
+            await self._boot_cluster(epochs, argv)
             for lua in self._scripts.values():
-                pipe.script_load(lua)
-            await pipe.execute()
+                await self.client.script_load(lua)
             return
-        for epoch in epochs:
-            pipe.execute_command("EVAL", self._boot_script, 1, epoch, *argv)
-        await pipe.execute()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.eval(self._boot_scripts["keys"], len(epochs), *epochs, *argv)
         for lua in self._scripts.values():
-            await self.client.script_load(lua)
+            pipe.script_load(lua)
+        await pipe.execute()
+
+    async def _boot_cluster(self, epochs: list[bytes], argv: list[Any]) -> None:
+        """The boot script once per master, on the epochs of the buckets it serves.
+
+        Where that is refused (a server before Redis 7, a slot that moved since
+        the client last looked), once per bucket: slower (an ``INFO`` each),
+        never wrong.
+        """
+        served: dict[str, list[bytes]] = {}
+        for epoch in epochs:
+            served.setdefault(self.client.get_node_from_key(epoch).name, []).append(epoch)
+        try:
+            for name, mine in served.items():
+                node = self.client.get_node(node_name=name)
+                lua = self._boot_scripts["node"]
+                await self.client.execute_command(
+                    "EVAL", lua, 1, mine[0], *argv, *mine, target_nodes=node
+                )
+        except self._response_error:
+            pipe = self.client.pipeline(transaction=False)
+            for epoch in epochs:  # one slot per script: routed by its one key
+                pipe.execute_command("EVAL", self._boot_scripts["keys"], 1, epoch, *argv)
+            await pipe.execute()
 
     async def _persistence(self) -> list[dict[str, Any]]:
         """Each master's ``appendonly`` and ``save`` settings (every master of a cluster)."""

@@ -9,9 +9,11 @@ whose docstring explains the design.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import random
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -197,30 +199,30 @@ if retry then return {'taken', unpack(redis.call('HGETALL', K))} end
 return {'new', NOW, expires}
 """
 
-# KEYS: buckets' epochs (one on a cluster: one slot per script). ARGV: now, '1'
-# to write the epochs that are absent (the store's start; elsewhere an absent
-# epoch is a loss the next claim finds). Tells each epoch which server boot it
-# is on: the script cache does not survive a restart, so every store runs this
-# before it loads the scripts into a server (at its start, and whenever a script
-# is missing), and no claim runs on a boot whose epochs were not told. An epoch
-# last seen on another boot is armed from that boot (now - uptime, a second
-# late at most), so the quarantine ends a stale threshold after the restart
-# however late a bucket is found, and at once where the restart is older. An
-# epoch that never saw a boot (written before this rule, or by a claim that
-# found it gone) just learns it. Returns the boot's run_id.
+# The epochs in ``epochs`` (see BOOT_SCRIPTS for where they come from). ARGV[1]:
+# now, ARGV[2]: '1' to write the epochs that are absent (the store's start;
+# elsewhere an absent epoch is a loss the next claim finds). Tells each epoch
+# which server boot it is on: the script cache does not survive a restart, so
+# every store runs this before it loads the scripts into a server (at its
+# start, and whenever a script is missing), and no claim runs on a boot whose
+# epochs were not told. An epoch last seen on another boot is armed from that
+# boot (now - uptime, a second late at most), so the quarantine ends a stale
+# threshold after the restart however late a bucket is found, and at once where
+# the restart is older. An epoch that never saw a boot (written before this
+# rule, or by a claim that found it gone) just learns it. Returns the run_id.
 _BOOT = """
 local info = redis.call('INFO', 'server')
 local run = string.match(info, 'run_id:(%x+)')
 local boot = now - 1000 * tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
-for i = 1, #KEYS do
-  local epoch = redis.call('GET', KEYS[i])
+for _, k in ipairs(epochs) do
+  local epoch = redis.call('GET', k)
   if not epoch then
-    if ARGV[2] == '1' then redis.call('SET', KEYS[i], '0 ' .. run) end
+    if ARGV[2] == '1' then redis.call('SET', k, '0 ' .. run) end
   else
     local armed, seen = string.match(epoch, '^(%d+) ?(%x*)')
     if seen ~= run then
       if seen ~= '' then armed = ms(math.max(tonumber(armed), boot)) end
-      redis.call('SET', KEYS[i], armed .. ' ' .. run)
+      redis.call('SET', k, armed .. ' ' .. run)
     end
   end
 end
@@ -404,9 +406,21 @@ SCRIPTS = scripts("database")
 SHAS = _shas(SCRIPTS)
 _CALLER_SCRIPTS = scripts("caller")
 ON_CLOCK = {"database": (SCRIPTS, SHAS), "caller": (_CALLER_SCRIPTS, _shas(_CALLER_SCRIPTS))}
-#: The boot script on each clock: sent with ``EVAL`` (rarely: at start, after a restart).
-BOOT = {
-    clock: start + _CLOCK + _BOOT
+#: The boot script on each clock, sent with ``EVAL`` (rarely: at start, when a script is
+#: missing), in two forms. ``"keys"``: the epochs are its KEYS, all of one server
+#: (or one bucket's on a cluster, one slot). ``"node"``: the epochs are ARGV[3…],
+#: every bucket one master of a cluster serves, KEYS[1] one of them to route it
+#: there; ``allow-cross-slot-keys`` (Redis ≥ 7, Valkey) lets one script touch them,
+#: so one ``INFO`` per master instead of one per bucket.
+BOOT_SCRIPTS = {
+    clock: {
+        "keys": start + _CLOCK + "local epochs = KEYS\n" + _BOOT,
+        "node": "#!lua flags=allow-cross-slot-keys\n"
+        + start
+        + _CLOCK
+        + "local epochs = {unpack(ARGV, 3)}\n"
+        + _BOOT,
+    }
     for clock, start in (("database", _ON_STORE_CLOCK), ("caller", _ON_CALLER_CLOCK))
 }
 
@@ -756,3 +770,29 @@ def refuse_volatile(problem: str | None) -> None:
         "with allow_volatile=True (?allow_volatile=1 in a URL): see docs/stores.md"
     )
     raise ConfigurationError(msg)
+
+
+class AsyncStartGate:
+    """One caller at a time starts an async store: the first claims of many tasks wait for it."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+
+    async def __aenter__(self) -> None:
+        await self._lock.acquire()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+
+class StartGate:
+    """:class:`AsyncStartGate` for threads (the sync store)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
