@@ -13,7 +13,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, TypeAlias
 
@@ -379,6 +379,63 @@ def record_from_row(row: Mapping[str, Any]) -> Record:
         response=response,
         attempt=int(row["attempt"]),
     )
+
+
+# make_record: a Record from its 14 values, in field order, without the dataclass
+# __init__. A frozen dataclass's __init__ sets each field through
+# object.__setattr__ (a global lookup and a call per field, about 1 µs for a
+# record); setting the slots directly costs a third of that, on the claim and
+# replay paths of every store. Record has no __post_init__, so nothing is
+# skipped; the names are checked against the class, so a field added to it
+# cannot be forgotten here.
+_RECORD_FIELDS = (
+    "id", "principal", "key", "fingerprint", "endpoint", "state", "lease_token",
+    "created_at", "updated_at", "expires_at", "correlation_id", "recovery_point",
+    "response", "attempt",
+)  # fmt: skip
+if tuple(item.name for item in fields(Record)) != _RECORD_FIELDS:  # pragma: no cover
+    raise AssertionError("make_record must set every field of Record, in order")
+(
+    _set_id, _set_principal, _set_key, _set_fingerprint, _set_endpoint, _set_state,
+    _set_lease_token, _set_created_at, _set_updated_at, _set_expires_at,
+    _set_correlation_id, _set_recovery_point, _set_response, _set_attempt,
+) = (getattr(Record, name).__set__ for name in _RECORD_FIELDS)  # fmt: skip
+_new = object.__new__
+
+
+def make_record(
+    id: int | str,
+    principal: str,
+    key: str,
+    fingerprint: str,
+    endpoint: str,
+    state: State,
+    lease_token: str | None,
+    created_at: float,
+    updated_at: float,
+    expires_at: float,
+    correlation_id: str | None,
+    recovery_point: str | None,
+    response: Response | None,
+    attempt: int,
+) -> Record:
+    """``Record(…)`` with every field given, positionally, at a third of the cost."""
+    record: Record = _new(Record)
+    _set_id(record, id)
+    _set_principal(record, principal)
+    _set_key(record, key)
+    _set_fingerprint(record, fingerprint)
+    _set_endpoint(record, endpoint)
+    _set_state(record, state)
+    _set_lease_token(record, lease_token)
+    _set_created_at(record, created_at)
+    _set_updated_at(record, updated_at)
+    _set_expires_at(record, expires_at)
+    _set_correlation_id(record, correlation_id)
+    _set_recovery_point(record, recovery_point)
+    _set_response(record, response)
+    _set_attempt(record, attempt)
+    return record
 
 
 def now_ms(clock: Clock = time.time) -> int:

@@ -28,6 +28,7 @@ from ..._model import (
     State,
     headers_from_json,
     headers_to_json,
+    make_record,
 )
 from ..protocol import StoreClock
 
@@ -568,21 +569,24 @@ class Layout:
         if verdict == "lost":
             raise data_lost(int(reply[1]) / 1000)
         if verdict == "new":  # the times the script wrote, on its clock: {'new', now, expires}
-            record = Record(
-                id=lease_token,
-                principal=intent.principal,
-                key=intent.key,
-                fingerprint=intent.fingerprint,
-                endpoint=intent.endpoint,
-                state=State.IN_PROGRESS,
-                lease_token=lease_token,
-                created_at=ms(now) / 1000,
-                updated_at=int(reply[1]) / 1000,
-                expires_at=int(reply[2]) / 1000,
-                correlation_id=intent.correlation_id,
+            record = make_record(
+                lease_token,  # the id
+                intent.principal,
+                intent.key,
+                intent.fingerprint,
+                intent.endpoint,
+                State.IN_PROGRESS,
+                lease_token,
+                ms(now) / 1000,  # created_at
+                int(reply[1]) / 1000,  # updated_at
+                int(reply[2]) / 1000,  # expires_at
+                intent.correlation_id,
+                None,  # recovery_point
+                None,  # response
+                1,  # attempt
             )
-            return Claim(owned=True, record=record)
-        return Claim(owned=verdict == "taken", record=record_from_hash(reply[1:]))
+            return Claim(True, record)
+        return Claim(verdict == "taken", record_from_hash(reply[1:]))
 
     def owner_args(self, record: Record, now: float) -> list[Any]:
         return [ms(now), str(record.id), record.lease_token or ""]
@@ -662,7 +666,7 @@ def record_from_hash(flat: Sequence[bytes]) -> Record:
     correlation_id = get(b"correlation_id")
     recovery_point = get(b"recovery_point")
     attempt = get(b"attempt")
-    return Record(
+    return make_record(
         fields[b"id"].decode(),
         fields[b"principal"].decode(),
         fields[b"key"].decode(),

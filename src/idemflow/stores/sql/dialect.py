@@ -27,7 +27,15 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..._errors import InProgress
-from ..._model import Intent, Record, Response, State, headers_from_json, headers_to_json
+from ..._model import (
+    Intent,
+    Record,
+    Response,
+    State,
+    headers_from_json,
+    headers_to_json,
+    make_record,
+)
 from ..protocol import StoreClock, check_clock
 
 if TYPE_CHECKING:
@@ -577,7 +585,7 @@ def record_from_values(row: Sequence[Any], start: int) -> Record:
         if type(body) is not bytes:
             body = bytes(body or b"")
         response = Response(int(status), body, _headers(headers))
-    return Record(
+    return make_record(
         record_id,
         principal,
         key,

@@ -68,9 +68,19 @@ def _writer_lock(path: str) -> threading.RLock:
         return lock
 
 
-# A child inherits the locks as they were at the fork, perhaps held by a
-# parent's thread that does not exist there: it starts with its own.
-os.register_at_fork(after_in_child=_WRITERS.clear)
+# This process's id, kept current across forks: a thread's connection belongs to
+# the process that opened it, and os.getpid() is a system call on every store call.
+_PID = [os.getpid()]
+
+
+def _forked() -> None:
+    # A child inherits the locks as they were at the fork, perhaps held by a
+    # parent's thread that does not exist there: it starts with its own.
+    _WRITERS.clear()
+    _PID[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class _Writer:
@@ -113,7 +123,7 @@ class _Connections:
 
     def __call__(self) -> _Writer:
         writer: _Writer | None = getattr(self._local, "writer", None)
-        if writer is None or self._local.pid != os.getpid():
+        if writer is None or self._local.pid != _PID[0]:
             writer = self._open()
         return writer
 
@@ -125,7 +135,7 @@ class _Connections:
     def _open(self) -> _Writer:
         conn = connect(self.path, busy_timeout=self._busy_timeout)
         writer = _Writer(conn, _writer_lock(self.path), self._busy_timeout)
-        self._local.writer, self._local.pid = writer, os.getpid()
+        self._local.writer, self._local.pid = writer, _PID[0]
         with self._lock:
             self._opened.append(conn)
         return writer
