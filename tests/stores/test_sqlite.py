@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from idemflow import StoreUnavailable
+from idemflow import Response, State, StoreUnavailable
 from idemflow.stores.sqlite import SQLiteStore, _writer_lock
 from tests.factories import intent
 
 NOW = 1_800_000_000.0
+CREATED = Response(201, b"created")
 
 
 @contextmanager
@@ -70,3 +71,50 @@ def test_reads_do_not_wait_for_the_writer_lock(tmp_path: Path) -> None:
             assert store.stats().stuck_claims(NOW + 1)["in_progress"] == 1
     finally:
         store.close()
+
+
+def test_the_stores_own_writers_never_wait_in_sqlites_busy_handler(tmp_path: Path) -> None:
+    """8 threads claim, checkpoint, complete and release while another sweeps and purges,
+    every connection with SQLite's busy timeout at 0: no write ever finds the file locked
+    (SQLITE_BUSY, a 503), because this process's writers wait on its lock, never in
+    SQLite's sleeping busy handler."""
+    path = tmp_path / "keys.db"
+    store = SQLiteStore(path, busy_timeout=30)
+    store.migrate()
+    failures: list[BaseException] = []
+    start = threading.Barrier(9)
+
+    def no_busy_handler() -> None:
+        store._connections().conn.execute("PRAGMA busy_timeout = 0")
+        start.wait(10)
+
+    def requests(worker: int) -> None:
+        try:
+            no_busy_handler()
+            for n in range(150):
+                claim = store.claim(intent(f"k-{worker}-{n}"), f"lease-{worker}-{n}", NOW, NOW + 60)
+                store.checkpoint(claim.record, "halfway", NOW)
+                if n % 3:
+                    store.complete(claim.record, State.COMPLETED, CREATED, NOW, NOW + 60)
+                else:
+                    store.release(claim.record, NOW)
+        except BaseException as exc:  # handed to the test
+            failures.append(exc)
+
+    def sweeper() -> None:
+        try:
+            no_busy_handler()
+            for _ in range(150):
+                store.sweep(State.IN_PROGRESS, NOW - 1, NOW, NOW + 60, 10)
+                store.purge(NOW + 120, 10)
+        except BaseException as exc:  # handed to the test
+            failures.append(exc)
+
+    threads = [threading.Thread(target=requests, args=(n,)) for n in range(8)]
+    threads.append(threading.Thread(target=sweeper))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    store.close()
+    assert failures == []
