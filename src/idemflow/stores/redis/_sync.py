@@ -180,6 +180,9 @@ class RedisStore(RedisObservable):
         the client last looked), once per bucket: slower (an ``INFO`` each),
         never wrong.
         """
+        initialize = getattr(self.client, "initialize", None)
+        if initialize is not None:  # redis.asyncio's cluster client learns its slots lazily
+            initialize()
         served: dict[str, list[bytes]] = {}
         for epoch in epochs:
             served.setdefault(self.client.get_node_from_key(epoch).name, []).append(epoch)
