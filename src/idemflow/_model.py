@@ -381,13 +381,13 @@ def record_from_row(row: Mapping[str, Any]) -> Record:
     )
 
 
-# make_record: a Record from its 14 values, in field order, without the dataclass
-# __init__. A frozen dataclass's __init__ sets each field through
-# object.__setattr__ (a global lookup and a call per field, about 1 µs for a
-# record); setting the slots directly costs a third of that, on the claim and
-# replay paths of every store. Record has no __post_init__, so nothing is
-# skipped; the names are checked against the class, so a field added to it
-# cannot be forgotten here.
+# make_record, make_response, make_claim: a Record, Response or Claim from all its
+# values, in field order, without the dataclass __init__. A frozen dataclass's
+# __init__ sets each field through object.__setattr__ (a global lookup and a call
+# per field: about 1 µs for a Record); setting the slots directly costs a third of
+# that, and the claim and replay paths of every store build one of each every
+# time. None of the three has a __post_init__, so nothing is skipped; the names
+# are checked against the classes, so a field added to one cannot be forgotten.
 _RECORD_FIELDS = (
     "id", "principal", "key", "fingerprint", "endpoint", "state", "lease_token",
     "created_at", "updated_at", "expires_at", "correlation_id", "recovery_point",
@@ -436,6 +436,35 @@ def make_record(
     _set_response(record, response)
     _set_attempt(record, attempt)
     return record
+
+
+_RESPONSE_FIELDS, _CLAIM_FIELDS = ("status", "body", "headers"), ("owned", "record")
+if (
+    tuple(item.name for item in fields(Response)) != _RESPONSE_FIELDS
+    or tuple(item.name for item in fields(Claim)) != _CLAIM_FIELDS
+):  # pragma: no cover
+    raise AssertionError("make_response and make_claim must set every field, in order")
+_set_status, _set_body, _set_headers = (
+    getattr(Response, name).__set__ for name in _RESPONSE_FIELDS
+)
+_set_owned, _set_claimed = (getattr(Claim, name).__set__ for name in _CLAIM_FIELDS)
+
+
+def make_response(status: int, body: bytes, headers: tuple[tuple[str, str], ...]) -> Response:
+    """``Response(status, body, headers)`` at a third of the cost (see :func:`make_record`)."""
+    response: Response = _new(Response)
+    _set_status(response, status)
+    _set_body(response, body)
+    _set_headers(response, headers)
+    return response
+
+
+def make_claim(owned: bool, record: Record) -> Claim:
+    """``Claim(owned, record)`` at a third of the cost (see :func:`make_record`)."""
+    claim: Claim = _new(Claim)
+    _set_owned(claim, owned)
+    _set_claimed(claim, record)
+    return claim
 
 
 def now_ms(clock: Clock = time.time) -> int:

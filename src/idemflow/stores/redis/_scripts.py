@@ -28,7 +28,9 @@ from ..._model import (
     State,
     headers_from_json,
     headers_to_json,
+    make_claim,
     make_record,
+    make_response,
 )
 from ..protocol import StoreClock
 
@@ -585,8 +587,8 @@ class Layout:
                 None,  # response
                 1,  # attempt
             )
-            return Claim(True, record)
-        return Claim(verdict == "taken", record_from_hash(reply[1:]))
+            return make_claim(True, record)
+        return make_claim(verdict == "taken", record_from_hash(reply[1:]))
 
     def owner_args(self, record: Record, now: float) -> list[Any]:
         return [ms(now), str(record.id), record.lease_token or ""]
@@ -661,7 +663,7 @@ def record_from_hash(flat: Sequence[bytes]) -> Record:
     response = None
     if status is not None:
         body = get(b"response_body") or b""
-        response = Response(int(status), body, _headers(get(b"response_headers")))
+        response = make_response(int(status), body, _headers(get(b"response_headers")))
     lease_token = get(b"lease_token")
     correlation_id = get(b"correlation_id")
     recovery_point = get(b"recovery_point")

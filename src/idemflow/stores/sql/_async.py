@@ -18,7 +18,16 @@ from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Any, Literal, TypeAlias
 
 from ..._errors import ConfigurationError, LeaseLost, StoreUnavailable
-from ..._model import Claim, Intent, Record, Response, State, can_take_over, record_from_row
+from ..._model import (
+    Claim,
+    Intent,
+    Record,
+    Response,
+    State,
+    can_take_over,
+    make_claim,
+    record_from_row,
+)
 from ..protocol import AsyncLendingTransaction, AsyncTransaction
 from ._stats import AsyncSQLObservable, is_missing_table, missing_table
 from .dialect import (
@@ -187,11 +196,11 @@ class AsyncSQLStore(AsyncSQLObservable):
                 if row is None:
                     continue
                 if row[shape.claimed]:
-                    return Claim(owned=True, record=record_from_values(row, shape.start))
+                    return make_claim(True, record_from_values(row, shape.start))
             else:
                 row, shape = await self._row(cursor, dialect.claim, params)
                 if row is not None:
-                    return Claim(owned=True, record=record_from_values(row, shape.start))
+                    return make_claim(True, record_from_values(row, shape.start))
                 row, shape = await self._row(cursor, dialect.read_for_claim, params)
                 if row is None:
                     continue
@@ -199,10 +208,10 @@ class AsyncSQLStore(AsyncSQLObservable):
             # On the store's clock (the database's, see on_database_clock): the
             # take-over statement decides again on it, atomically.
             if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
-                return Claim(owned=False, record=record)
+                return make_claim(False, record)
             row, shape = await self._row(cursor, dialect.take_over, params)
             if row is not None:
-                return Claim(owned=True, record=record_from_values(row, shape.start))
+                return make_claim(True, record_from_values(row, shape.start))
         raise claim_unsettled()
 
     async def _row(

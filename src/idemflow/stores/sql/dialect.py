@@ -35,6 +35,7 @@ from ..._model import (
     headers_from_json,
     headers_to_json,
     make_record,
+    make_response,
 )
 from ..protocol import StoreClock, check_clock
 
@@ -584,7 +585,7 @@ def record_from_values(row: Sequence[Any], start: int) -> Record:
     if status is not None:
         if type(body) is not bytes:
             body = bytes(body or b"")
-        response = Response(int(status), body, _headers(headers))
+        response = make_response(int(status), body, _headers(headers))
     return make_record(
         record_id,
         principal,
