@@ -157,7 +157,10 @@ class AsyncRedisStore(AsyncRedisObservable):
         missing: a restart, a failover, ``SCRIPT FLUSH``): no claim can run on
         a boot whose epochs were not compared with it first. On one server
         both travel in one pipeline, on one connection, so a restart cannot
-        fall between them (a connection does not survive one).
+        fall between them (a connection does not survive one). On a cluster
+        they are separate calls, so the boot runs again after the load: a
+        master that restarted in between is found then (what another store
+        claimed there in those milliseconds is not).
         """
         epochs = [self.layout.epoch_key(bucket) for bucket in range(self.layout.buckets)]
         argv = [now_ms, "1" if create else "0"]
@@ -165,6 +168,7 @@ class AsyncRedisStore(AsyncRedisObservable):
             await self._boot_cluster(epochs, argv)
             for lua in self._scripts.values():
                 await self.client.script_load(lua)
+            await self._boot_cluster(epochs, argv)
             return
         pipe = self.client.pipeline(transaction=False)
         pipe.eval(self._boot_scripts["keys"], len(epochs), *epochs, *argv)
