@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ._errors import ConfigurationError
 
@@ -37,25 +38,65 @@ async def async_shielded(awaitable: Awaitable[T]) -> T:
     A cancellation that arrives meanwhile is requested again once the step is
     done (the cancel count is kept, so ``asyncio.timeout`` still recognises
     its own), and raises at the caller's next await.
+
+    The step runs in a task of its own, so a timeout inside it (a driver's
+    ``asyncio.timeout``) cancels the step and not this task. This task waits
+    on a future it cannot cancel (:class:`_Unstoppable`) which the step
+    settles itself: one loop turn less than ``asyncio.shield`` (no relay
+    callback), and none at all on Python 3.12+ when the step ends without
+    waiting (its task starts eagerly).
     """
-    task = asyncio.ensure_future(awaitable)
+    loop = asyncio.get_running_loop()
+    settled = _Unstoppable(loop=loop)
+    step = asyncio.Task(_settle(awaitable, settled), loop=loop, **_EAGER)
     deferred = False
     try:
         while True:
             try:
-                return await asyncio.shield(task)
+                done, value = await settled
             except asyncio.CancelledError:
-                if task.cancelled():  # the step itself was cancelled, not us
-                    raise
-                # Cancelled meanwhile, or as the step ended (its result is there, and
-                # the next shield hands it over): deliver the cancellation afterwards.
+                # Thrown in by this task's cancel(), which could not cancel
+                # ``settled``: it is delivered once the step has ended.
                 deferred = True
+                if not settled.done():  # pragma: no cover -- woken only by ``settled``
+                    continue
+                done, value = settled.result()
+            break
     finally:
         if deferred:
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
                 current.cancel()
+    del step  # held until here: the loop keeps only a weak reference to a task
+    if done:
+        result: T = value
+        return result
+    raise value
+
+
+class _Unstoppable(asyncio.Future[tuple[bool, Any]]):
+    """A future whose ``cancel()`` does nothing: a task cancelled while it waits on one
+    gets its ``CancelledError`` when the future is done, not before."""
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False
+
+
+async def _settle(awaitable: Awaitable[Any], settled: _Unstoppable) -> None:
+    """Run the step; hand its result (or exception, its own cancellation too) to ``settled``."""
+    try:
+        value = await awaitable
+    except BaseException as exc:
+        settled.set_result((False, exc))
+        if not isinstance(exc, Exception | asyncio.CancelledError):
+            raise  # KeyboardInterrupt, SystemExit: the loop must see them
+    else:
+        settled.set_result((True, value))
+
+
+# Python 3.12+: the step runs at once, up to its first wait, without a loop turn.
+_EAGER: dict[str, Any] = {"eager_start": True} if sys.version_info >= (3, 12) else {}
 
 
 async def async_cancel_point() -> None:
