@@ -59,15 +59,17 @@ def parse_json(data: bytes) -> Any:
         InvalidBody: ``data`` is not UTF-8, not JSON, or JSON that I-JSON
             forbids; the message says which.
     """
-    value = _loads(_decode(data))
-    _check_tree(value)
+    text = _decode(data)
+    value = _loads(text)
+    _check_tree(value, escaped="\\u" in text)
     return value
 
 
 def _parse(data: bytes) -> tuple[Any, bool]:
     """:func:`parse_json`, and whether the value is *plain* (see :func:`_check_tree`)."""
-    value = _loads(_decode(data))
-    return value, _check_tree(value)
+    text = _decode(data)
+    value = _loads(text)
+    return value, _check_tree(value, escaped="\\u" in text, ascii=text.isascii())
 
 
 def _decode(data: bytes) -> str:
@@ -86,13 +88,7 @@ def _decode(data: bytes) -> str:
 
 def _loads(text: str) -> Any:
     try:
-        return json.loads(
-            text,
-            object_pairs_hook=_unique_members,
-            parse_constant=_reject_constant,
-            parse_float=_finite_float,
-            parse_int=_bounded_int,
-        )
+        return _DECODER.decode(text)
     except json.JSONDecodeError as e:
         # e.msg and the position never quote the body.
         raise InvalidBody(
@@ -140,10 +136,19 @@ def _bounded_int(text: str) -> int:
         ) from None
 
 
+# Made once: json.loads with hooks would build a decoder and its scanner per call.
+# It keeps no state between calls (as json's own default decoder, shared by all).
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_unique_members,
+    parse_constant=_reject_constant,
+    parse_float=_finite_float,
+    parse_int=_bounded_int,
+)
+
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _check_tree(value: Any) -> bool:
+def _check_tree(value: Any, *, escaped: bool = True, ascii: bool = False) -> bool:
     """Refuse lone surrogates anywhere and nesting beyond MAX_DEPTH; True if *plain*.
 
     The json module decodes ``"\\ud83d\\ude00"`` to one character, so any
@@ -155,13 +160,19 @@ def _check_tree(value: Any) -> bool:
     RFC 8785: ints are written alike, strings are escaped alike (``"``,
     ``\\``, the short escapes, other controls as lower-case ``\\u00xx``),
     and code-point order is UTF-16 order when no name has an astral character.
+
+    ``escaped``: the text had a ``\\u`` escape (only one can make a lone
+    surrogate: UTF-8 cannot carry one); ``ascii``: the text was ASCII (so,
+    without an escape, no astral character anywhere).
     """
+    astral = escaped or not ascii
     plain = True
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, str):
-            _check_text(item)
+            if escaped:
+                _check_text(item)
         elif isinstance(item, float):
             plain = False
         elif isinstance(item, dict | list):
@@ -169,8 +180,9 @@ def _check_tree(value: Any) -> bool:
                 raise _too_deep()
             if isinstance(item, dict):
                 for name in item:
-                    _check_text(name)
-                    if plain and not name.isascii() and _ASTRAL.search(name):
+                    if escaped:
+                        _check_text(name)
+                    if plain and astral and not name.isascii() and _ASTRAL.search(name):
                         plain = False
                 item = item.values()
             stack.extend((child, depth + 1) for child in item)

@@ -25,6 +25,7 @@ the query was hashed at all, so no stored fingerprint changed meaning.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Collection
 from urllib.parse import quote_from_bytes, unquote_to_bytes
@@ -83,10 +84,8 @@ def fingerprint(
         )
     kind, hashed_body = _hashed_body(body, content_type, exclude_fields)
 
-    digest = hashlib.sha256(_VERSION_TAG)
-    digest.update(_length_prefixed(method.upper()))
-    digest.update(_length_prefixed(route))
-    canonical = canonical_query(query)
+    digest = _head(method, route).copy()
+    canonical = canonical_query(query) if query else b""
     if canonical:
         # "query" can never be a body kind ("json", "raw"), so a digest with a
         # query cannot collide with one without.
@@ -111,6 +110,16 @@ def _hashed_body(
     return b"json", canonical_json_bytes(body, exclude_fields)
 
 
+@functools.lru_cache(maxsize=1024)
+def _head(method: str, route: str) -> hashlib._Hash:
+    """The digest of what comes before the query and the body, hashed once per route."""
+    digest = hashlib.sha256(_VERSION_TAG)
+    digest.update(_length_prefixed(method.upper()))
+    digest.update(_length_prefixed(route))
+    return digest
+
+
+@functools.lru_cache(maxsize=256)
 def _is_json(content_type: str | None) -> bool:
     """Whether the media type is ``application/json`` or a ``+json`` suffix type."""
     if content_type is None:

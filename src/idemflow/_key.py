@@ -80,6 +80,8 @@ def parse_key(values: Sequence[str], *, strict: bool = False) -> str:
 
 def _unquote(raw: str) -> str:
     """Decode an sf-string that starts at ``raw[0]`` and must end at ``raw[-1]``."""
+    if raw.find('"', 1) == len(raw) - 1 and "\\" not in raw:
+        return raw[1:-1]  # the usual key: no escape, nothing after the closing quote
     chars: list[str] = []
     i = 1
     while i < len(raw):
@@ -151,6 +153,8 @@ def _check_key(key: str) -> str:
         raise InvalidKey("Idempotency-Key is empty")
     if len(key) > MAX_KEY_LENGTH:
         raise _too_long()
+    if key.isascii() and key.isprintable():  # printable ASCII is exactly 0x20-0x7E
+        return key
     for ch in key:
         if not " " <= ch <= "~":
             raise InvalidKey(
