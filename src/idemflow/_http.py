@@ -94,6 +94,8 @@ REPLAYED_HEADER = "idempotent-replayed"
 #: question ("why was I charged?") resolves with one log query.
 ORIGINAL_REQUEST_ID_HEADER = "idempotency-original-request-id"
 PROBLEM_CONTENT_TYPE = "application/problem+json"
+_KEY_NAME = KEY_HEADER.encode("latin-1")
+_CONTENT_TYPE_NAME = b"content-type"
 
 #: Methods that are idempotent already: the header is ignored on them.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
@@ -224,12 +226,21 @@ def intent_for(request: HTTPRequest, options: EdgeOptions) -> Intent:
             msg = "authenticate first: idempotency keys are scoped to the caller"
             raise MissingPrincipal(msg)
         principal = options.anonymous_principal
-    key = parse_key(header_values(request.headers, KEY_HEADER), strict=options.strict_key)
+    # One pass over the header lines for the two the intent needs.
+    keys: list[str] = []
+    content_type = None
+    for raw_name, value in request.headers:
+        name = raw_name.lower()
+        if name == _KEY_NAME:
+            keys.append(value.decode("latin-1"))
+        elif name == _CONTENT_TYPE_NAME and content_type is None:
+            content_type = value.decode("latin-1")
+    key = parse_key(keys, strict=options.strict_key)
     digest = fingerprint(
         request.method,
         request.fingerprinted_route,
         request.body,
-        content_type=request.header("content-type"),
+        content_type=content_type,
         exclude_fields=options.exclude_fields,
         max_body_bytes=options.max_body_bytes,
         query=request.query,

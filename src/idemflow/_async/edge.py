@@ -88,10 +88,13 @@ class AsyncEdge:
             intent = self.intent(request)
             sent: list[Response] = []
             operation = self._storing(handler, sent, atomic=transaction is not None)
-            async with _scope(transaction) as opened:
-                outcome = await self.idempotency.run(
-                    intent, operation, transaction=opened, single_commit=single_commit
-                )
+            if transaction is None:
+                outcome = await self.idempotency.run(intent, operation, single_commit=single_commit)
+            else:
+                async with transaction() as opened:
+                    outcome = await self.idempotency.run(
+                        intent, operation, transaction=opened, single_commit=single_commit
+                    )
             if outcome.replayed:
                 await self._authorize(outcome.record)
                 return with_request_id(replayed(outcome), request.request_id)
@@ -123,17 +126,6 @@ class AsyncEdge:
             return
         if not await async_resolve(hook(record)):
             raise ReplayForbidden("this principal may no longer see the stored response")
-
-
-@asynccontextmanager
-async def _scope(
-    transaction: AsyncTransactionScope | None,
-) -> AsyncIterator[AsyncTransaction | None]:
-    if transaction is None:
-        yield None
-        return
-    async with transaction() as opened:
-        yield opened
 
 
 class AsyncPooledTransaction:

@@ -89,10 +89,13 @@ class Edge:
             intent = self.intent(request)
             sent: list[Response] = []
             operation = self._storing(handler, sent, atomic=transaction is not None)
-            with _scope(transaction) as opened:
-                outcome = self.idempotency.run(
-                    intent, operation, transaction=opened, single_commit=single_commit
-                )
+            if transaction is None:
+                outcome = self.idempotency.run(intent, operation, single_commit=single_commit)
+            else:
+                with transaction() as opened:
+                    outcome = self.idempotency.run(
+                        intent, operation, transaction=opened, single_commit=single_commit
+                    )
             if outcome.replayed:
                 self._authorize(outcome.record)
                 return with_request_id(replayed(outcome), request.request_id)
@@ -124,17 +127,6 @@ class Edge:
             return
         if not resolve(hook(record)):
             raise ReplayForbidden("this principal may no longer see the stored response")
-
-
-@contextmanager
-def _scope(
-    transaction: TransactionScope | None,
-) -> Iterator[Transaction | None]:
-    if transaction is None:
-        yield None
-        return
-    with transaction() as opened:
-        yield opened
 
 
 class PooledTransaction:
