@@ -25,6 +25,7 @@ from idemflow import (
     StoreUnavailable,
     fan_out,
 )
+from idemflow._events import null_observer
 from idemflow.logs import LoggingObserver, key_digest
 from idemflow.stores.sqlite import SQLiteStore
 from idemflow.testing import FrozenClock
@@ -192,3 +193,11 @@ def test_fan_out_of_one_is_that_observer() -> None:
     """No wrapper, no overhead, when there is nothing to combine."""
     counter = CountingObserver()
     assert fan_out(counter) is counter
+
+
+def test_fan_out_leaves_out_the_null_observer() -> None:
+    """A driver without an observer of its own, traced: one observer to call, not two
+    (and none at all when nobody listens: the driver then reads no clock either)."""
+    counter = CountingObserver()
+    assert fan_out(null_observer, counter) is counter
+    assert fan_out(null_observer) is null_observer

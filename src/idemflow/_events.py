@@ -59,7 +59,10 @@ def fan_out(*observers: Observer) -> Observer:
         inner
         for observer in observers
         for inner in (observer.observers if isinstance(observer, _FanOut) else (observer,))
+        if inner is not null_observer  # told nothing, it needs no call
     )
+    if not flat:
+        return null_observer
     if len(flat) == 1:
         return flat[0]
     return _FanOut(flat)

@@ -344,7 +344,9 @@ class _Performer:
         self._claim_committed = self._phase_committed = True
 
     def observe(self, event: Event) -> None:
-        self._idem.observer(event, self._intent, self._idem.clock() - self._started)
+        observer = self._idem.observer
+        if observer is not null_observer:  # nobody listens: not even a clock read
+            observer(event, self._intent, self._idem.clock() - self._started)
 
     async def _begin(self) -> AsyncTransaction | None:
         if self._transaction is not None and not self._open:
