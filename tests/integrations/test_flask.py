@@ -98,3 +98,29 @@ def test_a_plain_sqlalchemy_session_carries_the_completion(
         "POST /payments/<int:order>",
         2,
     )
+
+
+def test_the_header_lines_are_werkzeugs() -> None:
+    """The lines the edge gets are request.headers' (lower-case), read straight from
+    the environ: CONTENT_TYPE/CONTENT_LENGTH only when set, never their HTTP_ twins,
+    an empty Idempotency-Key kept (it is a 400 "empty", not a missing key)."""
+    from werkzeug.datastructures import EnvironHeaders
+
+    from idemflow.integrations.flask import _headers
+
+    environ: dict[str, Any] = {
+        "REQUEST_METHOD": "POST",
+        "HTTP_HOST": "shop.example",
+        "HTTP_IDEMPOTENCY_KEY": "",
+        "HTTP_X_REQUEST_ID": "req-1",
+        "HTTP_CONTENT_TYPE": "text/plain",
+        "HTTP_CONTENT_LENGTH": "99",
+        "CONTENT_TYPE": "application/json",
+        "CONTENT_LENGTH": "",
+        "wsgi.input": None,
+    }
+    werkzeugs = [
+        (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in EnvironHeaders(environ)
+    ]
+    assert _headers(environ) == werkzeugs
+    assert _headers(environ) == werkzeugs  # and again, from the learned names

@@ -148,6 +148,7 @@ class Idempotency:
             raise ConfigurationError("pass db= or transaction=, not both")
         self.db = db
         self._transaction = transaction
+        self._session_transactions: TransactionFactory | None = None
         self._store = store
         self._principal = principal
         if app is not None:
@@ -202,27 +203,30 @@ class Idempotency:
         self, view: Callable[[], Any], public: bool, validate: Callable[[], object] | None
     ) -> FlaskResponse:
         state = self.state()
-        headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers]
+        # Once: every access through the request proxy costs a context lookup.
+        current: Any = request._get_current_object()  # type: ignore[attr-defined]
+        headers = _headers(current.environ)
         rid = request_id_from(headers)
         edge = state.edges[public]
         try:
-            if request.method.upper() in SAFE_METHODS:
-                msg = f"{request.method} is idempotent already; protect unsafe methods only"
+            if current.method.upper() in SAFE_METHODS:
+                msg = f"{current.method} is idempotent already; protect unsafe methods only"
                 raise ConfigurationError(msg)
             who = (self._principal or flask_login_user)()
             if not who and not public:
                 raise MissingPrincipal(
                     "authenticate first: idempotency keys are scoped to the caller"
                 )
+            rule = current.url_rule
             http = HTTPRequest(
-                request.method,
-                request.url_rule.rule if request.url_rule is not None else request.path,
+                current.method,
+                rule.rule if rule is not None else current.path,
                 headers,
                 _body(state.max_body_bytes),
                 who,
                 rid,
-                {str(k): str(v) for k, v in (request.view_args or {}).items()},
-                request.query_string.decode("latin-1"),
+                {str(k): str(v) for k, v in (current.view_args or {}).items()},
+                current.query_string.decode("latin-1"),
             )
         except IdempotencyError as exc:
             return to_flask(problem_for(exc, rid))
@@ -258,11 +262,16 @@ class Idempotency:
             return self._transaction
         if self.db is None:
             return None
-        from ..transactions import SQLAlchemyTransaction
+        factory = self._session_transactions
+        if factory is None:
+            from ..transactions import SQLAlchemyTransaction
 
-        db = self.db
-        # db.session is a scoped_session: the request's own Session is what it returns.
-        return lambda: nullcontext(SQLAlchemyTransaction(db.session()))
+            session = self.db.session
+            # db.session is a scoped_session: the request's own Session is what it returns.
+            factory = self._session_transactions = lambda: nullcontext(
+                SQLAlchemyTransaction(session())
+            )
+        return factory
 
     def _open_store(self, app: Flask) -> Store:
         url = app.config["IDEMFLOW_STORE"]
@@ -282,6 +291,37 @@ def _plain_url(url: Any) -> str:
     rendered = str(url.render_as_string(hide_password=False))
     scheme, _, rest = rendered.partition("://")
     return f"{scheme.split('+', 1)[0]}://{rest}"
+
+
+def _headers(environ: dict[str, Any]) -> list[tuple[bytes, bytes]]:
+    """The header lines werkzeug's ``request.headers`` lists, lower-case, as latin-1 bytes.
+
+    Read from the environ as werkzeug does (``HTTP_*`` keys, and ``CONTENT_TYPE``
+    and ``CONTENT_LENGTH`` when set), without its title-cased names.
+    """
+    lines = []
+    names = _HEADER_NAMES
+    for key, value in environ.items():
+        name = names.get(key)
+        if name is None:
+            if key.startswith("HTTP_") and key not in ("HTTP_CONTENT_TYPE", "HTTP_CONTENT_LENGTH"):
+                name = key[5:].replace("_", "-").lower().encode("latin-1")
+            elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+                name = key.replace("_", "-").lower().encode("latin-1")
+            else:
+                name = b""  # not a header line
+            if len(names) < _MAX_HEADER_NAMES:
+                names[key] = name
+        if name and (value or name not in _CONTENT_HEADERS):
+            lines.append((name, value.encode("latin-1")))
+    return lines
+
+
+# environ key -> header name (b"" for the keys that are no header), learned as requests
+# come. Bounded, since clients choose header names.
+_HEADER_NAMES: dict[str, bytes] = {}
+_MAX_HEADER_NAMES = 512
+_CONTENT_HEADERS = (b"content-type", b"content-length")  # listed only when set
 
 
 def _body(limit: int) -> bytes:

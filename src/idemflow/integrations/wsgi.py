@@ -285,16 +285,27 @@ def _native(text: str) -> str:
 def raw_headers(environ: WSGIEnvironment) -> list[tuple[bytes, bytes]]:
     """The request's header lines as (lower-case name, value) bytes, from ``HTTP_*`` keys."""
     headers: list[tuple[bytes, bytes]] = []
+    names = _HEADER_NAMES
     for key, value in environ.items():
-        if key.startswith("HTTP_"):
-            name = key[5:].replace("_", "-").lower()
-        elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
-            name = key.replace("_", "-").lower()
-        else:
-            continue
-        if isinstance(value, str) and value:
-            headers.append((name.encode("latin-1"), value.encode("latin-1", "replace")))
+        name = names.get(key)
+        if name is None:
+            if key.startswith("HTTP_"):
+                name = key[5:].replace("_", "-").lower().encode("latin-1")
+            elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+                name = key.replace("_", "-").lower().encode("latin-1")
+            else:
+                name = b""  # not a header line
+            if len(names) < _MAX_HEADER_NAMES:
+                names[key] = name
+        if name and isinstance(value, str) and value:
+            headers.append((name, value.encode("latin-1", "replace")))
     return headers
+
+
+# environ key -> header name (b"" for the keys that are no header), learned as requests
+# come: the same few dozen keys every time. Bounded, since clients choose header names.
+_HEADER_NAMES: dict[str, bytes] = {}
+_MAX_HEADER_NAMES = 512
 
 
 # --- the request body -----------------------------------------------------------------------

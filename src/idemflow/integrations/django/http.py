@@ -73,16 +73,27 @@ def _principal_getter(chosen: IdemflowSettings) -> Callable[[Any], str | None]:
 def _headers(request: HttpRequest) -> RawHeaders:
     """The request's header lines as the WSGI server passed them (``META``), latin-1."""
     lines = []
-    for name, value in request.META.items():
-        if name.startswith("HTTP_"):
-            header = name[5:].replace("_", "-").lower()
-        elif name in ("CONTENT_TYPE", "CONTENT_LENGTH"):
-            header = name.replace("_", "-").lower()
-        else:
-            continue
-        if isinstance(value, str):
-            lines.append((header.encode("latin-1"), value.encode("latin-1", "replace")))
+    names = _HEADER_NAMES
+    for key, value in request.META.items():
+        name = names.get(key)
+        if name is None:
+            if key.startswith("HTTP_"):
+                name = key[5:].replace("_", "-").lower().encode("latin-1")
+            elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+                name = key.replace("_", "-").lower().encode("latin-1")
+            else:
+                name = b""  # not a header line
+            if len(names) < _MAX_HEADER_NAMES:
+                names[key] = name
+        if name and isinstance(value, str):
+            lines.append((name, value.encode("latin-1", "replace")))
     return lines
+
+
+# META key -> header name (b"" for the keys that are no header), learned as requests
+# come: the same few dozen keys every time. Bounded, since clients choose header names.
+_HEADER_NAMES: dict[str, bytes] = {}
+_MAX_HEADER_NAMES = 512
 
 
 def _body(request: HttpRequest, limit: int) -> bytes:
@@ -106,13 +117,18 @@ def _body(request: HttpRequest, limit: int) -> bytes:
 
 
 def django_request(
-    request: Any, principal: str | None, request_id: str, limit: int, match: Any = None
+    request: Any,
+    principal: str | None,
+    request_id: str,
+    limit: int,
+    match: Any = None,
+    headers: RawHeaders | None = None,
 ) -> HTTPRequest:
     """``request`` (Django's, or DRF's wrapping one) as the edge sees it.
 
     The route is the template Django matched (``/payments/<int:pk>/refunds``),
     so records and metrics name a bounded set of endpoints; its parameters
-    are part of the fingerprint.
+    are part of the fingerprint. ``headers``: its header lines, if already read.
     """
     raw: HttpRequest = getattr(request, "_request", request)
     match = match if match is not None else raw.resolver_match
@@ -123,7 +139,7 @@ def django_request(
     return HTTPRequest(
         raw.method or "POST",
         route,
-        _headers(raw),
+        _headers(raw) if headers is None else headers,
         _body(raw, limit),
         principal,
         request_id,
@@ -170,27 +186,58 @@ def protect(
     what it raises (a DRF ``ValidationError``, Django's ``BadRequest``) passes
     through and is never recorded.
     """
-    chosen = idemflow_settings()
+    prepared = _prepared(idemflow_settings())
     raw = getattr(request, "_request", request)
-    rid = request_id_from(_headers(raw))
-    options = _options(chosen, public)
+    headers = _headers(raw)
+    rid = request_id_from(headers)
+    edge = prepared.edges[public]
     try:
         if str(raw.method).upper() in SAFE_METHODS:
             msg = f"{raw.method} is idempotent already; protect unsafe methods only"
             raise ConfigurationError(msg)
-        who = _principal_getter(chosen)(request)
-        http = django_request(request, who, rid, options.max_body_bytes, match)
+        who = prepared.principal()(request)
+        http = django_request(request, who, rid, edge.options.max_body_bytes, match, headers)
         if not who and not public:
             raise MissingPrincipal("authenticate first: idempotency keys are scoped to the caller")
     except IdempotencyError as exc:
         return to_django(problem_for(exc, rid))
     if validate is not None:
         validate()
-    return _respond(http, view, options, chosen)
+    return _respond(http, view, edge, prepared.settings)
+
+
+class _Prepared:
+    """What every protected request of one ``settings.IDEMFLOW`` shares, made once:
+    the edge for public and non-public views (their options checked), the principal."""
+
+    def __init__(self, chosen: IdemflowSettings) -> None:
+        self.settings = chosen
+        driver = get_idempotency()
+        self.edges = {public: Edge(driver, _options(chosen, public)) for public in (False, True)}
+        self._principal: Callable[[Any], str | None] | None = None
+
+    def principal(self) -> Callable[[Any], str | None]:
+        """The principal getter; a bad ``IDEMFLOW['principal']`` raises on each request."""
+        if self._principal is None:
+            self._principal = _principal_getter(self.settings)
+        return self._principal
+
+
+# The settings object it was made for, and what was made: a settings change
+# (override_settings) makes a new settings object, and so a new _Prepared.
+_made: tuple[IdemflowSettings, _Prepared] | None = None
+
+
+def _prepared(chosen: IdemflowSettings) -> _Prepared:
+    global _made  # noqa: PLW0603 -- one slot, replaced whole (two threads may both build it)
+    made = _made
+    if made is None or made[0] is not chosen:
+        made = _made = (chosen, _Prepared(chosen))
+    return made[1]
 
 
 def _respond(
-    http: HTTPRequest, view: ViewCall, options: EdgeOptions, chosen: IdemflowSettings
+    http: HTTPRequest, view: ViewCall, edge: Edge, chosen: IdemflowSettings
 ) -> HttpResponseBase:
     ran: list[tuple[HttpResponseBase, Response]] = []
 
@@ -200,7 +247,6 @@ def _respond(
         ran.append((original, converted))
         return converted
 
-    edge = Edge(get_idempotency(), options)
     answer = edge.respond(
         http,
         handler,

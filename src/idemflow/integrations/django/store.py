@@ -118,22 +118,36 @@ _side = _SideConnections()
 
 def _busy(conn: Any) -> bool:
     """Is the thread's connection inside a transaction (an atomic block, or autocommit off)?"""
-    return bool(conn.in_atomic_block) or not conn.get_autocommit()
+    if conn.in_atomic_block:
+        return True
+    if conn.connection is None:
+        conn.ensure_connection()  # what get_autocommit() does first
+    return not conn.autocommit
 
 
-@contextmanager
-def _store_connection(using: str, *, always_side: bool) -> Iterator[Any]:
-    """The connection a store statement runs on (see the module's docstring)."""
-    shared = connections[using]
-    if not always_side and not _busy(shared):
-        yield shared
-        return
-    conn = _side.get(using)
-    try:
-        yield conn
-    except BaseException:
-        _side.discard(using)  # its session state is unknown now
-        raise
+class _store_connection:
+    """The connection a store statement runs on (see the module's docstring).
+
+    A class, not a generator: it is entered for every claim.
+    """
+
+    __slots__ = ("_always_side", "_side", "_using")
+
+    def __init__(self, using: str, *, always_side: bool) -> None:
+        self._using = using
+        self._always_side = always_side
+        self._side = False
+
+    def __enter__(self) -> Any:
+        shared = connections[self._using]
+        if not self._always_side and not _busy(shared):
+            return shared
+        self._side = True
+        return _side.get(self._using)
+
+    def __exit__(self, kind: Any, exc: Any, traceback: Any) -> None:
+        if kind is not None and self._side:
+            _side.discard(self._using)  # its session state is unknown now
 
 
 class _Pool:
@@ -373,6 +387,9 @@ class DjangoTransaction:
         self._atomic: Any = None
         self._nested = False
         self._detached = False
+        # This thread's connections[using], kept from begin: the lookup costs
+        # more than a statement's own Python (the transaction lives in one thread).
+        self._conn: Any = None
 
     @property
     def connection(self) -> Any:
@@ -387,7 +404,7 @@ class DjangoTransaction:
     def begin(self) -> None:
         if self._detached:
             return  # autocommit on the side connection: nothing to begin
-        conn = connections[self.using]
+        conn = self._conn = connections[self.using]
         self._nested = conn.in_atomic_block
         if self._nested and conn.vendor == "sqlite":
             # One writer: the release would queue behind the enclosing transaction's
@@ -429,7 +446,8 @@ class DjangoTransaction:
     @contextmanager
     def _cursor(self) -> Iterator[Any]:
         if not self._detached:
-            with connections[self.using].cursor() as cursor:
+            conn = self._conn if self._conn is not None else connections[self.using]
+            with conn.cursor() as cursor:
                 yield cursor
             return
         with _store_connection(self.using, always_side=True) as conn, conn.cursor() as cursor:
