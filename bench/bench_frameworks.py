@@ -34,6 +34,11 @@ the peer figure for comparison, measured elsewhere, is drf-idempotency at 0.48.
 At the end the run checks the business tables: one payment row per protected
 201, none for the replays.
 
+``--baseline TREE`` measures a change: each shop runs a second time on the idemflow of
+``TREE/src`` (e.g. ``git archive main src | tar -x -C /tmp/before``), and its three
+paths take turns with this tree's in the same slices (one app at a time, so two
+servers), so before and after are compared in one run.
+
 A second table gives the CPU each path costs on the server side, per request:
 the gunicorn workers' (the framework, idemflow, the driver) and the PostgreSQL
 backends' serving the shop's database (both read from ``/proc`` around each
@@ -286,34 +291,64 @@ class Target:
 
 
 @contextlib.contextmanager
-def servers(apps: list[str], workdir: Path) -> Iterator[dict[str, tuple[Shop, Meter]]]:
-    """The example shops on PostgreSQL, under gunicorn: name → the shop and its meter."""
+def servers(
+    apps: list[str], workdir: Path, baseline: Path | None = None
+) -> Iterator[dict[str, tuple[App, Shop, Meter]]]:
+    """The example shops on PostgreSQL, under gunicorn: key → the app, the shop, its meter.
+
+    With ``baseline`` (a tree holding another ``src/``, e.g. ``git archive main src``
+    unpacked), each shop is started a second time on that tree's idemflow: the
+    "before" contenders, keyed ``<app>-before``.
+    """
     import psycopg
 
     # Django keeps its connections; gunicorn keeps idle client connections open while
     # the other paths' slices run (its default keep-alive is 2 s).
     os.environ["SHOP_CONN_MAX_AGE"] = "600"
     os.environ["GUNICORN_CMD_ARGS"] = "--keep-alive 600"
+    trees = [("", None)] if baseline is None else [("", None), ("-before", baseline)]
     with contextlib.ExitStack() as stack:
         admin = stack.enter_context(psycopg.connect(POSTGRES_URL, autocommit=True))
-        shops: dict[str, tuple[Shop, Meter]] = {}
+        shops: dict[str, tuple[App, Shop, Meter]] = {}
         for name in apps:
-            tmp = workdir / name
-            tmp.mkdir()
-            start = _django_shop if name == "django" else _flask_shop
-            shop = start("postgres", tmp, stack)
-            database = shop.url.rsplit("/", 1)[1]
-            shops[name] = (shop, Meter(tmp / "gunicorn.log", database, admin))
+            for suffix, tree in trees:
+                key = name + suffix
+                tmp = workdir / key
+                tmp.mkdir()
+                start = _django_shop if name == "django" else _flask_shop
+                with _idemflow_from(tree):
+                    shop = start("postgres", tmp, stack)
+                database = shop.url.rsplit("/", 1)[1]
+                app = APPS[name]
+                if tree is not None:
+                    app = App(key, f"{app.label} (before)", app.protected, app.unprotected)
+                shops[key] = (app, shop, Meter(tmp / "gunicorn.log", database, admin))
         yield shops
 
 
+@contextlib.contextmanager
+def _idemflow_from(tree: Path | None) -> Iterator[None]:
+    """Servers started meanwhile import idemflow from ``tree``'s ``src`` (None: this one's)."""
+    if tree is None:
+        yield
+        return
+    import tests.integrations.test_wsgi_apps as apps
+
+    # The servers' PYTHONPATH starts with ROOT / "src" (tests/integrations/test_wsgi_apps.py).
+    kept = apps.ROOT
+    apps.ROOT = tree
+    try:
+        yield
+    finally:
+        apps.ROOT = kept
+
+
 def measure(
-    shops: dict[str, tuple[Shop, Meter]], clients_n: int, seconds: float, rounds: int
+    shops: dict[str, tuple[App, Shop, Meter]], clients_n: int, seconds: float, rounds: int
 ) -> tuple[dict[str, Measurement], list[Target]]:
     with asyncio.Runner() as runner:
         contenders, targets = [], []
-        for name, (shop, meter) in shops.items():
-            app = APPS[name]
+        for name, (app, shop, meter) in shops.items():
             clients = runner.run(open_clients(shop.base, clients_n))
             target = Target(app, shop)
             seed = request_bytes(app.protected, target.principals["replay"], target.replay_key)
@@ -384,27 +419,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="slices per path")
     parser.add_argument("--clients", default="1,16", help="concurrent clients, comma-separated")
     parser.add_argument("--apps", default="django,flask")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a tree holding the 'before' src/ (e.g. git archive main src, unpacked): each "
+        "shop also runs on it, its paths interleaved with this tree's (one app at a time)",
+    )
     args = parser.parse_args(argv)
     apps = [a for a in args.apps.split(",") if a]
     load = [os.getloadavg()[0]]
     rows: list[Row] = []
     cpu: list[str] = []
     problems: list[str] = []
-    with tempfile.TemporaryDirectory() as workdir, servers(apps, Path(workdir)) as shops:
-        for n in (int(c) for c in args.clients.split(",")):
-            results, targets = measure(shops, n, args.seconds, args.rounds)
-            found = rows_for(results, targets, n)
-            rows += found
-            cpu += cpu_rows(targets, n)
-            print(table(found, ("baseline req/s", "measured req/s")), file=sys.stderr, flush=True)
-            for target in targets:
-                problems += [
-                    f"{target.app.label} {n} clients {path}: {odd}"
-                    for path, tally in target.tallies.items()
-                    if (odd := tally.anomalies(path))
-                ]
-                problems += [wrong for wrong in [target.check_rows()] if wrong]
-            load.append(os.getloadavg()[0])
+    # With a baseline, one app (two servers) at a time: fewer PostgreSQL connections.
+    groups = [apps] if args.baseline is None else [[app] for app in apps]
+    for group in groups:
+        with (
+            tempfile.TemporaryDirectory() as workdir,
+            servers(group, Path(workdir), args.baseline) as shops,
+        ):
+            for n in (int(c) for c in args.clients.split(",")):
+                results, targets = measure(shops, n, args.seconds, args.rounds)
+                found = rows_for(results, targets, n)
+                rows += found
+                cpu += cpu_rows(targets, n)
+                found_table = table(found, ("baseline req/s", "measured req/s"))
+                print(found_table, file=sys.stderr, flush=True)
+                for target in targets:
+                    problems += [
+                        f"{target.app.label} {n} clients {path}: {odd}"
+                        for path, tally in target.tallies.items()
+                        if (odd := tally.anomalies(path))
+                    ]
+                    problems += [wrong for wrong in [target.check_rows()] if wrong]
+                load.append(os.getloadavg()[0])
     print(table(rows, ("baseline req/s", "measured req/s")))
     print()
     print("\n".join([CPU_HEADER, *cpu]))

@@ -17,6 +17,11 @@ slices in one run (``unprotected``, ``protected`` with a fresh key,
 ``bench/bench_http.py``; each slice also reads the CPU the server process (and,
 for PostgreSQL, the backends serving it, found by ``application_name``) spent.
 
+``--baseline TREE`` measures a change: a second server of each store runs on the
+idemflow of ``TREE/src`` (e.g. ``git archive main src | tar -x -C /tmp/before``), with
+a schema or key prefix of its own, and its three paths take turns with this tree's in
+the same run, rows marked "(before)".
+
 Then a second server of the same store, started with the round-trip counters
 of ``bench/_wire`` (a separate one, so counting costs nothing in the timed
 run), gets ``--count`` sequential requests per path: the round trips per
@@ -103,11 +108,16 @@ def store_settings(store: str, workdir: Path) -> Iterator[dict[str, str]]:
 
 
 @contextlib.contextmanager
-def server(settings: dict[str, str], wire: Path | None = None) -> Iterator[Server]:
+def server(
+    settings: dict[str, str], wire: Path | None = None, tree: Path | None = None
+) -> Iterator[Server]:
+    """The minimal app under uvicorn; on the idemflow of ``tree``'s ``src`` if given."""
     port = free_port()
     command = [sys.executable, "-m", "uvicorn", "bench._minimal_app:app", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--log-level", "warning", "--no-access-log"]
     env = {**os.environ, **settings, **(wire_env(wire) if wire is not None else {})}
+    if tree is not None:  # before the installed (editable) idemflow on sys.path
+        env["PYTHONPATH"] = os.pathsep.join([str(tree / "src"), env.get("PYTHONPATH", "")])
     process = subprocess.Popen(command, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -175,20 +185,28 @@ def makers(replay_key: str) -> dict[str, Callable[[], bytes]]:
     }
 
 
-async def measure(target: Server, n: int, seconds: float, rounds: int) -> dict[str, Metered]:
-    clients = await open_clients(target.url, n)
-    replay_key = f"bench-replay-{uuid.uuid4().hex}"
-    assert await clients[0].send(request_bytes("/things", replay_key)) == 201
-    make = makers(replay_key)
-    results = {name: Metered() for name in PATHS}
-    for name in PATHS:  # warm every path (connections, prepared statements)
-        await run_slice(target, clients, make[name], min(0.5, seconds), Metered())
+async def measure(
+    targets: list[Server], n: int, seconds: float, rounds: int
+) -> list[dict[str, Metered]]:
+    """Every path of every target (this tree's server, a baseline's), taking turns."""
+    slices: list[tuple[Server, list[Client], Callable[[], bytes], Metered]] = []
+    results: list[dict[str, Metered]] = []
+    for target in targets:
+        clients = await open_clients(target.url, n)
+        replay_key = f"bench-replay-{uuid.uuid4().hex}"
+        assert await clients[0].send(request_bytes("/things", replay_key)) == 201
+        make = makers(replay_key)
+        results.append({name: Metered() for name in PATHS})
+        slices += [(target, clients, make[name], results[-1][name]) for name in PATHS]
+    for target, clients, make_one, _ in slices:  # warm every path (connections, statements)
+        await run_slice(target, clients, make_one, min(0.5, seconds), Metered())
     for round_ in range(rounds):
-        order = PATHS[round_ % len(PATHS) :] + PATHS[: round_ % len(PATHS)]
-        for name in order:
-            await run_slice(target, clients, make[name], seconds, results[name])
-    for client in clients:
-        client.writer.close()
+        shift = round_ % len(slices)
+        for target, clients, make_one, out in [*slices[shift:], *slices[:shift]]:
+            await run_slice(target, clients, make_one, seconds, out)
+    for _, clients, _, _ in slices[:: len(PATHS)]:
+        for client in clients:
+            client.writer.close()
     return results
 
 
@@ -225,16 +243,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default="sqlite,postgres,redis")
     parser.add_argument("--count", type=int, default=200, help="requests per path counted")
     parser.add_argument("--only-count", action="store_true", help="round trips only, no timing")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a tree holding the 'before' src/ (e.g. git archive main src, unpacked): a second "
+        "server runs on it, its paths interleaved with this tree's",
+    )
     args = parser.parse_args(argv)
     throughput, cpu, trips = [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         for store in args.stores.split(","):
-            with store_settings(store, Path(workdir)) as settings:
-                with server(settings) as target:
-                    for n in [] if args.only_count else [int(c) for c in args.clients.split(",")]:
-                        results = asyncio.run(measure(target, n, args.seconds, args.rounds))
-                        throughput.append(throughput_row(store, n, results))
-                        cpu.extend(cpu_rows(store, n, results))
+            with store_settings(store, Path(workdir)) as settings, contextlib.ExitStack() as stack:
+                targets = [stack.enter_context(server(settings))]
+                names = [store]
+                if args.baseline is not None:
+                    # Its own schema, prefix or file, so the two servers share no records.
+                    (Path(workdir) / "before").mkdir(exist_ok=True)
+                    before = stack.enter_context(store_settings(store, Path(workdir) / "before"))
+                    targets.append(stack.enter_context(server(before, tree=args.baseline)))
+                    names.append(f"{store} (before)")
+                for n in [] if args.only_count else [int(c) for c in args.clients.split(",")]:
+                    measured = asyncio.run(measure(targets, n, args.seconds, args.rounds))
+                    for name, results in zip(names, measured, strict=True):
+                        throughput.append(throughput_row(name, n, results))
+                        cpu.extend(cpu_rows(name, n, results))
                         print(throughput[-1], file=sys.stderr, flush=True)
                 wire = Path(workdir) / f"wire-{store}"
                 wire.mkdir()
@@ -287,7 +319,7 @@ def cpu_rows(store: str, n: int, results: dict[str, Metered]) -> list[str]:
     rows = []
     for name in PATHS:
         app, db = per_request(name)
-        db_text = f"{db:,.0f}" if store == "postgres" else "–"
+        db_text = f"{db:,.0f}" if store.startswith("postgres") else "–"
         rows.append(
             f"| {store} | {n} | {name} | {app:,.0f} | {db_text} | {app + db:,.0f} "
             f"| {app + db - base:+,.0f} |"
