@@ -115,6 +115,8 @@ def server(
     port = free_port()
     command = [sys.executable, "-m", "uvicorn", "bench._minimal_app:app", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--log-level", "warning", "--no-access-log"]
+    # The clients stay idle while the other server's slices run: keep them connected.
+    command += ["--timeout-keep-alive", "600"]
     env = {**os.environ, **settings, **(wire_env(wire) if wire is not None else {})}
     if tree is not None:  # before the installed (editable) idemflow on sys.path
         env["PYTHONPATH"] = os.pathsep.join([str(tree / "src"), env.get("PYTHONPATH", "")])
