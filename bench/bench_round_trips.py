@@ -85,7 +85,7 @@ def shop(name: str, workdir: Path) -> Iterator[tuple[str, dict[str, Callable[[],
         "replay": lambda: bench_frameworks.request_bytes(app.protected, "alice", replay),
     }
     with bench_frameworks.servers([name], workdir) as shops:
-        yield shops[name][0].base, make
+        yield shops[name][1].base, make
 
 
 async def count(
