@@ -14,7 +14,8 @@ called as ASGI; ``flask`` and ``django`` are the example shops of
 ``bench/bench_frameworks.py`` on a PostgreSQL database of their own, called as
 WSGI (their client side: the framework, idemflow, the driver; not the server's
 work). Each path is run under ``valgrind --tool=callgrind`` twice, with
-``--count`` and 3 × ``--count`` requests after the same warm-up, and the
+``--count`` and 3 × ``--count`` requests after the same warm-up (``--warmup``
+requests on every path), and the
 difference of the instructions executed, divided by the requests, is the
 path's instructions per request: start-up and warm-up cancel out, and the
 figure does not move with the load of a shared machine as CPU time does.
@@ -42,7 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("unprotected", "protected", "replay")
-WARMUP = 30
+WARMUP = 10
 JSON_BODY = b'{"amount":1000,"currency":"EUR","customer":"ada"}'
 
 
@@ -177,11 +178,11 @@ def wsgi_caller(target: str) -> dict[str, Callable[[], int]]:
     }
 
 
-def run(target: str, path: str, count: int) -> None:
+def run(target: str, path: str, count: int, warmup: int = WARMUP) -> None:
     """Warm every path, then send ``count`` requests on ``path`` (what valgrind counts)."""
     calls = starlette_caller() if target == "starlette" else wsgi_caller(target)
     calls["replay"]()  # the replayed key's first execution
-    for _ in range(WARMUP):
+    for _ in range(warmup):
         for call in calls.values():
             assert call() in (200, 201)
     one = calls[path]
@@ -194,7 +195,7 @@ def run(target: str, path: str, count: int) -> None:
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
 
-def instructions(target: str, path: str, count: int, tree: Path | None) -> int:
+def instructions(target: str, path: str, count: int, tree: Path | None, warmup: int) -> int:
     """Instructions executed by one measured process (``--run``), under callgrind."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -202,15 +203,16 @@ def instructions(target: str, path: str, count: int, tree: Path | None) -> int:
     )
     command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     command += [sys.executable, "-m", "bench.bench_edge", "--run", target, path, str(count)]
+    command += ["--warmup", str(warmup)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     found = _COLLECTED.search(done.stderr)
     assert found is not None, done.stderr[-2000:]
     return int(found.group(1))
 
 
-def per_request(target: str, path: str, count: int, tree: Path | None) -> float:
-    few = instructions(target, path, count, tree)
-    many = instructions(target, path, 3 * count, tree)
+def per_request(target: str, path: str, count: int, tree: Path | None, warmup: int) -> float:
+    few = instructions(target, path, count, tree, warmup)
+    many = instructions(target, path, 3 * count, tree, warmup)
     return (many - few) / (2 * count)
 
 
@@ -220,11 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--count", type=int, default=200, help="requests of the smaller run")
     parser.add_argument("--baseline", type=Path, help="a tree holding the 'before' src/")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="requests per path first")
     parser.add_argument("--run", nargs=3, metavar=("TARGET", "PATH", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run:
         target, path, n = args.run
-        run(target, path, int(n))
+        run(target, path, int(n), args.warmup)
         return 0
     trees: list[tuple[str, Path | None]] = [("after", None)]
     if args.baseline is not None:
@@ -233,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- |" + " ---: |" * (len(trees) + 1))
     for target in args.targets.split(","):
         for path in args.paths.split(","):
-            figures = [per_request(target, path, args.count, tree) for _, tree in trees]
+            figures = [
+                per_request(target, path, args.count, tree, args.warmup) for _, tree in trees
+            ]
             change = f"{figures[-1] / figures[0] - 1:+.0%}" if len(figures) > 1 else ""
             cells = " | ".join(f"{f:,.0f}" for f in figures)
             print(f"| {target} | {path} | {cells} | {change} |", flush=True)
