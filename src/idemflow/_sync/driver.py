@@ -382,4 +382,6 @@ class _Performer:
         cancellation would give the connection back in its open transaction (or
         dead, unnoticed) to the pool the store shares.
         """
+        if self._transaction is None or not self._open:
+            return  # nothing open (every run that ended well): no step to shield
         self._rollback()
