@@ -21,7 +21,6 @@ A driver runs :func:`idempotency_flow` like this::
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from ._model import (
     State,
     Verdict,
     retry_after,
+    swept_within,
 )
 
 __all__ = ["Step", "dispatch", "idempotency_flow"]
@@ -160,7 +160,7 @@ def _protocol(
             # let a retry resume and make it again. The key stays claimed (the driver
             # rolls back what is still open) for the sweeper's reconciler.
             if isinstance(exc, OutcomeUnknown):
-                exc.retry_after = max(exc.retry_after, _swept_within(policy))
+                exc.retry_after = max(exc.retry_after, swept_within(policy))
             raise
         # The operation failed (or was cancelled) before it answered: nothing
         # settled. Give the key back and let its own exception through unchanged.
@@ -215,12 +215,6 @@ def _outcome_unknown(
     elif isinstance(exc, Exception):
         return False
     return (yield from _past_a_committed_phase(record, answered=False))
-
-
-def _swept_within(policy: Policy) -> int:
-    """Whole seconds until the sweeper has passed over a claim left now: its threshold
-    plus one interval (the longest a 409 on it ever asks a client to wait)."""
-    return max(policy.retry_after, math.ceil(policy.stale_seconds + policy.sweep_interval))
 
 
 def _past_a_committed_phase(record: Record, *, answered: bool = True) -> Generator[Step, Any, bool]:

@@ -331,8 +331,13 @@ def retry_after(record: Record, policy: Policy, now: float) -> int:
         wait = min(age, timeout - age) if age < timeout else max(swept_by, interval)
     elif record.state is State.STALE:
         wait = interval if age < interval else max(swept_by, interval)
-    ceiling = math.ceil(policy.stale_seconds + interval)
-    return max(policy.retry_after, min(math.ceil(wait), ceiling))
+    return max(policy.retry_after, min(math.ceil(wait), swept_within(policy)))
+
+
+def swept_within(policy: Policy) -> int:
+    """Whole seconds until the sweeper has passed over a claim left now: its threshold
+    plus one interval (the longest any ``Retry-After`` asks a client to wait)."""
+    return max(policy.retry_after, math.ceil(policy.stale_seconds + policy.sweep_interval))
 
 
 def _positive(name: str, value: Duration) -> float:
