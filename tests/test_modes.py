@@ -47,6 +47,7 @@ from idemflow import (
 )
 from idemflow.integrations.starlette import IdempotencyMiddleware, Idempotent
 from idemflow.stores.sqlite import AsyncSQLiteStore
+from idemflow.sweeper import AsyncSweeper, DidNotHappen
 from idemflow.testing import FrozenClock
 from tests.conftest import POSTGRES_URL
 from tests.factories import CREATED, psycopg_or_skip
@@ -738,10 +739,15 @@ async def test_middleware_cancelled_while_claiming_leaves_no_claim(tmp_path: Pat
     assert calls["payments"] == 1  # only the retry ran
 
 
-async def test_middleware_cancelled_mid_endpoint_releases_the_key(tmp_path: Path) -> None:
-    """The server cancels the request while the endpoint runs: the key is released
-    (shielded, fenced), so the retry runs the endpoint again; whatever the cancelled
-    endpoint had committed stays, as for an endpoint that raised."""
+async def test_middleware_cancelled_mid_endpoint_keeps_the_claim_for_the_sweeper(
+    tmp_path: Path,
+) -> None:
+    """The server cancels the request while the endpoint runs. Nothing the endpoint did
+    rolls back (the middleware shares no transaction with it), and it may have made its
+    external call: releasing would let the retry make it again. The key stays claimed
+    (409 to the retry), and the sweeper asks the reconciler: here the call never went
+    out, so the key is released and the next retry runs the endpoint."""
+    clock = FrozenClock()
     entered = asyncio.Event()
     calls: collections.Counter[str] = collections.Counter()
 
@@ -752,8 +758,12 @@ async def test_middleware_cancelled_mid_endpoint_releases_the_key(tmp_path: Path
             await asyncio.Event().wait()  # until cancelled
         return JSONResponse({"id": 1}, status_code=201)
 
+    async def reconciler(record: idemflow.Record, downstream: Any) -> DidNotHappen:
+        calls["asked"] += 1
+        return DidNotHappen()
+
     with sqlite_store(tmp_path) as store:
-        app = middleware_app(AsyncIdempotency(store, POLICY), create)
+        app = middleware_app(AsyncIdempotency(store, POLICY, clock=clock), create)
         key = new_key()
         task = asyncio.create_task(call_asgi(app, key))
         await entered.wait()
@@ -761,9 +771,15 @@ async def test_middleware_cancelled_mid_endpoint_releases_the_key(tmp_path: Path
         with pytest.raises(asyncio.CancelledError):
             await task
         left = await store.get("carol", key)
+        busy = await call_asgi(app, key)
+        clock.advance(POLICY.stale_seconds + 1)
+        report = await AsyncSweeper(store, POLICY, reconciler=reconciler, clock=clock).sweep_once()
         retry = await call_asgi(app, key)
 
     assert left is not None
-    assert left.state is State.RELEASED
+    assert left.state is State.IN_PROGRESS
+    assert status_of(busy) == 409
+    assert calls["asked"] == 1
+    assert report.released == 1
     assert status_of(retry) == 201
     assert calls["payments"] == 2

@@ -339,13 +339,23 @@ async def test_cancelled_while_claiming_leaves_no_claim_behind(
     assert retry.response.status == 201
 
 
-@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def test_a_timeout_mid_handler_releases_and_stays_a_timeout(
-    kind: str, tmp_path: Path, table_name: str
+@pytest.mark.parametrize(
+    ("kind", "transactional"),
+    [
+        ("sqlite", False),
+        pytest.param("postgres", False, marks=pytest.mark.postgres),
+        pytest.param("postgres", True, marks=pytest.mark.postgres),
+    ],
+    ids=["sqlite-no-transaction", "postgres-no-transaction", "postgres-in-a-transaction"],
+)
+async def test_a_timeout_mid_handler_stays_a_timeout(
+    kind: str, transactional: bool, tmp_path: Path, table_name: str
 ) -> None:
-    """``asyncio.timeout`` around a run: the handler is cancelled, the release is shielded
-    and completes, and the caller still gets its TimeoutError (the deferred cancellation
-    keeps asyncio's cancel count, so the timeout recognises it as its own)."""
+    """``asyncio.timeout`` around a run: the handler is cancelled, the shielded cleanup
+    completes, and the caller still gets its TimeoutError (the deferred cancellation
+    keeps asyncio's cancel count, so the timeout recognises it as its own). In a
+    transaction the effect rolled back and the key is released; without one the handler
+    may have made its call, so the key stays claimed for the sweeper."""
     entered = asyncio.Event()
 
     async def slow(attempt: AsyncAttempt) -> Response:
@@ -353,13 +363,20 @@ async def test_a_timeout_mid_handler_releases_and_stays_a_timeout(
         await asyncio.sleep(30)
         return CREATED
 
+    async def run(idem: AsyncIdempotency, store: Any) -> None:
+        if not transactional:
+            await idem.run(intent(), slow)
+            return
+        async with transaction_on(store) as transaction:
+            await idem.run(intent(), slow, transaction=transaction)
+
     async with async_store(kind, tmp_path, table_name) as store:
         idem = AsyncIdempotency(store, POLICY)
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.2):
-                await idem.run(intent(), slow)
+                await run(idem, store)
         record = await store.get("alice", "k-1")
 
     assert entered.is_set()
     assert record is not None
-    assert record.state is State.RELEASED
+    assert record.state is (State.RELEASED if transactional else State.IN_PROGRESS)

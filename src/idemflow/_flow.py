@@ -91,10 +91,10 @@ class Release:
 class PhaseCommitted:
     """Ask the driver whether this run's operation went past a committed phase: a bool.
 
-    It did once it committed one (``attempt.commit_phase``; without a
-    transaction every checkpoint is written at once), or once it started
+    It did once it committed one (``attempt.commit_phase``), or once it started
     from its record's ``recovery_point`` (a resumed run; when the operation
-    answered, the flow knows that from the record without asking).
+    answered, the flow knows that from the record without asking), or, without
+    a transaction, once it started at all: nothing it does rolls back.
 
     Past a committed phase the effect no longer rolls back whole with the
     completion: an external call made after it may have happened.
@@ -206,8 +206,9 @@ def _outcome_unknown(
       past a committed phase (before it the claim rolls back with the transaction, and
       there is nothing to keep).
     - any other exception: the handler's own answer, by contract that it did nothing.
-    - a cancellation (or a BaseException): unknown past a committed phase, where the
-      external call made after it may have happened and the handler never said it did not.
+    - a cancellation (or a BaseException): unknown past a committed phase (without a
+      transaction, from the operation's start), where an external call made after it
+      may have happened and the handler never said it did not.
     """
     if isinstance(exc, OutcomeUnknown):
         if not single_commit:

@@ -252,8 +252,12 @@ class _Performer:
             )
             await async_cancel_point()  # a cancellation deferred by the claim: release now
             await self._begin()
-            # A resumed operation runs past the phase its record names from its start.
-            self._phase_committed = step.record.recovery_point is not None
+            # A resumed operation runs past the phase its record names from its start;
+            # one without a transaction from its first step: nothing it does rolls back,
+            # so an external call it makes before a cancellation may have happened.
+            self._phase_committed = (
+                step.record.recovery_point is not None or self._transaction is None
+            )
             return await self._handler(attempt)
         if isinstance(step, Complete):
             await async_shielded(self._complete(step))

@@ -251,8 +251,12 @@ class _Performer:
                 step.record, self._idem.store, self._transaction, self._idem.clock, self._committed
             )
             self._begin()
-            # A resumed operation runs past the phase its record names from its start.
-            self._phase_committed = step.record.recovery_point is not None
+            # A resumed operation runs past the phase its record names from its start;
+            # one without a transaction from its first step: nothing it does rolls back,
+            # so an external call it makes before a cancellation may have happened.
+            self._phase_committed = (
+                step.record.recovery_point is not None or self._transaction is None
+            )
             return self._handler(attempt)
         if isinstance(step, Complete):
             self._complete(step)
