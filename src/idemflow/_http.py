@@ -27,7 +27,12 @@ wire is decided here, once, so the integrations cannot disagree:
   (:func:`not_stored`) and never released after the endpoint ran;
 - a replay carries the stored status, body and allow-listed headers, plus
   ``Idempotent-Replayed: true`` and the original request's correlation id;
-- every response carries the request's own ``X-Request-Id``.
+- every response carries the request's own ``X-Request-Id``;
+- in middleware mode the application tells its ``OutcomeUnknown`` to the
+  middleware by raising it, or, where its framework turns every exception
+  into a 500 first (Flask, Django), through the slot the middleware leaves in
+  the request's environ or scope (:class:`OutcomeSlot`,
+  :func:`report_outcome_unknown`): either way the claim is kept.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 from urllib.parse import urlencode
@@ -62,6 +67,7 @@ __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
     "KEY_HEADER",
     "ORIGINAL_REQUEST_ID_HEADER",
+    "OUTCOME_SLOT",
     "PROBLEM_CONTENT_TYPE",
     "REPLAYED_HEADER",
     "REPLAYED_HEADERS",
@@ -69,6 +75,7 @@ __all__ = [
     "SAFE_METHODS",
     "EdgeOptions",
     "HTTPRequest",
+    "OutcomeSlot",
     "ResponseNotStorable",
     "body_cut_short",
     "body_too_large",
@@ -79,6 +86,7 @@ __all__ = [
     "oversized",
     "problem",
     "problem_for",
+    "report_outcome_unknown",
     "request_id_from",
     "stored_form",
     "storing",
@@ -523,6 +531,58 @@ def problem_for(error: IdempotencyError, request_id: str | None = None) -> Respo
         request_id=request_id,
         retryable=error.retryable,
     )
+
+
+# --- OutcomeUnknown behind a framework's error handling ------------------------------------
+
+#: The WSGI environ / ASGI scope key under which a middleware-mode edge leaves
+#: an :class:`OutcomeSlot` for the application it runs.
+OUTCOME_SLOT = "idemflow.outcome_unknown"
+
+
+class OutcomeSlot:
+    """Where an application reports the ``OutcomeUnknown`` its framework answered itself.
+
+    Flask and Django turn a view's exception into a 500 response before a
+    WSGI/ASGI middleware sees it, and a 500 is transient: it would release the
+    key, and the retry would make the external call again. The middleware
+    therefore puts one of these in the request's environ (or scope) before it
+    runs the application; the framework's error hook fills it
+    (:func:`report_outcome_unknown`), and the middleware raises what was
+    reported as if the application had raised it: the claim is kept, the
+    caller gets the 503 ``outcome-unknown`` problem, whatever response the
+    framework made. Only an ``OutcomeUnknown`` instance can be reported, and
+    only a middleware creates the slot, so no response (a 500 forwarded from
+    an upstream service, a header) can keep a claim by accident.
+    """
+
+    __slots__ = ("reported",)
+
+    def __init__(self) -> None:
+        self.reported: OutcomeUnknown | None = None
+
+    def raise_reported(self) -> None:
+        """Raise the reported ``OutcomeUnknown``, if one was; else nothing."""
+        if self.reported is not None:
+            raise self.reported
+
+
+def report_outcome_unknown(request: MutableMapping[str, Any], error: BaseException) -> bool:
+    """Tell the idemflow middleware running this request that its outcome is unknown.
+
+    ``request`` is the WSGI environ or the ASGI scope (``flask.request.environ``,
+    Django's ``request.environ`` or ``request.scope``); call it from the
+    framework's error handler with the exception it handles. Returns whether
+    there was a middleware to tell (anything but an ``OutcomeUnknown`` is
+    ignored: other exceptions release the key, as the 500 does). The first
+    report wins.
+    """
+    slot = request.get(OUTCOME_SLOT)
+    if not isinstance(slot, OutcomeSlot) or not isinstance(error, OutcomeUnknown):
+        return False
+    if slot.reported is None:
+        slot.reported = error
+    return True
 
 
 def __getattr__(name: str) -> Any:

@@ -26,6 +26,15 @@ default Flask-SQLAlchemy's own database), ``IDEMFLOW_TABLE``,
 comes from ``principal=`` (a callable returning the caller's id, or None), by
 default Flask-Login's ``current_user`` when the app has a login manager.
 ``flask idemflow migrate|sweep|purge`` manage the key table.
+
+Behind the WSGI middleware instead (:mod:`idemflow.integrations.wsgi`, for
+effects outside the key store's database), call
+:func:`handle_outcome_unknown` once: Flask answers a view's exception with a
+500 before the middleware sees it, and a 500 releases the key, so a view that
+raised ``OutcomeUnknown`` (its charge may have gone through) would be run
+again by the retry. The error handler it registers tells the middleware
+instead (the claim is kept for the sweeper; the caller gets the 503
+``outcome-unknown`` problem), with or without ``PROPAGATE_EXCEPTIONS``.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from .._errors import (
     IdempotencyError,
     IncompleteBody,
     MissingPrincipal,
+    OutcomeUnknown,
     ResponseNotStorable,
 )
 from .._extras import optional
@@ -56,6 +66,7 @@ from ..edge import (
     EdgeOptions,
     HTTPRequest,
     problem_for,
+    report_outcome_unknown,
     request_id_from,
     sendable_headers,
 )
@@ -66,7 +77,7 @@ with optional("idemflow.integrations.flask"):
     from flask import Response as FlaskResponse
     from werkzeug.exceptions import ClientDisconnected
 
-__all__ = ["Idempotency", "flask_login_user", "from_flask", "to_flask"]
+__all__ = ["Idempotency", "flask_login_user", "from_flask", "handle_outcome_unknown", "to_flask"]
 
 _View = TypeVar("_View", bound=Callable[..., Any])
 #: Opens the transaction the completion is written in, for one request.
@@ -363,6 +374,34 @@ def to_flask(response: Response) -> FlaskResponse:
     for name, value in sendable_headers(response):
         result.headers.add(name.decode("latin-1"), value.decode("latin-1"))
     return result
+
+
+def handle_outcome_unknown(app: Flask) -> None:
+    """Register the error handler that tells the WSGI middleware about an ``OutcomeUnknown``.
+
+    For an app behind :class:`idemflow.integrations.wsgi.IdempotencyMiddleware`:
+    without it Flask answers the view's ``OutcomeUnknown`` with a 500 (or, with
+    ``PROPAGATE_EXCEPTIONS``, raises it), and the middleware would release the
+    key on the 500. With it, the view's ``OutcomeUnknown`` is reported through
+    the middleware's slot in ``request.environ`` (the claim is kept for the
+    sweeper) and answered with the 503 ``outcome-unknown`` problem, which is
+    also what a request outside the middleware gets. It handles
+    ``OutcomeUnknown`` only, more specifically than an app's own
+    ``errorhandler(Exception)``; an app's own ``errorhandler(OutcomeUnknown)``
+    replaces it, and must then call
+    :func:`idemflow.integrations.wsgi.report_outcome_unknown` itself.
+    ``@idem.protect`` views never reach it: their edge answers it first.
+    """
+    app.register_error_handler(OutcomeUnknown, _outcome_unknown)
+
+
+def _outcome_unknown(error: OutcomeUnknown) -> FlaskResponse:
+    environ = request.environ
+    report_outcome_unknown(environ, error)
+    rid = environ.get("idemflow.request_id")  # the middleware's, when it runs
+    if not isinstance(rid, str):
+        rid = request_id_from(_headers(environ))
+    return to_flask(problem_for(error, rid))
 
 
 def _cli(extension: Idempotency) -> Any:

@@ -70,11 +70,13 @@ from .._errors import (
 from .._extras import optional
 from .._model import Response
 from ..edge import (
+    OUTCOME_SLOT,
     REQUEST_ID_HEADER,
     SAFE_METHODS,
     AsyncEdge,
     EdgeOptions,
     HTTPRequest,
+    OutcomeSlot,
     body_cut_short,
     body_too_large,
     declared_length,
@@ -83,6 +85,7 @@ from ..edge import (
     parse_json,
     problem,
     problem_for,
+    report_outcome_unknown,
     request_id_from,
     sendable_headers,
 )
@@ -109,6 +112,7 @@ __all__ = [
     "problem",
     "problem_for",
     "read_body",
+    "report_outcome_unknown",
     "request_id",
     "route_template",
     "send_response",
@@ -461,6 +465,14 @@ class IdempotencyMiddleware:
     own it): the endpoint's effect commits first, then the record. A 5xx, 408
     or 429 response (or an exception) releases the claim, so a retry runs the
     endpoint again; an ``OutcomeUnknown`` keeps it for the sweeper (a 503).
+    Starlette and FastAPI raise it on after their ``ServerErrorMiddleware``
+    has sent its 500, so it arrives here wherever the middleware is placed.
+    An app that answers it itself (Django's ``ASGIHandler`` turns every
+    exception into a 500) reports it through the slot left in
+    ``scope["idemflow.outcome_unknown"]``: Django's app
+    ``idemflow.integrations.django`` in ``INSTALLED_APPS`` does, any other
+    framework's error handler calls :func:`report_outcome_unknown`; what is
+    reported keeps the claim whatever response the app sent.
 
     The app always runs to its end: its response is buffered (at most
     ``max_response_bytes``, never an error raised into the app mid-stream).
@@ -572,7 +584,12 @@ class IdempotencyMiddleware:
 
         async def operation(attempt: AsyncAttempt) -> Response:
             buffer = _ResponseBuffer(self.edge.options.max_response_bytes)
-            await self.app(scope, _replaying(body, receive), buffer.send)
+            # Where an app that answers its own exceptions reports an OutcomeUnknown.
+            slot = scope[OUTCOME_SLOT] = OutcomeSlot()
+            try:
+                await self.app(scope, _replaying(body, receive), buffer.send)
+            finally:
+                slot.raise_reported()
             return buffer.response(classify)
 
         return operation

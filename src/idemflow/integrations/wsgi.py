@@ -38,6 +38,18 @@ rules themselves live in ``idemflow._http`` and the sync ``Edge``:
   exception propagates to the server unchanged. ``OutcomeUnknown`` (the app
   cannot tell whether its effect happened) keeps it for the sweeper instead:
   a 503 ``outcome-unknown`` problem;
+- an ``OutcomeUnknown`` the application's framework turned into a response
+  of its own (Flask and Django answer a view's exception with a 500, which
+  alone would release the key, and the retry would charge again) keeps the
+  claim too, when the framework's error hook reports it through the slot the
+  middleware leaves in ``environ["idemflow.outcome_unknown"]``: Flask's
+  :func:`idemflow.integrations.flask.handle_outcome_unknown`, Django's app
+  ``idemflow.integrations.django`` in ``INSTALLED_APPS`` (it listens to
+  ``got_request_exception``), or, for any other framework, its error handler
+  calling :func:`report_outcome_unknown`. What is reported wins over the
+  response the framework made: the caller gets the 503 ``outcome-unknown``
+  problem. Only an ``OutcomeUnknown`` object can be reported, and only in
+  a slot the middleware made, so no response can keep a claim by accident;
 - every response it makes carries ``X-Request-Id`` (the client's, if sane; it
   is also ``environ["idemflow.request_id"]`` for the application's logs).
 
@@ -59,15 +71,18 @@ from .. import Attempt, Idempotency
 from .._errors import BodyTooLarge, ConfigurationError, IdempotencyError
 from .._model import Response
 from ..edge import (
+    OUTCOME_SLOT,
     SAFE_METHODS,
     Edge,
     EdgeOptions,
     HTTPRequest,
+    OutcomeSlot,
     RawHeaders,
     body_cut_short,
     declared_length,
     not_stored,
     problem_for,
+    report_outcome_unknown,
     request_id_from,
 )
 
@@ -81,6 +96,7 @@ __all__ = [
     "compile_endpoint",
     "read_body",
     "remote_user",
+    "report_outcome_unknown",
     "request_id",
 ]
 
@@ -223,14 +239,20 @@ class IdempotencyMiddleware:
             environ["CONTENT_LENGTH"] = str(len(body))
             environ["wsgi.input_terminated"] = True
             captured = _Captured(limit)
-            result = self.app(environ, captured.start_response)
+            # Where the framework's error hook reports an OutcomeUnknown it answered
+            # itself (a 500): what it reports is raised here, as if the app had.
+            slot = environ[OUTCOME_SLOT] = OutcomeSlot()
             try:
-                for chunk in result:
-                    captured.add(chunk)
+                result = self.app(environ, captured.start_response)
+                try:
+                    for chunk in result:
+                        captured.add(chunk)
+                finally:
+                    close = getattr(result, "close", None)
+                    if close is not None:
+                        close()
             finally:
-                close = getattr(result, "close", None)
-                if close is not None:
-                    close()
+                slot.raise_reported()
             return captured.response(classify)
 
         return operation

@@ -6,7 +6,8 @@ from django.apps import AppConfig
 
 
 class IdemflowConfig(AppConfig):
-    """Holds the key table's migration and the ``idemflow_sweep``/``idemflow_purge`` commands."""
+    """Holds the key table's migration and the ``idemflow_sweep``/``idemflow_purge`` commands,
+    and tells an idemflow WSGI/ASGI middleware about a view's ``OutcomeUnknown``."""
 
     name = "idemflow.integrations.django"
     label = "idemflow"
@@ -14,6 +15,12 @@ class IdemflowConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from django.core.signals import got_request_exception
+
         from .conf import idemflow_settings
+        from .http import outcome_unknown_received
 
         idemflow_settings()  # a mistake in settings.IDEMFLOW fails at start-up, not per request
+        # Behind a WSGI/ASGI idemflow middleware, a view's OutcomeUnknown must keep
+        # the claim, not become the 500 that releases it (see outcome_unknown_received).
+        got_request_exception.connect(outcome_unknown_received, dispatch_uid="idemflow.outcome")

@@ -11,6 +11,7 @@ completion commit together.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -24,6 +25,7 @@ from ..._errors import (
     IdempotencyError,
     IncompleteBody,
     MissingPrincipal,
+    OutcomeUnknown,
     ResponseNotStorable,
 )
 from ..._model import Response
@@ -35,13 +37,21 @@ from ...edge import (
     HTTPRequest,
     RawHeaders,
     problem_for,
+    report_outcome_unknown,
     request_id_from,
     sendable_headers,
 )
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
 from .store import DjangoTransaction
 
-__all__ = ["django_request", "from_django", "protect", "request_user", "to_django"]
+__all__ = [
+    "django_request",
+    "from_django",
+    "outcome_unknown_received",
+    "protect",
+    "request_user",
+    "to_django",
+]
 
 #: Runs the protected view and returns its Django response.
 ViewCall = Callable[[], HttpResponseBase]
@@ -269,3 +279,25 @@ def _options(chosen: IdemflowSettings, public: bool) -> EdgeOptions:
         exclude_fields=tuple(chosen.exclude_fields),
         strict_key=chosen.strict_key,
     )
+
+
+def outcome_unknown_received(sender: Any, request: Any = None, **_: Any) -> None:
+    """``got_request_exception``'s receiver: an ``OutcomeUnknown`` told to the middleware.
+
+    Django answers an exception no view or middleware handled with a 500
+    (WSGI and ASGI handlers alike) and sends this signal while it is being
+    handled. A WSGI or ASGI idemflow middleware around the Django application
+    would see only the 500, and release the key; this tells it through the
+    slot it left in the request's environ (``request.environ``) or scope
+    (``request.scope``), so the claim is kept for the sweeper and the caller
+    gets the 503 ``outcome-unknown`` problem. Connected by the app's
+    ``ready()`` (``"idemflow.integrations.django"`` in ``INSTALLED_APPS``).
+    """
+    error = sys.exc_info()[1]
+    if request is None or not isinstance(error, OutcomeUnknown):
+        return
+    slot = getattr(request, "environ", None)
+    if slot is None:
+        slot = getattr(request, "scope", None)
+    if isinstance(slot, dict):
+        report_outcome_unknown(slot, error)
