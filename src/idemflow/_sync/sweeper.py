@@ -64,6 +64,9 @@ DEFAULT_BATCH_SIZE = 100
 DEADLINE_MARGIN = 0.002
 #: The shortest wait between passes when a record is still due right after one.
 MIN_PAUSE = 0.05
+#: Transactions a resolution tries to begin before its error ends the pass: one
+#: lost pooled connection is replaced by the second; a store that is down fails both.
+BEGIN_ATTEMPTS = 2
 
 
 class Reconciler(Protocol):
@@ -371,25 +374,73 @@ class Sweeper:
         apply: Callable[[Any], Any] | None,
         resolution: Resolution,
     ) -> Resolution:
-        """The fenced write first (it locks the record), then ``apply``; both or neither."""
+        """The fenced write first (it locks the record), then ``apply``; both or neither.
+
+        A transaction that cannot be opened or begun says nothing about the
+        record: its connection is gone (a pooled one is given up, so the pool
+        discards it) or the store is down. It is tried once more on a fresh
+        one; if that cannot begin either, the error ends the pass (``run_forever``
+        logs it and passes again; the batch's marked records are asked again
+        after ``retry_unknown_after``) instead of failing every record of the
+        batch in turn. A failure once begun is this record's: it stays stale,
+        and the pass goes on with the others.
+        """
         assert self._transactions is not None
-        with self._transactions() as transaction:
-            transaction.begin()
+        attempt = 1
+        while True:
+            begun = False
             try:
-                written = write(transaction)
-                if written and apply is not None:
-                    apply(transaction.connection)
+                with self._transactions() as transaction:
+                    transaction.begin()
+                    begun = True
+                    return self._write_then_apply(
+                        record, transaction, write, apply, resolution
+                    )
             except Exception:
-                transaction.rollback()
+                if begun:  # the transaction's own exit failed, after the resolution
+                    logger.warning(
+                        "resolving record %s failed; it stays stale", record.id, exc_info=True
+                    )
+                    return Resolution.UNKNOWN
+                if attempt >= BEGIN_ATTEMPTS:
+                    raise
+                attempt += 1
                 logger.warning(
-                    "resolving record %s failed; it stays stale", record.id, exc_info=True
+                    "the transaction resolving record %s could not begin; trying a fresh one",
+                    record.id,
+                    exc_info=logger.isEnabledFor(logging.DEBUG),
                 )
-                return Resolution.UNKNOWN
+
+    def _write_then_apply(
+        self,
+        record: Record,
+        transaction: Transaction,
+        write: Callable[[Transaction], bool],
+        apply: Callable[[Any], Any] | None,
+        resolution: Resolution,
+    ) -> Resolution:
+        """In a begun transaction: commit the write and ``apply``, or roll both back."""
+        try:
+            written = write(transaction)
             if not written:  # re-marked by another sweeper: nothing of ours may commit
                 transaction.rollback()
                 return Resolution.LOST
+            if apply is not None:
+                apply(transaction.connection)
             transaction.commit()
-            return resolution
+        except Exception:
+            # A failed COMMIT may have committed: the record is then settled, else stale.
+            logger.warning(
+                "resolving record %s failed; unless it committed, it stays stale",
+                record.id,
+                exc_info=True,
+            )
+            try:
+                transaction.rollback()
+            except Exception:  # its connection is gone; the warning above says why
+                logger.debug("rollback after a failed resolution failed", exc_info=True)
+            return Resolution.UNKNOWN
+        return resolution
 
     def _check_settings(self) -> None:
         """Refuse settings that cannot work, at construction time."""
