@@ -256,3 +256,151 @@ async def test_the_fastapi_dependency_keeps_the_claim_and_rolls_the_rows_back(
     assert held is not None
     assert held.state is State.IN_PROGRESS
     assert (calls, rows) == ([1], 0)
+
+
+# --- an OutcomeUnknown the framework answered itself, behind the WSGI middleware -------------
+# (over real servers, Flask and Django: tests/integrations/test_outcome_unknown_served.py)
+
+
+def _behind_wsgi_middleware(app: Any, store: SQLiteStore) -> httpx.Client:
+    from idemflow.integrations.wsgi import IdempotencyMiddleware
+
+    protected = IdempotencyMiddleware(
+        app, idempotency=Idempotency(store, POLICY), endpoints=["POST /payments"]
+    )
+
+    def authenticated(environ: dict[str, Any], start_response: Any) -> Any:
+        environ["REMOTE_USER"] = "carol"
+        return protected(environ, start_response)
+
+    return httpx.Client(transport=httpx.WSGITransport(app=authenticated), base_url="http://shop")
+
+
+@pytest.mark.parametrize("testing", [False, True])
+def test_flask_behind_the_wsgi_middleware_reports_its_outcome_unknown(
+    tmp_path: Path, testing: bool
+) -> None:
+    """``handle_outcome_unknown``: with or without ``PROPAGATE_EXCEPTIONS`` (``TESTING``), the
+    view's exception keeps the claim; the first caller gets the 503 problem, the retry 409."""
+    pytest.importorskip("flask")
+    from flask import Flask
+
+    from idemflow.integrations.flask import handle_outcome_unknown
+
+    app = Flask(__name__)
+    app.config["TESTING"] = testing
+    handle_outcome_unknown(app)
+    calls: list[int] = []
+
+    @app.post("/payments")
+    def pay() -> Any:
+        calls.append(1)
+        raise OutcomeUnknown("the provider did not answer")
+
+    with (
+        sqlite_keys(tmp_path) as (_, store),
+        _behind_wsgi_middleware(app.wsgi_app, store) as client,
+    ):
+        headers = {"Idempotency-Key": "k-flask-mw"}
+        first = client.post("/payments", content=b"{}", headers=headers)
+        retry = client.post("/payments", content=b"{}", headers=headers)
+        held = store.get("carol", "k-flask-mw")
+
+    assert_outcome_unknown(first.status_code, first.headers, first.content)
+    assert retry.status_code == 409
+    assert held is not None
+    assert held.state is State.IN_PROGRESS
+    assert calls == [1]
+
+
+def test_only_a_reported_outcome_unknown_keeps_the_claim(tmp_path: Path) -> None:
+    """A 503 that looks like ours, or another exception reported in the slot, is released: the
+    slot takes an ``OutcomeUnknown`` object only, and the problem's bytes mean nothing."""
+    from idemflow.integrations.wsgi import report_outcome_unknown
+
+    reported: list[bool] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        reported.append(report_outcome_unknown(environ, RuntimeError("not an OutcomeUnknown")))
+        body = json.dumps({"type": UNKNOWN, "status": 503}).encode()
+        headers = [("Content-Type", "application/problem+json"), ("Retry-After", "30")]
+        headers.append(("idemflow.outcome_unknown", "1"))
+        start_response("503 Service Unavailable", headers)
+        return [body]
+
+    with sqlite_keys(tmp_path) as (_, store), _behind_wsgi_middleware(app, store) as client:
+        first = client.post("/payments", content=b"{}", headers={"Idempotency-Key": "k-fake"})
+        held = store.get("carol", "k-fake")
+
+    assert first.status_code == 503
+    assert reported == [False]
+    assert held is not None
+    assert held.state is State.RELEASED  # transient: the retry runs again
+    assert report_outcome_unknown({}, OutcomeUnknown()) is False  # no middleware to tell
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("handler", ["wsgi", "asgi"])
+async def test_django_behind_the_generic_middleware_reports_its_outcome_unknown(
+    tmp_path: Path, handler: str
+) -> None:
+    """The Django app's ``got_request_exception`` receiver, in process: Django's WSGI handler
+    behind the WSGI middleware (``request.environ``), its ASGI handler behind the ASGI one
+    (``request.scope``). Django answers the view's exception with a 500; the receiver's report
+    keeps the claim: 503 problem, then 409."""
+    pytest.importorskip("django")
+    from django.core.handlers.asgi import ASGIHandler
+    from django.core.handlers.wsgi import WSGIHandler
+    from django.http import HttpRequest, HttpResponse
+    from django.test import override_settings
+    from django.urls import path
+
+    import tests.integrations.django_setup  # noqa: F401 -- settings, with the idemflow app
+
+    calls: list[int] = []
+
+    def pay(request: HttpRequest) -> HttpResponse:
+        calls.append(1)
+        raise OutcomeUnknown("the provider did not answer")
+
+    class URLs:
+        urlpatterns = (path("payments", pay),)
+
+    key = f"k-django-{handler}"
+    with (
+        override_settings(ROOT_URLCONF=URLs, ALLOWED_HOSTS=["shop"]),
+        sqlite_keys(tmp_path) as (_, store),
+    ):
+        if handler == "wsgi":
+            with _behind_wsgi_middleware(WSGIHandler(), store) as client:
+                answers = [
+                    client.post("/payments", content=b"{}", headers={"Idempotency-Key": key})
+                    for _ in range(2)
+                ]
+        else:
+            from idemflow import AsyncIdempotency
+            from idemflow.integrations.starlette import IdempotencyMiddleware
+            from idemflow.stores.sqlite import AsyncSQLiteStore
+
+            keys = AsyncSQLiteStore(tmp_path / "app.db")
+            app = IdempotencyMiddleware(
+                ASGIHandler(),
+                idempotency=AsyncIdempotency(keys, POLICY),
+                endpoints=["POST /payments"],
+                principal=lambda scope: "carol",
+            )
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://shop") as aclient:
+                answers = [
+                    await aclient.post("/payments", content=b"{}", headers={"Idempotency-Key": key})
+                    for _ in range(2)
+                ]
+            await keys.close()
+        held = store.get("carol", key)
+
+    first, retry = answers
+    assert_outcome_unknown(first.status_code, first.headers, first.content)
+    assert retry.status_code == 409
+    assert held is not None
+    assert held.state is State.IN_PROGRESS
+    assert calls == [1]
