@@ -158,3 +158,48 @@ async def test_a_store_that_cannot_begin_ends_the_pass_after_one_retry(
 
 async def _happened() -> Happened:
     return Happened(CREATED)
+
+
+def test_the_sync_sweeper_retries_a_lost_session_too(table_name: str, clock: FrozenClock) -> None:
+    """The generated ``Sweeper``, on ``PostgresStore`` and a sync pooled transaction: the
+    same terminated session, the same three settled records in one pass."""
+    psycopg = pytest.importorskip("psycopg")
+    from idemflow.edge import pooled_transaction
+    from idemflow.stores.postgres import PostgresStore
+    from idemflow.sweeper import Sweeper
+    from idemflow.transactions import PsycopgTransaction
+    from tests.faults import named_url
+
+    name = f"sweep_sync_{uuid.uuid4().hex[:8]}"
+    store = PostgresStore(named_url(name), table=table_name, max_size=1, clock="caller")
+    killed: list[int] = []
+
+    def reconciler(record: Record, keys: Mapping[str, str]) -> Happened:
+        if not killed:
+            killed.append(terminate(name))
+        return Happened(CREATED)
+
+    try:
+        store.migrate()
+        for key in KEYS:
+            store.claim(intent(key), f"lease-{key}", clock(), clock() + 3600)
+        clock.advance(POLICY.stale_seconds + 1)
+        sweeper = Sweeper(
+            store,
+            POLICY,
+            reconciler=reconciler,
+            transaction_factory=lambda: pooled_transaction(
+                store.pool.connection, PsycopgTransaction
+            ),
+            clock=clock,
+        )
+        report = sweeper.sweep_once()
+        after = {key: getattr(store.get("alice", key), "state", None) for key in KEYS}
+    finally:
+        store.close()
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            admin.execute(f"DROP TABLE IF EXISTS {table_name}")
+
+    assert killed == [1]
+    assert report.completed == len(KEYS), report
+    assert after == dict.fromkeys(KEYS, State.COMPLETED)
