@@ -817,7 +817,6 @@ async def _postgres_rig(
     from tests.factories import psycopg_or_skip
 
     psycopg = psycopg_or_skip()
-    from idemflow import StoreUnavailable
     from idemflow._async.edge import pooled_transaction as async_pooled
     from idemflow._sync.edge import pooled_transaction as sync_pooled
     from idemflow.stores.postgres import AsyncPostgresStore, PostgresStore
@@ -872,33 +871,11 @@ async def _postgres_rig(
         def transaction() -> Any:
             return async_pooled(store.pool.connection, AsyncPsycopgTransaction)
 
-    def notes() -> list[str]:
-        return [r[0] for r in admin.execute(f"SELECT note FROM biz_{table} ORDER BY id")]
-
-    def peek(key: str) -> Any:
-        record = outside.get("alice", key)
-        return None if record is None else record.state
-
-    try:
-        yield Rig(
-            kind,
-            store,
-            sync,
-            transaction if transactional else None,
-            write,
-            lose,
-            notes,
-            peek,
-            StoreUnavailable,
-        )
-    finally:
-        if sync:
-            store.close()
-        else:
-            await store.close()
-        outside.close()
-        admin.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
-        admin.close()
+    sql = admin.execute
+    async with _sql_rig(
+        kind, store, sync, transactional, transaction, write, lose, table, outside, admin, sql
+    ) as rig:
+        yield rig
 
 
 @contextlib.asynccontextmanager
@@ -906,7 +883,6 @@ async def _mysql_rig(
     kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int
 ) -> AsyncIterator[Rig]:
     pymysql = pytest.importorskip("pymysql")
-    from idemflow import StoreUnavailable
     from idemflow._async.edge import pooled_transaction as async_pooled
     from idemflow._sync.edge import pooled_transaction as sync_pooled
     from idemflow.stores.mysql import (
@@ -993,6 +969,32 @@ async def _mysql_rig(
         def transaction() -> Any:
             return async_pooled(store.pool.connection, AsyncmyTransaction)
 
+    async with _sql_rig(
+        kind, store, sync, transactional, transaction, write, lose, table, outside, admin, sql
+    ) as rig:
+        yield rig
+
+
+@contextlib.asynccontextmanager
+async def _sql_rig(
+    kind: str,
+    store: Any,
+    sync: bool,
+    transactional: bool,
+    transaction: Callable[[], Any],
+    write: Callable[[Any, str], Any],
+    lose: Callable[[Any], Any],
+    table: str,
+    outside: Any,
+    admin: Any,
+    sql: Callable[[str], Any],
+) -> AsyncIterator[Rig]:
+    """What the PostgreSQL and MySQL rigs share once their store is open: the Rig, its
+    ``notes`` and ``peek`` read past the pool (``sql`` runs a statement on ``admin``,
+    ``outside`` is a second store on ``table``), a loss surfacing as StoreUnavailable;
+    then the store, ``outside`` and ``admin`` closed and both tables dropped."""
+    from idemflow import StoreUnavailable
+
     def notes() -> list[str]:
         return [r[0] for r in sql(f"SELECT note FROM biz_{table} ORDER BY id")]
 
@@ -1013,13 +1015,18 @@ async def _mysql_rig(
             StoreUnavailable,
         )
     finally:
-        if sync:
-            store.close()
-        else:
-            await store.close()
+        await _close(store, sync)
         outside.close()
         sql(f"DROP TABLE IF EXISTS {table}, biz_{table}")
         admin.close()
+
+
+async def _close(store: Any, sync: bool) -> None:
+    """Closes a sync store or an async one (the rigs open either)."""
+    if sync:
+        store.close()
+    else:
+        await store.close()
 
 
 #: A parent id that never exists: a business row naming it fails the COMMIT (deferred FK).
@@ -1132,10 +1139,7 @@ async def _sqlite_rig(
         )
     finally:
         heal()
-        if sync:
-            store.close()
-        else:
-            await store.close()
+        await _close(store, sync)
 
 
 def _store_unavailable() -> type[BaseException]:
@@ -1210,10 +1214,7 @@ async def _redis_rig(
         for key in admin.scan_iter(match=f"{table}:*", count=1000):
             admin.delete(key)
         admin.close()
-        if sync:
-            store.close()
-        else:
-            await store.close()
+        await _close(store, sync)
 
 
 class LosesCompletion:
