@@ -163,6 +163,40 @@ def test_a_server_that_persists_is_accepted(
     assert len(handler.calls) == 1
 
 
+@contextlib.contextmanager
+def requests_in_flight(idem: Idempotency, keys: list[str]) -> Iterator[dict[str, str]]:
+    """A request per key, each in its own thread, its handler holding the claim until the
+    block ends; entered once every one has claimed. Yields how each ended, "completed" or
+    "lease lost" (filled in once the block is left: the handlers are released and joined
+    on the way out, so a failing block does not leave them waiting)."""
+    release, claimed = threading.Event(), threading.Semaphore(0)
+    ended: dict[str, str] = {}
+
+    def running_request(key: str) -> None:
+        def handler(attempt: Any) -> Response:
+            claimed.release()
+            assert release.wait(60)
+            return CREATED
+
+        try:
+            idem.run(intent(key), handler)
+            ended[key] = "completed"
+        except LeaseLost:
+            ended[key] = "lease lost"
+
+    threads = [threading.Thread(target=running_request, args=(key,)) for key in keys]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in keys:
+            assert claimed.acquire(timeout=60)
+        yield ended
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(timeout=60)
+
+
 @pytest.mark.parametrize("name", SERVERS)
 def test_claims_in_flight_across_a_restart_without_persistence_never_run_twice(
     name: str, tmp_path: Path
@@ -183,37 +217,14 @@ def test_claims_in_flight_across_a_restart_without_persistence_never_run_twice(
             allow_volatile=True,
         )
         idem = Idempotency(store, POLICY, clock=clock)
-        release, claimed = threading.Event(), threading.Semaphore(0)
-        first: dict[str, str] = {}
-
-        def running_request(key: str) -> None:
-            def handler(attempt: Any) -> Response:
-                claimed.release()
-                assert release.wait(60)
-                return CREATED
-
-            try:
-                idem.run(intent(key), handler)
-                first[key] = "completed"
-            except LeaseLost:
-                first[key] = "lease lost"
-
-        threads = [threading.Thread(target=running_request, args=(key,)) for key in keys]
-        for thread in threads:
-            thread.start()
-        for _ in keys:
-            assert claimed.acquire(timeout=60)
-
-        running.restart()  # every claim forgotten while its request still runs
-        retries = Recorder()
-        answers = []
-        for key in keys:
-            with pytest.raises(StoreUnavailable) as raised:
-                idem.run(intent(key), retries)
-            answers.append(raised.value)
-        release.set()
-        for thread in threads:
-            thread.join(timeout=60)
+        with requests_in_flight(idem, keys) as first:
+            running.restart()  # every claim forgotten while its request still runs
+            retries = Recorder()
+            answers = []
+            for key in keys:
+                with pytest.raises(StoreUnavailable) as raised:
+                    idem.run(intent(key), retries)
+                answers.append(raised.value)
 
         assert retries.calls == []  # nothing ran beside a request still in flight
         assert {a.status for a in answers} == {503}
@@ -268,42 +279,19 @@ def test_claims_in_flight_across_a_restart_with_persistence_never_run_twice(
         store = RedisStore(redis_client(running.url), policy=POLICY, prefix="boot", clock="caller")
         idem = Idempotency(store, POLICY, clock=clock)
         idem.run(intent("done"), Recorder())
-        release, claimed = threading.Event(), threading.Semaphore(0)
-        first: dict[str, str] = {}
-
-        def running_request(key: str) -> None:
-            def handler(attempt: Any) -> Response:
-                claimed.release()
-                assert release.wait(60)
-                return CREATED
-
-            try:
-                idem.run(intent(key), handler)
-                first[key] = "completed"
-            except LeaseLost:
-                first[key] = "lease lost"
-
-        threads = [threading.Thread(target=running_request, args=(key,)) for key in keys]
-        for thread in threads:
-            thread.start()
-        for _ in keys:
-            assert claimed.acquire(timeout=60)
-
-        running.restart()  # the data kept, the boot new
-        lose(store, *lost)
-        retries = Recorder()
-        refused = []
-        for key in [*lost, "fresh"]:
-            with pytest.raises(StoreUnavailable, match="restarted or lost data") as raised:
-                idem.run(intent(key), retries)
-            refused.append(raised.value)
-        for key in kept:
-            with pytest.raises(InProgress):
-                idem.run(intent(key), retries)
-        assert idem.run(intent("done"), retries).replayed
-        release.set()
-        for thread in threads:
-            thread.join(timeout=60)
+        with requests_in_flight(idem, keys) as first:
+            running.restart()  # the data kept, the boot new
+            lose(store, *lost)
+            retries = Recorder()
+            refused = []
+            for key in [*lost, "fresh"]:
+                with pytest.raises(StoreUnavailable, match="restarted or lost data") as raised:
+                    idem.run(intent(key), retries)
+                refused.append(raised.value)
+            for key in kept:
+                with pytest.raises(InProgress):
+                    idem.run(intent(key), retries)
+            assert idem.run(intent("done"), retries).replayed
 
         assert retries.calls == []
         assert all(1 <= a.retry_after <= POLICY.stale_seconds + 1 for a in refused)
