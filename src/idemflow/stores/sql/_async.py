@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from contextlib import AbstractAsyncContextManager, contextmanager
+from contextlib import AbstractAsyncContextManager, contextmanager, nullcontext
 from typing import Any, Literal, TypeAlias
 
 from ..._errors import ConfigurationError, LeaseLost, StoreUnavailable
@@ -133,20 +133,7 @@ class AsyncSQLStore(AsyncSQLObservable):
         params = claim_params(intent, lease_token, now, expires_at)
         if transaction is not None:
             return await self._claim_in(transaction, params, intent.fingerprint)
-        # The hot path, flat: one checkout, one cursor for every statement of
-        # the claim, rows read as tuples, errors translated only when raised.
-        try:
-            async with self._connect() as conn:
-                cursor = conn.cursor()
-                try:
-                    return await self._claim_on(cursor, params, intent.fingerprint)
-                finally:
-                    await cursor.close()
-        except Exception as exc:
-            failure = self._claim_failure(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+        return await self._claim_alone(params, intent.fingerprint, None)
 
     async def claim_on_lent(
         self,
@@ -165,12 +152,34 @@ class AsyncSQLStore(AsyncSQLObservable):
         runs as :meth:`claim` does, on a connection of the store's.
         """
         params = claim_params(intent, lease_token, now, expires_at)
+        return await self._claim_alone(params, intent.fingerprint, lender)
+
+    async def _claim_alone(
+        self,
+        params: Mapping[str, Any],
+        fingerprint: str,
+        lender: AsyncLendingTransaction | None,
+    ) -> Claim:
+        """A claim committed on its own: on the connection ``lender`` lends, when it
+        lends one the claim may run alone on, else on a connection of the store's.
+
+        The hot path, flat: one checkout, one cursor for every statement of the
+        claim, rows read as tuples, errors translated only when raised (one
+        place for :meth:`claim` and :meth:`claim_on_lent`, the lending included).
+        """
         try:
-            lent = await lender.lend(self._lend_source) if self._lend_source else None
-            if lent is not None and self._claims_alone_on(lent):
-                cursor = lent.cursor()
+            lent = None
+            if lender is not None and self._lend_source:
+                lent = await lender.lend(self._lend_source)
+            connection: AbstractAsyncContextManager[Any] = (
+                nullcontext(lent)
+                if lent is not None and self._claims_alone_on(lent)
+                else self._connect()
+            )
+            async with connection as conn:
+                cursor = conn.cursor()
                 try:
-                    return await self._claim_on(cursor, params, intent.fingerprint)
+                    return await self._claim_on(cursor, params, fingerprint)
                 finally:
                     await cursor.close()
         except Exception as exc:
@@ -178,7 +187,6 @@ class AsyncSQLStore(AsyncSQLObservable):
             if failure is exc:
                 raise
             raise failure from exc
-        return await self.claim(intent, lease_token, now, expires_at)
 
     async def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
         """:meth:`_claim_with` on one cursor of the store's own connection.

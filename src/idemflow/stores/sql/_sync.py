@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal, TypeAlias
 
 from ..._errors import ConfigurationError, LeaseLost, StoreUnavailable
@@ -134,20 +134,7 @@ class SQLStore(SQLObservable):
         params = claim_params(intent, lease_token, now, expires_at)
         if transaction is not None:
             return self._claim_in(transaction, params, intent.fingerprint)
-        # The hot path, flat: one checkout, one cursor for every statement of
-        # the claim, rows read as tuples, errors translated only when raised.
-        try:
-            with self._connect() as conn:
-                cursor = conn.cursor()
-                try:
-                    return self._claim_on(cursor, params, intent.fingerprint)
-                finally:
-                    cursor.close()
-        except Exception as exc:
-            failure = self._claim_failure(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+        return self._claim_alone(params, intent.fingerprint, None)
 
     def claim_on_lent(
         self,
@@ -166,12 +153,34 @@ class SQLStore(SQLObservable):
         runs as :meth:`claim` does, on a connection of the store's.
         """
         params = claim_params(intent, lease_token, now, expires_at)
+        return self._claim_alone(params, intent.fingerprint, lender)
+
+    def _claim_alone(
+        self,
+        params: Mapping[str, Any],
+        fingerprint: str,
+        lender: LendingTransaction | None,
+    ) -> Claim:
+        """A claim committed on its own: on the connection ``lender`` lends, when it
+        lends one the claim may run alone on, else on a connection of the store's.
+
+        The hot path, flat: one checkout, one cursor for every statement of the
+        claim, rows read as tuples, errors translated only when raised (one
+        place for :meth:`claim` and :meth:`claim_on_lent`, the lending included).
+        """
         try:
-            lent = lender.lend(self._lend_source) if self._lend_source else None
-            if lent is not None and self._claims_alone_on(lent):
-                cursor = lent.cursor()
+            lent = None
+            if lender is not None and self._lend_source:
+                lent = lender.lend(self._lend_source)
+            connection: AbstractContextManager[Any] = (
+                nullcontext(lent)
+                if lent is not None and self._claims_alone_on(lent)
+                else self._connect()
+            )
+            with connection as conn:
+                cursor = conn.cursor()
                 try:
-                    return self._claim_on(cursor, params, intent.fingerprint)
+                    return self._claim_on(cursor, params, fingerprint)
                 finally:
                     cursor.close()
         except Exception as exc:
@@ -179,7 +188,6 @@ class SQLStore(SQLObservable):
             if failure is exc:
                 raise
             raise failure from exc
-        return self.claim(intent, lease_token, now, expires_at)
 
     def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
         """:meth:`_claim_with` on one cursor of the store's own connection.
