@@ -37,8 +37,10 @@ __all__ = [
     "Connection",
     "Database",
     "PostgresDatabase",
+    "RowsConnection",
     "SQLiteConnection",
     "SQLiteDatabase",
+    "SQLitePayments",
     "SQLitePool",
     "create_schema_sqlite",
     "open_database",
@@ -196,7 +198,35 @@ class SQLitePool:
         self._idle = None
 
 
-class SQLiteDatabase:
+class SQLitePayments:
+    """The payments in a SQLite file at ``path`` on ``pool``, whatever holds the keys
+    (:class:`SQLiteDatabase` the same file, ``RedisDatabase`` a Redis): one definition
+    for both of the connections, the transaction and the start-up."""
+
+    path: Path
+    pool: SQLitePool
+    store: Any  # the key store (open migrates it): SQLite's or Redis's
+
+    def connect(self) -> AbstractAsyncContextManager[AsyncSQLite3Connection]:
+        """A connection to the payments' SQLite file."""
+        return self.pool.connection()
+
+    def transaction(self, raw: Any) -> AsyncTransaction:
+        # Deferred: SQLite's write lock is taken at the first write, so a
+        # phase that waits on the provider holds no lock.
+        return AsyncSQLite3Transaction(raw)
+
+    def wrap(self, raw: Any) -> Connection:
+        return SQLiteConnection(raw)
+
+    async def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        await self.store.migrate()
+        async with self.connect() as pooled:
+            await pooled.run(create_schema_sqlite, pooled.raw)
+
+
+class SQLiteDatabase(SQLitePayments):
     """Keys and payments in one SQLite file (WAL)."""
 
     # One writer at a time: a claim held in an open transaction would queue
@@ -209,25 +239,8 @@ class SQLiteDatabase:
         self.store = AsyncSQLiteStore(path, table=KEY_TABLE, busy_timeout=10.0)
         self.pool = SQLitePool(path, pool_size)
 
-    def connect(self) -> AbstractAsyncContextManager[AsyncSQLite3Connection]:
-        return self.pool.connection()
-
-    def transaction(self, raw: Any) -> AsyncTransaction:
-        # Deferred: SQLite's write lock is taken at the first write, so a
-        # phase that waits on the provider holds no lock.
-        return AsyncSQLite3Transaction(raw)
-
-    def wrap(self, raw: Any) -> Connection:
-        return SQLiteConnection(raw)
-
     def stats_store(self) -> Any:
         return self.store.sync
-
-    async def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        await self.store.migrate()
-        async with self.connect() as pooled:
-            await pooled.run(create_schema_sqlite, pooled.raw)
 
     async def close(self) -> None:
         self.pool.close()
@@ -241,15 +254,9 @@ def create_schema_sqlite(raw: sqlite3.Connection) -> None:
 # --- PostgreSQL -------------------------------------------------------------------------------
 
 
-class _PsycopgConnection:
-    """A psycopg AsyncConnection speaking ``:name`` placeholders."""
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-
-    async def execute(self, sql: str, params: Mapping[str, Any] | None = None) -> int:
-        cursor = await self.raw.execute(pyformat(sql), params or None)
-        return int(cursor.rowcount)
+class RowsConnection:
+    """``fetchone`` and ``fetchall`` of a :class:`Connection` over one ``_rows``: the
+    shape the PostgreSQL and MySQL wrappers share (each reads its own driver's rows)."""
 
     async def fetchone(
         self, sql: str, params: Mapping[str, Any] | None = None
@@ -261,6 +268,23 @@ class _PsycopgConnection:
         self, sql: str, params: Mapping[str, Any] | None = None
     ) -> list[dict[str, Any]]:
         return await self._rows(sql, params, one=False)
+
+    async def _rows(
+        self, sql: str, params: Mapping[str, Any] | None, *, one: bool
+    ) -> list[dict[str, Any]]:
+        """The first row only (``one``) or all of them, as mappings."""
+        raise NotImplementedError
+
+
+class _PsycopgConnection(RowsConnection):
+    """A psycopg AsyncConnection speaking ``:name`` placeholders."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    async def execute(self, sql: str, params: Mapping[str, Any] | None = None) -> int:
+        cursor = await self.raw.execute(pyformat(sql), params or None)
+        return int(cursor.rowcount)
 
     async def _rows(
         self, sql: str, params: Mapping[str, Any] | None, *, one: bool

@@ -27,7 +27,7 @@ from idemflow import ConfigurationError
 from idemflow.stores.mysql import DEFAULT_LOCK_WAIT_TIMEOUT
 from idemflow.stores.protocol import AsyncTransaction, Statement
 
-from .db import KEY_TABLE, Connection, pyformat
+from .db import KEY_TABLE, Connection, RowsConnection, pyformat
 
 __all__ = ["MYSQL_SCHEMA", "MySQLConnection", "MySQLDatabase", "MySQLPool", "PoolTimeout"]
 
@@ -248,7 +248,7 @@ class MySQLTransaction:
             await self._inner.rollback()
 
 
-class _AsyncmyConnection:
+class _AsyncmyConnection(RowsConnection):
     """Business SQL on a pooled asyncmy connection, ``:name`` placeholders."""
 
     def __init__(self, pooled: MySQLConnection) -> None:
@@ -259,17 +259,6 @@ class _AsyncmyConnection:
         with self._guard:
             async with self.pooled.raw.cursor() as cursor:
                 return int(await cursor.execute(pyformat(sql), params or None))
-
-    async def fetchone(
-        self, sql: str, params: Mapping[str, Any] | None = None
-    ) -> dict[str, Any] | None:
-        rows = await self._rows(sql, params, one=True)
-        return rows[0] if rows else None
-
-    async def fetchall(
-        self, sql: str, params: Mapping[str, Any] | None = None
-    ) -> list[dict[str, Any]]:
-        return await self._rows(sql, params, one=False)
 
     async def _rows(
         self, sql: str, params: Mapping[str, Any] | None, *, one: bool

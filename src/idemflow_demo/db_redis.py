@@ -28,16 +28,13 @@ and 59 keys did not settle in time. ``redis+cluster://`` URLs go through
 
 from __future__ import annotations
 
-from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from idemflow import ConfigurationError
-from idemflow.stores.protocol import AsyncTransaction
-from idemflow.transactions import AsyncSQLite3Connection, AsyncSQLite3Transaction
 
-from .db import KEY_TABLE, Connection, SQLiteConnection, SQLitePool, create_schema_sqlite
+from .db import KEY_TABLE, SQLitePayments, SQLitePool
 
 __all__ = ["KEY_PREFIX_OPTION", "POOL_TIMEOUT", "RedisDatabase", "open_key_store", "split_prefix"]
 
@@ -98,8 +95,12 @@ def _without(url: str, name: str) -> tuple[str, bool]:
     return urlunsplit(parts._replace(query=kept)), truthy
 
 
-class RedisDatabase:
-    """Keys in Redis (:class:`~idemflow.stores.redis.AsyncRedisStore`); payments in SQLite."""
+class RedisDatabase(SQLitePayments):
+    """Keys in Redis (:class:`~idemflow.stores.redis.AsyncRedisStore`); payments in SQLite.
+
+    The payments' connections, transaction and start-up are SQLite's (SQLitePayments);
+    their transaction is the business rows' own: the key store never joins it.
+    """
 
     single_commit = False
     transactional = False
@@ -116,29 +117,12 @@ class RedisDatabase:
         self.pool = SQLitePool(sqlite_path, pool_size)
         self._stats: Any = None
 
-    def connect(self) -> AbstractAsyncContextManager[AsyncSQLite3Connection]:
-        """A connection to the payments' SQLite file (the keys are not there)."""
-        return self.pool.connection()
-
-    def transaction(self, raw: Any) -> AsyncTransaction:
-        # The business rows' own transaction: the key store never joins it.
-        return AsyncSQLite3Transaction(raw)
-
-    def wrap(self, raw: Any) -> Connection:
-        return SQLiteConnection(raw)
-
     def stats_store(self) -> Any:
         from idemflow.stores.urls import open_store
 
         if self._stats is None:
             self._stats = open_store(self.url, table=self.prefix)
         return self._stats
-
-    async def open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        await self.store.migrate()
-        async with self.connect() as pooled:
-            await pooled.run(create_schema_sqlite, pooled.raw)
 
     async def close(self) -> None:
         self.pool.close()
