@@ -645,3 +645,47 @@ def test_no_endpoint_or_an_async_driver_is_refused_at_start_up(tmp_path: Path) -
             endpoints=["POST /x"],
         )
     store.close()
+
+
+# --- the header lines: one reader (raw_headers) for the middleware, Flask and Django -------
+
+
+def test_an_empty_idempotency_key_is_a_400_empty_not_a_missing_key(tmp_path: Path) -> None:
+    """A header sent with an empty value is a header line like another (RFC 9110 §5.5):
+    ``Idempotency-Key:`` is the client's 400 "empty", and the app never runs. (The reader
+    once dropped empty values, and answered it missing-key, as if no header were sent.)"""
+    events: list[str] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        events.append("ran")
+        start_response("201 Created", [("Content-Type", "text/plain")])
+        return [b"made"]
+
+    with protected_by_wsgiref(tmp_path, app) as (url, _):
+        refused = httpx.post(url + "/export", content=b"x", headers={"Idempotency-Key": ""})
+    body = assert_problem(refused, 400, "invalid-key")
+    assert "empty" in body["detail"]
+    assert events == []
+
+
+def test_django_reads_meta_as_werkzeug_reads_the_environ() -> None:
+    """Django's ``request.META`` goes through the same reader: an empty header value is
+    kept, an empty CONTENT_TYPE/CONTENT_LENGTH (a server's "the request has none") is no
+    line, as in werkzeug's ``request.headers``. (Django's own reader once kept those.)"""
+    pytest.importorskip("django")
+    from django.test import RequestFactory
+    from werkzeug.datastructures import EnvironHeaders
+
+    import tests.integrations.django_setup  # noqa: F401 -- settings
+    from idemflow.integrations.django.http import _headers
+
+    meta = {"CONTENT_TYPE": "", "CONTENT_LENGTH": "", "HTTP_IDEMPOTENCY_KEY": ""}
+    request = RequestFactory().generic("POST", "/payments", **meta)
+    lines = _headers(request)
+    werkzeugs = [
+        (name.lower().encode("latin-1"), value.encode("latin-1"))
+        for name, value in EnvironHeaders(request.META)
+    ]
+    assert lines == werkzeugs
+    assert (b"idempotency-key", b"") in lines
+    assert not {b"content-type", b"content-length"} & {name for name, _ in lines}

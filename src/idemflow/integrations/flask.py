@@ -71,6 +71,7 @@ from ..edge import (
     sendable_headers,
 )
 from ..stores.protocol import Store, Transaction
+from .wsgi import raw_headers  # the header lines werkzeug lists, the one reader
 
 with optional("idemflow.integrations.flask"):
     from flask import Flask, current_app, request
@@ -216,7 +217,7 @@ class Idempotency:
         state = self.state()
         # Once: every access through the request proxy costs a context lookup.
         current: Any = request._get_current_object()  # type: ignore[attr-defined]
-        headers = _headers(current.environ)
+        headers = raw_headers(current.environ)
         rid = request_id_from(headers)
         edge = state.edges[public]
         try:
@@ -304,37 +305,6 @@ def _plain_url(url: Any) -> str:
     return f"{scheme.split('+', 1)[0]}://{rest}"
 
 
-def _headers(environ: dict[str, Any]) -> list[tuple[bytes, bytes]]:
-    """The header lines werkzeug's ``request.headers`` lists, lower-case, as latin-1 bytes.
-
-    Read from the environ as werkzeug does (``HTTP_*`` keys, and ``CONTENT_TYPE``
-    and ``CONTENT_LENGTH`` when set), without its title-cased names.
-    """
-    lines = []
-    names = _HEADER_NAMES
-    for key, value in environ.items():
-        name = names.get(key)
-        if name is None:
-            if key.startswith("HTTP_") and key not in ("HTTP_CONTENT_TYPE", "HTTP_CONTENT_LENGTH"):
-                name = key[5:].replace("_", "-").lower().encode("latin-1")
-            elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
-                name = key.replace("_", "-").lower().encode("latin-1")
-            else:
-                name = b""  # not a header line
-            if len(names) < _MAX_HEADER_NAMES:
-                names[key] = name
-        if name and (value or name not in _CONTENT_HEADERS):
-            lines.append((name, value.encode("latin-1")))
-    return lines
-
-
-# environ key -> header name (b"" for the keys that are no header), learned as requests
-# come. Bounded, since clients choose header names.
-_HEADER_NAMES: dict[str, bytes] = {}
-_MAX_HEADER_NAMES = 512
-_CONTENT_HEADERS = (b"content-type", b"content-length")  # listed only when set
-
-
 def _body(limit: int) -> bytes:
     """The whole body, at most ``limit`` bytes; 413 before reading when the length says so."""
     declared = request.content_length
@@ -400,7 +370,7 @@ def _outcome_unknown(error: OutcomeUnknown) -> FlaskResponse:
     report_outcome_unknown(environ, error)
     rid = environ.get("idemflow.request_id")  # the middleware's, when it runs
     if not isinstance(rid, str):
-        rid = request_id_from(_headers(environ))
+        rid = request_id_from(raw_headers(environ))
     return to_flask(problem_for(error, rid))
 
 

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -304,14 +304,23 @@ def _native(text: str) -> str:
     return text.encode("utf-8").decode("latin-1")
 
 
-def raw_headers(environ: WSGIEnvironment) -> list[tuple[bytes, bytes]]:
-    """The request's header lines as (lower-case name, value) bytes, from ``HTTP_*`` keys."""
+def raw_headers(environ: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
+    """The request's header lines as (lower-case name, value) bytes: the lines werkzeug's
+    ``request.headers`` lists. The one reader of the WSGI middleware, Flask and Django
+    (whose ``request.META`` is the environ under WSGI, and is built like it under ASGI).
+
+    Every ``HTTP_*`` key is a line, an empty value too: ``Idempotency-Key:`` with nothing
+    after it is a client's mistake to answer 400 "empty", not a missing key. Not so
+    ``CONTENT_TYPE`` and ``CONTENT_LENGTH``, listed only when set: a server leaves them
+    empty when the request has none (CGI, RFC 3875 §4.1). Nor their ``HTTP_`` twins, as
+    werkzeug reads them: the server's own keys are what it framed the body by.
+    """
     headers: list[tuple[bytes, bytes]] = []
     names = _HEADER_NAMES
     for key, value in environ.items():
         name = names.get(key)
         if name is None:
-            if key.startswith("HTTP_"):
+            if key.startswith("HTTP_") and key not in ("HTTP_CONTENT_TYPE", "HTTP_CONTENT_LENGTH"):
                 name = key[5:].replace("_", "-").lower().encode("latin-1")
             elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
                 name = key.replace("_", "-").lower().encode("latin-1")
@@ -319,7 +328,7 @@ def raw_headers(environ: WSGIEnvironment) -> list[tuple[bytes, bytes]]:
                 name = b""  # not a header line
             if len(names) < _MAX_HEADER_NAMES:
                 names[key] = name
-        if name and isinstance(value, str) and value:
+        if name and isinstance(value, str) and (value or name not in _CONTENT_HEADERS):
             headers.append((name, value.encode("latin-1", "replace")))
     return headers
 
@@ -328,6 +337,7 @@ def raw_headers(environ: WSGIEnvironment) -> list[tuple[bytes, bytes]]:
 # come: the same few dozen keys every time. Bounded, since clients choose header names.
 _HEADER_NAMES: dict[str, bytes] = {}
 _MAX_HEADER_NAMES = 512
+_CONTENT_HEADERS = (b"content-type", b"content-length")  # listed only when set
 
 
 # --- the request body -----------------------------------------------------------------------

@@ -41,6 +41,7 @@ from ...edge import (
     request_id_from,
     sendable_headers,
 )
+from ..wsgi import raw_headers
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
 from .store import DjangoTransaction
 
@@ -81,29 +82,8 @@ def _principal_getter(chosen: IdemflowSettings) -> Callable[[Any], str | None]:
 
 
 def _headers(request: HttpRequest) -> RawHeaders:
-    """The request's header lines as the WSGI server passed them (``META``), latin-1."""
-    lines = []
-    names = _HEADER_NAMES
-    for key, value in request.META.items():
-        name = names.get(key)
-        if name is None:
-            if key.startswith("HTTP_"):
-                name = key[5:].replace("_", "-").lower().encode("latin-1")
-            elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
-                name = key.replace("_", "-").lower().encode("latin-1")
-            else:
-                name = b""  # not a header line
-            if len(names) < _MAX_HEADER_NAMES:
-                names[key] = name
-        if name and isinstance(value, str):
-            lines.append((name, value.encode("latin-1", "replace")))
-    return lines
-
-
-# META key -> header name (b"" for the keys that are no header), learned as requests
-# come: the same few dozen keys every time. Bounded, since clients choose header names.
-_HEADER_NAMES: dict[str, bytes] = {}
-_MAX_HEADER_NAMES = 512
+    """The request's header lines, read from ``META`` as the WSGI middleware reads the environ."""
+    return raw_headers(request.META)
 
 
 def _body(request: HttpRequest, limit: int) -> bytes:
