@@ -21,7 +21,7 @@ import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import pytest
@@ -244,6 +244,114 @@ def test_a_completion_whose_commit_reply_was_lost_settles_once_and_never_runs_ag
             store.close()
             rows = admin.execute(f"SELECT note FROM biz_{name}").fetchall()
             admin.execute(f"DROP TABLE IF EXISTS {name}, biz_{name}")
+
+    assert ("could not be recorded" in str(unknown.value)) is phase
+    assert record is not None
+    assert record.state is State.COMPLETED  # the COMMIT ran: effect and record together
+    assert [r.replayed for r in retries] == [True, True]
+    assert ran == [1]
+    assert rows == [("paid",)]
+
+
+@contextlib.contextmanager
+def framework_behind(
+    name: str, port: int, table: str
+) -> Iterator[tuple[Callable[[], Any], Callable[[Any, str], None]]]:
+    """(a new transaction, write(attempt.connection, sql)) of ``name`` through the proxy."""
+    if name == "django":
+        django_setup = pytest.importorskip("tests.integrations.django_setup")
+        from django.db import connections
+
+        from idemflow.integrations.django import DjangoTransaction
+
+        alias = django_setup.VENDOR_ALIAS["postgres"]
+        django_setup.require(alias)
+        previous = connections[alias]
+        proxied = type(previous)({**previous.settings_dict, "PORT": str(port)}, alias)
+        connections[alias] = proxied
+
+        def django_write(conn: Any, sql: str) -> None:
+            with conn.cursor() as cursor:
+                cursor.execute(sql)
+
+        try:
+            yield lambda: DjangoTransaction(alias), django_write
+        finally:
+            connections[alias] = previous
+            proxied.close()
+        return
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.orm import Session
+
+    from idemflow.transactions import SQLAlchemyTransaction
+
+    url = POSTGRES_URL.replace(":5432/", f":{port}/").replace(
+        "postgresql://", "postgresql+psycopg://"
+    )
+    engine = sqlalchemy.create_engine(url)
+    try:
+        yield (
+            lambda: SQLAlchemyTransaction(Session(engine)),
+            lambda session, sql: session.execute(sqlalchemy.text(sql)),
+        )
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("phase", [False, True], ids=["one-phase", "past-a-phase"])
+@pytest.mark.parametrize("name", ["django", "sqlalchemy"])
+def test_a_framework_completion_whose_commit_reply_was_lost_settles_once(
+    name: str, phase: bool
+) -> None:
+    """The test above through Django's and SQLAlchemy's adapters on psycopg 3, whose
+    completion travels with its COMMIT too (the framework's own connection through the
+    proxy; the claim on it, Django, or on the store's, SQLAlchemy): the same 503, the
+    record settled once, every retry a replay, the handler run once."""
+    psycopg = pytest.importorskip("psycopg")
+    from idemflow.integrations.django import DjangoStore
+    from idemflow.stores.postgres import PostgresStore
+
+    name_ = f"lost_{uuid.uuid4().hex[:10]}"
+    ran: list[int] = []
+
+    def the_completion(chunk: bytes) -> bool:
+        return b"WITH fenced AS (UPDATE " in chunk and b"response_status" in chunk
+
+    with (
+        psycopg.connect(POSTGRES_URL, autocommit=True) as admin,
+        losing_proxy(_target(POSTGRES_URL, 5432), the_completion) as proxy,
+        framework_behind(name, proxy.port, name_) as (transaction, write),
+    ):
+        admin.execute(f"CREATE TABLE biz_{name_} (id BIGSERIAL PRIMARY KEY, note TEXT)")
+        store: Any = (
+            DjangoStore("postgres", table=name_, clock="caller")
+            if name == "django"
+            else PostgresStore(POSTGRES_URL, table=name_, max_size=1, clock="caller")
+        )
+        try:
+            store.migrate()
+            idem = Idempotency(store, POLICY, clock=FrozenClock())
+
+            def charge(attempt: Attempt) -> Response:
+                ran.append(1)
+                write(attempt.connection, f"INSERT INTO biz_{name_} (note) VALUES ('paid')")
+                if phase:
+                    attempt.commit_phase("payment_created")
+                return CREATED
+
+            def run() -> Outcome:
+                return idem.run(intent("k-lost"), charge, transaction=transaction())
+
+            with pytest.raises(StoreUnavailable) as unknown:
+                run()
+            assert proxy.lost.is_set(), "the completion's reply was not the one lost"
+            record = store.get("alice", "k-lost")
+            retries = [run(), run()]
+        finally:
+            store.close()
+            rows = admin.execute(f"SELECT note FROM biz_{name_}").fetchall()
+            admin.execute(f"DROP TABLE IF EXISTS {name_}, biz_{name_}")
 
     assert ("could not be recorded" in str(unknown.value)) is phase
     assert record is not None

@@ -339,3 +339,384 @@ async def waiting_on_a_lock(
             return
         await asyncio.sleep(0.01)
     pytest.fail(f"a wait on a lock in {query} never {'began' if waiting else 'ended'}")
+
+
+# --- the framework adapters: Django's and SQLAlchemy's transactions, on psycopg 3 ------------
+#
+# Their fenced writes travel with their COMMIT too (on the psycopg connection under the
+# framework's); the next BEGIN after ``commit_phase`` is the framework's own, sent with the
+# next statement (sent with the COMMIT, the framework's own COMMIT would end it). So the
+# same two phases cost the claim and nothing more: unprotected + 1 (was + 3: each fenced
+# write, then its COMMIT).
+
+#: What protection adds through a framework's transaction: the claim.
+FRAMEWORK_ADDED_TRIPS = 1
+
+
+def two_phases(execute: Any, commit_phase: Any, table: str) -> Response:
+    execute(insert(table), "paid")
+    commit_phase("payment_created")
+    execute(update(table), "paid")
+    return CREATED
+
+
+def test_django_sends_each_fenced_write_with_its_commit(table_name: str, tmp_path: Path) -> None:
+    """``DjangoTransaction`` on PostgreSQL: the claim is the one round trip protection adds,
+    on the thread's own connection (the store claims there in autocommit)."""
+    django_setup = pytest.importorskip("tests.integrations.django_setup")
+    from django.db import connections, transaction
+
+    from idemflow.integrations.django import DjangoStore, DjangoTransaction
+
+    alias = django_setup.VENDOR_ALIAS["postgres"]
+    django_setup.require(alias)
+    trace = WireTrace(tmp_path / "libpq.trace")
+
+    def run(sql: str, note: str) -> None:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql, [note])
+
+    def charge(attempt: Attempt) -> Response:
+        return two_phases(run, attempt.commit_phase, table_name)
+
+    with tables(table_name), django_setup.own_connection(alias) as conn:
+        store = DjangoStore(alias, table=table_name)
+        idem = Idempotency(store, POLICY)
+        conn.ensure_connection()
+        trace.attach(conn.connection)
+        trace.take()
+        with transaction.atomic(using=alias):
+            run(insert(table_name), "plain")
+        with transaction.atomic(using=alias):
+            run(update(table_name), "plain")
+        plain = trace.take()
+        outcome = idem.run(intent(), charge, transaction=DjangoTransaction(alias))
+        protected = trace.take()
+        record = store.get("alice", "k-1")
+        store.close()
+        rows = business_rows(table_name)
+
+    assert outcome.response == CREATED
+    assert record is not None
+    assert (record.state, record.recovery_point) == (State.COMPLETED, "payment_created")
+    assert rows == ["plain+", "paid+"]
+    assert plain == UNPROTECTED_TRIPS
+    assert protected == plain + FRAMEWORK_ADDED_TRIPS
+
+
+@pytest.mark.parametrize("session", [False, True], ids=["connection", "session"])
+def test_sqlalchemy_sends_each_fenced_write_with_its_commit(
+    table_name: str, tmp_path: Path, session: bool
+) -> None:
+    """``SQLAlchemyTransaction`` on ``postgresql+psycopg``, a ``Connection`` or a ``Session``
+    (Flask-SQLAlchemy's), the claim on the store's own pool: the claim is the one round trip
+    protection adds."""
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    import psycopg_pool
+    from sqlalchemy.orm import Session
+
+    from idemflow.transactions import SQLAlchemyTransaction
+
+    trace = WireTrace(tmp_path / "libpq.trace")
+
+    with tables(table_name):
+        engine = sqlalchemy.create_engine(
+            POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1), pool_size=1
+        )
+        sqlalchemy.event.listen(engine, "connect", lambda dbapi, _record: trace.attach(dbapi))
+        pool = psycopg_pool.ConnectionPool(
+            POSTGRES_URL, **pool_kwargs(), configure=trace.attach, open=True
+        )
+        store = PostgresStore(pool, table=table_name)
+        try:
+            idem = Idempotency(store, POLICY)
+            pool.wait()
+            with contextlib.ExitStack() as stack:
+                holder = stack.enter_context(Session(engine) if session else engine.connect())
+
+                def run(sql: str, note: str) -> None:
+                    holder.execute(sqlalchemy.text(sql.replace("%s", ":note")), {"note": note})
+
+                def commit_phase(_point: str) -> None:
+                    holder.commit()
+
+                holder.execute(sqlalchemy.text("SELECT 1"))  # connected: its setup not counted
+                holder.rollback()
+                trace.take()
+                two_phases(run, commit_phase, table_name)
+                holder.commit()
+                plain = trace.take()
+                outcome = idem.run(
+                    intent(),
+                    lambda attempt: two_phases(run, attempt.commit_phase, table_name),
+                    transaction=SQLAlchemyTransaction(holder),
+                )
+                protected = trace.take()
+            record = store.get("alice", "k-1")
+        finally:
+            pool.close()
+            engine.dispose()
+        rows = business_rows(table_name)
+
+    assert outcome.response == CREATED
+    assert record is not None
+    assert (record.state, record.recovery_point) == (State.COMPLETED, "payment_created")
+    assert rows == ["paid+", "paid+"]
+    assert plain == UNPROTECTED_TRIPS
+    assert protected == plain + FRAMEWORK_ADDED_TRIPS
+
+
+@contextlib.contextmanager
+def framework(name: str, table: str) -> Iterator[tuple[Any, Any, Any]]:
+    """(store, a new transaction, execute(sql, note) in it) for ``name``, clock="caller"."""
+    if name == "django":
+        django_setup = pytest.importorskip("tests.integrations.django_setup")
+        from django.db import connections
+
+        from idemflow.integrations.django import DjangoStore, DjangoTransaction
+
+        alias = django_setup.VENDOR_ALIAS["postgres"]
+        django_setup.require(alias)
+
+        def run(sql: str, note: str) -> None:
+            with connections[alias].cursor() as cursor:
+                cursor.execute(sql, [note])
+
+        with django_setup.own_connection(alias):
+            keys = DjangoStore(alias, table=table, clock="caller")
+            try:
+                yield keys, lambda: DjangoTransaction(alias), run
+            finally:
+                keys.close()
+        return
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.orm import Session
+
+    from idemflow.transactions import SQLAlchemyTransaction
+
+    engine = sqlalchemy.create_engine(
+        POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1), pool_size=1
+    )
+    store = PostgresStore(POSTGRES_URL, table=table, max_size=2, clock="caller")
+    try:
+        with Session(engine) as session:
+
+            def run_in_session(sql: str, note: str) -> None:
+                session.execute(sqlalchemy.text(sql.replace("%s", ":note")), {"note": note})
+
+            yield store, lambda: SQLAlchemyTransaction(session), run_in_session
+    finally:
+        store.close()
+        engine.dispose()
+
+
+FRAMEWORKS = ["django", "sqlalchemy"]
+
+
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_a_lost_lease_commits_nothing_of_its_phase_through_a_framework(
+    table_name: str, name: str
+) -> None:
+    """The lost-lease test above, through Django's and SQLAlchemy's adapters: their
+    ``commit_phase`` travels with its COMMIT too, and only the fence stops it."""
+    clock = FrozenClock()
+
+    with tables(table_name), framework(name, table_name) as (store, transaction, run):
+
+        def charge(attempt: Attempt) -> Response:
+            run(insert(table_name), "phase 1")
+            attempt.commit_phase("payment_created")
+            clock.advance(POLICY.stale_seconds + 1)
+            assert len(sweep_away(store, clock())) == 1
+            assert store.claim(intent(), "thief", clock(), clock() + 3600).owned
+            run(insert(table_name), "phase 2")
+            attempt.commit_phase("charged")
+            return CREATED
+
+        idem = Idempotency(store, POLICY, clock=clock)
+        with pytest.raises(LeaseLost):
+            idem.run(intent(), charge, transaction=transaction())
+        record = store.get("alice", "k-1")
+        rows = business_rows(table_name)
+
+    assert record is not None
+    assert (record.state, record.lease_token) == (State.IN_PROGRESS, "thief")
+    assert record.recovery_point == "payment_created"
+    assert rows == ["phase 1"]
+
+
+def orphaned(run: Any, orphan: str) -> Response:
+    run(orphan, "orphan")
+    return CREATED
+
+
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_a_commit_that_fails_through_a_framework_raises_its_own_error_and_releases(
+    table_name: str, name: str
+) -> None:
+    """The completion went through and its COMMIT failed (a deferred constraint, checked at
+    COMMIT): nothing of the request commits, the key is released, and the error is the
+    framework's own, as its ``commit()`` raises it (Django's, SQLAlchemy's IntegrityError)."""
+    import psycopg
+
+    with (
+        tables(table_name),
+        psycopg.connect(POSTGRES_URL, autocommit=True) as admin,
+        framework(name, table_name) as (store, transaction, run),
+    ):
+        admin.execute(
+            f"CREATE TABLE parent_{table_name} (id INTEGER PRIMARY KEY); "
+            f"ALTER TABLE biz_{table_name} ADD COLUMN parent INTEGER REFERENCES "
+            f"parent_{table_name} (id) DEFERRABLE INITIALLY DEFERRED"
+        )
+        orphan = f"INSERT INTO biz_{table_name} (note, parent) VALUES (%s, 42)"
+        idem = Idempotency(store, POLICY, clock=FrozenClock())
+        try:
+            with pytest.raises(Exception, match=r"(?i)foreign key") as raised:
+                idem.run(intent(), lambda a: orphaned(run, orphan), transaction=transaction())
+            record = store.get("alice", "k-1")
+            rows = business_rows(table_name)
+        finally:
+            admin.execute(f"DROP TABLE IF EXISTS parent_{table_name} CASCADE")
+
+    assert type(raised.value).__module__.split(".")[0] == name
+    assert type(raised.value).__name__ == "IntegrityError"
+    assert record is not None
+    assert record.state is State.RELEASED
+    assert rows == []
+
+
+def async_engine() -> Any:
+    sqlalchemy_asyncio = pytest.importorskip("sqlalchemy.ext.asyncio")
+    url = POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1)
+    return sqlalchemy_asyncio.create_async_engine(url, pool_size=1)
+
+
+@pytest.mark.anyio
+async def test_async_sqlalchemy_sends_each_fenced_write_with_its_commit(
+    table_name: str, tmp_path: Path
+) -> None:
+    """``AsyncSQLAlchemyTransaction`` on an ``AsyncSession`` (``postgresql+psycopg``): the
+    claim is the one round trip protection adds, as with the sync adapter."""
+    import psycopg_pool
+    import sqlalchemy
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from idemflow.transactions import AsyncSQLAlchemyTransaction
+
+    trace = WireTrace(tmp_path / "libpq.trace")
+    engine = async_engine()
+    sqlalchemy.event.listen(
+        engine.sync_engine, "connect", lambda dbapi, _record: trace.attach(dbapi.driver_connection)
+    )
+    with tables(table_name):
+        async with psycopg_pool.AsyncConnectionPool(
+            POSTGRES_URL, **pool_kwargs(), configure=trace.attach_async, open=False
+        ) as pool:
+            store = AsyncPostgresStore(pool, table=table_name)
+            idem = AsyncIdempotency(store, POLICY)
+            async with AsyncSession(engine) as session:
+
+                async def run(sql: str, note: str) -> None:
+                    await session.execute(
+                        sqlalchemy.text(sql.replace("%s", ":note")), {"note": note}
+                    )
+
+                async def charge(attempt: AsyncAttempt) -> Response:
+                    await run(insert(table_name), "paid")
+                    await attempt.commit_phase("payment_created")
+                    await run(update(table_name), "paid")
+                    return CREATED
+
+                await session.execute(sqlalchemy.text("SELECT 1"))  # connected: not counted
+                await session.rollback()
+                trace.take()
+                await run(insert(table_name), "plain")
+                await session.commit()
+                await run(update(table_name), "plain")
+                await session.commit()
+                plain = trace.take()
+                outcome = await idem.run(
+                    intent(), charge, transaction=AsyncSQLAlchemyTransaction(session)
+                )
+                protected = trace.take()
+        await engine.dispose()
+        rows = business_rows(table_name)
+
+    assert outcome.response == CREATED
+    assert rows == ["plain+", "paid+"]
+    assert plain == UNPROTECTED_TRIPS
+    assert protected == plain + FRAMEWORK_ADDED_TRIPS
+
+
+@pytest.mark.anyio
+async def test_async_sqlalchemy_cancelled_while_commit_phase_is_in_flight_commits_nothing(
+    table_name: str,
+) -> None:
+    """The cancellation test above through ``AsyncSQLAlchemyTransaction``: cancelled while
+    its ``commit_phase`` (checkpoint and COMMIT, on the psycopg connection under
+    SQLAlchemy's) waits on the server, neither the phase's row nor its recovery point
+    commits, the key stays claimed until swept, and the retry starts over."""
+    import psycopg
+    import sqlalchemy
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from idemflow.transactions import AsyncSQLAlchemyTransaction
+
+    clock = FrozenClock()
+    inserted, locked = asyncio.Event(), asyncio.Event()
+    attempts: list[str | None] = []
+    engine = async_engine()
+
+    async def run(store: AsyncPostgresStore) -> Any:
+        async with AsyncSession(engine) as session:
+
+            async def charge(attempt: AsyncAttempt) -> Response:
+                attempts.append(attempt.recovery_point)
+                await session.execute(
+                    sqlalchemy.text(insert(table_name).replace("%s", ":note")),
+                    {"note": f"try {len(attempts)}"},
+                )
+                if len(attempts) == 1:
+                    inserted.set()
+                    await locked.wait()
+                await attempt.commit_phase("payment_created")
+                return CREATED
+
+            idem = AsyncIdempotency(store, POLICY, clock=clock)
+            return await idem.run(intent(), charge, transaction=AsyncSQLAlchemyTransaction(session))
+
+    with tables(table_name):
+        store = AsyncPostgresStore(POSTGRES_URL, table=table_name, max_size=1, clock="caller")
+        try:
+            async with (
+                await psycopg.AsyncConnection.connect(POSTGRES_URL) as locker,
+                await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as watcher,
+            ):
+                task = asyncio.create_task(run(store))
+                await inserted.wait()
+                await locker.execute(f"SELECT 1 FROM {table_name} FOR UPDATE")
+                locked.set()
+                checkpoint = f"%UPDATE {table_name} %"  # the checkpoint, inside its fence
+                await waiting_on_a_lock(watcher, checkpoint)
+                task.cancel()
+                await waiting_on_a_lock(watcher, checkpoint, waiting=False)
+                await locker.rollback()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            left = await store.get("alice", "k-1")
+            with pytest.raises(InProgress):
+                await run(store)
+            clock.advance(POLICY.stale_seconds + 1)
+            assert len(await async_sweep_away(store, clock())) == 1
+            retry = await run(store)
+        finally:
+            await store.close()
+            await engine.dispose()
+        rows = business_rows(table_name)
+
+    assert left is not None
+    assert (left.state, left.recovery_point) == (State.IN_PROGRESS, None)
+    assert retry.response == CREATED
+    assert attempts == [None, None]
+    assert rows == ["try 2"]

@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..stores.protocol import Transaction, CommitFailed, Statement
+from ..stores.protocol import Transaction, CommitFailed, NotFused, Statement
 
 __all__ = [
     "CommitAfter",
@@ -139,7 +139,10 @@ def execute_and_commit(
     fused = getattr(transaction, "execute_and_commit", None)
     if fused is None:
         return _execute_then_commit(transaction, statement, params, begin)
-    changed: int = fused(statement, params, begin=begin)
+    try:
+        changed: int = fused(statement, params, begin=begin)
+    except NotFused:
+        return _execute_then_commit(transaction, statement, params, begin)
     return changed
 
 
@@ -186,6 +189,9 @@ class CommitAfter:
             return self._transaction.execute(statement, params)
         try:
             changed: int = self._fused(statement, params, begin=self._begin)
+        except NotFused:  # nothing sent: the write alone, finish() commits
+            self._fused = None
+            return self._transaction.execute(statement, params)
         except CommitFailed as failed:
             self._committed, self._error = True, failed.__cause__
             self._on_commit()
@@ -233,6 +239,16 @@ def _psycopg_mapping(statement: Statement, cursor: Any, row: Sequence[Any]) -> M
     return dict(zip(names, row, strict=True))
 
 
+def _as_sqlalchemy_error(error: BaseException | None) -> BaseException | None:
+    """psycopg's ``error`` as SQLAlchemy raises it (``IntegrityError`` …, with ``orig``)."""
+    import psycopg
+    from sqlalchemy.exc import DBAPIError
+
+    if not isinstance(error, psycopg.Error):
+        return error
+    return DBAPIError.instance(None, None, error, psycopg.Error)
+
+
 @functools.lru_cache(maxsize=64)
 def _text(named: str) -> Any:
     from sqlalchemy import text
@@ -263,6 +279,82 @@ class SQLAlchemyTransaction:
 
     def commit(self) -> None:
         self.connection.commit()
+
+    def execute_and_commit(
+        self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
+    ) -> int:
+        """The fenced write and its COMMIT in one round trip, on PostgreSQL through psycopg 3.
+
+        Sent as :class:`PsycopgTransaction` sends them, on the psycopg
+        connection under SQLAlchemy's (one pipeline: the write raises on the
+        server when it matched no row, and the server then skips the COMMIT),
+        after a session's pending changes are flushed; then SQLAlchemy ends its
+        transaction as always (its COMMIT finds the transaction over: psycopg
+        sends nothing). psycopg's errors come out as SQLAlchemy's. The next
+        BEGIN is left to SQLAlchemy (psycopg sends it with the next statement):
+        sent with the COMMIT, SQLAlchemy's own COMMIT would end it.
+
+        Everywhere else :class:`~idemflow.stores.protocol.NotFused`, before
+        anything is sent (the write goes alone, then :meth:`commit`, as
+        always): SQLite, MySQL/MariaDB, psycopg2, a savepoint open
+        (``begin_nested``), a session with ``before_commit`` listeners (they
+        run before the COMMIT), a connection whose statements are listened to
+        or echoed, autocommit.
+        """
+        driver = self._psycopg_connection()
+        if driver is None:
+            raise NotFused
+        import psycopg
+
+        try:
+            changed = PsycopgTransaction(driver).execute_and_commit(statement, params)
+        except CommitFailed as failed:
+            raise CommitFailed from _as_sqlalchemy_error(failed.__cause__)
+        except psycopg.Error as exc:
+            raise _as_sqlalchemy_error(exc) or exc from exc
+        if changed != 1:
+            return changed  # the fence: nothing committed, the transaction open and failed
+        try:
+            self.connection.commit()  # SQLAlchemy's end of it: nothing left to send
+            if begin:
+                self.begin()
+        except Exception as exc:
+            raise CommitFailed from exc
+        return changed
+
+    def _psycopg_connection(self) -> Any:
+        """psycopg 3's connection, when a write and the COMMIT after it may travel together.
+
+        A session's pending changes are flushed first: its COMMIT would flush them after.
+        """
+        holder = self.connection
+        if holder.in_nested_transaction():
+            return None
+        session = hasattr(holder, "flush")
+        if session:
+            if getattr(holder, "sync_session", holder).dispatch.before_commit:
+                return None
+            bound = holder.connection()
+        else:
+            bound = holder
+        sync = getattr(bound, "sync_connection", bound)  # an Connection's Connection
+        dialect, dispatch = sync.dialect, sync.dispatch
+        if (
+            dialect.name != "postgresql"
+            or dialect.driver not in ("psycopg", "psycopg_async")
+            or sync.invalidated
+            or sync.engine.echo
+            or dispatch.before_cursor_execute
+            or dispatch.after_cursor_execute
+            or dispatch.commit
+        ):
+            return None
+        driver = sync.connection.driver_connection
+        if driver.autocommit:
+            return None
+        if session:
+            holder.flush()
+        return driver
 
     def rollback(self) -> None:
         active = self.connection.in_transaction()

@@ -21,8 +21,10 @@ uses them where both sides offer them and the plain protocol everywhere else
 
 - a transaction with ``execute_and_commit`` (:class:`CommittingTransaction`)
   sends a fenced write together with the ``COMMIT`` that ends its phase (the
-  psycopg adapters: one pipeline, one round trip, in which a write that
-  matched no row raises on the server, so the ``COMMIT`` never runs);
+  psycopg adapters, and Django's and SQLAlchemy's on psycopg 3: one pipeline,
+  one round trip, in which a write that matched no row raises on the server,
+  so the ``COMMIT`` never runs); one that cannot at the moment (a savepoint
+  open, another database) raises :class:`NotFused` before it sends anything;
 - a store that declares ``claims_on_lent_connections`` has
   ``claim_on_lent(intent, lease_token, now, expires_at, lender)`` for
   two-commit mode: the claim commits on its own, on the connection the
@@ -50,6 +52,7 @@ __all__ = [
     "CommittingTransaction",
     "LendingTransaction",
     "MaintainableStore",
+    "NotFused",
     "ObservableStore",
     "OperableStore",
     "Statement",
@@ -130,6 +133,16 @@ class CommitFailed(Exception):
     """
 
 
+class NotFused(Exception):
+    """Raised by ``execute_and_commit`` before it sent anything: not together, this time.
+
+    The transaction cannot send this write with its COMMIT now (Django's or
+    SQLAlchemy's on another database than PostgreSQL, in a savepoint, …): the
+    caller sends the write alone and commits after it, as for a transaction
+    without ``execute_and_commit``.
+    """
+
+
 class CommittingTransaction(Transaction, Protocol):
     """Optional: a transaction that sends a fenced write and its COMMIT in one round trip."""
 
@@ -140,7 +153,8 @@ class CommittingTransaction(Transaction, Protocol):
 
         Returns the rows the write changed. Anything but 1 commits nothing
         and leaves the transaction open, to be rolled back. Raises
-        :class:`CommitFailed` when the write went through and the COMMIT did not.
+        :class:`CommitFailed` when the write went through and the COMMIT did not,
+        :class:`NotFused` (having sent nothing) when they cannot travel together.
         """
 
 

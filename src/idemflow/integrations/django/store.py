@@ -38,7 +38,7 @@ from django.db.utils import InterfaceError, OperationalError
 from ..._errors import ConfigurationError
 from ..._model import Claim, Intent, Record, Response, State
 from ...stores import mysql, postgres, sqlite
-from ...stores.protocol import Statement, Transaction
+from ...stores.protocol import CommitFailed, NotFused, Statement, Transaction
 from ...stores.sql import Dialect, SQLStore, check_clock
 
 __all__ = ["DjangoStore", "DjangoTransaction", "dialect_for"]
@@ -349,6 +349,23 @@ class _Rollback(Exception):
     """Passed to ``Atomic.__exit__`` to make it roll back."""
 
 
+def _is_psycopg3(raw: Any) -> bool:
+    """Is ``raw`` a psycopg 3 connection (not psycopg2's)?"""
+    return type(raw).__module__.split(".", 1)[0] == "psycopg"
+
+
+def _as_django_error(conn: Any, error: BaseException | None) -> BaseException | None:
+    """``error`` (psycopg's) as Django's wrapper of it, as a cursor or ``commit()`` raises it."""
+    if error is None:
+        return None
+    try:
+        with conn.wrap_database_errors:
+            raise error
+    except Exception as wrapped:  # noqa: BLE001 -- what the wrapper made of it
+        return wrapped
+    return error  # pragma: no cover -- the block above always raises
+
+
 class DjangoTransaction:
     """The view's ``transaction.atomic()`` on ``connections[using]``, as the driver needs it.
 
@@ -429,6 +446,48 @@ class DjangoTransaction:
                 return None
             return {column[0]: value for column, value in zip(cursor.description, row, strict=True)}
 
+    def execute_and_commit(
+        self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
+    ) -> int:
+        """The fenced write and its COMMIT in one round trip, on PostgreSQL through psycopg 3.
+
+        Sent as :class:`~idemflow.transactions.PsycopgTransaction` sends them, on
+        the psycopg connection under Django's (one pipeline: the write raises on
+        the server when it matched no row, and the server then skips the COMMIT);
+        then Django ends its ``atomic`` block as always (its ``commit()`` finds
+        the transaction over and sends nothing; the ``on_commit`` callbacks run).
+        The next BEGIN is left to Django (psycopg sends it with the next
+        statement): sent with the COMMIT, Django's own COMMIT would end it.
+
+        Everywhere else :class:`~idemflow.stores.protocol.NotFused`, before
+        anything is sent (the write goes alone, then :meth:`commit`, as
+        always): SQLite, MySQL/MariaDB, psycopg2, a savepoint in an enclosing
+        atomic block (its COMMIT is the enclosing transaction's), a transaction
+        Django marked for rollback (its cursor refuses the write), and a
+        connection Django instruments (execute wrappers, ``DEBUG``'s query log:
+        they see every statement).
+        """
+        raw = self._psycopg_connection()
+        if raw is None:
+            raise NotFused
+        from ...transactions import PsycopgTransaction
+
+        conn = self._conn
+        try:
+            with conn.wrap_database_errors:  # psycopg's errors as Django's cursors raise them
+                changed = PsycopgTransaction(raw).execute_and_commit(statement, params)
+        except CommitFailed as failed:
+            raise CommitFailed from _as_django_error(conn, failed.__cause__)
+        if changed != 1:
+            return changed  # the fence: nothing committed, the transaction open and failed
+        try:
+            self.commit()  # the atomic block's end: no COMMIT left to send, on_commit runs
+            if begin:
+                self.begin()
+        except Exception as exc:
+            raise CommitFailed from exc
+        return changed
+
     def commit(self) -> None:
         atomic, self._atomic = self._atomic, None
         if atomic is None:
@@ -442,6 +501,30 @@ class DjangoTransaction:
         atomic.__exit__(_Rollback, _Rollback(), None)
         if self._nested:
             self._detached = True
+
+    def _psycopg_connection(self) -> Any:
+        """psycopg 3's connection, when a write and the COMMIT after it may travel together.
+
+        Only while this transaction is Django's one outermost ``atomic`` block
+        on PostgreSQL, in a transaction Django has not marked for rollback, and
+        with nothing of Django's watching the connection's statements.
+        """
+        conn = self._conn
+        if (
+            self._detached
+            or self._nested
+            or self._atomic is None
+            or conn is None
+            or conn.vendor != "postgresql"
+            or conn.connection is None
+            or conn.needs_rollback
+            or conn.execute_wrappers
+            or conn.queries_logged
+            or conn.atomic_blocks != [self._atomic]
+        ):
+            return None
+        raw = conn.connection
+        return raw if _is_psycopg3(raw) and not raw.autocommit else None
 
     @contextmanager
     def _cursor(self) -> Iterator[Any]:

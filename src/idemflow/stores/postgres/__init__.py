@@ -156,10 +156,15 @@ def is_lock_timeout(exc: BaseException) -> bool:
 
 
 def is_unavailable(exc: BaseException) -> bool:
-    """Connection refused or lost, pool exhausted: not a bug, an outage (fail closed)."""
+    """Connection refused or lost, pool exhausted: not a bug, an outage (fail closed).
+
+    Raised by psycopg directly or wrapped by SQLAlchemy (``.orig``), as the
+    caller's transaction adapters raise it.
+    """
     import psycopg
 
-    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+    original = getattr(exc, "orig", None) or exc
+    return isinstance(original, psycopg.OperationalError | psycopg.InterfaceError)
 
 
 def _claims_alone_on(connection: Any) -> bool:
