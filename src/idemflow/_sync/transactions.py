@@ -61,19 +61,33 @@ class PsycopgTransaction:
         open, failed, for the driver to roll back. The write is prepared as
         any statement psycopg runs often (its plan cached per connection, its
         row found by id whatever the plan: see ``_owned_by_caller``). Without
-        pipeline support in libpq: the write, then ``commit()``.
+        pipeline support in libpq: the write, then ``commit()``. On a
+        connection whose cursors bind values on the client (a ``ClientCursor``
+        factory, as Django's): one simple query of the same statements, which
+        the server stops at the same error (nothing is prepared there anyway).
         """
         import psycopg
 
-        if not _pipelines_supported():
-            return _execute_then_commit(self, statement, params, begin)
         connection = self.connection
+        on_client = issubclass(connection.cursor_factory, psycopg.ClientCursor)
+        if not on_client and not _pipelines_supported():
+            return _execute_then_commit(self, statement, params, begin)
         try:
-            with connection.pipeline():
-                connection.execute(_fenced(statement.pyformat), statement.bind(params))
-                connection.execute("COMMIT")
-                if begin:
-                    connection.execute("BEGIN")
+            if on_client:
+                # Values bound on the client (Django's cursors): one simple query, whose
+                # execution the server abandons at its first error, as it skips the rest
+                # of a pipeline. No pipeline machinery: it costs this client no more
+                # than the write alone.
+                ending = "; COMMIT; BEGIN" if begin else "; COMMIT"
+                connection.execute(
+                    _fenced(statement.pyformat) + ending, statement.bind(params)
+                )
+            else:
+                with connection.pipeline():
+                    connection.execute(_fenced(statement.pyformat), statement.bind(params))
+                    connection.execute("COMMIT")
+                    if begin:
+                        connection.execute("BEGIN")
         except psycopg.Error as exc:
             if getattr(exc, "sqlstate", None) == "22P02" and _NO_ROW in str(exc):
                 return 0  # the fence: nothing committed, the transaction failed and open
