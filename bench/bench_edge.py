@@ -10,7 +10,10 @@ Run::
 Each target's app is called in this process, without a server or a socket to
 the client: ``starlette`` is ``bench/_minimal_app.py`` (``IdempotencyMiddleware``
 on the memory store, so only idemflow's Python and Starlette's are left),
-called as ASGI; ``flask`` and ``django`` are the example shops of
+called as ASGI; ``starlette-redis`` and ``starlette-postgres`` are the same app
+on the shared Redis (a key prefix of its own) and PostgreSQL (a schema of its
+own): the driver's client side counts too, not the system calls nor the
+server's work; ``flask`` and ``django`` are the example shops of
 ``bench/bench_frameworks.py`` on a PostgreSQL database of their own, called as
 WSGI (their client side: the framework, idemflow, the driver; not the server's
 work). Each path is run under ``valgrind --tool=callgrind`` twice, with
@@ -45,20 +48,51 @@ ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("unprotected", "protected", "replay")
 WARMUP = 10
 JSON_BODY = b'{"amount":1000,"currency":"EUR","customer":"ada"}'
+REDIS_URL = os.environ.get("IDEMFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+#: The Starlette targets: the minimal app on each store.
+STARLETTE = {"starlette": "memory", "starlette-redis": "redis", "starlette-postgres": "postgres"}
 
 
 # --- one measured process --------------------------------------------------------------
 
 
-def starlette_caller() -> dict[str, Callable[[], int]]:
-    """The minimal app on the memory store, called as ASGI: path -> one request."""
-    import bench._minimal_app as minimal
-    from idemflow.stores.memory import AsyncMemoryStore
+def starlette_caller(store: str = "memory") -> dict[str, Callable[[], int]]:
+    """The minimal app on ``store``, called as ASGI: path -> one request.
 
-    minimal._store = AsyncMemoryStore  # type: ignore[assignment]
-    minimal.KIND = "memory"  # nothing to migrate
-    app = minimal.make_app()
+    ``memory``: only idemflow's Python and Starlette's are left. ``redis`` and
+    ``postgres``: the real store on the shared server (a key prefix or a schema
+    of this process's own), so the driver's client side counts too (what
+    ``bench_middleware`` reads as the app server's CPU, without the socket's
+    system calls).
+    """
+    if store == "postgres":
+        from bench.bench_http import postgres_schema
+
+        schema = postgres_schema()
+        os.environ["BENCH_URL"] = schema.__enter__()
+        atexit.register(schema.__exit__, None, None, None)
+    elif store == "redis":
+        prefix = f"bench-edge:{uuid.uuid4().hex[:8]}:"
+        os.environ["BENCH_URL"] = REDIS_URL
+        os.environ["BENCH_PREFIX"] = prefix
+        atexit.register(_forget_redis, prefix)
+    if store != "memory":
+        os.environ["BENCH_STORE"] = store
+    import bench._minimal_app as minimal
+
+    if store == "memory":
+        from idemflow.stores.memory import AsyncMemoryStore
+
+        minimal._store = AsyncMemoryStore  # type: ignore[assignment]
+        minimal.KIND = "memory"  # nothing to migrate
+        app = minimal.make_app()
+    else:
+        app = minimal.app  # made on import, from the environment above
     loop = asyncio.new_event_loop()
+    if store != "memory":
+        atexit.register(_stop, loop)  # before the schema or the keys go (atexit: last in, first)
+    if store == "postgres":
+        loop.run_until_complete(_start(app))
 
     async def call(path: str, key: str | None) -> int:
         headers = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")]
@@ -103,6 +137,39 @@ def starlette_caller() -> dict[str, Callable[[], int]]:
         "protected": lambda: loop.run_until_complete(call("/things", f"edge-{uuid.uuid4().hex}")),
         "replay": lambda: loop.run_until_complete(call("/things", replay)),
     }
+
+
+async def _start(app: Any) -> None:
+    """Run the app's lifespan startup (the store's migrate); its task stays parked after."""
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    await inbox.put({"type": "lifespan.startup"})
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    _LIFESPANS.append(asyncio.ensure_future(app(scope, inbox.get, outbox.put)))
+    answer = await outbox.get()
+    assert answer["type"] == "lifespan.startup.complete", answer
+
+
+_LIFESPANS: list[asyncio.Future[Any]] = []
+
+
+def _stop(loop: asyncio.AbstractEventLoop) -> None:
+    """End the lifespan and the pool's tasks quietly, then the loop."""
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.wait(pending))
+    loop.close()
+
+
+def _forget_redis(prefix: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(match=prefix + "*", count=1000):
+        client.delete(key)
+    client.close()
 
 
 def wsgi_caller(target: str) -> dict[str, Callable[[], int]]:
@@ -180,7 +247,8 @@ def wsgi_caller(target: str) -> dict[str, Callable[[], int]]:
 
 def run(target: str, path: str, count: int, warmup: int = WARMUP) -> None:
     """Warm every path, then send ``count`` requests on ``path`` (what valgrind counts)."""
-    calls = starlette_caller() if target == "starlette" else wsgi_caller(target)
+    store = STARLETTE.get(target)
+    calls = starlette_caller(store) if store is not None else wsgi_caller(target)
     calls["replay"]()  # the replayed key's first execution
     for _ in range(warmup):
         for call in calls.values():

@@ -424,6 +424,8 @@ class RawRedis:
         return op
 
     def replay(self, keys: ReplayKeys) -> Op:
+        from idemflow.stores.redis._scripts import RECORD_FIELDS
+
         quarantine = self.store.quarantine
 
         def op() -> None:
@@ -431,15 +433,30 @@ class RawRedis:
             target = self.layout.claim_keys(PRINCIPAL, key)
             args = self.layout.claim_args(intent(key), lease(), now, now + RETENTION, quarantine)
             reply = self.client.evalsha(self.sha["claim"], len(target), *target, *args)
-            fields = dict(zip(reply[1::2], reply[2::2], strict=True))
-            if reply[0] != b"held" or fields[b"fingerprint"] != FINGERPRINT.encode():
+            fields = dict(zip(RECORD_FIELDS, _unpacked(reply[1]), strict=True))
+            if reply[0] != b"held" or fields["fingerprint"] != FINGERPRINT.encode():
                 raise AssertionError("expected a held record")
-            if fields[b"state"] != b"completed":
+            if fields["state"] != b"completed":
                 raise AssertionError("expected a completed record")
-            json.loads(fields[b"response_headers"])
-            bytes(fields[b"response_body"])
+            json.loads(fields["response_headers"])
+            bytes(fields["response_body"])
 
         return op
+
+
+def _unpacked(packed: bytes) -> list[bytes | None]:
+    """The claim reply's record fields ('<length>:<value>' each, '-' when absent)."""
+    values: list[bytes | None] = []
+    at = 0
+    while at < len(packed):
+        if packed[at : at + 1] == b"-":
+            values.append(None)
+            at += 1
+            continue
+        colon = packed.index(b":", at)
+        at = colon + 1 + int(packed[at:colon])
+        values.append(packed[colon + 1 : at])
+    return values
 
 
 def _redis_record(token: str, key: str, now: float) -> Any:

@@ -550,6 +550,26 @@ def test_replay_is_one_round_trip(store: RedisStore) -> None:
     counting.close()
 
 
+def test_a_claim_answers_a_held_record_in_two_reply_elements(store: RedisStore) -> None:
+    """The claim packs the record it lost to into one string: every field comes back as
+    stored (a body holding the packing's ':' and '-', absent fields absent), and the reply
+    is two elements however many fields the record has (each costs the client Python)."""
+    idem = Idempotency(store, POLICY)
+    body = b"-1:x:-\x00\xff" * 3
+    stored = Response(201, body, (("content-type", "application/json"), ("location", "/p/1")))
+    idem.run(intent("packed"), lambda attempt: stored)
+    keys = store.layout.claim_keys("alice", "packed")
+    args = store.layout.claim_args(intent("packed"), "another-token", time.time(), time.time() + 60)
+    reply = store.client.evalsha(store._shas["claim"], len(keys), *keys, *args)
+
+    assert [len(reply), reply[0]] == [2, b"held"]
+    fields = store.client.hgetall(store.layout.record_key("alice", "packed"))
+    held = store.claim(intent("packed"), "another-token", time.time(), time.time() + 60).record
+    assert held == record_from_hash([item for pair in fields.items() for item in pair])
+    assert held.response == stored
+    assert (held.recovery_point, held.correlation_id) == (None, None)
+
+
 def test_a_server_that_lost_its_scripts_gets_them_again(tmp_path: Path) -> None:
     """After SCRIPT FLUSH (or a restart) the first call reloads the script and still decides."""
     with own_redis_server(tmp_path) as (_, url):
