@@ -444,9 +444,9 @@ class RawRedis:
         return op
 
 
-def _unpacked(packed: bytes) -> list[bytes | None]:
+def _unpacked(packed: bytes) -> list[Any]:
     """The claim reply's record fields ('<length>:<value>' each, '-' when absent)."""
-    values: list[bytes | None] = []
+    values: list[Any] = []  # bytes, or None when absent
     at = 0
     while at < len(packed):
         if packed[at : at + 1] == b"-":
