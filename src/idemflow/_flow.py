@@ -37,6 +37,7 @@ from ._model import (
     Response,
     State,
     Verdict,
+    make_outcome,
     retry_after,
     swept_within,
 )
@@ -44,7 +45,7 @@ from ._model import (
 __all__ = ["Step", "dispatch", "idempotency_flow"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ClaimKey:
     """One atomic statement: insert ``in_progress``, or take over an expired or released record."""
 
@@ -53,21 +54,21 @@ class ClaimKey:
     retention: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CommitClaim:
     """Commit the claim before the operation runs (single-commit mode, resuming past a phase)."""
 
     record: Record
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Execute:
     """Run the operation; in transactional mode, inside the caller's open transaction."""
 
     record: Record
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Complete:
     """Store the settled outcome with a compare-and-swap on the lease, then commit.
 
@@ -80,14 +81,14 @@ class Complete:
     retention: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Release:
     """Roll back and give the key back (if the claim is committed), so the next retry runs."""
 
     record: Record
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PhaseCommitted:
     """Ask the driver whether this run's operation went past a committed phase: a bool.
 
@@ -126,70 +127,60 @@ def idempotency_flow(
     first commit. ``clock`` dates a 409's ``Retry-After`` (see
     :func:`idemflow._model.retry_after`).
     """
+    # One generator, not one delegating to another: every step crosses one frame.
     try:
-        return (yield from _protocol(intent, policy, lease_token, atomic, single_commit, clock))
+        claim: Claim = yield ClaimKey(intent, lease_token, policy.retention_seconds)
+        if not claim.owned:
+            return dispatch(claim.record, intent, policy, clock())
+        record = claim.record
+        if single_commit and record.recovery_point is not None:
+            # Resuming past a committed phase, the operation's next step may be an
+            # external call: a crash that rolled the take-over back would leave the
+            # intent released, and a retry would resume (and call) a second time.
+            yield CommitClaim(record)
+        try:
+            response: Response = yield Execute(record)
+        except BaseException as exc:
+            if (yield from _outcome_unknown(exc, record, single_commit)):
+                # The external call may have happened and nobody can say: releasing would
+                # let a retry resume and make it again. The key stays claimed (the driver
+                # rolls back what is still open) for the sweeper's reconciler.
+                if isinstance(exc, OutcomeUnknown):
+                    exc.retry_after = max(exc.retry_after, swept_within(policy))
+                raise
+            # The operation failed (or was cancelled) before it answered: nothing
+            # settled. Give the key back and let its own exception through unchanged.
+            if isinstance(exc, OutcomeUnknown):
+                exc.retry_after = max(exc.retry_after, policy.retry_after)
+            yield Release(record)
+            raise
+        verdict = policy.verdict(response)
+        if verdict is Verdict.TRANSIENT:
+            yield Release(record)  # a 503 must not poison the key
+            return make_outcome(response, False, record)
+        try:
+            yield Complete(record, verdict.value, response, policy.retention_seconds)
+        except LeaseLost:
+            raise  # the key is someone else's now: nothing of ours to release
+        except BaseException as exc:
+            if atomic and not (yield from _past_a_committed_phase(record)):
+                # The completion did not commit (or we cannot tell), and the effect
+                # rolled back with it: nothing settled. The release is fenced by our
+                # lease and in_progress, so it changes nothing if the commit did happen.
+                yield Release(record)
+                raise
+            if isinstance(exc, StoreUnavailable):
+                # The effect happened, or its part past a committed phase may have
+                # (an external call): only its record is missing. Releasing would run
+                # it again: the key stays claimed for the sweeper's reconciler.
+                raise StoreUnavailable(_UNRECORDED, retry_after=exc.retry_after) from exc
+            raise
+        return make_outcome(response, False, record)
     except InProgress as busy:
         # A 409 raised without the record to date it (the store's lock wait on
         # an uncommitted claim, a lease lost): the policy's floor still holds.
         busy.retry_after = max(busy.retry_after, policy.retry_after)
         raise
-
-
-def _protocol(
-    intent: Intent,
-    policy: Policy,
-    lease_token: str,
-    atomic: bool,
-    single_commit: bool,
-    clock: Clock,
-) -> Flow:
-    claim: Claim = yield ClaimKey(intent, lease_token, policy.retention_seconds)
-    if not claim.owned:
-        return dispatch(claim.record, intent, policy, clock())
-    record = claim.record
-    if single_commit and record.recovery_point is not None:
-        # Resuming past a committed phase, the operation's next step may be an
-        # external call: a crash that rolled the take-over back would leave the
-        # intent released, and a retry would resume (and call) a second time.
-        yield CommitClaim(record)
-    try:
-        response: Response = yield Execute(record)
-    except BaseException as exc:
-        if (yield from _outcome_unknown(exc, record, single_commit)):
-            # The external call may have happened and nobody can say: releasing would
-            # let a retry resume and make it again. The key stays claimed (the driver
-            # rolls back what is still open) for the sweeper's reconciler.
-            if isinstance(exc, OutcomeUnknown):
-                exc.retry_after = max(exc.retry_after, swept_within(policy))
-            raise
-        # The operation failed (or was cancelled) before it answered: nothing
-        # settled. Give the key back and let its own exception through unchanged.
-        if isinstance(exc, OutcomeUnknown):
-            exc.retry_after = max(exc.retry_after, policy.retry_after)
-        yield Release(record)
-        raise
-    verdict = policy.verdict(response)
-    if verdict is Verdict.TRANSIENT:
-        yield Release(record)  # a 503 must not poison the key
-        return Outcome(response, replayed=False, record=record)
-    try:
-        yield Complete(record, verdict.value, response, policy.retention_seconds)
-    except LeaseLost:
-        raise  # the key is someone else's now: nothing of ours to release
-    except BaseException as exc:
-        if atomic and not (yield from _past_a_committed_phase(record)):
-            # The completion did not commit (or we cannot tell), and the effect
-            # rolled back with it: nothing settled. The release is fenced by our
-            # lease and in_progress, so it changes nothing if the commit did happen.
-            yield Release(record)
-            raise
-        if isinstance(exc, StoreUnavailable):
-            # The effect happened, or its part past a committed phase may have
-            # (an external call): only its record is missing. Releasing would run
-            # it again: the key stays claimed for the sweeper's reconciler.
-            raise StoreUnavailable(_UNRECORDED, retry_after=exc.retry_after) from exc
-        raise
-    return Outcome(response, replayed=False, record=record)
 
 
 def _outcome_unknown(
@@ -251,8 +242,9 @@ def dispatch(record: Record, intent: Intent, policy: Policy, now: float) -> Outc
             f"(endpoint {record.endpoint or 'unknown'}); use a new key for a new request"
         )
         raise KeyReused(msg)
-    if record.state.is_settled and record.response is not None:
-        return Outcome(record.response, replayed=True, record=record)
+    state, response = record.state, record.response
+    if (state is State.COMPLETED or state is State.FAILED_PERMANENT) and response is not None:
+        return make_outcome(response, True, record)
     raise InProgress(_BUSY[record.state], retry_after=retry_after(record, policy, now))
 
 

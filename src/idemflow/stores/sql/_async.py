@@ -50,6 +50,11 @@ __all__ = ["AsyncSQLStore"]
 
 _Row: TypeAlias = Mapping[str, Any] | None
 _Fetch: TypeAlias = Callable[[SQLStatement, Mapping[str, Any]], Awaitable[_Row]]
+_Bind: TypeAlias = Callable[[Mapping[str, Any]], Any] | None
+#: The claim's first statement (text, binder: None to send the parameters as
+#: built), the read's, and whether the first is the dialect's claim_or_read
+#: (see AsyncSQLStore._claim_on).
+_ClaimPlan: TypeAlias = tuple[str, _Bind, str, _Bind, bool]
 
 
 class AsyncSQLStore(AsyncSQLObservable):
@@ -116,6 +121,7 @@ class AsyncSQLStore(AsyncSQLObservable):
         self._names: dict[str, tuple[str, ...]] = {}
         # Where each record statement's result holds the record, per text.
         self._shapes: dict[str, RowShape] = {}
+        self._claim_plan: _ClaimPlan | None = None
 
     @property
     def claims_on_lent_connections(self) -> bool:
@@ -194,33 +200,57 @@ class AsyncSQLStore(AsyncSQLObservable):
         Where the dialect has :attr:`~Dialect.claim_or_read`, the claim and the
         read of a record it lost to are one statement (one round trip for a
         replay); an empty answer (the holder committed after our snapshot, or
-        vanished) is asked again.
+        vanished) is asked again. Flat: the statements' texts and parameters
+        are chosen once per store (:meth:`_prepare_claim`), rows read as tuples.
         """
-        dialect = self.dialect
-        combined = dialect.claim_or_read
+        plan = self._claim_plan or self._prepare_claim()
+        claim_text, claim_bind, read_text, read_bind, combined = plan
+        execute, fetchall, shapes = cursor.execute, cursor.fetchall, self._shapes
         for _ in range(CLAIM_RETRIES):
-            if combined is not None:
-                row, shape = await self._row(cursor, combined, params)
-                if row is None:
+            if combined:
+                await execute(claim_text, params if claim_bind is None else claim_bind(params))
+                rows = await fetchall()
+                if not rows:
                     continue
+                row = rows[0]
+                shape = shapes.get(claim_text) or self._learn_shape(claim_text, cursor)
                 if row[shape.claimed]:
                     return make_claim(True, record_from_values(row, shape.start))
             else:
-                row, shape = await self._row(cursor, dialect.claim, params)
-                if row is not None:
-                    return make_claim(True, record_from_values(row, shape.start))
-                row, shape = await self._row(cursor, dialect.read_for_claim, params)
-                if row is None:
+                await execute(claim_text, params if claim_bind is None else claim_bind(params))
+                rows = await fetchall()
+                if rows:
+                    shape = shapes.get(claim_text) or self._learn_shape(claim_text, cursor)
+                    return make_claim(True, record_from_values(rows[0], shape.start))
+                await execute(read_text, params if read_bind is None else read_bind(params))
+                rows = await fetchall()
+                if not rows:
                     continue
+                row = rows[0]
+                shape = shapes.get(read_text) or self._learn_shape(read_text, cursor)
             record = record_from_values(row, shape.start)
             # On the store's clock (the database's, see on_database_clock): the
             # take-over statement decides again on it, atomically.
             if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
                 return make_claim(False, record)
-            row, shape = await self._row(cursor, dialect.take_over, params)
+            row, shape = await self._row(cursor, self.dialect.take_over, params)
             if row is not None:
                 return make_claim(True, record_from_values(row, shape.start))
         raise claim_unsettled()
+
+    def _prepare_claim(self) -> _ClaimPlan:
+        """The claim's statement texts and how to bind their parameters, once per store."""
+        dialect = self.dialect
+        combined = dialect.claim_or_read
+        first = combined if combined is not None else dialect.claim
+        read = dialect.read_for_claim
+
+        def binder(statement: SQLStatement) -> _Bind:
+            return None if self._extra_params else statement.bind
+
+        plan = (self._text(first), binder(first), self._text(read), binder(read), bool(combined))
+        self._claim_plan = plan
+        return plan
 
     async def _row(
         self, cursor: Any, statement: SQLStatement, params: Mapping[str, Any]

@@ -51,6 +51,11 @@ __all__ = ["SQLStore"]
 
 _Row: TypeAlias = Mapping[str, Any] | None
 _Fetch: TypeAlias = Callable[[SQLStatement, Mapping[str, Any]], _Row]
+_Bind: TypeAlias = Callable[[Mapping[str, Any]], Any] | None
+#: The claim's first statement (text, binder: None to send the parameters as
+#: built), the read's, and whether the first is the dialect's claim_or_read
+#: (see SQLStore._claim_on).
+_ClaimPlan: TypeAlias = tuple[str, _Bind, str, _Bind, bool]
 
 
 class SQLStore(SQLObservable):
@@ -117,6 +122,7 @@ class SQLStore(SQLObservable):
         self._names: dict[str, tuple[str, ...]] = {}
         # Where each record statement's result holds the record, per text.
         self._shapes: dict[str, RowShape] = {}
+        self._claim_plan: _ClaimPlan | None = None
 
     @property
     def claims_on_lent_connections(self) -> bool:
@@ -195,33 +201,57 @@ class SQLStore(SQLObservable):
         Where the dialect has :attr:`~Dialect.claim_or_read`, the claim and the
         read of a record it lost to are one statement (one round trip for a
         replay); an empty answer (the holder committed after our snapshot, or
-        vanished) is asked again.
+        vanished) is asked again. Flat: the statements' texts and parameters
+        are chosen once per store (:meth:`_prepare_claim`), rows read as tuples.
         """
-        dialect = self.dialect
-        combined = dialect.claim_or_read
+        plan = self._claim_plan or self._prepare_claim()
+        claim_text, claim_bind, read_text, read_bind, combined = plan
+        execute, fetchall, shapes = cursor.execute, cursor.fetchall, self._shapes
         for _ in range(CLAIM_RETRIES):
-            if combined is not None:
-                row, shape = self._row(cursor, combined, params)
-                if row is None:
+            if combined:
+                execute(claim_text, params if claim_bind is None else claim_bind(params))
+                rows = fetchall()
+                if not rows:
                     continue
+                row = rows[0]
+                shape = shapes.get(claim_text) or self._learn_shape(claim_text, cursor)
                 if row[shape.claimed]:
                     return make_claim(True, record_from_values(row, shape.start))
             else:
-                row, shape = self._row(cursor, dialect.claim, params)
-                if row is not None:
-                    return make_claim(True, record_from_values(row, shape.start))
-                row, shape = self._row(cursor, dialect.read_for_claim, params)
-                if row is None:
+                execute(claim_text, params if claim_bind is None else claim_bind(params))
+                rows = fetchall()
+                if rows:
+                    shape = shapes.get(claim_text) or self._learn_shape(claim_text, cursor)
+                    return make_claim(True, record_from_values(rows[0], shape.start))
+                execute(read_text, params if read_bind is None else read_bind(params))
+                rows = fetchall()
+                if not rows:
                     continue
+                row = rows[0]
+                shape = shapes.get(read_text) or self._learn_shape(read_text, cursor)
             record = record_from_values(row, shape.start)
             # On the store's clock (the database's, see on_database_clock): the
             # take-over statement decides again on it, atomically.
             if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
                 return make_claim(False, record)
-            row, shape = self._row(cursor, dialect.take_over, params)
+            row, shape = self._row(cursor, self.dialect.take_over, params)
             if row is not None:
                 return make_claim(True, record_from_values(row, shape.start))
         raise claim_unsettled()
+
+    def _prepare_claim(self) -> _ClaimPlan:
+        """The claim's statement texts and how to bind their parameters, once per store."""
+        dialect = self.dialect
+        combined = dialect.claim_or_read
+        first = combined if combined is not None else dialect.claim
+        read = dialect.read_for_claim
+
+        def binder(statement: SQLStatement) -> _Bind:
+            return None if self._extra_params else statement.bind
+
+        plan = (self._text(first), binder(first), self._text(read), binder(read), bool(combined))
+        self._claim_plan = plan
+        return plan
 
     def _row(
         self, cursor: Any, statement: SQLStatement, params: Mapping[str, Any]
