@@ -158,6 +158,7 @@ def intent(key: str) -> Intent:
 
 def claim_params(key: str, lease_token: str, now: float) -> dict[str, Any]:
     """The claim's parameters, exactly as ``idemflow.stores.sql.claim_params`` builds them."""
+    now_ms = int(now * 1000)
     return {
         "principal": PRINCIPAL,
         "key": key,
@@ -165,8 +166,8 @@ def claim_params(key: str, lease_token: str, now: float) -> dict[str, Any]:
         "endpoint": ENDPOINT,
         "lease_token": lease_token,
         "correlation_id": None,
-        "now": int(now * 1000),
-        "began_at": int(now * 1000),
+        "now": now_ms,
+        "began_at": now_ms,
         "expires_at": int((now + RETENTION) * 1000),
     }
 

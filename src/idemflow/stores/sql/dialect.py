@@ -30,11 +30,11 @@ from ..._errors import InProgress
 from ..._model import (
     Intent,
     Record,
+    RecordBuilder,
     Response,
     State,
     headers_from_json,
     headers_to_json,
-    make_record,
     make_response,
 )
 from ..protocol import StoreClock, check_clock
@@ -454,6 +454,7 @@ def take_over_claim(table: str) -> str:
 
 
 def claim_params(intent: Intent, lease_token: str, now: float, expires_at: float) -> dict[str, Any]:
+    now_ms = int(now * 1000)
     return {
         "principal": intent.principal,
         "key": intent.key,
@@ -461,10 +462,10 @@ def claim_params(intent: Intent, lease_token: str, now: float, expires_at: float
         "endpoint": intent.endpoint,
         "lease_token": lease_token,
         "correlation_id": intent.correlation_id,
-        "now": int(now * 1000),
+        "now": now_ms,
         # When the intent begins, if this claim begins it: an identity for
         # downstream keys, on the caller's clock even on the database's.
-        "began_at": int(now * 1000),
+        "began_at": now_ms,
         "expires_at": int(expires_at * 1000),
     }
 
@@ -542,6 +543,7 @@ def row_shape(names: Sequence[str]) -> RowShape | None:
 
 
 _STATES = {state.value: state for state in State}
+_new = object.__new__
 # Stored headers as JSON text → the tuple they decode to (immutable, so shared).
 # Most responses of one endpoint carry the same headers; bounded by a reset.
 _HEADERS: dict[Any, tuple[tuple[str, str], ...]] = {}
@@ -586,19 +588,21 @@ def record_from_values(row: Sequence[Any], start: int) -> Record:
         if type(body) is not bytes:
             body = bytes(body or b"")
         response = make_response(int(status), body, _headers(headers))
-    return make_record(
-        record_id,
-        principal,
-        key,
-        fingerprint,
-        endpoint,
-        _STATES[state],
-        lease_token,
-        created_at / 1000,
-        updated_at / 1000,
-        expires_at / 1000,
-        correlation_id,
-        recovery_point,
-        response,
-        int(attempt),
-    )
+    # make_record's body, inline (the hot path's one record: no 14-argument call).
+    record: Any = _new(RecordBuilder)
+    record.id = record_id
+    record.principal = principal
+    record.key = key
+    record.fingerprint = fingerprint
+    record.endpoint = endpoint
+    record.state = _STATES[state]
+    record.lease_token = lease_token
+    record.created_at = created_at / 1000
+    record.updated_at = updated_at / 1000
+    record.expires_at = expires_at / 1000
+    record.correlation_id = correlation_id
+    record.recovery_point = recovery_point
+    record.response = response
+    record.attempt = int(attempt)
+    record.__class__ = Record
+    return record  # type: ignore[no-any-return]
