@@ -9,8 +9,10 @@ developer's machine and **fails** them under ``CI=true``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import uuid
+from typing import Any
 
 import pytest
 
@@ -40,3 +42,35 @@ def table_name() -> str:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+#: Tests on the clusters the suite starts itself (one per session: per xdist worker).
+_ON_A_CLUSTER = ("galera", "redis-cluster", "valkey-cluster", "test_redis_cluster.py")
+
+
+def _work_unit(nodeid: str) -> str:
+    """What one xdist worker runs whole: a file (its module fixtures, e.g. the framework
+    faults' staged servers, start once), or every test on a self-started cluster (one
+    Galera, one Redis and one Valkey cluster for the run, not one per worker)."""
+    if any(name in nodeid for name in _ON_A_CLUSTER):
+        return "clusters"
+    return nodeid.split("::", 1)[0]
+
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        """``pytest -n N --dist loadfile`` (scripts/test) schedules by :func:`_work_unit`.
+
+        (xdist's ``loadgroup`` marks cannot do it under pytest 9.2: they rename
+        ``item._nodeid``, which pytest no longer reads.)
+        """
+        if config.getvalue("dist") != "loadfile":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ByWorkUnit(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return _work_unit(nodeid)
+
+        return ByWorkUnit(config, log)
