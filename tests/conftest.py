@@ -67,9 +67,9 @@ if importlib.util.find_spec("xdist") is not None:
         """
         if config.getvalue("dist") != "loadfile":
             return None
-        from xdist.scheduler import LoadScopeScheduling
+        from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
-        class ByWorkUnit(LoadScopeScheduling):
+        class ByWorkUnit(LoadScopeScheduling):  # type: ignore[misc]
             def _split_scope(self, nodeid: str) -> str:
                 return _work_unit(nodeid)
 
