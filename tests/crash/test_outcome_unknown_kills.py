@@ -18,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -32,56 +30,28 @@ import httpx
 import pytest
 
 from idemflow import Policy, Response, State
+from tests.servers import serve_on_socket
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(120)]
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = Policy(request_timeout=1)  # as the app's
-STARTUP_SECONDS = 30
 
 
 @contextlib.contextmanager
 def server(url: str, mode: str, log: Path, crash_at: str | None = None) -> Iterator[Any]:
     """uvicorn serving the app on a loopback socket bound here; yields (base URL, process)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    sock.set_inheritable(True)
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    command = [sys.executable, "-m", "uvicorn", "tests.crash.outcome_unknown_app:app"]
-    command += ["--fd", str(sock.fileno()), "--lifespan", "on", "--log-level", "warning"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OU_")}
-    env.update({"OU_DATABASE_URL": url, "OU_MODE": mode})
-    if crash_at is not None:
-        env["OU_CRASH_AT"] = crash_at
-    with log.open("ab") as output:
-        process = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            pass_fds=[sock.fileno()],
-        )
-    try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(base + "/healthz", timeout=2).status_code == 200:
-                    break
-            assert process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)  # polling the server's health, with a deadline
-        yield base, process
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        process.wait(15)
-        sock.close()
+    env = {k: "" for k in os.environ if k.startswith("OU_")}
+    env.update({"OU_DATABASE_URL": url, "OU_MODE": mode, "OU_CRASH_AT": crash_at or ""})
+
+    def command(fd: int) -> list[str]:
+        return [
+            sys.executable, "-m", "uvicorn", "tests.crash.outcome_unknown_app:app",
+            "--fd", str(fd), "--lifespan", "on", "--log-level", "warning",
+        ]  # fmt: skip
+
+    with serve_on_socket(command, log, env=env, cwd=ROOT, backlog=16) as served:
+        yield served
 
 
 def query(url: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:

@@ -18,10 +18,7 @@ sent its 500, so the ASGI middleware wrapped around the whole app sees the excep
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import sqlite3
-import subprocess
 import sys
 import time
 import uuid
@@ -37,12 +34,12 @@ from idemflow.stores.sqlite import SQLiteStore
 from idemflow.sweeper import DidNotHappen, Happened, Sweeper
 from tests.integrations.outcome_unknown_apps import POLICY
 from tests.integrations.test_outcome_unknown import assert_outcome_unknown
+from tests.servers import serve_on_socket
 
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
 APPS = "tests.integrations.outcome_unknown_apps"
-STARTUP_SECONDS = 30
 SERVERS = {
     "flask-wsgi": ("gunicorn", "flask_app", "flask"),
     "django-wsgi": ("gunicorn", "django_wsgi", "django"),
@@ -57,46 +54,23 @@ def server(kind: str, directory: Path) -> Iterator[str]:
     runner, factory, framework = SERVERS[kind]
     pytest.importorskip(framework)
     pytest.importorskip(runner)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    sock.set_inheritable(True)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    if runner == "gunicorn":
-        command = [sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "4"]
-        command += ["--bind", f"fd://{sock.fileno()}", "--no-control-socket"]
-        command += ["--graceful-timeout", "5", f"{APPS}:{factory}()"]
-    else:
-        command = [sys.executable, "-m", "uvicorn", "--factory", f"{APPS}:{factory}"]
-        command += ["--fd", str(sock.fileno()), "--lifespan", "off", "--log-level", "warning"]
+
+    def command(fd: int) -> list[str]:
+        if runner == "gunicorn":
+            return [
+                sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "4",
+                "--bind", f"fd://{fd}", "--no-control-socket", "--graceful-timeout", "5",
+                f"{APPS}:{factory}()",
+            ]  # fmt: skip
+        return [
+            sys.executable, "-m", "uvicorn", "--factory", f"{APPS}:{factory}",
+            "--fd", str(fd), "--lifespan", "off", "--log-level", "warning",
+        ]  # fmt: skip
+
     log = directory / f"{kind}.log"
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env={**os.environ, "OU_APP_DIR": str(directory)},
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            pass_fds=[sock.fileno()],
-        )
-    try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                    break
-            assert process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)  # polling the server's health, with a deadline
+    env = {"OU_APP_DIR": str(directory)}
+    with serve_on_socket(command, log, env=env, cwd=ROOT) as (url, _):
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        sock.close()
 
 
 def charges(directory: Path, key: str) -> int:

@@ -8,10 +8,7 @@ operator would, from the databases.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import sqlite3
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +30,7 @@ from idemflow.stores.sqlite import SQLiteStore
 from tests.conftest import POSTGRES_URL, unreachable
 from tests.http.conftest import assert_problem
 from tests.http.rawhttp import post_chunks, post_declaring, send_partial
+from tests.servers import serve_on_socket
 
 if TYPE_CHECKING:
     from idemflow.stores.postgres import PostgresStore
@@ -40,7 +38,6 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.timeout(120)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-STARTUP_SECONDS = 30
 DEADLINE_SECONDS = 20
 MAX_BODY = 1_048_576  # the example's (the default) body cap
 
@@ -116,61 +113,17 @@ class Served:
 @contextlib.contextmanager
 def gunicorn(env: dict[str, str], log: Path) -> Iterator[str]:
     """gunicorn (gthread, 2 workers × 8 threads) on a socket we bound: no port race."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(256)
-    sock.set_inheritable(True)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    command = [
-        sys.executable,
-        "-m",
-        "gunicorn",
-        "--chdir",
-        str(EXAMPLES),
-        "--worker-class",
-        "gthread",
-        "--workers",
-        "2",
-        "--threads",
-        "8",
-        "--bind",
-        f"fd://{sock.fileno()}",
-        "--no-control-socket",
-        "--graceful-timeout",
-        "5",
-        "wsgi_app:app",
-    ]
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            command,
-            env={**os.environ, **env},
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            pass_fds=[sock.fileno()],
-        )
-    try:
-        _wait_until_healthy(url, process, log)
+
+    def command(fd: int) -> list[str]:
+        return [
+            sys.executable, "-m", "gunicorn", "--chdir", str(EXAMPLES),
+            "--worker-class", "gthread", "--workers", "2", "--threads", "8",
+            "--bind", f"fd://{fd}", "--no-control-socket", "--graceful-timeout", "5",
+            "wsgi_app:app",
+        ]  # fmt: skip
+
+    with serve_on_socket(command, log, env=env, backlog=256) as (url, _):
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        sock.close()
-
-
-def _wait_until_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            break
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                return
-        time.sleep(0.05)  # polling the server's health, with a deadline
-    raise AssertionError(f"gunicorn did not start:\n{log.read_text()}")
 
 
 @pytest.fixture(scope="module")
