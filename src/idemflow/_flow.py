@@ -45,6 +45,10 @@ from ._model import (
 __all__ = ["Step", "dispatch", "idempotency_flow"]
 
 
+# The steps are built on every run, so they are plain slotted dataclasses: a frozen
+# one's __init__ pays an object.__setattr__ per field. Nothing ever changes one.
+
+
 @dataclass(slots=True)
 class ClaimKey:
     """One atomic statement: insert ``in_progress``, or take over an expired or released record."""
