@@ -56,9 +56,19 @@ class ErrorLog(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.ERROR)
         self.records: list[logging.LogRecord] = []
+        self._logged = threading.Condition()
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+        with self._logged:
+            self.records.append(record)
+            self._logged.notify_all()
+
+    def wait_for(self, fragment: str, timeout: float = 10) -> list[str]:
+        """The texts once one holds ``fragment``, or at the timeout: a server logs an
+        application's exception only after its 500 was sent, so after the client has it."""
+        with self._logged:
+            self._logged.wait_for(lambda: any(fragment in text for text in self.texts()), timeout)
+        return self.texts()
 
     def texts(self) -> list[str]:
         return [
