@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -249,69 +249,122 @@ def test_a_lost_lease_at_commit_phase_commits_nothing_of_that_phase(table_name: 
     assert rows == ["phase 1"]
 
 
+#: Writes the attempt's business row: (attempt, note).
+Execute = Callable[[AsyncAttempt, str], Awaitable[Any]]
+#: The handler, given how to write its row.
+Charge = Callable[[AsyncAttempt, Execute], Awaitable[Response]]
+
+
+@contextlib.asynccontextmanager
+async def cancellable(
+    adapter: str, table: str, clock: FrozenClock
+) -> AsyncIterator[tuple[AsyncPostgresStore, Callable[[Charge], Coroutine[Any, Any, Any]], str]]:
+    """(store, run(charge), the checkpoint's statement as a LIKE pattern) of ``adapter``."""
+    if adapter == "psycopg":
+        # Lock waits bounded at 10 s, not 50 ms: the checkpoint waits for the cancel.
+        store = AsyncPostgresStore(
+            POSTGRES_URL, table=table, max_size=2, claim_lock_timeout_ms=10_000, clock="caller"
+        )
+
+        async def psycopg_execute(attempt: AsyncAttempt, note: str) -> Any:
+            return await attempt.connection.execute(insert(table), (note,))
+
+        async def psycopg_run(charge: Charge) -> Any:
+            idem = AsyncIdempotency(store, POLICY, clock=clock)
+            async with async_pooled_transaction(
+                store.pool.connection, AsyncPsycopgTransaction
+            ) as tx:
+                return await idem.run(
+                    intent(), lambda attempt: charge(attempt, psycopg_execute), transaction=tx
+                )
+
+        try:
+            yield store, psycopg_run, "%WITH fenced AS%"
+        finally:
+            await store.close()
+        return
+    import sqlalchemy
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from idemflow.transactions import AsyncSQLAlchemyTransaction
+
+    engine = async_engine()
+    store = AsyncPostgresStore(POSTGRES_URL, table=table, max_size=1, clock="caller")
+
+    async def sqlalchemy_run(charge: Charge) -> Any:
+        async with AsyncSession(engine) as session:
+
+            async def execute(attempt: AsyncAttempt, note: str) -> Any:
+                return await session.execute(
+                    sqlalchemy.text(insert(table).replace("%s", ":note")), {"note": note}
+                )
+
+            idem = AsyncIdempotency(store, POLICY, clock=clock)
+            return await idem.run(
+                intent(),
+                lambda attempt: charge(attempt, execute),
+                transaction=AsyncSQLAlchemyTransaction(session),
+            )
+
+    try:
+        # The checkpoint, inside its fence.
+        yield store, sqlalchemy_run, f"%UPDATE {table} %"
+    finally:
+        await store.close()
+        await engine.dispose()
+
+
 @pytest.mark.anyio
+@pytest.mark.parametrize("adapter", ["psycopg", "sqlalchemy"])
 async def test_cancelled_while_commit_phase_is_in_flight_stays_claimed_and_commits_nothing(
-    table_name: str,
+    table_name: str, adapter: str
 ) -> None:
     """The task is cancelled while ``commit_phase``'s round trip (checkpoint, ``COMMIT``,
-    ``BEGIN``) waits on the server (another session holds the key's row lock). psycopg
-    cancels the statement there, so neither the phase's row nor its recovery point
-    commits; but the request cannot know that its COMMIT did not run: the key stays
-    claimed (a retry gets 409, nothing runs twice) until the sweeper releases it, and the
-    retry then starts over from the beginning."""
+    ``BEGIN``) waits on the server (another session holds the key's row lock), through
+    ``AsyncPsycopgTransaction`` and through ``AsyncSQLAlchemyTransaction`` (checkpoint and
+    COMMIT, on the psycopg connection under SQLAlchemy's). psycopg cancels the statement
+    there, so neither the phase's row nor its recovery point commits; but the request
+    cannot know that its COMMIT did not run: the key stays claimed (a retry gets 409,
+    nothing runs twice) until the sweeper releases it, and the retry then starts over
+    from the beginning."""
     import psycopg
 
     clock = FrozenClock()
     inserted, locked = asyncio.Event(), asyncio.Event()
     attempts: list[str | None] = []
 
-    async def charge(attempt: AsyncAttempt) -> Response:
+    async def charge(attempt: AsyncAttempt, execute: Execute) -> Response:
         attempts.append(attempt.recovery_point)
-        await attempt.connection.execute(insert(table_name), (f"try {len(attempts)}",))
+        await execute(attempt, f"try {len(attempts)}")
         if len(attempts) == 1:
             inserted.set()
             await locked.wait()
         await attempt.commit_phase("payment_created")
         return CREATED
 
-    async def run(store: AsyncPostgresStore) -> Any:
-        idem = AsyncIdempotency(store, POLICY, clock=clock)
-        async with async_pooled_transaction(store.pool.connection, AsyncPsycopgTransaction) as tx:
-            return await idem.run(intent(), charge, transaction=tx)
-
     with tables(table_name):
-        # Lock waits bounded at 10 s, not 50 ms: the checkpoint waits for the cancel.
-        store = AsyncPostgresStore(
-            POSTGRES_URL,
-            table=table_name,
-            max_size=2,
-            claim_lock_timeout_ms=10_000,
-            clock="caller",
-        )
-        try:
+        async with cancellable(adapter, table_name, clock) as (store, run, checkpoint):
             async with (
                 await psycopg.AsyncConnection.connect(POSTGRES_URL) as locker,
                 await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as watcher,
             ):
-                task = asyncio.create_task(run(store))
+                task = asyncio.create_task(run(charge))
                 await inserted.wait()
                 await locker.execute(f"SELECT 1 FROM {table_name} FOR UPDATE")
                 locked.set()
-                await waiting_on_a_lock(watcher, "%WITH fenced AS%")  # the checkpoint
+                await waiting_on_a_lock(watcher, checkpoint)
                 task.cancel()
                 # Once the server cancelled it, free the row: a release would go through.
-                await waiting_on_a_lock(watcher, "%WITH fenced AS%", waiting=False)
+                await waiting_on_a_lock(watcher, checkpoint, waiting=False)
                 await locker.rollback()
                 with pytest.raises(asyncio.CancelledError):
                     await task
             left = await store.get("alice", "k-1")
             with pytest.raises(InProgress):
-                await run(store)
+                await run(charge)
             clock.advance(POLICY.stale_seconds + 1)
             assert len(await async_sweep_away(store, clock())) == 1
-            retry = await run(store)
-        finally:
-            await store.close()
+            retry = await run(charge)
         rows = business_rows(table_name)
 
     assert left is not None
@@ -647,76 +700,3 @@ async def test_async_sqlalchemy_sends_each_fenced_write_with_its_commit(
     assert rows == ["plain+", "paid+"]
     assert plain == UNPROTECTED_TRIPS
     assert protected == plain + FRAMEWORK_ADDED_TRIPS
-
-
-@pytest.mark.anyio
-async def test_async_sqlalchemy_cancelled_while_commit_phase_is_in_flight_commits_nothing(
-    table_name: str,
-) -> None:
-    """The cancellation test above through ``AsyncSQLAlchemyTransaction``: cancelled while
-    its ``commit_phase`` (checkpoint and COMMIT, on the psycopg connection under
-    SQLAlchemy's) waits on the server, neither the phase's row nor its recovery point
-    commits, the key stays claimed until swept, and the retry starts over."""
-    import psycopg
-    import sqlalchemy
-    from sqlalchemy.ext.asyncio import AsyncSession
-
-    from idemflow.transactions import AsyncSQLAlchemyTransaction
-
-    clock = FrozenClock()
-    inserted, locked = asyncio.Event(), asyncio.Event()
-    attempts: list[str | None] = []
-    engine = async_engine()
-
-    async def run(store: AsyncPostgresStore) -> Any:
-        async with AsyncSession(engine) as session:
-
-            async def charge(attempt: AsyncAttempt) -> Response:
-                attempts.append(attempt.recovery_point)
-                await session.execute(
-                    sqlalchemy.text(insert(table_name).replace("%s", ":note")),
-                    {"note": f"try {len(attempts)}"},
-                )
-                if len(attempts) == 1:
-                    inserted.set()
-                    await locked.wait()
-                await attempt.commit_phase("payment_created")
-                return CREATED
-
-            idem = AsyncIdempotency(store, POLICY, clock=clock)
-            return await idem.run(intent(), charge, transaction=AsyncSQLAlchemyTransaction(session))
-
-    with tables(table_name):
-        store = AsyncPostgresStore(POSTGRES_URL, table=table_name, max_size=1, clock="caller")
-        try:
-            async with (
-                await psycopg.AsyncConnection.connect(POSTGRES_URL) as locker,
-                await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as watcher,
-            ):
-                task = asyncio.create_task(run(store))
-                await inserted.wait()
-                await locker.execute(f"SELECT 1 FROM {table_name} FOR UPDATE")
-                locked.set()
-                checkpoint = f"%UPDATE {table_name} %"  # the checkpoint, inside its fence
-                await waiting_on_a_lock(watcher, checkpoint)
-                task.cancel()
-                await waiting_on_a_lock(watcher, checkpoint, waiting=False)
-                await locker.rollback()
-                with pytest.raises(asyncio.CancelledError):
-                    await task
-            left = await store.get("alice", "k-1")
-            with pytest.raises(InProgress):
-                await run(store)
-            clock.advance(POLICY.stale_seconds + 1)
-            assert len(await async_sweep_away(store, clock())) == 1
-            retry = await run(store)
-        finally:
-            await store.close()
-            await engine.dispose()
-        rows = business_rows(table_name)
-
-    assert left is not None
-    assert (left.state, left.recovery_point) == (State.IN_PROGRESS, None)
-    assert retry.response == CREATED
-    assert attempts == [None, None]
-    assert rows == ["try 2"]
