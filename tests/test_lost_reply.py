@@ -190,79 +190,34 @@ def test_a_claim_whose_answer_was_lost_stays_claimed_until_swept_then_runs_once(
     assert ran == [1]
 
 
-@pytest.mark.postgres
-@pytest.mark.parametrize("phase", [False, True], ids=["one-phase", "past-a-phase"])
-def test_a_completion_whose_commit_reply_was_lost_settles_once_and_never_runs_again(
-    phase: bool,
-) -> None:
-    """Two commits on PostgreSQL: the completion travels with its COMMIT in one round trip
-    (a pipeline: ``WITH fenced AS (UPDATE …) SELECT …``, ``COMMIT``, one ``Sync``). The
-    server runs both and the reply is
-    lost. The request cannot know it committed: it answers 503 (with a committed phase
-    behind it, "could not be recorded", the key left to the sweeper). The fenced release
-    it may send changes nothing of a completed record, so effect and record stand once,
-    and every retry replays: the handler never runs a second time."""
-    psycopg = pytest.importorskip("psycopg")
-    from idemflow.edge import pooled_transaction
-    from idemflow.stores.postgres import PostgresStore
-    from idemflow.transactions import PsycopgTransaction
-
-    name = f"lost_{uuid.uuid4().hex[:10]}"
-    ran: list[int] = []
-
-    def charge(attempt: Attempt) -> Response:
-        ran.append(1)
-        attempt.connection.execute(f"INSERT INTO biz_{name} (note) VALUES ('paid')")
-        if phase:
-            attempt.commit_phase("payment_created")
-        return CREATED
-
-    def the_completion(chunk: bytes) -> bool:
-        return b"WITH fenced AS (UPDATE " in chunk and b"response_status" in chunk
-
-    with (
-        psycopg.connect(POSTGRES_URL, autocommit=True) as admin,
-        losing_proxy(_target(POSTGRES_URL, 5432), the_completion) as proxy,
-    ):
-        admin.execute(f"CREATE TABLE biz_{name} (id BIGSERIAL PRIMARY KEY, note TEXT)")
-        url = POSTGRES_URL.replace(":5432/", f":{proxy.port}/")
-        store = PostgresStore(url, table=name, max_size=2, clock="caller")
-        try:
-            store.migrate()
-            idem = Idempotency(store, POLICY, clock=FrozenClock())
-
-            def run() -> Outcome:
-                with pooled_transaction(store.pool.connection, PsycopgTransaction) as tx:
-                    return idem.run(intent("k-lost"), charge, transaction=tx)
-
-            with pytest.raises(StoreUnavailable) as unknown:
-                run()
-            assert proxy.lost.is_set(), "the completion's reply was not the one lost"
-            record = store.get("alice", "k-lost")
-            retries = [run(), run()]
-        finally:
-            store.close()
-            rows = admin.execute(f"SELECT note FROM biz_{name}").fetchall()
-            admin.execute(f"DROP TABLE IF EXISTS {name}, biz_{name}")
-
-    assert ("could not be recorded" in str(unknown.value)) is phase
-    assert record is not None
-    assert record.state is State.COMPLETED  # the COMMIT ran: effect and record together
-    assert [r.replayed for r in retries] == [True, True]
-    assert ran == [1]
-    assert rows == [("paid",)]
-
-
 @contextlib.contextmanager
-def framework_behind(
+def completion_behind(
     name: str, port: int, table: str
-) -> Iterator[tuple[Callable[[], Any], Callable[[Any, str], None]]]:
-    """(a new transaction, write(attempt.connection, sql)) of ``name`` through the proxy."""
+) -> Iterator[tuple[Any, Callable[[], Any], Callable[[Any, str], None]]]:
+    """(the store, a new transaction as a context manager, write(attempt.connection, sql))
+    of ``name``, whose completion travels through the proxy at ``port``: psycopg's
+    ``PsycopgTransaction`` on the store's pool behind it, or Django's or SQLAlchemy's
+    own connection behind it (the claim on it, Django, or on the store's, SQLAlchemy).
+    The caller closes the store."""
+    from idemflow.stores.postgres import PostgresStore
+
+    if name == "psycopg":
+        from idemflow.edge import pooled_transaction
+        from idemflow.transactions import PsycopgTransaction
+
+        url = POSTGRES_URL.replace(":5432/", f":{port}/")
+        store = PostgresStore(url, table=table, max_size=2, clock="caller")
+        yield (
+            store,
+            lambda: pooled_transaction(store.pool.connection, PsycopgTransaction),
+            lambda conn, sql: conn.execute(sql),
+        )
+        return
     if name == "django":
         django_setup = pytest.importorskip("tests.integrations.django_setup")
         from django.db import connections
 
-        from idemflow.integrations.django import DjangoTransaction
+        from idemflow.integrations.django import DjangoStore, DjangoTransaction
 
         alias = django_setup.VENDOR_ALIAS["postgres"]
         django_setup.require(alias)
@@ -275,7 +230,11 @@ def framework_behind(
                 cursor.execute(sql)
 
         try:
-            yield lambda: DjangoTransaction(alias), django_write
+            yield (
+                DjangoStore("postgres", table=table, clock="caller"),
+                lambda: contextlib.nullcontext(DjangoTransaction(alias)),
+                django_write,
+            )
         finally:
             connections[alias] = previous
             proxied.close()
@@ -291,7 +250,8 @@ def framework_behind(
     engine = sqlalchemy.create_engine(url)
     try:
         yield (
-            lambda: SQLAlchemyTransaction(Session(engine)),
+            PostgresStore(POSTGRES_URL, table=table, max_size=1, clock="caller"),
+            lambda: contextlib.nullcontext(SQLAlchemyTransaction(Session(engine))),
             lambda session, sql: session.execute(sqlalchemy.text(sql)),
         )
     finally:
@@ -300,19 +260,21 @@ def framework_behind(
 
 @pytest.mark.postgres
 @pytest.mark.parametrize("phase", [False, True], ids=["one-phase", "past-a-phase"])
-@pytest.mark.parametrize("name", ["django", "sqlalchemy"])
-def test_a_framework_completion_whose_commit_reply_was_lost_settles_once(
+@pytest.mark.parametrize("name", ["psycopg", "django", "sqlalchemy"])
+def test_a_completion_whose_commit_reply_was_lost_settles_once_and_never_runs_again(
     name: str, phase: bool
 ) -> None:
-    """The test above through Django's and SQLAlchemy's adapters on psycopg 3, whose
-    completion travels with its COMMIT too (the framework's own connection through the
-    proxy; the claim on it, Django, or on the store's, SQLAlchemy): the same 503, the
-    record settled once, every retry a replay, the handler run once."""
+    """Two commits on PostgreSQL: the completion travels with its COMMIT in one round trip
+    (a pipeline: ``WITH fenced AS (UPDATE …) SELECT …``, ``COMMIT``, one ``Sync``), through
+    ``PsycopgTransaction`` and through Django's and SQLAlchemy's adapters on psycopg 3. The
+    server runs both and the reply is lost. The request cannot know it committed: it
+    answers 503 (with a committed phase behind it, "could not be recorded", the key left
+    to the sweeper). The fenced release it may send changes nothing of a completed record,
+    so effect and record stand once, and every retry replays: the handler never runs a
+    second time."""
     psycopg = pytest.importorskip("psycopg")
-    from idemflow.integrations.django import DjangoStore
-    from idemflow.stores.postgres import PostgresStore
 
-    name_ = f"lost_{uuid.uuid4().hex[:10]}"
+    table = f"lost_{uuid.uuid4().hex[:10]}"
     ran: list[int] = []
 
     def the_completion(chunk: bytes) -> bool:
@@ -321,27 +283,23 @@ def test_a_framework_completion_whose_commit_reply_was_lost_settles_once(
     with (
         psycopg.connect(POSTGRES_URL, autocommit=True) as admin,
         losing_proxy(_target(POSTGRES_URL, 5432), the_completion) as proxy,
-        framework_behind(name, proxy.port, name_) as (transaction, write),
+        completion_behind(name, proxy.port, table) as (store, transaction, write),
     ):
-        admin.execute(f"CREATE TABLE biz_{name_} (id BIGSERIAL PRIMARY KEY, note TEXT)")
-        store: Any = (
-            DjangoStore("postgres", table=name_, clock="caller")
-            if name == "django"
-            else PostgresStore(POSTGRES_URL, table=name_, max_size=1, clock="caller")
-        )
+        admin.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
         try:
             store.migrate()
             idem = Idempotency(store, POLICY, clock=FrozenClock())
 
             def charge(attempt: Attempt) -> Response:
                 ran.append(1)
-                write(attempt.connection, f"INSERT INTO biz_{name_} (note) VALUES ('paid')")
+                write(attempt.connection, f"INSERT INTO biz_{table} (note) VALUES ('paid')")
                 if phase:
                     attempt.commit_phase("payment_created")
                 return CREATED
 
             def run() -> Outcome:
-                return idem.run(intent("k-lost"), charge, transaction=transaction())
+                with transaction() as tx:
+                    return idem.run(intent("k-lost"), charge, transaction=tx)
 
             with pytest.raises(StoreUnavailable) as unknown:
                 run()
@@ -350,8 +308,8 @@ def test_a_framework_completion_whose_commit_reply_was_lost_settles_once(
             retries = [run(), run()]
         finally:
             store.close()
-            rows = admin.execute(f"SELECT note FROM biz_{name_}").fetchall()
-            admin.execute(f"DROP TABLE IF EXISTS {name_}, biz_{name_}")
+            rows = admin.execute(f"SELECT note FROM biz_{table}").fetchall()
+            admin.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
 
     assert ("could not be recorded" in str(unknown.value)) is phase
     assert record is not None
