@@ -49,6 +49,7 @@ from idemflow.integrations.starlette import IdempotencyMiddleware, Idempotent
 from idemflow.stores.sqlite import AsyncSQLiteStore
 from idemflow.sweeper import AsyncSweeper, DidNotHappen
 from idemflow.testing import FrozenClock
+from tests.backends import NO_TRANSACTION_RIGS, open_rig, rig_params
 from tests.conftest import POSTGRES_URL
 from tests.factories import CREATED, psycopg_or_skip
 from tests.factories import uncorrelated_intent as intent
@@ -739,14 +740,16 @@ async def test_middleware_cancelled_while_claiming_leaves_no_claim(tmp_path: Pat
     assert calls["payments"] == 1  # only the retry ran
 
 
+@pytest.mark.parametrize("kind", rig_params(r for r in NO_TRANSACTION_RIGS if "-sync" not in r[0]))
 async def test_middleware_cancelled_mid_endpoint_keeps_the_claim_for_the_sweeper(
-    tmp_path: Path,
+    kind: str, tmp_path: Path, table_name: str
 ) -> None:
     """The server cancels the request while the endpoint runs. Nothing the endpoint did
     rolls back (the middleware shares no transaction with it), and it may have made its
     external call: releasing would let the retry make it again. The key stays claimed
     (409 to the retry), and the sweeper asks the reconciler: here the call never went
-    out, so the key is released and the next retry runs the endpoint."""
+    out, so the key is released and the next retry runs the endpoint. On every store,
+    each on a pool of one connection the requests share."""
     clock = FrozenClock()
     entered = asyncio.Event()
     calls: collections.Counter[str] = collections.Counter()
@@ -762,7 +765,8 @@ async def test_middleware_cancelled_mid_endpoint_keeps_the_claim_for_the_sweeper
         calls["asked"] += 1
         return DidNotHappen()
 
-    with sqlite_store(tmp_path) as store:
+    async with open_rig(kind, table_name, tmp_path, transactional=False) as rig:
+        store = rig.store
         app = middleware_app(AsyncIdempotency(store, POLICY, clock=clock), create)
         key = new_key()
         task = asyncio.create_task(call_asgi(app, key))
