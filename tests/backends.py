@@ -171,6 +171,18 @@ def _open_mysql(table: str, found_rows: bool = False) -> Store:
     return MySQLStore(kwargs, table=table, max_size=4, clock="caller")
 
 
+def mysql_admin(kwargs: dict[str, Any]) -> Any:
+    """An autocommit pymysql connection for DDL and faults (MariaDB unreachable: fails
+    under CI, else skips)."""
+    pymysql = pytest.importorskip("pymysql")
+    from tests.conftest import unreachable
+
+    try:
+        return pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
+    except pymysql.err.OperationalError as exc:
+        unreachable("MariaDB", exc)
+
+
 @dataclass
 class AsyncMySQL:
     """The asyncio MySQL store on its own tables, and how a request opens its transaction."""
@@ -184,16 +196,11 @@ class AsyncMySQL:
 @contextlib.asynccontextmanager
 async def async_mysql_backend(table: str, *, max_size: int = 8) -> AsyncIterator[AsyncMySQL]:
     """AsyncMySQLStore (asyncmy) on MariaDB: the key table and ``biz_<table>``, dropped after."""
-    pymysql = pytest.importorskip("pymysql")
     asyncmy = pytest.importorskip("asyncmy")
     from idemflow.stores.mysql import AsyncMySQLStore, AsyncmyTransaction, connect_kwargs
-    from tests.conftest import unreachable
 
     kwargs = connect_kwargs(MYSQL_URL)
-    try:
-        admin = pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
-    except pymysql.err.OperationalError as exc:
-        unreachable("MariaDB", exc)
+    admin = mysql_admin(kwargs)
     store = AsyncMySQLStore(kwargs, table=table, max_size=max_size, clock="caller")
 
     @contextlib.asynccontextmanager

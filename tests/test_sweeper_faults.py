@@ -1,7 +1,7 @@
 """
-The sweeper's resolutions under real faults on PostgreSQL: a server session terminated
-(``pg_terminate_backend``) just before a resolution's transaction begins, and a
-transaction that cannot begin at all (nothing listens where it connects).
+The sweeper's resolutions under real faults on PostgreSQL and MariaDB: a server session
+ended (``pg_terminate_backend``, ``KILL``) just before a resolution's transaction begins,
+and a transaction that cannot begin at all (nothing listens where it connects).
 
 A transaction that cannot begin says nothing about the record it was for: its pooled
 connection is gone (the pool discards it) or the store is down. The first is tried again
@@ -16,47 +16,181 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from idemflow import Policy, Record, State
-from idemflow.edge import async_pooled_transaction
-from idemflow.sweeper import AsyncStop, AsyncSweeper, Happened
+from idemflow.edge import async_pooled_transaction, pooled_transaction
+from idemflow.sweeper import AsyncStop, AsyncSweeper, Happened, Sweeper
 from idemflow.testing import FrozenClock
+from tests.backends import MYSQL_URL, mysql_admin
 from tests.conftest import POSTGRES_URL, unreachable
 from tests.factories import CREATED, free_port, intent
-from tests.faults import shared_pool, terminate, transaction_on
+from tests.faults import named_url, terminate
 
-pytestmark = [pytest.mark.postgres, pytest.mark.anyio]
+pytestmark = pytest.mark.anyio
 
 POLICY = Policy(request_timeout=5)
 KEYS = ("k-1", "k-2", "k-3")
+#: Each store the sweeper resolves in a transaction, marked with the server it needs.
+STORES = [
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    pytest.param("mysql", marks=pytest.mark.mysql),
+]
 
 
-@contextlib.asynccontextmanager
-async def crashed_claims(
-    table: str, application_name: str, clock: FrozenClock
-) -> AsyncIterator[Any]:
-    """A store (one pooled connection, on the caller's clock) with three crashed claims."""
+@dataclass
+class Crashed:
+    """A store on a pool of one connection (the caller's clock) with three crashed claims."""
+
+    store: Any
+    #: Ends the server sessions of the store's pool (a real connection loss): how many.
+    end_sessions: Callable[[], int]
+    #: A resolution's transaction, on a connection of the store's own pool.
+    transaction: Callable[[], Any]
+    #: A resolution's transaction that connects where nothing listens: (its factory,
+    #: the error connecting raises), each connection attempt appended to the list.
+    nowhere: Callable[[list[int]], tuple[Callable[[], Any], type[BaseException]]]
+
+
+@contextlib.contextmanager
+def _postgres(table: str, sync: bool) -> Iterator[tuple[Any, Callable[[], int]]]:
+    """(store, end its sessions) on PostgreSQL, its pool not opened yet; drops its table."""
     psycopg = pytest.importorskip("psycopg")
+    from idemflow.stores.postgres import AsyncPostgresStore, PostgresStore
+
     try:
         psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
     except psycopg.OperationalError as exc:
         unreachable("PostgreSQL", exc)
-    async with shared_pool(
-        table, size=1, application_name=application_name, clock="caller"
-    ) as store:
+    name = f"sweep_{uuid.uuid4().hex[:8]}"
+    kind = PostgresStore if sync else AsyncPostgresStore
+    store = kind(named_url(name), table=table, max_size=1, clock="caller")
+    try:
+        yield store, lambda: terminate(name)
+    finally:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            admin.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+@contextlib.contextmanager
+def _mysql(table: str, sync: bool) -> Iterator[tuple[Any, Callable[[], int]]]:
+    """(store, KILL its connections) on MariaDB (each connection's id kept); drops its table."""
+    pymysql = pytest.importorskip("pymysql")
+    from idemflow.stores.mysql import AsyncMySQLStore, MySQLStore, connect_kwargs
+
+    kwargs = connect_kwargs(MYSQL_URL)
+    admin = mysql_admin(kwargs)
+    opened: list[int] = []  # the store's connections (their ids), so a fault can end them
+
+    def kill() -> int:
+        ended = 0
+        with admin.cursor() as cursor:
+            for thread_id in opened:
+                with contextlib.suppress(pymysql.err.OperationalError):  # already gone
+                    cursor.execute(f"KILL {thread_id}")
+                    ended += 1
+        opened.clear()
+        return ended
+
+    store: Any
+    if sync:
+
+        def connect() -> Any:
+            conn = pymysql.connect(**kwargs, autocommit=True)
+            opened.append(conn.thread_id())
+            return conn
+
+        store = MySQLStore(connect, table=table, max_size=1, clock="caller")
+    else:
+        asyncmy = pytest.importorskip("asyncmy")
+
+        async def aconnect() -> Any:
+            conn = await asyncmy.connect(**kwargs, autocommit=True)
+            async with conn.cursor() as cursor:
+                await cursor.execute("SELECT CONNECTION_ID()")
+                opened.append((await cursor.fetchone())[0])
+            return conn
+
+        store = AsyncMySQLStore(aconnect, table=table, max_size=1, clock="caller")
+    try:
+        yield store, kill
+    finally:
+        with contextlib.closing(admin), admin.cursor() as cursor:
+            cursor.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+@contextlib.asynccontextmanager
+async def crashed_claims(kind: str, table: str, clock: FrozenClock) -> AsyncIterator[Crashed]:
+    """The async store ``kind`` names, with three crashed claims past the threshold."""
+    with (_postgres if kind == "postgres" else _mysql)(table, False) as (store, end):
         try:
+            if kind == "postgres":
+                await store.pool.open(wait=True)
             await store.migrate()
             for key in KEYS:
                 await store.claim(intent(key), f"lease-{key}", clock(), clock() + 3600)
             clock.advance(POLICY.stale_seconds + 1)
-            yield store
+            yield Crashed(store, end, *_transactions(kind, store))
         finally:
-            with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
-                admin.execute(f"DROP TABLE IF EXISTS {table}")
+            await store.close()
+
+
+def _transactions(kind: str, store: Any) -> tuple[Callable[[], Any], Any]:
+    """(on the store's pool, nowhere) for the async store ``kind`` names."""
+    if kind == "postgres":
+        import psycopg
+
+        from idemflow.transactions import AsyncPsycopgTransaction
+
+        def pg_nowhere(attempts: list[int]) -> tuple[Callable[[], Any], type[BaseException]]:
+            dead = f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere"
+
+            @contextlib.asynccontextmanager
+            async def connect() -> AsyncIterator[Any]:
+                attempts.append(1)
+                conn = await psycopg.AsyncConnection.connect(
+                    dead, connect_timeout=2, autocommit=True
+                )
+                try:
+                    yield conn
+                finally:
+                    await conn.close()
+
+            return (
+                lambda: async_pooled_transaction(connect, AsyncPsycopgTransaction),
+                psycopg.OperationalError,
+            )
+
+        return (
+            lambda: async_pooled_transaction(store.pool.connection, AsyncPsycopgTransaction),
+            pg_nowhere,
+        )
+    import asyncmy
+
+    from idemflow.stores.mysql import AsyncmyTransaction, connect_kwargs
+
+    def my_nowhere(attempts: list[int]) -> tuple[Callable[[], Any], type[BaseException]]:
+        dead = {**connect_kwargs(MYSQL_URL), "port": free_port(), "connect_timeout": 2}
+
+        @contextlib.asynccontextmanager
+        async def connect() -> AsyncIterator[Any]:
+            attempts.append(1)
+            conn = await asyncmy.connect(**dead, autocommit=True)
+            try:
+                yield conn
+            finally:
+                await conn.ensure_closed()
+
+        return (
+            lambda: async_pooled_transaction(connect, AsyncmyTransaction),
+            asyncmy.errors.OperationalError,
+        )
+
+    return lambda: async_pooled_transaction(store.pool.connection, AsyncmyTransaction), my_nowhere
 
 
 async def states(store: Any) -> dict[str, State]:
@@ -68,72 +202,59 @@ async def states(store: Any) -> dict[str, State]:
     return found
 
 
+@pytest.mark.parametrize("kind", STORES)
 async def test_a_session_lost_before_a_resolution_begins_does_not_end_the_pass(
-    table_name: str, clock: FrozenClock
+    kind: str, table_name: str, clock: FrozenClock
 ) -> None:
-    """The reconciler of the first record terminates the pool's one session: the settling
+    """The reconciler of the first record ends the pool's one session: the settling
     transaction that follows begins on a dead connection. It is retried on a fresh one, and
     every record of the batch is settled in this pass (on the old code the pass raised,
     leaving all three marked stale until ``retry_unknown_after``)."""
-    name = f"sweep_begin_{uuid.uuid4().hex[:8]}"
-    async with crashed_claims(table_name, name, clock) as store:
+    async with crashed_claims(kind, table_name, clock) as crashed:
         killed: list[int] = []
 
         async def reconciler(record: Record, keys: Mapping[str, str]) -> Happened:
             if not killed:
-                killed.append(terminate(name))  # the idle pooled session the settle will take
+                killed.append(crashed.end_sessions())  # the idle one the settle will take
             return Happened(CREATED)
 
         sweeper = AsyncSweeper(
-            store,
+            crashed.store,
             POLICY,
             reconciler=reconciler,
-            transaction_factory=lambda: transaction_on(store),
+            transaction_factory=crashed.transaction,
             clock=clock,
         )
         report = await sweeper.sweep_once()
-        after = await states(store)
+        after = await states(crashed.store)
 
     assert killed == [1]  # a real session was ended
     assert report.completed == len(KEYS), report
     assert after == dict.fromkeys(KEYS, State.COMPLETED)
 
 
+@pytest.mark.parametrize("kind", STORES)
 async def test_a_store_that_cannot_begin_ends_the_pass_after_one_retry(
-    table_name: str, clock: FrozenClock, caplog: pytest.LogCaptureFixture
+    kind: str, table_name: str, clock: FrozenClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The resolutions' transactions connect where nothing listens: the pass ends with the
     error after two attempts for the first record (not one per record of the batch), the
     rest stay marked stale (asked again after ``retry_unknown_after``), and ``run_forever``
     logs the failed pass and goes on (on the old code: one attempt, no retry)."""
-    psycopg = pytest.importorskip("psycopg")
-    from idemflow.transactions import AsyncPsycopgTransaction
-
-    dead = f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere"
     attempts: list[int] = []
-
-    @contextlib.asynccontextmanager
-    async def nowhere() -> AsyncIterator[Any]:
-        attempts.append(1)
-        conn = await psycopg.AsyncConnection.connect(dead, connect_timeout=2, autocommit=True)
-        try:
-            yield conn
-        finally:
-            await conn.close()
-
-    name = f"sweep_down_{uuid.uuid4().hex[:8]}"
-    async with crashed_claims(table_name, name, clock) as store:
+    async with crashed_claims(kind, table_name, clock) as crashed:
+        nowhere, error = crashed.nowhere(attempts)
         sweeper = AsyncSweeper(
-            store,
+            crashed.store,
             POLICY,
             reconciler=lambda record, keys: _happened(),
-            transaction_factory=lambda: async_pooled_transaction(nowhere, AsyncPsycopgTransaction),
+            transaction_factory=nowhere,
             clock=clock,
         )
-        with pytest.raises(psycopg.OperationalError):
+        with pytest.raises(error):
             await sweeper.sweep_once()
         assert len(attempts) == 2  # one retry on a fresh transaction, then the pass ended
-        after = await states(store)
+        after = await states(crashed.store)
 
         # The loop logs the failed pass and goes on (its stop ends it after one pass).
         stop = AsyncStop()
@@ -160,45 +281,45 @@ async def _happened() -> Happened:
     return Happened(CREATED)
 
 
-def test_the_sync_sweeper_retries_a_lost_session_too(table_name: str, clock: FrozenClock) -> None:
-    """The generated ``Sweeper``, on ``PostgresStore`` and a sync pooled transaction: the
-    same terminated session, the same three settled records in one pass."""
-    psycopg = pytest.importorskip("psycopg")
-    from idemflow.edge import pooled_transaction
-    from idemflow.stores.postgres import PostgresStore
-    from idemflow.sweeper import Sweeper
-    from idemflow.transactions import PsycopgTransaction
-    from tests.faults import named_url
+@pytest.mark.parametrize("kind", STORES)
+def test_the_sync_sweeper_retries_a_lost_session_too(
+    kind: str, table_name: str, clock: FrozenClock
+) -> None:
+    """The generated ``Sweeper``, on ``PostgresStore`` or ``MySQLStore`` and a sync pooled
+    transaction: the same ended session, the same three settled records in one pass."""
+    with (_postgres if kind == "postgres" else _mysql)(table_name, True) as (store, end):
+        adapter: Any
+        if kind == "postgres":
+            from idemflow.transactions import PsycopgTransaction
 
-    name = f"sweep_sync_{uuid.uuid4().hex[:8]}"
-    store = PostgresStore(named_url(name), table=table_name, max_size=1, clock="caller")
-    killed: list[int] = []
+            adapter = PsycopgTransaction
+        else:
+            from idemflow.stores.mysql import PyMySQLTransaction
 
-    def reconciler(record: Record, keys: Mapping[str, str]) -> Happened:
-        if not killed:
-            killed.append(terminate(name))
-        return Happened(CREATED)
+            adapter = PyMySQLTransaction
+        killed: list[int] = []
 
-    try:
-        store.migrate()
-        for key in KEYS:
-            store.claim(intent(key), f"lease-{key}", clock(), clock() + 3600)
-        clock.advance(POLICY.stale_seconds + 1)
-        sweeper = Sweeper(
-            store,
-            POLICY,
-            reconciler=reconciler,
-            transaction_factory=lambda: pooled_transaction(
-                store.pool.connection, PsycopgTransaction
-            ),
-            clock=clock,
-        )
-        report = sweeper.sweep_once()
-        after = {key: getattr(store.get("alice", key), "state", None) for key in KEYS}
-    finally:
-        store.close()
-        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
-            admin.execute(f"DROP TABLE IF EXISTS {table_name}")
+        def reconciler(record: Record, keys: Mapping[str, str]) -> Happened:
+            if not killed:
+                killed.append(end())
+            return Happened(CREATED)
+
+        try:
+            store.migrate()
+            for key in KEYS:
+                store.claim(intent(key), f"lease-{key}", clock(), clock() + 3600)
+            clock.advance(POLICY.stale_seconds + 1)
+            sweeper = Sweeper(
+                store,
+                POLICY,
+                reconciler=reconciler,
+                transaction_factory=lambda: pooled_transaction(store.pool.connection, adapter),
+                clock=clock,
+            )
+            report = sweeper.sweep_once()
+            after = {key: getattr(store.get("alice", key), "state", None) for key in KEYS}
+        finally:
+            store.close()
 
     assert killed == [1]
     assert report.completed == len(KEYS), report
