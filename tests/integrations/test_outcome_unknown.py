@@ -262,7 +262,7 @@ async def test_the_fastapi_dependency_keeps_the_claim_and_rolls_the_rows_back(
 # (over real servers, Flask and Django: tests/integrations/test_outcome_unknown_served.py)
 
 
-def _behind_wsgi_middleware(app: Any, store: SQLiteStore) -> httpx.Client:
+def _behind_wsgi_middleware(app: Any, store: Any) -> httpx.Client:
     from idemflow.integrations.wsgi import IdempotencyMiddleware
 
     protected = IdempotencyMiddleware(
@@ -276,12 +276,39 @@ def _behind_wsgi_middleware(app: Any, store: SQLiteStore) -> httpx.Client:
     return httpx.Client(transport=httpx.WSGITransport(app=authenticated), base_url="http://shop")
 
 
+@contextlib.contextmanager
+def slot_keys(kind: str, tmp_path: Path, table: str) -> Iterator[Any]:
+    """The sync store ``kind`` names, for the keys of the slot's tests: SQLite, or the
+    shared PostgreSQL and Redis (tests/backends.py), dropped after."""
+    if kind == "sqlite":
+        with sqlite_keys(tmp_path) as (_, store):
+            yield store
+        return
+    from tests.backends import postgres_backend, redis_backend
+
+    made = postgres_backend(table) if kind == "postgres" else redis_backend(table)
+    try:
+        yield made.store
+    finally:
+        for close in made.closers:
+            close()
+
+
+SLOT_STORES = [
+    "sqlite",
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    pytest.param("redis", marks=pytest.mark.redis),
+]
+
+
+@pytest.mark.parametrize("kind", SLOT_STORES)
 @pytest.mark.parametrize("testing", [False, True])
 def test_flask_behind_the_wsgi_middleware_reports_its_outcome_unknown(
-    tmp_path: Path, testing: bool
+    tmp_path: Path, table_name: str, testing: bool, kind: str
 ) -> None:
     """``handle_outcome_unknown``: with or without ``PROPAGATE_EXCEPTIONS`` (``TESTING``), the
-    view's exception keeps the claim; the first caller gets the 503 problem, the retry 409."""
+    view's exception keeps the claim; the first caller gets the 503 problem, the retry 409.
+    On SQLite, PostgreSQL and Redis keys."""
     pytest.importorskip("flask")
     from flask import Flask
 
@@ -298,7 +325,7 @@ def test_flask_behind_the_wsgi_middleware_reports_its_outcome_unknown(
         raise OutcomeUnknown("the provider did not answer")
 
     with (
-        sqlite_keys(tmp_path) as (_, store),
+        slot_keys(kind, tmp_path, table_name) as store,
         _behind_wsgi_middleware(app.wsgi_app, store) as client,
     ):
         headers = {"Idempotency-Key": "k-flask-mw"}
