@@ -367,14 +367,16 @@ def test_only_a_reported_outcome_unknown_keeps_the_claim(tmp_path: Path) -> None
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("kind", SLOT_STORES)
 @pytest.mark.parametrize("handler", ["wsgi", "asgi"])
 async def test_django_behind_the_generic_middleware_reports_its_outcome_unknown(
-    tmp_path: Path, handler: str
+    tmp_path: Path, table_name: str, handler: str, kind: str
 ) -> None:
     """The Django app's ``got_request_exception`` receiver, in process: Django's WSGI handler
     behind the WSGI middleware (``request.environ``), its ASGI handler behind the ASGI one
     (``request.scope``). Django answers the view's exception with a 500; the receiver's report
-    keeps the claim: 503 problem, then 409."""
+    keeps the claim: 503 problem, then 409. On SQLite, PostgreSQL and Redis keys (the ASGI
+    ones async, each on a pool of one connection)."""
     pytest.importorskip("django")
     from django.core.handlers.asgi import ASGIHandler
     from django.core.handlers.wsgi import WSGIHandler
@@ -394,36 +396,36 @@ async def test_django_behind_the_generic_middleware_reports_its_outcome_unknown(
         urlpatterns = (path("payments", pay),)
 
     key = f"k-django-{handler}"
-    with (
-        override_settings(ROOT_URLCONF=URLs, ALLOWED_HOSTS=["shop"]),
-        sqlite_keys(tmp_path) as (_, store),
-    ):
+    with override_settings(ROOT_URLCONF=URLs, ALLOWED_HOSTS=["shop"]):
         if handler == "wsgi":
-            with _behind_wsgi_middleware(WSGIHandler(), store) as client:
+            with (
+                slot_keys(kind, tmp_path, table_name) as store,
+                _behind_wsgi_middleware(WSGIHandler(), store) as client,
+            ):
                 answers = [
                     client.post("/payments", content=b"{}", headers={"Idempotency-Key": key})
                     for _ in range(2)
                 ]
+                held = store.get("carol", key)
         else:
             from idemflow import AsyncIdempotency
             from idemflow.integrations.starlette import IdempotencyMiddleware
-            from idemflow.stores.sqlite import AsyncSQLiteStore
+            from tests.backends import open_rig
 
-            keys = AsyncSQLiteStore(tmp_path / "app.db")
-            app = IdempotencyMiddleware(
-                ASGIHandler(),
-                idempotency=AsyncIdempotency(keys, POLICY),
-                endpoints=["POST /payments"],
-                principal=lambda scope: "carol",
-            )
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://shop") as aclient:
-                answers = [
-                    await aclient.post("/payments", content=b"{}", headers={"Idempotency-Key": key})
-                    for _ in range(2)
-                ]
-            await keys.close()
-        held = store.get("carol", key)
+            async with open_rig(kind, table_name, tmp_path, transactional=False) as rig:
+                app = IdempotencyMiddleware(
+                    ASGIHandler(),
+                    idempotency=AsyncIdempotency(rig.store, POLICY),
+                    endpoints=["POST /payments"],
+                    principal=lambda scope: "carol",
+                )
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://shop") as c:
+                    answers = [
+                        await c.post("/payments", content=b"{}", headers={"Idempotency-Key": key})
+                        for _ in range(2)
+                    ]
+                held = await rig.call("get", "carol", key)
 
     first, retry = answers
     assert_outcome_unknown(first.status_code, first.headers, first.content)
