@@ -279,14 +279,15 @@ def _behind_wsgi_middleware(app: Any, store: Any) -> httpx.Client:
 @contextlib.contextmanager
 def slot_keys(kind: str, tmp_path: Path, table: str) -> Iterator[Any]:
     """The sync store ``kind`` names, for the keys of the slot's tests: SQLite, or the
-    shared PostgreSQL and Redis (tests/backends.py), dropped after."""
+    shared PostgreSQL, MariaDB and Redis (tests/backends.py), dropped after."""
     if kind == "sqlite":
         with sqlite_keys(tmp_path) as (_, store):
             yield store
         return
-    from tests.backends import postgres_backend, redis_backend
+    from tests.backends import mysql_backend, postgres_backend, redis_backend
 
-    made = postgres_backend(table) if kind == "postgres" else redis_backend(table)
+    openers = {"postgres": postgres_backend, "mysql": mysql_backend, "redis": redis_backend}
+    made = openers[kind](table)
     try:
         yield made.store
     finally:
@@ -297,6 +298,7 @@ def slot_keys(kind: str, tmp_path: Path, table: str) -> Iterator[Any]:
 SLOT_STORES = [
     "sqlite",
     pytest.param("postgres", marks=pytest.mark.postgres),
+    pytest.param("mysql", marks=pytest.mark.mysql),
     pytest.param("redis", marks=pytest.mark.redis),
 ]
 
@@ -308,7 +310,7 @@ def test_flask_behind_the_wsgi_middleware_reports_its_outcome_unknown(
 ) -> None:
     """``handle_outcome_unknown``: with or without ``PROPAGATE_EXCEPTIONS`` (``TESTING``), the
     view's exception keeps the claim; the first caller gets the 503 problem, the retry 409.
-    On SQLite, PostgreSQL and Redis keys."""
+    On SQLite, PostgreSQL, MariaDB and Redis keys."""
     pytest.importorskip("flask")
     from flask import Flask
 
@@ -375,8 +377,8 @@ async def test_django_behind_the_generic_middleware_reports_its_outcome_unknown(
     """The Django app's ``got_request_exception`` receiver, in process: Django's WSGI handler
     behind the WSGI middleware (``request.environ``), its ASGI handler behind the ASGI one
     (``request.scope``). Django answers the view's exception with a 500; the receiver's report
-    keeps the claim: 503 problem, then 409. On SQLite, PostgreSQL and Redis keys (the ASGI
-    ones async, each on a pool of one connection)."""
+    keeps the claim: 503 problem, then 409. On SQLite, PostgreSQL, MariaDB and Redis keys
+    (the ASGI ones async, each on a pool of one connection)."""
     pytest.importorskip("django")
     from django.core.handlers.asgi import ASGIHandler
     from django.core.handlers.wsgi import WSGIHandler
