@@ -198,6 +198,34 @@ async def test_every_statement_runs_on_the_connections_own_thread(app: App) -> N
     assert threading.current_thread().name not in seen
 
 
+async def test_a_fenced_write_and_its_commit_take_one_hop(app: App) -> None:
+    """The checkpoint, its COMMIT and the next BEGIN are one hop to the thread; so are the
+    completion and its COMMIT: protection adds no hop beyond the transaction's own BEGIN."""
+    hops: list[str] = []
+    run = app.connection.run
+
+    async def counted(function: Any, *args: Any) -> Any:
+        hops.append(getattr(function, "__name__", repr(function)))
+        return await run(function, *args)
+
+    app.connection.run = counted  # type: ignore[method-assign]
+
+    async def handler(attempt: AsyncAttempt) -> Response:
+        await app.write(attempt.connection, "pending", None)
+        await attempt.commit_phase("created")
+        await app.write(attempt.connection, "paid", None)
+        return CREATED
+
+    outcome = await app.idempotency().run(INTENT, handler, transaction=app.transaction())
+
+    assert (outcome.response, outcome.replayed) == (CREATED, False)
+    # BEGIN, the handler's write, checkpoint+COMMIT+BEGIN, the handler's write, complete+COMMIT.
+    assert len(hops) == 5, hops
+    assert app.notes() == ["pending", "paid"]
+    assert await app.state() is State.COMPLETED
+    assert not app.connection.raw.in_transaction
+
+
 async def test_a_deferred_transaction_holds_no_lock_until_it_writes(app: App) -> None:
     """While a handler waits (an external call) before its first write, another request commits."""
     waiting, go_on = asyncio.Event(), asyncio.Event()

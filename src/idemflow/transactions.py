@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from ._async.transactions import AsyncPsycopgTransaction, AsyncSQLAlchemyTransaction
 from ._sync.transactions import PsycopgTransaction, SQLAlchemyTransaction
-from .stores.protocol import Statement
+from .stores.protocol import CommitFailed, Statement
 from .stores.sql import row_mapping
 
 __all__ = [
@@ -233,8 +233,36 @@ class AsyncSQLite3Transaction:
     ) -> Mapping[str, Any] | None:
         return await self.connection.run(self._sync.fetchone, statement, params)
 
+    async def execute_and_commit(
+        self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
+    ) -> int:
+        """The fenced write, its COMMIT (and the next BEGIN) in one hop to the connection's thread.
+
+        As the write, then :meth:`commit` (then :meth:`begin`), each a hop of its
+        own: a write that changed no row commits nothing (the transaction stays
+        open for the driver to roll back); a COMMIT or BEGIN that fails raises
+        :class:`~idemflow.stores.protocol.CommitFailed` from its own error.
+        """
+        return await self.connection.run(_execute_and_commit, self._sync, statement, params, begin)
+
     async def commit(self) -> None:
         await self.connection.run(self._sync.commit)
 
     async def rollback(self) -> None:
         await self.connection.run(self._sync.rollback)
+
+
+def _execute_and_commit(
+    transaction: SQLite3Transaction, statement: Statement, params: Mapping[str, Any], begin: bool
+) -> int:
+    """On the connection's thread: the write, and when it changed our row, COMMIT (and BEGIN)."""
+    changed = transaction.execute(statement, params)
+    if changed != 1:
+        return changed
+    try:
+        transaction.commit()
+        if begin:
+            transaction.begin()
+    except Exception as exc:
+        raise CommitFailed from exc
+    return changed
