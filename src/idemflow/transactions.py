@@ -36,8 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ._async.transactions import AsyncPsycopgTransaction, AsyncSQLAlchemyTransaction
-from ._sync.transactions import PsycopgTransaction, SQLAlchemyTransaction
-from .stores.protocol import CommitFailed, Statement
+from ._sync.transactions import PsycopgTransaction, SQLAlchemyTransaction, _execute_then_commit
+from .stores.protocol import Statement
 from .stores.sql import row_mapping
 
 __all__ = [
@@ -243,26 +243,12 @@ class AsyncSQLite3Transaction:
         open for the driver to roll back); a COMMIT or BEGIN that fails raises
         :class:`~idemflow.stores.protocol.CommitFailed` from its own error.
         """
-        return await self.connection.run(_execute_and_commit, self._sync, statement, params, begin)
+        # The sync fallback's rules (the write, then COMMIT, then BEGIN), run on the
+        # connection's thread in one hop.
+        return await self.connection.run(_execute_then_commit, self._sync, statement, params, begin)
 
     async def commit(self) -> None:
         await self.connection.run(self._sync.commit)
 
     async def rollback(self) -> None:
         await self.connection.run(self._sync.rollback)
-
-
-def _execute_and_commit(
-    transaction: SQLite3Transaction, statement: Statement, params: Mapping[str, Any], begin: bool
-) -> int:
-    """On the connection's thread: the write, and when it changed our row, COMMIT (and BEGIN)."""
-    changed = transaction.execute(statement, params)
-    if changed != 1:
-        return changed
-    try:
-        transaction.commit()
-        if begin:
-            transaction.begin()
-    except Exception as exc:
-        raise CommitFailed from exc
-    return changed
