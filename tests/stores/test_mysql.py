@@ -12,6 +12,7 @@ migration, an unreachable server, and races with the caller's transaction.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -443,3 +444,23 @@ def test_unavailable_is_recognised_whichever_copy_of_pymysql_raised_it() -> None
     assert is_unavailable(pymysql.err.OperationalError(2013, "Lost connection"))
     assert not is_unavailable(copy.OperationalError(1064, "syntax error"))
     assert not is_unavailable(copy.ProgrammingError(2003, "not an outage class"))
+
+
+def test_a_forked_child_opens_its_own_connections_never_the_parents(store: MySQLStore) -> None:
+    # The pool knows its process from a pid kept current at fork (no getpid per
+    # checkout): a child must still start empty, not share the parent's socket.
+    assert store.get("fork-principal", "fork-key") is None
+    parent_thread = store.pool._idle[-1][0].thread_id()
+    child = os.fork()
+    if child == 0:  # pragma: no cover -- the child reports by its exit status
+        code = 1
+        try:
+            assert store.get("fork-principal", "fork-key") is None
+            code = 0 if store.pool._idle[-1][0].thread_id() != parent_thread else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's connection was never touched by the child: still usable here.
+    assert store.get("fork-principal", "fork-key") is None
+    assert store.pool._idle[-1][0].thread_id() == parent_thread

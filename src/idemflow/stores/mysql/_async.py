@@ -67,6 +67,17 @@ T = TypeVar("T")
 #: An idle connection older than this is pinged before use (seconds).
 PING_AFTER = 30.0
 
+# This process's id, kept current across forks: a pool's connections belong to
+# the process that opened them, and os.getpid() is a system call on every checkout.
+_PID = [os.getpid()]
+
+
+def _forked() -> None:
+    _PID[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
 
 class AsyncPool:
     """The store's own small pool of autocommit connections.
@@ -92,7 +103,7 @@ class AsyncPool:
         self._reset()
 
     def _reset(self) -> None:
-        self._pid = os.getpid()
+        self._pid = _PID[0]
         self._idle: deque[tuple[Any, float]] = deque()
         self._slots = AsyncBinding.Slots(self._max_size)
 
@@ -132,7 +143,7 @@ class AsyncCheckout:
 
     async def __aenter__(self) -> Any:
         pool = self._pool
-        if pool._pid != os.getpid():
+        if pool._pid != _PID[0]:
             pool._reset()
         self._slots = slots = pool._slots
         if not await slots.take(pool._timeout):
