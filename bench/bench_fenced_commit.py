@@ -12,6 +12,10 @@ completion statement, each operation ``BEGIN``, the write and ``COMMIT``:
 ``separate``
     the completion (prepared, as psycopg prepares repeated statements), then
     ``COMMIT``: three round trips, what the adapters sent before;
+``separate, bound on the client``
+    the same three statements through a ``ClientCursor`` (Django's default
+    ``server_side_binding = False``): the completion is a simple query, parsed
+    and planned on every execution; what Django's adapter sent before the fusing;
 ``simple query``
     the completion inside the fence (``WITH fenced AS (…) SELECT CAST(…)``)
     and ``COMMIT`` in one simple-query message, the values bound on the client;
@@ -59,6 +63,13 @@ def variants(conn: Any, statement: Any, params: dict[str, Any]) -> dict[str, Cal
         conn.execute(statement.pyformat, bound)
         conn.execute("COMMIT")
 
+    def separate_on_client() -> None:
+        conn.execute("BEGIN")
+        cursor = psycopg.ClientCursor(conn)
+        cursor.execute(statement.pyformat, bound)
+        cursor.close()
+        conn.execute("COMMIT")
+
     def simple_query() -> None:
         conn.execute("BEGIN")
         cursor = psycopg.ClientCursor(conn)
@@ -71,7 +82,12 @@ def variants(conn: Any, statement: Any, params: dict[str, Any]) -> dict[str, Cal
             conn.execute(fenced, bound)
             conn.execute("COMMIT")
 
-    return {"separate": separate, "simple query": simple_query, "pipeline": pipeline}
+    return {
+        "separate": separate,
+        "separate, bound on the client": separate_on_client,
+        "simple query": simple_query,
+        "pipeline": pipeline,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| variant | round trips | client CPU µs/op: min (median) | server: min (median) |")
     print("| --- | ---: | ---: | ---: |")
-    trips = {"separate": 3, "simple query": 2, "pipeline": 2}
+    trips = {"separate": 3, "separate, bound on the client": 3, "simple query": 2, "pipeline": 2}
     for name, values in measured.items():
         client = [c for c, _ in values]
         server = [s for _, s in values]

@@ -52,7 +52,14 @@ def _database(url: str) -> dict:
         "CONN_MAX_AGE": int(os.environ.get("SHOP_CONN_MAX_AGE", "0")),
     }
     if parts.scheme.startswith("postgres"):
-        return {**common, "ENGINE": "django.db.backends.postgresql"}
+        # SHOP_SERVER_SIDE_BINDING=1: psycopg binds values on the server, and prepares
+        # what runs often (bench/bench_django_binding.py compares the two).
+        binding = os.environ.get("SHOP_SERVER_SIDE_BINDING") == "1"
+        return {
+            **common,
+            "ENGINE": "django.db.backends.postgresql",
+            "OPTIONS": {"server_side_binding": True} if binding else {},
+        }
     import pymysql  # Django's MySQL backend speaks mysqlclient's interface; PyMySQL offers it
 
     pymysql.install_as_MySQLdb()

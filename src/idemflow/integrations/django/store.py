@@ -40,6 +40,7 @@ from ..._model import Claim, Intent, Record, Response, State
 from ...stores import mysql, postgres, sqlite
 from ...stores.protocol import CommitFailed, NotFused, Statement, Transaction
 from ...stores.sql import Dialect, SQLStore, check_clock
+from ...transactions import PsycopgTransaction
 
 __all__ = ["DjangoStore", "DjangoTransaction", "dialect_for"]
 
@@ -470,8 +471,6 @@ class DjangoTransaction:
         raw = self._psycopg_connection()
         if raw is None:
             raise NotFused
-        from ...transactions import PsycopgTransaction
-
         conn = self._conn
         try:
             with conn.wrap_database_errors:  # psycopg's errors as Django's cursors raise them
