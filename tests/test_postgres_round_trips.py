@@ -413,9 +413,15 @@ def two_phases(execute: Any, commit_phase: Any, table: str) -> Response:
     return CREATED
 
 
-def test_django_sends_each_fenced_write_with_its_commit(table_name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("binding", ["client", "server"])
+def test_django_sends_each_fenced_write_with_its_commit(
+    table_name: str, tmp_path: Path, binding: str
+) -> None:
     """``DjangoTransaction`` on PostgreSQL: the claim is the one round trip protection adds,
-    on the thread's own connection (the store claims there in autocommit)."""
+    on the thread's own connection (the store claims there in autocommit). With values
+    bound on the client (Django's default) the fenced write and its COMMIT are one simple
+    query; with ``OPTIONS["server_side_binding"]`` (the recommendation of
+    docs/frameworks/django.md) one prepared pipeline: the same round trips either way."""
     django_setup = pytest.importorskip("tests.integrations.django_setup")
     from django.db import connections, transaction
 
@@ -436,6 +442,11 @@ def test_django_sends_each_fenced_write_with_its_commit(table_name: str, tmp_pat
         store = DjangoStore(alias, table=table_name)
         idem = Idempotency(store, POLICY)
         conn.ensure_connection()
+        if binding == "server":
+            # What Django sets on the connection for OPTIONS["server_side_binding"] = True.
+            from django.db.backends.postgresql.base import ServerBindingCursor
+
+            conn.connection.cursor_factory = ServerBindingCursor
         trace.attach(conn.connection)
         trace.take()
         with transaction.atomic(using=alias):
