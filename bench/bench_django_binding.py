@@ -4,6 +4,7 @@ What a protected Django request costs PostgreSQL, values bound on the client or 
 Run::
 
     .venv/bin/python -m bench.bench_django_binding [--requests 600] [--rounds 3]
+                                                   [--modes client,server]
 
 The Django example shop (``examples/django_app``, DRF) on a PostgreSQL database
 of its own, called as WSGI in one process (``bench/bench_edge.py``'s
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=600, help="per path and round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", default="client,server", help="in this order")
     parser.add_argument("--run", choices=("client", "server"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run:
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     results = {}
-    for mode in ("client", "server"):
+    for mode in args.modes.split(","):
         command = [sys.executable, "-m", "bench.bench_django_binding", "--run", mode]
         command += ["--requests", str(args.requests), "--rounds", str(args.rounds)]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
