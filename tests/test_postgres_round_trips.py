@@ -420,8 +420,8 @@ def test_django_sends_each_fenced_write_with_its_commit(
     """``DjangoTransaction`` on PostgreSQL: the claim is the one round trip protection adds,
     on the thread's own connection (the store claims there in autocommit). With values
     bound on the client (Django's default) the fenced write and its COMMIT are one simple
-    query; with ``OPTIONS["server_side_binding"]`` (the recommendation of
-    docs/frameworks/django.md) one prepared pipeline: the same round trips either way."""
+    query; with ``OPTIONS["server_side_binding"]`` (compared in docs/frameworks/django.md)
+    one prepared pipeline: the same round trips either way."""
     django_setup = pytest.importorskip("tests.integrations.django_setup")
     from django.db import connections, transaction
 
