@@ -1,0 +1,195 @@
+"""
+What middleware mode costs a minimal endpoint in the app's own CPU: a figure load barely moves.
+
+Run::
+
+    .venv/bin/python -m bench.bench_middleware_cpu [--stores postgres,redis] [--count 2000]
+                                                   [--profile FILE]
+
+``bench/_minimal_app.py``'s app (the same middleware stack ``bench_middleware``
+serves under uvicorn) is called in this process, as ASGI, by one sequential
+caller, with no HTTP server and no socket to the client: each path
+(``unprotected``, ``protected`` with a fresh key, ``replay``) runs ``--count``
+requests, taking turns in slices, and this process's CPU time
+(``time.process_time``: user + system, this process only, so the store
+server's work and the machine's other load are not in it) is divided by the
+requests. ``protected - unprotected`` is what protection adds in the app
+process: the statements' client side (drivers, pool) and everything around
+them. ``--profile FILE`` writes a cProfile of the protected path instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from bench.bench_http import postgres_schema
+from bench.bench_middleware import BODY, REDIS_URL
+
+PATHS = ("unprotected", "protected", "replay")
+
+
+def scope(path: str, key: str | None) -> dict[str, Any]:
+    headers = [
+        (b"host", b"127.0.0.1"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(BODY)).encode()),
+    ]
+    if key is not None:
+        headers.append((b"idempotency-key", key.encode()))
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+
+
+async def call(app: Any, path: str, key: str | None) -> int:
+    status = 0
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": BODY, "more_body": False}
+        await asyncio.Event().wait()  # pragma: no cover -- the app never asks twice
+        return {}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+
+    await app(scope(path, key), receive, send)
+    return status
+
+
+def makers(replay_key: str) -> dict[str, Callable[[], tuple[str, str | None]]]:
+    return {
+        "unprotected": lambda: ("/plain/things", None),
+        "protected": lambda: ("/things", f"cpu-{uuid.uuid4().hex}"),
+        "replay": lambda: ("/things", replay_key),
+    }
+
+
+async def lifespan(app: Any) -> Callable[[], Any]:
+    """Start the app's lifespan (the store's migration); return what ends it."""
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    started = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        return await queue.get()
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"].startswith("lifespan.startup"):
+            started.set()
+
+    lifespan_scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    task = asyncio.ensure_future(app(lifespan_scope, receive, send))
+    await queue.put({"type": "lifespan.startup"})
+    await started.wait()
+
+    async def stop() -> None:
+        await queue.put({"type": "lifespan.shutdown"})
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 5)
+
+    return stop
+
+
+async def measure(count: int, rounds: int, profile: str | None) -> dict[str, float]:
+    module = importlib.import_module("bench._minimal_app")
+    app = module.make_app()
+    stop = await lifespan(app)
+    replay_key = f"cpu-replay-{uuid.uuid4().hex}"
+    assert await call(app, "/things", replay_key) == 201
+    make = makers(replay_key)
+    for name in PATHS:  # warm: pool connections, prepared statements
+        for _ in range(50):
+            assert await call(app, *make[name]()) == 201
+    if profile is not None:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(count):
+            await call(app, *make["protected"]())
+        profiler.disable()
+        profiler.dump_stats(profile)
+    cpu = dict.fromkeys(PATHS, 0.0)
+    system = dict.fromkeys(PATHS, 0.0)
+    per_round = max(count // rounds, 1)
+    for round_ in range(rounds):
+        order = PATHS[round_ % 3 :] + PATHS[: round_ % 3]
+        for name in order:
+            one = make[name]
+            started, before = time.process_time(), os.times().system
+            for _ in range(per_round):
+                await call(app, *one())
+            cpu[name] += time.process_time() - started
+            system[name] += os.times().system - before
+    await stop()
+    done = per_round * rounds
+    return {
+        **{name: value / done * 1e6 for name, value in cpu.items()},
+        **{f"{name} sys": value / done * 1e6 for name, value in system.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stores", default="postgres,redis")
+    parser.add_argument("--count", type=int, default=2000, help="requests per path")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", help="cProfile the protected path into FILE.<store>")
+    args = parser.parse_args(argv)
+    print(
+        "| store | unprotected µs/req (system) | protected µs/req (system) "
+        "| replay µs/req (system) | added by protection: protected, replay |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for store in args.stores.split(","):
+        with contextlib.ExitStack() as stack:
+            os.environ["BENCH_STORE"] = store
+            if store == "postgres":
+                os.environ["BENCH_URL"] = stack.enter_context(postgres_schema())
+            elif store == "redis":
+                os.environ["BENCH_URL"] = REDIS_URL
+                os.environ["BENCH_PREFIX"] = f"bench:{uuid.uuid4().hex[:8]}:"
+            profile = f"{args.profile}.{store}" if args.profile else None
+            sys.modules.pop("bench._minimal_app", None)
+            result = asyncio.run(measure(args.count, args.rounds, profile))
+            if store == "redis":
+                import redis
+
+                client = redis.Redis.from_url(REDIS_URL)
+                for key in client.scan_iter(match=os.environ["BENCH_PREFIX"] + "*", count=1000):
+                    client.delete(key)
+                client.close()
+        cells = " | ".join(f"{result[name]:,.0f} ({result[name + ' sys']:,.0f})" for name in PATHS)
+        added = (result[name] - result["unprotected"] for name in PATHS[1:])
+        print(f"| {store} | {cells} | " + ", ".join(f"{a:+,.0f}" for a in added) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
