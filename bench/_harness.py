@@ -35,6 +35,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 __all__ = [
     "Contender",
@@ -292,3 +293,46 @@ def table(
 def parse_list(text: str) -> list[str]:
     """``"a, b,c"`` → ``["a", "b", "c"]`` (for comma-separated command-line options)."""
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+async def post_over_asgi(app: Any, path: str, key: str | None, body: bytes) -> int:
+    """One JSON POST straight into an ASGI app, no server or socket: its status."""
+    headers = [
+        (b"host", b"127.0.0.1"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if key is not None:
+        headers.append((b"idempotency-key", key.encode()))
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+    status = 0
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:  # the app only asks again once it has answered: the client is gone
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+
+    await app(scope, receive, send)
+    return status

@@ -44,6 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench._harness import post_over_asgi
+
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("unprotected", "protected", "replay")
 WARMUP = 10
@@ -94,42 +96,8 @@ def starlette_caller(store: str = "memory") -> dict[str, Callable[[], int]]:
     if store == "postgres":
         loop.run_until_complete(_start(app))
 
-    async def call(path: str, key: str | None) -> int:
-        headers = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")]
-        headers.append((b"content-length", str(len(JSON_BODY)).encode()))
-        if key is not None:
-            headers.append((b"idempotency-key", key.encode()))
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": headers,
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 80),
-        }
-        sent = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if sent:
-                return {"type": "http.disconnect"}
-            sent = True
-            return {"type": "http.request", "body": JSON_BODY, "more_body": False}
-
-        status: list[int] = []
-
-        async def send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
-
-        await app(scope, receive, send)
-        return status[0]
+    def call(path: str, key: str | None) -> Any:
+        return post_over_asgi(app, path, key, JSON_BODY)
 
     replay = f"edge-replay-{uuid.uuid4().hex}"
     return {

@@ -31,56 +31,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from bench._harness import post_over_asgi
 from bench.bench_http import postgres_schema
 from bench.bench_middleware import BODY, REDIS_URL
 
 PATHS = ("unprotected", "protected", "replay")
-
-
-def scope(path: str, key: str | None) -> dict[str, Any]:
-    headers = [
-        (b"host", b"127.0.0.1"),
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(BODY)).encode()),
-    ]
-    if key is not None:
-        headers.append((b"idempotency-key", key.encode()))
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": headers,
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-        "state": {},
-    }
-
-
-async def call(app: Any, path: str, key: str | None) -> int:
-    status = 0
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": BODY, "more_body": False}
-        await asyncio.Event().wait()  # pragma: no cover -- the app never asks twice
-        return {}
-
-    async def send(message: dict[str, Any]) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-
-    await app(scope(path, key), receive, send)
-    return status
 
 
 def makers(replay_key: str) -> dict[str, Callable[[], tuple[str, str | None]]]:
@@ -121,18 +76,18 @@ async def measure(count: int, rounds: int, profile: str | None) -> dict[str, flo
     app = module.make_app()
     stop = await lifespan(app)
     replay_key = f"cpu-replay-{uuid.uuid4().hex}"
-    assert await call(app, "/things", replay_key) == 201
+    assert await post_over_asgi(app, "/things", replay_key, BODY) == 201
     make = makers(replay_key)
     for name in PATHS:  # warm: pool connections, prepared statements
         for _ in range(50):
-            assert await call(app, *make[name]()) == 201
+            assert await post_over_asgi(app, *make[name](), BODY) == 201
     if profile is not None:
         import cProfile
 
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(count):
-            await call(app, *make["protected"]())
+            await post_over_asgi(app, *make["protected"](), BODY)
         profiler.disable()
         profiler.dump_stats(profile)
     cpu = dict.fromkeys(PATHS, 0.0)
@@ -144,7 +99,7 @@ async def measure(count: int, rounds: int, profile: str | None) -> dict[str, flo
             one = make[name]
             started, before = time.process_time(), os.times().system
             for _ in range(per_round):
-                await call(app, *one())
+                await post_over_asgi(app, *one(), BODY)
             cpu[name] += time.process_time() - started
             system[name] += os.times().system - before
     await stop()
