@@ -57,34 +57,6 @@ def _work_unit(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-#: The work units that take longest (per-file time of a full run), sent to the
-#: workers first, longest first. xdist's own order (most tests first) sends these
-#: few-test, long files last, where one can run alone while the other worker idles.
-_LONGEST_FIRST = (
-    "clusters",
-    "tests/test_storm.py",
-    "tests/test_model.py",  # its setup compiles SPIN models: ~90 s
-    "tests/http/test_demo_pool_pressure.py",
-    "tests/test_races.py",
-    "tests/integrations/test_framework_faults.py",
-    "tests/integrations/test_wsgi_apps.py",
-    "tests/test_storm_network.py",
-    "tests/test_phase_rules.py",
-    "tests/crash/test_crash_points.py",
-    "tests/test_cli_sweep.py",
-    "tests/http/test_demo_convergence.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On an xdist worker, order the collection longest work unit first (the rest as
-    collected); scripts/test turns xdist's own reordering off so this order holds."""
-    if not hasattr(config, "workerinput"):
-        return
-    rank = {unit: position for position, unit in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_work_unit(item.nodeid), len(rank)))
-
-
 if importlib.util.find_spec("xdist") is not None:
 
     def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
