@@ -6,6 +6,7 @@ get it within ``busy_timeout`` is an outage (503), as SQLITE_BUSY is.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -118,3 +119,25 @@ def test_the_stores_own_writers_never_wait_in_sqlites_busy_handler(tmp_path: Pat
         thread.join(60)
     store.close()
     assert failures == []
+
+
+def test_a_forked_child_opens_its_own_connection_and_writer_lock(tmp_path: Path) -> None:
+    # The store knows its process from a pid kept current at fork (no getpid per
+    # call): a child must open its own connection, never write on the parent's,
+    # and must not wait on a writer lock a parent's thread held at the fork.
+    store = SQLiteStore(str(tmp_path / "keys.db"))
+    store.migrate()
+    parent_conn = store._connections().conn
+    with held(_writer_lock(store.path)):
+        child = os.fork()
+        if child == 0:  # pragma: no cover -- the child reports by its exit status
+            code = 1
+            try:
+                store.claim(intent(key="from-the-child"), "lease-1", NOW, NOW + 3600)
+                code = 0 if store._connections().conn is not parent_conn else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store._connections().conn is parent_conn
+    assert store.get("alice", "from-the-child") is not None

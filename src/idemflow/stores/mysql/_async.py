@@ -12,7 +12,6 @@ from it by ``scripts/unasync.py``.
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 from collections import deque
@@ -23,6 +22,7 @@ from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, LeaseLost
 from ..._model import Claim, Record, State, can_take_over, record_from_row
+from ..._process import PID
 from ..protocol import AsyncTransaction
 from ..sql import AsyncSQLStore
 from ..sql.dialect import (
@@ -67,17 +67,6 @@ T = TypeVar("T")
 #: An idle connection older than this is pinged before use (seconds).
 PING_AFTER = 30.0
 
-# This process's id, kept current across forks: a pool's connections belong to
-# the process that opened them, and os.getpid() is a system call on every checkout.
-_PID = [os.getpid()]
-
-
-def _forked() -> None:
-    _PID[0] = os.getpid()
-
-
-os.register_at_fork(after_in_child=_forked)
-
 
 class AsyncPool:
     """The store's own small pool of autocommit connections.
@@ -103,7 +92,7 @@ class AsyncPool:
         self._reset()
 
     def _reset(self) -> None:
-        self._pid = _PID[0]
+        self._pid = PID[0]
         self._idle: deque[tuple[Any, float]] = deque()
         self._slots = AsyncBinding.Slots(self._max_size)
 
@@ -143,7 +132,7 @@ class AsyncCheckout:
 
     async def __aenter__(self) -> Any:
         pool = self._pool
-        if pool._pid != _PID[0]:
+        if pool._pid != PID[0]:
             pool._reset()
         self._slots = slots = pool._slots
         if not await slots.take(pool._timeout):

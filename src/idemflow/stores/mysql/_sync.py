@@ -13,7 +13,6 @@ GENERATED from ``idemflow/stores/mysql/_async.py`` by ``scripts/unasync.py``; do
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 from collections import deque
@@ -24,6 +23,7 @@ from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, LeaseLost
 from ..._model import Claim, Record, State, can_take_over, record_from_row
+from ..._process import PID
 from ..protocol import Transaction
 from ..sql import SQLStore
 from ..sql.dialect import (
@@ -68,17 +68,6 @@ T = TypeVar("T")
 #: An idle connection older than this is pinged before use (seconds).
 PING_AFTER = 30.0
 
-# This process's id, kept current across forks: a pool's connections belong to
-# the process that opened them, and os.getpid() is a system call on every checkout.
-_PID = [os.getpid()]
-
-
-def _forked() -> None:
-    _PID[0] = os.getpid()
-
-
-os.register_at_fork(after_in_child=_forked)
-
 
 class Pool:
     """The store's own small pool of autocommit connections.
@@ -104,7 +93,7 @@ class Pool:
         self._reset()
 
     def _reset(self) -> None:
-        self._pid = _PID[0]
+        self._pid = PID[0]
         self._idle: deque[tuple[Any, float]] = deque()
         self._slots = Binding.Slots(self._max_size)
 
@@ -144,7 +133,7 @@ class Checkout:
 
     def __enter__(self) -> Any:
         pool = self._pool
-        if pool._pid != _PID[0]:
+        if pool._pid != PID[0]:
             pool._reset()
         self._slots = slots = pool._slots
         if not slots.take(pool._timeout):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..._errors import ConfigurationError, StoreUnavailable
 from ..._model import Claim, Intent, Record, Response, State
+from ..._process import PID
 from ..protocol import AsyncTransaction
 from ..sql import AsyncSQLStore, Dialect, SQLStats, SQLStore, create_table, insert_claim
 
@@ -68,16 +69,10 @@ def _writer_lock(path: str) -> threading.RLock:
         return lock
 
 
-# This process's id, kept current across forks: a thread's connection belongs to
-# the process that opened it, and os.getpid() is a system call on every store call.
-_PID = [os.getpid()]
-
-
 def _forked() -> None:
     # A child inherits the locks as they were at the fork, perhaps held by a
     # parent's thread that does not exist there: it starts with its own.
     _WRITERS.clear()
-    _PID[0] = os.getpid()
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -123,7 +118,7 @@ class _Connections:
 
     def __call__(self) -> _Writer:
         writer: _Writer | None = getattr(self._local, "writer", None)
-        if writer is None or self._local.pid != _PID[0]:
+        if writer is None or self._local.pid != PID[0]:
             writer = self._open()
         return writer
 
@@ -135,7 +130,7 @@ class _Connections:
     def _open(self) -> _Writer:
         conn = connect(self.path, busy_timeout=self._busy_timeout)
         writer = _Writer(conn, _writer_lock(self.path), self._busy_timeout)
-        self._local.writer, self._local.pid = writer, _PID[0]
+        self._local.writer, self._local.pid = writer, PID[0]
         with self._lock:
             self._opened.append(conn)
         return writer
