@@ -57,6 +57,34 @@ def _work_unit(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker under ``--no-loadscope-reorder``, send the long work units first.
+
+    xdist's own order (most tests first) puts the few-test, long files (storms,
+    crash and fault tests) last, where one can run alone while the other worker
+    idles. Here the work units holding a test marked ``slow`` come first, then
+    the rest, each group most tests first as xdist would; scripts/test turns
+    xdist's reordering off (``--no-loadscope-reorder``) so this order holds.
+    """
+    # A worker runs with --dist no; that xdist's order is off tells this order is wanted.
+    if not hasattr(config, "workerinput") or config.getoption("loadscopereorder", True):
+        return
+    sizes: dict[str, int] = {}
+    slow: set[str] = set()
+    for item in items:
+        unit = _work_unit(item.nodeid)
+        sizes[unit] = sizes.get(unit, 0) + 1
+        if item.get_closest_marker("slow") is not None:
+            slow.add(unit)
+    first_seen = {unit: position for position, unit in enumerate(sizes)}
+
+    def rank(item: pytest.Item) -> tuple[bool, int, int]:
+        unit = _work_unit(item.nodeid)
+        return unit not in slow, -sizes[unit], first_seen[unit]
+
+    items.sort(key=rank)
+
+
 if importlib.util.find_spec("xdist") is not None:
 
     def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
