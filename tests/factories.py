@@ -10,10 +10,12 @@ plugin, so its fixtures (``clock``) reach every test.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
+from collections.abc import AsyncIterator
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import strategies as st
@@ -21,6 +23,9 @@ from hypothesis import strategies as st
 from idemflow import Intent, Response
 from idemflow.testing import FrozenClock
 from tests.conftest import POSTGRES_URL, unreachable
+
+if TYPE_CHECKING:
+    from idemflow_demo.app import DemoService
 
 #: A payment created: the JSON body a handler answers with.
 CREATED = Response.json(201, {"id": "pay_1"})
@@ -36,6 +41,16 @@ def intent(key: str = "k-1", *, principal: str = "alice", fp: str = "fp-1") -> I
 def uncorrelated_intent(key: str = "k-1", *, principal: str = "alice", fp: str = "fp-1") -> Intent:
     """:func:`intent` of a request that sent no correlation id."""
     return Intent(principal, key, fp, endpoint="POST /payments")
+
+
+@contextlib.asynccontextmanager
+async def started(service: DemoService) -> AsyncIterator[DemoService]:
+    """The demo service in process: its database opened (and migrated), closed afterwards."""
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from idemflow_demo.app import DemoService
 from idemflow_demo.payments import PAYMENT_CREATED, succeeded_response
 from idemflow_demo.provider import ChargeRequest, ProviderDeclined
 from idemflow_demo.recovery import recovery_sweeper
+from tests.factories import started
 
 pytestmark = pytest.mark.anyio
 
@@ -35,12 +36,8 @@ CRASHED_AGO = 100.0  # seconds: far past the 12 s threshold of a 1 s request tim
 @pytest.fixture
 async def service(tmp_path: Path) -> AsyncIterator[DemoService]:
     settings = Settings(data_dir=tmp_path, request_timeout=timedelta(seconds=1), sweeper=False)
-    service = DemoService(settings)
-    await service.start()
-    try:
+    async with started(DemoService(settings)) as service:
         yield service
-    finally:
-        await service.stop()
 
 
 async def crashed_claim(

@@ -33,6 +33,7 @@ from idemflow_demo.payments import PAYMENT_CREATED, refund_id, refund_response, 
 from idemflow_demo.recovery import recovery_sweeper
 from tests.crash.test_recovery import charge, crashed_claim, payment, pending_row
 from tests.demo_stores import redis_url
+from tests.factories import started
 
 __all__ = ["redis_url"]
 
@@ -62,11 +63,10 @@ async def service(tmp_path: Path, redis_url: str) -> AsyncIterator[DemoService]:
     db.store = open_redis(
         db.url, prefix=db.prefix, asynchronous=True, clock="caller", allow_volatile=True
     )
-    await service.start()
     try:
-        yield service
+        async with started(service):
+            yield service
     finally:
-        await service.stop()
         await opened.close()
 
 

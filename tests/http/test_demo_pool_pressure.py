@@ -3,10 +3,12 @@ Pool pressure and faults through the real demo: every key converges, none is poi
 
 The demo shares one small pool between the key store and the endpoints
 (PostgreSQL; on SQLite the pool is the endpoints' alone). A protected request
-holds at most one pooled connection at any moment, so with a pool of 1 or 2
-and 60 keys in flight nothing deadlocks: a provider failing half its calls
-costs retries, never a 409 to a client that retries one request at a time,
-never a "could not release claim" in the log.
+takes one pooled connection, and its claim, handler, completion and release
+all run on it (counted below, in process), so with a pool of 1 or 2 and 60
+keys in flight nothing deadlocks: a provider failing half its calls costs
+retries, never a 409 to a client that retries one request at a time, never a
+"could not release claim" in the log. A claim the pool cannot serve in its
+timeout (a loaded machine) is a 503 with nothing recorded.
 
 Then the demo is stopped mid-load, by SIGTERM (graceful: requests in flight
 finish) and by SIGKILL (nothing finishes). Half the clients keep retrying
@@ -20,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,13 @@ from typing import Any
 import httpx
 import pytest
 
+from idemflow import State
+from idemflow_demo import Settings
+from idemflow_demo.app import DemoService, create_app
+from idemflow_demo.db import PostgresDatabase
+from idemflow_demo.payments import PAYMENT_CREATED
+from idemflow_demo.provider import Charge, ChargeRequest, ProviderUnavailable
+from tests.factories import started
 from tests.http.conftest import ALICE, Demo, run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -62,8 +73,8 @@ class Client:
     #: Give up at the first answer that is not 201 (or a dropped connection).
     abandons: bool = False
     statuses: list[int] = field(default_factory=list)
-    #: The problem type of every 503: the provider's, or the store's (a pool timeout).
-    outages: list[str] = field(default_factory=list)
+    #: The problem type and detail of every 503: the provider's, or the store's (a pool timeout).
+    outages: list[tuple[str, str]] = field(default_factory=list)
     errors: int = 0
     final: httpx.Response | None = None
 
@@ -98,7 +109,8 @@ async def retry_sequentially(http: httpx.AsyncClient, client: Client, deadline: 
             continue
         client.statuses.append(response.status_code)
         if response.status_code == 503:
-            client.outages.append(response.json()["type"].rsplit("/", 1)[-1])
+            problem = response.json()
+            client.outages.append((problem["type"].rsplit("/", 1)[-1], problem["detail"]))
         if response.status_code == 201:
             client.final = response
             return
@@ -179,10 +191,18 @@ POOLS = [
 async def test_every_key_reaches_201_with_a_tiny_shared_pool_and_a_failing_provider(
     tmp_path: Path, request: pytest.FixtureRequest, backend: str, pool_size: int
 ) -> None:
-    """60 keys at once, each retried sequentially: all 201, one payment + one charge, no 409."""
+    """60 keys at once, each retried sequentially: all 201, one payment + one charge, no 409.
+
+    The sweeper is off. A released intent whose retries all meet a pool timeout (a
+    loaded machine) for longer than the stale threshold looks abandoned to it, and
+    its next retry rightly gets the 409 "being recovered" (seen at load 18–29; made
+    at will with a 600 ms provider call holding the one connection). With it off, a
+    409 can only be a claim some request left behind, whatever the load.
+    """
     database_url = request.getfixturevalue("pg_url") if backend == "postgresql" else None
     everyone = clients(KEYS, f"pool{pool_size}")
-    with faulty_demo(tmp_path, database_url, pool_size, "--provider-seed", "9") as demo:
+    unswept = ("--provider-seed", "9", "--sweep-every", "off")
+    with faulty_demo(tmp_path, database_url, pool_size, *unswept) as demo:
         deadline = asyncio.get_running_loop().time() + RETRY_FOR
         async with new_http(demo.url) as http:
             await asyncio.gather(*(retry_sequentially(http, c, deadline) for c in everyone))
@@ -193,8 +213,11 @@ async def test_every_key_reaches_201_with_a_tiny_shared_pool_and_a_failing_provi
         statuses = [s for c in everyone for s in c.statuses]
         assert 503 in statuses  # the provider did fail: the keys were released and retried
         assert 409 not in statuses, "a sequential retrier met its own unreleased claim"
-        # A request waiting on a second pooled connection would time out as store-unavailable.
-        assert {o for c in everyone for o in c.outages} == {"provider-unavailable"}
+        # The only other 503: a claim the pool did not serve in time (a loaded machine),
+        # refused by the key store before anything was recorded (no 409 came after it).
+        # Never the endpoint's own database (a second checkout of its own).
+        for slug, detail in (o for c in everyone for o in c.outages):
+            assert slug == "provider-unavailable" or "key store unavailable" in detail, detail
         for client, replay in zip(everyone, replays, strict=True):
             assert replay.status_code == 201, replay.text
             assert replay.headers["idempotent-replayed"] == "true"
@@ -206,6 +229,168 @@ async def test_every_key_reaches_201_with_a_tiny_shared_pool_and_a_failing_provi
         log = server_log(demo)
     assert "could not release claim" not in log
     assert "Traceback" not in log
+
+
+# --- one connection per request, counted in process -----------------------------------------
+
+#: Which request the current task serves, for the pool's checkouts.
+SERVING: contextvars.ContextVar[str] = contextvars.ContextVar("serving", default="test")
+
+
+@dataclass
+class Checkouts:
+    """Every checkout of a pool, by the request (:data:`SERVING`) that made it."""
+
+    taken: Counter[str] = field(default_factory=Counter)
+    held: Counter[str] = field(default_factory=Counter)
+    #: The most connections each request held at once.
+    most: Counter[str] = field(default_factory=Counter)
+    #: Set as each request asks the pool (before it waits).
+    asked: defaultdict[str, asyncio.Event] = field(
+        default_factory=lambda: defaultdict(asyncio.Event)
+    )
+
+    @classmethod
+    def of(cls, pool: Any) -> Checkouts:
+        """Count ``pool``'s checkouts from now on (``pool.connection()`` calls both methods)."""
+        counts, getconn, putconn = cls(), pool.getconn, pool.putconn
+
+        async def counted_getconn(timeout: float | None = None) -> Any:
+            who = SERVING.get()
+            counts.taken[who] += 1
+            counts.asked[who].set()
+            connection = await getconn(timeout)
+            counts.held[who] += 1
+            counts.most[who] = max(counts.most[who], counts.held[who])
+            return connection
+
+        async def counted_putconn(connection: Any) -> None:
+            counts.held[SERVING.get()] -= 1
+            await putconn(connection)
+
+        pool.getconn, pool.putconn = counted_getconn, counted_putconn
+        return counts
+
+
+class GatedProvider:
+    """The demo's provider, but the first charge for ``customer`` waits for ``fail``, then fails."""
+
+    def __init__(self, provider: Any, customer: str) -> None:
+        self._provider = provider
+        self._customer: str | None = customer
+        self.entered = asyncio.Event()
+        self.fail = asyncio.Event()
+
+    async def charge(self, request: ChargeRequest) -> Charge:
+        if request.customer != self._customer:
+            charge: Charge = await self._provider.charge(request)
+            return charge
+        self._customer = None  # its retry is charged
+        self.entered.set()
+        await self.fail.wait()
+        raise ProviderUnavailable("payment provider unreachable (gated)")
+
+
+@pytest.fixture
+async def pool_of_one(
+    tmp_path: Path, pg_url: str, request: pytest.FixtureRequest
+) -> AsyncIterator[DemoService]:
+    """The demo in process on PostgreSQL: one pooled connection for the store and the app.
+
+    Its claims commit as ``request.param`` says (``--claim-commit``; ``own`` by default).
+    """
+    settings = Settings(
+        database_url=pg_url,
+        data_dir=tmp_path,
+        pool_size=1,
+        sweeper=False,
+        claim_commit=getattr(request, "param", "own"),
+    )
+    async with started(DemoService(settings)) as service:
+        yield service
+
+
+async def pay(http: httpx.AsyncClient, key: str) -> httpx.Response:
+    """POST /payments under ``key``, its pool checkouts counted under ``key``."""
+    SERVING.set(key)  # this task's own context: asyncio.create_task copied it
+    body = {"amount": 1234, "currency": "EUR", "customer": key}
+    return await http.post("/payments", json=body, headers={**ALICE, "Idempotency-Key": key})
+
+
+def shared_pool(service: DemoService) -> Any:
+    """The one pool the demo's key store and endpoints share (PostgreSQL)."""
+    assert isinstance(service.db, PostgresDatabase)
+    return service.db.pool
+
+
+def in_process(service: DemoService) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(create_app(service))
+    return httpx.AsyncClient(transport=transport, base_url="http://demo")
+
+
+@pytest.mark.postgres
+@pytest.mark.anyio
+@pytest.mark.parametrize("pool_of_one", ["own", "single"], indirect=True)
+async def test_a_failed_charge_is_released_on_its_own_connection_while_another_waits(
+    pool_of_one: DemoService,
+) -> None:
+    """The release after a transient failure runs on the request's one connection, in
+    both commit modes (single-commit: commit_phase committed the claim, so it takes a
+    write too).
+
+    Request "a" holds the pool's only connection in its provider call while "b"
+    waits for it. A release that took a connection of its own would queue behind
+    "b", which waits for "a": both time out, "b" answers 503 store-unavailable
+    and "a"'s key stays claimed (the next retry's 409).
+    """
+    service = pool_of_one
+    key, other = f"a-{uuid.uuid4().hex[:8]}", f"b-{uuid.uuid4().hex[:8]}"
+    provider = GatedProvider(service.payments.provider, key)
+    service.payments.provider = provider  # type: ignore[assignment]
+    pool = shared_pool(service)
+    counts = Checkouts.of(pool)
+    async with in_process(service) as http:
+        first = asyncio.create_task(pay(http, key))
+        await provider.entered.wait()  # "a" holds the one connection, past its first phase
+        second = asyncio.create_task(pay(http, other))
+        await counts.asked[other].wait()
+        assert pool.get_stats()["requests_waiting"] == 1  # "b" waits for it
+        provider.fail.set()
+        failed, served = await first, await second
+        record = await service.db.store.get("alice", key)
+        retried = await asyncio.create_task(pay(http, key))
+
+    assert failed.status_code == 503, failed.text
+    assert failed.json()["type"].endswith("/provider-unavailable")
+    assert record is not None
+    assert (record.state, record.recovery_point) == (State.RELEASED, PAYMENT_CREATED)
+    assert served.status_code == 201, served.text
+    assert retried.status_code == 201, retried.text
+    # One checkout per request ("a" twice: its 503 and its retry), never two at once.
+    assert (counts.taken[key], counts.most[key], counts.taken[other]) == (2, 1, 1)
+
+
+@pytest.mark.postgres
+@pytest.mark.anyio
+async def test_a_claim_the_pool_cannot_serve_records_nothing(pool_of_one: DemoService) -> None:
+    """A claim whose checkout times out is a 503 before anything is claimed; the retry runs."""
+    service, key = pool_of_one, f"k-{uuid.uuid4().hex[:8]}"
+    pool = shared_pool(service)
+    counts = Checkouts.of(pool)
+    async with in_process(service) as http:
+        async with pool.connection():  # someone else holds the one connection throughout
+            timeout, pool.timeout = pool.timeout, 0.05
+            refused = await asyncio.create_task(pay(http, key))
+            pool.timeout = timeout
+        record = await service.db.store.get("alice", key)
+        retried = await asyncio.create_task(pay(http, key))
+
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["type"].endswith("/store-unavailable")
+    assert "key store unavailable" in refused.json()["detail"]
+    assert record is None
+    assert retried.status_code == 201, retried.text
+    assert (counts.taken[key], counts.most[key]) == (2, 1)
 
 
 # --- stopped mid-load: SIGTERM and SIGKILL ----------------------------------------------------
