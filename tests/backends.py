@@ -754,6 +754,10 @@ class Rig:
     lost: type[BaseException] = Exception
     #: Undoes ``lose`` once the run is over (a lock held on the file, say).
     heal: Callable[[], None] = lambda: None
+    #: Holds the pool's one connection elsewhere until exit, a wait for it bounded by the
+    #: seconds given meanwhile; yields the error a checkout then meets (the pool's own
+    #: timeout). None: the store has no pool (SQLite).
+    crowd: Callable[[float], contextlib.AbstractAsyncContextManager[BaseException]] | None = None
 
     @property
     def single_commit(self) -> bool:
@@ -795,6 +799,42 @@ def rig_params(rigs: Iterable[tuple[str, str | None]]) -> list[Any]:
         pytest.param(kind, marks=getattr(pytest.mark, mark)) if mark else kind
         for kind, mark in rigs
     ]
+
+
+def crowding(
+    pool: Any, sync: bool, wait: str
+) -> Callable[[float], contextlib.AbstractAsyncContextManager[BaseException]]:
+    """:attr:`Rig.crowd` for ``pool`` of one connection, whose attribute ``wait`` bounds a
+    wait for it (``timeout``: psycopg_pool's; the MySQL stores' own pools: ``_timeout``)."""
+
+    async def checkout() -> None:
+        if sync:
+            with pool.connection():
+                return
+        async with pool.connection():
+            return
+
+    @contextlib.asynccontextmanager
+    async def crowd(seconds: float) -> AsyncIterator[BaseException]:
+        async with contextlib.AsyncExitStack() as held:
+            if sync:
+                held.enter_context(pool.connection())
+            else:
+                await held.enter_async_context(pool.connection())
+            bound = getattr(pool, wait)
+            setattr(pool, wait, seconds)
+            try:
+                try:
+                    await checkout()
+                except Exception as exc:  # the pool's own timeout error: what the test wants
+                    met = exc
+                else:
+                    raise AssertionError("the pool served a second connection")
+                yield met
+            finally:
+                setattr(pool, wait, bound)
+
+    return crowd
 
 
 @contextlib.asynccontextmanager
@@ -1020,6 +1060,9 @@ async def _sql_rig(
             notes,
             peek,
             StoreUnavailable,
+            crowd=crowding(
+                store.pool, sync, "timeout" if kind.startswith("postgres") else "_timeout"
+            ),
         )
     finally:
         await _close(store, sync)

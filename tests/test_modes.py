@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -38,6 +40,8 @@ import idemflow
 from idemflow import (
     AsyncAttempt,
     AsyncIdempotency,
+    Attempt,
+    Idempotency,
     InProgress,
     LeaseLost,
     Policy,
@@ -45,11 +49,13 @@ from idemflow import (
     State,
     StoreUnavailable,
 )
+from idemflow._async.edge import AsyncEdge
+from idemflow._sync.edge import Edge
 from idemflow.integrations.starlette import IdempotencyMiddleware, Idempotent
 from idemflow.stores.sqlite import AsyncSQLiteStore
 from idemflow.sweeper import AsyncSweeper, DidNotHappen
 from idemflow.testing import FrozenClock
-from tests.backends import NO_TRANSACTION_RIGS, open_rig, rig_params
+from tests.backends import NO_TRANSACTION_RIGS, Rig, open_rig, rig_params
 from tests.conftest import POSTGRES_URL
 from tests.factories import CREATED, psycopg_or_skip
 from tests.factories import uncorrelated_intent as intent
@@ -62,6 +68,8 @@ from tests.faults import (
 )
 from tests.http.conftest import assert_problem, new_key, serve
 from tests.sweeping import async_sweep_away
+from tests.test_phase_rules import transactional_modes
+from tests.test_sync_edge import request
 
 if TYPE_CHECKING:
     pass
@@ -404,8 +412,9 @@ async def test_single_commit_with_its_connection_gone_before_the_claim_runs_noth
     table_name: str,
 ) -> None:
     """The database connection a single-commit request would claim on is dead before the
-    claim: nothing is written and the handler never runs. (The error is the connection's
-    own: the claim is the first statement of the caller's transaction.)"""
+    claim: nothing is written and the handler never runs. Its BEGIN fails inside the
+    store's claim (the claim's first statement begins the transaction), so the store's
+    rule says what that means: StoreUnavailable, a 503."""
     psycopg = psycopg_or_skip()
     from idemflow.transactions import AsyncPsycopgTransaction
 
@@ -420,7 +429,7 @@ async def test_single_commit_with_its_connection_gone_before_the_claim_runs_noth
             idem = AsyncIdempotency(store, POLICY)
             async with await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as conn:
                 await terminate_own_session(conn)
-                with pytest.raises((StoreUnavailable, psycopg.OperationalError)):
+                with pytest.raises(StoreUnavailable):
                     await idem.run(
                         intent(),
                         handler,
@@ -431,6 +440,90 @@ async def test_single_commit_with_its_connection_gone_before_the_claim_runs_noth
 
     assert ran == []
     assert left is None
+
+
+def pooled_modes() -> list[Any]:
+    """The transactional modes on every store with a pool (SQLite has none)."""
+    return [mode for mode in transactional_modes() if not mode.values[0].startswith("sqlite")]
+
+
+async def respond(
+    rig: Rig, act: Callable[[Any], Any], key: str, *, single_commit: bool
+) -> Response:
+    """One request through the HTTP edge (the sync edge on a sync rig), in the rig's
+    transaction: the handler does ``act(attempt)``, then answers 201."""
+    assert rig.transaction is not None
+    if rig.sync:
+
+        def handler(attempt: Attempt) -> Response:
+            act(attempt)
+            return CREATED
+
+        edge = Edge(Idempotency(rig.store, POLICY))
+        return await asyncio.to_thread(
+            edge.respond,
+            request(key),
+            handler,
+            transaction=rig.transaction,
+            single_commit=single_commit,
+        )
+
+    async def ahandler(attempt: AsyncAttempt) -> Response:
+        done = act(attempt)
+        if inspect.isawaitable(done):
+            await done
+        return CREATED
+
+    aedge = AsyncEdge(AsyncIdempotency(rig.store, POLICY))
+    return await aedge.respond(
+        request(key), ahandler, transaction=rig.transaction, single_commit=single_commit
+    )
+
+
+@pytest.mark.parametrize(("kind", "single_commit"), pooled_modes())
+async def test_a_claim_the_pool_cannot_serve_is_503_but_the_handlers_own_timeout_is_its_own(
+    kind: str, single_commit: bool, tmp_path: Path, table_name: str
+) -> None:
+    """The pool's one connection (the store's and the requests') is held elsewhere past a
+    shortened wait: the claim's checkout times out. The edge answers what a claim on an
+    unreachable store answers, a 503 store-unavailable problem with Retry-After, the
+    handler not run, nothing recorded: with two commits the checkout is the one lent to
+    the claim, with one it is the claim's transaction's, and in both the store's rule
+    (``is_unavailable``) says what the pool's error means. The same error raised by the
+    handler (a checkout of its own) is the handler's: it propagates unchanged, the key
+    given back. The retry runs once."""
+    ran: list[str] = []
+
+    def charge(attempt: Any) -> Any:
+        ran.append(attempt.record.key)
+        return rig.write(attempt.connection, "charged")
+
+    async with open_rig(kind, table_name, tmp_path, transactional=True) as rig:
+        assert rig.crowd is not None
+        async with rig.crowd(0.05) as timed_out:
+            refused = await respond(rig, charge, "k-1", single_commit=single_commit)
+        left = rig.peek("k-1")
+
+        def own_timeout(attempt: Any) -> Any:
+            raise timed_out
+
+        with pytest.raises(type(timed_out)) as raised:
+            await respond(rig, own_timeout, "k-2", single_commit=single_commit)
+        given_back = rig.peek("k-2")
+        retried = await respond(rig, charge, "k-1", single_commit=single_commit)
+        notes = rig.notes()
+
+    assert refused.status == 503, refused
+    assert refused.header("content-type") == "application/problem+json"
+    assert refused.header("retry-after") is not None
+    problem = json.loads(refused.body)
+    assert problem["type"].endswith("/store-unavailable")
+    assert "key store unavailable" in problem["detail"]
+    assert left is None
+    assert raised.value is timed_out
+    assert given_back is expected_after_a_rollback(single_commit)
+    assert retried.status == 201
+    assert (ran, notes) == (["k-1"], ["charged"])
 
 
 # --- HTTP, transactional single-commit mode ----------------------------------------------

@@ -29,7 +29,7 @@ from .._flow import (
 from .._lease import new_lease_token
 from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response
 from ..stores.protocol import AsyncStore, AsyncTransaction
-from .transactions import AsyncCommitAfter
+from .transactions import AsyncBeginsOnFirstStatement, AsyncCommitAfter
 
 __all__ = ["AsyncAttempt", "AsyncHandler", "AsyncIdempotency"]
 
@@ -281,7 +281,15 @@ class _Performer:
                 step.intent, step.lease_token, now, expires_at, self._lender
             )
         else:
-            in_transaction = await self._begin() if self._single_commit else None
+            # One commit: the transaction begins with the claim's first statement, in the
+            # store's claim, whose rule then says what a pool timeout or a lost connection
+            # means (a 503), as in two-commit mode, where the store takes that checkout.
+            transaction = self._transaction if self._single_commit else None
+            in_transaction = (
+                None
+                if transaction is None
+                else AsyncBeginsOnFirstStatement(transaction, self._begin)
+            )
             claim = await store.claim(
                 step.intent, step.lease_token, now, expires_at, in_transaction
             )
@@ -352,13 +360,12 @@ class _Performer:
         if observer is not null_observer:  # nobody listens: not even a clock read
             observer(event, self._intent, self._idem.clock() - self._started)
 
-    async def _begin(self) -> AsyncTransaction | None:
+    async def _begin(self) -> None:
         if self._transaction is not None and not self._open:
             # Open from before the BEGIN: one that fails, or is cancelled, may still have
             # begun (SQLite's worker thread runs it anyway), so the error path rolls back.
             self._open = True
             await self._transaction.begin()
-        return self._transaction
 
     async def _end_with_commit(self) -> None:
         if self._transaction is None or not self._open:

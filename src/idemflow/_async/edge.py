@@ -165,11 +165,9 @@ class AsyncPooledTransaction:
         return None if self._inner is None else self._inner.connection
 
     async def begin(self) -> None:
-        if self._inner is None:
-            self._context = self._acquire()
-            self._inner = self._adapter(await self._context.__aenter__())
+        inner = await self._taken()
         try:
-            await self._inner.begin()
+            await inner.begin()
         except BaseException as exc:
             await self._give_up(exc)
             raise
@@ -206,10 +204,21 @@ class AsyncPooledTransaction:
         """
         if source != self._acquire:
             return None
-        if self._inner is None:
-            self._context = self._acquire()
-            self._inner = self._adapter(await self._context.__aenter__())
-        return self._inner.connection
+        inner = await self._taken()
+        return inner.connection
+
+    async def _taken(self) -> AsyncTransaction:
+        """The adapter on this transaction's connection, checked out now if none is yet."""
+        if self._inner is not None:
+            return self._inner
+        context = self._acquire()
+        # Kept only once it served a connection: a checkout that failed (a pool timeout)
+        # holds nothing to give back, and the MySQL stores' pools would give back a slot
+        # they never took.
+        connection = await context.__aenter__()
+        self._context = context
+        self._inner = inner = self._adapter(connection)
+        return inner
 
     async def aclose(self) -> None:
         """Give the connection back (if one was taken)."""

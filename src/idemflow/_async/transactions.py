@@ -8,12 +8,13 @@ from it by ``scripts/unasync.py``. Import the adapters from :mod:`idemflow.trans
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from ..stores.protocol import AsyncTransaction, CommitFailed, NotFused, Statement
 
 __all__ = [
+    "AsyncBeginsOnFirstStatement",
     "AsyncCommitAfter",
     "AsyncPsycopgTransaction",
     "AsyncSQLAlchemyTransaction",
@@ -238,6 +239,49 @@ class AsyncCommitAfter:
         await self._transaction.commit()
         if self._begin:
             await self._transaction.begin()
+
+
+class AsyncBeginsOnFirstStatement:
+    """The caller's transaction, for a single-commit claim: begun by its first statement.
+
+    The driver passes it to the store's ``claim``, so the ``BEGIN``, and the
+    checkout of a transaction that takes its connection only when it begins
+    (``AsyncPooledTransaction``), run inside the store's claim, where the store's
+    own rule (``is_unavailable``) says what their errors mean: a pool that
+    cannot serve the claim, or a connection gone, is ``StoreUnavailable``, a 503
+    with nothing recorded, as when two-commit mode lends the store that checkout.
+
+    Args:
+        transaction: the caller's transaction, not yet begun.
+        begin: begins it unless begun (the driver's, which knows whether it is open).
+    """
+
+    def __init__(self, transaction: AsyncTransaction, begin: Callable[[], Awaitable[None]]) -> None:
+        self._transaction = transaction
+        self._begin = begin
+
+    @property
+    def connection(self) -> Any:
+        return self._transaction.connection
+
+    async def begin(self) -> None:
+        await self._begin()
+
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        await self._begin()
+        return await self._transaction.execute(statement, params)
+
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        await self._begin()
+        return await self._transaction.fetchone(statement, params)
+
+    async def commit(self) -> None:
+        await self._transaction.commit()
+
+    async def rollback(self) -> None:
+        await self._transaction.rollback()
 
 
 # Result column names per statement text (they cannot change): psycopg builds

@@ -166,11 +166,9 @@ class PooledTransaction:
         return None if self._inner is None else self._inner.connection
 
     def begin(self) -> None:
-        if self._inner is None:
-            self._context = self._acquire()
-            self._inner = self._adapter(self._context.__enter__())
+        inner = self._taken()
         try:
-            self._inner.begin()
+            inner.begin()
         except BaseException as exc:
             self._give_up(exc)
             raise
@@ -207,10 +205,21 @@ class PooledTransaction:
         """
         if source != self._acquire:
             return None
-        if self._inner is None:
-            self._context = self._acquire()
-            self._inner = self._adapter(self._context.__enter__())
-        return self._inner.connection
+        inner = self._taken()
+        return inner.connection
+
+    def _taken(self) -> Transaction:
+        """The adapter on this transaction's connection, checked out now if none is yet."""
+        if self._inner is not None:
+            return self._inner
+        context = self._acquire()
+        # Kept only once it served a connection: a checkout that failed (a pool timeout)
+        # holds nothing to give back, and the MySQL stores' pools would give back a slot
+        # they never took.
+        connection = context.__enter__()
+        self._context = context
+        self._inner = inner = self._adapter(connection)
+        return inner
 
     def close(self) -> None:
         """Give the connection back (if one was taken)."""

@@ -15,6 +15,7 @@ from typing import Any
 from ..stores.protocol import Transaction, CommitFailed, NotFused, Statement
 
 __all__ = [
+    "BeginsOnFirstStatement",
     "CommitAfter",
     "PsycopgTransaction",
     "SQLAlchemyTransaction",
@@ -239,6 +240,49 @@ class CommitAfter:
         self._transaction.commit()
         if self._begin:
             self._transaction.begin()
+
+
+class BeginsOnFirstStatement:
+    """The caller's transaction, for a single-commit claim: begun by its first statement.
+
+    The driver passes it to the store's ``claim``, so the ``BEGIN``, and the
+    checkout of a transaction that takes its connection only when it begins
+    (``PooledTransaction``), run inside the store's claim, where the store's
+    own rule (``is_unavailable``) says what their errors mean: a pool that
+    cannot serve the claim, or a connection gone, is ``StoreUnavailable``, a 503
+    with nothing recorded, as when two-commit mode lends the store that checkout.
+
+    Args:
+        transaction: the caller's transaction, not yet begun.
+        begin: begins it unless begun (the driver's, which knows whether it is open).
+    """
+
+    def __init__(self, transaction: Transaction, begin: Callable[[], None]) -> None:
+        self._transaction = transaction
+        self._begin = begin
+
+    @property
+    def connection(self) -> Any:
+        return self._transaction.connection
+
+    def begin(self) -> None:
+        self._begin()
+
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        self._begin()
+        return self._transaction.execute(statement, params)
+
+    def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        self._begin()
+        return self._transaction.fetchone(statement, params)
+
+    def commit(self) -> None:
+        self._transaction.commit()
+
+    def rollback(self) -> None:
+        self._transaction.rollback()
 
 
 # Result column names per statement text (they cannot change): psycopg builds
