@@ -7,19 +7,14 @@ The hook is the demo's test-only ``IDEMFLOW_DEMO_CRASH_AT`` variable
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from tests.http.conftest import pg_url
 
-__all__ = ["database_url", "pg_url"]
+__all__ = ["backend", "pg_url"]
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def database_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
-    """None for the demo's embedded SQLite, else a PostgreSQL URL on a fresh schema."""
-    if request.param == "sqlite":
-        yield None
-    else:
-        yield request.getfixturevalue("pg_url")
+def backend(request: pytest.FixtureRequest) -> str:
+    """The demo's embedded SQLite, or PostgreSQL on a fresh schema (``pg_schema``)."""
+    return str(request.param)

@@ -7,22 +7,32 @@ restarts the demo on the same database and port, without the variable, and
 retries as a client would: honouring 409 + ``Retry-After`` until the demo's
 background sweeper has resolved the crashed claim. The request timeout is 1 s,
 so the stale threshold is 2 × 1 s + 10 s = 12 s.
+
+Most scenarios wait out that threshold, so they are *staged*: when the module
+starts, one background thread crashes and restarts each selected scenario's demo
+in turn (one at a time, so each restart follows its own crash as closely as when
+it ran alone, well before the threshold) and its client starts retrying in a
+thread of its own. Each test then takes its scenario's outcome and checks it; the
+thresholds run out together instead of one after another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.http.conftest import ALICE, Demo, run_demo
+from tests.http.conftest import ALICE, Demo, pg_schema, run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -95,13 +105,12 @@ def crash_once(
     tmp_path: Path, database_url: str | None, crash: Crash, key: str, body: dict[str, Any]
 ) -> str:
     """Start a demo that kills itself at ``crash.point``; send the payment; return the port."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("IDEMFLOW_DEMO_CRASH_AT", crash.point)  # the restart runs without it
-        with run_demo(tmp_path / "data", *FAST_RECOVERY, database_url=database_url) as doomed:
-            with doomed.client() as client, pytest.raises(httpx.TransportError):
-                post(client, key, body)
-            assert doomed.process.wait(10) == -signal.SIGKILL
-            return doomed.url.rsplit(":", 1)[1]
+    env = {"IDEMFLOW_DEMO_CRASH_AT": crash.point}  # the restart runs without it
+    with run_demo(tmp_path / "data", *FAST_RECOVERY, database_url=database_url, env=env) as doomed:
+        with doomed.client() as client, pytest.raises(httpx.TransportError):
+            post(client, key, body)
+        assert doomed.process.wait(10) == -signal.SIGKILL
+        return doomed.url.rsplit(":", 1)[1]
 
 
 def stale_reclaimed(demo: Demo) -> dict[str, float]:
@@ -141,44 +150,118 @@ def assert_same_as_live(demo: Demo, final: httpx.Response) -> None:
     assert final.content == json.dumps(shown, separators=(",", ":")).encode()
 
 
-def run_scenario(tmp_path: Path, database_url: str | None, crash: Crash) -> None:
-    key = f"crash-{uuid.uuid4().hex}"
-    body = {"amount": 1234, "currency": "EUR", "customer": f"{crash.customer}-{key}"}
-    port = crash_once(tmp_path, database_url, crash, key, body)
-    with run_demo(
-        tmp_path / "data", *FAST_RECOVERY, "--port", port, database_url=database_url
-    ) as demo:
-        attempts = retry_until_settled(demo, key, body)
-        later = [retry_until_settled(demo, key, body).final for _ in range(3)]
-        final = attempts.final
-        assert final.status_code == crash.status, final.text
-        assert (final.headers.get("idempotent-replayed") == "true") is crash.replayed
-        for again in later:
-            assert again.status_code == final.status_code
-            assert again.headers["idempotent-replayed"] == "true"
-            assert again.content == final.content
-        assert_charged_once(demo, crash, body, final.content)
-        if crash.status == 201:
-            assert_same_as_live(demo, final)
-        resolutions = stale_reclaimed(demo)
-        expected = {"completed": 0.0, "released": 0.0, "unknown": 0.0}
-        if crash.resolution is not None:
-            expected[crash.resolution] = 1.0
-            assert attempts.conflicts > 0  # the key was blocked until the sweeper came
-        assert resolutions == expected
-        assert demo.key_rows("alice", key) == [
-            ("completed" if crash.status == 201 else "failed_permanent", crash.status)
-        ]
+@dataclass
+class Scenario:
+    """One crash, its restarted demo, and its client retrying until the key settles."""
+
+    crash: Crash
+    key: str
+    body: dict[str, Any]
+    demo: Demo
+    attempts: Future[Attempts]
+    stack: contextlib.ExitStack  # its demo and its database: closed after its test
+
+
+def stage(crash: Crash, backend: str, tmp_path: Path, retries: ThreadPoolExecutor) -> Scenario:
+    """Crash, restart on the same database and port, and start the client's retries."""
+    stack = contextlib.ExitStack()
+    try:
+        database_url = stack.enter_context(pg_schema()) if backend == "postgresql" else None
+        key = f"crash-{uuid.uuid4().hex}"
+        body = {"amount": 1234, "currency": "EUR", "customer": f"{crash.customer}-{key}"}
+        port = crash_once(tmp_path, database_url, crash, key, body)
+        demo = stack.enter_context(
+            run_demo(tmp_path / "data", *FAST_RECOVERY, "--port", port, database_url=database_url)
+        )
+    except BaseException:
+        stack.close()
+        raise
+    attempts = retries.submit(retry_until_settled, demo, key, body)
+    return Scenario(crash, key, body, demo, attempts, stack)
+
+
+@dataclass
+class Stages:
+    """Every selected scenario, staged in test order by one background thread."""
+
+    futures: dict[tuple[Crash, str], Future[Scenario]] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def take(self, crash: Crash, backend: str) -> Iterator[Scenario]:
+        scenario = self.futures[crash, backend].result(timeout=60)
+        with scenario.stack:
+            yield scenario
+
+
+def _scenario_of(item: pytest.Item) -> tuple[Crash, str] | None:
+    function = getattr(item, "function", None)
+    if function is test_a_crash_after_a_declined_charge_replays_the_decline:
+        return DECLINED, "sqlite"
+    if function is test_a_crash_leaves_one_payment_one_charge_and_one_answer:
+        params = item.callspec.params  # type: ignore[attr-defined]
+        return params["crash"], params["backend"]
+    return None
+
+
+@pytest.fixture(scope="module")
+def stages(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stages]:
+    """Only the scenarios selected in this run are staged (``-k``, ``-m 'not postgres'``)."""
+    mine = [i for i in request.session.items if getattr(i, "module", None) is request.module]
+    selected = [found for item in mine if (found := _scenario_of(item)) is not None]
+    staged = Stages()
+    # One stager: a restart that waited behind other demos' start-ups could come
+    # after its claim's threshold, and its first retry would not see the 409.
+    with ThreadPoolExecutor(1) as stager, ThreadPoolExecutor(max(1, len(selected))) as retries:
+        for crash, backend in selected:
+            tmp = tmp_path_factory.mktemp(f"{crash.point}-{backend}")
+            staged.futures[crash, backend] = stager.submit(stage, crash, backend, tmp, retries)
+        try:
+            yield staged
+        finally:
+            for future in staged.futures.values():  # a scenario whose test did not take it
+                if not future.cancel() and future.exception() is None:
+                    scenario = future.result()
+                    with scenario.stack, contextlib.suppress(Exception):
+                        scenario.attempts.result()  # its demo stays up for its retries
+
+
+def check_scenario(scenario: Scenario) -> None:
+    crash, key, body, demo = scenario.crash, scenario.key, scenario.body, scenario.demo
+    attempts = scenario.attempts.result(timeout=SETTLE_WITHIN + 30)
+    later = [retry_until_settled(demo, key, body).final for _ in range(3)]
+    final = attempts.final
+    assert final.status_code == crash.status, final.text
+    assert (final.headers.get("idempotent-replayed") == "true") is crash.replayed
+    for again in later:
+        assert again.status_code == final.status_code
+        assert again.headers["idempotent-replayed"] == "true"
+        assert again.content == final.content
+    assert_charged_once(demo, crash, body, final.content)
+    if crash.status == 201:
+        assert_same_as_live(demo, final)
+    resolutions = stale_reclaimed(demo)
+    expected = {"completed": 0.0, "released": 0.0, "unknown": 0.0}
+    if crash.resolution is not None:
+        expected[crash.resolution] = 1.0
+        assert attempts.conflicts > 0  # the key was blocked until the sweeper came
+    assert resolutions == expected
+    assert demo.key_rows("alice", key) == [
+        ("completed" if crash.status == 201 else "failed_permanent", crash.status)
+    ]
 
 
 @pytest.mark.parametrize("crash", CRASHES, ids=[c.point for c in CRASHES])
 def test_a_crash_leaves_one_payment_one_charge_and_one_answer(
-    tmp_path: Path, database_url: str | None, crash: Crash
+    stages: Stages, backend: str, crash: Crash
 ) -> None:
     """Killed after the claim, after the charge, or after the commit: exactly once, same body."""
-    run_scenario(tmp_path, database_url, crash)
+    with stages.take(crash, backend) as scenario:
+        check_scenario(scenario)
 
 
-def test_a_crash_after_a_declined_charge_replays_the_decline(tmp_path: Path) -> None:
+def test_a_crash_after_a_declined_charge_replays_the_decline(stages: Stages) -> None:
     """The reconciler settles a declined charge as the same stored 402, and the row as declined."""
-    run_scenario(tmp_path, None, DECLINED)
+    with stages.take(DECLINED, "sqlite") as scenario:
+        check_scenario(scenario)

@@ -6,6 +6,7 @@ demo --port 0``), small apps in a uvicorn thread, both on 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import socket
 import sqlite3
@@ -14,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,15 +92,29 @@ def _read_lines(stream: Any, lines: queue.Queue[str]) -> None:
 
 
 @contextlib.contextmanager
-def run_demo(data_dir: Path, *args: str, database_url: str | None = None) -> Iterator[Demo]:
-    """Start ``idemflow demo`` on a free port; yield once it answers /healthz."""
+def run_demo(
+    data_dir: Path,
+    *args: str,
+    database_url: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[Demo]:
+    """Start ``idemflow demo`` on a free port; yield once it answers /healthz.
+
+    ``env``: variables added to the test process's own for this demo alone (a thread
+    may start one while another starts a demo without them)."""
     command = [sys.executable, "-m", "idemflow", "demo", "--port", "0", "--no-access-log"]
     command += ["--data-dir", str(data_dir), *args]
     if database_url:
         command += ["--database", database_url]
     log = data_dir.parent / f"{data_dir.name}.stderr"
     with log.open("w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=None if env is None else {**os.environ, **env},
+        )
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True)
     reader.start()
@@ -147,8 +162,8 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
         yield running
 
 
-@pytest.fixture
-def pg_url() -> Iterator[str]:
+@contextlib.contextmanager
+def pg_schema() -> Iterator[str]:
     """A PostgreSQL URL whose tables land in a fresh schema, dropped afterwards."""
     psycopg = pytest.importorskip("psycopg")
     schema = f"demo_{uuid.uuid4().hex[:12]}"
@@ -158,9 +173,18 @@ def pg_url() -> Iterator[str]:
     except psycopg.OperationalError as exc:
         unreachable("PostgreSQL", exc)
     separator = "&" if "?" in POSTGRES_URL else "?"
-    yield f"{POSTGRES_URL}{separator}options=-csearch_path%3D{schema}"
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    try:
+        yield f"{POSTGRES_URL}{separator}options=-csearch_path%3D{schema}"
+    finally:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL URL whose tables land in a fresh schema, dropped afterwards."""
+    with pg_schema() as url:
+        yield url
 
 
 @contextlib.contextmanager
