@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 
@@ -31,6 +32,18 @@ def unreachable(service: str, error: BaseException) -> None:
     if IN_CI:
         pytest.fail(message, pytrace=False)
     pytest.skip(message)
+
+
+T = TypeVar("T")
+
+
+def selected_in_module(
+    request: pytest.FixtureRequest, found: Callable[[pytest.Item], T | None]
+) -> list[T]:
+    """What ``found`` names in each test of the requesting module selected in this run
+    (``-k``, ``-m``), once each, in run order: what a module fixture stages."""
+    mine = [i for i in request.session.items if getattr(i, "module", None) is request.module]
+    return list(dict.fromkeys(f for item in mine if (f := found(item)) is not None))
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import selected_in_module
 from tests.http.conftest import ALICE, Demo, pg_schema, run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -208,8 +209,7 @@ def stages(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stages]:
     """Only the scenarios selected in this run are staged (``-k``, ``-m 'not postgres'``)."""
-    mine = [i for i in request.session.items if getattr(i, "module", None) is request.module]
-    selected = [found for item in mine if (found := _scenario_of(item)) is not None]
+    selected = selected_in_module(request, _scenario_of)
     staged = Stages()
     # One stager: a restart that waited behind other demos' start-ups could come
     # after its claim's threshold, and its first retry would not see the 409.

@@ -45,9 +45,11 @@ from unittest import mock
 
 import pytest
 
+from tests.conftest import selected_in_module
 from tests.integrations.test_wsgi_apps import (
     _MARKS,
     EXAMPLES,
+    PLAIN_HTTP,
     Shop,
     _django_shop,
     _env,
@@ -215,7 +217,8 @@ def _post(server: Server, key: str, principal: str, **headers: str) -> Any:
     sent = {"content-type": "application/json", "idempotency-key": key, "x-user": principal}
     sent.update({k.replace("_", "-"): v for k, v in headers.items()})
     url = server.shop.base + server.case.path
-    return httpx.post(url, content=b'{"amount": 10}', headers=sent, timeout=HOLD_LIMIT + 30)
+    body, timeout = b'{"amount": 10}', HOLD_LIMIT + 30
+    return httpx.post(url, content=body, headers=sent, timeout=timeout, verify=PLAIN_HTTP)
 
 
 @dataclass
@@ -375,11 +378,9 @@ def stages(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stages]:
     """Only the cases selected in this run are staged (``-k``, ``-m 'not mysql'``)."""
-    mine = [i for i in request.session.items if getattr(i, "module", None) is request.module]
-    selected = [case for item in mine if (case := _case_of(item)) is not None]
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(os.environ, SERVER_ENV))
-        staged = Stages(list(dict.fromkeys(selected)), tmp_path_factory)
+        staged = Stages(selected_in_module(request, _case_of), tmp_path_factory)
         stack.callback(staged.close)
         yield staged
 

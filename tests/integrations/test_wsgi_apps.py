@@ -3,10 +3,11 @@ The example apps under examples/, served by gunicorn (gthread workers) on 127.0.
 
 One server per (app, database): the Django shop on SQLite, PostgreSQL and
 MariaDB, the Flask shop on SQLite and PostgreSQL, each on a database created
-for the module. Every scenario uses a principal of its own, so the business
-rows it counts are its own. The Django shop protects four endpoints (a
-function view, a class-based view, a DRF action, the middleware); each
-scenario runs on every one of them.
+for the module. The servers the selected tests use are started when the module
+starts, two at a time (two cores), in the order the tests need them. Every
+scenario uses a principal of its own, so the business rows it counts are its own.
+The Django shop protects four endpoints (a function view, a class-based view, a
+DRF action, the middleware); each scenario runs on every one of them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,16 @@ pytest.importorskip("django")
 pytest.importorskip("flask_sqlalchemy")
 
 from tests.backends import MYSQL_URL  # noqa: E402
-from tests.conftest import POSTGRES_URL, unreachable  # noqa: E402
+from tests.conftest import POSTGRES_URL, selected_in_module, unreachable  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 DJANGO_PATHS = ["/payments", "/cbv/payments", "/drf/payments", "/mw/payments"]
 _LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+)")
+#: ``verify=`` for one-off httpx requests to these plain-HTTP loopback servers: there is
+#: no certificate to verify, and the default (True) loads the CA bundle for every
+#: request, some 40 ms of CPU each, more than the request itself.
+PLAIN_HTTP = False
 
 
 @dataclass
@@ -172,7 +177,7 @@ def _wait_ready(base: str, deadline: float) -> None:
     """Both workers booted: poll until requests are answered (a 404/405 is an answer)."""
     while time.monotonic() < deadline:
         try:
-            httpx.get(base + "/", timeout=2)
+            httpx.get(base + "/", timeout=2, verify=PLAIN_HTTP)
             return
         except httpx.TransportError:
             time.sleep(0.05)
@@ -208,28 +213,63 @@ def _flask_shop(vendor: str, tmp: Path, stack: contextlib.ExitStack) -> Shop:
 
 
 class Servers:
-    """The module's servers, started on first use, stopped when the module ends."""
+    """The module's servers, started ahead of use, stopped when the module ends."""
 
-    def __init__(self, tmp: pytest.TempPathFactory, stack: contextlib.ExitStack) -> None:
-        self._tmp, self._stack = tmp, stack
-        self._shops: dict[tuple[str, str], Shop] = {}
+    def __init__(self, tmp: pytest.TempPathFactory, wanted: list[tuple[str, str]]) -> None:
+        self._tmp = tmp
+        # Two at a time: more would only share the two cores, and each start-up must
+        # answer within its deadline on a loaded machine.
+        self._starter = ThreadPoolExecutor(max_workers=2)
+        self._lock = threading.Lock()
+        self._stacks: list[contextlib.ExitStack] = []
+        self._shops: dict[tuple[str, str], Future[Shop]] = {}
+        for app, vendor in wanted:  # in test order
+            self._submit(app, vendor)
 
     def get(self, app: str, vendor: str) -> Shop:
-        if (app, vendor) not in self._shops:
-            tmp = self._tmp.mktemp(f"{app}-{vendor}")
-            if app == "flask":
-                shop = _flask_shop(vendor, tmp, self._stack)
-            else:
-                atomic = app == "django-atomic"
-                shop = _django_shop(vendor, tmp, self._stack, atomic_requests=atomic)
-            self._shops[app, vendor] = shop
-        return self._shops[app, vendor]
+        return self._submit(app, vendor).result(timeout=300)
+
+    def close(self) -> None:
+        """Stop every server and drop its database, all at once."""
+        self._starter.shutdown(wait=True)
+        if self._stacks:
+            with ThreadPoolExecutor(max_workers=len(self._stacks)) as stopping:
+                list(stopping.map(contextlib.ExitStack.close, self._stacks))
+
+    def _submit(self, app: str, vendor: str) -> Future[Shop]:
+        with self._lock:
+            if (app, vendor) not in self._shops:
+                self._shops[app, vendor] = self._starter.submit(self._start, app, vendor)
+            return self._shops[app, vendor]
+
+    def _start(self, app: str, vendor: str) -> Shop:
+        stack = contextlib.ExitStack()
+        with self._lock:
+            self._stacks.append(stack)
+        tmp = self._tmp.mktemp(f"{app}-{vendor}")
+        if app == "flask":
+            return _flask_shop(vendor, tmp, stack)
+        return _django_shop(vendor, tmp, stack, atomic_requests=app == "django-atomic")
+
+
+def _server_of(item: pytest.Item) -> tuple[str, str] | None:
+    atomic_sqlite = test_sqlite_under_atomic_requests_protects_function_views_and_refuses_methods
+    if getattr(item, "function", None) is atomic_sqlite:
+        return "django-atomic", "sqlite"
+    callspec = getattr(item, "callspec", None)
+    endpoint = None if callspec is None else callspec.params.get("endpoint")
+    return None if endpoint is None else (endpoint[0], endpoint[1])
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    with contextlib.ExitStack() as stack:
-        yield Servers(tmp_path_factory, stack)
+def servers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Servers]:
+    started = Servers(tmp_path_factory, selected_in_module(request, _server_of))
+    try:
+        yield started
+    finally:
+        started.close()
 
 
 @dataclass
@@ -250,7 +290,8 @@ class Endpoint:
         if principal is not None:
             sent["x-user"] = principal
         sent.update({k.replace("_", "-"): v for k, v in headers.items()})
-        return httpx.post(self.shop.base + self.path, content=body, headers=sent, timeout=30)
+        url = self.shop.base + self.path
+        return httpx.post(url, content=body, headers=sent, timeout=30, verify=PLAIN_HTTP)
 
 
 _MARKS = {"sqlite": (), "postgres": (pytest.mark.postgres,), "mysql": (pytest.mark.mysql,)}
