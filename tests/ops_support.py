@@ -94,7 +94,7 @@ def metrics_endpoint(registry: CollectorRegistry) -> Iterator[Callable[[], Sampl
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
     url = f"http://127.0.0.1:{server.server_port}/metrics"
     try:
-        with httpx.Client(timeout=10) as client:
+        with httpx.Client(timeout=10, verify=False) as client:
 
             def scrape() -> Samples:
                 reply = client.get(url)

@@ -64,7 +64,9 @@ def query(url: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
 
 def pay(base: str, key: str) -> httpx.Response:
     headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
-    return httpx.post(base + "/payments", content=b'{"amount": 1000}', headers=headers, timeout=30)
+    return httpx.post(
+        base + "/payments", content=b'{"amount": 1000}', headers=headers, timeout=30, verify=False
+    )
 
 
 @pytest.mark.parametrize("crash_at", ["raised", "answer"])

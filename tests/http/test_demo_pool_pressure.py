@@ -127,7 +127,7 @@ def new_http(url: str) -> httpx.AsyncClient:
     limits = httpx.Limits(
         max_connections=KEYS + 10, max_keepalive_connections=KEYS + 10, keepalive_expiry=2.0
     )
-    return httpx.AsyncClient(base_url=url, timeout=30, limits=limits)
+    return httpx.AsyncClient(base_url=url, timeout=30, limits=limits, verify=False)
 
 
 @contextlib.contextmanager

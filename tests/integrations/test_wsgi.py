@@ -66,7 +66,7 @@ class Served:
             headers["Authorization"] = f"Bearer {user}"
         if key is not None:
             headers["Idempotency-Key"] = key
-        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30, verify=False)
 
     def record(self, principal: str, key: str) -> Record | None:
         return self.store.get(principal, key)
@@ -248,7 +248,9 @@ def test_fifty_parallel_identical_posts_write_one_row(served: Served) -> None:
     barrier = threading.Barrier(50)
     limits = httpx.Limits(max_connections=50, max_keepalive_connections=50)
     headers = {"Authorization": "Bearer alice", "Idempotency-Key": key}
-    with httpx.Client(base_url=served.url, headers=headers, timeout=30, limits=limits) as client:
+    with httpx.Client(
+        base_url=served.url, headers=headers, timeout=30, limits=limits, verify=False
+    ) as client:
 
         def post(_: int) -> httpx.Response:
             barrier.wait(DEADLINE_SECONDS)
@@ -460,7 +462,10 @@ def test_one_app_mounted_twice_is_two_endpoints(tmp_path: Path) -> None:
 
     key = new_key()
     try:
-        with wsgiref_server(authenticated(dispatcher)) as url, httpx.Client(base_url=url) as client:
+        with (
+            wsgiref_server(authenticated(dispatcher)) as url,
+            httpx.Client(base_url=url, verify=False) as client,
+        ):
             headers = {"Idempotency-Key": key}
             eu = client.post("/eu/payments", content=b"{}", headers=headers)
             again = client.post("/eu/payments", content=b"{}", headers=headers)
@@ -536,7 +541,7 @@ def test_a_body_over_the_stored_limit_runs_to_its_end_is_closed_and_settles_a_ma
     events: list[str] = []
     key = new_key()
     with protected_by_wsgiref(tmp_path, streaming_app(events)) as (url, store):
-        with httpx.Client(base_url=url, headers={"Idempotency-Key": key}) as client:
+        with httpx.Client(base_url=url, headers={"Idempotency-Key": key}, verify=False) as client:
             first = client.post("/export")
             again = client.post("/export")
         record = store.get("carol", key)
@@ -553,7 +558,7 @@ def test_an_iterable_that_fails_mid_body_is_closed_and_its_key_released(tmp_path
     events: list[str] = []
     key = new_key()
     with protected_by_wsgiref(tmp_path, streaming_app(events, fail=True)) as (url, store):
-        with httpx.Client(base_url=url, headers={"Idempotency-Key": key}) as client:
+        with httpx.Client(base_url=url, headers={"Idempotency-Key": key}, verify=False) as client:
             failed = client.post("/export")
         record = store.get("carol", key)
     assert failed.status_code == 500  # wsgiref's own error page: the exception reached it
@@ -615,7 +620,9 @@ def test_an_empty_idempotency_key_is_a_400_empty_not_a_missing_key(tmp_path: Pat
         return [b"made"]
 
     with protected_by_wsgiref(tmp_path, app) as (url, _):
-        refused = httpx.post(url + "/export", content=b"x", headers={"Idempotency-Key": ""})
+        refused = httpx.post(
+            url + "/export", content=b"x", headers={"Idempotency-Key": ""}, verify=False
+        )
     body = assert_problem(refused, 400, "invalid-key")
     assert "empty" in body["detail"]
     assert events == []
