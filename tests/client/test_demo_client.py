@@ -5,8 +5,8 @@ Every test puts a recording relay (``tests/client/recording.py``) between the
 client and the demo: it sees each request as the server receives it, so
 "one key per operation" and "never a second body under one key" are checked
 on what was actually sent, not on what the client says it did. The provider
-fails half its calls (``--provider-failure-rate 0.5``), so operations need
-retries; the kill test SIGKILLs the demo mid-request and restarts it on the
+fails a quarter of its calls (``--provider-failure-rate 0.25``), so operations
+need retries; the kill test SIGKILLs the demo mid-request and restarts it on the
 same port while one client call is still retrying.
 """
 
@@ -40,8 +40,14 @@ from idemflow.client import (
 from tests.client.recording import Recorded, RecordingRelay, recording_relay
 from tests.http.conftest import ALICE, Demo, run_demo
 
-#: Enough operations that some surely meet the failing provider (each does with p = 1/2).
-OPERATIONS = 16
+#: The flaky demo's provider fails this share of calls, each failure costing its
+#: operation a ``Retry-After: 1`` wait: a test lasts about as many seconds as its
+#: longest run of failures. A quarter, not a half: that run is ~2.6 calls long
+#: over 40 operations, not ~4.4 over 16.
+FAILURE_RATE = 0.25
+#: Enough operations that some surely meet the failing provider: none does with
+#: probability 0.75 ** 40 ≈ 1e-5 (as 0.5 ** 16 did at half the calls failing).
+OPERATIONS = 40
 #: The demo's 503s say ``Retry-After: 1``; backing off further than that only costs test time.
 POLICY = RetryPolicy(max_backoff=1)
 
@@ -57,10 +63,10 @@ class Final:
 
 @pytest.fixture(scope="module")
 def flaky(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Demo, RecordingRelay]]:
-    """The demo with a provider failing half its calls, behind a recording relay."""
+    """The demo with a provider failing a quarter of its calls, behind a recording relay."""
     data = tmp_path_factory.mktemp("flaky") / "data"
     with (
-        run_demo(data, "--provider-failure-rate", "0.5") as demo,
+        run_demo(data, "--provider-failure-rate", f"{FAILURE_RATE:g}") as demo,
         recording_relay(port_of(demo.url)) as relay,
     ):
         yield demo, relay
@@ -175,7 +181,7 @@ def assert_charged_once(demo: Demo, finals: Sequence[Final]) -> None:
 def test_a_failing_provider_still_charges_every_operation_once(
     flaky: tuple[Demo, RecordingRelay], runner: str
 ) -> None:
-    """Provider failing 50 %: every operation ends 201, charged once, one key, one body."""
+    """Provider failing 25 %: every operation ends 201, charged once, one key, one body."""
     demo, relay = flaky
     customers = [f"client-{runner}-{uuid.uuid4().hex[:8]}-{i}" for i in range(OPERATIONS)]
     finals = RUNNERS[runner](relay.url, customers)

@@ -270,24 +270,34 @@ def claimed(demo: Demo, key: str) -> bool | None:
 
 
 def test_sigterm_during_a_slow_request_lets_it_finish(tmp_path: Path) -> None:
-    """A 6 s provider call under a 7 s request timeout: SIGTERM mid-call, the 201 still comes."""
-    flags = ("--provider-latency-ms", "6000", "--request-timeout", "7", "--sweep-every", "off")
+    """A 3 s provider call under a 5 s request timeout: SIGTERM mid-call, the 201 still comes.
+
+    3 s leave the test room to see the claim and signal while the call runs;
+    the 2 s more of timeout keep a loaded machine's slow call from timing out.
+    """
+    flags = ("--provider-latency-ms", "3000", "--request-timeout", "5", "--sweep-every", "off")
     with run_demo(tmp_path / "data", *flags) as demo:
         key, customer = new_key(), f"slow-{new_key()}"
         answers: list[httpx.Response | BaseException] = []
+        signalled = threading.Event()
+        answered_after_signal: list[bool] = []
 
         def send() -> None:
             try:
                 answers.append(post(demo, key, body_for(customer)))
             except httpx.HTTPError as exc:
                 answers.append(exc)
+            answered_after_signal.append(signalled.is_set())
 
         sender = threading.Thread(target=send)
         sender.start()
         poll("the claim", lambda: claimed(demo, key), within=10, every=0.05)
+        signalled.set()
         demo.process.send_signal(signal.SIGTERM)
         sender.join(30)
         assert demo.process.wait(30) == -signal.SIGTERM
+        # The request was still running when SIGTERM came: else this proves nothing.
+        assert answered_after_signal == [True]
         (answer,) = answers
         assert isinstance(answer, httpx.Response), answer
         assert answer.status_code == 201, answer.text
