@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import subprocess
 import sys
 from collections.abc import Callable
@@ -263,6 +264,47 @@ def test_the_demo_refuses_single_commit_on_sqlite(capsys: pytest.CaptureFixture[
         main(["demo", "--claim-commit", "single", "--port", "0", "--data-dir", "/nonexistent"]) == 1
     )
     assert "--claim-commit single needs PostgreSQL" in capsys.readouterr().err
+
+
+class SlowRestart:
+    """A demo killed and restarted: the clients' deadline (on the loop's clock) while it starts."""
+
+    url = "http://demo"
+
+    def __init__(self, deadline: Callable[[], float]) -> None:
+        self.deadline = deadline
+        self.kills = self.incarnation = 0
+        self.killed_at = self.ready_at = self.deadline_mid_start = 0.0
+
+    async def kill(self) -> None:
+        self.kills += 1
+        self.killed_at = asyncio.get_running_loop().time()
+
+    async def start(self) -> None:
+        self.deadline_mid_start = self.deadline()
+        self.ready_at = asyncio.get_running_loop().time()
+
+
+@pytest.mark.anyio
+async def test_no_client_gives_up_while_the_demo_restarts() -> None:
+    """Mid-restart the clients wait as long as a start may take; after, settle_seconds more."""
+    from idemflow_demo.storm.run import _Storm
+    from idemflow_demo.storm.server import STARTUP_SECONDS
+
+    config = StormConfig(keys=1, kill_every=0.01, min_kills=1, settle_for=5.0)
+    storm: Any = None
+    server = SlowRestart(lambda: float(storm.deadline.at))
+    servers: list[Any] = [server]  # stands in for a DemoProcess
+    storm = _Storm(config, [plan(0)], servers, random.Random(1), lambda line: None)
+    metrics = httpx.MockTransport(lambda request: httpx.Response(200, text=""))
+    async with httpx.AsyncClient(base_url=server.url, transport=metrics) as http:
+        storm.https = [http]
+        await storm._kill_loop(0.01, attack_end=0.0)
+    assert server.kills == 1
+    # Not 5 s from the kill: a slow start (a loaded machine) would eat them.
+    assert server.deadline_mid_start >= server.killed_at + STARTUP_SECONDS + 5
+    # Then 5 s from when the demo is back, no longer the start's allowance.
+    assert server.ready_at + 5 <= storm.deadline.at < server.ready_at + STARTUP_SECONDS
 
 
 # --- real storms ----------------------------------------------------------------------------

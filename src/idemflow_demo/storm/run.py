@@ -41,7 +41,7 @@ import httpx
 from .clients import Deadline, KeyTally, new_client, send_payment
 from .config import KeyPlan, StormConfig, plan_keys
 from .network import FaultyLink, LinkFaults
-from .server import DemoProcess
+from .server import STARTUP_SECONDS, DemoProcess
 from .service import MetricsTally, read_ledger
 from .verdict import Verdict, judge
 
@@ -272,7 +272,8 @@ class _Storm:
 
         Kills stop at the end of the window or once every client is done,
         unless fewer than ``min_kills`` happened (a slow machine restarts
-        slowly): then they go on, and the clients' deadline moves with them.
+        slowly): then they go on, and the clients' deadline moves with them,
+        to ``settle_seconds`` past the last restart (:meth:`_restart`).
         """
         loop = asyncio.get_running_loop()
         last_kill = loop.time()
@@ -288,8 +289,22 @@ class _Storm:
             await self.metrics.scrape(self.https[index], self._incarnation(index), timeout=1.0)
             await server.kill()
             last_kill = loop.time()
-            self.deadline.extend_to(last_kill + self.config.settle_seconds)
-            await server.start()
+            await self._restart(server)
+
+    async def _restart(self, server: DemoProcess) -> None:
+        """Start ``server`` again; the clients' time to settle runs from when it is back.
+
+        No client gives up while it restarts: a restart slowed by a loaded
+        machine (measured: up to 60 s before /healthz answered, with the
+        storm's clients crowding the new demo) must not eat the time its
+        orphaned claims need to be swept (keys then went unresolved).
+        """
+        loop = asyncio.get_running_loop()
+        settle = self.config.settle_seconds
+        before = self.deadline.at
+        self.deadline.extend_to(loop.time() + STARTUP_SECONDS + settle)
+        await server.start()  # within STARTUP_SECONDS, or the storm cannot run
+        self.deadline.at = max(before, loop.time() + settle)
 
     async def _partition_loop(self, every: float, attack_end: float) -> None:
         """Partition a database link at random moments ~``every`` apart, within the window.
