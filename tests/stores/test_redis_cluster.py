@@ -163,6 +163,33 @@ def test_records_and_indexes_land_on_every_master_and_the_sweeper_reaches_them(
     assert (record.state, record.recovery_point) == (State.COMPLETED, "charged")
 
 
+def _keys_asked(store: RedisStore) -> int:
+    """How many ``COMMAND GETKEYS`` every master has answered so far."""
+    infos = store.client.info("commandstats", target_nodes=RedisCluster.ALL_NODES)
+    return sum(info.get("cmdstat_command|getkeys", {}).get("calls", 0) for info in infos.values())
+
+
+def test_a_walk_over_the_buckets_names_each_script_s_node_and_asks_none(
+    cluster_store: RedisStore,
+) -> None:
+    """The sweeper's walk (a one-key script per bucket, pipelined per node) names each
+    command's node: no node is asked ``COMMAND GETKEYS`` for it (1024 round trips a walk)."""
+    clock = FrozenClock()
+    for n in range(6):
+        cluster_store.claim(Intent("alice", f"crash-{n}", "fp"), f"l-{n}", clock(), clock() + 60)
+    clock.advance(POLICY.stale_seconds + 1)
+    asked = _keys_asked(cluster_store)
+
+    cutoff = clock() - POLICY.stale_seconds
+    due = cluster_store.next_due(State.IN_PROGRESS, cutoff, clock())
+    assert due is not None
+    assert due < 0  # a pass is due
+    report = Sweeper(cluster_store, POLICY, clock=clock).sweep_once()
+
+    assert report.released == 6
+    assert _keys_asked(cluster_store) == asked
+
+
 def test_a_settling_write_purges_its_bucket_on_the_node_of_that_bucket(
     cluster_store: RedisStore,
 ) -> None:
@@ -312,7 +339,9 @@ def test_a_cluster_that_refuses_the_cross_slot_boot_is_told_its_boot_bucket_by_b
     )
     refused = {**store._boot_scripts, "node": "#!lua flags=no-such-flag\nreturn 1"}
     store._boot_scripts = refused
+    asked = _keys_asked(store)
     store.start()
+    assert _keys_asked(store) == asked  # each script named its node
     epochs = [store.layout.epoch_key(bucket) for bucket in range(store.layout.buckets)]
     values = [store.client.get(epoch) for epoch in epochs]
     runs = {

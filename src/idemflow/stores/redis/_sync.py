@@ -184,9 +184,7 @@ class RedisStore(RedisObservable):
         the client last looked), once per bucket: slower (an ``INFO`` each),
         never wrong.
         """
-        initialize = getattr(self.client, "initialize", None)
-        if initialize is not None:  # redis.asyncio's cluster client learns its slots lazily
-            initialize()
+        self._learn_slots()
         served: dict[str, list[bytes]] = {}
         for epoch in epochs:
             served.setdefault(self.client.get_node_from_key(epoch).name, []).append(epoch)
@@ -200,7 +198,8 @@ class RedisStore(RedisObservable):
         except self._response_error:
             pipe = self.client.pipeline(transaction=False)
             for epoch in epochs:  # one slot per script: routed by its one key
-                pipe.execute_command("EVAL", self._boot_scripts["keys"], 1, epoch, *argv)
+                lua = self._boot_scripts["keys"]
+                pipe.execute_command("EVAL", lua, 1, epoch, *argv, **self._route(epoch))
             pipe.execute()
 
     def _persistence(self) -> list[dict[str, Any]]:
@@ -367,6 +366,8 @@ class RedisStore(RedisObservable):
         self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
     ) -> list[Any]:
         """One pipelined round trip: a one-key script on one index of each bucket."""
+        if self._cluster:
+            self._learn_slots()  # _each names each command's node
         try:
             return list(self._each(script, chunk, index, argv).execute())
         except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts, once more
@@ -379,8 +380,24 @@ class RedisStore(RedisObservable):
             # execute_command: redis-py's cluster pipeline refuses its evalsha()
             # method, yet routes the command itself by its one key (one slot).
             name = self.layout.indexes(bucket)[index]
-            pipe.execute_command("EVALSHA", self._shas[script], 1, name, *argv)
+            pipe.execute_command("EVALSHA", self._shas[script], 1, name, *argv, **self._route(name))
         return pipe
+
+    def _route(self, key: bytes) -> dict[str, Any]:
+        """A pipelined one-key script's node, named (on a cluster, once its slots are known).
+
+        Left to find it, redis-py's sync cluster pipeline (8.x) first asks a node
+        ``COMMAND GETKEYS``, one round trip per command: a walk of the 1024 buckets
+        took 1024 of them. A MOVED reply is still followed.
+        """
+        return {"target_nodes": self.client.get_node_from_key(key)} if self._cluster else {}
+
+    def _learn_slots(self) -> None:
+        """redis.asyncio's cluster client learns its slots lazily: before a key's node is
+        looked up (at once when known; the sync client learns them when it is made)."""
+        initialize = getattr(self.client, "initialize", None)
+        if initialize is not None:
+            initialize()
 
     def _fenced(self, script: str, record: Record, args: list[Any]) -> bool:
         keys = self.layout.keys(record.principal, record.key)
