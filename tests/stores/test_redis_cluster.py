@@ -24,7 +24,7 @@ from tests._redis_cluster import (
     shared_cluster,
     valkey_server,
 )
-from tests.backends import redis_client
+from tests.backends import delete_prefixed, redis_client
 from tests.conftest import unreachable
 from tests.stores._race import Recorder, assert_exactly_once, race_processes, race_threads
 
@@ -77,8 +77,7 @@ def cluster_store(server: str, table_name: str) -> Iterator[RedisStore]:
     # The test clusters keep nothing on disk: acknowledged.
     store = RedisStore(client, prefix=table_name, clock="caller", allow_volatile=True)
     yield store
-    for key in store.client.scan_iter(match=f"{table_name}:*"):
-        store.client.delete(key)
+    delete_prefixed(store.client, table_name)
     store.close()
 
 
