@@ -79,19 +79,29 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple[Event, Intent]] = []
         self.resolutions: list[tuple[str, str]] = []
+        #: (key, resolution): the sweeper calls the hook right after the event, in its thread.
+        self.outcomes: list[tuple[str, str]] = []
         self._lock = threading.Lock()
+        self._last = threading.local()
 
     def __call__(self, event: Event, intent: Intent, elapsed: float) -> None:
+        self._last.key = intent.key
         with self._lock:
             self.events.append((event, intent))
 
     def stale_reclaimed(self, resolution: str, endpoint: str) -> None:
         with self._lock:
             self.resolutions.append((resolution, endpoint))
+            self.outcomes.append((self._last.key, resolution))
 
     def keys(self) -> Counter[str]:
         with self._lock:
             return Counter(i.key for e, i in self.events if e is Event.STALE_RECLAIMED)
+
+    def settled(self) -> Counter[str]:
+        """Each key's resolutions other than "unknown" (which leaves the record stale)."""
+        with self._lock:
+            return Counter(key for key, resolution in self.outcomes if resolution != "unknown")
 
 
 class Answers:
@@ -791,36 +801,53 @@ def transactions_for(spec: tuple[str, tuple[Any, ...]]) -> Callable[[], Any]:
     return sqlite_transaction if kind == "sqlite" else postgres_transaction
 
 
-MANY = 200
+#: Records and batch for the sweeper threads: every sweeper holds a batch at once
+#: (their reconciler waits for all four), then they race for the rest.
+MANY, BATCH = 40, 5
 
 
 def test_parallel_sweeper_threads_resolve_each_record_exactly_once(
     backend: Backend, clock: FrozenClock
 ) -> None:
-    """Four sweepers in threads over 200 stale records: 200 resolutions, one per record.
+    """Four sweepers in threads over 40 stale records: 40 resolutions, one per record.
 
-    InnoDB may pick a settle's transaction as a deadlock victim: that record
-    stays stale (counted unknown) and one more pass resolves it, never twice.
+    Each sweeper's first answer waits until all four hold a marked batch, so they
+    contend for the records left. InnoDB may pick a settle's transaction as a
+    deadlock victim: that record stays stale (counted unknown) and a pass once it
+    is due again resolves it, never twice.
     """
     for n in range(MANY):
         crash_after_claim(backend, clock, f"k-{n}")
     clock.advance(STALE + 1)
     recorder = Recorder()
-    start = threading.Barrier(4)
+    start, together = threading.Barrier(4), threading.Barrier(4, timeout=60)
+    answer = _BusinessAnswer(backend.write if backend.transactional else None)
 
-    def sweeper() -> Sweeper:
+    def meeting_the_others() -> Reconciler:
+        waited = False
+
+        def reconcile(record: Record, downstream_keys: Mapping[str, str]) -> Answer:
+            nonlocal waited
+            if not waited:
+                waited = True
+                together.wait()  # every sweeper has marked a batch of its own
+            return answer(record, downstream_keys)
+
+        return reconcile
+
+    def sweeper(reconciler: Reconciler = answer) -> Sweeper:
         return Sweeper(
             backend.store,
             POLICY,
-            reconciler=_BusinessAnswer(backend.write if backend.transactional else None),
+            reconciler=reconciler,
             transaction_factory=backend.open_transaction,
             clock=clock,
-            batch_size=10,
+            batch_size=BATCH,
             observer=recorder,
         )
 
     def sweep() -> SweepReport:
-        one = sweeper()
+        one = sweeper(meeting_the_others())
         start.wait()
         return one.sweep_once()
 
@@ -829,15 +856,19 @@ def test_parallel_sweeper_threads_resolve_each_record_exactly_once(
         thread.join(120)
     reports = [results[0] for _, results in threads]
     assert all(isinstance(r, SweepReport) for r in reports), reports
+    assert not together.broken  # the four did meet, each with records of its own
+    assert all(r.resolved >= 1 for r in reports), reports
     left_stale = sum(r.unknown for r in reports)
     if not backend.name.startswith(("mysql", "galera")):
         assert left_stale == 0  # only InnoDB's deadlock victims may be left for a later pass
+    clock.advance(STALE + 1)  # a stale record is marked again once retry_unknown_after passed
     then = sweeper().sweep_once()
 
     assert then.completed == left_stale
     assert sum(r.completed for r in reports) + then.completed == MANY
     assert sum(r.lost for r in reports) + then.lost == 0
-    assert recorder.keys() == Counter({f"k-{n}": 1 for n in range(MANY)})
+    assert recorder.settled() == Counter({f"k-{n}": 1 for n in range(MANY)})
+    assert recorder.keys().total() == MANY + left_stale  # plus one "unknown" per victim
     if backend.transactional:  # one business row per record, each with its settle
         assert backend.count() == MANY
 
