@@ -801,8 +801,8 @@ def transactions_for(spec: tuple[str, tuple[Any, ...]]) -> Callable[[], Any]:
     return sqlite_transaction if kind == "sqlite" else postgres_transaction
 
 
-#: Records and batch for the sweeper threads: every sweeper holds a batch at once
-#: (their reconciler waits for all four), then they race for the rest.
+#: Records and batch for the racing sweepers (threads, processes): every sweeper holds a
+#: batch at once (its reconciler's first answer waits for the others), then they race.
 MANY, BATCH = 40, 5
 
 
@@ -877,18 +877,30 @@ def _sweep_in_child(
     spec: tuple[str, tuple[Any, ...]],
     now: float,
     start: Any,
+    together: Any,
     results: Any,
 ) -> None:
-    """One sweeper process (spawned): its own store, connections and reconciler."""
+    """One sweeper process (spawned): its own store, connections and reconciler, whose
+    first answer waits until every sweeper process holds a marked batch."""
     kind, args = spec
     store: Any = _open_store(spec)
+    answer = _BusinessAnswer(write_note(kind, args[1]))
+    waited = False
+
+    def reconcile(record: Record, downstream_keys: Mapping[str, str]) -> Answer:
+        nonlocal waited
+        if not waited:
+            waited = True
+            together.wait(60)  # raises if the others never came: counted unknown
+        return answer(record, downstream_keys)
+
     sweeper = Sweeper(
         store,
         POLICY,
-        reconciler=_BusinessAnswer(write_note(kind, args[1])),
+        reconciler=reconcile,
         transaction_factory=transactions_for(spec),
         clock=lambda: now,
-        batch_size=10,
+        batch_size=BATCH,
     )
     start.wait(60)
     try:
@@ -912,17 +924,19 @@ def _open_store(spec: tuple[str, tuple[Any, ...]]) -> Any:
 def test_parallel_sweeper_processes_resolve_each_record_exactly_once(
     transactional: Backend, clock: FrozenClock
 ) -> None:
-    """Three sweeper processes over 300 stale records: each resolved, and its row written, once."""
+    """Three sweeper processes over 40 stale records, each holding a batch before any
+    answers: each record resolved, and its row written, once."""
     if transactional.spec[0] not in ("sqlite", "postgres"):
         pytest.skip(f"{transactional.name}: the child processes speak SQLite and PostgreSQL")
-    total = 300
+    total = MANY
     for n in range(total):
         crash_after_claim(transactional, clock, f"k-{n}")
     clock.advance(STALE + 1)
     context = multiprocessing.get_context("spawn")
-    start, results = context.Barrier(3), context.Queue()
+    start, together, results = context.Barrier(3), context.Barrier(3), context.Queue()
+    spec = transactional.spec
     children = [
-        context.Process(target=_sweep_in_child, args=(transactional.spec, clock(), start, results))
+        context.Process(target=_sweep_in_child, args=(spec, clock(), start, together, results))
         for _ in range(3)
     ]
     for child in children:
@@ -932,6 +946,7 @@ def test_parallel_sweeper_processes_resolve_each_record_exactly_once(
         child.join(30)
 
     assert [child.exitcode for child in children] == [0, 0, 0]
+    assert all(r.completed >= 1 for r in reports), reports  # all three met, each with records
     assert sum(r.completed for r in reports) == total
     assert sum(r.lost for r in reports) == 0
     assert business_notes(transactional.spec) == Counter({f"k-{n}": 1 for n in range(total)})
