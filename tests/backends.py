@@ -762,9 +762,10 @@ class Rig:
     lost: type[BaseException] = Exception
     #: Undoes ``lose`` once the run is over (a lock held on the file, say).
     heal: Callable[[], None] = lambda: None
-    #: Holds the pool's one connection elsewhere until exit, a wait for it bounded by the
-    #: seconds given meanwhile; yields the error a checkout then meets (the pool's own
-    #: timeout). None: the store has no pool (SQLite).
+    #: Holds the one connection of the transaction's pool (the store's, unless the rig was
+    #: opened with ``app_pool``) elsewhere until exit, a wait for it bounded by the seconds
+    #: given meanwhile; yields the error a checkout then meets (the pool's own timeout).
+    #: None: the store has no pool (SQLite).
     crowd: Callable[[float], contextlib.AbstractAsyncContextManager[BaseException]] | None = None
 
     @property
@@ -847,27 +848,46 @@ def crowding(
 
 @contextlib.asynccontextmanager
 async def open_rig(
-    kind: str, table: str, tmp_path: Path, *, transactional: bool, pool_size: int = 1
+    kind: str,
+    table: str,
+    tmp_path: Path,
+    *,
+    transactional: bool,
+    pool_size: int = 1,
+    app_pool: bool = False,
 ) -> AsyncIterator[Rig]:
-    """The store ``kind`` names on a pool of ``pool_size`` that requests share, clock="caller"."""
-    openers = {
+    """The store ``kind`` names on a pool of ``pool_size`` that requests share, clock="caller".
+
+    ``app_pool`` (PostgreSQL and MySQL): the request's transaction takes its connection
+    from a pool of its own instead (a second store's, of ``pool_size``), as an application
+    with a pool apart from the key store's: no claim runs on a connection it lends.
+    """
+    pooled = {
         "postgres": _postgres_rig,
         "postgres-sync": _postgres_rig,
         "mysql": _mysql_rig,
         "mysql-sync": _mysql_rig,
+    }
+    openers = {
         "sqlite": _sqlite_rig,
         "sqlite-sync": _sqlite_rig,
         "redis": _redis_rig,
         "redis-sync": _redis_rig,
         "memory": _memory_rig,
     }
-    async with openers[kind](kind, table, tmp_path, transactional, pool_size) as rig:
+    if kind in pooled:
+        opened = pooled[kind](kind, table, tmp_path, transactional, pool_size, app_pool)
+    elif app_pool:
+        raise ValueError(f"{kind}: only the PostgreSQL and MySQL rigs have an app pool")
+    else:
+        opened = openers[kind](kind, table, tmp_path, transactional, pool_size)
+    async with opened as rig:
         yield rig
 
 
 @contextlib.asynccontextmanager
 async def _postgres_rig(
-    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int
+    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int, app_pool: bool
 ) -> AsyncIterator[Rig]:
     from tests.factories import psycopg_or_skip
 
@@ -888,12 +908,18 @@ async def _postgres_rig(
     )
     outside.migrate()
     sync = kind.endswith("-sync")
-    store: Any
-    if sync:
-        store = PostgresStore(named_url(name), table=table, max_size=pool_size, clock="caller")
-    else:
-        store = AsyncPostgresStore(named_url(name), table=table, max_size=pool_size, clock="caller")
-        await store.pool.open(wait=True)
+
+    async def open_store() -> Any:
+        if sync:
+            return PostgresStore(named_url(name), table=table, max_size=pool_size, clock="caller")
+        opened = AsyncPostgresStore(
+            named_url(name), table=table, max_size=pool_size, clock="caller"
+        )
+        await opened.pool.open(wait=True)
+        return opened
+
+    store = await open_store()
+    app = await open_store() if app_pool else store
 
     def end_session(pid: int) -> None:
         admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
@@ -910,7 +936,7 @@ async def _postgres_rig(
             end_session(conn.execute("SELECT pg_backend_pid()").fetchone()[0])
 
         def transaction() -> Any:
-            return sync_pooled(store.pool.connection, PsycopgTransaction)
+            return sync_pooled(app.pool.connection, PsycopgTransaction)
     else:
 
         async def write(conn: Any, note: str) -> None:  # type: ignore[misc]
@@ -924,18 +950,18 @@ async def _postgres_rig(
             end_session(row[0])
 
         def transaction() -> Any:
-            return async_pooled(store.pool.connection, AsyncPsycopgTransaction)
+            return async_pooled(app.pool.connection, AsyncPsycopgTransaction)
 
     sql = admin.execute
     async with _sql_rig(
-        kind, store, sync, transactional, transaction, write, lose, table, outside, admin, sql
+        kind, store, app, sync, transactional, transaction, write, lose, table, outside, admin, sql
     ) as rig:
         yield rig
 
 
 @contextlib.asynccontextmanager
 async def _mysql_rig(
-    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int
+    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int, app_pool: bool
 ) -> AsyncIterator[Rig]:
     pymysql = pytest.importorskip("pymysql")
     from idemflow._async.edge import pooled_transaction as async_pooled
@@ -983,6 +1009,11 @@ async def _mysql_rig(
             return conn
 
         store = MySQLStore(connect, table=table, max_size=pool_size, clock="caller")
+        app = (
+            MySQLStore(connect, table=table, max_size=pool_size, clock="caller")
+            if app_pool
+            else store
+        )
 
         def write(conn: Any, note: str) -> None:
             with conn.cursor() as cursor:
@@ -995,7 +1026,7 @@ async def _mysql_rig(
             sql(f"KILL {conn.thread_id()}")
 
         def transaction() -> Any:
-            return sync_pooled(store.pool.connection, PyMySQLTransaction)
+            return sync_pooled(app.pool.connection, PyMySQLTransaction)
     else:
         asyncmy = pytest.importorskip("asyncmy")
 
@@ -1007,6 +1038,11 @@ async def _mysql_rig(
             return conn
 
         store = AsyncMySQLStore(aconnect, table=table, max_size=pool_size, clock="caller")
+        app = (
+            AsyncMySQLStore(aconnect, table=table, max_size=pool_size, clock="caller")
+            if app_pool
+            else store
+        )
 
         async def write(conn: Any, note: str) -> None:  # type: ignore[misc]
             async with conn.cursor() as cursor:
@@ -1022,10 +1058,10 @@ async def _mysql_rig(
             sql(f"KILL {thread_id}")
 
         def transaction() -> Any:
-            return async_pooled(store.pool.connection, AsyncmyTransaction)
+            return async_pooled(app.pool.connection, AsyncmyTransaction)
 
     async with _sql_rig(
-        kind, store, sync, transactional, transaction, write, lose, table, outside, admin, sql
+        kind, store, app, sync, transactional, transaction, write, lose, table, outside, admin, sql
     ) as rig:
         yield rig
 
@@ -1034,6 +1070,7 @@ async def _mysql_rig(
 async def _sql_rig(
     kind: str,
     store: Any,
+    app: Any,
     sync: bool,
     transactional: bool,
     transaction: Callable[[], Any],
@@ -1046,8 +1083,9 @@ async def _sql_rig(
 ) -> AsyncIterator[Rig]:
     """What the PostgreSQL and MySQL rigs share once their store is open: the Rig, its
     ``notes`` and ``peek`` read past the pool (``sql`` runs a statement on ``admin``,
-    ``outside`` is a second store on ``table``), a loss surfacing as StoreUnavailable;
-    then the store, ``outside`` and ``admin`` closed and both tables dropped."""
+    ``outside`` is a second store on ``table``, ``app`` the store whose pool the
+    request's transaction takes from), a loss surfacing as StoreUnavailable; then the
+    stores and ``admin`` closed and both tables dropped."""
     from idemflow import StoreUnavailable
 
     def notes() -> list[str]:
@@ -1069,11 +1107,13 @@ async def _sql_rig(
             peek,
             StoreUnavailable,
             crowd=crowding(
-                store.pool, sync, "timeout" if kind.startswith("postgres") else "_timeout"
+                app.pool, sync, "timeout" if kind.startswith("postgres") else "_timeout"
             ),
         )
     finally:
         await _close(store, sync)
+        if app is not store:
+            await _close(app, sync)
         outside.close()
         sql(f"DROP TABLE IF EXISTS {table}, biz_{table}")
         admin.close()

@@ -41,9 +41,11 @@ from idemflow import (
     AsyncAttempt,
     AsyncIdempotency,
     Attempt,
+    Event,
     Idempotency,
     InProgress,
     LeaseLost,
+    Observer,
     Policy,
     Response,
     State,
@@ -448,7 +450,12 @@ def pooled_modes() -> list[Any]:
 
 
 async def respond(
-    rig: Rig, act: Callable[[Any], Any], key: str, *, single_commit: bool
+    rig: Rig,
+    act: Callable[[Any], Any],
+    key: str,
+    *,
+    single_commit: bool,
+    observer: Observer = lambda event, intent, elapsed: None,
 ) -> Response:
     """One request through the HTTP edge (the sync edge on a sync rig), in the rig's
     transaction: the handler does ``act(attempt)``, then answers 201."""
@@ -459,7 +466,7 @@ async def respond(
             act(attempt)
             return CREATED
 
-        edge = Edge(Idempotency(rig.store, POLICY))
+        edge = Edge(Idempotency(rig.store, POLICY, observer=observer))
         return await asyncio.to_thread(
             edge.respond,
             request(key),
@@ -474,7 +481,7 @@ async def respond(
             await done
         return CREATED
 
-    aedge = AsyncEdge(AsyncIdempotency(rig.store, POLICY))
+    aedge = AsyncEdge(AsyncIdempotency(rig.store, POLICY, observer=observer))
     return await aedge.respond(
         request(key), ahandler, transaction=rig.transaction, single_commit=single_commit
     )
@@ -522,6 +529,56 @@ async def test_a_claim_the_pool_cannot_serve_is_503_but_the_handlers_own_timeout
     assert left is None
     assert raised.value is timed_out
     assert given_back is expected_after_a_rollback(single_commit)
+    assert retried.status == 201
+    assert (ran, notes) == (["k-1"], ["charged"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "single_commit"), [mode for mode in pooled_modes() if not mode.values[1]]
+)
+async def test_a_transaction_its_own_pool_cannot_begin_is_503_and_the_key_released_at_once(
+    kind: str, single_commit: bool, tmp_path: Path, table_name: str
+) -> None:
+    """Two commits, the request's transaction on a pool apart from the store's: the claim
+    commits on a store connection, then the transaction's checkout, the edge's BEGIN,
+    times out (that pool's one connection held elsewhere past a shortened wait). The
+    infrastructure failed, not the handler: the edge answers a 503 problem with
+    Retry-After, the handler not run, the key released at once (counted) with nothing
+    recorded, so the retry, once the pool is free, runs the handler once. The same error
+    raised by the handler itself is the handler's: it propagates unchanged."""
+    ran: list[str] = []
+    events: list[Event] = []
+
+    def charge(attempt: Any) -> Any:
+        ran.append(attempt.record.key)
+        return rig.write(attempt.connection, "charged")
+
+    def own_timeout(attempt: Any) -> Any:
+        raise timed_out
+
+    async with open_rig(kind, table_name, tmp_path, transactional=True, app_pool=True) as rig:
+        assert rig.crowd is not None
+        async with rig.crowd(0.05) as timed_out:
+            refused = await respond(
+                rig,
+                charge,
+                "k-1",
+                single_commit=single_commit,
+                observer=lambda event, intent, elapsed: events.append(event),
+            )
+        left = rig.peek("k-1")
+        with pytest.raises(type(timed_out)) as raised:
+            await respond(rig, own_timeout, "k-2", single_commit=single_commit)
+        retried = await respond(rig, charge, "k-1", single_commit=single_commit)
+        notes = rig.notes()
+
+    assert refused.status == 503, refused
+    assert refused.header("content-type") == "application/problem+json"
+    assert refused.header("retry-after") is not None
+    assert json.loads(refused.body)["type"].endswith("/store-unavailable")
+    assert events == [Event.CLAIMED, Event.RELEASED, Event.STORE_UNAVAILABLE]
+    assert left is State.RELEASED
+    assert raised.value is timed_out
     assert retried.status == 201
     assert (ran, notes) == (["k-1"], ["charged"])
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeAlias
 
 from .._downstream import downstream_key
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, StoreUnavailable
 from .._events import Event, Observer, error_event, null_observer
 from .._flow import (
     ClaimKey,
@@ -227,6 +227,9 @@ class _Performer:
         self._transaction = transaction
         self._single_commit = single_commit
         self._open = False  # is the caller's transaction begun and not yet ended?
+        # Did its BEGIN before the handler fail? Then the release goes through the store's
+        # own connection: another BEGIN would meet the same pool, or the same dead session.
+        self._unbegun = False
         # Does giving the claim back take a write? From the start with two
         # commits; with one, once the first commit_phase may have committed it.
         self._claim_committed = not single_commit
@@ -250,7 +253,7 @@ class _Performer:
             attempt = Attempt(
                 step.record, self._idem.store, self._transaction, self._idem.clock, self._committed
             )
-            self._begin()
+            self._begin_for_handler()
             # A resumed operation runs past the phase its record names from its start;
             # one without a transaction from its first step: nothing it does rolls back,
             # so an external call it makes before a cancellation may have happened.
@@ -318,7 +321,7 @@ class _Performer:
         Never raises: the flow re-raises the exception that led here, and our
         cleanup must not replace it. What cannot be released is the sweeper's.
         """
-        connection_usable = self._rollback()
+        connection_usable = self._rollback() and not self._unbegun
         if not self._claim_committed:
             return True  # single-commit mode: the rollback took the claim with it
         transaction = self._transaction if connection_usable else None
@@ -365,6 +368,21 @@ class _Performer:
             # begun (SQLite's worker thread runs it anyway), so the error path rolls back.
             self._open = True
             self._transaction.begin()
+
+    def _begin_for_handler(self) -> None:
+        """:meth:`_begin`, whose error is the request's, not the handler's: the store's rule
+        (its ``is_unavailable``, as for the claim) says whether it means the database cannot
+        serve the request (a pool timeout, a connection gone): StoreUnavailable, a 503,
+        the key given back on the store's connection, nothing recorded."""
+        try:
+            self._begin()
+        except Exception as exc:
+            self._unbegun = True
+            unavailable = getattr(self._idem.store, "is_unavailable", None)
+            if unavailable is None or not unavailable(exc):
+                raise
+            msg = f"the request's transaction could not begin: {exc}".strip()
+            raise StoreUnavailable(msg) from exc
 
     def _end_with_commit(self) -> None:
         if self._transaction is None or not self._open:

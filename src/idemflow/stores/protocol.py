@@ -15,9 +15,9 @@ and purge need a :class:`MaintainableStore`, the operator's questions an
 :class:`ObservableStore`, the commands an :class:`OperableStore`. Callers rely
 on these declarations, never on probing a store's attributes.
 
-Two optional capabilities save round trips and pool checkouts; the driver
-uses them where both sides offer them and the plain protocol everywhere else
-(a store or transaction of your own needs neither):
+Two optional capabilities save round trips and pool checkouts, and a third says
+what an error means; the driver uses them where offered and the plain protocol
+everywhere else (a store or transaction of your own needs none):
 
 - a transaction with ``execute_and_commit`` (:class:`CommittingTransaction`)
   sends a fenced write together with the ``COMMIT`` that ends its phase (the
@@ -29,7 +29,13 @@ uses them where both sides offer them and the plain protocol everywhere else
   ``claim_on_lent(intent, lease_token, now, expires_at, lender)`` for
   two-commit mode: the claim commits on its own, on the connection the
   request's transaction then uses, when that transaction lends one from the
-  store's own pool (:class:`LendingTransaction`).
+  store's own pool (:class:`LendingTransaction`);
+- a store with ``is_unavailable(exc)`` says whether an error met on its
+  database outside its own operations means the database cannot serve the
+  request (the rule its operations answer ``StoreUnavailable`` by): with two
+  commits the driver asks it of the ``BEGIN`` of the caller's transaction, after
+  the claim committed, so a pool that times out there is a 503 with the key
+  given back, not the handler's error (without it, the error propagates as is).
 """
 
 from __future__ import annotations

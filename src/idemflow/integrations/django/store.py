@@ -256,6 +256,10 @@ class DjangoStore:
         """PostgreSQL and MySQL bound a duplicate's wait on an uncommitted claim; SQLite cannot."""
         return bool(self._inner.supports_single_commit)
 
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """See :meth:`idemflow.stores.sql.SQLStore.is_unavailable`."""
+        return self._inner.is_unavailable(exc)
+
     def claim(
         self,
         intent: Intent,

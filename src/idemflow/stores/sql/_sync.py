@@ -124,6 +124,16 @@ class SQLStore(SQLObservable):
         self._shapes: dict[str, RowShape] = {}
         self._claim_plan: _ClaimPlan | None = None
 
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """Does ``exc``, a driver error, mean the database cannot serve us (fail closed)?
+
+        The rule this store's own operations answer ``StoreUnavailable`` by, for an
+        error met outside them on the same database: the driver asks it of the
+        ``BEGIN`` (a pooled transaction's checkout) of the caller's transaction,
+        which no store operation runs with two commits.
+        """
+        return self._is_unavailable(exc)
+
     @property
     def claims_on_lent_connections(self) -> bool:
         """Can :meth:`claim_on_lent` claim on the request's connection (two commits)?"""

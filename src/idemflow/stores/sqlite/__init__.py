@@ -199,6 +199,10 @@ class AsyncSQLiteStore:
             is_unavailable=is_unavailable,
         )
 
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """See :meth:`idemflow.stores.sql.AsyncSQLStore.is_unavailable`."""
+        return is_unavailable(exc)
+
     async def claim(
         self,
         intent: Intent,
