@@ -48,6 +48,7 @@ async def async_shielded(awaitable: Awaitable[T]) -> T:
     """
     loop = asyncio.get_running_loop()
     settled = _Unstoppable(loop=loop)
+    # ``loop=`` is needed: an eager Task made without it raises AttributeError (3.12.1, 3.13.0).
     step = asyncio.Task(_settle(awaitable, settled), loop=loop, **_EAGER)
     deferred = False
     try:
