@@ -509,13 +509,21 @@ def _open_redis(prefix: str, url: str = REDIS_URL, cluster: bool = False) -> Sto
     return RedisStore(client, policy=policy, prefix=prefix, clock="caller", allow_volatile=True)
 
 
-def delete_prefixed(client: Any, prefix: str) -> None:
-    """Every key under a test's prefix, deleted in one pipelined round trip (one per node
-    of a cluster): a started store leaves 1024 epoch keys, one ``DEL`` each is slow."""
-    pipe = client.pipeline(transaction=False)
-    for key in client.scan_iter(match=f"{prefix}:*", count=1000):
-        pipe.delete(key)
-    pipe.execute()
+def delete_keys(client: Any, prefix: str) -> None:
+    """Deletes every key under ``prefix``: one pipelined batch (per node on a cluster), not a
+    round trip per key (a store writes 1024 bucket epochs as it starts)."""
+    with client.pipeline(transaction=False) as pipe:
+        for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+            pipe.delete(key)
+        pipe.execute()
+
+
+async def adelete_keys(client: Any, prefix: str) -> None:
+    """:func:`delete_keys` with an asyncio client."""
+    async with client.pipeline(transaction=False) as pipe:
+        async for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+            pipe.delete(key)
+        await pipe.execute()
 
 
 _SERVICES = {"redis": "Redis", "redis-cluster": "Redis Cluster", "valkey-cluster": "Valkey Cluster"}
@@ -538,7 +546,7 @@ def redis_backend(
     rows: list[str] = []
 
     def drop() -> None:
-        delete_prefixed(store.client, table)
+        delete_keys(store.client, table)
         store.close()
 
     backend = Backend(
@@ -1309,7 +1317,7 @@ async def _redis_rig(
             StoreUnavailable,
         )
     finally:
-        delete_prefixed(admin, table)
+        delete_keys(admin, table)
         admin.close()
         await _close(store, sync)
 

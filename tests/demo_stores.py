@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.backends import MYSQL_URL, REDIS_URL
+from tests.backends import MYSQL_URL, REDIS_URL, delete_keys
 from tests.conftest import unreachable
 
 __all__ = ["mysql_database", "mysql_url", "redis_prefix", "redis_url"]
@@ -62,14 +62,7 @@ def redis_prefix() -> Iterator[str]:
     try:
         yield f"{REDIS_URL}{separator}allow_volatile=1&key_prefix={prefix}"
     finally:
-        batch: list[bytes] = []
-        for key in client.scan_iter(match=f"{prefix}:*", count=1000):
-            batch.append(key)
-            if len(batch) >= 1000:
-                client.delete(*batch)
-                batch.clear()
-        if batch:
-            client.delete(*batch)
+        delete_keys(client, prefix)
         client.close()
 
 

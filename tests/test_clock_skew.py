@@ -143,7 +143,7 @@ def test_a_claimer_whose_clock_runs_behind_still_sees_retention_end(store: Any) 
 def redis_store(table: str) -> Iterator[Any]:
     pytest.importorskip("redis")
     from idemflow.stores.redis import RedisStore
-    from tests.backends import redis_client
+    from tests.backends import delete_keys, redis_client
 
     client = redis_client()
     try:
@@ -155,8 +155,7 @@ def redis_store(table: str) -> Iterator[Any]:
     try:
         yield store
     finally:
-        for key in client.scan_iter(match=f"{table}:*", count=1000):
-            client.delete(key)
+        delete_keys(client, table)
         store.close()
 
 

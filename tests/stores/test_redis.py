@@ -52,7 +52,7 @@ from idemflow.sweeper import (
     Unknown,
 )
 from idemflow.testing import FrozenClock
-from tests.backends import REDIS_URL, redis_client
+from tests.backends import REDIS_URL, adelete_keys, delete_keys, redis_client
 from tests.conftest import unreachable
 from tests.factories import CREATED, free_port
 from tests.factories import uncorrelated_intent as intent
@@ -88,8 +88,7 @@ def store(table_name: str) -> Iterator[RedisStore]:
     # A frozen clock moves in these tests; the shared Redis keeps nothing on disk.
     made = RedisStore(client, prefix=table_name, clock="caller", allow_volatile=True)
     yield made
-    for key in client.scan_iter(match=f"{table_name}:*"):
-        client.delete(key)
+    delete_keys(client, table_name)
     made.close()
 
 
@@ -462,8 +461,7 @@ def test_hosts_whose_clocks_run_ahead_decide_on_redis_time(table_name: str) -> N
             taken = store.claim(intent("settled", fp="fp-other"), "l", later, later + 60).owned
             return swept, taken
         finally:
-            for key in client.scan_iter(match=f"{table_name}-{clock}:*"):
-                client.delete(key)
+            delete_keys(client, f"{table_name}-{clock}")
             store.close()
 
     assert run("database") == (SweepReport(), False)
@@ -479,8 +477,7 @@ def test_a_fresh_claim_reports_the_times_it_wrote(table_name: str) -> None:
         claim = store.claim(intent(), "lease-a", now, now + 60)
         stored = store.get("alice", "k-1")
     finally:
-        for key in client.scan_iter(match=f"{table_name}:*"):
-            client.delete(key)
+        delete_keys(client, table_name)
         store.close()
     assert claim.record == stored
     assert abs(claim.record.updated_at - time.time()) < 60
@@ -759,8 +756,7 @@ async def test_async_store_runs_replays_and_refuses(table_name: str) -> None:
             await idem.run(intent("k-2"), handler, transaction=object())  # type: ignore[arg-type]
         record = await store.get("alice", "k-1")
     finally:
-        async for key in client.scan_iter(match=f"{table_name}:*"):
-            await client.delete(key)
+        await adelete_keys(client, table_name)
         await store.close()
     assert (first.replayed, replay.replayed, replay.response) == (False, True, CREATED)
     assert len(seen) == 1
@@ -797,8 +793,7 @@ async def test_async_store_sweeps_resolves_and_purges(table_name: str) -> None:
         gone = await store.get("alice", "charged")
         kept = await store.get("alice", "never")
     finally:
-        async for key in client.scan_iter(match=f"{table_name}:*"):
-            await client.delete(key)
+        await adelete_keys(client, table_name)
         await store.close()
     assert (report.completed, report.released, report.batches) == (1, 1, 1)
     assert again == SweepReport()

@@ -24,7 +24,7 @@ from tests._redis_cluster import (
     shared_cluster,
     valkey_server,
 )
-from tests.backends import delete_prefixed, redis_client
+from tests.backends import adelete_keys, delete_keys, redis_client
 from tests.conftest import unreachable
 from tests.stores._race import Recorder, assert_exactly_once, race_processes, race_threads
 
@@ -77,7 +77,7 @@ def cluster_store(server: str, table_name: str) -> Iterator[RedisStore]:
     # The test clusters keep nothing on disk: acknowledged.
     store = RedisStore(client, prefix=table_name, clock="caller", allow_volatile=True)
     yield store
-    delete_prefixed(store.client, table_name)
+    delete_keys(store.client, table_name)
     store.close()
 
 
@@ -274,10 +274,7 @@ async def test_async_store_on_the_async_cluster_client(server: str, table_name: 
         clock.advance(POLICY.stale_seconds + 1)
         swept = await AsyncSweeper(store, POLICY, clock=clock).sweep_once()
     finally:
-        pipe = store.client.pipeline(transaction=False)  # one round trip per node
-        async for key in store.client.scan_iter(match=f"{table_name}:*"):
-            pipe.delete(key)
-        await pipe.execute()
+        await adelete_keys(store.client, table_name)
         await store.close()
     assert [o.replayed for o in first + again] == [False] * 12 + [True] * 12
     assert len(calls) == 12
