@@ -40,10 +40,104 @@ class Backend:
     #: Opens a new store on the same data, e.g. in another process: (name, args).
     spec: tuple[str, tuple[Any, ...]] = ("memory", ())
     closers: list[Callable[[], None]] = field(default_factory=list)
+    #: A SQL backend's two tables, which the ``backend`` fixture keeps for the next test
+    #: (:meth:`close` drops them).
+    tables: Tables | None = None
 
     @property
     def transactional(self) -> bool:
         return self.open_transaction is not None
+
+    def close(self) -> None:
+        """Closes the store and drops its tables (the ``backend`` fixture keeps them instead)."""
+        for close in self.closers:
+            close()
+        if self.tables is not None:
+            self.tables.drop()
+
+
+#: A pair of tables' columns, indexes and constraints, as their catalog lists them.
+Shape = list[tuple[Any, ...]]
+#: Each catalog's view of ``{table}`` and ``biz_{table}``: columns, indexes, constraints
+#: (none once they are dropped).
+_SHAPES = {
+    "postgres": """
+        WITH pair AS (SELECT oid FROM pg_class WHERE oid IN
+            (to_regclass('{table}'), to_regclass('biz_{table}')))
+        SELECT attrelid::regclass::text, attname::text, format_type(atttypid, atttypmod),
+            attnotnull::text, coalesce(pg_get_expr(adbin, adrelid), ''), attidentity::text
+        FROM pg_attribute LEFT JOIN pg_attrdef ON (adrelid, adnum) = (attrelid, attnum)
+        WHERE attrelid IN (SELECT oid FROM pair) AND attnum > 0 AND NOT attisdropped
+        UNION ALL SELECT indrelid::regclass::text, indexrelid::regclass::text,
+            pg_get_indexdef(indexrelid), '', '', ''
+        FROM pg_index WHERE indrelid IN (SELECT oid FROM pair)
+        UNION ALL SELECT conrelid::regclass::text, conname::text, pg_get_constraintdef(oid),
+            '', '', ''
+        FROM pg_constraint WHERE conrelid IN (SELECT oid FROM pair)""",
+    "mysql": """
+        SELECT table_name, column_name, column_type, is_nullable, column_default, extra,
+            ordinal_position
+        FROM information_schema.columns
+        WHERE table_schema = DATABASE() AND table_name IN ('{table}', 'biz_{table}')
+        UNION ALL SELECT table_name, index_name, column_name, non_unique, seq_in_index, '', ''
+        FROM information_schema.statistics
+        WHERE table_schema = DATABASE() AND table_name IN ('{table}', 'biz_{table}')
+        UNION ALL SELECT table_name, constraint_name, constraint_type, '', '', '', ''
+        FROM information_schema.table_constraints
+        WHERE constraint_schema = DATABASE() AND table_name IN ('{table}', 'biz_{table}')""",
+}
+
+
+@dataclass(frozen=True)
+class Tables:
+    """A SQL backend's ``<name>`` (the store's) and ``biz_<name>``, as the ``backend``
+    fixture keeps them: emptied and handed to the next test of that backend, not dropped
+    (their DDL costs more than most tests; on Galera each statement runs on every node)."""
+
+    name: str
+    #: "postgres" or "mysql": the catalog that tells their shape.
+    dialect: str
+    #: Runs statements in autocommit on a connection of its own; the last one's rows.
+    sql: Callable[..., list[tuple[Any, ...]]]
+
+    def shape(self) -> Shape:
+        return sorted(self.sql(_SHAPES[self.dialect].format(table=self.name)), key=repr)
+
+    def empty(self) -> None:
+        """PostgreSQL: a DELETE (no DDL). InnoDB: TRUNCATE, a new table (its AUTO_INCREMENT
+        from 1): rows deleted but not purged yet would lock other gaps than a new table's,
+        and deadlock the next test's transactions differently (one DDL still, not three)."""
+        if self.dialect == "postgres":
+            self.sql(f"DELETE FROM {self.name}", f"DELETE FROM biz_{self.name}")
+        else:
+            self.sql(f"TRUNCATE TABLE {self.name}", f"TRUNCATE TABLE biz_{self.name}")
+
+    def drop(self) -> None:
+        self.sql(f"DROP TABLE IF EXISTS {self.name}, biz_{self.name}")
+
+
+def _postgres_sql(*statements: str) -> list[tuple[Any, ...]]:
+    import psycopg
+
+    from tests.conftest import POSTGRES_URL
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        for statement in statements:
+            cursor = conn.execute(statement)
+        return cursor.fetchall() if cursor.description else []
+
+
+def _pymysql_sql(connect: Callable[[], Any]) -> Callable[..., list[tuple[Any, ...]]]:
+    """:attr:`Tables.sql` on PyMySQL connections from ``connect``."""
+
+    def sql(*statements: str) -> list[tuple[Any, ...]]:
+        with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
+            conn.autocommit(True)
+            for statement in statements:
+                cursor.execute(statement)
+            return list(cursor.fetchall())
+
+    return sql
 
 
 # --- SQLite -------------------------------------------------------------------
@@ -78,18 +172,21 @@ def sqlite_backend(tmp_path: Path, table: str) -> Backend:
 # --- PostgreSQL ---------------------------------------------------------------
 
 
-def postgres_backend(table: str) -> Backend:
+def postgres_backend(table: str, create: bool = True) -> Backend:
+    """``create``: make both tables (else they exist, migrated and empty)."""
     psycopg = pytest.importorskip("psycopg")
     from idemflow.stores.postgres import PostgresStore
     from tests.conftest import POSTGRES_URL, unreachable
 
     try:
         with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3) as conn:
-            conn.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
+            if create:
+                conn.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
     except psycopg.OperationalError as exc:
         unreachable("PostgreSQL", exc)
     store = PostgresStore(POSTGRES_URL, table=table, max_size=8, clock="caller")
-    store.migrate()
+    if create:
+        store.migrate()
 
     @contextlib.contextmanager
     def open_transaction() -> Iterator[Transaction]:
@@ -104,16 +201,16 @@ def postgres_backend(table: str) -> Backend:
             row = conn.execute(f"SELECT count(*) FROM biz_{table}").fetchone()
             return int(row[0])
 
-    def drop() -> None:
-        store.close()
-        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-            conn.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
-
-    backend = Backend(
-        "postgres", store, open_transaction, write, count, ("postgres", (POSTGRES_URL, table))
+    return Backend(
+        "postgres",
+        store,
+        open_transaction,
+        write,
+        count,
+        ("postgres", (POSTGRES_URL, table)),
+        [store.close],
+        Tables(table, "postgres", _postgres_sql),
     )
-    backend.closers.append(drop)
-    return backend
 
 
 # --- MySQL / MariaDB ------------------------------------------------------------
@@ -121,8 +218,9 @@ def postgres_backend(table: str) -> Backend:
 MYSQL_URL = os.environ.get("IDEMFLOW_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
 
 
-def mysql_backend(table: str, *, found_rows: bool = False) -> Backend:
-    """MariaDB/MySQL; ``found_rows`` sets CLIENT_FOUND_ROWS on every connection."""
+def mysql_backend(table: str, *, found_rows: bool = False, create: bool = True) -> Backend:
+    """MariaDB/MySQL; ``found_rows`` sets CLIENT_FOUND_ROWS on every connection; ``create``:
+    make both tables (else they exist, migrated and empty)."""
     pymysql = pytest.importorskip("pymysql")
     from idemflow.stores.mysql import MySQLStore, PyMySQLTransaction, connect_kwargs
     from tests.conftest import unreachable
@@ -133,11 +231,13 @@ def mysql_backend(table: str, *, found_rows: bool = False) -> Backend:
     except pymysql.err.OperationalError as exc:
         unreachable("MariaDB", exc)
     with contextlib.closing(conn), conn.cursor() as cursor:
-        cursor.execute(
-            f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
-        )
+        if create:
+            cursor.execute(
+                f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
+            )
     store = MySQLStore(kwargs, table=table, max_size=8, clock="caller")
-    store.migrate()
+    if create:
+        store.migrate()
 
     @contextlib.contextmanager
     def open_transaction() -> Iterator[Transaction]:
@@ -153,15 +253,11 @@ def mysql_backend(table: str, *, found_rows: bool = False) -> Backend:
             cursor.execute(f"SELECT count(*) FROM biz_{table}")
             return int(cursor.fetchone()[0])
 
-    def drop() -> None:
-        store.close()
-        with contextlib.closing(pymysql.connect(**kwargs)) as conn, conn.cursor() as cursor:
-            cursor.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
-
     name = "mysql-found-rows" if found_rows else "mysql"
-    backend = Backend(name, store, open_transaction, write, count, (name, (table,)))
-    backend.closers.append(drop)
-    return backend
+    tables = Tables(table, "mysql", _pymysql_sql(lambda: pymysql.connect(**kwargs)))
+    return Backend(
+        name, store, open_transaction, write, count, (name, (table,)), [store.close], tables
+    )
 
 
 def _open_mysql(table: str, found_rows: bool = False) -> Store:
@@ -318,8 +414,9 @@ def _awaitable(value: Any) -> Any:
     return value
 
 
-def async_mysql_bridged_backend(table: str) -> Backend:
-    """AsyncMySQLStore (asyncmy) through :class:`BridgedStore`, for the sync contract suite."""
+def async_mysql_bridged_backend(table: str, create: bool = True) -> Backend:
+    """AsyncMySQLStore (asyncmy) through :class:`BridgedStore`, for the sync contract suite;
+    ``create``: make both tables (else they exist, migrated and empty)."""
     pymysql = pytest.importorskip("pymysql")
     asyncmy = pytest.importorskip("asyncmy")
     from idemflow.stores.mysql import AsyncMySQLStore, AsyncmyTransaction, connect_kwargs
@@ -330,15 +427,17 @@ def async_mysql_bridged_backend(table: str) -> Backend:
         admin = pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
     except pymysql.err.OperationalError as exc:
         unreachable("MariaDB", exc)
-    with admin.cursor() as cursor:
-        cursor.execute(
-            f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
-        )
+    if create:
+        with admin.cursor() as cursor:
+            cursor.execute(
+                f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
+            )
     loop = LoopThread()
     store: Any = BridgedStore(
         AsyncMySQLStore(kwargs, table=table, max_size=8, clock="caller"), loop
     )
-    store.migrate()
+    if create:
+        store.migrate()
 
     @contextlib.contextmanager
     def open_transaction() -> Iterator[Any]:
@@ -360,15 +459,14 @@ def async_mysql_bridged_backend(table: str) -> Backend:
             cursor.execute(f"SELECT count(*) FROM biz_{table}")
             return int(cursor.fetchone()[0])
 
-    def drop() -> None:
+    def close() -> None:
         store.close()
         loop.stop()
-        with contextlib.closing(admin), admin.cursor() as cursor:
-            cursor.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
+        admin.close()
 
-    backend = Backend("mysql-async", store, open_transaction, write, count, ("mysql", (table,)))
-    backend.closers.append(drop)
-    return backend
+    tables = Tables(table, "mysql", _pymysql_sql(lambda: pymysql.connect(**kwargs)))
+    spec = ("mysql", (table,))
+    return Backend("mysql-async", store, open_transaction, write, count, spec, [close], tables)
 
 
 # --- MariaDB Galera (three primaries) ------------------------------------------------
@@ -415,18 +513,20 @@ def galera_urls() -> tuple[str, ...]:
         raise  # unreachable() never returns
 
 
-def galera_backend(table: str) -> Backend:
-    """The MySQL store, unchanged, on a 3-node Galera cluster, its connections on every node."""
+def galera_backend(table: str, create: bool = True) -> Backend:
+    """The MySQL store, unchanged, on a 3-node Galera cluster, its connections on every node;
+    ``create``: make both tables (else they exist, migrated and empty)."""
     pytest.importorskip("pymysql")
     urls = galera_urls()
     store = _open_galera(table, urls, max_size=8)
-    store.migrate()
     open_transaction, write = _galera_caller(table, urls)
     connect = galera_connector(urls)
-    with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
-        cursor.execute(
-            f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
-        )
+    if create:
+        store.migrate()
+        with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
+            cursor.execute(
+                f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
+            )
 
     def count() -> int:
         # wsrep_sync_wait: wait until this node has applied every commit made before.
@@ -435,14 +535,9 @@ def galera_backend(table: str) -> Backend:
             cursor.execute(f"SELECT count(*) FROM biz_{table}")
             return int(cursor.fetchone()[0])
 
-    def drop() -> None:
-        store.close()
-        with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
-            cursor.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
-
-    backend = Backend("galera", store, open_transaction, write, count, ("galera", (table, urls)))
-    backend.closers.append(drop)
-    return backend
+    spec = ("galera", (table, urls))
+    tables = Tables(table, "mysql", _pymysql_sql(connect))
+    return Backend("galera", store, open_transaction, write, count, spec, [store.close], tables)
 
 
 def _open_galera(table: str, urls: tuple[str, ...], max_size: int = 4) -> Any:
@@ -598,17 +693,21 @@ def memory_backend() -> Backend:
     )
 
 
-BACKENDS: dict[str, Callable[[Path, str], Backend]] = {
-    "memory": lambda tmp_path, table: memory_backend(),
-    "sqlite": sqlite_backend,
-    "postgres": lambda tmp_path, table: postgres_backend(table),
-    "mysql": lambda tmp_path, table: mysql_backend(table),
-    "mysql-found-rows": lambda tmp_path, table: mysql_backend(table, found_rows=True),
-    "redis": lambda tmp_path, table: redis_backend(table),
-    "redis-cluster": lambda tmp_path, table: redis_cluster_backend(table),
-    "valkey-cluster": lambda tmp_path, table: redis_cluster_backend(table, valkey=True),
-    "galera": lambda tmp_path, table: galera_backend(table),
-    "mysql-async": lambda tmp_path, table: async_mysql_bridged_backend(table),
+#: Each backend, from (tmp_path, table, create): ``create`` False only for a backend whose
+#: :attr:`Backend.tables` the ``backend`` fixture kept (they exist, migrated and empty).
+BACKENDS: dict[str, Callable[[Path, str, bool], Backend]] = {
+    "memory": lambda tmp_path, table, create: memory_backend(),
+    "sqlite": lambda tmp_path, table, create: sqlite_backend(tmp_path, table),
+    "postgres": lambda tmp_path, table, create: postgres_backend(table, create),
+    "mysql": lambda tmp_path, table, create: mysql_backend(table, create=create),
+    "mysql-found-rows": lambda tmp_path, table, create: mysql_backend(
+        table, found_rows=True, create=create
+    ),
+    "redis": lambda tmp_path, table, create: redis_backend(table),
+    "redis-cluster": lambda tmp_path, table, create: redis_cluster_backend(table),
+    "valkey-cluster": lambda tmp_path, table, create: redis_cluster_backend(table, valkey=True),
+    "galera": lambda tmp_path, table, create: galera_backend(table, create),
+    "mysql-async": lambda tmp_path, table, create: async_mysql_bridged_backend(table, create),
 }
 
 
@@ -734,12 +833,66 @@ def backend_params(names: Iterable[str]) -> list[Any]:
     ]
 
 
+#: Tables emptied for the next test, with their shape when created: by backend name.
+KeptTables = dict[str, list[tuple[Tables, Shape]]]
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Marks a test that did not pass: its tables are not kept (a test that failed, or stopped
+    half-way, may have left a writer on them)."""
+    report = yield
+    if report.when == "call" and not report.passed:
+        item.stash[_FAILED] = True
+    return report
+
+
+@pytest.fixture(scope="session")
+def _kept_tables() -> Iterator[KeptTables]:
+    """This worker's kept tables, dropped as it ends."""
+    kept: KeptTables = {}
+    yield kept
+    for entries in kept.values():
+        for tables, _ in entries:
+            tables.drop()
+
+
 @pytest.fixture(params=backend_params(sorted(BACKENDS)))
-def backend(request: pytest.FixtureRequest, tmp_path: Path, table_name: str) -> Iterator[Backend]:
-    made = BACKENDS[request.param](tmp_path, table_name)
+def backend(
+    request: pytest.FixtureRequest, tmp_path: Path, table_name: str, _kept_tables: KeptTables
+) -> Iterator[Backend]:
+    """Every store. A SQL store's tables are emptied (:meth:`Tables.empty`) and kept for
+    the next test of that backend instead of dropped, only if the test passed and have the
+    columns, indexes and constraints they were created with still; else they are dropped.
+    The next test sees them as a fresh pair: empty, of the same shape."""
+    kept = _kept_tables.setdefault(request.param, [])
+    name, shape = table_name, None
+    if kept:
+        taken, shape = kept.pop()
+        name = taken.name
+    made = BACKENDS[request.param](tmp_path, name, shape is None)
+    tables = made.tables
+    if tables is None:  # nothing to keep
+        yield made
+        made.close()
+        return
+    if shape is None:
+        shape = tables.shape()
     yield made
     for close in made.closers:
         close()
+    give_back(tables, shape, request.node.stash.get(_FAILED, False), kept)
+
+
+def give_back(tables: Tables, shape: Shape, failed: bool, kept: list[tuple[Tables, Shape]]) -> None:
+    """After a test, its store closed: ``tables``, emptied, join ``kept`` if the test passed
+    and they still have ``shape`` (theirs when created); else they are dropped."""
+    if not failed and tables.shape() == shape:
+        tables.empty()
+        kept.append((tables, shape))
+    else:
+        tables.drop()
 
 
 # --- one store per mode, on a pool its application shares (tests/test_phase_rules.py) ----

@@ -161,8 +161,7 @@ def test_purge_on_redis_deletes_exactly_the_expired(
         assert backend.store.get("alice", "young") is not None
         assert backend.store.get("alice", "crashed-long-ago") is not None
     finally:
-        for close in backend.closers:
-            close()
+        backend.close()
 
 
 def test_purge_every_keeps_going_until_sigterm(tmp_path: Path, table_name: str) -> None:

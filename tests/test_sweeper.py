@@ -55,7 +55,7 @@ from idemflow.sweeper import (
     start_background_sweeper,
 )
 from idemflow.testing import FrozenClock
-from tests.backends import BACKENDS, Backend
+from tests.backends import Backend
 from tests.factories import CREATED_AT as CREATED
 from tests.factories import psycopg_or_skip
 
@@ -138,17 +138,6 @@ def _transaction(backend: Backend) -> Iterator[Transaction | None]:
         return
     with backend.open_transaction() as transaction:
         yield transaction
-
-
-@pytest.fixture(params=sorted(BACKENDS))
-def backend(request: pytest.FixtureRequest, tmp_path: Path, table_name: str) -> Iterator[Backend]:
-    """Every store: each has a sweep to run (Redis included)."""
-    made = BACKENDS[request.param](tmp_path, table_name)
-    try:
-        yield made
-    finally:
-        for close in made.closers:
-            close()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import contextlib
 import json
 import sqlite3
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -284,15 +284,18 @@ def slot_keys(kind: str, tmp_path: Path, table: str) -> Iterator[Any]:
         with sqlite_keys(tmp_path) as (_, store):
             yield store
         return
-    from tests.backends import mysql_backend, postgres_backend, redis_backend
+    from tests.backends import Backend, mysql_backend, postgres_backend, redis_backend
 
-    openers = {"postgres": postgres_backend, "mysql": mysql_backend, "redis": redis_backend}
+    openers: dict[str, Callable[[str], Backend]] = {
+        "postgres": postgres_backend,
+        "mysql": mysql_backend,
+        "redis": redis_backend,
+    }
     made = openers[kind](table)
     try:
         yield made.store
     finally:
-        for close in made.closers:
-            close()
+        made.close()
 
 
 SLOT_STORES = [
