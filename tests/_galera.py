@@ -219,6 +219,9 @@ datadir={directory}
 socket={directory}/mysqld.sock
 pid-file={directory}/mysqld.pid
 log-error={directory}/error.log
+# Its own temporary files: a starting mariadbd deletes every #sql file in its tmpdir,
+# and in /tmp those are the shared server's (its temporary tables failed mid-query).
+tmpdir={directory}
 port={node.port}
 bind-address=127.0.0.1
 skip-name-resolve
