@@ -29,6 +29,7 @@ KERNEL = {
     "idemflow._errors": "the one exception tree, re-exported by idemflow",
     "idemflow._lease": "lease tokens, which every store that claims must mint alike",
     "idemflow._extras": "optional(): the one missing-extra hint, around every optional import",
+    "idemflow._process": "this process's id, kept current at fork, for stores' own connections",
 }
 
 #: Known arrows past this rule, each with its reason; the test fails when one
