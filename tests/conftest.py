@@ -89,13 +89,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         sizes[unit] = sizes.get(unit, 0) + 1
         if item.get_closest_marker("slow") is not None:
             slow.add(unit)
-    first_seen = {unit: position for position, unit in enumerate(sizes)}
 
-    def rank(item: pytest.Item) -> tuple[bool, int, int]:
+    def rank(item: pytest.Item) -> tuple[bool, int]:
         unit = _work_unit(item.nodeid)
-        return unit not in slow, -sizes[unit], first_seen[unit]
+        return unit not in slow, -sizes[unit]
 
-    items.sort(key=rank)
+    items.sort(key=rank)  # stable: units of one rank stay in the order collected
 
 
 if importlib.util.find_spec("xdist") is not None:
