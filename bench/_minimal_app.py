@@ -71,7 +71,7 @@ def make_app() -> Starlette:
             await store.migrate()
         yield
 
-    return Starlette(
+    app = Starlette(
         lifespan=lifespan,
         routes=[
             Route("/things", create, methods=["POST"]),
@@ -86,6 +86,8 @@ def make_app() -> Starlette:
             ),
         ],
     )
+    app.state.store = store  # for benches that send the store's statements raw, beside the app
+    return app
 
 
 app = make_app()

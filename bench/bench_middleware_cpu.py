@@ -16,6 +16,16 @@ server's work and the machine's other load are not in it) is divided by the
 requests. ``protected - unprotected`` is what protection adds in the app
 process: the statements' client side (drivers, pool) and everything around
 them. ``--profile FILE`` writes a cProfile of the protected path instead.
+
+Two more paths take their turns in the same rotation: the **raw floor**, the
+very statements protection sends, and nothing else, through the same driver
+and the app's own store connection (``raw first``: the store's claim, then its
+completion, each on a pool checkout of its own as the middleware takes them;
+``raw replay``: the claim that finds a completed record, and the decoding a
+hand-written replay does). No implementation that makes these round trips
+through this driver spends less, so ``protected - unprotected - raw first`` is
+idemflow's own share, the part it can cut, and the raw floor is what a target
+on the added CPU has to leave room for.
 """
 
 from __future__ import annotations
@@ -23,12 +33,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib
+import itertools
 import os
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bench._harness import post_over_asgi
@@ -36,6 +48,7 @@ from bench.bench_http import postgres_schema
 from bench.bench_middleware import BODY, REDIS_URL
 
 PATHS = ("unprotected", "protected", "replay")
+FLOORS = ("raw first", "raw replay")
 
 
 def makers(replay_key: str) -> dict[str, Callable[[], tuple[str, str | None]]]:
@@ -44,6 +57,51 @@ def makers(replay_key: str) -> dict[str, Callable[[], tuple[str, str | None]]]:
         "protected": lambda: ("/things", f"cpu-{uuid.uuid4().hex}"),
         "replay": lambda: ("/things", replay_key),
     }
+
+
+async def raw_floors(store: Any) -> dict[str, Callable[[], Awaitable[object]]]:
+    """The raw driver sending the store's own statements on the app's store connection."""
+    run = f"floor-{uuid.uuid4().hex[:8]}"
+    if hasattr(store, "pool"):  # PostgreSQL: the dialect's texts on the store's pool
+        from bench.bench_core import Keys, RawAsyncPostgres
+
+        raw = RawAsyncPostgres(store.pool, store.dialect)
+        done = f"{run}-done"
+        await raw.claim_complete(lambda: done)()
+        return {
+            "raw first": raw.claim_complete(Keys(run, "first")),
+            "raw replay": raw.replay(lambda: done),
+        }
+    if not hasattr(store, "client"):  # SQLite: in process, no driver round trips to floor
+        return {}
+    from bench.bench_stores import (
+        check_redis_claim,
+        check_redis_replay,
+        lease,
+        redis_claim,
+        redis_complete,
+    )
+    from idemflow.stores.redis import SCRIPTS
+
+    client = store.client
+    sha = {name: await client.script_load(lua) for name, lua in SCRIPTS.items()}
+    fresh = (f"{run}-{n}" for n in itertools.count())
+
+    async def first_on(key: str) -> None:
+        token = lease()
+        check_redis_claim(await client.evalsha(*redis_claim(store, sha, key, token)))
+        if await client.evalsha(*redis_complete(store, sha, key, token)) != 1:
+            raise AssertionError("completion refused")
+
+    async def first() -> None:
+        await first_on(next(fresh))
+
+    async def replay() -> None:
+        check_redis_replay(await client.evalsha(*redis_claim(store, sha, done, lease())))
+
+    done = next(fresh)
+    await first_on(done)
+    return {"raw first": first, "raw replay": replay}
 
 
 async def lifespan(app: Any) -> Callable[[], Any]:
@@ -90,16 +148,24 @@ async def measure(count: int, rounds: int, profile: str | None) -> dict[str, flo
             await post_over_asgi(app, *make["protected"](), BODY)
         profiler.disable()
         profiler.dump_stats(profile)
-    cpu = dict.fromkeys(PATHS, 0.0)
-    system = dict.fromkeys(PATHS, 0.0)
+    ops: dict[str, Callable[[], Awaitable[object]]] = {
+        name: functools.partial(_post, app, make[name]) for name in PATHS
+    }
+    ops |= await raw_floors(app.state.store)
+    for op in ops.values():  # the floors' warm-up too
+        for _ in range(50):
+            await op()
+    cpu = dict.fromkeys(ops, 0.0)
+    system = dict.fromkeys(ops, 0.0)
     per_round = max(count // rounds, 1)
+    names = list(ops)
     for round_ in range(rounds):
-        order = PATHS[round_ % 3 :] + PATHS[: round_ % 3]
-        for name in order:
-            one = make[name]
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            one = ops[name]
             started, before = time.process_time(), os.times().system
             for _ in range(per_round):
-                await post_over_asgi(app, *one(), BODY)
+                await one()
             cpu[name] += time.process_time() - started
             system[name] += os.times().system - before
     await stop()
@@ -108,6 +174,11 @@ async def measure(count: int, rounds: int, profile: str | None) -> dict[str, flo
         **{name: value / done * 1e6 for name, value in cpu.items()},
         **{f"{name} sys": value / done * 1e6 for name, value in system.items()},
     }
+
+
+async def _post(app: Any, make: Callable[[], tuple[str, str | None]]) -> None:
+    if await post_over_asgi(app, *make(), BODY) != 201:
+        raise AssertionError("the minimal endpoint did not answer 201")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(
         "| store | unprotected µs/req (system) | protected µs/req (system) "
-        "| replay µs/req (system) | added by protection: protected, replay |"
+        "| replay µs/req (system) | added by protection: protected, replay "
+        "| raw floor: first, replay (system) | idemflow's own: protected, replay |"
     )
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for store in args.stores.split(","):
         with contextlib.ExitStack() as stack:
             os.environ["BENCH_STORE"] = store
@@ -140,10 +212,26 @@ def main(argv: list[str] | None = None) -> int:
                 for key in client.scan_iter(match=os.environ["BENCH_PREFIX"] + "*", count=1000):
                     client.delete(key)
                 client.close()
-        cells = " | ".join(f"{result[name]:,.0f} ({result[name + ' sys']:,.0f})" for name in PATHS)
-        added = (result[name] - result["unprotected"] for name in PATHS[1:])
-        print(f"| {store} | {cells} | " + ", ".join(f"{a:+,.0f}" for a in added) + " |", flush=True)
+        print(f"| {store} | " + " | ".join(_cells(result)) + " |", flush=True)
     return 0
+
+
+def _cells(result: dict[str, float]) -> list[str]:
+    """One row: each path's µs (system), what protection adds, the floors and the rest."""
+
+    def cell(name: str) -> str:
+        return f"{result[name]:,.0f} ({result[name + ' sys']:,.0f})"
+
+    added = {name: result[name] - result["unprotected"] for name in PATHS[1:]}
+    cells = [cell(name) for name in PATHS]
+    cells.append(", ".join(f"{value:+,.0f}" for value in added.values()))
+    if "raw first" not in result:  # no driver between the app and the store (SQLite)
+        return [*cells, "—", "—"]
+    floors = (result["raw first"], result["raw replay"])
+    own = (added["protected"] - floors[0], added["replay"] - floors[1])
+    cells.append(", ".join(cell(name) for name in FLOORS))
+    cells.append(", ".join(f"{value:+,.0f}" for value in own))
+    return cells
 
 
 if __name__ == "__main__":

@@ -401,47 +401,58 @@ class RawRedis:
         self.sha = {name: self.client.script_load(lua) for name, lua in SCRIPTS.items()}
 
     def claim_complete(self, keys: Keys) -> Op:
-        from idemflow import State
-
-        quarantine = self.store.quarantine
-
         def op() -> None:
-            now, token, key = time.time(), lease(), keys()
-            target = self.layout.claim_keys(PRINCIPAL, key)
-            args = self.layout.claim_args(intent(key), token, now, now + RETENTION, quarantine)
-            reply = self.client.evalsha(self.sha["claim"], len(target), *target, *args)
-            if reply[0] != b"new":
-                raise AssertionError(f"a fresh key was not new: {reply[0]!r}")
-            record = _redis_record(token, key, now)
-            done = time.time()
-            args = self.layout.complete_args(
-                record, State.COMPLETED, RESPONSE, done, done + RETENTION
-            )
-            fenced = target[:-1]  # the completion's KEYS: the claim's without the epoch
-            if self.client.evalsha(self.sha["complete"], len(fenced), *fenced, *args) != 1:
+            token, key = lease(), keys()
+            reply = self.client.evalsha(*redis_claim(self.store, self.sha, key, token))
+            check_redis_claim(reply)
+            done = self.client.evalsha(*redis_complete(self.store, self.sha, key, token))
+            if done != 1:
                 raise AssertionError("completion refused")
 
         return op
 
     def replay(self, keys: ReplayKeys) -> Op:
-        from idemflow.stores.redis._scripts import RECORD_FIELDS
-
-        quarantine = self.store.quarantine
-
         def op() -> None:
-            now, key = time.time(), keys()
-            target = self.layout.claim_keys(PRINCIPAL, key)
-            args = self.layout.claim_args(intent(key), lease(), now, now + RETENTION, quarantine)
-            reply = self.client.evalsha(self.sha["claim"], len(target), *target, *args)
-            fields = dict(zip(RECORD_FIELDS, _unpacked(reply[1]), strict=True))
-            if reply[0] != b"held" or fields["fingerprint"] != FINGERPRINT.encode():
-                raise AssertionError("expected a held record")
-            if fields["state"] != b"completed":
-                raise AssertionError("expected a completed record")
-            json.loads(fields["response_headers"])
-            bytes(fields["response_body"])
+            reply = self.client.evalsha(*redis_claim(self.store, self.sha, keys(), lease()))
+            check_redis_replay(reply)
 
         return op
+
+
+def redis_claim(store: Any, sha: dict[str, str], key: str, token: str) -> tuple[Any, ...]:
+    """``EVALSHA``'s arguments for the store's own claim of ``key``, as the store sends them."""
+    now, target = time.time(), store.layout.claim_keys(PRINCIPAL, key)
+    args = store.layout.claim_args(intent(key), token, now, now + RETENTION, store.quarantine)
+    return (sha["claim"], len(target), *target, *args)
+
+
+def redis_complete(store: Any, sha: dict[str, str], key: str, token: str) -> tuple[Any, ...]:
+    """``EVALSHA``'s arguments for the completion of a claim :func:`redis_claim` made."""
+    from idemflow import State
+
+    now = time.time()
+    record = _redis_record(token, key, now)
+    args = store.layout.complete_args(record, State.COMPLETED, RESPONSE, now, now + RETENTION)
+    fenced = store.layout.claim_keys(PRINCIPAL, key)[:-1]  # the claim's KEYS but the epoch
+    return (sha["complete"], len(fenced), *fenced, *args)
+
+
+def check_redis_claim(reply: Sequence[Any]) -> None:
+    if reply[0] != b"new":
+        raise AssertionError(f"a fresh key was not new: {reply[0]!r}")
+
+
+def check_redis_replay(reply: Sequence[Any]) -> None:
+    """What a hand-written replay does with the claim's answer: check it, decode the response."""
+    from idemflow.stores.redis._scripts import RECORD_FIELDS
+
+    fields = dict(zip(RECORD_FIELDS, _unpacked(reply[1]), strict=True))
+    if reply[0] != b"held" or fields["fingerprint"] != FINGERPRINT.encode():
+        raise AssertionError("expected a held record")
+    if fields["state"] != b"completed":
+        raise AssertionError("expected a completed record")
+    json.loads(fields["response_headers"])
+    bytes(fields["response_body"])
 
 
 def _unpacked(packed: bytes) -> list[Any]:
