@@ -6,16 +6,19 @@ get it within ``busy_timeout`` is an outage (503), as SQLITE_BUSY is.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from idemflow import Response, State, StoreUnavailable
-from idemflow.stores.sqlite import SQLiteStore, _writer_lock
+from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore, _writer_lock, connect
 from tests.factories import intent
 
 NOW = 1_800_000_000.0
@@ -141,3 +144,93 @@ def test_a_forked_child_opens_its_own_connection_and_writer_lock(tmp_path: Path)
     assert os.waitstatus_to_exitcode(status) == 0
     assert store._connections().conn is parent_conn
     assert store.get("alice", "from-the-child") is not None
+
+
+# --- the async store: its writes on one thread of its own, its reads beside them ---------
+
+
+def _writes_seen(store: AsyncSQLiteStore) -> list[str]:
+    """The names of the threads the async store's claims and completions run on."""
+    seen: list[str] = []
+    sync = store.sync
+    claim, complete = sync.claim, sync.complete
+
+    def on_thread(function: Any) -> Any:
+        def recorded(*args: Any) -> Any:
+            seen.append(threading.current_thread().name)
+            return function(*args)
+
+        return recorded
+
+    sync.claim = on_thread(claim)  # type: ignore[method-assign]
+    sync.complete = on_thread(complete)  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.anyio
+async def test_the_async_stores_writes_take_their_turn_on_one_thread_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """Its writes queue on the process's lock on the file anyway: from the loop's default
+    executor they took several threads that handed it (and the GIL) to one another."""
+    store = AsyncSQLiteStore(tmp_path / "keys.db")
+    await store.migrate()
+    seen = _writes_seen(store)
+
+    async def request(n: int) -> None:
+        claim = await store.claim(intent(f"k-{n}"), f"lease-{n}", NOW, NOW + 60)
+        await store.complete(claim.record, State.COMPLETED, CREATED, NOW, NOW + 60)
+
+    try:
+        await asyncio.gather(*(request(n) for n in range(32)))
+        assert len(seen) == 64
+        assert len(set(seen)) == 1
+        assert seen[0].startswith("idemflow-sqlite")
+    finally:
+        await store.close()
+
+
+@pytest.mark.anyio
+async def test_an_async_stores_reads_do_not_queue_behind_its_writes(tmp_path: Path) -> None:
+    """A claim waiting for another connection's write lock holds the store's write
+    thread; a replay's read runs beside it (a WAL reader never waits for the writer)."""
+    path = tmp_path / "keys.db"
+    store = AsyncSQLiteStore(path, busy_timeout=30)
+    await store.migrate()
+    done = await store.claim(intent("done"), "lease-0", NOW, NOW + 60)
+    other = connect(path)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # another connection (process) holds the write lock
+        waiting = asyncio.ensure_future(store.claim(intent("k-1"), "lease-1", NOW, NOW + 60))
+        await asyncio.sleep(0.2)  # the claim is on the write thread, in the busy handler
+        assert await asyncio.wait_for(store.get("alice", "done"), 10) == done.record
+        assert not waiting.done()
+        other.execute("ROLLBACK")
+        assert (await asyncio.wait_for(waiting, 30)).owned
+    finally:
+        other.close()
+        await store.close()
+
+
+def test_a_forked_child_writes_on_a_thread_of_its_own(tmp_path: Path) -> None:
+    """The parent's write thread does not exist in a child: the child starts its own
+    (a write handed to the parent's would wait forever)."""
+    store = AsyncSQLiteStore(tmp_path / "keys.db")
+
+    async def claim(key: str) -> bool:
+        return (await store.claim(intent(key), f"lease-{key}", NOW, NOW + 60)).owned
+
+    asyncio.run(store.migrate())
+    assert asyncio.run(claim("from-the-parent"))
+    child = os.fork()
+    if child == 0:  # pragma: no cover -- the child reports by its exit status
+        code = 1
+        try:
+            signal.alarm(20)  # a write stuck on the parent's thread ends the child
+            code = 0 if asyncio.run(claim("from-the-child")) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert asyncio.run(store.get("alice", "from-the-child")) is not None
+    asyncio.run(store.close())

@@ -8,19 +8,24 @@ and SQLite admits one writer at a time.
 
 The async store does a whole claim (or release, or completion without a
 transaction) in one hop to a worker thread: awaiting statement by statement
-through a thread-hop wrapper was measured 5–27× slower.
+through a thread-hop wrapper was measured 5–27× slower. Its writes take that
+hop to one thread of its own (:class:`_WriteThread`), its reads to the loop's
+default executor.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import os
 import sqlite3
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, StoreUnavailable
 from ..._model import Claim, Intent, Record, Response, State
@@ -178,8 +183,57 @@ class SQLiteStore(SQLStore):
         self._connections.close()
 
 
+T = TypeVar("T")
+
+
+class _WriteThread:
+    """The async store's own writes, in turn, on one thread of its own (one per process).
+
+    They queue on the process's lock on the file anyway (:class:`_Writer`). From the
+    loop's default executor they took up to six threads, each with a connection of its
+    own, that handed that lock and the GIL to one another: with 32 concurrent clients
+    the demo served 24 % fewer protected requests than on one thread (docs/benchmarks.md,
+    "SQLite: the async store's writes on one thread"). On one thread each write follows
+    the last with no hand-over. Reads stay on the default executor: a WAL reader never
+    waits for the writer, so a replay is never queued behind a claim that waits for
+    another process's write lock.
+    """
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    async def run(self, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` on the thread, in the caller's context (as ``to_thread``)."""
+        context = contextvars.copy_context()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread(), context.run, function, *args)
+
+    def _thread(self) -> ThreadPoolExecutor:
+        executor = self._executor
+        if executor is None or self._pid != PID[0]:  # none yet, closed, or a forked child's
+            with self._lock:
+                if self._executor is None or self._pid != PID[0]:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="idemflow-sqlite")
+                    self._pid = PID[0]
+                executor = self._executor
+        return executor
+
+    def close(self) -> None:
+        """Finish the writes handed over; the next write starts a new thread."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None and self._pid == PID[0]:
+            executor.shutdown(wait=True)
+
+
 class AsyncSQLiteStore:
-    """The SQLite store for asyncio code: each operation is one hop to a thread."""
+    """The SQLite store for asyncio code: each operation is one hop to a thread.
+
+    The writes (claim, and the others without the caller's transaction) hop to
+    one thread of the store's, in turn; the reads to the loop's default executor.
+    """
 
     supports_transactions = True
     # One writer at a time: a duplicate would queue behind the whole transaction.
@@ -190,6 +244,7 @@ class AsyncSQLiteStore:
     ) -> None:
         self.sync = SQLiteStore(path, table=table, busy_timeout=busy_timeout)
         self.dialect = self.sync.dialect
+        self._writes = _WriteThread()
         # Writes inside the caller's transaction go through the caller's
         # connection, never ours: this executor has none to give.
         self._in_transaction = AsyncSQLStore(
@@ -214,7 +269,7 @@ class AsyncSQLiteStore:
         if transaction is not None:
             msg = "single-commit mode needs PostgreSQL; SQLite admits one writer"
             raise ConfigurationError(msg)
-        return await asyncio.to_thread(self.sync.claim, intent, lease_token, now, expires_at)
+        return await self._writes.run(self.sync.claim, intent, lease_token, now, expires_at)
 
     async def complete(
         self,
@@ -226,7 +281,7 @@ class AsyncSQLiteStore:
         transaction: AsyncTransaction | None = None,
     ) -> None:
         if transaction is None:
-            await asyncio.to_thread(self.sync.complete, record, state, response, now, expires_at)
+            await self._writes.run(self.sync.complete, record, state, response, now, expires_at)
             return
         await self._in_transaction.complete(record, state, response, now, expires_at, transaction)
 
@@ -234,7 +289,7 @@ class AsyncSQLiteStore:
         self, record: Record, now: float, transaction: AsyncTransaction | None = None
     ) -> bool:
         if transaction is None:
-            return await asyncio.to_thread(self.sync.release, record, now)
+            return await self._writes.run(self.sync.release, record, now)
         return await self._in_transaction.release(record, now, transaction)
 
     async def checkpoint(
@@ -245,7 +300,7 @@ class AsyncSQLiteStore:
         transaction: AsyncTransaction | None = None,
     ) -> None:
         if transaction is None:
-            await asyncio.to_thread(self.sync.checkpoint, record, recovery_point, now)
+            await self._writes.run(self.sync.checkpoint, record, recovery_point, now)
             return
         await self._in_transaction.checkpoint(record, recovery_point, now, transaction)
 
@@ -255,7 +310,7 @@ class AsyncSQLiteStore:
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
-        return await asyncio.to_thread(self.sync.sweep, from_state, cutoff, now, keep_until, limit)
+        return await self._writes.run(self.sync.sweep, from_state, cutoff, now, keep_until, limit)
 
     async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
         return await asyncio.to_thread(self.sync.next_due, from_state, cutoff, now)
@@ -270,7 +325,7 @@ class AsyncSQLiteStore:
         transaction: AsyncTransaction | None = None,
     ) -> bool:
         if transaction is None:
-            return await asyncio.to_thread(
+            return await self._writes.run(
                 self.sync.settle_stale, record, state, response, now, expires_at
             )
         return await self._in_transaction.settle_stale(
@@ -286,7 +341,7 @@ class AsyncSQLiteStore:
         forget_progress: bool = False,
     ) -> bool:
         if transaction is None:
-            return await asyncio.to_thread(
+            return await self._writes.run(
                 functools.partial(self.sync.release_stale, forget_progress=forget_progress),
                 record,
                 now,
@@ -296,17 +351,18 @@ class AsyncSQLiteStore:
         )
 
     async def purge(self, now: float, limit: int) -> int:
-        return await asyncio.to_thread(self.sync.purge, now, limit)
+        return await self._writes.run(self.sync.purge, now, limit)
 
     async def migrate(self) -> None:
-        await asyncio.to_thread(self.sync.migrate)
+        await self._writes.run(self.sync.migrate)
 
     def stats(self) -> SQLStats:
         """The operator's questions, on the sync store's connections (a local file: no hop)."""
         return self.sync.stats()
 
     async def close(self) -> None:
-        """Close the connections this store opened (each worker thread's)."""
+        """Finish the writes handed over, then close the connections this store opened."""
+        await asyncio.to_thread(self._writes.close)
         await asyncio.to_thread(self.sync.close)
 
 
