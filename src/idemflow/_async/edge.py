@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 from .._concurrency import async_resolve
 from .._errors import IdempotencyError, ReplayForbidden
@@ -27,7 +27,7 @@ from .._http import (
     with_request_id,
 )
 from .._model import Intent, Record, Response, Verdict
-from ..stores.protocol import AsyncTransaction
+from ..stores.protocol import AsyncTransaction, UnavailabilityRule, declares
 from .driver import AsyncAttempt, AsyncIdempotency
 from .transactions import execute_and_commit
 
@@ -193,6 +193,17 @@ class AsyncPooledTransaction:
     async def execute_and_commit(self, statement: Any, params: Any, *, begin: bool = False) -> int:
         """The write and its COMMIT together where the adapter can (see ``AsyncCommitAfter``)."""
         return await execute_and_commit(self._checked_out(), statement, params, begin=begin)
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """The adapter's rule (its library's errors, as a checkout's), where its class declares one.
+
+        ``adapter`` is usually the adapter's class (``SQLAlchemyTransaction``):
+        asked of the ``BEGIN``, whose checkout fails before any adapter is made.
+        """
+        adapter = self._adapter
+        if not isinstance(adapter, type) or not declares(adapter, UnavailabilityRule):
+            return False
+        return cast(UnavailabilityRule, adapter).is_unavailable(exc)
 
     async def lend(self, source: Any) -> Any:
         """The connection, taken now, for a claim, if ``source`` is where it comes from; else None.

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
-from ..stores.protocol import AsyncTransaction, CommitFailed, NotFused, Statement
+from ..stores.protocol import (
+    AsyncCommittingTransaction,
+    AsyncTransaction,
+    CommitFailed,
+    NotFused,
+    Statement,
+    declares,
+)
 
 __all__ = [
     "AsyncBeginsOnFirstStatement",
@@ -150,7 +157,7 @@ async def execute_and_commit(
     begin: bool = False,
 ) -> int:
     """``transaction.execute_and_commit`` where it has one, else the write then ``commit()``."""
-    fused = getattr(transaction, "execute_and_commit", None)
+    fused = _fused(transaction)
     if fused is None:
         return await _execute_then_commit(transaction, statement, params, begin)
     try:
@@ -158,6 +165,13 @@ async def execute_and_commit(
     except NotFused:
         return await _execute_then_commit(transaction, statement, params, begin)
     return changed
+
+
+def _fused(transaction: AsyncTransaction) -> Callable[..., Awaitable[int]] | None:
+    """Its ``execute_and_commit``, where its class declares one (a committing transaction)."""
+    if not declares(type(transaction), AsyncCommittingTransaction):
+        return None
+    return cast(AsyncCommittingTransaction, transaction).execute_and_commit
 
 
 class AsyncCommitAfter:
@@ -183,7 +197,7 @@ class AsyncCommitAfter:
         on_commit: Callable[[], None] = lambda: None,
     ) -> None:
         self._transaction = transaction
-        self._fused = getattr(transaction, "execute_and_commit", None)
+        self._fused = _fused(transaction)
         self._begin = begin
         self._on_commit = on_commit
         self._committed = False
@@ -336,6 +350,25 @@ class AsyncSQLAlchemyTransaction:
 
     async def commit(self) -> None:
         await self.connection.commit()
+
+    @staticmethod
+    def is_unavailable(exc: BaseException) -> bool:
+        """Does ``exc``, SQLAlchemy's, mean the database cannot serve the request?
+
+        Its pool gave no connection in time (``TimeoutError``: ``QueuePool limit
+        … timed out``), or a DB-API error SQLAlchemy judged a disconnect
+        (``connection_invalidated``, by its dialect's ``is_disconnect``). Any
+        other DB-API error is the store's to judge: the driver asks the store's
+        rule next, which reads the driver's error SQLAlchemy wrapped (``.orig``).
+        Not every ``OperationalError``: a deadlock or a lock timeout is one too.
+        A static method, so a pooled transaction (``connect=``, ``transaction=``)
+        finds it on the adapter's class before any connection is checked out.
+        """
+        from sqlalchemy.exc import DBAPIError, TimeoutError
+
+        if isinstance(exc, TimeoutError):
+            return True
+        return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
     async def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False

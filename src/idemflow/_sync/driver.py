@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 from .._downstream import downstream_key
 from .._errors import ConfigurationError, StoreUnavailable
@@ -28,7 +28,14 @@ from .._flow import (
 )
 from .._lease import new_lease_token
 from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response
-from ..stores.protocol import Store, Transaction
+from ..stores.protocol import (
+    LendingStore,
+    LendingTransaction,
+    Store,
+    Transaction,
+    UnavailabilityRule,
+    declares,
+)
 from .transactions import BeginsOnFirstStatement, CommitAfter
 
 __all__ = ["Attempt", "Handler", "Idempotency"]
@@ -132,6 +139,15 @@ class Idempotency:
         self.policy = policy or Policy()
         self.clock = clock
         self.observer = observer
+        # The store's optional capabilities, checked once here, never per request.
+        self._lending_store: LendingStore | None = (
+            store
+            if isinstance(store, LendingStore) and store.claims_on_lent_connections
+            else None
+        )
+        self._store_rule: UnavailabilityRule | None = (
+            store if isinstance(store, UnavailabilityRule) else None
+        )
 
     def run(
         self,
@@ -238,11 +254,11 @@ class _Performer:
         # Two commits: the claim may run on the transaction's own connection
         # (it lends one from the store's pool), committed alone before BEGIN.
         self._lender = (
-            transaction
+            cast(LendingTransaction, transaction)
             if transaction is not None
             and not single_commit
-            and getattr(idempotency.store, "claims_on_lent_connections", False)
-            and hasattr(transaction, "lend")
+            and idempotency._lending_store is not None
+            and declares(type(transaction), LendingTransaction)
             else None
         )
 
@@ -277,27 +293,37 @@ class _Performer:
     def _claim(self, step: ClaimKey) -> Claim:
         now = self._idem.clock()
         store, expires_at = self._idem.store, now + step.retention
-        if self._lender is not None:
+        lending = self._idem._lending_store
+        if self._lender is not None and lending is not None:
             # Two commits, on the connection the transaction then uses (one checkout).
-            claim: Claim = store.claim_on_lent(  # type: ignore[attr-defined]
+            claim = lending.claim_on_lent(
                 step.intent, step.lease_token, now, expires_at, self._lender
             )
+        elif self._single_commit and self._transaction is not None:
+            claim = self._claim_in_transaction(step, now, expires_at, self._transaction)
         else:
-            # One commit: the transaction begins with the claim's first statement, in the
-            # store's claim, whose rule then says what a pool timeout or a lost connection
-            # means (a 503), as in two-commit mode, where the store takes that checkout.
-            transaction = self._transaction if self._single_commit else None
-            in_transaction = (
-                None
-                if transaction is None
-                else BeginsOnFirstStatement(transaction, self._begin)
-            )
-            claim = store.claim(
-                step.intent, step.lease_token, now, expires_at, in_transaction
-            )
+            claim = store.claim(step.intent, step.lease_token, now, expires_at)
         if claim.owned:
             self.observe(Event.CLAIMED)
         return claim
+
+    def _claim_in_transaction(
+        self, step: ClaimKey, now: float, expires_at: float, transaction: Transaction
+    ) -> Claim:
+        """One commit: the transaction begins with the claim's first statement, in the
+        store's claim, whose rule then says what a pool timeout or a lost connection means
+        (a 503), as in two-commit mode, where the store takes that checkout. What the store
+        let through, the transaction's own rule judges (a checkout of SQLAlchemy's pool):
+        nothing was committed, so StoreUnavailable leaves nothing behind."""
+        begun = BeginsOnFirstStatement(transaction, self._begin)
+        try:
+            return self._idem.store.claim(
+                step.intent, step.lease_token, now, expires_at, begun
+            )
+        except Exception as exc:
+            if not _judged_unavailable(transaction, exc):
+                raise
+            raise _could_not_begin(exc) from exc
 
     def _complete(self, step: Complete) -> None:
         now, store = self._idem.clock(), self._idem.store
@@ -328,11 +354,18 @@ class _Performer:
         for attempt in range(1, RELEASE_ATTEMPTS + 1):
             try:
                 self._release_on(transaction, record)
-            except Exception:
+            except Exception as exc:
                 # A deadlock victim (InnoDB under load) or a serialization
                 # failure: the fenced release is idempotent, so it is simply
-                # sent again; a key left claimed waits for the sweeper.
-                if attempt == RELEASE_ATTEMPTS or not self._rollback():
+                # sent again; a key left claimed waits for the sweeper. Sent
+                # again through the store's connection when the transaction's
+                # pool cannot serve it (a Session checks out only now): that
+                # pool's next wait would end as this one did.
+                if transaction is not None and _judged_unavailable(transaction, exc):
+                    transaction = None
+                if attempt == RELEASE_ATTEMPTS or not (
+                    self._rollback() or transaction is None
+                ):
                     logger.warning("could not release claim; the sweeper will", exc_info=True)
                     return False
             else:
@@ -370,19 +403,22 @@ class _Performer:
             self._transaction.begin()
 
     def _begin_for_handler(self) -> None:
-        """:meth:`_begin`, whose error is the request's, not the handler's: the store's rule
-        (its ``is_unavailable``, as for the claim) says whether it means the database cannot
-        serve the request (a pool timeout, a connection gone): StoreUnavailable, a 503,
-        the key given back on the store's connection, nothing recorded."""
+        """:meth:`_begin`, whose error is the request's, not the handler's: the transaction's
+        rule (its library's errors, SQLAlchemy's pool timeout), then the store's (its
+        driver's, as for the claim), say whether it means the database cannot serve the
+        request (a pool timeout, a connection gone): StoreUnavailable, a 503, the key given
+        back on the store's connection, nothing recorded."""
         try:
             self._begin()
         except Exception as exc:
             self._unbegun = True
-            unavailable = getattr(self._idem.store, "is_unavailable", None)
-            if unavailable is None or not unavailable(exc):
+            store_rule = self._idem._store_rule
+            assert self._transaction is not None  # _begin raises only with one
+            if not _judged_unavailable(self._transaction, exc) and not (
+                store_rule is not None and store_rule.is_unavailable(exc)
+            ):
                 raise
-            msg = f"the request's transaction could not begin: {exc}".strip()
-            raise StoreUnavailable(msg) from exc
+            raise _could_not_begin(exc) from exc
 
     def _end_with_commit(self) -> None:
         if self._transaction is None or not self._open:
@@ -414,3 +450,17 @@ class _Performer:
         if self._transaction is None or not self._open:
             return  # nothing open (every run that ended well): no step to shield
         self._rollback()
+
+
+def _judged_unavailable(transaction: Transaction, exc: BaseException) -> bool:
+    """Does ``transaction``'s own rule, if its class declares one, call ``exc`` an outage?
+
+    Looked up on the error path only: a request that begins well never asks.
+    """
+    if not declares(type(transaction), UnavailabilityRule):
+        return False
+    return cast(UnavailabilityRule, transaction).is_unavailable(exc)
+
+
+def _could_not_begin(exc: BaseException) -> StoreUnavailable:
+    return StoreUnavailable(f"the request's transaction could not begin: {exc}".strip())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Callable
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 from .._concurrency import resolve
 from .._errors import IdempotencyError, ReplayForbidden
@@ -28,7 +28,7 @@ from .._http import (
     with_request_id,
 )
 from .._model import Intent, Record, Response, Verdict
-from ..stores.protocol import Transaction
+from ..stores.protocol import Transaction, UnavailabilityRule, declares
 from .driver import Attempt, Idempotency
 from .transactions import execute_and_commit
 
@@ -194,6 +194,17 @@ class PooledTransaction:
     def execute_and_commit(self, statement: Any, params: Any, *, begin: bool = False) -> int:
         """The write and its COMMIT together where the adapter can (see ``CommitAfter``)."""
         return execute_and_commit(self._checked_out(), statement, params, begin=begin)
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """The adapter's rule (its library's errors, as a checkout's), where its class declares one.
+
+        ``adapter`` is usually the adapter's class (``SQLAlchemyTransaction``):
+        asked of the ``BEGIN``, whose checkout fails before any adapter is made.
+        """
+        adapter = self._adapter
+        if not isinstance(adapter, type) or not declares(adapter, UnavailabilityRule):
+            return False
+        return cast(UnavailabilityRule, adapter).is_unavailable(exc)
 
     def lend(self, source: Any) -> Any:
         """The connection, taken now, for a claim, if ``source`` is where it comes from; else None.

@@ -15,9 +15,13 @@ and purge need a :class:`MaintainableStore`, the operator's questions an
 :class:`ObservableStore`, the commands an :class:`OperableStore`. Callers rely
 on these declarations, never on probing a store's attributes.
 
-Two optional capabilities save round trips and pool checkouts, and a third says
-what an error means; the driver uses them where offered and the plain protocol
-everywhere else (a store or transaction of your own needs none):
+Three optional capabilities save round trips and pool checkouts, and a fourth
+says what an error means. Each is a runtime-checkable protocol declaring only
+what it adds; the driver checks a store's once, when the ``Idempotency`` is
+made, and a transaction's once per class (:func:`declares`: an ``isinstance``
+against a protocol costs microseconds, a request must not pay them), and uses
+them where offered and the plain protocol everywhere else (a store or
+transaction of your own needs none):
 
 - a transaction with ``execute_and_commit`` (:class:`CommittingTransaction`)
   sends a fenced write together with the ``COMMIT`` that ends its phase (the
@@ -25,23 +29,30 @@ everywhere else (a store or transaction of your own needs none):
   one round trip, in which a write that matched no row raises on the server,
   so the ``COMMIT`` never runs); one that cannot at the moment (a savepoint
   open, another database) raises :class:`NotFused` before it sends anything;
-- a store that declares ``claims_on_lent_connections`` has
+- a :class:`LendingStore` (``claims_on_lent_connections`` true) has
   ``claim_on_lent(intent, lease_token, now, expires_at, lender)`` for
   two-commit mode: the claim commits on its own, on the connection the
   request's transaction then uses, when that transaction lends one from the
   store's own pool (:class:`LendingTransaction`);
-- a store with ``is_unavailable(exc)`` says whether an error met on its
-  database outside its own operations means the database cannot serve the
-  request (the rule its operations answer ``StoreUnavailable`` by): with two
-  commits the driver asks it of the ``BEGIN`` of the caller's transaction, after
-  the claim committed, so a pool that times out there is a 503 with the key
-  given back, not the handler's error (without it, the error propagates as is).
+- an :class:`UnavailabilityRule`, ``is_unavailable(exc)``, says whether an
+  error means the database cannot serve the request (a pool that timed out,
+  a connection gone): a store's is the rule its own operations answer
+  ``StoreUnavailable`` by, and knows its driver's errors; a transaction's knows
+  the errors of the library it adapts (SQLAlchemy's pool ``TimeoutError``, its
+  invalidated connections), which wraps that driver's. The driver asks the
+  transaction's rule, then the store's, of the ``BEGIN`` of the caller's
+  transaction before the handler (with two commits, after the claim
+  committed) and, with one commit, of the claim the transaction begins with:
+  either way a 503 with the key given back at once, not a 500 (without a
+  rule, the error propagates as is). An error the handler raises is its own,
+  never judged.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 from .._errors import ConfigurationError
 from .._model import Claim, Intent, Record, Response, State
@@ -49,6 +60,7 @@ from .stats import StatsSource
 
 __all__ = [
     "AsyncCommittingTransaction",
+    "AsyncLendingStore",
     "AsyncLendingTransaction",
     "AsyncMaintainableStore",
     "AsyncOperableStore",
@@ -56,6 +68,7 @@ __all__ = [
     "AsyncTransaction",
     "CommitFailed",
     "CommittingTransaction",
+    "LendingStore",
     "LendingTransaction",
     "MaintainableStore",
     "NotFused",
@@ -66,7 +79,9 @@ __all__ = [
     "Store",
     "StoreClock",
     "Transaction",
+    "UnavailabilityRule",
     "check_clock",
+    "declares",
 ]
 
 #: Where the time every decision is taken on comes from: the store server's
@@ -149,8 +164,12 @@ class NotFused(Exception):
     """
 
 
-class CommittingTransaction(Transaction, Protocol):
-    """Optional: a transaction that sends a fenced write and its COMMIT in one round trip."""
+@runtime_checkable
+class CommittingTransaction(Protocol):
+    """Optional: a transaction that sends a fenced write and its COMMIT in one round trip.
+
+    A capability: it declares only what such a :class:`Transaction` adds.
+    """
 
     def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
@@ -164,7 +183,8 @@ class CommittingTransaction(Transaction, Protocol):
         """
 
 
-class AsyncCommittingTransaction(AsyncTransaction, Protocol):
+@runtime_checkable
+class AsyncCommittingTransaction(Protocol):
     """:class:`CommittingTransaction` with coroutines."""
 
     async def execute_and_commit(
@@ -172,8 +192,12 @@ class AsyncCommittingTransaction(AsyncTransaction, Protocol):
     ) -> int: ...
 
 
-class LendingTransaction(Transaction, Protocol):
-    """Optional: a transaction that can lend its connection to the claim before it begins."""
+@runtime_checkable
+class LendingTransaction(Protocol):
+    """Optional: a transaction that can lend its connection to the claim before it begins.
+
+    A capability: it declares only what such a :class:`Transaction` adds.
+    """
 
     def lend(self, source: Any) -> Any:
         """Its connection, taken from ``source`` now if not yet taken, or None.
@@ -185,10 +209,39 @@ class LendingTransaction(Transaction, Protocol):
         """
 
 
-class AsyncLendingTransaction(AsyncTransaction, Protocol):
+@runtime_checkable
+class AsyncLendingTransaction(Protocol):
     """:class:`LendingTransaction` with coroutines."""
 
     async def lend(self, source: Any) -> Any: ...
+
+
+@runtime_checkable
+class UnavailabilityRule(Protocol):
+    """Optional, for a store or a transaction (sync or async alike): what an error means."""
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """Does ``exc`` mean the database cannot serve the request (fail closed: a 503)?
+
+        A store's: its driver's errors (refused, lost, a pool of its own
+        exhausted), the rule its operations answer ``StoreUnavailable`` by. A
+        transaction's: its library's (SQLAlchemy's pool ``TimeoutError``, a
+        connection it invalidated), for the ``BEGIN`` and the checkout of the
+        caller's transaction. Never asked of an error the handler raised.
+        """
+
+
+@functools.lru_cache(maxsize=128)
+def declares(kind: type, capability: type) -> bool:
+    """Does the class ``kind`` declare ``capability`` (one of the protocols above)?
+
+    Asked of a class, once: ``isinstance`` against a runtime-checkable protocol
+    costs microseconds (tens of them, on Python 3.11), more than a replay's own
+    Python work, so the driver asks :func:`declares` of ``type(transaction)``,
+    a dictionary look-up after the first time. What a class's instances gain
+    through ``__getattr__`` is not declared: they run the plain protocol.
+    """
+    return issubclass(kind, capability)
 
 
 class Store(Protocol):
@@ -297,6 +350,42 @@ class AsyncStore(Protocol):
     ) -> None: ...
 
     async def get(self, principal: str, key: str) -> Record | None: ...
+
+
+@runtime_checkable
+class LendingStore(Protocol):
+    """Optional: a store that claims, with two commits, on the connection the request lends."""
+
+    @property
+    def claims_on_lent_connections(self) -> bool:
+        """Can :meth:`claim_on_lent` claim on the request's connection now (a pool to lend from)?"""
+
+    def claim_on_lent(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        lender: LendingTransaction,
+    ) -> Claim:
+        """:meth:`Store.claim`, committed on its own, on the connection ``lender`` will use."""
+
+
+@runtime_checkable
+class AsyncLendingStore(Protocol):
+    """:class:`LendingStore` with coroutines."""
+
+    @property
+    def claims_on_lent_connections(self) -> bool: ...
+
+    async def claim_on_lent(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        lender: AsyncLendingTransaction,
+    ) -> Claim: ...
 
 
 class MaintainableStore(Store, Protocol):
