@@ -14,9 +14,9 @@ import os
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -1016,13 +1016,24 @@ async def open_rig(
     transactional: bool,
     pool_size: int = 1,
     app_pool: bool = False,
+    sqlalchemy: Literal["connect", "session"] | None = None,
 ) -> AsyncIterator[Rig]:
     """The store ``kind`` names on a pool of ``pool_size`` that requests share, clock="caller".
 
     ``app_pool`` (PostgreSQL and MySQL): the request's transaction takes its connection
     from a pool of its own instead (a second store's, of ``pool_size``), as an application
     with a pool apart from the key store's: no claim runs on a connection it lends.
+    ``sqlalchemy`` (PostgreSQL and MySQL): that pool is a SQLAlchemy engine's instead (see
+    :func:`sqlalchemy_app`), the transaction SQLAlchemy's adapter on one of its
+    connections (``"connect"``) or sessions (``"session"``).
     """
+    if sqlalchemy is not None:
+        async with contextlib.AsyncExitStack() as stack:
+            rig = await stack.enter_async_context(
+                open_rig(kind, table, tmp_path, transactional=transactional)
+            )
+            yield await stack.enter_async_context(sqlalchemy_app(rig, table, pool_size, sqlalchemy))
+        return
     pooled = {
         "postgres": _postgres_rig,
         "postgres-sync": _postgres_rig,
@@ -1044,6 +1055,99 @@ async def open_rig(
         opened = openers[kind](kind, table, tmp_path, transactional, pool_size)
     async with opened as rig:
         yield rig
+
+
+@contextlib.asynccontextmanager
+async def sqlalchemy_app(
+    rig: Rig, table: str, pool_size: int, holder: Literal["connect", "session"] = "connect"
+) -> AsyncIterator[Rig]:
+    """``rig`` with the request's transaction SQLAlchemy's (``SQLAlchemyTransaction``, or
+    ``AsyncSQLAlchemyTransaction`` on an async rig) on an engine of its own, on the rig's
+    database (psycopg; PyMySQL or asyncmy), its pool of ``pool_size`` and no overflow, as
+    an application with a SQLAlchemy pool apart from the key store's. ``"connect"``: on a
+    connection taken as the integrations take one (``connect=engine.connect``), so the
+    checkout is its BEGIN's; ``"session"``: on a session, which checks one out only at
+    its first statement. :attr:`Rig.crowd` holds that pool's connections; the error it
+    yields, SQLAlchemy's ``TimeoutError``."""
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+    from sqlalchemy.orm import Session
+
+    from idemflow._async.edge import pooled_transaction as async_pooled
+    from idemflow._sync.edge import pooled_transaction as sync_pooled
+    from idemflow.transactions import AsyncSQLAlchemyTransaction, SQLAlchemyTransaction
+    from tests.conftest import POSTGRES_URL
+
+    if rig.name.startswith("postgres"):
+        url = POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1)
+    else:
+        driver = "pymysql" if rig.sync else "asyncmy"
+        url = MYSQL_URL.replace("mysql://", f"mysql+{driver}://", 1) + "?charset=utf8mb4"
+    options = {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": 5}
+    insert = sqlalchemy.text(f"INSERT INTO biz_{table} (note) VALUES (:note)")
+    if rig.sync:
+        engine = sqlalchemy.create_engine(url, **options)
+        pool = engine.pool
+
+        @contextlib.contextmanager
+        def in_session() -> Iterator[Any]:
+            with Session(engine) as session:
+                yield SQLAlchemyTransaction(session)
+
+        def transaction() -> Any:
+            if holder == "session":
+                return in_session()
+            return sync_pooled(engine.connect, SQLAlchemyTransaction)
+
+        def write(conn: Any, note: str) -> None:
+            conn.execute(insert, {"note": note})
+    else:
+        aengine = create_async_engine(url, **options)
+        pool = aengine.sync_engine.pool
+
+        @contextlib.asynccontextmanager
+        async def in_async_session() -> AsyncIterator[Any]:
+            async with AsyncSession(aengine) as session:
+                yield AsyncSQLAlchemyTransaction(session)
+
+        def transaction() -> Any:
+            if holder == "session":
+                return in_async_session()
+            return async_pooled(aengine.connect, AsyncSQLAlchemyTransaction)
+
+        async def write(conn: Any, note: str) -> None:  # type: ignore[misc]
+            await conn.execute(insert, {"note": note})
+
+    @contextlib.asynccontextmanager
+    async def crowd(seconds: float) -> AsyncIterator[BaseException]:
+        async with contextlib.AsyncExitStack() as held:
+            for _ in range(pool_size):
+                if rig.sync:
+                    held.enter_context(engine.connect())
+                else:
+                    await held.enter_async_context(aengine.connect())
+            bound, pool._timeout = pool._timeout, seconds
+            try:
+                try:
+                    if rig.sync:
+                        engine.connect().close()
+                    else:
+                        await aengine.connect().start()
+                except sqlalchemy.exc.TimeoutError as exc:
+                    met = exc
+                else:
+                    raise AssertionError("the pool served one connection too many")
+                yield met
+            finally:
+                pool._timeout = bound
+
+    try:
+        yield replace(rig, transaction=transaction, write=write, crowd=crowd)
+    finally:
+        if rig.sync:
+            engine.dispose()
+        else:
+            await aengine.dispose()
 
 
 @contextlib.asynccontextmanager

@@ -583,6 +583,118 @@ async def test_a_transaction_its_own_pool_cannot_begin_is_503_and_the_key_releas
     assert (ran, notes) == (["k-1"], ["charged"])
 
 
+@pytest.mark.parametrize(("kind", "single_commit"), pooled_modes())
+async def test_a_sqlalchemy_transaction_its_pool_cannot_begin_is_503_and_the_key_released_at_once(
+    kind: str, single_commit: bool, tmp_path: Path, table_name: str
+) -> None:
+    """The request's transaction is SQLAlchemy's, on an engine whose pool of one is held
+    elsewhere past a shortened wait: its checkout, the transaction's BEGIN, raises
+    SQLAlchemy's ``TimeoutError``, which the store's rule (its driver's errors) does not
+    know; the transaction's own rule does. With two commits it comes after the claim
+    committed, with one inside the claim the transaction begins with: either way a 503
+    store-unavailable problem with Retry-After, the handler not run, nothing recorded,
+    the key released at once (two commits: counted) or never committed (one), so the
+    retry, once the pool is free, runs the handler once. The same error raised by the
+    handler itself is the handler's: it propagates unchanged, the key given back."""
+    ran: list[str] = []
+    events: list[Event] = []
+
+    def charge(attempt: Any) -> Any:
+        ran.append(attempt.record.key)
+        return rig.write(attempt.connection, "charged")
+
+    def own_timeout(attempt: Any) -> Any:
+        raise timed_out
+
+    async with open_rig(
+        kind, table_name, tmp_path, transactional=True, sqlalchemy="connect"
+    ) as rig:
+        assert rig.crowd is not None
+        async with rig.crowd(0.05) as timed_out:
+            refused = await respond(
+                rig,
+                charge,
+                "k-1",
+                single_commit=single_commit,
+                observer=lambda event, intent, elapsed: events.append(event),
+            )
+        left = rig.peek("k-1")
+        with pytest.raises(type(timed_out)) as raised:
+            await respond(rig, own_timeout, "k-2", single_commit=single_commit)
+        given_back = rig.peek("k-2")
+        retried = await respond(rig, charge, "k-1", single_commit=single_commit)
+        notes = rig.notes()
+
+    assert refused.status == 503, refused
+    assert refused.header("content-type") == "application/problem+json"
+    assert refused.header("retry-after") is not None
+    assert json.loads(refused.body)["type"].endswith("/store-unavailable")
+    if single_commit:
+        assert events == [Event.STORE_UNAVAILABLE]
+    else:
+        assert events == [Event.CLAIMED, Event.RELEASED, Event.STORE_UNAVAILABLE]
+    assert left is expected_after_a_rollback(single_commit)
+    assert raised.value is timed_out
+    assert given_back is expected_after_a_rollback(single_commit)
+    assert retried.status == 201
+    assert (ran, notes) == (["k-1"], ["charged"])
+
+
+@pytest.mark.parametrize(("kind", "single_commit"), pooled_modes())
+async def test_a_sqlalchemy_session_its_pool_cannot_serve_gives_the_key_back_at_once(
+    kind: str, single_commit: bool, tmp_path: Path, table_name: str
+) -> None:
+    """The request's transaction is a SQLAlchemy session, whose engine's pool of one is
+    held elsewhere past a shortened wait: the session checks a connection out only at its
+    first statement. With one commit that is the claim's, which the transaction begins
+    with: a 503 store-unavailable, nothing recorded, the handler not run. With two it is
+    the handler's own: its error propagates unchanged, and the key is released at once,
+    through the store's connection (the release sent again on the session met that
+    pool's timeout each time and left the key claimed for the sweeper). Either way the
+    retry, once the pool is free, charges once."""
+    ran: list[str] = []
+    events: list[Event] = []
+
+    def charge(attempt: Any) -> Any:
+        ran.append(attempt.record.key)
+        return rig.write(attempt.connection, "charged")
+
+    async with open_rig(
+        kind, table_name, tmp_path, transactional=True, sqlalchemy="session"
+    ) as rig:
+        assert rig.crowd is not None
+        async with rig.crowd(0.05) as timed_out:
+            refused: Response | None = None
+            with contextlib.ExitStack() as expecting:
+                if not single_commit:
+                    raised = expecting.enter_context(pytest.raises(type(timed_out)))
+                refused = await respond(
+                    rig,
+                    charge,
+                    "k-1",
+                    single_commit=single_commit,
+                    observer=lambda event, intent, elapsed: events.append(event),
+                )
+        left = rig.peek("k-1")
+        retried = await respond(rig, charge, "k-1", single_commit=single_commit)
+        notes = rig.notes()
+
+    if single_commit:
+        assert refused is not None
+        assert refused.status == 503, refused
+        assert refused.header("retry-after") is not None
+        assert json.loads(refused.body)["type"].endswith("/store-unavailable")
+        assert events == [Event.STORE_UNAVAILABLE]
+        assert ran == ["k-1"]
+    else:
+        assert isinstance(raised.value, type(timed_out))
+        assert events == [Event.CLAIMED, Event.RELEASED]
+        assert ran == ["k-1", "k-1"]
+    assert left is expected_after_a_rollback(single_commit)
+    assert retried.status == 201
+    assert notes == ["charged"]
+
+
 # --- HTTP, transactional single-commit mode ----------------------------------------------
 
 
