@@ -190,7 +190,12 @@ class AsyncMySQLStore(AsyncSQLStore):
             connection of it (PyMySQL for the sync store; asyncmy, awaited, for
             the asyncio one). Either way the store keeps up to ``max_size`` of
             them, switched to autocommit, so each statement is its own snapshot
-            and a duplicate's read sees the current row.
+            and a duplicate's read sees the current row. A URL chooses TLS as
+            MySQL's clients do, ``?ssl-mode=DISABLED|PREFERRED|REQUIRED|VERIFY_CA|
+            VERIFY_IDENTITY`` (and ``ssl-ca=/path/ca.pem``); without it, the
+            driver's default: PyMySQL ``PREFERRED``, asyncmy no TLS (asyncmy
+            cannot do ``PREFERRED``). The store's connections share one TLS
+            context, built once (``docs/stores.md``, "TLS").
         lock_wait_timeout: the longest (seconds) one of the store's
             statements waits on a row another transaction holds; a claim that
             times out answers 409.
@@ -242,12 +247,18 @@ class AsyncMySQLStore(AsyncSQLStore):
     ) -> Callable[[], Awaitable[Any]]:
         if callable(connect):
             return connect
+        # A URL's TLS context (ssl-mode REQUIRED, VERIFY_*) is built here, once: every
+        # connection of the store is handed that one.
         return AsyncBinding.connector(
             {
                 "connect_timeout": timeout,
                 "init_command": f"SET SESSION innodb_lock_wait_timeout = {self.lock_wait_timeout}",
                 "charset": "utf8mb4",
-                **(connect_kwargs(connect) if isinstance(connect, str) else dict(connect)),
+                **(
+                    connect_kwargs(connect, AsyncBinding.driver)
+                    if isinstance(connect, str)
+                    else dict(connect)
+                ),
             }
         )
 

@@ -13,7 +13,9 @@ manager, ``execute``, ``fetchone``, ``fetchall``, ``lastrowid``,
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -27,13 +29,21 @@ class AsyncBinding:
 
     sleep = staticmethod(asyncio.sleep)
 
+    #: How :func:`~._url.connect_kwargs` spells a URL for this driver.
+    driver = "asyncmy"
+
     @staticmethod
     def connector(kwargs: Mapping[str, Any]) -> Callable[[], Awaitable[Any]]:
-        """A coroutine function opening a new connection (``asyncmy.connect`` arguments)."""
+        """A coroutine function opening a new connection (``asyncmy.connect`` arguments).
+
+        PyMySQL's ``ssl_disabled=True`` is taken too: no TLS, asyncmy's default.
+        """
         with optional("idemflow.stores.mysql"):
             import asyncmy
 
         options = {**kwargs, "autocommit": True}
+        if options.pop("ssl_disabled", False):
+            options.pop("ssl", None)
 
         async def connect() -> Any:
             return await asyncmy.connect(**options)
@@ -77,14 +87,20 @@ class Binding:
     sleep = staticmethod(time.sleep)
     is_unavailable = staticmethod(is_unavailable)
 
+    driver = "pymysql"
+
     @staticmethod
     def connector(kwargs: Mapping[str, Any]) -> Callable[[], Any]:
-        """A function opening a new connection (``pymysql.connect`` arguments)."""
+        """A function opening a new connection (``pymysql.connect`` arguments).
+
+        Its connections share one ``PREFERRED`` TLS context (:func:`_sharing_connection`).
+        """
         with optional("idemflow.stores.mysql"):
-            import pymysql
+            import pymysql  # noqa: F401 -- the extra's message if it is missing
 
         options = dict(kwargs)
-        return lambda: pymysql.connect(**options)
+        connection = _sharing_connection()
+        return lambda: connection(**options)
 
     @staticmethod
     def drop(conn: Any) -> None:
@@ -118,3 +134,33 @@ class Binding:
 
         def release(self) -> None:
             self._tokens.put(None)
+
+
+@functools.cache
+def _sharing_connection() -> Callable[..., Any]:
+    """``pymysql.connect``, whose connections share one ``PREFERRED`` TLS context.
+
+    Told nothing about TLS, PyMySQL 1.2 asks for it when the server offers it
+    (``PREFERRED``, verifying nothing) and builds for that, in every new
+    connection, a context from ``ssl.create_default_context()``, loading the
+    system CA bundle: ~20-65 ms of CPU per connection, on every pool fill and
+    every reconnect, whether the server offers TLS or not. It builds that
+    context in ``_create_ssl_ctx({})`` (an empty dict: no TLS option given,
+    nothing of the connection read); here it is built once, by PyMySQL's own
+    code, and reused by every connection of the process: the same settings,
+    the same handshake. Were the hook renamed, each connection would build its
+    own again: slower, never less safe.
+    """
+    import pymysql.connections
+
+    shared: list[ssl.SSLContext] = []  # at most one (two threads may race to build it)
+
+    class Connection(pymysql.connections.Connection):  # type: ignore[misc]
+        def _create_ssl_ctx(self, sslp: Any) -> Any:
+            if not (isinstance(sslp, dict) and not sslp):
+                return super()._create_ssl_ctx(sslp)
+            if not shared:
+                shared.append(super()._create_ssl_ctx({}))
+            return shared[0]
+
+    return Connection
