@@ -362,18 +362,43 @@ def test_cli_migrate_creates_table_and_indexes(table_name: str) -> None:
     }
 
 
-def test_unreachable_server_is_store_unavailable(tmp_path: Path) -> None:
-    """Nothing listening: 503 and the handler never runs."""
+def nothing_listening() -> str:
+    """``host:port`` on loopback where nothing listens (a port just freed)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    store = MySQLStore(f"mysql://root@127.0.0.1:{port}/test", timeout=2, clock="caller")
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_unreachable_server_is_store_unavailable(tmp_path: Path) -> None:
+    """Nothing listening: 503 and the handler never runs."""
+    store = MySQLStore(f"mysql://root@{nothing_listening()}/test", timeout=2, clock="caller")
     handler = Recorder()
 
     with pytest.raises(StoreUnavailable) as raised:
         Idempotency(store, POLICY).run(intent(), handler)
     assert raised.value.status == 503
     assert handler.calls == []
+
+
+def test_a_refused_connection_behind_sqlalchemy_is_unavailable() -> None:
+    """What a SQLAlchemy transaction raises when its engine cannot connect (nothing
+    listening): SQLAlchemy's OperationalError around PyMySQL's 2003, which SQLAlchemy
+    does not call a disconnect. The store's rule reads the driver's error inside, so the
+    driver answers the BEGIN of such a transaction 503, as PostgreSQL's rule does."""
+    import sqlalchemy
+
+    from idemflow.stores.mysql import is_unavailable
+
+    engine = sqlalchemy.create_engine(f"mysql+pymysql://root@{nothing_listening()}/test")
+    try:
+        with pytest.raises(sqlalchemy.exc.OperationalError) as raised:
+            engine.connect()
+    finally:
+        engine.dispose()
+    assert not raised.value.connection_invalidated
+    assert is_unavailable(raised.value)
+    syntax = sqlalchemy.exc.ProgrammingError("SELECT", {}, pymysql.err.ProgrammingError(1064))
+    assert not is_unavailable(syntax)
 
 
 def test_claim_statements_never_use_insert_ignore() -> None:

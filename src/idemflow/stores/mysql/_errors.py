@@ -29,10 +29,18 @@ def error_code(exc: BaseException) -> int | None:
 
 
 def is_unavailable(exc: BaseException) -> bool:
-    """Cannot reach the server, or it is too busy to take the statement: fail closed."""
-    if isinstance(exc, PoolExhausted) or _is_driver_error(exc, "InterfaceError"):
+    """Cannot reach the server, or it is too busy to take the statement: fail closed.
+
+    Raised by the driver directly or wrapped by SQLAlchemy (``.orig``), as the
+    caller's transaction adapters raise it (a refused connection at the BEGIN of
+    a SQLAlchemy transaction is one SQLAlchemy does not call a disconnect).
+    """
+    original = getattr(exc, "orig", None) or exc
+    if isinstance(original, PoolExhausted) or _is_driver_error(original, "InterfaceError"):
         return True
-    return _is_driver_error(exc, "OperationalError") and error_code(exc) in UNAVAILABLE_CODES
+    return (
+        _is_driver_error(original, "OperationalError") and error_code(original) in UNAVAILABLE_CODES
+    )
 
 
 def _is_driver_error(exc: BaseException, name: str) -> bool:
