@@ -287,7 +287,7 @@ class MySQLDatabase:
             raise ConfigurationError(msg) from exc
         self.url = url.replace("mariadb://", "mysql://", 1)
         self.store = AsyncMySQLStore(self.url, table=KEY_TABLE, max_size=pool_size)
-        self.pool = MySQLPool(connect_kwargs(self.url), pool_size)
+        self.pool = MySQLPool(connect_kwargs(self.url, "asyncmy"), pool_size)  # asyncmy.connect
         self._sync_store = MySQLStore
         self._stats: Any = None
 
