@@ -695,6 +695,51 @@ async def test_a_sqlalchemy_session_its_pool_cannot_serve_gives_the_key_back_at_
     assert notes == ["charged"]
 
 
+@pytest.mark.parametrize("kind", [mode.values[0] for mode in pooled_modes() if not mode.values[1]])
+async def test_a_sqlalchemy_session_that_checks_out_for_the_completion_is_503(
+    kind: str, tmp_path: Path, table_name: str
+) -> None:
+    """Two commits, a SQLAlchemy session on an engine whose pool of one is held elsewhere,
+    a handler that did no database work: the completion is the session's first statement,
+    so its checkout is what times out, inside the store's completion. Nothing was written
+    and the transaction never began on the server: a 503 store-unavailable (the
+    transaction's rule judges it, as at BEGIN), the key given back at once, and the retry
+    charges once."""
+    ran: list[str] = []
+    events: list[Event] = []
+
+    def answer_only(attempt: Any) -> None:
+        ran.append(attempt.record.key)
+
+    def charge(attempt: Any) -> Any:
+        ran.append(attempt.record.key)
+        return rig.write(attempt.connection, "charged")
+
+    async with open_rig(
+        kind, table_name, tmp_path, transactional=True, sqlalchemy="session"
+    ) as rig:
+        assert rig.crowd is not None
+        async with rig.crowd(0.05):
+            refused = await respond(
+                rig,
+                answer_only,
+                "k-1",
+                single_commit=False,
+                observer=lambda event, intent, elapsed: events.append(event),
+            )
+        left = rig.peek("k-1")
+        retried = await respond(rig, charge, "k-1", single_commit=False)
+        notes = rig.notes()
+
+    assert refused.status == 503, refused
+    assert refused.header("retry-after") is not None
+    assert json.loads(refused.body)["type"].endswith("/store-unavailable")
+    assert events == [Event.CLAIMED, Event.RELEASED, Event.STORE_UNAVAILABLE]
+    assert left is State.RELEASED
+    assert retried.status == 201
+    assert (ran, notes) == (["k-1", "k-1"], ["charged"])
+
+
 # --- HTTP, transactional single-commit mode ----------------------------------------------
 
 

@@ -337,7 +337,16 @@ class _Performer:
         # Still open if the COMMIT fails (SQLite keeps the transaction after a
         # deferred constraint fails), so abandon() can roll it back.
         ending = CommitAfter(self._transaction)
-        store.complete(step.record, step.state, step.response, now, expires_at, ending)
+        try:
+            store.complete(step.record, step.state, step.response, now, expires_at, ending)
+        except Exception as exc:
+            # The store judged its own driver's errors; what the transaction's library
+            # raises (a session that checks out only now, for the completion) its rule
+            # judges: the effect rolls back with the completion, so a 503, the key given back.
+            if not _judged_unavailable(self._transaction, exc):
+                raise
+            msg = f"the request's transaction could not complete: {exc}".strip()
+            raise StoreUnavailable(msg) from exc
         ending.finish()
         self._open = False
 
