@@ -294,3 +294,20 @@ def problem_types() -> dict[str, type[IdempotencyError]]:
         found.setdefault(error.slug, error)
         pending += error.__subclasses__()
     return found
+
+
+def driver_error(exc: BaseException) -> BaseException:
+    """The database driver's own error behind a library's wrapper of it, else ``exc``.
+
+    SQLAlchemy keeps it as ``.orig``; Django raises its ``django.db.utils`` errors
+    from it (``__cause__``). The stores' rules (what is an outage, a lock timeout)
+    judge the driver's error, as the caller's transaction adapters raise it wrapped:
+    from the ``BEGIN`` of the request's transaction (a Django pool's ``PoolTimeout``),
+    or from a claim in that transaction (single commit).
+    """
+    original = getattr(exc, "orig", None)
+    if original is not None:
+        return original  # type: ignore[no-any-return]
+    if exc.__cause__ is not None and type(exc).__module__ == "django.db.utils":
+        return exc.__cause__
+    return exc

@@ -471,6 +471,32 @@ def test_unavailable_is_recognised_whichever_copy_of_pymysql_raised_it() -> None
     assert not is_unavailable(copy.ProgrammingError(2003, "not an outage class"))
 
 
+@pytest.mark.parametrize("library", ["django", "sqlalchemy"])
+def test_unavailable_is_recognised_behind_a_librarys_wrapper_of_it(library: str) -> None:
+    """The caller's transaction adapters raise the driver's error wrapped: Django raises its
+    ``django.db.utils`` error from it, SQLAlchemy keeps it as ``.orig``. The store's rule
+    judges the error behind the wrapper (a BEGIN that cannot reach the server is a 503)."""
+    from idemflow.stores.mysql import error_code, is_unavailable
+
+    def wrapped(error: Exception) -> Any:  # Django's errors are untyped
+        if library == "sqlalchemy":
+            from sqlalchemy.exc import OperationalError
+
+            return OperationalError("BEGIN", {}, error)
+        from django.db.utils import OperationalError as DjangoOperationalError
+
+        try:
+            raise DjangoOperationalError(*error.args) from error
+        except DjangoOperationalError as exc:
+            return exc
+
+    refused = wrapped(pymysql.err.OperationalError(2003, "Can't connect to MySQL server"))
+    assert is_unavailable(refused)
+    assert error_code(refused) == 2003
+    assert is_unavailable(wrapped(pymysql.err.InterfaceError(0, "")))
+    assert not is_unavailable(wrapped(pymysql.err.OperationalError(1064, "syntax error")))
+
+
 def test_a_forked_child_opens_its_own_connections_never_the_parents(store: MySQLStore) -> None:
     # The pool knows its process from a pid kept current at fork (no getpid per
     # checkout): a child must still start empty, not share the parent's socket.

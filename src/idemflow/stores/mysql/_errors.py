@@ -7,7 +7,7 @@ import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..._errors import StoreUnavailable
+from ..._errors import StoreUnavailable, driver_error
 
 # Client errors meaning "the server is not there": can't connect (2002,
 # 2003), gone away / lost (2006, 2013), too many connections (1040), server
@@ -22,8 +22,9 @@ UNAVAILABLE_CODES = _UNREACHABLE | {LOCK_WAIT_TIMEOUT}
 
 
 def error_code(exc: BaseException) -> int | None:
-    """The server's error number of a PyMySQL or asyncmy error (or of one wrapped by SQLAlchemy)."""
-    original = getattr(exc, "orig", None) or exc
+    """The server's error number of a PyMySQL or asyncmy error (or of one wrapped by SQLAlchemy
+    or Django)."""
+    original = driver_error(exc)
     args = getattr(original, "args", ())
     return args[0] if args and isinstance(args[0], int) else None
 
@@ -31,16 +32,12 @@ def error_code(exc: BaseException) -> int | None:
 def is_unavailable(exc: BaseException) -> bool:
     """Cannot reach the server, or it is too busy to take the statement: fail closed.
 
-    Raised by the driver directly or wrapped by SQLAlchemy (``.orig``), as the
-    caller's transaction adapters raise it (a refused connection at the BEGIN of
-    a SQLAlchemy transaction is one SQLAlchemy does not call a disconnect).
-    """
-    original = getattr(exc, "orig", None) or exc
-    if isinstance(original, PoolExhausted) or _is_driver_error(original, "InterfaceError"):
+    Raised by the driver directly or wrapped (SQLAlchemy, Django), as the caller's
+    transaction adapters raise it."""
+    original = driver_error(exc)
+    if isinstance(exc, PoolExhausted) or _is_driver_error(original, "InterfaceError"):
         return True
-    return (
-        _is_driver_error(original, "OperationalError") and error_code(original) in UNAVAILABLE_CODES
-    )
+    return _is_driver_error(original, "OperationalError") and error_code(exc) in UNAVAILABLE_CODES
 
 
 def _is_driver_error(exc: BaseException, name: str) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from ..._errors import driver_error
 from ..._extras import optional
 from ..sql import (
     PURGEABLE_SQL,
@@ -150,20 +151,20 @@ def _pool_settings(conninfo: str, max_size: int, claim_lock_timeout_ms: int) -> 
 
 
 def is_lock_timeout(exc: BaseException) -> bool:
-    """SQLSTATE 55P03, raised by psycopg directly or wrapped by SQLAlchemy (``.orig``)."""
-    original = getattr(exc, "orig", None) or exc
+    """SQLSTATE 55P03, raised by psycopg directly or wrapped (SQLAlchemy, Django)."""
+    original = driver_error(exc)
     return getattr(original, "sqlstate", None) == "55P03"
 
 
 def is_unavailable(exc: BaseException) -> bool:
     """Connection refused or lost, pool exhausted: not a bug, an outage (fail closed).
 
-    Raised by psycopg directly or wrapped by SQLAlchemy (``.orig``), as the
-    caller's transaction adapters raise it.
+    Raised by psycopg directly or wrapped by SQLAlchemy (``.orig``) or Django
+    (``django.db.utils``), as the caller's transaction adapters raise it.
     """
     import psycopg
 
-    original = getattr(exc, "orig", None) or exc
+    original = driver_error(exc)
     return isinstance(original, psycopg.OperationalError | psycopg.InterfaceError)
 
 
