@@ -1,9 +1,11 @@
 """
 Django, configured once per test process, on the real servers the suite uses.
 
-Three aliases: ``default`` (a SQLite file in WAL mode), ``postgres`` and
-``mysql`` (MariaDB through PyMySQL, installed as MySQLdb since Django's
-backend speaks mysqlclient's interface). Tables are per test, as elsewhere.
+Four aliases: ``default`` (a SQLite file in WAL mode), ``postgres``, ``mysql``
+(MariaDB through PyMySQL, installed as MySQLdb since Django's backend speaks
+mysqlclient's interface) and ``postgres-pool`` (PostgreSQL through Django's
+psycopg pool of one connection, whose wait ends after half a second). Tables are
+per test, as elsewhere.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from idemflow.stores.mysql import connect_kwargs
 from tests.backends import MYSQL_URL
 from tests.conftest import POSTGRES_URL, unreachable
 
-ALIASES = ("default", "postgres", "mysql")
+ALIASES = ("default", "postgres", "mysql", "postgres-pool")
+#: The ``postgres-pool`` alias's pool: one connection, a checkout waits this long at most.
+POOL_TIMEOUT = 0.5
 VENDOR_ALIAS = {"sqlite": "default", "postgres": "postgres", "mysql": "mysql"}
 _DIRECTORY = tempfile.mkdtemp(prefix="idemflow-django-")
 
@@ -75,7 +79,9 @@ def databases() -> dict[str, dict[str, Any]]:
         "NAME": str(Path(_DIRECTORY) / "app.db"),
         "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL", "timeout": 10},
     }
-    return {"default": sqlite, "postgres": _postgres(), "mysql": _mysql()}
+    pool = {"min_size": 0, "max_size": 1, "timeout": POOL_TIMEOUT}
+    pooled = {**_postgres(), "OPTIONS": {**_postgres()["OPTIONS"], "pool": pool}}
+    return {"default": sqlite, "postgres": _postgres(), "mysql": _mysql(), "postgres-pool": pooled}
 
 
 def configure() -> None:

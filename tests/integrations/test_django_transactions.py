@@ -439,3 +439,95 @@ def test_management_commands_sweep_and_purge_the_django_store(vendor: str, table
             assert "purged: 1 records" in out.getvalue()
         finally:
             execute(alias, f"DROP TABLE IF EXISTS {table_name}")
+
+
+# --- a pool of one that cannot serve the request ------------------------------------------
+
+
+class _URLs:
+    """The two doors: a decorated function view, a view behind the middleware."""
+
+    urlpatterns: tuple[Any, ...] = ()
+
+
+_POOLED_STORES = [
+    pytest.param("django", id="DjangoStore-the-claim"),
+    pytest.param(POSTGRES_URL, id="PostgresStore-the-BEGIN"),
+]
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("store_setting", _POOLED_STORES)
+@pytest.mark.parametrize("single_commit", [False, True], ids=["two-commit", "single-commit"])
+@pytest.mark.parametrize("path", ["/payments", "/mw/payments"], ids=["idempotent", "middleware"])
+def test_a_django_pool_of_one_that_cannot_serve_the_request_is_503_and_nothing_is_left(
+    store_setting: str, single_commit: bool, path: str, table_name: str
+) -> None:
+    """Django's own psycopg pool (``OPTIONS["pool"]``) of one connection, held elsewhere, so
+    a checkout waits out the pool's timeout: in the key store's claim (``DjangoStore`` on
+    that alias), or at the ``BEGIN`` of the view's ``atomic()`` after a claim the key store's
+    own pool served (a ``postgresql://`` store), or in the claim that begins it (single
+    commit). Through ``@idempotent`` and the middleware, on Django's request handler: a 503
+    store-unavailable problem with ``Retry-After`` (Django's ``OperationalError`` over
+    psycopg's ``PoolTimeout`` is the store's outage, not the view's 500), the view never
+    ran, the key free at once (no record, or released); the retry, once the pool is free,
+    runs the view once."""
+    from django.http import HttpRequest, JsonResponse
+    from django.test import Client
+    from django.urls import path as route
+
+    from idemflow.integrations.django import idempotent
+    from tests.integrations.django_setup import POOL_TIMEOUT
+
+    alias = "postgres-pool"
+    require(alias)
+    ran: list[str] = []
+
+    def pay(request: HttpRequest) -> JsonResponse:
+        ran.append(request.path)
+        return JsonResponse({"id": len(ran)}, status=201)
+
+    _URLs.urlpatterns = (route("payments", idempotent(pay)), route("mw/payments", pay))
+    settings = {
+        "database": alias,
+        "table": table_name,
+        "store": store_setting,
+        "single_commit": single_commit,
+        "request_timeout": 5,
+        "principal": lambda request: "dora",
+        "endpoints": ["POST /mw/payments"],
+    }
+    middleware = ["idemflow.integrations.django.middleware.IdempotencyMiddleware"]
+    client = Client()
+
+    def post() -> Any:
+        return client.post(path, b"{}", "application/json", HTTP_IDEMPOTENCY_KEY="k-pool")
+
+    with override_settings(IDEMFLOW=settings, ROOT_URLCONF=_URLs, MIDDLEWARE=middleware):
+        store = get_store()
+        store.migrate()  # type: ignore[attr-defined]
+        pool = connections[alias].pool
+        try:
+            connections[alias].close()  # the pool's one connection back: ours to hold below
+            with pool.connection():  # the pool's one connection, held by "another request"
+                first = post()
+            left = store.get("dora", "k-pool")
+            connections[alias].close()  # as Django does when a request ends
+            retry = post()
+            replay = post()
+        finally:
+            connections[alias].close()
+            store.close()  # type: ignore[attr-defined]
+            execute("postgres", f"DROP TABLE IF EXISTS {table_name}")
+
+    assert first.status_code == 503, first.content
+    assert first["Content-Type"] == "application/problem+json"
+    problem = first.json()
+    assert problem["type"] == "https://idemflow.dev/problems/store-unavailable"
+    assert f"{POOL_TIMEOUT:.2f} sec" in problem["detail"]  # the pool's own wait ran out
+    assert int(first["Retry-After"]) >= 1
+    assert left is None or left.state is State.RELEASED  # never claimed for the sweeper
+    assert retry.status_code == 201, retry.content
+    assert replay.status_code == 201
+    assert replay["Idempotent-Replayed"] == "true"
+    assert ran == [path]
