@@ -37,6 +37,7 @@ pytest.importorskip("flask_sqlalchemy")
 
 from tests.backends import MYSQL_URL  # noqa: E402
 from tests.conftest import POSTGRES_URL, selected_in_module, unreachable  # noqa: E402
+from tests.http.rawhttp import send_partial  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -424,6 +425,29 @@ def test_400_and_401_are_never_recorded(endpoint: Endpoint) -> None:
         return
     assert endpoint.shop.key_rows(alice) == 0
     assert endpoint.post("k-1", alice).status_code == 201
+    assert endpoint.shop.rows(alice) == 1
+
+
+def test_a_body_cut_short_is_never_claimed_run_or_recorded(
+    endpoint: Endpoint,
+) -> None:
+    """A client that declares its body and hangs up part-way (what arrived is valid JSON:
+    only its length tells): a 400 ``incomplete-body`` problem, nothing claimed, run or
+    recorded, whatever the door (the view or the middleware, Django's or Flask's); the whole
+    request under the same key is then a first execution, run once, not a 422."""
+    alice = who()
+    headers = {"Content-Type": "application/json", "Idempotency-Key": "k-1", "X-User": alice}
+    # What arrives is valid JSON too: only the length can tell the body was cut short.
+    body = b'{"amount": 10}\n\n'
+    base, path = endpoint.shop.base, endpoint.path
+    cut = send_partial(base, path, headers, declared=len(body), sent=body[:-1])
+    assert cut.startswith(b"HTTP/1.1 400"), cut  # the server saw the hang-up and answered
+    assert b"/problems/incomplete-body" in cut
+    assert endpoint.shop.key_rows(alice) == 0
+    assert endpoint.shop.rows(alice) == 0
+    first = endpoint.post("k-1", alice, body)
+    assert first.status_code == 201, first.text
+    assert "idempotent-replayed" not in first.headers
     assert endpoint.shop.rows(alice) == 1
 
 

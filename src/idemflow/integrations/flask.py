@@ -65,6 +65,7 @@ from ..edge import (
     Edge,
     EdgeOptions,
     HTTPRequest,
+    body_cut_short,
     problem_for,
     report_outcome_unknown,
     request_id_from,
@@ -306,7 +307,13 @@ def _plain_url(url: Any) -> str:
 
 
 def _body(limit: int) -> bytes:
-    """The whole body, at most ``limit`` bytes; 413 before reading when the length says so."""
+    """The whole body, at most ``limit`` bytes; 413 before reading when the length says so.
+
+    A body shorter than its ``Content-Length`` did not arrive whole (400
+    ``incomplete-body``): Werkzeug raises ``ClientDisconnected`` only where it
+    bounds the stream itself; behind a server that terminates the stream
+    (gunicorn's ``wsgi.input_terminated``) it returns what arrived.
+    """
     declared = request.content_length
     if declared is not None and declared > limit:
         raise BodyTooLarge(
@@ -322,6 +329,8 @@ def _body(limit: int) -> bytes:
         ) from None
     if len(body) > limit:
         raise BodyTooLarge(f"more than {limit} bytes arrived; the limit is {limit} bytes")
+    if declared is not None and len(body) != declared:
+        raise body_cut_short(len(body), declared)
     return body
 
 
