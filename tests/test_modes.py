@@ -533,68 +533,31 @@ async def test_a_claim_the_pool_cannot_serve_is_503_but_the_handlers_own_timeout
     assert (ran, notes) == (["k-1"], ["charged"])
 
 
-@pytest.mark.parametrize(
-    ("kind", "single_commit"), [mode for mode in pooled_modes() if not mode.values[1]]
-)
+def apart_pools() -> list[Any]:
+    """The request's transaction on a pool apart from the store's: psycopg's or MySQL's
+    (two commits: with one, that pool's checkout is the claim's, as in the test above), or a
+    SQLAlchemy engine's (both modes)."""
+    return [
+        pytest.param(*mode.values, app, id=f"{mode.id}-{app}")
+        for mode in pooled_modes()
+        for app in ("pool", "sqlalchemy")
+        if app == "sqlalchemy" or not mode.values[1]
+    ]
+
+
+@pytest.mark.parametrize(("kind", "single_commit", "app"), apart_pools())
 async def test_a_transaction_its_own_pool_cannot_begin_is_503_and_the_key_released_at_once(
-    kind: str, single_commit: bool, tmp_path: Path, table_name: str
+    kind: str, single_commit: bool, app: str, tmp_path: Path, table_name: str
 ) -> None:
-    """Two commits, the request's transaction on a pool apart from the store's: the claim
-    commits on a store connection, then the transaction's checkout, the edge's BEGIN,
-    times out (that pool's one connection held elsewhere past a shortened wait). The
-    infrastructure failed, not the handler: the edge answers a 503 problem with
-    Retry-After, the handler not run, the key released at once (counted) with nothing
-    recorded, so the retry, once the pool is free, runs the handler once. The same error
-    raised by the handler itself is the handler's: it propagates unchanged."""
-    ran: list[str] = []
-    events: list[Event] = []
-
-    def charge(attempt: Any) -> Any:
-        ran.append(attempt.record.key)
-        return rig.write(attempt.connection, "charged")
-
-    def own_timeout(attempt: Any) -> Any:
-        raise timed_out
-
-    async with open_rig(kind, table_name, tmp_path, transactional=True, app_pool=True) as rig:
-        assert rig.crowd is not None
-        async with rig.crowd(0.05) as timed_out:
-            refused = await respond(
-                rig,
-                charge,
-                "k-1",
-                single_commit=single_commit,
-                observer=lambda event, intent, elapsed: events.append(event),
-            )
-        left = rig.peek("k-1")
-        with pytest.raises(type(timed_out)) as raised:
-            await respond(rig, own_timeout, "k-2", single_commit=single_commit)
-        retried = await respond(rig, charge, "k-1", single_commit=single_commit)
-        notes = rig.notes()
-
-    assert refused.status == 503, refused
-    assert refused.header("content-type") == "application/problem+json"
-    assert refused.header("retry-after") is not None
-    assert json.loads(refused.body)["type"].endswith("/store-unavailable")
-    assert events == [Event.CLAIMED, Event.RELEASED, Event.STORE_UNAVAILABLE]
-    assert left is State.RELEASED
-    assert raised.value is timed_out
-    assert retried.status == 201
-    assert (ran, notes) == (["k-1"], ["charged"])
-
-
-@pytest.mark.parametrize(("kind", "single_commit"), pooled_modes())
-async def test_a_sqlalchemy_transaction_its_pool_cannot_begin_is_503_and_the_key_released_at_once(
-    kind: str, single_commit: bool, tmp_path: Path, table_name: str
-) -> None:
-    """The request's transaction is SQLAlchemy's, on an engine whose pool of one is held
-    elsewhere past a shortened wait: its checkout, the transaction's BEGIN, raises
-    SQLAlchemy's ``TimeoutError``, which the store's rule (its driver's errors) does not
-    know; the transaction's own rule does. With two commits it comes after the claim
-    committed, with one inside the claim the transaction begins with: either way a 503
-    store-unavailable problem with Retry-After, the handler not run, nothing recorded,
-    the key released at once (two commits: counted) or never committed (one), so the
-    retry, once the pool is free, runs the handler once. The same error raised by the
+    """The request's transaction takes its connection from a pool apart from the store's,
+    whose one connection is held elsewhere past a shortened wait: its checkout, the
+    transaction's BEGIN, times out. With two commits that comes after the claim committed
+    on a store connection, with one inside the claim the transaction begins with. The
+    infrastructure failed, not the handler: a 503 store-unavailable problem with
+    Retry-After, the handler not run, nothing recorded, the key released at once (two
+    commits: counted) or never committed (one), so the retry, once the pool is free, runs
+    the handler once. SQLAlchemy's ``TimeoutError`` is judged by the transaction's own
+    rule (the store's knows its driver's errors only). The same error raised by the
     handler itself is the handler's: it propagates unchanged, the key given back."""
     ran: list[str] = []
     events: list[Event] = []
@@ -606,9 +569,8 @@ async def test_a_sqlalchemy_transaction_its_pool_cannot_begin_is_503_and_the_key
     def own_timeout(attempt: Any) -> Any:
         raise timed_out
 
-    async with open_rig(
-        kind, table_name, tmp_path, transactional=True, sqlalchemy="connect"
-    ) as rig:
+    apart: dict[str, Any] = {"app_pool": True} if app == "pool" else {"sqlalchemy": "connect"}
+    async with open_rig(kind, table_name, tmp_path, transactional=True, **apart) as rig:
         assert rig.crowd is not None
         async with rig.crowd(0.05) as timed_out:
             refused = await respond(
