@@ -602,24 +602,40 @@ async def test_a_transaction_its_own_pool_cannot_begin_is_503_and_the_key_releas
     assert (ran, notes) == (["k-1"], ["charged"])
 
 
-@pytest.mark.parametrize(("kind", "single_commit"), pooled_modes())
+def session_cases() -> list[Any]:
+    """Where a session's first statement is: the claim's (one commit), the handler's (two
+    commits, a handler that writes) or the completion's (two, a handler that wrote nothing)."""
+    return [
+        pytest.param(*mode.values, writes, id=f"{mode.id}-{'writes' if writes else 'quiet'}")
+        for mode in pooled_modes()
+        for writes in (True, False)
+        if writes or not mode.values[1]
+    ]
+
+
+@pytest.mark.parametrize(("kind", "single_commit", "handler_writes"), session_cases())
 async def test_a_sqlalchemy_session_its_pool_cannot_serve_gives_the_key_back_at_once(
-    kind: str, single_commit: bool, tmp_path: Path, table_name: str
+    kind: str, single_commit: bool, handler_writes: bool, tmp_path: Path, table_name: str
 ) -> None:
     """The request's transaction is a SQLAlchemy session, whose engine's pool of one is
     held elsewhere past a shortened wait: the session checks a connection out only at its
     first statement. With one commit that is the claim's, which the transaction begins
-    with: a 503 store-unavailable, nothing recorded, the handler not run. With two it is
-    the handler's own: its error propagates unchanged, and the key is released at once,
-    through the store's connection (the release sent again on the session met that
-    pool's timeout each time and left the key claimed for the sweeper). Either way the
-    retry, once the pool is free, charges once."""
+    with: a 503 store-unavailable, nothing recorded, the handler not run. With two and a
+    handler that writes it is the handler's own: its error propagates unchanged, and the
+    key is released at once, through the store's connection (the release sent again on
+    the session met that pool's timeout each time and left the key claimed for the
+    sweeper). With two and a handler that wrote nothing it is the completion's, inside the
+    store's completion: nothing was written, so a 503 (the transaction's rule judges it,
+    as at BEGIN), the key released at once. Either way the retry charges once."""
     ran: list[str] = []
     events: list[Event] = []
 
     def charge(attempt: Any) -> Any:
         ran.append(attempt.record.key)
         return rig.write(attempt.connection, "charged")
+
+    def answer_only(attempt: Any) -> None:
+        ran.append(attempt.record.key)
 
     async with open_rig(
         kind, table_name, tmp_path, transactional=True, sqlalchemy="session"
@@ -628,11 +644,11 @@ async def test_a_sqlalchemy_session_its_pool_cannot_serve_gives_the_key_back_at_
         async with rig.crowd(0.05) as timed_out:
             refused: Response | None = None
             with contextlib.ExitStack() as expecting:
-                if not single_commit:
+                if handler_writes and not single_commit:
                     raised = expecting.enter_context(pytest.raises(type(timed_out)))
                 refused = await respond(
                     rig,
-                    charge,
+                    charge if handler_writes else answer_only,
                     "k-1",
                     single_commit=single_commit,
                     observer=lambda event, intent, elapsed: events.append(event),
@@ -641,65 +657,20 @@ async def test_a_sqlalchemy_session_its_pool_cannot_serve_gives_the_key_back_at_
         retried = await respond(rig, charge, "k-1", single_commit=single_commit)
         notes = rig.notes()
 
-    if single_commit:
+    if handler_writes and not single_commit:
+        assert isinstance(raised.value, type(timed_out))
+        assert events == [Event.CLAIMED, Event.RELEASED]
+    else:
         assert refused is not None
         assert refused.status == 503, refused
         assert refused.header("retry-after") is not None
         assert json.loads(refused.body)["type"].endswith("/store-unavailable")
-        assert events == [Event.STORE_UNAVAILABLE]
-        assert ran == ["k-1"]
-    else:
-        assert isinstance(raised.value, type(timed_out))
-        assert events == [Event.CLAIMED, Event.RELEASED]
-        assert ran == ["k-1", "k-1"]
+        claimed = [] if single_commit else [Event.CLAIMED, Event.RELEASED]
+        assert events == [*claimed, Event.STORE_UNAVAILABLE]
+    assert ran == (["k-1"] if single_commit else ["k-1", "k-1"])
     assert left is expected_after_a_rollback(single_commit)
     assert retried.status == 201
     assert notes == ["charged"]
-
-
-@pytest.mark.parametrize("kind", [mode.values[0] for mode in pooled_modes() if not mode.values[1]])
-async def test_a_sqlalchemy_session_that_checks_out_for_the_completion_is_503(
-    kind: str, tmp_path: Path, table_name: str
-) -> None:
-    """Two commits, a SQLAlchemy session on an engine whose pool of one is held elsewhere,
-    a handler that did no database work: the completion is the session's first statement,
-    so its checkout is what times out, inside the store's completion. Nothing was written
-    and the transaction never began on the server: a 503 store-unavailable (the
-    transaction's rule judges it, as at BEGIN), the key given back at once, and the retry
-    charges once."""
-    ran: list[str] = []
-    events: list[Event] = []
-
-    def answer_only(attempt: Any) -> None:
-        ran.append(attempt.record.key)
-
-    def charge(attempt: Any) -> Any:
-        ran.append(attempt.record.key)
-        return rig.write(attempt.connection, "charged")
-
-    async with open_rig(
-        kind, table_name, tmp_path, transactional=True, sqlalchemy="session"
-    ) as rig:
-        assert rig.crowd is not None
-        async with rig.crowd(0.05):
-            refused = await respond(
-                rig,
-                answer_only,
-                "k-1",
-                single_commit=False,
-                observer=lambda event, intent, elapsed: events.append(event),
-            )
-        left = rig.peek("k-1")
-        retried = await respond(rig, charge, "k-1", single_commit=False)
-        notes = rig.notes()
-
-    assert refused.status == 503, refused
-    assert refused.header("retry-after") is not None
-    assert json.loads(refused.body)["type"].endswith("/store-unavailable")
-    assert events == [Event.CLAIMED, Event.RELEASED, Event.STORE_UNAVAILABLE]
-    assert left is State.RELEASED
-    assert retried.status == 201
-    assert (ran, notes) == (["k-1", "k-1"], ["charged"])
 
 
 # --- HTTP, transactional single-commit mode ----------------------------------------------
