@@ -55,11 +55,16 @@ def _database(url: str) -> dict:
         # SHOP_SERVER_SIDE_BINDING=1: psycopg binds values on the server, and prepares
         # what runs often (bench/bench_django_binding.py compares the two).
         binding = os.environ.get("SHOP_SERVER_SIDE_BINDING") == "1"
-        return {
-            **common,
-            "ENGINE": "django.db.backends.postgresql",
-            "OPTIONS": {"server_side_binding": True} if binding else {},
-        }
+        options: dict = {"server_side_binding": True} if binding else {}
+        # SHOP_POOL_SIZE: Django's psycopg pool of that many connections per process, whose
+        # checkout waits SHOP_POOL_TIMEOUT seconds at most (the pool tests set them).
+        if os.environ.get("SHOP_POOL_SIZE"):
+            options["pool"] = {
+                "min_size": 0,
+                "max_size": int(os.environ["SHOP_POOL_SIZE"]),
+                "timeout": float(os.environ.get("SHOP_POOL_TIMEOUT", "10")),
+            }
+        return {**common, "ENGINE": "django.db.backends.postgresql", "OPTIONS": options}
     import pymysql  # Django's MySQL backend speaks mysqlclient's interface; PyMySQL offers it
 
     pymysql.install_as_MySQLdb()

@@ -13,11 +13,18 @@ transaction, sweep, purge) runs on:
 - the thread's own connection (``connections[using]``) when it is in
   autocommit, outside every atomic block: a claim then costs no connection
   of its own and commits at once;
+- the thread's own connection too for the claim a :class:`DjangoTransaction`
+  lends it on PostgreSQL when that connection is inside an atomic block, e.g.
+  in a class-based view or a DRF action of an ``ATOMIC_REQUESTS=True``
+  project (:meth:`DjangoStore.claim_on_lent`): committed alone before the
+  request's transaction sent its ``BEGIN``, or, once it has, as one of its
+  writes. A request never holds two connections of Django's pool at once;
 - a **side connection** (a second connection of the same alias, one per
-  thread, made from the same settings) when the thread's connection is inside
-  an atomic block, e.g. in a view of an ``ATOMIC_REQUESTS=True`` project: a
-  claim written there would stay invisible to duplicates until the request
-  commits, and would vanish with a request that rolls back;
+  thread, made from the same settings) for any other statement while the
+  thread's connection is inside an atomic block: a claim written there would
+  stay invisible to duplicates until the request commits, and would vanish
+  with a request that rolls back. Given back to Django's pool (``OPTIONS["pool"]``)
+  after each use;
 - always the side connection on MySQL/MariaDB, whose session bounds lock
   waits (``innodb_lock_wait_timeout``, 1 s): a duplicate that meets the key
   row locked by a live transaction answers 409 instead of waiting InnoDB's
@@ -38,7 +45,13 @@ from django.db.utils import InterfaceError, OperationalError
 from ..._errors import ConfigurationError
 from ..._model import Claim, Intent, Record, Response, State
 from ...stores import mysql, postgres, sqlite
-from ...stores.protocol import CommitFailed, NotFused, Statement, Transaction
+from ...stores.protocol import (
+    CommitFailed,
+    LendingTransaction,
+    NotFused,
+    Statement,
+    Transaction,
+)
 from ...stores.sql import Dialect, SQLStore, check_clock
 from ...transactions import PsycopgTransaction
 
@@ -116,6 +129,15 @@ def _session_bounds(vendor: str) -> tuple[str, ...]:
 
 _side = _SideConnections()
 
+#: The connection a lent claim runs on, per thread: ``{alias: connection}`` while
+#: :meth:`DjangoStore.claim_on_lent` claims alone on the request's own connection.
+_lent = threading.local()
+
+
+def _pooled(using: str) -> bool:
+    """Does the alias take its connections from Django's pool (``OPTIONS["pool"]``)?"""
+    return bool(connections.settings[using].get("OPTIONS", {}).get("pool"))
+
 
 def _busy(conn: Any) -> bool:
     """Is the thread's connection inside a transaction (an atomic block, or autocommit off)?"""
@@ -140,6 +162,9 @@ class _store_connection:
         self._side = False
 
     def __enter__(self) -> Any:
+        lent = _lent.__dict__.get(self._using)
+        if lent is not None:
+            return lent
         shared = connections[self._using]
         if not self._always_side and not _busy(shared):
             return shared
@@ -147,8 +172,10 @@ class _store_connection:
         return _side.get(self._using)
 
     def __exit__(self, kind: Any, exc: Any, traceback: Any) -> None:
-        if kind is not None and self._side:
-            _side.discard(self._using)  # its session state is unknown now
+        # Its session state is unknown after an error; a pooled one goes back to
+        # Django's pool after each use, never held between requests.
+        if self._side and (kind is not None or _pooled(self._using)):
+            _side.discard(self._using)
 
 
 class _Pool:
@@ -260,6 +287,50 @@ class DjangoStore:
         """See :meth:`idemflow.stores.sql.SQLStore.is_unavailable`."""
         return self._inner.is_unavailable(exc)
 
+    @property
+    def claims_on_lent_connections(self) -> bool:
+        """On PostgreSQL (the vendor Django pools), a claim runs on the request's connection."""
+        return self.vendor == "postgresql"
+
+    def claim_on_lent(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        lender: LendingTransaction,
+    ) -> Claim:
+        """:meth:`claim`, on the connection the request's :class:`DjangoTransaction` uses.
+
+        Outside every atomic block that is what :meth:`claim` does anyway (the
+        thread's connection, in autocommit). Inside one (``ATOMIC_REQUESTS``, a
+        class-based view or a DRF action), where :meth:`claim` would take a
+        second connection: committed alone on the request's own connection
+        while the request's transaction has sent nothing yet (psycopg's BEGIN
+        waits for the first statement), so a duplicate sees it at once; else,
+        once that transaction has begun, as one of its writes (a savepoint),
+        its lock wait bounded as in single-commit mode: the claim then commits
+        or vanishes with the request, and the release (if any) is written there
+        too. Either way one connection per request, never two from Django's pool.
+        """
+        conn = lender.lend(self.using)
+        if conn is None or not isinstance(lender, DjangoTransaction) or not conn.in_atomic_block:
+            return self.claim(intent, lease_token, now, expires_at)
+        raw = _idle_psycopg3(conn)
+        if raw is not None:
+            _lent.__dict__[self.using] = conn
+            try:
+                with _autocommit(raw):
+                    claim = self._inner.claim(intent, lease_token, now, expires_at)
+            finally:
+                del _lent.__dict__[self.using]
+            lender._claimed = _ALONE
+            return claim
+        with transaction.atomic(using=self.using):  # a lock timeout rolls back this alone
+            claim = self._inner.claim(intent, lease_token, now, expires_at, lender)
+        lender._claimed = _ENCLOSED
+        return claim
+
     def claim(
         self,
         intent: Intent,
@@ -354,6 +425,37 @@ class _Rollback(Exception):
     """Passed to ``Atomic.__exit__`` to make it roll back."""
 
 
+#: How :meth:`DjangoStore.claim_on_lent` claimed inside an enclosing atomic block:
+#: committed alone before it began on the server, or as one of its writes.
+_ALONE, _ENCLOSED = "alone", "enclosed"
+
+
+def _idle_psycopg3(conn: Any) -> Any:
+    """psycopg 3's connection under ``conn``, if no transaction is open on the server.
+
+    Django's outermost ``atomic`` turns autocommit off and sends nothing: psycopg
+    sends the BEGIN with the first statement. Until then a statement may run
+    (and commit) alone, in autocommit, before the request's transaction begins.
+    """
+    raw = conn.connection
+    if raw is None or not _is_psycopg3(raw) or conn.needs_rollback or raw.autocommit:
+        return None
+    from psycopg.pq import TransactionStatus
+
+    return raw if raw.info.transaction_status == TransactionStatus.IDLE else None
+
+
+@contextmanager
+def _autocommit(raw: Any) -> Iterator[None]:
+    """psycopg 3's ``raw`` in autocommit for the block (Django's bookkeeping unchanged)."""
+    raw.autocommit = True
+    try:
+        yield
+    finally:
+        if not raw.closed and not raw.broken:  # a connection gone: Django closes it
+            raw.autocommit = False
+
+
 def _is_psycopg3(raw: Any) -> bool:
     """Is ``raw`` a psycopg 3 connection (not psycopg2's)?"""
     return type(raw).__module__.split(".", 1)[0] == "psycopg"
@@ -409,6 +511,11 @@ class DjangoTransaction:
         self._atomic: Any = None
         self._nested = False
         self._detached = False
+        # How DjangoStore.claim_on_lent claimed inside an enclosing atomic block, if it did.
+        self._claimed: str | None = None
+        # After a rollback, statements run on this connection in autocommit: the claim
+        # was committed alone and the enclosing transaction, holding nothing, ended.
+        self._alone: Any = None
         # This thread's connections[using], kept from begin: the lookup costs
         # more than a statement's own Python (the transaction lives in one thread).
         self._conn: Any = None
@@ -423,9 +530,13 @@ class DjangoTransaction:
         """Did the last ``begin`` open a savepoint inside an enclosing atomic block?"""
         return self._nested
 
+    def lend(self, source: Any) -> Any:
+        """This thread's ``connections[using]`` for the claim, when ``source`` is its alias."""
+        return connections[self.using] if source == self.using else None
+
     def begin(self) -> None:
-        if self._detached:
-            return  # autocommit on the side connection: nothing to begin
+        if self._detached or self._alone is not None:
+            return  # autocommit: nothing to begin
         conn = self._conn = connections[self.using]
         self._nested = conn.in_atomic_block
         if self._nested and conn.vendor == "sqlite":
@@ -502,8 +613,21 @@ class DjangoTransaction:
         if atomic is None:
             return  # already ended (a failed COMMIT rolls back by itself)
         atomic.__exit__(_Rollback, _Rollback(), None)
-        if self._nested:
-            self._detached = True
+        if not self._nested or self._claimed == _ENCLOSED:
+            return  # the release, if any, is a write of the same (enclosing) transaction
+        if self._claimed == _ALONE:
+            # The claim committed before the enclosing transaction began, and the rollback
+            # to our savepoint left nothing in it: end it on the server, and give the key
+            # back in autocommit on this very connection (Django's atomic block goes on).
+            raw = self._conn.connection if self._conn is not None else None
+            try:
+                if raw is not None and _is_psycopg3(raw):
+                    raw.rollback()
+                    self._alone = raw
+                    return
+            except Exception:  # noqa: BLE001 -- a connection gone: the side connection's turn
+                pass
+        self._detached = True
 
     def _psycopg_connection(self) -> Any:
         """psycopg 3's connection, when a write and the COMMIT after it may travel together.
@@ -531,6 +655,10 @@ class DjangoTransaction:
 
     @contextmanager
     def _cursor(self) -> Iterator[Any]:
+        if self._alone is not None:
+            with _autocommit(self._alone), self._conn.cursor() as cursor:
+                yield cursor
+            return
         if not self._detached:
             conn = self._conn if self._conn is not None else connections[self.using]
             with conn.cursor() as cursor:
