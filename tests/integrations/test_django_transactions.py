@@ -531,3 +531,62 @@ def test_a_django_pool_of_one_that_cannot_serve_the_request_is_503_and_nothing_i
     assert replay.status_code == 201
     assert replay["Idempotent-Replayed"] == "true"
     assert ran == [path]
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("begun", [False, True], ids=["nothing-sent-yet", "a-write-first"])
+def test_in_an_enclosing_atomic_block_a_pool_of_one_serves_the_claim_and_the_release(
+    begun: bool, table_name: str
+) -> None:
+    """Django's psycopg pool of one connection (the ``postgres-pool`` alias), the request's
+    transaction open (``ATOMIC_REQUESTS``): the claim, the completion and the release run on
+    the request's one connection, never a second from the pool. With nothing sent yet the
+    claim commits alone before the transaction's BEGIN (a duplicate sees it at once); after
+    a write of the request's own it is one of that transaction's writes. A handler that
+    raises gives the key back, the request's transaction rolled back or not. Before: a side
+    connection from the same pool, which waited out its timeout (a 503)."""
+    alias = "postgres-pool"
+    require(alias)
+    store = DjangoStore(alias, table=table_name, clock="caller")
+    store.migrate()
+    execute(alias, f"CREATE TABLE biz_{table_name} (id BIGSERIAL PRIMARY KEY, note TEXT)")
+    idem = Idempotency(store, POLICY, clock=FrozenClock())
+    connections[alias].close()  # the pool's one connection back: the "request" takes it
+
+    def write(note: str) -> None:
+        execute(alias, f"INSERT INTO biz_{table_name} (note) VALUES (%s)", [note])
+
+    def charge(attempt: Attempt) -> Response:
+        write("paid")
+        return CREATED
+
+    def reject(attempt: Attempt) -> Response:
+        write("half-done")
+        raise KeyError("invalid")
+
+    def request(key: str, handler: Callable[[Attempt], Response]) -> Any:
+        with transaction.atomic(using=alias):
+            if begun:
+                write(f"before {key}")
+            return idem.run(intent(key), handler, transaction=DjangoTransaction(alias))
+
+    try:
+        outcome = request("k-1", charge)
+        with pytest.raises(KeyError):
+            request("k-2", reject)
+        replay = request("k-1", charge)
+        notes = sorted(row[0] for row in execute(alias, f"SELECT note FROM biz_{table_name}"))
+        states = [store.get("alice", key) for key in ("k-1", "k-2")]
+    finally:
+        connections[alias].close()
+        store.close()
+        execute("postgres", f"DROP TABLE IF EXISTS {table_name}")
+        execute("postgres", f"DROP TABLE IF EXISTS biz_{table_name}")
+
+    assert (outcome.response, replay.replayed) == (CREATED, True)
+    assert notes == (["before k-1", "before k-1", "paid"] if begun else ["paid"])
+    completed, released = (None if found is None else found.state for found in states)
+    assert completed is State.COMPLETED
+    # After a write of its own, the claim was one of the request's writes, rolled back with
+    # it: the key is free. Otherwise it committed alone, and the release did too.
+    assert released is (None if begun else State.RELEASED)
