@@ -564,3 +564,50 @@ def test_a_pool_of_one_per_worker_serves_every_door_at_once(servers: Servers) ->
     assert len(created) == len(sends) // 2  # every key answered 201 at least once
     assert shop.rows(alice) == len(sends) // 2  # each charged exactly once
     assert shop.key_rows(alice) == len(sends) // 2
+
+
+def _chunked_until_answered(base: str, path: str, headers: dict[str, str], most: int) -> Any:
+    """POST a chunked body of up to ``most`` bytes, 64 KiB a chunk, until the server answers.
+
+    Returns the bytes of body sent before the answer was readable, and the answer's start.
+    """
+    import select
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(base)
+    lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\n{lines}Transfer-Encoding: chunked\r\n"
+    chunk = b"%x\r\n%s\r\n" % (65536, b"x" * 65536)
+    sent = 0
+    with socket.create_connection((where.hostname, where.port), timeout=30) as sock:
+        sock.sendall(f"{head}Connection: close\r\n\r\n".encode())
+        while sent < most and not select.select([sock], [], [], 0)[0]:
+            try:
+                sock.sendall(chunk)
+            except OSError:  # the server answered and closed
+                break
+            sent += 65536
+        answer = b""
+        while len(answer) < 4096 and (data := sock.recv(4096)):
+            answer += data
+    return sent, answer
+
+
+_FLASK = [p for p in ENDPOINTS if str(p.id).startswith("flask")]
+
+
+@pytest.mark.parametrize("endpoint", _FLASK, indirect=True)
+def test_a_chunked_body_past_the_cap_is_a_413_read_no_further(endpoint: Endpoint) -> None:
+    """A chunked body (no Content-Length) of up to 300 MiB: the 413 body-too-large problem
+    once the cap (1 MiB) is passed, nothing claimed or recorded, the body read no further
+    than the cap and what the sockets buffer. Before: Werkzeug read all 300 MiB into memory,
+    then the 413."""
+    alice = who()
+    headers = {"Content-Type": "application/json", "Idempotency-Key": "k-1", "X-User": alice}
+    sent, answer = _chunked_until_answered(endpoint.shop.base, endpoint.path, headers, 300 * 2**20)
+
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"/problems/body-too-large" in answer
+    assert sent < 8 * 2**20  # the cap, plus what the sockets' buffers took
+    assert endpoint.shop.key_rows(alice) == 0

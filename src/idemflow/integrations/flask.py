@@ -77,7 +77,7 @@ from .wsgi import raw_headers  # the header lines werkzeug lists, the one reader
 with optional("idemflow.integrations.flask"):
     from flask import Flask, current_app, request
     from flask import Response as FlaskResponse
-    from werkzeug.exceptions import ClientDisconnected
+    from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
 
 __all__ = ["Idempotency", "flask_login_user", "from_flask", "handle_outcome_unknown", "to_flask"]
 
@@ -320,8 +320,16 @@ def _body(limit: int) -> bytes:
             f"the request body is {declared} bytes (Content-Length); "
             f"the limit for idempotent requests is {limit} bytes"
         )
+    if declared is None:
+        # A body without its length (chunked, behind a server that terminates the
+        # stream): Werkzeug reads it to its end, unless the request's own maximum
+        # bounds it. It stops there; one byte past ``limit`` tells a body too large.
+        current = request.max_content_length
+        request.max_content_length = limit + 1 if current is None else min(current, limit + 1)
     try:
         body = request.get_data(cache=True)
+    except RequestEntityTooLarge:
+        raise BodyTooLarge(f"more than {limit} bytes arrived; the limit is {limit} bytes") from None
     except ClientDisconnected:
         raise IncompleteBody(
             "the request body ended before its Content-Length: the client went away; "
