@@ -29,6 +29,7 @@ from idemflow import (
     Policy,
     Response,
     State,
+    StoreUnavailable,
 )
 from idemflow.integrations.django import (
     DjangoStore,
@@ -534,17 +535,20 @@ def test_a_django_pool_of_one_that_cannot_serve_the_request_is_503_and_nothing_i
 
 
 @pytest.mark.postgres
-@pytest.mark.parametrize("begun", [False, True], ids=["nothing-sent-yet", "a-write-first"])
-def test_in_an_enclosing_atomic_block_a_pool_of_one_serves_the_claim_and_the_release(
+@pytest.mark.parametrize("begun", [False, True], ids=["nothing-sent-yet", "a-read-first"])
+def test_in_an_enclosing_atomic_block_a_pool_of_one_serves_the_claim_or_fails_closed(
     begun: bool, table_name: str
 ) -> None:
     """Django's psycopg pool of one connection (the ``postgres-pool`` alias), the request's
-    transaction open (``ATOMIC_REQUESTS``): the claim, the completion and the release run on
-    the request's one connection, never a second from the pool. With nothing sent yet the
-    claim commits alone before the transaction's BEGIN (a duplicate sees it at once); after
-    a write of the request's own it is one of that transaction's writes. A handler that
-    raises gives the key back, the request's transaction rolled back or not. Before: a side
-    connection from the same pool, which waited out its timeout (a 503)."""
+    transaction open (``ATOMIC_REQUESTS``). With nothing sent yet, the claim commits alone
+    on the request's one connection before the transaction's BEGIN (a duplicate sees it at
+    once), and the completion and the release run there too: never a second connection
+    from the pool (before: a side connection from the same pool, which waited out its
+    timeout, a 503). After a read of the request's own the transaction has begun: the claim
+    cannot commit alone on it, and is never made one of its writes (a crash after an
+    external call would take the claim with it, and the retry would run the call again
+    under a new downstream key): it needs the side connection, which a pool of one cannot
+    give, so a 503 store-unavailable, the handler not run, nothing recorded."""
     alias = "postgres-pool"
     require(alias)
     store = DjangoStore(alias, table=table_name, clock="caller")
@@ -552,29 +556,36 @@ def test_in_an_enclosing_atomic_block_a_pool_of_one_serves_the_claim_and_the_rel
     execute(alias, f"CREATE TABLE biz_{table_name} (id BIGSERIAL PRIMARY KEY, note TEXT)")
     idem = Idempotency(store, POLICY, clock=FrozenClock())
     connections[alias].close()  # the pool's one connection back: the "request" takes it
+    ran: list[str] = []
 
     def write(note: str) -> None:
         execute(alias, f"INSERT INTO biz_{table_name} (note) VALUES (%s)", [note])
 
     def charge(attempt: Attempt) -> Response:
+        ran.append(attempt.record.key)
         write("paid")
         return CREATED
 
     def reject(attempt: Attempt) -> Response:
+        ran.append(attempt.record.key)
         write("half-done")
         raise KeyError("invalid")
 
     def request(key: str, handler: Callable[[Attempt], Response]) -> Any:
         with transaction.atomic(using=alias):
             if begun:
-                write(f"before {key}")
+                execute(alias, "SELECT 1")  # e.g. a database-backed authentication
             return idem.run(intent(key), handler, transaction=DjangoTransaction(alias))
 
     try:
-        outcome = request("k-1", charge)
-        with pytest.raises(KeyError):
-            request("k-2", reject)
-        replay = request("k-1", charge)
+        if begun:
+            with pytest.raises(StoreUnavailable):
+                request("k-1", charge)
+        else:
+            outcome = request("k-1", charge)
+            with pytest.raises(KeyError):
+                request("k-2", reject)
+            replay = request("k-1", charge)
         notes = sorted(row[0] for row in execute(alias, f"SELECT note FROM biz_{table_name}"))
         states = [store.get("alice", key) for key in ("k-1", "k-2")]
     finally:
@@ -583,10 +594,10 @@ def test_in_an_enclosing_atomic_block_a_pool_of_one_serves_the_claim_and_the_rel
         execute("postgres", f"DROP TABLE IF EXISTS {table_name}")
         execute("postgres", f"DROP TABLE IF EXISTS biz_{table_name}")
 
+    if begun:
+        assert (ran, notes, states) == ([], [], [None, None])
+        return
     assert (outcome.response, replay.replayed) == (CREATED, True)
-    assert notes == (["before k-1", "before k-1", "paid"] if begun else ["paid"])
+    assert (ran, notes) == (["k-1", "k-2"], ["paid"])
     completed, released = (None if found is None else found.state for found in states)
-    assert completed is State.COMPLETED
-    # After a write of its own, the claim was one of the request's writes, rolled back with
-    # it: the key is free. Otherwise it committed alone, and the release did too.
-    assert released is (None if begun else State.RELEASED)
+    assert (completed, released) == (State.COMPLETED, State.RELEASED)

@@ -17,8 +17,10 @@ transaction, sweep, purge) runs on:
   lends it on PostgreSQL when that connection is inside an atomic block, e.g.
   in a class-based view or a DRF action of an ``ATOMIC_REQUESTS=True``
   project (:meth:`DjangoStore.claim_on_lent`): committed alone before the
-  request's transaction sent its ``BEGIN``, or, once it has, as one of its
-  writes. A request never holds two connections of Django's pool at once;
+  request's transaction sent its ``BEGIN``, so the request holds one
+  connection of Django's pool, not two. Once that transaction has begun (the
+  view read first, e.g. a database-backed authentication), the claim takes
+  the side connection below: it must commit alone, never with the request;
 - a **side connection** (a second connection of the same alias, one per
   thread, made from the same settings) for any other statement while the
   thread's connection is inside an atomic block: a claim written there would
@@ -307,28 +309,28 @@ class DjangoStore:
         class-based view or a DRF action), where :meth:`claim` would take a
         second connection: committed alone on the request's own connection
         while the request's transaction has sent nothing yet (psycopg's BEGIN
-        waits for the first statement), so a duplicate sees it at once; else,
-        once that transaction has begun, as one of its writes (a savepoint),
-        its lock wait bounded as in single-commit mode: the claim then commits
-        or vanishes with the request, and the release (if any) is written there
-        too. Either way one connection per request, never two from Django's pool.
+        waits for the first statement), so a duplicate sees it at once, and one
+        connection serves the request. Once that transaction has begun (the
+        view read or wrote first), the claim cannot commit alone on it: it takes
+        the side connection, as :meth:`claim` does, and gives it back at once.
+        Written as one of the request's writes instead, the claim would vanish
+        with a request that crashed after an external call, and the retry would
+        run it again under a new downstream key: a pool too small for that
+        second connection answers 503 instead (fail closed).
         """
         conn = lender.lend(self.using)
         if conn is None or not isinstance(lender, DjangoTransaction) or not conn.in_atomic_block:
             return self.claim(intent, lease_token, now, expires_at)
         raw = _idle_psycopg3(conn)
-        if raw is not None:
-            _lent.__dict__[self.using] = conn
-            try:
-                with _autocommit(raw):
-                    claim = self._inner.claim(intent, lease_token, now, expires_at)
-            finally:
-                del _lent.__dict__[self.using]
-            lender._claimed = _ALONE
-            return claim
-        with transaction.atomic(using=self.using):  # a lock timeout rolls back this alone
-            claim = self._inner.claim(intent, lease_token, now, expires_at, lender)
-        lender._claimed = _ENCLOSED
+        if raw is None:  # begun on the server: committed alone on the side connection
+            return self.claim(intent, lease_token, now, expires_at)
+        _lent.__dict__[self.using] = conn
+        try:
+            with _autocommit(raw):
+                claim = self._inner.claim(intent, lease_token, now, expires_at)
+        finally:
+            del _lent.__dict__[self.using]
+        lender._claimed_alone = True
         return claim
 
     def claim(
@@ -425,11 +427,6 @@ class _Rollback(Exception):
     """Passed to ``Atomic.__exit__`` to make it roll back."""
 
 
-#: How :meth:`DjangoStore.claim_on_lent` claimed inside an enclosing atomic block:
-#: committed alone before it began on the server, or as one of its writes.
-_ALONE, _ENCLOSED = "alone", "enclosed"
-
-
 def _idle_psycopg3(conn: Any) -> Any:
     """psycopg 3's connection under ``conn``, if no transaction is open on the server.
 
@@ -511,8 +508,9 @@ class DjangoTransaction:
         self._atomic: Any = None
         self._nested = False
         self._detached = False
-        # How DjangoStore.claim_on_lent claimed inside an enclosing atomic block, if it did.
-        self._claimed: str | None = None
+        # Did DjangoStore.claim_on_lent commit the claim alone on this very connection,
+        # inside an enclosing atomic block, before its transaction began on the server?
+        self._claimed_alone = False
         # After a rollback, statements run on this connection in autocommit: the claim
         # was committed alone and the enclosing transaction, holding nothing, ended.
         self._alone: Any = None
@@ -613,9 +611,9 @@ class DjangoTransaction:
         if atomic is None:
             return  # already ended (a failed COMMIT rolls back by itself)
         atomic.__exit__(_Rollback, _Rollback(), None)
-        if not self._nested or self._claimed == _ENCLOSED:
-            return  # the release, if any, is a write of the same (enclosing) transaction
-        if self._claimed == _ALONE:
+        if not self._nested:
+            return
+        if self._claimed_alone:
             # The claim committed before the enclosing transaction began, and the rollback
             # to our savepoint left nothing in it: end it on the server, and give the key
             # back in autocommit on this very connection (Django's atomic block goes on).
