@@ -132,6 +132,15 @@ class IncompleteBody(InvalidBody):
     retryable = True
 
 
+class LengthRequired(InvalidBody):
+    """A body sent without its length (chunked) to a server that cannot say where it ends."""
+
+    __module__ = "idemflow"
+    status = 411
+    slug = "length-required"
+    title = "Request body needs its Content-Length"
+
+
 class MissingPrincipal(ClientError):
     """No authenticated principal: keys are never claimed anonymously."""
 

@@ -649,3 +649,46 @@ def test_django_reads_meta_as_werkzeug_reads_the_environ() -> None:
     assert lines == werkzeugs
     assert (b"idempotency-key", b"") in lines
     assert not {b"content-type", b"content-length"} & {name for name, _ in lines}
+
+
+def test_django_reads_a_body_without_its_length_only_where_the_server_ends_it() -> None:
+    """Without ``CONTENT_LENGTH`` Django's WSGIRequest sees an empty body. Where the server
+    ends the stream (``wsgi.input_terminated``), the doors read it themselves, bounded, and
+    the request then holds it (``body``, ``POST`` parsed before from the empty one, DRF's
+    length); where it does not, a chunked body is the 411 ``length-required`` problem and no
+    body at all is an empty one."""
+    pytest.importorskip("django")
+    import io
+
+    from django.core.handlers.wsgi import WSGIRequest
+
+    import tests.integrations.django_setup  # noqa: F401 -- settings
+    from idemflow import BodyTooLarge, LengthRequired
+    from idemflow.integrations.django.http import _body
+
+    def unframed(body: bytes, **meta: Any) -> WSGIRequest:
+        environ = {
+            "REQUEST_METHOD": "POST",
+            "PATH_INFO": "/payments",
+            "wsgi.input": io.BytesIO(body),
+        }
+        environ["CONTENT_TYPE"] = "application/x-www-form-urlencoded"
+        return WSGIRequest({**environ, **meta})
+
+    ended = unframed(
+        b"amount=10", HTTP_TRANSFER_ENCODING="chunked", **{"wsgi.input_terminated": True}
+    )
+    assert ended.POST == {}  # as CSRF's check reads a form before the view: the empty body
+    assert _body(ended, 100) == b"amount=10"
+    assert (ended.body, ended.read(), ended.POST["amount"]) == (b"amount=10", b"amount=10", "10")
+    assert ended.META["CONTENT_LENGTH"] == "9"
+    assert _body(ended, 100) == b"amount=10"  # a second door reads the same body
+
+    big = unframed(b"x" * 1000, **{"wsgi.input_terminated": True})
+    with pytest.raises(BodyTooLarge):
+        _body(big, 100)
+    assert big.META["wsgi.input"].tell() == 101  # read one byte past the cap, no further
+
+    with pytest.raises(LengthRequired):
+        _body(unframed(b"amount=10", HTTP_TRANSFER_ENCODING="chunked"), 100)
+    assert _body(unframed(b""), 100) == b""

@@ -363,7 +363,8 @@ def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while declared is None or size < declared:
-        want = _READ_SIZE if declared is None else min(_READ_SIZE, declared - size)
+        # Without a length, one byte past ``limit`` at most: enough to tell it is over.
+        want = min(_READ_SIZE, (limit + 1 if declared is None else declared) - size)
         chunk = _read(stream, want)
         if chunk is None:
             raise body_cut_short(size, declared)

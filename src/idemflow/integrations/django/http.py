@@ -11,6 +11,7 @@ completion commit together.
 
 from __future__ import annotations
 
+import io
 import sys
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -20,10 +21,9 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.utils.module_loading import import_string
 
 from ..._errors import (
-    BodyTooLarge,
     ConfigurationError,
     IdempotencyError,
-    IncompleteBody,
+    LengthRequired,
     MissingPrincipal,
     OutcomeUnknown,
     ResponseNotStorable,
@@ -36,12 +36,15 @@ from ...edge import (
     EdgeOptions,
     HTTPRequest,
     RawHeaders,
+    body_cut_short,
+    body_too_large,
+    declared_length,
     problem_for,
     report_outcome_unknown,
     request_id_from,
     sendable_headers,
 )
-from ..wsgi import raw_headers
+from ..wsgi import raw_headers, read_body
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
 from .store import DjangoTransaction
 
@@ -88,21 +91,47 @@ def _headers(request: HttpRequest) -> RawHeaders:
 
 def _body(request: HttpRequest, limit: int) -> bytes:
     """The whole body, at most ``limit`` bytes; 413 before reading when the length says so."""
-    text = str(request.META.get("CONTENT_LENGTH") or "").strip()
-    declared = int(text) if text.isdigit() and len(text) <= len(str(limit)) + 1 else None
-    if text.isdigit() and (declared is None or declared > limit):
-        raise BodyTooLarge(
-            f"the request body is {text[:20]} bytes (Content-Length); "
-            f"the limit for idempotent requests is {limit} bytes"
-        )
+    declared = declared_length(request.META.get("CONTENT_LENGTH"), limit)
+    if declared is None and "wsgi.input" in request.META:
+        return _unframed(request, limit)
     body = bytes(request.body)
     if len(body) > limit:
-        raise BodyTooLarge(f"more than {limit} bytes arrived; the limit is {limit} bytes")
+        raise body_too_large(len(body), limit)
     if declared is not None and len(body) != declared:
-        raise IncompleteBody(
-            f"the request body ended after {len(body)} bytes of the {declared} declared: "
-            "the client went away; nothing was recorded, send the whole request again"
-        )
+        raise body_cut_short(len(body), declared)
+    return body
+
+
+def _unframed(request: HttpRequest, limit: int) -> bytes:
+    """A WSGI request's body sent without its length (chunked), made the request's own.
+
+    Django's WSGIRequest reads ``CONTENT_LENGTH`` bytes of ``wsgi.input``: none
+    when it is absent, so it sees an empty body. Where the server ends the
+    stream at the body's end (``wsgi.input_terminated``, gunicorn's chunked
+    bodies), it is read here, at most one byte past ``limit`` (413 while it
+    streams, 400 if it is cut short), and given to the request as Django caches
+    a body it has read (``HttpRequest.body``), with its length in ``META``:
+    the view, DRF's parsers and ``request.POST`` all read it. Where the server
+    does not, a body announced by ``Transfer-Encoding`` cannot be read safely:
+    411, never an empty body claimed in its place.
+    """
+    environ = request.META
+    if not environ.get("wsgi.input_terminated"):
+        if str(environ.get("HTTP_TRANSFER_ENCODING") or "").strip():
+            raise LengthRequired(
+                "the request body came without a Content-Length (Transfer-Encoding), and this "
+                "server does not say where it ends; send it with its Content-Length"
+            )
+        return bytes(request.body)  # neither a length nor a framing: no body (RFC 9112 6.3)
+    body = read_body(environ, limit)
+    environ["wsgi.input"] = io.BytesIO(body)
+    environ["CONTENT_LENGTH"] = str(len(body))
+    # What HttpRequest.body leaves once it has read a body; what was parsed from
+    # the empty one before (request.POST, by CSRF's check of a form) goes with it.
+    request._body = body  # Django's own cache of the read body
+    request._stream = io.BytesIO(body)
+    for parsed in ("_post", "_files"):
+        request.__dict__.pop(parsed, None)
     return body
 
 
