@@ -21,6 +21,14 @@ from other work on the machine hits both alike; then one table is printed.
     ``run`` on a completed key (the claim loses, the stored response is
     returned), against the same commands plus the work a hand-written replay
     does with the answer (check fingerprint and state, decode the headers).
+    MySQL: the INSERT that fails with 1062, then the store's read after a
+    duplicate (``read_for_claim``: the row and the server's clock, which the
+    store needs to decide whether a takeover is worth attempting).
+
+MySQL's pool holds as many connections as the most callers of the run
+(``--pool-size`` says otherwise), every one opened before anything is
+measured: the raw side has one connection per thread, so a smaller pool
+would measure threads waiting for a connection, not the library's cost.
 
 ``--claim-forms`` (MySQL) measures the two claim designs, raw, side by side:
 a plain ``INSERT`` that learns "duplicate" from error 1062, then reads the
@@ -94,6 +102,12 @@ class Settings:
     claim_forms: bool
     claim_rates: bool
     native: bool
+    pool_size: int | None = None
+
+    @property
+    def mysql_pool(self) -> int:
+        """The MySQL store's ``max_size``: one connection per caller, as raw has."""
+        return self.pool_size or max(self.callers, default=1)
 
 
 @dataclass
@@ -169,7 +183,7 @@ def compare(
         )
     row = Row.compare(backend, path, callers, results)
     report.rows.append(row)
-    print(table([row]).splitlines()[-1], flush=True)
+    print(table([row], cpu=True).splitlines()[-1], flush=True)
 
 
 # --- MySQL / MariaDB ----------------------------------------------------------
@@ -237,14 +251,15 @@ class RawMySQL:
             now = time.time()
             params = claim_params(intent(keys()), lease(), now, now + RETENTION)
             with self.conn().cursor() as cursor:
-                claim, select = self.insert, self.dialect.select
+                # The store's own read after a duplicate (with the server's clock).
+                claim, read = self.insert, self.dialect.read_for_claim
                 try:
                     cursor.execute(claim.pyformat, claim.bind(params))
                     raise AssertionError("a completed key was claimed")
                 except pymysql.err.IntegrityError as exc:
                     if exc.args[0] != 1062:
                         raise
-                cursor.execute(select.pyformat, select.bind(params))
+                cursor.execute(read.pyformat, read.bind(params))
                 _check_row(cursor.fetchone(), cursor.description)
 
         return op
@@ -277,12 +292,14 @@ def _check_row(row: Sequence[Any] | None, description: Any) -> None:
 
 
 @contextlib.contextmanager
-def mysql_table(run_id: str) -> Iterator[tuple[str, Any]]:
+def mysql_table(run_id: str, pool_size: int = 16) -> Iterator[tuple[str, Any]]:
+    """A fresh key table and a store on it whose ``pool_size`` connections are all open."""
     from idemflow.stores.mysql import MySQLStore
 
     table = f"bench_{run_id}"
-    store = MySQLStore(MYSQL_URL, table=table, max_size=16)
+    store = MySQLStore(MYSQL_URL, table=table, max_size=pool_size)
     store.migrate()
+    open_every_connection(store, pool_size)
     try:
         yield table, store
     finally:
@@ -296,8 +313,16 @@ def mysql_table(run_id: str) -> Iterator[tuple[str, Any]]:
             cursor.execute(f"DROP TABLE IF EXISTS {table}")
 
 
+def open_every_connection(store: Any, size: int) -> None:
+    """Check ``size`` connections out at once, then give them back: none is opened
+    (a TLS context built, a handshake made) inside a measured slice."""
+    with contextlib.ExitStack() as held:
+        for _ in range(size):
+            held.enter_context(store.pool.connection())
+
+
 def bench_mysql(settings: Settings, run_id: str, report: Report) -> None:
-    with mysql_table(run_id) as (table, store):
+    with mysql_table(run_id, settings.mysql_pool) as (table, store):
         raw = RawMySQL(table)
         idem = Idempotency(store, POLICY)
         done = ReplayKeys(run_id, "mysql")
@@ -814,6 +839,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--no-claim-forms", action="store_true")
     parser.add_argument("--no-claim-rates", action="store_true")
     parser.add_argument("--native", action="store_true", help="also pgbench/mariadb-slap/…")
+    parser.add_argument(
+        "--pool-size", type=int, help="the MySQL store's max_size (default: the most callers)"
+    )
     args = parser.parse_args(argv)
     return Settings(
         seconds=args.seconds,
@@ -823,6 +851,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         claim_forms=not args.no_claim_forms,
         claim_rates=not args.no_claim_rates,
         native=args.native,
+        pool_size=args.pool_size,
     )
 
 
@@ -852,7 +881,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             native_rates(run_id, report)
     print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("\nlibrary / raw (the same commands through the same driver):\n")
-    print(table(report.rows))
+    print(table(report.rows, cpu=True))
     if report.form_rows:
         print("\nMySQL claim forms, raw: INSERT + 1062 (chosen) / ON DUPLICATE KEY UPDATE:\n")
         print(table(report.form_rows, ("odku ops/s", "insert+1062 ops/s")))

@@ -12,7 +12,7 @@ checkout's ``src``. For each backend and number of callers, one worker
 process per version imports *its* idemflow (its ``src`` first on
 ``sys.path``) and the benchmark code of *this* checkout, and builds the
 contenders of ``bench.bench_core`` (SQLite) or ``bench.bench_stores``
-(Redis): the library's ``Idempotency.run`` and the raw driver sending that
+(Redis, MySQL/MariaDB): the library's ``Idempotency.run`` and the raw driver sending that
 version's own statements or scripts with the same parameters. The
 coordinator then runs one slice at a time, rotating the order every round
 over all four (before raw, before library, after raw, after library), so
@@ -47,7 +47,7 @@ from typing import IO, Any
 from ._harness import parse_list
 
 ROOT = Path(__file__).resolve().parent.parent
-BACKENDS = ("sqlite", "redis")
+BACKENDS = ("sqlite", "redis", "mysql")
 PATHS = ("claim", "replay")
 #: The label of each path in the tables (as ``bench_core`` and ``bench_stores`` print them).
 LABELS = {"claim": "claim+complete", "replay": "replay"}
@@ -97,7 +97,7 @@ def worker(src: str, backend: str, callers: int, paths: Sequence[str], tag: str)
     from ._harness import Crew
 
     with contextlib.ExitStack() as stack:
-        ops = stack.enter_context(_contenders(backend, paths, tag))
+        ops = stack.enter_context(_contenders(backend, paths, tag, callers))
         crew = stack.enter_context(Crew(callers))
         runners = {name: crew.slice(op) for name, op in ops.items()}
         for run in runners.values():
@@ -113,9 +113,14 @@ def worker(src: str, backend: str, callers: int, paths: Sequence[str], tag: str)
 
 
 @contextlib.contextmanager
-def _contenders(backend: str, paths: Sequence[str], tag: str) -> Iterator[dict[str, Any]]:
+def _contenders(
+    backend: str, paths: Sequence[str], tag: str, callers: int
+) -> Iterator[dict[str, Any]]:
     if backend == "sqlite":
         with _sqlite(paths, tag) as ops:
+            yield ops
+    elif backend == "mysql":
+        with _mysql(paths, tag, callers) as ops:
             yield ops
     else:
         with _redis(paths, tag) as ops:
@@ -178,6 +183,34 @@ def _redis(paths: Sequence[str], tag: str) -> Iterator[dict[str, Any]]:
         for key in store.client.scan_iter(match=f"{prefix}:*", count=1000):
             store.client.delete(key)
         store.close()
+
+
+@contextlib.contextmanager
+def _mysql(paths: Sequence[str], tag: str, callers: int) -> Iterator[dict[str, Any]]:
+    """``bench_stores``' MySQL contenders: a pool of one connection per caller, all open."""
+    from idemflow import Idempotency
+
+    from . import bench_stores as stores
+
+    with stores.mysql_table(f"v{tag}", pool_size=callers) as (table, store):
+        raw = stores.RawMySQL(table)
+        idem = Idempotency(store, stores.POLICY)
+        done = stores.ReplayKeys(tag, "mysql")
+        if "replay" in paths:
+            for key in done.keys:
+                idem.run(stores.intent(key), stores.respond)
+        library = stores.library_ops(idem, stores.Keys(tag, "lib"), done)
+        ops: dict[str, Any] = {}
+        if "claim" in paths:
+            ops["claim/raw"] = raw.claim_complete(stores.Keys(tag, "raw"))
+            ops["claim/library"] = library[0]
+        if "replay" in paths:
+            ops["replay/raw"] = raw.replay(done)
+            ops["replay/library"] = library[1]
+        try:
+            yield ops
+        finally:
+            raw.close()
 
 
 # --- the coordinator ------------------------------------------------------------------
@@ -336,7 +369,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace
         prog="python -m bench.bench_versions", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--rev", default="main", help="the 'before' git revision (main)")
-    parser.add_argument("--backends", default="sqlite,redis", help="sqlite, redis (both)")
+    parser.add_argument("--backends", default="sqlite,redis", help="sqlite, redis, mysql")
     parser.add_argument("--paths", default="claim,replay", help="claim, replay (both)")
     parser.add_argument("--callers", default="1,16", help="caller threads (1,16)")
     parser.add_argument("--seconds", type=float, default=8.0, help="per contender and row (8)")
