@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..._model import Claim, Record, State, can_take_over, record_from_row
+from ..._model import Claim, Record, State, can_take_over, make_record, record_from_row
 from ..sql.dialect import (
     CLOCK_NOW,
     COLUMNS,
@@ -211,17 +211,24 @@ def decided(record: Record | None, lease_token: str) -> Claim:
 
 
 def inserted(params: Mapping[str, Any], row_id: int) -> Record:
-    """The row our plain INSERT created: exactly the values we sent (``claim_params``)."""
-    return Record(
-        id=row_id,
-        principal=params["principal"],
-        key=params["key"],
-        fingerprint=params["fingerprint"],
-        endpoint=params["endpoint"],
-        state=State.IN_PROGRESS,
-        lease_token=str(params["lease_token"]),
-        created_at=params["began_at"] / 1000,
-        updated_at=params["now"] / 1000,
-        expires_at=params["expires_at"] / 1000,
-        correlation_id=params["correlation_id"],
+    """The row our plain INSERT created: exactly the values we sent (``claim_params``).
+
+    Every claim of a new key builds one: positionally, without the frozen
+    dataclass's ``__init__`` (:func:`~idemflow._model.make_record`).
+    """
+    return make_record(
+        row_id,
+        params["principal"],
+        params["key"],
+        params["fingerprint"],
+        params["endpoint"],
+        State.IN_PROGRESS,
+        str(params["lease_token"]),
+        params["began_at"] / 1000,
+        params["now"] / 1000,
+        params["expires_at"] / 1000,
+        params["correlation_id"],
+        None,
+        None,
+        1,
     )

@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, LeaseLost
-from ..._model import Claim, Record, State, can_take_over, record_from_row
+from ..._model import Claim, Record, State, can_take_over, make_claim, record_from_row
 from ..._process import PID
 from ..protocol import Transaction
 from ..sql import SQLStore
@@ -101,17 +101,11 @@ class Pool:
         """A connection for one ``with`` block; closed, not kept, if the block raised."""
         return Checkout(self)
 
-    def _checkout(self) -> Any:
-        try:
-            conn, since = self._idle.pop()
-        except IndexError:
-            conn = self._factory()
-            # A factory of the caller's may hand out a connection in a transaction:
-            # each statement of the store must be its own (no round trip if it is).
-            conn.autocommit(True)
-            return conn
-        if time.monotonic() - since > PING_AFTER:
-            conn.ping(reconnect=True)
+    def _open(self) -> Any:
+        conn = self._factory()
+        # A factory of the caller's may hand out a connection in a transaction:
+        # each statement of the store must be its own (no round trip if it is).
+        conn.autocommit(True)
         return conn
 
     def close(self) -> None:
@@ -139,12 +133,20 @@ class Checkout:
         if not slots.take(pool._timeout):
             msg = f"all {pool._max_size} MySQL connections busy for {pool._timeout:g}s"
             raise PoolExhausted(msg)
+        # The pool's checkout, inline (every statement of the store passes here).
         try:
-            self._conn = pool._checkout()
+            try:
+                conn, since = pool._idle.pop()
+            except IndexError:
+                conn = pool._open()
+            else:
+                if time.monotonic() - since > PING_AFTER:
+                    conn.ping(reconnect=True)
         except BaseException:
             slots.release()
             raise
-        return self._conn
+        self._conn = conn
+        return conn
 
     def __exit__(
         self,
@@ -301,17 +303,23 @@ class MySQLStore(SQLStore):
         executor's ``claim`` calls this on one cursor of the store's own
         connection, and translates what it raises.)
         """
+        insert = self.statements.insert
+        text, bound = insert.pyformat, insert.bind(params)
         for _ in range(CLAIM_RETRIES):
-            row_id = self._insert(cursor, params)
+            try:  # the INSERT's first attempt, inline: every claim sends it
+                cursor.execute(text, bound)
+                row_id: int | None = int(cursor.lastrowid or 0)
+            except Exception as exc:  # noqa: BLE001 -- judged (and raised) by _insert_failed
+                row_id = self._insert_failed(cursor, text, bound, exc)
             if row_id is not None:
-                return Claim(owned=True, record=inserted(params, row_id))
+                return make_claim(True, inserted(params, row_id))
             row, shape = self._row(cursor, self.dialect.read_for_claim, params)
             if row is None:  # released and purged in between: claim again
                 continue
             record = record_from_values(row, shape.start)
             # On the server's clock (or the caller's): the upsert decides again on it.
             if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
-                return Claim(owned=False, record=record)
+                return make_claim(False, record)
             self._take_over(cursor, params)
             row, shape = self._row(cursor, self.dialect.select, params)
             current = None if row is None else record_from_values(row, shape.start)
@@ -327,19 +335,35 @@ class MySQLStore(SQLStore):
             if not is_conflict(exc):
                 raise
 
-    def _insert(self, cursor: Any, params: Mapping[str, Any]) -> int | None:
-        """The new row's id, or None when the key exists (error 1062).
+    def _insert_failed(
+        self, cursor: Any, text: str, bound: Any, exc: Exception
+    ) -> int | None:
+        """The claim's INSERT raised ``exc``: the new row's id after all, or None when
+        the key exists (error 1062).
 
-        An insert that keeps losing a conflict (deadlock, or on Galera the
-        certification of another node's insert of this key) lost it to a row
-        that exists: None too, so the caller reads that row and dispatches.
+        A deadlock victim's INSERT had no effect: it is sent again after a short
+        pause, :data:`~._errors.DEADLOCK_RETRIES` attempts in all (the first one
+        is :meth:`_claim_on`'s). One that keeps losing (a deadlock, or on Galera
+        the certification of another node's insert of this key) lost it to a row
+        that exists: None too, so the caller reads that row and dispatches. A lock
+        wait that times out means a live transaction holds the row: a 409.
         """
-        try:
-            return self._statement(cursor, self.statements.insert, params)
-        except Exception as exc:
-            if error_code(exc) in (DUPLICATE, DEADLOCK):
+        for attempt in range(1, DEADLOCK_RETRIES + 1):
+            code = error_code(exc)
+            if code == DUPLICATE or (code == DEADLOCK and attempt == DEADLOCK_RETRIES):
                 return None
-            raise
+            if code == LOCK_WAIT_TIMEOUT:
+                raise claim_busy() from exc
+            if code != DEADLOCK:
+                raise exc
+            _pause(attempt - 1)
+            try:
+                cursor.execute(text, bound)
+            except Exception as again:  # noqa: BLE001 -- judged by the loop, raised there
+                exc = again
+            else:
+                return int(cursor.lastrowid or 0)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _statement(
         self, cursor: Any, statement: SQLStatement, params: Mapping[str, Any]
@@ -437,8 +461,15 @@ class MySQLStore(SQLStore):
         the flow answers after releasing the claim, never a 500.
         """
         parent = super()._write
-        if transaction is None:
-            return retry_conflicts(lambda: parent(statement, params, None))
+        if transaction is None:  # retry_conflicts' loop, inline: every completion passes here
+            for attempt in range(DEADLOCK_RETRIES):
+                try:
+                    return parent(statement, params, None)
+                except Exception as exc:
+                    if not is_conflict(exc):
+                        raise
+                _pause(attempt)
+            raise kept_losing()
         with rolled_back_is_503():
             if parent(statement, params, transaction):
                 return True
