@@ -52,6 +52,7 @@ from idemflow.stores.mysql import (  # noqa: E402
 pytestmark = pytest.mark.mysql
 
 POLICY = Policy(request_timeout=5, retention=3600)
+T0 = 1_700_000_000.0
 FOUND_ROWS = 2
 ISOLATION_LEVELS = ["READ COMMITTED", "REPEATABLE READ"]
 
@@ -515,3 +516,156 @@ def test_a_forked_child_opens_its_own_connections_never_the_parents(store: MySQL
     # The parent's connection was never touched by the child: still usable here.
     assert store.get("fork-principal", "fork-key") is None
     assert store.pool._idle[-1][0].thread_id() == parent_thread
+
+
+# --- the pool and the claim's INSERT under faults -----------------------------------
+
+
+class _ScriptedInsert:
+    """A real PyMySQL connection whose cursors fail the claim's INSERT with the errors
+    of ``script`` (one per INSERT, before it is sent), then send it as usual; every
+    statement's first word is kept in ``sent``."""
+
+    def __init__(self, script: list[int], sent: list[str]) -> None:
+        self._conn = connect(autocommit=True)
+        self._script, self._sent = script, sent
+
+    def cursor(self) -> Any:
+        cursor = self._conn.cursor()
+        send = cursor.execute
+
+        def execute(query: str, args: Any = None) -> int:
+            verb = query.split(None, 1)[0]
+            self._sent.append(verb)
+            if verb == "INSERT" and self._script:
+                code = self._script.pop(0)
+                raise pymysql.err.OperationalError(code, f"scripted error {code}")
+            return int(send(query, args))
+
+        cursor.execute = execute
+        return cursor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+@contextlib.contextmanager
+def scripted_store(table_name: str, script: list[int]) -> Iterator[tuple[MySQLStore, list[str]]]:
+    sent: list[str] = []
+    made = MySQLStore(
+        lambda: _ScriptedInsert(script, sent), table=table_name, max_size=1, clock="caller"
+    )
+    try:
+        made.migrate()
+        sent.clear()
+        yield made, sent
+    finally:
+        made.close()
+        with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
+            cursor.execute(f"DROP TABLE IF EXISTS {table_name}")
+
+
+def test_a_claims_insert_that_lost_a_deadlock_is_sent_again(table_name: str) -> None:
+    """A deadlock victim's INSERT had no effect: sent again (five attempts in all),
+    and the fifth one's success is the claim."""
+    with scripted_store(table_name, [1213] * 4) as (store, sent):
+        claim = store.claim(intent(), "lease-1", T0, T0 + 3600)
+        assert claim.owned
+        assert store.get("alice", "k-1") == claim.record
+    assert sent == ["INSERT"] * 5 + ["SELECT"]
+
+
+def test_a_claims_insert_that_keeps_losing_deadlocks_reads_the_row(table_name: str) -> None:
+    """Five lost deadlocks mean another insert of the key won: the row is read (here
+    none: claimed again, by an INSERT that now goes through)."""
+    with scripted_store(table_name, [1213] * 5) as (store, sent):
+        assert store.claim(intent(), "lease-1", T0, T0 + 3600).owned
+    assert sent == ["INSERT"] * 5 + ["SELECT", "INSERT"]
+
+
+def test_a_claims_insert_that_waited_out_its_lock_wait_is_a_409(table_name: str) -> None:
+    """Error 1205: a live transaction holds the key's row: InProgress, nothing sent again."""
+    with scripted_store(table_name, [1205]) as (store, sent):
+        with pytest.raises(InProgress):
+            store.claim(intent(), "lease-1", T0, T0 + 3600)
+        assert store.get("alice", "k-1") is None
+    # The 409 left the claim's block with an error: its connection was closed, and
+    # the read opened another (which asks first whether the server is a Galera node).
+    assert sent == ["INSERT", "SHOW", "SELECT"]
+
+
+def test_a_claim_blocked_by_an_uncommitted_insert_of_its_key_is_a_409(table_name: str) -> None:
+    """The real lock wait: another session's uncommitted INSERT of the key holds the
+    claim's INSERT until ``lock_wait_timeout`` (1 s), then the claim answers 409."""
+    from idemflow.stores.sql.dialect import claim_params
+
+    store = MySQLStore(MYSQL_URL, table=table_name, lock_wait_timeout=1, clock="caller")
+    store.migrate()
+    insert = mysql_statements(table_name, "caller").insert
+    try:
+        with contextlib.closing(connect()) as other, other.cursor() as cursor:
+            cursor.execute("BEGIN")
+            params = claim_params(intent(), "lease-other", T0, T0 + 3600)
+            cursor.execute(insert.pyformat, insert.bind(params))
+            with pytest.raises(InProgress):
+                store.claim(intent(), "lease-1", T0, T0 + 3600)
+            cursor.execute("ROLLBACK")
+        assert store.claim(intent(), "lease-1", T0, T0 + 3600).owned
+    finally:
+        store.close()
+        with contextlib.closing(connect()) as conn, conn.cursor() as cursor:
+            cursor.execute(f"DROP TABLE IF EXISTS {table_name}")
+
+
+def test_a_pool_with_every_connection_out_answers_store_unavailable(store: MySQLStore) -> None:
+    """Every connection out past the checkout timeout: StoreUnavailable (a 503), and the
+    slot comes back with the connection."""
+    small = MySQLStore(MYSQL_URL, table=store.dialect.table, max_size=1, timeout=0.2)
+    try:
+        with small.pool.connection(), pytest.raises(StoreUnavailable, match="busy"):
+            small.get("alice", "k-1")
+        assert small.get("alice", "k-1") is None
+    finally:
+        small.close()
+
+
+def test_a_connection_whose_block_raised_is_closed_not_reused(store: MySQLStore) -> None:
+    """Its session (a transaction begun, a result half read) is unknown: never lent again."""
+    assert store.get("alice", "k-1") is None
+    [(first, _)] = store.pool._idle
+    lent: list[Any] = []
+
+    def fail_in_block() -> None:
+        with store.pool.connection() as conn:
+            lent.append(conn)
+            raise RuntimeError("the block failed")
+
+    with pytest.raises(RuntimeError):
+        fail_in_block()
+    assert lent == [first]
+    assert not store.pool._idle
+    assert store.get("alice", "k-1") is None
+    [(second, _)] = store.pool._idle
+    assert second is not first
+    assert second.thread_id() != first.thread_id()
+
+
+def test_an_idle_connection_the_server_dropped_is_replaced(store: MySQLStore) -> None:
+    """Idle past PING_AFTER and ended on the server (``wait_timeout``, a restart): the
+    checkout's ping fails and a new connection takes its place, so the claim succeeds
+    rather than answering 503 (and no DeprecationWarning: no ``ping(reconnect=True)``)."""
+    assert store.get("alice", "k-1") is None
+    conn, _ = store.pool._idle.pop()
+    store.pool._idle.append((conn, -1e9))  # given back long ago, still alive: kept
+    assert store.get("alice", "k-1") is None
+    assert store.pool._idle[-1][0] is conn
+    conn, _ = store.pool._idle.pop()
+    ended = conn.thread_id()
+    with contextlib.closing(connect()) as admin, admin.cursor() as cursor:
+        cursor.execute(f"KILL {ended}")
+    store.pool._idle.append((conn, -1e9))  # given back long ago
+    assert store.claim(intent(), "lease-1", T0, T0 + 3600).owned
+    [(again, _)] = store.pool._idle
+    assert again is not conn
+    assert again.thread_id() != ended
+    assert not conn.open

@@ -171,6 +171,28 @@ async def test_a_connection_factory_of_the_callers_is_switched_to_autocommit(
     assert seen.lease_token == "mine"
 
 
+async def test_an_idle_connection_the_server_dropped_is_replaced(table_name: str) -> None:
+    """asyncmy too: a connection idle past PING_AFTER whose ping fails is closed and
+    a new one takes its place; the claim succeeds."""
+    async with async_mysql_backend(table_name) as mysql:
+        store = mysql.store
+        assert await store.get("alice", "k-1") is None
+        conn, _ = store.pool._idle.pop()
+        async with conn.cursor() as cursor:
+            await cursor.execute("SELECT CONNECTION_ID()")
+            (ended,) = await cursor.fetchone()
+        admin = await asyncmy.connect(**connect_kwargs(MYSQL_URL), autocommit=True)
+        try:
+            async with admin.cursor() as cursor:
+                await cursor.execute(f"KILL {ended}")
+        finally:
+            await admin.ensure_closed()
+        store.pool._idle.append((conn, -1e9))  # given back long ago
+        assert (await store.claim(intent(), "mine", T0, T0 + 3600)).owned
+        [(again, _)] = store.pool._idle
+        assert again is not conn
+
+
 async def test_unreachable_server_is_store_unavailable() -> None:
     """Nothing listening: 503, the handler never runs."""
     with socket.socket() as probe:

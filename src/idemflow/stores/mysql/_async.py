@@ -76,8 +76,8 @@ class AsyncPool:
     (or whose task was cancelled while it was out) is closed rather than
     reused: its session state, or its socket's place in the protocol, is
     unknown. One idle for longer than :data:`PING_AFTER` is pinged (and
-    reconnected) first, so a server that dropped it while idle
-    (``wait_timeout``) costs a round trip, not a 503. After ``fork`` the child
+    replaced by a new one if it does not answer) first, so a server that
+    dropped it while idle (``wait_timeout``) costs a round trip, not a 503. After ``fork`` the child
     starts empty and never touches the parent's sockets. The idle connections
     sit in a deque, whose appends and pops are atomic, so threads share it
     without a lock; the last one returned is the next one out.
@@ -105,6 +105,20 @@ class AsyncPool:
         # A factory of the caller's may hand out a connection in a transaction:
         # each statement of the store must be its own (no round trip if it is).
         await conn.autocommit(True)
+        return conn
+
+    async def _checked(self, conn: Any) -> Any:
+        """``conn`` if it still answers a ping, else a new connection in its place.
+
+        Not the drivers' ``ping(reconnect=True)``: PyMySQL deprecates it, and a
+        connection opened by the factory is set up as every other (autocommit,
+        and on Galera the causal reads) where a reconnect in place is not.
+        """
+        try:
+            await conn.ping(False)
+        except Exception:  # noqa: BLE001 -- whatever the failure, the connection is done
+            AsyncBinding.drop(conn)
+            return await self._open()
         return conn
 
     async def close(self) -> None:
@@ -140,7 +154,7 @@ class AsyncCheckout:
                 conn = await pool._open()
             else:
                 if time.monotonic() - since > PING_AFTER:
-                    await conn.ping(reconnect=True)
+                    conn = await pool._checked(conn)
         except BaseException:
             slots.release()
             raise
