@@ -192,7 +192,7 @@ class _WriteThread:
     They queue on the process's lock on the file anyway (:class:`_Writer`). From the
     loop's default executor they took up to six threads, each with a connection of its
     own, that handed that lock and the GIL to one another: with 32 concurrent clients
-    the demo served 24 % fewer protected requests than on one thread (docs/benchmarks.md,
+    the demo served 14–20 % fewer protected requests than on one thread (docs/benchmarks.md,
     "SQLite: the async store's writes on one thread"). On one thread each write follows
     the last with no hand-over. Reads stay on the default executor: a WAL reader never
     waits for the writer, so a replay is never queued behind a claim that waits for
