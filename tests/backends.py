@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import pytest
 
+from idemflow import IdempotencyError, LeaseLost, StoreUnavailable
 from idemflow.stores.memory import MemoryStore
 from idemflow.stores.protocol import MaintainableStore, Store, Transaction
 from idemflow.stores.sqlite import SQLiteStore
@@ -47,6 +48,16 @@ class Backend:
     @property
     def transactional(self) -> bool:
         return self.open_transaction is not None
+
+    @property
+    def lease_lost(self) -> tuple[type[IdempotencyError], ...]:
+        """What a request whose claim was taken over meets at its next fenced write:
+        LeaseLost, or on Galera StoreUnavailable when the new owner's commit reached its
+        node first and aborted its open transaction (a certification failure, a 503).
+        Either way nothing of it commits."""
+        if self.name == "galera":
+            return (LeaseLost, StoreUnavailable)
+        return (LeaseLost,)
 
     def close(self) -> None:
         """Closes the store and drops its tables (the ``backend`` fixture keeps them instead)."""
