@@ -164,21 +164,7 @@ def _redis(paths: Sequence[str], tag: str) -> Iterator[dict[str, Any]]:
     prefix = f"bench-versions-{tag}"
     store = stores.redis_store(stores.REDIS_URL, False, prefix)
     try:
-        raw = stores.RawRedis(store)
-        idem = Idempotency(store, stores.POLICY)
-        done = stores.ReplayKeys(tag, "redis")
-        if "replay" in paths:
-            for key in done.keys:
-                idem.run(stores.intent(key), stores.respond)
-        library = stores.library_ops(idem, stores.Keys(tag, "lib"), done)
-        ops: dict[str, Any] = {}
-        if "claim" in paths:
-            ops["claim/raw"] = raw.claim_complete(stores.Keys(tag, "raw"))
-            ops["claim/library"] = library[0]
-        if "replay" in paths:
-            ops["replay/raw"] = raw.replay(done)
-            ops["replay/library"] = library[1]
-        yield ops
+        yield _store_ops(stores.RawRedis(store), Idempotency(store, stores.POLICY), paths, tag)
     finally:
         for key in store.client.scan_iter(match=f"{prefix}:*", count=1000):
             store.client.delete(key)
@@ -194,23 +180,30 @@ def _mysql(paths: Sequence[str], tag: str, callers: int) -> Iterator[dict[str, A
 
     with stores.mysql_table(f"v{tag}", pool_size=callers) as (table, store):
         raw = stores.RawMySQL(table)
-        idem = Idempotency(store, stores.POLICY)
-        done = stores.ReplayKeys(tag, "mysql")
-        if "replay" in paths:
-            for key in done.keys:
-                idem.run(stores.intent(key), stores.respond)
-        library = stores.library_ops(idem, stores.Keys(tag, "lib"), done)
-        ops: dict[str, Any] = {}
-        if "claim" in paths:
-            ops["claim/raw"] = raw.claim_complete(stores.Keys(tag, "raw"))
-            ops["claim/library"] = library[0]
-        if "replay" in paths:
-            ops["replay/raw"] = raw.replay(done)
-            ops["replay/library"] = library[1]
         try:
-            yield ops
+            yield _store_ops(raw, Idempotency(store, stores.POLICY), paths, tag)
         finally:
             raw.close()
+
+
+def _store_ops(raw: Any, idem: Any, paths: Sequence[str], tag: str) -> dict[str, Any]:
+    """``bench_stores``' raw and library operations on one store, per path asked for
+    (the replay path's keys completed first)."""
+    from . import bench_stores as stores
+
+    done = stores.ReplayKeys(tag, "done")
+    if "replay" in paths:
+        for key in done.keys:
+            idem.run(stores.intent(key), stores.respond)
+    library = stores.library_ops(idem, stores.Keys(tag, "lib"), done)
+    ops: dict[str, Any] = {}
+    if "claim" in paths:
+        ops["claim/raw"] = raw.claim_complete(stores.Keys(tag, "raw"))
+        ops["claim/library"] = library[0]
+    if "replay" in paths:
+        ops["replay/raw"] = raw.replay(done)
+        ops["replay/library"] = library[1]
+    return ops
 
 
 # --- the coordinator ------------------------------------------------------------------
