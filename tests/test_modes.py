@@ -873,6 +873,76 @@ def test_middleware_lost_completion_keeps_the_claim_and_answers_503(table_name: 
     assert calls["payments"] == 1
 
 
+@pytest.mark.postgres
+def test_middleware_under_a_pool_of_one_releases_transients_at_once_and_charges_once(
+    table_name: str,
+) -> None:
+    """Middleware mode under pressure: one pooled PostgreSQL connection shared by the store
+    and the endpoint, 50 keys sent by two racing clients each. The endpoint's first answer
+    for a key is a transient 503 (it wrote nothing); its second charges (a row on the same
+    pool). A request holds at most one connection at a time, so nothing waits on itself:
+    every transient is released at once (the retry runs the endpoint, never a stored 503),
+    a duplicate in flight gets 409 with Retry-After, never a 500 or a pool timeout, and
+    every key ends charged exactly once."""
+    psycopg_pool = pytest.importorskip("psycopg_pool")
+    from idemflow.stores.postgres import AsyncPostgresStore
+
+    keys = [new_key() for _ in range(50)]
+    answered: collections.Counter[str] = collections.Counter()
+    with postgres_tables(table_name) as psycopg:
+        pool = psycopg_pool.AsyncConnectionPool(
+            POSTGRES_URL, min_size=1, max_size=1, kwargs={"autocommit": True}, open=False
+        )
+        store = AsyncPostgresStore(pool, table=table_name)
+
+        async def create(request: Request) -> StarletteResponse:
+            key = request.headers["idempotency-key"]
+            answered[key] += 1
+            if answered[key] == 1:
+                return JSONResponse({"error": "provider down"}, status_code=503)
+            async with pool.connection() as conn:
+                await conn.execute(f"INSERT INTO biz_{table_name} (note) VALUES (%s)", (key,))
+            return JSONResponse({"key": key}, status_code=201)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            await pool.open(wait=True)
+            yield
+            await pool.close()
+
+        async def until_created(client: httpx.AsyncClient, key: str) -> list[httpx.Response]:
+            seen: list[httpx.Response] = []
+            headers = {"X-User": "carol", "Idempotency-Key": key}
+            for _ in range(40):  # a key that never settles fails the test, never hangs it
+                seen.append(await client.post("/payments", json={}, headers=headers))
+                if seen[-1].status_code == 201:
+                    break
+                await asyncio.sleep(0.02)  # Retry-After, shortened for the test
+            return seen
+
+        async def race(url: str) -> list[httpx.Response]:
+            limits = httpx.Limits(max_connections=100)
+            async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+                racing = [until_created(client, key) for key in keys for _ in range(2)]
+                return [answer for seen in await asyncio.gather(*racing) for answer in seen]
+
+        app = middleware_app(AsyncIdempotency(store, POLICY), create, lifespan)
+        with serve(app) as url:
+            answers = asyncio.run(race(url))
+        with psycopg.connect(POSTGRES_URL) as conn:
+            notes = [row[0] for row in conn.execute(f"SELECT note FROM biz_{table_name}")]
+        records = [_sync_record(table_name, "carol", key) for key in keys]
+
+    statuses = collections.Counter(answer.status_code for answer in answers)
+    assert statuses[201] == 100  # both racing clients of every key got their 201
+    assert set(statuses) <= {201, 409, 503}, statuses
+    assert all(a.headers.get("retry-after") for a in answers if a.status_code == 409)
+    assert statuses[503] == 50  # each key's transient, answered once, never stored
+    assert sorted(notes) == sorted(keys)  # charged exactly once per key
+    assert all(count == 2 for count in answered.values())  # the transient, then the charge
+    assert all(record is not None and record.state is State.COMPLETED for record in records)
+
+
 def test_middleware_lost_lease_answers_409_and_the_sweepers_resolution_stands(
     tmp_path: Path,
 ) -> None:
