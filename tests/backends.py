@@ -10,10 +10,11 @@ Backends for further stores register themselves in ``BACKENDS``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +26,16 @@ from idemflow.stores.memory import MemoryStore
 from idemflow.stores.protocol import MaintainableStore, Store, Transaction
 from idemflow.stores.sqlite import SQLiteStore
 from idemflow.transactions import PsycopgTransaction, SQLite3Transaction
+
+
+def lease_lost(store: str) -> tuple[type[IdempotencyError], ...]:
+    """What a request whose claim was taken over meets at its next fenced write on
+    ``store`` (a backend's or a rig's name): LeaseLost, or on Galera StoreUnavailable when
+    the new owner's commit reached its node first and aborted its open transaction (a
+    certification failure, a 503). Either way nothing of it commits."""
+    if store == "galera":
+        return (LeaseLost, StoreUnavailable)
+    return (LeaseLost,)
 
 
 @dataclass
@@ -52,12 +63,8 @@ class Backend:
     @property
     def lease_lost(self) -> tuple[type[IdempotencyError], ...]:
         """What a request whose claim was taken over meets at its next fenced write:
-        LeaseLost, or on Galera StoreUnavailable when the new owner's commit reached its
-        node first and aborted its open transaction (a certification failure, a 503).
-        Either way nothing of it commits."""
-        if self.name == "galera":
-            return (LeaseLost, StoreUnavailable)
-        return (LeaseLost,)
+        :func:`lease_lost`."""
+        return lease_lost(self.name)
 
     def close(self) -> None:
         """Closes the store and drops its tables (the ``backend`` fixture keeps them instead)."""
@@ -667,6 +674,28 @@ def redis_backend(
     return backend
 
 
+def redis_cluster_urls() -> list[str]:
+    """The session's Redis Cluster (started on first use): its URL, then each master's."""
+    from tests._redis_cluster import ClusterUnavailable, shared_cluster
+    from tests.conftest import unreachable
+
+    try:
+        cluster = shared_cluster()
+    except (ClusterUnavailable, OSError) as exc:
+        unreachable(_SERVICES["redis-cluster"], exc)
+        raise  # unreachable() never returns
+    return [cluster.url, *(f"redis://{address}/0" for address in cluster.addresses)]
+
+
+def start_cluster(kind: str) -> None:
+    """Start the session's cluster a rig of ``kind`` runs on, if it has one and it is not
+    up yet (Galera: ~10 s, longer on a loaded machine), so that opening the rig is quick."""
+    if kind == "galera":
+        galera_urls()
+    elif kind == "redis-cluster":
+        redis_cluster_urls()
+
+
 def redis_cluster_backend(table: str, *, valkey: bool = False) -> Backend:
     """The Redis store, unchanged, on a real 3-master Redis (or Valkey) cluster started
     for this session."""
@@ -939,10 +968,20 @@ class Rig:
     #: given meanwhile; yields the error a checkout then meets (the pool's own timeout).
     #: None: the store has no pool (SQLite).
     crowd: Callable[[float], contextlib.AbstractAsyncContextManager[BaseException]] | None = None
+    #: Middleware mode (async rigs): the endpoint's own effect, committed on its own with no
+    #: transaction of ours, through the store's own pool or connection where it has one
+    #: (SQLite: a connection of its own, the memory store: a list); ``notes`` reads it.
+    charge: Callable[[str], Awaitable[None]] | None = None
 
     @property
     def single_commit(self) -> bool:
         return self.transaction is not None and bool(self.store.supports_single_commit)
+
+    @property
+    def lease_lost(self) -> tuple[type[IdempotencyError], ...]:
+        """What a request whose claim was taken over meets at its next fenced write:
+        :func:`lease_lost`."""
+        return lease_lost(self.name)
 
     async def call(self, method: str, *args: Any) -> Any:
         """A store method, awaited or run in a worker thread."""
@@ -972,6 +1011,13 @@ NO_TRANSACTION_RIGS = (
     ("redis", "redis"),
     ("redis-sync", "redis"),
     ("memory", None),
+)
+#: Rigs ``IdempotencyMiddleware`` runs on (async, no transaction): every store it can use,
+#: the self-started clusters too (their ids name them, so xdist runs them on one worker).
+MIDDLEWARE_RIGS = (
+    *((kind, mark) for kind, mark in NO_TRANSACTION_RIGS if not kind.endswith("-sync")),
+    ("redis-cluster", "redis"),
+    ("galera", "mysql"),
 )
 
 
@@ -1031,6 +1077,9 @@ async def open_rig(
 ) -> AsyncIterator[Rig]:
     """The store ``kind`` names on a pool of ``pool_size`` that requests share, clock="caller".
 
+    ``galera`` is the MySQL rig (async) on the session's Galera cluster, its connections
+    spread over the three primaries; ``redis-cluster`` the Redis rig (async) on the
+    session's Redis Cluster.
     ``app_pool`` (PostgreSQL and MySQL): the request's transaction takes its connection
     from a pool of its own instead (a second store's, of ``pool_size``), as an application
     with a pool apart from the key store's: no claim runs on a connection it lends.
@@ -1050,12 +1099,14 @@ async def open_rig(
         "postgres-sync": _postgres_rig,
         "mysql": _mysql_rig,
         "mysql-sync": _mysql_rig,
+        "galera": _mysql_rig,
     }
     openers = {
         "sqlite": _sqlite_rig,
         "sqlite-sync": _sqlite_rig,
         "redis": _redis_rig,
         "redis-sync": _redis_rig,
+        "redis-cluster": _redis_rig,
         "memory": _memory_rig,
     }
     if kind in pooled:
@@ -1239,6 +1290,8 @@ async def _postgres_rig(
 async def _mysql_rig(
     kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int, app_pool: bool
 ) -> AsyncIterator[Rig]:
+    """MariaDB, or (``galera``) the session's Galera cluster: each new connection of the
+    store's pool opens on the next primary, and a fault KILLs each on its own node."""
     pymysql = pytest.importorskip("pymysql")
     from idemflow._async.edge import pooled_transaction as async_pooled
     from idemflow._sync.edge import pooled_transaction as sync_pooled
@@ -1251,37 +1304,61 @@ async def _mysql_rig(
     )
     from tests.conftest import unreachable
 
-    kwargs = {**connect_kwargs(MYSQL_URL), "charset": "utf8mb4"}
+    galera = kind == "galera"
+    urls = galera_urls() if galera else (MYSQL_URL,)
+    nodes = [{**connect_kwargs(url), "charset": "utf8mb4"} for url in urls]
     init = "SET SESSION innodb_lock_wait_timeout = 5"
     try:
-        admin = pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
+        # One per node, for faults; the first also for DDL and reads (on Galera, each read
+        # first waits until its node applied every commit certified before it).
+        admins = [pymysql.connect(**node, autocommit=True, connect_timeout=3) for node in nodes]
     except pymysql.err.OperationalError as exc:
-        unreachable("MariaDB", exc)
+        unreachable("MariaDB Galera" if galera else "MariaDB", exc)
+    admin = admins[0]
 
     def sql(statement: str) -> list[Any]:
         with admin.cursor() as cursor:
+            if galera:
+                cursor.execute("SET SESSION wsrep_sync_wait = 1")
             cursor.execute(statement)
             return list(cursor.fetchall())
 
     sql(f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)")
-    outside = MySQLStore(MYSQL_URL, table=table, max_size=1, clock="caller")
+    outside = MySQLStore(
+        galera_connector(urls) if galera else MYSQL_URL, table=table, max_size=1, clock="caller"
+    )
     outside.migrate()
-    opened: list[int] = []  # the store's connections (thread ids), so a fault can end them
-    sync = kind.endswith("-sync")
-    store: Any
+    # The store's connections (connection, node, thread id), so a fault can end them; each
+    # new one opens on the next node.
+    opened: list[tuple[Any, int, int]] = []
+    turns = itertools.count()
+
+    def next_node() -> int:
+        return next(turns) % len(nodes)
+
+    def kill(node: int, thread_id: int) -> None:
+        with admins[node].cursor() as cursor:
+            cursor.execute(f"KILL CONNECTION {int(thread_id)}")
 
     def kill_store_connections() -> None:
         assert opened
-        for thread_id in opened:
+        for _, node, thread_id in opened:
             with contextlib.suppress(pymysql.err.OperationalError):  # already gone
-                sql(f"KILL {thread_id}")
+                kill(node, thread_id)
         opened.clear()
+
+    def kill_connection(conn: Any) -> None:
+        kill(*next((node, thread_id) for c, node, thread_id in opened if c is conn))
+
+    sync = kind.endswith("-sync")
+    store: Any
 
     if sync:
 
         def connect() -> Any:
-            conn = pymysql.connect(**kwargs, autocommit=True, init_command=init)
-            opened.append(conn.thread_id())
+            node = next_node()
+            conn = pymysql.connect(**nodes[node], autocommit=True, init_command=init)
+            opened.append((conn, node, conn.thread_id()))
             return conn
 
         store = MySQLStore(connect, table=table, max_size=pool_size, clock="caller")
@@ -1299,7 +1376,7 @@ async def _mysql_rig(
             if conn is None:
                 kill_store_connections()
                 return
-            sql(f"KILL {conn.thread_id()}")
+            kill_connection(conn)
 
         def transaction() -> Any:
             return sync_pooled(app.pool.connection, PyMySQLTransaction)
@@ -1307,10 +1384,11 @@ async def _mysql_rig(
         asyncmy = pytest.importorskip("asyncmy")
 
         async def aconnect() -> Any:
-            conn = await asyncmy.connect(**kwargs, autocommit=True, init_command=init)
+            node = next_node()
+            conn = await asyncmy.connect(**nodes[node], autocommit=True, init_command=init)
             async with conn.cursor() as cursor:
                 await cursor.execute("SELECT CONNECTION_ID()")
-                opened.append((await cursor.fetchone())[0])
+                opened.append((conn, node, int((await cursor.fetchone())[0])))
             return conn
 
         store = AsyncMySQLStore(aconnect, table=table, max_size=pool_size, clock="caller")
@@ -1328,18 +1406,30 @@ async def _mysql_rig(
             if conn is None:
                 kill_store_connections()
                 return
-            async with conn.cursor() as cursor:
-                await cursor.execute("SELECT CONNECTION_ID()")
-                thread_id = (await cursor.fetchone())[0]
-            sql(f"KILL {thread_id}")
+            kill_connection(conn)
 
         def transaction() -> Any:
             return async_pooled(app.pool.connection, AsyncmyTransaction)
 
-    async with _sql_rig(
-        kind, store, app, sync, transactional, transaction, write, lose, table, outside, admin, sql
-    ) as rig:
-        yield rig
+    try:
+        async with _sql_rig(
+            kind,
+            store,
+            app,
+            sync,
+            transactional,
+            transaction,
+            write,
+            lose,
+            table,
+            outside,
+            admin,
+            sql,
+        ) as rig:
+            yield rig
+    finally:
+        for other in admins[1:]:
+            other.close()
 
 
 @contextlib.asynccontextmanager
@@ -1371,6 +1461,10 @@ async def _sql_rig(
         record = outside.get("alice", key)
         return None if record is None else record.state
 
+    async def charge(note: str) -> None:
+        async with app.pool.connection() as conn:
+            await write(conn, note)
+
     try:
         yield Rig(
             kind,
@@ -1385,6 +1479,7 @@ async def _sql_rig(
             crowd=crowding(
                 app.pool, sync, "timeout" if kind.startswith("postgres") else "_timeout"
             ),
+            charge=None if sync else charge,
         )
     finally:
         await _close(store, sync)
@@ -1490,6 +1585,13 @@ async def _sqlite_rig(
         with contextlib.closing(sqlite3.connect(path)) as conn:
             return [r[0] for r in conn.execute("SELECT note FROM business ORDER BY id")]
 
+    async def charge(note: str) -> None:
+        conn = AsyncSQLite3Connection(caller())
+        try:
+            await conn.run(conn.raw.execute, "INSERT INTO business (note) VALUES (?)", (note,))
+        finally:
+            conn.close()
+
     def peek(key: str) -> Any:  # another connection to the file
         outside = SQLiteStore(path, table=table)
         try:
@@ -1510,6 +1612,7 @@ async def _sqlite_rig(
             peek,
             sqlite3.IntegrityError if transactional else _store_unavailable(),
             heal,
+            charge=None if sync else charge,
         )
     finally:
         heal()
@@ -1527,7 +1630,9 @@ async def _redis_rig(
     kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int
 ) -> AsyncIterator[Rig]:
     """One connection (``single_connection_client``), no client-side retry: a fault that ends
-    it (``CLIENT KILL``) reaches the store, as the loss of the server would."""
+    it (``CLIENT KILL``) reaches the store, as the loss of the server would. ``redis-cluster``:
+    the session's Redis Cluster through redis.asyncio's cluster client, named, no retry
+    either; a fault ends every connection of that name on every master."""
     pytest.importorskip("redis")
     from redis import Redis
     from redis.backoff import NoBackoff
@@ -1539,27 +1644,38 @@ async def _redis_rig(
 
     timeout, retention = REDIS_POLICY_ARGS
     policy = Policy(request_timeout=timeout, retention=retention)
-    options: dict[str, Any] = {
-        "socket_timeout": 5,
-        "socket_connect_timeout": 2,
-        "single_connection_client": True,
-    }
-    admin = redis_client()
+    options: dict[str, Any] = {"socket_timeout": 5, "socket_connect_timeout": 2}
+    cluster = kind == "redis-cluster"
+    url, masters = REDIS_URL, [REDIS_URL]
+    if cluster:
+        url, *masters = redis_cluster_urls()
+    admin = redis_client(url, cluster=cluster)
     try:
         admin.ping()
     except Exception as exc:
-        unreachable("Redis", exc)
+        unreachable(_SERVICES["redis-cluster" if cluster else "redis"], exc)
     sync = kind.endswith("-sync")
+    name = f"idemflow-{table}"  # the cluster client's connections, so a fault can end them
     store: Any
     if sync:
-        client: Any = Redis.from_url(REDIS_URL, retry=Retry(NoBackoff(), 0), **options)
+        client: Any = Redis.from_url(
+            REDIS_URL, retry=Retry(NoBackoff(), 0), single_connection_client=True, **options
+        )
         store = RedisStore(client, policy=policy, prefix=table, clock="caller", allow_volatile=True)
         store.migrate()
     else:
         from redis.asyncio import Redis as AsyncRedis
+        from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
         from redis.asyncio.retry import Retry as AsyncRetry
 
-        client = AsyncRedis.from_url(REDIS_URL, retry=AsyncRetry(NoBackoff(), 0), **options)
+        if cluster:
+            client = AsyncRedisCluster.from_url(
+                url, retry=AsyncRetry(NoBackoff(), 0), client_name=name, **options
+            )
+        else:
+            client = AsyncRedis.from_url(
+                url, retry=AsyncRetry(NoBackoff(), 0), single_connection_client=True, **options
+            )
         store = AsyncRedisStore(
             client, policy=policy, prefix=table, clock="caller", allow_volatile=True
         )
@@ -1570,7 +1686,25 @@ async def _redis_rig(
         assert admin.client_kill_filter(_id=client.client_id()) == 1
 
     async def alose(conn: Any) -> None:
-        assert admin.client_kill_filter(_id=await client.client_id()) == 1
+        if not cluster:
+            assert admin.client_kill_filter(_id=await client.client_id()) == 1
+            return
+        killed = 0
+        for master in masters:
+            with contextlib.closing(Redis.from_url(master)) as node:
+                for seen in node.client_list():
+                    if seen["name"] == name:
+                        killed += node.client_kill_filter(_id=seen["id"])
+        assert killed >= 1
+
+    # The endpoint's own effect: a list beside the records, on the store's client.
+    charges = f"{{{table}}}:charges"
+
+    async def charge(note: str) -> None:
+        await client.rpush(charges, note)
+
+    def notes() -> list[str]:
+        return [note.decode() for note in admin.lrange(charges, 0, -1)]
 
     try:
         yield Rig(
@@ -1580,11 +1714,13 @@ async def _redis_rig(
             None,
             lambda conn, note: None,
             lose if sync else alose,
-            list,
+            notes,
             lambda key: None,
             StoreUnavailable,
+            charge=None if sync else charge,
         )
     finally:
+        admin.delete(charges)
         delete_keys(admin, table)
         admin.close()
         await _close(store, sync)
@@ -1618,12 +1754,16 @@ async def _memory_rig(
     from idemflow.stores.memory import AsyncMemoryStore
 
     store = LosesCompletion(AsyncMemoryStore())
+    charges: list[str] = []
 
     async def lose(conn: Any) -> None:
         store.armed = True
 
     def heal() -> None:
         store.armed = False
+
+    async def charge(note: str) -> None:
+        charges.append(note)
 
     yield Rig(
         kind,
@@ -1632,8 +1772,9 @@ async def _memory_rig(
         None,
         lambda conn, note: None,
         lose,
-        list,
+        lambda: list(charges),
         lambda k: None,
         StoreUnavailable,
         heal,
+        charge=charge,
     )

@@ -44,7 +44,14 @@ from idemflow import (
 )
 from idemflow.sweeper import AsyncSweeper, DidNotHappen, Happened, Sweeper
 from idemflow.testing import FrozenClock
-from tests.backends import NO_TRANSACTION_RIGS, TRANSACTIONAL_RIGS, Rig, open_rig, rig_params
+from tests.backends import (
+    MIDDLEWARE_RIGS,
+    NO_TRANSACTION_RIGS,
+    TRANSACTIONAL_RIGS,
+    Rig,
+    open_rig,
+    rig_params,
+)
 from tests.factories import CREATED
 from tests.factories import uncorrelated_intent as intent
 
@@ -564,7 +571,7 @@ async def test_cancelled_at_any_await_never_charges_twice(
 # --- middleware: the endpoint's effect is its own, so a lost completion keeps the claim ----
 
 
-@pytest.mark.parametrize("kind", rig_params(r for r in NO_TRANSACTION_RIGS if "-sync" not in r[0]))
+@pytest.mark.parametrize("kind", rig_params(MIDDLEWARE_RIGS))
 async def test_middleware_lost_completion_keeps_the_claim_on_every_store(
     kind: str, tmp_path: Path, table_name: str, clock: FrozenClock
 ) -> None:
