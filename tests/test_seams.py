@@ -15,6 +15,7 @@ import logging
 import random
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from idemflow import (
     StoreUnavailable,
 )
 from idemflow.stores.sqlite import AsyncSQLiteStore
+from tests.backends import TRANSACTIONAL_RIGS, open_rig, rig_params
 from tests.conftest import POSTGRES_URL, unreachable
 from tests.factories import CREATED, psycopg_or_skip
 from tests.factories import uncorrelated_intent as intent
@@ -76,54 +78,88 @@ def postgres_tables(table: str) -> Iterator[Any]:
 # --- defect 1: a pool shared by the store and the application ---------------------
 
 
-@pytest.mark.postgres
+#: The rigs whose store has a pool the request's transaction takes its connection from, in
+#: both commit modes: PostgreSQL and MariaDB, each with the asyncio and the sync driver.
+SHARED_POOL_RIGS = tuple(r for r in TRANSACTIONAL_RIGS if not r[0].startswith("sqlite"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("single_commit", [False, True], ids=["two-commit", "single-commit"])
 @pytest.mark.parametrize("pool_size", [1, 2])
+@pytest.mark.parametrize("kind", rig_params(SHARED_POOL_RIGS))
 async def test_a_pool_shared_with_the_application_never_deadlocks_a_release(
-    pool_size: int, single_commit: bool, table_name: str, caplog: pytest.LogCaptureFixture
+    kind: str,
+    pool_size: int,
+    single_commit: bool,
+    tmp_path: Path,
+    table_name: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """50 keys at once, each retried sequentially against a dependency failing half the
-    time, on a pool of 1–2 connections that store and handler share: every key reaches
-    201 with one committed effect, no sequential retrier ever sees a 409, nothing is left
-    for the sweeper. (The release used to take a second connection while the request
-    held one: with a small pool it timed out and poisoned the key.)"""
-    rng = random.Random(f"{pool_size}-{single_commit}")
+    time, on a pool of 1–2 connections that store and handler share (the store's own pool
+    lends the request's transaction its connection: psycopg's, or the MySQL stores' own):
+    every key reaches 201 with one committed effect, no sequential retrier ever sees a
+    409, nothing is left for the sweeper. (The release used to take a second connection
+    while the request held one: with a small pool it timed out and poisoned the key.)"""
+    rng = random.Random(f"{kind}-{pool_size}-{single_commit}")
     conflicts: list[str] = []
     attempts = 0
-    with postgres_tables(table_name), caplog.at_level(logging.WARNING, "idemflow"):
-        async with shared_pool(table_name, pool_size) as store:
-            idem = AsyncIdempotency(store, POLICY)
+    async with contextlib.AsyncExitStack() as stack:
+        stack.enter_context(caplog.at_level(logging.WARNING, "idemflow"))
+        rig = await stack.enter_async_context(
+            open_rig(kind, table_name, tmp_path, transactional=True, pool_size=pool_size)
+        )
+        begin = rig.transaction  # on a connection of the store's own pool
+        assert begin is not None
 
-            async def charge(attempt: AsyncAttempt) -> Response:
-                note = f"{attempt.record.key}/{attempt.record.attempt}"
-                await attempt.connection.execute(
-                    f"INSERT INTO biz_{table_name} (note) VALUES (%s)", (note,)
+        def dependency() -> Response:
+            return UNAVAILABLE if rng.random() < 0.5 else CREATED
+
+        def charge(attempt: Attempt) -> Response:
+            rig.write(attempt.connection, f"{attempt.record.key}/{attempt.record.attempt}")
+            return dependency()
+
+        async def acharge(attempt: AsyncAttempt) -> Response:
+            await rig.write(attempt.connection, f"{attempt.record.key}/{attempt.record.attempt}")
+            return dependency()
+
+        def attempt_once(key: str) -> Response:
+            """One attempt with the sync driver (in a thread of its own)."""
+            idem = Idempotency(rig.store, POLICY)
+            with begin() as transaction:
+                return idem.run(
+                    intent(key), charge, transaction=transaction, single_commit=single_commit
+                ).response
+
+        async def aattempt_once(key: str) -> Response:
+            async with begin() as transaction:
+                ran = await AsyncIdempotency(rig.store, POLICY).run(
+                    intent(key), acharge, transaction=transaction, single_commit=single_commit
                 )
-                return UNAVAILABLE if rng.random() < 0.5 else CREATED
+            return ran.response
 
-            async def client(key: str) -> None:
-                nonlocal attempts
-                for _ in range(60):
-                    attempts += 1
-                    try:
-                        async with transaction_on(store) as transaction:
-                            outcome = await idem.run(
-                                intent(key),
-                                charge,
-                                transaction=transaction,
-                                single_commit=single_commit,
-                            )
-                    except InProgress:
-                        conflicts.append(key)
-                        continue
-                    if outcome.response.status == 201:
-                        return
-                pytest.fail(f"{key} never reached 201")
+        threads = stack.enter_context(ThreadPoolExecutor(50)) if rig.sync else None
 
-            await asyncio.gather(*(client(f"key-{n}") for n in range(50)))
-            records = [await store.get("alice", f"key-{n}") for n in range(50)]
-        rows = business_rows(table_name)
+        async def client(key: str) -> None:
+            nonlocal attempts
+            loop = asyncio.get_running_loop()
+            for _ in range(60):
+                attempts += 1
+                try:
+                    if threads is not None:
+                        response = await loop.run_in_executor(threads, attempt_once, key)
+                    else:
+                        response = await aattempt_once(key)
+                except InProgress:
+                    conflicts.append(key)
+                    continue
+                if response.status == 201:
+                    return
+            pytest.fail(f"{key} never reached 201")
+
+        await asyncio.gather(*(client(f"key-{n}") for n in range(50)))
+        records = [await rig.call("get", "alice", f"key-{n}") for n in range(50)]
+        rows = rig.notes()
 
     assert conflicts == []
     assert [r.state for r in records if r is not None] == [State.COMPLETED] * 50
