@@ -1074,6 +1074,7 @@ async def open_rig(
     pool_size: int = 1,
     app_pool: bool = False,
     sqlalchemy: Literal["connect", "session"] | None = None,
+    busy_timeout: float = 0.05,
 ) -> AsyncIterator[Rig]:
     """The store ``kind`` names on a pool of ``pool_size`` that requests share, clock="caller".
 
@@ -1086,6 +1087,9 @@ async def open_rig(
     ``sqlalchemy`` (PostgreSQL and MySQL): that pool is a SQLAlchemy engine's instead (see
     :func:`sqlalchemy_app`), the transaction SQLAlchemy's adapter on one of its
     connections (``"connect"``) or sessions (``"session"``).
+    ``busy_timeout`` (SQLite): the store's; short by default, so that the write lock held
+    past it is a quick fault. Under pressure, where other writers of the file may hold the
+    lock a while (a loaded machine), the store's default (5 s) is the honest one.
     """
     if sqlalchemy is not None:
         async with contextlib.AsyncExitStack() as stack:
@@ -1102,8 +1106,6 @@ async def open_rig(
         "galera": _mysql_rig,
     }
     openers = {
-        "sqlite": _sqlite_rig,
-        "sqlite-sync": _sqlite_rig,
         "redis": _redis_rig,
         "redis-sync": _redis_rig,
         "redis-cluster": _redis_rig,
@@ -1113,6 +1115,8 @@ async def open_rig(
         opened = pooled[kind](kind, table, tmp_path, transactional, pool_size, app_pool)
     elif app_pool:
         raise ValueError(f"{kind}: only the PostgreSQL and MySQL rigs have an app pool")
+    elif kind.startswith("sqlite"):
+        opened = _sqlite_rig(kind, table, tmp_path, transactional, pool_size, busy_timeout)
     else:
         opened = openers[kind](kind, table, tmp_path, transactional, pool_size)
     async with opened as rig:
@@ -1504,7 +1508,12 @@ ORPHAN_PARENT = 42
 
 @contextlib.asynccontextmanager
 async def _sqlite_rig(
-    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int
+    kind: str,
+    table: str,
+    tmp_path: Path,
+    transactional: bool,
+    pool_size: int,
+    busy_timeout: float = 0.05,
 ) -> AsyncIterator[Rig]:
     """SQLite has no pool: each request opens its connection. Its faults: in a transaction,
     a deferred foreign key that fails the COMMIT; without one, another connection holding
@@ -1516,10 +1525,10 @@ async def _sqlite_rig(
     sync = kind.endswith("-sync")
     store: Any
     if sync:
-        store = SQLiteStore(path, table=table, busy_timeout=0.05)
+        store = SQLiteStore(path, table=table, busy_timeout=busy_timeout)
         store.migrate()
     else:
-        store = AsyncSQLiteStore(path, table=table, busy_timeout=0.05)
+        store = AsyncSQLiteStore(path, table=table, busy_timeout=busy_timeout)
         await store.migrate()
     with contextlib.closing(sqlite3.connect(path)) as conn:
         conn.execute("CREATE TABLE parent (id INTEGER PRIMARY KEY)")

@@ -811,8 +811,10 @@ class RigServer:
         tmp_path: Path,
         endpoint: Callable[[Rig], Endpoint],
         clock: FrozenClock | None = None,
+        **options: Any,
     ) -> None:
         self.opening = (kind, table, tmp_path)
+        self.options = options  # open_rig's
         self.endpoint = endpoint
         self.clock = clock
         #: Why the rig did not open (a skip or a failure), raised again by :func:`served`.
@@ -834,7 +836,7 @@ class RigServer:
         async with contextlib.AsyncExitStack() as stack:
             try:
                 rig = await stack.enter_async_context(
-                    open_rig(kind, table, tmp_path, transactional=False)
+                    open_rig(kind, table, tmp_path, transactional=False, **self.options)
                 )
             except BaseException as exc:  # pytest's skip or fail too: raised in the test
                 self.failed = exc
@@ -1041,7 +1043,9 @@ def test_middleware_under_a_pool_of_one_releases_transients_at_once_and_charges_
             racing = [until_created(client, key) for key in keys for _ in range(2)]
             return [answer for seen in await asyncio.gather(*racing) for answer in seen]
 
-    app = RigServer(kind, table_name, tmp_path, endpoint)
+    # SQLite: the store's own busy timeout, not the rig's short one (the endpoint's writes
+    # hold the file's lock too, and a loaded machine may hold it past 50 ms).
+    app = RigServer(kind, table_name, tmp_path, endpoint, busy_timeout=5.0)
     with served(app) as url:
         answers = asyncio.run(race(url))
         notes = app.rig.notes()
