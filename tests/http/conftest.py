@@ -38,6 +38,33 @@ def new_key() -> str:
     return f"test-{uuid.uuid4().hex}"
 
 
+#: ``Idempotency-Key`` field lines, as sent on the wire, that every door (the ASGI edge,
+#: Django's, Flask's, the WSGI middleware) answers with the 400 ``invalid-key`` problem
+#: before anything is claimed or run: one table for all of them (``idemflow._key``'s rules).
+#: Two lines reach a WSGI application as one value joined by ``,`` (a list, refused too).
+MALFORMED_KEYS: dict[str, tuple[bytes, ...]] = {
+    "empty": (b"",),
+    "256-characters": (b"x" * 256,),
+    "quoted-256-characters": (b'"' + b"x" * 256 + b'"',),
+    "8000-characters": (b"x" * 8000,),
+    "non-ascii-utf-8": ("caf\u00e9".encode(),),
+    "non-ascii-latin-1": (b"caf\xe9",),
+    "tab": (b"a\tb",),
+    "list": (b"a,b",),
+    "parameters": (b"k;p=1",),
+    "quoted-unterminated": (b'"unterminated',),
+    "quoted-bad-escape": (b'"a\\x"',),
+    "quoted-then-more": (b'"a"b',),
+    "two-lines": (b"k-1", b"k-2"),
+}
+#: Control characters in the key: the 400 ``invalid-key`` problem where the HTTP server
+#: passes them on (uvicorn with httptools, in process); gunicorn answers its own 400 first.
+CONTROL_KEYS: dict[str, tuple[bytes, ...]] = {
+    "control-character": (b"a\x01b",),
+    "del": (b"a\x7fb",),
+}
+
+
 @dataclass
 class Demo:
     """A running ``idemflow demo`` process and where to look at its data."""

@@ -166,7 +166,7 @@ def post_chunks(
 
 
 def read_response(sock: socket.socket) -> RawResponse:
-    """One response: status line, headers, and a Content-Length body (or up to EOF)."""
+    """One response: status line, headers, and a Content-Length or chunked body (or up to EOF)."""
     deadline = time.monotonic() + TIMEOUT
     data = b""
     while b"\r\n\r\n" not in data:
@@ -177,6 +177,8 @@ def read_response(sock: socket.socket) -> RawResponse:
     for line in header_lines:
         name, _, value = line.partition(":")
         headers[name.strip().lower()] = value.strip()
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        return RawResponse(int(status_line.split(" ")[1]), headers, _dechunk(sock, body, deadline))
     length = int(headers.get("content-length", "-1"))
     while len(body) < length or length < 0:
         chunk = _recv(sock, deadline, eof_ok=length < 0)
@@ -184,6 +186,21 @@ def read_response(sock: socket.socket) -> RawResponse:
             break
         body += chunk
     return RawResponse(int(status_line.split(" ")[1]), headers, body)
+
+
+def _dechunk(sock: socket.socket, data: bytes, deadline: float) -> bytes:
+    """A chunked body (its first bytes in ``data``), read to its last chunk, decoded."""
+    body = b""
+    while True:
+        while b"\r\n" not in data:
+            data += _recv(sock, deadline)
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        while len(data) < size + 2:  # the chunk and its CRLF (the trailer's end after 0)
+            data += _recv(sock, deadline)
+        if size == 0:
+            return body
+        body, data = body + data[:size], data[size + 2 :]
 
 
 def _recv(sock: socket.socket, deadline: float, *, eof_ok: bool = False) -> bytes:
