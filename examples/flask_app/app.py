@@ -32,6 +32,10 @@ app.config["SQLALCHEMY_DATABASE_URI"] = os.environ.get(
     "SHOP_DATABASE_URL", "sqlite:////tmp/flask-shop.db"
 ).replace("postgresql://", "postgresql+psycopg://", 1)
 app.config["IDEMFLOW_REQUEST_TIMEOUT"] = float(os.environ.get("SHOP_REQUEST_TIMEOUT", "10"))
+# SHOP_MAX_CONTENT_LENGTH: Flask's cap on a request body (the tests set it below idemflow's
+# IDEMFLOW_MAX_BODY_BYTES: the lower of the two bounds a protected request's body).
+if os.environ.get("SHOP_MAX_CONTENT_LENGTH"):
+    app.config["MAX_CONTENT_LENGTH"] = int(os.environ["SHOP_MAX_CONTENT_LENGTH"])
 db = SQLAlchemy(app)
 login = LoginManager(app)
 

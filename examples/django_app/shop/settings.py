@@ -78,6 +78,11 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
 }
 
+# SHOP_DATA_UPLOAD_MAX_MEMORY_SIZE: Django's cap on a body read into memory (the tests set it
+# below idemflow's max_body_bytes: the lower of the two bounds a protected request's body).
+if os.environ.get("SHOP_DATA_UPLOAD_MAX_MEMORY_SIZE"):
+    DATA_UPLOAD_MAX_MEMORY_SIZE = int(os.environ["SHOP_DATA_UPLOAD_MAX_MEMORY_SIZE"])
+
 IDEMFLOW = {
     # SHOP_REQUEST_TIMEOUT: the fault tests shorten it so the stale threshold is seconds.
     "request_timeout": float(os.environ.get("SHOP_REQUEST_TIMEOUT", "10")),

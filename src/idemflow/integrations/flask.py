@@ -47,7 +47,6 @@ from typing import Any, TypeVar
 
 from .. import Idempotency as Driver
 from .._errors import (
-    BodyTooLarge,
     ConfigurationError,
     IdempotencyError,
     IncompleteBody,
@@ -66,13 +65,15 @@ from ..edge import (
     EdgeOptions,
     HTTPRequest,
     body_cut_short,
+    body_too_large,
+    declared_length,
     problem_for,
     report_outcome_unknown,
     request_id_from,
     sendable_headers,
 )
 from ..stores.protocol import Store, Transaction
-from .wsgi import raw_headers  # the header lines werkzeug lists, the one reader
+from .wsgi import raw_headers, require_length  # raw_headers: werkzeug's lines, one reader
 
 with optional("idemflow.integrations.flask"):
     from flask import Flask, current_app, request
@@ -307,36 +308,38 @@ def _plain_url(url: Any) -> str:
 
 
 def _body(limit: int) -> bytes:
-    """The whole body, at most ``limit`` bytes; 413 before reading when the length says so.
+    """The whole body, at most ``limit`` bytes (or Flask's ``MAX_CONTENT_LENGTH``, the
+    request's own maximum, when lower); 413 before reading when the length says so.
 
     A body shorter than its ``Content-Length`` did not arrive whole (400
     ``incomplete-body``): Werkzeug raises ``ClientDisconnected`` only where it
     bounds the stream itself; behind a server that terminates the stream
     (gunicorn's ``wsgi.input_terminated``) it returns what arrived.
     """
-    declared = request.content_length
-    if declared is not None and declared > limit:
-        raise BodyTooLarge(
-            f"the request body is {declared} bytes (Content-Length); "
-            f"the limit for idempotent requests is {limit} bytes"
-        )
-    if declared is None:
+    environ = request.environ
+    current = request.max_content_length
+    cap = limit if current is None else min(limit, current)
+    # The shared rule, on the raw value: Werkzeug reads a Content-Length it cannot
+    # parse (5,000 digits) as 0, an empty body that would be claimed in its place.
+    declared = declared_length(environ.get("CONTENT_LENGTH"), cap)
+    if request.content_length is None:  # Werkzeug ignores a length sent with chunked
+        declared = None
+        require_length(environ)  # a chunked body the server does not end: 411, not empty
         # A body without its length (chunked, behind a server that terminates the
-        # stream): Werkzeug reads it to its end, unless the request's own maximum
-        # bounds it. It stops there; one byte past ``limit`` tells a body too large.
-        current = request.max_content_length
-        request.max_content_length = limit + 1 if current is None else min(current, limit + 1)
+        # stream): Werkzeug reads it up to the request's maximum and returns what it
+        # read, cut there, without a word. One byte past ``cap`` tells a body too large.
+        request.max_content_length = cap + 1
     try:
         body = request.get_data(cache=True)
     except RequestEntityTooLarge:
-        raise BodyTooLarge(f"more than {limit} bytes arrived; the limit is {limit} bytes") from None
+        raise body_too_large(0, cap, streaming=True) from None
     except ClientDisconnected:
         raise IncompleteBody(
             "the request body ended before its Content-Length: the client went away; "
             "nothing was recorded, send the whole request again"
         ) from None
-    if len(body) > limit:
-        raise BodyTooLarge(f"more than {limit} bytes arrived; the limit is {limit} bytes")
+    if len(body) > cap:
+        raise body_too_large(len(body), cap, streaming=True)
     if declared is not None and len(body) != declared:
         raise body_cut_short(len(body), declared)
     return body

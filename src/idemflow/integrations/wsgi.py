@@ -23,7 +23,9 @@ rules themselves live in ``idemflow._http`` and the sync ``Edge``:
 - the body is read whole and bounded before anything is claimed: a
   ``Content-Length`` over ``max_body_bytes`` is a 413 at once, unread; a body
   without one (chunked, ``wsgi.input_terminated``) is a 413 as soon as the
-  bytes read pass the cap; a body that ends before its ``Content-Length``, or
+  bytes read pass the cap, and under a server that does not end such a body
+  (no ``wsgi.input_terminated``: wsgiref, Django's ``runserver``) a 411
+  ``length-required``, unread; a body that ends before its ``Content-Length``, or
   whose read fails (the client went away), is never fingerprinted, claimed or
   run (400 ``incomplete-body``, logged nowhere);
 - the application gets a fresh ``wsgi.input`` holding exactly that body, and
@@ -68,7 +70,7 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .. import Attempt, Idempotency
-from .._errors import BodyTooLarge, ConfigurationError, IdempotencyError
+from .._errors import BodyTooLarge, ConfigurationError, IdempotencyError, LengthRequired
 from .._model import Response
 from ..edge import (
     OUTCOME_SLOT,
@@ -98,6 +100,7 @@ __all__ = [
     "remote_user",
     "report_outcome_unknown",
     "request_id",
+    "require_length",
 ]
 
 #: Returns the authenticated principal of a request's environ, or None.
@@ -351,13 +354,18 @@ def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
             the bytes read so far are (413, while the client still sends).
         IncompleteBody: fewer bytes than ``CONTENT_LENGTH`` arrived, or the
             server's stream failed (the client went away mid-body).
+        LengthRequired: a body announced by ``Transfer-Encoding`` (chunked) without
+            ``CONTENT_LENGTH``, under a server that does not end the stream.
 
     Without ``CONTENT_LENGTH`` the body is read to its end only if the server
     says the stream ends there (``wsgi.input_terminated``, as gunicorn does for
-    chunked bodies); otherwise PEP 3333 makes it empty.
+    chunked bodies). Otherwise PEP 3333 makes it empty: so it is when nothing
+    announced a body, but a chunked one cannot be read safely, and an empty body
+    must never be claimed in its place (411).
     """
     declared = declared_length(environ.get("CONTENT_LENGTH"), limit)
     if declared is None and not environ.get("wsgi.input_terminated"):
+        require_length(environ)
         return b""
     stream = environ.get("wsgi.input")
     chunks: list[bytes] = []
@@ -380,6 +388,23 @@ def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
     if declared is not None and size != declared:
         raise body_cut_short(size, declared)
     return b"".join(chunks)
+
+
+def require_length(environ: Mapping[str, Any]) -> None:
+    """For a request without a length: 411 if a ``Transfer-Encoding`` (chunked) announces
+    a body the server does not end (no ``wsgi.input_terminated``).
+
+    Such a body cannot be read safely (the stream has no end a reader can see), and the
+    empty body PEP 3333 makes of it must never be fingerprinted and claimed in its place.
+    The WSGI middleware, Flask's and Django's doors apply it.
+    """
+    if environ.get("wsgi.input_terminated"):
+        return
+    if str(environ.get("HTTP_TRANSFER_ENCODING") or "").strip():
+        raise LengthRequired(
+            "the request body came without a Content-Length (Transfer-Encoding), and this "
+            "server does not say where it ends; send it with its Content-Length"
+        )
 
 
 def _read(stream: Any, size: int) -> bytes | None:

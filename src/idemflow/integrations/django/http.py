@@ -17,13 +17,14 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.utils.module_loading import import_string
 
 from ..._errors import (
     ConfigurationError,
     IdempotencyError,
-    LengthRequired,
     MissingPrincipal,
     OutcomeUnknown,
     ResponseNotStorable,
@@ -44,11 +45,12 @@ from ...edge import (
     request_id_from,
     sendable_headers,
 )
-from ..wsgi import raw_headers, read_body
+from ..wsgi import raw_headers, read_body, require_length
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
 from .store import DjangoTransaction
 
 __all__ = [
+    "body_limit",
     "django_request",
     "from_django",
     "outcome_unknown_received",
@@ -89,12 +91,28 @@ def _headers(request: HttpRequest) -> RawHeaders:
     return raw_headers(request.META)
 
 
+def body_limit(max_body_bytes: int) -> int:
+    """The body cap of a protected request: ``max_body_bytes``, or Django's
+    ``DATA_UPLOAD_MAX_MEMORY_SIZE`` when that is lower (``None`` turns it off).
+
+    Django refuses a body over that setting when it reads one itself (``request.body``:
+    ``RequestDataTooBig``, a 400); idemflow reads the body for Django, before the view, so
+    the setting bounds it there too, whatever its framing: the 413 ``body-too-large``
+    problem, nothing claimed.
+    """
+    django_cap = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    return max_body_bytes if django_cap is None else min(max_body_bytes, int(django_cap))
+
+
 def _body(request: HttpRequest, limit: int) -> bytes:
     """The whole body, at most ``limit`` bytes; 413 before reading when the length says so."""
     declared = declared_length(request.META.get("CONTENT_LENGTH"), limit)
     if declared is None and "wsgi.input" in request.META:
         return _unframed(request, limit)
-    body = bytes(request.body)
+    try:
+        body = bytes(request.body)
+    except RequestDataTooBig:  # an ASGI body without its length, over Django's own cap
+        raise body_too_large(0, limit, streaming=True) from None
     if len(body) > limit:
         raise body_too_large(len(body), limit)
     if declared is not None and len(body) != declared:
@@ -117,11 +135,7 @@ def _unframed(request: HttpRequest, limit: int) -> bytes:
     """
     environ = request.META
     if not environ.get("wsgi.input_terminated"):
-        if str(environ.get("HTTP_TRANSFER_ENCODING") or "").strip():
-            raise LengthRequired(
-                "the request body came without a Content-Length (Transfer-Encoding), and this "
-                "server does not say where it ends; send it with its Content-Length"
-            )
+        require_length(environ)  # a chunked body: 411
         return bytes(request.body)  # neither a length nor a framing: no body (RFC 9112 6.3)
     body = read_body(environ, limit)
     environ["wsgi.input"] = io.BytesIO(body)
@@ -215,7 +229,8 @@ def protect(
             msg = f"{raw.method} is idempotent already; protect unsafe methods only"
             raise ConfigurationError(msg)
         who = prepared.principal()(request)
-        http = django_request(request, who, rid, edge.options.max_body_bytes, match, headers)
+        limit = body_limit(edge.options.max_body_bytes)
+        http = django_request(request, who, rid, limit, match, headers)
         if not who and not public:
             raise MissingPrincipal("authenticate first: idempotency keys are scoped to the caller")
     except IdempotencyError as exc:
