@@ -28,7 +28,7 @@ from idemflow.integrations.wsgi import EdgeOptions, IdempotencyMiddleware, compi
 from idemflow.stores.protocol import Store
 from idemflow.stores.sqlite import SQLiteStore
 from tests.conftest import POSTGRES_URL, unreachable
-from tests.http.conftest import assert_problem
+from tests.http.conftest import CONTROL_KEYS, MALFORMED_KEYS, assert_problem
 from tests.http.rawhttp import post_chunks, post_declaring, send_partial
 from tests.servers import serve_on_socket
 
@@ -293,6 +293,23 @@ def test_a_missing_key_a_bad_key_and_no_principal_are_refused_and_never_recorded
     assert "x-request-id" in refused.headers
     assert served.record("alice", key) is None
     assert served.record("anonymous", key) is None
+    assert served.rows(body["customer"]) == 0
+
+
+def test_every_malformed_key_is_a_400_invalid_key_and_never_recorded(served: Served) -> None:
+    """The table of malformed keys the ASGI edge and the Django and Flask doors are held to
+    (tests/http/conftest.py): each the 400 invalid-key problem, the endpoint never run;
+    control characters are gunicorn's own 400 before the middleware sees them."""
+    body = payment()
+    with served.client() as client:
+        for name, lines in MALFORMED_KEYS.items():
+            headers = [(b"idempotency-key", line) for line in lines]
+            refused = client.post("/payments", json=body, headers=headers)
+            assert refused.status_code == 400, (name, refused.text)
+            assert_problem(refused, 400, "invalid-key")
+        for name, lines in CONTROL_KEYS.items():
+            headers = [(b"idempotency-key", line) for line in lines]
+            assert client.post("/payments", json=body, headers=headers).status_code == 400, name
     assert served.rows(body["customer"]) == 0
 
 
@@ -567,6 +584,31 @@ def test_an_iterable_that_fails_mid_body_is_closed_and_its_key_released(tmp_path
     assert record.state is State.RELEASED
 
 
+def test_a_chunked_body_the_server_does_not_end_is_411_and_never_run(tmp_path: Path) -> None:
+    """wsgiref, like Django's runserver, passes a chunked body on as it came, without
+    ``wsgi.input_terminated``: no reader can tell where it ends. The 411 length-required
+    problem, unread, the app never run, nothing recorded. Before: read as the empty body
+    PEP 3333 makes of it, claimed, run and recorded (201), the real body never seen."""
+    events: list[str] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        events.append("ran")
+        start_response("201 Created", [("Content-Type", "text/plain")])
+        return [b"made"]
+
+    key = new_key()
+    with protected_by_wsgiref(tmp_path, app) as (url, store):
+        # The head alone, its body to follow: wsgiref answers without reading a byte of it,
+        # then closes; a chunk sent meanwhile would race the close (a broken pipe, a reset).
+        answer = post_chunks(url, "/export", {"Idempotency-Key": key}, [], finish=False)
+        record = store.get("carol", key)
+    assert answer.status == 411
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert answer.json()["type"].endswith("/length-required")
+    assert events == []
+    assert record is None
+
+
 # --- configuration mistakes fail when the middleware is built --------------------------------
 
 
@@ -692,3 +734,31 @@ def test_django_reads_a_body_without_its_length_only_where_the_server_ends_it() 
     with pytest.raises(LengthRequired):
         _body(unframed(b"amount=10", HTTP_TRANSFER_ENCODING="chunked"), 100)
     assert _body(unframed(b""), 100) == b""
+
+
+def test_django_under_asgi_refuses_a_body_over_data_upload_max_memory_size_with_a_413() -> None:
+    """Under ASGI a body without its length is Django's to read (``request.body``): over
+    ``DATA_UPLOAD_MAX_MEMORY_SIZE`` Django raises ``RequestDataTooBig`` (its HTML 400); the
+    doors answer it as any body over their cap, which that setting lowers: the 413
+    body-too-large problem, nothing claimed. A body within it is read whole."""
+    pytest.importorskip("django")
+    import io
+
+    from django.core.handlers.asgi import ASGIRequest
+    from django.test import override_settings
+
+    import tests.integrations.django_setup  # noqa: F401 -- settings
+    from idemflow import BodyTooLarge
+    from idemflow.integrations.django.http import _body, body_limit
+
+    def unframed(body: bytes) -> ASGIRequest:
+        scope = {"type": "http", "method": "POST", "path": "/payments", "headers": []}
+        return ASGIRequest(scope, io.BytesIO(body))
+
+    with override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=100):
+        assert body_limit(4096) == 100
+        with pytest.raises(BodyTooLarge, match="100 bytes"):
+            _body(unframed(b"x" * 500), body_limit(4096))
+        assert _body(unframed(b"x" * 100), body_limit(4096)) == b"x" * 100
+    with override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=None):
+        assert body_limit(4096) == 4096

@@ -37,7 +37,8 @@ pytest.importorskip("flask_sqlalchemy")
 
 from tests.backends import MYSQL_URL  # noqa: E402
 from tests.conftest import POSTGRES_URL, selected_in_module, unreachable  # noqa: E402
-from tests.http.rawhttp import send_partial  # noqa: E402
+from tests.http.conftest import CONTROL_KEYS, MALFORMED_KEYS  # noqa: E402
+from tests.http.rawhttp import post_declaring, send_partial  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -192,6 +193,11 @@ def _env(url: str) -> dict[str, str]:
     return env
 
 
+#: The frameworks' own cap on a body in memory on the module's shops (Django's
+#: ``DATA_UPLOAD_MAX_MEMORY_SIZE``, Flask's ``MAX_CONTENT_LENGTH``): below idemflow's cap
+#: (``max_body_bytes``, 1 MiB), so it is the body cap of their doors.
+FRAMEWORK_CAP = 512 * 1024
+
 #: The ``django-pool`` server's pool: Django's psycopg pool of this many connections per
 #: worker (two workers of eight threads), whose checkout waits at most POOL_WAIT seconds.
 POOL_SIZE, POOL_WAIT = 1, 10
@@ -204,10 +210,13 @@ def _django_shop(
     *,
     atomic_requests: bool = False,
     pool: int | None = None,
+    upload_cap: int | None = None,
 ) -> Shop:
     cwd = EXAMPLES / "django_app"
     env = _env(stack.enter_context(_database(vendor, tmp)))
     env["SHOP_ATOMIC_REQUESTS"] = "1" if atomic_requests else "0"
+    if upload_cap is not None:
+        env["SHOP_DATA_UPLOAD_MAX_MEMORY_SIZE"] = str(upload_cap)
     if pool is not None:
         env.update(SHOP_POOL_SIZE=str(pool), SHOP_POOL_TIMEOUT=str(POOL_WAIT))
     _run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd, env)
@@ -215,9 +224,13 @@ def _django_shop(
     return Shop(base, env["SHOP_DATABASE_URL"], "shop_payment")
 
 
-def _flask_shop(vendor: str, tmp: Path, stack: contextlib.ExitStack) -> Shop:
+def _flask_shop(
+    vendor: str, tmp: Path, stack: contextlib.ExitStack, *, upload_cap: int | None = None
+) -> Shop:
     cwd = EXAMPLES / "flask_app"
     env = _env(stack.enter_context(_database(vendor, tmp)))
+    if upload_cap is not None:
+        env["SHOP_MAX_CONTENT_LENGTH"] = str(upload_cap)
     flask = [sys.executable, "-m", "flask", "--app", "app"]
     _run([*flask, "init-db"], cwd, env)
     _run([*flask, "idemflow", "migrate"], cwd, env)
@@ -261,10 +274,11 @@ class Servers:
             self._stacks.append(stack)
         tmp = self._tmp.mktemp(f"{app}-{vendor}")
         if app == "flask":
-            return _flask_shop(vendor, tmp, stack)
+            return _flask_shop(vendor, tmp, stack, upload_cap=FRAMEWORK_CAP)
         if app == "django-pool":
             return _django_shop(vendor, tmp, stack, atomic_requests=True, pool=POOL_SIZE)
-        return _django_shop(vendor, tmp, stack, atomic_requests=app == "django-atomic")
+        atomic = app == "django-atomic"
+        return _django_shop(vendor, tmp, stack, atomic_requests=atomic, upload_cap=FRAMEWORK_CAP)
 
 
 def _server_of(item: pytest.Item) -> tuple[str, str] | None:
@@ -467,6 +481,51 @@ def test_a_body_cut_short_is_never_claimed_run_or_recorded(
     assert endpoint.shop.rows(alice) == 1
 
 
+def test_a_malformed_key_is_a_400_problem_never_claimed_or_run(endpoint: Endpoint) -> None:
+    """Every malformed key of the table the ASGI edge is held to (empty, over 255
+    characters, 8,000 of them, non-ASCII, a tab, a list, parameters, a broken
+    structured-field string, two header lines, which gunicorn joins into a list): the
+    400 invalid-key problem, nothing claimed or run. A control character gunicorn refuses
+    itself (its own 400): the request never reaches the door. The same key as a
+    structured-field string (``"k-1"``) is the bare key's: a replay."""
+    alice = who()
+    url = endpoint.shop.base + endpoint.path
+    sent = [("content-type", "application/json"), ("x-user", alice)]
+
+    def post(lines: tuple[bytes, ...]) -> Any:
+        headers = [*sent, *((b"idempotency-key", line) for line in lines)]
+        return httpx.post(url, content=b'{"amount": 10}', headers=headers, verify=PLAIN_HTTP)
+
+    for name, lines in MALFORMED_KEYS.items():
+        refused = post(lines)
+        assert refused.status_code == 400, (name, refused.text)
+        assert refused.headers["content-type"] == "application/problem+json", name
+        assert refused.json()["type"].endswith("/invalid-key"), name
+    for name, lines in CONTROL_KEYS.items():
+        assert post(lines).status_code == 400, name  # gunicorn's own answer
+    assert (endpoint.shop.key_rows(alice), endpoint.shop.rows(alice)) == (0, 0)
+
+    quoted, bare = post((b'"k-1"',)), post((b"k-1",))
+    assert quoted.status_code == 201, quoted.text
+    assert (bare.status_code, bare.headers["idempotent-replayed"]) == (201, "true")
+    assert endpoint.shop.rows(alice) == 1
+
+
+def test_a_content_length_over_the_cap_is_a_413_before_anything_is_claimed(
+    endpoint: Endpoint,
+) -> None:
+    """A head declaring 100 MB, no body behind it: the 413 body-too-large problem at once
+    (the answer can only come before the body: none is sent), nothing claimed or run."""
+    alice = who()
+    headers = {"Content-Type": "application/json", "Idempotency-Key": "k-1", "X-User": alice}
+    answer = post_declaring(endpoint.shop.base, endpoint.path, headers, length=100_000_000)
+
+    assert answer.status == 413
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert answer.json()["type"].endswith("/body-too-large")
+    assert (endpoint.shop.key_rows(alice), endpoint.shop.rows(alice)) == (0, 0)
+
+
 def test_a_transient_503_is_released_and_the_retry_really_runs(endpoint: Endpoint) -> None:
     alice = who()
     failed = endpoint.post("k-1", alice, x_fail="503")
@@ -604,10 +663,11 @@ _CHUNKED = [
 @pytest.mark.parametrize("endpoint", _CHUNKED, indirect=True)
 def test_a_chunked_body_past_the_cap_is_a_413_read_no_further(endpoint: Endpoint) -> None:
     """A chunked body (no Content-Length) of up to 300 MiB: the 413 body-too-large problem
-    once the cap (1 MiB) is passed, nothing claimed or recorded, the body read no further
-    than the cap and what the sockets buffer. Before: Werkzeug read all 300 MiB into memory,
-    then the 413; Django saw an empty body (no CONTENT_LENGTH): the views' 400, and the
-    middleware claimed the key for it and left it released."""
+    once the cap (1 MiB, lowered to the frameworks' own, 512 KiB, on these shops) is
+    passed, nothing claimed or recorded, the body read no further than the cap and what
+    the sockets buffer. Before: Werkzeug read all 300 MiB into memory, then the 413; Django
+    saw an empty body (no CONTENT_LENGTH): the views' 400, and the middleware claimed the
+    key for it and left it released."""
     alice = who()
     headers = {"Content-Type": "application/json", "Idempotency-Key": "k-1", "X-User": alice}
     sent, answer = _chunked_until_answered(endpoint.shop.base, endpoint.path, headers, 300 * 2**20)
@@ -644,3 +704,37 @@ def test_a_chunked_body_under_the_cap_is_served_as_with_its_length(endpoint: End
         assert (replay.status_code, replay.content) == (201, first.content), replay.text
         assert replay.headers["idempotent-replayed"] == "true"
     assert endpoint.shop.rows(alice) == 1
+
+
+@pytest.mark.parametrize("endpoint", _CHUNKED, indirect=True)
+def test_the_frameworks_own_body_cap_below_ours_is_the_cap_of_every_door(
+    endpoint: Endpoint,
+) -> None:
+    """The framework's own cap on a body in memory (Django's ``DATA_UPLOAD_MAX_MEMORY_SIZE``,
+    Flask's ``MAX_CONTENT_LENGTH``: 512 KiB here) below idemflow's (1 MiB): a 600 KiB body
+    the view would accept is the 413 body-too-large problem naming 512 KiB through every
+    door, with its Content-Length (before anything is read) and chunked (while it
+    streams), nothing claimed, run or recorded; 400 KiB runs. Before: Django with a
+    Content-Length answered its own HTML 400 (``RequestDataTooBig``), no problem; chunked,
+    Django bypassed its setting (the body read, claimed, run and recorded: 201), and Flask
+    ran the view on the first 512 KiB (Werkzeug returns what it read up to the maximum)."""
+    alice = who()
+    note = b"n" * (600 * 1024)
+    body = b'{"amount": 10, "note": "%s"}' % note
+
+    def chunked() -> Iterator[bytes]:  # httpx sends an iterator chunked, without a length
+        for start in range(0, len(body), 65536):
+            yield body[start : start + 65536]
+
+    sized = endpoint.post("k-1", alice, body, connection="close")
+    streamed = endpoint.post("k-1", alice, chunked(), connection="close")
+    within = endpoint.post("k-2", alice, body.replace(note, note[: 400 * 1024]))
+
+    for refused in (sized, streamed):
+        assert refused.status_code == 413, refused.text
+        assert refused.headers["content-type"] == "application/problem+json"
+        assert refused.json()["type"].endswith("/body-too-large")
+        assert str(FRAMEWORK_CAP) in refused.json()["detail"]
+    assert streamed.request.headers.get("transfer-encoding") == "chunked"
+    assert within.status_code == 201, within.text
+    assert (endpoint.shop.key_rows(alice), endpoint.shop.rows(alice)) == (1, 1)
