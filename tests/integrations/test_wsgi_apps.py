@@ -145,12 +145,25 @@ def _run(args: list[str], cwd: Path, env: dict[str, str]) -> None:
 
 
 @contextlib.contextmanager
-def _gunicorn(app: str, cwd: Path, env: dict[str, str], log: Path) -> Iterator[str]:
-    """gunicorn with 2 gthread workers of 8 threads on a free loopback port: its base URL."""
+def _gunicorn(
+    app: str,
+    cwd: Path,
+    env: dict[str, str],
+    log: Path,
+    *,
+    graceful_timeout: int = 5,
+    config: Path | None = None,
+) -> Iterator[str]:
+    """gunicorn with 2 gthread workers of 8 threads on a free loopback port: its base URL.
+
+    ``graceful_timeout``: how long SIGTERM lets requests in flight finish before the
+    master kills their workers; ``config``: a gunicorn config file (server hooks)."""
     args = [sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "8", "-w", "2"]
     # No control socket: its default path is one per user, and parallel test
     # servers would take it from each other.
-    args += ["-b", "127.0.0.1:0", "--no-control-socket", "--graceful-timeout", "5"]
+    args += ["-b", "127.0.0.1:0", "--no-control-socket"]
+    args += ["--graceful-timeout", str(graceful_timeout)]
+    args += [] if config is None else ["-c", str(config)]
     args += ["--log-file", str(log), app]
     process = subprocess.Popen(
         args, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
@@ -211,30 +224,43 @@ def _django_shop(
     atomic_requests: bool = False,
     pool: int | None = None,
     upload_cap: int | None = None,
+    database: str | None = None,
+    gunicorn: dict[str, Any] | None = None,
 ) -> Shop:
+    """The Django shop on a database of its own on ``vendor`` (or on ``database``, a URL),
+    migrated, under gunicorn (``gunicorn``: :func:`_gunicorn`'s options)."""
     cwd = EXAMPLES / "django_app"
-    env = _env(stack.enter_context(_database(vendor, tmp)))
+    env = _env(database or stack.enter_context(_database(vendor, tmp)))
     env["SHOP_ATOMIC_REQUESTS"] = "1" if atomic_requests else "0"
     if upload_cap is not None:
         env["SHOP_DATA_UPLOAD_MAX_MEMORY_SIZE"] = str(upload_cap)
     if pool is not None:
         env.update(SHOP_POOL_SIZE=str(pool), SHOP_POOL_TIMEOUT=str(POOL_WAIT))
     _run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd, env)
-    base = stack.enter_context(_gunicorn("shop.wsgi", cwd, env, tmp / "gunicorn.log"))
+    log = tmp / "gunicorn.log"
+    base = stack.enter_context(_gunicorn("shop.wsgi", cwd, env, log, **(gunicorn or {})))
     return Shop(base, env["SHOP_DATABASE_URL"], "shop_payment")
 
 
 def _flask_shop(
-    vendor: str, tmp: Path, stack: contextlib.ExitStack, *, upload_cap: int | None = None
+    vendor: str,
+    tmp: Path,
+    stack: contextlib.ExitStack,
+    *,
+    upload_cap: int | None = None,
+    database: str | None = None,
+    gunicorn: dict[str, Any] | None = None,
 ) -> Shop:
+    """The Flask shop, as :func:`_django_shop`."""
     cwd = EXAMPLES / "flask_app"
-    env = _env(stack.enter_context(_database(vendor, tmp)))
+    env = _env(database or stack.enter_context(_database(vendor, tmp)))
     if upload_cap is not None:
         env["SHOP_MAX_CONTENT_LENGTH"] = str(upload_cap)
     flask = [sys.executable, "-m", "flask", "--app", "app"]
     _run([*flask, "init-db"], cwd, env)
     _run([*flask, "idemflow", "migrate"], cwd, env)
-    base = stack.enter_context(_gunicorn("app:app", cwd, env, tmp / "gunicorn.log"))
+    log = tmp / "gunicorn.log"
+    base = stack.enter_context(_gunicorn("app:app", cwd, env, log, **(gunicorn or {})))
     return Shop(base, env["SHOP_DATABASE_URL"], "payment")
 
 
