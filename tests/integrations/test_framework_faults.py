@@ -13,16 +13,30 @@ sweeper each framework ships.
   written; the sweeper takes its claim over (and, in one of the two requests, a
   retry completes the key first). When the overrunning request tries to commit, its
   completion is refused (409 lease-lost) and its payment row rolls back with it.
+- **SIGTERM mid-request** (gunicorn's graceful stop: the master tells its workers to
+  finish the requests in flight within ``--graceful-timeout``, then kills them). A
+  request let go once its worker drains finishes: 201, one row, the key completed, and
+  after a restart the retry replays. A request held past a 2 s graceful timeout is
+  killed with its worker: as SIGKILL, its claim stays ``in_progress`` for the sweeper.
+  (A gunicorn config hook, ``gunicorn_term_marks.py``, tells when a worker drains.)
+- **The store killed.** The shop runs on a PostgreSQL of its own (initdb, pg_ctl),
+  stopped in immediate mode under a request whose row is written, or before a request
+  arrives: a 503 ``store-unavailable`` problem, never a 500, nothing committed. A claim
+  committed before the stop stays ``in_progress`` (no connection answers its release)
+  until the sweeper; a request refused before its claim records nothing, and its retry
+  runs at once.
 
-Every scenario needs a claim older than the stale threshold (2 × request timeout +
+Most scenarios need a claim older than the stale threshold (2 × request timeout +
 10 s: 16 s with the 3 s request timeout the servers get here), so the scenarios
 are *staged*: when the module starts, one server per scenario is started, all at
 once in threads; once every one is up, one stager thread runs each scenario's
 first phase (the request sent, then killed or held, and the early sweep) in test
 order. Each test then waits for its own claims to age, sweeps and checks. The
-module waits for one stale threshold, not one per test; and as the first phases
-run one at a time, after the start-ups, none competes with eight others for the
-two cores, which had pushed early sweeps past their claims' threshold.
+module waits for one stale threshold, not one per test (the drained SIGTERM and the
+request refused before its claim wait for none: their tests run whole, on servers
+started with the others); and as the first phases run one at a time, after the
+start-ups, none competes with the others for the two cores, which had pushed early
+sweeps past their claims' threshold.
 """
 
 from __future__ import annotations
@@ -37,7 +51,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +59,10 @@ from unittest import mock
 
 import pytest
 
-from tests.conftest import selected_in_module
+from tests._private_postgres import PrivatePostgres, PrivatePostgresUnavailable
+from tests.conftest import selected_in_module, unreachable
+from tests.integrations import gunicorn_term_marks
+from tests.integrations.gunicorn_term_marks import term_mark
 from tests.integrations.test_wsgi_apps import (
     _MARKS,
     EXAMPLES,
@@ -77,6 +94,7 @@ HOLD_LIMIT = 180
 SERVER_ENV = {"SHOP_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT), "SHOP_HOLD_LIMIT": str(HOLD_LIMIT)}
 #: The longest a test waits for a claim to age past the threshold (staging included).
 AGE_DEADLINE = STALE_AFTER + 60
+TERM_MARKS_CONFIG = Path(gunicorn_term_marks.__file__)
 _MASTER = re.compile(r"Listening at: http://127\.0\.0\.1:\d+ \((\d+)\)")
 
 
@@ -106,6 +124,21 @@ KILL_CASES = [
     Case("kill-server", "django", "postgres", "/payments", "cli"),
     Case("kill-server", "flask", "postgres", "/payments", "cli"),
 ]
+#: SIGTERM to the master while a request is held: released within the graceful timeout
+#: (it finishes), or held past it (its worker is killed).
+DRAINED_CASES = [
+    Case("sigterm-drained", "django", "postgres", "/drf/payments", "command"),
+    Case("sigterm-drained", "flask", "postgres", "/payments", "command"),
+]
+PAST_GRACE_CASES = [
+    Case("sigterm-past-grace", "django", "postgres", "/drf/payments", "command"),
+    Case("sigterm-past-grace", "flask", "postgres", "/payments", "command"),
+]
+#: A private PostgreSQL stopped (immediate mode) under the shop.
+STORE_CASES = [
+    Case("store-killed", "django", "postgres", "/drf/payments", "command"),
+    Case("store-killed", "flask", "postgres", "/payments", "command"),
+]
 OVERRUN_CASES = [
     Case("overrun", "django", "postgres", "/drf/payments", "command"),
     Case("overrun", "django", "postgres", "/mw/payments", "command"),
@@ -130,6 +163,8 @@ class Server:
     log: Path
     tmp: Path
     stack: contextlib.ExitStack  # the case's own: its servers and database
+    gunicorn: dict[str, Any] = field(default_factory=dict)  # _gunicorn's options
+    postgres: PrivatePostgres | None = None  # the case's own PostgreSQL, if it stops it
 
     @property
     def cwd(self) -> Path:
@@ -152,7 +187,8 @@ class Server:
         """A new server on the same database (after the old one was killed)."""
         app = "shop.wsgi" if self.case.app == "django" else "app:app"
         self.log = self.tmp / f"gunicorn-{time.monotonic_ns()}.log"
-        self.shop.base = self.stack.enter_context(_gunicorn(app, self.cwd, self.env(), self.log))
+        server = _gunicorn(app, self.cwd, self.env(), self.log, **self.gunicorn)
+        self.shop.base = self.stack.enter_context(server)
 
     def sweep(self) -> int:
         """One pass of the case's sweeper: how many claims it released."""
@@ -193,12 +229,33 @@ class Server:
             time.sleep(0.2)  # polling the key table with a deadline
 
 
+#: The SIGTERM cases' graceful timeouts: room for a released request to finish on a
+#: loaded machine; a short one for the request held past it.
+DRAIN_GRACE, PAST_GRACE = 20, 2  # whole seconds: gunicorn takes integers
+
+
 def _start(case: Case, tmp: Path, stack: contextlib.ExitStack) -> Server:
+    gunicorn: dict[str, Any] = {}
+    if case.scenario.startswith("sigterm"):
+        grace = DRAIN_GRACE if case.scenario == "sigterm-drained" else PAST_GRACE
+        gunicorn = {"graceful_timeout": grace, "config": TERM_MARKS_CONFIG}
+    postgres = None
+    if case.scenario == "store-killed":
+        try:
+            postgres = PrivatePostgres()
+        except PrivatePostgresUnavailable as exc:
+            unreachable("a private PostgreSQL", exc)
+            raise
+        stack.callback(postgres.close)  # after the server stops (the stack unwinds in reverse)
+        postgres.start()
+    options: dict[str, Any] = {"gunicorn": gunicorn}
+    if postgres is not None:
+        options["database"] = postgres.url
     if case.app == "django":
-        shop = _django_shop(case.vendor, tmp, stack)
+        shop = _django_shop(case.vendor, tmp, stack, **options)
     else:
-        shop = _flask_shop(case.vendor, tmp, stack)
-    return Server(case, shop, tmp / "gunicorn.log", tmp, stack)
+        shop = _flask_shop(case.vendor, tmp, stack, **options)
+    return Server(case, shop, tmp / "gunicorn.log", tmp, stack, gunicorn, postgres)
 
 
 def _children(pid: int) -> list[int]:
@@ -329,6 +386,87 @@ def _overrun(server: Server) -> Overrun:
     return Overrun(server, alone, overtaken, key)
 
 
+@dataclass
+class PastGrace:
+    server: Server
+    principal: str
+    key: str
+    answer: Any
+    state_after_stop: str | None
+    rows_after_stop: int
+    released_before_threshold: int
+    state_after_early_sweep: str | None
+
+
+def _sigterm_past_grace(server: Server) -> PastGrace:
+    """SIGTERM to the master while a request is held past the graceful timeout."""
+    held, key = Held(who(), server.tmp / "never-opened"), "k-term"
+    held.send(server, key)
+    gone = [server.master(), *server.workers()]
+    os.kill(gone[0], signal.SIGTERM)
+    assert held.thread is not None
+    held.thread.join(timeout=PAST_GRACE + 60)
+    _wait_for(lambda: not _live(gone), "gunicorn outlived its graceful timeout")
+    state, rows = server.shop.state(held.principal), server.shop.rows(held.principal)
+    released = server.sweep()  # well before the threshold: must leave the claim alone
+    return PastGrace(
+        server,
+        held.principal,
+        key,
+        held.answers[0] if held.answers else None,
+        state,
+        rows,
+        released,
+        server.shop.state(held.principal),
+    )
+
+
+@dataclass
+class StoreKilled:
+    server: Server
+    principal: str
+    key: str
+    answer: Any  # the held request's, released while its store was down
+    state_after_restart: str | None
+    rows_after_restart: int
+    released_before_threshold: int
+    state_after_early_sweep: str | None
+
+
+def _store_killed_mid_request(server: Server) -> StoreKilled:
+    """The private PostgreSQL stopped (immediate) under a request whose row is written."""
+    assert server.postgres is not None
+    held, key = Held(who(), server.tmp / "gate-store"), "k-store"
+    held.send(server, key)
+    server.postgres.stop("immediate")
+    answer = held.release()
+    server.postgres.start()
+    state, rows = server.shop.state(held.principal), server.shop.rows(held.principal)
+    released = server.sweep()  # well before the threshold
+    return StoreKilled(
+        server,
+        held.principal,
+        key,
+        answer,
+        state,
+        rows,
+        released,
+        server.shop.state(held.principal),
+    )
+
+
+#: Each scenario's first phase, run by the stager (the drained SIGTERM needs none: its
+#: test runs it whole, as it waits for no threshold).
+_STAGED: dict[str, Callable[[Server], Any]] = {
+    "kill-worker": _kill_mid_request,
+    "kill-server": _kill_mid_request,
+    "overrun": _overrun,
+    "sigterm-past-grace": _sigterm_past_grace,
+    "store-killed": _store_killed_mid_request,
+    "sigterm-drained": lambda server: server,
+}
+
+
 class Stages:
     """Every selected case's server, started together; their first phases, in turn."""
 
@@ -338,7 +476,7 @@ class Stages:
         self._lock = threading.Lock()
         self._stacks: list[contextlib.ExitStack] = []
         self._futures: dict[Case, Future[Any]] = {}
-        servers = [self._starter.submit(self._start, c, tmp.mktemp(c.scenario)) for c in cases]
+        servers = {c: self._starter.submit(self._start, c, tmp.mktemp(c.scenario)) for c in cases}
         for case in cases:  # in test order: the first test's claim is made first
             self._futures[case] = self._stager.submit(self._stage, case, servers)
 
@@ -361,10 +499,10 @@ class Stages:
         return _start(case, tmp, own)
 
     @staticmethod
-    def _stage(case: Case, servers: list[Future[Server]]) -> Any:
-        started = [server.result(timeout=180) for server in servers]  # every one is up
-        server = next(s for s in started if s.case == case)
-        return (_overrun if case.scenario == "overrun" else _kill_mid_request)(server)
+    def _stage(case: Case, servers: dict[Case, Future[Server]]) -> Any:
+        wait(servers.values(), timeout=180)  # every one is up (or failed: its own test says)
+        server = servers[case].result(timeout=0)
+        return _STAGED[case.scenario](server)
 
 
 def _case_of(item: pytest.Item) -> Case | None:
@@ -453,3 +591,201 @@ def test_a_request_that_outlives_its_lease_cannot_commit_its_row_or_its_completi
     assert again.status_code == 201, again.text
     assert "idempotent-replayed" not in again.headers
     assert server.shop.rows(alone.principal) == 1
+
+
+@pytest.mark.parametrize("case", _params(DRAINED_CASES))
+def test_a_request_in_flight_at_sigterm_finishes_within_the_graceful_timeout(
+    case: Case, stages: Stages
+) -> None:
+    """SIGTERM to the master while a request is held with its payment row written; once
+    every worker is draining (it accepts nothing more), the request is let go within the
+    graceful timeout: it commits its row and its completion together and the client gets
+    its 201. After a restart, the retry is the stored replay, with no second row."""
+    server: Server = stages.get(case)
+    held, key = Held(who(), server.tmp / "gate-drained"), "k-drained"
+    held.send(server, key)
+    workers = server.workers()
+    os.kill(server.master(), signal.SIGTERM)
+    draining = [term_mark(server.log, pid) for pid in workers]
+    _wait_for(lambda: all(mark.exists() for mark in draining), "no worker began to drain")
+    answer = held.release()
+    _wait_for(lambda: not _live([server.master(), *workers]), "gunicorn did not stop")
+
+    assert not isinstance(answer, Exception), answer
+    assert answer.status_code == 201, answer.text
+    assert "idempotent-replayed" not in answer.headers
+    assert server.shop.state(held.principal) == "completed"
+    assert server.shop.rows(held.principal) == 1
+    server.restart()
+    replay = _post(server, key, held.principal)
+    assert (replay.status_code, replay.content) == (201, answer.content)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert server.shop.rows(held.principal) == 1
+
+
+@pytest.mark.parametrize("case", _params(PAST_GRACE_CASES))
+def test_a_request_held_past_the_graceful_timeout_is_killed_and_stays_claimed(
+    case: Case, stages: Stages
+) -> None:
+    """SIGTERM to the master while a request is held past the graceful timeout (2 s): the
+    master kills its worker, the client gets no answer, the payment row dies uncommitted
+    and the claim stays ``in_progress`` (nothing of ours released it: the outcome is
+    unknown). A retry gets 409 with Retry-After, an early sweep leaves the claim alone;
+    past the threshold the sweeper releases it and the retry runs once: one row."""
+    stopped: PastGrace = stages.get(case)
+    server, alice = stopped.server, stopped.principal
+
+    assert isinstance(stopped.answer, httpx.TransportError), stopped.answer  # never answered
+    assert (stopped.state_after_stop, stopped.rows_after_stop) == ("in_progress", 0)
+    assert (stopped.released_before_threshold, stopped.state_after_early_sweep) == (
+        0,
+        "in_progress",
+    )
+    server.restart()
+    blocked = _post(server, stopped.key, alice)
+    assert blocked.status_code == 409, blocked.text
+    assert int(blocked.headers["retry-after"]) >= 1
+
+    server.wait_until_stale(alice)
+    assert server.sweep() == 1
+    retry = _post(server, stopped.key, alice)
+    replay = _post(server, stopped.key, alice)
+
+    assert retry.status_code == 201, retry.text
+    assert "idempotent-replayed" not in retry.headers
+    assert (replay.status_code, replay.content) == (201, retry.content)
+    assert server.shop.rows(alice) == 1
+
+
+def _assert_store_unavailable(answer: Any) -> None:
+    assert not isinstance(answer, Exception), answer
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert answer.json()["type"].endswith("/store-unavailable"), answer.text
+    assert int(answer.headers["retry-after"]) >= 1
+
+
+#: The most store connections that can die with the database: the Flask shop's two
+#: workers' pools (PostgresStore's default size, 16), and one more request.
+DEAD_CONNECTIONS = 2 * 16 + 1
+
+
+def _post_once_the_store_is_back(server: Server, key: str, principal: str) -> Any:
+    """``_post``, sent again while it is a 503 ``store-unavailable`` problem (at most
+    ``DEAD_CONNECTIONS`` times).
+
+    A pooled store connection that died with the database (the Flask shop's psycopg pool
+    keeps one per worker at least) fails the one request that next checks it out, and the
+    pool drops it: a 503 with nothing recorded, which a client retries as any 503. (The
+    pool does not test a connection before handing it out, which would cost every request
+    a round trip.) Django's shop connects for each request: its first answer counts."""
+    for _ in range(DEAD_CONNECTIONS):
+        answer = _post(server, key, principal)
+        if answer.status_code != 503:
+            return answer
+        _assert_store_unavailable(answer)  # never a 500: a dead connection is an outage
+    return answer
+
+
+@pytest.mark.parametrize("case", _params(STORE_CASES))
+def test_the_store_killed_mid_request_is_a_503_and_the_claim_waits_for_the_sweeper(
+    case: Case, stages: Stages
+) -> None:
+    """The shop's own PostgreSQL stopped (immediate mode) while a request is held with its
+    payment row written, uncommitted; the request let go: its completion cannot be
+    written and no connection answers the release, so the client gets a 503
+    ``store-unavailable`` problem (never a 500), nothing is committed and the claim,
+    committed before, stays ``in_progress`` (two-commit: "claimed, and the sweeper
+    resolves it"). With the store back, a retry gets 409; past the threshold the sweeper
+    releases the claim and the retry runs once: one payment row."""
+    killed: StoreKilled = stages.get(case)
+    server, alice = killed.server, killed.principal
+
+    _assert_store_unavailable(killed.answer)
+    assert (killed.state_after_restart, killed.rows_after_restart) == ("in_progress", 0)
+    assert (killed.released_before_threshold, killed.state_after_early_sweep) == (
+        0,
+        "in_progress",
+    )
+    blocked = _post_once_the_store_is_back(server, killed.key, alice)
+    assert blocked.status_code == 409, blocked.text
+    assert int(blocked.headers["retry-after"]) >= 1
+
+    server.wait_until_stale(alice)
+    assert server.sweep() == 1
+    retry = _post_once_the_store_is_back(server, killed.key, alice)
+    replay = _post_once_the_store_is_back(server, killed.key, alice)
+
+    assert retry.status_code == 201, retry.text
+    assert "idempotent-replayed" not in retry.headers
+    assert (replay.status_code, replay.content) == (201, retry.content)
+    assert server.shop.rows(alice) == 1
+
+
+def _connections_to(pid: int, port: int) -> int:
+    """How many established TCP connections process ``pid`` holds to 127.0.0.1:``port``."""
+    sockets = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                sockets.add(link[len("socket:[") : -1])
+    count = 0
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()  # sl, local, remote, state, …, inode (the tenth)
+        remote, state, inode = fields[2], fields[3], fields[9]
+        count += remote == f"0100007F:{port:04X}" and state == "01" and inode in sockets
+    return count
+
+
+def _warm_every_worker(server: Server) -> None:
+    """Requests until every worker keeps connections of both its pools to the store (the
+    key store's and the Flask-SQLAlchemy engine's), which a restart of the store kills."""
+    assert server.postgres is not None
+    port, workers, warm = server.postgres.port, server.workers(), who()
+
+    def every_one_warm() -> bool:
+        return all(_connections_to(pid, port) >= 2 for pid in workers)
+
+    for batch in range(20):
+        if every_one_warm():
+            return
+        keys = [f"warm-{batch}-{n}" for n in range(8)]
+        with ThreadPoolExecutor(max_workers=len(keys)) as senders:
+            sent = list(senders.map(lambda key: _post(server, key, warm), keys))
+        assert {answer.status_code for answer in sent} == {201}
+    assert every_one_warm(), "a worker never served a request"
+
+
+@pytest.mark.parametrize("case", _params(STORE_CASES))
+def test_a_request_while_the_store_is_down_is_a_503_and_its_retry_runs_once(
+    case: Case, stages: Stages
+) -> None:
+    """A request that arrives while the shop's own PostgreSQL is stopped: its claim
+    cannot be made, so a 503 ``store-unavailable`` problem, the view not run and nothing
+    recorded. With the store back, the retry is a first execution, run once. (On the
+    server of the test above, with a key of its own: no threshold to wait for.) Every
+    Flask worker first keeps pooled connections the restart kills: the key store's fail
+    a request each with a 503, and the view's session, whose engine tests a connection
+    before use, never gets a dead one: never a 500."""
+    server: Server = stages.get(case).server
+    assert server.postgres is not None
+    if case.app == "flask":  # its pools keep connections (Django's shop connects per request)
+        _warm_every_worker(server)
+    alice, key = who(), "k-down"
+    server.postgres.stop("immediate")
+    try:
+        refused = _post(server, key, alice)
+    finally:
+        server.postgres.start()
+
+    _assert_store_unavailable(refused)
+    assert (server.shop.key_rows(alice), server.shop.rows(alice)) == (0, 0)
+    retry = _post_once_the_store_is_back(server, key, alice)
+    replay = _post_once_the_store_is_back(server, key, alice)
+
+    assert retry.status_code == 201, retry.text
+    assert "idempotent-replayed" not in retry.headers
+    assert (replay.status_code, replay.content) == (201, retry.content)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert server.shop.rows(alice) == 1
