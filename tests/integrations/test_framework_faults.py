@@ -280,24 +280,41 @@ def _post(server: Server, key: str, principal: str, **headers: str) -> Any:
 
 @dataclass
 class Held:
-    """A request kept running inside its view, after its payment row was written."""
+    """A request kept running inside its view, after its payment row was written (or, with
+    ``before_write``, before the view's first statement)."""
 
     principal: str
     gate: Path
     answers: list[Any] = field(default_factory=list)
     thread: threading.Thread | None = None
+    before_write: bool = False
 
     def send(self, server: Server, key: str) -> None:
+        """Send it, and return once it waits at its hold. Sent again while it is answered a
+        503 ``store-unavailable`` first (at most ``DEAD_CONNECTIONS`` times): after a
+        restart of the store, a pooled connection that died fails the request that checks
+        it out, before its claim (see :func:`_post_once_the_store_is_back`)."""
+        hold = "x_hold" if self.before_write else "x_hold_after_write"
+        gate = str(self.gate)
+
         def run() -> None:
             try:
-                self.answers.append(_post(server, key, self.principal, x_hold_after_write=gate))
+                self.answers.append(_post(server, key, self.principal, **{hold: gate}))
             except httpx.TransportError as exc:  # the server was killed under it
                 self.answers.append(exc)
 
-        gate = str(self.gate)
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        _wait_for(lambda: Path(f"{gate}.waiting").exists(), "the request never reached its hold")
+        for _ in range(DEAD_CONNECTIONS):
+            self.answers.clear()
+            self.thread = threading.Thread(target=run, daemon=True)
+            self.thread.start()
+            _wait_for(
+                lambda: Path(f"{gate}.waiting").exists() or bool(self.answers),
+                "the request never reached its hold",
+            )
+            if not self.answers:
+                return
+            _assert_store_unavailable(self.answers[0])  # refused before its claim: again
+        raise AssertionError("the request never reached its hold")
 
     def release(self) -> Any:
         """Open the gate; the request's answer."""
@@ -431,18 +448,34 @@ class StoreKilled:
     rows_after_restart: int
     released_before_threshold: int
     state_after_early_sweep: str | None
+    #: The same, for a request held before its view's first statement (the view's own
+    #: query then meets the dead connection).
+    before_write: StoreKilled | None = None
+    #: Its retry with the store back, before the threshold (staged: before any sweep).
+    retry_before_threshold: Any = None
 
 
 def _store_killed_mid_request(server: Server) -> StoreKilled:
-    """The private PostgreSQL stopped (immediate) under a request whose row is written."""
+    """The private PostgreSQL stopped (immediate) under a request whose row is written;
+    then, on the same server, under one held before its view's first statement."""
+    after_write = _store_killed_under(server, Held(who(), server.tmp / "gate-store"), "k-store")
+    early = Held(who(), server.tmp / "gate-store-early", before_write=True)
+    # No early sweep this time: the first claim is nearly as old as the threshold by now
+    # (a stop and a restart of PostgreSQL each), and the first sweep proved the rule.
+    after_write.before_write = _store_killed_under(server, early, "k-store-early", sweep=False)
+    retry = _post_once_the_store_is_back(server, "k-store-early", early.principal)
+    after_write.before_write.retry_before_threshold = retry
+    return after_write
+
+
+def _store_killed_under(server: Server, held: Held, key: str, sweep: bool = True) -> StoreKilled:
     assert server.postgres is not None
-    held, key = Held(who(), server.tmp / "gate-store"), "k-store"
     held.send(server, key)
     server.postgres.stop("immediate")
     answer = held.release()
     server.postgres.start()
     state, rows = server.shop.state(held.principal), server.shop.rows(held.principal)
-    released = server.sweep()  # well before the threshold
+    released = server.sweep() if sweep else 0  # well before the threshold
     return StoreKilled(
         server,
         held.principal,
@@ -711,8 +744,12 @@ def test_the_store_killed_mid_request_is_a_503_and_the_claim_waits_for_the_sweep
     assert blocked.status_code == 409, blocked.text
     assert int(blocked.headers["retry-after"]) >= 1
 
-    server.wait_until_stale(alice)
-    assert server.sweep() == 1
+    # The request held before its write, on the same server, was claimed just after.
+    early = killed.before_write
+    assert early is not None
+    server.wait_until_stale(alice, early.principal)
+    swept = server.sweep()
+    assert swept == 2 or (swept == 1 and server.shop.state(early.principal) == "released")
     retry = _post_once_the_store_is_back(server, killed.key, alice)
     replay = _post_once_the_store_is_back(server, killed.key, alice)
 
@@ -720,6 +757,38 @@ def test_the_store_killed_mid_request_is_a_503_and_the_claim_waits_for_the_sweep
     assert "idempotent-replayed" not in retry.headers
     assert (replay.status_code, replay.content) == (201, retry.content)
     assert server.shop.rows(alice) == 1
+
+
+@pytest.mark.parametrize("case", _params(STORE_CASES))
+def test_a_views_own_query_on_the_dead_store_is_its_own_500_and_the_claim_waits_for_the_sweeper(
+    case: Case, stages: Stages
+) -> None:
+    """The shop's PostgreSQL stopped while a request is held before its view's first
+    statement; let go, the view's own query meets the dead connection. That error is the
+    view's, as any exception it raises, and passes through unchanged: the framework's 500,
+    as the view unprotected would answer. Nothing commits; the release cannot reach the
+    store either, so the claim stays ``in_progress`` (never run twice: a retry gets 409)
+    until the sweeper releases it past the threshold, and the retry runs once."""
+    killed: StoreKilled = stages.get(case)
+    assert killed.before_write is not None
+    early = killed.before_write
+    server, bob = killed.server, early.principal
+
+    assert not isinstance(early.answer, Exception), early.answer
+    assert early.answer.status_code == 500, early.answer.text
+    assert (early.state_after_restart, early.rows_after_restart) == ("in_progress", 0)
+    blocked = early.retry_before_threshold
+    assert blocked.status_code == 409, blocked.text
+    assert int(blocked.headers["retry-after"]) >= 1
+
+    server.wait_until_stale(bob)
+    server.sweep()  # (the other test's sweep may have released it already)
+    assert server.shop.state(bob) == "released"
+    retry = _post_once_the_store_is_back(server, early.key, bob)
+
+    assert retry.status_code == 201, retry.text
+    assert "idempotent-replayed" not in retry.headers
+    assert server.shop.rows(bob) == 1
 
 
 def _connections_to(pid: int, port: int) -> int:
