@@ -24,7 +24,9 @@ sweeper each framework ships.
   arrives: a 503 ``store-unavailable`` problem, never a 500, nothing committed. A claim
   committed before the stop stays ``in_progress`` (no connection answers its release)
   until the sweeper; a request refused before its claim records nothing, and its retry
-  runs at once.
+  runs at once. Under a request held before its view's first query, that query's error
+  is the view's own: the framework's 500, nothing committed, the claim left to the
+  sweeper.
 
 Most scenarios need a claim older than the stale threshold (2 × request timeout +
 10 s: 16 s with the 3 s request timeout the servers get here), so the scenarios
