@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -111,3 +112,54 @@ def test_concurrent_replays_of_a_settled_key_never_wait_on_each_other(schema: st
     store.close()
 
     assert answers == [(True, b"paid")] * (48 * 20)
+
+
+# --- a restart of PostgreSQL under a pool ------------------------------------------------
+
+
+def _claims_refused_until_one_is_served(store: PostgresStore, label: str) -> int:
+    """Fresh claims, one after the other, until one is served: how many were refused
+    (StoreUnavailable, a 503: nothing recorded) first."""
+    from idemflow import StoreUnavailable
+    from tests.factories import uncorrelated_intent
+
+    for refused in range(20):
+        now = time.time()
+        try:
+            claim = store.claim(uncorrelated_intent(f"{label}-{refused}"), "t", now, now + 60)
+        except StoreUnavailable:
+            continue
+        assert claim.owned
+        return refused
+    pytest.fail(f"{label}: 20 claims refused after the restart")
+
+
+@pytest.mark.slow
+def test_after_a_restart_each_dead_pooled_connection_refuses_one_claim_then_claims_are_served(
+    table_name: str,
+) -> None:
+    """PostgreSQL restarted under a store whose pool holds four connections: they all died
+    with it. The store does not test a connection before a claim uses it (a round trip per
+    request): each dead one refuses one claim with a 503 (StoreUnavailable, never another
+    error, nothing recorded) and is dropped; the fifth claim is served, on a new one. A
+    restart costs at most one refused request per pooled connection (docs/stores.md)."""
+    from tests._private_postgres import PrivatePostgresUnavailable, private_postgres
+
+    with contextlib.ExitStack() as stack:
+        try:
+            cluster = stack.enter_context(private_postgres())
+        except PrivatePostgresUnavailable as exc:
+            unreachable("a private PostgreSQL", exc)
+        store = PostgresStore(cluster.url, table=table_name, max_size=4)
+        stack.callback(store.close)
+        store.migrate()
+        held = [store.pool.getconn() for _ in range(4)]  # four connections in the pool
+        for conn in held:
+            store.pool.putconn(conn)
+        cluster.stop("immediate")
+        cluster.start()
+
+        refused = _claims_refused_until_one_is_served(store, "after-restart")
+        refused_later = _claims_refused_until_one_is_served(store, "later")
+
+    assert (refused, refused_later) == (4, 0)
