@@ -126,21 +126,22 @@ KILL_CASES = [
     Case("kill-server", "django", "postgres", "/payments", "cli"),
     Case("kill-server", "flask", "postgres", "/payments", "cli"),
 ]
+
+
+def _on_both_shops(scenario: str) -> list[Case]:
+    """``scenario`` through Django's DRF view and Flask's, both on PostgreSQL."""
+    return [
+        Case(scenario, "django", "postgres", "/drf/payments", "command"),
+        Case(scenario, "flask", "postgres", "/payments", "command"),
+    ]
+
+
 #: SIGTERM to the master while a request is held: released within the graceful timeout
 #: (it finishes), or held past it (its worker is killed).
-DRAINED_CASES = [
-    Case("sigterm-drained", "django", "postgres", "/drf/payments", "command"),
-    Case("sigterm-drained", "flask", "postgres", "/payments", "command"),
-]
-PAST_GRACE_CASES = [
-    Case("sigterm-past-grace", "django", "postgres", "/drf/payments", "command"),
-    Case("sigterm-past-grace", "flask", "postgres", "/payments", "command"),
-]
+DRAINED_CASES = _on_both_shops("sigterm-drained")
+PAST_GRACE_CASES = _on_both_shops("sigterm-past-grace")
 #: A private PostgreSQL stopped (immediate mode) under the shop.
-STORE_CASES = [
-    Case("store-killed", "django", "postgres", "/drf/payments", "command"),
-    Case("store-killed", "flask", "postgres", "/payments", "command"),
-]
+STORE_CASES = _on_both_shops("store-killed")
 OVERRUN_CASES = [
     Case("overrun", "django", "postgres", "/drf/payments", "command"),
     Case("overrun", "django", "postgres", "/mw/payments", "command"),
