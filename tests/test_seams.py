@@ -416,3 +416,74 @@ async def test_a_timeout_mid_handler_stays_a_timeout(
     assert entered.is_set()
     assert record is not None
     assert record.state is (State.RELEASED if transactional else State.IN_PROGRESS)
+
+
+# --- the release when the store stopped answering ------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_a_release_that_waited_for_a_stopped_store_is_not_sent_again(table_name: str) -> None:
+    """The store's PostgreSQL stops under a request (no shared transaction) whose handler
+    then raises: the release is sent on the store's pool of one. Its connection died with
+    the server: that first release fails at once (the pool drops it) and is sent again;
+    the second waits for a new connection until the pool's timeout (connections refused),
+    and is not sent a third time, which would only wait as long again before the handler's
+    own exception reaches the caller (the Flask shop answered its 503 after two 5 s waits).
+    The key stays claimed for the sweeper; nothing was recorded."""
+    psycopg_pool = pytest.importorskip("psycopg_pool")
+    from idemflow.stores.postgres import (
+        DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
+        PostgresStore,
+        connection_options,
+    )
+    from tests._private_postgres import PrivatePostgresUnavailable, private_postgres
+
+    class CountingStore(PostgresStore):
+        releases = 0
+
+        def release(self, *args: Any, **kwargs: Any) -> bool:
+            CountingStore.releases += 1
+            return super().release(*args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        try:
+            cluster = stack.enter_context(private_postgres())
+        except PrivatePostgresUnavailable as exc:
+            unreachable("a private PostgreSQL", exc)
+        pool = psycopg_pool.ConnectionPool(
+            cluster.url,
+            min_size=1,
+            max_size=1,
+            kwargs=connection_options(DEFAULT_CLAIM_LOCK_TIMEOUT_MS),
+            timeout=1.0,
+            open=True,
+        )
+        store = CountingStore(pool, table=table_name)
+        stack.callback(store.close)
+        store.migrate()
+
+        def handler(attempt: Attempt) -> Response:
+            cluster.stop("immediate")
+            raise Boom("the handler's own failure")
+
+        with pytest.raises(Boom):
+            Idempotency(store, POLICY).run(intent("k-stopped"), handler)
+        releases = CountingStore.releases
+        cluster.start()
+        record = _claimed_record_after_restart(store, "k-stopped")
+
+    assert releases == 2
+    assert record is not None
+    assert record.state is State.IN_PROGRESS  # the sweeper's: nothing recorded
+
+
+def _claimed_record_after_restart(store: Any, key: str) -> Any:
+    """The record, read once the store's pool serves again (a dead connection or two
+    refuse first)."""
+    for _ in range(10):
+        try:
+            return store.get("alice", key)
+        except StoreUnavailable:
+            continue
+    pytest.fail("the store never served again after its restart")

@@ -44,6 +44,11 @@ logger = logging.getLogger("idemflow")
 
 #: How often a failed release is sent again before the key is left to the sweeper.
 RELEASE_ATTEMPTS = 3
+#: A release the store's own connection could not serve (StoreUnavailable) is sent again
+#: only if it failed within this many seconds: a pooled connection found dead, which its
+#: pool has dropped. One that waited for the store (its pool's timeout: connections
+#: refused) would wait as long again, and the request's answer with it.
+RELEASE_RETRY_WITHIN_SECONDS = 0.5
 
 
 class Attempt:
@@ -361,9 +366,15 @@ class _Performer:
             return True  # single-commit mode: the rollback took the claim with it
         transaction = self._transaction if connection_usable else None
         for attempt in range(1, RELEASE_ATTEMPTS + 1):
+            started = self._idem.clock()
             try:
                 self._release_on(transaction, record)
             except Exception as exc:
+                waited_for_the_store = (
+                    transaction is None
+                    and isinstance(exc, StoreUnavailable)
+                    and self._idem.clock() - started >= RELEASE_RETRY_WITHIN_SECONDS
+                )
                 # A deadlock victim (InnoDB under load) or a serialization
                 # failure: the fenced release is idempotent, so it is simply
                 # sent again; a key left claimed waits for the sweeper. Sent
@@ -372,8 +383,10 @@ class _Performer:
                 # pool's next wait would end as this one did.
                 if transaction is not None and _judged_unavailable(transaction, exc):
                     transaction = None
-                if attempt == RELEASE_ATTEMPTS or not (
-                    self._rollback() or transaction is None
+                if (
+                    attempt == RELEASE_ATTEMPTS
+                    or waited_for_the_store
+                    or not (self._rollback() or transaction is None)
                 ):
                     logger.warning("could not release claim; the sweeper will", exc_info=True)
                     return False
