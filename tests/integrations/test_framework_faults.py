@@ -138,8 +138,14 @@ def _on_both_shops(scenario: str) -> list[Case]:
 
 #: SIGTERM to the master while a request is held: released within the graceful timeout
 #: (it finishes), or held past it (its worker is killed).
-DRAINED_CASES = _on_both_shops("sigterm-drained")
-PAST_GRACE_CASES = _on_both_shops("sigterm-past-grace")
+DRAINED_CASES = [
+    *_on_both_shops("sigterm-drained"),
+    Case("sigterm-drained", "django", "mysql", "/payments", "command"),
+]
+PAST_GRACE_CASES = [
+    *_on_both_shops("sigterm-past-grace"),
+    Case("sigterm-past-grace", "django", "mysql", "/payments", "command"),
+]
 #: A private PostgreSQL stopped (immediate mode) under the shop.
 STORE_CASES = _on_both_shops("store-killed")
 OVERRUN_CASES = [
