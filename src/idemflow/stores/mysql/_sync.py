@@ -475,15 +475,8 @@ class MySQLStore(SQLStore):
         the flow answers after releasing the claim, never a 500.
         """
         parent = super()._write
-        if transaction is None:  # retry_conflicts' loop, inline: every completion passes here
-            for attempt in range(DEADLOCK_RETRIES):
-                try:
-                    return parent(statement, params, None)
-                except Exception as exc:
-                    if not is_conflict(exc):
-                        raise
-                _pause(attempt)
-            raise kept_losing()
+        if transaction is None:
+            return retry_conflicts(lambda: parent(statement, params, None))
         with rolled_back_is_503():
             if parent(statement, params, transaction):
                 return True
