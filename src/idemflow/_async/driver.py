@@ -371,17 +371,18 @@ class _Performer:
             try:
                 await self._release_on(transaction, record)
             except Exception as exc:
-                waited_for_the_store = (
-                    transaction is None
-                    and isinstance(exc, StoreUnavailable)
-                    and self._idem.clock() - started >= RELEASE_RETRY_WITHIN_SECONDS
-                )
                 # A deadlock victim (InnoDB under load) or a serialization
                 # failure: the fenced release is idempotent, so it is simply
                 # sent again; a key left claimed waits for the sweeper. Sent
                 # again through the store's connection when the transaction's
                 # pool cannot serve it (a Session checks out only now): that
-                # pool's next wait would end as this one did.
+                # pool's next wait would end as this one did. Not sent again
+                # when the store's own connection waited for the store in vain.
+                waited_for_the_store = (
+                    transaction is None
+                    and isinstance(exc, StoreUnavailable)
+                    and self._idem.clock() - started >= RELEASE_RETRY_WITHIN_SECONDS
+                )
                 if transaction is not None and _judged_unavailable(transaction, exc):
                     transaction = None
                 if (
