@@ -14,7 +14,7 @@ import contextlib
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -421,69 +421,148 @@ async def test_a_timeout_mid_handler_stays_a_timeout(
 # --- the release when the store stopped answering ------------------------------------
 
 
+#: Each mode whose release may go through the store's own pool of one, and how many
+#: releases it sends with the store stopped under its handler: the first meets the
+#: connection that died with the server and fails at once (sent again); the next waits
+#: for a new connection until the pool's timeout (not sent again). With two commits the
+#: request's transaction holds that connection, dead: given back first, it is dropped,
+#: so its first release already waits.
+RELEASES_WITH_THE_STORE_STOPPED = {
+    "no-transaction": 2,
+    "two-commit": 1,
+    "async-no-transaction": 2,
+    "middleware": 2,
+}
+
+
 @pytest.mark.postgres
 @pytest.mark.slow
-def test_a_release_that_waited_for_a_stopped_store_is_not_sent_again(table_name: str) -> None:
-    """The store's PostgreSQL stops under a request (no shared transaction) whose handler
-    then raises: the release is sent on the store's pool of one. Its connection died with
-    the server: that first release fails at once (the pool drops it) and is sent again;
-    the second waits for a new connection until the pool's timeout (connections refused),
-    and is not sent a third time, which would only wait as long again before the handler's
-    own exception reaches the caller (the Flask shop answered its 503 after two 5 s waits).
+@pytest.mark.parametrize("mode", list(RELEASES_WITH_THE_STORE_STOPPED))
+async def test_a_release_that_waited_for_a_stopped_store_is_not_sent_again(
+    mode: str, table_name: str
+) -> None:
+    """The store's PostgreSQL (a private one) stops under a request whose handler then
+    raises, on a pool of one: the release that waited for the store until the pool's
+    timeout (1 s) is not sent a third time, which would only wait as long again before the
+    handler's own exception reaches the caller (the Flask shop answered its 503 after two
+    5 s waits). A release that failed at once, on a connection found dead, is sent again.
     The key stays claimed for the sweeper; nothing was recorded."""
-    psycopg_pool = pytest.importorskip("psycopg_pool")
-    from idemflow.stores.postgres import (
-        DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
-        PostgresStore,
-        connection_options,
-    )
     from tests._private_postgres import PrivatePostgresUnavailable, private_postgres
 
-    class CountingStore(PostgresStore):
-        releases = 0
+    try:
+        with private_postgres() as cluster:
+            releases, record = await _releases_with_the_store_stopped(mode, cluster, table_name)
+    except PrivatePostgresUnavailable as exc:
+        unreachable("a private PostgreSQL", exc)
 
-        def release(self, *args: Any, **kwargs: Any) -> bool:
-            CountingStore.releases += 1
-            return super().release(*args, **kwargs)
-
-    with contextlib.ExitStack() as stack:
-        try:
-            cluster = stack.enter_context(private_postgres())
-        except PrivatePostgresUnavailable as exc:
-            unreachable("a private PostgreSQL", exc)
-        pool = psycopg_pool.ConnectionPool(
-            cluster.url,
-            min_size=1,
-            max_size=1,
-            kwargs=connection_options(DEFAULT_CLAIM_LOCK_TIMEOUT_MS),
-            timeout=1.0,
-            open=True,
-        )
-        store = CountingStore(pool, table=table_name)
-        stack.callback(store.close)
-        store.migrate()
-
-        def handler(attempt: Attempt) -> Response:
-            cluster.stop("immediate")
-            raise Boom("the handler's own failure")
-
-        with pytest.raises(Boom):
-            Idempotency(store, POLICY).run(intent("k-stopped"), handler)
-        releases = CountingStore.releases
-        cluster.start()
-        record = _claimed_record_after_restart(store, "k-stopped")
-
-    assert releases == 2
+    assert releases == RELEASES_WITH_THE_STORE_STOPPED[mode]
     assert record is not None
     assert record.state is State.IN_PROGRESS  # the sweeper's: nothing recorded
 
 
-def _claimed_record_after_restart(store: Any, key: str) -> Any:
-    """The record, read once the store's pool serves again (a dead connection or two
-    refuse first)."""
-    for _ in range(10):
-        try:
-            return store.get("alice", key)
-        except StoreUnavailable:
-            continue
-    pytest.fail("the store never served again after its restart")
+async def _releases_with_the_store_stopped(mode: str, cluster: Any, table: str) -> tuple[int, Any]:
+    """Run ``mode``'s request whose handler stops ``cluster`` and raises :class:`Boom`:
+    how many releases the store was sent, and the record once the server is back."""
+    psycopg_pool = pytest.importorskip("psycopg_pool")
+    from idemflow.edge import pooled_transaction
+    from idemflow.stores.postgres import (
+        DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
+        AsyncPostgresStore,
+        PostgresStore,
+        connection_options,
+    )
+    from idemflow.transactions import PsycopgTransaction
+
+    releases = 0
+    settings: dict[str, Any] = {
+        "min_size": 1,
+        "max_size": 1,
+        "kwargs": connection_options(DEFAULT_CLAIM_LOCK_TIMEOUT_MS),
+        "timeout": 1.0,
+    }
+
+    class CountingStore(PostgresStore):
+        def release(self, *args: Any, **kwargs: Any) -> bool:
+            nonlocal releases
+            releases += 1
+            return super().release(*args, **kwargs)
+
+    class AsyncCountingStore(AsyncPostgresStore):
+        async def release(self, *args: Any, **kwargs: Any) -> bool:
+            nonlocal releases
+            releases += 1
+            return await super().release(*args, **kwargs)
+
+    def stop_then_fail(*_: Any) -> Any:
+        cluster.stop("immediate")
+        raise Boom("the handler's own failure")
+
+    sync_store = CountingStore(
+        psycopg_pool.ConnectionPool(cluster.url, **settings, open=True), table=table
+    )
+    sync_store.migrate()
+    try:
+        if mode in ("no-transaction", "two-commit"):
+            idem = Idempotency(sync_store, POLICY)
+            with contextlib.ExitStack() as stack:
+                transaction = None
+                if mode == "two-commit":
+                    transaction = stack.enter_context(
+                        pooled_transaction(sync_store.pool.connection, PsycopgTransaction)
+                    )
+                with pytest.raises(Boom):
+                    idem.run(intent("k-stopped"), stop_then_fail, transaction=transaction)
+        else:
+            pool = psycopg_pool.AsyncConnectionPool(cluster.url, **settings, open=False)
+            await pool.open(wait=True)
+            async_store = AsyncCountingStore(pool, table=table)
+            try:
+                await _run_async(mode, AsyncIdempotency(async_store, POLICY), stop_then_fail)
+            finally:
+                await pool.close()
+        sent = releases
+        cluster.start()
+        for _ in range(10):  # a dead connection or two refuse first
+            with contextlib.suppress(StoreUnavailable):
+                return sent, sync_store.get("alice", "k-stopped")
+        pytest.fail("the store never served again after its restart")
+    finally:
+        sync_store.close()
+
+
+async def _run_async(mode: str, idem: AsyncIdempotency, fail: Callable[..., Any]) -> None:
+    """The async driver, called directly or behind the ASGI middleware (whose endpoint
+    raises through Starlette, and out of the in-process transport)."""
+    httpx = pytest.importorskip("httpx")
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.routing import Route
+
+    from idemflow.integrations.starlette import IdempotencyMiddleware
+
+    async def handler(attempt: AsyncAttempt) -> Response:
+        return fail()  # type: ignore[no-any-return]
+
+    if mode == "async-no-transaction":
+        with pytest.raises(Boom):
+            await idem.run(intent("k-stopped"), handler)
+        return
+
+    async def endpoint(request: Any) -> Any:
+        return fail()
+
+    app = Starlette(
+        routes=[Route("/payments", endpoint, methods=["POST"])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,
+                idempotency=idem,
+                endpoints=["POST /payments"],
+                principal=lambda scope: "alice",
+            )
+        ],
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+        with pytest.raises(Boom):
+            await client.post("/payments", json={}, headers={"Idempotency-Key": "k-stopped"})
