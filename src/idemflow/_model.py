@@ -358,6 +358,37 @@ def headers_from_json(text: str | bytes | None) -> tuple[tuple[str, str], ...]:
     return tuple((str(k), str(v)) for k, v in json.loads(text))
 
 
+# Stored headers as JSON and the tuple they decode to, remembered both ways for the
+# stores' hot paths: most responses of an endpoint carry the same headers, and tuples
+# are immutable, so sharing them is safe. Each cache is bounded by a reset.
+_DECODED: dict[str | bytes, tuple[tuple[str, str], ...]] = {}
+_ENCODED: dict[tuple[tuple[str, str], ...], str] = {}
+_CACHED = 512
+
+
+def stored_headers(text: Any) -> tuple[tuple[str, str], ...]:
+    """``headers_from_json``, remembered per text (a driver's buffer type is decoded, not kept)."""
+    headers = _DECODED.get(text) if isinstance(text, str | bytes) else None
+    if headers is None:
+        headers = headers_from_json(text)
+        if len(_DECODED) >= _CACHED:
+            _DECODED.clear()
+        if isinstance(text, str | bytes):
+            _DECODED[text] = headers
+    return headers
+
+
+def headers_json(headers: tuple[tuple[str, str], ...]) -> str:
+    """``headers_to_json``, remembered per headers tuple."""
+    text = _ENCODED.get(headers)
+    if text is None:
+        text = headers_to_json(headers)
+        if len(_ENCODED) >= _CACHED:
+            _ENCODED.clear()
+        _ENCODED[headers] = text
+    return text
+
+
 def record_from_row(row: Mapping[str, Any]) -> Record:
     """Build a Record from a row with the schema's column names (times in ms)."""
     status = row["response_status"]

@@ -26,11 +26,11 @@ from ..._model import (
     Record,
     Response,
     State,
-    headers_from_json,
-    headers_to_json,
+    headers_json,
     make_claim,
     make_record,
     make_response,
+    stored_headers,
 )
 from ..protocol import StoreClock
 
@@ -667,7 +667,7 @@ class Layout:
 
 
 def _outcome(state: State, response: Response) -> list[Any]:
-    return [state.value, response.status, _headers_json(response.headers), response.body]
+    return [state.value, response.status, headers_json(response.headers), response.body]
 
 
 def swept_index(from_state: State) -> int:
@@ -707,7 +707,7 @@ def record_from_hash(flat: Sequence[bytes]) -> Record:
     response = None
     if status is not None:
         body = get(b"response_body") or b""
-        response = make_response(int(status), body, _headers(get(b"response_headers")))
+        response = make_response(int(status), body, stored_headers(get(b"response_headers")))
     lease_token = get(b"lease_token")
     correlation_id = get(b"correlation_id")
     recovery_point = get(b"recovery_point")
@@ -771,7 +771,7 @@ def record_from_packed(packed: bytes) -> Record:
     ) = values
     response = None
     if status is not None:
-        response = make_response(int(status), body or b"", _headers(headers))
+        response = make_response(int(status), body or b"", stored_headers(headers))
     return make_record(
         id_.decode(),
         principal.decode(),
@@ -792,34 +792,6 @@ def record_from_packed(packed: bytes) -> Record:
 
 _ABSENT = ord("-")
 _STATES = {state.value.encode(): state for state in State}
-# Stored headers (JSON bytes) → their tuple, and back: most responses of an
-# endpoint repeat theirs. Tuples are immutable, so sharing them is safe; each
-# cache is bounded by a reset.
-_HEADERS: dict[bytes, tuple[tuple[str, str], ...]] = {}
-_HEADERS_JSON: dict[tuple[tuple[str, str], ...], str] = {}
-_CACHED = 512
-
-
-def _headers(text: bytes | None) -> tuple[tuple[str, str], ...]:
-    if text is None:
-        return ()
-    headers = _HEADERS.get(text)
-    if headers is None:
-        headers = headers_from_json(text)
-        if len(_HEADERS) >= _CACHED:
-            _HEADERS.clear()
-        _HEADERS[text] = headers
-    return headers
-
-
-def _headers_json(headers: tuple[tuple[str, str], ...]) -> str:
-    text = _HEADERS_JSON.get(headers)
-    if text is None:
-        text = headers_to_json(headers)
-        if len(_HEADERS_JSON) >= _CACHED:
-            _HEADERS_JSON.clear()
-        _HEADERS_JSON[headers] = text
-    return text
 
 
 def layout_for(client: Any, prefix: str) -> Layout:

@@ -33,9 +33,9 @@ from ..._model import (
     RecordBuilder,
     Response,
     State,
-    headers_from_json,
-    headers_to_json,
+    headers_json,
     make_response,
+    stored_headers,
 )
 from ..protocol import StoreClock, check_clock
 
@@ -544,33 +544,6 @@ def row_shape(names: Sequence[str]) -> RowShape | None:
 
 _STATES = {state.value: state for state in State}
 _new = object.__new__
-# Stored headers as JSON text → the tuple they decode to (immutable, so shared).
-# Most responses of one endpoint carry the same headers; bounded by a reset.
-_HEADERS: dict[Any, tuple[tuple[str, str], ...]] = {}
-_HEADERS_JSON: dict[tuple[tuple[str, str], ...], str] = {}
-_CACHED = 512
-
-
-def _headers(text: Any) -> tuple[tuple[str, str], ...]:
-    headers = _HEADERS.get(text)
-    if headers is None:
-        headers = headers_from_json(text)
-        if len(_HEADERS) >= _CACHED:
-            _HEADERS.clear()
-        if isinstance(text, str | bytes):
-            _HEADERS[text] = headers
-    return headers
-
-
-def headers_json(headers: tuple[tuple[str, str], ...]) -> str:
-    """``headers_to_json``, remembered per headers tuple (most responses repeat theirs)."""
-    text = _HEADERS_JSON.get(headers)
-    if text is None:
-        text = headers_to_json(headers)
-        if len(_HEADERS_JSON) >= _CACHED:
-            _HEADERS_JSON.clear()
-        _HEADERS_JSON[headers] = text
-    return text
 
 
 def record_from_values(row: Sequence[Any], start: int) -> Record:
@@ -587,7 +560,7 @@ def record_from_values(row: Sequence[Any], start: int) -> Record:
     if status is not None:
         if type(body) is not bytes:
             body = bytes(body or b"")
-        response = make_response(int(status), body, _headers(headers))
+        response = make_response(int(status), body, stored_headers(headers))
     # make_record's body, inline (the hot path's one record: no 14-argument call).
     record: Any = _new(RecordBuilder)
     record.id = record_id
