@@ -27,7 +27,8 @@ from tests.conftest import unreachable
 pymysql = pytest.importorskip("pymysql")
 
 from idemflow.stores.mysql import AsyncMySQLStore, MySQLStore, connect_kwargs  # noqa: E402
-from tests._tls_mariadb import TLSServer, TLSServerUnavailable, tls_server  # noqa: E402
+from tests._private_mariadb import PrivateMariaDBUnavailable  # noqa: E402
+from tests._tls_mariadb import TLSServer, tls_server  # noqa: E402
 
 pytestmark = [pytest.mark.mysql, pytest.mark.usefixtures("pymysql_ssl")]
 
@@ -185,7 +186,7 @@ def server() -> Iterator[TLSServer]:
     try:
         with tls_server() as started:
             yield started
-    except TLSServerUnavailable as exc:
+    except PrivateMariaDBUnavailable as exc:  # TLSServerUnavailable (no openssl) is one
         unreachable("a MariaDB offering TLS", exc)
 
 
