@@ -16,8 +16,6 @@ import collections
 import contextlib
 import json
 import re
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -52,6 +50,7 @@ from idemflow.sweeper import (
     Unknown,
 )
 from idemflow.testing import FrozenClock
+from tests._private_redis import own_redis_server
 from tests.backends import REDIS_URL, adelete_keys, delete_keys, redis_client
 from tests.conftest import unreachable
 from tests.factories import CREATED, free_port
@@ -90,34 +89,6 @@ def store(table_name: str) -> Iterator[RedisStore]:
     yield made
     delete_keys(client, table_name)
     made.close()
-
-
-@contextlib.contextmanager
-def own_redis_server(directory: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """A redis-server of our own on a free loopback port, so we may stop it."""
-    if shutil.which("redis-server") is None:
-        unreachable("redis-server", FileNotFoundError("redis-server"))
-    port = free_port()
-    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    command += ["--appendonly", "no", "--dir", str(directory)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        client = redis_client(url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        client.close()
-        yield process, url
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def ms(seconds: float) -> int:

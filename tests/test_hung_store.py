@@ -1,0 +1,459 @@
+"""
+A hung store: it accepts the request's bytes and never answers.
+
+A private redis-server frozen with SIGSTOP (the kernel still accepts connections and
+buffers what clients send; resumed, Redis runs it all, also for clients that gave up),
+and a SQLite file whose write lock another connection holds past the store's
+``busy_timeout``. Where a client timeout turns the hang into ``StoreUnavailable``, every
+answer is bounded and nothing runs twice, without a transaction (sync and async
+drivers) and behind the ASGI middleware:
+
+- frozen before the claim: a 503 within the client's bound, the handler never runs; a
+  claim Redis runs from its buffer once resumed is a key nobody runs, which the sweeper
+  resolves, and the retry then runs once;
+- frozen after a settled answer: the completion is lost, never released (503 "could not
+  be recorded"); resumed, the record is completed (the buffered completion ran: the
+  retry replays) or claimed until the sweeper's reconciler settles it: one charge;
+- frozen before a transient answer: the release waits out the client and is sent once,
+  not ``RELEASE_ATTEMPTS`` times (``driver.RELEASE_RETRY_WITHIN_SECONDS``): a second
+  would wait as long again before the caller hears anything. The same rule where the
+  wait is SQLite's lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idemflow import (
+    AsyncAttempt,
+    AsyncIdempotency,
+    Idempotency,
+    IdempotencyError,
+    Policy,
+    Record,
+    Response,
+    State,
+)
+from idemflow._async.driver import RELEASE_ATTEMPTS
+from idemflow._errors import PROBLEM_BASE
+from idemflow._http import PROBLEM_CONTENT_TYPE, REPLAYED_HEADER
+from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore
+from idemflow.sweeper import Answer, AsyncSweeper, DidNotHappen, Happened, Sweeper
+from idemflow.testing import FrozenClock
+from tests._private_redis import freeze, own_redis_server, thaw, wait_until_drained
+from tests.factories import CREATED
+from tests.factories import uncorrelated_intent as intent
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+POLICY = Policy(request_timeout=5)
+UNAVAILABLE = Response(503, b"provider down")
+#: How a request reaches the driver: ``run()`` (sync, async), or the ASGI middleware.
+MODES = ("sync", "async", "middleware")
+
+#: redis-py's wait for each reply: short, so a hang becomes a 503 soon.
+SOCKET_TIMEOUT = 0.7
+#: Bounded retries, as the Redis store's docstring advises; the backoff between them.
+RETRIES, BACKOFF_CAP = 2, 0.5
+#: The least one store call takes against a frozen Redis: every attempt waits its timeout.
+ONE_CALL_AT_LEAST = (1 + RETRIES) * SOCKET_TIMEOUT
+#: And the most (generous): an attempt may wait twice (a reconnection's handshake, then
+#: its command), plus the backoffs. A second call would take ONE_CALL_AT_LEAST more.
+ONE_CALL_AT_MOST = (1 + RETRIES) * 2 * SOCKET_TIMEOUT + RETRIES * BACKOFF_CAP
+#: SQLite's wait for another connection's write lock (``busy_timeout``).
+BUSY_TIMEOUT = 0.6
+
+
+class Boom(Exception):
+    """The handler's own exception."""
+
+
+# --- counting releases ---------------------------------------------------------------
+
+
+class CountingSQLiteStore(SQLiteStore):
+    releases = 0
+
+    def release(self, *args: Any, **kwargs: Any) -> bool:
+        self.releases += 1
+        return super().release(*args, **kwargs)
+
+
+class AsyncCountingSQLiteStore(AsyncSQLiteStore):
+    releases = 0
+
+    async def release(self, *args: Any, **kwargs: Any) -> bool:
+        self.releases += 1
+        return await super().release(*args, **kwargs)
+
+
+def redis_stores() -> tuple[type[Any], type[Any]]:
+    """The sync and async Redis stores, counting the releases they are sent."""
+    from idemflow.stores.redis import AsyncRedisStore, RedisStore
+
+    class CountingRedisStore(RedisStore):
+        releases = 0
+
+        def release(self, *args: Any, **kwargs: Any) -> bool:
+            self.releases += 1
+            return super().release(*args, **kwargs)
+
+    class AsyncCountingRedisStore(AsyncRedisStore):
+        releases = 0
+
+        async def release(self, *args: Any, **kwargs: Any) -> bool:
+            self.releases += 1
+            return await super().release(*args, **kwargs)
+
+    return CountingRedisStore, AsyncCountingRedisStore
+
+
+# --- one store in one mode --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What the caller got, and how long it waited for it."""
+
+    status: int | None  # None: the handler's own exception came through
+    problem: str | None  # the problem type's slug, for one of idemflow's answers
+    detail: str
+    replayed: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Rig:
+    """One store (counting its releases) driven in one mode: requests, records, sweeps."""
+
+    mode: str
+    store: Any
+
+    async def ask(self, key: str, act: Callable[[], Response]) -> Reply:
+        """One request under ``key`` whose handler answers ``act()``."""
+        started = time.monotonic()
+        try:
+            if self.mode == "middleware":
+                status, problem, detail, replayed = await self._post(key, act)
+            else:
+                status, problem, detail, replayed = await self._run(key, act)
+        except Boom:
+            status, problem, detail, replayed = None, None, "", False
+        return Reply(status, problem, detail, replayed, time.monotonic() - started)
+
+    async def record(self, key: str) -> Record | None:
+        if self.mode == "sync":
+            found: Record | None = self.store.get("alice", key)
+            return found
+        return await self.store.get("alice", key)  # type: ignore[no-any-return]
+
+    async def sweep(self, reconcile: Callable[[], Answer]) -> None:
+        """One pass past the stale threshold; the reconciler answers ``reconcile()``."""
+        clock = FrozenClock(time.time() + POLICY.stale_seconds + 1)
+        if self.mode == "sync":
+            sweeper = Sweeper(self.store, POLICY, reconciler=lambda r, k: reconcile(), clock=clock)
+            sweeper.sweep_once()
+            return
+
+        async def areconcile(record: Record, keys: Any) -> Answer:
+            return reconcile()
+
+        await AsyncSweeper(self.store, POLICY, reconciler=areconcile, clock=clock).sweep_once()
+
+    async def _run(
+        self, key: str, act: Callable[[], Response]
+    ) -> tuple[int, str | None, str, bool]:
+        try:
+            if self.mode == "sync":
+                outcome = Idempotency(self.store, POLICY).run(intent(key), lambda a: act())
+            else:
+
+                async def handler(attempt: AsyncAttempt) -> Response:
+                    return act()
+
+                outcome = await AsyncIdempotency(self.store, POLICY).run(intent(key), handler)
+        except IdempotencyError as error:
+            return error.status, error.slug, error.detail, False
+        return outcome.response.status, None, "", outcome.replayed
+
+    async def _post(
+        self, key: str, act: Callable[[], Response]
+    ) -> tuple[int, str | None, str, bool]:
+        httpx = pytest.importorskip("httpx")
+        from starlette.applications import Starlette
+        from starlette.middleware import Middleware
+        from starlette.responses import Response as StarletteResponse
+        from starlette.routing import Route
+
+        from idemflow.integrations.starlette import IdempotencyMiddleware
+
+        async def endpoint(request: Any) -> StarletteResponse:
+            answer = act()
+            return StarletteResponse(answer.body, status_code=answer.status)
+
+        app = Starlette(
+            routes=[Route("/payments", endpoint, methods=["POST"])],
+            middleware=[
+                Middleware(
+                    IdempotencyMiddleware,
+                    idempotency=AsyncIdempotency(self.store, POLICY),
+                    endpoints=["POST /payments"],
+                    principal=lambda scope: "alice",
+                )
+            ],
+        )
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            got = await client.post("/payments", json={}, headers={"Idempotency-Key": key})
+        problem = got.json() if got.headers.get("content-type") == PROBLEM_CONTENT_TYPE else {}
+        slug = problem["type"].removeprefix(PROBLEM_BASE) if problem else None
+        replayed = got.headers.get(REPLAYED_HEADER) == "true"
+        return got.status_code, slug, problem.get("detail", ""), replayed
+
+
+class Provider:
+    """What the handler calls: every answer it gave, and what its reconciler says."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def charge(self) -> Response:
+        self.calls.append("charged")
+        return CREATED
+
+    def fail(self) -> Response:
+        self.calls.append("failed")
+        return UNAVAILABLE
+
+    def reconcile(self) -> Answer:
+        return Happened(CREATED) if "charged" in self.calls else DidNotHappen("never charged")
+
+
+# --- Redis, frozen ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    pytest.importorskip("redis")
+    with own_redis_server(tmp_path) as server:
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def redis_rig(mode: str, url: str) -> AsyncIterator[Rig]:
+    """A started Redis store (its scripts loaded: what hangs is the request's own script)
+    whose client gives up after ``SOCKET_TIMEOUT``, ``RETRIES`` times."""
+    from redis import Redis
+    from redis.asyncio import Redis as AsyncRedis
+    from redis.asyncio.retry import Retry as AsyncRetry
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    sync_store, async_store = redis_stores()
+    options: dict[str, Any] = {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": 1}
+    backoff = ExponentialBackoff(cap=BACKOFF_CAP, base=0.05)
+    settings: dict[str, Any] = {"prefix": "hung", "clock": "caller", "allow_volatile": True}
+    if mode == "sync":
+        client = Redis.from_url(url, retry=Retry(backoff, RETRIES), **options)
+        store = sync_store(client, **settings)
+        store.start()
+        try:
+            yield Rig(mode, store)
+        finally:
+            store.close()
+        return
+    # redis.asyncio's own Retry: its client only awaits a coroutine through one.
+    aclient = AsyncRedis.from_url(url, retry=AsyncRetry(backoff, RETRIES), **options)
+    astore = async_store(aclient, **settings)
+    await astore.start()
+    try:
+        yield Rig(mode, astore)
+    finally:
+        await astore.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("mode", MODES)
+async def test_redis_frozen_before_the_claim_is_a_bounded_503_and_the_retry_runs_once(
+    mode: str, redis_server: tuple[subprocess.Popen[bytes], str]
+) -> None:
+    """The claim's script waits for a frozen server until the client gives up: a 503, the
+    handler unrun. Resumed, Redis may run that script from its buffer: the key is then
+    claimed with nobody running it (409) until the sweeper releases it. One run in all."""
+    process, url = redis_server
+    provider = Provider()
+    async with redis_rig(mode, url) as rig:
+        freeze(process)
+        answer = await rig.ask("k-hung", provider.charge)
+        thaw(process)
+        wait_until_drained(url)
+        left = await rig.record("k-hung")
+        early = await rig.ask("k-hung", provider.charge)
+        ran_before_the_sweeper = list(provider.calls)
+        await rig.sweep(provider.reconcile)
+        retry = await rig.ask("k-hung", provider.charge)
+        record = await rig.record("k-hung")
+
+    assert (answer.status, answer.problem) == (503, "store-unavailable")
+    assert ONE_CALL_AT_LEAST <= answer.seconds <= ONE_CALL_AT_MOST, answer.seconds
+    assert left is None or left.state is State.IN_PROGRESS
+    if left is not None:  # the buffered claim ran: nobody's, until the sweeper
+        assert (early.status, early.problem, ran_before_the_sweeper) == (409, "in-progress", [])
+        assert (retry.status, retry.replayed) == (201, False)
+    else:
+        assert (early.status, early.replayed, retry.replayed) == (201, False, True)
+    assert provider.calls == ["charged"]
+    assert record is not None
+    assert record.state is State.COMPLETED
+    assert rig.store.releases == 0
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("mode", MODES)
+async def test_redis_frozen_after_the_charge_keeps_the_outcome_and_never_charges_again(
+    mode: str, redis_server: tuple[subprocess.Popen[bytes], str]
+) -> None:
+    """The handler charges, the server freezes, the handler answers 201: its completion
+    cannot be written, and is not given back (a retry would charge again): a 503 that says
+    so, within the client's bound. Resumed, the record is completed with that 201 (Redis
+    ran the buffered completion) or still claimed, until the sweeper's reconciler settles
+    it. Either way the retry replays the one charge."""
+    process, url = redis_server
+    provider = Provider()
+
+    def charge_then_freeze() -> Response:
+        answer = provider.charge()
+        freeze(process)
+        return answer
+
+    async with redis_rig(mode, url) as rig:
+        answer = await rig.ask("k-hung", charge_then_freeze)
+        thaw(process)
+        wait_until_drained(url)
+        left = await rig.record("k-hung")
+        early = await rig.ask("k-hung", provider.charge)
+        await rig.sweep(provider.reconcile)
+        retry = await rig.ask("k-hung", provider.charge)
+
+    assert (answer.status, answer.problem) == (503, "store-unavailable")
+    assert "could not be recorded" in answer.detail
+    assert ONE_CALL_AT_LEAST <= answer.seconds <= ONE_CALL_AT_MOST, answer.seconds
+    assert left is not None
+    assert left.state in (State.COMPLETED, State.IN_PROGRESS)
+    if left.state is State.COMPLETED:  # the buffered completion ran
+        assert left.response is not None
+        assert left.response.status == 201
+        assert (early.status, early.replayed) == (201, True)
+    else:
+        assert (early.status, early.problem) == (409, "in-progress")
+    assert (retry.status, retry.replayed) == (201, True)
+    assert provider.calls == ["charged"]
+    assert rig.store.releases == 0
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("mode", MODES)
+async def test_redis_frozen_before_a_transient_answer_sends_one_release_that_waited(
+    mode: str, redis_server: tuple[subprocess.Popen[bytes], str]
+) -> None:
+    """The server freezes, the handler answers 503: the release waits until the client
+    gives up, and is not sent again (each would wait as long: the caller hears its 503
+    after one wait, not three). Resumed, the key is released (Redis ran the buffered
+    release) or claimed for the sweeper; the retry runs, and its 201 is what is stored."""
+    process, url = redis_server
+    provider = Provider()
+
+    def freeze_then_fail() -> Response:
+        freeze(process)
+        return provider.fail()
+
+    async with redis_rig(mode, url) as rig:
+        answer = await rig.ask("k-hung", freeze_then_fail)
+        releases = rig.store.releases
+        thaw(process)
+        wait_until_drained(url)
+        left = await rig.record("k-hung")
+        await rig.sweep(provider.reconcile)
+        retry = await rig.ask("k-hung", provider.charge)
+        record = await rig.record("k-hung")
+
+    assert (answer.status, answer.problem) == (503, None)  # the handler's own 503
+    assert releases == 1
+    assert ONE_CALL_AT_LEAST <= answer.seconds <= ONE_CALL_AT_MOST, answer.seconds
+    assert left is not None
+    assert left.state in (State.RELEASED, State.IN_PROGRESS)
+    assert (retry.status, retry.replayed) == (201, False)
+    assert provider.calls == ["failed", "charged"]
+    assert record is not None
+    assert record.response is not None
+    assert (record.state, record.response.status) == (State.COMPLETED, 201)
+
+
+# --- SQLite, locked -----------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def sqlite_rig(mode: str, path: Path) -> AsyncIterator[Rig]:
+    if mode == "sync":
+        store = CountingSQLiteStore(path, busy_timeout=BUSY_TIMEOUT)
+        store.migrate()
+        try:
+            yield Rig(mode, store)
+        finally:
+            store.close()
+        return
+    astore = AsyncCountingSQLiteStore(path, busy_timeout=BUSY_TIMEOUT)
+    await astore.migrate()
+    try:
+        yield Rig(mode, astore)
+    finally:
+        await astore.close()
+
+
+@pytest.mark.parametrize("failure", ["transient", "exception"])
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_release_that_waited_out_sqlites_lock_is_not_sent_again(
+    mode: str, failure: str, tmp_path: Path
+) -> None:
+    """Another connection takes the file's write lock (``BEGIN IMMEDIATE``) and holds it
+    while the handler fails (a 503, or its own exception): the release waits out the
+    store's ``busy_timeout`` and is not sent again. The key stays claimed (SQLite ran
+    nothing); with the lock given back, the sweeper releases it and the retry runs once."""
+    path = tmp_path / "keys.db"
+    provider = Provider()
+    blocker = sqlite3.connect(path, isolation_level=None)
+
+    def lock_then_fail() -> Response:
+        blocker.execute("BEGIN IMMEDIATE")
+        if failure == "exception":
+            provider.calls.append("raised")
+            raise Boom("the handler's own failure")
+        return provider.fail()
+
+    async with sqlite_rig(mode, path) as rig:
+        try:
+            answer = await rig.ask("k-locked", lock_then_fail)
+        finally:
+            blocker.rollback()
+            blocker.close()
+        left = await rig.record("k-locked")
+        releases = rig.store.releases
+        await rig.sweep(provider.reconcile)
+        retry = await rig.ask("k-locked", provider.charge)
+
+    assert answer.status == (503 if failure == "transient" else None)
+    assert releases == 1
+    assert BUSY_TIMEOUT <= answer.seconds < RELEASE_ATTEMPTS * BUSY_TIMEOUT, answer.seconds
+    assert left is not None
+    assert left.state is State.IN_PROGRESS  # the sweeper's
+    assert (retry.status, retry.replayed) == (201, False)
+    assert provider.calls == ["failed" if failure == "transient" else "raised", "charged"]
