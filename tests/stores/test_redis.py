@@ -25,13 +25,16 @@ from typing import Any, ClassVar
 import pytest
 
 from idemflow import (
+    AsyncAttempt,
     AsyncIdempotency,
     Attempt,
     ConfigurationError,
     Idempotency,
     InProgress,
+    Intent,
     KeyReused,
     LeaseLost,
+    Outcome,
     Policy,
     Record,
     Response,
@@ -671,6 +674,46 @@ def test_unreachable_redis_is_store_unavailable() -> None:
     assert handler.calls == []
     with pytest.raises(StoreUnavailable):
         store.sweep(State.IN_PROGRESS, 0, 0, 0, 10)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+async def test_a_store_opened_from_a_url_reconnects_a_connection_the_server_closed(
+    asynchronous: bool, tmp_path: Path
+) -> None:
+    """Redis closes the pooled connection (an idle-client ``timeout``, a restart, CLIENT
+    KILL): the next request's script is sent again on a new one, as the client's retries
+    say, and answers 201, not 503. (``open_redis`` gave redis.asyncio's client redis-py's
+    sync Retry, which it calls once and never retries.)"""
+    with own_redis_server(tmp_path) as (_, url):
+        store = open_redis(url + "?allow_volatile=1", policy=POLICY, asynchronous=asynchronous)
+        killer = redis_client(url)
+        try:
+            first = await run_on(store, intent("before"))
+            assert killer.client_kill_filter(_type="normal", skipme=True) == 1
+            second = await run_on(store, intent("after"))
+        finally:
+            killer.close()
+            await close(store)
+    assert (first.response.status, second.response.status) == (201, 201)
+
+
+async def run_on(store: RedisStore | AsyncRedisStore, request: Intent) -> Outcome:
+    """``request`` through the driver of ``store``'s kind, its handler answering 201."""
+    if isinstance(store, AsyncRedisStore):
+
+        async def handler(attempt: AsyncAttempt) -> Response:
+            return CREATED
+
+        return await AsyncIdempotency(store, POLICY).run(request, handler)
+    return Idempotency(store, POLICY).run(request, lambda attempt: CREATED)
+
+
+async def close(store: RedisStore | AsyncRedisStore) -> None:
+    if isinstance(store, AsyncRedisStore):
+        await store.close()
+    else:
+        store.close()
 
 
 def test_redis_stopping_mid_request_is_a_503_not_a_second_execution(tmp_path: Path) -> None:

@@ -115,6 +115,7 @@ def open_redis(
     persistence is accepted (see :class:`RedisStore`).
     """
     with optional("idemflow.stores.redis"):
+        from redis.asyncio.retry import Retry as AsyncRetry
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
 
@@ -126,7 +127,12 @@ def open_redis(
     options: dict[str, Any] = {
         "socket_timeout": SOCKET_TIMEOUT,
         "socket_connect_timeout": CONNECT_TIMEOUT,
-        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), RETRIES),
+        # redis.asyncio's client awaits each attempt through its own Retry: given the
+        # sync one, it makes one attempt and never retries (a connection the server
+        # closed was a 503, where a second attempt on a new one answers).
+        "retry": (AsyncRetry if asynchronous else Retry)(
+            ExponentialBackoff(cap=0.5, base=0.05), RETRIES
+        ),
     }
     if asynchronous:
         from redis.asyncio import Redis as AsyncRedis
