@@ -50,7 +50,8 @@ class RedisStore(RedisObservable):
         client: a redis-py client with ``decode_responses=False``. Bound its
             retries (``retry=Retry(…, retries=2)``, ``socket_timeout``): an
             outage is answered 503 only once they are spent. Every script is
-            safe to retry.
+            safe to retry. ``redis.asyncio``'s client needs the ``Retry`` of
+            ``redis.asyncio.retry``: given redis-py's sync one, it never retries.
         policy: your app's policy: its stale threshold is how long claims
             are refused after a data loss is found (below). A record's life does
             not depend on it (claims end through the sweeper; retention comes
