@@ -67,7 +67,7 @@ RETRIES, BACKOFF_CAP = 2, 0.5
 #: The least one store call takes against a frozen Redis: every attempt waits its timeout.
 ONE_CALL_AT_LEAST = (1 + RETRIES) * SOCKET_TIMEOUT
 #: And the most (generous): an attempt may wait twice (a reconnection's handshake, then
-#: its command), plus the backoffs. A second call would take ONE_CALL_AT_LEAST more.
+#: its command), plus the backoffs. Three releases, each waiting ONE_CALL_AT_LEAST, are past it.
 ONE_CALL_AT_MOST = (1 + RETRIES) * 2 * SOCKET_TIMEOUT + RETRIES * BACKOFF_CAP
 #: SQLite's wait for another connection's write lock (``busy_timeout``).
 BUSY_TIMEOUT = 0.6
