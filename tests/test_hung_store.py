@@ -46,9 +46,10 @@ from idemflow import (
 from idemflow._async.driver import RELEASE_ATTEMPTS
 from idemflow._errors import PROBLEM_BASE
 from idemflow._http import PROBLEM_CONTENT_TYPE, REPLAYED_HEADER
-from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore
+from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore, connect
 from idemflow.sweeper import Answer, AsyncSweeper, DidNotHappen, Happened, Sweeper
 from idemflow.testing import FrozenClock
+from idemflow.transactions import SQLite3Transaction
 from tests._private_redis import freeze, own_redis_server, thaw, wait_until_drained
 from tests.factories import CREATED
 from tests.factories import uncorrelated_intent as intent
@@ -59,6 +60,8 @@ POLICY = Policy(request_timeout=5)
 UNAVAILABLE = Response(503, b"provider down")
 #: How a request reaches the driver: ``run()`` (sync, async), or the ASGI middleware.
 MODES = ("sync", "async", "middleware")
+#: The modes whose store and sweeper are sync ("two-commit": a request's transaction).
+SYNC_MODES = ("sync", "two-commit")
 
 #: redis-py's wait for each reply: short, so a hang becomes a 503 soon.
 SOCKET_TIMEOUT = 0.7
@@ -137,6 +140,8 @@ class Rig:
 
     mode: str
     store: Any
+    #: Two commits (sync): opens the connection of the request's own transaction.
+    connect: Callable[[], sqlite3.Connection] | None = None
 
     async def ask(self, key: str, act: Callable[[], Response]) -> Reply:
         """One request under ``key`` whose handler answers ``act()``."""
@@ -151,7 +156,7 @@ class Rig:
         return Reply(status, problem, detail, replayed, time.monotonic() - started)
 
     async def record(self, key: str) -> Record | None:
-        if self.mode == "sync":
+        if self.mode in SYNC_MODES:
             found: Record | None = self.store.get("alice", key)
             return found
         return await self.store.get("alice", key)  # type: ignore[no-any-return]
@@ -159,7 +164,7 @@ class Rig:
     async def sweep(self, reconcile: Callable[[], Answer]) -> None:
         """One pass past the stale threshold; the reconciler answers ``reconcile()``."""
         clock = FrozenClock(time.time() + POLICY.stale_seconds + 1)
-        if self.mode == "sync":
+        if self.mode in SYNC_MODES:
             sweeper = Sweeper(self.store, POLICY, reconciler=lambda r, k: reconcile(), clock=clock)
             sweeper.sweep_once()
             return
@@ -174,7 +179,16 @@ class Rig:
     ) -> tuple[int, str | None, str, bool]:
         try:
             if self.mode == "sync":
-                outcome = Idempotency(self.store, POLICY).run(intent(key), lambda a: act())
+                # A frozen clock, as tests inject one: the release's wait is timed on the
+                # monotonic clock, never on the one that dates records.
+                idem = Idempotency(self.store, POLICY, clock=FrozenClock(time.time()))
+                outcome = idem.run(intent(key), lambda a: act())
+            elif self.mode == "two-commit":
+                assert self.connect is not None
+                with contextlib.closing(self.connect()) as conn:
+                    outcome = Idempotency(self.store, POLICY).run(
+                        intent(key), lambda a: act(), transaction=SQLite3Transaction(conn)
+                    )
             else:
 
                 async def handler(attempt: AsyncAttempt) -> Response:
@@ -403,11 +417,11 @@ async def test_redis_frozen_before_a_transient_answer_sends_one_release_that_wai
 
 @contextlib.asynccontextmanager
 async def sqlite_rig(mode: str, path: Path) -> AsyncIterator[Rig]:
-    if mode == "sync":
+    if mode in SYNC_MODES:
         store = CountingSQLiteStore(path, busy_timeout=BUSY_TIMEOUT)
         store.migrate()
         try:
-            yield Rig(mode, store)
+            yield Rig(mode, store, lambda: connect(path, busy_timeout=BUSY_TIMEOUT))
         finally:
             store.close()
         return
@@ -420,14 +434,17 @@ async def sqlite_rig(mode: str, path: Path) -> AsyncIterator[Rig]:
 
 
 @pytest.mark.parametrize("failure", ["transient", "exception"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, "two-commit"])
 async def test_a_release_that_waited_out_sqlites_lock_is_not_sent_again(
     mode: str, failure: str, tmp_path: Path
 ) -> None:
     """Another connection takes the file's write lock (``BEGIN IMMEDIATE``) and holds it
     while the handler fails (a 503, or its own exception): the release waits out the
-    store's ``busy_timeout`` and is not sent again. The key stays claimed (SQLite ran
-    nothing); with the lock given back, the sweeper releases it and the retry runs once."""
+    store's ``busy_timeout`` and is not sent again. With two commits the release goes
+    through the request's own connection, which waits as long: the store is the same
+    file, so it is not sent again through the store's connection either. The key stays
+    claimed (SQLite ran nothing); with the lock given back, the sweeper releases it and
+    the retry runs once."""
     path = tmp_path / "keys.db"
     provider = Provider()
     blocker = sqlite3.connect(path, isolation_level=None)

@@ -44,10 +44,11 @@ logger = logging.getLogger("idemflow")
 
 #: How often a failed release is sent again before the key is left to the sweeper.
 RELEASE_ATTEMPTS = 3
-#: A release the store's own connection could not serve (StoreUnavailable) is sent again
-#: only if it failed within this many seconds: a pooled connection found dead, which its
-#: pool has dropped. One that waited for the store (its pool's timeout: connections
-#: refused) would wait as long again, and the request's answer with it.
+#: A release the store could not serve (StoreUnavailable) is sent again only if it failed
+#: within this many seconds: a pooled connection found dead, which its pool has dropped.
+#: One that waited for the store (its pool's timeout: connections refused; SQLite's
+#: busy_timeout; a socket timeout) would wait as long again, and the request's answer
+#: with it. Timed on the monotonic clock: the injected one dates records, not waits.
 RELEASE_RETRY_WITHIN_SECONDS = 0.5
 
 
@@ -366,7 +367,7 @@ class _Performer:
             return True  # single-commit mode: the rollback took the claim with it
         transaction = self._transaction if connection_usable else None
         for attempt in range(1, RELEASE_ATTEMPTS + 1):
-            started = self._idem.clock()
+            started = time.monotonic()
             try:
                 self._release_on(transaction, record)
             except Exception as exc:
@@ -375,12 +376,12 @@ class _Performer:
                 # sent again; a key left claimed waits for the sweeper. Sent
                 # again through the store's connection when the transaction's
                 # pool cannot serve it (a Session checks out only now): that
-                # pool's next wait would end as this one did. Not sent again
-                # when the store's own connection waited for the store in vain.
+                # pool's next wait would end as this one did. Not sent again,
+                # on either connection, when the store itself was waited for in
+                # vain (its rule said StoreUnavailable): the database is the same.
                 waited_for_the_store = (
-                    transaction is None
-                    and isinstance(exc, StoreUnavailable)
-                    and self._idem.clock() - started >= RELEASE_RETRY_WITHIN_SECONDS
+                    isinstance(exc, StoreUnavailable)
+                    and time.monotonic() - started >= RELEASE_RETRY_WITHIN_SECONDS
                 )
                 if transaction is not None and _judged_unavailable(transaction, exc):
                     transaction = None
