@@ -972,6 +972,11 @@ class Rig:
     #: transaction of ours, through the store's own pool or connection where it has one
     #: (SQLite: a connection of its own, the memory store: a list); ``notes`` reads it.
     charge: Callable[[str], Awaitable[None]] | None = None
+    #: The request's connection as a transactional integration takes it
+    #: (``Idempotent(connect=…, transaction=…)``): a checkout of the pool ``transaction``
+    #: takes from (SQLite: a new connection), and the adapter that wraps it.
+    connect: Callable[[], Any] | None = None
+    adapter: Callable[[Any], Any] | None = None
 
     @property
     def single_commit(self) -> bool:
@@ -1287,7 +1292,8 @@ async def _postgres_rig(
     async with _sql_rig(
         kind, store, app, sync, transactional, transaction, write, lose, table, outside, admin, sql
     ) as rig:
-        yield rig
+        adapter = PsycopgTransaction if sync else AsyncPsycopgTransaction
+        yield replace(rig, connect=app.pool.connection, adapter=adapter)
 
 
 @contextlib.asynccontextmanager
@@ -1430,7 +1436,8 @@ async def _mysql_rig(
             admin,
             sql,
         ) as rig:
-            yield rig
+            adapter = PyMySQLTransaction if sync else AsyncmyTransaction
+            yield replace(rig, connect=app.pool.connection, adapter=adapter)
     finally:
         for other in admins[1:]:
             other.close()
@@ -1567,6 +1574,11 @@ async def _sqlite_rig(
                 return
             conn.execute(orphan, (ORPHAN_PARENT,))
 
+        def connect() -> Any:
+            return contextlib.closing(caller())
+
+        adapter: Callable[[Any], Any] = SQLite3Transaction
+
         @contextlib.contextmanager
         def transaction() -> Iterator[Any]:
             with contextlib.closing(caller()) as conn:
@@ -1583,12 +1595,19 @@ async def _sqlite_rig(
             await conn.run(conn.raw.execute, orphan, (ORPHAN_PARENT,))
 
         @contextlib.asynccontextmanager
-        async def transaction() -> AsyncIterator[Any]:  # type: ignore[misc]
+        async def aconnect() -> AsyncIterator[AsyncSQLite3Connection]:
             conn = AsyncSQLite3Connection(caller())
             try:
-                yield AsyncSQLite3Transaction(conn)
+                yield conn
             finally:
                 conn.close()
+
+        connect, adapter = aconnect, AsyncSQLite3Transaction
+
+        @contextlib.asynccontextmanager
+        async def transaction() -> AsyncIterator[Any]:  # type: ignore[misc]
+            async with aconnect() as conn:
+                yield AsyncSQLite3Transaction(conn)
 
     def notes() -> list[str]:
         with contextlib.closing(sqlite3.connect(path)) as conn:
@@ -1622,6 +1641,8 @@ async def _sqlite_rig(
             sqlite3.IntegrityError if transactional else _store_unavailable(),
             heal,
             charge=None if sync else charge,
+            connect=connect,
+            adapter=adapter,
         )
     finally:
         heal()
