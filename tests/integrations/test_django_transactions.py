@@ -24,6 +24,7 @@ from django.test import override_settings
 from idemflow import (
     Attempt,
     ConfigurationError,
+    CountingObserver,
     Idempotency,
     InProgress,
     Policy,
@@ -402,6 +403,25 @@ def test_settings_mistakes_are_improperly_configured() -> None:
         pytest.raises(ImproperlyConfigured, match="request_timeout"),
     ):
         idemflow_settings()
+    for observer in ("tests.nowhere.METRICS", "idemflow.CountingObserver", 42):
+        with (  # at start-up, not a 500 on each request: a path, a class, not an observer
+            override_settings(IDEMFLOW={"observer": observer}),
+            pytest.raises(ImproperlyConfigured, match="observer"),
+        ):
+            idemflow_settings()
+
+
+#: What ``IDEMFLOW['observer']`` names by its dotted path below.
+COUNTED = CountingObserver()
+
+
+def test_the_observer_setting_names_the_drivers_observer_by_object_or_path() -> None:
+    """``IDEMFLOW['observer']`` is the driver's observer, given as the object or its path."""
+    metrics = CountingObserver()
+    with override_settings(IDEMFLOW={"observer": metrics}):
+        assert get_idempotency().observer is metrics
+    with override_settings(IDEMFLOW={"observer": f"{__name__}.COUNTED"}):
+        assert get_idempotency().observer is COUNTED
 
 
 def test_settings_build_the_store_and_policy_once(table_name: str) -> None:

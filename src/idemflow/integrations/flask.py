@@ -46,6 +46,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 from .. import Idempotency as Driver
+from .. import Observer
 from .._errors import (
     ConfigurationError,
     IdempotencyError,
@@ -114,9 +115,11 @@ _ANONYMOUS = "authenticate first: idempotency keys are scoped to the caller"
 class _State:
     """What one app's requests share: the driver on its store, and how to open transactions."""
 
-    def __init__(self, store: Store, policy: Policy, app: Flask) -> None:
+    def __init__(self, store: Store, policy: Policy, app: Flask, observer: Observer | None) -> None:
         self.store = store
-        self.driver = Driver(store, policy)
+        self.driver = (
+            Driver(store, policy) if observer is None else Driver(store, policy, observer=observer)
+        )
         self.single_commit = bool(app.config["IDEMFLOW_SINGLE_COMMIT"])
         self.max_body_bytes = int(app.config["IDEMFLOW_MAX_BODY_BYTES"])
         self.max_response_bytes = int(app.config["IDEMFLOW_MAX_RESPONSE_BYTES"])
@@ -147,6 +150,8 @@ class Idempotency:
             (the weaker mode: a crash in between leaves the key for the sweeper).
         store: a store object instead of ``IDEMFLOW_STORE``.
         principal: returns the caller's id (None when anonymous).
+        observer: told every outcome of every protected request (claimed,
+            replayed, released, …), e.g. an :class:`idemflow.metrics.PrometheusMetrics`.
     """
 
     def __init__(
@@ -157,6 +162,7 @@ class Idempotency:
         transaction: TransactionFactory | None = None,
         store: Store | None = None,
         principal: PrincipalGetter | None = None,
+        observer: Observer | None = None,
     ) -> None:
         if db is not None and transaction is not None:
             raise ConfigurationError("pass db= or transaction=, not both")
@@ -165,6 +171,7 @@ class Idempotency:
         self._session_transactions: TransactionFactory | None = None
         self._store = store
         self._principal = principal
+        self._observer = observer
         if app is not None:
             self.init_app(app)
 
@@ -181,7 +188,9 @@ class Idempotency:
                 "Flask-Login (keys are never claimed anonymously)"
             )
             raise ConfigurationError(msg)
-        app.extensions["idemflow"] = _State(self._store or self._open_store(app), policy, app)
+        app.extensions["idemflow"] = _State(
+            self._store or self._open_store(app), policy, app, self._observer
+        )
         app.cli.add_command(_cli(self))
 
     def protect(
@@ -412,7 +421,11 @@ def _cli(extension: Idempotency) -> Any:
         from ..sweeper import Sweeper
 
         state = extension.state()
-        report = Sweeper(state.store, state.driver.policy).sweep_once()  # type: ignore[arg-type]
+        report = Sweeper(
+            state.store,  # type: ignore[arg-type]
+            state.driver.policy,
+            observer=state.driver.observer,  # its stale_reclaimed counted as its requests are
+        ).sweep_once()
         click.echo(f"swept: released={report.released} unknown={report.unknown}")
 
     @group.command("purge")

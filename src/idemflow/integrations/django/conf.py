@@ -9,6 +9,7 @@
         "table": "idemflow_keys",     # the key table (created by `manage.py migrate`)
         "database": "default",        # the DATABASES alias of the key table and the completion
         "store": "django",            # or a DATABASE_URL: postgresql://…, mysql://…, redis://…
+        "observer": None,             # dotted path or object: told every outcome (metrics)
     }
 
 Every key is optional. An unknown key or a bad value is an ``ImproperlyConfigured``
@@ -22,15 +23,16 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
+from django.utils.module_loading import import_string
 
-from ... import ConfigurationError, Idempotency, Policy
+from ... import ConfigurationError, Idempotency, Observer, Policy
 from ...edge import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BYTES
 from ...stores.protocol import Store
 
@@ -55,6 +57,8 @@ _DEFAULTS: Mapping[str, Any] = {
     "max_response_bytes": DEFAULT_MAX_RESPONSE_BYTES,
     "exclude_fields": (),
     "strict_key": False,
+    # Told every outcome of every protected request: dotted path or object (PrometheusMetrics).
+    "observer": None,
 }
 
 
@@ -78,6 +82,8 @@ class IdemflowSettings:
     max_response_bytes: int
     exclude_fields: Sequence[str]
     strict_key: bool
+    #: Told every outcome (``PrometheusMetrics``, a ``fan_out``), once its path is imported.
+    observer: Observer | None
 
     @property
     def policy(self) -> Policy:
@@ -118,7 +124,7 @@ def _checked() -> IdemflowSettings:
         raise ImproperlyConfigured(f"settings.IDEMFLOW: {exc}") from exc
     if chosen.clock not in ("database", "caller"):
         raise ImproperlyConfigured("settings.IDEMFLOW['clock'] must be 'database' or 'caller'")
-    return chosen
+    return replace(chosen, observer=_observer(chosen.observer))
 
 
 _lock = threading.Lock()
@@ -136,7 +142,22 @@ def _built() -> tuple[Store, Idempotency]:
         from ...stores.urls import open_store
 
         store = open_store(chosen.store, table=chosen.table)
-    return store, Idempotency(store, chosen.policy)
+    if chosen.observer is None:
+        return store, Idempotency(store, chosen.policy)
+    return store, Idempotency(store, chosen.policy, observer=chosen.observer)
+
+
+def _observer(given: Any) -> Observer | None:
+    """``IDEMFLOW['observer']``: the object, or the one its dotted path names (imported
+    here, at start-up, so a wrong path is ImproperlyConfigured then, not a 500 per request)."""
+    try:
+        found = import_string(given) if isinstance(given, str) else given
+    except ImportError as exc:
+        raise ImproperlyConfigured(f"settings.IDEMFLOW['observer']: {exc}") from exc
+    if found is not None and (isinstance(found, type) or not callable(found)):
+        msg = f"settings.IDEMFLOW['observer'] = {given!r} is not an observer (an instance)"
+        raise ImproperlyConfigured(msg)
+    return cast(Observer | None, found)
 
 
 def get_store() -> Store:

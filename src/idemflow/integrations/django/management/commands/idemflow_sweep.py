@@ -23,10 +23,12 @@ class Command(BaseCommand):
         parser.add_argument("--batch", type=int, default=100, metavar="N")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        chosen = idemflow_settings()
         sweeper = Sweeper(
             cast(MaintainableStore, get_store()),  # every SQL store, the Django one included
-            idemflow_settings().policy,
+            chosen.policy,
             batch_size=options["batch"],
+            observer=chosen.observer,  # IDEMFLOW['observer']: stale_reclaimed counted too
         )
         if options["every"] is not None:
             sweeper.run_forever(options["every"])
