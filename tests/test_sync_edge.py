@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from idemflow import Attempt, Idempotency, Policy, Response, State
+from idemflow import Attempt, CountingObserver, Event, Idempotency, Policy, Response, State
 from idemflow._http import EdgeOptions, HTTPRequest
 from idemflow._sync.edge import Edge, pooled_transaction
 from idemflow.stores.sqlite import SQLiteStore
@@ -148,10 +148,12 @@ def test_replay_authorization_is_asked_and_an_async_hook_is_refused(
     sqlite: tuple[SQLiteStore, Any],
 ) -> None:
     store, transaction = sqlite
-    idempotency = Idempotency(store, POLICY)
+    counted = CountingObserver()
+    idempotency = Idempotency(store, POLICY, observer=counted)
     Edge(idempotency).respond(request(), charging, transaction=transaction)
 
     denied = Edge(idempotency, EdgeOptions(authorize_replay=lambda record: False))
+    allowed = Edge(idempotency, EdgeOptions(authorize_replay=lambda record: True))
 
     async def async_hook(record: Any) -> bool:
         return True
@@ -159,9 +161,12 @@ def test_replay_authorization_is_asked_and_an_async_hook_is_refused(
     confused = Edge(idempotency, EdgeOptions(authorize_replay=async_hook))
 
     assert denied.respond(request(), charging).status == 403
+    assert allowed.respond(request(), charging).status == 201
     refused = confused.respond(request(), charging)  # never taken for "allowed"
     assert refused.status == 500
     assert "coroutine function" in json.loads(refused.body)["detail"]
+    # Each refused replay is counted as such, next to the replay the claim found.
+    assert (counted.total(Event.REPLAYED), counted.total(Event.REPLAY_FORBIDDEN)) == (3, 1)
 
 
 def hammer(edge: Edge, transaction: Any, table: str, execute: Any) -> list[int]:

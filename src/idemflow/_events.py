@@ -35,6 +35,9 @@ class Event(enum.StrEnum):
     #: The handler raised ``OutcomeUnknown``: 503, and the key stays claimed for the
     #: sweeper's reconciler (released only in single-commit mode before a commit_phase).
     OUTCOME_UNKNOWN = "outcome_unknown"
+    #: The replay authorization hook refused a stored response (403). Counted after the
+    #: ``REPLAYED`` the claim reported: replays served = replayed - replay_forbidden.
+    REPLAY_FORBIDDEN = "replay_forbidden"
 
 
 class Observer(Protocol):

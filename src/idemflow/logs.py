@@ -44,6 +44,7 @@ DEFAULT_LEVELS: Mapping[Event, int] = {
     Event.STORE_UNAVAILABLE: logging.WARNING,
     Event.LEASE_LOST: logging.WARNING,
     Event.OUTCOME_UNKNOWN: logging.WARNING,
+    Event.REPLAY_FORBIDDEN: logging.INFO,
 }
 
 _MESSAGES: Mapping[Event, str] = {
@@ -57,6 +58,7 @@ _MESSAGES: Mapping[Event, str] = {
     Event.STORE_UNAVAILABLE: "idempotency key store unavailable on %s: answered 503",
     Event.LEASE_LOST: "claim taken over before completion on %s: work rolled back",
     Event.OUTCOME_UNKNOWN: "outcome unknown on %s: answered 503, the claim kept for the sweeper",
+    Event.REPLAY_FORBIDDEN: "stored response refused on %s by the replay authorization: 403",
 }
 
 _DIGEST_BYTES = 8

@@ -12,9 +12,12 @@ import pytest
 from idemflow import (
     AsyncIdempotency,
     ConfigurationError,
+    CountingObserver,
+    Event,
     InProgress,
     KeyReused,
     MissingPrincipal,
+    Record,
     Response,
     StoreUnavailable,
     default_classifier,
@@ -258,3 +261,42 @@ def test_the_query_string_is_fingerprinted_in_canonical_form() -> None:
 def test_negative_body_limits_are_refused() -> None:
     with pytest.raises(ConfigurationError):
         EdgeOptions(max_body_bytes=-1)
+
+
+@pytest.mark.anyio
+async def test_a_refused_replay_is_403_counted_and_the_stored_body_is_not_sent() -> None:
+    """The authorization hook asked again on a replay says no: a 403 problem, none of the
+    stored body, the handler not run again, and ``replay_forbidden`` counted (next to the
+    ``replayed`` the claim found); a first execution never asks it."""
+    counted = CountingObserver()
+    asked: list[str] = []
+    allow = [True]
+
+    def may_replay(record: Record) -> bool:
+        asked.append(record.key)
+        return allow[0]
+
+    edge = Edge(
+        AsyncIdempotency(AsyncMemoryStore(), observer=counted),
+        EdgeOptions(authorize_replay=may_replay),
+    )
+    runs = 0
+
+    async def handler(attempt: object) -> Response:
+        nonlocal runs
+        runs += 1
+        return Response(201, b'{"id": "pay_secret"}')
+
+    first = await edge.respond(request(), handler)
+    allow[0] = False
+    refused = await edge.respond(request(), handler)
+    allow[0] = True
+    replayed = await edge.respond(request(), handler)
+
+    assert (first.status, refused.status, replayed.status) == (201, 403, 201)
+    assert json.loads(refused.body)["type"].endswith("/replay-forbidden")
+    assert b"pay_secret" not in refused.body
+    assert replayed.body == first.body
+    assert (runs, asked) == (1, ["k-1", "k-1"])
+    assert counted.total(Event.REPLAYED) == 2
+    assert counted.total(Event.REPLAY_FORBIDDEN) == 1

@@ -16,6 +16,7 @@ from typing import Any, TypeAlias, cast
 
 from .._concurrency import async_resolve
 from .._errors import IdempotencyError, ReplayForbidden
+from .._events import Event
 from .._http import (
     EdgeOptions,
     HTTPRequest,
@@ -86,6 +87,7 @@ class AsyncEdge:
         """
         try:
             intent = self.intent(request)
+            started = self.idempotency.clock()
             sent: list[Response] = []
             operation = self._storing(handler, sent, atomic=transaction is not None)
             if transaction is None:
@@ -96,7 +98,7 @@ class AsyncEdge:
                         intent, operation, transaction=opened, single_commit=single_commit
                     )
             if outcome.replayed:
-                await self._authorize(outcome.record)
+                await self._authorize(intent, outcome.record, started)
                 return with_request_id(replayed(outcome), request.request_id)
             return with_request_id(sent[0], request.request_id)
         except IdempotencyError as exc:
@@ -120,11 +122,13 @@ class AsyncEdge:
 
         return operation
 
-    async def _authorize(self, record: Record) -> None:
+    async def _authorize(self, intent: Intent, record: Record, started: float) -> None:
         hook = self.options.authorize_replay
         if hook is None:
             return
         if not await async_resolve(hook(record)):
+            observer, clock = self.idempotency.observer, self.idempotency.clock
+            observer(Event.REPLAY_FORBIDDEN, intent, clock() - started)
             raise ReplayForbidden("this principal may no longer see the stored response")
 
 

@@ -17,6 +17,7 @@ from typing import Any, TypeAlias, cast
 
 from .._concurrency import resolve
 from .._errors import IdempotencyError, ReplayForbidden
+from .._events import Event
 from .._http import (
     EdgeOptions,
     HTTPRequest,
@@ -87,6 +88,7 @@ class Edge:
         """
         try:
             intent = self.intent(request)
+            started = self.idempotency.clock()
             sent: list[Response] = []
             operation = self._storing(handler, sent, atomic=transaction is not None)
             if transaction is None:
@@ -97,7 +99,7 @@ class Edge:
                         intent, operation, transaction=opened, single_commit=single_commit
                     )
             if outcome.replayed:
-                self._authorize(outcome.record)
+                self._authorize(intent, outcome.record, started)
                 return with_request_id(replayed(outcome), request.request_id)
             return with_request_id(sent[0], request.request_id)
         except IdempotencyError as exc:
@@ -121,11 +123,13 @@ class Edge:
 
         return operation
 
-    def _authorize(self, record: Record) -> None:
+    def _authorize(self, intent: Intent, record: Record, started: float) -> None:
         hook = self.options.authorize_replay
         if hook is None:
             return
         if not resolve(hook(record)):
+            observer, clock = self.idempotency.observer, self.idempotency.clock
+            observer(Event.REPLAY_FORBIDDEN, intent, clock() - started)
             raise ReplayForbidden("this principal may no longer see the stored response")
 
 
