@@ -31,7 +31,14 @@ from pydantic import BaseModel  # noqa: E402
 from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
 
 import idemflow  # noqa: E402
-from idemflow import AsyncAttempt, AsyncIdempotency, ConfigurationError, Policy  # noqa: E402
+from idemflow import (  # noqa: E402
+    AsyncAttempt,
+    AsyncIdempotency,
+    ConfigurationError,
+    CountingObserver,
+    Event,
+    Policy,
+)
 from idemflow.integrations.fastapi import (  # noqa: E402
     IdempotentRequest,
     IdempotentRoute,
@@ -90,6 +97,8 @@ class Harness:
         self.calls: collections.Counter[str] = collections.Counter()
         self.gate = threading.Event()
         self.url = ""
+        #: What the pool shorthand's driver counted (its observer=).
+        self.notes_counted = CountingObserver()
 
     def rows(self, item: str) -> int:
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
@@ -150,7 +159,9 @@ def make_app(harness: Harness) -> FastAPI:
     notes_pool = psycopg_pool.AsyncConnectionPool(
         harness.schema_url(), min_size=1, max_size=2, kwargs={"autocommit": True}, open=False
     )
-    maybe = dependency(notes_pool, principal=current_user, required=False)
+    maybe = dependency(
+        notes_pool, principal=current_user, required=False, observer=harness.notes_counted
+    )
     MaybeIdem = Annotated[IdempotentRequest, Depends(maybe)]
 
     @contextlib.asynccontextmanager
@@ -501,6 +512,8 @@ def test_an_optional_key_runs_unprotected_without_one_and_protected_with_one(
     assert replay.headers["idempotent-replayed"] == "true"
     assert harness.note_state(key) == "completed"
     assert harness.rows(body["item"]) == 3
+    counted = harness.notes_counted  # the shorthand's observer: only the keyed requests
+    assert [counted.total(e) for e in (Event.CLAIMED, Event.REPLAYED)] == [1, 1]
 
 
 def test_a_public_endpoint_needs_no_principal_and_shares_one_anonymous_key_space(

@@ -60,6 +60,7 @@ from typing import Annotated, Any
 
 from .. import AsyncAttempt, AsyncIdempotency
 from .._errors import ConfigurationError, IdempotencyError, MissingPrincipal
+from .._events import Observer, null_observer
 from .._extras import optional
 from .._model import Policy, Response, Verdict
 from ..edge import (
@@ -221,6 +222,7 @@ def dependency(
     required: bool = True,
     policy: Policy | None = None,
     options: EdgeOptions | None = None,
+    observer: Observer | None = None,
 ) -> Callable[..., Any]:
     """A FastAPI dependency yielding :class:`IdempotentRequest`.
 
@@ -230,7 +232,9 @@ def dependency(
             or, as a shorthand, a ``psycopg_pool.AsyncConnectionPool`` of
             autocommit connections: keys in its database (the
             ``idemflow_keys`` table), the endpoint's transaction on a
-            connection of the same pool, ``policy`` and ``options`` as given.
+            connection of the same pool, ``policy``, ``options`` and
+            ``observer`` (metrics: :class:`~idemflow.metrics.PrometheusMetrics`)
+            as given.
         principal: your authentication dependency; FastAPI runs it first, and
             what it returns (a ``str``, or an object with ``identity`` or
             ``username``; None for nobody, answered 401) scopes the key. For
@@ -246,9 +250,10 @@ def dependency(
             keys are never claimed anonymously.
     """
     if not isinstance(idempotent, Idempotent):
-        idempotent = _on_pool(idempotent, policy, options)
-    elif policy is not None or options is not None:
-        raise ConfigurationError("policy= and options= belong to the Idempotent given")
+        idempotent = _on_pool(idempotent, policy, options, observer)
+    elif policy is not None or options is not None or observer is not None:
+        msg = "policy=, options= and observer= belong to the Idempotent given"
+        raise ConfigurationError(msg)
     public = idempotent.edge.options.public
     if principal is None and not public:
         msg = (
@@ -276,7 +281,9 @@ def dependency(
     return from_dependency
 
 
-def _on_pool(pool: Any, policy: Policy | None, options: EdgeOptions | None) -> Idempotent:
+def _on_pool(
+    pool: Any, policy: Policy | None, options: EdgeOptions | None, observer: Observer | None
+) -> Idempotent:
     """The transactional configuration for a psycopg async pool: keys and rows in one database."""
     cls = type(pool)
     if not (cls.__module__.startswith("psycopg_pool") and cls.__name__ == "AsyncConnectionPool"):
@@ -289,7 +296,7 @@ def _on_pool(pool: Any, policy: Policy | None, options: EdgeOptions | None) -> I
     from ..transactions import AsyncPsycopgTransaction
 
     return Idempotent(
-        AsyncIdempotency(AsyncPostgresStore(pool), policy),
+        AsyncIdempotency(AsyncPostgresStore(pool), policy, observer=observer or null_observer),
         connect=pool.connection,
         transaction=AsyncPsycopgTransaction,
         options=options,
