@@ -27,7 +27,7 @@ import sqlite3
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,8 @@ import pytest
 from idemflow import (
     AsyncAttempt,
     AsyncIdempotency,
+    CountingObserver,
+    Event,
     Idempotency,
     IdempotencyError,
     Policy,
@@ -142,6 +144,8 @@ class Rig:
     store: Any
     #: Two commits (sync): opens the connection of the request's own transaction.
     connect: Callable[[], sqlite3.Connection] | None = None
+    #: What every request's driver reported.
+    counted: CountingObserver = field(default_factory=CountingObserver)
 
     async def ask(self, key: str, act: Callable[[], Response]) -> Reply:
         """One request under ``key`` whose handler answers ``act()``."""
@@ -181,12 +185,14 @@ class Rig:
             if self.mode == "sync":
                 # A frozen clock, as tests inject one: the release's wait is timed on the
                 # monotonic clock, never on the one that dates records.
-                idem = Idempotency(self.store, POLICY, clock=FrozenClock(time.time()))
+                idem = Idempotency(
+                    self.store, POLICY, clock=FrozenClock(time.time()), observer=self.counted
+                )
                 outcome = idem.run(intent(key), lambda a: act())
             elif self.mode == "two-commit":
                 assert self.connect is not None
                 with contextlib.closing(self.connect()) as conn:
-                    outcome = Idempotency(self.store, POLICY).run(
+                    outcome = Idempotency(self.store, POLICY, observer=self.counted).run(
                         intent(key), lambda a: act(), transaction=SQLite3Transaction(conn)
                     )
             else:
@@ -194,7 +200,8 @@ class Rig:
                 async def handler(attempt: AsyncAttempt) -> Response:
                     return act()
 
-                outcome = await AsyncIdempotency(self.store, POLICY).run(intent(key), handler)
+                idem = AsyncIdempotency(self.store, POLICY, observer=self.counted)
+                outcome = await idem.run(intent(key), handler)
         except IdempotencyError as error:
             return error.status, error.slug, error.detail, False
         return outcome.response.status, None, "", outcome.replayed
@@ -219,7 +226,7 @@ class Rig:
             middleware=[
                 Middleware(
                     IdempotencyMiddleware,
-                    idempotency=AsyncIdempotency(self.store, POLICY),
+                    idempotency=AsyncIdempotency(self.store, POLICY, observer=self.counted),
                     endpoints=["POST /payments"],
                     principal=lambda scope: "alice",
                 )
@@ -469,6 +476,9 @@ async def test_a_release_that_waited_out_sqlites_lock_is_not_sent_again(
 
     assert answer.status == (503 if failure == "transient" else None)
     assert releases == 1
+    # The release that failed is counted as such, never as released.
+    assert rig.counted.total(Event.RELEASE_FAILED) == 1
+    assert rig.counted.total(Event.RELEASED) == 0
     assert BUSY_TIMEOUT <= answer.seconds < RELEASE_ATTEMPTS * BUSY_TIMEOUT, answer.seconds
     assert left is not None
     assert left.state is State.IN_PROGRESS  # the sweeper's

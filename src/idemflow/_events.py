@@ -38,6 +38,9 @@ class Event(enum.StrEnum):
     #: The replay authorization hook refused a stored response (403). Counted after the
     #: ``REPLAYED`` the claim reported: replays served = replayed - replay_forbidden.
     REPLAY_FORBIDDEN = "replay_forbidden"
+    #: A transient failure's release could not be written (the store did not answer):
+    #: the key stays claimed, retries get 409 until the sweeper releases it.
+    RELEASE_FAILED = "release_failed"
 
 
 class Observer(Protocol):

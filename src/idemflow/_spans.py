@@ -43,13 +43,14 @@ SPAN_NAME = "idemflow.run"
 _TRACER_NAME = "idemflow"
 _TRACEPARENT = re.compile(r"\b00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})\b")
 
-# Events that decide what kind of answer a request got; COMPLETED and RELEASED
-# only change the record's state after a claim.
-_OUTCOMES = frozenset(Event) - {Event.COMPLETED, Event.RELEASED}
+# Events that decide what kind of answer a request got; COMPLETED and RELEASED (or
+# RELEASE_FAILED) only change, or keep, the record's state after a claim.
+_OUTCOMES = frozenset(Event) - {Event.COMPLETED, Event.RELEASED, Event.RELEASE_FAILED}
 _STATE_AFTER = {
     Event.CLAIMED: "in_progress",
     Event.COMPLETED: "completed",
     Event.RELEASED: "released",
+    Event.RELEASE_FAILED: "in_progress",
 }
 
 
@@ -141,8 +142,11 @@ class Run:
             self._link_original(outcome.record.correlation_id)
         else:
             verdict = self.policy.verdict(outcome.response)
+            # A transient answer leaves what its release did: released, or in_progress.
             attributes["idemflow.state"] = (
-                "released" if verdict is Verdict.TRANSIENT else str(verdict.value)
+                attributes.get("idemflow.state", "released")
+                if verdict is Verdict.TRANSIENT
+                else str(verdict.value)
             )
         self.span.set_attributes(attributes)
 

@@ -45,6 +45,7 @@ DEFAULT_LEVELS: Mapping[Event, int] = {
     Event.LEASE_LOST: logging.WARNING,
     Event.OUTCOME_UNKNOWN: logging.WARNING,
     Event.REPLAY_FORBIDDEN: logging.INFO,
+    Event.RELEASE_FAILED: logging.WARNING,
 }
 
 _MESSAGES: Mapping[Event, str] = {
@@ -59,6 +60,7 @@ _MESSAGES: Mapping[Event, str] = {
     Event.LEASE_LOST: "claim taken over before completion on %s: work rolled back",
     Event.OUTCOME_UNKNOWN: "outcome unknown on %s: answered 503, the claim kept for the sweeper",
     Event.REPLAY_FORBIDDEN: "stored response refused on %s by the replay authorization: 403",
+    Event.RELEASE_FAILED: "idempotency key could not be released on %s: left to the sweeper",
 }
 
 _DIGEST_BYTES = 8

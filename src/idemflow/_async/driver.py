@@ -293,8 +293,8 @@ class _Performer:
         if isinstance(step, CommitClaim):
             await async_shielded(self._commit_claim())
             return None
-        if await async_shielded(self._release(step.record)):
-            self.observe(Event.RELEASED)
+        released = await async_shielded(self._release(step.record))
+        self.observe(Event.RELEASED if released else Event.RELEASE_FAILED)
         return None
 
     async def _claim(self, step: ClaimKey) -> Claim:

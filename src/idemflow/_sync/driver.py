@@ -292,8 +292,8 @@ class _Performer:
         if isinstance(step, CommitClaim):
             self._commit_claim()
             return None
-        if self._release(step.record):
-            self.observe(Event.RELEASED)
+        released = self._release(step.record)
+        self.observe(Event.RELEASED if released else Event.RELEASE_FAILED)
         return None
 
     def _claim(self, step: ClaimKey) -> Claim:
