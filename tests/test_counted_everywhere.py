@@ -53,7 +53,7 @@ from idemflow.metrics import PrometheusMetrics
 from idemflow.stores.memory import MemoryStore
 from idemflow.sweeper import AsyncSweeper, DidNotHappen, Happened, Sweeper, Unknown
 from idemflow.testing import FrozenClock
-from tests.backends import REDIS_POLICY_ARGS, Rig, open_rig, rig_params
+from tests.backends import REDIS_POLICY_ARGS, TRANSACTIONAL_RIGS, Rig, open_rig, rig_params
 from tests.ops_support import Samples, metrics_endpoint
 from tests.ops_support import intent as payment_intent
 
@@ -820,17 +820,7 @@ class Reconciler:
         return self.answers[record.key]
 
 
-SWEPT_STORES = (
-    ("postgres", "postgres"),
-    ("postgres-sync", "postgres"),
-    ("mysql", "mysql"),
-    ("mysql-sync", "mysql"),
-    ("sqlite", None),
-    ("sqlite-sync", None),
-    ("redis", "redis"),
-    ("redis-sync", "redis"),
-    ("memory", None),
-)
+SWEPT_STORES = (*TRANSACTIONAL_RIGS, ("redis", "redis"), ("redis-sync", "redis"), ("memory", None))
 
 
 @pytest.mark.parametrize("kind", rig_params(SWEPT_STORES))

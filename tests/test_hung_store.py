@@ -200,8 +200,8 @@ class Rig:
                 async def handler(attempt: AsyncAttempt) -> Response:
                     return act()
 
-                idem = AsyncIdempotency(self.store, POLICY, observer=self.counted)
-                outcome = await idem.run(intent(key), handler)
+                driver = AsyncIdempotency(self.store, POLICY, observer=self.counted)
+                outcome = await driver.run(intent(key), handler)
         except IdempotencyError as error:
             return error.status, error.slug, error.detail, False
         return outcome.response.status, None, "", outcome.replayed
