@@ -37,6 +37,7 @@ wire is decided here, once, so the integrations cannot disagree:
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import re
@@ -90,6 +91,7 @@ __all__ = [
     "request_id_from",
     "stored_form",
     "storing",
+    "sync_replay_authorizer",
     "unsendable",
 ]
 
@@ -224,6 +226,26 @@ class EdgeOptions:
             raise ConfigurationError("max_response_bytes must not be negative")
         if self.max_body_bytes < 0:
             raise ConfigurationError("max_body_bytes must not be negative")
+
+
+def sync_replay_authorizer(hook: object, name: str) -> Callable[[Record], bool]:
+    """``hook`` checked where a WSGI framework's integration is configured: a plain
+    callable ``(record) -> bool``; ``name`` says where it was given, for the message.
+
+    The sync edge cannot await: an ``async def`` hook answers a coroutine, which the
+    edge refuses on every replay (a 500 each time, never taken for "allowed"). Refused
+    here instead, once, when the application is configured.
+    """
+    if not callable(hook):
+        raise ConfigurationError(f"{name} must be a callable (record) -> bool, got {hook!r}")
+    # An object whose __call__ is async answers a coroutine just the same.
+    if inspect.iscoroutinefunction(hook) or inspect.iscoroutinefunction(hook.__call__):
+        msg = (
+            f"{name} is a coroutine function, but this integration runs the sync edge, "
+            "which cannot await it: pass a plain function (record) -> bool"
+        )
+        raise ConfigurationError(msg)
+    return hook  # its answer is checked on each replay (the edge refuses an awaitable)
 
 
 def intent_for(request: HTTPRequest, options: EdgeOptions) -> Intent:

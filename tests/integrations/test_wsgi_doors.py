@@ -21,7 +21,7 @@ import json
 import sqlite3
 import uuid
 import wsgiref.util
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,8 @@ class Door:
     #: Sets the framework's own cap on a body in memory while the block runs (Django's
     #: DATA_UPLOAD_MAX_MEMORY_SIZE, Flask's MAX_CONTENT_LENGTH); the WSGI middleware has none.
     framework_cap: Callable[[int], contextlib.AbstractContextManager[None]] | None = None
+    #: The stored record of ``(principal, key)`` (an ``idemflow.Record``), or None.
+    record: Callable[[str, str], Any] | None = None
 
     def call(self, environ: dict[str, Any]) -> httpx.Response:
         """Call the application as a WSGI server does; its answer as an httpx Response."""
@@ -177,7 +179,16 @@ def _wsgi_door(tmp: Path) -> Iterator[Door]:
 
 
 @contextlib.contextmanager
-def _flask_door(tmp: Path) -> Iterator[Door]:
+def _flask_door(
+    tmp: Path,
+    ran: list[str] | None = None,
+    *,
+    extension: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
+    protect: Mapping[str, Any] | None = None,
+) -> Iterator[Door]:
+    """Flask's ``@idem.protect``; ``extension``, ``config`` and ``protect``: further
+    arguments of ``Idempotency(…)``, ``app.config`` entries, ``idem.protect(…)``'s."""
     from flask import Flask, request
 
     from idemflow.integrations.flask import Idempotency
@@ -187,11 +198,16 @@ def _flask_door(tmp: Path) -> Iterator[Door]:
     store.migrate()
     app = Flask(__name__)
     app.config["IDEMFLOW_MAX_BODY_BYTES"] = CAP
-    idem = Idempotency(app, store=store, principal=lambda: request.headers.get("X-User"))
-    ran: list[str] = []
+    app.config.update(config or {})
+    idem = Idempotency(
+        app, store=store, principal=lambda: request.headers.get("X-User"), **(extension or {})
+    )
+    ran = [] if ran is None else ran
+    protected: Callable[[Callable[..., Any]], Callable[..., Any]]
+    protected = idem.protect(**(protect or {}))
 
     @app.post("/payments")
-    @idem.protect
+    @protected
     def pay() -> Any:
         ran.append(str(request.headers["X-User"]))
         return {"id": 1}, 201
@@ -206,7 +222,7 @@ def _flask_door(tmp: Path) -> Iterator[Door]:
 
     records = _sqlite_records(tmp / "keys.db")
     try:
-        yield Door("flask", app, "/payments", records, ran, max_content_length)
+        yield Door("flask", app, "/payments", records, ran, max_content_length, store.get)
     finally:
         store.close()
 
@@ -218,7 +234,18 @@ class _URLs:
 
 
 @contextlib.contextmanager
-def _django_door(name: str, path: str, alias: str, atomic: bool) -> Iterator[Door]:
+def _django_door(
+    name: str,
+    path: str,
+    alias: str,
+    atomic: bool,
+    ran: list[str] | None = None,
+    *,
+    settings: Mapping[str, Any] | None = None,
+    decorator: Mapping[str, Any] | None = None,
+) -> Iterator[Door]:
+    """One of Django's doors; ``settings``: further ``IDEMFLOW`` entries, ``decorator``:
+    arguments of ``@idempotent(…)`` on the function, class-based and DRF views."""
     from django.core.handlers.wsgi import WSGIHandler
     from django.db import connections
     from django.http import HttpRequest, JsonResponse
@@ -235,21 +262,24 @@ def _django_door(name: str, path: str, alias: str, atomic: bool) -> Iterator[Doo
 
     require(alias)
     table = f"idem_{uuid.uuid4().hex[:12]}"
-    ran: list[str] = []
+    runs: list[str] = [] if ran is None else ran
+    protected: Callable[[Callable[..., Any]], Callable[..., Any]]
+    protected = idempotent(**(decorator or {}))
 
     def pay(request: Any) -> JsonResponse:
-        ran.append(request.META["HTTP_X_USER"])
+        runs.append(request.META["HTTP_X_USER"])
         return JsonResponse({"id": 1}, status=201)
 
-    settings = {
+    idemflow = {
         "database": alias,
         "table": table,
         "principal": lambda request: request.META.get("HTTP_X_USER"),
         "endpoints": ["POST /mw/payments"],
         "max_body_bytes": CAP,
+        **(settings or {}),
     }
     overridden = override_settings(
-        IDEMFLOW=settings,
+        IDEMFLOW=idemflow,
         ROOT_URLCONF=_URLs,
         MIDDLEWARE=["idemflow.integrations.django.middleware.IdempotencyMiddleware"],
         REST_FRAMEWORK={"UNAUTHENTICATED_USER": None},
@@ -259,7 +289,7 @@ def _django_door(name: str, path: str, alias: str, atomic: bool) -> Iterator[Doo
     with overridden:
         database["ATOMIC_REQUESTS"] = atomic
 
-        @method_decorator(idempotent, name="post")
+        @method_decorator(protected, name="post")
         class PaymentView(View):  # type: ignore[misc]  # Django has no stubs here
             def post(self, request: HttpRequest) -> JsonResponse:
                 return pay(request)
@@ -270,13 +300,13 @@ def _django_door(name: str, path: str, alias: str, atomic: bool) -> Iterator[Doo
             parser_classes = (JSONParser,)
             renderer_classes = (JSONRenderer,)
 
-            @idempotent
+            @protected
             def create(self, request: Any) -> Response:
-                ran.append(request.META["HTTP_X_USER"])
+                runs.append(request.META["HTTP_X_USER"])
                 return Response({"id": 1}, status=201)
 
         _URLs.urlpatterns = (
-            route("payments", idempotent(pay)),
+            route("payments", protected(pay)),
             route("cbv/payments", PaymentView.as_view()),
             route("drf/payments", PaymentViewSet.as_view({"post": "create"})),
             route("mw/payments", pay),
@@ -292,7 +322,8 @@ def _django_door(name: str, path: str, alias: str, atomic: bool) -> Iterator[Doo
             return override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=size)
 
         try:
-            yield Door(name, WSGIHandler(), path, records, ran, data_upload_max_memory_size)
+            cap = data_upload_max_memory_size
+            yield Door(name, WSGIHandler(), path, records, runs, cap, store.get)
         finally:
             database["ATOMIC_REQUESTS"] = atomic_before
             connections[alias].close()

@@ -22,9 +22,17 @@ still running gets 409 with ``Retry-After``; the same key with another body
 Configuration (``app.config``): ``IDEMFLOW_STORE`` (a ``DATABASE_URL``; by
 default Flask-SQLAlchemy's own database), ``IDEMFLOW_TABLE``,
 ``IDEMFLOW_REQUEST_TIMEOUT``, ``IDEMFLOW_RETENTION``, ``IDEMFLOW_SINGLE_COMMIT``,
-``IDEMFLOW_MAX_BODY_BYTES``, ``IDEMFLOW_MAX_RESPONSE_BYTES``. The principal
-comes from ``principal=`` (a callable returning the caller's id, or None), by
-default Flask-Login's ``current_user`` when the app has a login manager.
+``IDEMFLOW_MAX_BODY_BYTES``, ``IDEMFLOW_MAX_RESPONSE_BYTES``,
+``IDEMFLOW_AUTHORIZE_REPLAY``. The principal comes from ``principal=`` (a
+callable returning the caller's id, or None), by default Flask-Login's
+``current_user`` when the app has a login manager.
+
+A retry is answered from the stored response without running the view, so
+without the view's own permission checks: ``authorize_replay=`` (or
+``IDEMFLOW_AUTHORIZE_REPLAY``, a callable or its import path), and per view
+``@idem.protect(authorize_replay=…)``, is asked ``(record) -> bool`` first
+(``record.principal`` is the caller); False answers 403 ``replay-forbidden``
+and the record is kept.
 ``flask idemflow migrate|sweep|purge`` manage the key table.
 
 Behind the WSGI middleware instead (:mod:`idemflow.integrations.wsgi`, for
@@ -56,7 +64,7 @@ from .._errors import (
     ResponseNotStorable,
 )
 from .._extras import optional
-from .._model import Policy, Response
+from .._model import Policy, Record, Response
 from ..edge import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -72,6 +80,7 @@ from ..edge import (
     report_outcome_unknown,
     request_id_from,
     sendable_headers,
+    sync_replay_authorizer,
 )
 from ..stores.protocol import Store, Transaction
 from .wsgi import raw_headers, require_length  # raw_headers: werkzeug's lines, one reader
@@ -87,6 +96,9 @@ _View = TypeVar("_View", bound=Callable[..., Any])
 #: Opens the transaction the completion is written in, for one request.
 TransactionFactory = Callable[[], AbstractContextManager[Transaction]]
 PrincipalGetter = Callable[[], "str | None"]
+#: Asked with the stored record before it is replayed: may its principal still see it?
+#: Plain, not ``async def``: Flask's edge is the sync one.
+ReplayHook = Callable[[Record], bool]
 
 _CONFIG: dict[str, Any] = {
     "IDEMFLOW_STORE": None,
@@ -96,6 +108,7 @@ _CONFIG: dict[str, Any] = {
     "IDEMFLOW_SINGLE_COMMIT": False,
     "IDEMFLOW_MAX_BODY_BYTES": DEFAULT_MAX_BODY_BYTES,
     "IDEMFLOW_MAX_RESPONSE_BYTES": DEFAULT_MAX_RESPONSE_BYTES,
+    "IDEMFLOW_AUTHORIZE_REPLAY": None,  # a callable (record) -> bool, or its import path
 }
 
 
@@ -113,9 +126,17 @@ _ANONYMOUS = "authenticate first: idempotency keys are scoped to the caller"
 
 
 class _State:
-    """What one app's requests share: the driver on its store, and how to open transactions."""
+    """What one app's requests share: the driver on its store, its edges, and how to open
+    transactions."""
 
-    def __init__(self, store: Store, policy: Policy, app: Flask, observer: Observer | None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        policy: Policy,
+        app: Flask,
+        observer: Observer | None,
+        authorize_replay: ReplayHook | None,
+    ) -> None:
         self.store = store
         self.driver = (
             Driver(store, policy) if observer is None else Driver(store, policy, observer=observer)
@@ -123,18 +144,27 @@ class _State:
         self.single_commit = bool(app.config["IDEMFLOW_SINGLE_COMMIT"])
         self.max_body_bytes = int(app.config["IDEMFLOW_MAX_BODY_BYTES"])
         self.max_response_bytes = int(app.config["IDEMFLOW_MAX_RESPONSE_BYTES"])
-        # Built once, not per request: the options are checked when made.
-        self.edges = {
-            public: Edge(
-                self.driver,
-                EdgeOptions(
-                    public=public,
-                    max_body_bytes=self.max_body_bytes,
-                    max_response_bytes=self.max_response_bytes,
-                ),
+        self.authorize_replay = authorize_replay
+        # (public, id of the replay hook) -> (the hook, kept so its id is not reused; its
+        # edge). Built once, not per request: the options are checked when made.
+        self._edges: dict[tuple[bool, int], tuple[ReplayHook | None, Edge]] = {}
+        for public in (False, True):
+            self.edge(public)
+
+    def edge(self, public: bool, authorize_replay: ReplayHook | None = None) -> Edge:
+        """The edge of a public or non-public view, with the view's own replay hook or
+        the app's: made once per view hook (on its first request), not per request."""
+        hook = self.authorize_replay if authorize_replay is None else authorize_replay
+        made = self._edges.get((public, id(hook)))
+        if made is None:  # two threads may both make it: the same options, either will do
+            options = EdgeOptions(
+                public=public,
+                authorize_replay=hook,
+                max_body_bytes=self.max_body_bytes,
+                max_response_bytes=self.max_response_bytes,
             )
-            for public in (False, True)
-        }
+            made = self._edges[(public, id(hook))] = (hook, Edge(self.driver, options))
+        return made[1]
 
 
 class Idempotency:
@@ -152,6 +182,10 @@ class Idempotency:
         principal: returns the caller's id (None when anonymous).
         observer: told every outcome of every protected request (claimed,
             replayed, released, …), e.g. an :class:`idemflow.metrics.PrometheusMetrics`.
+        authorize_replay: ``(record) -> bool``, asked before a stored response
+            is replayed; False answers 403. Or ``IDEMFLOW_AUTHORIZE_REPLAY``,
+            not both. A plain function: an ``async def`` one is a
+            ``ConfigurationError`` when the app is set up.
     """
 
     def __init__(
@@ -163,9 +197,13 @@ class Idempotency:
         store: Store | None = None,
         principal: PrincipalGetter | None = None,
         observer: Observer | None = None,
+        authorize_replay: ReplayHook | None = None,
     ) -> None:
         if db is not None and transaction is not None:
             raise ConfigurationError("pass db= or transaction=, not both")
+        if authorize_replay is not None:
+            sync_replay_authorizer(authorize_replay, "Idempotency(authorize_replay=…)")
+        self._authorize_replay = authorize_replay
         self.db = db
         self._transaction = transaction
         self._session_transactions: TransactionFactory | None = None
@@ -188,10 +226,28 @@ class Idempotency:
                 "Flask-Login (keys are never claimed anonymously)"
             )
             raise ConfigurationError(msg)
-        app.extensions["idemflow"] = _State(
-            self._store or self._open_store(app), policy, app, self._observer
-        )
+        hook = self._replay_hook(app)
+        store = self._store or self._open_store(app)
+        app.extensions["idemflow"] = _State(store, policy, app, self._observer, hook)
         app.cli.add_command(_cli(self))
+
+    def _replay_hook(self, app: Flask) -> ReplayHook | None:
+        """``authorize_replay=`` or ``IDEMFLOW_AUTHORIZE_REPLAY`` (imported if a path), checked."""
+        configured = app.config["IDEMFLOW_AUTHORIZE_REPLAY"]
+        if configured is None:
+            return self._authorize_replay
+        if self._authorize_replay is not None:
+            msg = "pass authorize_replay= or set IDEMFLOW_AUTHORIZE_REPLAY, not both"
+            raise ConfigurationError(msg)
+        if isinstance(configured, str):
+            from werkzeug.utils import ImportStringError, import_string
+
+            try:
+                configured = import_string(configured)
+            except ImportStringError as exc:
+                msg = f"IDEMFLOW_AUTHORIZE_REPLAY = {configured!r} does not import: {exc}"
+                raise ConfigurationError(msg) from exc
+        return sync_replay_authorizer(configured, "IDEMFLOW_AUTHORIZE_REPLAY")
 
     def protect(
         self,
@@ -199,18 +255,24 @@ class Idempotency:
         *,
         public: bool = False,
         validate: Callable[..., object] | None = None,
+        authorize_replay: ReplayHook | None = None,
     ) -> Any:
         """Protect a view; ``@idem.protect`` or ``@idem.protect(public=…, validate=…)``.
 
         ``validate`` is called with the view's arguments after the body was read
         and before the claim: what it raises (a 400) is never recorded.
+        ``authorize_replay`` replaces the app's replay hook for this view.
         """
+        if authorize_replay is not None:
+            sync_replay_authorizer(authorize_replay, "@idem.protect(authorize_replay=…)")
 
         def decorate(inner: _View) -> _View:
             @functools.wraps(inner)
             def wrapper(*args: Any, **kwargs: Any) -> Any:
                 check = None if validate is None else lambda: validate(*args, **kwargs)
-                return self._protected(lambda: inner(*args, **kwargs), public, check)
+                return self._protected(
+                    lambda: inner(*args, **kwargs), public, check, authorize_replay
+                )
 
             return wrapper  # type: ignore[return-value]
 
@@ -223,14 +285,18 @@ class Idempotency:
         return found
 
     def _protected(
-        self, view: Callable[[], Any], public: bool, validate: Callable[[], object] | None
+        self,
+        view: Callable[[], Any],
+        public: bool,
+        validate: Callable[[], object] | None,
+        authorize_replay: ReplayHook | None,
     ) -> FlaskResponse:
         state = self.state()
         # Once: every access through the request proxy costs a context lookup.
         current: Any = request._get_current_object()  # type: ignore[attr-defined]
         headers = raw_headers(current.environ)
         rid = request_id_from(headers)
-        edge = state.edges[public]
+        edge = state.edge(public, authorize_replay)
         try:
             if current.method.upper() in SAFE_METHODS:
                 msg = f"{current.method} is idempotent already; protect unsafe methods only"

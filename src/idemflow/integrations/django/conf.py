@@ -10,6 +10,7 @@
         "database": "default",        # the DATABASES alias of the key table and the completion
         "store": "django",            # or a DATABASE_URL: postgresql://…, mysql://…, redis://…
         "observer": None,             # dotted path or object: told every outcome (metrics)
+        "authorize_replay": None,     # dotted path or callable: record -> bool, before a replay
     }
 
 Every key is optional. An unknown key or a bad value is an ``ImproperlyConfigured``
@@ -33,7 +34,7 @@ from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
 from ... import ConfigurationError, Idempotency, Observer, Policy
-from ...edge import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BYTES
+from ...edge import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BYTES, sync_replay_authorizer
 from ...stores.protocol import Store
 
 __all__ = ["IdemflowSettings", "get_idempotency", "get_store", "idemflow_settings"]
@@ -51,6 +52,8 @@ _DEFAULTS: Mapping[str, Any] = {
     "single_commit": False,
     # The HTTP side (decorator and middleware):
     "principal": None,  # dotted path or callable: request -> str | None (default: request.user.pk)
+    # dotted path or callable: record -> bool, asked again before a stored response is replayed
+    "authorize_replay": None,
     "endpoints": (),  # what IdempotencyMiddleware protects: "POST /payments/<int:pk>/refunds"
     "auth_middleware": (),  # further middleware that must run before IdempotencyMiddleware
     "max_body_bytes": DEFAULT_MAX_BODY_BYTES,
@@ -76,6 +79,10 @@ class IdemflowSettings:
     #: Claim inside the view's transaction too (PostgreSQL, MySQL): one commit per request.
     single_commit: bool
     principal: Any
+    #: Asked before each replay whether ``record.principal`` may still see it (False: 403).
+    #: A callable, or its dotted path (imported when the first protected request comes, or
+    #: when ``IdempotencyMiddleware`` starts): see ``http.replay_authorizer``.
+    authorize_replay: Any
     endpoints: Sequence[str]
     auth_middleware: Sequence[str]
     max_body_bytes: int
@@ -124,7 +131,20 @@ def _checked() -> IdemflowSettings:
         raise ImproperlyConfigured(f"settings.IDEMFLOW: {exc}") from exc
     if chosen.clock not in ("database", "caller"):
         raise ImproperlyConfigured("settings.IDEMFLOW['clock'] must be 'database' or 'caller'")
+    _check_replay_hook(chosen.authorize_replay)
     return replace(chosen, observer=_observer(chosen.observer))
+
+
+def _check_replay_hook(hook: Any) -> None:
+    """A callable is checked now (an ``async def`` one is refused: the Django edge is sync);
+    a dotted path only for its form: importing it here, while the settings lock is held,
+    could import views that read the settings (``@idempotent``) and wait on the lock."""
+    if hook is None or (isinstance(hook, str) and hook):
+        return
+    try:
+        sync_replay_authorizer(hook, "settings.IDEMFLOW['authorize_replay']")
+    except ConfigurationError as exc:
+        raise ImproperlyConfigured(str(exc)) from exc
 
 
 _lock = threading.Lock()

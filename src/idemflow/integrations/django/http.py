@@ -29,7 +29,7 @@ from ..._errors import (
     OutcomeUnknown,
     ResponseNotStorable,
 )
-from ..._model import Response
+from ..._model import Record, Response
 from ...edge import (
     REQUEST_ID_HEADER,
     SAFE_METHODS,
@@ -44,23 +44,31 @@ from ...edge import (
     report_outcome_unknown,
     request_id_from,
     sendable_headers,
+    sync_replay_authorizer,
 )
 from ..wsgi import raw_headers, read_body, require_length
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
 from .store import DjangoTransaction
 
 __all__ = [
+    "ReplayHook",
     "body_limit",
     "django_request",
     "from_django",
     "outcome_unknown_received",
     "protect",
+    "replay_authorizer",
     "request_user",
     "to_django",
 ]
 
 #: Runs the protected view and returns its Django response.
 ViewCall = Callable[[], HttpResponseBase]
+#: Asked with the stored record before it is replayed: may its principal still see it?
+#: Plain, not ``async def``: Django's edge is the sync one.
+ReplayHook = Callable[[Record], bool]
+
+_REPLAY_SETTING = "settings.IDEMFLOW['authorize_replay']"
 
 
 def request_user(request: Any) -> str | None:
@@ -84,6 +92,24 @@ def _principal_getter(chosen: IdemflowSettings) -> Callable[[Any], str | None]:
     if not callable(getter):
         raise ConfigurationError("settings.IDEMFLOW['principal'] must be a callable or its path")
     return getter  # type: ignore[no-any-return]
+
+
+def replay_authorizer(chosen: IdemflowSettings) -> ReplayHook | None:
+    """``IDEMFLOW['authorize_replay']``: imported if a dotted path, and checked.
+
+    Raises:
+        ConfigurationError: the path does not import, or names no callable or an
+            ``async def`` one.
+    """
+    hook = chosen.authorize_replay
+    if hook is None:
+        return None
+    if isinstance(hook, str):
+        try:
+            hook = import_string(hook)
+        except ImportError as exc:
+            raise ConfigurationError(f"{_REPLAY_SETTING} = {hook!r}: {exc}") from exc
+    return sync_replay_authorizer(hook, _REPLAY_SETTING)
 
 
 def _headers(request: HttpRequest) -> RawHeaders:
@@ -212,19 +238,22 @@ def protect(
     public: bool = False,
     validate: Callable[[], object] | None = None,
     match: Any = None,
+    authorize_replay: ReplayHook | None = None,
 ) -> HttpResponseBase:
     """Run ``view`` once per ``(principal, Idempotency-Key)`` in its own transaction.
 
     ``validate`` runs after the body was read and before anything is claimed:
     what it raises (a DRF ``ValidationError``, Django's ``BadRequest``) passes
-    through and is never recorded.
+    through and is never recorded. ``authorize_replay``: the view's own replay
+    hook, in place of ``IDEMFLOW['authorize_replay']``.
     """
-    prepared = _prepared(idemflow_settings())
+    chosen = idemflow_settings()
     raw = getattr(request, "_request", request)
     headers = _headers(raw)
     rid = request_id_from(headers)
-    edge = prepared.edges[public]
     try:
+        prepared = _prepared(chosen)  # a bad authorize_replay path: the 500 problem naming it
+        edge = prepared.edge(public, authorize_replay)
         if str(raw.method).upper() in SAFE_METHODS:
             msg = f"{raw.method} is idempotent already; protect unsafe methods only"
             raise ConfigurationError(msg)
@@ -242,13 +271,25 @@ def protect(
 
 class _Prepared:
     """What every protected request of one ``settings.IDEMFLOW`` shares, made once:
-    the edge for public and non-public views (their options checked), the principal."""
+    the edges (their options checked), the principal."""
 
     def __init__(self, chosen: IdemflowSettings) -> None:
         self.settings = chosen
-        driver = get_idempotency()
-        self.edges = {public: Edge(driver, _options(chosen, public)) for public in (False, True)}
+        self._driver = get_idempotency()
+        self._authorize_replay = replay_authorizer(chosen)
+        # (public, id of the replay hook) -> (the hook, kept so its id is not reused; its edge)
+        self._edges: dict[tuple[bool, int], tuple[ReplayHook | None, Edge]] = {}
         self._principal: Callable[[Any], str | None] | None = None
+
+    def edge(self, public: bool, authorize_replay: ReplayHook | None = None) -> Edge:
+        """The edge of a public or non-public view, with the view's own replay hook or
+        the setting's: made on its first request, one per view hook, not per request."""
+        hook = self._authorize_replay if authorize_replay is None else authorize_replay
+        made = self._edges.get((public, id(hook)))
+        if made is None:  # two threads may both make it: the same options, either will do
+            made = (hook, Edge(self._driver, _options(self.settings, public, hook)))
+            self._edges[(public, id(hook))] = made
+        return made[1]
 
     def principal(self) -> Callable[[Any], str | None]:
         """The principal getter; a bad ``IDEMFLOW['principal']`` raises on each request."""
@@ -295,9 +336,12 @@ def _respond(
     return to_django(answer)
 
 
-def _options(chosen: IdemflowSettings, public: bool) -> EdgeOptions:
+def _options(
+    chosen: IdemflowSettings, public: bool, authorize_replay: ReplayHook | None
+) -> EdgeOptions:
     return EdgeOptions(
         public=public,
+        authorize_replay=authorize_replay,
         max_body_bytes=chosen.max_body_bytes,
         max_response_bytes=chosen.max_response_bytes,
         exclude_fields=tuple(chosen.exclude_fields),

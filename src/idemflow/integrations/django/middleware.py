@@ -29,6 +29,12 @@ it: an exception the view raises (``BadRequest``, a DRF ``ValidationError``)
 releases the key rather than storing the 400 Django answers, but the key
 stays bound to that request (a corrected body under the same key is a 422).
 To validate before the claim, use ``@idempotent(validate=…)``.
+
+A retry is answered here, from the stored response, before the view and its
+permission checks (``login_required``, ``permission_required``, a queryset
+filtered by owner) run again: set ``IDEMFLOW['authorize_replay']`` to ask again
+whether the caller may still see it (False: 403 ``replay-forbidden``). It is
+imported and checked when the middleware starts.
 """
 
 from __future__ import annotations
@@ -42,9 +48,10 @@ from django.http import HttpRequest, HttpResponseBase
 from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
 
+from ..._errors import ConfigurationError
 from ...edge import SAFE_METHODS
 from .conf import idemflow_settings
-from .http import protect
+from .http import protect, replay_authorizer
 
 __all__ = ["AUTHENTICATION_MIDDLEWARE", "IdempotencyMiddleware"]
 
@@ -58,6 +65,10 @@ class IdempotencyMiddleware:
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
         chosen = idemflow_settings()
         _check_order(type(self), chosen.principal is None, chosen.auth_middleware)
+        try:
+            replay_authorizer(chosen)  # a bad path fails the start, not every replay
+        except ConfigurationError as exc:
+            raise ImproperlyConfigured(str(exc)) from exc
         self.get_response = get_response
         self.endpoints = frozenset(_endpoint(entry) for entry in chosen.endpoints)
         if not self.endpoints:

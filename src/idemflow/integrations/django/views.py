@@ -29,6 +29,12 @@ through and are never recorded, so a client that fixes its body may retry
 with the same key. An exception from the view releases the key and passes
 through unchanged.
 
+On a retry the stored response is replayed without running the view, so
+without running what it checks itself (DRF's object permissions, a lookup
+filtered by owner); ``IDEMFLOW['authorize_replay']``, or the view's own
+``authorize_replay=``, is asked again with the stored record first: False
+answers 403 ``replay-forbidden`` and the record is kept.
+
 A decorated *function* view opts out of ``ATOMIC_REQUESTS`` for the key
 table's alias: idemflow's own transaction takes its place (the claim must
 commit before the view runs). A method runs inside the request's transaction
@@ -43,8 +49,9 @@ from typing import Any, TypeVar, overload
 
 from django.http import HttpRequest
 
+from ...edge import sync_replay_authorizer
 from .conf import idemflow_settings
-from .http import protect
+from .http import ReplayHook, protect
 
 __all__ = ["idempotency_public", "idempotent"]
 
@@ -55,7 +62,10 @@ _View = TypeVar("_View", bound=Callable[..., Any])
 def idempotent(view: _View) -> _View: ...
 @overload
 def idempotent(
-    *, public: bool = False, validate: Callable[..., object] | None = None
+    *,
+    public: bool = False,
+    validate: Callable[..., object] | None = None,
+    authorize_replay: ReplayHook | None = None,
 ) -> Callable[[_View], _View]: ...
 
 
@@ -64,6 +74,7 @@ def idempotent(
     *,
     public: bool = False,
     validate: Callable[..., object] | None = None,
+    authorize_replay: ReplayHook | None = None,
 ) -> Any:
     """Protect a view (see the module's docstring).
 
@@ -71,7 +82,13 @@ def idempotent(
         public: the view is deliberately unauthenticated; its keys are scoped
             to ``"anonymous"``. Otherwise an anonymous request is a 401.
         validate: called with the view's own arguments before the claim.
+        authorize_replay: ``(record) -> bool``, asked before a stored response
+            is replayed (``record.principal`` is the caller); False answers 403.
+            Replaces ``IDEMFLOW['authorize_replay']`` for this view. A plain
+            function: an ``async def`` one is a ``ConfigurationError`` here.
     """
+    if authorize_replay is not None:
+        sync_replay_authorizer(authorize_replay, "@idempotent(authorize_replay=…)")
 
     def decorate(inner: _View) -> _View:
         @functools.wraps(inner)
@@ -82,6 +99,7 @@ def idempotent(
                 lambda: _rendered(inner(*args, **kwargs), args, request, kwargs),
                 public=public or _is_public(inner),
                 validate=None if validate is None else lambda: validate(*args, **kwargs),
+                authorize_replay=authorize_replay,
             )
 
         alias = idemflow_settings().database
