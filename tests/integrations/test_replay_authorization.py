@@ -15,10 +15,13 @@ transaction).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -328,3 +331,50 @@ def test_django_refuses_an_async_hook_in_the_settings_at_start_up_and_in_the_dec
 
     with pytest.raises(ConfigurationError, match=r"@idempotent\(authorize_replay=…\).*coroutine"):
         idempotent(authorize_replay=async_hook)
+
+
+#: A Django project starting (``django.setup()``, so ``AppConfig.ready``) with
+#: ``IDEMFLOW["authorize_replay"]`` set to ``sys.argv[1]``; says whether the hook's module
+#: was imported by then.
+_START = """
+import sys
+import django
+from django.conf import settings
+
+settings.configure(
+    INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth",
+                    "idemflow.integrations.django"],
+    DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
+    IDEMFLOW={"authorize_replay": sys.argv[1]},
+)
+django.setup()
+print("imported" if "tests.integrations.replay_hook_views" in sys.modules else "not imported")
+"""
+_ROOT = Path(__file__).resolve().parents[2]
+_VIEWS = "tests.integrations.replay_hook_views"
+
+
+def start_django(authorize_replay: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-c", _START, authorize_replay]
+    return subprocess.run(
+        command, cwd=_ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_django_imports_the_hooks_path_at_start_up_even_from_a_module_of_its_views() -> None:
+    """``IDEMFLOW["authorize_replay"]`` as a path is imported when the project starts
+    (``AppConfig.ready``), so a wrong one fails the start: an ``async def`` hook or a
+    name the module lacks is an ImproperlyConfigured there, not a 500 on every protected
+    request. It is imported once the settings' lock is free: a module that holds
+    ``@idempotent`` views next to the hook (decorating reads the settings) would
+    otherwise wait on that lock for ever (the start would hang: a timeout here)."""
+    started = start_django(f"{_VIEWS}.may_replay")
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.split() == ["imported"]
+
+    for wrong, said in (("may_replay_later", "coroutine"), ("nowhere", "nowhere")):
+        refused = start_django(f"{_VIEWS}.{wrong}")
+        assert refused.returncode != 0
+        assert "ImproperlyConfigured" in refused.stderr, refused.stderr
+        assert "['authorize_replay']" in refused.stderr
+        assert said in refused.stderr

@@ -80,8 +80,8 @@ class IdemflowSettings:
     single_commit: bool
     principal: Any
     #: Asked before each replay whether ``record.principal`` may still see it (False: 403).
-    #: A callable, or its dotted path (imported when the first protected request comes, or
-    #: when ``IdempotencyMiddleware`` starts): see ``http.replay_authorizer``.
+    #: A callable, or its dotted path (imported by ``AppConfig.ready``, and by
+    #: ``IdempotencyMiddleware`` as it starts): see ``http.replay_authorizer``.
     authorize_replay: Any
     endpoints: Sequence[str]
     auth_middleware: Sequence[str]
@@ -137,8 +137,9 @@ def _checked() -> IdemflowSettings:
 
 def _check_replay_hook(hook: Any) -> None:
     """A callable is checked now (an ``async def`` one is refused: the Django edge is sync);
-    a dotted path only for its form: importing it here, while the settings lock is held,
-    could import views that read the settings (``@idempotent``) and wait on the lock."""
+    a dotted path only for its form. It is imported by ``AppConfig.ready``, not here:
+    importing it while the settings' lock is held would deadlock on a module that holds
+    ``@idempotent`` views too (decorating reads the settings)."""
     if hook is None or (isinstance(hook, str) and hook):
         return
     try:

@@ -18,7 +18,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.utils.module_loading import import_string
 
@@ -53,6 +53,7 @@ from .store import DjangoTransaction
 __all__ = [
     "ReplayHook",
     "body_limit",
+    "check_replay_authorizer",
     "django_request",
     "from_django",
     "outcome_unknown_received",
@@ -110,6 +111,16 @@ def replay_authorizer(chosen: IdemflowSettings) -> ReplayHook | None:
         except ImportError as exc:
             raise ConfigurationError(f"{_REPLAY_SETTING} = {hook!r}: {exc}") from exc
     return sync_replay_authorizer(hook, _REPLAY_SETTING)
+
+
+def check_replay_authorizer(chosen: IdemflowSettings) -> None:
+    """:func:`replay_authorizer` at start-up (``AppConfig.ready``, the middleware's
+    ``__init__``): a wrong path or an ``async def`` hook is ``ImproperlyConfigured`` then,
+    not a 500 problem on every protected request."""
+    try:
+        replay_authorizer(chosen)
+    except ConfigurationError as exc:
+        raise ImproperlyConfigured(str(exc)) from exc
 
 
 def _headers(request: HttpRequest) -> RawHeaders:

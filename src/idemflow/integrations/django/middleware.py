@@ -33,8 +33,7 @@ To validate before the claim, use ``@idempotent(validate=…)``.
 A retry is answered here, from the stored response, before the view and its
 permission checks (``login_required``, ``permission_required``, a queryset
 filtered by owner) run again: set ``IDEMFLOW['authorize_replay']`` to ask again
-whether the caller may still see it (False: 403 ``replay-forbidden``). It is
-imported and checked when the middleware starts.
+whether the caller may still see it (False: 403 ``replay-forbidden``).
 """
 
 from __future__ import annotations
@@ -48,10 +47,9 @@ from django.http import HttpRequest, HttpResponseBase
 from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
 
-from ..._errors import ConfigurationError
 from ...edge import SAFE_METHODS
 from .conf import idemflow_settings
-from .http import protect, replay_authorizer
+from .http import check_replay_authorizer, protect
 
 __all__ = ["AUTHENTICATION_MIDDLEWARE", "IdempotencyMiddleware"]
 
@@ -65,10 +63,7 @@ class IdempotencyMiddleware:
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
         chosen = idemflow_settings()
         _check_order(type(self), chosen.principal is None, chosen.auth_middleware)
-        try:
-            replay_authorizer(chosen)  # a bad path fails the start, not every replay
-        except ConfigurationError as exc:
-            raise ImproperlyConfigured(str(exc)) from exc
+        check_replay_authorizer(chosen)  # also without the app in INSTALLED_APPS
         self.get_response = get_response
         self.endpoints = frozenset(_endpoint(entry) for entry in chosen.endpoints)
         if not self.endpoints:
