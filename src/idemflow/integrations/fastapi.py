@@ -58,9 +58,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from .. import AsyncAttempt, AsyncIdempotency
+from .. import AsyncAttempt, AsyncIdempotency, Observer
 from .._errors import ConfigurationError, IdempotencyError, MissingPrincipal
-from .._events import Observer, null_observer
 from .._extras import optional
 from .._model import Policy, Response, Verdict
 from ..edge import (
@@ -295,8 +294,11 @@ def _on_pool(
     from ..stores.postgres import AsyncPostgresStore
     from ..transactions import AsyncPsycopgTransaction
 
+    driver = AsyncIdempotency(AsyncPostgresStore(pool), policy)
+    if observer is not None:
+        driver.observer = observer
     return Idempotent(
-        AsyncIdempotency(AsyncPostgresStore(pool), policy, observer=observer or null_observer),
+        driver,
         connect=pool.connection,
         transaction=AsyncPsycopgTransaction,
         options=options,
