@@ -1,7 +1,8 @@
 """
-A views module that holds its replay hook too, as a Django project may: its
-``@idempotent`` views read ``settings.IDEMFLOW`` while the module is imported, and
-``IDEMFLOW["authorize_replay"]`` names the hook by its path (test_replay_authorization).
+A views module that holds its replay hook and its metrics too, as a Django project may:
+its ``@idempotent`` views read ``settings.IDEMFLOW`` while the module is imported, and
+``IDEMFLOW["authorize_replay"]`` and ``IDEMFLOW["observer"]`` name them by their paths
+(test_replay_authorization).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 from django.http import JsonResponse
 
-from idemflow import Record
+from idemflow import CountingObserver, Record
 from idemflow.integrations.django import idempotent
 
 
@@ -25,3 +26,7 @@ def may_replay(record: Record) -> bool:
 
 async def may_replay_later(record: Record) -> bool:
     return True
+
+
+#: What ``IDEMFLOW["observer"]`` names.
+COUNTED = CountingObserver()

@@ -39,6 +39,7 @@ from idemflow.integrations.django import (
     get_store,
     idemflow_settings,
 )
+from idemflow.integrations.django.conf import observer_of
 from idemflow.stores.urls import open_store
 from idemflow.testing import FrozenClock
 from tests.backends import MYSQL_URL
@@ -404,11 +405,11 @@ def test_settings_mistakes_are_improperly_configured() -> None:
     ):
         idemflow_settings()
     for observer in ("tests.nowhere.METRICS", "idemflow.CountingObserver", 42):
-        with (  # at start-up, not a 500 on each request: a path, a class, not an observer
+        with (  # at start-up (AppConfig.ready asks observer_of), not a 500 on each request
             override_settings(IDEMFLOW={"observer": observer}),
             pytest.raises(ImproperlyConfigured, match="observer"),
         ):
-            idemflow_settings()
+            observer_of(idemflow_settings())
 
 
 #: What ``IDEMFLOW['observer']`` names by its dotted path below.

@@ -334,8 +334,8 @@ def test_django_refuses_an_async_hook_in_the_settings_at_start_up_and_in_the_dec
 
 
 #: A Django project starting (``django.setup()``, so ``AppConfig.ready``) with
-#: ``IDEMFLOW["authorize_replay"]`` set to ``sys.argv[1]``; says whether the hook's module
-#: was imported by then.
+#: ``IDEMFLOW[sys.argv[1]]`` set to ``sys.argv[2]``; says whether the path's module was
+#: imported by then.
 _START = """
 import sys
 import django
@@ -345,7 +345,7 @@ settings.configure(
     INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth",
                     "idemflow.integrations.django"],
     DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
-    IDEMFLOW={"authorize_replay": sys.argv[1]},
+    IDEMFLOW={sys.argv[1]: sys.argv[2]},
 )
 django.setup()
 print("imported" if "tests.integrations.replay_hook_views" in sys.modules else "not imported")
@@ -354,8 +354,8 @@ _ROOT = Path(__file__).resolve().parents[2]
 _VIEWS = "tests.integrations.replay_hook_views"
 
 
-def start_django(authorize_replay: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-c", _START, authorize_replay]
+def start_django(path: str, setting: str = "authorize_replay") -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-c", _START, setting, path]
     return subprocess.run(
         command, cwd=_ROOT, capture_output=True, text=True, timeout=60, check=False
     )
@@ -378,3 +378,17 @@ def test_django_imports_the_hooks_path_at_start_up_even_from_a_module_of_its_vie
         assert "ImproperlyConfigured" in refused.stderr, refused.stderr
         assert "['authorize_replay']" in refused.stderr
         assert said in refused.stderr
+
+
+def test_django_imports_the_observers_path_at_start_up_even_from_a_module_of_its_views() -> None:
+    """``IDEMFLOW["observer"]`` as a path, the same way: imported when the project starts,
+    outside the settings' lock (a views module holding the metrics would hang the start),
+    and a wrong name is an ImproperlyConfigured there."""
+    started = start_django(f"{_VIEWS}.COUNTED", "observer")
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.split() == ["imported"]
+
+    refused = start_django(f"{_VIEWS}.nowhere", "observer")
+    assert refused.returncode != 0
+    assert "ImproperlyConfigured" in refused.stderr, refused.stderr
+    assert "['observer']" in refused.stderr

@@ -17,13 +17,14 @@ class IdemflowConfig(AppConfig):
     def ready(self) -> None:
         from django.core.signals import got_request_exception
 
-        from .conf import idemflow_settings
+        from .conf import idemflow_settings, observer_of
         from .http import check_replay_authorizer, outcome_unknown_received
 
         chosen = idemflow_settings()  # a mistake in settings.IDEMFLOW fails at start-up
-        # Its path is imported here, once the settings' lock is free: the module may hold
+        # Their paths are imported here, once the settings' lock is free: a module may hold
         # @idempotent views too, which read the settings as they are decorated.
         check_replay_authorizer(chosen)
+        observer_of(chosen)
         # Behind a WSGI/ASGI idemflow middleware, a view's OutcomeUnknown must keep
         # the claim, not become the 500 that releases it (see outcome_unknown_received).
         got_request_exception.connect(outcome_unknown_received, dispatch_uid="idemflow.outcome")

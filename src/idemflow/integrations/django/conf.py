@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
@@ -89,8 +89,9 @@ class IdemflowSettings:
     max_response_bytes: int
     exclude_fields: Sequence[str]
     strict_key: bool
-    #: Told every outcome (``PrometheusMetrics``, a ``fan_out``), once its path is imported.
-    observer: Observer | None
+    #: Told every outcome (``PrometheusMetrics``, a ``fan_out``), or its dotted path:
+    #: :func:`observer_of` gives the object.
+    observer: Observer | str | None
 
     @property
     def policy(self) -> Policy:
@@ -132,7 +133,9 @@ def _checked() -> IdemflowSettings:
     if chosen.clock not in ("database", "caller"):
         raise ImproperlyConfigured("settings.IDEMFLOW['clock'] must be 'database' or 'caller'")
     _check_replay_hook(chosen.authorize_replay)
-    return replace(chosen, observer=_observer(chosen.observer))
+    if not isinstance(chosen.observer, str):
+        observer_of(chosen)  # an object is checked now; a path once imported (AppConfig.ready)
+    return chosen
 
 
 def _check_replay_hook(hook: Any) -> None:
@@ -163,14 +166,21 @@ def _built() -> tuple[Store, Idempotency]:
         from ...stores.urls import open_store
 
         store = open_store(chosen.store, table=chosen.table)
-    if chosen.observer is None:
+    observer = observer_of(chosen)
+    if observer is None:
         return store, Idempotency(store, chosen.policy)
-    return store, Idempotency(store, chosen.policy, observer=chosen.observer)
+    return store, Idempotency(store, chosen.policy, observer=observer)
 
 
-def _observer(given: Any) -> Observer | None:
-    """``IDEMFLOW['observer']``: the object, or the one its dotted path names (imported
-    here, at start-up, so a wrong path is ImproperlyConfigured then, not a 500 per request)."""
+def observer_of(chosen: IdemflowSettings) -> Observer | None:
+    """``IDEMFLOW['observer']``: the object, or the one its dotted path names.
+
+    ``AppConfig.ready`` asks first, at start-up, so a wrong path is ImproperlyConfigured
+    then, not a 500 per request; and it imports the path there, outside the settings'
+    lock: a module that holds ``@idempotent`` views too reads the settings as it is
+    imported (as ``IDEMFLOW['authorize_replay']``'s path is imported there).
+    """
+    given = chosen.observer
     try:
         found = import_string(given) if isinstance(given, str) else given
     except ImportError as exc:

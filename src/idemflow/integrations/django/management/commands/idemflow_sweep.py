@@ -6,7 +6,7 @@ from typing import Any, cast
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from idemflow.integrations.django.conf import get_store, idemflow_settings
+from idemflow.integrations.django.conf import get_store, idemflow_settings, observer_of
 from idemflow.stores.protocol import MaintainableStore
 from idemflow.sweeper import Sweeper
 
@@ -28,7 +28,7 @@ class Command(BaseCommand):
             cast(MaintainableStore, get_store()),  # every SQL store, the Django one included
             chosen.policy,
             batch_size=options["batch"],
-            observer=chosen.observer,  # IDEMFLOW['observer']: stale_reclaimed counted too
+            observer=observer_of(chosen),  # IDEMFLOW['observer']: stale_reclaimed counted too
         )
         if options["every"] is not None:
             sweeper.run_forever(options["every"])
