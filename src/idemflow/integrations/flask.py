@@ -23,7 +23,9 @@ Configuration (``app.config``): ``IDEMFLOW_STORE`` (a ``DATABASE_URL``; by
 default Flask-SQLAlchemy's own database), ``IDEMFLOW_TABLE``,
 ``IDEMFLOW_REQUEST_TIMEOUT``, ``IDEMFLOW_RETENTION``, ``IDEMFLOW_SINGLE_COMMIT``,
 ``IDEMFLOW_MAX_BODY_BYTES``, ``IDEMFLOW_MAX_RESPONSE_BYTES``,
-``IDEMFLOW_AUTHORIZE_REPLAY``. The principal comes from ``principal=`` (a
+``IDEMFLOW_AUTHORIZE_REPLAY``, ``IDEMFLOW_EXCLUDE_FIELDS`` (JSON members left out of
+the fingerprint: per-attempt fields), ``IDEMFLOW_STRICT_KEY`` (only the quoted
+sf-string form of the key). The principal comes from ``principal=`` (a
 callable returning the caller's id, or None), by default Flask-Login's
 ``current_user`` when the app has a login manager.
 
@@ -109,6 +111,8 @@ _CONFIG: dict[str, Any] = {
     "IDEMFLOW_MAX_BODY_BYTES": DEFAULT_MAX_BODY_BYTES,
     "IDEMFLOW_MAX_RESPONSE_BYTES": DEFAULT_MAX_RESPONSE_BYTES,
     "IDEMFLOW_AUTHORIZE_REPLAY": None,  # a callable (record) -> bool, or its import path
+    "IDEMFLOW_EXCLUDE_FIELDS": (),  # JSON members left out of the fingerprint
+    "IDEMFLOW_STRICT_KEY": False,  # only the quoted sf-string form of the key
 }
 
 
@@ -123,6 +127,14 @@ def flask_login_user() -> str | None:
 
 
 _ANONYMOUS = "authenticate first: idempotency keys are scoped to the caller"
+
+
+def _field_names(given: Any) -> tuple[str, ...]:
+    """``IDEMFLOW_EXCLUDE_FIELDS``: names, never one string read as its letters."""
+    if isinstance(given, str):
+        msg = f"IDEMFLOW_EXCLUDE_FIELDS must be a list of field names, not the str {given!r}"
+        raise ConfigurationError(msg)
+    return tuple(given)
 
 
 class _State:
@@ -144,6 +156,8 @@ class _State:
         self.single_commit = bool(app.config["IDEMFLOW_SINGLE_COMMIT"])
         self.max_body_bytes = int(app.config["IDEMFLOW_MAX_BODY_BYTES"])
         self.max_response_bytes = int(app.config["IDEMFLOW_MAX_RESPONSE_BYTES"])
+        self.exclude_fields = _field_names(app.config["IDEMFLOW_EXCLUDE_FIELDS"])
+        self.strict_key = bool(app.config["IDEMFLOW_STRICT_KEY"])
         self.authorize_replay = authorize_replay
         # (public, id of the replay hook) -> (the hook, kept so its id is not reused; its
         # edge). Built once, not per request: the options are checked when made.
@@ -162,6 +176,8 @@ class _State:
                 authorize_replay=hook,
                 max_body_bytes=self.max_body_bytes,
                 max_response_bytes=self.max_response_bytes,
+                exclude_fields=self.exclude_fields,
+                strict_key=self.strict_key,
             )
             made = self._edges[(public, id(hook))] = (hook, Edge(self.driver, options))
         return made[1]

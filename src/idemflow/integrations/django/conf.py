@@ -125,6 +125,9 @@ def _checked() -> IdemflowSettings:
     for name in ("table", "store", "database"):
         if not isinstance(merged[name], str) or not merged[name]:
             raise ImproperlyConfigured(f"settings.IDEMFLOW[{name!r}] must be a non-empty str")
+    if isinstance(merged["exclude_fields"], str):  # would be read as its letters
+        msg = "settings.IDEMFLOW['exclude_fields'] must be a list of field names, not a str"
+        raise ImproperlyConfigured(msg)
     chosen = IdemflowSettings(**merged)
     try:
         chosen.policy  # noqa: B018 -- durations are checked where they are defined
