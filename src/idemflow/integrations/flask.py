@@ -150,9 +150,9 @@ class _State:
         authorize_replay: ReplayHook | None,
     ) -> None:
         self.store = store
-        self.driver = (
-            Driver(store, policy) if observer is None else Driver(store, policy, observer=observer)
-        )
+        self.driver = Driver(store, policy)
+        if observer is not None:
+            self.driver.observer = observer
         self.single_commit = bool(app.config["IDEMFLOW_SINGLE_COMMIT"])
         self.max_body_bytes = int(app.config["IDEMFLOW_MAX_BODY_BYTES"])
         self.max_response_bytes = int(app.config["IDEMFLOW_MAX_RESPONSE_BYTES"])

@@ -169,10 +169,10 @@ def _built() -> tuple[Store, Idempotency]:
         from ...stores.urls import open_store
 
         store = open_store(chosen.store, table=chosen.table)
-    observer = observer_of(chosen)
-    if observer is None:
-        return store, Idempotency(store, chosen.policy)
-    return store, Idempotency(store, chosen.policy, observer=observer)
+    driver, observer = Idempotency(store, chosen.policy), observer_of(chosen)
+    if observer is not None:
+        driver.observer = observer
+    return store, driver
 
 
 def observer_of(chosen: IdemflowSettings) -> Observer | None:
