@@ -27,6 +27,7 @@ from idemflow import ConfigurationError, Idempotency, Policy, Record, State
 from idemflow.integrations.wsgi import EdgeOptions, IdempotencyMiddleware, compile_endpoint
 from idemflow.stores.protocol import Store
 from idemflow.stores.sqlite import SQLiteStore
+from idemflow.testing import MemoryStore
 from tests.conftest import POSTGRES_URL, unreachable
 from tests.http.conftest import CONTROL_KEYS, MALFORMED_KEYS, assert_problem
 from tests.http.rawhttp import post_chunks, post_declaring, send_partial
@@ -645,6 +646,36 @@ def test_no_endpoint_or_an_async_driver_is_refused_at_start_up(tmp_path: Path) -
             endpoints=["POST /x"],
         )
     store.close()
+
+
+def test_an_async_replay_hook_is_refused_at_start_up_and_a_plain_one_taken() -> None:
+    """The sync edge cannot await an ``async def`` hook: refused when the middleware is
+    made, not answered as a 500 on every replay."""
+
+    def app(environ: Any, start_response: Any) -> list[bytes]:
+        return []
+
+    async def may_replay_later(record: Record) -> bool:
+        return True
+
+    def may_replay(record: Record) -> bool:
+        return True
+
+    driver = Idempotency(MemoryStore())
+    with pytest.raises(ConfigurationError, match="coroutine function"):
+        IdempotencyMiddleware(
+            app,
+            idempotency=driver,
+            endpoints=["POST /x"],
+            options=EdgeOptions(authorize_replay=may_replay_later),
+        )
+    made = IdempotencyMiddleware(
+        app,
+        idempotency=driver,
+        endpoints=["POST /x"],
+        options=EdgeOptions(authorize_replay=may_replay),
+    )
+    assert made.edge.options.authorize_replay is may_replay
 
 
 # --- the header lines: one reader (raw_headers) for the middleware, Flask and Django -------

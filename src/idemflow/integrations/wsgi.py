@@ -86,6 +86,7 @@ from ..edge import (
     problem_for,
     report_outcome_unknown,
     request_id_from,
+    sync_replay_authorizer,
 )
 
 if TYPE_CHECKING:
@@ -168,7 +169,8 @@ class IdempotencyMiddleware:
 
     Raises:
         ConfigurationError: no endpoint, a malformed template, a safe method
-            (it would never be protected), or an async driver.
+            (it would never be protected), an async driver, or an ``async def``
+            replay hook (``options.authorize_replay``: the sync edge cannot await it).
     """
 
     def __init__(
@@ -186,6 +188,9 @@ class IdempotencyMiddleware:
                 f"not {type(idempotency).__name__}"
             )
             raise ConfigurationError(msg)
+        if options is not None and options.authorize_replay is not None:
+            # Refused now, once, rather than as a 500 on every replay.
+            sync_replay_authorizer(options.authorize_replay, "EdgeOptions(authorize_replay=…)")
         self.app = app
         self.edge = Edge(idempotency, options)
         self._principal = principal
