@@ -33,6 +33,8 @@ MASTERS = 3
 # The cluster bus listens on port + 10000; both must be free.
 _BUS_OFFSET = 10000
 _READY_TIMEOUT = 30.0
+#: Starts tried, each on new ports, when a node exits before it answers.
+_START_ATTEMPTS = 3
 
 
 class ClusterUnavailable(RuntimeError):
@@ -69,16 +71,30 @@ class RedisClusterProcess:
         for tool in (server, "redis-cli"):
             if shutil.which(tool) is None:
                 raise ClusterUnavailable(f"{tool} is not installed")
+        # A port found free may be taken before the node binds it (another test worker
+        # starts its own servers on free ports): that node exits at once; new ports then.
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            try:
+                return cls._start_on(_free_ports(masters), server, persistence)
+            except _NodeExited:
+                if attempt == _START_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_on(
+        cls, ports: list[int], server: str, persistence: tuple[str, ...] | None
+    ) -> RedisClusterProcess:
         directory = Path(tempfile.mkdtemp(prefix="idemflow-cluster-"))
-        cluster = cls(directory, _free_ports(masters), server=server)
+        cluster = cls(directory, ports, server=server)
         if persistence is not None:
             cluster.persistence = persistence
         try:
             for port in cluster.ports:
                 (directory / str(port)).mkdir()
                 cluster.processes.append(_node(directory, port, server, cluster.persistence))
-            for port in cluster.ports:
-                _wait(functools.partial(_answers, port, "PONG", "PING"), f"node {port} up")
+            for port, process in zip(cluster.ports, cluster.processes, strict=True):
+                _wait_up(port, process)
             _create(cluster.addresses)
             for port in cluster.ports:
                 _wait_healthy(port)
@@ -183,6 +199,19 @@ def _cli(port: int, *args: str) -> str:
 
 def _answers(port: int, expected: str, *command: str) -> bool:
     return expected in _cli(port, *command)
+
+
+class _NodeExited(ClusterUnavailable):
+    """A node ended before it answered (its port was taken meanwhile)."""
+
+
+def _wait_up(port: int, process: subprocess.Popen[bytes]) -> None:
+    def up() -> bool:
+        if process.poll() is not None:
+            raise _NodeExited(f"node {port} exited with {process.returncode} before it answered")
+        return _answers(port, "PONG", "PING")
+
+    _wait(up, f"node {port} up")
 
 
 def _wait_healthy(port: int) -> None:
