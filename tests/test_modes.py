@@ -1038,7 +1038,9 @@ def test_middleware_under_a_pool_of_one_releases_transients_at_once_and_charges_
         return seen
 
     async def race(url: str) -> list[httpx.Response]:
-        limits = httpx.Limits(max_connections=100)
+        # No keep-alive: a pooled connection the server closes as idle (uvicorn, after 5 s
+        # on a loaded machine) while a POST is sent on it is an httpx.ReadError, not an answer.
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
             racing = [until_created(client, key) for key in keys for _ in range(2)]
             return [answer for seen in await asyncio.gather(*racing) for answer in seen]

@@ -226,7 +226,11 @@ def serve(app: Any) -> Iterator[str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
     sock.bind(("127.0.0.1", 0))
     sock.listen(256)
-    config = uvicorn.Config(app, lifespan="on", log_level="warning", access_log=False)
+    # Idle keep-alive connections kept a minute, not uvicorn's 5 s: on a loaded machine a
+    # client may send its next POST on one the server is closing (an httpx.ReadError).
+    config = uvicorn.Config(
+        app, lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=60
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
