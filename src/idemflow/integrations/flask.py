@@ -66,7 +66,7 @@ from .._errors import (
     ResponseNotStorable,
 )
 from .._extras import optional
-from .._model import Policy, Record, Response
+from .._model import Policy, Response
 from ..edge import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -85,7 +85,9 @@ from ..edge import (
     sync_replay_authorizer,
 )
 from ..stores.protocol import Store, Transaction
-from .wsgi import raw_headers, require_length  # raw_headers: werkzeug's lines, one reader
+
+# raw_headers: werkzeug's lines, one reader
+from .wsgi import ReplayHook, ViewEdges, raw_headers, require_length
 
 with optional("idemflow.integrations.flask"):
     from flask import Flask, current_app, request
@@ -98,9 +100,6 @@ _View = TypeVar("_View", bound=Callable[..., Any])
 #: Opens the transaction the completion is written in, for one request.
 TransactionFactory = Callable[[], AbstractContextManager[Transaction]]
 PrincipalGetter = Callable[[], "str | None"]
-#: Asked with the stored record before it is replayed: may its principal still see it?
-#: Plain, not ``async def``: Flask's edge is the sync one.
-ReplayHook = Callable[[Record], bool]
 
 _CONFIG: dict[str, Any] = {
     "IDEMFLOW_STORE": None,
@@ -159,28 +158,25 @@ class _State:
         self.exclude_fields = _field_names(app.config["IDEMFLOW_EXCLUDE_FIELDS"])
         self.strict_key = bool(app.config["IDEMFLOW_STRICT_KEY"])
         self.authorize_replay = authorize_replay
-        # (public, id of the replay hook) -> (the hook, kept so its id is not reused; its
-        # edge). Built once, not per request: the options are checked when made.
-        self._edges: dict[tuple[bool, int], tuple[ReplayHook | None, Edge]] = {}
+        self._edges = ViewEdges(self.driver, self._options)
         for public in (False, True):
             self.edge(public)
 
     def edge(self, public: bool, authorize_replay: ReplayHook | None = None) -> Edge:
         """The edge of a public or non-public view, with the view's own replay hook or
-        the app's: made once per view hook (on its first request), not per request."""
+        the app's."""
         hook = self.authorize_replay if authorize_replay is None else authorize_replay
-        made = self._edges.get((public, id(hook)))
-        if made is None:  # two threads may both make it: the same options, either will do
-            options = EdgeOptions(
-                public=public,
-                authorize_replay=hook,
-                max_body_bytes=self.max_body_bytes,
-                max_response_bytes=self.max_response_bytes,
-                exclude_fields=self.exclude_fields,
-                strict_key=self.strict_key,
-            )
-            made = self._edges[(public, id(hook))] = (hook, Edge(self.driver, options))
-        return made[1]
+        return self._edges(public, hook)
+
+    def _options(self, public: bool, authorize_replay: ReplayHook | None) -> EdgeOptions:
+        return EdgeOptions(
+            public=public,
+            authorize_replay=authorize_replay,
+            max_body_bytes=self.max_body_bytes,
+            max_response_bytes=self.max_response_bytes,
+            exclude_fields=self.exclude_fields,
+            strict_key=self.strict_key,
+        )
 
 
 class Idempotency:

@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .. import Attempt, Idempotency
 from .._errors import BodyTooLarge, ConfigurationError, IdempotencyError, LengthRequired
-from .._model import Response
+from .._model import Record, Response
 from ..edge import (
     OUTCOME_SLOT,
     SAFE_METHODS,
@@ -106,6 +106,10 @@ __all__ = [
 
 #: Returns the authenticated principal of a request's environ, or None.
 PrincipalGetter: TypeAlias = Callable[["WSGIEnvironment"], "str | None"]
+
+#: Asked with the stored record before it is replayed: may its principal still see it?
+#: Plain, not ``async def``: the WSGI edge (Flask's, Django's) is the sync one.
+ReplayHook: TypeAlias = Callable[[Record], bool]
 
 #: Where the request's correlation id is kept for the application.
 REQUEST_ID_KEY = "idemflow.request_id"
@@ -264,6 +268,27 @@ class IdempotencyMiddleware:
             return captured.response(classify)
 
         return operation
+
+
+class ViewEdges:
+    """The edges of one app's views (Flask's, Django's): one per public or non-public
+    view and replay hook, made on its first request, never per request (its options
+    are checked once, when it is made)."""
+
+    def __init__(
+        self, driver: Idempotency, options: Callable[[bool, ReplayHook | None], EdgeOptions]
+    ) -> None:
+        self._driver = driver
+        self._options = options
+        # (public, id of the hook) -> (the hook, kept so its id is not reused; its edge)
+        self._made: dict[tuple[bool, int], tuple[ReplayHook | None, Edge]] = {}
+
+    def __call__(self, public: bool, authorize_replay: ReplayHook | None) -> Edge:
+        made = self._made.get((public, id(authorize_replay)))
+        if made is None:  # two threads may both make it: the same options, either will do
+            edge = Edge(self._driver, self._options(public, authorize_replay))
+            made = self._made[(public, id(authorize_replay))] = (authorize_replay, edge)
+        return made[1]
 
 
 @dataclass(frozen=True, slots=True)

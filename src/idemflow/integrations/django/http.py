@@ -11,6 +11,7 @@ completion commit together.
 
 from __future__ import annotations
 
+import functools
 import io
 import sys
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from ..._errors import (
     OutcomeUnknown,
     ResponseNotStorable,
 )
-from ..._model import Record, Response
+from ..._model import Response
 from ...edge import (
     REQUEST_ID_HEADER,
     SAFE_METHODS,
@@ -46,7 +47,7 @@ from ...edge import (
     sendable_headers,
     sync_replay_authorizer,
 )
-from ..wsgi import raw_headers, read_body, require_length
+from ..wsgi import ReplayHook, ViewEdges, raw_headers, read_body, require_length
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
 from .store import DjangoTransaction
 
@@ -65,9 +66,6 @@ __all__ = [
 
 #: Runs the protected view and returns its Django response.
 ViewCall = Callable[[], HttpResponseBase]
-#: Asked with the stored record before it is replayed: may its principal still see it?
-#: Plain, not ``async def``: Django's edge is the sync one.
-ReplayHook = Callable[[Record], bool]
 
 _REPLAY_SETTING = "settings.IDEMFLOW['authorize_replay']"
 
@@ -288,19 +286,14 @@ class _Prepared:
         self.settings = chosen
         self._driver = get_idempotency()
         self._authorize_replay = replay_authorizer(chosen)
-        # (public, id of the replay hook) -> (the hook, kept so its id is not reused; its edge)
-        self._edges: dict[tuple[bool, int], tuple[ReplayHook | None, Edge]] = {}
+        self._edges = ViewEdges(self._driver, functools.partial(_options, chosen))
         self._principal: Callable[[Any], str | None] | None = None
 
     def edge(self, public: bool, authorize_replay: ReplayHook | None = None) -> Edge:
         """The edge of a public or non-public view, with the view's own replay hook or
-        the setting's: made on its first request, one per view hook, not per request."""
+        the setting's."""
         hook = self._authorize_replay if authorize_replay is None else authorize_replay
-        made = self._edges.get((public, id(hook)))
-        if made is None:  # two threads may both make it: the same options, either will do
-            made = (hook, Edge(self._driver, _options(self.settings, public, hook)))
-            self._edges[(public, id(hook))] = made
-        return made[1]
+        return self._edges(public, hook)
 
     def principal(self) -> Callable[[Any], str | None]:
         """The principal getter; a bad ``IDEMFLOW['principal']`` raises on each request."""
