@@ -1233,7 +1233,7 @@ async def _postgres_rig(
     from idemflow.stores.postgres import AsyncPostgresStore, PostgresStore
     from idemflow.transactions import AsyncPsycopgTransaction, PsycopgTransaction
     from tests.conftest import POSTGRES_URL
-    from tests.faults import named_url, terminate
+    from tests.faults import named_url
 
     name = f"idemflow-{table}"  # the store's connections, so a fault can end them
     admin = psycopg.connect(POSTGRES_URL, autocommit=True)
@@ -1260,14 +1260,32 @@ async def _postgres_rig(
     def end_session(pid: int) -> None:
         admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
 
+    def lose_the_store() -> None:
+        """No transaction: the store's next completion ends its own server session before
+        it takes effect, a connection lost *during* the completion (one ended before it,
+        while the handler ran, the store's checkout skips: its socket says so)."""
+        admin.execute(
+            f"CREATE OR REPLACE FUNCTION die_{table}() RETURNS trigger LANGUAGE plpgsql "
+            "AS $$ BEGIN IF NEW.state IN ('completed', 'failed_permanent') THEN "
+            "PERFORM pg_terminate_backend(pg_backend_pid()); END IF; RETURN NEW; END $$"
+        )
+        admin.execute(
+            f"CREATE OR REPLACE TRIGGER die BEFORE UPDATE ON {table} "
+            f"FOR EACH ROW EXECUTE FUNCTION die_{table}()"
+        )
+
+    def heal() -> None:
+        admin.execute(f"DROP TRIGGER IF EXISTS die ON {table}")
+        admin.execute(f"DROP FUNCTION IF EXISTS die_{table}()")
+
     if sync:
 
         def write(conn: Any, note: str) -> None:
             conn.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
 
         def lose(conn: Any) -> None:
-            if conn is None:  # no transaction: the store's own connection goes
-                terminate(name)
+            if conn is None:
+                lose_the_store()
                 return
             end_session(conn.execute("SELECT pg_backend_pid()").fetchone()[0])
 
@@ -1280,7 +1298,7 @@ async def _postgres_rig(
 
         async def lose(conn: Any) -> None:  # type: ignore[misc]
             if conn is None:
-                terminate(name)
+                lose_the_store()
                 return
             row = await (await conn.execute("SELECT pg_backend_pid()")).fetchone()
             end_session(row[0])
@@ -1293,7 +1311,10 @@ async def _postgres_rig(
         kind, store, app, sync, transactional, transaction, write, lose, table, outside, admin, sql
     ) as rig:
         adapter = PsycopgTransaction if sync else AsyncPsycopgTransaction
-        yield replace(rig, connect=app.pool.connection, adapter=adapter)
+        try:
+            yield replace(rig, connect=app.pool.connection, adapter=adapter, heal=heal)
+        finally:
+            heal()
 
 
 @contextlib.asynccontextmanager

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -172,12 +173,65 @@ async def test_a_pool_shared_with_the_application_never_deadlocks_a_release(
 # --- defect 2: a failed completion without a shared transaction ---------------------
 
 
+@contextlib.contextmanager
+def completions_end_their_connection(table: str) -> Iterator[None]:
+    """A trigger on the key table: a completion's UPDATE ends its own server session
+    (``pg_terminate_backend``) before it takes effect, a connection lost *during* the
+    completion, whatever its checkout saw."""
+    psycopg = psycopg_or_skip()
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(
+            f"CREATE FUNCTION die_{table}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF NEW.state = 'completed' THEN PERFORM pg_terminate_backend(pg_backend_pid()); "
+            "END IF; RETURN NEW; END $$"
+        )
+        conn.execute(
+            f"CREATE TRIGGER die BEFORE UPDATE ON {table} "
+            f"FOR EACH ROW EXECUTE FUNCTION die_{table}()"
+        )
+        try:
+            yield
+        finally:
+            conn.execute(f"DROP TRIGGER IF EXISTS die ON {table}")
+            conn.execute(f"DROP FUNCTION die_{table}()")
+
+
 @pytest.mark.postgres
 async def test_a_lost_completion_without_a_transaction_keeps_the_claim(table_name: str) -> None:
     """The effect commits on its own (no shared transaction), then the store's connection
-    dies before the completion. Releasing would run the effect again on the retry; the key
+    dies during the completion. Releasing would run the effect again on the retry; the key
     stays claimed instead, the caller hears that the outcome went unrecorded, and a retry
     gets 409 until the sweeper resolves it. One effect, whatever the client does."""
+    with postgres_tables(table_name) as psycopg:
+        async with shared_pool(table_name, 1) as store:
+            idem = AsyncIdempotency(store, POLICY)
+
+            async def charge(attempt: AsyncAttempt) -> Response:
+                async with await psycopg.AsyncConnection.connect(
+                    POSTGRES_URL, autocommit=True
+                ) as own:
+                    await own.execute(f"INSERT INTO biz_{table_name} (note) VALUES ('charged')")
+                return CREATED
+
+            with completions_end_their_connection(table_name):
+                with pytest.raises(StoreUnavailable, match="could not be recorded"):
+                    await idem.run(intent(), charge)
+                with pytest.raises(InProgress):
+                    await idem.run(intent(), charge)
+            record = await store.get("alice", "k-1")
+
+        assert record is not None
+        assert record.state is State.IN_PROGRESS  # the sweeper's and its reconciler's now
+        assert business_rows(table_name) == ["charged"]
+
+
+@pytest.mark.postgres
+async def test_a_connection_lost_before_the_completion_is_skipped_and_the_outcome_kept(
+    table_name: str,
+) -> None:
+    """The store's one pooled connection is ended while the handler runs (after the
+    effect committed on its own): the completion's checkout sees the server closed it and
+    takes a new one, so the outcome is recorded and the retry replays it; one effect."""
     name = f"idemflow-seam-{uuid.uuid4().hex[:8]}"
     with postgres_tables(table_name) as psycopg:
         async with shared_pool(table_name, 1, name) as store:
@@ -191,14 +245,11 @@ async def test_a_lost_completion_without_a_transaction_keeps_the_claim(table_nam
                 assert terminate(name) == 1  # the store's one pooled connection
                 return CREATED
 
-            with pytest.raises(StoreUnavailable, match="could not be recorded"):
-                await idem.run(intent(), charge)
-            with pytest.raises(InProgress):
-                await idem.run(intent(), charge)
-            record = await store.get("alice", "k-1")
+            first = await idem.run(intent(), charge)
+            again = await idem.run(intent(), charge)
 
-        assert record is not None
-        assert record.state is State.IN_PROGRESS  # the sweeper's and its reconciler's now
+        assert (first.replayed, again.replayed) == (False, True)
+        assert again.response.body == CREATED.body
         assert business_rows(table_name) == ["charged"]
 
 
@@ -421,23 +472,57 @@ async def test_a_timeout_mid_handler_stays_a_timeout(
 # --- the release when the store stopped answering ------------------------------------
 
 
-#: Each mode whose release may go through the store's own pool of one, and how many
-#: releases it sends with the store stopped under its handler: the first meets the
-#: connection that died with the server and fails at once (sent again); the next waits
-#: for a new connection until the pool's timeout (not sent again). With two commits the
-#: request's transaction holds that connection, dead: given back first, it is dropped,
-#: so its first release already waits.
-RELEASES_WITH_THE_STORE_STOPPED = {
-    "no-transaction": 2,
-    "two-commit": 1,
-    "async-no-transaction": 2,
-    "middleware": 2,
-}
+#: Each mode whose release may go through the store's own pool of one. With the store
+#: stopped under its handler, each sends one release: the checkout skips the connection
+#: that died with the server (its socket says so), so the release waits for a new one
+#: until the pool's timeout, and is not sent again. (Before the checkout polled, the
+#: first release met the dead connection, failed at once and was sent again: two.)
+MODES_WITH_THE_STORE_STOPPED = [
+    "no-transaction",
+    "two-commit",
+    "async-no-transaction",
+    "middleware",
+]
+
+
+@pytest.mark.parametrize(("failed_after", "releases_sent"), [(0.0, 2), (0.6, 1)])
+def test_a_release_refused_at_once_is_sent_again_one_that_waited_is_not(
+    failed_after: float, releases_sent: int
+) -> None:
+    """The driver's rule on its own, with a store whose first release is refused
+    (StoreUnavailable) at once (a connection found dead: a new one may serve the next)
+    or after waiting past ``RELEASE_RETRY_WITHIN_SECONDS`` (the store itself did not
+    answer: the next would wait as long). The handler's own exception reaches the
+    caller either way; an instant refusal is sent again and the key given back."""
+    from idemflow.stores.memory import MemoryStore
+
+    sent: list[float] = []
+
+    class RefusingOnce(MemoryStore):
+        def release(self, *args: Any, **kwargs: Any) -> bool:
+            sent.append(failed_after)
+            if len(sent) == 1:
+                time.sleep(failed_after)
+                raise StoreUnavailable("refused")
+            return super().release(*args, **kwargs)
+
+    store = RefusingOnce()
+
+    def fail(attempt: Attempt) -> Response:
+        raise Boom("the handler's own failure")
+
+    with pytest.raises(Boom):
+        Idempotency(store, POLICY).run(intent("k-release"), fail)
+
+    record = store.get("alice", "k-release")
+    assert len(sent) == releases_sent
+    assert record is not None
+    assert record.state is (State.RELEASED if releases_sent == 2 else State.IN_PROGRESS)
 
 
 @pytest.mark.postgres
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", list(RELEASES_WITH_THE_STORE_STOPPED))
+@pytest.mark.parametrize("mode", MODES_WITH_THE_STORE_STOPPED)
 async def test_a_release_that_waited_for_a_stopped_store_is_not_sent_again(
     mode: str, table_name: str
 ) -> None:
@@ -455,7 +540,7 @@ async def test_a_release_that_waited_for_a_stopped_store_is_not_sent_again(
     except PrivatePostgresUnavailable as exc:
         unreachable("a private PostgreSQL", exc)
 
-    assert releases == RELEASES_WITH_THE_STORE_STOPPED[mode]
+    assert releases == 1
     assert record is not None
     assert record.state is State.IN_PROGRESS  # the sweeper's: nothing recorded
 

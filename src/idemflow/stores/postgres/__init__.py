@@ -32,6 +32,8 @@ from ..sql import (
     on_database_clock,
 )
 from ..sql.dialect import claim_or_read
+from ._async import AsyncLiveConnection
+from ._sync import LiveConnection
 
 if TYPE_CHECKING:
     import psycopg_pool
@@ -235,7 +237,10 @@ class PostgresStore(SQLStore):
             pool, max_size, claim_lock_timeout_ms, asynchronous=False
         )
         options = _executor_options(self.pool, table, claim_lock_timeout_ms, clock)
-        super().__init__(connect=self.pool.connection, **options)
+        super().__init__(connect=self._connection, **options)
+
+    def _connection(self) -> LiveConnection:
+        return LiveConnection(self.pool)
 
     def close(self) -> None:
         self.pool.close()
@@ -279,7 +284,8 @@ class AsyncPostgresStore(AsyncSQLStore):
 
 
 class _OpeningConnection:
-    """``pool.connection()`` that opens the pool on first use (it cannot open in __init__)."""
+    """:class:`AsyncLiveConnection` that opens the pool on first use (it cannot open in
+    __init__)."""
 
     def __init__(self, pool: psycopg_pool.AsyncConnectionPool[Any]) -> None:
         self._pool = pool
@@ -288,7 +294,7 @@ class _OpeningConnection:
     async def __aenter__(self) -> Any:
         if self._pool.closed:
             await self._pool.open(wait=False)
-        self._context = self._pool.connection()
+        self._context = AsyncLiveConnection(self._pool)
         return await self._context.__aenter__()
 
     async def __aexit__(self, *exc_info: object) -> Any:

@@ -1,0 +1,78 @@
+"""
+The PostgreSQL stores' checkout: a pooled connection, never one the server closed.
+
+A restart of PostgreSQL (or a backend ended by ``pg_terminate_backend``) closes
+every pooled connection, and the pool learns that a connection is dead only
+when a statement fails on it: each would refuse one claim (a 503), and a
+completion that drew one would leave its key claimed, its outcome unknown,
+until the sweeper. The server's goodbye (its last message, then end of file)
+makes an idle connection's socket readable, so one non-blocking poll per
+checkout, no round trip, finds it; it is closed (the pool makes a new one in
+its place) and the next is taken. A socket readable for another reason (a
+notice) is asked with an empty statement, and kept if it answers.
+
+This is the async source of truth; ``idemflow/stores/postgres/_sync.py`` is generated
+from it by ``scripts/unasync.py``.
+"""
+
+from __future__ import annotations
+
+import select
+from types import TracebackType
+from typing import Any
+
+__all__ = ["AsyncLiveConnection"]
+
+
+class AsyncLiveConnection:
+    """``pool.connection()`` that skips connections the server has closed."""
+
+    __slots__ = ("_context", "_pool")
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        self._context: Any = None
+
+    async def __aenter__(self) -> Any:
+        # Every pooled connection may be dead (a restart): at most that many are
+        # skipped, then the pool waits, as ever, for a new one.
+        for _ in range(self._pool.max_size):
+            context = self._pool.connection()
+            conn = await context.__aenter__()
+            if not await _closed_by_server(conn):
+                self._context = context
+                return conn
+            await conn.close()  # given back closed: the pool makes another in its place
+            await context.__aexit__(None, None, None)
+        self._context = self._pool.connection()
+        return await self._context.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> Any:
+        return await self._context.__aexit__(exc_type, exc, traceback)
+
+
+async def _closed_by_server(conn: Any) -> bool:
+    """Has the server closed ``conn`` while it was idle in the pool?"""
+    if conn.closed:
+        return True
+    if not _readable_now(conn.pgconn.socket):
+        return False  # nothing sent to an idle connection: the common case, one poll
+    try:
+        await conn.execute("")
+    except Exception:  # noqa: BLE001 -- any failure here means: do not hand it out
+        return True
+    return False
+
+
+def _readable_now(fd: int) -> bool:
+    """Is there something to read on ``fd``, without waiting? (poll: any fd number)"""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([fd], [], [], 0)[0])  # Windows
