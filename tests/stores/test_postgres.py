@@ -201,6 +201,33 @@ def test_after_a_restart_the_async_store_refuses_no_claim_either(table_name: str
     assert owned == [True] * 5
 
 
+def test_a_pooled_connection_with_a_notification_waiting_is_kept(table_name: str) -> None:
+    """A socket can be readable for another reason than the server's goodbye: a
+    notification for a channel the connection listens on. The checkout asks that one with
+    an empty statement and keeps it (the same server session serves the claim), where
+    taking readable for dead would drop a live connection."""
+    psycopg = pytest.importorskip("psycopg")
+    store = PostgresStore(POSTGRES_URL, table=table_name, max_size=1)
+    try:
+        store.migrate()
+        with store.pool.connection() as conn:
+            conn.execute("LISTEN idemflow_checkout_test")
+            session = conn.info.backend_pid
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as other:
+            other.execute("NOTIFY idemflow_checkout_test")
+        time.sleep(0.2)  # the notification reaches the idle connection's socket
+        now = time.time()
+        from tests.factories import uncorrelated_intent
+
+        assert store.claim(uncorrelated_intent("notified"), "t", now, now + 60).owned
+        with store.pool.connection() as conn:
+            assert conn.info.backend_pid == session
+    finally:
+        with contextlib.suppress(Exception), store.pool.connection() as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {table_name}")
+        store.close()
+
+
 @pytest.mark.slow
 def test_a_claim_taken_before_a_restart_completes_after_it(table_name: str) -> None:
     """The store restarted while the request ran (its claim committed before): the

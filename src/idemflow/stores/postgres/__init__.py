@@ -271,7 +271,9 @@ class AsyncPostgresStore(AsyncSQLStore):
         super().__init__(connect=self._connection, **options)
 
     def _connection(self) -> Any:
-        return _OpeningConnection(self.pool)
+        if self.pool.closed:  # never yet opened (or closed): opened by the first use
+            return _OpeningConnection(self.pool)
+        return AsyncLiveConnection(self.pool)
 
     async def claim_on_lent(self, *args: Any, **kwargs: Any) -> Claim:
         """As the executor's, once the pool is open (the lent connection is taken from it)."""

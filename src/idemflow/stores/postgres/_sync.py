@@ -35,18 +35,32 @@ class LiveConnection:
         self._context: Any = None
 
     def __enter__(self) -> Any:
-        # Every pooled connection may be dead (a restart): at most that many are
-        # skipped, then the pool waits, as ever, for a new one.
+        context = self._pool.connection()
+        conn = context.__enter__()
+        if conn.closed or _readable_now(conn.pgconn.socket):  # rare: a restart, a notice
+            context, conn = self._live(context, conn)
+        self._context = context
+        return conn
+
+    def _live(self, context: Any, conn: Any) -> tuple[Any, Any]:
+        """The first connection that answers, ``conn`` (which the server may have closed)
+        or the next ones: every pooled connection may be dead (a restart), so at most that
+        many are skipped, then the pool waits, as ever, for a new one."""
         for _ in range(self._pool.max_size):
+            if not conn.closed:
+                try:
+                    conn.execute("")
+                except Exception:  # noqa: BLE001 -- any failure: not handed out
+                    pass
+                else:
+                    return context, conn
+                conn.close()  # given back closed: the pool makes another in its place
+            context.__exit__(None, None, None)
             context = self._pool.connection()
             conn = context.__enter__()
-            if not _closed_by_server(conn):
-                self._context = context
-                return conn
-            conn.close()  # given back closed: the pool makes another in its place
-            context.__exit__(None, None, None)
-        self._context = self._pool.connection()
-        return self._context.__enter__()
+            if not (conn.closed or _readable_now(conn.pgconn.socket)):
+                return context, conn
+        return context, conn
 
     def __exit__(
         self,
@@ -55,19 +69,6 @@ class LiveConnection:
         traceback: TracebackType | None,
     ) -> Any:
         return self._context.__exit__(exc_type, exc, traceback)
-
-
-def _closed_by_server(conn: Any) -> bool:
-    """Has the server closed ``conn`` while it was idle in the pool?"""
-    if conn.closed:
-        return True
-    if not _readable_now(conn.pgconn.socket):
-        return False  # nothing sent to an idle connection: the common case, one poll
-    try:
-        conn.execute("")
-    except Exception:  # noqa: BLE001 -- any failure here means: do not hand it out
-        return True
-    return False
 
 
 def _readable_now(fd: int) -> bool:
