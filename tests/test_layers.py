@@ -137,8 +137,10 @@ def test_the_rule_itself(importer: str, imported: str, allowed: bool) -> None:
 
 
 def test_relative_imports_resolve_to_the_module_they_name() -> None:
-    """``from ..sql import x`` in ``stores/postgres/__init__.py`` is ``idemflow.stores.sql``."""
+    """``from ..sql import x`` in ``stores/postgres/__init__.py`` is ``idemflow.stores.sql``,
+    and ``from ._async import x`` is the package's own ``idemflow.stores.postgres._async``."""
     found = imports(PACKAGE / "stores" / "postgres" / "__init__.py")
 
     assert ("idemflow", "stores", "sql") in found
-    assert all(name[:3] != ("idemflow", "stores", "postgres") for name in found)
+    assert ("idemflow", "stores", "postgres", "_async") in found
+    assert all(name[:4] != ("idemflow", "stores", "postgres", "sql") for name in found)

@@ -115,10 +115,13 @@ def requests(pool: Any) -> int:
     return int(pool.pop_stats().get("requests_num", 0))
 
 
+@pytest.mark.parametrize("taken_from", ["pool", "store"])
 def test_a_protected_request_sends_the_round_trips_of_the_same_work_unprotected(
-    table_name: str, tmp_path: Path
+    table_name: str, tmp_path: Path, taken_from: str
 ) -> None:
-    """Sync: 6 round trips and one checkout either way, on a pool of one shared connection."""
+    """Sync: 6 round trips and one checkout either way, on a pool of one shared connection,
+    whether the request's transaction takes it from the pool or through the store's
+    checkout (``store.connection``): either is lent to the claim."""
     import psycopg_pool
 
     trace = WireTrace(tmp_path / "libpq.trace")
@@ -139,7 +142,8 @@ def test_a_protected_request_sends_the_round_trips_of_the_same_work_unprotected(
         with pool.connection() as conn:
             unprotected(conn, table_name, "plain")
         plain = (trace.take(), requests(pool))
-        with pooled_transaction(pool.connection, PsycopgTransaction) as transaction:
+        acquire = pool.connection if taken_from == "pool" else store.connection
+        with pooled_transaction(acquire, PsycopgTransaction) as transaction:
             outcome = idem.run(intent(), charge, transaction=transaction)
         protected = (trace.take(), requests(pool))
         record = store.get("alice", "k-1")
@@ -154,8 +158,9 @@ def test_a_protected_request_sends_the_round_trips_of_the_same_work_unprotected(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("taken_from", ["pool", "store"])
 async def test_an_async_protected_request_sends_the_round_trips_of_the_same_work_unprotected(
-    table_name: str, tmp_path: Path
+    table_name: str, tmp_path: Path, taken_from: str
 ) -> None:
     """Async: the same counts through AsyncPostgresStore and the async pooled transaction."""
     import psycopg_pool
@@ -175,7 +180,8 @@ async def test_an_async_protected_request_sends_the_round_trips_of_the_same_work
             store = AsyncPostgresStore(pool, table=table_name)
             idem = AsyncIdempotency(store, POLICY)
             requests(pool), trace.take()
-            async with async_pooled_transaction(pool.connection, AsyncPsycopgTransaction) as tx:
+            acquire = pool.connection if taken_from == "pool" else store.connection
+            async with async_pooled_transaction(acquire, AsyncPsycopgTransaction) as tx:
                 outcome = await idem.run(intent(), charge, transaction=tx)
             protected = (trace.take(), requests(pool))
         rows = business_rows(table_name)

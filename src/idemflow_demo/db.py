@@ -343,10 +343,10 @@ class PostgresDatabase:
         )
         self.store = AsyncPostgresStore(self.pool, table=KEY_TABLE)
         self._stats: Any = None
-        # The pool's own ``connection``: a request's transaction taken from it
-        # is one the store recognises, so the claim runs on that connection too
-        # (one checkout per request).
-        self.connect: Callable[[], AbstractAsyncContextManager[Any]] = self.pool.connection
+        # The store's checkout of the pool: a request's transaction taken from it is
+        # one the store recognises, so the claim runs on that connection too (one
+        # checkout per request), and never on one a restart of the server closed.
+        self.connect: Callable[[], AbstractAsyncContextManager[Any]] = self.store.connection
 
     def transaction(self, raw: Any) -> AsyncTransaction:
         # cast: the adapter takes the concrete SQLStatement the protocol abstracts.

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from idemflow import Idempotency, InProgress, Intent, Policy, Response
+from idemflow import Idempotency, InProgress, Intent, Policy, Response, StoreUnavailable
 from tests.conftest import POSTGRES_URL, unreachable
 
 psycopg = pytest.importorskip("psycopg")
@@ -199,6 +199,40 @@ def test_after_a_restart_the_async_store_refuses_no_claim_either(table_name: str
         owned = asyncio.run(claims_after_a_restart(cluster))
 
     assert owned == [True] * 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("taken_from", ["store", "pool"])
+def test_after_a_restart_a_transactional_request_is_refused_only_off_the_stores_checkout(
+    table_name: str, taken_from: str
+) -> None:
+    """Two-commit mode, the request's transaction on the store's pool (its claim on that
+    connection): taken through the store's checkout (``store.connection``), no request is
+    refused after a restart; taken from the pool directly, each dead pooled connection
+    refuses one (a 503, nothing recorded), as psycopg_pool hands it out unchecked."""
+    from idemflow.edge import pooled_transaction
+    from idemflow.transactions import PsycopgTransaction
+    from tests.factories import uncorrelated_intent
+
+    with _store_on_a_private_postgres(table_name) as (cluster, store):
+        idem = Idempotency(store, Policy())
+        acquire = store.connection if taken_from == "store" else store.pool.connection
+        cluster.stop("immediate")
+        cluster.start()
+        answers = []
+        for n in range(6):
+            try:
+                with pooled_transaction(acquire, PsycopgTransaction) as transaction:
+                    outcome = idem.run(
+                        uncorrelated_intent(f"tx-{n}"),
+                        lambda attempt: Response(201, b"paid"),
+                        transaction=transaction,
+                    )
+                answers.append(outcome.response.status)
+            except StoreUnavailable:
+                answers.append(503)
+
+    assert answers == ([201] * 6 if taken_from == "store" else [503] * 4 + [201] * 2)
 
 
 def test_a_pooled_connection_with_a_notification_waiting_is_kept(table_name: str) -> None:

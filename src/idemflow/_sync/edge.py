@@ -210,15 +210,16 @@ class PooledTransaction:
             return False
         return cast(UnavailabilityRule, adapter).is_unavailable(exc)
 
-    def lend(self, source: Any) -> Any:
-        """The connection, taken now, for a claim, if ``source`` is where it comes from; else None.
+    def lend(self, sources: tuple[Any, ...]) -> Any:
+        """The connection, taken now, for a claim, if it comes from one of ``sources``; else None.
 
-        ``source`` is the store's own (its pool's ``connection``): only then
-        is the claim's connection one the store would have used, and the
-        request takes one connection instead of two. Otherwise nothing is
-        taken, and the connection is taken when the transaction begins.
+        ``sources`` are the store's own (its pool's ``connection``, its
+        checked ``connection``): only then is the claim's connection one the
+        store would have used, and the request takes one connection instead
+        of two. Otherwise nothing is taken, and the connection is taken when
+        the transaction begins.
         """
-        if source != self._acquire:
+        if self._acquire not in sources:
             return None
         inner = self._taken()
         return inner.connection

@@ -294,12 +294,13 @@ def _on_pool(
     from ..stores.postgres import AsyncPostgresStore
     from ..transactions import AsyncPsycopgTransaction
 
-    driver = AsyncIdempotency(AsyncPostgresStore(pool), policy)
+    store = AsyncPostgresStore(pool)
+    driver = AsyncIdempotency(store, policy)
     if observer is not None:
         driver.observer = observer
     return Idempotent(
         driver,
-        connect=pool.connection,
+        connect=store.connection,  # the pool's, never one the server closed (a restart)
         transaction=AsyncPsycopgTransaction,
         options=options,
     )

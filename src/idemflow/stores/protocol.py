@@ -199,13 +199,14 @@ class LendingTransaction(Protocol):
     A capability: it declares only what such a :class:`Transaction` adds.
     """
 
-    def lend(self, source: Any) -> Any:
-        """Its connection, taken from ``source`` now if not yet taken, or None.
+    def lend(self, sources: tuple[Any, ...]) -> Any:
+        """Its connection, taken now if not yet taken, or None.
 
-        ``source`` is the store's own connection source (a pool's
-        ``connection``): a connection is lent only when this transaction
-        takes its connections from there, so the claim runs on a connection
-        the store would have used itself. Nothing is taken when it is not.
+        ``sources`` are where the store's own connections come from (a pool's
+        ``connection``, a store's checked checkout): a connection is lent only
+        when this transaction takes its connections from one of them, so the
+        claim runs on a connection the store would have used itself. Nothing is
+        taken when it does not.
         """
 
 
@@ -213,7 +214,7 @@ class LendingTransaction(Protocol):
 class AsyncLendingTransaction(Protocol):
     """:class:`LendingTransaction` with coroutines."""
 
-    async def lend(self, source: Any) -> Any: ...
+    async def lend(self, sources: tuple[Any, ...]) -> Any: ...
 
 
 @runtime_checkable

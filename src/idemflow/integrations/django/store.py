@@ -318,7 +318,7 @@ class DjangoStore:
         run it again under a new downstream key: a pool too small for that
         second connection answers 503 instead (fail closed).
         """
-        conn = lender.lend(self.using)
+        conn = lender.lend((self.using,))
         if conn is None or not isinstance(lender, DjangoTransaction) or not conn.in_atomic_block:
             return self.claim(intent, lease_token, now, expires_at)
         raw = _idle_psycopg3(conn)
@@ -528,9 +528,9 @@ class DjangoTransaction:
         """Did the last ``begin`` open a savepoint inside an enclosing atomic block?"""
         return self._nested
 
-    def lend(self, source: Any) -> Any:
-        """This thread's ``connections[using]`` for the claim, when ``source`` is its alias."""
-        return connections[self.using] if source == self.using else None
+    def lend(self, sources: tuple[Any, ...]) -> Any:
+        """This thread's ``connections[using]`` for the claim, when its alias is a source."""
+        return connections[self.using] if self.using in sources else None
 
     def begin(self) -> None:
         if self._detached or self._alone is not None:

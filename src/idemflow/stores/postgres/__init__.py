@@ -192,17 +192,19 @@ def _open_pool(pool: Any, max_size: int, claim_lock_timeout_ms: int, *, asynchro
 
 
 def _executor_options(
-    pool: Any, table: str, claim_lock_timeout_ms: int, clock: StoreClock
+    pool: Any, checked: Any, table: str, claim_lock_timeout_ms: int, clock: StoreClock
 ) -> dict[str, Any]:
-    """What both stores give the SQL executor besides their ``connect``."""
+    """What both stores give the SQL executor: ``checked`` is the store's checkout."""
     return {
+        "connect": checked,
         "dialect": postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
         "paramstyle": "pyformat",
         "is_unavailable": is_unavailable,
         "is_lock_timeout": is_lock_timeout,
         "extra_params": True,
-        # A request's transaction on this same pool lends its connection to the claim.
-        "lend_source": pool.connection,
+        # A request's transaction on this same pool lends its connection to the claim,
+        # whether taken through the store's checkout or the pool's own.
+        "lend_sources": (checked, pool.connection),
         "claims_alone_on": _claims_alone_on,
     }
 
@@ -236,10 +238,17 @@ class PostgresStore(SQLStore):
         self.pool: psycopg_pool.ConnectionPool[Any] = _open_pool(
             pool, max_size, claim_lock_timeout_ms, asynchronous=False
         )
-        options = _executor_options(self.pool, table, claim_lock_timeout_ms, clock)
-        super().__init__(connect=self._connection, **options)
+        options = _executor_options(self.pool, self.connection, table, claim_lock_timeout_ms, clock)
+        super().__init__(**options)
 
-    def _connection(self) -> LiveConnection:
+    def connection(self) -> LiveConnection:
+        """A connection of the store's pool, never one the server has closed.
+
+        Give it to the request's transaction, ``pooled_transaction(store.connection,
+        …)``: the claim runs on the connection the transaction then uses (one
+        checkout per request, as with ``store.pool.connection``), and a restart of
+        PostgreSQL costs no refused request.
+        """
         return LiveConnection(self.pool)
 
     def close(self) -> None:
@@ -267,10 +276,13 @@ class AsyncPostgresStore(AsyncSQLStore):
         self.pool: psycopg_pool.AsyncConnectionPool[Any] = _open_pool(
             pool, max_size, claim_lock_timeout_ms, asynchronous=True
         )
-        options = _executor_options(self.pool, table, claim_lock_timeout_ms, clock)
-        super().__init__(connect=self._connection, **options)
+        options = _executor_options(self.pool, self.connection, table, claim_lock_timeout_ms, clock)
+        super().__init__(**options)
 
-    def _connection(self) -> Any:
+    def connection(self) -> Any:
+        """A connection of the store's pool (an async context manager), never one the
+        server has closed; the pool is opened by its first use. As
+        :meth:`PostgresStore.connection`, for ``pooled_transaction(store.connection, …)``."""
         if self.pool.closed:  # never yet opened (or closed): opened by the first use
             return _OpeningConnection(self.pool)
         return AsyncLiveConnection(self.pool)

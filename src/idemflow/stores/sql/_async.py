@@ -74,12 +74,13 @@ class AsyncSQLStore(AsyncSQLObservable):
         extra_params: the driver ignores parameters a statement does not name
             (sqlite3, psycopg), so the claim and fenced writes send their
             parameters as built instead of a copy per statement.
-        lend_source: where the store's own connections come from (a pool's
-            ``connection``), for claims on a connection the request's
-            transaction lends (:attr:`claims_on_lent_connections`).
+        lend_sources: where the store's own connections come from (a pool's
+            ``connection``, the store's checked checkout), for claims on a
+            connection the request's transaction lends
+            (:attr:`claims_on_lent_connections`).
         claims_alone_on: whether a lent connection commits a statement on its
             own right now (autocommit, no transaction open); required with
-            ``lend_source``.
+            ``lend_sources``.
     """
 
     supports_transactions = True
@@ -104,11 +105,11 @@ class AsyncSQLStore(AsyncSQLObservable):
         is_lock_timeout: Callable[[BaseException], bool] = lambda exc: False,
         read_connect: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
         extra_params: bool = False,
-        lend_source: Any = None,
+        lend_sources: tuple[Any, ...] = (),
         claims_alone_on: Callable[[Any], bool] = lambda connection: False,
     ) -> None:
         self.dialect = dialect
-        self._lend_source = lend_source
+        self._lend_sources = lend_sources
         self._claims_alone_on = claims_alone_on
         self._connect = connect
         self._read_connect = read_connect or connect
@@ -136,7 +137,7 @@ class AsyncSQLStore(AsyncSQLObservable):
     @property
     def claims_on_lent_connections(self) -> bool:
         """Can :meth:`claim_on_lent` claim on the request's connection (two commits)?"""
-        return self._lend_source is not None
+        return bool(self._lend_sources)
 
     async def claim(
         self,
@@ -185,8 +186,8 @@ class AsyncSQLStore(AsyncSQLObservable):
         """
         try:
             lent = None
-            if lender is not None and self._lend_source:
-                lent = await lender.lend(self._lend_source)
+            if lender is not None and self._lend_sources:
+                lent = await lender.lend(self._lend_sources)
             connection: AbstractAsyncContextManager[Any] = (
                 nullcontext(lent)
                 if lent is not None and self._claims_alone_on(lent)

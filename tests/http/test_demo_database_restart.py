@@ -1,0 +1,56 @@
+"""
+The demo on a PostgreSQL of its own, restarted between two bursts of payments: every
+pooled connection died with the server, and the demo takes the request's connection
+through the store's checkout (``store.connection``), which skips a connection the server
+closed. Seen from outside: no request after the restart is refused, each charges once,
+and the payments from before the restart replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import unreachable
+from tests.http.conftest import ALICE, PAYMENT, Demo, new_key, run_demo
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(180)]
+
+#: More concurrent requests than the demo's pool holds connections, so every pooled
+#: connection has served (and dies with the server).
+BURST = 12
+
+
+async def burst(demo: Demo, keys: list[str]) -> list[int]:
+    async with demo.async_client(headers=ALICE) as client:
+        answers = await asyncio.gather(
+            *(client.post("/payments", json=PAYMENT, headers={"Idempotency-Key": k}) for k in keys)
+        )
+    return [answer.status_code for answer in answers]
+
+
+def test_a_restart_of_postgresql_under_the_demo_refuses_no_request(tmp_path: Path) -> None:
+    from tests._private_postgres import PrivatePostgresUnavailable, private_postgres
+
+    try:
+        with (
+            private_postgres() as cluster,
+            run_demo(tmp_path / "data", "--pool-size", "4", database_url=cluster.url) as demo,
+        ):
+            before = [new_key() for _ in range(BURST)]
+            first = asyncio.run(burst(demo, before))
+            cluster.stop("immediate")
+            cluster.start()
+            after = [new_key() for _ in range(BURST)]
+            second = asyncio.run(burst(demo, after))
+            replays = asyncio.run(burst(demo, before))
+            charges = len(demo.charges())
+    except PrivatePostgresUnavailable as exc:
+        unreachable("a private PostgreSQL", exc)
+
+    assert first == [201] * BURST
+    assert second == [201] * BURST  # was: a 503 for each connection that died
+    assert replays == [201] * BURST
+    assert charges == 2 * BURST
