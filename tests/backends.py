@@ -14,6 +14,7 @@ import itertools
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -1371,12 +1372,48 @@ async def _mysql_rig(
         with admins[node].cursor() as cursor:
             cursor.execute(f"KILL CONNECTION {int(thread_id)}")
 
-    def kill_store_connections() -> None:
-        assert opened
-        for _, node, thread_id in opened:
-            with contextlib.suppress(pymysql.err.OperationalError):  # already gone
-                kill(node, thread_id)
-        opened.clear()
+    killers: list[threading.Thread] = []
+
+    def lose_the_store() -> None:
+        """No transaction: the store's next completion loses its connection *during* the
+        statement (one KILLed before it, while the handler ran, the store's checkout sees
+        and replaces): a trigger holds the completion asleep, and a thread KILLs the
+        connection asleep in it, on its node. (A KILL of its own connection inside the
+        trigger works on MariaDB, and is refused on Galera as an implicit commit.)"""
+        sql(
+            f"CREATE OR REPLACE TRIGGER die_{table} BEFORE UPDATE ON {table} FOR EACH ROW "
+            "BEGIN IF NEW.state IN ('completed', 'failed_permanent') THEN "
+            "DO SLEEP(10); END IF; END"
+        )
+        killer = threading.Thread(target=kill_the_completion_asleep, daemon=True)
+        killer.start()
+        killers.append(killer)
+
+    def kill_the_completion_asleep() -> None:
+        own = [pymysql.connect(**node, autocommit=True) for node in nodes]
+        try:
+            for _ in range(500):  # 10 s at most
+                for node, conn in enumerate(own):
+                    ours = {thread_id for _, on, thread_id in list(opened) if on == node}
+                    with conn.cursor() as cursor:
+                        cursor.execute(
+                            "SELECT ID FROM information_schema.PROCESSLIST "
+                            "WHERE STATE = 'User sleep'"
+                        )
+                        asleep = [row[0] for row in cursor.fetchall() if row[0] in ours]
+                        for thread_id in asleep:
+                            cursor.execute(f"KILL CONNECTION {int(thread_id)}")
+                    if asleep:
+                        return
+                time.sleep(0.02)
+        finally:
+            for conn in own:
+                conn.close()
+
+    def heal() -> None:
+        while killers:
+            killers.pop().join(15)
+        sql(f"DROP TRIGGER IF EXISTS die_{table}")
 
     def kill_connection(conn: Any) -> None:
         kill(*next((node, thread_id) for c, node, thread_id in opened if c is conn))
@@ -1405,7 +1442,7 @@ async def _mysql_rig(
 
         def lose(conn: Any) -> None:
             if conn is None:
-                kill_store_connections()
+                lose_the_store()
                 return
             kill_connection(conn)
 
@@ -1435,7 +1472,7 @@ async def _mysql_rig(
 
         async def lose(conn: Any) -> None:  # type: ignore[misc]
             if conn is None:
-                kill_store_connections()
+                lose_the_store()
                 return
             kill_connection(conn)
 
@@ -1458,7 +1495,10 @@ async def _mysql_rig(
             sql,
         ) as rig:
             adapter = PyMySQLTransaction if sync else AsyncmyTransaction
-            yield replace(rig, connect=app.pool.connection, adapter=adapter)
+            try:
+                yield replace(rig, connect=app.pool.connection, adapter=adapter, heal=heal)
+            finally:
+                heal()
     finally:
         for other in admins[1:]:
             other.close()

@@ -669,3 +669,77 @@ def test_an_idle_connection_the_server_dropped_is_replaced(store: MySQLStore) ->
     assert again is not conn
     assert again.thread_id() != ended
     assert not conn.open
+
+
+# --- a restart of MariaDB under the store's pool ------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_after_a_restart_no_claim_is_refused_for_a_dead_pooled_connection(
+    table_name: str, flavour: str
+) -> None:
+    """MariaDB killed and started again under a store whose pool holds four connections,
+    all used a moment ago (so none is old enough to be pinged anyway): each checkout sees
+    the server closed its connection (PyMySQL: its socket is readable; asyncmy: its
+    protocol saw the end of file), pings it, and opens a new one in its place, so no claim
+    is refused (before: a 503 for each of the four)."""
+    import asyncio
+
+    from idemflow.stores.mysql import AsyncMySQLStore
+    from tests._private_mariadb import PrivateMariaDBUnavailable, private_mariadb
+
+    async def served(store: Any) -> list[bool]:
+        async def call(name: str, *args: Any) -> Any:
+            result = getattr(store, name)(*args)
+            return await result if asyncio.iscoroutine(result) else result
+
+        await call("migrate")
+        held = []
+        for _ in range(4):  # four connections in the pool, each used just now
+            checkout = store.pool.connection()
+            held.append((checkout, await _entered(checkout)))
+        for checkout, _ in held:
+            await _exited(checkout)
+        cluster.stop()
+        cluster.start()
+        answers = []
+        for n in range(5):
+            now = time.time()
+            try:
+                claim = await call("claim", intent(f"after-restart-{n}"), "t", now, now + 60)
+                answers.append(claim.owned)
+            except StoreUnavailable:
+                answers.append(False)
+        return answers
+
+    async def run() -> list[bool]:
+        kind = MySQLStore if flavour == "sync" else AsyncMySQLStore
+        store = kind(cluster.url, table=table_name, max_size=4, clock="caller")
+        try:
+            return await served(store)
+        finally:
+            closed = store.close()
+            if asyncio.iscoroutine(closed):
+                await closed
+
+    try:
+        with private_mariadb() as cluster:
+            answers = asyncio.run(run())
+    except PrivateMariaDBUnavailable as exc:
+        unreachable("a private MariaDB", exc)
+
+    assert answers == [True] * 5
+
+
+async def _entered(checkout: Any) -> Any:
+    enter = getattr(checkout, "__aenter__", None)
+    return await enter() if enter is not None else checkout.__enter__()
+
+
+async def _exited(checkout: Any) -> None:
+    leave = getattr(checkout, "__aexit__", None)
+    if leave is not None:
+        await leave(None, None, None)
+    else:
+        checkout.__exit__(None, None, None)

@@ -153,7 +153,9 @@ class AsyncCheckout:
             except IndexError:
                 conn = await pool._open()
             else:
-                if time.monotonic() - since > PING_AFTER:
+                # Pinged when idle long (the server's wait_timeout may have ended it),
+                # or when the server closed it (a restart): one poll, no round trip.
+                if time.monotonic() - since > PING_AFTER or AsyncBinding.closed_by_server(conn):
                     conn = await pool._checked(conn)
         except BaseException:
             slots.release()

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ..._extras import optional
+from .._socket import readable_now
 from ._errors import is_unavailable
 
 
@@ -62,6 +63,23 @@ class AsyncBinding:
             await conn.ensure_closed()
         except Exception:  # noqa: BLE001 -- already broken: nothing left to release
             conn.close()
+
+    @staticmethod
+    def closed_by_server(conn: Any) -> bool:
+        """Has the server closed ``conn`` while it sat idle (a restart, ``KILL``)?
+
+        The event loop reads the socket when it gets to it: its protocol saw the end
+        of file, the transport is closing, or the socket has something the loop has
+        not read yet. Read through asyncmy's own attributes; a release without them
+        says False, and the connection is used as before.
+        """
+        transport = getattr(conn, "_transport", None)
+        if transport is None:
+            return False
+        if transport.is_closing() or getattr(getattr(conn, "_proto", None), "eof", False):
+            return True
+        sock = transport.get_extra_info("socket")
+        return sock is not None and readable_now(sock.fileno())
 
     @staticmethod
     def is_unavailable(exc: BaseException) -> bool:
@@ -111,6 +129,17 @@ class Binding:
             return
 
     close = drop
+
+    @staticmethod
+    def closed_by_server(conn: Any) -> bool:
+        """Has the server closed ``conn`` while it sat idle (a restart, ``KILL``)?
+
+        An idle MySQL connection is never sent anything but the server's goodbye, so
+        a socket with something to read, or none, is one to ping (one poll, no round
+        trip, when it has nothing).
+        """
+        sock = getattr(conn, "_sock", None)
+        return sock is None or readable_now(sock.fileno())
 
     class Slots:
         """How many of the pool's connections may be out at once (across threads).

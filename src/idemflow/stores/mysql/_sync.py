@@ -154,7 +154,9 @@ class Checkout:
             except IndexError:
                 conn = pool._open()
             else:
-                if time.monotonic() - since > PING_AFTER:
+                # Pinged when idle long (the server's wait_timeout may have ended it),
+                # or when the server closed it (a restart): one poll, no round trip.
+                if time.monotonic() - since > PING_AFTER or Binding.closed_by_server(conn):
                     conn = pool._checked(conn)
         except BaseException:
             slots.release()

@@ -17,9 +17,10 @@ from it by ``scripts/unasync.py``.
 
 from __future__ import annotations
 
-import select
 from types import TracebackType
 from typing import Any
+
+from .._socket import readable_now
 
 __all__ = ["AsyncLiveConnection"]
 
@@ -36,7 +37,7 @@ class AsyncLiveConnection:
     async def __aenter__(self) -> Any:
         context = self._pool.connection()
         conn = await context.__aenter__()
-        if conn.closed or _readable_now(conn.pgconn.socket):  # rare: a restart, a notice
+        if conn.closed or readable_now(conn.pgconn.socket):  # rare: a restart, a notice
             context, conn = await self._live(context, conn)
         self._context = context
         return conn
@@ -57,7 +58,7 @@ class AsyncLiveConnection:
             await context.__aexit__(None, None, None)
             context = self._pool.connection()
             conn = await context.__aenter__()
-            if not (conn.closed or _readable_now(conn.pgconn.socket)):
+            if not (conn.closed or readable_now(conn.pgconn.socket)):
                 return context, conn
         return context, conn
 
@@ -68,12 +69,3 @@ class AsyncLiveConnection:
         traceback: TracebackType | None,
     ) -> Any:
         return await self._context.__aexit__(exc_type, exc, traceback)
-
-
-def _readable_now(fd: int) -> bool:
-    """Is there something to read on ``fd``, without waiting? (poll: any fd number)"""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(0))
-    return bool(select.select([fd], [], [], 0)[0])  # Windows

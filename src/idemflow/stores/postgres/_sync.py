@@ -18,9 +18,10 @@ GENERATED from ``idemflow/stores/postgres/_async.py`` by ``scripts/unasync.py``;
 
 from __future__ import annotations
 
-import select
 from types import TracebackType
 from typing import Any
+
+from .._socket import readable_now
 
 __all__ = ["LiveConnection"]
 
@@ -37,7 +38,7 @@ class LiveConnection:
     def __enter__(self) -> Any:
         context = self._pool.connection()
         conn = context.__enter__()
-        if conn.closed or _readable_now(conn.pgconn.socket):  # rare: a restart, a notice
+        if conn.closed or readable_now(conn.pgconn.socket):  # rare: a restart, a notice
             context, conn = self._live(context, conn)
         self._context = context
         return conn
@@ -58,7 +59,7 @@ class LiveConnection:
             context.__exit__(None, None, None)
             context = self._pool.connection()
             conn = context.__enter__()
-            if not (conn.closed or _readable_now(conn.pgconn.socket)):
+            if not (conn.closed or readable_now(conn.pgconn.socket)):
                 return context, conn
         return context, conn
 
@@ -69,12 +70,3 @@ class LiveConnection:
         traceback: TracebackType | None,
     ) -> Any:
         return self._context.__exit__(exc_type, exc, traceback)
-
-
-def _readable_now(fd: int) -> bool:
-    """Is there something to read on ``fd``, without waiting? (poll: any fd number)"""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(0))
-    return bool(select.select([fd], [], [], 0)[0])  # Windows
