@@ -5,16 +5,18 @@ once, under its own name, in every mode, through every door, on every store.
 One script of requests (:func:`script`) goes through each door: the ASGI
 ``IdempotencyMiddleware`` and ``Idempotent`` (two commits, one), the WSGI middleware,
 Flask (two commits, one, none) and Django (its decorator and its middleware, two commits
-and one), each on every store it can use, in process (httpx's ASGI transport, raw WSGI
-environs). The script makes each outcome: a first request, its replay, the key reused
-for another body (422), a transient 503 and an exception (both released, then run by
+and one), each on every store it can use (the middleware on the self-started Redis
+Cluster and Galera too), in process (httpx's ASGI transport, raw WSGI environs). The
+script makes each outcome: a first request, its replay, the key reused for another body
+(422), a transient 503 and an exception (both released, then run by
 their retry), a duplicate sent while the first runs (409), ``OutcomeUnknown`` (kept, or
 given back in single-commit mode), and the store lost under the request (503 unrecorded
 and kept, or rolled back and released). After each request ``/metrics`` is scraped over
 HTTP from a real ``PrometheusMetrics``' registry, and what that request added to
 ``idemflow_requests_total`` (every outcome, every endpoint label) must be exactly what it
 made, once each. The sweeper's ``stale_reclaimed`` (and the ``lease_lost`` of the request
-it took a claim from) is counted the same way on every store, sync and async.
+it took a claim from) is counted the same way on every store, sync and async, the
+clusters included.
 """
 
 from __future__ import annotations
@@ -53,7 +55,14 @@ from idemflow.metrics import PrometheusMetrics
 from idemflow.stores.memory import MemoryStore
 from idemflow.sweeper import AsyncSweeper, DidNotHappen, Happened, Sweeper, Unknown
 from idemflow.testing import FrozenClock
-from tests.backends import REDIS_POLICY_ARGS, TRANSACTIONAL_RIGS, Rig, open_rig, rig_params
+from tests.backends import (
+    MIDDLEWARE_RIGS,
+    REDIS_POLICY_ARGS,
+    TRANSACTIONAL_RIGS,
+    Rig,
+    open_rig,
+    rig_params,
+)
 from tests.ops_support import Samples, metrics_endpoint
 from tests.ops_support import intent as payment_intent
 
@@ -348,13 +357,10 @@ def asgi_cases() -> Iterator[Any]:
         yield pytest.param(kind, "two-commit", marks=marks, id=f"{kind}-two-commit")
         if kind != "sqlite":
             yield pytest.param(kind, "single-commit", marks=marks, id=f"{kind}-single-commit")
-    for param in rig_params(
-        (("postgres", "postgres"), ("mysql", "mysql"), ("sqlite", None), ("redis", "redis"))
-    ):
+    for param in rig_params(MIDDLEWARE_RIGS):  # the clusters too: Redis Cluster, Galera
         kind = param if isinstance(param, str) else param.values[0]
         marks = () if isinstance(param, str) else param.marks
         yield pytest.param(kind, "middleware", marks=marks, id=f"{kind}-middleware")
-    yield pytest.param("memory", "middleware", id="memory-middleware")
 
 
 def loss_of(kind: str, transactional: bool) -> Loss:
@@ -820,7 +826,14 @@ class Reconciler:
         return self.answers[record.key]
 
 
-SWEPT_STORES = (*TRANSACTIONAL_RIGS, ("redis", "redis"), ("redis-sync", "redis"), ("memory", None))
+SWEPT_STORES = (
+    *TRANSACTIONAL_RIGS,
+    ("redis", "redis"),
+    ("redis-sync", "redis"),
+    ("memory", None),
+    ("redis-cluster", "redis"),
+    ("galera", "mysql"),
+)
 
 
 @pytest.mark.parametrize("kind", rig_params(SWEPT_STORES))
