@@ -47,14 +47,13 @@ class AsyncLiveConnection:
         or the next ones: every pooled connection may be dead (a restart), so at most that
         many are skipped, then the pool waits, as ever, for a new one."""
         for _ in range(self._pool.max_size):
-            if not conn.closed:
-                try:
-                    await conn.execute("")
-                except Exception:  # noqa: BLE001 -- any failure: not handed out
-                    pass
-                else:
+            try:
+                if await _answers(conn):
                     return context, conn
                 await conn.close()  # given back closed: the pool makes another in its place
+            except BaseException as exc:  # cancelled mid-check: the pool gets it back
+                await context.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
             await context.__aexit__(None, None, None)
             context = self._pool.connection()
             conn = await context.__aenter__()
@@ -69,3 +68,14 @@ class AsyncLiveConnection:
         traceback: TracebackType | None,
     ) -> Any:
         return await self._context.__aexit__(exc_type, exc, traceback)
+
+
+async def _answers(conn: Any) -> bool:
+    """Does ``conn``, whose socket had something to read, still answer a statement?"""
+    if conn.closed:
+        return False
+    try:
+        await conn.execute("")
+    except Exception:  # noqa: BLE001 -- any failure: not handed out
+        return False
+    return True

@@ -48,14 +48,13 @@ class LiveConnection:
         or the next ones: every pooled connection may be dead (a restart), so at most that
         many are skipped, then the pool waits, as ever, for a new one."""
         for _ in range(self._pool.max_size):
-            if not conn.closed:
-                try:
-                    conn.execute("")
-                except Exception:  # noqa: BLE001 -- any failure: not handed out
-                    pass
-                else:
+            try:
+                if _answers(conn):
                     return context, conn
                 conn.close()  # given back closed: the pool makes another in its place
+            except BaseException as exc:  # cancelled mid-check: the pool gets it back
+                context.__exit__(type(exc), exc, exc.__traceback__)
+                raise
             context.__exit__(None, None, None)
             context = self._pool.connection()
             conn = context.__enter__()
@@ -70,3 +69,14 @@ class LiveConnection:
         traceback: TracebackType | None,
     ) -> Any:
         return self._context.__exit__(exc_type, exc, traceback)
+
+
+def _answers(conn: Any) -> bool:
+    """Does ``conn``, whose socket had something to read, still answer a statement?"""
+    if conn.closed:
+        return False
+    try:
+        conn.execute("")
+    except Exception:  # noqa: BLE001 -- any failure: not handed out
+        return False
+    return True
