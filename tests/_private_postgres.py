@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -69,9 +70,35 @@ class PrivatePostgres:
         """Stop the server (pg_ctl signals the postmaster named in ``postmaster.pid``)."""
         self._run(["pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop"])
 
+    def freeze(self) -> None:
+        """Stop every server process (SIGSTOP): the postmaster, then its children. The
+        kernel still takes what clients send; nothing answers until :meth:`thaw`."""
+        for pid in self._processes():
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """Resume every server process (SIGCONT): it runs what it was sent meanwhile."""
+        for pid in reversed(self._processes()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def _processes(self) -> list[int]:
+        """The postmaster (first line of ``postmaster.pid``) and its children."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError):
+                    fields = (entry / "stat").read_text().rpartition(")")[2].split()
+                    if int(fields[1]) == postmaster:
+                        children.append(int(entry.name))
+        return [postmaster, *children]
+
     def close(self) -> None:
-        """Stop the server if it runs, and remove its files."""
+        """Stop the server if it runs (thawed first), and remove its files."""
         if (self.data / "postmaster.pid").exists():
+            with contextlib.suppress(OSError, ValueError):
+                self.thaw()
             with contextlib.suppress(PrivatePostgresUnavailable):
                 self.stop()
         shutil.rmtree(self.directory, ignore_errors=True)

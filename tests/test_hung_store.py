@@ -18,6 +18,11 @@ drivers) and behind the ASGI middleware:
   not ``RELEASE_ATTEMPTS`` times (``driver.RELEASE_RETRY_WITHIN_SECONDS``): a second
   would wait as long again before the caller hears anything. The same rule where the
   wait is SQLite's lock.
+
+PostgreSQL has no client bound (psycopg sets none, ``statement_timeout`` is the server's):
+a private server stopped whole after the charge, a duplicate sent meanwhile, is waited
+for in every mode (no transaction, two commits, one), and once resumed the request is
+completed and the duplicate replays it or hears 409: one charge.
 """
 
 from __future__ import annotations
@@ -484,3 +489,104 @@ async def test_a_release_that_waited_out_sqlites_lock_is_not_sent_again(
     assert left.state is State.IN_PROGRESS  # the sweeper's
     assert (retry.status, retry.replayed) == (201, False)
     assert provider.calls == ["failed" if failure == "transient" else "raised", "charged"]
+
+
+# --- PostgreSQL stopped whole, in every mode ----------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("mode", ["no-transaction", "two-commit", "single-commit"])
+async def test_postgresql_frozen_after_the_charge_then_resumed_charges_once(mode: str) -> None:
+    """Every PostgreSQL process stopped (SIGSTOP) right after the charge, a duplicate sent
+    meanwhile. psycopg bounds nothing on the client, so the completion and the duplicate's
+    claim wait for the server (docs/stores.md, "A database that stops answering"); resumed
+    a second later, the request is completed and the duplicate replays it or hears 409
+    (its claim met the live claim), never runs: one charge, in every mode. The request's
+    own writes wait the same way, so no client bound of ours would have shortened it."""
+    import asyncio
+    import threading
+
+    psycopg_pool = pytest.importorskip("psycopg_pool")
+    from idemflow import InProgress
+    from idemflow.edge import async_pooled_transaction
+    from idemflow.stores.postgres import (
+        DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
+        AsyncPostgresStore,
+        connection_options,
+    )
+    from idemflow.transactions import AsyncPsycopgTransaction
+    from tests._private_postgres import PrivatePostgresUnavailable, private_postgres
+    from tests.conftest import unreachable
+
+    transactional = mode != "no-transaction"
+    charged: list[str] = []
+    duplicates: list[asyncio.Future[Any]] = []
+    held: list[float] = []  # how long the first request took: the freeze held it
+
+    async def run(idem: AsyncIdempotency, store: Any, handler: Any) -> Any:
+        if not transactional:
+            return await idem.run(intent("k-frozen"), handler)
+        opened = async_pooled_transaction(store.connection, AsyncPsycopgTransaction)
+        async with opened as transaction:
+            return await idem.run(
+                intent("k-frozen"),
+                handler,
+                transaction=transaction,
+                single_commit=mode == "single-commit",
+            )
+
+    async def scenario(cluster: Any) -> tuple[Any, Any, list[tuple[Any, ...]]]:
+        options = connection_options(DEFAULT_CLAIM_LOCK_TIMEOUT_MS)
+        pool = psycopg_pool.AsyncConnectionPool(
+            cluster.url, min_size=2, max_size=2, kwargs=options, open=False, timeout=30
+        )
+        await pool.open(wait=True)
+        try:
+            store = AsyncPostgresStore(pool)
+            await store.migrate()
+            async with pool.connection() as conn:
+                await conn.execute("CREATE TABLE biz (note TEXT)")
+            idem = AsyncIdempotency(store, POLICY)
+
+            async def never(attempt: AsyncAttempt) -> Response:
+                charged.append("the duplicate ran")
+                return CREATED
+
+            async def charge(attempt: AsyncAttempt) -> Response:
+                if transactional:
+                    await attempt.connection.execute("INSERT INTO biz VALUES ('charged')")
+                else:
+                    charged.append("charged")
+                cluster.freeze()
+                threading.Timer(1.0, cluster.thaw).start()
+                duplicates.append(asyncio.ensure_future(run(idem, store, never)))
+                await asyncio.sleep(0.2)  # the duplicate's claim is sent, and waits
+                return CREATED
+
+            began = time.monotonic()
+            first = await run(idem, store, charge)
+            held.append(time.monotonic() - began)
+            try:
+                again = await duplicates[0]
+            except InProgress as exc:
+                again = exc
+            async with pool.connection() as conn:
+                rows = await (await conn.execute("SELECT note FROM biz")).fetchall()
+            record = await store.get("alice", "k-frozen")
+            return (first, record), again, rows
+        finally:
+            await pool.close()
+
+    try:
+        with private_postgres() as cluster:
+            (first, record), again, rows = await scenario(cluster)
+    except PrivatePostgresUnavailable as exc:
+        unreachable("a private PostgreSQL", exc)
+
+    assert held[0] >= 1.0  # its completion waited for the server
+    assert first.response == CREATED
+    assert not first.replayed
+    assert isinstance(again, InProgress) or (again.replayed and again.response == CREATED)
+    assert record is not None
+    assert record.state is State.COMPLETED
+    assert charged + [row[0] for row in rows] == ["charged"]
