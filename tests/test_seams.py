@@ -196,6 +196,12 @@ def completions_end_their_connection(table: str) -> Iterator[None]:
             conn.execute(f"DROP FUNCTION die_{table}()")
 
 
+async def charge_on_its_own(psycopg: Any, table: str) -> None:
+    """The handler's effect, committed on a connection of its own (no shared transaction)."""
+    async with await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as own:
+        await own.execute(f"INSERT INTO biz_{table} (note) VALUES ('charged')")
+
+
 @pytest.mark.postgres
 async def test_a_lost_completion_without_a_transaction_keeps_the_claim(table_name: str) -> None:
     """The effect commits on its own (no shared transaction), then the store's connection
@@ -207,10 +213,7 @@ async def test_a_lost_completion_without_a_transaction_keeps_the_claim(table_nam
             idem = AsyncIdempotency(store, POLICY)
 
             async def charge(attempt: AsyncAttempt) -> Response:
-                async with await psycopg.AsyncConnection.connect(
-                    POSTGRES_URL, autocommit=True
-                ) as own:
-                    await own.execute(f"INSERT INTO biz_{table_name} (note) VALUES ('charged')")
+                await charge_on_its_own(psycopg, table_name)
                 return CREATED
 
             with completions_end_their_connection(table_name):
@@ -238,10 +241,7 @@ async def test_a_connection_lost_before_the_completion_is_skipped_and_the_outcom
             idem = AsyncIdempotency(store, POLICY)
 
             async def charge(attempt: AsyncAttempt) -> Response:
-                async with await psycopg.AsyncConnection.connect(
-                    POSTGRES_URL, autocommit=True
-                ) as own:
-                    await own.execute(f"INSERT INTO biz_{table_name} (note) VALUES ('charged')")
+                await charge_on_its_own(psycopg, table_name)
                 assert terminate(name) == 1  # the store's one pooled connection
                 return CREATED
 
