@@ -1236,7 +1236,7 @@ async def _postgres_rig(
     from tests.conftest import POSTGRES_URL
     from tests.faults import named_url
 
-    name = f"idemflow-{table}"  # the store's connections, so a fault can end them
+    name = f"idemflow-{table}"  # the store's connections, named in pg_stat_activity
     admin = psycopg.connect(POSTGRES_URL, autocommit=True)
     admin.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
     # Its DDL may wait on a catalog lock other tests hold: not the claims' 50 ms bound.
