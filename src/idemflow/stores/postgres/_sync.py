@@ -72,11 +72,14 @@ class LiveConnection:
 
 
 def _answers(conn: Any) -> bool:
-    """Does ``conn``, whose socket had something to read, still answer a statement?"""
+    """Does ``conn``, whose socket had something to read, still answer? psycopg_pool's own
+    check (an empty statement, outside any transaction), on this rare path only."""
+    from psycopg_pool import ConnectionPool
+
     if conn.closed:
         return False
     try:
-        conn.execute("")
+        ConnectionPool.check_connection(conn)
     except Exception:  # noqa: BLE001 -- any failure: not handed out
         return False
     return True
