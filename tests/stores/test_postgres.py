@@ -202,14 +202,16 @@ def test_after_a_restart_the_async_store_refuses_no_claim_either(table_name: str
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("single_commit", [False, True], ids=["two-commit", "single-commit"])
 @pytest.mark.parametrize("taken_from", ["store", "pool"])
 def test_after_a_restart_a_transactional_request_is_refused_only_off_the_stores_checkout(
-    table_name: str, taken_from: str
+    table_name: str, taken_from: str, single_commit: bool
 ) -> None:
-    """Two-commit mode, the request's transaction on the store's pool (its claim on that
-    connection): taken through the store's checkout (``store.connection``), no request is
-    refused after a restart; taken from the pool directly, each dead pooled connection
-    refuses one (a 503, nothing recorded), as psycopg_pool hands it out unchecked."""
+    """The request's transaction on the store's pool (two commits: its claim on that
+    connection; one: the claim in it): taken through the store's checkout
+    (``store.connection``), no request is refused after a restart; taken from the pool
+    directly, each dead pooled connection refuses one (a 503, nothing recorded), as
+    psycopg_pool hands it out unchecked."""
     from idemflow.edge import pooled_transaction
     from idemflow.transactions import PsycopgTransaction
     from tests.factories import uncorrelated_intent
@@ -227,12 +229,57 @@ def test_after_a_restart_a_transactional_request_is_refused_only_off_the_stores_
                         uncorrelated_intent(f"tx-{n}"),
                         lambda attempt: Response(201, b"paid"),
                         transaction=transaction,
+                        single_commit=single_commit,
                     )
                 answers.append(outcome.response.status)
             except StoreUnavailable:
                 answers.append(503)
 
     assert answers == ([201] * 6 if taken_from == "store" else [503] * 4 + [201] * 2)
+
+
+@pytest.mark.slow
+def test_after_a_restart_the_middleware_on_a_pool_of_two_refuses_no_request(
+    table_name: str,
+) -> None:
+    """``IdempotencyMiddleware`` on a store whose pool holds two connections, both used just
+    before PostgreSQL restarted: the claims and completions of the next requests take live
+    connections, so each answers 201 and its key is completed (before: a 503 for each dead
+    connection, and a completion that drew one left its key claimed)."""
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.responses import Response as StarletteResponse
+
+    from idemflow import AsyncIdempotency, State
+    from idemflow.stores.postgres import AsyncPostgresStore
+    from tests.test_modes import call_asgi, middleware_app, status_of
+
+    async def create(request: Request) -> StarletteResponse:
+        return JSONResponse({"id": 1}, status_code=201)
+
+    async def requests_after_a_restart(cluster: Any) -> list[tuple[int, Any]]:
+        store = AsyncPostgresStore(cluster.url, table=table_name, max_size=2)
+        try:
+            await store.migrate()
+            app = middleware_app(AsyncIdempotency(store, Policy()), create)
+            held = [await store.pool.getconn() for _ in range(2)]
+            for conn in held:
+                await store.pool.putconn(conn)
+            cluster.stop("immediate")
+            cluster.start()
+            answers = []
+            for n in range(4):
+                status = status_of(await call_asgi(app, f"mw-{n}"))
+                record = await store.get("carol", f"mw-{n}")
+                answers.append((status, record.state if record else None))
+            return answers
+        finally:
+            await store.close()
+
+    with _store_on_a_private_postgres(table_name) as (cluster, _):
+        answers = asyncio.run(requests_after_a_restart(cluster))
+
+    assert answers == [(201, State.COMPLETED)] * 4
 
 
 def test_a_pooled_connection_with_a_notification_waiting_is_kept(table_name: str) -> None:
