@@ -24,7 +24,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from idemflow import ConfigurationError
-from idemflow.stores.mysql import DEFAULT_LOCK_WAIT_TIMEOUT
+from idemflow.stores.mysql import DEFAULT_LOCK_WAIT_TIMEOUT, closed_by_server
 from idemflow.stores.protocol import AsyncTransaction, Statement
 
 from .db import KEY_TABLE, Connection, RowsConnection, pyformat
@@ -115,9 +115,9 @@ class MySQLPool:
     """Autocommit asyncmy connections, one request at a time, never reused after an error.
 
     asyncmy's own pool cannot be told that a connection saw an error (a reset
-    mid-statement, a cancelled query), so this one keeps the rule the key
+    mid-statement, a cancelled query), so this one keeps the rules the key
     store's pool keeps: such a connection is closed, and the next request
-    opens a fresh one.
+    opens a fresh one; an idle one the server closed is not handed out.
     """
 
     def __init__(self, kwargs: Mapping[str, Any], size: int, *, timeout: float = 5.0) -> None:
@@ -150,7 +150,7 @@ class MySQLPool:
                 slots.release()
 
         try:
-            pooled = self._idle.pop() if self._idle else await self._connect()
+            pooled = self._take_idle() or await self._connect()
             pooled.give_slot_back = give_slot_back
             try:
                 yield pooled
@@ -162,6 +162,20 @@ class MySQLPool:
                 await self._give_back(pooled)
         finally:
             give_slot_back()
+
+    def _take_idle(self) -> MySQLConnection | None:
+        """The connection given back last that the server has not closed since.
+
+        A restart (or ``KILL``) ends every idle connection at once; each would be one
+        refused request. One poll of its socket tells, no round trip: such a
+        connection is closed here and the next one tried.
+        """
+        while self._idle:
+            pooled = self._idle.pop()
+            if not closed_by_server(pooled.raw):
+                return pooled
+            pooled.raw.close()
+        return None
 
     async def _connect(self) -> MySQLConnection:
         import asyncmy

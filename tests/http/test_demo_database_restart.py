@@ -1,9 +1,11 @@
 """
-The demo on a PostgreSQL of its own, restarted between two bursts of payments: every
-pooled connection died with the server, and the demo takes the request's connection
-through the store's checkout (``store.connection``), which skips a connection the server
-closed. Seen from outside: no request after the restart is refused, each charges once,
-and the payments from before the restart replay.
+The demo on a database of its own, restarted between two bursts of payments: every
+pooled connection died with the server. On PostgreSQL the demo takes the request's
+connection through the store's checkout (``store.connection``), which skips a connection
+the server closed; on MariaDB the demo's own business pool asks
+``idemflow.stores.mysql.closed_by_server`` of each idle connection it hands out, as the
+store's pool does. Seen from outside: no request after the restart is refused, each
+charges once, and the payments from before the restart replay.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 from tests.conftest import unreachable
 from tests.http.conftest import ALICE, PAYMENT, Demo, new_key, run_demo
 
-pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 #: More concurrent requests than the demo's pool holds connections, so every pooled
 #: connection has served (and dies with the server).
@@ -31,6 +33,7 @@ async def burst(demo: Demo, keys: list[str]) -> list[int]:
     return [answer.status_code for answer in answers]
 
 
+@pytest.mark.postgres
 def test_a_restart_of_postgresql_under_the_demo_refuses_no_request(tmp_path: Path) -> None:
     from tests._private_postgres import PrivatePostgresUnavailable, private_postgres
 
@@ -52,5 +55,31 @@ def test_a_restart_of_postgresql_under_the_demo_refuses_no_request(tmp_path: Pat
 
     assert first == [201] * BURST
     assert second == [201] * BURST  # was: a 503 for each connection that died
+    assert replays == [201] * BURST
+    assert charges == 2 * BURST
+
+
+@pytest.mark.mysql
+def test_a_restart_of_mariadb_under_the_demo_refuses_no_request(tmp_path: Path) -> None:
+    from tests._private_mariadb import PrivateMariaDBUnavailable, private_mariadb
+
+    try:
+        with (
+            private_mariadb() as server,
+            run_demo(tmp_path / "data", "--pool-size", "4", database_url=server.url) as demo,
+        ):
+            before = [new_key() for _ in range(BURST)]
+            first = asyncio.run(burst(demo, before))
+            server.stop()  # SIGKILL: every connection of both pools drops at once
+            server.start()
+            after = [new_key() for _ in range(BURST)]
+            second = asyncio.run(burst(demo, after))
+            replays = asyncio.run(burst(demo, before))
+            charges = len(demo.charges())
+    except PrivateMariaDBUnavailable as exc:
+        unreachable("a private MariaDB", exc)
+
+    assert first == [201] * BURST
+    assert second == [201] * BURST  # was: a 503 for each business connection that died
     assert replays == [201] * BURST
     assert charges == 2 * BURST

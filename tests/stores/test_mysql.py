@@ -671,6 +671,58 @@ def test_an_idle_connection_the_server_dropped_is_replaced(store: MySQLStore) ->
     assert not conn.open
 
 
+def _killed(thread_id: int) -> None:
+    with contextlib.closing(connect()) as admin, admin.cursor() as cursor:
+        cursor.execute(f"KILL {thread_id}")
+
+
+def _until(condition: Any) -> bool:
+    """The server's goodbye reaches the socket a moment after the KILL returns."""
+    deadline = time.monotonic() + 5
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_closed_by_server_tells_an_idle_pymysql_connection_the_server_ended() -> None:
+    from idemflow.stores.mysql import closed_by_server
+
+    with contextlib.closing(connect()) as conn:
+        with conn.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        assert not closed_by_server(conn)
+        _killed(conn.thread_id())
+        assert _until(lambda: closed_by_server(conn))
+
+
+def test_closed_by_server_tells_an_idle_asyncmy_connection_the_server_ended() -> None:
+    import asyncio
+
+    asyncmy = pytest.importorskip("asyncmy")
+    from idemflow.stores.mysql import closed_by_server
+
+    async def scenario() -> tuple[bool, bool]:
+        conn = await asyncmy.connect(**connect_kwargs(MYSQL_URL, "asyncmy"))
+        try:
+            async with conn.cursor() as cursor:
+                await cursor.execute("SELECT CONNECTION_ID()")
+                (thread_id,) = await cursor.fetchone()
+            alive = closed_by_server(conn)
+            _killed(thread_id)
+            deadline = time.monotonic() + 5
+            while not closed_by_server(conn) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # the loop may read the goodbye first
+            return alive, closed_by_server(conn)
+        finally:
+            conn.close()
+
+    alive, ended = asyncio.run(scenario())
+    assert not alive
+    assert ended
+
+
 # --- a restart of MariaDB under the store's pool ------------------------------------------
 
 

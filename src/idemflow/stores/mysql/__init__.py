@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from ...transactions import AsyncmyTransaction, PyMySQLTransaction
 from ._async import AsyncMySQLStore
+from ._binding import closed_by_server
 from ._errors import (
     UNAVAILABLE_CODES,
     error_code,
@@ -67,6 +68,7 @@ __all__ = [
     "MySQLStatements",
     "MySQLStore",
     "PyMySQLTransaction",
+    "closed_by_server",
     "connect_kwargs",
     "error_code",
     "is_conflict",

@@ -193,3 +193,16 @@ def _sharing_connection() -> Callable[..., Any]:
             return shared[0]
 
     return Connection
+
+
+def closed_by_server(connection: Any) -> bool:
+    """Has the server closed this idle PyMySQL or asyncmy connection (a restart, ``KILL``)?
+
+    What the store's pools ask of each idle connection before handing it out, public
+    for a pool of the application's own: one poll of its socket, no round trip. An
+    idle MySQL connection is sent nothing but the server's goodbye, so True means:
+    close it and take another (or ping it first, as the store's pools do).
+    """
+    if getattr(connection, "_transport", None) is not None:  # asyncmy
+        return AsyncBinding.closed_by_server(connection)
+    return Binding.closed_by_server(connection)
