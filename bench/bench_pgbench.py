@@ -25,6 +25,14 @@ each statement its own transaction (the store's own connection, autocommit):
 Each contender opens its ``--clients`` connections before its slice and closes
 them after it, so the run holds at most ``--clients`` connections (plus one
 to set up). Target (issue 12): library ≥ 0.70 × pgbench at 16 clients.
+
+``--hot`` adds a fourth contender, ``pgbench-hot``: the same script on a copy of
+the key table without the two indexes on columns a completion writes
+(``(state, updated_at)``, ``expires_at``) and with room on each page
+(``fillfactor = 70``), so every completion is a HOT update (no new index
+entries). Not a design (the sweeper and the purge have no access path left on
+it): it measures what those two indexes cost the server, the most a key table
+with HOT-able completions could give.
 """
 
 from __future__ import annotations
@@ -97,8 +105,40 @@ def pgbench_script(dialect: Any) -> str:
     )
 
 
-def pgbench_slice(script: Path, clients: int) -> SliceRunner:
-    """pgbench for ``seconds`` (whole seconds); the transactions it finished."""
+def server_cpu_seconds() -> float:
+    """The CPU time of every PostgreSQL process on this machine, ended backends included.
+
+    A backend that has exited is counted in its postmaster's children's time, so
+    the sum over the live ``postgres`` processes of their own and their children's
+    time only grows. 0.0 where ``/proc`` is not there.
+    """
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            text = stat.read_text()
+            name, _, rest = text.partition(") ")
+            if name.endswith("(postgres"):
+                fields = rest.split()
+                total += sum(int(value) for value in fields[11:15])  # utime … cstime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class ServerCPU:
+    """What the server spent per transaction over a contender's slices."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.transactions = 0
+
+    def per_operation_us(self) -> float:
+        return self.seconds / max(1, self.transactions) * 1e6
+
+
+def pgbench_slice(script: Path, clients: int, cpu: ServerCPU | None = None) -> SliceRunner:
+    """pgbench for ``seconds`` (whole seconds); the transactions it finished.
+
+    ``cpu`` adds up the server's CPU time and transactions of these slices.
+    """
     url = urlsplit(POSTGRES_URL)
     command = [
         "pgbench",
@@ -109,12 +149,16 @@ def pgbench_slice(script: Path, clients: int) -> SliceRunner:
 
     def run(seconds: float) -> int:
         whole = max(1, round(seconds))
+        before = server_cpu_seconds()
         done = subprocess.run(
             [*command, "-T", str(whole)], capture_output=True, text=True, check=True
         )
         found = re.search(r"number of transactions actually processed: (\d+)", done.stdout)
         if found is None:
             raise RuntimeError(f"pgbench said: {done.stdout}{done.stderr}")
+        if cpu is not None:
+            cpu.seconds += server_cpu_seconds() - before
+            cpu.transactions += int(found[1])
         # Per the slice's nominal length, as the harness divides every count.
         return round(int(found[1]) * seconds / whole)
 
@@ -150,11 +194,36 @@ def key_table() -> Iterator[str]:
         store.close()
 
 
+@contextlib.contextmanager
+def hot_table(table: str) -> Iterator[str]:
+    """A copy of ``table`` (empty) whose completions are HOT updates: see ``--hot``."""
+    from idemflow.stores.postgres import PostgresStore
+
+    hot = f"{table}_hot"
+    store = PostgresStore(POSTGRES_URL, table=table, max_size=1)
+    try:
+        with store.pool.connection() as conn:
+            conn.execute(
+                f"CREATE TABLE {hot} (LIKE {table} INCLUDING DEFAULTS INCLUDING CONSTRAINTS "
+                "INCLUDING IDENTITY) WITH (fillfactor = 70)"
+            )
+            conn.execute(f"ALTER TABLE {hot} ADD PRIMARY KEY (id)")
+            conn.execute(f"ALTER TABLE {hot} ADD UNIQUE (principal, idempotency_key)")
+        yield hot
+    finally:
+        with store.pool.connection() as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {hot}")
+        store.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=24.0, help="per contender (default 24)")
     parser.add_argument("--slices", type=int, default=8, help="turns those are cut into")
     parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument(
+        "--hot", action="store_true", help="also pgbench on a key table with HOT completions"
+    )
     args = parser.parse_args(argv)
     if shutil.which("pgbench") is None:
         parser.error("pgbench is not installed")
@@ -163,13 +232,28 @@ def main(argv: list[str] | None = None) -> int:
 
     run_id = uuid.uuid4().hex[:8]
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-    with key_table() as keys_table, tempfile.TemporaryDirectory() as folder:
+    with contextlib.ExitStack() as stack:
+        keys_table = stack.enter_context(key_table())
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         dialect = postgres_dialect(keys_table)
-        script = Path(folder) / "claim_complete.sql"
+        script = folder / "claim_complete.sql"
         script.write_text(pgbench_script(dialect))
+        cpu = {"pgbench": ServerCPU()}
+        extra = []
+        if args.hot:
+            hot_script = folder / "claim_complete_hot.sql"
+            hot_script.write_text(
+                pgbench_script(postgres_dialect(stack.enter_context(hot_table(keys_table))))
+            )
+            cpu["pgbench-hot"] = ServerCPU()
+            extra.append(
+                Contender(
+                    "pgbench-hot", pgbench_slice(hot_script, args.clients, cpu["pgbench-hot"])
+                )
+            )
         with Crew(args.clients) as crew:
             contenders = [
-                Contender("pgbench", pgbench_slice(script, args.clients)),
+                Contender("pgbench", pgbench_slice(script, args.clients, cpu["pgbench"])),
                 Contender(
                     "raw",
                     pooled_slice(
@@ -191,14 +275,17 @@ def main(argv: list[str] | None = None) -> int:
                         ),
                     ),
                 ),
+                *extra,
             ]
             results = interleave(contenders, seconds=args.seconds, slices=args.slices, warmup=1)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     rows = [
         Row.compare("postgresql", f"{name} / pgbench", args.clients, results, "pgbench", name)
-        for name in ("raw", "library")
+        for name in ("raw", "library", *(["pgbench-hot"] if args.hot else []))
     ]
     print(table(rows, ("pgbench ops/s", "contender ops/s")))
+    for name, spent in cpu.items():
+        print(f"server CPU per claim + completion under {name}: {spent.per_operation_us():,.0f} µs")
     return 0
 
 
