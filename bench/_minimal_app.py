@@ -5,8 +5,9 @@ The minimal endpoint ``bench/bench_middleware.py`` serves: middleware mode on on
 (the same endpoint, not opted in) parse the JSON body and answer 201 with a
 small JSON object: no business write, so what protection costs is all there
 is to see. Settings from the environment: ``BENCH_STORE`` (``sqlite``,
-``postgres``, ``redis``), ``BENCH_URL`` (the PostgreSQL conninfo or Redis URL),
-``BENCH_DIR`` (the SQLite file's directory), ``BENCH_PREFIX`` (Redis keys).
+``postgres``, ``redis``, ``mysql``), ``BENCH_URL`` (the PostgreSQL conninfo, Redis
+or MySQL URL), ``BENCH_DIR`` (the SQLite file's directory), ``BENCH_PREFIX`` (Redis
+keys), ``BENCH_TABLE`` (MySQL's key table).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def _store() -> Any:
         # The bench's shared Redis keeps nothing on disk: acknowledged, as the tests do.
         prefix = os.environ.get("BENCH_PREFIX", "bench:")
         return AsyncRedisStore(client, prefix=prefix, allow_volatile=True)
+    if KIND == "mysql":
+        from idemflow.stores.mysql import AsyncMySQLStore
+
+        return AsyncMySQLStore(URL, table=os.environ.get("BENCH_TABLE", "bench_keys"), max_size=8)
     from idemflow.stores.sqlite import AsyncSQLiteStore
 
     return AsyncSQLiteStore(Path(os.environ.get("BENCH_DIR", ".")) / "keys.db")

@@ -4,7 +4,7 @@ What middleware mode costs a minimal endpoint, per store: throughput, server CPU
 Run::
 
     .venv/bin/python -m bench.bench_middleware [--seconds 2] [--rounds 5] [--clients 1,16]
-                                               [--stores sqlite,postgres,redis]
+                                               [--stores sqlite,postgres,redis,mysql]
 
 For each store one server is started (``bench/_minimal_app.py`` under uvicorn,
 one worker, its own process): a Starlette app whose ``POST /things`` is protected
@@ -53,6 +53,7 @@ from bench.bench_http import POSTGRES_URL, Client, Tally, open_clients, postgres
 
 ROOT = Path(__file__).resolve().parents[1]
 REDIS_URL = os.environ.get("IDEMFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+MYSQL_URL = os.environ.get("IDEMFLOW_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
 BODY = b'{"amount":1000,"currency":"EUR","customer":"ada"}'
 PATHS = ("unprotected", "protected", "replay")
 
@@ -86,7 +87,7 @@ class Metered:
 
 @contextlib.contextmanager
 def store_settings(store: str, workdir: Path) -> Iterator[dict[str, str]]:
-    """Environment for the app: a schema of its own, a Redis prefix of its own."""
+    """Environment for the app: a schema, a Redis prefix or a MySQL table of its own."""
     if store == "postgres":
         app_name = f"idemflow_bench_{uuid.uuid4().hex[:8]}"
         with postgres_schema() as url:
@@ -103,6 +104,18 @@ def store_settings(store: str, workdir: Path) -> Iterator[dict[str, str]]:
             for key in client.scan_iter(match=prefix + "*", count=1000):
                 client.delete(key)
             client.close()
+        return
+    if store == "mysql":
+        table = f"bench_keys_{uuid.uuid4().hex[:8]}"
+        try:
+            yield {"BENCH_STORE": store, "BENCH_URL": MYSQL_URL, "BENCH_TABLE": table}
+        finally:
+            import pymysql
+
+            from idemflow.stores.mysql import connect_kwargs
+
+            with contextlib.closing(pymysql.connect(**connect_kwargs(MYSQL_URL))) as conn:
+                conn.cursor().execute(f"DROP TABLE IF EXISTS {table}")
         return
     yield {"BENCH_STORE": store, "BENCH_DIR": str(workdir)}
 

@@ -17,11 +17,11 @@ def wire_env(directory: Path) -> dict[str, str]:
 
 
 def read_counts(directory: Path) -> tuple[int, int]:
-    """Round trips (PostgreSQL and Redis together) and pool checkouts so far, every process."""
+    """Round trips (PostgreSQL, Redis, MySQL together) and pool checkouts so far, every process."""
     trips = checkouts = 0
     for path in directory.glob("*.count"):
         fields = [int(field) for field in path.read_text().split()]
-        if len(fields) >= 3:
-            trips += fields[0] + fields[1]
+        if len(fields) >= 4:
+            trips += fields[0] + fields[1] + fields[3]
             checkouts += fields[2]
     return trips, checkouts

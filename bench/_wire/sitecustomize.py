@@ -11,7 +11,10 @@ process keeps one counter file there, rewritten after every round trip:
   ``COMMIT``, ``ROLLBACK``, a pool's check or reset; in pipeline mode, each
   ``Sync`` (the statements it ends travel together);
 - Redis (redis-py): every ``send_packed_command`` (a pipeline sends once);
-- pool checkouts: every ``getconn`` of a ``psycopg_pool`` pool.
+- MySQL/MariaDB (asyncmy): every statement (``Connection.query``, which each
+  cursor's ``execute`` calls), ``ping``, ``begin``, ``commit``, ``rollback``;
+- pool checkouts: every ``getconn`` of a ``psycopg_pool`` pool, and every
+  checkout of the asyncio MySQL store's own pool.
 
 Only benchmarks set the variable; without it this module does nothing.
 """
@@ -28,7 +31,7 @@ class _Counter:
     def __init__(self, directory: str) -> None:
         self._directory = directory
         self._lock = threading.Lock()
-        self._counts = {"postgres": 0, "redis": 0, "checkouts": 0}
+        self._counts = {"postgres": 0, "redis": 0, "checkouts": 0, "mysql": 0}
         self._fd: int | None = None
         self._pid = -1
 
@@ -41,12 +44,15 @@ class _Counter:
                 path = os.path.join(self._directory, f"{self._pid}.count")
                 self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             counts = self._counts
-            text = f"{counts['postgres']} {counts['redis']} {counts['checkouts']}\n"
+            text = (
+                f"{counts['postgres']} {counts['redis']} {counts['checkouts']} {counts['mysql']}\n"
+            )
             assert self._fd is not None
             os.pwrite(self._fd, text.encode().ljust(48), 0)
 
 
 def _install(counter: _Counter) -> None:
+    _install_asyncmy(counter)
     try:
         from psycopg import _connection_base, _cursor_base, client_cursor
     except ImportError:
@@ -93,6 +99,36 @@ def _install(counter: _Counter) -> None:
 
     sync_redis.AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
     async_redis.AbstractConnection.send_packed_command = asend  # type: ignore[method-assign]
+
+
+def _install_asyncmy(counter: _Counter) -> None:
+    try:
+        from asyncmy import connection
+    except ImportError:
+        return
+    # Connection is a Python class (its cursors are not): each of these is one
+    # request and its answer. ``autocommit`` is left out: the store sets it once,
+    # when a connection opens, and asyncmy sends nothing when it is already so.
+    for name in ("query", "ping", "begin", "commit", "rollback"):
+        setattr(
+            connection.Connection,
+            name,
+            _acounted(counter, "mysql", getattr(connection.Connection, name)),
+        )
+    try:
+        from idemflow.stores.mysql import _async as mysql_store
+    except ImportError:
+        return
+    checkout = mysql_store.AsyncCheckout
+    checkout.__aenter__ = _acounted(counter, "checkouts", checkout.__aenter__)  # type: ignore[method-assign]
+
+
+def _acounted(counter: _Counter, name: str, method):  # type: ignore[no-untyped-def]
+    async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        counter.add(name)
+        return await method(*args, **kwargs)
+
+    return counted
 
 
 def _unless_pipelined(counter: _Counter, method):  # type: ignore[no-untyped-def]
