@@ -152,8 +152,6 @@ def test_a_forked_child_opens_its_own_connection_and_writer_lock(tmp_path: Path)
 def _writes_seen(store: AsyncSQLiteStore) -> list[str]:
     """The names of the threads the async store's claims and completions run on."""
     seen: list[str] = []
-    sync = store.sync
-    claim, complete = sync.claim, sync.complete
 
     def on_thread(function: Any) -> Any:
         def recorded(*args: Any) -> Any:
@@ -162,8 +160,9 @@ def _writes_seen(store: AsyncSQLiteStore) -> list[str]:
 
         return recorded
 
-    sync.claim = on_thread(claim)  # type: ignore[method-assign]
-    sync.complete = on_thread(complete)  # type: ignore[method-assign]
+    for store_ in (store.sync, store._at_once):
+        store_.claim = on_thread(store_.claim)  # type: ignore[method-assign]
+        store_.complete = on_thread(store_.complete)  # type: ignore[method-assign]
     return seen
 
 
@@ -172,10 +171,12 @@ async def test_the_async_stores_writes_take_their_turn_on_one_thread_of_its_own(
     tmp_path: Path,
 ) -> None:
     """Its writes queue on the process's lock on the file anyway: from the loop's default
-    executor they took several threads that handed it (and the GIL) to one another."""
+    executor they took several threads that handed it (and the GIL) to one another. A
+    claim runs on the loop's own thread only while no write is handed over."""
     store = AsyncSQLiteStore(tmp_path / "keys.db")
     await store.migrate()
     seen = _writes_seen(store)
+    loop_thread = threading.current_thread().name
 
     async def request(n: int) -> None:
         claim = await store.claim(intent(f"k-{n}"), f"lease-{n}", NOW, NOW + 60)
@@ -184,8 +185,103 @@ async def test_the_async_stores_writes_take_their_turn_on_one_thread_of_its_own(
     try:
         await asyncio.gather(*(request(n) for n in range(32)))
         assert len(seen) == 64
-        assert len(set(seen)) == 1
-        assert seen[0].startswith("idemflow-sqlite")
+        handed_over = [name for name in seen if name != loop_thread]
+        assert len(set(handed_over)) == 1
+        assert handed_over[0].startswith("idemflow-sqlite")
+        # The first claim found nothing handed over; the rest queued behind completions.
+        assert seen.count(loop_thread) < 32
+    finally:
+        await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_claim_with_nothing_to_wait_for_runs_on_the_loops_thread(tmp_path: Path) -> None:
+    """A hop to the write thread costs more than the claim (docs/benchmarks.md): with no
+    write handed over and the file's locks free, the claim runs where it is awaited,
+    committed before it returns (another connection reads it)."""
+    path = tmp_path / "keys.db"
+    store = AsyncSQLiteStore(path)
+    await store.migrate()
+    seen = _writes_seen(store)
+    loop_thread = threading.current_thread().name
+    try:
+        first = await store.claim(intent("k-1"), "lease-1", NOW, NOW + 60)
+        replay_of_held = await store.claim(intent("k-1"), "lease-2", NOW, NOW + 60)
+        assert seen == [loop_thread, loop_thread]
+        assert first.owned
+        assert not replay_of_held.owned
+        assert replay_of_held.record == first.record
+        assert SQLiteStore(path).get("alice", "k-1") == first.record
+    finally:
+        await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_claim_never_overtakes_a_write_handed_over(tmp_path: Path) -> None:
+    """Writes handed to the store's thread go first, in turn: a claim awaited meanwhile
+    queues behind them rather than take the file from under them (one after another on
+    the loop's thread, claims could keep a completion waiting past its busy timeout)."""
+    store = AsyncSQLiteStore(tmp_path / "keys.db")
+    await store.migrate()
+    gate = threading.Event()
+    try:
+        before = asyncio.ensure_future(store._writes.run(gate.wait, 10))
+        await asyncio.sleep(0.05)  # the write thread is in it
+        claim = asyncio.ensure_future(store.claim(intent("k-1"), "lease-1", NOW, NOW + 60))
+        await asyncio.sleep(0.2)
+        assert not claim.done()  # queued behind the write handed over
+        gate.set()
+        assert await before
+        assert (await asyncio.wait_for(claim, 10)).owned
+    finally:
+        gate.set()
+        await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_claim_that_would_wait_never_blocks_the_loop(tmp_path: Path) -> None:
+    """Another process holds SQLite's write lock: the claim's try on the loop's thread
+    gives up at once (no busy timeout there) and the claim waits on the write thread;
+    the loop goes on serving meanwhile."""
+    import time
+
+    path = tmp_path / "keys.db"
+    store = AsyncSQLiteStore(path, busy_timeout=5)
+    await store.migrate()
+    other = connect(path)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        waiting = asyncio.ensure_future(store.claim(intent("k-1"), "lease-1", NOW, NOW + 60))
+        started = time.monotonic()
+        await asyncio.sleep(0.3)  # the claim's task runs first, then the loop comes back
+        assert time.monotonic() - started < 2.0  # not 5 s of a busy handler on the loop
+        assert not waiting.done()
+        other.execute("ROLLBACK")
+        assert (await asyncio.wait_for(waiting, 10)).owned
+    finally:
+        other.close()
+        await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_claim_on_the_loops_thread_never_checkpoints_the_wal(tmp_path: Path) -> None:
+    """A WAL checkpoint writes the database file and syncs it: on the loop's thread it
+    would stall every request. Claims there leave the WAL to the write thread's
+    commits (SQLite's default checkpoints at 1,000 pages: each claim writes a few)."""
+    path = tmp_path / "keys.db"
+    store = AsyncSQLiteStore(path)
+    await store.migrate()
+    seen = _writes_seen(store)
+    try:
+        for n in range(400):
+            assert (await store.claim(intent(f"k-{n}"), f"lease-{n}", NOW, NOW + 60)).owned
+        assert set(seen) == {threading.current_thread().name}
+        other = connect(path)
+        try:
+            _, frames_in_wal, _ = other.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        finally:
+            other.close()
+        assert frames_in_wal > 1000
     finally:
         await store.close()
 
