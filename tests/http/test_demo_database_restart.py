@@ -11,6 +11,7 @@ charges once, and the payments from before the restart replay.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,23 +34,32 @@ async def burst(demo: Demo, keys: list[str]) -> list[int]:
     return [answer.status_code for answer in answers]
 
 
+def payments_across_a_restart(
+    tmp_path: Path, url: str, restart: Callable[[], None]
+) -> tuple[list[int], list[int], list[int], int]:
+    """A burst, ``restart()``, a burst of new keys, the first burst again; the charges."""
+    with run_demo(tmp_path / "data", "--pool-size", "4", database_url=url) as demo:
+        before = [new_key() for _ in range(BURST)]
+        first = asyncio.run(burst(demo, before))
+        restart()
+        second = asyncio.run(burst(demo, [new_key() for _ in range(BURST)]))
+        replays = asyncio.run(burst(demo, before))
+        return first, second, replays, len(demo.charges())
+
+
 @pytest.mark.postgres
 def test_a_restart_of_postgresql_under_the_demo_refuses_no_request(tmp_path: Path) -> None:
     from tests._private_postgres import PrivatePostgresUnavailable, private_postgres
 
+    def restart() -> None:
+        cluster.stop("immediate")
+        cluster.start()
+
     try:
-        with (
-            private_postgres() as cluster,
-            run_demo(tmp_path / "data", "--pool-size", "4", database_url=cluster.url) as demo,
-        ):
-            before = [new_key() for _ in range(BURST)]
-            first = asyncio.run(burst(demo, before))
-            cluster.stop("immediate")
-            cluster.start()
-            after = [new_key() for _ in range(BURST)]
-            second = asyncio.run(burst(demo, after))
-            replays = asyncio.run(burst(demo, before))
-            charges = len(demo.charges())
+        with private_postgres() as cluster:
+            first, second, replays, charges = payments_across_a_restart(
+                tmp_path, cluster.url, restart
+            )
     except PrivatePostgresUnavailable as exc:
         unreachable("a private PostgreSQL", exc)
 
@@ -63,19 +73,15 @@ def test_a_restart_of_postgresql_under_the_demo_refuses_no_request(tmp_path: Pat
 def test_a_restart_of_mariadb_under_the_demo_refuses_no_request(tmp_path: Path) -> None:
     from tests._private_mariadb import PrivateMariaDBUnavailable, private_mariadb
 
+    def restart() -> None:
+        server.stop()  # SIGKILL: every connection of both pools drops at once
+        server.start()
+
     try:
-        with (
-            private_mariadb() as server,
-            run_demo(tmp_path / "data", "--pool-size", "4", database_url=server.url) as demo,
-        ):
-            before = [new_key() for _ in range(BURST)]
-            first = asyncio.run(burst(demo, before))
-            server.stop()  # SIGKILL: every connection of both pools drops at once
-            server.start()
-            after = [new_key() for _ in range(BURST)]
-            second = asyncio.run(burst(demo, after))
-            replays = asyncio.run(burst(demo, before))
-            charges = len(demo.charges())
+        with private_mariadb() as server:
+            first, second, replays, charges = payments_across_a_restart(
+                tmp_path, server.url, restart
+            )
     except PrivateMariaDBUnavailable as exc:
         unreachable("a private MariaDB", exc)
 
