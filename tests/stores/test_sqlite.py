@@ -254,7 +254,7 @@ async def test_a_claim_that_would_wait_never_blocks_the_loop(tmp_path: Path) -> 
         waiting = asyncio.ensure_future(store.claim(intent("k-1"), "lease-1", NOW, NOW + 60))
         started = time.monotonic()
         await asyncio.sleep(0.3)  # the claim's task runs first, then the loop comes back
-        assert time.monotonic() - started < 2.0  # not 5 s of a busy handler on the loop
+        assert time.monotonic() - started < 3.5  # not 5 s of a busy handler on the loop
         assert not waiting.done()
         other.execute("ROLLBACK")
         assert (await asyncio.wait_for(waiting, 10)).owned
