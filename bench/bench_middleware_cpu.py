@@ -4,6 +4,7 @@ What middleware mode costs a minimal endpoint in the app's own CPU: a figure loa
 Run::
 
     .venv/bin/python -m bench.bench_middleware_cpu [--stores postgres,redis] [--count 2000]
+                                                   (--stores: any of sqlite,postgres,redis)
                                                    [--profile FILE]
 
 ``bench/_minimal_app.py``'s app (the same middleware stack ``bench_middleware``
@@ -38,16 +39,19 @@ import importlib
 import itertools
 import os
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from bench._harness import post_over_asgi
-from bench.bench_http import postgres_schema
-from bench.bench_middleware import BODY, REDIS_URL
+from bench.bench_middleware import BODY, store_settings
 
 PATHS = ("unprotected", "protected", "replay")
+#: The stores whose raw floors this bench knows (SQLite: none, it makes no round trip).
+STORES = ("sqlite", "postgres", "redis")
 FLOORS = ("raw first", "raw replay")
 
 
@@ -194,24 +198,18 @@ def main(argv: list[str] | None = None) -> int:
         "| raw floor: first, replay (system) | idemflow's own: protected, replay |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for store in args.stores.split(","):
+    stores = args.stores.split(",")
+    if unknown := set(stores) - set(STORES):
+        parser.error(f"--stores: {', '.join(sorted(unknown))} not measured here ({STORES})")
+    for store in stores:
         with contextlib.ExitStack() as stack:
-            os.environ["BENCH_STORE"] = store
-            if store == "postgres":
-                os.environ["BENCH_URL"] = stack.enter_context(postgres_schema())
-            elif store == "redis":
-                os.environ["BENCH_URL"] = REDIS_URL
-                os.environ["BENCH_PREFIX"] = f"bench:{uuid.uuid4().hex[:8]}:"
+            # bench_middleware's: a schema, a key prefix or a file of this run's own,
+            # dropped, deleted or removed at the end.
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            os.environ.update(stack.enter_context(store_settings(store, workdir)))
             profile = f"{args.profile}.{store}" if args.profile else None
             sys.modules.pop("bench._minimal_app", None)
             result = asyncio.run(measure(args.count, args.rounds, profile))
-            if store == "redis":
-                import redis
-
-                client = redis.Redis.from_url(REDIS_URL)
-                for key in client.scan_iter(match=os.environ["BENCH_PREFIX"] + "*", count=1000):
-                    client.delete(key)
-                client.close()
         print(f"| {store} | " + " | ".join(_cells(result)) + " |", flush=True)
     return 0
 
