@@ -211,7 +211,11 @@ async def test_a_claim_with_nothing_to_wait_for_runs_on_the_loops_thread(tmp_pat
         assert first.owned
         assert not replay_of_held.owned
         assert replay_of_held.record == first.record
-        assert SQLiteStore(path).get("alice", "k-1") == first.record
+        reader = SQLiteStore(path)
+        try:
+            assert reader.get("alice", "k-1") == first.record
+        finally:
+            reader.close()
     finally:
         await store.close()
 
