@@ -69,6 +69,11 @@ __all__ = ["DemoService", "create_app"]
 PROTECTED = ("POST /payments", "POST /payments/{id}/refunds")
 PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/provider/charges"})
 
+#: Seconds a start waits for a database that is down or too slow to hand out a
+#: connection (restarting, or saturated by the backends of a process just killed),
+#: trying again with backoff, before the demo gives up and exits.
+DATABASE_PATIENCE_AT_START = 30.0
+
 
 class BearerAuth:
     """Pure-ASGI bearer authentication: sets ``scope["user"]`` or answers 401 (problem)."""
@@ -166,7 +171,7 @@ class DemoService:
     async def start(self) -> None:
         """Open (and migrate) the database and the provider's ledger."""
         self._opened = True
-        await self.db.open()
+        await self._open_database()
         self.provider.open()
         if not self._watching:  # idemflow_stale_in_progress{state}: crashed claims
             stats = await asyncio.to_thread(self.db.stats_store)
@@ -175,6 +180,32 @@ class DemoService:
         if self.recovery is None:
             self.recovery = start_recovery(self)
         self.started = True
+
+    async def _open_database(self) -> None:
+        """Open the database, waiting out an outage for up to ``DATABASE_PATIENCE_AT_START``.
+
+        A service started by its supervisor while the database restarts (or after
+        a crash, while the server still serves the dead process's backends) should
+        come up once the database does, not exit on its first pool timeout.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DATABASE_PATIENCE_AT_START
+        pause = 0.1
+        while True:
+            try:
+                await self.db.open()
+            except Exception as exc:
+                if not _outage(exc) or loop.time() + pause > deadline:
+                    raise
+                print(
+                    f"idemflow demo: the database is unavailable at start-up "
+                    f"({type(exc).__name__}: {exc}); trying again in {pause:g} s",
+                    file=sys.stderr,
+                )
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 2.0)
+            else:
+                return
 
     async def stop(self) -> None:
         """Stop the sweeper, close the provider and the database; once per start."""
@@ -382,6 +413,10 @@ async def server_error(request: Request, exc: Exception) -> StarletteResponse:
         request_id=request_id(request.scope),
     )
     return to_starlette(response)
+
+
+def _outage(exc: BaseException) -> bool:
+    return isinstance(exc, StoreUnavailable) or database_unavailable(exc)
 
 
 def database_unavailable(exc: BaseException) -> bool:

@@ -372,7 +372,10 @@ class PostgresDatabase:
         return self._stats
 
     async def open(self) -> None:
-        await self.pool.open(wait=True, timeout=5.0)
+        # No wait for the pool to fill: a timed-out wait closes the pool for good,
+        # and the start tries again while the database is unavailable
+        # (``DemoService._open_database``); the migration's checkout waits instead.
+        await self.pool.open()
         await self.store.migrate()
         async with self.pool.connection() as raw, raw.transaction():
             # Serialise concurrent demo starts on one database.

@@ -128,11 +128,13 @@ def run_demo(
     *args: str,
     database_url: str | None = None,
     env: Mapping[str, str] | None = None,
+    startup_seconds: float = STARTUP_SECONDS,
 ) -> Iterator[Demo]:
     """Start ``idemflow demo`` on a free port; yield once it answers /healthz.
 
     ``env``: variables added to the test process's own for this demo alone (a thread
-    may start one while another starts a demo without them)."""
+    may start one while another starts a demo without them). ``startup_seconds``:
+    how long the start may take."""
     command = [sys.executable, "-m", "idemflow", "demo", "--port", "0", "--no-access-log"]
     command += ["--data-dir", str(data_dir), *args]
     if database_url:
@@ -150,7 +152,7 @@ def run_demo(
     reader = threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True)
     reader.start()
     try:
-        banner = _wait_for_banner(process, lines, log)
+        banner = _wait_for_banner(process, lines, log, startup_seconds)
         url = banner[0].rsplit(" ", 1)[-1]
         demo = Demo(url, data_dir, process, banner, database_url, log)
         with demo.client() as client:
@@ -169,9 +171,9 @@ def run_demo(
 
 
 def _wait_for_banner(
-    process: subprocess.Popen[str], lines: queue.Queue[str], log: Path
+    process: subprocess.Popen[str], lines: queue.Queue[str], log: Path, seconds: float
 ) -> list[str]:
-    deadline = time.monotonic() + STARTUP_SECONDS
+    deadline = time.monotonic() + seconds
     banner: list[str] = []
     while time.monotonic() < deadline:
         try:
