@@ -68,7 +68,7 @@ def _complete_params(row_id: int, lease: str) -> dict[str, Any]:
 
 INSERT = (STATEMENTS.insert.pyformat, STATEMENTS.insert.bind)
 COMPLETE = (DIALECT.complete.pyformat, DIALECT.complete.bind)
-READ = (DIALECT.read_for_claim.pyformat, DIALECT.read_for_claim.bind)
+READ = (STATEMENTS.packed_read.pyformat, STATEMENTS.packed_read.bind)
 REPLAYED = "replayed-key"
 
 

@@ -195,10 +195,17 @@ class RawMySQL:
     def __init__(self, table: str) -> None:
         import pymysql
 
-        from idemflow.stores.mysql import connect_kwargs, mysql_dialect, mysql_statements
+        from idemflow.stores.mysql import (
+            connect_kwargs,
+            mysql_dialect,
+            mysql_statements,
+            unpack_read,
+        )
 
+        self.unpack = unpack_read
         self.dialect = mysql_dialect(table)
         self.insert = mysql_statements(table).insert
+        self.packed_read = mysql_statements(table).packed_read
         self._kwargs = connect_kwargs(MYSQL_URL)
         self._pymysql = pymysql
         self._local = threading.local()
@@ -251,8 +258,8 @@ class RawMySQL:
             now = time.time()
             params = claim_params(intent(keys()), lease(), now, now + RETENTION)
             with self.conn().cursor() as cursor:
-                # The store's own read after a duplicate (with the server's clock).
-                claim, read = self.insert, self.dialect.read_for_claim
+                # The store's own read after a duplicate (packed, with the server's clock).
+                claim, read = self.insert, self.packed_read
                 try:
                     cursor.execute(claim.pyformat, claim.bind(params))
                     raise AssertionError("a completed key was claimed")
@@ -260,7 +267,10 @@ class RawMySQL:
                     if exc.args[0] != 1062:
                         raise
                 cursor.execute(read.pyformat, read.bind(params))
-                _check_row(cursor.fetchone(), cursor.description)
+                row = cursor.fetchone()
+                if row is None:
+                    raise AssertionError("no record")
+                _check_values(self.unpack(row))
 
         return op
 
@@ -280,15 +290,16 @@ def _completed() -> Any:
     return State.COMPLETED
 
 
-def _check_row(row: Sequence[Any] | None, description: Any) -> None:
-    """What a hand-written replay does with the row: check it, decode the response."""
-    if row is None:
-        raise AssertionError("no record")
-    values = {column[0]: value for column, value in zip(description, row, strict=True)}
-    if values["fingerprint"] != FINGERPRINT or values["state"] != "completed":
-        raise AssertionError(f"expected a completed record, got {values!r}")
-    json.loads(values["response_headers"])
-    bytes(values["response_body"])
+def _check_values(values: Sequence[Any]) -> None:
+    """What a hand-written replay does with the row (``COLUMNS`` in order): check it,
+    decode the response."""
+    from idemflow.stores.sql.dialect import COLUMNS
+
+    record = dict(zip(COLUMNS, values, strict=False))
+    if record["fingerprint"] != FINGERPRINT or record["state"] != "completed":
+        raise AssertionError(f"expected a completed record, got {record!r}")
+    json.loads(record["response_headers"])
+    bytes(record["response_body"])
 
 
 @contextlib.contextmanager

@@ -98,6 +98,43 @@ def test_retry_replays_stored_response_verbatim(harness: Harness, backend: Backe
     assert (harness.calls, backend.count()) == (1, 1)
 
 
+def test_every_text_of_a_record_survives_the_read_of_a_duplicate(
+    backend: Backend, clock: FrozenClock
+) -> None:
+    """Quotes, backslashes, control characters and non-BMP text come back as written.
+
+    (MySQL packs the read after a duplicate into one JSON array: its escaping must
+    round-trip; keys are ASCII at the edge.)"""
+    odd = Intent(
+        'tenant "ü" \\ \t 😀',
+        "k\"\\'-1",
+        'fp"\\1',
+        endpoint='POST /pay"ments\\ü',
+        correlation_id='req "1" \\ \n 😀',
+    )
+    headers = (("content-type", "application/json"), ("x-note", 'a "b" \\ ✓'))
+    response = Response(201, b'{"\\u00fc":"\xc3\xbc"}\x00\xff', headers)
+    store = backend.store
+    claim = store.claim(odd, "lease-a", clock(), clock() + 60)
+    store.checkpoint(claim.record, 'step "2" \\ ✓', clock())
+    held = store.claim(odd, "lease-b", clock(), clock() + 60)
+    store.complete(claim.record, State.COMPLETED, response, clock(), clock() + 60)
+    replay = store.claim(odd, "lease-c", clock(), clock() + 60)
+
+    assert claim.owned
+    assert not held.owned
+    assert not replay.owned
+    for record in (held.record, replay.record):
+        assert (record.principal, record.key, record.fingerprint) == (
+            odd.principal,
+            odd.key,
+            odd.fingerprint,
+        )
+        assert (record.endpoint, record.correlation_id) == (odd.endpoint, odd.correlation_id)
+    assert (held.record.lease_token, held.record.recovery_point) == ("lease-a", 'step "2" \\ ✓')
+    assert replay.record.response == response
+
+
 def test_same_key_different_request_is_rejected(harness: Harness) -> None:
     """A key reused for another fingerprint is the client's bug: KeyReused (422)."""
     harness.run(intent())

@@ -9,9 +9,12 @@ RETURNING`` either), and ``INSERT IGNORE`` is out: it turns every error
 
 1. a plain ``INSERT``: it succeeds (the key is ours, and we know every
    column of the row: one round trip), or fails with error 1062;
-2. on 1062, the current row is read. Held, or settled: that is the answer
-   (a replay is these two round trips). Past its retention, or released by
-   this same request: a takeover is attempted with one
+2. on 1062, the current row is read (``packed_read``: the values in one JSON
+   array, the headers and the body beside it; PyMySQL parses a packet per
+   result column, and 17 of them were a third of a replay's client CPU).
+   Held, or settled: that is the answer (a replay is these two round trips).
+   Past its retention, or released by this same request: a takeover is
+   attempted with one
    ``INSERT … ON DUPLICATE KEY UPDATE`` whose every assignment is guarded by
    that same condition on the *current* row, writing a fresh lease token only
    if it still holds; reading the row back by that token tells us whether
@@ -21,7 +24,10 @@ Each decision is one atomic statement; the reads only report or route it.
 ``INSERT … ON DUPLICATE KEY UPDATE`` for every claim was measured and
 rejected: its long guarded statement costs the server about twice a plain
 insert, and halved fresh-claim throughput at 16 callers (``python -m
-bench.bench_stores``, ``docs/stores.md``). Its affected-row count (1 new, 2
+bench.bench_stores``, ``docs/stores.md``). So were the two ways of making a
+replay one round trip (a stored procedure, ``… ON DUPLICATE KEY UPDATE id = id
+RETURNING``): each costs every first claim 9–42 % of its throughput
+(``python -m bench.bench_mysql_claim_shapes``). Its affected-row count (1 new, 2
 updated, 0 untouched; *1* untouched under ``CLIENT_FOUND_ROWS``) is never
 trusted alone: ownership is read off the lease token, so the store is correct
 with the flag on or off.
@@ -53,6 +59,7 @@ from ._statements import (
     mysql_ddl,
     mysql_dialect,
     mysql_statements,
+    unpack_read,
     upsert_claim,
 )
 from ._sync import MySQLStore
@@ -78,5 +85,6 @@ __all__ = [
     "mysql_dialect",
     "mysql_statements",
     "rolled_back",
+    "unpack_read",
     "upsert_claim",
 ]

@@ -5,6 +5,7 @@ sends them is ``_async.py``, and its generated twin ``_sync.py``)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,13 @@ _TEXT_COLUMNS = {"principal": "utf8mb4", "idempotency_key": "ascii", "fingerprin
 _SELECT_LIST = ", ".join(
     f"CONVERT({c} USING {_TEXT_COLUMNS[c]}) AS {c}" if c in _TEXT_COLUMNS else c for c in COLUMNS
 )
+#: The columns :data:`PACKED_READ`'s JSON array leaves out: the body (binary) and the
+#: headers (unbounded: a JSON_ARRAY longer than ``max_allowed_packet`` would be NULL).
+_UNPACKED = ("response_headers", "response_body")
+_PACKED = [c for c in COLUMNS if c not in _UNPACKED]
+_PACKED_LIST = ", ".join(
+    f"CONVERT({c} USING {_TEXT_COLUMNS[c]})" if c in _TEXT_COLUMNS else c for c in _PACKED
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +51,11 @@ class MySQLStatements:
 
     #: The plain INSERT that claims a new key (error 1062 when it exists).
     insert: SQLStatement
+    #: The claim's read after a duplicate (a replay's second round trip), packed
+    #: (:func:`unpack_read`): PyMySQL parses one descriptor packet per result
+    #: column, and 17 of them were a third of a replay's client CPU
+    #: (``bench/bench_mysql_claim_shapes.py``).
+    packed_read: SQLStatement
     #: The current row, read with a lock: the latest committed version even
     #: inside a REPEATABLE READ transaction whose snapshot is older.
     select_current: SQLStatement
@@ -170,6 +183,10 @@ def mysql_statements(table: str = DEFAULT_TABLE, clock: StoreClock = "database")
     by_key = "WHERE principal = :principal AND idempotency_key = :key"
     statements = MySQLStatements(
         insert=SQLStatement(upsert_claim(table).split(" ON DUPLICATE KEY UPDATE ")[0]),
+        packed_read=SQLStatement(
+            f"SELECT JSON_ARRAY({_PACKED_LIST}, :now) AS packed, response_headers, "
+            f"response_body FROM {table} {by_key}"
+        ),
         select_current=SQLStatement(
             f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key} FOR UPDATE"
         ),
@@ -195,6 +212,21 @@ def mysql_statements(table: str = DEFAULT_TABLE, clock: StoreClock = "database")
         ),
     )
     return on_database_clock(statements, SERVER_NOW_MS) if clock == "database" else statements
+
+
+#: Where :func:`unpack_read` puts the headers and the body back, and the clock after COLUMNS.
+_HEADERS_AT, _BODY_AT = COLUMNS.index("response_headers"), COLUMNS.index("response_body")
+PACKED_CLOCK_AT = len(COLUMNS)
+
+
+def unpack_read(row: tuple[Any, ...]) -> list[Any]:
+    """A :attr:`MySQLStatements.packed_read` row as the plain read's: ``COLUMNS`` in
+    order from 0, then the clock (at :data:`PACKED_CLOCK_AT`), for ``record_from_values``."""
+    packed, headers, body = row
+    values: list[Any] = json.loads(packed)
+    values.insert(_HEADERS_AT, headers)
+    values.insert(_BODY_AT, body)
+    return values
 
 
 def may_take_over(row: Mapping[str, Any], params: Mapping[str, Any]) -> bool:

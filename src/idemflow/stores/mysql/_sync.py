@@ -55,11 +55,13 @@ from ._errors import (
 from ._statements import (
     DEFAULT_LOCK_WAIT_TIMEOUT,
     DEFAULT_TABLE,
+    PACKED_CLOCK_AT,
     decided,
     inserted,
     may_take_over,
     mysql_dialect,
     mysql_statements,
+    unpack_read,
 )
 from ._url import connect_kwargs
 
@@ -329,18 +331,27 @@ class MySQLStore(SQLStore):
                 row_id = self._insert_failed(cursor, text, bound, exc)
             if row_id is not None:
                 return make_claim(True, inserted(params, row_id))
-            row, shape = self._row(cursor, self.dialect.read_for_claim, params)
-            if row is None:  # released and purged in between: claim again
+            values = self._read_after_duplicate(cursor, params)
+            if values is None:  # released and purged in between: claim again
                 continue
-            record = record_from_values(row, shape.start)
+            record = record_from_values(values, 0)
             # On the server's clock (or the caller's): the upsert decides again on it.
-            if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
+            if not can_take_over(record, fingerprint, values[PACKED_CLOCK_AT] / 1000):
                 return make_claim(False, record)
             self._take_over(cursor, params)
             row, shape = self._row(cursor, self.dialect.select, params)
             current = None if row is None else record_from_values(row, shape.start)
             return decided(current, str(params["lease_token"]))
         raise claim_busy()
+
+    def _read_after_duplicate(
+        self, cursor: Any, params: Mapping[str, Any]
+    ) -> list[Any] | None:
+        """The row the INSERT lost to and the clock (``unpack_read``), or None if gone."""
+        read = self.statements.packed_read
+        cursor.execute(read.pyformat, read.bind(params))
+        row = cursor.fetchone()
+        return None if row is None else unpack_read(row)
 
     def _take_over(self, cursor: Any, params: Mapping[str, Any]) -> None:
         """The guarded upsert. One that kept losing conflicts lost to a write of this
