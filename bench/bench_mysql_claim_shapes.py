@@ -41,7 +41,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pymysql
@@ -116,22 +116,21 @@ class Shapes:
         END"""
 
     def today(self, cursor: Any, key: str) -> tuple[Any, ...] | None:
-        bound = params(key)
-        try:
-            cursor.execute(self.insert, bound)
-        except pymysql.err.IntegrityError:
-            cursor.execute(self.read, bound)
-            row: tuple[Any, ...] = cursor.fetchone()
-            return row
-        return None
+        return self._insert_then_read(cursor, key, self.read, tuple)
 
     def packed(self, cursor: Any, key: str) -> tuple[Any, ...] | None:
+        return self._insert_then_read(cursor, key, self.packed_read, unpack_read)
+
+    def _insert_then_read(
+        self, cursor: Any, key: str, read: str, values: Callable[[Any], Sequence[Any]]
+    ) -> tuple[Any, ...] | None:
+        """The store's two round trips: the INSERT; on 1062, ``read`` (its row's values)."""
         bound = params(key)
         try:
             cursor.execute(self.insert, bound)
         except pymysql.err.IntegrityError:
-            cursor.execute(self.packed_read, bound)
-            return tuple(unpack_read(cursor.fetchone()))
+            cursor.execute(read, bound)
+            return tuple(values(cursor.fetchone()))
         return None
 
     def by_procedure(self, cursor: Any, key: str) -> tuple[Any, ...] | None:
