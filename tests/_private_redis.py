@@ -22,14 +22,70 @@ from tests.backends import redis_client
 from tests.conftest import unreachable
 from tests.factories import free_port
 
-__all__ = ["freeze", "own_redis_server", "thaw", "wait_until_drained"]
+__all__ = ["PersistentRedis", "freeze", "own_redis_server", "thaw", "wait_until_drained"]
+
+
+class PersistentRedis:
+    """A redis-server of the test's own that keeps its data: an AOF fsynced at every write.
+
+    :meth:`stop` SIGKILLs it (no shutdown, no last flush) and :meth:`start` starts it
+    again on the same port and directory, where it reloads the AOF: what it had
+    acknowledged is still there. Use it as a context manager: running inside, stopped
+    after.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        if shutil.which("redis-server") is None:
+            unreachable("redis-server", FileNotFoundError("redis-server"))
+        self.directory = directory
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the server and wait until it answers PING (its AOF loaded)."""
+        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+        command += ["--save", "", "--appendonly", "yes", "--appendfsync", "always"]
+        command += ["--dir", str(self.directory)]
+        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        _wait_for_ping(self.url)
+
+    def stop(self) -> None:
+        """SIGKILL, by its PID, and reap it."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait(timeout=10)
+            self._process = None
+
+    def __enter__(self) -> PersistentRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _wait_for_ping(url: str, seconds: float = 10.0) -> None:
+    import redis
+
+    client = redis_client(url)
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    finally:
+        client.close()
 
 
 @contextlib.contextmanager
 def own_redis_server(directory: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A redis-server of our own on a free loopback port, so we may stop it."""
-    import redis
-
     if shutil.which("redis-server") is None:
         unreachable("redis-server", FileNotFoundError("redis-server"))
     port = free_port()
@@ -38,17 +94,7 @@ def own_redis_server(directory: Path) -> Iterator[tuple[subprocess.Popen[bytes],
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     try:
-        client = redis_client(url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        client.close()
+        _wait_for_ping(url)
         yield process, url
     finally:
         thaw(process)  # a frozen server would never act on SIGTERM

@@ -841,3 +841,22 @@ def test_four_processes_race_for_each_key(store: RedisStore, table_name: str) ->
     )
     for counts in totals.values():
         assert_exactly_once(counts, 60)
+
+
+def test_each_driver_lengthens_the_refusal_after_a_loss_to_its_own_stale_threshold(
+    store: RedisStore, table_name: str
+) -> None:
+    """A store given no policy refuses claims after a data loss for the stale threshold of
+    the drivers made on it, the longest of them: a driver whose requests may run 100 s
+    (threshold 210 s) must not see its keys claimed again after ``Policy()``'s 70 s."""
+    from redis.asyncio import Redis as AsyncRedis
+
+    unset = store.quarantine
+    Idempotency(store, Policy(request_timeout=100))
+    Idempotency(store, Policy(request_timeout=1))  # a shorter threshold never shortens it
+    given = RedisStore(store.client, prefix=table_name, policy=Policy(request_timeout=1))
+    async_store = AsyncRedisStore(AsyncRedis(), prefix=table_name)
+    AsyncIdempotency(async_store, Policy(request_timeout=1))
+
+    assert (unset, store.quarantine) == (Policy().stale_seconds, 210)
+    assert (given.quarantine, async_store.quarantine) == (12, 12)

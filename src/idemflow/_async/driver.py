@@ -33,6 +33,7 @@ from ..stores.protocol import (
     AsyncLendingTransaction,
     AsyncStore,
     AsyncTransaction,
+    Quarantining,
     UnavailabilityRule,
     declares,
 )
@@ -154,6 +155,8 @@ class AsyncIdempotency:
         self._store_rule: UnavailabilityRule | None = (
             store if isinstance(store, UnavailabilityRule) else None
         )
+        if isinstance(store, Quarantining):  # its refusal after a loss covers our threshold
+            store.cover_stale_threshold(self.policy.stale_seconds)
 
     async def run(
         self,

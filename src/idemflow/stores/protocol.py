@@ -74,6 +74,7 @@ __all__ = [
     "NotFused",
     "ObservableStore",
     "OperableStore",
+    "Quarantining",
     "Statement",
     "StatsSource",
     "Store",
@@ -230,6 +231,21 @@ class UnavailabilityRule(Protocol):
         connection it invalidated), for the ``BEGIN`` and the checkout of the
         caller's transaction. Never asked of an error the handler raised.
         """
+
+
+@runtime_checkable
+class Quarantining(Protocol):
+    """Optional, for a store (sync or async alike) that refuses new claims for a while
+    after it finds it may have lost some (Redis: a restart, a flush, a failover).
+
+    The refusal must last the caller's stale threshold: until then a request that
+    claimed before the loss may still be running, and its retry would run it again.
+    Each driver (``Idempotency``, ``AsyncIdempotency``) tells the store its policy's
+    threshold when it is made; the store keeps the longest it was told.
+    """
+
+    def cover_stale_threshold(self, seconds: float) -> None:
+        """Refuse claims after a loss for at least ``seconds`` (never shortens it)."""
 
 
 @functools.lru_cache(maxsize=128)

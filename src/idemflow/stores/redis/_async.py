@@ -52,9 +52,11 @@ class AsyncRedisStore(AsyncRedisObservable):
             safe to retry. ``redis.asyncio``'s client needs the ``Retry`` of
             ``redis.asyncio.retry``: given redis-py's sync one, it never retries.
         policy: your app's policy: its stale threshold is how long claims
-            are refused after a data loss is found (below). A record's life does
-            not depend on it (claims end through the sweeper; retention comes
-            with each write). Default: ``Policy()``.
+            are refused after a data loss is found (below). Optional: each
+            ``Idempotency`` / ``AsyncIdempotency`` made on the store tells it
+            its own policy's threshold, and the store keeps the longest it was
+            given (``Policy()``'s if none). A record's life does not depend on
+            it (claims end through the sweeper; retention comes with each write).
         prefix: the start of every key this store writes.
         clock: ``"database"`` (the default): every decision is taken on Redis's
             own clock (``TIME`` in each script; on each master's in a cluster),
@@ -107,9 +109,22 @@ class AsyncRedisStore(AsyncRedisObservable):
         self._no_script = NoScriptError
         self._response_error = ResponseError
         self.allow_volatile = allow_volatile
-        #: How long claims are refused in a bucket whose data vanished (seconds).
-        self.quarantine = (policy or Policy()).stale_seconds
+        # The policy's stale threshold, or None until a driver tells us its own.
+        self._quarantine = None if policy is None else policy.stale_seconds
         self._started = False
+
+    @property
+    def quarantine(self) -> float:
+        """How long claims are refused in a bucket whose data vanished (seconds): the
+        longest stale threshold of the store's policy and of every driver's
+        (:meth:`cover_stale_threshold`); ``Policy()``'s when none was given."""
+        if self._quarantine is None:
+            return Policy().stale_seconds
+        return self._quarantine
+
+    def cover_stale_threshold(self, seconds: float) -> None:
+        """A driver's stale threshold: claims after a loss wait at least that long."""
+        self._quarantine = max(self._quarantine or 0.0, seconds)
 
     async def claim(
         self,
