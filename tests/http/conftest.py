@@ -28,6 +28,9 @@ from idemflow._http import NOT_STORED_SLUG
 from tests.conftest import POSTGRES_URL, unreachable
 from tests.problem_pages import page, slug_of
 
+#: The demo's key table (its key prefix on Redis, unless the URL names one).
+KEY_TABLE = "idemflow_keys"
+
 ALICE = {"Authorization": "Bearer alice-token"}
 BOB = {"Authorization": "Bearer bob-token"}
 PAYMENT = {"amount": 1000, "currency": "EUR", "customer": "ada"}
@@ -93,14 +96,50 @@ class Demo:
         )
 
     def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
-        """Read the demo's own database (keys and payments), as an operator would."""
-        if self.database_url is None:
+        """Read the demo's own SQL database, as an operator would: keys and payments (with
+        the keys in Redis, the payments alone, in SQLite under the data folder)."""
+        url = self.database_url
+        if url is None or url.startswith("redis"):
             with contextlib.closing(sqlite3.connect(self.data_dir / "payments.db")) as conn:
                 return conn.execute(sql, params).fetchall()
+        if url.startswith(("mysql", "mariadb")):
+            import pymysql
+
+            from idemflow.stores.mysql import connect_kwargs
+
+            with (
+                pymysql.connect(**connect_kwargs(url), autocommit=True) as conn,
+                conn.cursor() as cur,
+            ):
+                cur.execute(sql.replace("?", "%s"), params)
+                return list(cur.fetchall())
         import psycopg
 
-        with psycopg.connect(self.database_url, autocommit=True) as conn:
-            return conn.execute(sql.replace("?", "%s"), params).fetchall()
+        with psycopg.connect(url, autocommit=True) as pg:
+            return pg.execute(sql.replace("?", "%s"), params).fetchall()
+
+    def key_state(self, principal: str, key: str) -> tuple[str, int | None] | None:
+        """The key record's state and stored status, or None when nothing is recorded."""
+        return self.key_states(principal, [key])[0]
+
+    def key_states(self, principal: str, keys: list[str]) -> list[tuple[str, int | None] | None]:
+        """:meth:`key_state` of each key, read with the store the demo's URL opens (any
+        backend), as ``idemflow`` itself would read them."""
+        from idemflow.stores.urls import open_store
+        from idemflow_demo.db_redis import split_prefix
+
+        url, table = self.database_url or f"sqlite:///{self.data_dir / 'payments.db'}", KEY_TABLE
+        if url.startswith("redis"):
+            url, table = split_prefix(url)
+        store = open_store(url, table=table)
+        try:
+            records = [store.get(principal, key) for key in keys]
+        finally:
+            store.close()
+        return [
+            None if r is None else (r.state.value, r.response.status if r.response else None)
+            for r in records
+        ]
 
     def key_rows(self, principal: str, key: str) -> list[tuple[Any, ...]]:
         return self.query(

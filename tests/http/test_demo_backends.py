@@ -17,8 +17,6 @@ from typing import Any
 import httpx
 import pytest
 
-from idemflow.stores.urls import open_store
-from idemflow_demo.db_redis import split_prefix
 from tests.demo_stores import mysql_database, redis_prefix
 from tests.http.conftest import ALICE, BOB, PAYMENT, Demo, assert_problem, new_key, run_demo
 from tests.http.test_demo_races import PARALLEL
@@ -43,22 +41,6 @@ def backend_demo(
         yield demo
 
 
-def key_state(demo: Demo, principal: str, key: str) -> tuple[str, int | None] | None:
-    """The key record's state and stored status, read with the store the demo's URL opens."""
-    assert demo.database_url is not None
-    url, table = demo.database_url, "idemflow_keys"
-    if url.startswith("redis"):
-        url, table = split_prefix(url)
-    store = open_store(url, table=table)
-    try:
-        record = store.get(principal, key)
-    finally:
-        store.close()
-    if record is None:
-        return None
-    return record.state.value, record.response.status if record.response else None
-
-
 def listed(demo: Demo, headers: dict[str, str]) -> list[dict[str, Any]]:
     with demo.client(headers=headers) as client:
         payments: list[dict[str, Any]] = client.get("/payments").json()["payments"]
@@ -79,7 +61,7 @@ def test_charge_replay_and_422(backend_demo: Demo) -> None:
     assert again.headers["location"] == first.headers["location"]
     assert_problem(reused, 422, "key-reused")
     assert first.json() in listed(backend_demo, ALICE)
-    assert key_state(backend_demo, "alice", key) == ("completed", 201)
+    assert backend_demo.key_state("alice", key) == ("completed", 201)
     assert len(backend_demo.charges()) == charges_before + 1
 
 
@@ -87,7 +69,7 @@ def test_an_invalid_body_is_not_recorded(backend_demo: Demo) -> None:
     key = new_key()
     with backend_demo.client(headers={**ALICE, "Idempotency-Key": key}) as client:
         assert_problem(client.post("/payments", json={"amount": -1}), 400, "invalid-body")
-    assert key_state(backend_demo, "alice", key) is None
+    assert backend_demo.key_state("alice", key) is None
 
 
 def test_a_refund_is_made_once_and_replayed(backend_demo: Demo) -> None:
@@ -104,7 +86,7 @@ def test_a_refund_is_made_once_and_replayed(backend_demo: Demo) -> None:
     assert again.content == first.content
     assert first.json()["id"].startswith("re_")
     assert refunded["status"] == "succeeded"
-    assert key_state(backend_demo, "alice", key) == ("completed", 201)
+    assert backend_demo.key_state("alice", key) == ("completed", 201)
 
 
 async def storm(demo: Demo, key: str, headers: dict[str, str]) -> list[httpx.Response]:
@@ -132,7 +114,7 @@ async def test_50_parallel_posts_charge_once_per_principal(backend_demo: Demo) -
             assert int(conflict.headers["retry-after"]) >= 1
         ids = [p["id"] for p in listed(backend_demo, headers)]
         assert ids.count(created[0].json()["id"]) == 1
-        assert key_state(backend_demo, principal, key) == ("completed", 201)
+        assert backend_demo.key_state(principal, key) == ("completed", 201)
     assert len(backend_demo.charges()) == charges_before + 2
 
 

@@ -2,7 +2,9 @@
 Pool pressure and faults through the real demo: every key converges, none is poisoned.
 
 The demo shares one small pool between the key store and the endpoints
-(PostgreSQL; on SQLite the pool is the endpoints' alone). A protected request
+(PostgreSQL; on SQLite the pool is the endpoints' alone; on MariaDB the store and
+the endpoints have a pool each of that size, on Redis the key store's pool and the
+SQLite payments' pool). A protected request
 takes one pooled connection, and its claim, handler, completion and release
 all run on it (counted below, in process), so with a pool of 1 or 2 and 60
 keys in flight nothing deadlocks: a provider failing half its calls costs
@@ -41,6 +43,7 @@ from idemflow_demo.app import DemoService, create_app
 from idemflow_demo.db import PostgresDatabase
 from idemflow_demo.payments import PAYMENT_CREATED
 from idemflow_demo.provider import Charge, ChargeRequest, ProviderUnavailable
+from tests.demo_stores import mysql_database, redis_prefix
 from tests.factories import started
 from tests.http.conftest import ALICE, Demo, run_demo
 
@@ -183,7 +186,25 @@ POOLS = [
     pytest.param("postgresql", 1, marks=pytest.mark.postgres, id="postgresql-pool-1"),
     pytest.param("postgresql", 2, marks=pytest.mark.postgres, id="postgresql-pool-2"),
     pytest.param("sqlite", 1, id="sqlite-pool-1"),
+    pytest.param("mariadb", 1, marks=pytest.mark.mysql, id="mariadb-pool-1"),
+    pytest.param("mariadb", 2, marks=pytest.mark.mysql, id="mariadb-pool-2"),
+    pytest.param("redis", 1, marks=pytest.mark.redis, id="redis-pool-1"),
 ]
+
+
+@contextlib.contextmanager
+def database_for(backend: str, request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """The demo's ``--database`` for ``backend``: one of the test's own (None: SQLite)."""
+    if backend == "postgresql":
+        yield request.getfixturevalue("pg_url")
+    elif backend == "mariadb":
+        with mysql_database() as url:
+            yield url
+    elif backend == "redis":
+        with redis_prefix() as url:
+            yield url
+    else:
+        yield None
 
 
 @pytest.mark.anyio
@@ -199,10 +220,12 @@ async def test_every_key_reaches_201_with_a_tiny_shared_pool_and_a_failing_provi
     at will with a 600 ms provider call holding the one connection). With it off, a
     409 can only be a claim some request left behind, whatever the load.
     """
-    database_url = request.getfixturevalue("pg_url") if backend == "postgresql" else None
     everyone = clients(KEYS, f"pool{pool_size}")
     unswept = ("--provider-seed", "9", "--sweep-every", "off")
-    with faulty_demo(tmp_path, database_url, pool_size, *unswept) as demo:
+    with (
+        database_for(backend, request) as database_url,
+        faulty_demo(tmp_path, database_url, pool_size, *unswept) as demo,
+    ):
         deadline = asyncio.get_running_loop().time() + RETRY_FOR
         async with new_http(demo.url) as http:
             await asyncio.gather(*(retry_sequentially(http, c, deadline) for c in everyone))
@@ -224,8 +247,8 @@ async def test_every_key_reaches_201_with_a_tiny_shared_pool_and_a_failing_provi
             assert client.final is not None
             assert replay.content == client.final.content
         assert_one_payment_and_one_charge_each(demo, everyone)
-        keys = demo.query("SELECT state, count(*) FROM idemflow_keys GROUP BY state")
-        assert keys == [("completed", KEYS)]
+        states = Counter(demo.key_states("alice", [c.key for c in everyone]))
+        assert states == {("completed", 201): KEYS}
         log = server_log(demo)
     assert "could not release claim" not in log
     assert "Traceback" not in log
