@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from idemflow import Record
 from idemflow._errors import PROBLEM_BASE
 from idemflow._http import NOT_STORED_SLUG
 from tests.conftest import POSTGRES_URL, unreachable
@@ -123,8 +124,15 @@ class Demo:
         return self.key_states(principal, [key])[0]
 
     def key_states(self, principal: str, keys: list[str]) -> list[tuple[str, int | None] | None]:
-        """:meth:`key_state` of each key, read with the store the demo's URL opens (any
-        backend), as ``idemflow`` itself would read them."""
+        """:meth:`key_state` of each key."""
+        return [
+            None if r is None else (r.state.value, r.response.status if r.response else None)
+            for r in self.key_records(principal, keys)
+        ]
+
+    def key_records(self, principal: str, keys: list[str]) -> list[Record | None]:
+        """Each key's record, read with the store the demo's URL opens (any backend), as
+        ``idemflow`` itself reads them."""
         from idemflow.stores.urls import open_store
         from idemflow_demo.db_redis import split_prefix
 
@@ -133,13 +141,9 @@ class Demo:
             url, table = split_prefix(url)
         store = open_store(url, table=table)
         try:
-            records = [store.get(principal, key) for key in keys]
+            return [store.get(principal, key) for key in keys]
         finally:
             store.close()
-        return [
-            None if r is None else (r.state.value, r.response.status if r.response else None)
-            for r in records
-        ]
 
     def key_rows(self, principal: str, key: str) -> list[tuple[Any, ...]]:
         return self.query(
