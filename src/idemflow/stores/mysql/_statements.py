@@ -36,7 +36,7 @@ _TEXT_COLUMNS = {"principal": "utf8mb4", "idempotency_key": "ascii", "fingerprin
 _SELECT_LIST = ", ".join(
     f"CONVERT({c} USING {_TEXT_COLUMNS[c]}) AS {c}" if c in _TEXT_COLUMNS else c for c in COLUMNS
 )
-#: The columns :data:`PACKED_READ`'s JSON array leaves out: the body (binary) and the
+#: The columns ``packed_read``'s JSON array leaves out: the body (binary) and the
 #: headers (unbounded: a JSON_ARRAY longer than ``max_allowed_packet`` would be NULL).
 _UNPACKED = ("response_headers", "response_body")
 _PACKED = [c for c in COLUMNS if c not in _UNPACKED]

@@ -41,6 +41,9 @@ from ._stats import AsyncRedisObservable
 
 __all__ = ["AsyncRedisStore"]
 
+#: How long claims are refused after a loss when no policy was given: ``Policy()``'s.
+_DEFAULT_QUARANTINE = Policy().stale_seconds
+
 
 class AsyncRedisStore(AsyncRedisObservable):
     """Key records in Redis or Redis Cluster, on a redis-py client (``redis.asyncio``'s for async).
@@ -53,9 +56,9 @@ class AsyncRedisStore(AsyncRedisObservable):
             ``redis.asyncio.retry``: given redis-py's sync one, it never retries.
         policy: your app's policy: its stale threshold is how long claims
             are refused after a data loss is found (below). Optional: each
-            ``Idempotency`` / ``AsyncIdempotency`` made on the store tells it
-            its own policy's threshold, and the store keeps the longest it was
-            given (``Policy()``'s if none). A record's life does not depend on
+            idempotency driver made on the store tells it its own policy's
+            threshold, and the store keeps the longest it was given
+            (``Policy()``'s if none). A record's life does not depend on
             it (claims end through the sweeper; retention comes with each write).
         prefix: the start of every key this store writes.
         clock: ``"database"`` (the default): every decision is taken on Redis's
@@ -118,9 +121,7 @@ class AsyncRedisStore(AsyncRedisObservable):
         """How long claims are refused in a bucket whose data vanished (seconds): the
         longest stale threshold of the store's policy and of every driver's
         (:meth:`cover_stale_threshold`); ``Policy()``'s when none was given."""
-        if self._quarantine is None:
-            return Policy().stale_seconds
-        return self._quarantine
+        return _DEFAULT_QUARANTINE if self._quarantine is None else self._quarantine
 
     def cover_stale_threshold(self, seconds: float) -> None:
         """A driver's stale threshold: claims after a loss wait at least that long."""
