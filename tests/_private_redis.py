@@ -16,56 +16,68 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.backends import redis_client
 from tests.conftest import unreachable
 from tests.factories import free_port
 
-__all__ = ["PersistentRedis", "freeze", "own_redis_server", "thaw", "wait_until_drained"]
+__all__ = [
+    "PERSISTENT",
+    "RedisServer",
+    "freeze",
+    "own_redis_server",
+    "thaw",
+    "wait_until_drained",
+]
 
 
-class PersistentRedis:
-    """A redis-server of the test's own that keeps its data: an AOF fsynced at every write.
+#: A server that keeps what it acknowledged across a SIGKILL: an AOF fsynced at every write.
+PERSISTENT = ("--save", "", "--appendonly", "yes", "--appendfsync", "always")
 
-    :meth:`stop` SIGKILLs it (no shutdown, no last flush) and :meth:`start` starts it
-    again on the same port and directory, where it reloads the AOF: what it had
-    acknowledged is still there. Use it as a context manager: running inside, stopped
-    after.
-    """
 
-    def __init__(self, directory: Path) -> None:
-        if shutil.which("redis-server") is None:
-            unreachable("redis-server", FileNotFoundError("redis-server"))
-        self.directory = directory
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._process: subprocess.Popen[bytes] | None = None
+@dataclass
+class RedisServer:
+    """A private ``binary`` (redis-server, valkey-server) on a fixed port and directory,
+    which a test may stop (SIGTERM: its shutdown runs), kill (SIGKILL: nothing runs) and
+    start again."""
+
+    binary: str
+    directory: Path
+    options: tuple[str, ...]
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        """Start the server and wait until it answers PING (its AOF loaded)."""
-        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
-        command += ["--save", "", "--appendonly", "yes", "--appendfsync", "always"]
-        command += ["--dir", str(self.directory)]
-        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-        _wait_for_ping(self.url)
+        """Start the server and wait until it answers PING (its data loaded)."""
+        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        command += ["--dir", str(self.directory), *self.options]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        _wait_for_ping(self.url, self.process)
 
     def stop(self) -> None:
-        """SIGKILL, by its PID, and reap it."""
-        if self._process is not None:
-            self._process.kill()
-            self._process.wait(timeout=10)
-            self._process = None
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
 
-    def __enter__(self) -> PersistentRedis:
-        self.start()
-        return self
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
 
-    def __exit__(self, *exc_info: object) -> None:
+    def restart(self) -> None:
         self.stop()
+        self.start()
 
 
-def _wait_for_ping(url: str, seconds: float = 10.0) -> None:
+def _wait_for_ping(url: str, process: subprocess.Popen[bytes], seconds: float = 20.0) -> None:
     import redis
 
     client = redis_client(url)
@@ -76,8 +88,8 @@ def _wait_for_ping(url: str, seconds: float = 10.0) -> None:
                 client.ping()
                 return
             except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
+                assert process.poll() is None, "the server exited at start"
+                assert time.monotonic() < deadline, "the server did not answer"
                 time.sleep(0.05)
     finally:
         client.close()
@@ -94,7 +106,7 @@ def own_redis_server(directory: Path) -> Iterator[tuple[subprocess.Popen[bytes],
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     try:
-        _wait_for_ping(url)
+        _wait_for_ping(url, process)
         yield process, url
     finally:
         thaw(process)  # a frozen server would never act on SIGTERM

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import shutil
 import tempfile
 import threading
 import time
@@ -90,10 +91,17 @@ def private_server(kind: str) -> Iterator[Server]:
             unreachable("a private PostgreSQL", exc)
         return
     if kind == "redis":  # the keys; the payments in SQLite under the demo's data dir
-        from tests._private_redis import PersistentRedis
+        from tests._private_redis import PERSISTENT, RedisServer
 
-        with tempfile.TemporaryDirectory() as directory, PersistentRedis(Path(directory)) as redis:
-            yield Server(redis.url, redis.stop, redis.start)
+        if shutil.which("redis-server") is None:
+            unreachable("redis-server", FileNotFoundError("redis-server"))
+        with tempfile.TemporaryDirectory() as directory:
+            redis = RedisServer("redis-server", Path(directory), PERSISTENT)
+            redis.start()
+            try:
+                yield Server(redis.url, redis.kill, redis.start)
+            finally:
+                redis.kill()
         return
     from tests._private_mariadb import PrivateMariaDBUnavailable, private_mariadb
 

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import subprocess
 import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +31,11 @@ from idemflow import (
     StoreUnavailable,
 )
 from idemflow.testing import FrozenClock
+from tests._private_redis import RedisServer
 from tests._redis_cluster import ClusterUnavailable, valkey_server
 from tests.backends import redis_client
 from tests.conftest import unreachable
-from tests.factories import free_port, intent
+from tests.factories import intent
 from tests.stores._race import Recorder
 
 redis = pytest.importorskip("redis")
@@ -49,49 +47,6 @@ pytestmark = pytest.mark.redis
 POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b"created")
 VOLATILE = ("--save", "", "--appendonly", "no")
-
-
-@dataclass
-class Server:
-    """A private server on a fixed port, which a test may stop and start again."""
-
-    binary: str
-    directory: Path
-    options: tuple[str, ...]
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
-        command += ["--dir", str(self.directory), *self.options]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-        client = redis_client(self.url)
-        deadline = time.monotonic() + 20
-        try:
-            while True:
-                try:
-                    client.ping()
-                    return
-                except redis.exceptions.ConnectionError:
-                    assert self.process.poll() is None, "the server exited at start"
-                    assert time.monotonic() < deadline, "the server did not answer"
-                    time.sleep(0.05)
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-            self.process = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
 
 def binary(name: str) -> str:
@@ -106,8 +61,8 @@ def binary(name: str) -> str:
 
 
 @contextlib.contextmanager
-def server(name: str, directory: Path, *options: str) -> Iterator[Server]:
-    running = Server(binary(name), directory, options)
+def server(name: str, directory: Path, *options: str) -> Iterator[RedisServer]:
+    running = RedisServer(binary(name), directory, options)
     running.start()
     try:
         yield running
