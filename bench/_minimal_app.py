@@ -3,16 +3,16 @@ The minimal endpoint ``bench/bench_middleware.py`` serves: middleware mode on on
 
 ``POST /things`` (protected by ``IdempotencyMiddleware``) and ``POST /plain/things``
 (the same endpoint, not opted in) parse the JSON body and answer 201 with a
-small JSON object: no business write, so what protection costs is all there
-is to see. Settings from the environment: ``BENCH_STORE`` (``sqlite``,
-``postgres``, ``redis``, ``mysql``), ``BENCH_URL`` (the PostgreSQL conninfo, Redis
-or MySQL URL), ``BENCH_DIR`` (the SQLite file's directory), ``BENCH_PREFIX`` (Redis
-keys), ``BENCH_TABLE`` (MySQL's key table).
+small JSON object (``bench/_thing.py``, as every peer's app in ``bench/peers/``):
+no business write, so what protection costs is all there is to see. Settings
+from the environment: ``BENCH_STORE`` (``sqlite``, ``postgres``, ``redis``,
+``mysql``), ``BENCH_URL`` (the PostgreSQL conninfo, Redis or MySQL URL),
+``BENCH_DIR`` (the SQLite file's directory), ``BENCH_PREFIX`` (Redis keys),
+``BENCH_TABLE`` (MySQL's key table).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,10 +23,10 @@ from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, SimpleUser
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
-from starlette.requests import HTTPConnection, Request
-from starlette.responses import JSONResponse
+from starlette.requests import HTTPConnection
 from starlette.routing import Route
 
+from bench._thing import create
 from idemflow import AsyncIdempotency, Policy
 from idemflow.integrations.starlette import IdempotencyMiddleware
 
@@ -37,11 +37,6 @@ URL = os.environ.get("BENCH_URL", "")
 class Bearer(AuthenticationBackend):
     async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, SimpleUser]:
         return AuthCredentials(["authenticated"]), SimpleUser("alice")
-
-
-async def create(request: Request) -> JSONResponse:
-    order = json.loads(await request.body())
-    return JSONResponse({"id": "thing_1", "amount": order["amount"]}, status_code=201)
 
 
 def _store() -> Any:

@@ -86,15 +86,18 @@ class Client:
 
     async def send(self, payload: bytes) -> int:
         self.writer.write(payload)
+        status, _ = await self.answer()
+        return status
+
+    async def answer(self) -> tuple[int, bytes]:
+        """The next response's status and body (its ``Content-Length`` bytes)."""
         head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head[9:12])
         length = 0
         for line in head.split(b"\r\n")[1:]:
             name, _, value = line.partition(b":")
             if name.lower() == b"content-length":
                 length = int(value)
-        await self.reader.readexactly(length)
-        return status
+        return int(head[9:12]), await self.reader.readexactly(length)
 
 
 @dataclass

@@ -15,7 +15,8 @@ cheapest endpoint there is (the worst case). Three paths take turns in short
 slices in one run (``unprotected``, ``protected`` with a fresh key,
 ``replay`` of a completed key), through the load generator of
 ``bench/bench_http.py``; each slice also reads the CPU the server process (and,
-for PostgreSQL, the backends serving it, found by ``application_name``) spent.
+for PostgreSQL, the backends serving it, found by the ports of its connections; for
+Redis, the server) spent.
 
 ``--baseline TREE`` measures a change: a second server of each store runs on the
 idemflow of ``TREE/src`` (e.g. ``git archive main src | tar -x -C /tmp/before``), with
@@ -33,12 +34,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -52,6 +55,7 @@ from bench.bench_frameworks import _cpu_seconds
 from bench.bench_http import POSTGRES_URL, Client, Tally, open_clients, postgres_schema
 
 ROOT = Path(__file__).resolve().parents[1]
+POSTGRES_PORT = urllib.parse.urlsplit(POSTGRES_URL).port or 5432
 REDIS_URL = os.environ.get("IDEMFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 MYSQL_URL = os.environ.get("IDEMFLOW_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
 BODY = b'{"amount":1000,"currency":"EUR","customer":"ada"}'
@@ -74,7 +78,7 @@ def request_bytes(path: str, key: str | None) -> bytes:
 class Server:
     url: str
     pid: int
-    application_name: str | None
+    store: str
     wire: Path | None
 
 
@@ -89,9 +93,8 @@ class Metered:
 def store_settings(store: str, workdir: Path) -> Iterator[dict[str, str]]:
     """Environment for the app: a schema, a Redis prefix or a MySQL table of its own."""
     if store == "postgres":
-        app_name = f"idemflow_bench_{uuid.uuid4().hex[:8]}"
         with postgres_schema() as url:
-            yield {"BENCH_STORE": store, "BENCH_URL": f"{url}&application_name={app_name}"}
+            yield {"BENCH_STORE": store, "BENCH_URL": url}
         return
     if store == "redis":
         prefix = f"bench:{uuid.uuid4().hex[:8]}:"
@@ -122,12 +125,21 @@ def store_settings(store: str, workdir: Path) -> Iterator[dict[str, str]]:
 
 @contextlib.contextmanager
 def server(
-    settings: dict[str, str], wire: Path | None = None, tree: Path | None = None
+    settings: dict[str, str],
+    wire: Path | None = None,
+    tree: Path | None = None,
+    *,
+    app: str = "bench._minimal_app:app",
+    python: str = sys.executable,
 ) -> Iterator[Server]:
-    """The minimal app under uvicorn; on the idemflow of ``tree``'s ``src`` if given."""
+    """``app`` under uvicorn; on the idemflow of ``tree``'s ``src`` if given.
+
+    ``python`` is the interpreter of another environment for a peer's app
+    (``bench/bench_peers.py``): it imports ``bench.peers`` from this tree.
+    """
     port = free_port()
-    command = [sys.executable, "-m", "uvicorn", "bench._minimal_app:app", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--log-level", "warning", "--no-access-log"]
+    command = [python, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--log-level", "warning", "--no-access-log"]
     # The clients stay idle while the other server's slices run: keep them connected.
     command += ["--timeout-keep-alive", "600"]
     env = {**os.environ, **settings, **(wire_env(wire) if wire is not None else {})}
@@ -142,10 +154,9 @@ def server(
                 httpx.get(url + "/", timeout=1)
                 break
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the app did not start")
+                raise RuntimeError(f"{app} did not start")
             time.sleep(0.05)
-        app_name = settings.get("BENCH_URL", "").partition("application_name=")[2] or None
-        yield Server(url, process.pid, app_name, wire)
+        yield Server(url, process.pid, settings["BENCH_STORE"], wire)
     finally:
         process.terminate()
         try:
@@ -155,24 +166,59 @@ def server(
             process.wait()
 
 
-def backends(application_name: str | None) -> list[int]:
-    if application_name is None:
+def backends(target: Server) -> list[int]:
+    """The store's processes serving ``target``, whose CPU counts as the store's.
+
+    On PostgreSQL the backends whose client port is one of ``target``'s sockets (found
+    by port, not by ``application_name``, so any driver's connections count); on Redis
+    the server itself (one process, which only the bench's servers use while it runs);
+    MariaDB's threads are not told apart: none.
+    """
+    if target.store == "redis":
+        return [redis_server_pid()]
+    if target.store != "postgres":
         return []
     import psycopg
 
+    ports = client_ports(target.pid, POSTGRES_PORT)
     with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
         rows = conn.execute(
-            "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (application_name,)
+            "SELECT pid FROM pg_stat_activity WHERE client_port = ANY(%s)", (sorted(ports),)
         ).fetchall()
     return [row[0] for row in rows]
+
+
+@functools.cache
+def redis_server_pid() -> int:
+    import redis
+
+    with contextlib.closing(redis.Redis.from_url(REDIS_URL)) as client:
+        return int(client.info("server")["process_id"])
+
+
+def client_ports(pid: int, server_port: int) -> set[int]:
+    """The local ports of process ``pid``'s TCP connections to ``server_port`` on loopback."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote, inode = fields[1], fields[2], fields[9]
+            if inode in inodes and int(remote.rsplit(":", 1)[1], 16) == server_port:
+                ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
 
 
 async def run_slice(
     target: Server, clients: list[Client], make: Callable[[], bytes], seconds: float, out: Metered
 ) -> None:
-    pids = backends(target.application_name)
     app_before = _cpu_seconds(target.pid)
-    db_before = sum(_cpu_seconds(pid) for pid in pids)
+    db_before = {pid: _cpu_seconds(pid) for pid in backends(target)}
     deadline = time.perf_counter() + seconds
     done = 0
 
@@ -186,7 +232,9 @@ async def run_slice(
     await asyncio.gather(*(worker(c) for c in clients))
     elapsed = time.perf_counter() - started
     out.app_cpu += _cpu_seconds(target.pid) - app_before
-    out.db_cpu += sum(_cpu_seconds(pid) for pid in pids) - db_before
+    # A backend a pool opened mid-slice counts whole; one it closed is lost (unknowable).
+    db_after = {pid: _cpu_seconds(pid) for pid in backends(target)}
+    out.db_cpu += sum(cpu - db_before.get(pid, 0.0) for pid, cpu in db_after.items())
     out.tally.requests += done
     out.tally.seconds += elapsed
     out.tally.rates.append(done / elapsed)
@@ -334,7 +382,7 @@ def cpu_rows(store: str, n: int, results: dict[str, Metered]) -> list[str]:
     rows = []
     for name in PATHS:
         app, db = per_request(name)
-        db_text = f"{db:,.0f}" if store.startswith("postgres") else "–"
+        db_text = f"{db:,.0f}" if "postgres" in store or "redis" in store else "–"
         rows.append(
             f"| {store} | {n} | {name} | {app:,.0f} | {db_text} | {app + db:,.0f} "
             f"| {app + db - base:+,.0f} |"

@@ -1,0 +1,307 @@
+"""
+idemflow against its peers: each package protecting the same minimal endpoint, on its own store.
+
+Run::
+
+    .venv/bin/python -m bench.bench_peers [--seconds 2] [--rounds 5] [--clients 1,16]
+                                          [--peers NAME,…] [--venvs DIR]
+
+Every target serves ``bench/bench_middleware.py``'s minimal endpoint under uvicorn (one
+worker, its own process): ``POST /things`` protected, ``POST /plain/things`` the same
+handler unprotected. idemflow's is ``bench/_minimal_app.py``; each peer's is a module of
+``bench/peers/`` written against that peer's public API, run in a virtualenv of its own
+(``--venvs``, made on first use with the pinned requirements of :data:`PEERS`, so the
+peers' dependencies never touch this tree's). idemflow and every peer on the same store
+take turns in short slices in one run (three paths each: ``unprotected``, ``protected``
+with a fresh key, ``replay`` of a completed key), so whatever the machine does hits all
+of them alike; the figures are those of ``bench_middleware``: throughput, protected ÷
+unprotected, replay ÷ first, and the CPU protection adds per request (the app's process,
+plus on PostgreSQL the backends serving it).
+
+Before timing, each target answers a few questions from outside (:func:`behaviour`): is
+a replay the first response, status and body; what does a key reused with another body
+get; what do eight requests with one key at the same instant get, and how often
+does the handler run for them. Speed is only
+comparable between targets that answer them alike: see ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.bench_http import open_clients
+from bench.bench_middleware import (
+    BODY,
+    Server,
+    cpu_rows,
+    measure,
+    request_bytes,
+    server,
+    store_settings,
+    throughput_row,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One package as a target: its app module, its store and its environment."""
+
+    name: str
+    app: str  # uvicorn's APP, e.g. bench.peers.pyidempotent:app
+    store: str  # "redis" or "postgres"
+    requirements: tuple[str, ...]
+
+    @property
+    def slug(self) -> str:
+        return self.app.partition(":")[0].rpartition(".")[2]
+
+
+#: Every peer measured, pinned (what was installed when its app was written).
+_SERVER = ("anyio==4.16.0", "click==8.5.1", "h11==0.16.0", "idna==3.20", "starlette==1.10.0")
+_SERVER += ("typing_extensions==4.16.0", "uvicorn==0.55.0")
+_IDEMKIT = ("idemkit==1.0.2", "asyncpg==0.32.0", "redis==8.1.0", *_SERVER)
+
+_PYDANTIC = ("annotated-types==0.8.0", "pydantic==2.14.4", "pydantic_core==2.50.5")
+_PYDANTIC += ("typing-inspection==0.4.5",)
+
+PEERS: tuple[Peer, ...] = (
+    Peer(
+        "asgi-idempotency-header 0.2.0",
+        "bench.peers.peer_asgi_idempotency_header:app",
+        "redis",
+        # It imports fastapi.responses and wants fastapi<0.71: Starlette 0.16, pydantic 1.
+        (
+            "asgi-idempotency-header==0.2.0",
+            "fastapi==0.70.1",
+            "starlette==0.16.0",
+            "pydantic==1.10.27",
+            "redis==4.6.0",
+            "anyio==3.7.1",
+            "sniffio==1.3.1",
+            "click==8.5.1",
+            "h11==0.16.0",
+            "idna==3.20",
+            "typing_extensions==4.16.0",
+            "uvicorn==0.55.0",
+        ),
+    ),
+    Peer(
+        "fastapi-idempotency-key 0.1.1",
+        "bench.peers.peer_fastapi_idempotency_key:app",
+        "redis",
+        ("fastapi-idempotency-key==0.1.1", "redis==8.1.0", *_SERVER),
+    ),
+    Peer(
+        "idempotency-kit 0.5.0",
+        "bench.peers.peer_idempotency_kit:app",
+        "redis",
+        ("idempotency-kit==0.5.0", "orjson==3.13.0", "redis==8.1.0", *_PYDANTIC, *_SERVER),
+    ),
+    Peer(
+        "pyidempotent 0.1.0",
+        "bench.peers.peer_pyidempotent:app",
+        "redis",
+        (
+            "pyidempotent==0.1.0",
+            "fastapi==0.165.0",
+            "annotated-doc==0.0.7",
+            "opentelemetry-api==1.45.2",
+            "redis==8.1.0",
+            *_PYDANTIC,
+            *_SERVER,
+        ),
+    ),
+    Peer("idemkit 1.0.2", "bench.peers.peer_idemkit_postgres:app", "postgres", _IDEMKIT),
+    Peer("idemkit 1.0.2", "bench.peers.peer_idemkit_redis:app", "redis", _IDEMKIT),
+    Peer(
+        "fastapi-idempotency 0.1.1",
+        "bench.peers.peer_fastapi_idempotency:app",
+        "postgres",
+        (
+            "fastapi-idempotency==0.1.1",
+            "tortoise-orm==1.1.9",
+            "pypika-tortoise==0.6.5",
+            "aiosqlite==0.22.1",
+            "asyncpg==0.32.0",
+            "iso8601==2.1.0",
+            *_SERVER,
+        ),
+    ),
+    Peer(
+        "Powertools 3.37.0",
+        "bench.peers.peer_powertools_redis:app",
+        "redis",
+        (
+            "aws_lambda_powertools==3.37.0",
+            "boto3==1.44.8",
+            "botocore==1.44.8",
+            "jmespath==1.1.0",
+            "python-dateutil==2.9.0.post0",
+            "s3transfer==0.19.3",
+            "six==1.17.0",
+            "urllib3==2.8.0",
+            "redis==8.1.0",
+            *_SERVER,
+        ),
+    ),
+)
+
+
+def environment(peer: Peer, venvs: Path) -> str:
+    """The interpreter of ``peer``'s virtualenv, made (or remade) for its requirements."""
+    venv = venvs / peer.slug
+    python = venv / "bin" / "python"
+    wanted = "\n".join(peer.requirements) + "\n"
+    marker = venv / "bench-requirements.txt"
+    if not marker.exists() or marker.read_text() != wanted:
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-qq", "--disable-pip-version-check"]
+        subprocess.run([*pip, *peer.requirements], check=True)
+        marker.write_text(wanted)
+    return str(python)
+
+
+#: Requests sent with one new key at the same instant.
+RACERS = 8
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    replay: str  # "verbatim", or how the replay differs from the first response
+    reused_key: int  # the status of the same key with another body
+    simultaneous: str  # RACERS requests with one new key at the same instant
+
+    def row(self, name: str) -> str:
+        return f"| {name} | {self.replay} | {self.reused_key} | {self.simultaneous} |"
+
+
+async def behaviour(target: Server) -> Behaviour:
+    """What ``target`` answers a retry, a reused key and a race, asked over HTTP.
+
+    Every app's handler numbers its executions in the body's id, so a second
+    execution shows as a body of its own.
+    """
+    other = BODY.replace(b"1000", b"2000")
+    async with httpx.AsyncClient(base_url=target.url, timeout=10) as client:
+
+        async def post(key: str, body: bytes = BODY) -> httpx.Response:
+            headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+            return await client.post("/things", content=body, headers=headers)
+
+        key = f"probe-{uuid.uuid4().hex}"
+        first, replay = await post(key), await post(key)
+        reused = await post(key, other)
+    return Behaviour(differences(first, replay), reused.status_code, race(await at_once(target)))
+
+
+def differences(first: httpx.Response, replay: httpx.Response) -> str:
+    if replay.status_code != first.status_code:
+        return f"status {replay.status_code}"
+    if replay.content == first.content:
+        return "verbatim"
+    if replay.json() == first.json():
+        return "same JSON, other bytes"
+    return "another execution" if replay.json().get("id") != first.json().get("id") else "other"
+
+
+async def at_once(target: Server) -> list[tuple[int, bytes]]:
+    """:data:`RACERS` requests with one new key, written at once on connections already open.
+
+    As many requests with keys of their own go first: they open the app's pool
+    connections, which would otherwise make the racers' claims wait for their
+    connects while the first one completes (every racer then a replay).
+    """
+    clients = await open_clients(target.url, RACERS)
+    for requests in ([new_request() for _ in clients], [new_request()] * RACERS):
+        for client, request in zip(clients, requests, strict=True):
+            client.writer.write(request)
+        answers = [await client.answer() for client in clients]
+    for client in clients:
+        client.writer.close()
+    return answers
+
+
+def new_request() -> bytes:
+    return request_bytes("/things", f"probe-{uuid.uuid4().hex}")
+
+
+def race(answers: list[tuple[int, bytes]]) -> str:
+    statuses = Counter(status for status, _ in answers)
+    executed = {json.loads(body).get("id") for status, body in answers if status < 300}
+    counts = ", ".join(f"{count} × {status}" for status, count in sorted(statuses.items()))
+    return f"{counts}; executed {len(executed)} ×"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=2.0, help="length of one slice")
+    parser.add_argument("--rounds", type=int, default=5, help="slices per path")
+    parser.add_argument("--clients", default="1,16", help="concurrent clients, comma-separated")
+    parser.add_argument("--peers", help="peer names (slugs), comma-separated; all by default")
+    parser.add_argument(
+        "--venvs",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "idemflow-bench-peers",
+        help="where the peers' virtualenvs live (made on first use)",
+    )
+    parser.add_argument("--only-behaviour", action="store_true", help="the answers, no timing")
+    args = parser.parse_args(argv)
+    chosen = set(args.peers.split(",")) if args.peers else None
+    peers = [peer for peer in PEERS if chosen is None or peer.slug in chosen]
+    throughput, cpu, answers = [], [], []
+    with tempfile.TemporaryDirectory() as workdir:
+        for store in dict.fromkeys(peer.store for peer in peers):
+            on_store = [peer for peer in peers if peer.store == store]
+            with contextlib.ExitStack() as stack:
+                settings = stack.enter_context(store_settings(store, Path(workdir)))
+                targets = [stack.enter_context(server(settings))]
+                names = [f"idemflow ({store})"]
+                for peer in on_store:
+                    python = environment(peer, args.venvs)
+                    own = stack.enter_context(store_settings(store, Path(workdir)))
+                    targets.append(stack.enter_context(server(own, app=peer.app, python=python)))
+                    names.append(f"{peer.name} ({store})")
+                for name, target in zip(names, targets, strict=True):
+                    answers.append(asyncio.run(behaviour(target)).row(name))
+                for n in [] if args.only_behaviour else [int(c) for c in args.clients.split(",")]:
+                    measured = asyncio.run(measure(targets, n, args.seconds, args.rounds))
+                    for name, results in zip(names, measured, strict=True):
+                        throughput.append(throughput_row(name, n, results))
+                        cpu.extend(cpu_rows(name, n, results))
+                        print(throughput[-1], file=sys.stderr, flush=True)
+    print(f"| target | replay | same key, other body | same key, {RACERS} at once |")
+    print("| --- | --- | ---: | ---: |")
+    print("\n".join(answers))
+    print()
+    print(
+        "| target | clients | unprotected req/s | protected req/s | protected ÷ unprotected "
+        "(median, min–max) | replay req/s | replay ÷ protected | non-2xx |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n".join(throughput))
+    print()
+    print(
+        "| target | clients | path | app server CPU µs/req | store server CPU µs/req "
+        "| total | added by protection |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    print("\n".join(cpu))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
