@@ -298,11 +298,51 @@ def paired(numerator: Tally, denominator: Tally) -> tuple[float, float, float]:
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def timing_options(doc: str | None) -> argparse.ArgumentParser:
+    """The options of every bench built on this one: slices, rounds, clients."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=2.0, help="length of one slice")
     parser.add_argument("--rounds", type=int, default=5, help="slices per path")
     parser.add_argument("--clients", default="1,16", help="concurrent clients, comma-separated")
+    return parser
+
+
+def timed(
+    names: list[str],
+    targets: list[Server],
+    args: argparse.Namespace,
+    throughput: list[str],
+    cpu: list[str],
+) -> None:
+    """Every target's three paths at each ``--clients``, taking turns; rows appended."""
+    for n in [int(c) for c in args.clients.split(",")]:
+        measured = asyncio.run(measure(targets, n, args.seconds, args.rounds))
+        for name, results in zip(names, measured, strict=True):
+            throughput.append(throughput_row(name, n, results))
+            cpu.extend(cpu_rows(name, n, results))
+            print(throughput[-1], file=sys.stderr, flush=True)
+
+
+def print_timed(first_column: str, throughput: list[str], cpu: list[str]) -> None:
+    print(
+        f"| {first_column} | clients | unprotected req/s | protected req/s "
+        "| protected ÷ unprotected (median, min–max) | replay req/s | replay ÷ protected "
+        "| non-2xx |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n".join(throughput))
+    print()
+    print(
+        f"| {first_column} | clients | path | app server CPU µs/req | store server CPU µs/req "
+        "| total | added by protection |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    print("\n".join(cpu))
+    print()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = timing_options(__doc__)
     parser.add_argument("--stores", default="sqlite,postgres,redis")
     parser.add_argument("--count", type=int, default=200, help="requests per path counted")
     parser.add_argument("--only-count", action="store_true", help="round trips only, no timing")
@@ -325,12 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                     before = stack.enter_context(store_settings(store, Path(workdir) / "before"))
                     targets.append(stack.enter_context(server(before, tree=args.baseline)))
                     names.append(f"{store} (before)")
-                for n in [] if args.only_count else [int(c) for c in args.clients.split(",")]:
-                    measured = asyncio.run(measure(targets, n, args.seconds, args.rounds))
-                    for name, results in zip(names, measured, strict=True):
-                        throughput.append(throughput_row(name, n, results))
-                        cpu.extend(cpu_rows(name, n, results))
-                        print(throughput[-1], file=sys.stderr, flush=True)
+                if not args.only_count:
+                    timed(names, targets, args, throughput, cpu)
                 wire = Path(workdir) / f"wire-{store}"
                 wire.mkdir()
                 with server(settings, wire) as target:
@@ -340,20 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                     + " | ".join(f"{trip:.2f} ({out:.2f})" for trip, out in counted.values())
                     + " |"
                 )
-    print(
-        "| store | clients | unprotected req/s | protected req/s | protected ÷ unprotected "
-        "(median, min–max) | replay req/s | replay ÷ protected | non-2xx |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print("\n".join(throughput))
-    print()
-    print(
-        "| store | clients | path | app server CPU µs/req | store server CPU µs/req "
-        "| total | added by protection |"
-    )
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
-    print("\n".join(cpu))
-    print()
+    print_timed("store", throughput, cpu)
     print("| store | mode | round trips (pool checkouts): unprotected | protected | replay |")
     print("| --- | --- | ---: | ---: | ---: |")
     print("\n".join(trips))

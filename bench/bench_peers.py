@@ -27,7 +27,6 @@ comparable between targets that answer them alike: see ``docs/benchmarks.md``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -45,12 +44,12 @@ from bench.bench_http import open_clients
 from bench.bench_middleware import (
     BODY,
     Server,
-    cpu_rows,
-    measure,
+    print_timed,
     request_bytes,
     server,
     store_settings,
-    throughput_row,
+    timed,
+    timing_options,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,8 +124,8 @@ PEERS: tuple[Peer, ...] = (
             *_SERVER,
         ),
     ),
-    Peer("idemkit 1.0.2", "bench.peers.peer_idemkit_postgres:app", "postgres", _IDEMKIT),
-    Peer("idemkit 1.0.2", "bench.peers.peer_idemkit_redis:app", "redis", _IDEMKIT),
+    Peer("idemkit 1.0.2", "bench.peers.peer_idemkit:app", "postgres", _IDEMKIT),
+    Peer("idemkit 1.0.2", "bench.peers.peer_idemkit:app", "redis", _IDEMKIT),
     Peer(
         "fastapi-idempotency 0.1.1",
         "bench.peers.peer_fastapi_idempotency:app",
@@ -247,10 +246,7 @@ def race(answers: list[tuple[int, bytes]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=2.0, help="length of one slice")
-    parser.add_argument("--rounds", type=int, default=5, help="slices per path")
-    parser.add_argument("--clients", default="1,16", help="concurrent clients, comma-separated")
+    parser = timing_options(__doc__)
     parser.add_argument("--peers", help="peer names (slugs), comma-separated; all by default")
     parser.add_argument(
         "--venvs",
@@ -277,29 +273,13 @@ def main(argv: list[str] | None = None) -> int:
                     names.append(f"{peer.name} ({store})")
                 for name, target in zip(names, targets, strict=True):
                     answers.append(asyncio.run(behaviour(target)).row(name))
-                for n in [] if args.only_behaviour else [int(c) for c in args.clients.split(",")]:
-                    measured = asyncio.run(measure(targets, n, args.seconds, args.rounds))
-                    for name, results in zip(names, measured, strict=True):
-                        throughput.append(throughput_row(name, n, results))
-                        cpu.extend(cpu_rows(name, n, results))
-                        print(throughput[-1], file=sys.stderr, flush=True)
+                if not args.only_behaviour:
+                    timed(names, targets, args, throughput, cpu)
     print(f"| target | replay | same key, other body | same key, {RACERS} at once |")
     print("| --- | --- | ---: | ---: |")
     print("\n".join(answers))
     print()
-    print(
-        "| target | clients | unprotected req/s | protected req/s | protected ÷ unprotected "
-        "(median, min–max) | replay req/s | replay ÷ protected | non-2xx |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print("\n".join(throughput))
-    print()
-    print(
-        "| target | clients | path | app server CPU µs/req | store server CPU µs/req "
-        "| total | added by protection |"
-    )
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
-    print("\n".join(cpu))
+    print_timed("target", throughput, cpu)
     return 0
 
 
