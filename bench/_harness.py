@@ -27,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import queue
 import statistics
@@ -336,3 +337,28 @@ async def post_over_asgi(app: Any, path: str, key: str | None, body: bytes) -> i
 
     await app(scope, receive, send)
     return status
+
+
+async def lifespan(app: Any) -> Callable[[], Any]:
+    """Start the app's lifespan (the store's migration); return what ends it."""
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    started = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        return await inbox.get()
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"].startswith("lifespan.startup"):
+            started.set()
+
+    lifespan_scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    task = asyncio.ensure_future(app(lifespan_scope, receive, send))
+    await inbox.put({"type": "lifespan.startup"})
+    await started.wait()
+
+    async def stop() -> None:
+        await inbox.put({"type": "lifespan.shutdown"})
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 5)
+
+    return stop

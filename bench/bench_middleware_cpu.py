@@ -46,7 +46,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench._harness import post_over_asgi
+from bench._harness import lifespan, post_over_asgi
 from bench.bench_middleware import BODY, store_settings
 
 PATHS = ("unprotected", "protected", "replay")
@@ -106,31 +106,6 @@ async def raw_floors(store: Any) -> dict[str, Callable[[], Awaitable[object]]]:
     done = next(fresh)
     await first_on(done)
     return {"raw first": first, "raw replay": replay}
-
-
-async def lifespan(app: Any) -> Callable[[], Any]:
-    """Start the app's lifespan (the store's migration); return what ends it."""
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    started = asyncio.Event()
-
-    async def receive() -> dict[str, Any]:
-        return await queue.get()
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"].startswith("lifespan.startup"):
-            started.set()
-
-    lifespan_scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
-    task = asyncio.ensure_future(app(lifespan_scope, receive, send))
-    await queue.put({"type": "lifespan.startup"})
-    await started.wait()
-
-    async def stop() -> None:
-        await queue.put({"type": "lifespan.shutdown"})
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 5)
-
-    return stop
 
 
 async def measure(count: int, rounds: int, profile: str | None) -> dict[str, float]:

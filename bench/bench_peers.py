@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,7 @@ import httpx
 from bench.bench_http import open_clients
 from bench.bench_middleware import (
     BODY,
+    PATHS,
     Server,
     print_timed,
     request_bytes,
@@ -245,6 +247,20 @@ def race(answers: list[tuple[int, bytes]]) -> str:
     return f"{counts}; executed {len(executed)} ×"
 
 
+def loop_turns(name: str, app: str, python: str, settings: dict[str, str]) -> str:
+    """A table row: ``app``'s loop iterations and CPU per request, in its own interpreter."""
+    command = [python, "-m", "bench._loop_turns", app.partition(":")[0]]
+    env = {**os.environ, **settings}  # -m from ROOT: bench imports from this tree
+    out = subprocess.run(command, env=env, cwd=ROOT, check=True, capture_output=True, text=True)
+    per_path = json.loads(out.stdout)
+    iterations = ", ".join(f"{per_path[path][0]:.1f}" for path in PATHS)
+    cpu = ", ".join(f"{per_path[path][1]:,.0f}" for path in PATHS)
+    odd = [f"{path}: {per_path[path][2]}" for path in PATHS if per_path[path][2] != [201]]
+    if odd:  # a path that did not answer 201 (fastapi-idempotency-key's replay: 422)
+        name += f" (answered {', '.join(odd)})"
+    return f"| {name} | {iterations} | {cpu} |"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = timing_options(__doc__)
     parser.add_argument("--peers", help="peer names (slugs), comma-separated; all by default")
@@ -255,26 +271,47 @@ def main(argv: list[str] | None = None) -> int:
         help="where the peers' virtualenvs live (made on first use)",
     )
     parser.add_argument("--only-behaviour", action="store_true", help="the answers, no timing")
+    parser.add_argument(
+        "--turns",
+        action="store_true",
+        help="instead: each app called in process (bench/_loop_turns.py), its event-loop "
+        "iterations and CPU per request",
+    )
     args = parser.parse_args(argv)
     chosen = set(args.peers.split(",")) if args.peers else None
     peers = [peer for peer in PEERS if chosen is None or peer.slug in chosen]
-    throughput, cpu, answers = [], [], []
+    throughput, cpu, answers, turns = [], [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         for store in dict.fromkeys(peer.store for peer in peers):
-            on_store = [peer for peer in peers if peer.store == store]
+            apps = [("idemflow", "bench._minimal_app:app", sys.executable)]
+            apps += [
+                (peer.name, peer.app, environment(peer, args.venvs))
+                for peer in peers
+                if peer.store == store
+            ]
+            names = [f"{name} ({store})" for name, _, _ in apps]
+            if args.turns:
+                for name, (_, app, python) in zip(names, apps, strict=True):
+                    with store_settings(store, Path(workdir)) as settings:
+                        turns.append(loop_turns(name, app, python, settings))
+                continue
             with contextlib.ExitStack() as stack:
-                settings = stack.enter_context(store_settings(store, Path(workdir)))
-                targets = [stack.enter_context(server(settings))]
-                names = [f"idemflow ({store})"]
-                for peer in on_store:
-                    python = environment(peer, args.venvs)
+                targets = []
+                for _, app, python in apps:  # each with a schema or prefix of its own
                     own = stack.enter_context(store_settings(store, Path(workdir)))
-                    targets.append(stack.enter_context(server(own, app=peer.app, python=python)))
-                    names.append(f"{peer.name} ({store})")
+                    targets.append(stack.enter_context(server(own, app=app, python=python)))
                 for name, target in zip(names, targets, strict=True):
                     answers.append(asyncio.run(behaviour(target)).row(name))
                 if not args.only_behaviour:
                     timed(names, targets, args, throughput, cpu)
+    if turns:
+        print(
+            "| target | event-loop iterations per request: unprotected, protected, replay "
+            "| CPU µs per request, in process: unprotected, protected, replay |"
+        )
+        print("| --- | ---: | ---: |")
+        print("\n".join(turns))
+        return 0
     print(f"| target | replay | same key, other body | same key, {RACERS} at once |")
     print("| --- | --- | ---: | ---: |")
     print("\n".join(answers))
