@@ -5,6 +5,7 @@ Run::
 
     .venv/bin/python -m bench.bench_peers [--seconds 2] [--rounds 5] [--clients 1,16]
                                           [--peers NAME,…] [--venvs DIR]
+                                          [--only-behaviour | --turns]
 
 Every target serves ``bench/bench_middleware.py``'s minimal endpoint under uvicorn (one
 worker, its own process): ``POST /things`` protected, ``POST /plain/things`` the same
@@ -15,14 +16,16 @@ peers' dependencies never touch this tree's). idemflow and every peer on the sam
 take turns in short slices in one run (three paths each: ``unprotected``, ``protected``
 with a fresh key, ``replay`` of a completed key), so whatever the machine does hits all
 of them alike; the figures are those of ``bench_middleware``: throughput, protected ÷
-unprotected, replay ÷ first, and the CPU protection adds per request (the app's process,
-plus on PostgreSQL the backends serving it).
+unprotected, replay ÷ first, and the CPU per request of the app's process and of the
+store (PostgreSQL's backends serving that app, or the Redis server).
 
 Before timing, each target answers a few questions from outside (:func:`behaviour`): is
 a replay the first response, status and body; what does a key reused with another body
-get; what do eight requests with one key at the same instant get, and how often
-does the handler run for them. Speed is only
-comparable between targets that answer them alike: see ``docs/benchmarks.md``.
+get; what do eight requests with one key at the same instant get, and how often does
+the handler run for them. Speed is only comparable between targets that answer them
+alike: see ``docs/benchmarks.md``. ``--only-behaviour`` stops there; ``--turns`` instead
+calls each app in process (``bench/_loop_turns.py``): event-loop iterations and CPU per
+request.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_http import open_clients
+from bench.bench_http import Client, open_clients
 from bench.bench_middleware import (
     BODY,
     PATHS,
@@ -62,7 +65,7 @@ class Peer:
     """One package as a target: its app module, its store and its environment."""
 
     name: str
-    app: str  # uvicorn's APP, e.g. bench.peers.pyidempotent:app
+    app: str  # uvicorn's APP, e.g. bench.peers.peer_pyidempotent:app
     store: str  # "redis" or "postgres"
     requirements: tuple[str, ...]
 
@@ -71,7 +74,7 @@ class Peer:
         return self.app.partition(":")[0].rpartition(".")[2]
 
 
-#: Every peer measured, pinned (what was installed when its app was written).
+# What most peers' apps need besides the peer (Starlette under uvicorn), pinned.
 _SERVER = ("anyio==4.16.0", "click==8.5.1", "h11==0.16.0", "idna==3.20", "starlette==1.10.0")
 _SERVER += ("typing_extensions==4.16.0", "uvicorn==0.55.0")
 _IDEMKIT = ("idemkit==1.0.2", "asyncpg==0.32.0", "redis==8.1.0", *_SERVER)
@@ -79,6 +82,7 @@ _IDEMKIT = ("idemkit==1.0.2", "asyncpg==0.32.0", "redis==8.1.0", *_SERVER)
 _PYDANTIC = ("annotated-types==0.8.0", "pydantic==2.14.4", "pydantic_core==2.50.5")
 _PYDANTIC += ("typing-inspection==0.4.5",)
 
+#: Every peer measured, pinned (what was installed when its app was written).
 PEERS: tuple[Peer, ...] = (
     Peer(
         "asgi-idempotency-header 0.2.0",
@@ -227,10 +231,8 @@ async def at_once(target: Server) -> list[tuple[int, bytes]]:
     connects while the first one completes (every racer then a replay).
     """
     clients = await open_clients(target.url, RACERS)
-    for requests in ([new_request() for _ in clients], [new_request()] * RACERS):
-        for client, request in zip(clients, requests, strict=True):
-            client.writer.write(request)
-        answers = [await client.answer() for client in clients]
+    await each_at_once(clients, [new_request() for _ in clients])
+    answers = await each_at_once(clients, [new_request()] * RACERS)
     for client in clients:
         client.writer.close()
     return answers
@@ -238,6 +240,13 @@ async def at_once(target: Server) -> list[tuple[int, bytes]]:
 
 def new_request() -> bytes:
     return request_bytes("/things", f"probe-{uuid.uuid4().hex}")
+
+
+async def each_at_once(clients: list[Client], requests: list[bytes]) -> list[tuple[int, bytes]]:
+    """Every request written before any answer is read."""
+    for client, request in zip(clients, requests, strict=True):
+        client.writer.write(request)
+    return [await client.answer() for client in clients]
 
 
 def race(answers: list[tuple[int, bytes]]) -> str:
