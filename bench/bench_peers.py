@@ -4,7 +4,7 @@ idemflow against its peers: each package protecting the same minimal endpoint, o
 Run::
 
     .venv/bin/python -m bench.bench_peers [--seconds 2] [--rounds 5] [--clients 1,16]
-                                          [--peers NAME,…] [--venvs DIR]
+                                          [--peers NAME,…] [--venvs DIR] [--python EXE]
                                           [--only-behaviour | --turns]
 
 Every target serves ``bench/bench_middleware.py``'s minimal endpoint under uvicorn (one
@@ -25,7 +25,8 @@ get; what do eight requests with one key at the same instant get, and how often 
 the handler run for them. Speed is only comparable between targets that answer them
 alike: see ``docs/benchmarks.md``. ``--only-behaviour`` stops there; ``--turns`` instead
 calls each app in process (``bench/_loop_turns.py``): event-loop iterations and CPU per
-request.
+request. ``--python`` runs every target on another interpreter (e.g. Python 3.12),
+idemflow's too: its app in a virtualenv of its own with this tree's ``src``.
 """
 
 from __future__ import annotations
@@ -166,14 +167,28 @@ PEERS: tuple[Peer, ...] = (
 )
 
 
-def environment(peer: Peer, venvs: Path) -> str:
-    """The interpreter of ``peer``'s virtualenv, made (or remade) for its requirements."""
-    venv = venvs / peer.slug
+#: idemflow's app in another interpreter (``--python``): what it imports besides
+#: idemflow, whose ``src`` comes from this tree (``PYTHONPATH``).
+IDEMFLOW = Peer(
+    "idemflow",
+    "bench._minimal_app:app",
+    "",
+    ("psycopg==3.3.9", "psycopg-binary==3.3.9", "psycopg-pool==3.3.3", "redis==8.1.0", *_SERVER),
+)
+
+
+def environment(peer: Peer, venvs: Path, interpreter: str | None) -> str:
+    """The interpreter of ``peer``'s virtualenv, made (or remade) for its requirements.
+
+    On ``interpreter`` (e.g. ``python3.12``) if given, else on this one.
+    """
+    venv = venvs / (peer.slug if interpreter is None else f"{peer.slug}-{Path(interpreter).name}")
     python = venv / "bin" / "python"
     wanted = "\n".join(peer.requirements) + "\n"
     marker = venv / "bench-requirements.txt"
     if not marker.exists() or marker.read_text() != wanted:
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        base = sys.executable if interpreter is None else interpreter
+        subprocess.run([base, "-m", "venv", "--clear", str(venv)], check=True)
         pip = [str(python), "-m", "pip", "install", "-qq", "--disable-pip-version-check"]
         subprocess.run([*pip, *peer.requirements], check=True)
         marker.write_text(wanted)
@@ -256,10 +271,29 @@ def race(answers: list[tuple[int, bytes]]) -> str:
     return f"{counts}; executed {len(executed)} ×"
 
 
-def loop_turns(name: str, app: str, python: str, settings: dict[str, str]) -> str:
-    """A table row: ``app``'s loop iterations and CPU per request, in its own interpreter."""
-    command = [python, "-m", "bench._loop_turns", app.partition(":")[0]]
+@dataclass(frozen=True)
+class App:
+    """A target to start: its app, the interpreter it runs on, and where its idemflow is."""
+
+    name: str
+    app: str
+    python: str
+    tree: Path | None = None  # a tree whose src/ goes first on PYTHONPATH
+
+
+def idemflow_app(venvs: Path, interpreter: str | None) -> App:
+    """idemflow's minimal app: in this environment, or on ``interpreter`` with this ``src``."""
+    if interpreter is None:
+        return App("idemflow", IDEMFLOW.app, sys.executable)
+    return App("idemflow", IDEMFLOW.app, environment(IDEMFLOW, venvs, interpreter), ROOT)
+
+
+def loop_turns(name: str, target: App, settings: dict[str, str]) -> str:
+    """A table row: ``target``'s loop iterations and CPU per request, in its own interpreter."""
+    command = [target.python, "-m", "bench._loop_turns", target.app.partition(":")[0]]
     env = {**os.environ, **settings}  # -m from ROOT: bench imports from this tree
+    if target.tree is not None:
+        env["PYTHONPATH"] = str(target.tree / "src")
     out = subprocess.run(command, env=env, cwd=ROOT, check=True, capture_output=True, text=True)
     per_path = json.loads(out.stdout)
     iterations = ", ".join(f"{per_path[path][0]:.1f}" for path in PATHS)
@@ -279,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         default=Path(tempfile.gettempdir()) / "idemflow-bench-peers",
         help="where the peers' virtualenvs live (made on first use)",
     )
+    parser.add_argument(
+        "--python",
+        help="an interpreter (e.g. python3.12) for every target, idemflow's included: each "
+        "gets a virtualenv of its own on it",
+    )
     parser.add_argument("--only-behaviour", action="store_true", help="the answers, no timing")
     parser.add_argument(
         "--turns",
@@ -292,23 +331,24 @@ def main(argv: list[str] | None = None) -> int:
     throughput, cpu, answers, turns = [], [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         for store in dict.fromkeys(peer.store for peer in peers):
-            apps = [("idemflow", "bench._minimal_app:app", sys.executable)]
+            apps = [idemflow_app(args.venvs, args.python)]
             apps += [
-                (peer.name, peer.app, environment(peer, args.venvs))
+                App(peer.name, peer.app, environment(peer, args.venvs, args.python))
                 for peer in peers
                 if peer.store == store
             ]
-            names = [f"{name} ({store})" for name, _, _ in apps]
+            names = [f"{one.name} ({store})" for one in apps]
             if args.turns:
-                for name, (_, app, python) in zip(names, apps, strict=True):
+                for name, one in zip(names, apps, strict=True):
                     with store_settings(store, Path(workdir)) as settings:
-                        turns.append(loop_turns(name, app, python, settings))
+                        turns.append(loop_turns(name, one, settings))
                 continue
             with contextlib.ExitStack() as stack:
                 targets = []
-                for _, app, python in apps:  # each with a schema or prefix of its own
+                for one in apps:  # each with a schema or prefix of its own
                     own = stack.enter_context(store_settings(store, Path(workdir)))
-                    targets.append(stack.enter_context(server(own, app=app, python=python)))
+                    started = server(own, tree=one.tree, app=one.app, python=one.python)
+                    targets.append(stack.enter_context(started))
                 for name, target in zip(names, targets, strict=True):
                     answers.append(asyncio.run(behaviour(target)).row(name))
                 if not args.only_behaviour:
