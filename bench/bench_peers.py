@@ -59,6 +59,7 @@ from bench.bench_middleware import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+MINIMAL_APP = "bench._minimal_app:app"  # idemflow's
 
 
 @dataclass(frozen=True)
@@ -167,30 +168,33 @@ PEERS: tuple[Peer, ...] = (
 )
 
 
-#: idemflow's app in another interpreter (``--python``): what it imports besides
-#: idemflow, whose ``src`` comes from this tree (``PYTHONPATH``).
-IDEMFLOW = Peer(
-    "idemflow",
-    "bench._minimal_app:app",
-    "",
-    ("psycopg==3.3.9", "psycopg-binary==3.3.9", "psycopg-pool==3.3.3", "redis==8.1.0", *_SERVER),
+#: What idemflow's app imports besides idemflow in another interpreter (``--python``);
+#: idemflow's ``src`` comes from this tree (``PYTHONPATH``).
+IDEMFLOW_REQUIREMENTS = (
+    "psycopg==3.3.9",
+    "psycopg-binary==3.3.9",
+    "psycopg-pool==3.3.3",
+    "redis==8.1.0",
+    *_SERVER,
 )
 
 
-def environment(peer: Peer, venvs: Path, interpreter: str | None) -> str:
-    """The interpreter of ``peer``'s virtualenv, made (or remade) for its requirements.
+def environment(
+    slug: str, requirements: tuple[str, ...], venvs: Path, interpreter: str | None
+) -> str:
+    """The interpreter of the virtualenv ``slug``, made (or remade) for ``requirements``.
 
     On ``interpreter`` (e.g. ``python3.12``) if given, else on this one.
     """
-    venv = venvs / (peer.slug if interpreter is None else f"{peer.slug}-{Path(interpreter).name}")
+    venv = venvs / (slug if interpreter is None else f"{slug}-{Path(interpreter).name}")
     python = venv / "bin" / "python"
-    wanted = "\n".join(peer.requirements) + "\n"
+    wanted = "\n".join(requirements) + "\n"
     marker = venv / "bench-requirements.txt"
     if not marker.exists() or marker.read_text() != wanted:
         base = sys.executable if interpreter is None else interpreter
         subprocess.run([base, "-m", "venv", "--clear", str(venv)], check=True)
         pip = [str(python), "-m", "pip", "install", "-qq", "--disable-pip-version-check"]
-        subprocess.run([*pip, *peer.requirements], check=True)
+        subprocess.run([*pip, *requirements], check=True)
         marker.write_text(wanted)
     return str(python)
 
@@ -284,8 +288,9 @@ class App:
 def idemflow_app(venvs: Path, interpreter: str | None) -> App:
     """idemflow's minimal app: in this environment, or on ``interpreter`` with this ``src``."""
     if interpreter is None:
-        return App("idemflow", IDEMFLOW.app, sys.executable)
-    return App("idemflow", IDEMFLOW.app, environment(IDEMFLOW, venvs, interpreter), ROOT)
+        return App("idemflow", MINIMAL_APP, sys.executable)
+    python = environment("idemflow", IDEMFLOW_REQUIREMENTS, venvs, interpreter)
+    return App("idemflow", MINIMAL_APP, python, ROOT)
 
 
 def loop_turns(name: str, target: App, settings: dict[str, str]) -> str:
@@ -332,11 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as workdir:
         for store in dict.fromkeys(peer.store for peer in peers):
             apps = [idemflow_app(args.venvs, args.python)]
-            apps += [
-                App(peer.name, peer.app, environment(peer, args.venvs, args.python))
-                for peer in peers
-                if peer.store == store
-            ]
+            for peer in (peer for peer in peers if peer.store == store):
+                python = environment(peer.slug, peer.requirements, args.venvs, args.python)
+                apps.append(App(peer.name, peer.app, python))
             names = [f"{one.name} ({store})" for one in apps]
             if args.turns:
                 for name, one in zip(names, apps, strict=True):

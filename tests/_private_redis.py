@@ -25,6 +25,7 @@ from tests.factories import free_port
 
 __all__ = [
     "PERSISTENT",
+    "VOLATILE",
     "RedisServer",
     "freeze",
     "own_redis_server",
@@ -35,6 +36,8 @@ __all__ = [
 
 #: A server that keeps what it acknowledged across a SIGKILL: an AOF fsynced at every write.
 PERSISTENT = ("--save", "", "--appendonly", "yes", "--appendfsync", "always")
+#: A server that keeps nothing on disk: a restart empties it.
+VOLATILE = ("--save", "", "--appendonly", "no")
 
 
 @dataclass
@@ -100,18 +103,15 @@ def own_redis_server(directory: Path) -> Iterator[tuple[subprocess.Popen[bytes],
     """A redis-server of our own on a free loopback port, so we may stop it."""
     if shutil.which("redis-server") is None:
         unreachable("redis-server", FileNotFoundError("redis-server"))
-    port = free_port()
-    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    command += ["--appendonly", "no", "--dir", str(directory)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
+    server = RedisServer("redis-server", directory, VOLATILE)
+    server.start()
+    assert server.process is not None
+    process = server.process
     try:
-        _wait_for_ping(url, process)
-        yield process, url
+        yield process, server.url
     finally:
         thaw(process)  # a frozen server would never act on SIGTERM
-        process.terminate()
-        process.wait(timeout=10)
+        server.stop()
 
 
 def freeze(process: subprocess.Popen[bytes]) -> None:

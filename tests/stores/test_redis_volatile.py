@@ -31,7 +31,7 @@ from idemflow import (
     StoreUnavailable,
 )
 from idemflow.testing import FrozenClock
-from tests._private_redis import RedisServer
+from tests._private_redis import VOLATILE, RedisServer
 from tests._redis_cluster import ClusterUnavailable, valkey_server
 from tests.backends import redis_client
 from tests.conftest import unreachable
@@ -46,7 +46,6 @@ pytestmark = pytest.mark.redis
 
 POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b"created")
-VOLATILE = ("--save", "", "--appendonly", "no")
 
 
 def binary(name: str) -> str:
