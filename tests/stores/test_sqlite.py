@@ -10,7 +10,8 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,13 @@ from typing import Any
 import pytest
 
 from idemflow import Response, State, StoreUnavailable
-from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore, _writer_lock, connect
+from idemflow.stores.sqlite import (
+    CHECKPOINT_HOP,
+    AsyncSQLiteStore,
+    SQLiteStore,
+    _writer_lock,
+    connect,
+)
 from tests.factories import intent
 
 NOW = 1_800_000_000.0
@@ -150,7 +157,7 @@ def test_a_forked_child_opens_its_own_connection_and_writer_lock(tmp_path: Path)
 
 
 def _writes_seen(store: AsyncSQLiteStore) -> list[str]:
-    """The names of the threads the async store's claims and completions run on."""
+    """The names of the threads the async store's claims, completions and releases run on."""
     seen: list[str] = []
 
     def on_thread(function: Any) -> Any:
@@ -161,8 +168,8 @@ def _writes_seen(store: AsyncSQLiteStore) -> list[str]:
         return recorded
 
     for store_ in (store.sync, store._at_once):
-        store_.claim = on_thread(store_.claim)  # type: ignore[method-assign]
-        store_.complete = on_thread(store_.complete)  # type: ignore[method-assign]
+        for name in ("claim", "complete", "release"):
+            setattr(store_, name, on_thread(getattr(store_, name)))
     return seen
 
 
@@ -171,34 +178,130 @@ async def test_the_async_stores_writes_take_their_turn_on_one_thread_of_its_own(
     tmp_path: Path,
 ) -> None:
     """Its writes queue on the process's lock on the file anyway: from the loop's default
-    executor they took several threads that handed it (and the GIL) to one another. A
-    claim runs on the loop's own thread only while no write is handed over."""
+    executor they took several threads that handed it (and the GIL) to one another.
+    Releases always hop: 32 at once run on one thread, the store's."""
     store = AsyncSQLiteStore(tmp_path / "keys.db")
     await store.migrate()
+    claims = [await store.claim(intent(f"k-{n}"), f"lease-{n}", NOW, NOW + 60) for n in range(32)]
     seen = _writes_seen(store)
-    loop_thread = threading.current_thread().name
-
-    async def request(n: int) -> None:
-        claim = await store.claim(intent(f"k-{n}"), f"lease-{n}", NOW, NOW + 60)
-        await store.complete(claim.record, State.COMPLETED, CREATED, NOW, NOW + 60)
-
     try:
-        await asyncio.gather(*(request(n) for n in range(32)))
-        assert len(seen) == 64
-        handed_over = [name for name in seen if name != loop_thread]
-        assert len(set(handed_over)) == 1
-        assert handed_over[0].startswith("idemflow-sqlite")
-        # The first claim found nothing handed over; the rest queued behind completions.
-        assert seen.count(loop_thread) < 32
+        released = await asyncio.gather(*(store.release(c.record, NOW) for c in claims))
+        assert all(released)
+        assert len(seen) == 32
+        assert len(set(seen)) == 1
+        assert seen[0].startswith("idemflow-sqlite")
     finally:
         await store.close()
 
 
 @pytest.mark.anyio
-async def test_a_claim_with_nothing_to_wait_for_runs_on_the_loops_thread(tmp_path: Path) -> None:
-    """A hop to the write thread costs more than the claim (docs/benchmarks.md): with no
-    write handed over and the file's locks free, the claim runs where it is awaited,
-    committed before it returns (another connection reads it)."""
+async def test_writes_wait_for_one_handed_over_then_run_on_the_loops_thread(
+    tmp_path: Path,
+) -> None:
+    """A write handed over is never overtaken: claims and completions arriving meanwhile
+    wait for it on the loop, then run there. (They used to hop behind it, and each write
+    arriving while one was pending hopped too: under load, all of them did.)"""
+    store = AsyncSQLiteStore(tmp_path / "keys.db")
+    await store.migrate()
+    seen = _writes_seen(store)
+    loop_thread = threading.current_thread().name
+    gate = threading.Event()
+
+    async def request(n: int) -> None:
+        claim = await store.claim(intent(f"k-{n}"), f"lease-{n}", NOW, NOW + 60)
+        await asyncio.sleep(0)  # the handler
+        await store.complete(claim.record, State.COMPLETED, CREATED, NOW, NOW + 60)
+
+    try:
+        handed_over = asyncio.ensure_future(store._writes.run(gate.wait, 10))
+        await asyncio.sleep(0.05)  # the write thread is in it
+        requests = asyncio.gather(*(request(n) for n in range(32)))
+        await asyncio.sleep(0.2)
+        assert seen == []  # every claim waits for the write handed over
+        gate.set()
+        await requests
+        assert await handed_over
+        assert seen == [loop_thread] * 64
+    finally:
+        gate.set()
+        await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_write_cancelled_while_it_waits_for_one_handed_over_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    store = AsyncSQLiteStore(tmp_path / "keys.db")
+    await store.migrate()
+    gate = threading.Event()
+    try:
+        handed_over = asyncio.ensure_future(store._writes.run(gate.wait, 10))
+        await asyncio.sleep(0.05)
+        waiting = asyncio.ensure_future(store.claim(intent("k-1"), "lease-1", NOW, NOW + 60))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        gate.set()
+        assert await handed_over
+        assert store.sync.get("alice", "k-1") is None
+        assert (await store.claim(intent("k-1"), "lease-2", NOW, NOW + 60)).owned
+    finally:
+        gate.set()
+        await store.close()
+
+
+def test_a_write_waiting_on_another_event_loop_is_woken_from_the_one_that_handed_over(
+    tmp_path: Path,
+) -> None:
+    """One store, two event loops on two threads: the loop whose write was handed over
+    wakes the other's waiting claim through that loop's own queue."""
+    store = AsyncSQLiteStore(tmp_path / "keys.db")
+    asyncio.run(store.migrate())
+    gate, handed = threading.Event(), threading.Event()
+    claims: list[bool] = []
+
+    def hand_over() -> None:
+        async def write() -> None:
+            pending = asyncio.ensure_future(store._writes.run(gate.wait, 10))
+            await asyncio.sleep(0.05)
+            handed.set()
+            assert await pending
+
+        asyncio.run(write())
+
+    def claim_on_another_loop() -> None:
+        handed.wait(10)
+        claim = store.claim(intent("k-1"), "lease-1", NOW, NOW + 60)
+        claims.append(asyncio.run(claim).owned)
+
+    # Daemons: a claim never woken must fail the test, not hang the run at its exit.
+    threads = [
+        threading.Thread(target=target, daemon=True)
+        for target in (hand_over, claim_on_another_loop)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        handed.wait(10)
+        time.sleep(0.2)
+        assert claims == []  # waiting for the write handed over on the first loop
+        gate.set()
+        for thread in threads:
+            thread.join(10)
+        assert claims == [True]
+    finally:
+        gate.set()
+        asyncio.run(store.close())
+
+
+@pytest.mark.anyio
+async def test_a_claim_and_a_completion_with_nothing_to_wait_for_run_on_the_loops_thread(
+    tmp_path: Path,
+) -> None:
+    """A hop to the write thread costs more than the statement (docs/benchmarks.md): with
+    no write handed over and the file's locks free, a claim and a completion run where
+    they are awaited, each committed before it returns (another connection reads it)."""
     path = tmp_path / "keys.db"
     store = AsyncSQLiteStore(path)
     await store.migrate()
@@ -207,64 +310,89 @@ async def test_a_claim_with_nothing_to_wait_for_runs_on_the_loops_thread(tmp_pat
     try:
         first = await store.claim(intent("k-1"), "lease-1", NOW, NOW + 60)
         replay_of_held = await store.claim(intent("k-1"), "lease-2", NOW, NOW + 60)
-        assert seen == [loop_thread, loop_thread]
         assert first.owned
         assert not replay_of_held.owned
         assert replay_of_held.record == first.record
         reader = SQLiteStore(path)
         try:
             assert reader.get("alice", "k-1") == first.record
+            await store.complete(first.record, State.COMPLETED, CREATED, NOW + 1, NOW + 60)
+            completed = reader.get("alice", "k-1")
         finally:
             reader.close()
+        assert seen == [loop_thread] * 3
+        assert completed is not None
+        assert completed.state is State.COMPLETED
+        assert completed.response == CREATED
     finally:
         await store.close()
 
 
+async def _claimed_then(store: AsyncSQLiteStore, write: str) -> Awaitable[Any]:
+    """What the next two tests await: a claim of a fresh key, or the completion of one."""
+    if write == "claim":
+        return store.claim(intent("k-1"), "lease-1", NOW, NOW + 60)
+    claim = await store.claim(intent("k-2"), "lease-2", NOW, NOW + 60)
+    return store.complete(claim.record, State.COMPLETED, CREATED, NOW, NOW + 60)
+
+
 @pytest.mark.anyio
-async def test_a_claim_never_overtakes_a_write_handed_over(tmp_path: Path) -> None:
-    """Writes handed to the store's thread go first, in turn: a claim awaited meanwhile
-    queues behind them rather than take the file from under them (one after another on
-    the loop's thread, claims could keep a completion waiting past its busy timeout)."""
+@pytest.mark.parametrize("write", ["claim", "completion"])
+async def test_a_write_never_overtakes_one_handed_over(tmp_path: Path, write: str) -> None:
+    """Writes handed to the store's thread go first, in turn: a claim or a completion
+    awaited meanwhile queues behind them rather than take the file from under them (one
+    after another on the loop's thread, they could keep a write waiting past its busy
+    timeout)."""
     store = AsyncSQLiteStore(tmp_path / "keys.db")
     await store.migrate()
     gate = threading.Event()
     try:
+        pending = await _claimed_then(store, write)
         before = asyncio.ensure_future(store._writes.run(gate.wait, 10))
         await asyncio.sleep(0.05)  # the write thread is in it
-        claim = asyncio.ensure_future(store.claim(intent("k-1"), "lease-1", NOW, NOW + 60))
+        queued = asyncio.ensure_future(pending)
         await asyncio.sleep(0.2)
-        assert not claim.done()  # queued behind the write handed over
+        assert not queued.done()  # queued behind the write handed over
         gate.set()
         assert await before
-        assert (await asyncio.wait_for(claim, 10)).owned
+        await asyncio.wait_for(queued, 10)
     finally:
         gate.set()
         await store.close()
 
 
 @pytest.mark.anyio
-async def test_a_claim_that_would_wait_never_blocks_the_loop(tmp_path: Path) -> None:
-    """Another process holds SQLite's write lock: the claim's try on the loop's thread
-    gives up at once (no busy timeout there) and the claim waits on the write thread;
-    the loop goes on serving meanwhile."""
-    import time
-
+@pytest.mark.parametrize("write", ["claim", "completion"])
+async def test_a_write_that_would_wait_never_blocks_the_loop(tmp_path: Path, write: str) -> None:
+    """Another process holds SQLite's write lock: the write's try on the loop's thread
+    gives up at once (no busy timeout there) and it waits on the write thread; the loop
+    goes on serving meanwhile."""
     path = tmp_path / "keys.db"
     store = AsyncSQLiteStore(path, busy_timeout=5)
     await store.migrate()
     other = connect(path)
     try:
+        pending = await _claimed_then(store, write)
         other.execute("BEGIN IMMEDIATE")
-        waiting = asyncio.ensure_future(store.claim(intent("k-1"), "lease-1", NOW, NOW + 60))
+        waiting = asyncio.ensure_future(pending)
         started = time.monotonic()
-        await asyncio.sleep(0.3)  # the claim's task runs first, then the loop comes back
+        await asyncio.sleep(0.3)  # the write's task runs first, then the loop comes back
         assert time.monotonic() - started < 3.5  # not 5 s of a busy handler on the loop
         assert not waiting.done()
         other.execute("ROLLBACK")
-        assert (await asyncio.wait_for(waiting, 10)).owned
+        await asyncio.wait_for(waiting, 10)
     finally:
         other.close()
         await store.close()
+
+
+def _frames_in_wal(path: Path) -> int:
+    other = connect(path)
+    try:
+        _, frames, _ = other.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    finally:
+        other.close()
+    return int(frames)
 
 
 @pytest.mark.anyio
@@ -280,12 +408,31 @@ async def test_a_claim_on_the_loops_thread_never_checkpoints_the_wal(tmp_path: P
         for n in range(400):
             assert (await store.claim(intent(f"k-{n}"), f"lease-{n}", NOW, NOW + 60)).owned
         assert set(seen) == {threading.current_thread().name}
-        other = connect(path)
-        try:
-            _, frames_in_wal, _ = other.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-        finally:
-            other.close()
-        assert frames_in_wal > 1000
+        assert _frames_in_wal(path) > 1000
+    finally:
+        await store.close()
+
+
+@pytest.mark.anyio
+async def test_one_completion_in_checkpoint_hop_commits_on_the_write_thread_to_bound_the_wal(
+    tmp_path: Path,
+) -> None:
+    """With every write on the loop's thread, which never checkpoints, the WAL would grow
+    without end (~7 pages a first execution: 4,300 here). Every CHECKPOINT_HOP-th
+    completion commits on the write thread, where SQLite checkpoints past 1,000 pages."""
+    path = tmp_path / "keys.db"
+    store = AsyncSQLiteStore(path)
+    await store.migrate()
+    seen = _writes_seen(store)
+    loop_thread = threading.current_thread().name
+    executions = 600
+    try:
+        for n in range(executions):
+            claim = await store.claim(intent(f"k-{n}"), f"lease-{n}", NOW, NOW + 60)
+            await store.complete(claim.record, State.COMPLETED, CREATED, NOW, NOW + 60)
+        handed_over = [name for name in seen if name != loop_thread]
+        assert len(handed_over) == executions // CHECKPOINT_HOP
+        assert _frames_in_wal(path) < 1000 + 20 * CHECKPOINT_HOP
     finally:
         await store.close()
 

@@ -10,8 +10,11 @@ The async store does a whole claim (or release, or completion without a
 transaction) in one hop to a worker thread: awaiting statement by statement
 through a thread-hop wrapper was measured 5–27× slower. Its writes take that
 hop to one thread of its own (:class:`_WriteThread`), its reads to the loop's
-default executor. A claim that nothing would make wait runs on the loop's own
-thread instead (:class:`_AtOnce`): the hop costs more than the claim.
+default executor. A claim or a completion runs on the loop's own thread instead
+(:class:`_AtOnce`), the hop costing more than the statement it carries, unless
+something would make it wait there: a write handed over and not finished (it
+waits for that on the loop, then runs), or another process's lock on the file
+(it hops, and waits on the thread).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import functools
 import os
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
@@ -195,7 +198,7 @@ T = TypeVar("T")
 
 
 class _AtOnce(SQLiteStore):
-    """The file for claims on the event loop's own thread: nothing there may wait.
+    """The file for writes on the event loop's own thread: nothing there may wait.
 
     No busy timeout (SQLite's write lock is taken at once or not at all), and no
     WAL checkpoint (its ``fsync`` would stall the loop; the write thread's commits
@@ -210,28 +213,45 @@ class _AtOnce(SQLiteStore):
     def claim_if_free(
         self, intent: Intent, lease_token: str, now: float, expires_at: float
     ) -> Claim | None:
-        """The claim, here and now, if neither lock on the file is taken; else None.
+        """The claim, here and now, if neither lock on the file is taken; else None."""
+        with self._if_free() as free:
+            return self.claim(intent, lease_token, now, expires_at) if free else None
 
-        One ``BEGIN IMMEDIATE`` transaction: the process's lock on the file taken
-        without waiting, then SQLite's write lock at once. Either busy: None,
-        nothing was written, and the caller hops to the write thread, which waits
-        as before. Once both are held nothing in the claim waits, and it commits
-        whole or not at all.
+    def complete_if_free(
+        self, record: Record, state: State, response: Response, now: float, expires_at: float
+    ) -> bool:
+        """The completion, here and now, if neither lock on the file is taken; else False."""
+        with self._if_free() as free:
+            if free:
+                self.complete(record, state, response, now, expires_at)
+            return free
+
+    @contextlib.contextmanager
+    def _if_free(self) -> Iterator[bool]:
+        """One ``BEGIN IMMEDIATE`` transaction around the body, if it can begin at once.
+
+        The process's lock on the file taken without waiting, then SQLite's write
+        lock at once. Either busy: False, nothing is written, and the caller hops
+        to the write thread, which waits as before. Once both are held nothing in
+        the body waits, and it commits whole or not at all.
         """
         try:
             writer = self._connections()
         except sqlite3.Error:  # opening it (``journal_mode=WAL``) met a lock: hop
-            return None
+            yield False
+            return
         if not writer._lock.acquire(False):
-            return None
+            yield False
+            return
         try:
             conn = writer.conn
             try:
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error:  # another process writes (or the file is unwell): hop
-                return None
+                yield False
+                return
             try:
-                claim = self.claim(intent, lease_token, now, expires_at)
+                yield True
                 conn.execute("COMMIT")
             except BaseException as exc:
                 if conn.in_transaction:
@@ -240,7 +260,6 @@ class _AtOnce(SQLiteStore):
                 if isinstance(exc, sqlite3.Error) and is_unavailable(exc):
                     raise StoreUnavailable(f"sqlite key store unavailable: {exc}") from exc
                 raise
-            return claim
         finally:
             writer._lock.release()
 
@@ -262,13 +281,29 @@ class _WriteThread:
         self._executor: ThreadPoolExecutor | None = None
         self._pid = 0
         self._lock = threading.Lock()
-        #: Writes handed over and not finished: a claim tried on the loop's thread
-        #: goes behind them instead (it would take the file's lock from under them).
+        #: Writes handed over and not finished: a write tried on the loop's thread
+        #: waits for them (:meth:`idle`) instead of taking the file's lock from under them.
         self.pending = 0
+        self._idle_waiters: list[asyncio.Future[None]] = []
 
     def busy(self) -> bool:
         """Is a write handed over and not finished (in this process: not a parent's)?"""
         return self.pending > 0 and self._pid == PID[0]
+
+    async def idle(self) -> None:
+        """Return once no write handed over is pending (at once when none is).
+
+        A write on the loop's thread waits here rather than hop behind them: a hop
+        costs more than the write, and once one write had hopped, every write
+        arriving while it was pending hopped too, so under load they all did.
+        """
+        while self.busy():
+            waiter = asyncio.get_running_loop().create_future()
+            with self._lock:
+                if not self.busy():
+                    return
+                self._idle_waiters.append(waiter)
+            await waiter
 
     async def run(self, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)`` on the thread, in the caller's context (as ``to_thread``)."""
@@ -281,6 +316,11 @@ class _WriteThread:
         finally:
             with self._lock:
                 self.pending -= 1
+                woken, self._idle_waiters = (
+                    (self._idle_waiters, []) if self.pending == 0 else ([], self._idle_waiters)
+                )
+            for waiter in woken:
+                _wake(waiter, loop)
 
     def _thread(self) -> ThreadPoolExecutor:
         executor = self._executor
@@ -300,13 +340,29 @@ class _WriteThread:
             executor.shutdown(wait=True)
 
 
-class AsyncSQLiteStore:
-    """The SQLite store for asyncio code: each operation is one hop to a thread.
+def _wake(waiter: asyncio.Future[None], running: asyncio.AbstractEventLoop) -> None:
+    """Settle ``waiter`` (cancelled meanwhile: nothing to do), from its own loop."""
+    if waiter.get_loop() is running:
+        if not waiter.done():
+            waiter.set_result(None)
+    else:  # a store shared by event loops on several threads
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits there
+            waiter.get_loop().call_soon_threadsafe(_wake, waiter, waiter.get_loop())
 
-    The writes (claim, and the others without the caller's transaction) hop to
-    one thread of the store's, in turn; the reads to the loop's default executor.
-    A claim runs where it is awaited when it cannot wait (no write handed over,
-    both locks on the file free): see :meth:`_AtOnce.claim_if_free`.
+
+#: One completion in this many commits on the write thread, whose commits checkpoint the
+#: WAL: a first execution writes ~7 pages, so the WAL stays under ~1,500 (6 MiB of 4 KiB).
+CHECKPOINT_HOP = 64
+
+
+class AsyncSQLiteStore:
+    """The SQLite store for asyncio code: each operation is one hop to a thread, or none.
+
+    The writes without the caller's transaction hop to one thread of the store's,
+    in turn; the reads to the loop's default executor. A claim or a completion
+    runs where it is awaited instead, once no write handed over is pending, when
+    both locks on the file are free (see :meth:`_AtOnce._if_free`); one
+    completion in :data:`CHECKPOINT_HOP` hops, for the WAL's checkpoint.
     """
 
     supports_transactions = True
@@ -320,6 +376,7 @@ class AsyncSQLiteStore:
         self.dialect = self.sync.dialect
         self._writes = _WriteThread()
         self._at_once = _AtOnce(path, table=table)
+        self._completions = 0
         # Writes inside the caller's transaction go through the caller's
         # connection, never ours: this executor has none to give.
         self._in_transaction = AsyncSQLStore(
@@ -347,10 +404,10 @@ class AsyncSQLiteStore:
         # A hop to the write thread costs more CPU than the claim it carries (~130
         # against ~50 µs: docs/benchmarks.md, "The async SQLite store's hop to its
         # thread"): when nothing would make it wait, the claim runs here.
-        if not self._writes.busy():
-            claim = self._at_once.claim_if_free(intent, lease_token, now, expires_at)
-            if claim is not None:
-                return claim
+        await self._writes.idle()
+        claim = self._at_once.claim_if_free(intent, lease_token, now, expires_at)
+        if claim is not None:
+            return claim
         return await self._writes.run(self.sync.claim, intent, lease_token, now, expires_at)
 
     async def complete(
@@ -362,10 +419,28 @@ class AsyncSQLiteStore:
         expires_at: float,
         transaction: AsyncTransaction | None = None,
     ) -> None:
-        if transaction is None:
-            await self._writes.run(self.sync.complete, record, state, response, now, expires_at)
+        if transaction is not None:
+            await self._in_transaction.complete(
+                record, state, response, now, expires_at, transaction
+            )
             return
-        await self._in_transaction.complete(record, state, response, now, expires_at, transaction)
+        # As the claim, unless the WAL is due a checkpoint: see _checkpoint_due.
+        if not self._checkpoint_due():
+            await self._writes.idle()
+            if self._at_once.complete_if_free(record, state, response, now, expires_at):
+                return
+        await self._writes.run(self.sync.complete, record, state, response, now, expires_at)
+
+    def _checkpoint_due(self) -> bool:
+        """Is this completion the one in :data:`CHECKPOINT_HOP` that hops to the write thread?
+
+        The loop's thread never checkpoints the WAL (the ``fsync`` would stall
+        it), so with every write there the WAL would grow without end. SQLite
+        checkpoints on a commit that finds the WAL past 1,000 pages: every
+        ``CHECKPOINT_HOP``-th completion commits on the write thread to let it.
+        """
+        self._completions += 1
+        return self._completions % CHECKPOINT_HOP == 0
 
     async def release(
         self, record: Record, now: float, transaction: AsyncTransaction | None = None
