@@ -157,7 +157,8 @@ def test_a_forked_child_opens_its_own_connection_and_writer_lock(tmp_path: Path)
 
 
 def _writes_seen(store: AsyncSQLiteStore) -> list[str]:
-    """The names of the threads the async store's claims, completions and releases run on."""
+    """The names of the threads the async store's claims, completions, releases and
+    checkpoints run on."""
     seen: list[str] = []
 
     def on_thread(function: Any) -> Any:
@@ -168,7 +169,7 @@ def _writes_seen(store: AsyncSQLiteStore) -> list[str]:
         return recorded
 
     for store_ in (store.sync, store._at_once):
-        for name in ("claim", "complete", "release"):
+        for name in ("claim", "complete", "release", "checkpoint"):
             setattr(store_, name, on_thread(getattr(store_, name)))
     return seen
 
@@ -179,14 +180,19 @@ async def test_the_async_stores_writes_take_their_turn_on_one_thread_of_its_own(
 ) -> None:
     """Its writes queue on the process's lock on the file anyway: from the loop's default
     executor they took several threads that handed it (and the GIL) to one another.
-    Releases always hop: 32 at once run on one thread, the store's."""
+    Purges always hop: 32 at once run on one thread, the store's."""
     store = AsyncSQLiteStore(tmp_path / "keys.db")
     await store.migrate()
-    claims = [await store.claim(intent(f"k-{n}"), f"lease-{n}", NOW, NOW + 60) for n in range(32)]
-    seen = _writes_seen(store)
+    seen: list[str] = []
+    purge = store.sync.purge
+
+    def recorded(now: float, limit: int) -> int:
+        seen.append(threading.current_thread().name)
+        return purge(now, limit)
+
+    store.sync.purge = recorded  # type: ignore[method-assign]
     try:
-        released = await asyncio.gather(*(store.release(c.record, NOW) for c in claims))
-        assert all(released)
+        await asyncio.gather(*(store.purge(NOW, 10) for _ in range(32)))
         assert len(seen) == 32
         assert len(set(seen)) == 1
         assert seen[0].startswith("idemflow-sqlite")
@@ -296,12 +302,11 @@ def test_a_write_waiting_on_another_event_loop_is_woken_from_the_one_that_handed
 
 
 @pytest.mark.anyio
-async def test_a_claim_and_a_completion_with_nothing_to_wait_for_run_on_the_loops_thread(
-    tmp_path: Path,
-) -> None:
+async def test_writes_with_nothing_to_wait_for_run_on_the_loops_thread(tmp_path: Path) -> None:
     """A hop to the write thread costs more than the statement (docs/benchmarks.md): with
-    no write handed over and the file's locks free, a claim and a completion run where
-    they are awaited, each committed before it returns (another connection reads it)."""
+    no write handed over and the file's locks free, a claim, a completion, a checkpoint
+    and a release run where they are awaited, each committed before it returns (another
+    connection reads it)."""
     path = tmp_path / "keys.db"
     store = AsyncSQLiteStore(path)
     await store.migrate()
@@ -320,29 +325,38 @@ async def test_a_claim_and_a_completion_with_nothing_to_wait_for_run_on_the_loop
             completed = reader.get("alice", "k-1")
         finally:
             reader.close()
-        assert seen == [loop_thread] * 3
         assert completed is not None
         assert completed.state is State.COMPLETED
         assert completed.response == CREATED
+        other = await store.claim(intent("k-2"), "lease-3", NOW, NOW + 60)
+        await store.checkpoint(other.record, "charged", NOW + 1)
+        assert await store.release(other.record, NOW + 2)
+        assert seen == [loop_thread] * 6
     finally:
         await store.close()
 
 
+WRITES = ["claim", "completion", "checkpoint", "release"]
+
+
 async def _claimed_then(store: AsyncSQLiteStore, write: str) -> Awaitable[Any]:
-    """What the next two tests await: a claim of a fresh key, or the completion of one."""
+    """What the next two tests await: a claim of a fresh key, or another write of one."""
     if write == "claim":
         return store.claim(intent("k-1"), "lease-1", NOW, NOW + 60)
-    claim = await store.claim(intent("k-2"), "lease-2", NOW, NOW + 60)
-    return store.complete(claim.record, State.COMPLETED, CREATED, NOW, NOW + 60)
+    record = (await store.claim(intent("k-2"), "lease-2", NOW, NOW + 60)).record
+    if write == "completion":
+        return store.complete(record, State.COMPLETED, CREATED, NOW, NOW + 60)
+    if write == "checkpoint":
+        return store.checkpoint(record, "charged", NOW)
+    return store.release(record, NOW)
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("write", ["claim", "completion"])
+@pytest.mark.parametrize("write", WRITES)
 async def test_a_write_never_overtakes_one_handed_over(tmp_path: Path, write: str) -> None:
-    """Writes handed to the store's thread go first, in turn: a claim or a completion
-    awaited meanwhile queues behind them rather than take the file from under them (one
-    after another on the loop's thread, they could keep a write waiting past its busy
-    timeout)."""
+    """Writes handed to the store's thread go first, in turn: any write awaited meanwhile
+    waits for them rather than take the file from under them (one after another on the
+    loop's thread, writes could keep one handed over waiting past its busy timeout)."""
     store = AsyncSQLiteStore(tmp_path / "keys.db")
     await store.migrate()
     gate = threading.Event()
@@ -362,7 +376,7 @@ async def test_a_write_never_overtakes_one_handed_over(tmp_path: Path, write: st
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("write", ["claim", "completion"])
+@pytest.mark.parametrize("write", WRITES)
 async def test_a_write_that_would_wait_never_blocks_the_loop(tmp_path: Path, write: str) -> None:
     """Another process holds SQLite's write lock: the write's try on the loop's thread
     gives up at once (no busy timeout there) and it waits on the write thread; the loop

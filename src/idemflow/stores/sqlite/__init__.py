@@ -10,11 +10,11 @@ The async store does a whole claim (or release, or completion without a
 transaction) in one hop to a worker thread: awaiting statement by statement
 through a thread-hop wrapper was measured 5–27× slower. Its writes take that
 hop to one thread of its own (:class:`_WriteThread`), its reads to the loop's
-default executor. A claim or a completion runs on the loop's own thread instead
-(:class:`_AtOnce`), the hop costing more than the statement it carries, unless
-something would make it wait there: a write handed over and not finished (it
-waits for that on the loop, then runs), or another process's lock on the file
-(it hops, and waits on the thread).
+default executor. A claim, completion, checkpoint or release runs on the loop's
+own thread instead (:class:`_AtOnce`), the hop costing more than the statement
+it carries, unless something would make it wait there: a write handed over and
+not finished (it waits for that on the loop, then runs), or another process's
+lock on the file (it hops, and waits on the thread).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import enum
 import functools
 import os
 import sqlite3
@@ -30,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ..._errors import ConfigurationError, StoreUnavailable
 from ..._model import Claim, Intent, Record, Response, State
@@ -197,6 +198,12 @@ class SQLiteStore(SQLStore):
 T = TypeVar("T")
 
 
+class _Busy(enum.Enum):
+    """What :meth:`_AtOnce.if_free` answers when the write must hop instead."""
+
+    BUSY = enum.auto()
+
+
 class _AtOnce(SQLiteStore):
     """The file for writes on the event loop's own thread: nothing there may wait.
 
@@ -210,21 +217,10 @@ class _AtOnce(SQLiteStore):
     def __init__(self, path: str | Path, *, table: str) -> None:
         super().__init__(path, table=table, busy_timeout=0)
 
-    def claim_if_free(
-        self, intent: Intent, lease_token: str, now: float, expires_at: float
-    ) -> Claim | None:
-        """The claim, here and now, if neither lock on the file is taken; else None."""
+    def if_free(self, write: Callable[..., T], *args: Any) -> T | Literal[_Busy.BUSY]:
+        """``write(*args)``, here and now, if neither lock on the file is taken; else BUSY."""
         with self._if_free() as free:
-            return self.claim(intent, lease_token, now, expires_at) if free else None
-
-    def complete_if_free(
-        self, record: Record, state: State, response: Response, now: float, expires_at: float
-    ) -> bool:
-        """The completion, here and now, if neither lock on the file is taken; else False."""
-        with self._if_free() as free:
-            if free:
-                self.complete(record, state, response, now, expires_at)
-            return free
+            return write(*args) if free else _Busy.BUSY
 
     @contextlib.contextmanager
     def _if_free(self) -> Iterator[bool]:
@@ -359,9 +355,9 @@ class AsyncSQLiteStore:
     """The SQLite store for asyncio code: each operation is one hop to a thread, or none.
 
     The writes without the caller's transaction hop to one thread of the store's,
-    in turn; the reads to the loop's default executor. A claim or a completion
-    runs where it is awaited instead, once no write handed over is pending, when
-    both locks on the file are free (see :meth:`_AtOnce._if_free`); one
+    in turn; the reads to the loop's default executor. A claim, completion,
+    checkpoint or release runs where it is awaited instead, once no write handed
+    over is pending, when both locks on the file are free (:meth:`_write`); one
     completion in :data:`CHECKPOINT_HOP` hops, for the WAL's checkpoint.
     """
 
@@ -401,14 +397,22 @@ class AsyncSQLiteStore:
         if transaction is not None:
             msg = "single-commit mode needs PostgreSQL; SQLite admits one writer"
             raise ConfigurationError(msg)
-        # A hop to the write thread costs more CPU than the claim it carries (~130
-        # against ~50 µs: docs/benchmarks.md, "The async SQLite store's hop to its
-        # thread"): when nothing would make it wait, the claim runs here.
+        return await self._write(
+            self._at_once.claim, self.sync.claim, intent, lease_token, now, expires_at
+        )
+
+    async def _write(self, at_once: Callable[..., T], on_thread: Callable[..., T], *args: Any) -> T:
+        """``at_once(*args)`` on the loop's thread, once no write handed over is pending,
+        if both locks on the file are free; else ``on_thread(*args)`` on the write thread.
+
+        A hop to the write thread costs more CPU than the statement it carries (~130
+        against ~50 µs: docs/benchmarks.md, "The async SQLite store's hop to its thread").
+        """
         await self._writes.idle()
-        claim = self._at_once.claim_if_free(intent, lease_token, now, expires_at)
-        if claim is not None:
-            return claim
-        return await self._writes.run(self.sync.claim, intent, lease_token, now, expires_at)
+        done = self._at_once.if_free(at_once, *args)
+        if done is not _Busy.BUSY:
+            return done
+        return await self._writes.run(on_thread, *args)
 
     async def complete(
         self,
@@ -424,12 +428,11 @@ class AsyncSQLiteStore:
                 record, state, response, now, expires_at, transaction
             )
             return
-        # As the claim, unless the WAL is due a checkpoint: see _checkpoint_due.
-        if not self._checkpoint_due():
-            await self._writes.idle()
-            if self._at_once.complete_if_free(record, state, response, now, expires_at):
-                return
-        await self._writes.run(self.sync.complete, record, state, response, now, expires_at)
+        args = (record, state, response, now, expires_at)
+        if self._checkpoint_due():
+            await self._writes.run(self.sync.complete, *args)
+        else:
+            await self._write(self._at_once.complete, self.sync.complete, *args)
 
     def _checkpoint_due(self) -> bool:
         """Is this completion the one in :data:`CHECKPOINT_HOP` that hops to the write thread?
@@ -446,7 +449,7 @@ class AsyncSQLiteStore:
         self, record: Record, now: float, transaction: AsyncTransaction | None = None
     ) -> bool:
         if transaction is None:
-            return await self._writes.run(self.sync.release, record, now)
+            return await self._write(self._at_once.release, self.sync.release, record, now)
         return await self._in_transaction.release(record, now, transaction)
 
     async def checkpoint(
@@ -457,7 +460,8 @@ class AsyncSQLiteStore:
         transaction: AsyncTransaction | None = None,
     ) -> None:
         if transaction is None:
-            await self._writes.run(self.sync.checkpoint, record, recovery_point, now)
+            args = (record, recovery_point, now)
+            await self._write(self._at_once.checkpoint, self.sync.checkpoint, *args)
             return
         await self._in_transaction.checkpoint(record, recovery_point, now, transaction)
 
