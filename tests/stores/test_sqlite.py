@@ -331,7 +331,11 @@ async def test_writes_with_nothing_to_wait_for_run_on_the_loops_thread(tmp_path:
         other = await store.claim(intent("k-2"), "lease-3", NOW, NOW + 60)
         await store.checkpoint(other.record, "charged", NOW + 1)
         assert await store.release(other.record, NOW + 2)
+        released = store.sync.get("alice", "k-2")  # the sync store's own connection
         assert seen == [loop_thread] * 6
+        assert released is not None
+        assert released.state is State.RELEASED
+        assert released.recovery_point == "charged"
     finally:
         await store.close()
 
