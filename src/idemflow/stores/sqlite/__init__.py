@@ -27,7 +27,7 @@ import functools
 import os
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
@@ -218,36 +218,29 @@ class _AtOnce(SQLiteStore):
         super().__init__(path, table=table, busy_timeout=0)
 
     def if_free(self, write: Callable[..., T], *args: Any) -> T | Literal[_Busy.BUSY]:
-        """``write(*args)``, here and now, if neither lock on the file is taken; else BUSY."""
-        with self._if_free() as free:
-            return write(*args) if free else _Busy.BUSY
-
-    @contextlib.contextmanager
-    def _if_free(self) -> Iterator[bool]:
-        """One ``BEGIN IMMEDIATE`` transaction around the body, if it can begin at once.
+        """``write(*args)`` here and now, in one ``BEGIN IMMEDIATE`` transaction, if it
+        can begin at once; else BUSY.
 
         The process's lock on the file taken without waiting, then SQLite's write
-        lock at once. Either busy: False, nothing is written, and the caller hops
+        lock at once. Either busy: BUSY, nothing is written, and the caller hops
         to the write thread, which waits as before. Once both are held nothing in
-        the body waits, and it commits whole or not at all.
+        ``write`` waits, and it commits whole or not at all. (Inline, not a
+        context manager: a generator-based one costs several times more.)
         """
         try:
             writer = self._connections()
         except sqlite3.Error:  # opening it (``journal_mode=WAL``) met a lock: hop
-            yield False
-            return
+            return _Busy.BUSY
         if not writer._lock.acquire(False):
-            yield False
-            return
+            return _Busy.BUSY
         try:
             conn = writer.conn
             try:
                 conn.execute("BEGIN IMMEDIATE")
             except sqlite3.Error:  # another process writes (or the file is unwell): hop
-                yield False
-                return
+                return _Busy.BUSY
             try:
-                yield True
+                done = write(*args)
                 conn.execute("COMMIT")
             except BaseException as exc:
                 if conn.in_transaction:
@@ -256,6 +249,7 @@ class _AtOnce(SQLiteStore):
                 if isinstance(exc, sqlite3.Error) and is_unavailable(exc):
                     raise StoreUnavailable(f"sqlite key store unavailable: {exc}") from exc
                 raise
+            return done
         finally:
             writer._lock.release()
 
