@@ -304,11 +304,11 @@ class _WriteThread:
         try:
             return await loop.run_in_executor(self._thread(), context.run, function, *args)
         finally:
+            woken: list[asyncio.Future[None]] = []
             with self._lock:
                 self.pending -= 1
-                woken, self._idle_waiters = (
-                    (self._idle_waiters, []) if self.pending == 0 else ([], self._idle_waiters)
-                )
+                if self.pending == 0:
+                    woken, self._idle_waiters = self._idle_waiters, []
             for waiter in woken:
                 _wake(waiter, loop)
 
