@@ -237,6 +237,8 @@ async def test_writes_wait_for_one_handed_over_then_run_on_the_loops_thread(
 async def test_a_write_cancelled_while_it_waits_for_one_handed_over_writes_nothing(
     tmp_path: Path,
 ) -> None:
+    """Cancelled in ``idle()``, before its transaction began: no record, and the key's
+    next claim is the first."""
     store = AsyncSQLiteStore(tmp_path / "keys.db")
     await store.migrate()
     gate = threading.Event()
@@ -355,6 +357,27 @@ async def _claimed_then(store: AsyncSQLiteStore, write: str) -> Awaitable[Any]:
     return store.release(record, NOW)
 
 
+def _assert_written(store: AsyncSQLiteStore, write: str, answer: Any) -> None:
+    """The write that waited took effect, read back on the sync store's connection."""
+    if write == "claim":
+        assert answer.owned
+        record = store.sync.get("alice", "k-1")
+        assert record is not None
+        assert record.state is State.IN_PROGRESS
+        return
+    record = store.sync.get("alice", "k-2")
+    assert record is not None
+    if write == "completion":
+        assert record.state is State.COMPLETED
+        assert record.response == CREATED
+    elif write == "checkpoint":
+        assert record.state is State.IN_PROGRESS
+        assert record.recovery_point == "charged"
+    else:
+        assert answer is True
+        assert record.state is State.RELEASED
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("write", WRITES)
 async def test_a_write_never_overtakes_one_handed_over(tmp_path: Path, write: str) -> None:
@@ -370,10 +393,10 @@ async def test_a_write_never_overtakes_one_handed_over(tmp_path: Path, write: st
         await asyncio.sleep(0.05)  # the write thread is in it
         queued = asyncio.ensure_future(pending)
         await asyncio.sleep(0.2)
-        assert not queued.done()  # queued behind the write handed over
+        assert not queued.done()  # waiting for the write handed over
         gate.set()
         assert await before
-        await asyncio.wait_for(queued, 10)
+        _assert_written(store, write, await asyncio.wait_for(queued, 10))
     finally:
         gate.set()
         await store.close()
@@ -398,7 +421,7 @@ async def test_a_write_that_would_wait_never_blocks_the_loop(tmp_path: Path, wri
         assert time.monotonic() - started < 3.5  # not 5 s of a busy handler on the loop
         assert not waiting.done()
         other.execute("ROLLBACK")
-        await asyncio.wait_for(waiting, 10)
+        _assert_written(store, write, await asyncio.wait_for(waiting, 10))
     finally:
         other.close()
         await store.close()
