@@ -74,6 +74,9 @@ PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/provider/charges"})
 #: trying again with backoff, before the demo gives up and exits.
 DATABASE_PATIENCE_AT_START = 30.0
 
+#: The key /healthz reads (a lookup that finds nothing: the key table answers).
+HEALTH_PRINCIPAL, HEALTH_KEY = "idemflow-demo-healthz", "healthz"
+
 
 class BearerAuth:
     """Pure-ASGI bearer authentication: sets ``scope["user"]`` or answers 401 (problem)."""
@@ -113,7 +116,9 @@ class DemoService:
         self.settings = settings
         self.started = False
         self._opened = False  # has start() begun since the last stop()?
-        self._watching = False
+        #: The key store on a connection of its own (``stats_store``): the stuck-claims
+        #: gauge and /healthz read through it, never queued behind requests. Set by start.
+        self._side_store: Any = None
         #: The background sweeper with the provider reconciler, while started.
         self.recovery: AsyncBackgroundSweeper | None = None
         self.db: Database = open_database(
@@ -173,10 +178,9 @@ class DemoService:
         self._opened = True
         await self._open_database()
         self.provider.open()
-        if not self._watching:  # idemflow_stale_in_progress{state}: crashed claims
-            stats = await asyncio.to_thread(self.db.stats_store)
-            self.metrics.watch_stale_claims(stats, self.settings.request_timeout)
-            self._watching = True
+        if self._side_store is None:  # idemflow_stale_in_progress{state}: crashed claims
+            self._side_store = await asyncio.to_thread(self.db.stats_store)
+            self.metrics.watch_stale_claims(self._side_store, self.settings.request_timeout)
         if self.recovery is None:
             self.recovery = start_recovery(self)
         self.started = True
@@ -294,8 +298,16 @@ class DemoService:
         return StarletteResponse(body, headers={"content-type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: Request) -> StarletteResponse:
-        async with self.db.connect() as raw:
-            await self.db.wrap(raw).fetchone("SELECT 1 AS ok")
+        """200 once the key store answers a read, on the gauge's connection of its own.
+
+        Not on a connection of the requests' pool: a pool every request holds
+        (a herd of retries after a restart, a slow provider call) would queue the
+        probe behind them, and a supervisor would take a service that is up (and
+        answers its excess 503 + ``Retry-After``) for one that is down.
+        """
+        if self._side_store is None:
+            raise StoreUnavailable("the demo has not started")
+        await asyncio.to_thread(self._side_store.get, HEALTH_PRINCIPAL, HEALTH_KEY)
         return to_starlette(Response.json(200, {"status": "ok"}))
 
     def routes(self) -> list[Route]:
@@ -399,6 +411,8 @@ async def http_error(request: Request, exc: Exception) -> StarletteResponse:
 
 
 async def server_error(request: Request, exc: Exception) -> StarletteResponse:
+    if isinstance(exc, StoreUnavailable):  # the key store's own: /healthz's probe
+        return to_starlette(problem_for(exc, request_id(request.scope)))
     if database_unavailable(exc):
         # Pool exhausted, server gone, SQLite locked past its busy timeout: an
         # outage the client should retry (the claim was released), not a bug.

@@ -115,7 +115,8 @@ class Database(Protocol):
         """The raw connection as a :class:`Connection` for business SQL."""
 
     def stats_store(self) -> Any:
-        """A synchronous store on the same keys, for the stuck-claims gauge."""
+        """A synchronous store on the same keys, on a connection of its own: the
+        stuck-claims gauge and /healthz read through it."""
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...
@@ -358,7 +359,7 @@ class PostgresDatabase:
     def stats_store(self) -> Any:
         from idemflow.stores.postgres import PostgresStore
 
-        if self._stats is None:  # one connection: a COUNT every few seconds at most
+        if self._stats is None:  # one connection: the gauge's COUNT, /healthz's lookup
             import psycopg_pool
 
             pool = psycopg_pool.ConnectionPool(
@@ -367,6 +368,7 @@ class PostgresDatabase:
                 max_size=1,
                 kwargs=_connection_options(self.url, bounded_locks=False),
                 open=True,
+                timeout=5.0,  # /healthz reads here: a database down answers 503 soon
             )
             self._stats = PostgresStore(pool, table=KEY_TABLE)
         return self._stats

@@ -315,7 +315,7 @@ class MySQLDatabase:
         return _AsyncmyConnection(raw)
 
     def stats_store(self) -> Any:
-        if self._stats is None:  # PyMySQL, one connection: a COUNT every few seconds at most
+        if self._stats is None:  # PyMySQL, one connection: the gauge's COUNT, /healthz's lookup
             self._stats = self._sync_store(self.url, table=KEY_TABLE, max_size=1)
         return self._stats
 

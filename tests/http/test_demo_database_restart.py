@@ -141,6 +141,33 @@ def test_a_restart_of_the_database_under_the_demo_refuses_no_request(
     assert charges == 2 * BURST
 
 
+@pytest.mark.parametrize("kind", EVERY_KIND)
+def test_healthz_answers_503_while_the_key_store_is_down_and_200_once_it_is_back(
+    kind: str, tmp_path: Path
+) -> None:
+    """/healthz reads the key store on a connection of its own: a problem+json 503 while
+    the server is down (on Redis too, where the payments' SQLite is still up), then 200."""
+    with (
+        private_server(kind) as server,
+        run_demo(tmp_path / "data", database_url=server.url) as demo,
+        demo.client() as client,
+    ):
+        server.stop()
+        try:
+            down = client.get("/healthz", timeout=30)
+        finally:
+            server.start()
+        deadline = time.monotonic() + 30
+        while (up := client.get("/healthz", timeout=30)).status_code != 200:
+            assert time.monotonic() < deadline, up.text
+            time.sleep(0.2)
+
+    assert down.status_code == 503, down.text
+    assert down.headers["content-type"] == "application/problem+json"
+    assert down.json()["type"].endswith("/store-unavailable")
+    assert up.json() == {"status": "ok"}
+
+
 #: Longer than the PostgreSQL pool's checkout timeout (5 s): a start that gave up on its
 #: first timed-out checkout would exit before the database is back.
 DOWN_SECONDS = 7.0

@@ -558,3 +558,65 @@ async def test_a_demo_stopped_mid_load_converges_after_restart(
                 assert Unsettled.read(demo, everyone).converged
                 log = server_log(demo)
     assert "could not release claim" not in log
+
+
+# --- /healthz while every pooled connection is held ------------------------------------------
+
+#: The provider call a request makes while it holds the demo's one pooled connection.
+SLOW_CHARGE_MS = 6000
+#: Far less than that call: a probe that queued for the pool would time out.
+PROBE_TIMEOUT = 3.0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("postgresql", marks=pytest.mark.postgres),
+        "sqlite",
+        pytest.param("mariadb", marks=pytest.mark.mysql),
+        pytest.param("redis", marks=pytest.mark.redis),
+    ],
+)
+async def test_healthz_answers_while_a_request_holds_every_pooled_connection(
+    tmp_path: Path, request: pytest.FixtureRequest, backend: str
+) -> None:
+    """A pool of one, held by a request through a 6 s provider call: /healthz answers 200 now.
+
+    It once queued for the pool like any request, so it answered only once the charge
+    was done; after a restart the storm's herd of retries held the pool that way, and
+    the storm, probing with a 2 s timeout, took a demo that was up for one that never
+    started (a red CI run on PostgreSQL).
+    """
+    slow = ("--pool-size", "1", "--provider-latency-ms", str(SLOW_CHARGE_MS))
+    (client,) = clients(1, "held")
+    with (
+        database_for(backend, request) as database_url,
+        run_demo(tmp_path / "data", *slow, database_url=database_url) as demo,
+    ):
+        async with new_http(demo.url) as http:
+            charge = asyncio.create_task(
+                http.post("/payments", json=client.body, headers=client.headers)
+            )
+            await until_claimed(http, charge)  # the request holds the connection from here
+            health = await http.get("/healthz", timeout=PROBE_TIMEOUT)
+            assert health.status_code == 200, health.text
+            assert health.json() == {"status": "ok"}
+            assert not charge.done()  # answered while the request still held the pool
+            assert (await charge).status_code == 201
+
+
+async def until_claimed(http: httpx.AsyncClient, charge: asyncio.Task[httpx.Response]) -> None:
+    """Return once /metrics counts the request's claim (it is past its checkout)."""
+    deadline = asyncio.get_running_loop().time() + 30
+    while asyncio.get_running_loop().time() < deadline and not charge.done():
+        metrics = (await http.get("/metrics")).text
+        if any(
+            line.startswith("idemflow_requests_total{")
+            and 'outcome="claimed"' in line
+            and not line.endswith(" 0.0")
+            for line in metrics.splitlines()
+        ):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the request was not claimed in time (done: {charge.done()})")
