@@ -116,7 +116,7 @@ class DemoService:
         self.settings = settings
         self.started = False
         self._opened = False  # has start() begun since the last stop()?
-        #: The key store on a connection of its own (``stats_store``): the stuck-claims
+        #: The key store on a connection of its own (``Database.side_store``): the stuck-claims
         #: gauge and /healthz read through it, never queued behind requests. Set by start.
         self._side_store: Any = None
         #: The background sweeper with the provider reconciler, while started.
@@ -179,7 +179,7 @@ class DemoService:
         await self._open_database()
         self.provider.open()
         if self._side_store is None:  # idemflow_stale_in_progress{state}: crashed claims
-            self._side_store = await asyncio.to_thread(self.db.stats_store)
+            self._side_store = await asyncio.to_thread(self.db.side_store)
             self.metrics.watch_stale_claims(self._side_store, self.settings.request_timeout)
         if self.recovery is None:
             self.recovery = start_recovery(self)

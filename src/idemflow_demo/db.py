@@ -114,7 +114,7 @@ class Database(Protocol):
     def wrap(self, raw: Any) -> Connection:
         """The raw connection as a :class:`Connection` for business SQL."""
 
-    def stats_store(self) -> Any:
+    def side_store(self) -> Any:
         """A synchronous store on the same keys, on a connection of its own: the
         stuck-claims gauge and /healthz read through it."""
 
@@ -240,7 +240,7 @@ class SQLiteDatabase(SQLitePayments):
         self.store = AsyncSQLiteStore(path, table=KEY_TABLE, busy_timeout=10.0)
         self.pool = SQLitePool(path, pool_size)
 
-    def stats_store(self) -> Any:
+    def side_store(self) -> Any:
         return self.store.sync
 
     async def close(self) -> None:
@@ -356,7 +356,7 @@ class PostgresDatabase:
     def wrap(self, raw: Any) -> Connection:
         return _PsycopgConnection(raw)
 
-    def stats_store(self) -> Any:
+    def side_store(self) -> Any:
         from idemflow.stores.postgres import PostgresStore
 
         if self._stats is None:  # one connection: the gauge's COUNT, /healthz's lookup

@@ -314,7 +314,7 @@ class MySQLDatabase:
     def wrap(self, raw: Any) -> Connection:
         return _AsyncmyConnection(raw)
 
-    def stats_store(self) -> Any:
+    def side_store(self) -> Any:
         if self._stats is None:  # PyMySQL, one connection: the gauge's COUNT, /healthz's lookup
             self._stats = self._sync_store(self.url, table=KEY_TABLE, max_size=1)
         return self._stats

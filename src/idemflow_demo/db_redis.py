@@ -117,7 +117,7 @@ class RedisDatabase(SQLitePayments):
         self.pool = SQLitePool(sqlite_path, pool_size)
         self._stats: Any = None
 
-    def stats_store(self) -> Any:
+    def side_store(self) -> Any:
         from idemflow.stores.urls import open_store
 
         if self._stats is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import socket
 import time
 from typing import Any
@@ -230,6 +231,26 @@ async def test_asyncmy_errors_are_read_by_the_shared_rules(table_name: str) -> N
     with pytest.raises(asyncmy.errors.OperationalError) as refused:
         await asyncmy.connect(host="127.0.0.1", port=port, user="root", connect_timeout=2)
     assert is_unavailable(refused.value)
+
+
+async def test_migrating_an_existing_table_again_logs_nothing(
+    table_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every start of an app migrates: an existing table must not make asyncmy log its
+    "already exists" note (it asks SHOW WARNINGS after a statement with one, and logs
+    each), and the session's own note setting is back once the migration is done."""
+    store = AsyncMySQLStore(MYSQL_URL, table=table_name, max_size=1)
+    try:
+        await store.migrate()
+        with caplog.at_level(logging.INFO, logger="asyncmy"):
+            await store.migrate()
+        assert [r.getMessage() for r in caplog.records if r.name == "asyncmy"] == []
+        async with store.pool.connection() as conn, conn.cursor() as cursor:  # its one
+            await cursor.execute("SELECT @@session.sql_notes")
+            assert (await cursor.fetchone())[0] == 1
+    finally:
+        await store.close()
+        await _drop(table_name)
 
 
 def test_the_async_adapter_is_exported_by_idemflow_transactions() -> None:

@@ -101,6 +101,22 @@ def mysql_ddl(table: str) -> list[str]:
     ]
 
 
+def _quiet(ddl: list[str]) -> list[str]:
+    """``ddl`` with the session's notes off while it runs, then as they were.
+
+    Every start migrates, and ``CREATE TABLE IF NOT EXISTS`` on an existing
+    table leaves a note; asyncmy asks ``SHOW WARNINGS`` after any statement
+    with one (a round trip) and logs each as a warning: an "already exists"
+    in the app's log at every start, for nothing. (Django's migration keeps
+    only the ``CREATE``.)
+    """
+    return [
+        "SET @idemflow_sql_notes = @@session.sql_notes, SESSION sql_notes = 0",
+        *ddl,
+        "SET SESSION sql_notes = @idemflow_sql_notes",
+    ]
+
+
 def upsert_claim(table: str) -> str:
     """The takeover: ``INSERT … ON DUPLICATE KEY UPDATE``, every assignment guarded alike.
 
@@ -156,7 +172,7 @@ def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") ->
     ``claim`` is the guarded upsert, which the store sends only for a
     takeover; a new key is claimed by :func:`mysql_statements`' plain INSERT.
     """
-    standard = Dialect.standard("mysql", table, mysql_ddl(table), upsert_claim(table))
+    standard = Dialect.standard("mysql", table, _quiet(mysql_ddl(table)), upsert_claim(table))
     by_key = "WHERE principal = :principal AND idempotency_key = :key"
     dialect = dataclasses.replace(
         standard,
