@@ -411,12 +411,15 @@ async def http_error(request: Request, exc: Exception) -> StarletteResponse:
 
 
 async def server_error(request: Request, exc: Exception) -> StarletteResponse:
-    if isinstance(exc, StoreUnavailable):  # the key store's own: /healthz's probe
-        return to_starlette(problem_for(exc, request_id(request.scope)))
-    if database_unavailable(exc):
-        # Pool exhausted, server gone, SQLite locked past its busy timeout: an
-        # outage the client should retry (the claim was released), not a bug.
-        outage = StoreUnavailable(f"the payments database is unavailable: {type(exc).__name__}")
+    if _outage(exc):
+        # Pool exhausted, server gone, SQLite locked past its busy timeout, the key
+        # store's own (/healthz's probe): an outage the client should retry (the
+        # claim was released), not a bug.
+        outage = (
+            exc
+            if isinstance(exc, StoreUnavailable)
+            else StoreUnavailable(f"the payments database is unavailable: {type(exc).__name__}")
+        )
         return to_starlette(problem_for(outage, request_id(request.scope)))
     print(f"idemflow demo: unhandled {type(exc).__name__}: {exc}", file=sys.stderr)
     response = problem(
