@@ -14,7 +14,9 @@ and every import of idemflow in it, at any depth (in functions, under
 - relative imports stay inside ``idemflow_demo``.
 
 The other way round, the library does not depend on the demo: only the two
-CLI loaders name it, and building the command line imports no framework.
+CLI loaders name it, building the command line imports no framework, the
+library's wheel carries no demo, and without the demo installed its commands
+say how to install it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -35,6 +38,7 @@ import idemflow_demo
 
 DEMO = Path(idemflow_demo.__file__).parent
 LIBRARY = Path(idemflow.__file__).parent
+ROOT = Path(__file__).resolve().parent.parent
 MODULES = sorted(DEMO.rglob("*.py"))
 
 #: The only modules of the library that may name the demo: the thin CLI loaders.
@@ -135,8 +139,8 @@ def violations(source: str, here: str, *, is_package: bool = False) -> list[str]
 
 
 def test_the_demo_is_a_package_of_its_own() -> None:
-    """The demo and the storm live beside the library, not inside it."""
-    assert DEMO.parent == LIBRARY.parent
+    """The demo and the storm are a distribution of their own (``demo/``), not the library's."""
+    assert DEMO.parent == ROOT / "demo" / "src"
     assert {module_name(path) for path in MODULES} >= {
         "idemflow_demo",
         "idemflow_demo.app",
@@ -231,3 +235,60 @@ def test_the_command_line_loads_the_demo_lazily() -> None:
     assert loaded == []
     assert "idemflow_demo.app" not in modules
     assert "idemflow_demo.storm.run" not in modules
+
+
+def test_the_library_wheel_carries_no_demo(tmp_path: Path) -> None:
+    """The wheel built from pyproject.toml holds the library alone: no demo, no test hook."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    (wheel,) = tmp_path.glob("idemflow-*.whl")
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+
+    assert "idemflow" in tops
+    assert {top for top in tops if not top.startswith("idemflow-")} == {"idemflow"}
+
+
+WITHOUT_THE_DEMO = """
+import sys
+from idemflow.cli import main
+
+class NoDemo:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "idemflow_demo":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoDemo())
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["storm", "--port", "8000"], ["demo", "--help"]])
+def test_without_the_demo_its_commands_say_how_to_install_it(argv: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_THE_DEMO, *argv],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr.startswith(f"idemflow {argv[0]}: the demo is its own distribution")
+    assert "scripts/demo" in done.stderr
+    assert "Traceback" not in done.stderr

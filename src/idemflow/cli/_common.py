@@ -1,14 +1,22 @@
-"""Arguments every command shares: the database URL (or IDEMFLOW_DATABASE_URL) and the table."""
+"""Arguments every command shares: the database URL (or IDEMFLOW_DATABASE_URL) and the table;
+the stand-in for a command whose distribution is not installed (the demo's)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from .._errors import ConfigurationError
 from ..stores.urls import DATABASE_URL_ENV
 
-__all__ = ["add_database_arguments", "database_url", "positive_int", "positive_seconds"]
+__all__ = [
+    "add_database_arguments",
+    "add_not_installed",
+    "database_url",
+    "positive_int",
+    "positive_seconds",
+]
 
 
 def add_database_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,3 +62,24 @@ def positive_int(text: str) -> int:
         msg = f"must be a whole number of at least 1, got {text!r}"
         raise argparse.ArgumentTypeError(msg)
     return int(text)
+
+
+#: How to get the demo (``idemflow demo``, ``idemflow storm``), which is not in the library's wheel.
+DEMO_INSTALL = (
+    "the demo is its own distribution, idemflow-demo, and is not installed: from a clone of "
+    "idemflow, run scripts/demo (or pip install ./demo)"
+)
+
+
+def add_not_installed(subparsers: argparse._SubParsersAction[Any], name: str, hint: str) -> None:
+    """Lists ``name`` in ``--help`` and answers any use of it with ``hint``, a one-line error."""
+    # No option prefix: every argument, `--help` too, is taken as it comes and answered by the hint.
+    parser = subparsers.add_parser(
+        name, help="(not installed) " + hint, add_help=False, prefix_chars="\0"
+    )
+    parser.add_argument("arguments", nargs="*")
+
+    def run(args: argparse.Namespace) -> int:
+        raise ConfigurationError(hint)
+
+    parser.set_defaults(run=run)

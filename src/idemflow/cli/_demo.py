@@ -1,4 +1,4 @@
-"""``idemflow demo``: the demo payments service, shipped beside the library as ``idemflow_demo``.
+"""``idemflow demo``: the demo payments service, the distribution ``idemflow-demo`` (``demo/``).
 
 The library keeps only this loader. The command's arguments live in
 :mod:`idemflow_demo.cli` (argparse and the demo's settings, nothing heavy), and
@@ -10,10 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._common import DEMO_INSTALL, add_not_installed
+
 __all__ = ["register"]
 
 
 def register(subparsers: Any) -> None:
-    from idemflow_demo.cli import register as register_demo
-
+    try:
+        from idemflow_demo.cli import register as register_demo
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("idemflow_demo"):
+            raise
+        add_not_installed(subparsers, "demo", DEMO_INSTALL)
+        return
     register_demo(subparsers)

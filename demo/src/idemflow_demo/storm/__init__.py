@@ -5,7 +5,7 @@ Many keys, several concurrent clients per key that honour ``Retry-After``,
 a provider that fails now and then, and a server SIGKILLed at random moments
 and restarted on the same database. At the end the clients' answers are set
 against the service's payments and the provider's ledger; see
-``docs/storm.md``. Needs ``idemflow[demo]`` (httpx, and the demo it attacks).
+``docs/storm.md``. Needs the demo's distribution (``demo/``: httpx, and the demo it attacks).
 Like the demo, it uses only idemflow's public API.
 
 Importing this package imports nothing heavy: ``idemflow --help`` registers

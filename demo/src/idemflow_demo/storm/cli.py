@@ -229,8 +229,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         from . import run_storm
         from .report import render, render_json
-    except ImportError as exc:  # httpx and the demo's server come with the extra
-        msg = f"the storm needs the demo's extra: pip install 'idemflow[demo]' ({exc})"
+    except ImportError as exc:  # httpx and the demo's server come with the demo's distribution
+        msg = f"the storm needs the demo's dependencies: pip install ./demo ({exc})"
         raise ConfigurationError(msg) from exc
 
     config = config_from(args)
