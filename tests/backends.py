@@ -27,6 +27,7 @@ from idemflow.stores.memory import MemoryStore
 from idemflow.stores.protocol import MaintainableStore, Store, Transaction
 from idemflow.stores.sqlite import SQLiteStore
 from idemflow.transactions import PsycopgTransaction, SQLite3Transaction
+from tests.factories import AsyncForwardingTransaction, ForwardingTransaction
 
 
 def lease_lost(store: str) -> tuple[type[IdempotencyError], ...]:
@@ -364,7 +365,7 @@ class LoopThread:
         self.loop.close()
 
 
-class BridgedTransaction:
+class BridgedTransaction(ForwardingTransaction):
     """An async transaction adapter, driven from sync code on a :class:`LoopThread`."""
 
     def __init__(self, inner: Any, loop: LoopThread) -> None:
@@ -401,7 +402,7 @@ class BridgedStore:
         return call
 
 
-class ThreadedTransaction:
+class ThreadedTransaction(AsyncForwardingTransaction):
     """A sync transaction a test wrapped around a :class:`BridgedTransaction` (one that
     pauses its commit, say), for the async store: each call runs in a worker thread, so
     the bridged one it reaches can run its coroutine on the (free) loop."""

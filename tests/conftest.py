@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-pytest_plugins = ["tests.backends", "tests.factories"]
+pytest_plugins = ["tests.factories", "tests.backends"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import strategies as st
 
 from idemflow import Intent, Response
+from idemflow.stores.protocol import NotFused
 from idemflow.testing import FrozenClock
 from tests.conftest import POSTGRES_URL, unreachable
 
@@ -99,3 +100,31 @@ def reordered(value: Any, rnd: random.Random) -> Any:
     if isinstance(value, list):
         return [reordered(item, rnd) for item in value]
     return value
+
+
+class ForwardingTransaction:
+    """The contract's optional capabilities at their defaults, for a test's wrapper of a sync
+    transaction that forwards everything else by ``__getattr__`` (which never reaches a
+    method its class has): the wrapper offers none of the inner one's."""
+
+    def execute_and_commit(self, statement: Any, params: Any, *, begin: bool = False) -> int:
+        raise NotFused
+
+    def lend(self, sources: tuple[Any, ...]) -> Any:
+        return None
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        return False
+
+
+class AsyncForwardingTransaction:
+    """:class:`ForwardingTransaction` for a wrapper of an async transaction."""
+
+    async def execute_and_commit(self, statement: Any, params: Any, *, begin: bool = False) -> int:
+        raise NotFused
+
+    async def lend(self, sources: tuple[Any, ...]) -> Any:
+        return None
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        return False

@@ -762,7 +762,7 @@ def django_door(
         MIDDLEWARE=["idemflow.integrations.django.middleware.IdempotencyMiddleware"],
     ):
         _URLs.urlpatterns = (route("payments", idempotent(pay)), route("mw/payments", pay))
-        get_store().migrate()  # type: ignore[attr-defined]
+        get_store().migrate()
         door = sync_door(WSGIHandler(), f"POST {path}", path, lambda: None)
 
         def duplicate(key: str) -> None:

@@ -30,6 +30,7 @@ KERNEL = {
     "idemflow._lease": "lease tokens, which every store that claims must mint alike",
     "idemflow._extras": "optional(): the one missing-extra hint, around every optional import",
     "idemflow._process": "this process's id, kept current at fork, for stores' own connections",
+    "idemflow._deprecation": "moved(): public names that moved, importable with a warning",
 }
 
 #: Known arrows past this rule, each with its reason; the test fails when one
@@ -144,3 +145,96 @@ def test_relative_imports_resolve_to_the_module_they_name() -> None:
     assert ("idemflow", "stores", "sql") in found
     assert ("idemflow", "stores", "postgres", "_async") in found
     assert all(name[:4] != ("idemflow", "stores", "postgres", "sql") for name in found)
+
+
+PROTOCOL = PACKAGE / "stores" / "protocol.py"
+
+
+def contract_protocols() -> dict[str, set[str]]:
+    """Each Protocol class of ``stores/protocol.py``, with the members it declares."""
+    found = {}
+    for node in ast.parse(PROTOCOL.read_text()).body:
+        if isinstance(node, ast.ClassDef) and any(
+            ast.unparse(base) in ("Protocol",) or ast.unparse(base).endswith("Store")
+            for base in node.bases
+        ):
+            found[node.name] = {
+                item.name
+                for item in node.body
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+            }
+    return found
+
+
+def test_the_store_contract_is_six_protocols_at_most() -> None:
+    """Store and Transaction, sync and async, and the maintenance pair: capabilities are
+    methods with defaults on these, never protocols of their own."""
+    protocols = contract_protocols()
+
+    assert set(protocols) == {
+        "Store",
+        "AsyncStore",
+        "Transaction",
+        "AsyncTransaction",
+        "MaintainableStore",
+        "AsyncMaintainableStore",
+    }
+    assert {"claim_on_lent", "is_unavailable", "cover_stale_threshold", "stats"} <= protocols[
+        "Store"
+    ]
+    assert {"execute_and_commit", "lend", "is_unavailable"} <= protocols["Transaction"]
+
+
+def probes(source: str, protocols: set[str], members: set[str]) -> list[str]:
+    """Where ``source`` asks whether a store or transaction has a capability instead of
+    calling it: ``isinstance``/``issubclass`` against a contract protocol, ``hasattr`` or
+    ``getattr`` of a contract member's name, ``runtime_checkable``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name | ast.alias) and "runtime_checkable" in ast.unparse(node):
+            found.append(f"{getattr(node, 'lineno', '?')}: runtime_checkable")
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        name, args = node.func.id, node.args
+        if name in ("isinstance", "issubclass") and len(args) == 2:
+            kinds = {ast.unparse(n).rsplit(".", 1)[-1] for n in ast.walk(args[1])}
+            if kinds & protocols:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        if name in ("hasattr", "getattr") and len(args) >= 2:
+            asked, attribute = ast.unparse(args[0]).lower(), args[1]
+            of_the_contract = any(w in asked for w in ("store", "transaction", "lender", "adapter"))
+            if (
+                of_the_contract
+                and isinstance(attribute, ast.Constant)
+                and attribute.value in members
+            ):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_caller_probes_a_store_or_transaction_for_a_capability() -> None:
+    protocols = contract_protocols()
+    members = set().union(*protocols.values())
+    found = {
+        path.relative_to(PACKAGE).as_posix(): hits
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (hits := probes(path.read_text(), set(protocols), members))
+    }
+
+    assert found == {}
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "isinstance(store, AsyncStore)",
+        "issubclass(type(t), protocol.Transaction)",
+        "hasattr(store, 'claim_on_lent')",
+        "getattr(transaction, 'lend', None)",
+        "from typing import runtime_checkable",
+    ],
+)
+def test_the_probe_check_catches_each_kind(source: str) -> None:
+    protocols = contract_protocols()
+
+    assert probes(source, set(protocols), set().union(*protocols.values())) != []

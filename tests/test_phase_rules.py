@@ -52,7 +52,7 @@ from tests.backends import (
     open_rig,
     rig_params,
 )
-from tests.factories import CREATED
+from tests.factories import CREATED, AsyncForwardingTransaction
 from tests.factories import uncorrelated_intent as intent
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -158,7 +158,7 @@ class PointStore:
         return call
 
 
-class PointTransaction:
+class PointTransaction(AsyncForwardingTransaction):
     """The request's transaction, each awaited call a :class:`Points` point."""
 
     def __init__(self, inner: Any, points: Points) -> None:

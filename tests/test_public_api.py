@@ -115,8 +115,8 @@ STORE_PATHS = [
     ("idemflow.stores.redis", ["record_from_hash", "is_unavailable"]),
     ("idemflow.stores.memory", ["AsyncMemoryStore", "MemoryStore"]),
     ("idemflow.stores.protocol", ["MaintainableStore", "Statement", "Store", "Transaction"]),
-    ("idemflow.stores.protocol", ["ObservableStore", "OperableStore", "StoreClock"]),
-    ("idemflow.stores.sql", ["AsyncSQLStore", "Dialect", "SQLStatement", "SQLStore"]),
+    ("idemflow.stores.protocol", ["AsyncMaintainableStore", "AsyncStore", "StoreClock"]),
+    ("idemflow.stores.sql", ["AsyncSQLStore", "Dialect", "Statement", "SQLStore"]),
     ("idemflow.stores.sql", ["on_database_clock", "create_table", "insert_claim"]),
     ("idemflow.stores.stats", ["OldestClaim", "StatsSource", "StoreStats"]),
     ("idemflow.stores.urls", ["open_async_store", "open_store", "scheme_of", "sqlite_path"]),
@@ -149,3 +149,33 @@ def test_the_memory_stores_share_one_table() -> None:
 
     assert shared.table is sync.table
     assert shared.records is sync.records
+
+
+#: 0.1's names that 0.2 replaced, and where each one's replacement lives.
+DEPRECATED = [
+    ("idemflow.stores.protocol", "OperableStore", "idemflow.stores.protocol", "MaintainableStore"),
+    ("idemflow.stores.protocol", "AsyncLendingStore", "idemflow.stores.protocol", "AsyncStore"),
+    ("idemflow.stores.protocol", "UnavailabilityRule", "idemflow.stores.protocol", "Store"),
+    (
+        "idemflow.stores.protocol",
+        "CommittingTransaction",
+        "idemflow.stores.protocol",
+        "Transaction",
+    ),
+    ("idemflow.stores.sql", "SQLStatement", "idemflow.stores.protocol", "Statement"),
+    ("idemflow.stores.sql.dialect", "SQLStatement", "idemflow.stores.protocol", "Statement"),
+]
+
+
+@pytest.mark.parametrize(("module", "old", "home", "new"), DEPRECATED)
+def test_a_replaced_name_still_imports_with_a_deprecation_warning(
+    module: str, old: str, home: str, new: str
+) -> None:
+    """For one minor version (docs/versioning.md): the replacement, and a warning naming it."""
+    imported = importlib.import_module(module)
+
+    with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated: use {home}\.{new}"):
+        found = getattr(imported, old)
+
+    assert found is getattr(importlib.import_module(home), new)
+    assert old not in imported.__all__

@@ -41,7 +41,7 @@ from idemflow import (
     Response,
     State,
 )
-from idemflow.stores.protocol import Statement
+from idemflow.stores.protocol import AsyncTransaction, Statement, Transaction
 from idemflow.testing import FrozenClock
 from tests.backends import Backend, open_caller, open_store
 from tests.conftest import POSTGRES_URL, unreachable
@@ -70,7 +70,7 @@ def intent(key: str) -> Intent:
     return Intent("racer", key, "fp-race", endpoint="POST /race")
 
 
-class LazyTransaction:
+class LazyTransaction(Transaction):
     """The caller's transaction, on a connection opened only when the flow begins it.
 
     Only the winner of a race begins a transaction: 50 claimants hold one
@@ -328,7 +328,7 @@ def test_processes_claim_exactly_once(backend: Backend) -> None:
 # --- asyncio tasks: memory, SQLite, PostgreSQL -----------------------------------------
 
 
-class AsyncLazyTransaction:
+class AsyncLazyTransaction(AsyncTransaction):
     """:class:`LazyTransaction` for asyncio: only the winner opens a caller connection."""
 
     def __init__(self, opener: Callable[[], contextlib.AbstractAsyncContextManager[Any]]) -> None:

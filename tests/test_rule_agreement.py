@@ -18,7 +18,7 @@ import pytest
 
 from idemflow import Record, State
 from idemflow._model import can_take_over, is_past_retention, starts_new_intent
-from idemflow.stores.sql import NEW_INTENT_SQL, PURGEABLE_SQL, TAKE_OVER_SQL, SQLStatement
+from idemflow.stores.sql import NEW_INTENT_SQL, PURGEABLE_SQL, TAKE_OVER_SQL, Statement
 from tests.conftest import POSTGRES_URL, unreachable
 
 NOW_MS = 1_800_000_000_000
@@ -31,7 +31,7 @@ CASES = list(
     )
 )
 
-QUERY = SQLStatement(
+QUERY = Statement(
     f"SELECT CASE WHEN {TAKE_OVER_SQL} THEN 1 ELSE 0 END AS take_over, "
     f"CASE WHEN {NEW_INTENT_SQL} THEN 1 ELSE 0 END AS new_intent, "
     f"CASE WHEN expires_at <= :now AND {PURGEABLE_SQL} THEN 1 ELSE 0 END AS purgeable "

@@ -501,7 +501,7 @@ def test_a_backlog_is_drained_in_bounded_batches(backend: Backend, clock: Frozen
 # --- races with the original request ------------------------------------------
 
 
-class PausedCommit:
+class PausedCommit(Transaction):
     """The caller's transaction, stopped right before COMMIT until told to go on.
 
     When it pauses, the business row and the completion UPDATE are written but

@@ -35,7 +35,7 @@ from typing import Any
 from ._events import Event
 from ._extras import optional
 from ._model import Clock, Duration, Intent, seconds
-from .stores.protocol import ObservableStore
+from .stores.protocol import Store
 from .stores.stats import STUCK_STATES, StatsSource
 
 with optional("idemflow.metrics"):
@@ -143,7 +143,7 @@ class PrometheusMetrics:
 
     def watch_stale_claims(
         self,
-        store: ObservableStore,
+        store: Store,
         request_timeout: Duration,
         *,
         cache_seconds: float = DEFAULT_GAUGE_CACHE_SECONDS,
@@ -158,7 +158,7 @@ class PrometheusMetrics:
         ``cache_seconds`` at most.
 
         Args:
-            store: a store that answers stats (``ObservableStore``): a sync SQL,
+            store: a store that answers stats (``Store.stats()``): a sync SQL,
                 memory or Redis store, or the async SQLite or memory one. Asyncio apps on
                 PostgreSQL or Redis pass
                 a sync store opened on the same database (a pool of one or two

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from ._async.transactions import AsyncPsycopgTransaction, AsyncSQLAlchemyTransaction
 from ._sync.transactions import PsycopgTransaction, SQLAlchemyTransaction, _execute_then_commit
-from .stores.protocol import Statement
+from .stores.protocol import AsyncTransaction, Statement, Transaction
 from .stores.sql import row_mapping
 
 __all__ = [
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 
-class SQLite3Transaction:
+class SQLite3Transaction(Transaction):
     """A ``sqlite3.Connection``.
 
     SQLite admits one writer at a time, and a claim is a write: while your
@@ -66,6 +66,8 @@ class SQLite3Transaction:
     transaction that reads, then writes after another writer committed, fails
     with "database is locked" (the claim is released, the retry runs again).
     """
+
+    connection: Any = None  # set per instance (the protocol declares it read-only)
 
     def __init__(self, connection: Any, *, immediate: bool = False) -> None:
         self.connection = connection
@@ -92,13 +94,15 @@ class SQLite3Transaction:
 _IN_TRANSACTION = 1  # pymysql.constants.SERVER_STATUS.SERVER_STATUS_IN_TRANS
 
 
-class PyMySQLTransaction:
+class PyMySQLTransaction(Transaction):
     """A ``pymysql.Connection``; joins a transaction the caller already began.
 
     Works under any isolation level: the store's own statements in your
     transaction are writes or locking reads, which always see the latest
     committed row, never an older REPEATABLE READ snapshot.
     """
+
+    connection: Any = None  # set per instance (the protocol declares it read-only)
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
@@ -134,12 +138,14 @@ class PyMySQLTransaction:
         self.connection.rollback()
 
 
-class AsyncmyTransaction:
+class AsyncmyTransaction(AsyncTransaction):
     """An asyncmy connection (asyncio MySQL/MariaDB): :class:`PyMySQLTransaction`, awaited.
 
     The caller's transaction for :class:`~idemflow.stores.mysql.AsyncMySQLStore`;
     it joins a transaction the caller already began, under any isolation level.
     """
+
+    connection: Any = None  # set per instance (the protocol declares it read-only)
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
@@ -207,7 +213,7 @@ class AsyncSQLite3Connection:
         self.raw.close()
 
 
-class AsyncSQLite3Transaction:
+class AsyncSQLite3Transaction(AsyncTransaction):
     """:class:`SQLite3Transaction` for asyncio, on an :class:`AsyncSQLite3Connection`.
 
     ``attempt.connection`` is that :class:`AsyncSQLite3Connection`: run your
@@ -218,20 +224,22 @@ class AsyncSQLite3Transaction:
     ``immediate=True`` takes the lock at once.
     """
 
+    connection: Any = None  # set per instance (the protocol declares it read-only)
+
     def __init__(self, connection: AsyncSQLite3Connection, *, immediate: bool = False) -> None:
-        self.connection = connection
+        self.connection = self._on = connection
         self._sync = SQLite3Transaction(connection.raw, immediate=immediate)
 
     async def begin(self) -> None:
-        await self.connection.run(self._sync.begin)
+        await self._on.run(self._sync.begin)
 
     async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        return await self.connection.run(self._sync.execute, statement, params)
+        return await self._on.run(self._sync.execute, statement, params)
 
     async def fetchone(
         self, statement: Statement, params: Mapping[str, Any]
     ) -> Mapping[str, Any] | None:
-        return await self.connection.run(self._sync.fetchone, statement, params)
+        return await self._on.run(self._sync.fetchone, statement, params)
 
     async def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
@@ -245,10 +253,10 @@ class AsyncSQLite3Transaction:
         """
         # The sync fallback's rules (the write, then COMMIT, then BEGIN), run on the
         # connection's thread in one hop.
-        return await self.connection.run(_execute_then_commit, self._sync, statement, params, begin)
+        return await self._on.run(_execute_then_commit, self._sync, statement, params, begin)
 
     async def commit(self) -> None:
-        await self.connection.run(self._sync.commit)
+        await self._on.run(self._sync.commit)
 
     async def rollback(self) -> None:
-        await self.connection.run(self._sync.rollback)
+        await self._on.run(self._sync.rollback)

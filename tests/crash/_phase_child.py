@@ -15,6 +15,7 @@ from typing import Any
 from idemflow import Idempotency, Policy, Response
 from idemflow._sync.edge import pooled_transaction
 from idemflow.testing import FrozenClock
+from tests.factories import ForwardingTransaction
 
 POLICY = Policy(request_timeout=5)
 PHASE = "charging"
@@ -125,7 +126,7 @@ def handler_for(side: Side, kill_at: str | None = None) -> Callable[[Any], Respo
     return handler
 
 
-class KilledAtCommit:
+class KilledAtCommit(ForwardingTransaction):
     """The request's transaction; the process dies just before, or just after, its first
     commit (in a resumed single-commit run, the commit of the take-over)."""
 

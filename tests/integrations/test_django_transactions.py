@@ -442,7 +442,7 @@ def test_management_commands_sweep_and_purge_the_django_store(vendor: str, table
     with override_settings(IDEMFLOW={"table": table_name, "database": alias, "clock": "caller"}):
         store = get_store()
         try:
-            store.migrate()  # type: ignore[attr-defined]
+            store.migrate()
             long_ago = 1_000_000.0
             crashed = store.claim(intent("crashed"), "lease-a", long_ago, long_ago + 10)
             settled = store.claim(intent("old"), "lease-b", long_ago, long_ago + 10).record
@@ -527,7 +527,7 @@ def test_a_django_pool_of_one_that_cannot_serve_the_request_is_503_and_nothing_i
 
     with override_settings(IDEMFLOW=settings, ROOT_URLCONF=_URLs, MIDDLEWARE=middleware):
         store = get_store()
-        store.migrate()  # type: ignore[attr-defined]
+        store.migrate()
         pool = connections[alias].pool
         try:
             connections[alias].close()  # the pool's one connection back: ours to hold below
@@ -539,7 +539,7 @@ def test_a_django_pool_of_one_that_cannot_serve_the_request_is_503_and_nothing_i
             replay = post()
         finally:
             connections[alias].close()
-            store.close()  # type: ignore[attr-defined]
+            store.close()
             execute("postgres", f"DROP TABLE IF EXISTS {table_name}")
 
     assert first.status_code == 503, first.content

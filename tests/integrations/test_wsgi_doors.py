@@ -312,7 +312,7 @@ def _django_door(
             route("mw/payments", pay),
         )
         store = get_store()
-        store.migrate()  # type: ignore[attr-defined]
+        store.migrate()
 
         def records(principal: str) -> int:
             sql = f"SELECT count(*) FROM {table} WHERE principal = %s"

@@ -350,7 +350,7 @@ class PostgresDatabase:
         self.connect: Callable[[], AbstractAsyncContextManager[Any]] = self.store.connection
 
     def transaction(self, raw: Any) -> AsyncTransaction:
-        # cast: the adapter takes the concrete SQLStatement the protocol abstracts.
+        # cast: the adapter takes the concrete Statement the protocol abstracts.
         return cast("AsyncTransaction", AsyncPsycopgTransaction(raw))
 
     def wrap(self, raw: Any) -> Connection:

@@ -224,13 +224,15 @@ class _Guarded:
             self.pooled.mark_broken()
 
 
-class MySQLTransaction:
+class MySQLTransaction(AsyncTransaction):
     """:class:`~idemflow.transactions.AsyncmyTransaction` on a pooled connection.
 
     The same statements; a failure also marks the connection broken, so the
     pool closes it instead of handing it to the next request.
     ``connection`` is the :class:`MySQLConnection` (what the handler wraps).
     """
+
+    connection: Any = None  # set per instance (the protocol declares it read-only)
 
     def __init__(self, pooled: MySQLConnection) -> None:
         from idemflow.transactions import AsyncmyTransaction

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias
 
 from .._concurrency import async_cancel_point, async_shielded
 from .._downstream import downstream_key
@@ -28,15 +28,7 @@ from .._flow import (
 )
 from .._lease import new_lease_token
 from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response
-from ..stores.protocol import (
-    AsyncLendingStore,
-    AsyncLendingTransaction,
-    AsyncStore,
-    AsyncTransaction,
-    Quarantining,
-    UnavailabilityRule,
-    declares,
-)
+from ..stores.protocol import AsyncStore, AsyncTransaction
 from .transactions import AsyncBeginsOnFirstStatement, AsyncCommitAfter
 
 __all__ = ["AsyncAttempt", "AsyncHandler", "AsyncIdempotency"]
@@ -146,17 +138,8 @@ class AsyncIdempotency:
         self.policy = policy or Policy()
         self.clock = clock
         self.observer = observer
-        # The store's optional capabilities, checked once here, never per request.
-        self._lending_store: AsyncLendingStore | None = (
-            store
-            if isinstance(store, AsyncLendingStore) and store.claims_on_lent_connections
-            else None
-        )
-        self._store_rule: UnavailabilityRule | None = (
-            store if isinstance(store, UnavailabilityRule) else None
-        )
-        if isinstance(store, Quarantining):  # its refusal after a loss covers our threshold
-            store.cover_stale_threshold(self.policy.stale_seconds)
+        # Its refusal after a possible loss of claims must cover our stale threshold.
+        store.cover_stale_threshold(self.policy.stale_seconds)
 
     async def run(
         self,
@@ -260,16 +243,6 @@ class _Performer:
         self._claim_committed = not single_commit
         # Has the handler gone past a committed phase (and so part of its effect) yet?
         self._phase_committed = False
-        # Two commits: the claim may run on the transaction's own connection
-        # (it lends one from the store's pool), committed alone before BEGIN.
-        self._lender = (
-            cast(AsyncLendingTransaction, transaction)
-            if transaction is not None
-            and not single_commit
-            and idempotency._lending_store is not None
-            and declares(type(transaction), AsyncLendingTransaction)
-            else None
-        )
 
     async def __call__(self, step: Step) -> Any:
         if isinstance(step, ClaimKey):
@@ -303,16 +276,17 @@ class _Performer:
     async def _claim(self, step: ClaimKey) -> Claim:
         now = self._idem.clock()
         store, expires_at = self._idem.store, now + step.retention
-        lending = self._idem._lending_store
-        if self._lender is not None and lending is not None:
-            # Two commits, on the connection the transaction then uses (one checkout).
-            claim = await lending.claim_on_lent(
-                step.intent, step.lease_token, now, expires_at, self._lender
-            )
-        elif self._single_commit and self._transaction is not None:
-            claim = await self._claim_in_transaction(step, now, expires_at, self._transaction)
-        else:
+        transaction = self._transaction
+        if transaction is None:
             claim = await store.claim(step.intent, step.lease_token, now, expires_at)
+        elif self._single_commit:
+            claim = await self._claim_in_transaction(step, now, expires_at, transaction)
+        else:
+            # Two commits: on the connection the transaction then uses where it lends
+            # one of the store's own (one checkout), committed alone before its BEGIN.
+            claim = await store.claim_on_lent(
+                step.intent, step.lease_token, now, expires_at, transaction
+            )
         if claim.owned:
             self.observe(Event.CLAIMED)
         return claim
@@ -331,7 +305,7 @@ class _Performer:
                 step.intent, step.lease_token, now, expires_at, begun
             )
         except Exception as exc:
-            if not _judged_unavailable(transaction, exc):
+            if not transaction.is_unavailable(exc):
                 raise
             raise _could_not_begin(exc) from exc
 
@@ -353,7 +327,7 @@ class _Performer:
             # The store judged its own driver's errors; what the transaction's library
             # raises (a session that checks out only now, for the completion) its rule
             # judges: the effect rolls back with the completion, so a 503, the key given back.
-            if not _judged_unavailable(self._transaction, exc):
+            if not self._transaction.is_unavailable(exc):
                 raise
             msg = f"the request's transaction could not complete: {exc}".strip()
             raise StoreUnavailable(msg) from exc
@@ -387,7 +361,7 @@ class _Performer:
                     isinstance(exc, StoreUnavailable)
                     and time.monotonic() - started >= RELEASE_RETRY_WITHIN_SECONDS
                 )
-                if transaction is not None and _judged_unavailable(transaction, exc):
+                if transaction is not None and transaction.is_unavailable(exc):
                     transaction = None
                 if (
                     attempt == RELEASE_ATTEMPTS
@@ -440,11 +414,8 @@ class _Performer:
             await self._begin()
         except Exception as exc:
             self._unbegun = True
-            store_rule = self._idem._store_rule
             assert self._transaction is not None  # _begin raises only with one
-            if not _judged_unavailable(self._transaction, exc) and not (
-                store_rule is not None and store_rule.is_unavailable(exc)
-            ):
+            if not (self._transaction.is_unavailable(exc) or self._idem.store.is_unavailable(exc)):
                 raise
             raise _could_not_begin(exc) from exc
 
@@ -478,16 +449,6 @@ class _Performer:
         if self._transaction is None or not self._open:
             return  # nothing open (every run that ended well): no step to shield
         await async_shielded(self._rollback())
-
-
-def _judged_unavailable(transaction: AsyncTransaction, exc: BaseException) -> bool:
-    """Does ``transaction``'s own rule, if its class declares one, call ``exc`` an outage?
-
-    Looked up on the error path only: a request that begins well never asks.
-    """
-    if not declares(type(transaction), UnavailabilityRule):
-        return False
-    return cast(UnavailabilityRule, transaction).is_unavailable(exc)
 
 
 def _could_not_begin(exc: BaseException) -> StoreUnavailable:

@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
-from ..stores.protocol import (
-    AsyncCommittingTransaction,
-    AsyncTransaction,
-    CommitFailed,
-    NotFused,
-    Statement,
-    declares,
-)
+from ..stores.protocol import AsyncTransaction, CommitFailed, NotFused, Statement
 
 __all__ = [
     "AsyncBeginsOnFirstStatement",
@@ -29,8 +22,10 @@ __all__ = [
 ]
 
 
-class AsyncPsycopgTransaction:
+class AsyncPsycopgTransaction(AsyncTransaction):
     """A ``psycopg.AsyncConnection``, autocommit or not."""
+
+    connection: Any = None  # set per instance (the protocol declares it read-only)
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
@@ -156,25 +151,14 @@ async def execute_and_commit(
     *,
     begin: bool = False,
 ) -> int:
-    """``transaction.execute_and_commit`` where it has one, else the write then ``commit()``."""
-    fused = _fused(transaction)
-    if fused is None:
-        return await _execute_then_commit(transaction, statement, params, begin)
+    """``transaction.execute_and_commit``, or the write then ``commit()`` where it cannot."""
     try:
-        changed: int = await fused(statement, params, begin=begin)
+        return await transaction.execute_and_commit(statement, params, begin=begin)
     except NotFused:
         return await _execute_then_commit(transaction, statement, params, begin)
-    return changed
 
 
-def _fused(transaction: AsyncTransaction) -> Callable[..., Awaitable[int]] | None:
-    """Its ``execute_and_commit``, where its class declares one (a committing transaction)."""
-    if not declares(type(transaction), AsyncCommittingTransaction):
-        return None
-    return cast(AsyncCommittingTransaction, transaction).execute_and_commit
-
-
-class AsyncCommitAfter:
+class AsyncCommitAfter(AsyncTransaction):
     """The caller's transaction, for one fenced write its COMMIT follows at once.
 
     The driver passes it to the store's ``complete`` or ``checkpoint``, then
@@ -197,7 +181,8 @@ class AsyncCommitAfter:
         on_commit: Callable[[], None] = lambda: None,
     ) -> None:
         self._transaction = transaction
-        self._fused = _fused(transaction)
+        # Until it answers NotFused once: then the write alone, and finish() commits.
+        self._fused = True
         self._begin = begin
         self._on_commit = on_commit
         self._committed = False
@@ -213,12 +198,14 @@ class AsyncCommitAfter:
     async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
         if self._committed:
             raise RuntimeError("the write this transaction was lent for has committed")
-        if self._fused is None:
+        if not self._fused:
             return await self._transaction.execute(statement, params)
         try:
-            changed: int = await self._fused(statement, params, begin=self._begin)
+            changed = await self._transaction.execute_and_commit(
+                statement, params, begin=self._begin
+            )
         except NotFused:  # nothing sent: the write alone, finish() commits
-            self._fused = None
+            self._fused = False
             return await self._transaction.execute(statement, params)
         except CommitFailed as failed:
             self._committed, self._error = True, failed.__cause__
@@ -255,7 +242,7 @@ class AsyncCommitAfter:
             await self._transaction.begin()
 
 
-class AsyncBeginsOnFirstStatement:
+class AsyncBeginsOnFirstStatement(AsyncTransaction):
     """The caller's transaction, for a single-commit claim: begun by its first statement.
 
     The driver passes it to the store's ``claim``, so the ``BEGIN``, and the
@@ -327,8 +314,10 @@ def _text(named: str) -> Any:
     return text(named)
 
 
-class AsyncSQLAlchemyTransaction:
+class AsyncSQLAlchemyTransaction(AsyncTransaction):
     """A SQLAlchemy ``AsyncConnection`` or ``AsyncSession``; joins a transaction already begun."""
+
+    connection: Any = None  # set per instance (the protocol declares it read-only)
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection

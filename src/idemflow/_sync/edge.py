@@ -29,7 +29,7 @@ from .._http import (
     with_request_id,
 )
 from .._model import Intent, Record, Response, Verdict
-from ..stores.protocol import Transaction, UnavailabilityRule, declares
+from ..stores.protocol import Transaction
 from .driver import Attempt, Idempotency
 from .transactions import execute_and_commit
 
@@ -162,6 +162,10 @@ class PooledTransaction:
     ) -> None:
         self._acquire = acquire
         self._adapter = adapter
+        # Asked of the adapter's class (the contract's rule is static): a checkout that
+        # fails (the BEGIN's) does so before any adapter is made. A factory judges nothing.
+        rule = cast(Any, adapter).is_unavailable if isinstance(adapter, type) else None
+        self._rule: Callable[[BaseException], bool] = rule or (lambda exc: False)
         self._context: AbstractContextManager[Any] | None = None
         self._inner: Transaction | None = None
 
@@ -200,15 +204,8 @@ class PooledTransaction:
         return execute_and_commit(self._checked_out(), statement, params, begin=begin)
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        """The adapter's rule (its library's errors, as a checkout's), where its class declares one.
-
-        ``adapter`` is usually the adapter's class (``SQLAlchemyTransaction``):
-        asked of the ``BEGIN``, whose checkout fails before any adapter is made.
-        """
-        adapter = self._adapter
-        if not isinstance(adapter, type) or not declares(adapter, UnavailabilityRule):
-            return False
-        return cast(UnavailabilityRule, adapter).is_unavailable(exc)
+        """The adapter's rule: its library's errors, a failed checkout's too."""
+        return self._rule(exc)
 
     def lend(self, sources: tuple[Any, ...]) -> Any:
         """The connection, taken now, for a claim, if it comes from one of ``sources``; else None.

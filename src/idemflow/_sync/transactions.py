@@ -10,16 +10,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
-from ..stores.protocol import (
-    CommittingTransaction,
-    Transaction,
-    CommitFailed,
-    NotFused,
-    Statement,
-    declares,
-)
+from ..stores.protocol import Transaction, CommitFailed, NotFused, Statement
 
 __all__ = [
     "BeginsOnFirstStatement",
@@ -30,8 +23,10 @@ __all__ = [
 ]
 
 
-class PsycopgTransaction:
+class PsycopgTransaction(Transaction):
     """A ``psycopg.Connection``, autocommit or not."""
+
+    connection: Any = None  # set per instance (the protocol declares it read-only)
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
@@ -157,25 +152,14 @@ def execute_and_commit(
     *,
     begin: bool = False,
 ) -> int:
-    """``transaction.execute_and_commit`` where it has one, else the write then ``commit()``."""
-    fused = _fused(transaction)
-    if fused is None:
-        return _execute_then_commit(transaction, statement, params, begin)
+    """``transaction.execute_and_commit``, or the write then ``commit()`` where it cannot."""
     try:
-        changed: int = fused(statement, params, begin=begin)
+        return transaction.execute_and_commit(statement, params, begin=begin)
     except NotFused:
         return _execute_then_commit(transaction, statement, params, begin)
-    return changed
 
 
-def _fused(transaction: Transaction) -> Callable[..., int] | None:
-    """Its ``execute_and_commit``, where its class declares one (a committing transaction)."""
-    if not declares(type(transaction), CommittingTransaction):
-        return None
-    return cast(CommittingTransaction, transaction).execute_and_commit
-
-
-class CommitAfter:
+class CommitAfter(Transaction):
     """The caller's transaction, for one fenced write its COMMIT follows at once.
 
     The driver passes it to the store's ``complete`` or ``checkpoint``, then
@@ -198,7 +182,8 @@ class CommitAfter:
         on_commit: Callable[[], None] = lambda: None,
     ) -> None:
         self._transaction = transaction
-        self._fused = _fused(transaction)
+        # Until it answers NotFused once: then the write alone, and finish() commits.
+        self._fused = True
         self._begin = begin
         self._on_commit = on_commit
         self._committed = False
@@ -214,12 +199,14 @@ class CommitAfter:
     def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
         if self._committed:
             raise RuntimeError("the write this transaction was lent for has committed")
-        if self._fused is None:
+        if not self._fused:
             return self._transaction.execute(statement, params)
         try:
-            changed: int = self._fused(statement, params, begin=self._begin)
+            changed = self._transaction.execute_and_commit(
+                statement, params, begin=self._begin
+            )
         except NotFused:  # nothing sent: the write alone, finish() commits
-            self._fused = None
+            self._fused = False
             return self._transaction.execute(statement, params)
         except CommitFailed as failed:
             self._committed, self._error = True, failed.__cause__
@@ -256,7 +243,7 @@ class CommitAfter:
             self._transaction.begin()
 
 
-class BeginsOnFirstStatement:
+class BeginsOnFirstStatement(Transaction):
     """The caller's transaction, for a single-commit claim: begun by its first statement.
 
     The driver passes it to the store's ``claim``, so the ``BEGIN``, and the
@@ -328,8 +315,10 @@ def _text(named: str) -> Any:
     return text(named)
 
 
-class SQLAlchemyTransaction:
+class SQLAlchemyTransaction(Transaction):
     """A SQLAlchemy ``Connection`` or ``Session``; joins a transaction already begun."""
+
+    connection: Any = None  # set per instance (the protocol declares it read-only)
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection

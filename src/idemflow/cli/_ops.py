@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from .._errors import ConfigurationError, StoreUnavailable
-from ..stores.protocol import OperableStore
+from ..stores.protocol import MaintainableStore
 from ..stores.sql import missing_table_is_clear
 from ..stores.urls import open_store, redact, scheme_of, sqlite_path
 from ._common import database_url
@@ -47,7 +47,7 @@ def add_json_argument(parser: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def operated_store(args: argparse.Namespace) -> Iterator[OperableStore]:
+def operated_store(args: argparse.Namespace) -> Iterator[MaintainableStore]:
     """The store named by the command line, checked reachable first, closed afterwards."""
     url = database_url(args)
     _check_reachable(url, scheme_of(url))

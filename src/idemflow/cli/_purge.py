@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from .._errors import ConfigurationError, StoreUnavailable
-from ..stores.protocol import MaintainableStore, ObservableStore
+from ..stores.protocol import MaintainableStore, Store
 from ._common import add_database_arguments, positive_int, positive_seconds
 from ._ops import add_json_argument, operated_store, rich_console
 
@@ -132,7 +132,7 @@ def _say(args: argparse.Namespace, text: str, **fields: Any) -> None:
 # --- progress -------------------------------------------------------------------
 
 
-def _progress(args: argparse.Namespace, store: ObservableStore) -> Progress:
+def _progress(args: argparse.Namespace, store: Store) -> Progress:
     """Report deleted rows on a terminal: a Rich bar, or a counter without Rich."""
     if args.json or not sys.stderr.isatty():
         return lambda deleted, last: None
@@ -143,7 +143,7 @@ def _progress(args: argparse.Namespace, store: ObservableStore) -> Progress:
     return _bar(console, total)
 
 
-def _expected(store: ObservableStore) -> int | None:
+def _expected(store: Store) -> int | None:
     """How many records are expired now (one COUNT on the expiry index), if the store says."""
     try:
         return store.stats().expired(time.time())

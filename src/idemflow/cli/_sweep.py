@@ -202,7 +202,7 @@ def _transactions(url: str) -> Callable[[], contextlib.AbstractContextManager[Tr
     """Transactions on the key store's own database, for ``Happened.apply``."""
     family = scheme_of(url)
 
-    # The adapters take SQLStatement, the protocol a Statement: typed Any here.
+    # The adapters take Statement, the protocol a Statement: typed Any here.
     @contextlib.contextmanager
     def sqlite() -> Iterator[Any]:
         from ..stores.sqlite import connect

@@ -490,7 +490,7 @@ def _cli(extension: Idempotency) -> Any:
     @group.command("migrate")
     def migrate() -> None:
         """Create the key table and its indexes (safe to run again)."""
-        extension.state().store.migrate()  # type: ignore[attr-defined]
+        extension.state().store.migrate()
         click.echo("migrated")
 
     @group.command("sweep")

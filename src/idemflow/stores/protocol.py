@@ -1,88 +1,42 @@
 """
-The backend contract: what a key store must do, and nothing more.
+The backend contract: what a key store and a caller's transaction must do.
 
-A store is a small :class:`typing.Protocol`, so third-party stores need not
-import or inherit anything of ours. Each method is one atomic operation on one
-record; the rules about *when* to call which live in ``idemflow._flow``.
-
-``transaction`` arguments are the caller's own open transaction (see
-:mod:`idemflow.transactions`): the completion is written there so the business
-effect and the ``completed`` record commit together. Stores whose data cannot
-share the caller's transaction set ``supports_transactions = False`` and the
-driver refuses a transaction at configuration time; likewise
-``supports_single_commit`` for a claim inside that transaction. The sweeper
-and purge need a :class:`MaintainableStore`, the operator's questions an
-:class:`ObservableStore`, the commands an :class:`OperableStore`. Callers rely
-on these declarations, never on probing a store's attributes.
-
-Three optional capabilities save round trips and pool checkouts, and a fourth
-says what an error means. Each is a runtime-checkable protocol declaring only
-what it adds; the driver checks a store's once, when the ``Idempotency`` is
-made, and a transaction's once per class (:func:`declares`: an ``isinstance``
-against a protocol costs microseconds, a request must not pay them), and uses
-them where offered and the plain protocol everywhere else (a store or
-transaction of your own needs none):
-
-- a transaction with ``execute_and_commit`` (:class:`CommittingTransaction`)
-  sends a fenced write together with the ``COMMIT`` that ends its phase (the
-  psycopg adapters, and Django's and SQLAlchemy's on psycopg 3: one pipeline,
-  one round trip, in which a write that matched no row raises on the server,
-  so the ``COMMIT`` never runs); one that cannot at the moment (a savepoint
-  open, another database) raises :class:`NotFused` before it sends anything;
-- a :class:`LendingStore` (``claims_on_lent_connections`` true) has
-  ``claim_on_lent(intent, lease_token, now, expires_at, lender)`` for
-  two-commit mode: the claim commits on its own, on the connection the
-  request's transaction then uses, when that transaction lends one from the
-  store's own pool (:class:`LendingTransaction`);
-- an :class:`UnavailabilityRule`, ``is_unavailable(exc)``, says whether an
-  error means the database cannot serve the request (a pool that timed out,
-  a connection gone): a store's is the rule its own operations answer
-  ``StoreUnavailable`` by, and knows its driver's errors; a transaction's knows
-  the errors of the library it adapts (SQLAlchemy's pool ``TimeoutError``, its
-  invalidated connections), which wraps that driver's. The driver asks the
-  transaction's rule, then the store's, of the ``BEGIN`` of the caller's
-  transaction before the handler (with two commits, after the claim
-  committed) and, with one commit, of the claim the transaction begins with:
-  either way a 503 with the key given back at once, not a 500 (without a
-  rule, the error propagates as is). An error the handler raises is its own,
-  never judged.
+Six protocols: :class:`Store` and :class:`AsyncStore`, :class:`Transaction` and
+:class:`AsyncTransaction`, and the maintenance pair the sweeper, the purger and
+the operator's commands need (:class:`MaintainableStore`, :class:`AsyncMaintainableStore`).
+Each method is one atomic operation on one record; when to call which is
+``idemflow._flow``'s. Optional capabilities are methods with a default (a store
+that cannot lend a claim a connection claims on its own; a rule that judges no
+error judges none an outage): callers call them and never probe. A store or
+transaction of your own subclasses its protocol to inherit those defaults
+(``docs/architecture.md``, "Adding a store").
 """
 
 from __future__ import annotations
 
-import functools
+import re
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
+from .._deprecation import moved
 from .._errors import ConfigurationError
 from .._model import Claim, Intent, Record, Response, State
-from .stats import StatsSource
+from .stats import StatsSource, stats_refused
 
 __all__ = [
-    "AsyncCommittingTransaction",
-    "AsyncLendingStore",
-    "AsyncLendingTransaction",
     "AsyncMaintainableStore",
-    "AsyncOperableStore",
     "AsyncStore",
     "AsyncTransaction",
     "CommitFailed",
-    "CommittingTransaction",
-    "LendingStore",
-    "LendingTransaction",
     "MaintainableStore",
     "NotFused",
-    "ObservableStore",
-    "OperableStore",
-    "Quarantining",
     "Statement",
     "StatsSource",
     "Store",
     "StoreClock",
     "Transaction",
-    "UnavailabilityRule",
     "check_clock",
-    "declares",
 ]
 
 #: Where the time every decision is taken on comes from: the store server's
@@ -100,51 +54,32 @@ def check_clock(clock: str) -> StoreClock:
     return "database" if clock == "database" else "caller"
 
 
-class Statement(Protocol):
-    """One SQL statement in the two parameter styles the adapters need."""
+_NAMED = re.compile(r"(?<![:\w]):([a-z_]+)")
 
-    @property
-    def named(self) -> str:
-        """``:name`` placeholders (sqlite3, SQLAlchemy ``text()``)."""
 
-    @property
-    def pyformat(self) -> str:
-        """``%(name)s`` placeholders (psycopg, PyMySQL)."""
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """One SQL statement, written with ``:name`` placeholders and also rendered as ``%(name)s``.
 
-    def bind(self, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    ``named`` suits sqlite3 and SQLAlchemy's ``text()``, ``pyformat`` psycopg and PyMySQL.
+    """
+
+    named: str
+    pyformat: str = field(init=False)
+    names: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if "%" in self.named:
+            msg = "statements must not contain '%': it breaks pyformat drivers"
+            raise ValueError(msg)
+        object.__setattr__(self, "pyformat", _NAMED.sub(r"%(\1)s", self.named))
+        object.__setattr__(self, "names", frozenset(_NAMED.findall(self.named)))
+
+    def bind(self, params: Mapping[str, Any]) -> dict[str, Any] | None:
         """Only the parameters this statement names (drivers reject extras), or None."""
-
-
-class Transaction(Protocol):
-    """The caller's transaction on the caller's connection (sync)."""
-
-    @property
-    def connection(self) -> Any:
-        """What the handler uses for its own business writes."""
-
-    def begin(self) -> None: ...
-    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int: ...
-    def fetchone(
-        self, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None: ...
-    def commit(self) -> None: ...
-    def rollback(self) -> None: ...
-
-
-class AsyncTransaction(Protocol):
-    """The caller's transaction on the caller's connection (async)."""
-
-    @property
-    def connection(self) -> Any:
-        """What the handler uses for its own business writes."""
-
-    async def begin(self) -> None: ...
-    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int: ...
-    async def fetchone(
-        self, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None: ...
-    async def commit(self) -> None: ...
-    async def rollback(self) -> None: ...
+        if not self.names:
+            return None
+        return {name: params[name] for name in self.names}
 
 
 class CommitFailed(Exception):
@@ -158,111 +93,112 @@ class CommitFailed(Exception):
 class NotFused(Exception):
     """Raised by ``execute_and_commit`` before it sent anything: not together, this time.
 
-    The transaction cannot send this write with its COMMIT now (Django's or
-    SQLAlchemy's on another database than PostgreSQL, in a savepoint, …): the
-    caller sends the write alone and commits after it, as for a transaction
-    without ``execute_and_commit``.
+    The caller sends the write alone and commits after it, as for a transaction
+    that never fuses them (the default).
     """
 
 
-@runtime_checkable
-class CommittingTransaction(Protocol):
-    """Optional: a transaction that sends a fenced write and its COMMIT in one round trip.
+def _judges_nothing(exc: BaseException) -> bool:
+    """A transaction's default rule: none of its errors means the database is unavailable."""
+    return False
 
-    A capability: it declares only what such a :class:`Transaction` adds.
+
+class Transaction(Protocol):
+    """The caller's transaction on the caller's connection (sync).
+
+    Beside the five statements, three capabilities with defaults:
+    :meth:`execute_and_commit` (a fenced write and its COMMIT in one round trip),
+    :meth:`lend` (its connection, for a claim that commits alone before BEGIN) and
+    :meth:`is_unavailable` (what its library's errors mean).
     """
+
+    @property
+    def connection(self) -> Any:
+        """What the handler uses for its own business writes."""
+
+    def begin(self) -> None: ...
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int: ...
+    def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None: ...
+    def commit(self) -> None: ...
+    def rollback(self) -> None: ...
 
     def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
     ) -> int:
         """Run the write; commit (then begin again, with ``begin``) only if it changed one row.
 
-        Returns the rows the write changed. Anything but 1 commits nothing
-        and leaves the transaction open, to be rolled back. Raises
-        :class:`CommitFailed` when the write went through and the COMMIT did not,
-        :class:`NotFused` (having sent nothing) when they cannot travel together.
+        Returns the rows the write changed; anything but 1 commits nothing and
+        leaves the transaction open, to be rolled back. Raises :class:`CommitFailed`
+        when the write went through and the COMMIT did not, :class:`NotFused`
+        (having sent nothing) when they cannot travel together: by default, always.
         """
+        raise NotFused
+
+    def lend(self, sources: tuple[Any, ...]) -> Any:
+        """Its connection, taken now, if it comes from one of ``sources``; else None.
+
+        ``sources`` are where the store's own connections come from (a pool's
+        ``connection``, a store's checkout): the claim then runs on a connection
+        the store would have used itself. By default nothing is lent.
+        """
+        return None
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """Does ``exc``, raised by this transaction's library, mean the database cannot serve?
+
+        (SQLAlchemy's pool ``TimeoutError``, a connection it invalidated.) Asked
+        of the ``BEGIN`` and a checkout, never of an error the handler raised. An
+        adapter's rule is best a static method: a pooled transaction asks its
+        adapter's class, before a connection is checked out (the default is one).
+        """
+        return False
+
+    if not TYPE_CHECKING:
+        is_unavailable = staticmethod(_judges_nothing)
 
 
-@runtime_checkable
-class AsyncCommittingTransaction(Protocol):
-    """:class:`CommittingTransaction` with coroutines."""
+class AsyncTransaction(Protocol):
+    """:class:`Transaction` with coroutines."""
+
+    @property
+    def connection(self) -> Any:
+        """What the handler uses for its own business writes."""
+
+    async def begin(self) -> None: ...
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int: ...
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None: ...
+    async def commit(self) -> None: ...
+    async def rollback(self) -> None: ...
 
     async def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
-    ) -> int: ...
+    ) -> int:
+        """:meth:`Transaction.execute_and_commit`."""
+        raise NotFused
 
-
-@runtime_checkable
-class LendingTransaction(Protocol):
-    """Optional: a transaction that can lend its connection to the claim before it begins.
-
-    A capability: it declares only what such a :class:`Transaction` adds.
-    """
-
-    def lend(self, sources: tuple[Any, ...]) -> Any:
-        """Its connection, taken now if not yet taken, or None.
-
-        ``sources`` are where the store's own connections come from (a pool's
-        ``connection``, a store's checked checkout): a connection is lent only
-        when this transaction takes its connections from one of them, so the
-        claim runs on a connection the store would have used itself. Nothing is
-        taken when it does not.
-        """
-
-
-@runtime_checkable
-class AsyncLendingTransaction(Protocol):
-    """:class:`LendingTransaction` with coroutines."""
-
-    async def lend(self, sources: tuple[Any, ...]) -> Any: ...
-
-
-@runtime_checkable
-class UnavailabilityRule(Protocol):
-    """Optional, for a store or a transaction (sync or async alike): what an error means."""
+    async def lend(self, sources: tuple[Any, ...]) -> Any:
+        """:meth:`Transaction.lend`."""
+        return None
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        """Does ``exc`` mean the database cannot serve the request (fail closed: a 503)?
+        """:meth:`Transaction.is_unavailable`."""
+        return False
 
-        A store's: its driver's errors (refused, lost, a pool of its own
-        exhausted), the rule its operations answer ``StoreUnavailable`` by. A
-        transaction's: its library's (SQLAlchemy's pool ``TimeoutError``, a
-        connection it invalidated), for the ``BEGIN`` and the checkout of the
-        caller's transaction. Never asked of an error the handler raised.
-        """
-
-
-@runtime_checkable
-class Quarantining(Protocol):
-    """Optional, for a store (sync or async alike) that refuses new claims for a while
-    after it finds it may have lost some (Redis: a restart, a flush, a failover).
-
-    The refusal must last the caller's stale threshold: until then a request that
-    claimed before the loss may still be running, and its retry would run it again.
-    Each driver (``Idempotency``, ``AsyncIdempotency``) tells the store its policy's
-    threshold when it is made; the store keeps the longest it was told.
-    """
-
-    def cover_stale_threshold(self, seconds: float) -> None:
-        """Refuse claims after a loss for at least ``seconds`` (never shortens it)."""
-
-
-@functools.lru_cache(maxsize=128)
-def declares(kind: type, capability: type) -> bool:
-    """Does the class ``kind`` declare ``capability`` (one of the protocols above)?
-
-    Asked of a class, once: ``isinstance`` against a runtime-checkable protocol
-    costs microseconds (tens of them, on Python 3.11), more than a replay's own
-    Python work, so the driver asks :func:`declares` of ``type(transaction)``,
-    a dictionary look-up after the first time. What a class's instances gain
-    through ``__getattr__`` is not declared: they run the plain protocol.
-    """
-    return issubclass(kind, capability)
+    if not TYPE_CHECKING:
+        is_unavailable = staticmethod(_judges_nothing)
 
 
 class Store(Protocol):
-    """A synchronous key store."""
+    """A synchronous key store.
+
+    Capabilities with defaults: :meth:`claim_on_lent` (claims on its own), :meth:`is_unavailable`
+    (no error is an outage), :meth:`cover_stale_threshold` (nothing to cover), :meth:`stats`
+    (refused), :meth:`migrate` and :meth:`close` (nothing to do).
+    """
 
     @property
     def supports_transactions(self) -> bool:
@@ -325,6 +261,48 @@ class Store(Protocol):
     def get(self, principal: str, key: str) -> Record | None:
         """The record for ``(principal, key)``, for operators and tests."""
 
+    def claim_on_lent(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        lender: Transaction,
+    ) -> Claim:
+        """:meth:`claim`, committed on its own (two commits), on the connection ``lender``
+        lends (:meth:`Transaction.lend`) where it lends one of the store's own; by
+        default on the store's connection, as :meth:`claim`."""
+        return self.claim(intent, lease_token, now, expires_at)
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """Does ``exc`` mean the database cannot serve the request (fail closed: a 503)?
+
+        The rule the store's own operations answer ``StoreUnavailable`` by (its
+        driver's errors: refused, lost, a pool exhausted), also asked of the
+        ``BEGIN`` of the caller's transaction on the same database.
+        """
+        return False
+
+    def cover_stale_threshold(self, seconds: float) -> None:
+        """After a possible loss of claims (Redis: a restart, a flush, a failover), refuse new
+        claims for at least ``seconds``: a request that claimed before the loss may still run
+        until its stale threshold. Each driver tells its store its policy's threshold; the
+        store keeps the longest. Stores that cannot lose a committed claim ignore it."""
+        return
+
+    def stats(self) -> StatsSource:
+        """The operator's questions (``idemflow stats``, the stuck gauge), asked synchronously;
+        :class:`~idemflow.ConfigurationError` where this store cannot answer them."""
+        raise stats_refused(self)
+
+    def migrate(self) -> None:
+        """Create the table (or nothing to create), idempotently."""
+        return
+
+    def close(self) -> None:
+        """Release the store's connections."""
+        return
+
 
 class AsyncStore(Protocol):
     """An asynchronous key store: :class:`Store` with coroutines."""
@@ -368,45 +346,40 @@ class AsyncStore(Protocol):
 
     async def get(self, principal: str, key: str) -> Record | None: ...
 
-
-@runtime_checkable
-class LendingStore(Protocol):
-    """Optional: a store that claims, with two commits, on the connection the request lends."""
-
-    @property
-    def claims_on_lent_connections(self) -> bool:
-        """Can :meth:`claim_on_lent` claim on the request's connection now (a pool to lend from)?"""
-
-    def claim_on_lent(
-        self,
-        intent: Intent,
-        lease_token: str,
-        now: float,
-        expires_at: float,
-        lender: LendingTransaction,
-    ) -> Claim:
-        """:meth:`Store.claim`, committed on its own, on the connection ``lender`` will use."""
-
-
-@runtime_checkable
-class AsyncLendingStore(Protocol):
-    """:class:`LendingStore` with coroutines."""
-
-    @property
-    def claims_on_lent_connections(self) -> bool: ...
-
     async def claim_on_lent(
         self,
         intent: Intent,
         lease_token: str,
         now: float,
         expires_at: float,
-        lender: AsyncLendingTransaction,
-    ) -> Claim: ...
+        lender: AsyncTransaction,
+    ) -> Claim:
+        """:meth:`Store.claim_on_lent`."""
+        return await self.claim(intent, lease_token, now, expires_at)
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """:meth:`Store.is_unavailable`."""
+        return False
+
+    def cover_stale_threshold(self, seconds: float) -> None:
+        """:meth:`Store.cover_stale_threshold`."""
+        return
+
+    def stats(self) -> StatsSource:
+        """:meth:`Store.stats`: refused by every async store (open a sync one on the same data)."""
+        raise stats_refused(self)
+
+    async def migrate(self) -> None:
+        """:meth:`Store.migrate`."""
+        return
+
+    async def close(self) -> None:
+        """:meth:`Store.close`."""
+        return
 
 
 class MaintainableStore(Store, Protocol):
-    """A store the sweeper and the purger can work on (every SQL store, the memory store)."""
+    """A store the sweeper and the purger can work on (every SQL store, Redis, memory)."""
 
     def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
@@ -422,14 +395,10 @@ class MaintainableStore(Store, Protocol):
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
         """Seconds until :meth:`sweep` with this ``cutoff`` would find a record to mark.
 
-        ``oldest updated_at − cutoff`` over the records :meth:`sweep` considers
-        (``from_state``; released ones only with a recovery point), measured as
-        :meth:`sweep` measures, so on the database clock only the cutoff's
-        distance from ``now`` counts. Negative: one is due already. ``math.inf``:
-        none is in ``from_state``. ``None``: this store cannot tell cheaply, and
-        the sweeper passes every interval instead of at the earliest deadline.
-        Records written later cannot be due sooner than ``now − cutoff`` from now,
-        which is what lets the sweeper sleep until the answer without being woken.
+        ``oldest updated_at − cutoff`` over the records :meth:`sweep` considers,
+        measured as :meth:`sweep` measures. Negative: one is due already.
+        ``math.inf``: none is in ``from_state``. ``None``: this store cannot tell
+        cheaply, and the sweeper passes every interval instead.
         """
 
     def settle_stale(
@@ -494,30 +463,24 @@ class AsyncMaintainableStore(AsyncStore, Protocol):
     async def purge(self, now: float, limit: int) -> int: ...
 
 
-class ObservableStore(Protocol):
-    """A store that answers the operator's questions (``idemflow stats``, the stuck gauge)."""
-
-    def stats(self) -> StatsSource:
-        """The questions, asked synchronously; ConfigurationError where this store cannot answer.
-
-        The sync SQL, memory and Redis stores answer; the async SQL and Redis
-        stores refuse (open a sync store on the same database). Callers call
-        it and never probe for it.
-        """
-
-
-class OperableStore(MaintainableStore, ObservableStore, Protocol):
-    """What :func:`idemflow.stores.urls.open_store` opens and the operator commands run on."""
-
-    def migrate(self) -> None:
-        """Create the table (or nothing to create), idempotently."""
-
-    def close(self) -> None:
-        """Release the store's connections."""
-
-
-class AsyncOperableStore(AsyncMaintainableStore, Protocol):
-    """What :func:`idemflow.stores.urls.open_async_store` opens."""
-
-    async def migrate(self) -> None: ...
-    async def close(self) -> None: ...
+#: Names of 0.1 the six protocols replace: their methods are part of these now, with defaults.
+__getattr__ = moved(
+    __name__,
+    {
+        old: f"idemflow.stores.protocol:{new}"
+        for old, new in {
+            "CommittingTransaction": "Transaction",
+            "AsyncCommittingTransaction": "AsyncTransaction",
+            "LendingTransaction": "Transaction",
+            "AsyncLendingTransaction": "AsyncTransaction",
+            "LendingStore": "Store",
+            "AsyncLendingStore": "AsyncStore",
+            "UnavailabilityRule": "Store",
+            "Quarantining": "Store",
+            "ObservableStore": "Store",
+            "OperableStore": "MaintainableStore",
+            "AsyncOperableStore": "AsyncMaintainableStore",
+        }.items()
+    }
+    | {"declares": "builtins:issubclass"},
+)

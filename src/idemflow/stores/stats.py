@@ -2,7 +2,7 @@
 What an operator asks a key store: how many records in which state, what is stuck, what is due.
 
 A store that answers declares it: ``stats()`` (see
-:class:`~idemflow.stores.protocol.ObservableStore`) returns a
+:meth:`~idemflow.stores.protocol.Store.stats`) returns a
 :class:`StatsSource`. The metrics gauge (``idemflow.metrics``) and ``idemflow
 stats`` read the same numbers from it. Each store answers from its own
 package (``stores/sql/_stats.py``, ``stores/memory/_table.py``,

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from .._errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from .protocol import AsyncOperableStore, OperableStore
+    from .protocol import AsyncMaintainableStore, MaintainableStore
 
 __all__ = [
     "DATABASE_URL_ENV",
@@ -121,15 +121,15 @@ OPENERS: dict[str, Callable[[str, str, bool], Any]] = {
 }
 
 
-def open_store(url: str, *, table: str = "idemflow_keys") -> OperableStore:
+def open_store(url: str, *, table: str = "idemflow_keys") -> MaintainableStore:
     """A synchronous store for ``url``."""
-    store: OperableStore = OPENERS[scheme_of(url)](url, table, False)
+    store: MaintainableStore = OPENERS[scheme_of(url)](url, table, False)
     return store
 
 
-def open_async_store(url: str, *, table: str = "idemflow_keys") -> AsyncOperableStore:
+def open_async_store(url: str, *, table: str = "idemflow_keys") -> AsyncMaintainableStore:
     """An asyncio store for ``url``."""
-    store: AsyncOperableStore = OPENERS[scheme_of(url)](url, table, True)
+    store: AsyncMaintainableStore = OPENERS[scheme_of(url)](url, table, True)
     return store
 
 

@@ -36,6 +36,7 @@ transaction, sweep, purge) runs on:
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -49,7 +50,7 @@ from ..._model import Claim, Intent, Record, Response, State
 from ...stores import mysql, postgres, sqlite
 from ...stores.protocol import (
     CommitFailed,
-    LendingTransaction,
+    MaintainableStore,
     NotFused,
     Statement,
     Transaction,
@@ -255,7 +256,7 @@ def _never(exc: BaseException) -> bool:
 # --- the store ----------------------------------------------------------------------------
 
 
-class DjangoStore:
+class DjangoStore(MaintainableStore):
     """Key records in a ``DATABASES`` alias, on Django's connections.
 
     Args:
@@ -289,8 +290,8 @@ class DjangoStore:
         """See :meth:`idemflow.stores.sql.SQLStore.is_unavailable`."""
         return self._inner.is_unavailable(exc)
 
-    @property
-    def claims_on_lent_connections(self) -> bool:
+    @functools.cached_property
+    def _lends(self) -> bool:
         """On PostgreSQL (the vendor Django pools), a claim runs on the request's connection."""
         return self.vendor == "postgresql"
 
@@ -300,7 +301,7 @@ class DjangoStore:
         lease_token: str,
         now: float,
         expires_at: float,
-        lender: LendingTransaction,
+        lender: Transaction,
     ) -> Claim:
         """:meth:`claim`, on the connection the request's :class:`DjangoTransaction` uses.
 
@@ -318,6 +319,8 @@ class DjangoStore:
         run it again under a new downstream key: a pool too small for that
         second connection answers 503 instead (fail closed).
         """
+        if not self._lends:
+            return self.claim(intent, lease_token, now, expires_at)
         conn = lender.lend((self.using,))
         if conn is None or not isinstance(lender, DjangoTransaction) or not conn.in_atomic_block:
             return self.claim(intent, lease_token, now, expires_at)
@@ -470,7 +473,7 @@ def _as_django_error(conn: Any, error: BaseException | None) -> BaseException | 
     return error  # pragma: no cover -- the block above always raises
 
 
-class DjangoTransaction:
+class DjangoTransaction(Transaction):
     """The view's ``transaction.atomic()`` on ``connections[using]``, as the driver needs it.
 
     What the driver's begin/commit/rollback mean here:

@@ -26,13 +26,13 @@ from ..._model import (
     is_past_retention,
     starts_new_intent,
 )
-from ..protocol import AsyncTransaction
+from ..protocol import AsyncMaintainableStore, AsyncTransaction
 from ._table import MemoryStats, MemoryTable, SharesTable
 
 __all__ = ["AsyncMemoryStore"]
 
 
-class AsyncMemoryStore:
+class AsyncMemoryStore(AsyncMaintainableStore):
     """A dict and a lock. Thread-safe; not shared between processes.
 
     Nothing inside awaits: the async store and the sync one are the same code.

@@ -27,13 +27,13 @@ from ..._model import (
     is_past_retention,
     starts_new_intent,
 )
-from ..protocol import Transaction
+from ..protocol import MaintainableStore, Transaction
 from ._table import MemoryStats, MemoryTable, SharesTable
 
 __all__ = ["MemoryStore"]
 
 
-class MemoryStore:
+class MemoryStore(MaintainableStore):
     """A dict and a lock. Thread-safe; not shared between processes.
 
     Nothing inside awaits: the async store and the sync one are the same code.

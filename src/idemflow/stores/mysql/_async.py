@@ -23,11 +23,10 @@ from typing import Any, TypeVar
 from ..._errors import ConfigurationError, LeaseLost
 from ..._model import Claim, Record, State, can_take_over, make_claim, record_from_row
 from ..._process import PID
-from ..protocol import AsyncTransaction
+from ..protocol import AsyncTransaction, Statement
 from ..sql import AsyncSQLStore
 from ..sql.dialect import (
     CLAIM_RETRIES,
-    SQLStatement,
     StoreClock,
     check_clock,
     claim_busy,
@@ -391,9 +390,7 @@ class AsyncMySQLStore(AsyncSQLStore):
                 return int(cursor.lastrowid or 0)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _statement(
-        self, cursor: Any, statement: SQLStatement, params: Mapping[str, Any]
-    ) -> int:
+    async def _statement(self, cursor: Any, statement: Statement, params: Mapping[str, Any]) -> int:
         """Run a claiming statement; the id it inserted (0 if none).
 
         A deadlock victim's statement had no effect, so it is run again after
@@ -475,7 +472,7 @@ class AsyncMySQLStore(AsyncSQLStore):
 
     async def _write(
         self,
-        statement: SQLStatement,
+        statement: Statement,
         params: Mapping[str, Any],
         transaction: AsyncTransaction | None,
     ) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._model import Claim, Record, State, can_take_over, make_record, record_from_row
+from ..protocol import Statement
 from ..sql.dialect import (
     CLOCK_NOW,
     COLUMNS,
@@ -19,7 +20,6 @@ from ..sql.dialect import (
     SWEEPABLE_SQL,
     TAKE_OVER_SQL,
     Dialect,
-    SQLStatement,
     StoreClock,
     claim_unsettled,
     on_database_clock,
@@ -50,25 +50,25 @@ class MySQLStatements:
     """What MySQL says beyond the shared :class:`Dialect`."""
 
     #: The plain INSERT that claims a new key (error 1062 when it exists).
-    insert: SQLStatement
+    insert: Statement
     #: The claim's read after a duplicate (a replay's second round trip), packed
     #: (:func:`unpack_read`): PyMySQL parses one descriptor packet per result
     #: column, and 17 of them were a third of a replay's client CPU
     #: (``bench/bench_mysql_claim_shapes.py``).
-    packed_read: SQLStatement
+    packed_read: Statement
     #: The current row, read with a lock: the latest committed version even
     #: inside a REPEATABLE READ transaction whose snapshot is older.
-    select_current: SQLStatement
-    select_shared: SQLStatement
+    select_current: Statement
+    select_shared: Statement
     #: The rows one sweep marked (found by its sweep token).
-    swept: SQLStatement
+    swept: Statement
     #: Is the record still ours? For an update that matched but changed nothing.
-    still_owned: SQLStatement
+    still_owned: Statement
     #: Bound, then restore, the caller's lock wait around a claim in its transaction.
-    bound_lock_wait: SQLStatement
-    restore_lock_wait: SQLStatement
+    bound_lock_wait: Statement
+    restore_lock_wait: Statement
     #: Is this node a Galera (wsrep) node? No row on MySQL 8, ``OFF`` on a plain MariaDB.
-    wsrep_on: SQLStatement
+    wsrep_on: Statement
 
 
 def mysql_ddl(table: str) -> list[str]:
@@ -176,17 +176,17 @@ def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") ->
     by_key = "WHERE principal = :principal AND idempotency_key = :key"
     dialect = dataclasses.replace(
         standard,
-        select=SQLStatement(f"SELECT {_SELECT_LIST} FROM {table} {by_key}"),
-        read_for_claim=SQLStatement(f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key}"),
+        select=Statement(f"SELECT {_SELECT_LIST} FROM {table} {by_key}"),
+        read_for_claim=Statement(f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key}"),
         # No LIMIT inside IN (…) and no UPDATE … RETURNING: mark a batch with
         # a token of this sweep in one statement, then read it back by token.
-        sweep=SQLStatement(
+        sweep=Statement(
             f"UPDATE {table} SET state = 'stale', lease_token = :sweep_token, "
             "updated_at = :now, expires_at = GREATEST(expires_at, :keep_until) "
             f"WHERE state = :from_state AND updated_at < :cutoff AND {SWEEPABLE_SQL} "
             "ORDER BY updated_at LIMIT :limit"
         ),
-        purge=SQLStatement(
+        purge=Statement(
             f"DELETE FROM {table} WHERE expires_at <= :now AND {PURGEABLE_SQL} "
             "ORDER BY expires_at LIMIT :limit"
         ),
@@ -198,34 +198,32 @@ def mysql_statements(table: str = DEFAULT_TABLE, clock: StoreClock = "database")
     """The plain INSERT, the locking reads and the maintenance read-backs."""
     by_key = "WHERE principal = :principal AND idempotency_key = :key"
     statements = MySQLStatements(
-        insert=SQLStatement(upsert_claim(table).split(" ON DUPLICATE KEY UPDATE ")[0]),
-        packed_read=SQLStatement(
+        insert=Statement(upsert_claim(table).split(" ON DUPLICATE KEY UPDATE ")[0]),
+        packed_read=Statement(
             f"SELECT JSON_ARRAY({_PACKED_LIST}, :now) AS packed, response_headers, "
             f"response_body FROM {table} {by_key}"
         ),
-        select_current=SQLStatement(
+        select_current=Statement(
             f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key} FOR UPDATE"
         ),
         # LOCK IN SHARE MODE: spelled alike by MySQL 8 and MariaDB.
-        select_shared=SQLStatement(
+        select_shared=Statement(
             f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key} LOCK IN SHARE MODE"
         ),
-        swept=SQLStatement(
+        swept=Statement(
             f"SELECT {_SELECT_LIST} FROM {table} WHERE state = 'stale' "
             "AND lease_token = :sweep_token ORDER BY updated_at, id"
         ),
-        still_owned=SQLStatement(
+        still_owned=Statement(
             f"SELECT id FROM {table} WHERE id = :id AND lease_token = :lease_token "
             "AND state = 'in_progress' FOR UPDATE"
         ),
-        bound_lock_wait=SQLStatement(
+        bound_lock_wait=Statement(
             "SET @idemflow_lock_wait = @@SESSION.innodb_lock_wait_timeout, "
             "SESSION innodb_lock_wait_timeout = :lock_wait"
         ),
-        wsrep_on=SQLStatement("SHOW VARIABLES LIKE 'wsrep_on'"),
-        restore_lock_wait=SQLStatement(
-            "SET SESSION innodb_lock_wait_timeout = @idemflow_lock_wait"
-        ),
+        wsrep_on=Statement("SHOW VARIABLES LIKE 'wsrep_on'"),
+        restore_lock_wait=Statement("SET SESSION innodb_lock_wait_timeout = @idemflow_lock_wait"),
     )
     return on_database_clock(statements, SERVER_NOW_MS) if clock == "database" else statements
 

@@ -24,11 +24,10 @@ from typing import Any, TypeVar
 from ..._errors import ConfigurationError, LeaseLost
 from ..._model import Claim, Record, State, can_take_over, make_claim, record_from_row
 from ..._process import PID
-from ..protocol import Transaction
+from ..protocol import Transaction, Statement
 from ..sql import SQLStore
 from ..sql.dialect import (
     CLAIM_RETRIES,
-    SQLStatement,
     StoreClock,
     check_clock,
     claim_busy,
@@ -392,9 +391,7 @@ class MySQLStore(SQLStore):
                 return int(cursor.lastrowid or 0)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _statement(
-        self, cursor: Any, statement: SQLStatement, params: Mapping[str, Any]
-    ) -> int:
+    def _statement(self, cursor: Any, statement: Statement, params: Mapping[str, Any]) -> int:
         """Run a claiming statement; the id it inserted (0 if none).
 
         A deadlock victim's statement had no effect, so it is run again after
@@ -476,7 +473,7 @@ class MySQLStore(SQLStore):
 
     def _write(
         self,
-        statement: SQLStatement,
+        statement: Statement,
         params: Mapping[str, Any],
         transaction: Transaction | None,
     ) -> bool:

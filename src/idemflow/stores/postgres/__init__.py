@@ -23,8 +23,8 @@ from ..sql import (
     PURGEABLE_SQL,
     AsyncSQLStore,
     Dialect,
-    SQLStatement,
     SQLStore,
+    Statement,
     StoreClock,
     check_clock,
     create_table,
@@ -97,12 +97,12 @@ def postgres_dialect(
         "postgresql", table, ddl, insert_claim(table), around, skip_locked=True
     )
     # A replay is one round trip: the claim and the read of the record it lost to.
-    combined = SQLStatement(claim_or_read(table, insert_claim(table)))
+    combined = Statement(claim_or_read(table, insert_claim(table)))
     dialect = dataclasses.replace(standard, purge=purge_statement(table), claim_or_read=combined)
     return on_database_clock(dialect, SERVER_NOW_MS) if clock == "database" else dialect
 
 
-def purge_statement(table: str) -> SQLStatement:
+def purge_statement(table: str) -> Statement:
     """One bounded batch of expired records, found through the expiry index.
 
     The batch's row addresses are read and locked once (the InitPlan, an index
@@ -115,7 +115,7 @@ def purge_statement(table: str) -> SQLStatement:
     is never purged), so a record taken over in between is kept; ``+ 0``
     keeps that re-check from being planned as a second index scan.
     """
-    return SQLStatement(
+    return Statement(
         f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
         f"WHERE expires_at <= :now AND {PURGEABLE_SQL} "
         "ORDER BY expires_at LIMIT :limit FOR UPDATE SKIP LOCKED)) "

@@ -18,7 +18,7 @@ from typing import Any
 from ..._errors import LeaseLost
 from ..._lease import new_lease_token
 from ..._model import Claim, Intent, Policy, Record, Response, State
-from ..protocol import AsyncTransaction, StoreClock, check_clock
+from ..protocol import AsyncMaintainableStore, AsyncTransaction, StoreClock, check_clock
 from ._scripts import (
     BOOT_SCRIPTS,
     DEFAULT_PREFIX,
@@ -45,7 +45,7 @@ __all__ = ["AsyncRedisStore"]
 _DEFAULT_QUARANTINE = Policy().stale_seconds
 
 
-class AsyncRedisStore(AsyncRedisObservable):
+class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
     """Key records in Redis or Redis Cluster, on a redis-py client (``redis.asyncio``'s for async).
 
     Args:

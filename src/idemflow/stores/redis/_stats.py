@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..._model import State
-from ..stats import OldestClaim, StatsSource, StoreStats, stats_refused
+from ..stats import OldestClaim, StoreStats
 from ._scripts import EXPIRES, IN_PROGRESS, STALE, ms, record_from_reply, text, translated
 
 if TYPE_CHECKING:
@@ -35,11 +35,8 @@ class RedisObservable:
 
 
 class AsyncRedisObservable:
-    """What :class:`~idemflow.stores.redis.AsyncRedisStore` answers for operators: nothing."""
-
-    def stats(self) -> StatsSource:
-        """Refused: the operator's questions are asked synchronously (scrapes, the CLI)."""
-        raise stats_refused(self)
+    """What :class:`~idemflow.stores.redis.AsyncRedisStore` adds for operators: nothing (the
+    contract's default refuses; the questions are asked synchronously, by scrapes and the CLI)."""
 
 
 class RedisStats:

@@ -19,7 +19,7 @@ from typing import Any
 from ..._errors import LeaseLost
 from ..._lease import new_lease_token
 from ..._model import Claim, Intent, Policy, Record, Response, State
-from ..protocol import Transaction, StoreClock, check_clock
+from ..protocol import MaintainableStore, Transaction, StoreClock, check_clock
 from ._scripts import (
     BOOT_SCRIPTS,
     DEFAULT_PREFIX,
@@ -46,7 +46,7 @@ __all__ = ["RedisStore"]
 _DEFAULT_QUARANTINE = Policy().stale_seconds
 
 
-class RedisStore(RedisObservable):
+class RedisStore(RedisObservable, MaintainableStore):
     """Key records in Redis or Redis Cluster, on a redis-py client (``redis.asyncio``'s for async).
 
     Args:

@@ -15,7 +15,8 @@ from these pieces alone; ``docs/architecture.md`` ("Adding a store") walks
 through a new one.
 """
 
-from ..protocol import StoreClock, check_clock
+from ..._deprecation import moved
+from ..protocol import Statement, StoreClock, check_clock
 from ._async import AsyncSQLStore
 from ._stats import SQLStats, is_missing_table, missing_table_is_clear
 from ._sync import SQLStore
@@ -28,7 +29,6 @@ from .dialect import (
     SWEEPABLE_SQL,
     TAKE_OVER_SQL,
     Dialect,
-    SQLStatement,
     create_table,
     insert_claim,
     on_database_clock,
@@ -46,9 +46,9 @@ __all__ = [
     "TAKE_OVER_SQL",
     "AsyncSQLStore",
     "Dialect",
-    "SQLStatement",
     "SQLStats",
     "SQLStore",
+    "Statement",
     "StoreClock",
     "check_clock",
     "create_table",
@@ -59,3 +59,6 @@ __all__ = [
     "row_mapping",
     "take_over_claim",
 ]
+
+#: ``SQLStatement`` of 0.1 is the contract's :class:`~idemflow.stores.protocol.Statement`.
+__getattr__ = moved(__name__, {"SQLStatement": "idemflow.stores.protocol:Statement"})

@@ -16,8 +16,9 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from ..._errors import MissingTable
-from ..stats import STUCK_STATES, OldestClaim, StatsSource, StoreStats, stats_refused
-from .dialect import PAST_RETENTION_SQL, Dialect, SQLStatement
+from ..protocol import Statement
+from ..stats import STUCK_STATES, OldestClaim, StoreStats
+from .dialect import PAST_RETENTION_SQL, Dialect
 
 __all__ = [
     "AsyncSQLObservable",
@@ -46,11 +47,8 @@ class SQLObservable:
 
 
 class AsyncSQLObservable:
-    """What :class:`~idemflow.stores.sql.AsyncSQLStore` answers for operators: nothing."""
-
-    def stats(self) -> StatsSource:
-        """Refused: the operator's questions are asked synchronously (scrapes, the CLI)."""
-        raise stats_refused(self)
+    """What :class:`~idemflow.stores.sql.AsyncSQLStore` adds for operators: nothing (the
+    contract's default refuses; the questions are asked synchronously, by scrapes and the CLI)."""
 
 
 class SQLStats:
@@ -62,26 +60,26 @@ class SQLStats:
         self.table = table
         self._connect = connect
         self._pyformat = pyformat
-        self._by_state_endpoint = SQLStatement(
+        self._by_state_endpoint = Statement(
             f"SELECT state, endpoint, COUNT(*) FROM {table} "
             "GROUP BY state, endpoint ORDER BY state, endpoint"
         )
         # Both arms are range scans of the (state, updated_at) index.
-        self._stuck = SQLStatement(
+        self._stuck = Statement(
             f"SELECT state, COUNT(*) FROM {table} "
             "WHERE (state = 'in_progress' AND updated_at < :cutoff) OR state = 'stale' "
             "GROUP BY state"
         )
-        self._in_progress_before = SQLStatement(
+        self._in_progress_before = Statement(
             f"SELECT COUNT(*) FROM {table} WHERE state = 'in_progress' AND updated_at < :cutoff"
         )
-        self._oldest = SQLStatement(
+        self._oldest = Statement(
             f"SELECT principal, idempotency_key, endpoint, created_at, updated_at FROM {table} "
             "WHERE state = 'in_progress' ORDER BY updated_at LIMIT 1"
         )
         # Exactly what purge would delete: not in-flight, stale or
         # released-past-a-recovery-point records, whose expires_at means nothing.
-        self._expired = SQLStatement(f"SELECT COUNT(*) FROM {table} WHERE {PAST_RETENTION_SQL}")
+        self._expired = Statement(f"SELECT COUNT(*) FROM {table} WHERE {PAST_RETENTION_SQL}")
 
     def stuck_claims(self, cutoff: float) -> dict[str, int]:
         rows = self._rows(self._stuck, {"cutoff": _ms(cutoff)})
@@ -114,11 +112,11 @@ class SQLStats:
             expired_unpurged=self.expired(now),
         )
 
-    def _count(self, statement: SQLStatement, params: Mapping[str, Any]) -> int:
+    def _count(self, statement: Statement, params: Mapping[str, Any]) -> int:
         rows = self._rows(statement, params)
         return int(rows[0][0]) if rows else 0
 
-    def _rows(self, statement: SQLStatement, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+    def _rows(self, statement: Statement, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         text = statement.pyformat if self._pyformat else statement.named
         with missing_table_is_clear(self.table), self._connect() as conn:
             cursor = conn.cursor()

@@ -29,13 +29,12 @@ from ..._model import (
     make_claim,
     record_from_row,
 )
-from ..protocol import LendingTransaction, Transaction
+from ..protocol import MaintainableStore, Transaction, Statement
 from ._stats import SQLObservable, is_missing_table, missing_table
 from .dialect import (
     CLAIM_RETRIES,
     Dialect,
     RowShape,
-    SQLStatement,
     claim_busy,
     claim_params,
     claim_unsettled,
@@ -50,7 +49,7 @@ from .dialect import (
 __all__ = ["SQLStore"]
 
 _Row: TypeAlias = Mapping[str, Any] | None
-_Fetch: TypeAlias = Callable[[SQLStatement, Mapping[str, Any]], _Row]
+_Fetch: TypeAlias = Callable[[Statement, Mapping[str, Any]], _Row]
 _Bind: TypeAlias = Callable[[Mapping[str, Any]], Any] | None
 #: The claim's first statement (text, binder: None to send the parameters as
 #: built), the read's, and whether the first is the dialect's claim_or_read
@@ -58,7 +57,7 @@ _Bind: TypeAlias = Callable[[Mapping[str, Any]], Any] | None
 _ClaimPlan: TypeAlias = tuple[str, _Bind, str, _Bind, bool]
 
 
-class SQLStore(SQLObservable):
+class SQLStore(SQLObservable, MaintainableStore):
     """A key store on any SQL dialect, with connections from ``connect()``.
 
     Args:
@@ -77,8 +76,7 @@ class SQLStore(SQLObservable):
             parameters as built instead of a copy per statement.
         lend_sources: where the store's own connections come from (a pool's
             ``connection``, the store's checked checkout), for claims on a
-            connection the request's transaction lends
-            (:attr:`claims_on_lent_connections`).
+            connection the request's transaction lends (:meth:`claim_on_lent`).
         claims_alone_on: whether a lent connection commits a statement on its
             own right now (autocommit, no transaction open); required with
             ``lend_sources``.
@@ -135,11 +133,6 @@ class SQLStore(SQLObservable):
         """
         return self._is_unavailable(exc)
 
-    @property
-    def claims_on_lent_connections(self) -> bool:
-        """Can :meth:`claim_on_lent` claim on the request's connection (two commits)?"""
-        return bool(self._lend_sources)
-
     def claim(
         self,
         intent: Intent,
@@ -159,7 +152,7 @@ class SQLStore(SQLObservable):
         lease_token: str,
         now: float,
         expires_at: float,
-        lender: LendingTransaction,
+        lender: Transaction,
     ) -> Claim:
         """:meth:`claim`, committed on its own, on the connection ``lender`` will use.
 
@@ -176,7 +169,7 @@ class SQLStore(SQLObservable):
         self,
         params: Mapping[str, Any],
         fingerprint: str,
-        lender: LendingTransaction | None,
+        lender: Transaction | None,
     ) -> Claim:
         """A claim committed on its own: on the connection ``lender`` lends, when it
         lends one the claim may run alone on, else on a connection of the store's.
@@ -257,7 +250,7 @@ class SQLStore(SQLObservable):
         first = combined if combined is not None else dialect.claim
         read = dialect.read_for_claim
 
-        def binder(statement: SQLStatement) -> _Bind:
+        def binder(statement: Statement) -> _Bind:
             return None if self._extra_params else statement.bind
 
         plan = (self._text(first), binder(first), self._text(read), binder(read), bool(combined))
@@ -265,7 +258,7 @@ class SQLStore(SQLObservable):
         return plan
 
     def _row(
-        self, cursor: Any, statement: SQLStatement, params: Mapping[str, Any]
+        self, cursor: Any, statement: Statement, params: Mapping[str, Any]
     ) -> tuple[Any, RowShape]:
         """The statement's one row (a tuple) or None, and where the record sits in it."""
         text = statement.pyformat if self._pyformat else statement.named
@@ -521,7 +514,7 @@ class SQLStore(SQLObservable):
 
     def _write(
         self,
-        statement: SQLStatement,
+        statement: Statement,
         params: Mapping[str, Any],
         transaction: Transaction | None,
     ) -> bool:
@@ -545,7 +538,7 @@ class SQLStore(SQLObservable):
             raise failure from exc
 
     def _fetchone(
-        self, conn: Any, statement: SQLStatement, params: Mapping[str, Any]
+        self, conn: Any, statement: Statement, params: Mapping[str, Any]
     ) -> Mapping[str, Any] | None:
         cursor = conn.cursor()
         try:
@@ -559,13 +552,13 @@ class SQLStore(SQLObservable):
             cursor.close()
         return dict(zip(names, rows[0], strict=True)) if rows else None
 
-    def _column_names(self, statement: SQLStatement, cursor: Any) -> tuple[str, ...]:
+    def _column_names(self, statement: Statement, cursor: Any) -> tuple[str, ...]:
         names = self._names.get(statement.named)
         if names is None:
             names = self._names[statement.named] = tuple(c[0] for c in cursor.description)
         return names
 
-    def _text(self, statement: SQLStatement) -> str:
+    def _text(self, statement: Statement) -> str:
         return statement.pyformat if self._pyformat else statement.named
 
     @contextmanager

@@ -23,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..._deprecation import moved
 from ..._errors import InProgress
 from ..._model import (
     Intent,
@@ -37,7 +38,7 @@ from ..._model import (
     make_response,
     stored_headers,
 )
-from ..protocol import StoreClock, check_clock
+from ..protocol import Statement, StoreClock, check_clock
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -54,7 +55,6 @@ __all__ = [
     "TAKE_OVER_SQL",
     "Dialect",
     "RowShape",
-    "SQLStatement",
     "StoreClock",
     "check_clock",
     "claim_busy",
@@ -93,31 +93,6 @@ COLUMNS = (
     "expires_at",
     "attempt",
 )
-
-_NAMED = re.compile(r"(?<![:\w]):([a-z_]+)")
-
-
-@dataclass(frozen=True, slots=True)
-class SQLStatement:
-    """A statement written with ``:name`` placeholders, also rendered as ``%(name)s``."""
-
-    named: str
-    pyformat: str = field(init=False)
-    names: frozenset[str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        if "%" in self.named:
-            msg = "statements must not contain '%': it breaks pyformat drivers"
-            raise ValueError(msg)
-        object.__setattr__(self, "pyformat", _NAMED.sub(r"%(\1)s", self.named))
-        object.__setattr__(self, "names", frozenset(_NAMED.findall(self.named)))
-
-    def bind(self, params: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Only the parameters this statement names (drivers reject extras), or None."""
-        if not self.names:
-            return None
-        return {name: params[name] for name in self.names}
-
 
 #: :func:`idemflow._model.is_retry` in SQL (the claimant's ``:fingerprint``).
 RETRY_SQL = "(state = 'released' AND fingerprint = :fingerprint)"
@@ -217,18 +192,18 @@ def on_database_clock(dialect: _Statements, now_sql: str) -> _Statements:
 
     server_now = f"({now_sql})"
 
-    def rewrite(statement: SQLStatement) -> SQLStatement:
+    def rewrite(statement: Statement) -> Statement:
         # Instants first: their offsets name the caller's :now, which stays.
         text = _INSTANTS.sub(lambda m: f"({_MARK} + (:{m[1]} - {_CALLER_MARK}))", statement.named)
         text = _CALLER_NOW.sub(_MARK, text)
-        return SQLStatement(text.replace(_CALLER_MARK, ":now").replace(_MARK, server_now))
+        return Statement(text.replace(_CALLER_MARK, ":now").replace(_MARK, server_now))
 
     changes: dict[str, Any] = {}
     for item in fields(dialect):
         value = getattr(dialect, item.name)
-        if isinstance(value, SQLStatement):
+        if isinstance(value, Statement):
             changes[item.name] = rewrite(value)
-        elif isinstance(value, tuple) and all(isinstance(v, SQLStatement) for v in value):
+        elif isinstance(value, tuple) and all(isinstance(v, Statement) for v in value):
             changes[item.name] = tuple(rewrite(v) for v in value)
     return dataclasses.replace(dialect, **changes)
 
@@ -240,32 +215,32 @@ class Dialect:
     name: str
     table: str
     ddl: Sequence[str]
-    claim: SQLStatement
-    take_over: SQLStatement
-    select: SQLStatement
+    claim: Statement
+    take_over: Statement
+    select: Statement
     #: ``select`` plus ``clock_now``: the time the claim's take-over test uses.
-    read_for_claim: SQLStatement
-    complete: SQLStatement
-    release: SQLStatement
-    checkpoint: SQLStatement
+    read_for_claim: Statement
+    complete: Statement
+    release: Statement
+    checkpoint: Statement
     #: Maintenance: mark a batch stale, settle or release what was marked, purge.
-    sweep: SQLStatement
-    settle_stale: SQLStatement
-    release_stale: SQLStatement
-    purge: SQLStatement
+    sweep: Statement
+    settle_stale: Statement
+    release_stale: Statement
+    purge: Statement
     #: Run around the claim when it is part of the caller's transaction
     #: (single-commit mode), e.g. to bound the wait on a concurrent claim.
-    before_claim_in_transaction: tuple[SQLStatement, ...] = ()
-    after_claim_in_transaction: tuple[SQLStatement, ...] = ()
+    before_claim_in_transaction: tuple[Statement, ...] = ()
+    after_claim_in_transaction: tuple[Statement, ...] = ()
     #: The claim and, when it loses, the existing record, in one statement
     #: (:func:`claim_or_read`: ``claimed``, the columns, ``clock_now``), for
     #: databases that can write in a CTE (PostgreSQL). Without it the executor
     #: sends ``claim`` then ``read_for_claim``: two round trips for a replay.
-    claim_or_read: SQLStatement | None = None
+    claim_or_read: Statement | None = None
     #: The sweeper's schedule: ``due_in``, the oldest sweepable record's
     #: ``updated_at`` minus ``:cutoff`` (no row: none), one probe of the
     #: ``(state, updated_at)`` index. Without it the sweeper passes every interval.
-    due: SQLStatement | None = None
+    due: Statement | None = None
 
     @classmethod
     def standard(
@@ -295,22 +270,22 @@ class Dialect:
             name=name,
             table=table,
             ddl=ddl,
-            before_claim_in_transaction=tuple(map(SQLStatement, before)),
-            after_claim_in_transaction=tuple(map(SQLStatement, after)),
-            claim=SQLStatement(claim),
-            take_over=SQLStatement(take_over_claim(table)),
-            select=SQLStatement(f"SELECT {columns} FROM {table} {_BY_KEY}"),
-            read_for_claim=SQLStatement(f"SELECT {columns}, {CLOCK_NOW} FROM {table} {_BY_KEY}"),
-            complete=SQLStatement(
+            before_claim_in_transaction=tuple(map(Statement, before)),
+            after_claim_in_transaction=tuple(map(Statement, after)),
+            claim=Statement(claim),
+            take_over=Statement(take_over_claim(table)),
+            select=Statement(f"SELECT {columns} FROM {table} {_BY_KEY}"),
+            read_for_claim=Statement(f"SELECT {columns}, {CLOCK_NOW} FROM {table} {_BY_KEY}"),
+            complete=Statement(
                 f"UPDATE {table} SET state = :state, response_status = :status, "
                 "response_headers = :headers, response_body = :body, updated_at = :now, "
                 f"expires_at = :expires_at WHERE {_owned_by_caller()}"
             ),
-            release=SQLStatement(
+            release=Statement(
                 f"UPDATE {table} SET state = 'released', updated_at = :now "
                 f"WHERE {_owned_by_caller()}"
             ),
-            checkpoint=SQLStatement(
+            checkpoint=Statement(
                 f"UPDATE {table} SET recovery_point = :recovery_point, updated_at = :now "
                 f"WHERE {_owned_by_caller()}"
             ),
@@ -320,7 +295,7 @@ class Dialect:
             # CTE, evaluated once: as an IN (subquery) PostgreSQL may rescan
             # it per row, and each rescan skips the rows this statement
             # already locked and takes the next LIMIT, marking the whole table.
-            sweep=SQLStatement(
+            sweep=Statement(
                 f"WITH due AS (SELECT id FROM {table} WHERE state = :from_state "
                 f"AND updated_at < :cutoff AND {SWEEPABLE_SQL} "
                 f"ORDER BY updated_at LIMIT :limit{lock}) "
@@ -331,22 +306,22 @@ class Dialect:
                 f"AND state = :from_state AND updated_at < :cutoff AND {SWEEPABLE_SQL} "
                 f"RETURNING {columns}"
             ),
-            settle_stale=SQLStatement(
+            settle_stale=Statement(
                 f"UPDATE {table} SET state = :state, response_status = :status, "
                 "response_headers = :headers, response_body = :body, updated_at = :now, "
                 f"expires_at = :expires_at WHERE {marked}"
             ),
-            release_stale=SQLStatement(
+            release_stale=Statement(
                 f"UPDATE {table} SET state = 'released', updated_at = :now, "
                 "recovery_point = CASE WHEN :forget_progress = 1 THEN NULL "
                 f"ELSE recovery_point END WHERE {marked}"
             ),
-            purge=SQLStatement(
+            purge=Statement(
                 f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} "
                 f"WHERE expires_at <= :now AND {PURGEABLE_SQL} ORDER BY expires_at LIMIT :limit)"
             ),
             # The sweep's own condition, without its age: the first row in index order.
-            due=SQLStatement(
+            due=Statement(
                 f"SELECT updated_at - :cutoff AS due_in FROM {table} "
                 f"WHERE state = :from_state AND {SWEEPABLE_SQL} ORDER BY updated_at LIMIT 1"
             ),
@@ -579,3 +554,7 @@ def record_from_values(row: Sequence[Any], start: int) -> Record:
     record.attempt = int(attempt)
     record.__class__ = Record
     return record  # type: ignore[no-any-return]
+
+
+#: ``SQLStatement`` of 0.1 is the contract's :class:`~idemflow.stores.protocol.Statement`.
+__getattr__ = moved(__name__, {"SQLStatement": "idemflow.stores.protocol:Statement"})

@@ -36,7 +36,7 @@ from typing import Any, Literal, TypeVar
 from ..._errors import ConfigurationError, StoreUnavailable
 from ..._model import Claim, Intent, Record, Response, State
 from ..._process import PID
-from ..protocol import AsyncTransaction
+from ..protocol import AsyncMaintainableStore, AsyncTransaction
 from ..sql import AsyncSQLStore, Dialect, SQLStats, SQLStore, create_table, insert_claim
 
 __all__ = ["AsyncSQLiteStore", "SQLiteStore", "connect", "is_unavailable", "sqlite_dialect"]
@@ -345,7 +345,7 @@ def _wake(waiter: asyncio.Future[None], running: asyncio.AbstractEventLoop) -> N
 CHECKPOINT_HOP = 64
 
 
-class AsyncSQLiteStore:
+class AsyncSQLiteStore(AsyncMaintainableStore):
     """The SQLite store for asyncio code: each operation is one hop to a thread, or none.
 
     The writes without the caller's transaction hop to one thread of the store's,
