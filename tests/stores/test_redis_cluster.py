@@ -11,6 +11,7 @@ crossing nodes, races across nodes, and a dead master answered with 503.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -324,6 +325,42 @@ def test_a_restarted_master_quarantines_the_claims_that_would_write_on_its_slots
         assert not any(idem.run(Intent("alice", key, "fp"), handler).replayed for key in on_it)
         store.close()
     assert [attempt.record.key for attempt in handler.calls] == [*elsewhere, *on_it]
+
+
+def test_a_master_that_lost_its_data_is_armed_whole_by_the_first_claim_that_finds_it(
+    cluster_store: RedisStore, table_name: str
+) -> None:
+    """Every key of one master is gone (an empty master took its place). The first claim
+    there finds the loss and arms that master's every bucket (one script per master): a
+    fresh key of another of its buckets asked first half a threshold later is refused only
+    until a threshold after the discovery, and runs then; the other masters never stop."""
+    store, clock = cluster_store, FrozenClock()
+    idem = Idempotency(store, POLICY, clock=clock)
+    handler = Recorder()
+
+    def node(key: str) -> str:
+        return str(store.client.get_node_from_key(store.layout.record_key("alice", key)).name)
+
+    idem.run(Intent("alice", "k-0", "fp"), handler)
+    lost = store.client.get_node(node_name=node("k-0"))
+    for name in list(store.client.scan_iter(match=f"{table_name}:*", target_nodes=lost)):
+        store.client.delete(name)
+    candidates = [f"new-{n}" for n in range(60)]
+    on_it = [key for key in candidates if node(key) == lost.name]
+    elsewhere = [key for key in candidates if node(key) != lost.name]
+    with pytest.raises(StoreUnavailable, match="restarted or lost data"):
+        idem.run(Intent("alice", "k-0", "fp"), handler)  # finds the loss
+    clock.advance(POLICY.stale_seconds / 2)
+    refused = []
+    for key in on_it:
+        with pytest.raises(StoreUnavailable) as raised:
+            idem.run(Intent("alice", key, "fp"), handler)
+        refused.append(raised.value.retry_after)
+    assert not any(idem.run(Intent("alice", key, "fp"), handler).replayed for key in elsewhere)
+    clock.advance(POLICY.stale_seconds / 2)
+    assert not any(idem.run(Intent("alice", key, "fp"), handler).replayed for key in on_it)
+    assert set(refused) == {math.ceil(POLICY.stale_seconds / 2)}
+    assert [attempt.record.key for attempt in handler.calls] == ["k-0", *elsewhere, *on_it]
 
 
 def test_a_cluster_that_refuses_the_cross_slot_boot_is_told_its_boot_bucket_by_bucket(
