@@ -11,6 +11,7 @@ crossing nodes, races across nodes, and a dead master answered with 503.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 from collections.abc import Iterator
 
@@ -280,6 +281,60 @@ async def test_async_store_on_the_async_cluster_client(server: str, table_name: 
     assert [o.replayed for o in first + again] == [False] * 12 + [True] * 12
     assert len(calls) == 12
     assert swept.released == 12
+
+
+def end_connections_named(cluster: RedisClusterProcess, name: str) -> int:
+    """``CLIENT KILL`` every connection called ``name``, on every master: how many ended."""
+    import redis
+
+    ended = 0
+    for address in cluster.addresses:
+        host, port = address.split(":")
+        with contextlib.closing(redis.Redis(host=host, port=int(port))) as node:
+            for seen in node.client_list():
+                if seen["name"] == name:
+                    ended += node.client_kill_filter(_id=seen["id"])
+    return ended
+
+
+@pytest.mark.anyio
+async def test_the_async_walks_go_on_after_the_server_closed_every_idle_connection(
+    server: str, table_name: str
+) -> None:
+    """The server closes every connection of redis.asyncio's cluster client while they sit
+    idle in its pools (a restart, its ``timeout``, ``CLIENT KILL``), on every master. That
+    client lends a pooled connection unchecked; told not to retry (as the fault rigs'
+    client is), a walk over the buckets failed on the first dead one. The sweep, the
+    sweeper's schedule and the purge each still answer: a walk only reads, so it is asked
+    once more on new connections."""
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from idemflow.stores.redis import AsyncRedisStore
+
+    cluster = started(server)
+    name = f"idemflow-{table_name}"
+    client = AsyncRedisCluster.from_url(cluster.url, retry=Retry(NoBackoff(), 0), client_name=name)
+    store = AsyncRedisStore(client, prefix=table_name, clock="caller", allow_volatile=True)
+    clock = FrozenClock()
+    try:
+        for n in range(12):
+            await store.claim(Intent("alice", f"k-{n}", "fp"), f"t{n}", clock(), clock() + 60)
+        clock.advance(POLICY.stale_seconds)
+        ended = [end_connections_named(cluster, name)]
+        swept = await store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 100)
+        ended.append(end_connections_named(cluster, name))
+        due = await store.next_due(State.STALE, clock() - POLICY.stale_seconds, clock())
+        ended.append(end_connections_named(cluster, name))
+        purged = await store.purge(clock(), 100)
+    finally:
+        await adelete_keys(store.client, table_name)
+        await store.close()
+    assert all(count >= len(cluster.ports) for count in ended)  # a dead one on every master
+    assert len(swept) == 12
+    assert due == POLICY.stale_seconds  # the records it marked, due again a threshold on
+    assert purged == 0
 
 
 @pytest.mark.slow
