@@ -306,7 +306,7 @@ async def test_the_async_walks_go_on_after_the_server_closed_every_idle_connecti
     client lends a pooled connection unchecked; told not to retry (as the fault rigs'
     client is), a walk over the buckets failed on the first dead one. The sweep, the
     sweeper's schedule and the purge each still answer: a walk only reads, so it is asked
-    once more on new connections."""
+    again on new connections."""
     from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff

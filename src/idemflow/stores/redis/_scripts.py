@@ -41,6 +41,9 @@ DEFAULT_PREFIX = "idemflow"
 BUCKETS = 1024
 #: Buckets probed per pipelined round trip when the sweeper or purge walks them.
 PROBE_CHUNK = 128
+#: Round trips a walk over the buckets may take when each meets a connection the
+#: server closed while idle (see the store's ``_ask_each``).
+WALK_ATTEMPTS = 3
 #: The boot script's ARGV[2]: what it does with an epoch that is absent (see _BOOT).
 KEEP_ABSENT, CREATE_ABSENT, ARM_ABSENT = "0", "1", "2"
 
@@ -502,6 +505,18 @@ def is_unavailable(exc: BaseException) -> bool:
         | e.RedisClusterException
         | TimeoutError,
     )
+
+
+def is_connection_lost(exc: BaseException) -> bool:
+    """A connection ended or refused, not a timeout: a read may be sent again on another.
+
+    redis-py's cluster client reports one as ``RedisClusterUnreachableError`` (its
+    cause the connection error) when its last topology refresh met one too."""
+    from redis import exceptions as e
+
+    if isinstance(exc, e.RedisClusterException):
+        exc = exc.__cause__ or exc
+    return isinstance(exc, e.ConnectionError)
 
 
 def raise_unavailable(exc: Exception) -> None:

@@ -28,7 +28,9 @@ from ._scripts import (
     EXPIRES,
     KEEP_ABSENT,
     ON_CLOCK,
+    WALK_ATTEMPTS,
     StartGate,
+    is_connection_lost,
     layout_for,
     ms,
     persistence_problem,
@@ -108,7 +110,7 @@ class RedisStore(RedisObservable):
         clock: StoreClock = "database",
         allow_volatile: bool = False,
     ) -> None:
-        from redis.exceptions import ConnectionError, NoScriptError, ResponseError
+        from redis.exceptions import NoScriptError, ResponseError
 
         self.client = client
         self.layout = layout_for(client, prefix)
@@ -117,7 +119,6 @@ class RedisStore(RedisObservable):
         self._gate = StartGate()
         self._cluster = hasattr(client, "get_primaries")
         self._no_script = NoScriptError
-        self._connection_error = ConnectionError
         self._response_error = ResponseError
         self.allow_volatile = allow_volatile
         # The policy's stale threshold, or None until a driver tells us its own.
@@ -414,24 +415,31 @@ class RedisStore(RedisObservable):
     def _ask_each(
         self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
     ) -> list[Any]:
-        """One pipelined round trip: a one-key script on one index of each bucket."""
-        if self._cluster:
-            self._learn_slots()  # _each names each command's node
-        try:
-            return self._ask_each_once(script, chunk, index, argv)
-        except self._connection_error:
-            # A pooled connection the server had closed while it sat idle (a node
-            # restarted, its `timeout`, CLIENT KILL): redis.asyncio's cluster client
-            # lends one without the check its single-server pool makes, and a client
-            # told not to retry failed the walk on it. Failing, the pipeline dropped
-            # it (and marked its node's other idle ones); the walk only reads, so it
-            # is asked once more, on connections made anew. A server that is gone
-            # fails this one too.
-            return self._ask_each_once(script, chunk, index, argv)
+        """One pipelined round trip: a one-key script on one index of each bucket.
+
+        A connection the server had closed while it sat idle (a node restarted,
+        its ``timeout``, ``CLIENT KILL``) fails the round trip: redis.asyncio's
+        cluster client lends one unchecked (its single-server pool checks), and
+        a client told not to retry gives up on it. Failing, it drops that
+        connection and marks its node's other idle ones; the walk only reads, so
+        it is asked again, up to :data:`WALK_ATTEMPTS` times in all (the node's
+        pool, then the one the client asks for the topology, may each hold one).
+        A server that is gone fails every attempt; a timeout is not repeated.
+        """
+        attempts = 1
+        while True:
+            try:
+                return self._ask_each_once(script, chunk, index, argv)
+            except Exception as exc:
+                if attempts == WALK_ATTEMPTS or not is_connection_lost(exc):
+                    raise
+                attempts += 1
 
     def _ask_each_once(
         self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
     ) -> list[Any]:
+        if self._cluster:
+            self._learn_slots()  # _each names each command's node
         try:
             return list(self._each(script, chunk, index, argv).execute())
         except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts, once more
