@@ -13,6 +13,7 @@ private ``redis-server`` or ``valkey-server`` of its own, restarted by PID.
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import threading
 from collections.abc import Iterator
@@ -413,3 +414,41 @@ def test_after_a_loss_every_bucket_runs_a_threshold_after_the_loss_was_found(
     assert all(ends <= at + after <= ends + 1 for at, after in refused)
     assert [attempt.record.key for attempt in retries.calls].count("held") == 1
     assert len(retries.calls) == len(fresh) + 1
+
+
+@pytest.mark.anyio
+async def test_the_async_store_arms_every_bucket_at_the_first_claim_that_finds_a_loss(
+    tmp_path: Path,
+) -> None:
+    """AsyncRedisStore, after a FLUSHALL: a fresh key asked first half a threshold after the
+    claim that found the loss is refused only until a threshold after that discovery."""
+    from redis.asyncio import Redis
+
+    from idemflow import AsyncIdempotency
+    from idemflow.stores.redis import AsyncRedisStore
+
+    clock = FrozenClock()
+    calls: list[str] = []
+
+    async def handler(attempt: Any) -> Response:
+        calls.append(attempt.record.key)
+        return CREATED
+
+    with server("redis-server", tmp_path, *VOLATILE) as running:
+        client = Redis.from_url(running.url)
+        store = AsyncRedisStore(
+            client, policy=POLICY, prefix="afound", clock="caller", allow_volatile=True
+        )
+        idem = AsyncIdempotency(store, POLICY, clock=clock)
+        await idem.run(intent("before"), handler)
+        await client.flushall()
+        with pytest.raises(StoreUnavailable, match="restarted or lost data"):
+            await idem.run(intent("before"), handler)  # finds the loss
+        clock.advance(POLICY.stale_seconds / 2)
+        with pytest.raises(StoreUnavailable) as later:
+            await idem.run(intent("fresh"), handler)
+        clock.advance(POLICY.stale_seconds / 2)
+        assert not (await idem.run(intent("fresh"), handler)).replayed
+        await store.close()
+    assert later.value.retry_after == math.ceil(POLICY.stale_seconds / 2)
+    assert calls == ["before", "fresh"]
