@@ -11,6 +11,8 @@ crossing nodes, races across nodes, and a dead master answered with 503.
 from __future__ import annotations
 
 import collections
+import contextlib
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -281,6 +283,60 @@ async def test_async_store_on_the_async_cluster_client(server: str, table_name: 
     assert swept.released == 12
 
 
+def end_connections_named(cluster: RedisClusterProcess, name: str) -> int:
+    """``CLIENT KILL`` every connection called ``name``, on every master: how many ended."""
+    import redis
+
+    ended = 0
+    for address in cluster.addresses:
+        host, port = address.split(":")
+        with contextlib.closing(redis.Redis(host=host, port=int(port))) as node:
+            for seen in node.client_list():
+                if seen["name"] == name:
+                    ended += node.client_kill_filter(_id=seen["id"])
+    return ended
+
+
+@pytest.mark.anyio
+async def test_the_async_walks_go_on_after_the_server_closed_every_idle_connection(
+    server: str, table_name: str
+) -> None:
+    """The server closes every connection of redis.asyncio's cluster client while they sit
+    idle in its pools (a restart, its ``timeout``, ``CLIENT KILL``), on every master. That
+    client lends a pooled connection unchecked; told not to retry (as the fault rigs'
+    client is), a walk over the buckets failed on the first dead one. The sweep, the
+    sweeper's schedule and the purge each still answer: a walk only reads, so it is asked
+    again on new connections."""
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from idemflow.stores.redis import AsyncRedisStore
+
+    cluster = started(server)
+    name = f"idemflow-{table_name}"
+    client = AsyncRedisCluster.from_url(cluster.url, retry=Retry(NoBackoff(), 0), client_name=name)
+    store = AsyncRedisStore(client, prefix=table_name, clock="caller", allow_volatile=True)
+    clock = FrozenClock()
+    try:
+        for n in range(12):
+            await store.claim(Intent("alice", f"k-{n}", "fp"), f"t{n}", clock(), clock() + 60)
+        clock.advance(POLICY.stale_seconds)
+        ended = [end_connections_named(cluster, name)]
+        swept = await store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 100)
+        ended.append(end_connections_named(cluster, name))
+        due = await store.next_due(State.STALE, clock() - POLICY.stale_seconds, clock())
+        ended.append(end_connections_named(cluster, name))
+        purged = await store.purge(clock(), 100)
+    finally:
+        await adelete_keys(store.client, table_name)
+        await store.close()
+    assert all(count >= len(cluster.ports) for count in ended)  # a dead one on every master
+    assert len(swept) == 12
+    assert due == POLICY.stale_seconds  # the records it marked, due again a threshold on
+    assert purged == 0
+
+
 @pytest.mark.slow
 def test_a_restarted_master_quarantines_the_claims_that_would_write_on_its_slots(
     server: str,
@@ -324,6 +380,42 @@ def test_a_restarted_master_quarantines_the_claims_that_would_write_on_its_slots
         assert not any(idem.run(Intent("alice", key, "fp"), handler).replayed for key in on_it)
         store.close()
     assert [attempt.record.key for attempt in handler.calls] == [*elsewhere, *on_it]
+
+
+def test_a_master_that_lost_its_data_is_armed_whole_by_the_first_claim_that_finds_it(
+    cluster_store: RedisStore, table_name: str
+) -> None:
+    """Every key of one master is gone (an empty master took its place). The first claim
+    there finds the loss and arms that master's every bucket (one script per master): a
+    fresh key of another of its buckets asked first half a threshold later is refused only
+    until a threshold after the discovery, and runs then; the other masters never stop."""
+    store, clock = cluster_store, FrozenClock()
+    idem = Idempotency(store, POLICY, clock=clock)
+    handler = Recorder()
+
+    def node(key: str) -> str:
+        return str(store.client.get_node_from_key(store.layout.record_key("alice", key)).name)
+
+    idem.run(Intent("alice", "k-0", "fp"), handler)
+    lost = store.client.get_node(node_name=node("k-0"))
+    for name in list(store.client.scan_iter(match=f"{table_name}:*", target_nodes=lost)):
+        store.client.delete(name)
+    candidates = [f"new-{n}" for n in range(60)]
+    on_it = [key for key in candidates if node(key) == lost.name]
+    elsewhere = [key for key in candidates if node(key) != lost.name]
+    with pytest.raises(StoreUnavailable, match="restarted or lost data"):
+        idem.run(Intent("alice", "k-0", "fp"), handler)  # finds the loss
+    clock.advance(POLICY.stale_seconds / 2)
+    refused = []
+    for key in on_it:
+        with pytest.raises(StoreUnavailable) as raised:
+            idem.run(Intent("alice", key, "fp"), handler)
+        refused.append(raised.value.retry_after)
+    assert not any(idem.run(Intent("alice", key, "fp"), handler).replayed for key in elsewhere)
+    clock.advance(POLICY.stale_seconds / 2)
+    assert not any(idem.run(Intent("alice", key, "fp"), handler).replayed for key in on_it)
+    assert set(refused) == {math.ceil(POLICY.stale_seconds / 2)}
+    assert [attempt.record.key for attempt in handler.calls] == ["k-0", *elsewhere, *on_it]
 
 
 def test_a_cluster_that_refuses_the_cross_slot_boot_is_told_its_boot_bucket_by_bucket(

@@ -13,6 +13,7 @@ private ``redis-server`` or ``valkey-server`` of its own, restarted by PID.
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import threading
 from collections.abc import Iterator
@@ -349,3 +350,105 @@ async def test_the_async_store_finds_a_restart_too(name: str, tmp_path: Path) ->
         sync.close()
     assert calls == ["done", "k-1", "k-1"]
     assert 1 <= raised.value.retry_after <= POLICY.stale_seconds + 1
+
+
+# --- a loss found once arms every bucket it took -----------------------------------------
+
+
+def lose_everything(loss: str, running: RedisServer, store: RedisStore) -> None:
+    if loss == "restart":
+        running.restart()  # without persistence: every key and the script cache gone
+    else:
+        store.client.flushall()
+
+
+@pytest.mark.parametrize("name", SERVERS)
+@pytest.mark.parametrize("loss", ["restart", "flushall"])
+def test_after_a_loss_every_bucket_runs_a_threshold_after_the_loss_was_found(
+    name: str, loss: str, tmp_path: Path
+) -> None:
+    """The first claim after a loss finds it; 40 fresh keys are then asked for the first
+    time at every half second, until a second past the stale threshold, and retried at
+    each. Every bucket's quarantine ends a threshold after that first discovery, not after
+    its own first claim: each key runs at the first try from then on, none before, every
+    503's Retry-After points there; the request in flight across the loss is refused
+    throughout, and its retry runs once after."""
+    clock = FrozenClock()
+    threshold, step = POLICY.stale_seconds, 0.5
+    steps = int((threshold + 1) / step)
+    fresh = [f"fresh-{n}" for n in range(40)]
+    ran_at: dict[str, float] = {}
+    refused: list[tuple[float, int]] = []  # (asked at, Retry-After)
+    retries = Recorder()
+    with server(name, tmp_path, *VOLATILE) as running:
+        store = RedisStore(
+            redis_client(running.url),
+            policy=POLICY,
+            prefix="found",
+            clock="caller",
+            allow_volatile=True,
+        )
+        idem = Idempotency(store, POLICY, clock=clock)
+        with requests_in_flight(idem, ["held"]) as first:
+            lose_everything(loss, running, store)
+            found_at = clock()
+            with pytest.raises(StoreUnavailable, match="restarted or lost data"):
+                idem.run(intent("held"), retries)  # finds the loss
+            for done in range(1, steps + 1):
+                clock.advance(step)
+                asked = fresh[: len(fresh) * done // steps]
+                held = ["held"] if clock() < found_at + threshold else []
+                for key in [key for key in asked if key not in ran_at] + held:
+                    try:
+                        idem.run(intent(key), retries)
+                        ran_at[key] = clock()
+                    except StoreUnavailable as exc:
+                        refused.append((clock(), exc.retry_after))
+        assert first == {"held": "lease lost"}
+        assert not idem.run(intent("held"), retries).replayed
+        store.close()
+
+    ends = found_at + threshold  # a threshold after the discovery, in every bucket
+    assert sorted(ran_at) == sorted(fresh)  # "held" never ran beside its request
+    assert all(ends <= at <= ends + 1 for at in ran_at.values())
+    assert all(ends <= at + after <= ends + 1 for at, after in refused)
+    assert [attempt.record.key for attempt in retries.calls].count("held") == 1
+    assert len(retries.calls) == len(fresh) + 1
+
+
+@pytest.mark.anyio
+async def test_the_async_store_arms_every_bucket_at_the_first_claim_that_finds_a_loss(
+    tmp_path: Path,
+) -> None:
+    """AsyncRedisStore, after a FLUSHALL: a fresh key asked first half a threshold after the
+    claim that found the loss is refused only until a threshold after that discovery."""
+    from redis.asyncio import Redis
+
+    from idemflow import AsyncIdempotency
+    from idemflow.stores.redis import AsyncRedisStore
+
+    clock = FrozenClock()
+    calls: list[str] = []
+
+    async def handler(attempt: Any) -> Response:
+        calls.append(attempt.record.key)
+        return CREATED
+
+    with server("redis-server", tmp_path, *VOLATILE) as running:
+        client = Redis.from_url(running.url)
+        store = AsyncRedisStore(
+            client, policy=POLICY, prefix="afound", clock="caller", allow_volatile=True
+        )
+        idem = AsyncIdempotency(store, POLICY, clock=clock)
+        await idem.run(intent("before"), handler)
+        await client.flushall()
+        with pytest.raises(StoreUnavailable, match="restarted or lost data"):
+            await idem.run(intent("before"), handler)  # finds the loss
+        clock.advance(POLICY.stale_seconds / 2)
+        with pytest.raises(StoreUnavailable) as later:
+            await idem.run(intent("fresh"), handler)
+        clock.advance(POLICY.stale_seconds / 2)
+        assert not (await idem.run(intent("fresh"), handler)).replayed
+        await store.close()
+    assert later.value.retry_after == math.ceil(POLICY.stale_seconds / 2)
+    assert calls == ["before", "fresh"]

@@ -41,6 +41,11 @@ DEFAULT_PREFIX = "idemflow"
 BUCKETS = 1024
 #: Buckets probed per pipelined round trip when the sweeper or purge walks them.
 PROBE_CHUNK = 128
+#: Round trips a walk over the buckets may take when each meets a connection the
+#: server closed while idle (see the store's ``_ask_each``).
+WALK_ATTEMPTS = 3
+#: The boot script's ARGV[2]: what it does with an epoch that is absent (see _BOOT).
+KEEP_ABSENT, CREATE_ABSENT, ARM_ABSENT = "0", "1", "2"
 
 #: A bucket's indexes, in the order every script gets them as KEYS[1..4].
 IN_PROGRESS, STALE, RELEASED, EXPIRES = range(4)
@@ -189,9 +194,13 @@ end
 # still be running, and their records may be gone. So every claim in the bucket
 # that would write a record (a fresh key, a take-over) answers {'lost', ms left}
 # until the quarantine (the stale threshold) has passed since the loss was found
-# (a vanished epoch is written again with that time) or since the boot. A claim
-# that only reads (a replay, a request in flight: 409, a key reused: 422) still
-# answers from the record. (Only the benchmark's raw calls leave KEYS[6] out.)
+# (a vanished epoch is written again with that time) or since the boot. The claim
+# that finds a vanished epoch answers {'lost', ms left, 'found'}: the store then
+# arms every other vanished epoch from then (the boot script, ARM_ABSENT), so the
+# quarantine of every bucket the loss took ends a threshold after its discovery,
+# not after each bucket's first claim. A claim that only reads (a replay, a
+# request in flight: 409, a key reused: 422) still answers from the record.
+# (Only the benchmark's raw calls leave KEYS[6] out.)
 _CLAIM = (
     _PACKED
     + """
@@ -220,7 +229,10 @@ if KEYS[6] then
     redis.call('SET', KEYS[6], NOW)
   end
   local left = armed + tonumber(ARGV[10]) - now
-  if left > 0 then return {'lost', ms(left)} end
+  if left > 0 then
+    if epoch then return {'lost', ms(left)} end
+    return {'lost', ms(left), 'found'}
+  end
 end
 if state then
   redis.call('ZREM', EXP, K)
@@ -246,8 +258,9 @@ return {'new', NOW .. ' ' .. expires}
 )
 
 # The epochs in ``epochs`` (see BOOT_SCRIPTS for where they come from). ARGV[1]:
-# now, ARGV[2]: '1' to write the epochs that are absent (the store's start;
-# elsewhere an absent epoch is a loss the next claim finds). Tells each epoch
+# now, ARGV[2]: what an absent epoch becomes: KEEP_ABSENT leaves it (a loss the
+# next claim in its bucket finds), CREATE_ABSENT writes it unarmed (the store's
+# start), ARM_ABSENT armed from now (a claim found a loss). Tells each epoch
 # which server boot it is on: the script cache does not survive a restart, so
 # every store runs this before it loads the scripts into a server (at its
 # start, and whenever a script is missing), and no claim runs on a boot whose
@@ -263,7 +276,11 @@ local boot = now - 1000 * tonumber(string.match(info, 'uptime_in_seconds:(%d+)')
 for _, k in ipairs(epochs) do
   local epoch = redis.call('GET', k)
   if not epoch then
-    if ARGV[2] == '1' then redis.call('SET', k, '0 ' .. run) end
+    if ARGV[2] == '1' then
+      redis.call('SET', k, '0 ' .. run)
+    elseif ARGV[2] == '2' then
+      redis.call('SET', k, NOW .. ' ' .. run)
+    end
   else
     local armed, seen = string.match(epoch, '^(%d+) ?(%x*)')
     if seen ~= run then
@@ -490,6 +507,18 @@ def is_unavailable(exc: BaseException) -> bool:
     )
 
 
+def is_connection_lost(exc: BaseException) -> bool:
+    """A connection ended or refused, not a timeout: a read may be sent again on another.
+
+    redis-py's cluster client reports one as ``RedisClusterUnreachableError`` (its
+    cause the connection error) when its last topology refresh met one too."""
+    from redis import exceptions as e
+
+    if isinstance(exc, e.RedisClusterException):
+        exc = exc.__cause__ or exc
+    return isinstance(exc, e.ConnectionError)
+
+
 def raise_unavailable(exc: Exception) -> None:
     """Raise the StoreUnavailable (503) a Redis failure means; return if it means none."""
     if is_unavailable(exc):
@@ -562,6 +591,10 @@ class Layout:
         """The bucket's epoch (same slot): its absence tells the claim that data was lost."""
         return self._epochs[bucket]
 
+    def epoch_keys(self) -> list[bytes]:
+        """Every bucket's epoch, in bucket order."""
+        return list(self._epochs)
+
     def indexes(self, bucket: int) -> tuple[bytes, ...]:
         """A bucket's indexes: in_progress, stale, released, expires (all in one slot)."""
         return self._indexes[bucket]
@@ -606,6 +639,11 @@ class Layout:
             "0" if intent.correlation_id is None else "1",
             ms(quarantine),
         ]
+
+    @staticmethod
+    def found_loss(reply: Sequence[Any]) -> bool:
+        """Whether this claim was the one that found its bucket's epoch gone (a loss)."""
+        return len(reply) > 2
 
     def claimed(
         self, reply: Sequence[Any], intent: Intent, lease_token: str, now: float, expires_at: float

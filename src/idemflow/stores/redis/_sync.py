@@ -21,11 +21,16 @@ from ..._lease import new_lease_token
 from ..._model import Claim, Intent, Policy, Record, Response, State
 from ..protocol import MaintainableStore, Transaction, StoreClock, check_clock
 from ._scripts import (
+    ARM_ABSENT,
     BOOT_SCRIPTS,
+    CREATE_ABSENT,
     DEFAULT_PREFIX,
     EXPIRES,
+    KEEP_ABSENT,
     ON_CLOCK,
+    WALK_ATTEMPTS,
     StartGate,
+    is_connection_lost,
     layout_for,
     ms,
     persistence_problem,
@@ -75,14 +80,17 @@ class RedisStore(RedisObservable, MaintainableStore):
             ``ConfigurationError``: restarted, such a server forgets every
             claim, and requests in flight run a second time.
 
-    A data loss while running is detected, bucket by bucket: the store writes
-    each bucket's epoch key when it starts, with the server's boot (``INFO``'s
-    ``run_id``). A bucket whose epoch is gone (its data vanished), or was last
-    seen on another boot (the server restarted or failed over, and may have
-    lost its last writes), answers the claims that would write a record 503 +
+    A data loss while running is detected: the store writes each bucket's
+    epoch key when it starts, with the server's boot (``INFO``'s ``run_id``).
+    A bucket whose epoch is gone (its data vanished), or was last seen on
+    another boot (the server restarted or failed over, and may have lost its
+    last writes), answers the claims that would write a record 503 +
     ``Retry-After`` until the stale threshold has passed since the loss was
     found, or since the boot: no request in flight before it can run again
-    while it may still be running. Replays, 409s and 422s answer throughout.
+    while it may still be running. The first claim that finds an epoch gone
+    arms every epoch that is gone with it, so every bucket the loss took
+    opens again a threshold after that discovery. Replays, 409s and 422s
+    answer throughout.
 
     ``supports_transactions`` is False: ``Idempotency.run(…, transaction=…)``
     raises ``ConfigurationError`` before claiming anything. Run the sweeper
@@ -146,10 +154,26 @@ class RedisStore(RedisObservable, MaintainableStore):
         # try/except, not translated(): a generator context manager per call costs.
         try:
             reply = self._evalsha("claim", keys, args)
+            if self.layout.found_loss(reply):
+                self._arm_lost_buckets(args[0])
         except Exception as exc:
             raise_unavailable(exc)
             raise
         return self.layout.claimed(reply, intent, lease_token, now, expires_at)
+
+    def _arm_lost_buckets(self, now_ms: int) -> None:
+        """A claim found its bucket's epoch gone: arm every epoch that is gone from now.
+
+        A loss (a restart without persistence, ``FLUSHALL``, an empty replica
+        promoted) takes every bucket of its server (of its master, on a cluster)
+        at once. Left to each bucket's first claim, the quarantine of a bucket
+        first asked later would end that much later than the loss; armed here,
+        it ends a stale threshold after the first discovery wherever the next
+        claim falls. Any instant after the loss is safe to arm from (a claim lost
+        with the data had begun before it); an epoch still there is only told
+        the boot, as always. On a cluster, once per master (the boot script).
+        """
+        self._boot(now_ms, ARM_ABSENT)
 
     def start(self, now: float | None = None) -> None:
         """Refuse a volatile server (unless allowed), write every bucket's epoch, load the scripts.
@@ -180,19 +204,28 @@ class RedisStore(RedisObservable, MaintainableStore):
         master that restarted in between is found then (what another store
         claimed there in those milliseconds is not).
         """
-        epochs = [self.layout.epoch_key(bucket) for bucket in range(self.layout.buckets)]
-        argv = [now_ms, "1" if create else "0"]
+        absent = CREATE_ABSENT if create else KEEP_ABSENT
         if self._cluster:
-            self._boot_cluster(epochs, argv)
+            self._boot(now_ms, absent)
             for lua in self._scripts.values():
                 self.client.script_load(lua)
-            self._boot_cluster(epochs, argv)
+            self._boot(now_ms, absent)
             return
+        epochs = self.layout.epoch_keys()
         pipe = self.client.pipeline(transaction=False)
-        pipe.eval(self._boot_scripts["keys"], len(epochs), *epochs, *argv)
+        pipe.eval(self._boot_scripts["keys"], len(epochs), *epochs, now_ms, absent)
         for lua in self._scripts.values():
             pipe.script_load(lua)
         pipe.execute()
+
+    def _boot(self, now_ms: int, absent: str) -> None:
+        """The boot script on every bucket's epoch; ``absent`` says what a missing one becomes."""
+        epochs = self.layout.epoch_keys()
+        argv = [now_ms, absent]
+        if self._cluster:
+            self._boot_cluster(epochs, argv)
+        else:
+            self.client.eval(self._boot_scripts["keys"], len(epochs), *epochs, *argv)
 
     def _boot_cluster(self, epochs: list[bytes], argv: list[Any]) -> None:
         """The boot script once per master, on the epochs of the buckets it serves.
@@ -382,7 +415,29 @@ class RedisStore(RedisObservable, MaintainableStore):
     def _ask_each(
         self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
     ) -> list[Any]:
-        """One pipelined round trip: a one-key script on one index of each bucket."""
+        """One pipelined round trip: a one-key script on one index of each bucket.
+
+        A connection the server had closed while it sat idle (a node restarted,
+        its ``timeout``, ``CLIENT KILL``) fails the round trip: redis.asyncio's
+        cluster client lends one unchecked (its single-server pool checks), and
+        a client told not to retry gives up on it. Failing, it drops that
+        connection and marks its node's other idle ones; the walk only reads, so
+        it is asked again, up to :data:`WALK_ATTEMPTS` times in all (the node's
+        pool, then the one the client asks for the topology, may each hold one).
+        A server that is gone fails every attempt; a timeout is not repeated.
+        """
+        attempts = 1
+        while True:
+            try:
+                return self._ask_each_once(script, chunk, index, argv)
+            except Exception as exc:
+                if attempts == WALK_ATTEMPTS or not is_connection_lost(exc):
+                    raise
+                attempts += 1
+
+    def _ask_each_once(
+        self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
+    ) -> list[Any]:
         if self._cluster:
             self._learn_slots()  # _each names each command's node
         try:
