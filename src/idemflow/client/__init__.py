@@ -30,6 +30,7 @@ from ._retry import (
     DEFAULT_METHODS,
     DEFAULT_RETRY_STATUSES,
     OUTCOME,
+    OUTCOME_ATTRIBUTE,
     AttemptReport,
     ClientOutcome,
     Decision,
@@ -88,17 +89,18 @@ class _HasHeaders(Protocol):
     def headers(self) -> Any: ...
 
 
-def outcome(response: _HasHeaders) -> ClientOutcome | None:
+def outcome(response: object) -> ClientOutcome | None:
     """How the operation behind ``response`` went, or None if the client did not manage it.
 
-    Works on an ``httpx.Response`` (``response.extensions[OUTCOME]``) and a
-    ``requests.Response`` alike.
+    Works on an ``httpx.Response`` (``response.extensions[OUTCOME]``), a
+    ``requests.Response``, and an error a transport raised after its last
+    attempt (the request may have run: here is its key, to retry it by hand).
     """
     extensions = getattr(response, "extensions", None)
     if isinstance(extensions, Mapping):
         found = extensions.get(OUTCOME)
         return found if isinstance(found, ClientOutcome) else None
-    found = getattr(response, "_idemflow_outcome", None)
+    found = getattr(response, OUTCOME_ATTRIBUTE, None)
     return found if isinstance(found, ClientOutcome) else None
 
 

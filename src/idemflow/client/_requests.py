@@ -25,14 +25,11 @@ import requests.exceptions
 from urllib3.exceptions import NewConnectionError
 
 from ._keys import HEADER, KeyLedger
-from ._retry import Failure, Observer, Operation, Operations, RetryPolicy
+from ._retry import OUTCOME_ATTRIBUTE, Failure, Observer, Operation, Operations, RetryPolicy
 
 __all__ = ["IdempotentAdapter", "failure_of", "idempotent_session"]
 
 Timeout: TypeAlias = float | tuple[float, float] | tuple[float, None] | None
-
-#: Where the outcome is kept on a ``requests.Response`` (it has no extensions).
-OUTCOME_ATTRIBUTE = "_idemflow_outcome"
 
 
 def failure_of(error: requests.exceptions.RequestException) -> Failure:
