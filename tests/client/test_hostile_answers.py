@@ -160,10 +160,19 @@ PROBLEM_BODY = st.one_of(
     st.integers(min_value=1, max_value=5000).map(lambda n: b"[" * n),
     st.sampled_from([b'{"retryable": true, "n": ' + b"9" * 10_000 + b"}", b"\xff\xfe{\x00}\x00"]),
 )
+LOCATION = st.one_of(
+    VALUE,
+    st.sampled_from(
+        ["http://[::1", "http://a:port/", "//", "http://%zz/", "/x?" + "&" * 1000, "\\\\x"]
+    ),
+)
+REDIRECT = st.sampled_from([301, 302, 303, 307, 308])
 HEADER_NAMES = st.sampled_from(
     ["Content-Type", "Retry-After", "Idempotent-Replayed", "Location", "X-Other"]
 )
-HEADERS = st.lists(st.tuples(HEADER_NAMES, VALUE), max_size=6)
+HEADERS = st.lists(
+    st.tuples(HEADER_NAMES, VALUE) | st.tuples(st.just("Location"), LOCATION), max_size=6
+)
 
 
 def headers_of(
@@ -176,7 +185,7 @@ def headers_of(
 
 @settings(max_examples=1500, deadline=None)
 @given(
-    status=st.integers(min_value=100, max_value=999),
+    status=st.integers(min_value=100, max_value=999) | REDIRECT,
     content_type=st.none() | CONTENT_TYPE,
     retry_after=st.lists(RETRY_AFTER, max_size=3),
     extra=HEADERS,

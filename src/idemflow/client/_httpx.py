@@ -76,6 +76,9 @@ class _Keyed:
         self.operations = Operations(policy, ledger, observer)
 
     def manages(self, request: httpx.Request) -> bool:
+        """Is it the policy's? First, a redirect the key must not follow loses it here."""
+        if self.operations.stays_behind(request.headers.get_list(HEADER), str(request.url)):
+            del request.headers[HEADER]
         return self.operations.policy.manages(request.method)
 
     def start(self, request: httpx.Request, body: bytes) -> tuple[Operation, dict[str, Any]]:

@@ -53,9 +53,11 @@ from typing import TypeAlias
 from .._errors import ConfigurationError
 from .._model import Duration, seconds
 from ._keys import (
+    REDIRECT_STATUSES,
     KeyFactory,
     KeyForm,
     KeyLedger,
+    Redirect,
     SentKey,
     excerpt,
     request_fingerprint,
@@ -224,10 +226,12 @@ class Operation:
         sent: SentKey,
         deadline: Deadline | None = None,
         observer: Observer | None = None,
+        on_redirect: Callable[[int, str], None] | None = None,
     ) -> None:
         self.policy = policy
         self.sent = sent
         self._observer = observer
+        self._on_redirect = on_redirect or _no_redirect_rule
         self.attempts = 0
         self._started = policy.clock()
         chosen = policy.deadline if deadline is None else deadline  # 0 is a deadline too
@@ -258,6 +262,9 @@ class Operation:
         self._status = status
         self._replayed = is_replay(headers)
         decision = self._after_answer(status, headers, body)
+        location = headers.get("location")
+        if status in REDIRECT_STATUSES and location is not None and not decision.retry:
+            self._on_redirect(status, location)  # the library may follow: may the key go too?
         self._report(AttemptReport(self.key, self.attempts, status, None, None, decision))
         return decision
 
@@ -371,14 +378,24 @@ class Operations:
             idemflow.InvalidKey: the caller's ``Idempotency-Key`` (or a generated one) is malformed.
             KeyReusedLocally: the caller's key was sent before with another request.
         """
+        scope = scope_of(url, headers)
         sent = self.ledger.choose(
             key_values,
             self.policy.key_factory,
             self.policy.key_form,
-            scope=scope_of(url, headers),
+            scope=scope,
             fingerprint=request_fingerprint(method, url, body),
         )
-        return Operation(self.policy, sent, deadline, self.observer)
+
+        def redirected(status: int, location: str) -> None:
+            self.ledger.redirected(Redirect(scope, sent.key, method, url, body, status, location))
+
+        return Operation(self.policy, sent, deadline, self.observer, redirected)
+
+    def stays_behind(self, key_values: Sequence[str], url: str) -> bool:
+        """Must this request go without its ``Idempotency-Key`` lines? It follows a
+        redirect to another origin or with another method (:meth:`KeyLedger.redirected`)."""
+        return self.ledger.stays_behind(key_values, url)
 
 
 def is_replay(headers: Mapping[str, str]) -> bool:
@@ -456,6 +473,10 @@ def _in_flight(headers: Mapping[str, str], problem: dict[str, object] | None, sa
         return True
     kind = problem.get("type") if problem is not None else None
     return isinstance(kind, str) and kind.endswith(IN_FLIGHT_PROBLEMS)
+
+
+def _no_redirect_rule(status: int, location: str) -> None:
+    """An operation made without a ledger (tests): no rule for where its key may follow."""
 
 
 def _seconds_left(
