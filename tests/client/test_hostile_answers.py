@@ -183,7 +183,7 @@ def headers_of(
     return [*lines, *extra]
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(
     status=st.integers(min_value=100, max_value=999) | REDIRECT,
     content_type=st.none() | CONTENT_TYPE,
