@@ -76,7 +76,8 @@ class _Keyed:
         self.operations = Operations(policy, ledger, observer)
 
     def manages(self, request: httpx.Request) -> bool:
-        """Is it the policy's? First, a redirect the key must not follow loses it here."""
+        """Is it the policy's? Every request passes here, so a redirect loses here a key
+        that must not follow it (httpx copies the headers into the request it follows with)."""
         if self.operations.stays_behind(request.headers.get_list(HEADER), str(request.url)):
             del request.headers[HEADER]
         return self.operations.policy.manages(request.method)
