@@ -29,7 +29,7 @@ def run(block: str, url: str) -> dict[str, Any]:
 
 
 def test_the_page_has_the_blocks_this_test_runs() -> None:
-    assert len(BLOCKS) == 4
+    assert len(BLOCKS) == 5
 
 
 def test_the_httpx_example(demo: Demo) -> None:
@@ -55,3 +55,8 @@ def test_the_settings_example(demo: Demo) -> None:
     namespace = run(BLOCKS[3], demo.url)
     assert namespace["policy"].key_factory().startswith("pay-")
     assert namespace["transport"] is not None
+
+
+def test_the_key_after_an_error_example(demo: Demo) -> None:
+    """The demo answers (401): no error; test_hostile_answers.py raises one."""
+    run(BLOCKS[4], demo.url)

@@ -30,6 +30,7 @@ from ._retry import (
     DEFAULT_METHODS,
     DEFAULT_RETRY_STATUSES,
     OUTCOME,
+    OUTCOME_ATTRIBUTE,
     AttemptReport,
     ClientOutcome,
     Decision,
@@ -88,17 +89,30 @@ class _HasHeaders(Protocol):
     def headers(self) -> Any: ...
 
 
-def outcome(response: _HasHeaders) -> ClientOutcome | None:
+def outcome(response: object) -> ClientOutcome | None:
     """How the operation behind ``response`` went, or None if the client did not manage it.
 
-    Works on an ``httpx.Response`` (``response.extensions[OUTCOME]``) and a
-    ``requests.Response`` alike.
+    Works on an ``httpx.Response`` (``response.extensions[OUTCOME]``), a
+    ``requests.Response``, and an error a transport raised after its last
+    attempt (the request may have run: here is its key, to retry it by hand).
+    A response reached by following redirects that the client did not manage
+    (the ``GET`` after a ``303``) answers for the operation that redirected
+    (``response.history``).
     """
+    found = _outcome_of(response)
+    for earlier in reversed(getattr(response, "history", None) or ()):
+        if found is not None:
+            break
+        found = _outcome_of(earlier)
+    return found
+
+
+def _outcome_of(response: object) -> ClientOutcome | None:
     extensions = getattr(response, "extensions", None)
     if isinstance(extensions, Mapping):
         found = extensions.get(OUTCOME)
-        return found if isinstance(found, ClientOutcome) else None
-    found = getattr(response, "_idemflow_outcome", None)
+    else:
+        found = getattr(response, OUTCOME_ATTRIBUTE, None)
     return found if isinstance(found, ClientOutcome) else None
 
 

@@ -21,9 +21,10 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from typing import TypeVar
+from urllib.parse import unquote, urljoin, urlsplit
 
-from .._errors import KeyReused
+from .._errors import InvalidKey, KeyReused
 from .._key import parse_key
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "KeyForm",
     "KeyLedger",
     "KeyReusedLocally",
+    "Redirect",
     "SentKey",
     "encode_key",
     "request_fingerprint",
@@ -45,6 +47,12 @@ KeyFactory = Callable[[], str]
 
 # How much of a key an error message may quote (keys can be long; logs should not be).
 _EXCERPT = 40
+
+#: The statuses httpx and requests follow (with a ``Location``).
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+_V = TypeVar("_V")
 
 
 class KeyForm(enum.Enum):
@@ -124,6 +132,56 @@ def scope_of(url: str, headers: Mapping[str, str]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Followed:
+    """The request a client following a redirect sends: its method and absolute URL."""
+
+    method: str
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
+class Redirect:
+    """A redirect answered to a request sent with ``key``: what the library may send next."""
+
+    scope: str
+    key: str
+    method: str
+    url: str
+    body: bytes
+    status: int
+    location: str
+
+    def followed(self) -> Followed:
+        """What httpx and requests both send: ``303`` (and ``302``) turn into ``GET``
+        (a ``HEAD`` stays one), ``301`` turns a ``POST`` into ``GET``, ``307``/``308``
+        keep the method (and the body)."""
+        method = self.method.upper()
+        if (self.status in (302, 303) and method != "HEAD") or (
+            self.status == 301 and method == "POST"
+        ):
+            method = "GET"
+        return Followed(method, urljoin(self.url, self.location.strip()))
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """Scheme, host and port: two URLs differing in any of them are two origins."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:  # a port that is no number: no origin shares it
+        return (scheme, parts.netloc.lower(), -1)
+    return (scheme, (parts.hostname or "").lower(), port or _DEFAULT_PORTS.get(scheme))
+
+
+def _comparable(url: str) -> str:
+    """A URL as two libraries may both write it: origin, path and query, unescaped."""
+    parts = urlsplit(url)
+    scheme, host, port = _origin(url)
+    return f"{scheme}://{host}:{port}{unquote(parts.path) or '/'}?{unquote(parts.query)}"
+
+
+@dataclass(frozen=True, slots=True)
 class SentKey:
     """The key one operation sends: its value, and whether the caller chose it."""
 
@@ -149,7 +207,11 @@ class KeyLedger:
             msg = "the key ledger's capacity must be at least 1"
             raise ValueError(msg)
         self._capacity = capacity
-        self._sent: OrderedDict[tuple[str, str], str] = OrderedDict()
+        #: (scope, key) -> the fingerprints of the requests it may be sent with: one, and
+        #: each same-origin, same-method redirect of it.
+        self._sent: OrderedDict[tuple[str, str], frozenset[str]] = OrderedDict()
+        #: (key, URL) a redirect pointed to where following it must not carry the key.
+        self._stays: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -179,16 +241,60 @@ class KeyLedger:
         self._remember(scope, sent.key, fingerprint)
         return sent
 
+    def redirected(self, redirect: Redirect) -> None:
+        """An answer to a request sent with ``redirect.key`` redirects; the library may follow.
+
+        A redirect that keeps the method and the origin (a ``307``/``308`` to the same
+        server) asks for the same request elsewhere: the same operation, so the request
+        that follows may carry the key (accepted here with its new URL). Any other (the
+        method turned into ``GET``, another origin) makes a request that is not the
+        operation, or goes to a server the key was not meant for: remembered, so that
+        :meth:`stays_behind` drops the key from the request that follows.
+        """
+        try:
+            follows = redirect.followed()
+            same_origin = _origin(follows.url) == _origin(redirect.url)
+            target = _comparable(follows.url)
+        except ValueError:  # a Location no URL parser reads: no library follows it
+            return
+        if same_origin and follows.method == redirect.method.upper():
+            fingerprint = request_fingerprint(follows.method, follows.url, redirect.body)
+            with self._lock:
+                known = self._sent.get((redirect.scope, redirect.key), frozenset())
+                self._keep(self._sent, (redirect.scope, redirect.key), known | {fingerprint})
+            return
+        with self._lock:
+            self._keep(self._stays, (redirect.key, target), None)
+
+    def stays_behind(self, values: Sequence[str], url: str) -> bool:
+        """Does this request (its ``Idempotency-Key`` lines, its URL) follow a redirect the
+        key must not follow (:meth:`redirected`)? Never raises: any method, any header."""
+        if not values:
+            return False
+        try:
+            key = parse_key(values)
+            target = _comparable(url)
+        except (InvalidKey, ValueError):  # not a key this client sent, or not a URL it sent to
+            return False
+        with self._lock:
+            return (key, target) in self._stays
+
     def _remember(self, scope: str, key: str, fingerprint: str) -> None:
         with self._lock:
             known = self._sent.get((scope, key))
-            if known is not None and known != fingerprint:
+            if known is not None and fingerprint not in known:
                 msg = (
                     f"Idempotency-Key {excerpt(key)} was already sent by this client with a "
                     "different request (method, URL or body); use a new key for a new request"
                 )
                 raise KeyReusedLocally(msg)
-            self._sent[(scope, key)] = fingerprint
-            self._sent.move_to_end((scope, key))
-            while len(self._sent) > self._capacity:
-                self._sent.popitem(last=False)
+            self._keep(self._sent, (scope, key), known or frozenset({fingerprint}))
+
+    def _keep(
+        self, memory: OrderedDict[tuple[str, str], _V], at: tuple[str, str], value: _V
+    ) -> None:
+        """Store ``value``, most recently used, forgetting the oldest past the capacity."""
+        memory[at] = value
+        memory.move_to_end(at)
+        while len(memory) > self._capacity:
+            memory.popitem(last=False)

@@ -25,14 +25,11 @@ import requests.exceptions
 from urllib3.exceptions import NewConnectionError
 
 from ._keys import HEADER, KeyLedger
-from ._retry import Failure, Observer, Operation, Operations, RetryPolicy
+from ._retry import OUTCOME_ATTRIBUTE, Failure, Observer, Operation, Operations, RetryPolicy
 
 __all__ = ["IdempotentAdapter", "failure_of", "idempotent_session"]
 
 Timeout: TypeAlias = float | tuple[float, float] | tuple[float, None] | None
-
-#: Where the outcome is kept on a ``requests.Response`` (it has no extensions).
-OUTCOME_ATTRIBUTE = "_idemflow_outcome"
 
 
 def failure_of(error: requests.exceptions.RequestException) -> Failure:
@@ -83,6 +80,9 @@ class IdempotentAdapter(requests.adapters.HTTPAdapter):
         cert: bytes | str | tuple[bytes | str, bytes | str] | None = None,
         proxies: Mapping[str, str] | None = None,
     ) -> requests.Response:
+        caller = request.headers.get(HEADER)
+        if caller is not None and self._operations.stays_behind([caller], request.url or ""):
+            del request.headers[HEADER]  # a redirect the key must not follow
         if not self._operations.policy.manages(request.method or ""):
             return super().send(request, stream, timeout, verify, cert, proxies)
         operation = self._start(request)

@@ -42,6 +42,7 @@ import enum
 import json
 import math
 import random
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,9 +53,11 @@ from typing import TypeAlias
 from .._errors import ConfigurationError
 from .._model import Duration, seconds
 from ._keys import (
+    REDIRECT_STATUSES,
     KeyFactory,
     KeyForm,
     KeyLedger,
+    Redirect,
     SentKey,
     excerpt,
     request_fingerprint,
@@ -66,6 +69,7 @@ __all__ = [
     "DEFAULT_METHODS",
     "DEFAULT_RETRY_STATUSES",
     "OUTCOME",
+    "OUTCOME_ATTRIBUTE",
     "AttemptReport",
     "ClientOutcome",
     "Deadline",
@@ -77,6 +81,7 @@ __all__ = [
     "RetryPolicy",
     "is_replay",
     "parse_retry_after",
+    "read_problem",
 ]
 
 #: Methods that get a key and the retry loop; others pass through untouched.
@@ -85,6 +90,8 @@ DEFAULT_METHODS = frozenset({"POST", "PATCH"})
 DEFAULT_RETRY_STATUSES = frozenset({408, 409, 425, 429, 502, 503, 504})
 #: Where a transport puts the :class:`ClientOutcome` (httpx ``response.extensions``).
 OUTCOME = "idemflow.client"
+#: Where it is kept on what has no extensions: a ``requests.Response``, an error raised.
+OUTCOME_ATTRIBUTE = "_idemflow_outcome"
 #: A per-request deadline: seconds, a ``timedelta``, or a function returning the
 #: seconds left (a deadline that moves, e.g. extended while a service restarts).
 Deadline: TypeAlias = Duration | Callable[[], float]
@@ -92,6 +99,13 @@ Deadline: TypeAlias = Duration | Callable[[], float]
 REPLAYED_HEADER = "idempotent-replayed"
 #: Problem types (RFC 9457) that mean "the first request with this key is in flight".
 IN_FLIGHT_PROBLEMS = ("/in-progress", "/lease-lost")
+#: A problem body longer than this is not read (a problem is a few hundred bytes).
+MAX_PROBLEM_BYTES = 64 * 1024
+#: Nor one nested deeper than this (a problem is flat; the JSON parser recurses per level).
+MAX_PROBLEM_DEPTH = 32
+#: A JSON string (skipped whole, escapes included; one left open runs to the end, so no
+#: input makes the scan quadratic) or one bracket.
+_STRUCTURE = re.compile(rb'"(?:[^"\\]|\\.)*"?|[\[\]{}]', re.DOTALL)
 
 
 class Failure(enum.Enum):
@@ -212,10 +226,12 @@ class Operation:
         sent: SentKey,
         deadline: Deadline | None = None,
         observer: Observer | None = None,
+        on_redirect: Callable[[int, str], None] | None = None,
     ) -> None:
         self.policy = policy
         self.sent = sent
         self._observer = observer
+        self._on_redirect = on_redirect or _no_redirect_rule
         self.attempts = 0
         self._started = policy.clock()
         chosen = policy.deadline if deadline is None else deadline  # 0 is a deadline too
@@ -246,6 +262,9 @@ class Operation:
         self._status = status
         self._replayed = is_replay(headers)
         decision = self._after_answer(status, headers, body)
+        location = headers.get("location")
+        if status in REDIRECT_STATUSES and location is not None and not decision.retry:
+            self._on_redirect(status, location)  # the library may follow: may the key go too?
         self._report(AttemptReport(self.key, self.attempts, status, None, None, decision))
         return decision
 
@@ -260,6 +279,8 @@ class Operation:
             decision = self._retry(self._jitter(), failure.value)
         self._report(AttemptReport(self.key, self.attempts, None, failure, error, decision))
         if error is not None and not decision.retry:
+            # The request may have run: the caller needs the key to retry it by hand.
+            setattr(error, OUTCOME_ATTRIBUTE, self.outcome())
             error.add_note(
                 f"idemflow.client: Idempotency-Key {excerpt(self.key)}, "
                 f"{self.attempts} attempt(s): {decision.reason}"
@@ -299,7 +320,7 @@ class Operation:
         ``true`` marks a 409 as in flight and a 5xx as transient. It never
         turns a settled 4xx into a retry.
         """
-        problem = _problem(headers, body)
+        problem = read_problem(headers, body)
         says = problem.get("retryable") if problem is not None else None
         if says is False:
             return False
@@ -357,14 +378,24 @@ class Operations:
             idemflow.InvalidKey: the caller's ``Idempotency-Key`` (or a generated one) is malformed.
             KeyReusedLocally: the caller's key was sent before with another request.
         """
+        scope = scope_of(url, headers)
         sent = self.ledger.choose(
             key_values,
             self.policy.key_factory,
             self.policy.key_form,
-            scope=scope_of(url, headers),
+            scope=scope,
             fingerprint=request_fingerprint(method, url, body),
         )
-        return Operation(self.policy, sent, deadline, self.observer)
+
+        def redirected(status: int, location: str) -> None:
+            self.ledger.redirected(Redirect(scope, sent.key, method, url, body, status, location))
+
+        return Operation(self.policy, sent, deadline, self.observer, redirected)
+
+    def stays_behind(self, key_values: Sequence[str], url: str) -> bool:
+        """Must this request go without its ``Idempotency-Key`` lines? It follows a
+        redirect to another origin or with another method (:meth:`KeyLedger.redirected`)."""
+        return self.ledger.stays_behind(key_values, url)
 
 
 def is_replay(headers: Mapping[str, str]) -> bool:
@@ -386,22 +417,50 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
         return float(text)
     try:
         when = parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError):
+        if when.tzinfo is None:  # asctime carries no zone: HTTP dates are GMT
+            when = when.replace(tzinfo=UTC)
+        wait = when.timestamp() - now
+    except (TypeError, ValueError, IndexError, OverflowError):  # any value a server sends
         return None
-    if when.tzinfo is None:  # asctime carries no zone: HTTP dates are GMT
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, when.timestamp() - now)
+    return max(0.0, wait) if math.isfinite(wait) else None
 
 
-def _problem(headers: Mapping[str, str], body: bytes) -> dict[str, object] | None:
-    """The RFC 9457 problem in the body, or None (only ``application/problem+json`` is read)."""
-    if "problem+json" not in (headers.get("content-type") or ""):
+def read_problem(headers: Mapping[str, str], body: bytes) -> dict[str, object] | None:
+    """The RFC 9457 problem an answer carries, or None: any body this cannot read is no problem.
+
+    An answer is read after the request may have run, from a server that may be
+    broken or hostile, so reading it must never raise: only an
+    ``application/problem+json`` body (one media type, any parameters) of at most
+    :data:`MAX_PROBLEM_BYTES` and :data:`MAX_PROBLEM_DEPTH` levels of nesting
+    (counted before parsing: the parser recurses per level) in UTF-8 is parsed.
+    """
+    if _media_type(headers.get("content-type")) != "application/problem+json":
+        return None
+    if len(body) > MAX_PROBLEM_BYTES or _nesting(body) > MAX_PROBLEM_DEPTH:
         return None
     try:
-        problem = json.loads(body)
-    except ValueError:
+        problem = json.loads(body.decode("utf-8"))
+    except (ValueError, RecursionError):  # RecursionError: the caller's own stack was deep
         return None
     return problem if isinstance(problem, dict) else None
+
+
+def _media_type(value: str | None) -> str:
+    """``type/subtype`` of a ``Content-Type``, lower-cased; repeated headers join with a comma."""
+    return (value or "").split(";", 1)[0].strip().lower()
+
+
+def _nesting(body: bytes) -> int:
+    """How deep arrays and objects nest in ``body`` (strings skipped), found without recursion."""
+    depth = deepest = 0
+    for token in _STRUCTURE.finditer(body):
+        bracket = token[0]
+        if bracket in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif bracket in (b"]", b"}"):
+            depth -= 1
+    return deepest
 
 
 def _in_flight(headers: Mapping[str, str], problem: dict[str, object] | None, says: object) -> bool:
@@ -414,6 +473,10 @@ def _in_flight(headers: Mapping[str, str], problem: dict[str, object] | None, sa
         return True
     kind = problem.get("type") if problem is not None else None
     return isinstance(kind, str) and kind.endswith(IN_FLIGHT_PROBLEMS)
+
+
+def _no_redirect_rule(status: int, location: str) -> None:
+    """An operation made without a ledger (tests): no rule for where its key may follow."""
 
 
 def _seconds_left(
