@@ -410,7 +410,13 @@ async def key_reuse(run: Run) -> Verdict:
 
 
 async def _at_once(run: Run, key: str, bodies: Sequence[int]) -> list[httpx.Response]:
-    return list(await asyncio.gather(*(run.send(key, n) for n in bodies)))
+    """One request per body under ``key``, all at once; every one is awaited, so no
+    request outlives the check even when another failed."""
+    answers = await asyncio.gather(*(run.send(key, n) for n in bodies), return_exceptions=True)
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            raise answer
+    return [answer for answer in answers if isinstance(answer, httpx.Response)]
 
 
 def _judge_race(
