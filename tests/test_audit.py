@@ -67,7 +67,7 @@ def test_every_check_passes_against_the_demo_over_http(tmp_path: Path) -> None:
         )
     assert done.returncode == 0, done.stdout + done.stderr
     # Before it starts, what it will send and how many requests (on stderr).
-    assert "13 checks, at most 80 requests" in done.stderr
+    assert "13 checks, at most 82 requests" in done.stderr
     assert "Bearer" not in done.stderr  # credentials are not printed
     report = json.loads(done.stdout)
     assert set(report) == {"target", "checks", "summary"}
