@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urljoin, urlsplit
 from xml.etree import ElementTree
 
@@ -31,6 +31,7 @@ with optional("idemflow.audit"):
 __all__ = ["CHECKS", "CheckResult", "Report", "audit", "audit_async", "plan"]
 
 Result = Literal["pass", "fail", "skip", "info"]
+T = TypeVar("T")
 
 #: Answers a client retries with the same key: a transient failure, never stored.
 TRANSIENT = frozenset({408, 429, 502, 503, 504})
@@ -212,6 +213,13 @@ class Run:
             raise AuditError(msg)
         return _count_in(response)
 
+    async def counting(self, step: Awaitable[T]) -> tuple[T, int | None]:
+        """``step``'s result, and how many executions it caused (None: not counted)."""
+        before = await self.count()
+        result = await step
+        after = await self.count()
+        return result, None if before is None or after is None else after - before
+
     async def settled(self) -> tuple[httpx.Response, httpx.Response, int | None]:
         """A request that succeeded and its duplicate sent after it completed, and how
         many executions the duplicate caused (None: not counted). Shared by the
@@ -219,10 +227,7 @@ class Run:
         if self._settled is None:
             key, n = self.new_key(), self.new_n()
             first = (await self.execute(key, n))[-1]
-            before = await self.count()
-            replay = await self.send(key, n)
-            after = await self.count()
-            ran = None if before is None or after is None else after - before
+            replay, ran = await self.counting(self.send(key, n))
             self._settled = (first, replay, ran)
         return self._settled
 
@@ -447,21 +452,15 @@ def _judge_race(
 @check("concurrent-duplicates-one-execution", lambda e: e.concurrency)
 async def concurrent_duplicates(run: Run) -> Verdict:
     key, n = run.new_key(), run.new_n()
-    before = await run.count()
-    responses = await _at_once(run, key, [n] * run.endpoint.concurrency)
-    after = await run.count()
-    ran = None if before is None or after is None else after - before
+    responses, ran = await run.counting(_at_once(run, key, [n] * run.endpoint.concurrency))
     wrong, seen = _judge_race(responses, ran, frozenset({409}))
     return ("fail", f"{seen}: " + "; ".join(wrong)) if wrong else ("pass", seen)
 
 
 @check("concurrent-other-bodies-one-success", lambda e: e.concurrency)
 async def concurrent_other_bodies(run: Run) -> Verdict:
-    key = run.new_key()
-    before = await run.count()
-    responses = await _at_once(run, key, [run.new_n() for _ in range(run.endpoint.concurrency)])
-    after = await run.count()
-    ran = None if before is None or after is None else after - before
+    bodies = [run.new_n() for _ in range(run.endpoint.concurrency)]
+    responses, ran = await run.counting(_at_once(run, run.new_key(), bodies))
     wrong, seen = _judge_race(responses, ran, frozenset({409, 422}))
     return ("fail", f"{seen}: " + "; ".join(wrong)) if wrong else ("pass", seen)
 
@@ -532,10 +531,8 @@ async def principal_isolation(run: Run) -> Verdict:
     first = (await run.execute(key, n))[-1]
     if not _ok(first):
         return "skip", "no first request succeeded (see first-request-succeeds)"
-    before = await run.count()
-    other = (await run.execute(key, n, principal=2))[-1]
-    after = await run.count()
-    ran = None if before is None or after is None else after - before
+    answers, ran = await run.counting(run.execute(key, n, principal=2))
+    other = answers[-1]
     seen = f"the second principal, same key and body: {other.status_code}" + _counted(ran)
     if not _ok(other):
         return "fail", f"{seen}: the key is shared across principals, it must run as its own"
