@@ -46,6 +46,7 @@ def assert_all_pass(report: Report) -> None:
     assert verdicts(report) == expected, report.table()
 
 
+@pytest.mark.slow  # a real demo, each charge held a second
 def test_every_check_passes_against_the_demo_over_http(tmp_path: Path) -> None:
     """The command line against a real ``idemflow demo`` (its provider slowed to 1 s a
     charge, for the in-flight check; its ledger counts executions): every check passes,
