@@ -50,6 +50,8 @@ class Reference:
     releases_transient: bool = True  # False: a 503 is stored and replayed
     replays_bytes: bool = True  # False: a replay re-serialises the stored JSON
     fingerprints: bool = True  # False: the body is not compared
+    #: A busy server: the first slow request waits this long before it claims.
+    first_slow_claim_delay: float = 0.0
     records: dict[Any, Record] = field(default_factory=dict)
     executions: int = 0
     downstream_failed_once: bool = False
@@ -92,6 +94,9 @@ class Reference:
         canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
         fingerprint = hashlib.sha256(canonical.encode()).hexdigest() if self.fingerprints else ""
         where = (principal, keys[0]) if self.scoped_by_principal else keys[0]
+        if isinstance(value, dict) and value.get("slow") and self.first_slow_claim_delay:
+            delay, self.first_slow_claim_delay = self.first_slow_claim_delay, 0.0
+            await asyncio.sleep(delay)  # the busy server's queue
         record = self.records.get(where)
         if record is None and not self.atomic_claim:
             await asyncio.sleep(RACE_WINDOW_SECONDS)  # the check-then-act window

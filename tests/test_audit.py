@@ -124,6 +124,16 @@ def test_each_broken_variant_fails_exactly_its_checks(mutant: str, counted: bool
 REPLAY_CHECKS = {"replay-same-status-and-body", "replay-marked"}
 
 
+def test_a_duplicate_that_overtakes_the_slow_request_is_tried_again() -> None:
+    """On a busy server the duplicate may claim before the slow request it follows
+    (which then gets the 409): not a held duplicate, so the in-flight check tries
+    again with a longer head start, and passes."""
+    busy = Reference(first_slow_claim_delay=0.3, downstream_failed_once=True)
+    report = audit("/things", asgi=busy, only=["in-flight-409-retry-after"], **REFERENCE)
+
+    assert verdicts(report) == {"in-flight-409-retry-after": "pass"}, report.table()
+
+
 def flask_app() -> Any:
     """idemflow's own Flask integration on a memory store: a WSGI app."""
     from flask import Flask, request
