@@ -128,6 +128,8 @@ STORE_PATHS = [
     ("idemflow.tracing", ["AsyncTracedIdempotency", "TracedIdempotency", "TracingObserver"]),
     ("idemflow.tracing", ["linked_context", "traced", "traceparent"]),
     ("idemflow.edge", ["AsyncEdge", "Edge", "HTTPRequest", "pooled_transaction"]),
+    # The conformance kit (issue 35).
+    ("idemflow.audit", ["CHECKS", "CheckResult", "Report", "audit", "audit_async", "plan"]),
 ]
 
 

@@ -21,7 +21,7 @@ from .._errors import IdempotencyError
 __all__ = ["main"]
 
 #: Command modules, in the order ``--help`` lists them.
-COMMANDS = ["_migrate", "_sweep", "_inspect", "_stats", "_purge", "_demo", "_storm"]
+COMMANDS = ["_migrate", "_sweep", "_inspect", "_stats", "_purge", "_demo", "_storm", "_audit"]
 
 EXIT_FAILURE = 1
 
