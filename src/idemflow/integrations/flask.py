@@ -338,24 +338,31 @@ class Idempotency:
     def _respond(
         self, state: _State, http: HTTPRequest, view: Callable[[], Any], edge: Edge
     ) -> FlaskResponse:
-        ran: list[tuple[FlaskResponse, Response]] = []
+        made: list[FlaskResponse] = []
+        read: list[Response] = []
 
-        def handler(attempt: Any) -> Response:
-            original = current_app.make_response(view())
-            converted = from_flask(original)
-            ran.append((original, converted))
-            return converted
+        def reader(returned: Any) -> Response:
+            # After the view ran, on the edge's side of the line: what fails here (a
+            # value Flask makes no response of, a streamed body) never releases the key
+            # where the view's effect stays (no transaction): a response-not-stored marker.
+            original = current_app.make_response(returned)
+            made.append(original)
+            read.append(from_flask(original))
+            return read[0]
 
         answer = edge.respond(
             http,
-            handler,
+            lambda attempt: view(),
             transaction=self._transactions(),
             single_commit=state.single_commit,
+            read=reader,
         )
-        if ran and answer.body is ran[0][1].body and answer.status == ran[0][1].status:
-            original = ran[0][0]  # the first execution: the view's own response, cookies and all
+        if read and answer.body is read[0].body and answer.status == read[0].status:
+            original = made[0]  # the first execution: the view's own response, cookies and all
             original.headers.setdefault(REQUEST_ID_HEADER, http.request_id)
             return original
+        for unsent in made:
+            unsent.close()  # its file, its generator (and the context it holds) closed now
         return to_flask(answer)
 
     def _transactions(self) -> TransactionFactory | None:
@@ -433,14 +440,20 @@ def _body(limit: int) -> bytes:
 
 
 def from_flask(response: FlaskResponse) -> Response:
-    """A Flask response with its body in memory as an idemflow Response."""
+    """A Flask response with its body in memory as an idemflow Response.
+
+    A streamed or ``direct_passthrough`` (``send_file``) one is refused with
+    ``ResponseNotStorable``, which carries its status and headers: without a
+    transaction the key is settled with a ``response-not-stored`` marker naming
+    them, never released (the view ran); with one it rolls back (a 500).
+    """
+    headers = tuple((k, v) for k, v in response.headers.items() if k.lower() != "content-length")
     if response.is_streamed or response.direct_passthrough:
         msg = (
             "the view streams its response, which cannot be stored for replay; "
             "return a body in memory from protected views"
         )
-        raise ResponseNotStorable(msg)
-    headers = tuple((k, v) for k, v in response.headers.items() if k.lower() != "content-length")
+        raise ResponseNotStorable(msg, response=Response(response.status_code, b"", headers))
     return Response(response.status_code, response.get_data(), headers)
 
 
