@@ -68,7 +68,7 @@ from .._errors import (
     ResponseNotStorable,
 )
 from .._extras import optional
-from .._model import Response
+from .._model import Response, Verdict
 from ..edge import (
     OUTCOME_SLOT,
     REQUEST_ID_HEADER,
@@ -584,13 +584,21 @@ class IdempotencyMiddleware:
 
         async def operation(attempt: AsyncAttempt) -> Response:
             buffer = _ResponseBuffer(self.edge.options.max_response_bytes)
-            # Where an app that answers its own exceptions reports an OutcomeUnknown.
+            # Where an app that answers its own exceptions reports an OutcomeUnknown;
+            # one made while it ran and then failed is raised too, reported or not.
             slot = scope[OUTCOME_SLOT] = OutcomeSlot()
             try:
-                await self.app(scope, _replaying(body, receive), buffer.send)
+                with slot.watching():
+                    await self.app(scope, _replaying(body, receive), buffer.send)
+            except Exception:
+                slot.raise_made()
+                raise
             finally:
                 slot.raise_reported()
-            return buffer.response(classify)
+            response = buffer.response(classify)
+            if classify(response) is Verdict.TRANSIENT:
+                slot.raise_made()  # Django's ASGI handler's own 500 for it, say
+            return response
 
         return operation
 
@@ -686,9 +694,13 @@ class _ResponseBuffer:
             self._other = kind
 
     def response(self, classify: Callable[[Response], Any]) -> Response:
-        """The app's response; a :func:`~idemflow._http.not_stored` marker if not whole."""
+        """The app's response; a :func:`~idemflow._http.not_stored` marker if not whole.
+
+        Never raises: the app has run, and what it did stays (no transaction).
+        """
         if self._start is None:
-            raise RuntimeError("the endpoint returned without sending a response")
+            why = "the endpoint returned without sending a response"
+            return not_stored(None, why, Verdict.FAILED_PERMANENT)
         headers = tuple(
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in self._start.get("headers", ())
