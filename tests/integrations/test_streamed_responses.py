@@ -12,6 +12,7 @@ where it committed the key must be settled, never released.
 from __future__ import annotations
 
 import contextlib
+import io
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,3 +113,238 @@ def test_flask_without_a_transaction_runs_a_streamed_view_once_and_settles_the_k
     for retry in retries:
         assert (retry.status_code, retry.data) == (500, first.data)
         assert retry.headers["Idempotent-Replayed"] == "true"
+
+
+def test_flask_without_a_transaction_settles_a_view_whose_value_flask_cannot_answer(
+    tmp_path: Path,
+) -> None:
+    """A view that ran and returned what Flask makes no response of (None): Flask's own
+    ``TypeError`` came after the view ran, so it settles the key with the marker (its status
+    unknown), ``failed_permanent``; before, it released and every retry ran the view again."""
+    from flask import Flask
+
+    from idemflow.integrations.flask import Idempotency
+
+    with sqlite_keys(tmp_path) as (path, store):
+        app = Flask(__name__)
+        idem = Idempotency(app, store=store, principal=lambda: "alice")
+
+        @app.post("/payments")
+        @idem.protect
+        def pay() -> Any:
+            with contextlib.closing(sqlite3.connect(path)) as conn:
+                conn.execute("INSERT INTO payment (note) VALUES ('charged')")
+                conn.commit()
+            return None
+
+        client = app.test_client()
+        headers = {"Idempotency-Key": "k-none"}
+        answers = [client.post("/payments", json={"amount": 10}, headers=headers) for _ in "123"]
+        record = store.get("alice", "k-none")
+
+    assert payments(path) == 1
+    assert record is not None
+    assert record.state is State.FAILED_PERMANENT
+    problem = answers[0].get_json()
+    assert (answers[0].status_code, problem["type"], problem["original_status"]) == (
+        500,
+        NOT_STORED,
+        None,
+    )
+    assert [answer.headers.get("Idempotent-Replayed") for answer in answers] == [
+        None,
+        "true",
+        "true",
+    ]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_flask_in_a_transaction_rolls_a_streamed_view_back_and_releases(
+    kind: str, tmp_path: Path
+) -> None:
+    """``transaction=`` (as ``db=``): the view's writes are in the session the completion is
+    written in, so an answer that cannot be stored rolls them back with it: the 500
+    ``response-not-storable`` problem and the key released. Each retry runs the view again,
+    and no run's effect is ever committed."""
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from flask import Flask, g
+    from sqlalchemy.orm import Session
+
+    from idemflow.integrations.flask import Idempotency
+    from idemflow.transactions import SQLAlchemyTransaction
+
+    with sqlite_keys(tmp_path) as (path, store):
+        engine = sqlalchemy.create_engine(f"sqlite:///{path}")
+        app = Flask(__name__)
+
+        @contextlib.contextmanager
+        def session_transaction() -> Iterator[SQLAlchemyTransaction]:
+            with Session(engine) as session:
+                g.session = session
+                yield SQLAlchemyTransaction(session)
+
+        idem = Idempotency(
+            app, store=store, transaction=session_transaction, principal=lambda: "alice"
+        )
+
+        @app.post("/payments")
+        @idem.protect
+        def pay() -> Any:
+            g.session.execute(sqlalchemy.text("INSERT INTO payment (note) VALUES ('charged')"))
+            return flask_answer(kind, tmp_path)
+
+        client = app.test_client()
+        headers = {"Idempotency-Key": f"k-{kind}"}
+        answers = [client.post("/payments", json={"amount": 10}, headers=headers) for _ in "123"]
+        record = store.get("alice", f"k-{kind}")
+        engine.dispose()
+
+    assert payments(path) == 0
+    assert record is not None
+    assert record.state is State.RELEASED
+    for answer in answers:
+        assert answer.status_code == 500
+        assert answer.get_json()["type"].endswith("/response-not-storable")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_flask_behind_the_wsgi_middleware_stores_a_streamed_view_whole(
+    kind: str, tmp_path: Path
+) -> None:
+    """The same views behind the generic WSGI middleware: it reads the streamed body to its
+    end (a file, a generator, server-sent events), stores it and replays it; the view ran
+    once."""
+    import httpx
+    from flask import Flask
+
+    from idemflow import Idempotency, Policy
+    from idemflow.integrations.wsgi import IdempotencyMiddleware
+
+    calls: list[int] = []
+    app = Flask(__name__)
+
+    @app.post("/payments")
+    def pay() -> Any:
+        calls.append(1)
+        return flask_answer(kind, tmp_path)
+
+    with sqlite_keys(tmp_path) as (_, store):
+        protected = IdempotencyMiddleware(
+            app.wsgi_app,
+            idempotency=Idempotency(store, Policy(request_timeout=5)),
+            endpoints=["POST /payments"],
+            principal=lambda environ: "carol",
+        )
+        transport = httpx.WSGITransport(app=protected)
+        with httpx.Client(transport=transport, base_url="http://shop") as client:
+            headers = {"Idempotency-Key": f"k-{kind}"}
+            answers = [client.post("/payments", content=b"{}", headers=headers) for _ in "123"]
+        record = store.get("carol", f"k-{kind}")
+
+    assert calls == [1]
+    assert record is not None
+    assert record.state is State.COMPLETED
+    first, *retries = answers
+    assert first.status_code in (200, 201)
+    assert first.content == (b"receipt" if kind == "file" else first.content)
+    assert first.content
+    for retry in retries:
+        assert (retry.status_code, retry.content) == (first.status_code, first.content)
+
+
+def _plain_app(kind: str, calls: list[int]) -> Any:
+    """A bare WSGI app answering ``kind``: a generator body, the server's file wrapper,
+    server-sent events, or no ``start_response`` at all."""
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        calls.append(1)
+        if kind == "none":
+            return [b"forgot to start the response"]
+        if kind == "file":
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            wrapper = environ.get("wsgi.file_wrapper")
+            receipt = io.BytesIO(b"receipt")
+            return wrapper(receipt) if wrapper is not None else iter([receipt.read()])
+        content_type = "text/event-stream" if kind == "sse" else "text/plain"
+        start_response("201 Created", [("Content-Type", content_type)])
+        return (chunk for chunk in [b"data: charged\n\n", b"data: done\n\n"])
+
+    return app
+
+
+@pytest.mark.parametrize("kind", ["generator", "file", "sse", "none"])
+def test_a_bare_wsgi_app_behind_the_middleware_runs_once_whatever_it_answers(
+    kind: str, tmp_path: Path
+) -> None:
+    """A generator body, a file through ``wsgi.file_wrapper``, server-sent events: stored
+    whole and replayed. An app that never called ``start_response`` ran all the same:
+    before, reading its answer raised after it ran and released the key (every retry ran it
+    again); now the key is settled with the marker, its status unknown."""
+    from wsgiref.util import FileWrapper
+
+    import httpx
+
+    from idemflow import Idempotency, Policy
+    from idemflow.integrations.wsgi import IdempotencyMiddleware
+
+    calls: list[int] = []
+    with sqlite_keys(tmp_path) as (_, store):
+        protected = IdempotencyMiddleware(
+            _plain_app(kind, calls),
+            idempotency=Idempotency(store, Policy(request_timeout=5)),
+            endpoints=["POST /payments"],
+            principal=lambda environ: "carol",
+        )
+
+        def server(environ: dict[str, Any], start_response: Any) -> Any:
+            environ["wsgi.file_wrapper"] = FileWrapper
+            return protected(environ, start_response)
+
+        transport = httpx.WSGITransport(app=server)
+        with httpx.Client(transport=transport, base_url="http://shop") as client:
+            headers = {"Idempotency-Key": f"k-{kind}"}
+            answers = [client.post("/payments", content=b"{}", headers=headers) for _ in "123"]
+        record = store.get("carol", f"k-{kind}")
+
+    assert calls == [1]
+    assert record is not None
+    first, *retries = answers
+    if kind == "none":
+        assert record.state is State.FAILED_PERMANENT
+        assert (first.status_code, first.json()["type"]) == (500, NOT_STORED)
+    else:
+        assert record.state is State.COMPLETED
+        expected = b"receipt" if kind == "file" else b"data: charged\n\ndata: done\n\n"
+        assert first.content == expected
+    for retry in retries:
+        assert (retry.status_code, retry.content) == (first.status_code, first.content)
+        assert retry.headers["idempotent-replayed"] == "true"
+
+
+def test_run_without_a_transaction_never_releases_an_answer_it_cannot_store(
+    tmp_path: Path,
+) -> None:
+    """``run()`` without ``transaction=``: a handler that answers a body the store cannot
+    hold (a generator, not bytes) ran; the completion fails after it, and the key stays
+    claimed for the sweeper (retries 409), never released for a second run."""
+    from idemflow import Idempotency, InProgress, Intent, Policy, Response
+
+    calls: list[int] = []
+
+    def handler(attempt: Any) -> Response:
+        calls.append(1)
+        return Response(200, (chunk for chunk in [b"charged"]), ())  # type: ignore[arg-type]
+
+    with sqlite_keys(tmp_path) as (_, store):
+        idem = Idempotency(store, Policy(request_timeout=5))
+        intent = Intent("alice", "k-run", "fingerprint")
+        with pytest.raises(sqlite3.ProgrammingError, match="generator"):
+            idem.run(intent, handler)
+        for _ in "12":
+            with pytest.raises(InProgress):
+                idem.run(intent, handler)
+        record = store.get("alice", "k-run")
+
+    assert calls == [1]
+    assert record is not None
+    assert record.state is State.IN_PROGRESS
