@@ -348,3 +348,148 @@ def test_run_without_a_transaction_never_releases_an_answer_it_cannot_store(
     assert calls == [1]
     assert record is not None
     assert record.state is State.IN_PROGRESS
+
+
+# --- Django: every door runs the view in a transaction that rolls a streamed answer back ---
+
+DJANGO_KINDS = ["streamed", "file", "generator", "sse", "async-iterator"]
+
+
+def django_answer(kind: str, tmp_path: Path) -> Any:
+    """What a Django view returns for ``kind``: each one a body Django streams (or, for
+    ``generator``, a bare generator, which Django makes no response of)."""
+    from django.http import FileResponse, StreamingHttpResponse
+
+    def events() -> Iterator[bytes]:
+        yield b"data: charged\n\n"
+        yield b"data: done\n\n"
+
+    async def chunks() -> Any:
+        yield b"charged"
+
+    if kind == "streamed":
+        return StreamingHttpResponse(iter([b"charged"]), status=201)
+    if kind == "file":
+        receipt = tmp_path / "receipt.txt"
+        receipt.write_bytes(b"receipt")
+        return FileResponse(receipt.open("rb"))
+    if kind == "generator":
+        return events()
+    if kind == "sse":
+        return StreamingHttpResponse(events(), content_type="text/event-stream")
+    return StreamingHttpResponse(chunks(), status=201)
+
+
+_DJANGO_DOORS = {
+    "django-function": ("/payments", "default", False),
+    "django-cbv": ("/cbv/payments", "default", False),
+    "django-drf": ("/drf/payments", "default", False),
+    "django-middleware": ("/mw/payments", "default", False),
+    # ATOMIC_REQUESTS: the method runs inside the request's transaction (a savepoint).
+    "django-atomic-cbv": ("/cbv/payments", "postgres", True),
+    "django-atomic-drf": ("/drf/payments", "postgres", True),
+}
+DJANGO_DOORS = [
+    pytest.param(name, marks=pytest.mark.postgres) if alias == "postgres" else name
+    for name, (_, alias, _) in _DJANGO_DOORS.items()
+]
+
+
+@pytest.mark.parametrize("kind", DJANGO_KINDS)
+@pytest.mark.parametrize("door", DJANGO_DOORS)
+def test_every_django_door_rolls_a_streamed_view_back_and_releases(
+    door: str, kind: str, tmp_path: Path
+) -> None:
+    """Django's doors (a function view, a class-based view's method, a DRF action, the
+    middleware; the method and the action again under ``ATOMIC_REQUESTS`` on PostgreSQL)
+    always run the view in a transaction the completion is written in: a streamed body, a
+    file, a bare generator, server-sent events or an async iterator (a sync view's, under
+    WSGI) cannot be stored, so the view's row rolls back with it, the answer is a 500 and
+    the key is released. No run's effect is ever committed, however often it is retried."""
+    pytest.importorskip("rest_framework")
+    # Django configured before anything of DRF's is imported.
+    django_setup = pytest.importorskip("tests.integrations.django_setup")
+    execute, require = django_setup.execute, django_setup.require
+    import uuid
+
+    from django.core.handlers.wsgi import WSGIHandler
+    from django.db import connections
+    from django.http import HttpRequest
+    from django.test import override_settings
+    from django.urls import path as route
+    from django.utils.decorators import method_decorator
+    from django.views import View
+    from rest_framework.viewsets import ViewSet
+
+    from idemflow.integrations.django import get_store, idempotent
+    from tests.integrations.test_wsgi_doors import Door, environ
+
+    where, alias, atomic = _DJANGO_DOORS[door]
+    require(alias)
+    table = f"idem_{uuid.uuid4().hex[:12]}"
+    rows = f"pay_{uuid.uuid4().hex[:12]}"
+    execute(alias, f"CREATE TABLE {rows} (note VARCHAR(20))")
+
+    def pay(request: Any) -> Any:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(f"INSERT INTO {rows} (note) VALUES ('charged')")
+        return django_answer(kind, tmp_path)
+
+    class URLs:
+        urlpatterns: tuple[Any, ...] = ()
+
+    settings = {
+        "database": alias,
+        "table": table,
+        "principal": lambda request: request.META.get("HTTP_X_USER"),
+        "endpoints": ["POST /mw/payments"],
+    }
+    database = connections[alias].settings_dict
+    atomic_before = database["ATOMIC_REQUESTS"]
+    with override_settings(
+        IDEMFLOW=settings,
+        ROOT_URLCONF=URLs,
+        MIDDLEWARE=["idemflow.integrations.django.middleware.IdempotencyMiddleware"],
+        REST_FRAMEWORK={"UNAUTHENTICATED_USER": None},
+    ):
+        database["ATOMIC_REQUESTS"] = atomic
+
+        @method_decorator(idempotent, name="post")
+        class PaymentView(View):  # type: ignore[misc]  # Django has no stubs here
+            def post(self, request: HttpRequest) -> Any:
+                return pay(request)
+
+        class PaymentViewSet(ViewSet):  # type: ignore[misc]  # nor DRF
+            authentication_classes = ()
+            permission_classes = ()
+
+            @idempotent
+            def create(self, request: Any) -> Any:
+                return pay(request)
+
+        URLs.urlpatterns = (
+            route("payments", idempotent(pay)),
+            route("cbv/payments", PaymentView.as_view()),
+            route("drf/payments", PaymentViewSet.as_view({"post": "create"})),
+            route("mw/payments", pay),
+        )
+        store = get_store()
+        store.migrate()  # type: ignore[attr-defined]
+        try:
+            served = Door(door, WSGIHandler(), where, lambda principal: 0)
+            answers = [
+                served.call(environ(where, "alice", (f"k-{kind}".encode(),), length="14"))
+                for _ in "123"
+            ]
+            record = store.get("alice", f"k-{kind}")
+            committed = execute(alias, f"SELECT count(*) FROM {rows}")[0][0]
+        finally:
+            database["ATOMIC_REQUESTS"] = atomic_before
+            connections[alias].close()
+            execute(alias, f"DROP TABLE IF EXISTS {table}")
+            execute(alias, f"DROP TABLE IF EXISTS {rows}")
+
+    assert committed == 0
+    assert [answer.status_code for answer in answers] == [500, 500, 500]
+    assert record is not None
+    assert record.state is State.RELEASED
