@@ -37,14 +37,18 @@ without the view's own permission checks: ``authorize_replay=`` (or
 and the record is kept.
 ``flask idemflow migrate|sweep|purge`` manage the key table.
 
+Without ``db=`` or ``transaction=`` the view's effect stays whatever happens
+after it ran: an answer that cannot be stored (a streamed body, ``send_file``,
+a value Flask makes no response of) settles the key with the 500
+``response-not-stored`` marker, never a release that would run the view again.
+
 Behind the WSGI middleware instead (:mod:`idemflow.integrations.wsgi`, for
-effects outside the key store's database), call
-:func:`handle_outcome_unknown` once: Flask answers a view's exception with a
-500 before the middleware sees it, and a 500 releases the key, so a view that
-raised ``OutcomeUnknown`` (its charge may have gone through) would be run
-again by the retry. The error handler it registers tells the middleware
-instead (the claim is kept for the sweeper; the caller gets the 503
-``outcome-unknown`` problem), with or without ``PROPAGATE_EXCEPTIONS``.
+effects outside the key store's database) nothing more is needed: Flask
+answers a view's ``OutcomeUnknown`` with a 500, and the middleware, which
+noted the ``OutcomeUnknown`` made while the app ran, keeps the claim for the
+sweeper (the caller gets the 503 ``outcome-unknown`` problem).
+:func:`handle_outcome_unknown` is optional: Flask then answers that problem
+itself and reports it through the middleware's slot.
 """
 
 from __future__ import annotations
@@ -469,10 +473,11 @@ def to_flask(response: Response) -> FlaskResponse:
 def handle_outcome_unknown(app: Flask) -> None:
     """Register the error handler that tells the WSGI middleware about an ``OutcomeUnknown``.
 
-    For an app behind :class:`idemflow.integrations.wsgi.IdempotencyMiddleware`:
-    without it Flask answers the view's ``OutcomeUnknown`` with a 500 (or, with
-    ``PROPAGATE_EXCEPTIONS``, raises it), and the middleware would release the
-    key on the 500. With it, the view's ``OutcomeUnknown`` is reported through
+    For an app behind :class:`idemflow.integrations.wsgi.IdempotencyMiddleware`,
+    optional: without it Flask answers the view's ``OutcomeUnknown`` with a 500
+    (or, with ``PROPAGATE_EXCEPTIONS``, raises it), and the middleware, which
+    noted the ``OutcomeUnknown`` made while the app ran, keeps the claim all the
+    same. With it, the view's ``OutcomeUnknown`` is reported through
     the middleware's slot in ``request.environ`` (the claim is kept for the
     sweeper) and answered with the 503 ``outcome-unknown`` problem, which is
     also what a request outside the middleware gets. It handles

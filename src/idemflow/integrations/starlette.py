@@ -468,10 +468,12 @@ class IdempotencyMiddleware:
     Starlette and FastAPI raise it on after their ``ServerErrorMiddleware``
     has sent its 500, so it arrives here wherever the middleware is placed.
     An app that answers it itself (Django's ``ASGIHandler`` turns every
-    exception into a 500) reports it through the slot left in
-    ``scope["idemflow.outcome_unknown"]``: Django's app
-    ``idemflow.integrations.django`` in ``INSTALLED_APPS`` does, any other
-    framework's error handler calls :func:`report_outcome_unknown`; what is
+    exception into a 500) needs nothing either: an ``OutcomeUnknown`` made
+    while the app ran, followed by a failure (that 500, any transient status,
+    an exception), keeps the claim. It may also report it through the slot
+    left in ``scope["idemflow.outcome_unknown"]`` (Django's app
+    ``idemflow.integrations.django`` in ``INSTALLED_APPS`` does; any other
+    framework's error handler calls :func:`report_outcome_unknown`); what is
     reported keeps the claim whatever response the app sent.
 
     The app always runs to its end: its response is buffered (at most
