@@ -536,3 +536,62 @@ def _without_the_django_receiver() -> Iterator[None]:
         yield
     finally:
         got_request_exception.connect(outcome_unknown_received, dispatch_uid="idemflow.outcome")
+
+
+def test_flask_behind_the_wsgi_middleware_keeps_an_outcome_unknown_made_in_another_thread(
+    tmp_path: Path,
+) -> None:
+    """The view's provider call runs in a worker thread, which does not carry the request's
+    context, and ``future.result()`` raises its ``OutcomeUnknown`` again in the view: the
+    slot never saw it made. The middleware found the Flask app under ``app.wsgi_app`` when
+    it was made and registered Flask's handler (``handle_outcome_unknown``) on it, so
+    Flask's report keeps the claim all the same: 503, then 409, one run."""
+    pytest.importorskip("flask")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flask import Flask
+
+    app = Flask(__name__)
+    calls: list[int] = []
+
+    def charge() -> None:
+        raise OutcomeUnknown("the provider did not answer")
+
+    @app.post("/payments")
+    def pay() -> Any:
+        calls.append(1)
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(charge).result()
+        return {"id": 1}, 201
+
+    with (
+        sqlite_keys(tmp_path) as (_, store),
+        _behind_wsgi_middleware(app.wsgi_app, store) as client,
+    ):
+        headers = {"Idempotency-Key": "k-thread"}
+        first, *retries = [client.post("/payments", content=b"{}", headers=headers) for _ in "123"]
+        held = store.get("carol", "k-thread")
+
+    assert_outcome_unknown(first.status_code, first.headers, first.content)
+    assert [retry.status_code for retry in retries] == [409, 409]
+    assert held is not None
+    assert held.state is State.IN_PROGRESS
+    assert calls == [1]
+
+
+def test_the_wsgi_middleware_keeps_a_flask_apps_own_outcome_unknown_handler(
+    tmp_path: Path,
+) -> None:
+    """An app's own ``errorhandler(OutcomeUnknown)`` is its answer: the middleware registers
+    nothing over it."""
+    pytest.importorskip("flask")
+    from flask import Flask
+
+    app = Flask(__name__)
+
+    @app.errorhandler(OutcomeUnknown)
+    def own(error: OutcomeUnknown) -> Any:
+        return {"mine": True}, 504
+
+    with sqlite_keys(tmp_path) as (_, store), _behind_wsgi_middleware(app.wsgi_app, store):
+        assert app.error_handler_spec[None][None][OutcomeUnknown] is own

@@ -484,10 +484,13 @@ def handle_outcome_unknown(app: Flask) -> None:
     ``OutcomeUnknown`` only, more specifically than an app's own
     ``errorhandler(Exception)``; an app's own ``errorhandler(OutcomeUnknown)``
     replaces it, and must then call
-    :func:`idemflow.integrations.wsgi.report_outcome_unknown` itself.
+    :func:`idemflow.integrations.wsgi.report_outcome_unknown` itself; one the
+    app registered before is kept (this registers nothing then). The WSGI
+    middleware calls it on the Flask app it wraps.
     ``@idem.protect`` views never reach it: their edge answers it first.
     """
-    app.register_error_handler(OutcomeUnknown, _outcome_unknown)
+    if OutcomeUnknown not in app.error_handler_spec.get(None, {}).get(None, {}):
+        app.register_error_handler(OutcomeUnknown, _outcome_unknown)
 
 
 def _outcome_unknown(error: OutcomeUnknown) -> FlaskResponse:

@@ -64,8 +64,10 @@ application mounted at ``/eu`` and ``/us`` is two endpoints.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -203,6 +205,7 @@ class IdempotencyMiddleware:
         self._endpoints = [compile_endpoint(endpoint) for endpoint in endpoints]
         if not self._endpoints:
             raise ConfigurationError("IdempotencyMiddleware needs at least one endpoint to protect")
+        _report_from_flask(app)
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         route = self._match(environ)
@@ -278,6 +281,33 @@ class IdempotencyMiddleware:
             return response
 
         return operation
+
+
+def _report_from_flask(app: object) -> None:
+    """Register Flask's ``OutcomeUnknown`` handler on the Flask app under ``app``, if any.
+
+    The slot already keeps the claim of an ``OutcomeUnknown`` made while the app runs;
+    the handler also covers one made where the slot cannot see it (a thread that does not
+    carry the request's context, whose exception ``future.result()`` raises again). Found
+    through ``app.wsgi_app``'s bound method and wrappers' ``.app``; an app's own
+    ``errorhandler(OutcomeUnknown)`` is left as it is, and so is an app that has served
+    already (Flask refuses a handler then).
+    """
+    flask = sys.modules.get("flask")
+    if flask is None:
+        return  # no Flask app can be running here
+    for _ in range(_MAX_WRAPPERS):
+        if isinstance(app, flask.Flask):
+            from .flask import handle_outcome_unknown
+
+            with contextlib.suppress(AssertionError):  # it has served a request already
+                handle_outcome_unknown(app)
+            return
+        app = getattr(app, "__self__", None) or getattr(app, "app", None)
+
+
+#: How many wrappers (``ProxyFix(app.wsgi_app)``, …) are looked through for a Flask app.
+_MAX_WRAPPERS = 8
 
 
 class ViewEdges:
