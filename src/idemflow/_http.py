@@ -103,6 +103,7 @@ __all__ = [
     "problem_for",
     "report_outcome_unknown",
     "request_id_from",
+    "settled_verdict",
     "stored_form",
     "storing",
     "sync_replay_authorizer",
@@ -484,13 +485,23 @@ def not_read(error: Exception, classify: Callable[[Response], Verdict]) -> Respo
     original = error.response if isinstance(error, ResponseNotStorable) else None
     if original is None:
         logger.error("the endpoint ran but its answer could not be read", exc_info=error)
-    verdict = Verdict.FAILED_PERMANENT
-    if original is not None:
-        try:
-            verdict = classify(original)
-        except Exception:  # the classifier's own failure: the answer is still settled
-            logger.exception("the classifier failed on the endpoint's answer")
+        verdict = Verdict.FAILED_PERMANENT
+    else:
+        verdict = settled_verdict(classify, original)
     return not_stored(original, str(error) or type(error).__name__, verdict)
+
+
+def settled_verdict(classify: Callable[[Response], Verdict], response: Response) -> Verdict:
+    """``classify(response)``, or ``failed_permanent`` when the classifier itself fails.
+
+    For an answer the endpoint gave where its effect stays (middleware mode, no
+    transaction): a failure of ours after it ran settles the key, never releases it.
+    """
+    try:
+        return classify(response)
+    except Exception:
+        logger.exception("the classifier failed on the endpoint's answer: settled as failed")
+        return Verdict.FAILED_PERMANENT
 
 
 def _text_header(response: Response, name: str) -> str | None:

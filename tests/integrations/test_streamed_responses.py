@@ -493,3 +493,39 @@ def test_every_django_door_rolls_a_streamed_view_back_and_releases(
     assert [answer.status_code for answer in answers] == [500, 500, 500]
     assert record is not None
     assert record.state is State.RELEASED
+
+
+def test_a_classifier_that_fails_after_the_endpoint_ran_settles_never_releases(
+    tmp_path: Path,
+) -> None:
+    """Behind the WSGI middleware, a ``Policy`` classifier that raises on the endpoint's
+    answer: the endpoint ran, so the failure is ours and settles the key
+    (``failed_permanent``, the marker); before, it released and every retry ran the
+    endpoint again."""
+    import httpx
+
+    from idemflow import Idempotency, Policy, Response, Verdict
+    from idemflow.integrations.wsgi import IdempotencyMiddleware
+
+    def classify(response: Response) -> Verdict:
+        raise LookupError("no rule for this status")
+
+    calls: list[int] = []
+    with sqlite_keys(tmp_path) as (_, store):
+        protected = IdempotencyMiddleware(
+            _plain_app("generator", calls),
+            idempotency=Idempotency(store, Policy(request_timeout=5, classify=classify)),
+            endpoints=["POST /payments"],
+            principal=lambda environ: "carol",
+        )
+        transport = httpx.WSGITransport(app=protected)
+        with httpx.Client(transport=transport, base_url="http://shop") as client:
+            headers = {"Idempotency-Key": "k-classifier"}
+            answers = [client.post("/payments", content=b"{}", headers=headers) for _ in "123"]
+        record = store.get("carol", "k-classifier")
+
+    assert calls == [1]
+    assert record is not None
+    assert record.state is State.FAILED_PERMANENT
+    assert (answers[0].status_code, answers[0].json()["type"]) == (500, NOT_STORED)
+    assert [answer.headers.get("idempotent-replayed") for answer in answers[1:]] == ["true"] * 2

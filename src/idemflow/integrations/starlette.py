@@ -54,6 +54,7 @@ transaction adapter that takes a pooled connection only when it begins: what
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import typing
@@ -88,6 +89,7 @@ from ..edge import (
     report_outcome_unknown,
     request_id_from,
     sendable_headers,
+    settled_verdict,
 )
 from ..edge import async_pooled_transaction as pooled_transaction
 from ..stores.protocol import AsyncTransaction
@@ -582,7 +584,8 @@ class IdempotencyMiddleware:
     def _endpoint(
         self, scope: Scope, body: bytes, receive: Receive
     ) -> Callable[[AsyncAttempt], Awaitable[Response]]:
-        classify = self.edge.idempotency.policy.verdict
+        # The app has run when it is asked: a classifier that fails settles, never releases.
+        classify = functools.partial(settled_verdict, self.edge.idempotency.policy.verdict)
 
         async def operation(attempt: AsyncAttempt) -> Response:
             buffer = _ResponseBuffer(self.edge.options.max_response_bytes)

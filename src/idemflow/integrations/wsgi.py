@@ -65,6 +65,7 @@ application mounted at ``/eu`` and ``/us`` is two endpoints.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import re
 import sys
@@ -90,6 +91,7 @@ from ..edge import (
     problem_for,
     report_outcome_unknown,
     request_id_from,
+    settled_verdict,
     sync_replay_authorizer,
 )
 
@@ -247,7 +249,8 @@ class IdempotencyMiddleware:
         return None
 
     def _endpoint(self, environ: WSGIEnvironment, body: bytes) -> Callable[[Attempt], Response]:
-        classify = self.edge.idempotency.policy.verdict
+        # The app has run when it is asked: a classifier that fails settles, never releases.
+        classify = functools.partial(settled_verdict, self.edge.idempotency.policy.verdict)
         limit = self.edge.options.max_response_bytes
 
         def operation(attempt: Attempt) -> Response:
