@@ -32,7 +32,12 @@ purpose: it keeps the claim for the sweeper instead of releasing it.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from ._model import Response
 
 __all__ = [
     "BodyTooLarge",
@@ -239,9 +244,25 @@ class OutcomeUnknown(IdempotencyError):
     title = "The outcome of this request is not known yet"
     retryable = True
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> OutcomeUnknown:
+        # In __new__, which every subclass runs (its own __init__ may not call ours).
+        made = super().__new__(cls, *args, **kwargs)
+        witness = OUTCOME_UNKNOWN_WITNESS.get()
+        if witness is not None:
+            witness(made)
+        return made
+
     def __init__(self, message: str = "", *, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+#: Told of every ``OutcomeUnknown`` made in this context: a middleware sets it while the
+#: application it protects runs, so an ``OutcomeUnknown`` its framework turned into a 500
+#: of its own is known without any hook of the framework's (see ``idemflow._http.OutcomeSlot``).
+OUTCOME_UNKNOWN_WITNESS: ContextVar[Callable[[OutcomeUnknown], None] | None] = ContextVar(
+    "idemflow.outcome_unknown_witness", default=None
+)
 
 
 class ConfigurationError(IdempotencyError, ValueError):
@@ -264,6 +285,12 @@ class ResponseNotStorable(ConfigurationError):
     status = 500
     slug = "response-not-storable"
     title = "Response cannot be stored for replay"
+
+    def __init__(self, message: str = "", *, response: Response | None = None) -> None:
+        super().__init__(message)
+        #: What the endpoint answered, as far as it could be read (its status and
+        #: headers, no body): what a ``response-not-stored`` marker names.
+        self.response = response
 
 
 class MissingExtra(ConfigurationError, ImportError):

@@ -32,7 +32,10 @@ wire is decided here, once, so the integrations cannot disagree:
   middleware by raising it, or, where its framework turns every exception
   into a 500 first (Flask, Django), through the slot the middleware leaves in
   the request's environ or scope (:class:`OutcomeSlot`,
-  :func:`report_outcome_unknown`): either way the claim is kept.
+  :func:`report_outcome_unknown`), or simply by making one before it fails
+  (the slot watches): either way the claim is kept;
+- once the endpoint has run without a transaction that rolls it back, no
+  failure of ours reading its answer releases the key (:func:`not_read`).
 """
 
 from __future__ import annotations
@@ -42,12 +45,22 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Mapping, MutableMapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 from urllib.parse import urlencode
 
 from ._errors import (
+    OUTCOME_UNKNOWN_WITNESS,
     PROBLEM_BASE,
     BodyTooLarge,
     ConfigurationError,
@@ -83,12 +96,14 @@ __all__ = [
     "declared_length",
     "intent_for",
     "is_retryable",
+    "not_read",
     "not_stored",
     "oversized",
     "problem",
     "problem_for",
     "report_outcome_unknown",
     "request_id_from",
+    "settled_verdict",
     "stored_form",
     "storing",
     "sync_replay_authorizer",
@@ -415,7 +430,7 @@ def _excerpt(value: object) -> str:
     return repr(text[:_EXCERPT_LENGTH]) + "..."
 
 
-def not_stored(original: Response, reason: str, verdict: Verdict) -> Response:
+def not_stored(original: Response | None, reason: str, verdict: Verdict) -> Response:
     """The marker a key is settled with when the endpoint ran but its response cannot be stored.
 
     A 500 ``response-not-stored`` problem whose ``original_status`` (and
@@ -423,14 +438,23 @@ def not_stored(original: Response, reason: str, verdict: Verdict) -> Response:
     a client can find the effect instead of running it again. It is settled
     with ``verdict``, the original's (completed or failed_permanent); a
     transient original is still released, and this problem is what its
-    caller gets instead of a response that cannot be sent whole.
+    caller gets instead of a response that cannot be sent whole. ``original``
+    is None when not even its status could be read (``original_status`` null).
     """
-    status = original.status if isinstance(original.status, int) else None
-    extensions: dict[str, Any] = {"original_status": status}
-    location = _text_header(original, "location")
-    if location is not None:
-        extensions["location"] = location
-    if verdict is Verdict.TRANSIENT:
+    status = None
+    extensions: dict[str, Any] = {}
+    if original is not None:
+        status = original.status if isinstance(original.status, int) else None
+        location = _text_header(original, "location")
+        if location is not None:
+            extensions["location"] = location
+    extensions = {"original_status": status, **extensions}
+    if original is None:
+        detail = (
+            f"the request was executed but its response could not be read: {reason}; "
+            "do not retry, look up what it did"
+        )
+    elif verdict is Verdict.TRANSIENT:
         detail = (
             f"the endpoint answered {original.status}, a transient failure (nothing was "
             f"recorded: retry), but its response cannot be sent: {reason}"
@@ -447,6 +471,37 @@ def not_stored(original: Response, reason: str, verdict: Verdict) -> Response:
         500, "Response not stored", detail, slug=NOT_STORED_SLUG, retryable=retryable, **extensions
     )
     return Classified(marker.status, marker.body, marker.headers, verdict)
+
+
+def not_read(error: Exception, classify: Callable[[Response], Verdict]) -> Response:
+    """The marker for an answer the endpoint gave that could not be read or checked once
+    it ran, where its effect stays (no transaction): never a release (:func:`not_stored`).
+
+    ``error`` is what reading it raised (a streamed body a door cannot store, a value its
+    framework cannot make a response of, a classifier that failed): its ``response``, if
+    it is a :class:`ResponseNotStorable` carrying one, names the original status, whose
+    verdict settles the key; otherwise the key is settled ``failed_permanent``.
+    """
+    original = error.response if isinstance(error, ResponseNotStorable) else None
+    if original is None:
+        logger.error("the endpoint ran but its answer could not be read", exc_info=error)
+        verdict = Verdict.FAILED_PERMANENT
+    else:
+        verdict = settled_verdict(classify, original)
+    return not_stored(original, str(error) or type(error).__name__, verdict)
+
+
+def settled_verdict(classify: Callable[[Response], Verdict], response: Response) -> Verdict:
+    """``classify(response)``, or ``failed_permanent`` when the classifier itself fails.
+
+    For an answer the endpoint gave where its effect stays (middleware mode, no
+    transaction): a failure of ours after it ran settles the key, never releases it.
+    """
+    try:
+        return classify(response)
+    except Exception:
+        logger.exception("the classifier failed on the endpoint's answer: settled as failed")
+        return Verdict.FAILED_PERMANENT
 
 
 def _text_header(response: Response, name: str) -> str | None:
@@ -576,17 +631,51 @@ class OutcomeSlot:
     framework made. Only an ``OutcomeUnknown`` instance can be reported, and
     only a middleware creates the slot, so no response (a 500 forwarded from
     an upstream service, a header) can keep a claim by accident.
+
+    The report is not needed for the claim to be kept: while the application
+    runs the middleware :meth:`watching` notes every ``OutcomeUnknown`` made
+    (the exception's own constructor tells it), and one made before the
+    application failed (raised, or answered a transient status) is raised the
+    same way (:meth:`raise_made`). Any framework, or a bare WSGI app that turns
+    exceptions into a 500, is covered without a hook.
     """
 
-    __slots__ = ("reported",)
+    __slots__ = ("made", "reported")
 
     def __init__(self) -> None:
         self.reported: OutcomeUnknown | None = None
+        #: The first ``OutcomeUnknown`` made while the application ran (:meth:`watching`).
+        self.made: OutcomeUnknown | None = None
 
     def raise_reported(self) -> None:
         """Raise the reported ``OutcomeUnknown``, if one was; else nothing."""
         if self.reported is not None:
             raise self.reported
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """Run the application inside: every ``OutcomeUnknown`` made meanwhile, in this
+        thread or task and those it starts, is noted (:attr:`made`), whether or not a
+        framework's error hook reports it. So no framework can turn one into a 500 that
+        releases the key because a line of configuration was forgotten
+        (:meth:`raise_made`)."""
+        token = OUTCOME_UNKNOWN_WITNESS.set(self._note)
+        try:
+            yield
+        finally:
+            OUTCOME_UNKNOWN_WITNESS.reset(token)
+
+    def _note(self, made: OutcomeUnknown) -> None:
+        if self.made is None:
+            self.made = made
+
+    def raise_made(self) -> None:
+        """Raise the ``OutcomeUnknown`` made while the application ran, if one was: call
+        it when the application failed (raised, or answered a transient status), which
+        would release the key. One it caught and then answered from (a 201, a 402) is
+        not raised: that answer is settled as it is."""
+        if self.made is not None:
+            raise self.made
 
 
 def report_outcome_unknown(request: MutableMapping[str, Any], error: BaseException) -> bool:

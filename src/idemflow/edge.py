@@ -40,6 +40,7 @@ from ._http import (
     report_outcome_unknown,
     request_id_from,
     sendable_headers,
+    settled_verdict,
     sync_replay_authorizer,
 )
 from ._sync.edge import Edge, PooledTransaction, pooled_transaction
@@ -75,5 +76,6 @@ __all__ = [
     "report_outcome_unknown",
     "request_id_from",
     "sendable_headers",
+    "settled_verdict",
     "sync_replay_authorizer",
 ]

@@ -68,7 +68,7 @@ def _scope_user(scope: Any) -> str | None:
     return None
 
 
-def flask_app() -> Any:
+def flask_app(hooked: bool = True) -> Any:
     """Flask behind the WSGI middleware, ``handle_outcome_unknown`` registered."""
     from flask import Flask, request
 
@@ -76,7 +76,8 @@ def flask_app() -> Any:
     from idemflow.integrations.wsgi import IdempotencyMiddleware
 
     app = Flask(__name__)
-    handle_outcome_unknown(app)
+    if hooked:
+        handle_outcome_unknown(app)
 
     @app.get("/healthz")
     def healthz() -> Any:
@@ -91,6 +92,11 @@ def flask_app() -> Any:
         app.wsgi_app, idempotency=_sync_driver(), endpoints=ENDPOINTS
     )
     return _user_from_header(app)
+
+
+def flask_app_without_the_hook() -> Any:
+    """The same, the line ``handle_outcome_unknown(app)`` forgotten."""
+    return flask_app(hooked=False)
 
 
 # --- Django, configured here: one project, a WSGI and an ASGI handler ----------------------

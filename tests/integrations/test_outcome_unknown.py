@@ -308,12 +308,15 @@ SLOT_STORES = [
 
 @pytest.mark.parametrize("kind", SLOT_STORES)
 @pytest.mark.parametrize("testing", [False, True])
+@pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "no-hook"])
 def test_flask_behind_the_wsgi_middleware_reports_its_outcome_unknown(
-    tmp_path: Path, table_name: str, testing: bool, kind: str
+    tmp_path: Path, table_name: str, testing: bool, kind: str, hooked: bool
 ) -> None:
-    """``handle_outcome_unknown``: with or without ``PROPAGATE_EXCEPTIONS`` (``TESTING``), the
-    view's exception keeps the claim; the first caller gets the 503 problem, the retry 409.
-    On SQLite, PostgreSQL, MariaDB and Redis keys."""
+    """With or without ``PROPAGATE_EXCEPTIONS`` (``TESTING``), and with or without
+    ``handle_outcome_unknown``, the view's exception keeps the claim; the first caller gets
+    the 503 problem, the retries 409, the view runs once. Before, without the hook (a line
+    to remember) Flask's own 500 released the key and the retry ran the view again: two
+    executions. On SQLite, PostgreSQL, MariaDB and Redis keys."""
     pytest.importorskip("flask")
     from flask import Flask
 
@@ -321,7 +324,8 @@ def test_flask_behind_the_wsgi_middleware_reports_its_outcome_unknown(
 
     app = Flask(__name__)
     app.config["TESTING"] = testing
-    handle_outcome_unknown(app)
+    if hooked:
+        handle_outcome_unknown(app)
     calls: list[int] = []
 
     @app.post("/payments")
@@ -334,14 +338,89 @@ def test_flask_behind_the_wsgi_middleware_reports_its_outcome_unknown(
         _behind_wsgi_middleware(app.wsgi_app, store) as client,
     ):
         headers = {"Idempotency-Key": "k-flask-mw"}
-        first = client.post("/payments", content=b"{}", headers=headers)
-        retry = client.post("/payments", content=b"{}", headers=headers)
+        first, *retries = [client.post("/payments", content=b"{}", headers=headers) for _ in "123"]
         held = store.get("carol", "k-flask-mw")
 
     assert_outcome_unknown(first.status_code, first.headers, first.content)
-    assert retry.status_code == 409
+    assert [retry.status_code for retry in retries] == [409, 409]
     assert held is not None
     assert held.state is State.IN_PROGRESS
+    assert calls == [1]
+
+
+def _framework_like(view: Callable[[], tuple[str, bytes]]) -> Any:
+    """A bare WSGI app that answers every exception of its view with its own 500, as most
+    frameworks do, with no hook anyone could configure."""
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        try:
+            status, body = view()
+        except Exception:  # what a framework's last resort does
+            status, body = "500 Internal Server Error", b"oops"
+        start_response(status, [("Content-Type", "text/plain")])
+        return [body]
+
+    return app
+
+
+@pytest.mark.parametrize("answer", ["raised", "503-after-it"])
+def test_a_bare_wsgi_app_that_turns_an_outcome_unknown_into_a_500_keeps_the_claim(
+    tmp_path: Path, answer: str
+) -> None:
+    """No framework, no hook: the app turns its view's ``OutcomeUnknown`` into a 500 of its
+    own (or catches it and answers a 503 of its own). The middleware noted the
+    ``OutcomeUnknown`` made while the app ran, and the app then failed: the claim is kept
+    (503 problem, then 409), never released for a second execution."""
+    calls: list[int] = []
+
+    def view() -> tuple[str, bytes]:
+        calls.append(1)
+        try:
+            raise OutcomeUnknown("the provider did not answer")
+        except OutcomeUnknown:
+            if answer == "raised":
+                raise
+        return "503 Service Unavailable", b"try later"
+
+    with (
+        sqlite_keys(tmp_path) as (_, store),
+        _behind_wsgi_middleware(_framework_like(view), store) as client,
+    ):
+        headers = {"Idempotency-Key": "k-bare"}
+        first, *retries = [client.post("/payments", content=b"{}", headers=headers) for _ in "123"]
+        held = store.get("carol", "k-bare")
+
+    assert_outcome_unknown(first.status_code, first.headers, first.content)
+    assert [retry.status_code for retry in retries] == [409, 409]
+    assert held is not None
+    assert held.state is State.IN_PROGRESS
+    assert calls == [1]
+
+
+def test_an_outcome_unknown_the_app_caught_and_answered_from_is_stored(tmp_path: Path) -> None:
+    """An ``OutcomeUnknown`` made and caught, after which the app found out and answered (a
+    201): that answer is the outcome, stored and replayed, not a claim kept."""
+    calls: list[int] = []
+
+    def view() -> tuple[str, bytes]:
+        calls.append(1)
+        try:
+            raise OutcomeUnknown("the provider did not answer")
+        except OutcomeUnknown:
+            return "201 Created", b"charged after all"
+
+    with (
+        sqlite_keys(tmp_path) as (_, store),
+        _behind_wsgi_middleware(_framework_like(view), store) as client,
+    ):
+        headers = {"Idempotency-Key": "k-found"}
+        first, retry = [client.post("/payments", content=b"{}", headers=headers) for _ in "12"]
+        held = store.get("carol", "k-found")
+
+    assert (first.status_code, first.content) == (201, b"charged after all")
+    assert (retry.status_code, retry.headers["idempotent-replayed"]) == (201, "true")
+    assert held is not None
+    assert held.state is State.COMPLETED
     assert calls == [1]
 
 
@@ -374,14 +453,17 @@ def test_only_a_reported_outcome_unknown_keeps_the_claim(tmp_path: Path) -> None
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", SLOT_STORES)
 @pytest.mark.parametrize("handler", ["wsgi", "asgi"])
+@pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "no-hook"])
 async def test_django_behind_the_generic_middleware_reports_its_outcome_unknown(
-    tmp_path: Path, table_name: str, handler: str, kind: str
+    tmp_path: Path, table_name: str, handler: str, kind: str, hooked: bool
 ) -> None:
     """The Django app's ``got_request_exception`` receiver, in process: Django's WSGI handler
     behind the WSGI middleware (``request.environ``), its ASGI handler behind the ASGI one
     (``request.scope``). Django answers the view's exception with a 500; the receiver's report
-    keeps the claim: 503 problem, then 409. On SQLite, PostgreSQL, MariaDB and Redis keys
-    (the ASGI ones async, each on a pool of one connection)."""
+    keeps the claim: 503 problem, then 409. So it does without the receiver (the app not in
+    ``INSTALLED_APPS``): the middleware noted the ``OutcomeUnknown`` made while Django ran.
+    On SQLite, PostgreSQL, MariaDB and Redis keys (the ASGI ones async, each on a pool of
+    one connection)."""
     pytest.importorskip("django")
     from django.core.handlers.asgi import ASGIHandler
     from django.core.handlers.wsgi import WSGIHandler
@@ -401,7 +483,8 @@ async def test_django_behind_the_generic_middleware_reports_its_outcome_unknown(
         urlpatterns = (path("payments", pay),)
 
     key = f"k-django-{handler}"
-    with override_settings(ROOT_URLCONF=URLs, ALLOWED_HOSTS=["shop"]):
+    unhooked = contextlib.nullcontext() if hooked else _without_the_django_receiver()
+    with override_settings(ROOT_URLCONF=URLs, ALLOWED_HOSTS=["shop"]), unhooked:
         if handler == "wsgi":
             with (
                 slot_keys(kind, tmp_path, table_name) as store,
@@ -438,3 +521,77 @@ async def test_django_behind_the_generic_middleware_reports_its_outcome_unknown(
     assert held is not None
     assert held.state is State.IN_PROGRESS
     assert calls == [1]
+
+
+@contextlib.contextmanager
+def _without_the_django_receiver() -> Iterator[None]:
+    """As if ``idemflow.integrations.django`` were not in ``INSTALLED_APPS``: its
+    ``got_request_exception`` receiver disconnected, then connected again."""
+    from django.core.signals import got_request_exception
+
+    from idemflow.integrations.django.http import outcome_unknown_received
+
+    assert got_request_exception.disconnect(dispatch_uid="idemflow.outcome")
+    try:
+        yield
+    finally:
+        got_request_exception.connect(outcome_unknown_received, dispatch_uid="idemflow.outcome")
+
+
+def test_flask_behind_the_wsgi_middleware_keeps_an_outcome_unknown_made_in_another_thread(
+    tmp_path: Path,
+) -> None:
+    """The view's provider call runs in a worker thread, which does not carry the request's
+    context, and ``future.result()`` raises its ``OutcomeUnknown`` again in the view: the
+    slot never saw it made. The middleware found the Flask app under ``app.wsgi_app`` when
+    it was made and registered Flask's handler (``handle_outcome_unknown``) on it, so
+    Flask's report keeps the claim all the same: 503, then 409, one run."""
+    pytest.importorskip("flask")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flask import Flask
+
+    app = Flask(__name__)
+    calls: list[int] = []
+
+    def charge() -> None:
+        raise OutcomeUnknown("the provider did not answer")
+
+    @app.post("/payments")
+    def pay() -> Any:
+        calls.append(1)
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(charge).result()
+        return {"id": 1}, 201
+
+    with (
+        sqlite_keys(tmp_path) as (_, store),
+        _behind_wsgi_middleware(app.wsgi_app, store) as client,
+    ):
+        headers = {"Idempotency-Key": "k-thread"}
+        first, *retries = [client.post("/payments", content=b"{}", headers=headers) for _ in "123"]
+        held = store.get("carol", "k-thread")
+
+    assert_outcome_unknown(first.status_code, first.headers, first.content)
+    assert [retry.status_code for retry in retries] == [409, 409]
+    assert held is not None
+    assert held.state is State.IN_PROGRESS
+    assert calls == [1]
+
+
+def test_the_wsgi_middleware_keeps_a_flask_apps_own_outcome_unknown_handler(
+    tmp_path: Path,
+) -> None:
+    """An app's own ``errorhandler(OutcomeUnknown)`` is its answer: the middleware registers
+    nothing over it."""
+    pytest.importorskip("flask")
+    from flask import Flask
+
+    app = Flask(__name__)
+
+    @app.errorhandler(OutcomeUnknown)
+    def own(error: OutcomeUnknown) -> Any:
+        return {"mine": True}, 504
+
+    with sqlite_keys(tmp_path) as (_, store), _behind_wsgi_middleware(app.wsgi_app, store):
+        assert app.error_handler_spec[None][None][OutcomeUnknown] is own

@@ -22,6 +22,7 @@ from .._http import (
     EdgeOptions,
     HTTPRequest,
     intent_for,
+    not_read,
     problem_for,
     replayed,
     stored_form,
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 OperationHandler: TypeAlias = Callable[[Attempt], Response]
+#: Reads what a framework's endpoint answered (its own response object) as a Response.
+Reader: TypeAlias = Callable[[Any], Response]
 #: Opens the caller's transaction for one run, e.g. ``lambda: pooled_transaction(…)``.
 TransactionScope: TypeAlias = Callable[[], AbstractContextManager[Transaction]]
 
@@ -54,6 +57,9 @@ class Edge:
     unstorable one is the handler's bug (500, rolled back, key released);
     without one the effect stays and the key is settled with a
     ``response-not-stored`` marker, never released after the endpoint ran.
+    So too for a failure reading the endpoint's answer (``read``): the line
+    between "the endpoint failed" (its exception, the key released) and "we
+    failed after it ran" is drawn here, once, for every door.
 
     Args:
         idempotency: the driver; its policy decides what is stored.
@@ -75,8 +81,16 @@ class Edge:
         *,
         transaction: TransactionScope | None = None,
         single_commit: bool = False,
+        read: Reader | None = None,
     ) -> Response:
         """Answer ``request``: run ``handler`` once per key, or replay, or a problem.
+
+        ``read``: the handler returns what the framework's endpoint answered, as
+        it is, and ``read`` makes a Response of it once the endpoint has run.
+        What ``read`` raises is never the endpoint's failure: with a
+        ``transaction`` it rolls back and releases (the effect goes with it);
+        without one the key is settled with a ``response-not-stored`` marker
+        (:func:`idemflow._http.not_read`), never released.
 
         ``transaction`` opens the caller's transaction for this one run (see
         :func:`pooled_transaction`); it is closed before the replay
@@ -90,7 +104,7 @@ class Edge:
             intent = self.intent(request)
             started = self.idempotency.clock()
             sent: list[Response] = []
-            operation = self._storing(handler, sent, atomic=transaction is not None)
+            operation = self._storing(handler, sent, read, atomic=transaction is not None)
             if transaction is None:
                 outcome = self.idempotency.run(intent, operation, single_commit=single_commit)
             else:
@@ -106,16 +120,31 @@ class Edge:
             return problem_for(exc, request.request_id)
 
     def _storing(
-        self, handler: OperationHandler, sent: list[Response], *, atomic: bool
+        self,
+        handler: OperationHandler,
+        sent: list[Response],
+        read: Reader | None,
+        *,
+        atomic: bool,
     ) -> OperationHandler:
         """Wrap ``handler``: keep what to send, return what to store."""
         limit = self.options.max_response_bytes
         policy = self.idempotency.policy
 
         def operation(attempt: Attempt) -> Response:
-            response = handler(attempt)
-            verdict = policy.verdict(response)
-            response = storing(response, verdict, atomic=atomic, max_bytes=limit)
+            answer = handler(attempt)  # its exception is the endpoint's: released
+            # The endpoint has run. Unless its effect rolls back with us (atomic), nothing
+            # we fail at from here (reading, classifying, checking its answer) may release
+            # the key: the retry would run the endpoint again.
+            try:
+                response = answer if read is None else read(answer)
+                verdict = policy.verdict(response)
+                response = storing(response, verdict, atomic=atomic, max_bytes=limit)
+            except Exception as exc:
+                if atomic:
+                    raise
+                response = not_read(exc, policy.verdict)
+                verdict = policy.verdict(response)
             sent.append(response)
             if verdict is Verdict.TRANSIENT:
                 return response  # released, never stored

@@ -37,14 +37,18 @@ without the view's own permission checks: ``authorize_replay=`` (or
 and the record is kept.
 ``flask idemflow migrate|sweep|purge`` manage the key table.
 
+Without ``db=`` or ``transaction=`` the view's effect stays whatever happens
+after it ran: an answer that cannot be stored (a streamed body, ``send_file``,
+a value Flask makes no response of) settles the key with the 500
+``response-not-stored`` marker, never a release that would run the view again.
+
 Behind the WSGI middleware instead (:mod:`idemflow.integrations.wsgi`, for
-effects outside the key store's database), call
-:func:`handle_outcome_unknown` once: Flask answers a view's exception with a
-500 before the middleware sees it, and a 500 releases the key, so a view that
-raised ``OutcomeUnknown`` (its charge may have gone through) would be run
-again by the retry. The error handler it registers tells the middleware
-instead (the claim is kept for the sweeper; the caller gets the 503
-``outcome-unknown`` problem), with or without ``PROPAGATE_EXCEPTIONS``.
+effects outside the key store's database) nothing more is needed: Flask
+answers a view's ``OutcomeUnknown`` with a 500, and the middleware, which
+noted the ``OutcomeUnknown`` made while the app ran, keeps the claim for the
+sweeper (the caller gets the 503 ``outcome-unknown`` problem).
+:func:`handle_outcome_unknown` is optional: Flask then answers that problem
+itself and reports it through the middleware's slot.
 """
 
 from __future__ import annotations
@@ -338,24 +342,31 @@ class Idempotency:
     def _respond(
         self, state: _State, http: HTTPRequest, view: Callable[[], Any], edge: Edge
     ) -> FlaskResponse:
-        ran: list[tuple[FlaskResponse, Response]] = []
+        made: list[FlaskResponse] = []
+        read: list[Response] = []
 
-        def handler(attempt: Any) -> Response:
-            original = current_app.make_response(view())
-            converted = from_flask(original)
-            ran.append((original, converted))
-            return converted
+        def reader(returned: Any) -> Response:
+            # After the view ran, on the edge's side of the line: what fails here (a
+            # value Flask makes no response of, a streamed body) never releases the key
+            # where the view's effect stays (no transaction): a response-not-stored marker.
+            original = current_app.make_response(returned)
+            made.append(original)
+            read.append(from_flask(original))
+            return read[0]
 
         answer = edge.respond(
             http,
-            handler,
+            lambda attempt: view(),
             transaction=self._transactions(),
             single_commit=state.single_commit,
+            read=reader,
         )
-        if ran and answer.body is ran[0][1].body and answer.status == ran[0][1].status:
-            original = ran[0][0]  # the first execution: the view's own response, cookies and all
+        if read and answer.body is read[0].body and answer.status == read[0].status:
+            original = made[0]  # the first execution: the view's own response, cookies and all
             original.headers.setdefault(REQUEST_ID_HEADER, http.request_id)
             return original
+        for unsent in made:
+            unsent.close()  # its file, its generator (and the context it holds) closed now
         return to_flask(answer)
 
     def _transactions(self) -> TransactionFactory | None:
@@ -433,14 +444,20 @@ def _body(limit: int) -> bytes:
 
 
 def from_flask(response: FlaskResponse) -> Response:
-    """A Flask response with its body in memory as an idemflow Response."""
+    """A Flask response with its body in memory as an idemflow Response.
+
+    A streamed or ``direct_passthrough`` (``send_file``) one is refused with
+    ``ResponseNotStorable``, which carries its status and headers: without a
+    transaction the key is settled with a ``response-not-stored`` marker naming
+    them, never released (the view ran); with one it rolls back (a 500).
+    """
+    headers = tuple((k, v) for k, v in response.headers.items() if k.lower() != "content-length")
     if response.is_streamed or response.direct_passthrough:
         msg = (
             "the view streams its response, which cannot be stored for replay; "
             "return a body in memory from protected views"
         )
-        raise ResponseNotStorable(msg)
-    headers = tuple((k, v) for k, v in response.headers.items() if k.lower() != "content-length")
+        raise ResponseNotStorable(msg, response=Response(response.status_code, b"", headers))
     return Response(response.status_code, response.get_data(), headers)
 
 
@@ -456,20 +473,24 @@ def to_flask(response: Response) -> FlaskResponse:
 def handle_outcome_unknown(app: Flask) -> None:
     """Register the error handler that tells the WSGI middleware about an ``OutcomeUnknown``.
 
-    For an app behind :class:`idemflow.integrations.wsgi.IdempotencyMiddleware`:
-    without it Flask answers the view's ``OutcomeUnknown`` with a 500 (or, with
-    ``PROPAGATE_EXCEPTIONS``, raises it), and the middleware would release the
-    key on the 500. With it, the view's ``OutcomeUnknown`` is reported through
+    For an app behind :class:`idemflow.integrations.wsgi.IdempotencyMiddleware`,
+    optional: without it Flask answers the view's ``OutcomeUnknown`` with a 500
+    (or, with ``PROPAGATE_EXCEPTIONS``, raises it), and the middleware, which
+    noted the ``OutcomeUnknown`` made while the app ran, keeps the claim all the
+    same. With it, the view's ``OutcomeUnknown`` is reported through
     the middleware's slot in ``request.environ`` (the claim is kept for the
     sweeper) and answered with the 503 ``outcome-unknown`` problem, which is
     also what a request outside the middleware gets. It handles
     ``OutcomeUnknown`` only, more specifically than an app's own
     ``errorhandler(Exception)``; an app's own ``errorhandler(OutcomeUnknown)``
     replaces it, and must then call
-    :func:`idemflow.integrations.wsgi.report_outcome_unknown` itself.
+    :func:`idemflow.integrations.wsgi.report_outcome_unknown` itself; one the
+    app registered before is kept (this registers nothing then). The WSGI
+    middleware calls it on the Flask app it wraps.
     ``@idem.protect`` views never reach it: their edge answers it first.
     """
-    app.register_error_handler(OutcomeUnknown, _outcome_unknown)
+    if OutcomeUnknown not in app.error_handler_spec.get(None, {}).get(None, {}):
+        app.register_error_handler(OutcomeUnknown, _outcome_unknown)
 
 
 def _outcome_unknown(error: OutcomeUnknown) -> FlaskResponse:

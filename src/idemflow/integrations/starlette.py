@@ -54,6 +54,7 @@ transaction adapter that takes a pooled connection only when it begins: what
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import typing
@@ -68,7 +69,7 @@ from .._errors import (
     ResponseNotStorable,
 )
 from .._extras import optional
-from .._model import Response
+from .._model import Response, Verdict
 from ..edge import (
     OUTCOME_SLOT,
     REQUEST_ID_HEADER,
@@ -88,6 +89,7 @@ from ..edge import (
     report_outcome_unknown,
     request_id_from,
     sendable_headers,
+    settled_verdict,
 )
 from ..edge import async_pooled_transaction as pooled_transaction
 from ..stores.protocol import AsyncTransaction
@@ -468,10 +470,12 @@ class IdempotencyMiddleware:
     Starlette and FastAPI raise it on after their ``ServerErrorMiddleware``
     has sent its 500, so it arrives here wherever the middleware is placed.
     An app that answers it itself (Django's ``ASGIHandler`` turns every
-    exception into a 500) reports it through the slot left in
-    ``scope["idemflow.outcome_unknown"]``: Django's app
-    ``idemflow.integrations.django`` in ``INSTALLED_APPS`` does, any other
-    framework's error handler calls :func:`report_outcome_unknown`; what is
+    exception into a 500) needs nothing either: an ``OutcomeUnknown`` made
+    while the app ran, followed by a failure (that 500, any transient status,
+    an exception), keeps the claim. It may also report it through the slot
+    left in ``scope["idemflow.outcome_unknown"]`` (Django's app
+    ``idemflow.integrations.django`` in ``INSTALLED_APPS`` does; any other
+    framework's error handler calls :func:`report_outcome_unknown`); what is
     reported keeps the claim whatever response the app sent.
 
     The app always runs to its end: its response is buffered (at most
@@ -580,17 +584,26 @@ class IdempotencyMiddleware:
     def _endpoint(
         self, scope: Scope, body: bytes, receive: Receive
     ) -> Callable[[AsyncAttempt], Awaitable[Response]]:
-        classify = self.edge.idempotency.policy.verdict
+        # The app has run when it is asked: a classifier that fails settles, never releases.
+        classify = functools.partial(settled_verdict, self.edge.idempotency.policy.verdict)
 
         async def operation(attempt: AsyncAttempt) -> Response:
             buffer = _ResponseBuffer(self.edge.options.max_response_bytes)
-            # Where an app that answers its own exceptions reports an OutcomeUnknown.
+            # Where an app that answers its own exceptions reports an OutcomeUnknown;
+            # one made while it ran and then failed is raised too, reported or not.
             slot = scope[OUTCOME_SLOT] = OutcomeSlot()
             try:
-                await self.app(scope, _replaying(body, receive), buffer.send)
+                with slot.watching():
+                    await self.app(scope, _replaying(body, receive), buffer.send)
+            except Exception:
+                slot.raise_made()
+                raise
             finally:
                 slot.raise_reported()
-            return buffer.response(classify)
+            response = buffer.response(classify)
+            if classify(response) is Verdict.TRANSIENT:
+                slot.raise_made()  # Django's ASGI handler's own 500 for it, say
+            return response
 
         return operation
 
@@ -686,9 +699,13 @@ class _ResponseBuffer:
             self._other = kind
 
     def response(self, classify: Callable[[Response], Any]) -> Response:
-        """The app's response; a :func:`~idemflow._http.not_stored` marker if not whole."""
+        """The app's response; a :func:`~idemflow._http.not_stored` marker if not whole.
+
+        Never raises: the app has run, and what it did stays (no transaction).
+        """
         if self._start is None:
-            raise RuntimeError("the endpoint returned without sending a response")
+            why = "the endpoint returned without sending a response"
+            return not_stored(None, why, Verdict.FAILED_PERMANENT)
         headers = tuple(
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in self._start.get("headers", ())

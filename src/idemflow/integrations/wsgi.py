@@ -35,7 +35,7 @@ rules themselves live in ``idemflow._http`` and the sync ``Edge``:
   header or status that cannot be sent, a body that is not bytes) is never
   released, since its effect happened: the key is settled with a
   ``response-not-stored`` marker that the first caller gets too and every
-  retry replays;
+  retry replays (so too for a status line it cannot read, or none);
 - a 5xx, 408, 425 or 429 response, or an exception, releases the claim; the
   exception propagates to the server unchanged. ``OutcomeUnknown`` (the app
   cannot tell whether its effect happened) keeps it for the sweeper instead:
@@ -43,15 +43,17 @@ rules themselves live in ``idemflow._http`` and the sync ``Edge``:
 - an ``OutcomeUnknown`` the application's framework turned into a response
   of its own (Flask and Django answer a view's exception with a 500, which
   alone would release the key, and the retry would charge again) keeps the
-  claim too, when the framework's error hook reports it through the slot the
-  middleware leaves in ``environ["idemflow.outcome_unknown"]``: Flask's
-  :func:`idemflow.integrations.flask.handle_outcome_unknown`, Django's app
-  ``idemflow.integrations.django`` in ``INSTALLED_APPS`` (it listens to
-  ``got_request_exception``), or, for any other framework, its error handler
-  calling :func:`report_outcome_unknown`. What is reported wins over the
-  response the framework made: the caller gets the 503 ``outcome-unknown``
-  problem. Only an ``OutcomeUnknown`` object can be reported, and only in
-  a slot the middleware made, so no response can keep a claim by accident;
+  claim too, with no hook to configure: while the application runs, every
+  ``OutcomeUnknown`` made is noted, and if the application then fails (a
+  transient status such as that 500, or an exception) it is raised here as if
+  the application had raised it: the caller gets the 503 ``outcome-unknown``
+  problem. One the application caught and answered from (a 201, a 402) is
+  not: that answer is stored. A framework's error hook may also report it
+  through the slot the middleware leaves in ``environ["idemflow.outcome_unknown"]``
+  (:func:`report_outcome_unknown`; Django's app ``idemflow.integrations.django``
+  does), and what is reported wins over any response the framework made.
+  Only an ``OutcomeUnknown`` object counts, and only while a middleware runs
+  the application, so no response can keep a claim by accident;
 - every response it makes carries ``X-Request-Id`` (the client's, if sane; it
   is also ``environ["idemflow.request_id"]`` for the application's logs).
 
@@ -62,8 +64,11 @@ application mounted at ``/eu`` and ``/us`` is two endpoints.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -71,7 +76,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .. import Attempt, Idempotency
 from .._errors import BodyTooLarge, ConfigurationError, IdempotencyError, LengthRequired
-from .._model import Record, Response
+from .._model import Record, Response, Verdict
 from ..edge import (
     OUTCOME_SLOT,
     SAFE_METHODS,
@@ -86,6 +91,7 @@ from ..edge import (
     problem_for,
     report_outcome_unknown,
     request_id_from,
+    settled_verdict,
     sync_replay_authorizer,
 )
 
@@ -201,6 +207,7 @@ class IdempotencyMiddleware:
         self._endpoints = [compile_endpoint(endpoint) for endpoint in endpoints]
         if not self._endpoints:
             raise ConfigurationError("IdempotencyMiddleware needs at least one endpoint to protect")
+        _report_from_flask(app)
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         route = self._match(environ)
@@ -242,7 +249,8 @@ class IdempotencyMiddleware:
         return None
 
     def _endpoint(self, environ: WSGIEnvironment, body: bytes) -> Callable[[Attempt], Response]:
-        classify = self.edge.idempotency.policy.verdict
+        # The app has run when it is asked: a classifier that fails settles, never releases.
+        classify = functools.partial(settled_verdict, self.edge.idempotency.policy.verdict)
         limit = self.edge.options.max_response_bytes
 
         def operation(attempt: Attempt) -> Response:
@@ -252,22 +260,57 @@ class IdempotencyMiddleware:
             environ["wsgi.input_terminated"] = True
             captured = _Captured(limit)
             # Where the framework's error hook reports an OutcomeUnknown it answered
-            # itself (a 500): what it reports is raised here, as if the app had.
+            # itself (a 500): what it reports is raised here, as if the app had. One
+            # made while the app ran and then failed is raised too, reported or not.
             slot = environ[OUTCOME_SLOT] = OutcomeSlot()
             try:
-                result = self.app(environ, captured.start_response)
-                try:
-                    for chunk in result:
-                        captured.add(chunk)
-                finally:
-                    close = getattr(result, "close", None)
-                    if close is not None:
-                        close()
+                with slot.watching():
+                    result = self.app(environ, captured.start_response)
+                    try:
+                        for chunk in result:
+                            captured.add(chunk)
+                    finally:
+                        close = getattr(result, "close", None)
+                        if close is not None:
+                            close()
+            except Exception:
+                slot.raise_made()
+                raise
             finally:
                 slot.raise_reported()
-            return captured.response(classify)
+            response = captured.response(classify)
+            if classify(response) is Verdict.TRANSIENT:
+                slot.raise_made()  # the framework's own 500 for it, or the app's 503 after it
+            return response
 
         return operation
+
+
+def _report_from_flask(app: object) -> None:
+    """Register Flask's ``OutcomeUnknown`` handler on the Flask app under ``app``, if any.
+
+    The slot already keeps the claim of an ``OutcomeUnknown`` made while the app runs;
+    the handler also covers one made where the slot cannot see it (a thread that does not
+    carry the request's context, whose exception ``future.result()`` raises again). Found
+    through ``app.wsgi_app``'s bound method and wrappers' ``.app``; an app's own
+    ``errorhandler(OutcomeUnknown)`` is left as it is, and so is an app that has served
+    already (Flask refuses a handler then).
+    """
+    flask = sys.modules.get("flask")
+    if flask is None:
+        return  # no Flask app can be running here
+    for _ in range(_MAX_WRAPPERS):
+        if isinstance(app, flask.Flask):
+            from .flask import handle_outcome_unknown
+
+            with contextlib.suppress(AssertionError):  # it has served a request already
+                handle_outcome_unknown(app)
+            return
+        app = getattr(app, "__self__", None) or getattr(app, "app", None)
+
+
+#: How many wrappers (``ProxyFix(app.wsgi_app)``, …) are looked through for a Flask app.
+_MAX_WRAPPERS = 8
 
 
 class ViewEdges:
@@ -494,13 +537,18 @@ class _Captured:
             self._chunks.append(bytes(chunk))
 
     def response(self, classify: Callable[[Response], Any]) -> Response:
-        """The application's response; a :func:`~idemflow._http.not_stored` marker if not whole."""
+        """The application's response; a :func:`~idemflow._http.not_stored` marker if not whole.
+
+        Never raises: the application has run, and what it did stays (no transaction),
+        so an answer that cannot be read settles the key with the marker too.
+        """
         if self._status is None:
-            raise RuntimeError("the WSGI application returned without calling start_response")
+            why = "the WSGI application returned without calling start_response"
+            return not_stored(None, why, Verdict.FAILED_PERMANENT)
         status = _STATUS.fullmatch(self._status) if isinstance(self._status, str) else None
         if status is None:
-            msg = f"the WSGI application's status {self._status!r} is not '<3 digits> <reason>'"
-            raise RuntimeError(msg)
+            why = f"the WSGI application's status {self._status!r} is not '<3 digits> <reason>'"
+            return not_stored(None, why, Verdict.FAILED_PERMANENT)
         headers = tuple(
             (name, value)
             for name, value in (_pair(header) for header in self._headers)
