@@ -474,7 +474,7 @@ def test_every_django_door_rolls_a_streamed_view_back_and_releases(
             route("mw/payments", pay),
         )
         store = get_store()
-        store.migrate()  # type: ignore[attr-defined]
+        store.migrate()
         try:
             served = Door(door, WSGIHandler(), where, lambda principal: 0)
             answers = [
