@@ -55,7 +55,8 @@ from idemflow.stores.postgres import is_unavailable as postgres_unavailable
 from idemflow.stores.sqlite import is_unavailable as sqlite_unavailable
 from idemflow.sweeper import AsyncBackgroundSweeper
 
-from .db import Database, open_database
+from .databases import open_database
+from .db import Database
 from .db_mysql import PoolTimeout
 from .faults import crash_point
 from .payments import InvalidRequest, Payments, Phases, parse_payment, parse_refund, payment_json

@@ -52,9 +52,9 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
-from idemflow import Record
+from idemflow import AsyncIdempotency, Observer, Record
 from idemflow.integrations.starlette import pooled_transaction
 from idemflow.stores.protocol import AsyncMaintainableStore
 from idemflow.sweeper import (
@@ -76,11 +76,26 @@ from .payments import (
     succeeded_response,
 )
 from .provider import Charge, FakeProvider, ProviderDeclined
+from .settings import Settings
 
-if TYPE_CHECKING:
-    from .app import DemoService
+__all__ = ["STEPS", "PaymentReconciler", "RecoveredService", "recovery_sweeper", "start_recovery"]
 
-__all__ = ["STEPS", "PaymentReconciler", "recovery_sweeper", "start_recovery"]
+
+class RecoveredService(Protocol):
+    """What recovery needs of the demo's service (``app.DemoService``), so that this module
+    never imports the app that starts it."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def db(self) -> Database: ...
+    @property
+    def idempotency(self) -> AsyncIdempotency: ...
+    @property
+    def provider(self) -> FakeProvider: ...
+    @property
+    def metrics(self) -> Observer: ...
+
 
 #: The steps whose downstream keys the reconciler needs: the payment row's
 #: ``intent_ref``, the provider charge, and a refund's id.
@@ -204,12 +219,12 @@ def _forget_row(db: Database, intent_ref: str) -> Callable[[Any], Awaitable[None
     return apply
 
 
-def sweep_interval(service: DemoService) -> timedelta | None:
+def sweep_interval(service: RecoveredService) -> timedelta | None:
     """``--sweep-every``, else None: the library's default (``Policy.sweep_interval``)."""
     return service.settings.sweep_every
 
 
-def retry_stale_after(service: DemoService) -> timedelta:
+def retry_stale_after(service: RecoveredService) -> timedelta:
     """How long a record this sweeper marked stale waits before it is asked about again.
 
     The library's default is the stale threshold, so a resolution that failed
@@ -223,7 +238,7 @@ def retry_stale_after(service: DemoService) -> timedelta:
     return service.settings.request_timeout
 
 
-def start_recovery(service: DemoService) -> AsyncBackgroundSweeper | None:
+def start_recovery(service: RecoveredService) -> AsyncBackgroundSweeper | None:
     """Start the demo's background sweeper (None when ``--sweep-every off``).
 
     Call it from inside the event loop, once the database and the provider
@@ -234,7 +249,7 @@ def start_recovery(service: DemoService) -> AsyncBackgroundSweeper | None:
     return start_background_sweeper(recovery_sweeper(service), every=sweep_interval(service))
 
 
-def recovery_sweeper(service: DemoService) -> AsyncSweeper:
+def recovery_sweeper(service: RecoveredService) -> AsyncSweeper:
     """The demo's sweeper: its policy, its reconciler, transactions on its own pool."""
     db = service.db
     return AsyncSweeper(
