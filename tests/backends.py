@@ -242,7 +242,8 @@ def mysql_backend(table: str, *, found_rows: bool = False, create: bool = True) 
     """MariaDB/MySQL; ``found_rows`` sets CLIENT_FOUND_ROWS on every connection; ``create``:
     make both tables (else they exist, migrated and empty)."""
     pymysql = pytest.importorskip("pymysql")
-    from idemflow.stores.mysql import MySQLStore, PyMySQLTransaction, connect_kwargs
+    from idemflow.stores.mysql import MySQLStore, connect_kwargs
+    from idemflow.transactions import PyMySQLTransaction
     from tests.conftest import unreachable
 
     kwargs = {**connect_kwargs(MYSQL_URL), "client_flag": 2 if found_rows else 0}
@@ -313,7 +314,8 @@ class AsyncMySQL:
 async def async_mysql_backend(table: str, *, max_size: int = 8) -> AsyncIterator[AsyncMySQL]:
     """AsyncMySQLStore (asyncmy) on MariaDB: the key table and ``biz_<table>``, dropped after."""
     asyncmy = pytest.importorskip("asyncmy")
-    from idemflow.stores.mysql import AsyncMySQLStore, AsyncmyTransaction, connect_kwargs
+    from idemflow.stores.mysql import AsyncMySQLStore, connect_kwargs
+    from idemflow.transactions import AsyncmyTransaction
 
     kwargs = connect_kwargs(MYSQL_URL)
     admin = mysql_admin(kwargs)
@@ -439,7 +441,8 @@ def async_mysql_bridged_backend(table: str, create: bool = True) -> Backend:
     ``create``: make both tables (else they exist, migrated and empty)."""
     pymysql = pytest.importorskip("pymysql")
     asyncmy = pytest.importorskip("asyncmy")
-    from idemflow.stores.mysql import AsyncMySQLStore, AsyncmyTransaction, connect_kwargs
+    from idemflow.stores.mysql import AsyncMySQLStore, connect_kwargs
+    from idemflow.transactions import AsyncmyTransaction
     from tests.conftest import unreachable
 
     kwargs = connect_kwargs(MYSQL_URL)
@@ -567,7 +570,7 @@ def _open_galera(table: str, urls: tuple[str, ...], max_size: int = 4) -> Any:
 
 
 def _galera_caller(table: str, urls: tuple[str, ...]) -> Caller:
-    from idemflow.stores.mysql import PyMySQLTransaction
+    from idemflow.transactions import PyMySQLTransaction
 
     connect = galera_connector(urls)
 
@@ -826,7 +829,8 @@ def _postgres_caller(url: str, table: str) -> Caller:
 def _mysql_caller(table: str, found_rows: bool = False) -> Caller:
     import pymysql
 
-    from idemflow.stores.mysql import PyMySQLTransaction, connect_kwargs
+    from idemflow.stores.mysql import connect_kwargs
+    from idemflow.transactions import PyMySQLTransaction
 
     kwargs = {**connect_kwargs(MYSQL_URL), "client_flag": 2 if found_rows else 0}
 
@@ -1328,13 +1332,8 @@ async def _mysql_rig(
     pymysql = pytest.importorskip("pymysql")
     from idemflow._async.edge import pooled_transaction as async_pooled
     from idemflow._sync.edge import pooled_transaction as sync_pooled
-    from idemflow.stores.mysql import (
-        AsyncMySQLStore,
-        AsyncmyTransaction,
-        MySQLStore,
-        PyMySQLTransaction,
-        connect_kwargs,
-    )
+    from idemflow.stores.mysql import AsyncMySQLStore, MySQLStore, connect_kwargs
+    from idemflow.transactions import AsyncmyTransaction, PyMySQLTransaction
     from tests.conftest import unreachable
 
     galera = kind == "galera"

@@ -238,3 +238,106 @@ def test_the_probe_check_catches_each_kind(source: str) -> None:
     protocols = contract_protocols()
 
     assert probes(source, set(protocols), set().union(*protocols.values())) != []
+
+
+def module_files() -> dict[tuple[str, ...], Path]:
+    """Every module of the library by its dotted name (a package by its ``__init__``)."""
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def import_graph() -> dict[tuple[str, ...], set[tuple[str, ...]]]:
+    """Which library modules each module imports, at any depth (in functions, under
+    ``TYPE_CHECKING``): a name imported from a package counts as the module it names."""
+    files = module_files()
+    graph: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
+    for name, path in files.items():
+        targets = set()
+        for imported in imports(path):
+            module = imported
+            while module and module not in files:
+                module = module[:-1]
+            if module and module != name:
+                targets.add(module)
+        graph[name] = targets
+    return graph
+
+
+def circles(graph: dict[tuple[str, ...], set[tuple[str, ...]]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[tuple[str, ...], int] = {}
+    low: dict[tuple[str, ...], int] = {}
+    stack: list[tuple[str, ...]] = []
+    found: list[list[str]] = []
+
+    def visit(node: tuple[str, ...]) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(".".join(member))
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circles() -> None:
+    """No two modules of the library import each other, however indirectly (nor a package
+    and a module under it: an ``__init__`` re-exports, it is not imported back)."""
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_check_finds_one() -> None:
+    graph = {("a",): {("b",)}, ("b",): {("c",)}, ("c",): {("a",)}, ("d",): {("a",)}}
+
+    assert circles(graph) == [["a", "b", "c"]]
+
+
+#: Each layer imports only from the layers below it (the lowest first); a module's layer
+#: is that of the longest prefix of its name listed here.
+LAYERS: list[tuple[str, ...]] = [
+    ("idemflow._model", "idemflow._errors", "idemflow._lease", "idemflow._process"),
+    ("idemflow.stores",),
+    ("idemflow._async", "idemflow._sync", "idemflow.transactions", "idemflow._http"),
+    ("idemflow.integrations", "idemflow.audit", "idemflow.client"),
+    ("idemflow.cli",),
+]
+
+
+def layer_of(name: tuple[str, ...]) -> int | None:
+    dotted = ".".join(name)
+    best: tuple[int, int] | None = None
+    for rank, members in enumerate(LAYERS):
+        for member in members:
+            inside = dotted == member or dotted.startswith(member + ".")
+            if inside and (best is None or len(member) > best[1]):
+                best = (rank, len(member))
+    return None if best is None else best[0]
+
+
+def test_no_import_runs_up_a_layer() -> None:
+    """The store contract and its backends sit below the drivers and adapters, which sit
+    below the framework integrations, the client and the audit kit, and the CLI on top."""
+    upward = sorted(
+        f"{'.'.join(importer)} -> {'.'.join(imported)}"
+        for importer, targets in import_graph().items()
+        for imported in targets
+        if (below := layer_of(importer)) is not None
+        and (above := layer_of(imported)) is not None
+        and above > below
+    )
+
+    assert upward == []

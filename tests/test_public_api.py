@@ -104,10 +104,10 @@ STORE_PATHS = [
     ("idemflow.stores.postgres", ["AsyncPostgresStore", "PostgresStore", "connection_options"]),
     ("idemflow.stores.postgres", ["DEFAULT_CLAIM_LOCK_TIMEOUT_MS", "SERVER_NOW_MS"]),
     ("idemflow.stores.postgres", ["is_unavailable", "postgres_dialect"]),
-    ("idemflow.stores.mysql", ["MySQLStore", "PyMySQLTransaction", "connect_kwargs"]),
+    ("idemflow.stores.mysql", ["MySQLStore", "connect_kwargs"]),
     ("idemflow.stores.mysql", ["mysql_dialect", "mysql_statements", "SERVER_NOW_MS"]),
     ("idemflow.stores.mysql", ["is_unavailable", "upsert_claim"]),
-    ("idemflow.stores.mysql", ["AsyncMySQLStore", "AsyncmyTransaction"]),
+    ("idemflow.stores.mysql", ["AsyncMySQLStore"]),
     ("idemflow.stores.sqlite", ["AsyncSQLiteStore", "SQLiteStore", "connect", "is_unavailable"]),
     ("idemflow.stores.sqlite", ["sqlite_dialect"]),
     ("idemflow.stores.redis", ["AsyncRedisStore", "RedisStats", "RedisStore", "open_redis"]),
@@ -166,6 +166,8 @@ DEPRECATED = [
     ),
     ("idemflow.stores.sql", "SQLStatement", "idemflow.stores.protocol", "Statement"),
     ("idemflow.stores.sql.dialect", "SQLStatement", "idemflow.stores.protocol", "Statement"),
+    ("idemflow.stores.mysql", "PyMySQLTransaction", "idemflow.transactions", "PyMySQLTransaction"),
+    ("idemflow.stores.mysql", "AsyncmyTransaction", "idemflow.transactions", "AsyncmyTransaction"),
 ]
 
 

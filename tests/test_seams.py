@@ -301,7 +301,8 @@ async def test_single_commit_releases_what_commit_phase_committed(
 def test_single_commit_releases_after_commit_phase_on_mysql(table_name: str) -> None:
     """The same on MariaDB, through the sync driver and the PyMySQL adapter."""
     pymysql = pytest.importorskip("pymysql")
-    from idemflow.stores.mysql import MySQLStore, PyMySQLTransaction, connect_kwargs
+    from idemflow.stores.mysql import MySQLStore, connect_kwargs
+    from idemflow.transactions import PyMySQLTransaction
     from tests.backends import MYSQL_URL
 
     try:

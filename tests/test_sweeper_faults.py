@@ -171,7 +171,8 @@ def _transactions(kind: str, store: Any) -> tuple[Callable[[], Any], Any]:
         )
     import asyncmy
 
-    from idemflow.stores.mysql import AsyncmyTransaction, connect_kwargs
+    from idemflow.stores.mysql import connect_kwargs
+    from idemflow.transactions import AsyncmyTransaction
 
     def my_nowhere(attempts: list[int]) -> tuple[Callable[[], Any], type[BaseException]]:
         dead = {**connect_kwargs(MYSQL_URL), "port": free_port(), "connect_timeout": 2}
@@ -294,7 +295,7 @@ def test_the_sync_sweeper_retries_a_lost_session_too(
 
             adapter = PsycopgTransaction
         else:
-            from idemflow.stores.mysql import PyMySQLTransaction
+            from idemflow.transactions import PyMySQLTransaction
 
             adapter = PyMySQLTransaction
         killed: list[int] = []

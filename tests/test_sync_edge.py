@@ -255,7 +255,8 @@ def test_threads_sharing_a_tiny_mysql_pool_with_the_store_never_deadlock(
 ) -> None:
     """The same on MariaDB: the MySQL store's own pool of 1-2 serves the requests too."""
     pymysql = pytest.importorskip("pymysql")
-    from idemflow.stores.mysql import MySQLStore, PyMySQLTransaction, connect_kwargs
+    from idemflow.stores.mysql import MySQLStore, connect_kwargs
+    from idemflow.transactions import PyMySQLTransaction
     from tests.backends import MYSQL_URL
 
     try:

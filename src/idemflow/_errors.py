@@ -34,10 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, ClassVar
-
-if TYPE_CHECKING:
-    from ._model import Response
+from typing import Any, ClassVar
 
 __all__ = [
     "BodyTooLarge",
@@ -286,10 +283,11 @@ class ResponseNotStorable(ConfigurationError):
     slug = "response-not-storable"
     title = "Response cannot be stored for replay"
 
-    def __init__(self, message: str = "", *, response: Response | None = None) -> None:
+    def __init__(self, message: str = "", *, response: Any = None) -> None:
         super().__init__(message)
-        #: What the endpoint answered, as far as it could be read (its status and
-        #: headers, no body): what a ``response-not-stored`` marker names.
+        #: What the endpoint answered, as far as it could be read: an idemflow ``Response``
+        #: with its status and headers, no body (what a ``response-not-stored`` marker
+        #: names). Typed ``Any``: the exception tree sits below the model, never above it.
         self.response = response
 
 

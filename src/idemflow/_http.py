@@ -482,7 +482,7 @@ def not_read(error: Exception, classify: Callable[[Response], Verdict]) -> Respo
     it is a :class:`ResponseNotStorable` carrying one, names the original status, whose
     verdict settles the key; otherwise the key is settled ``failed_permanent``.
     """
-    original = error.response if isinstance(error, ResponseNotStorable) else None
+    original: Response | None = error.response if isinstance(error, ResponseNotStorable) else None
     if original is None:
         logger.error("the endpoint ran but its answer could not be read", exc_info=error)
         verdict = Verdict.FAILED_PERMANENT
@@ -694,14 +694,3 @@ def report_outcome_unknown(request: MutableMapping[str, Any], error: BaseExcepti
     if slot.reported is None:
         slot.reported = error
     return True
-
-
-def __getattr__(name: str) -> Any:
-    # The edge's I/O lives in idemflow._async.edge (and its generated sync
-    # twin); these names stay importable from here.
-    if name in ("Edge", "PooledTransaction", "pooled_transaction"):
-        from ._async import edge
-
-        return getattr(edge, "Async" + name if name[0].isupper() else name)
-    msg = f"module {__name__!r} has no attribute {name!r}"
-    raise AttributeError(msg)

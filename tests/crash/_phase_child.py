@@ -61,8 +61,7 @@ class Side:
         return MySQLStore(MYSQL_URL, table=self.table, max_size=1, clock="caller")
 
     def adapter(self) -> Callable[[Any], Any]:
-        from idemflow.stores.mysql import PyMySQLTransaction
-        from idemflow.transactions import PsycopgTransaction
+        from idemflow.transactions import PsycopgTransaction, PyMySQLTransaction
 
         return PsycopgTransaction if self.kind == "postgres" else PyMySQLTransaction
 

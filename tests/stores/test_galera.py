@@ -43,7 +43,8 @@ from tests.backends import galera_urls
 from tests.stores._race import Recorder
 
 pymysql = pytest.importorskip("pymysql")
-from idemflow.stores.mysql import MySQLStore, PyMySQLTransaction, connect_kwargs  # noqa: E402
+from idemflow.stores.mysql import MySQLStore, connect_kwargs  # noqa: E402
+from idemflow.transactions import PyMySQLTransaction  # noqa: E402
 
 pytestmark = pytest.mark.mysql
 

@@ -66,7 +66,6 @@ from .._errors import (
     IdempotencyError,
     IncompleteBody,
     MissingPrincipal,
-    OutcomeUnknown,
     ResponseNotStorable,
 )
 from .._extras import optional
@@ -83,7 +82,6 @@ from ..edge import (
     body_too_large,
     declared_length,
     problem_for,
-    report_outcome_unknown,
     request_id_from,
     sendable_headers,
     sync_replay_authorizer,
@@ -91,7 +89,7 @@ from ..edge import (
 from ..stores.protocol import Store, Transaction
 
 # raw_headers: werkzeug's lines, one reader
-from .wsgi import ReplayHook, ViewEdges, raw_headers, require_length
+from .wsgi import ReplayHook, ViewEdges, raw_headers, report_from_flask, require_length
 
 with optional("idemflow.integrations.flask"):
     from flask import Flask, current_app, request
@@ -489,17 +487,7 @@ def handle_outcome_unknown(app: Flask) -> None:
     middleware calls it on the Flask app it wraps.
     ``@idem.protect`` views never reach it: their edge answers it first.
     """
-    if OutcomeUnknown not in app.error_handler_spec.get(None, {}).get(None, {}):
-        app.register_error_handler(OutcomeUnknown, _outcome_unknown)
-
-
-def _outcome_unknown(error: OutcomeUnknown) -> FlaskResponse:
-    environ = request.environ
-    report_outcome_unknown(environ, error)
-    rid = environ.get("idemflow.request_id")  # the middleware's, when it runs
-    if not isinstance(rid, str):
-        rid = request_id_from(raw_headers(environ))
-    return to_flask(problem_for(error, rid))
+    report_from_flask(app)
 
 
 def _cli(extension: Idempotency) -> Any:

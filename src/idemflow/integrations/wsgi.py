@@ -75,7 +75,13 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .. import Attempt, Idempotency
-from .._errors import BodyTooLarge, ConfigurationError, IdempotencyError, LengthRequired
+from .._errors import (
+    BodyTooLarge,
+    ConfigurationError,
+    IdempotencyError,
+    LengthRequired,
+    OutcomeUnknown,
+)
 from .._model import Record, Response, Verdict
 from ..edge import (
     OUTCOME_SLOT,
@@ -91,6 +97,7 @@ from ..edge import (
     problem_for,
     report_outcome_unknown,
     request_id_from,
+    sendable_headers,
     settled_verdict,
     sync_replay_authorizer,
 )
@@ -301,12 +308,31 @@ def _report_from_flask(app: object) -> None:
         return  # no Flask app can be running here
     for _ in range(_MAX_WRAPPERS):
         if isinstance(app, flask.Flask):
-            from .flask import handle_outcome_unknown
-
             with contextlib.suppress(AssertionError):  # it has served a request already
-                handle_outcome_unknown(app)
+                report_from_flask(app)
             return
         app = getattr(app, "__self__", None) or getattr(app, "app", None)
+
+
+def report_from_flask(app: Any) -> None:
+    """Register, on the Flask app ``app``, an error handler for ``OutcomeUnknown`` that
+    reports it through the middleware's slot and answers the 503 ``outcome-unknown``
+    problem; an app's own handler for it is kept. Flask's ``handle_outcome_unknown``."""
+    if OutcomeUnknown in app.error_handler_spec.get(None, {}).get(None, {}):
+        return
+    flask = sys.modules["flask"]  # loaded: ``app`` is one of its apps
+
+    def reported(error: OutcomeUnknown) -> tuple[bytes, int, list[tuple[str, str]]]:
+        environ = flask.request.environ
+        report_outcome_unknown(environ, error)
+        rid = environ.get("idemflow.request_id")  # the middleware's, when it runs
+        answer = problem_for(
+            error, rid if isinstance(rid, str) else request_id_from(raw_headers(environ))
+        )
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in sendable_headers(answer)]
+        return answer.body, answer.status, headers
+
+    app.register_error_handler(OutcomeUnknown, reported)
 
 
 #: How many wrappers (``ProxyFix(app.wsgi_app)``, …) are looked through for a Flask app.

@@ -40,7 +40,7 @@ byte, so neither case nor trailing spaces can merge two keys.
 
 from __future__ import annotations
 
-from ...transactions import AsyncmyTransaction, PyMySQLTransaction
+from ..._deprecation import moved
 from ._async import AsyncMySQLStore
 from ._binding import closed_by_server
 from ._errors import (
@@ -71,10 +71,8 @@ __all__ = [
     "SERVER_NOW_MS",
     "UNAVAILABLE_CODES",
     "AsyncMySQLStore",
-    "AsyncmyTransaction",
     "MySQLStatements",
     "MySQLStore",
-    "PyMySQLTransaction",
     "closed_by_server",
     "connect_kwargs",
     "error_code",
@@ -88,3 +86,13 @@ __all__ = [
     "unpack_read",
     "upsert_claim",
 ]
+
+#: The adapters live with every other in :mod:`idemflow.transactions` (a store never
+#: imports the layer above it); importable from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(
+    __name__,
+    {
+        name: f"idemflow.transactions:{name}"
+        for name in ("AsyncmyTransaction", "PyMySQLTransaction")
+    },
+)
