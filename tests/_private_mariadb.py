@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -82,6 +83,16 @@ class PrivateMariaDB:
             self._process.kill()
             self._process.wait(timeout=60)
             self._process = None
+
+    def freeze(self) -> None:
+        """Stop the server (SIGSTOP): the kernel still takes what clients send."""
+        assert self._process is not None
+        os.kill(self._process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """Resume the server (SIGCONT): it runs what it was sent meanwhile."""
+        assert self._process is not None
+        os.kill(self._process.pid, signal.SIGCONT)
 
     def close(self) -> None:
         """Stop the server if it runs, and remove its files."""

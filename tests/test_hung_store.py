@@ -58,6 +58,7 @@ from idemflow.sweeper import Answer, AsyncSweeper, DidNotHappen, Happened, Sweep
 from idemflow.testing import FrozenClock
 from idemflow.transactions import SQLite3Transaction
 from tests._private_redis import freeze, own_redis_server, thaw, wait_until_drained
+from tests.conftest import unreachable
 from tests.factories import CREATED
 from tests.factories import uncorrelated_intent as intent
 
@@ -590,3 +591,206 @@ async def test_postgresql_frozen_after_the_charge_then_resumed_charges_once(mode
     assert record is not None
     assert record.state is State.COMPLETED
     assert charged + [row[0] for row in rows] == ["charged"]
+
+
+# --- every store, hung, within the request's own budget ---------------------------------
+
+#: A short request timeout: each store call waits at most its store wait (0.5 s).
+BUDGETED = Policy(request_timeout=1)
+
+
+@contextlib.contextmanager
+def hung_store(kind: str, tmp_path: Path) -> Iterator[tuple[Any, Callable[[], object], Any]]:
+    """A started async store of ``kind`` made with :data:`BUDGETED` on the caller's clock
+    (the sweeper's frozen clock must see its claims as stale); how to hang it; how to
+    resume it (safe to call twice)."""
+    if kind == "sqlite":
+        path = tmp_path / "keys.db"
+        blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+
+        def unlock() -> None:
+            if blocker.in_transaction:
+                blocker.rollback()
+
+        try:
+            yield (
+                AsyncSQLiteStore(path, policy=BUDGETED),
+                lambda: blocker.execute("BEGIN IMMEDIATE"),
+                unlock,
+            )
+        finally:
+            unlock()
+            blocker.close()
+        return
+    if kind in ("redis", "redis-cluster"):
+        pytest.importorskip("redis")
+        from idemflow.stores.redis import open_redis
+
+        if kind == "redis":
+            with own_redis_server(tmp_path) as (process, url):
+                processes = [process]
+                yield (
+                    open_redis(
+                        url, policy=BUDGETED, asynchronous=True, clock="caller", allow_volatile=True
+                    ),
+                    lambda: freeze(process),
+                    lambda: _thaw_all(processes),
+                )
+            return
+        from tests._redis_cluster import ClusterUnavailable, shared_cluster
+
+        try:
+            cluster = shared_cluster()
+        except ClusterUnavailable as exc:
+            unreachable("a private Redis Cluster", exc)
+        cluster_url = "redis+cluster://" + cluster.url.split("://", 1)[1]
+        store = open_redis(
+            cluster_url, policy=BUDGETED, asynchronous=True, clock="caller", allow_volatile=True
+        )
+        try:
+            yield (
+                store,
+                lambda: _freeze_all(cluster.processes),
+                lambda: _thaw_all(cluster.processes),
+            )
+        finally:
+            _thaw_all(cluster.processes)
+        return
+    if kind == "postgres":
+        pytest.importorskip("psycopg_pool")
+        from idemflow.stores.postgres import AsyncPostgresStore
+        from tests._private_postgres import PrivatePostgresUnavailable, private_postgres
+
+        try:
+            with private_postgres() as pg:
+                yield (
+                    AsyncPostgresStore(pg.url, policy=BUDGETED, clock="caller"),
+                    pg.freeze,
+                    pg.thaw,
+                )
+        except PrivatePostgresUnavailable as exc:
+            unreachable("a private PostgreSQL", exc)
+        return
+    pytest.importorskip("asyncmy")
+    from idemflow.stores.mysql import AsyncMySQLStore
+    from tests._private_mariadb import PrivateMariaDBUnavailable, private_mariadb
+
+    try:
+        with private_mariadb() as maria:
+            yield (
+                AsyncMySQLStore(maria.url, policy=BUDGETED, clock="caller"),
+                maria.freeze,
+                maria.thaw,
+            )
+    except PrivateMariaDBUnavailable as exc:
+        unreachable("a private MariaDB", exc)
+
+
+def _freeze_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        freeze(process)
+
+
+def _thaw_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            thaw(process)
+
+
+async def _prepared(store: Any) -> None:
+    """Tables made, scripts loaded, one pooled connection: what hangs is the claim."""
+    if hasattr(store, "migrate"):
+        await store.migrate()
+    else:
+        await store.start()
+    await store.get("alice", "k-warm")
+
+
+HUNG_KINDS = [
+    pytest.param("sqlite"),
+    pytest.param("redis", marks=pytest.mark.redis),
+    pytest.param("redis-cluster", marks=pytest.mark.redis),
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    pytest.param("mariadb", marks=pytest.mark.mysql),
+]
+
+
+@pytest.mark.parametrize("kind", HUNG_KINDS)
+async def test_a_hung_store_answers_503_within_the_request_budget_and_the_key_resolves(
+    kind: str, tmp_path: Path
+) -> None:
+    """``Policy(request_timeout=1)``: a store that stops answering (SIGSTOP; SQLite's
+    write lock held) is a 503 within the request timeout, its handler unrun, whatever
+    the store: every wait of the store's own (connect, checkout, reads, the client's
+    retries, busy_timeout) fits in ``store_wait_seconds``. Before, a frozen Redis held
+    the request 15 s (a 5 s socket timeout, retried) and PostgreSQL or MariaDB until the
+    server came back. Resumed, the claim a server ran from its buffer (if any) is the
+    sweeper's, and the retry runs once."""
+    import asyncio
+    import threading
+
+    from idemflow import InProgress, StoreUnavailable
+
+    provider = Provider()
+
+    async def handler(attempt: AsyncAttempt) -> Response:
+        return provider.charge()
+
+    async def reconcile(record: Record, keys: Any) -> Answer:
+        return provider.reconcile()
+
+    with hung_store(kind, tmp_path) as (store, hang, resume):
+        await _prepared(store)
+        idem = AsyncIdempotency(store, BUDGETED)
+        # If the store stays hung (no bound), the request ends when this resumes it.
+        safety = threading.Timer(10 * BUDGETED.timeout_seconds, resume)
+        hang()
+        safety.start()
+        began = time.monotonic()
+        try:
+            with pytest.raises(StoreUnavailable):
+                await idem.run(intent("k-hung"), handler)
+            waited = time.monotonic() - began
+        finally:
+            safety.cancel()
+            resume()
+        ran_while_hung = list(provider.calls)
+        # The sweeper (past the threshold) ends a claim the server ran late, until the
+        # retry runs: the server may run its buffer after a first pass.
+        clock = FrozenClock(time.time() + BUDGETED.stale_seconds + 1)
+        sweeper = AsyncSweeper(store, BUDGETED, reconciler=reconcile, clock=clock)
+        deadline = time.monotonic() + 20
+        while True:
+            await sweeper.sweep_once()
+            try:
+                retry = await idem.run(intent("k-hung"), handler)
+                break
+            except (InProgress, StoreUnavailable):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        record = await store.get("alice", "k-hung")
+        await store.close()
+
+    assert waited <= BUDGETED.timeout_seconds, waited
+    assert ran_while_hung == []
+    assert (retry.response.status, retry.replayed) == (201, False)
+    assert provider.calls == ["charged"]
+    assert record is not None
+    assert record.state is State.COMPLETED
+
+
+def test_the_store_wait_is_derived_from_the_request_timeout(tmp_path: Path) -> None:
+    """Half the request timeout, at most 5 s: 0.5 s at 1 s, 5 s at 30 s (the default); and
+    what each store made with that policy waits (the 30 s case, without waiting 5 s)."""
+    assert BUDGETED.store_wait_seconds == 0.5
+    assert Policy(request_timeout=30).store_wait_seconds == 5.0
+    assert Policy().store_wait_seconds == 5.0
+    for policy in (BUDGETED, Policy(request_timeout=30)):
+        bound = policy.store_wait_seconds
+        store = SQLiteStore(tmp_path / "keys.db", policy=policy)
+        assert store._connections()._timeout == bound
+        assert store._connections().conn.execute("PRAGMA busy_timeout").fetchone() == (
+            int(bound * 1000),
+        )
+        store.close()

@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, LeaseLost
-from ..._model import Claim, Record, State, can_take_over, make_claim, record_from_row
+from ..._model import Claim, Policy, Record, State, can_take_over, make_claim, record_from_row
 from ..._process import PID
 from ..protocol import Transaction
 from ..sql import SQLStore
@@ -220,7 +220,12 @@ class MySQLStore(SQLStore):
         lock_wait_timeout: the longest (seconds) one of the store's
             statements waits on a row another transaction holds; a claim that
             times out answers 409.
-        timeout: connect timeout, and the longest wait for a free connection.
+        timeout: connect and read timeout, and the longest wait for a free
+            connection: ``policy.store_wait_seconds`` by default (half the
+            request timeout, at most 5 s), so a server that stops answering is
+            a 503 within it (the store's own connections; a claim in your
+            transaction waits on your connection's bounds).
+        policy: your app's policy, which bounds the waits (above).
         clock: ``"database"`` (the default) takes every time decision on the
             server's clock (see :class:`idemflow.stores.postgres.PostgresStore`);
             ``"caller"`` uses the ``now`` each call passes.
@@ -245,8 +250,9 @@ class MySQLStore(SQLStore):
         table: str = DEFAULT_TABLE,
         max_size: int = 8,
         lock_wait_timeout: int = DEFAULT_LOCK_WAIT_TIMEOUT,
-        timeout: float = 5.0,
+        timeout: float | None = None,
         clock: StoreClock = "database",
+        policy: Policy | None = None,
     ) -> None:
         if lock_wait_timeout < 1:
             msg = "lock_wait_timeout must be at least 1 second (InnoDB's minimum)"
@@ -254,6 +260,8 @@ class MySQLStore(SQLStore):
         clock = check_clock(clock)
         self.statements = mysql_statements(table, clock)
         self.lock_wait_timeout = int(lock_wait_timeout)
+        if timeout is None:
+            timeout = (policy or Policy()).store_wait_seconds
         self.pool = Pool(self._causal(self._factory(connect, timeout)), max_size, timeout)
         super().__init__(
             mysql_dialect(table, clock),
@@ -273,6 +281,7 @@ class MySQLStore(SQLStore):
         return Binding.connector(
             {
                 "connect_timeout": timeout,
+                "read_timeout": timeout,
                 "init_command": f"SET SESSION innodb_lock_wait_timeout = {self.lock_wait_timeout}",
                 "charset": "utf8mb4",
                 **(
