@@ -645,7 +645,12 @@ def hung_store(kind: str, tmp_path: Path) -> Iterator[tuple[Any, Callable[[], ob
             unreachable("a private Redis Cluster", exc)
         cluster_url = "redis+cluster://" + cluster.url.split("://", 1)[1]
         store = open_redis(
-            cluster_url, policy=BUDGETED, asynchronous=True, clock="caller", allow_volatile=True
+            cluster_url,
+            prefix=tmp_path.name,  # the cluster is the session's: keys of this test's own
+            policy=BUDGETED,
+            asynchronous=True,
+            clock="caller",
+            allow_volatile=True,
         )
         try:
             yield (
@@ -715,40 +720,51 @@ HUNG_KINDS = [
 ]
 
 
+@pytest.mark.parametrize("moment", ["before-the-claim", "after-the-charge"])
 @pytest.mark.parametrize("kind", HUNG_KINDS)
 async def test_a_hung_store_answers_503_within_the_request_budget_and_the_key_resolves(
-    kind: str, tmp_path: Path
+    kind: str, moment: str, tmp_path: Path
 ) -> None:
     """``Policy(request_timeout=1)``: a store that stops answering (SIGSTOP; SQLite's
-    write lock held) is a 503 within the request timeout, its handler unrun, whatever
-    the store: every wait of the store's own (connect, checkout, reads, the client's
-    retries, busy_timeout) fits in ``store_wait_seconds``. Before, a frozen Redis held
-    the request 15 s (a 5 s socket timeout, retried) and PostgreSQL or MariaDB until the
-    server came back. Resumed, the claim a server ran from its buffer (if any) is the
-    sweeper's, and the retry runs once."""
+    write lock held) is a 503 within the request timeout, whatever the store: every wait
+    of the store's own (connect, checkout, reads, the client's retries, busy_timeout)
+    fits in ``store_wait_seconds``. Before, a frozen Redis held the request 15 s (a 5 s
+    socket timeout, retried), PostgreSQL and MariaDB until the server came back.
+
+    Hung before the claim: the handler never runs; resumed, a claim the server ran from
+    its buffer is the sweeper's, and the retry runs once. Hung after the charge: the
+    completion that timed out is an unknown outcome, never given back (503 "could not
+    be recorded"); resumed, the record is completed (the buffered completion ran) or
+    the sweeper's reconciler settles it: the retry replays the one charge."""
     import asyncio
     import threading
 
     from idemflow import InProgress, StoreUnavailable
 
     provider = Provider()
-
-    async def handler(attempt: AsyncAttempt) -> Response:
-        return provider.charge()
-
-    async def reconcile(record: Record, keys: Any) -> Answer:
-        return provider.reconcile()
+    before_the_claim = moment == "before-the-claim"
 
     with hung_store(kind, tmp_path) as (store, hang, resume):
+
+        async def handler(attempt: AsyncAttempt) -> Response:
+            answer = provider.charge()
+            if not before_the_claim:
+                hang()
+            return answer
+
+        async def reconcile(record: Record, keys: Any) -> Answer:
+            return provider.reconcile()
+
         await _prepared(store)
         idem = AsyncIdempotency(store, BUDGETED)
         # If the store stays hung (no bound), the request ends when this resumes it.
         safety = threading.Timer(10 * BUDGETED.timeout_seconds, resume)
-        hang()
         safety.start()
+        if before_the_claim:
+            hang()
         began = time.monotonic()
         try:
-            with pytest.raises(StoreUnavailable):
+            with pytest.raises(StoreUnavailable) as refused:
                 await idem.run(intent("k-hung"), handler)
             waited = time.monotonic() - began
         finally:
@@ -756,7 +772,7 @@ async def test_a_hung_store_answers_503_within_the_request_budget_and_the_key_re
             resume()
         ran_while_hung = list(provider.calls)
         # The sweeper (past the threshold) ends a claim the server ran late, until the
-        # retry runs: the server may run its buffer after a first pass.
+        # retry is answered: the server may run its buffer after a first pass.
         clock = FrozenClock(time.time() + BUDGETED.stale_seconds + 1)
         sweeper = AsyncSweeper(store, BUDGETED, reconciler=reconcile, clock=clock)
         deadline = time.monotonic() + 20
@@ -773,24 +789,61 @@ async def test_a_hung_store_answers_503_within_the_request_budget_and_the_key_re
         await store.close()
 
     assert waited <= BUDGETED.timeout_seconds, waited
-    assert ran_while_hung == []
-    assert (retry.response.status, retry.replayed) == (201, False)
+    assert ran_while_hung == ([] if before_the_claim else ["charged"])
+    if not before_the_claim:
+        assert "could not be recorded" in str(refused.value)
+    assert (retry.response.status, retry.replayed) == (201, not before_the_claim)
     assert provider.calls == ["charged"]
     assert record is not None
     assert record.state is State.COMPLETED
 
 
-def test_the_store_wait_is_derived_from_the_request_timeout(tmp_path: Path) -> None:
-    """Half the request timeout, at most 5 s: 0.5 s at 1 s, 5 s at 30 s (the default); and
-    what each store made with that policy waits (the 30 s case, without waiting 5 s)."""
-    assert BUDGETED.store_wait_seconds == 0.5
-    assert Policy(request_timeout=30).store_wait_seconds == 5.0
-    assert Policy().store_wait_seconds == 5.0
-    for policy in (BUDGETED, Policy(request_timeout=30)):
-        bound = policy.store_wait_seconds
-        store = SQLiteStore(tmp_path / "keys.db", policy=policy)
-        assert store._connections()._timeout == bound
-        assert store._connections().conn.execute("PRAGMA busy_timeout").fetchone() == (
-            int(bound * 1000),
-        )
-        store.close()
+@pytest.mark.postgres
+@pytest.mark.parametrize("request_timeout", [1, 30])
+async def test_the_store_wait_is_derived_from_the_request_timeout(
+    request_timeout: float, tmp_path: Path
+) -> None:
+    """Half the request timeout, at most 5 s (0.5 s at 1 s; 5 s at 30 s, the default), and
+    each store made with the policy waits that long, no longer (the 30 s case without
+    waiting): SQLite's busy timeout; each Redis attempt a third of it (two retries);
+    MySQL's connect, read and checkout; PostgreSQL's checkout and its own statements,
+    never the application's checkout of the same pool."""
+    policy = Policy(request_timeout=request_timeout)
+    bound = policy.store_wait_seconds
+    assert bound == min(request_timeout / 2, 5.0)
+
+    sqlite_store = SQLiteStore(tmp_path / "keys.db", policy=policy)
+    busy = sqlite_store._connections().conn.execute("PRAGMA busy_timeout").fetchone()
+    sqlite_store.close()
+    assert busy == (int(bound * 1000),)
+
+    pytest.importorskip("redis")
+    from idemflow.stores.redis import RETRIES, open_redis
+
+    redis_store: Any = open_redis("redis://127.0.0.1:1/0", policy=policy, asynchronous=True)
+    settings = redis_store.client.connection_pool.connection_kwargs
+    assert settings["socket_timeout"] == settings["socket_connect_timeout"]
+    assert settings["socket_timeout"] * (1 + RETRIES) == pytest.approx(bound)
+    await redis_store.client.aclose()
+
+    pytest.importorskip("asyncmy")
+    from idemflow.stores.mysql import AsyncMySQLStore
+
+    mysql_store = AsyncMySQLStore("mysql://root@127.0.0.1:1/test", policy=policy)
+    assert mysql_store.pool._timeout == bound
+
+    pytest.importorskip("psycopg_pool")
+    from idemflow.stores.postgres import AsyncPostgresStore
+    from tests.conftest import POSTGRES_URL
+
+    pg_store = AsyncPostgresStore(POSTGRES_URL, policy=policy)
+    try:
+        assert pg_store.pool.timeout == bound
+        async with pg_store._checkout(bound) as own:
+            assert own.store_wait == bound
+        async with pg_store.connection() as lent:
+            assert lent.store_wait is None
+        async with pg_store.pool.connection() as raw:
+            assert raw.store_wait is None
+    finally:
+        await pg_store.close()

@@ -34,15 +34,16 @@ class AsyncLiveConnection:
     ``store_wait``: on a connection of :func:`bounded_connection_class` (the pools the
     stores make), how long each of its waits for the server may last while this
     checkout holds it (the store's own statements); None (the application's
-    checkouts) waits as psycopg does, unbounded.
+    checkouts, and any other once this one ends) waits as psycopg does, unbounded.
     """
 
-    __slots__ = ("_context", "_pool", "_store_wait")
+    __slots__ = ("_bounded", "_context", "_pool", "_store_wait")
 
     def __init__(self, pool: Any, store_wait: float | None = None) -> None:
         self._pool = pool
         self._context: Any = None
         self._store_wait = store_wait
+        self._bounded: Any = None  # the connection whose waits this checkout bounds
 
     async def __aenter__(self) -> Any:
         context = self._pool.connection()
@@ -50,8 +51,9 @@ class AsyncLiveConnection:
         if conn.closed or readable_now(conn.pgconn.socket):  # rare: a restart, a notice
             context, conn = await self._live(context, conn)
         self._context = context
-        if hasattr(conn, "store_wait"):
+        if self._store_wait is not None and hasattr(conn, "store_wait"):
             conn.store_wait = self._store_wait
+            self._bounded = conn
         return conn
 
     async def _live(self, context: Any, conn: Any) -> tuple[Any, Any]:
@@ -79,6 +81,9 @@ class AsyncLiveConnection:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> Any:
+        if self._bounded is not None:  # the next checkout may be the application's own
+            self._bounded.store_wait = None
+            self._bounded = None
         return await self._context.__aexit__(exc_type, exc, traceback)
 
 

@@ -35,15 +35,16 @@ class LiveConnection:
     ``store_wait``: on a connection of :func:`bounded_connection_class` (the pools the
     stores make), how long each of its waits for the server may last while this
     checkout holds it (the store's own statements); None (the application's
-    checkouts) waits as psycopg does, unbounded.
+    checkouts, and any other once this one ends) waits as psycopg does, unbounded.
     """
 
-    __slots__ = ("_context", "_pool", "_store_wait")
+    __slots__ = ("_bounded", "_context", "_pool", "_store_wait")
 
     def __init__(self, pool: Any, store_wait: float | None = None) -> None:
         self._pool = pool
         self._context: Any = None
         self._store_wait = store_wait
+        self._bounded: Any = None  # the connection whose waits this checkout bounds
 
     def __enter__(self) -> Any:
         context = self._pool.connection()
@@ -51,8 +52,9 @@ class LiveConnection:
         if conn.closed or readable_now(conn.pgconn.socket):  # rare: a restart, a notice
             context, conn = self._live(context, conn)
         self._context = context
-        if hasattr(conn, "store_wait"):
+        if self._store_wait is not None and hasattr(conn, "store_wait"):
             conn.store_wait = self._store_wait
+            self._bounded = conn
         return conn
 
     def _live(self, context: Any, conn: Any) -> tuple[Any, Any]:
@@ -80,6 +82,9 @@ class LiveConnection:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> Any:
+        if self._bounded is not None:  # the next checkout may be the application's own
+            self._bounded.store_wait = None
+            self._bounded = None
         return self._context.__exit__(exc_type, exc, traceback)
 
 

@@ -87,6 +87,7 @@ __all__ = [
     "INDEXES",
     "IN_PROGRESS",
     "RELEASED",
+    "RETRIES",
     "SCRIPTS",
     "SHAS",
     "STALE",
