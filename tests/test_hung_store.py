@@ -847,3 +847,21 @@ async def test_the_store_wait_is_derived_from_the_request_timeout(
             assert raw.store_wait is None
     finally:
         await pg_store.close()
+
+
+def test_a_flask_store_named_by_url_waits_within_the_apps_request_timeout(
+    tmp_path: Path,
+) -> None:
+    """``IDEMFLOW_STORE`` opened with the app's own policy (``IDEMFLOW_REQUEST_TIMEOUT``):
+    its waits are bounded by that policy's store wait, not ``Policy()``'s 5 s."""
+    flask = pytest.importorskip("flask")
+    from idemflow.integrations.flask import Idempotency as FlaskIdempotency
+
+    app = flask.Flask(__name__)
+    app.config["IDEMFLOW_STORE"] = f"sqlite:///{tmp_path / 'keys.db'}"
+    app.config["IDEMFLOW_REQUEST_TIMEOUT"] = 1
+    FlaskIdempotency(app, principal=lambda: "alice")
+    store = app.extensions["idemflow"].store
+    busy = store._connections().conn.execute("PRAGMA busy_timeout").fetchone()
+    store.close()
+    assert busy == (500,)  # half of 1 s (Policy()'s would be 5 s)
