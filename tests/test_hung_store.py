@@ -492,6 +492,47 @@ async def test_a_release_that_waited_out_sqlites_lock_is_not_sent_again(
     assert provider.calls == ["failed" if failure == "transient" else "raised", "charged"]
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_release_that_waited_out_a_short_store_wait_is_not_sent_again(
+    mode: str, tmp_path: Path
+) -> None:
+    """``Policy(request_timeout=0.4)``: the store's wait (SQLite's ``busy_timeout``) is
+    0.2 s, shorter than ``RELEASE_RETRY_WITHIN_SECONDS``; a release that waited it out
+    waited for the store all the same, and is not sent again (three would hold the
+    request 0.6 s, past its timeout). The key is the sweeper's."""
+    short = Policy(request_timeout=0.4)
+    path = tmp_path / "keys.db"
+    provider = Provider()
+    blocker = sqlite3.connect(path, isolation_level=None)
+
+    def lock_then_fail() -> Response:
+        blocker.execute("BEGIN IMMEDIATE")
+        return provider.fail()
+
+    try:
+        if mode == "sync":
+            store: Any = CountingSQLiteStore(path, policy=short)
+            store.migrate()
+            outcome = Idempotency(store, short).run(intent("k-short"), lambda a: lock_then_fail())
+            store.close()
+        else:
+
+            async def handler(attempt: AsyncAttempt) -> Response:
+                return lock_then_fail()
+
+            store = AsyncCountingSQLiteStore(path, policy=short)
+            await store.migrate()
+            outcome = await AsyncIdempotency(store, short).run(intent("k-short"), handler)
+            await store.close()
+    finally:
+        blocker.rollback()
+        blocker.close()
+
+    assert outcome.response.status == 503  # the handler's own
+    assert store.releases == 1
+    assert provider.calls == ["failed"]
+
+
 # --- PostgreSQL stopped whole, in every mode ----------------------------------------------
 
 
