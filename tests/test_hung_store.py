@@ -874,7 +874,7 @@ async def test_the_store_wait_is_derived_from_the_request_timeout(
     assert mysql_store.pool._timeout == bound
 
     pytest.importorskip("psycopg_pool")
-    from idemflow.stores.postgres import AsyncPostgresStore
+    from idemflow.stores.postgres import AsyncPostgresStore, PostgresStore
     from tests.conftest import POSTGRES_URL
 
     pg_store = AsyncPostgresStore(POSTGRES_URL, policy=policy)
@@ -888,6 +888,68 @@ async def test_the_store_wait_is_derived_from_the_request_timeout(
             assert raw.store_wait is None
     finally:
         await pg_store.close()
+    sync_store = PostgresStore(POSTGRES_URL, policy=policy)
+    try:
+        assert sync_store.pool.timeout == bound
+        with sync_store._checkout(bound) as own:
+            assert (type(own).__name__, own.store_wait) == ("BoundedConnection", bound)
+        with sync_store.connection() as lent:
+            assert lent.store_wait is None
+    finally:
+        sync_store.close()
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("mariadb", marks=pytest.mark.mysql),
+    ],
+)
+async def test_a_migration_waits_for_its_locks_past_the_store_wait(
+    kind: str, table_name: str
+) -> None:
+    """A migration is no request: it waits for the locks it needs (another migration's,
+    a table another session holds) longer than the store wait that bounds a request's
+    statements (0.5 s here). The lock is given back after a second."""
+    import threading
+
+    if kind == "postgres":
+        psycopg = pytest.importorskip("psycopg")
+        from idemflow.stores.postgres import _MIGRATE_LOCK, AsyncPostgresStore
+        from tests.conftest import POSTGRES_URL
+
+        holder: Any = psycopg.connect(POSTGRES_URL, autocommit=True)
+        holder.execute(f"SELECT pg_advisory_lock({_MIGRATE_LOCK})")  # another migration
+        store: Any = AsyncPostgresStore(POSTGRES_URL, table=table_name, policy=BUDGETED)
+        give_back = f"SELECT pg_advisory_unlock({_MIGRATE_LOCK})"
+        drop = f"DROP TABLE IF EXISTS {table_name}"
+    else:
+        pymysql = pytest.importorskip("pymysql")
+        pytest.importorskip("asyncmy")
+        from idemflow.stores.mysql import AsyncMySQLStore
+        from tests.backends import MYSQL_URL
+
+        store = AsyncMySQLStore(MYSQL_URL, table=table_name, policy=BUDGETED)
+        await store.migrate()
+        holder = pymysql.connect(host="127.0.0.1", port=3306, user="root", database="test")
+        holder.cursor().execute(f"LOCK TABLES {table_name} WRITE")  # a busy table
+        give_back, drop = "UNLOCK TABLES", f"DROP TABLE IF EXISTS {table_name}"
+    timer = threading.Timer(2 * BUDGETED.store_wait_seconds, holder.cursor().execute, [give_back])
+    began = time.monotonic()
+    timer.start()
+    try:
+        await store.migrate()
+        waited = time.monotonic() - began
+    finally:
+        timer.cancel()
+        timer.join()
+        await store.close()
+        holder.cursor().execute(give_back)
+        holder.cursor().execute(drop)
+        holder.close()
+
+    assert waited >= BUDGETED.store_wait_seconds, waited
 
 
 def test_a_flask_store_named_by_url_waits_within_the_apps_request_timeout(

@@ -15,8 +15,8 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -261,17 +261,34 @@ class AsyncMySQLStore(AsyncSQLStore):
         self.lock_wait_timeout = int(lock_wait_timeout)
         if timeout is None:
             timeout = (policy or Policy()).store_wait_seconds
-        self.pool = AsyncPool(self._causal(self._factory(connect, timeout)), max_size, timeout)
+        self.pool = AsyncPool(
+            self._causal(self._factory(connect, timeout, timeout)), max_size, timeout
+        )
+        self._unbounded = self._factory(connect, timeout, None)
         super().__init__(
             mysql_dialect(table, clock),
             self.pool.connection,
             paramstyle="pyformat",
             is_unavailable=AsyncBinding.is_unavailable,
             is_lock_timeout=is_contention,
+            migrate_connect=self._migration_connection,
         )
 
+    @asynccontextmanager
+    async def _migration_connection(self) -> AsyncIterator[Any]:
+        """A connection of its own without the pool's read timeout: a migration waits for
+        the locks it needs (``ALTER TABLE`` on a busy table), as no request may."""
+        conn = await self._unbounded()
+        try:
+            yield conn
+        finally:
+            await AsyncBinding.close(conn)
+
     def _factory(
-        self, connect: str | Mapping[str, Any] | Callable[[], Awaitable[Any]], timeout: float
+        self,
+        connect: str | Mapping[str, Any] | Callable[[], Awaitable[Any]],
+        timeout: float,
+        read_timeout: float | None,
     ) -> Callable[[], Awaitable[Any]]:
         if callable(connect):
             return connect
@@ -280,7 +297,7 @@ class AsyncMySQLStore(AsyncSQLStore):
         return AsyncBinding.connector(
             {
                 "connect_timeout": timeout,
-                "read_timeout": timeout,
+                "read_timeout": read_timeout,
                 "init_command": f"SET SESSION innodb_lock_wait_timeout = {self.lock_wait_timeout}",
                 "charset": "utf8mb4",
                 **(

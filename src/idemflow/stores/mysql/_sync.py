@@ -16,8 +16,8 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Callable, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -262,17 +262,34 @@ class MySQLStore(SQLStore):
         self.lock_wait_timeout = int(lock_wait_timeout)
         if timeout is None:
             timeout = (policy or Policy()).store_wait_seconds
-        self.pool = Pool(self._causal(self._factory(connect, timeout)), max_size, timeout)
+        self.pool = Pool(
+            self._causal(self._factory(connect, timeout, timeout)), max_size, timeout
+        )
+        self._unbounded = self._factory(connect, timeout, None)
         super().__init__(
             mysql_dialect(table, clock),
             self.pool.connection,
             paramstyle="pyformat",
             is_unavailable=Binding.is_unavailable,
             is_lock_timeout=is_contention,
+            migrate_connect=self._migration_connection,
         )
 
+    @contextmanager
+    def _migration_connection(self) -> Iterator[Any]:
+        """A connection of its own without the pool's read timeout: a migration waits for
+        the locks it needs (``ALTER TABLE`` on a busy table), as no request may."""
+        conn = self._unbounded()
+        try:
+            yield conn
+        finally:
+            Binding.close(conn)
+
     def _factory(
-        self, connect: str | Mapping[str, Any] | Callable[[], Any], timeout: float
+        self,
+        connect: str | Mapping[str, Any] | Callable[[], Any],
+        timeout: float,
+        read_timeout: float | None,
     ) -> Callable[[], Any]:
         if callable(connect):
             return connect
@@ -281,7 +298,7 @@ class MySQLStore(SQLStore):
         return Binding.connector(
             {
                 "connect_timeout": timeout,
-                "read_timeout": timeout,
+                "read_timeout": read_timeout,
                 "init_command": f"SET SESSION innodb_lock_wait_timeout = {self.lock_wait_timeout}",
                 "charset": "utf8mb4",
                 **(

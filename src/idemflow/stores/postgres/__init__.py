@@ -220,6 +220,8 @@ def _executor_options(
         # whether taken through the store's checkout or the pool's own.
         "lend_sources": (checked, pool.connection),
         "claims_alone_on": _claims_alone_on,
+        # A migration waits for its locks (CREATE INDEX on a busy table), as no request may.
+        "migrate_connect": checked,
     }
 
 
@@ -264,7 +266,7 @@ class PostgresStore(SQLStore):
         options = _executor_options(
             self.pool,
             self.connection,
-            lambda: LiveConnection(self.pool, store_wait),
+            lambda: self._checkout(store_wait),
             table,
             claim_lock_timeout_ms,
             clock,
@@ -279,7 +281,11 @@ class PostgresStore(SQLStore):
         checkout per request, as with ``store.pool.connection``), and a restart of
         PostgreSQL costs no refused request.
         """
-        return LiveConnection(self.pool)
+        return self._checkout(None)
+
+    def _checkout(self, store_wait: float | None) -> LiveConnection:
+        """:meth:`connection`, its waits bounded by ``store_wait`` (the store's own)."""
+        return LiveConnection(self.pool, store_wait)
 
     def close(self) -> None:
         self.pool.close()
