@@ -297,7 +297,8 @@ class AsyncPostgresStore(AsyncSQLStore):
     Args:
         pool: a ``psycopg_pool.AsyncConnectionPool`` of autocommit connections,
             or a conninfo string from which one is made (opened on first use).
-        clock, policy: as for :class:`PostgresStore` (a pool you bring: with
+        clock: as for :class:`PostgresStore`.
+        policy: as for :class:`PostgresStore` (a pool you bring: with
             ``connection_class=async_bounded_connection_class()``).
     """
 
