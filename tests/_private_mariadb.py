@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -82,6 +83,24 @@ class PrivateMariaDB:
             self._process.kill()
             self._process.wait(timeout=60)
             self._process = None
+
+    def freeze(self) -> None:
+        """Stop the server (SIGSTOP) and wait until every thread of it has stopped (a busy
+        one may still answer a statement meanwhile): the kernel still takes what clients
+        send, and nothing answers until :meth:`thaw`."""
+        assert self._process is not None
+        os.kill(self._process.pid, signal.SIGSTOP)
+        tasks = Path(f"/proc/{self._process.pid}/task")
+        deadline = time.monotonic() + _TIMEOUT
+        while not all(_stopped(task) for task in tasks.iterdir()):
+            if time.monotonic() > deadline:
+                raise PrivateMariaDBUnavailable("mariadbd did not stop")
+            time.sleep(0.001)  # polling the threads' state, with a deadline
+
+    def thaw(self) -> None:
+        """Resume the server (SIGCONT): it runs what it was sent meanwhile."""
+        assert self._process is not None
+        os.kill(self._process.pid, signal.SIGCONT)
 
     def close(self) -> None:
         """Stop the server if it runs, and remove its files."""
@@ -148,11 +167,24 @@ class PrivateMariaDB:
                 time.sleep(0.05)  # polling the port with a deadline
                 continue
             with conn, conn.cursor() as cursor:
+                # Another test's server may have taken the port first (ours then exits).
+                cursor.execute("SELECT @@datadir")
+                (datadir,) = cursor.fetchone() or ("",)
+                if Path(datadir).resolve() != self.data.resolve():
+                    time.sleep(0.05)  # polling until ours exits, with a deadline
+                    continue
                 cursor.execute(f"CREATE DATABASE IF NOT EXISTS {DATABASE}")
             return
         self.stop()
         said = f"did not answer on port {self.port} in {_TIMEOUT:g}s"
         raise PrivateMariaDBUnavailable(f"mariadbd {said}:\n{self.log_tail()}")
+
+
+def _stopped(task: Path) -> bool:
+    """Is this thread stopped (or gone)? Its state, after the command's name in ``stat``."""
+    with contextlib.suppress(OSError):
+        return (task / "stat").read_text().rpartition(")")[2].split()[0] in ("T", "t")
+    return True
 
 
 @contextlib.contextmanager

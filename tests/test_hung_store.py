@@ -58,6 +58,7 @@ from idemflow.sweeper import Answer, AsyncSweeper, DidNotHappen, Happened, Sweep
 from idemflow.testing import FrozenClock
 from idemflow.transactions import SQLite3Transaction
 from tests._private_redis import freeze, own_redis_server, thaw, wait_until_drained
+from tests.conftest import unreachable
 from tests.factories import CREATED
 from tests.factories import uncorrelated_intent as intent
 
@@ -491,6 +492,47 @@ async def test_a_release_that_waited_out_sqlites_lock_is_not_sent_again(
     assert provider.calls == ["failed" if failure == "transient" else "raised", "charged"]
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_release_that_waited_out_a_short_store_wait_is_not_sent_again(
+    mode: str, tmp_path: Path
+) -> None:
+    """``Policy(request_timeout=0.4)``: the store's wait (SQLite's ``busy_timeout``) is
+    0.2 s, shorter than ``RELEASE_RETRY_WITHIN_SECONDS``; a release that waited it out
+    waited for the store all the same, and is not sent again (three would hold the
+    request 0.6 s, past its timeout). The key is the sweeper's."""
+    short = Policy(request_timeout=0.4)
+    path = tmp_path / "keys.db"
+    provider = Provider()
+    blocker = sqlite3.connect(path, isolation_level=None)
+
+    def lock_then_fail() -> Response:
+        blocker.execute("BEGIN IMMEDIATE")
+        return provider.fail()
+
+    try:
+        if mode == "sync":
+            store: Any = CountingSQLiteStore(path, policy=short)
+            store.migrate()
+            outcome = Idempotency(store, short).run(intent("k-short"), lambda a: lock_then_fail())
+            store.close()
+        else:
+
+            async def handler(attempt: AsyncAttempt) -> Response:
+                return lock_then_fail()
+
+            store = AsyncCountingSQLiteStore(path, policy=short)
+            await store.migrate()
+            outcome = await AsyncIdempotency(store, short).run(intent("k-short"), handler)
+            await store.close()
+    finally:
+        blocker.rollback()
+        blocker.close()
+
+    assert outcome.response.status == 503  # the handler's own
+    assert store.releases == 1
+    assert provider.calls == ["failed"]
+
+
 # --- PostgreSQL stopped whole, in every mode ----------------------------------------------
 
 
@@ -590,3 +632,339 @@ async def test_postgresql_frozen_after_the_charge_then_resumed_charges_once(mode
     assert record is not None
     assert record.state is State.COMPLETED
     assert charged + [row[0] for row in rows] == ["charged"]
+
+
+# --- every store, hung, within the request's own budget ---------------------------------
+
+#: A short request timeout: each store call waits at most its store wait (0.5 s).
+BUDGETED = Policy(request_timeout=1)
+
+
+@contextlib.contextmanager
+def hung_store(kind: str, tmp_path: Path) -> Iterator[tuple[Any, Callable[[], object], Any]]:
+    """A started async store of ``kind`` made with :data:`BUDGETED` on the caller's clock
+    (the sweeper's frozen clock must see its claims as stale); how to hang it; how to
+    resume it (safe to call twice)."""
+    if kind == "sqlite":
+        path = tmp_path / "keys.db"
+        blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+
+        def unlock() -> None:
+            if blocker.in_transaction:
+                blocker.rollback()
+
+        try:
+            yield (
+                AsyncSQLiteStore(path, policy=BUDGETED),
+                lambda: blocker.execute("BEGIN IMMEDIATE"),
+                unlock,
+            )
+        finally:
+            unlock()
+            blocker.close()
+        return
+    if kind in ("redis", "redis-cluster"):
+        pytest.importorskip("redis")
+        from idemflow.stores.redis import open_redis
+
+        if kind == "redis":
+            with own_redis_server(tmp_path) as (process, url):
+                processes = [process]
+                yield (
+                    open_redis(
+                        url, policy=BUDGETED, asynchronous=True, clock="caller", allow_volatile=True
+                    ),
+                    lambda: freeze(process),
+                    lambda: _thaw_all(processes),
+                )
+            return
+        from tests._redis_cluster import ClusterUnavailable, shared_cluster
+
+        try:
+            cluster = shared_cluster()
+        except ClusterUnavailable as exc:
+            unreachable("a private Redis Cluster", exc)
+        cluster_url = "redis+cluster://" + cluster.url.split("://", 1)[1]
+        store = open_redis(
+            cluster_url,
+            prefix=tmp_path.name,  # the cluster is the session's: keys of this test's own
+            policy=BUDGETED,
+            asynchronous=True,
+            clock="caller",
+            allow_volatile=True,
+        )
+        try:
+            yield (
+                store,
+                lambda: _freeze_all(cluster.processes),
+                lambda: _thaw_all(cluster.processes),
+            )
+        finally:
+            _thaw_all(cluster.processes)
+        return
+    if kind == "postgres":
+        pytest.importorskip("psycopg_pool")
+        from idemflow.stores.postgres import AsyncPostgresStore
+        from tests._private_postgres import PrivatePostgresUnavailable, private_postgres
+
+        try:
+            with private_postgres() as pg:
+                yield (
+                    AsyncPostgresStore(pg.url, policy=BUDGETED, clock="caller"),
+                    pg.freeze,
+                    pg.thaw,
+                )
+        except PrivatePostgresUnavailable as exc:
+            unreachable("a private PostgreSQL", exc)
+        return
+    pytest.importorskip("asyncmy")
+    from idemflow.stores.mysql import AsyncMySQLStore
+    from tests._private_mariadb import PrivateMariaDBUnavailable, private_mariadb
+
+    try:
+        with private_mariadb() as maria:
+            yield (
+                AsyncMySQLStore(maria.url, policy=BUDGETED, clock="caller"),
+                maria.freeze,
+                maria.thaw,
+            )
+    except PrivateMariaDBUnavailable as exc:
+        unreachable("a private MariaDB", exc)
+
+
+def _freeze_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        freeze(process)
+
+
+def _thaw_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            thaw(process)
+
+
+async def _prepared(store: Any) -> None:
+    """Tables made, scripts loaded, one pooled connection: what hangs is the claim."""
+    if hasattr(store, "migrate"):
+        await store.migrate()
+    else:
+        await store.start()
+    await store.get("alice", "k-warm")
+
+
+HUNG_KINDS = [
+    pytest.param("sqlite"),
+    pytest.param("redis", marks=pytest.mark.redis),
+    pytest.param("redis-cluster", marks=pytest.mark.redis),
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    pytest.param("mariadb", marks=pytest.mark.mysql),
+]
+
+
+@pytest.mark.parametrize("moment", ["before-the-claim", "after-the-charge"])
+@pytest.mark.parametrize("kind", HUNG_KINDS)
+async def test_a_hung_store_answers_503_within_the_request_budget_and_the_key_resolves(
+    kind: str, moment: str, tmp_path: Path
+) -> None:
+    """``Policy(request_timeout=1)``: a store that stops answering (SIGSTOP; SQLite's
+    write lock held) is a 503 within the request timeout, whatever the store: every wait
+    of the store's own (connect, checkout, reads, the client's retries, busy_timeout)
+    fits in ``store_wait_seconds``. Before, a frozen Redis held the request 15 s (a 5 s
+    socket timeout, retried), PostgreSQL and MariaDB until the server came back.
+
+    Hung before the claim: the handler never runs; resumed, a claim the server ran from
+    its buffer is the sweeper's, and the retry runs once. Hung after the charge: the
+    completion that timed out is an unknown outcome, never given back (503 "could not
+    be recorded"); resumed, the record is completed (the buffered completion ran) or
+    the sweeper's reconciler settles it: the retry replays the one charge."""
+    import asyncio
+    import threading
+
+    from idemflow import InProgress, StoreUnavailable
+
+    provider = Provider()
+    before_the_claim = moment == "before-the-claim"
+
+    with hung_store(kind, tmp_path) as (store, hang, resume):
+
+        async def handler(attempt: AsyncAttempt) -> Response:
+            answer = provider.charge()
+            if not before_the_claim:
+                hang()
+            return answer
+
+        async def reconcile(record: Record, keys: Any) -> Answer:
+            return provider.reconcile()
+
+        await _prepared(store)
+        idem = AsyncIdempotency(store, BUDGETED)
+        # If the store stays hung (no bound), the request ends when this resumes it.
+        safety = threading.Timer(10 * BUDGETED.timeout_seconds, resume)
+        safety.start()
+        if before_the_claim:
+            hang()
+        began = time.monotonic()
+        try:
+            with pytest.raises(StoreUnavailable) as refused:
+                await idem.run(intent("k-hung"), handler)
+            waited = time.monotonic() - began
+        finally:
+            safety.cancel()
+            resume()
+        ran_while_hung = list(provider.calls)
+        # The sweeper (past the threshold) ends a claim the server ran late, until the
+        # retry is answered: the server may run its buffer after a first pass.
+        clock = FrozenClock(time.time() + BUDGETED.stale_seconds + 1)
+        sweeper = AsyncSweeper(store, BUDGETED, reconciler=reconcile, clock=clock)
+        deadline = time.monotonic() + 20
+        while True:
+            await sweeper.sweep_once()
+            try:
+                retry = await idem.run(intent("k-hung"), handler)
+                break
+            except (InProgress, StoreUnavailable):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        record = await store.get("alice", "k-hung")
+        await store.close()
+
+    assert waited <= BUDGETED.timeout_seconds, waited
+    assert ran_while_hung == ([] if before_the_claim else ["charged"])
+    if not before_the_claim:
+        assert "could not be recorded" in str(refused.value)
+    assert (retry.response.status, retry.replayed) == (201, not before_the_claim)
+    assert provider.calls == ["charged"]
+    assert record is not None
+    assert record.state is State.COMPLETED
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("request_timeout", [1, 30])
+async def test_the_store_wait_is_derived_from_the_request_timeout(
+    request_timeout: float, tmp_path: Path
+) -> None:
+    """Half the request timeout, at most 5 s (0.5 s at 1 s; 5 s at 30 s, the default), and
+    each store made with the policy waits that long, no longer (the 30 s case without
+    waiting): SQLite's busy timeout; each Redis attempt a third of it (two retries);
+    MySQL's connect, read and checkout; PostgreSQL's checkout and its own statements,
+    never the application's checkout of the same pool."""
+    policy = Policy(request_timeout=request_timeout)
+    bound = policy.store_wait_seconds
+    assert bound == min(request_timeout / 2, 5.0)
+
+    sqlite_store = SQLiteStore(tmp_path / "keys.db", policy=policy)
+    busy = sqlite_store._connections().conn.execute("PRAGMA busy_timeout").fetchone()
+    sqlite_store.close()
+    assert busy == (int(bound * 1000),)
+
+    pytest.importorskip("redis")
+    from idemflow.stores.redis import RETRIES, open_redis
+
+    redis_store: Any = open_redis("redis://127.0.0.1:1/0", policy=policy, asynchronous=True)
+    settings = redis_store.client.connection_pool.connection_kwargs
+    assert settings["socket_timeout"] == settings["socket_connect_timeout"]
+    assert settings["socket_timeout"] * (1 + RETRIES) == pytest.approx(bound)
+    await redis_store.client.aclose()
+
+    pytest.importorskip("asyncmy")
+    from idemflow.stores.mysql import AsyncMySQLStore
+
+    mysql_store = AsyncMySQLStore("mysql://root@127.0.0.1:1/test", policy=policy)
+    assert mysql_store.pool._timeout == bound
+
+    pytest.importorskip("psycopg_pool")
+    from idemflow.stores.postgres import AsyncPostgresStore, PostgresStore
+    from tests.conftest import POSTGRES_URL
+
+    pg_store = AsyncPostgresStore(POSTGRES_URL, policy=policy)
+    try:
+        assert pg_store.pool.timeout == bound
+        async with pg_store._checkout(bound) as own:
+            assert own.store_wait == bound
+        async with pg_store.connection() as lent:
+            assert lent.store_wait is None
+        async with pg_store.pool.connection() as raw:
+            assert raw.store_wait is None
+    finally:
+        await pg_store.close()
+    sync_store = PostgresStore(POSTGRES_URL, policy=policy)
+    try:
+        assert sync_store.pool.timeout == bound
+        with sync_store._checkout(bound) as own:
+            assert (type(own).__name__, own.store_wait) == ("BoundedConnection", bound)
+        with sync_store.connection() as lent:
+            assert lent.store_wait is None
+    finally:
+        sync_store.close()
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("mariadb", marks=pytest.mark.mysql),
+    ],
+)
+async def test_a_migration_waits_for_its_locks_past_the_store_wait(
+    kind: str, table_name: str
+) -> None:
+    """A migration is no request: it waits for the locks it needs (another migration's,
+    a table another session holds) longer than the store wait that bounds a request's
+    statements (0.5 s here). The lock is given back after a second."""
+    import threading
+
+    if kind == "postgres":
+        psycopg = pytest.importorskip("psycopg")
+        from idemflow.stores.postgres import _MIGRATE_LOCK, AsyncPostgresStore
+        from tests.conftest import POSTGRES_URL
+
+        holder: Any = psycopg.connect(POSTGRES_URL, autocommit=True)
+        holder.execute(f"SELECT pg_advisory_lock({_MIGRATE_LOCK})")  # another migration
+        store: Any = AsyncPostgresStore(POSTGRES_URL, table=table_name, policy=BUDGETED)
+        give_back = f"SELECT pg_advisory_unlock({_MIGRATE_LOCK})"
+        drop = f"DROP TABLE IF EXISTS {table_name}"
+    else:
+        pymysql = pytest.importorskip("pymysql")
+        pytest.importorskip("asyncmy")
+        from idemflow.stores.mysql import AsyncMySQLStore
+        from tests.backends import MYSQL_URL
+
+        store = AsyncMySQLStore(MYSQL_URL, table=table_name, policy=BUDGETED)
+        await store.migrate()
+        holder = pymysql.connect(host="127.0.0.1", port=3306, user="root", database="test")
+        holder.cursor().execute(f"LOCK TABLES {table_name} WRITE")  # a busy table
+        give_back, drop = "UNLOCK TABLES", f"DROP TABLE IF EXISTS {table_name}"
+    timer = threading.Timer(2 * BUDGETED.store_wait_seconds, holder.cursor().execute, [give_back])
+    began = time.monotonic()
+    timer.start()
+    try:
+        await store.migrate()
+        waited = time.monotonic() - began
+    finally:
+        timer.cancel()
+        timer.join()
+        await store.close()
+        holder.cursor().execute(give_back)
+        holder.cursor().execute(drop)
+        holder.close()
+
+    assert waited >= BUDGETED.store_wait_seconds, waited
+
+
+def test_a_flask_store_named_by_url_waits_within_the_apps_request_timeout(
+    tmp_path: Path,
+) -> None:
+    """``IDEMFLOW_STORE`` opened with the app's own policy (``IDEMFLOW_REQUEST_TIMEOUT``):
+    its waits are bounded by that policy's store wait, not ``Policy()``'s 5 s."""
+    flask = pytest.importorskip("flask")
+    from idemflow.integrations.flask import Idempotency as FlaskIdempotency
+
+    app = flask.Flask(__name__)
+    app.config["IDEMFLOW_STORE"] = f"sqlite:///{tmp_path / 'keys.db'}"
+    app.config["IDEMFLOW_REQUEST_TIMEOUT"] = 1
+    FlaskIdempotency(app, principal=lambda: "alice")
+    store = app.extensions["idemflow"].store
+    busy = store._connections().conn.execute("PRAGMA busy_timeout").fetchone()
+    store.close()
+    assert busy == (500,)  # half of 1 s (Policy()'s would be 5 s)

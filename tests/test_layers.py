@@ -301,7 +301,12 @@ def test_no_import_circles() -> None:
 
 
 def test_the_circle_check_finds_one() -> None:
-    graph = {("a",): {("b",)}, ("b",): {("c",)}, ("c",): {("a",)}, ("d",): {("a",)}}
+    graph: dict[tuple[str, ...], set[tuple[str, ...]]] = {
+        ("a",): {("b",)},
+        ("b",): {("c",)},
+        ("c",): {("a",)},
+        ("d",): {("a",)},
+    }
 
     assert circles(graph) == [["a", "b", "c"]]
 

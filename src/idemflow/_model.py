@@ -225,6 +225,13 @@ STALE_MARGIN = timedelta(seconds=10)
 # crashed claim ends within threshold × (1 + 1/10), not threshold + a whole
 # request timeout; every pass is one indexed statement per state, so cheap.
 SWEEPS_PER_THRESHOLD = 10
+# One store call (its connect, pool checkout, lock waits, socket reads and the
+# client's retries, all together) waits at most this share of the request
+# timeout, and never longer than the cap: a hung store answers 503 while the
+# request still has time to send it, instead of holding it (and its connection)
+# past the timeout that kills it.
+STORE_WAIT_SHARE = 0.5
+STORE_WAIT_CAP = timedelta(seconds=5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +291,13 @@ class Policy:
     @property
     def stale_seconds(self) -> float:
         return seconds(self.stale_after or 0)
+
+    @property
+    def store_wait_seconds(self) -> float:
+        """The longest one store call waits before ``StoreUnavailable`` (503): half the
+        request timeout, at most 5 s. A store made with this policy bounds every wait of
+        its own by it (connect, pool checkout, lock waits, reads, the client's retries)."""
+        return min(self.timeout_seconds * STORE_WAIT_SHARE, seconds(STORE_WAIT_CAP))
 
     @property
     def retention_seconds(self) -> float:

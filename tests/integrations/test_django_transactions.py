@@ -435,6 +435,17 @@ def test_settings_build_the_store_and_policy_once(table_name: str) -> None:
     assert get_store() is not store  # the override ended: rebuilt from the settings
 
 
+def test_a_store_named_by_url_waits_within_the_configured_request_timeout(tmp_path: Any) -> None:
+    """``IDEMFLOW['store']``, a URL, is opened with the configured policy: its waits are
+    bounded by that policy's store wait (half of 1 s), not ``Policy()``'s 5 s."""
+    url = f"sqlite:///{tmp_path / 'keys.db'}"
+    with override_settings(IDEMFLOW={"store": url, "request_timeout": 1}):
+        store: Any = get_store()
+        busy = store._connections().conn.execute("PRAGMA busy_timeout").fetchone()
+        store.close()
+    assert busy == (500,)
+
+
 @pytest.mark.parametrize("vendor", VENDORS)
 def test_management_commands_sweep_and_purge_the_django_store(vendor: str, table_name: str) -> None:
     alias = VENDOR_ALIAS[vendor]

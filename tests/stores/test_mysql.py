@@ -557,6 +557,7 @@ def scripted_store(table_name: str, script: list[int]) -> Iterator[tuple[MySQLSt
     )
     try:
         made.migrate()
+        made.get("alice", "k-warm")  # the pool's connection (the migration has its own)
         sent.clear()
         yield made, sent
     finally:

@@ -42,6 +42,8 @@ RELEASE_ATTEMPTS = 3
 #: One that waited for the store (its pool's timeout: connections refused; SQLite's
 #: busy_timeout; a socket timeout) would wait as long again, and the request's answer
 #: with it. Timed on the monotonic clock: the injected one dates records, not waits.
+#: Half the policy's store wait if that is shorter: a release that waited that long for a
+#: store bounded by it waited for the store (a 0.4 s request timeout: 0.1 s).
 RELEASE_RETRY_WITHIN_SECONDS = 0.5
 
 
@@ -140,6 +142,9 @@ class AsyncIdempotency:
         self.observer = observer
         # Its refusal after a possible loss of claims must cover our stale threshold.
         store.cover_stale_threshold(self.policy.stale_seconds)
+        self._release_retry_within = min(
+            RELEASE_RETRY_WITHIN_SECONDS, self.policy.store_wait_seconds / 2
+        )
 
     async def run(
         self,
@@ -359,7 +364,7 @@ class _Performer:
                 # vain (its rule said StoreUnavailable): the database is the same.
                 waited_for_the_store = (
                     isinstance(exc, StoreUnavailable)
-                    and time.monotonic() - started >= RELEASE_RETRY_WITHIN_SECONDS
+                    and time.monotonic() - started >= self._idem._release_retry_within
                 )
                 if transaction is not None and transaction.is_unavailable(exc):
                     transaction = None

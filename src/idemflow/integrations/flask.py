@@ -241,7 +241,7 @@ class Idempotency:
             )
             raise ConfigurationError(msg)
         hook = self._replay_hook(app)
-        store = self._store or self._open_store(app)
+        store = self._store or self._open_store(app, policy)
         app.extensions["idemflow"] = _State(store, policy, app, self._observer, hook)
         app.cli.add_command(_cli(self))
 
@@ -383,7 +383,7 @@ class Idempotency:
             )
         return factory
 
-    def _open_store(self, app: Flask) -> Store:
+    def _open_store(self, app: Flask, policy: Policy) -> Store:
         url = app.config["IDEMFLOW_STORE"]
         if url is None and self.db is not None:
             with app.app_context():
@@ -392,7 +392,7 @@ class Idempotency:
             raise ConfigurationError("set IDEMFLOW_STORE (a DATABASE_URL) or pass db= or store=")
         from ..stores.urls import open_store
 
-        store: Store = open_store(str(url), table=app.config["IDEMFLOW_TABLE"])
+        store: Store = open_store(str(url), table=app.config["IDEMFLOW_TABLE"], policy=policy)
         return store
 
 

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 from .._errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from .._model import Policy
     from .protocol import AsyncMaintainableStore, MaintainableStore
 
 __all__ = [
@@ -66,7 +67,7 @@ def sqlite_path(url: str) -> str:
     return path
 
 
-def _open_sqlite(url: str, table: str, asynchronous: bool) -> Any:
+def _open_sqlite(url: str, table: str, asynchronous: bool, policy: Policy | None) -> Any:
     from .sqlite import AsyncSQLiteStore, SQLiteStore
 
     path = sqlite_path(url)
@@ -74,20 +75,21 @@ def _open_sqlite(url: str, table: str, asynchronous: bool) -> Any:
     if parent and not os.path.isdir(parent):
         msg = f"directory {parent!r} for the SQLite file does not exist"
         raise ConfigurationError(msg)
-    return (AsyncSQLiteStore if asynchronous else SQLiteStore)(path, table=table)
+    return (AsyncSQLiteStore if asynchronous else SQLiteStore)(path, table=table, policy=policy)
 
 
-def _open_postgres(url: str, table: str, asynchronous: bool) -> Any:
+def _open_postgres(url: str, table: str, asynchronous: bool, policy: Policy | None) -> Any:
     try:
         from .postgres import AsyncPostgresStore, PostgresStore
     except ImportError as exc:  # pragma: no cover - depends on the install
         msg = "PostgreSQL needs the driver: pip install 'idemflow[postgres]'"
         raise ConfigurationError(msg) from exc
     conninfo = url.replace("postgres://", "postgresql://", 1)
-    return (AsyncPostgresStore if asynchronous else PostgresStore)(conninfo, table=table)
+    store = AsyncPostgresStore if asynchronous else PostgresStore
+    return store(conninfo, table=table, policy=policy)
 
 
-def _open_mysql(url: str, table: str, asynchronous: bool) -> Any:
+def _open_mysql(url: str, table: str, asynchronous: bool, policy: Policy | None) -> Any:
     """PyMySQL for :func:`open_store`, asyncmy for :func:`open_async_store`."""
     try:
         from .mysql import AsyncMySQLStore, MySQLStore
@@ -95,10 +97,10 @@ def _open_mysql(url: str, table: str, asynchronous: bool) -> Any:
         msg = "MySQL needs the driver: pip install 'idemflow[mysql]'"
         raise ConfigurationError(msg) from exc
     store = AsyncMySQLStore if asynchronous else MySQLStore
-    return store(url.replace("mariadb://", "mysql://", 1), table=table)
+    return store(url.replace("mariadb://", "mysql://", 1), table=table, policy=policy)
 
 
-def _open_redis(url: str, table: str, asynchronous: bool) -> Any:
+def _open_redis(url: str, table: str, asynchronous: bool, policy: Policy | None) -> Any:
     """``redis://`` or ``rediss://``; ``redis+cluster://`` for a Redis Cluster.
 
     The table name is the key prefix. Decisions are on Redis's clock, as
@@ -109,11 +111,11 @@ def _open_redis(url: str, table: str, asynchronous: bool) -> Any:
     except ImportError as exc:  # pragma: no cover - depends on the install
         msg = "Redis needs the driver: pip install 'idemflow[redis]'"
         raise ConfigurationError(msg) from exc
-    return open_redis(url, prefix=table, asynchronous=asynchronous)
+    return open_redis(url, prefix=table, asynchronous=asynchronous, policy=policy)
 
 
-#: scheme → opener(url, table, asynchronous). Other store modules add theirs.
-OPENERS: dict[str, Callable[[str, str, bool], Any]] = {
+#: scheme → opener(url, table, asynchronous, policy). Other store modules add theirs.
+OPENERS: dict[str, Callable[[str, str, bool, Policy | None], Any]] = {
     "sqlite": _open_sqlite,
     "postgresql": _open_postgres,
     "mysql": _open_mysql,
@@ -121,15 +123,20 @@ OPENERS: dict[str, Callable[[str, str, bool], Any]] = {
 }
 
 
-def open_store(url: str, *, table: str = "idemflow_keys") -> MaintainableStore:
-    """A synchronous store for ``url``."""
-    store: MaintainableStore = OPENERS[scheme_of(url)](url, table, False)
+def open_store(
+    url: str, *, table: str = "idemflow_keys", policy: Policy | None = None
+) -> MaintainableStore:
+    """A synchronous store for ``url``; every wait of its own is bounded by
+    ``policy.store_wait_seconds`` (``Policy()``'s without one): pass your app's policy."""
+    store: MaintainableStore = OPENERS[scheme_of(url)](url, table, False, policy)
     return store
 
 
-def open_async_store(url: str, *, table: str = "idemflow_keys") -> AsyncMaintainableStore:
-    """An asyncio store for ``url``."""
-    store: AsyncMaintainableStore = OPENERS[scheme_of(url)](url, table, True)
+def open_async_store(
+    url: str, *, table: str = "idemflow_keys", policy: Policy | None = None
+) -> AsyncMaintainableStore:
+    """An asyncio store for ``url``, its waits bounded as :func:`open_store`'s."""
+    store: AsyncMaintainableStore = OPENERS[scheme_of(url)](url, table, True, policy)
     return store
 
 

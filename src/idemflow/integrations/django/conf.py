@@ -168,7 +168,7 @@ def _built() -> tuple[Store, Idempotency]:
     else:
         from ...stores.urls import open_store
 
-        store = open_store(chosen.store, table=chosen.table)
+        store = open_store(chosen.store, table=chosen.table, policy=chosen.policy)
     driver, observer = Idempotency(store, chosen.policy), observer_of(chosen)
     if observer is not None:
         driver.observer = observer

@@ -15,13 +15,13 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, LeaseLost
-from ..._model import Claim, Record, State, can_take_over, make_claim, record_from_row
+from ..._model import Claim, Policy, Record, State, can_take_over, make_claim, record_from_row
 from ..._process import PID
 from ..protocol import AsyncTransaction, Statement
 from ..sql import AsyncSQLStore
@@ -218,7 +218,12 @@ class AsyncMySQLStore(AsyncSQLStore):
         lock_wait_timeout: the longest (seconds) one of the store's
             statements waits on a row another transaction holds; a claim that
             times out answers 409.
-        timeout: connect timeout, and the longest wait for a free connection.
+        timeout: connect and read timeout, and the longest wait for a free
+            connection: ``policy.store_wait_seconds`` by default (half the
+            request timeout, at most 5 s), so a server that stops answering is
+            a 503 within it (the store's own connections; a claim in your
+            transaction waits on your connection's bounds).
+        policy: your app's policy, which bounds the waits (above).
         clock: ``"database"`` (the default) takes every time decision on the
             server's clock (see :class:`idemflow.stores.postgres.PostgresStore`);
             ``"caller"`` uses the ``now`` each call passes.
@@ -243,8 +248,9 @@ class AsyncMySQLStore(AsyncSQLStore):
         table: str = DEFAULT_TABLE,
         max_size: int = 8,
         lock_wait_timeout: int = DEFAULT_LOCK_WAIT_TIMEOUT,
-        timeout: float = 5.0,
+        timeout: float | None = None,
         clock: StoreClock = "database",
+        policy: Policy | None = None,
     ) -> None:
         if lock_wait_timeout < 1:
             msg = "lock_wait_timeout must be at least 1 second (InnoDB's minimum)"
@@ -252,17 +258,36 @@ class AsyncMySQLStore(AsyncSQLStore):
         clock = check_clock(clock)
         self.statements = mysql_statements(table, clock)
         self.lock_wait_timeout = int(lock_wait_timeout)
-        self.pool = AsyncPool(self._causal(self._factory(connect, timeout)), max_size, timeout)
+        if timeout is None:
+            timeout = (policy or Policy()).store_wait_seconds
+        self.pool = AsyncPool(
+            self._causal(self._factory(connect, timeout, timeout)), max_size, timeout
+        )
+        self._unbounded = self._factory(connect, timeout, None)
         super().__init__(
             mysql_dialect(table, clock),
             self.pool.connection,
             paramstyle="pyformat",
             is_unavailable=AsyncBinding.is_unavailable,
             is_lock_timeout=is_contention,
+            migrate_connect=self._migration_connection,
         )
 
+    @asynccontextmanager
+    async def _migration_connection(self) -> AsyncIterator[Any]:
+        """A connection of its own without the pool's read timeout: a migration waits for
+        the locks it needs (``ALTER TABLE`` on a busy table), as no request may."""
+        conn = await self._unbounded()
+        try:
+            yield conn
+        finally:
+            await AsyncBinding.close(conn)
+
     def _factory(
-        self, connect: str | Mapping[str, Any] | Callable[[], Awaitable[Any]], timeout: float
+        self,
+        connect: str | Mapping[str, Any] | Callable[[], Awaitable[Any]],
+        timeout: float,
+        read_timeout: float | None,
     ) -> Callable[[], Awaitable[Any]]:
         if callable(connect):
             return connect
@@ -271,6 +296,7 @@ class AsyncMySQLStore(AsyncSQLStore):
         return AsyncBinding.connector(
             {
                 "connect_timeout": timeout,
+                "read_timeout": read_timeout,
                 "init_command": f"SET SESSION innodb_lock_wait_timeout = {self.lock_wait_timeout}",
                 "charset": "utf8mb4",
                 **(

@@ -16,13 +16,13 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Callable, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, LeaseLost
-from ..._model import Claim, Record, State, can_take_over, make_claim, record_from_row
+from ..._model import Claim, Policy, Record, State, can_take_over, make_claim, record_from_row
 from ..._process import PID
 from ..protocol import Transaction, Statement
 from ..sql import SQLStore
@@ -219,7 +219,12 @@ class MySQLStore(SQLStore):
         lock_wait_timeout: the longest (seconds) one of the store's
             statements waits on a row another transaction holds; a claim that
             times out answers 409.
-        timeout: connect timeout, and the longest wait for a free connection.
+        timeout: connect and read timeout, and the longest wait for a free
+            connection: ``policy.store_wait_seconds`` by default (half the
+            request timeout, at most 5 s), so a server that stops answering is
+            a 503 within it (the store's own connections; a claim in your
+            transaction waits on your connection's bounds).
+        policy: your app's policy, which bounds the waits (above).
         clock: ``"database"`` (the default) takes every time decision on the
             server's clock (see :class:`idemflow.stores.postgres.PostgresStore`);
             ``"caller"`` uses the ``now`` each call passes.
@@ -244,8 +249,9 @@ class MySQLStore(SQLStore):
         table: str = DEFAULT_TABLE,
         max_size: int = 8,
         lock_wait_timeout: int = DEFAULT_LOCK_WAIT_TIMEOUT,
-        timeout: float = 5.0,
+        timeout: float | None = None,
         clock: StoreClock = "database",
+        policy: Policy | None = None,
     ) -> None:
         if lock_wait_timeout < 1:
             msg = "lock_wait_timeout must be at least 1 second (InnoDB's minimum)"
@@ -253,17 +259,36 @@ class MySQLStore(SQLStore):
         clock = check_clock(clock)
         self.statements = mysql_statements(table, clock)
         self.lock_wait_timeout = int(lock_wait_timeout)
-        self.pool = Pool(self._causal(self._factory(connect, timeout)), max_size, timeout)
+        if timeout is None:
+            timeout = (policy or Policy()).store_wait_seconds
+        self.pool = Pool(
+            self._causal(self._factory(connect, timeout, timeout)), max_size, timeout
+        )
+        self._unbounded = self._factory(connect, timeout, None)
         super().__init__(
             mysql_dialect(table, clock),
             self.pool.connection,
             paramstyle="pyformat",
             is_unavailable=Binding.is_unavailable,
             is_lock_timeout=is_contention,
+            migrate_connect=self._migration_connection,
         )
 
+    @contextmanager
+    def _migration_connection(self) -> Iterator[Any]:
+        """A connection of its own without the pool's read timeout: a migration waits for
+        the locks it needs (``ALTER TABLE`` on a busy table), as no request may."""
+        conn = self._unbounded()
+        try:
+            yield conn
+        finally:
+            Binding.close(conn)
+
     def _factory(
-        self, connect: str | Mapping[str, Any] | Callable[[], Any], timeout: float
+        self,
+        connect: str | Mapping[str, Any] | Callable[[], Any],
+        timeout: float,
+        read_timeout: float | None,
     ) -> Callable[[], Any]:
         if callable(connect):
             return connect
@@ -272,6 +297,7 @@ class MySQLStore(SQLStore):
         return Binding.connector(
             {
                 "connect_timeout": timeout,
+                "read_timeout": read_timeout,
                 "init_command": f"SET SESSION innodb_lock_wait_timeout = {self.lock_wait_timeout}",
                 "charset": "utf8mb4",
                 **(

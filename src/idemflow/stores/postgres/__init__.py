@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._errors import driver_error
 from ..._extras import optional
+from ..._model import Policy
 from ..sql import (
     PURGEABLE_SQL,
     AsyncSQLStore,
@@ -33,7 +34,8 @@ from ..sql import (
 )
 from ..sql.dialect import claim_or_read
 from ._async import AsyncLiveConnection
-from ._sync import LiveConnection
+from ._async import bounded_connection_class as async_bounded_connection_class
+from ._sync import LiveConnection, bounded_connection_class
 
 if TYPE_CHECKING:
     import psycopg_pool
@@ -45,6 +47,8 @@ __all__ = [
     "SERVER_NOW_MS",
     "AsyncPostgresStore",
     "PostgresStore",
+    "async_bounded_connection_class",
+    "bounded_connection_class",
     "connection_options",
     "is_unavailable",
     "postgres_dialect",
@@ -142,13 +146,15 @@ def connection_options(claim_lock_timeout_ms: int, conninfo: str = "") -> dict[s
     return {"autocommit": True, "options": f"{own} {bound}" if own else bound}
 
 
-def _pool_settings(conninfo: str, max_size: int, claim_lock_timeout_ms: int) -> dict[str, Any]:
-    # Five seconds without a free connection is an outage (503), not a queue.
+def _pool_settings(
+    conninfo: str, max_size: int, claim_lock_timeout_ms: int, store_wait: float
+) -> dict[str, Any]:
+    # The store's wait without a free connection is an outage (503), not a queue.
     return {
         "min_size": 1,
         "max_size": max_size,
         "kwargs": connection_options(claim_lock_timeout_ms, conninfo),
-        "timeout": 5.0,
+        "timeout": store_wait,
     }
 
 
@@ -178,25 +184,33 @@ def _claims_alone_on(connection: Any) -> bool:
     return bool(connection.autocommit) and status == TransactionStatus.IDLE
 
 
-def _open_pool(pool: Any, max_size: int, claim_lock_timeout_ms: int, *, asynchronous: bool) -> Any:
-    """``pool`` itself, or a pool made from a conninfo string (opened now if sync)."""
+def _open_pool(
+    pool: Any, max_size: int, claim_lock_timeout_ms: int, store_wait: float, *, asynchronous: bool
+) -> Any:
+    """``pool`` itself, or a pool made from a conninfo string (opened now if sync), of
+    connections whose waits the store bounds by ``store_wait`` (its checkout's, the pool's)."""
     if not isinstance(pool, str):
         return pool
     with optional("idemflow.stores.postgres"):
         import psycopg_pool
 
-    settings = _pool_settings(pool, max_size, claim_lock_timeout_ms)
+    settings = _pool_settings(pool, max_size, claim_lock_timeout_ms, store_wait)
     if asynchronous:  # an async pool cannot open in __init__: _OpeningConnection opens it
-        return psycopg_pool.AsyncConnectionPool(pool, **settings, open=False)
-    return psycopg_pool.ConnectionPool(pool, **settings, open=True)
+        return psycopg_pool.AsyncConnectionPool(
+            pool, **settings, connection_class=async_bounded_connection_class(), open=False
+        )
+    return psycopg_pool.ConnectionPool(
+        pool, **settings, connection_class=bounded_connection_class(), open=True
+    )
 
 
 def _executor_options(
-    pool: Any, checked: Any, table: str, claim_lock_timeout_ms: int, clock: StoreClock
+    pool: Any, checked: Any, own: Any, table: str, claim_lock_timeout_ms: int, clock: StoreClock
 ) -> dict[str, Any]:
-    """What both stores give the SQL executor: ``checked`` is the store's checkout."""
+    """What both stores give the SQL executor: ``checked`` is the store's checkout for
+    the application, ``own`` the one for the store's statements (their waits bounded)."""
     return {
-        "connect": checked,
+        "connect": own,
         "dialect": postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
         "paramstyle": "pyformat",
         "is_unavailable": is_unavailable,
@@ -206,6 +220,8 @@ def _executor_options(
         # whether taken through the store's checkout or the pool's own.
         "lend_sources": (checked, pool.connection),
         "claims_alone_on": _claims_alone_on,
+        # A migration waits for its locks (CREATE INDEX on a busy table), as no request may.
+        "migrate_connect": checked,
     }
 
 
@@ -224,6 +240,13 @@ class PostgresStore(SQLStore):
             and sweepers whose clocks disagree cannot take over a live claim
             or an unexpired record; ``"caller"`` uses the ``now`` each call
             passes (tests with a frozen clock).
+        policy: your app's policy: ``policy.store_wait_seconds`` (half the
+            request timeout, at most 5 s) bounds the wait for a free connection
+            and each of the store's own statements on it, so a server that stops
+            answering is a 503 within it. Statements on your transaction's
+            connection (a lent claim, a completion in it) wait as your own do.
+            A pool you bring bounds them if made with
+            ``connection_class=bounded_connection_class()``.
     """
 
     def __init__(
@@ -234,11 +257,20 @@ class PostgresStore(SQLStore):
         max_size: int = 16,
         claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
         clock: StoreClock = "database",
+        policy: Policy | None = None,
     ) -> None:
+        store_wait = (policy or Policy()).store_wait_seconds
         self.pool: psycopg_pool.ConnectionPool[Any] = _open_pool(
-            pool, max_size, claim_lock_timeout_ms, asynchronous=False
+            pool, max_size, claim_lock_timeout_ms, store_wait, asynchronous=False
         )
-        options = _executor_options(self.pool, self.connection, table, claim_lock_timeout_ms, clock)
+        options = _executor_options(
+            self.pool,
+            self.connection,
+            lambda: self._checkout(store_wait),
+            table,
+            claim_lock_timeout_ms,
+            clock,
+        )
         super().__init__(**options)
 
     def connection(self) -> LiveConnection:
@@ -249,7 +281,11 @@ class PostgresStore(SQLStore):
         checkout per request, as with ``store.pool.connection``), and a restart of
         PostgreSQL costs no refused request.
         """
-        return LiveConnection(self.pool)
+        return self._checkout(None)
+
+    def _checkout(self, store_wait: float | None) -> LiveConnection:
+        """:meth:`connection`, its waits bounded by ``store_wait`` (the store's own)."""
+        return LiveConnection(self.pool, store_wait)
 
     def close(self) -> None:
         self.pool.close()
@@ -262,6 +298,8 @@ class AsyncPostgresStore(AsyncSQLStore):
         pool: a ``psycopg_pool.AsyncConnectionPool`` of autocommit connections,
             or a conninfo string from which one is made (opened on first use).
         clock: as for :class:`PostgresStore`.
+        policy: as for :class:`PostgresStore` (a pool you bring: with
+            ``connection_class=async_bounded_connection_class()``).
     """
 
     def __init__(
@@ -272,20 +310,33 @@ class AsyncPostgresStore(AsyncSQLStore):
         max_size: int = 16,
         claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
         clock: StoreClock = "database",
+        policy: Policy | None = None,
     ) -> None:
+        store_wait = (policy or Policy()).store_wait_seconds
         self.pool: psycopg_pool.AsyncConnectionPool[Any] = _open_pool(
-            pool, max_size, claim_lock_timeout_ms, asynchronous=True
+            pool, max_size, claim_lock_timeout_ms, store_wait, asynchronous=True
         )
-        options = _executor_options(self.pool, self.connection, table, claim_lock_timeout_ms, clock)
+        options = _executor_options(
+            self.pool,
+            self.connection,
+            lambda: self._checkout(store_wait),
+            table,
+            claim_lock_timeout_ms,
+            clock,
+        )
         super().__init__(**options)
 
     def connection(self) -> Any:
         """A connection of the store's pool (an async context manager), never one the
         server has closed; the pool is opened by its first use. As
         :meth:`PostgresStore.connection`, for ``pooled_transaction(store.connection, …)``."""
+        return self._checkout(None)
+
+    def _checkout(self, store_wait: float | None) -> Any:
+        """:meth:`connection`, its waits bounded by ``store_wait`` (the store's own)."""
         if self.pool.closed:  # never yet opened (or closed): opened by the first use
-            return _OpeningConnection(self.pool)
-        return AsyncLiveConnection(self.pool)
+            return _OpeningConnection(self.pool, store_wait)
+        return AsyncLiveConnection(self.pool, store_wait)
 
     async def claim_on_lent(self, *args: Any, **kwargs: Any) -> Claim:
         """As the executor's, once the pool is open (the lent connection is taken from it)."""
@@ -301,14 +352,17 @@ class _OpeningConnection:
     """:class:`AsyncLiveConnection` that opens the pool on first use (it cannot open in
     __init__)."""
 
-    def __init__(self, pool: psycopg_pool.AsyncConnectionPool[Any]) -> None:
+    def __init__(
+        self, pool: psycopg_pool.AsyncConnectionPool[Any], store_wait: float | None
+    ) -> None:
         self._pool = pool
         self._context: Any = None
+        self._store_wait = store_wait
 
     async def __aenter__(self) -> Any:
         if self._pool.closed:
             await self._pool.open(wait=False)
-        self._context = AsyncLiveConnection(self._pool)
+        self._context = AsyncLiveConnection(self._pool, self._store_wait)
         return await self._context.__aenter__()
 
     async def __aexit__(self, *exc_info: object) -> Any:

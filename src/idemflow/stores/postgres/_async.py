@@ -22,17 +22,28 @@ from typing import Any
 
 from .._socket import readable_now
 
-__all__ = ["AsyncLiveConnection"]
+__all__ = ["AsyncLiveConnection", "bounded_connection_class"]
+
+#: psycopg's own interval between two checks for an interruption while it waits.
+_WAIT_INTERVAL = 0.1
 
 
 class AsyncLiveConnection:
-    """``pool.connection()`` that skips connections the server has closed."""
+    """``pool.connection()`` that skips connections the server has closed.
 
-    __slots__ = ("_context", "_pool")
+    ``store_wait``: on a connection of :func:`bounded_connection_class` (the pools the
+    stores make), how long each of its waits for the server may last while this
+    checkout holds it (the store's own statements); None (the application's
+    checkouts, and any other once this one ends) waits as psycopg does, unbounded.
+    """
 
-    def __init__(self, pool: Any) -> None:
+    __slots__ = ("_bounded", "_context", "_pool", "_store_wait")
+
+    def __init__(self, pool: Any, store_wait: float | None = None) -> None:
         self._pool = pool
         self._context: Any = None
+        self._store_wait = store_wait
+        self._bounded: Any = None  # the connection whose waits this checkout bounds
 
     async def __aenter__(self) -> Any:
         context = self._pool.connection()
@@ -40,6 +51,9 @@ class AsyncLiveConnection:
         if conn.closed or readable_now(conn.pgconn.socket):  # rare: a restart, a notice
             context, conn = await self._live(context, conn)
         self._context = context
+        if self._store_wait is not None and hasattr(conn, "store_wait"):
+            conn.store_wait = self._store_wait
+            self._bounded = conn
         return conn
 
     async def _live(self, context: Any, conn: Any) -> tuple[Any, Any]:
@@ -67,6 +81,9 @@ class AsyncLiveConnection:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> Any:
+        if self._bounded is not None:  # the next checkout may be the application's own
+            self._bounded.store_wait = None
+            self._bounded = None
         return await self._context.__aexit__(exc_type, exc, traceback)
 
 
@@ -82,3 +99,23 @@ async def _answers(conn: Any) -> bool:
     except Exception:  # noqa: BLE001 -- any failure: not handed out
         return False
     return True
+
+
+def bounded_connection_class() -> type[Any]:
+    """A psycopg connection whose every wait for the server (a statement, a ``COMMIT``)
+    ends after its ``store_wait`` seconds, if set, with an ``OperationalError``: psycopg
+    bounds none on the client, and ``statement_timeout`` is the server's own, which a
+    stopped server never enforces. The connection is then mid-statement, so its pool
+    closes it when it is given back."""
+    from psycopg import AsyncConnection
+
+    class AsyncBoundedConnection(AsyncConnection[Any]):
+        store_wait: float | None = None
+
+        async def wait(
+            self, gen: Any, interval: float = _WAIT_INTERVAL, timeout: float | None = None
+        ) -> Any:
+            bound = self.store_wait if timeout is None else timeout
+            return await super().wait(gen, interval, bound)
+
+    return AsyncBoundedConnection

@@ -23,17 +23,28 @@ from typing import Any
 
 from .._socket import readable_now
 
-__all__ = ["LiveConnection"]
+__all__ = ["LiveConnection", "bounded_connection_class"]
+
+#: psycopg's own interval between two checks for an interruption while it waits.
+_WAIT_INTERVAL = 0.1
 
 
 class LiveConnection:
-    """``pool.connection()`` that skips connections the server has closed."""
+    """``pool.connection()`` that skips connections the server has closed.
 
-    __slots__ = ("_context", "_pool")
+    ``store_wait``: on a connection of :func:`bounded_connection_class` (the pools the
+    stores make), how long each of its waits for the server may last while this
+    checkout holds it (the store's own statements); None (the application's
+    checkouts, and any other once this one ends) waits as psycopg does, unbounded.
+    """
 
-    def __init__(self, pool: Any) -> None:
+    __slots__ = ("_bounded", "_context", "_pool", "_store_wait")
+
+    def __init__(self, pool: Any, store_wait: float | None = None) -> None:
         self._pool = pool
         self._context: Any = None
+        self._store_wait = store_wait
+        self._bounded: Any = None  # the connection whose waits this checkout bounds
 
     def __enter__(self) -> Any:
         context = self._pool.connection()
@@ -41,6 +52,9 @@ class LiveConnection:
         if conn.closed or readable_now(conn.pgconn.socket):  # rare: a restart, a notice
             context, conn = self._live(context, conn)
         self._context = context
+        if self._store_wait is not None and hasattr(conn, "store_wait"):
+            conn.store_wait = self._store_wait
+            self._bounded = conn
         return conn
 
     def _live(self, context: Any, conn: Any) -> tuple[Any, Any]:
@@ -68,6 +82,9 @@ class LiveConnection:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> Any:
+        if self._bounded is not None:  # the next checkout may be the application's own
+            self._bounded.store_wait = None
+            self._bounded = None
         return self._context.__exit__(exc_type, exc, traceback)
 
 
@@ -83,3 +100,23 @@ def _answers(conn: Any) -> bool:
     except Exception:  # noqa: BLE001 -- any failure: not handed out
         return False
     return True
+
+
+def bounded_connection_class() -> type[Any]:
+    """A psycopg connection whose every wait for the server (a statement, a ``COMMIT``)
+    ends after its ``store_wait`` seconds, if set, with an ``OperationalError``: psycopg
+    bounds none on the client, and ``statement_timeout`` is the server's own, which a
+    stopped server never enforces. The connection is then mid-statement, so its pool
+    closes it when it is given back."""
+    from psycopg import Connection
+
+    class BoundedConnection(Connection[Any]):
+        store_wait: float | None = None
+
+        def wait(
+            self, gen: Any, interval: float = _WAIT_INTERVAL, timeout: float | None = None
+        ) -> Any:
+            bound = self.store_wait if timeout is None else timeout
+            return super().wait(gen, interval, bound)
+
+    return BoundedConnection

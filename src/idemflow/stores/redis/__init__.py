@@ -66,7 +66,6 @@ from ..._model import Policy
 from ..protocol import StoreClock
 from ._async import AsyncRedisStore
 from ._scripts import (
-    CONNECT_TIMEOUT,
     DEFAULT_PREFIX,
     EXPIRES,
     IN_PROGRESS,
@@ -75,8 +74,8 @@ from ._scripts import (
     RETRIES,
     SCRIPTS,
     SHAS,
-    SOCKET_TIMEOUT,
     STALE,
+    attempt_timeout,
     is_unavailable,
     record_from_hash,
 )
@@ -88,12 +87,14 @@ __all__ = [
     "INDEXES",
     "IN_PROGRESS",
     "RELEASED",
+    "RETRIES",
     "SCRIPTS",
     "SHAS",
     "STALE",
     "AsyncRedisStore",
     "RedisStats",
     "RedisStore",
+    "attempt_timeout",
     "is_unavailable",
     "open_redis",
     "record_from_hash",
@@ -112,7 +113,9 @@ def open_redis(
     """A store on a client made from ``url``; ``redis+cluster://`` means a Redis Cluster.
 
     ``?allow_volatile=1`` in the URL is ``allow_volatile=True``: a server without
-    persistence is accepted (see :class:`RedisStore`).
+    persistence is accepted (see :class:`RedisStore`). The client's connect and socket
+    timeouts, its retries included, fit in ``policy.store_wait_seconds`` (``Policy()``'s
+    without one): a hung server is a 503 within it.
     """
     with optional("idemflow.stores.redis"):
         from redis.asyncio.retry import Retry as AsyncRetry
@@ -124,14 +127,15 @@ def open_redis(
     cluster = url.lower().startswith("redis+cluster://")
     if cluster:
         url = "redis://" + url.split("://", 1)[1]
+    timeout = attempt_timeout(policy or Policy())
     options: dict[str, Any] = {
-        "socket_timeout": SOCKET_TIMEOUT,
-        "socket_connect_timeout": CONNECT_TIMEOUT,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
         # redis.asyncio's client awaits each attempt through its own Retry: given the
         # sync one, it makes one attempt and never retries (a connection the server
         # closed was a 503, where a second attempt on a new one answers).
         "retry": (AsyncRetry if asynchronous else Retry)(
-            ExponentialBackoff(cap=0.5, base=0.05), RETRIES
+            ExponentialBackoff(cap=min(0.5, timeout / 10), base=0.05), RETRIES
         ),
     }
     if asynchronous:

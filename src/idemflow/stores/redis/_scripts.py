@@ -23,6 +23,7 @@ from ..._errors import ConfigurationError, StoreUnavailable
 from ..._model import (
     Claim,
     Intent,
+    Policy,
     Record,
     Response,
     State,
@@ -73,12 +74,19 @@ RECORD_FIELDS = (
     "attempt",
 )
 
-# Clients made from a URL give up fast: a request waits at most about
-# connect timeout × (retries + 1) before its 503, and every script is safe to
-# retry (a retried write finds its own result and reports it again).
-SOCKET_TIMEOUT = 5.0
-CONNECT_TIMEOUT = 2.0
+# Clients made from a URL send a call again after a connection error or a timeout
+# (every script is safe to retry: a retried write finds its own result and reports
+# it again), this many times.
 RETRIES = 2
+
+
+def attempt_timeout(policy: Policy) -> float:
+    """Each attempt's connect and socket timeout, for a client made from a URL: the
+    policy's store wait shared by the first attempt and its retries, so a hung server
+    answers 503 within ``policy.store_wait_seconds`` (plus the backoffs, a tenth of an
+    attempt at most), not (1 + RETRIES) × a fixed timeout."""
+    return policy.store_wait_seconds / (1 + RETRIES)
+
 
 # Every script starts on its clock: ``now`` (ms) is the time its decisions are
 # taken on. On the store's clock (the default) that is Redis's own ``TIME``,

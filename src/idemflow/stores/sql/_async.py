@@ -79,6 +79,9 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         claims_alone_on: whether a lent connection commits a statement on its
             own right now (autocommit, no transaction open); required with
             ``lend_sources``.
+        migrate_connect: connections for :meth:`migrate`, where ``connect``'s
+            bound the waits of a request's (a migration waits for its locks);
+            ``connect`` by default.
     """
 
     supports_transactions = True
@@ -105,8 +108,10 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         extra_params: bool = False,
         lend_sources: tuple[Any, ...] = (),
         claims_alone_on: Callable[[Any], bool] = lambda connection: False,
+        migrate_connect: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
     ) -> None:
         self.dialect = dialect
+        self._migrate_connect = migrate_connect or connect
         self._lend_sources = lend_sources
         self._claims_alone_on = claims_alone_on
         self._connect = connect
@@ -484,7 +489,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
     async def migrate(self) -> None:
         """Create the table and its indexes if they do not exist (idempotent)."""
         with self._translate():
-            async with self._connect() as conn:
+            async with self._migrate_connect() as conn:
                 cursor = conn.cursor()
                 try:
                     for statement in self.dialect.ddl:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from ..._errors import ConfigurationError, StoreUnavailable
-from ..._model import Claim, Intent, Record, Response, State
+from ..._model import Claim, Intent, Policy, Record, Response, State
 from ..._process import PID
 from ..protocol import AsyncMaintainableStore, AsyncTransaction
 from ..sql import AsyncSQLStore, Dialect, SQLStats, SQLStore, create_table, insert_claim
@@ -170,17 +170,36 @@ def connect(path: str | Path, *, busy_timeout: float = 5.0) -> sqlite3.Connectio
     return conn
 
 
+def _busy_timeout(busy_timeout: float | None, policy: Policy | None) -> float:
+    """The given ``busy_timeout``, else the policy's store wait (``Policy()``'s: 5 s)."""
+    return (policy or Policy()).store_wait_seconds if busy_timeout is None else busy_timeout
+
+
 class SQLiteStore(SQLStore):
-    """Key records in a SQLite file (created on :meth:`migrate`)."""
+    """Key records in a SQLite file (created on :meth:`migrate`).
+
+    Args:
+        busy_timeout: how long a write waits for another connection's lock on the
+            file before ``StoreUnavailable`` (503); ``policy.store_wait_seconds``
+            by default (half the request timeout, at most 5 s).
+        policy: your app's policy, which bounds the waits (above).
+    """
 
     #: Do this store's commits checkpoint the WAL (SQLite's default)?
     _checkpoints = True
 
     def __init__(
-        self, path: str | Path, *, table: str = DEFAULT_TABLE, busy_timeout: float = 5.0
+        self,
+        path: str | Path,
+        *,
+        table: str = DEFAULT_TABLE,
+        busy_timeout: float | None = None,
+        policy: Policy | None = None,
     ) -> None:
         self.path = str(path)
-        self._connections = _Connections(self.path, busy_timeout, checkpoints=self._checkpoints)
+        self._connections = _Connections(
+            self.path, _busy_timeout(busy_timeout, policy), checkpoints=self._checkpoints
+        )
         super().__init__(
             sqlite_dialect(table),
             self._connections,
@@ -360,9 +379,14 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
     supports_single_commit = False
 
     def __init__(
-        self, path: str | Path, *, table: str = DEFAULT_TABLE, busy_timeout: float = 5.0
+        self,
+        path: str | Path,
+        *,
+        table: str = DEFAULT_TABLE,
+        busy_timeout: float | None = None,
+        policy: Policy | None = None,
     ) -> None:
-        self.sync = SQLiteStore(path, table=table, busy_timeout=busy_timeout)
+        self.sync = SQLiteStore(path, table=table, busy_timeout=_busy_timeout(busy_timeout, policy))
         self.dialect = self.sync.dialect
         self._writes = _WriteThread()
         self._at_once = _AtOnce(path, table=table)
