@@ -212,17 +212,42 @@ def _drive(flow: Flow, perform: Callable[[Step], Any]) -> Outcome:
     """Feed each step's result (or exception) back into the flow until it returns."""
     result: Any = None
     error: BaseException | None = None
+    thrown: BaseException | None = None  # the last exception thrown into the flow
     while True:
         try:
-            step = flow.send(result) if error is None else flow.throw(error)
+            if error is None:
+                step = flow.send(result)
+            else:
+                thrown = error
+                step = flow.throw(error)
         except StopIteration as stop:
             outcome: Outcome = stop.value
             return outcome
+        except RuntimeError as raised:
+            if not _rewrapped(raised, thrown):
+                raise
+            break
         result, error = None, None
         try:
             result = perform(step)
         except BaseException as exc:  # noqa: BLE001 -- the flow decides, then re-raises
             error = exc
+    # Raised outside the except clause, where it would gain our RuntimeError as its
+    # __context__: the exception goes on unchanged. (A coroutine turns a StopIteration
+    # leaving it into a RuntimeError of its own: Python's rule, not ours.)
+    assert thrown is not None
+    raise thrown
+
+
+def _rewrapped(raised: RuntimeError, thrown: BaseException | None) -> bool:
+    """Is ``raised`` only PEP 479's wrapping of a ``StopIteration`` thrown into the flow?
+
+    The flow re-raises what it was thrown (the handler's exception, after its release
+    step) from inside a generator, which turns a ``StopIteration`` into
+    ``RuntimeError("generator raised StopIteration")``; the caller is owed the object
+    itself (``contextlib`` unwraps it the same way).
+    """
+    return isinstance(thrown, StopIteration) and raised.__cause__ is thrown
 
 
 class _Performer:
