@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias, cast
 
-from .._concurrency import async_cancel_point, async_shielded
+from .._concurrency import async_cancel_point, async_checked_handler, async_resolve, async_shielded
 from .._downstream import downstream_key
 from .._errors import ConfigurationError, StoreUnavailable
 from .._events import Event, Observer, error_event, null_observer
@@ -172,7 +172,12 @@ class AsyncIdempotency:
         :mod:`idemflow.transactions`), the handler runs inside it and the
         completion commits with the handler's own writes. With
         ``single_commit=True`` the claim joins that transaction too.
+
+        Raises:
+            ConfigurationError: before anything is claimed, for a handler this
+                driver could never run (see ``_concurrency.async_checked_handler``).
         """
+        async_checked_handler(handler)
         if transaction is not None and not self.store.supports_transactions:
             msg = f"{type(self.store).__name__} cannot share the caller's transaction"
             raise ConfigurationError(msg)
@@ -311,7 +316,9 @@ class _Performer:
             self._phase_committed = (
                 step.record.recovery_point is not None or self._transaction is None
             )
-            return await self._handler(attempt)
+            # An answer the driver cannot take (a coroutine, in sync code: it ran nothing)
+            # is a ConfigurationError here, in the flow's Execute: the key is given back.
+            return await async_resolve(self._handler(attempt))
         if isinstance(step, Complete):
             await async_shielded(self._complete(step))
             self.observe(Event.COMPLETED)

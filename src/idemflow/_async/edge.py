@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeAlias, cast
 
-from .._concurrency import async_resolve
+from .._concurrency import async_checked_handler, async_resolve
 from .._errors import IdempotencyError, ReplayForbidden
 from .._events import Event
 from .._http import (
@@ -85,6 +85,7 @@ class AsyncEdge:
         idemflow become problem responses; the handler's own exceptions
         propagate (after the claim was released).
         """
+        async_checked_handler(handler)
         try:
             intent = self.intent(request)
             started = self.idempotency.clock()
@@ -112,7 +113,7 @@ class AsyncEdge:
         policy = self.idempotency.policy
 
         async def operation(attempt: AsyncAttempt) -> Response:
-            response = await handler(attempt)
+            response: Response = await async_resolve(handler(attempt))
             verdict = policy.verdict(response)
             response = storing(response, verdict, atomic=atomic, max_bytes=limit)
             sent.append(response)

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Callable
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeAlias, cast
 
-from .._concurrency import resolve
+from .._concurrency import checked_handler, resolve
 from .._errors import IdempotencyError, ReplayForbidden
 from .._events import Event
 from .._http import (
@@ -86,6 +86,7 @@ class Edge:
         idemflow become problem responses; the handler's own exceptions
         propagate (after the claim was released).
         """
+        checked_handler(handler)
         try:
             intent = self.intent(request)
             started = self.idempotency.clock()
@@ -113,7 +114,7 @@ class Edge:
         policy = self.idempotency.policy
 
         def operation(attempt: Attempt) -> Response:
-            response = handler(attempt)
+            response: Response = resolve(handler(attempt))
             verdict = policy.verdict(response)
             response = storing(response, verdict, atomic=atomic, max_bytes=limit)
             sent.append(response)
