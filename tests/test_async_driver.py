@@ -628,6 +628,45 @@ async def test_async_single_commit_duplicate_is_answered_at_once(postgres_table:
         await store.close()
 
 
+@pytest.mark.anyio
+@pytest.mark.postgres
+@HANDLER_EXCEPTIONS
+async def test_async_single_commit_crash_leaves_no_record(
+    postgres_table: str, make_exception: Callable[[], Exception]
+) -> None:
+    """Async single-commit: a handler that fails after its write rolls back claim and write
+    together, and its exception is the caller's (a StopIteration as the cause of the
+    RuntimeError Python makes of it on the way out of a coroutine)."""
+    import psycopg
+
+    from idemflow.stores.postgres import AsyncPostgresStore
+
+    store = AsyncPostgresStore(POSTGRES_URL, table=postgres_table, max_size=1, clock="caller")
+    crashed = make_exception()
+
+    def crash(attempt: AsyncAttempt) -> Awaitable[Response]:
+        raise crashed
+
+    async def write_then_crash(attempt: AsyncAttempt) -> Response:
+        await attempt.connection.execute(f"INSERT INTO biz_{postgres_table} (note) VALUES ('x')")
+        return await crash(attempt)
+
+    try:
+        async with await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as conn:
+            with pytest.raises((type(crashed), RuntimeError)) as raised:
+                await AsyncIdempotency(store, POLICY).run(
+                    intent(),
+                    write_then_crash,
+                    transaction=AsyncPsycopgTransaction(conn),
+                    single_commit=True,
+                )
+        assert_passed_through(raised.value, crashed, awaited=True)
+        assert await store.get("alice", "k-1") is None
+        assert postgres_notes(postgres_table)() == []
+    finally:
+        await store.close()
+
+
 def _single_commit_child(table: str, ready: Any) -> None:
     """Runs in a child process: claims in single-commit mode and hangs inside the handler."""
     from idemflow.stores.postgres import PostgresStore
