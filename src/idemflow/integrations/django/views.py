@@ -35,6 +35,12 @@ filtered by owner); ``IDEMFLOW['authorize_replay']``, or the view's own
 ``authorize_replay=``, is asked again with the stored record first: False
 answers 403 ``replay-forbidden`` and the record is kept.
 
+An ``async def`` view (or ``validate``) is protected the same way: the
+decorated view stays ``async def``, runs the protection in the request's
+thread (Django's transactions are sync-only) and the view's coroutine on the
+request's loop; the ORM calls it awaits come back to that thread, inside the
+transaction (docs/frameworks/django.md). DRF runs no ``async def`` actions.
+
 A decorated *function* view opts out of ``ATOMIC_REQUESTS`` for the key
 table's alias: idemflow's own transaction takes its place (the claim must
 commit before the view runs). A method runs inside the request's transaction
