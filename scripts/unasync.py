@@ -42,8 +42,9 @@ SUBS = [
     (r"\bAbstractAsyncContextManager\b", "AbstractContextManager"),
     # A synchronous call cannot be cut in half by cancellation: no shield, no
     # deferred cancellation to deliver (see idemflow/_concurrency.py).
-    (r"^from \.\._concurrency import async_cancel_point, async_shielded\n", ""),
+    (r"^(from \.\._concurrency import )async_cancel_point, (.+?)(, )?async_shielded\n", r"\1\2\n"),
     (r"\basync_resolve\b", "resolve"),
+    (r"\basync_checked_handler\b", "checked_handler"),
     (r"\baclose\b", "close"),
     (r"\bawait async_shielded\((.*)\)(:?)$", r"\1\2"),
     (r"^ *await async_cancel_point\(\).*\n", ""),

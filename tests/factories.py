@@ -128,3 +128,25 @@ class AsyncForwardingTransaction:
 
     def is_unavailable(self, exc: BaseException) -> bool:
         return False
+
+
+#: What a handler may raise: the iteration protocol's own exceptions too, which a
+#: generator or coroutine on the way out would turn into a RuntimeError (issue 31).
+HANDLER_EXCEPTIONS = pytest.mark.parametrize(
+    "make_exception",
+    [
+        pytest.param(lambda: StopIteration("stopped"), id="StopIteration"),
+        pytest.param(lambda: StopAsyncIteration("stopped"), id="StopAsyncIteration"),
+        pytest.param(lambda: ValueError("boom"), id="plain"),
+    ],
+)
+
+
+def assert_passed_through(raised: BaseException, original: BaseException, *, awaited: bool) -> None:
+    """``raised`` is the handler's ``original`` itself. Awaited, a StopIteration cannot be:
+    a coroutine it leaves turns it into a RuntimeError (PEP 479), whose cause it is."""
+    if awaited and isinstance(original, StopIteration):
+        assert isinstance(raised, RuntimeError)
+        assert raised.__cause__ is original
+    else:
+        assert raised is original

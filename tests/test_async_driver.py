@@ -51,7 +51,7 @@ from idemflow.transactions import (
     PsycopgTransaction,
 )
 from tests.conftest import POSTGRES_URL, unreachable
-from tests.factories import intent
+from tests.factories import HANDLER_EXCEPTIONS, assert_passed_through, intent
 from tests.sweeping import async_sweep_away
 
 POLICY = Policy(request_timeout=5, retention=3600)
@@ -375,21 +375,23 @@ async def test_transient_failure_releases_and_the_retry_runs(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("name", BACKENDS)
+@HANDLER_EXCEPTIONS
 async def test_exception_passes_through_unchanged(
-    name: str, tmp_path: Path, table_name: str
+    name: str, tmp_path: Path, table_name: str, make_exception: Callable[[], Exception]
 ) -> None:
-    """The handler's own exception object leaves ``run``; the key is released for a retry."""
+    """The handler's own exception object leaves ``run``, whatever its type; the key is
+    released for a retry. (Raised as the handler is called, before any await: an
+    ``async def`` handler's StopIteration is a RuntimeError before the driver sees it.)"""
     async with harness_for(name, tmp_path, table_name) as h:
-        boom = ValueError("boom")
+        boom = make_exception()
 
-        async def explode(attempt: AsyncAttempt) -> Response:
+        def explode(attempt: AsyncAttempt) -> Awaitable[Response]:
             raise boom
 
-        with pytest.raises(ValueError, match="boom") as raised:
+        with pytest.raises((type(boom), RuntimeError)) as raised:
             await h.run(intent(), explode)
 
-        assert raised.value is boom
-        assert type(raised.value) is ValueError
+        assert_passed_through(raised.value, boom, awaited=True)
         record = await h.backend.store.get("alice", "k-1")
         assert record.state is State.RELEASED
         if h.backend.transactional:
@@ -548,15 +550,22 @@ def _never_sync(attempt: Attempt) -> Response:
 
 
 @pytest.mark.postgres
-def test_sync_single_commit_crash_leaves_no_record(sync_store: Any, postgres_table: str) -> None:
-    """A handler that fails rolls back claim and effect together: the key was never used."""
+@HANDLER_EXCEPTIONS
+def test_sync_single_commit_crash_leaves_no_record(
+    sync_store: Any, postgres_table: str, make_exception: Callable[[], Exception]
+) -> None:
+    """A handler that fails rolls back claim and effect together: the key was never used.
+    Its exception, whatever its type, is the one the caller gets."""
+    crashed = make_exception()
 
     def crash(attempt: Attempt) -> Response:
         attempt.connection.execute(f"INSERT INTO biz_{postgres_table} (note) VALUES ('lost')")
-        raise RuntimeError("crash")
+        raise crashed
 
-    with pytest.raises(RuntimeError, match="crash"):
+    with pytest.raises(type(crashed)) as raised:
         sync_single_commit(sync_store, postgres_table, crash)
+
+    assert raised.value is crashed
 
     assert sync_store.get("alice", "k-1") is None
     assert postgres_notes(postgres_table)() == []
@@ -615,6 +624,45 @@ async def test_async_single_commit_duplicate_is_answered_at_once(postgres_table:
                     other, crash, transaction=AsyncPsycopgTransaction(conn), single_commit=True
                 )
         assert await store.get("alice", "k-2") is None
+    finally:
+        await store.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.postgres
+@HANDLER_EXCEPTIONS
+async def test_async_single_commit_crash_leaves_no_record(
+    postgres_table: str, make_exception: Callable[[], Exception]
+) -> None:
+    """Async single-commit: a handler that fails after its write rolls back claim and write
+    together, and its exception is the caller's (a StopIteration as the cause of the
+    RuntimeError Python makes of it on the way out of a coroutine)."""
+    import psycopg
+
+    from idemflow.stores.postgres import AsyncPostgresStore
+
+    store = AsyncPostgresStore(POSTGRES_URL, table=postgres_table, max_size=1, clock="caller")
+    crashed = make_exception()
+
+    def crash(attempt: AsyncAttempt) -> Awaitable[Response]:
+        raise crashed
+
+    async def write_then_crash(attempt: AsyncAttempt) -> Response:
+        await attempt.connection.execute(f"INSERT INTO biz_{postgres_table} (note) VALUES ('x')")
+        return await crash(attempt)
+
+    try:
+        async with await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as conn:
+            with pytest.raises((type(crashed), RuntimeError)) as raised:
+                await AsyncIdempotency(store, POLICY).run(
+                    intent(),
+                    write_then_crash,
+                    transaction=AsyncPsycopgTransaction(conn),
+                    single_commit=True,
+                )
+        assert_passed_through(raised.value, crashed, awaited=True)
+        assert await store.get("alice", "k-1") is None
+        assert postgres_notes(postgres_table)() == []
     finally:
         await store.close()
 

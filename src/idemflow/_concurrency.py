@@ -12,9 +12,11 @@ The sync driver is generated from the async one; ``scripts/unasync.py``
 drops both there: a synchronous call cannot be cut in half.
 
 Also here: :func:`async_resolve` and its sync twin :func:`resolve`, for hooks
-a user may write either way (replay authorization): the async edge awaits an
-awaitable answer, the sync edge refuses one instead of taking a coroutine
-object for "allowed".
+a user may write either way (replay authorization) and the operation's answer:
+async code awaits an awaitable answer (and takes a plain one as it is), sync
+code refuses one instead of taking a coroutine object for "allowed" or for a
+response. And :func:`async_checked_handler` and its twin :func:`checked_handler`:
+what can never be a handler of that driver, refused before anything is claimed.
 """
 
 from __future__ import annotations
@@ -27,9 +29,17 @@ from typing import Any, TypeVar
 
 from ._errors import ConfigurationError
 
-__all__ = ["async_cancel_point", "async_resolve", "async_shielded", "resolve"]
+__all__ = [
+    "async_cancel_point",
+    "async_checked_handler",
+    "async_resolve",
+    "async_shielded",
+    "checked_handler",
+    "resolve",
+]
 
 T = TypeVar("T")
+H = TypeVar("H")
 
 
 async def async_shielded(awaitable: Awaitable[T]) -> T:
@@ -119,6 +129,45 @@ def resolve(answer: T | Awaitable[T]) -> T:
     if inspect.isawaitable(answer):
         if inspect.iscoroutine(answer):
             answer.close()  # never awaited: say so here, not as a RuntimeWarning later
-        msg = "a coroutine function was given as a hook to sync code; pass a plain function"
+        msg = (
+            "a coroutine function was given to sync code, which cannot await it: pass a "
+            "plain function (or use the async API: AsyncIdempotency)"
+        )
         raise ConfigurationError(msg)
     return answer
+
+
+def async_checked_handler(handler: H) -> H:
+    """``handler`` for async code; an ``async def`` with ``yield`` answers an async
+    generator, never a response, and runs nothing: refused before the claim. (A plain
+    function is fine: its answer is awaited if it is awaitable, else taken as it is.)"""
+    if _defined_as(handler, inspect.isasyncgenfunction):
+        raise ConfigurationError(f"{_name(handler)} is an async generator function: {_ANSWER}")
+    return handler
+
+
+def checked_handler(handler: H) -> H:
+    """``handler`` for sync code; an ``async def`` one answers a coroutine that sync code
+    cannot await (it would run nothing, and used to leave its key claimed): refused
+    before the claim, with the fix."""
+    if _defined_as(handler, inspect.iscoroutinefunction) or _defined_as(
+        handler, inspect.isasyncgenfunction
+    ):
+        msg = (
+            f"{_name(handler)} is an 'async def' function, which sync code cannot await: "
+            "use AsyncIdempotency (or an async integration), or make it a plain function"
+        )
+        raise ConfigurationError(msg)
+    return handler
+
+
+_ANSWER = "a handler must return its Response (or an awaitable of one)"
+
+
+def _defined_as(handler: object, kind: Any) -> bool:
+    """Is ``handler`` (or its ``__call__``, for an object) a function of ``kind``?"""
+    return bool(kind(handler) or kind(getattr(handler, "__call__", None)))  # noqa: B004
+
+
+def _name(handler: object) -> str:
+    return str(getattr(handler, "__qualname__", None) or repr(handler))

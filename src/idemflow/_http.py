@@ -251,21 +251,40 @@ def sync_replay_authorizer(hook: object, name: str) -> Callable[[Record], bool]:
     edge refuses on every replay (a 500 each time, never taken for "allowed"). Refused
     here instead, once, when the application is configured.
     """
+    checked: Callable[[Record], bool] = plain_callable(hook, name, "(record) -> bool")
+    return checked  # its answer is checked on each replay (the edge refuses an awaitable)
+
+
+def plain_callable(hook: object, name: str, signature: str) -> Any:
+    """``hook`` checked where it is configured: a plain callable ``signature`` (a
+    principal getter, a replay hook, a WSGI application); ``name`` says where it was given.
+
+    Code that calls it without awaiting would take the coroutine an ``async def`` one
+    answers for its answer (a principal that differs on every request, so a retry would
+    run again; a response that never ran): refused once, with the fix.
+    """
     if not callable(hook):
-        raise ConfigurationError(f"{name} must be a callable (record) -> bool, got {hook!r}")
+        raise ConfigurationError(f"{name} must be a callable {signature}, got {hook!r}")
     # An object whose __call__ is async answers a coroutine just the same.
     if inspect.iscoroutinefunction(hook) or inspect.iscoroutinefunction(hook.__call__):
         msg = (
-            f"{name} is a coroutine function, but this integration runs the sync edge, "
-            "which cannot await it: pass a plain function (record) -> bool"
+            f"{name} is a coroutine function, but this integration calls it without "
+            f"awaiting: pass a plain function {signature}"
         )
         raise ConfigurationError(msg)
-    return hook  # its answer is checked on each replay (the edge refuses an awaitable)
+    return hook
 
 
 def intent_for(request: HTTPRequest, options: EdgeOptions) -> Intent:
     """The request's identity; raises the 400/401 client errors, claims nothing."""
     principal = request.principal
+    if inspect.isawaitable(principal):
+        # A principal getter that answered a coroutine (one returned by a plain function,
+        # past the check where it was configured): its text would differ on every request.
+        if inspect.iscoroutine(principal):
+            principal.close()
+        msg = "the principal getter answered an awaitable: pass a plain function returning str"
+        raise ConfigurationError(msg)
     if not principal:
         if not options.public:
             msg = "authenticate first: idempotency keys are scoped to the caller"

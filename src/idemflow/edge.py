@@ -16,6 +16,7 @@ into ``idemflow._http``, ``idemflow._sync`` or ``idemflow._async``.
 from ._async.edge import AsyncEdge, AsyncPooledTransaction
 from ._async.edge import pooled_transaction as async_pooled_transaction
 from ._canonical import parse_json
+from ._concurrency import async_resolve
 from ._fingerprint import DEFAULT_MAX_BODY_BYTES
 from ._http import (
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -35,6 +36,7 @@ from ._http import (
     declared_length,
     header_values,
     not_stored,
+    plain_callable,
     problem,
     problem_for,
     report_outcome_unknown,
@@ -64,12 +66,14 @@ __all__ = [
     "PooledTransaction",
     "RawHeaders",
     "async_pooled_transaction",
+    "async_resolve",
     "body_cut_short",
     "body_too_large",
     "declared_length",
     "header_values",
     "not_stored",
     "parse_json",
+    "plain_callable",
     "pooled_transaction",
     "problem",
     "problem_for",

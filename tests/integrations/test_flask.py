@@ -7,7 +7,7 @@ The served behaviour (gunicorn, PostgreSQL) is in test_wsgi_apps.py.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +124,54 @@ def test_the_header_lines_are_werkzeugs() -> None:
     ]
     assert _headers(environ) == werkzeugs
     assert _headers(environ) == werkzeugs  # and again, from the learned names
+
+
+def test_an_async_view_runs_in_the_session_transaction(
+    database: tuple[Any, SQLiteStore],
+) -> None:
+    """An ``async def`` view (and ``validate``) under ``@idem.protect`` is run to its end,
+    as Flask runs one, inside the transaction: its row commits with the record, a 503
+    rolls it back and releases the key, a retry replays (issue 31: it was a 500 on every
+    request, its coroutine never awaited)."""
+    engine, store = database
+    app = Flask(__name__)
+    validated: list[int] = []
+
+    @contextlib.contextmanager
+    def session_transaction() -> Iterator[SQLAlchemyTransaction]:
+        with Session(engine) as session:
+            g.session = session
+            yield SQLAlchemyTransaction(session)
+
+    idem = Idempotency(app, store=store, transaction=session_transaction, principal=lambda: "alice")
+
+    async def validate(order: int) -> None:
+        validated.append(order)
+
+    protected: Callable[[Callable[..., Any]], Callable[..., Any]]
+    protected = idem.protect(validate=validate)
+
+    @app.post("/payments/<int:order>")
+    @protected
+    async def pay(order: int) -> Any:
+        g.session.execute(sqlalchemy.text("INSERT INTO payment (amount) VALUES (:a)"), {"a": order})
+        if request.headers.get("X-Fail"):
+            return {"error": "down"}, 503
+        return {"order": order}, 201
+
+    client = app.test_client()
+    headers = {"Idempotency-Key": "k-1"}
+    failed = client.post("/payments/7", headers={**headers, "X-Fail": "1"}, json={})
+    first = client.post("/payments/7", headers=headers, json={})
+    replay = client.post("/payments/7", headers=headers, json={})
+
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT amount FROM payment").fetchall()
+    record = store.get("alice", "k-1")
+    assert failed.status_code == 503
+    assert (first.status_code, first.json) == (201, {"order": 7})
+    assert (replay.data, replay.headers["Idempotent-Replayed"]) == (first.data, "true")
+    assert rows == [(7,)]
+    assert validated == [7, 7, 7]
+    assert record is not None
+    assert (record.state, record.attempt) == (State.COMPLETED, 2)

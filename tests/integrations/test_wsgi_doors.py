@@ -16,6 +16,7 @@ The same doors served by gunicorn are in test_wsgi_apps.py and test_wsgi.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import sqlite3
@@ -33,6 +34,7 @@ pytest.importorskip("django")
 pytest.importorskip("rest_framework")
 pytest.importorskip("flask")
 
+from tests.factories import HANDLER_EXCEPTIONS
 from tests.http.conftest import CONTROL_KEYS, MALFORMED_KEYS, assert_problem
 from tests.integrations.django_setup import execute, require
 
@@ -82,6 +84,10 @@ class Door:
     framework_cap: Callable[[int], contextlib.AbstractContextManager[None]] | None = None
     #: The stored record of ``(principal, key)`` (an ``idemflow.Record``), or None.
     record: Callable[[str, str], Any] | None = None
+    #: Exceptions the view raises, one per request, instead of answering.
+    failures: list[BaseException] = field(default_factory=list)
+    #: Lets the view's exception out of the framework to the server while the block runs.
+    propagating: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
 
     def call(self, environ: dict[str, Any]) -> httpx.Response:
         """Call the application as a WSGI server does; its answer as an httpx Response."""
@@ -159,9 +165,12 @@ def _wsgi_door(tmp: Path) -> Iterator[Door]:
     store = SQLiteStore(tmp / "keys.db")
     store.migrate()
     ran: list[str] = []
+    failures: list[BaseException] = []
 
     def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
         ran.append(environ["HTTP_X_USER"])
+        if failures:
+            raise failures.pop()
         start_response("201 Created", [("Content-Type", "application/json")])
         return [b'{"id": 1}']
 
@@ -173,7 +182,10 @@ def _wsgi_door(tmp: Path) -> Iterator[Door]:
         options=EdgeOptions(max_body_bytes=CAP),
     )
     try:
-        yield Door("wsgi", protected, "/payments", _sqlite_records(tmp / "keys.db"), ran)
+        records = _sqlite_records(tmp / "keys.db")
+        yield Door(
+            "wsgi", protected, "/payments", records, ran, record=store.get, failures=failures
+        )
     finally:
         store.close()
 
@@ -203,6 +215,7 @@ def _flask_door(
         app, store=store, principal=lambda: request.headers.get("X-User"), **(extension or {})
     )
     ran = [] if ran is None else ran
+    failures: list[BaseException] = []
     protected: Callable[[Callable[..., Any]], Callable[..., Any]]
     protected = idem.protect(**(protect or {}))
 
@@ -210,6 +223,8 @@ def _flask_door(
     @protected
     def pay() -> Any:
         ran.append(str(request.headers["X-User"]))
+        if failures:
+            raise failures.pop()
         return {"id": 1}, 201
 
     @contextlib.contextmanager
@@ -220,9 +235,27 @@ def _flask_door(
         finally:
             app.config["MAX_CONTENT_LENGTH"] = None
 
+    @contextlib.contextmanager
+    def propagating() -> Iterator[None]:
+        app.config["PROPAGATE_EXCEPTIONS"] = True
+        try:
+            yield
+        finally:
+            app.config["PROPAGATE_EXCEPTIONS"] = None
+
     records = _sqlite_records(tmp / "keys.db")
     try:
-        yield Door("flask", app, "/payments", records, ran, max_content_length, store.get)
+        yield Door(
+            "flask",
+            app,
+            "/payments",
+            records,
+            ran,
+            max_content_length,
+            store.get,
+            failures,
+            propagating,
+        )
     finally:
         store.close()
 
@@ -263,11 +296,14 @@ def _django_door(
     require(alias)
     table = f"idem_{uuid.uuid4().hex[:12]}"
     runs: list[str] = [] if ran is None else ran
+    failures: list[BaseException] = []
     protected: Callable[[Callable[..., Any]], Callable[..., Any]]
     protected = idempotent(**(decorator or {}))
 
     def pay(request: Any) -> JsonResponse:
         runs.append(request.META["HTTP_X_USER"])
+        if failures:
+            raise failures.pop()
         return JsonResponse({"id": 1}, status=201)
 
     idemflow = {
@@ -303,6 +339,8 @@ def _django_door(
             @protected
             def create(self, request: Any) -> Response:
                 runs.append(request.META["HTTP_X_USER"])
+                if failures:
+                    raise failures.pop()
                 return Response({"id": 1}, status=201)
 
         _URLs.urlpatterns = (
@@ -323,7 +361,10 @@ def _django_door(
 
         try:
             cap = data_upload_max_memory_size
-            yield Door(name, WSGIHandler(), path, records, runs, cap, store.get)
+            propagating = functools.partial(override_settings, DEBUG_PROPAGATE_EXCEPTIONS=True)
+            yield Door(
+                name, WSGIHandler(), path, records, runs, cap, store.get, failures, propagating
+            )
         finally:
             database["ATOMIC_REQUESTS"] = atomic_before
             connections[alias].close()
@@ -379,6 +420,30 @@ def test_a_good_request_runs_once_and_a_quoted_key_is_the_same_key(door: Door) -
     assert (quoted.status_code, quoted.headers.get("idempotent-replayed")) == (201, "true")
     assert door.ran.count(alice) == 1
     assert door.records(alice) == 1
+
+
+@HANDLER_EXCEPTIONS
+def test_a_views_exception_reaches_the_server_unchanged_and_the_key_is_released(
+    door: Door, make_exception: Callable[[], Exception]
+) -> None:
+    """The view's exception, whatever its type, is the very object the server gets (once
+    the framework lets it out): never ``RuntimeError("generator raised StopIteration")``
+    from the flow's generator. The key is released, as after any exception, and the
+    retry runs the view."""
+    from idemflow import State
+
+    alice, raised = who(), make_exception()
+    door.failures.append(raised)
+    with door.propagating(), pytest.raises(type(raised)) as caught:
+        door.call(environ(door.path, alice, length=str(len(BODY))))
+
+    assert caught.value is raised
+    assert door.record is not None
+    record = door.record(alice, "k-1")
+    assert record is not None
+    assert record.state is State.RELEASED
+    assert door.call(environ(door.path, alice, length=str(len(BODY)))).status_code == 201
+    assert door.ran.count(alice) == 2
 
 
 @dataclass(frozen=True)

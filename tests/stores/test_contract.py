@@ -29,7 +29,7 @@ from idemflow import (
 from idemflow.testing import FrozenClock
 from tests.backends import Backend
 from tests.factories import CREATED_AT as CREATED
-from tests.factories import intent
+from tests.factories import HANDLER_EXCEPTIONS, intent
 
 POLICY = Policy(request_timeout=5, retention=3600)
 
@@ -215,16 +215,19 @@ def test_permanent_failure_is_stored_and_replayed(harness: Harness, backend: Bac
     assert harness.calls == 1
 
 
+@HANDLER_EXCEPTIONS
 def test_unexpected_exception_releases_and_passes_through_unchanged(
-    harness: Harness, backend: Backend
+    harness: Harness, backend: Backend, make_exception: Callable[[], Exception]
 ) -> None:
-    """The handler's own exception propagates as is; the key is free to retry."""
-    boom = RuntimeError("boom")
+    """The handler's own exception propagates as is, whatever its type (a StopIteration
+    too, which the flow's generator would turn into a RuntimeError); the key is free to
+    retry."""
+    boom = make_exception()
 
     def explode(attempt: Attempt) -> Response:
         raise boom
 
-    with pytest.raises(RuntimeError) as raised:
+    with pytest.raises(type(boom)) as raised:
         harness.run(intent(), explode)
     assert raised.value is boom
     record = backend.store.get("alice", "k-1")

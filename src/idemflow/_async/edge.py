@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeAlias, cast
 
-from .._concurrency import async_resolve
+from .._concurrency import async_checked_handler, async_resolve
 from .._errors import IdempotencyError, ReplayForbidden
 from .._events import Event
 from .._http import (
@@ -99,6 +99,7 @@ class AsyncEdge:
         idemflow become problem responses; the handler's own exceptions
         propagate (after the claim was released).
         """
+        async_checked_handler(handler)
         try:
             intent = self.intent(request)
             started = self.idempotency.clock()
@@ -131,7 +132,7 @@ class AsyncEdge:
         policy = self.idempotency.policy
 
         async def operation(attempt: AsyncAttempt) -> Response:
-            answer = await handler(attempt)  # its exception is the endpoint's: released
+            answer: Response = await async_resolve(handler(attempt))  # raising: released
             # The endpoint has run. Unless its effect rolls back with us (atomic), nothing
             # we fail at from here (reading, classifying, checking its answer) may release
             # the key: the retry would run the endpoint again.

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
+from .._concurrency import checked_handler, resolve
 from .._downstream import downstream_key
 from .._errors import ConfigurationError, StoreUnavailable
 from .._events import Event, Observer, error_event, null_observer
@@ -160,7 +161,12 @@ class Idempotency:
         :mod:`idemflow.transactions`), the handler runs inside it and the
         completion commits with the handler's own writes. With
         ``single_commit=True`` the claim joins that transaction too.
+
+        Raises:
+            ConfigurationError: before anything is claimed, for a handler this
+                driver could never run (see ``_concurrency.checked_handler``).
         """
+        checked_handler(handler)
         if transaction is not None and not self.store.supports_transactions:
             msg = f"{type(self.store).__name__} cannot share the caller's transaction"
             raise ConfigurationError(msg)
@@ -200,17 +206,42 @@ def _drive(flow: Flow, perform: Callable[[Step], Any]) -> Outcome:
     """Feed each step's result (or exception) back into the flow until it returns."""
     result: Any = None
     error: BaseException | None = None
+    thrown: BaseException | None = None  # the last exception thrown into the flow
     while True:
         try:
-            step = flow.send(result) if error is None else flow.throw(error)
+            if error is None:
+                step = flow.send(result)
+            else:
+                thrown = error
+                step = flow.throw(error)
         except StopIteration as stop:
             outcome: Outcome = stop.value
             return outcome
+        except RuntimeError as raised:
+            if not _rewrapped(raised, thrown):
+                raise
+            break
         result, error = None, None
         try:
             result = perform(step)
         except BaseException as exc:  # noqa: BLE001 -- the flow decides, then re-raises
             error = exc
+    # Raised outside the except clause, where it would gain our RuntimeError as its
+    # __context__: the exception goes on unchanged. (A coroutine turns a StopIteration
+    # leaving it into a RuntimeError of its own: Python's rule, not ours.)
+    assert thrown is not None
+    raise thrown
+
+
+def _rewrapped(raised: RuntimeError, thrown: BaseException | None) -> bool:
+    """Is ``raised`` only PEP 479's wrapping of a ``StopIteration`` thrown into the flow?
+
+    The flow re-raises what it was thrown (the handler's exception, after its release
+    step) from inside a generator, which turns a ``StopIteration`` into
+    ``RuntimeError("generator raised StopIteration")``; the caller is owed the object
+    itself (``contextlib`` unwraps it the same way).
+    """
+    return isinstance(thrown, StopIteration) and raised.__cause__ is thrown
 
 
 class _Performer:
@@ -263,7 +294,9 @@ class _Performer:
             self._phase_committed = (
                 step.record.recovery_point is not None or self._transaction is None
             )
-            return self._handler(attempt)
+            # An answer the driver cannot take (a coroutine, in sync code: it ran nothing)
+            # is a ConfigurationError here, in the flow's Execute: the key is given back.
+            return resolve(self._handler(attempt))
         if isinstance(step, Complete):
             self._complete(step)
             self.observe(Event.COMPLETED)

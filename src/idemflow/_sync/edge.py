@@ -15,7 +15,7 @@ from collections.abc import Iterator, Callable
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeAlias, cast
 
-from .._concurrency import resolve
+from .._concurrency import checked_handler, resolve
 from .._errors import IdempotencyError, ReplayForbidden
 from .._events import Event
 from .._http import (
@@ -100,6 +100,7 @@ class Edge:
         idemflow become problem responses; the handler's own exceptions
         propagate (after the claim was released).
         """
+        checked_handler(handler)
         try:
             intent = self.intent(request)
             started = self.idempotency.clock()
@@ -132,7 +133,7 @@ class Edge:
         policy = self.idempotency.policy
 
         def operation(attempt: Attempt) -> Response:
-            answer = handler(attempt)  # its exception is the endpoint's: released
+            answer: Response = resolve(handler(attempt))  # raising: released
             # The endpoint has run. Unless its effect rolls back with us (atomic), nothing
             # we fail at from here (reading, classifying, checking its answer) may release
             # the key: the retry would run the endpoint again.

@@ -81,6 +81,7 @@ from ..edge import (
     body_cut_short,
     body_too_large,
     declared_length,
+    plain_callable,
     problem_for,
     request_id_from,
     sendable_headers,
@@ -222,7 +223,11 @@ class Idempotency:
         self._transaction = transaction
         self._session_transactions: TransactionFactory | None = None
         self._store = store
-        self._principal = principal
+        self._principal = (
+            None
+            if principal is None
+            else plain_callable(principal, "Idempotency(principal=…)", "() -> str | None")
+        )
         self._observer = observer
         if app is not None:
             self.init_app(app)
@@ -283,9 +288,15 @@ class Idempotency:
         def decorate(inner: _View) -> _View:
             @functools.wraps(inner)
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                check = None if validate is None else lambda: validate(*args, **kwargs)
+                # An async view (or validate) is run to its end as Flask runs one
+                # (ensure_sync: asgiref's async_to_sync), in the request's context.
+                view = current_app.ensure_sync(inner)
+                check = None if validate is None else current_app.ensure_sync(validate)
                 return self._protected(
-                    lambda: inner(*args, **kwargs), public, check, authorize_replay
+                    lambda: view(*args, **kwargs),
+                    public,
+                    None if check is None else lambda: check(*args, **kwargs),
+                    authorize_replay,
                 )
 
             return wrapper  # type: ignore[return-value]

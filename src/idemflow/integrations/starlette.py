@@ -78,12 +78,14 @@ from ..edge import (
     EdgeOptions,
     HTTPRequest,
     OutcomeSlot,
+    async_resolve,
     body_cut_short,
     body_too_large,
     declared_length,
     header_values,
     not_stored,
     parse_json,
+    plain_callable,
     problem,
     problem_for,
     report_outcome_unknown,
@@ -189,6 +191,9 @@ class RequestIdMiddleware:
 # --- transactional mode ---------------------------------------------------------------------
 
 
+_PRINCIPAL = "principal= (called without awaiting, before the claim)"
+
+
 class Idempotent:
     """Transactional mode: the endpoint's own transaction carries the completion.
 
@@ -229,7 +234,7 @@ class Idempotent:
         self.edge = AsyncEdge(idempotency, options)
         self._connect = connect
         self._transaction = transaction
-        self._principal = principal
+        self._principal = plain_callable(principal, _PRINCIPAL, "(scope) -> str | None")
         self._single_commit = single_commit
 
     async def run(
@@ -409,7 +414,8 @@ def _query(scope: Scope) -> str:
 
 def _storable_handler(handler: StarletteHandler) -> Callable[[AsyncAttempt], Awaitable[Response]]:
     async def operation(attempt: AsyncAttempt) -> Response:
-        result = await handler(attempt)
+        # A plain function ran when it was called: its answer is taken as it is.
+        result: Response | StarletteResponse = await async_resolve(handler(attempt))
         if isinstance(result, Response):
             return result
         if isinstance(result, StarletteResponse):
@@ -508,7 +514,7 @@ class IdempotencyMiddleware:
     ) -> None:
         self.app = app
         self.edge = AsyncEdge(idempotency, options)
-        self._principal = principal
+        self._principal = plain_callable(principal, _PRINCIPAL, "(scope) -> str | None")
         self._routes = [_compile_endpoint(endpoint) for endpoint in endpoints]
         if not self._routes:
             raise ConfigurationError("IdempotencyMiddleware needs at least one endpoint to protect")

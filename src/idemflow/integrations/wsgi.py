@@ -94,6 +94,7 @@ from ..edge import (
     body_cut_short,
     declared_length,
     not_stored,
+    plain_callable,
     problem_for,
     report_outcome_unknown,
     request_id_from,
@@ -170,6 +171,12 @@ def request_id(environ: WSGIEnvironment, headers: RawHeaders | None = None) -> s
     return value
 
 
+_ASGI_APP = (
+    "the WSGI IdempotencyMiddleware's app (an ASGI application? wrap it in "
+    "idemflow.integrations.starlette.IdempotencyMiddleware)"
+)
+
+
 class IdempotencyMiddleware:
     """Middleware mode for WSGI: claim, capture the response, store it, replay it.
 
@@ -208,6 +215,10 @@ class IdempotencyMiddleware:
         if options is not None and options.authorize_replay is not None:
             # Refused now, once, rather than as a 500 on every replay.
             sync_replay_authorizer(options.authorize_replay, "EdgeOptions(authorize_replay=…)")
+        # An ASGI application (or an async principal getter) would answer coroutines
+        # nobody awaits: refused now, not as a 500 (or a new principal) per request.
+        plain_callable(app, _ASGI_APP, "(environ, start_response)")
+        plain_callable(principal, "IdempotencyMiddleware(principal=…)", "(environ) -> str | None")
         self.app = app
         self.edge = Edge(idempotency, options)
         self._principal = principal

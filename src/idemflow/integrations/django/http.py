@@ -41,6 +41,7 @@ from ...edge import (
     body_cut_short,
     body_too_large,
     declared_length,
+    plain_callable,
     problem_for,
     report_outcome_unknown,
     request_id_from,
@@ -68,6 +69,7 @@ __all__ = [
 ViewCall = Callable[[], HttpResponseBase]
 
 _REPLAY_SETTING = "settings.IDEMFLOW['authorize_replay']"
+_PRINCIPAL_SETTING = "settings.IDEMFLOW['principal']"
 
 
 def request_user(request: Any) -> str | None:
@@ -90,7 +92,7 @@ def _principal_getter(chosen: IdemflowSettings) -> Callable[[Any], str | None]:
         getter = import_string(getter)
     if not callable(getter):
         raise ConfigurationError("settings.IDEMFLOW['principal'] must be a callable or its path")
-    return getter  # type: ignore[no-any-return]
+    return plain_callable(getter, _PRINCIPAL_SETTING, "(request) -> str | None")  # type: ignore[no-any-return]
 
 
 def replay_authorizer(chosen: IdemflowSettings) -> ReplayHook | None:
@@ -114,9 +116,13 @@ def replay_authorizer(chosen: IdemflowSettings) -> ReplayHook | None:
 def check_replay_authorizer(chosen: IdemflowSettings) -> None:
     """:func:`replay_authorizer` at start-up (``AppConfig.ready``, the middleware's
     ``__init__``): a wrong path or an ``async def`` hook is ``ImproperlyConfigured`` then,
-    not a 500 problem on every protected request."""
+    not a 500 problem on every protected request. So is an ``async def`` principal getter
+    given as a callable (one given by its path is checked where it is imported, at the
+    first protected request)."""
     try:
         replay_authorizer(chosen)
+        if callable(chosen.principal):
+            plain_callable(chosen.principal, _PRINCIPAL_SETTING, "(request) -> str | None")
     except ConfigurationError as exc:
         raise ImproperlyConfigured(str(exc)) from exc
 

@@ -35,6 +35,12 @@ filtered by owner); ``IDEMFLOW['authorize_replay']``, or the view's own
 ``authorize_replay=``, is asked again with the stored record first: False
 answers 403 ``replay-forbidden`` and the record is kept.
 
+An ``async def`` view (or ``validate``) is protected the same way: the
+decorated view stays ``async def``, runs the protection in the request's
+thread (Django's transactions are sync-only) and the view's coroutine on the
+request's loop; the ORM calls it awaits come back to that thread, inside the
+transaction (docs/frameworks/django.md). DRF runs no ``async def`` actions.
+
 A decorated *function* view opts out of ``ATOMIC_REQUESTS`` for the key
 table's alias: idemflow's own transaction takes its place (the claim must
 commit before the view runs). A method runs inside the request's transaction
@@ -47,6 +53,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
+from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
 from django.http import HttpRequest
 
 from ...edge import sync_replay_authorizer
@@ -91,16 +98,26 @@ def idempotent(
         sync_replay_authorizer(authorize_replay, "@idempotent(authorize_replay=…)")
 
     def decorate(inner: _View) -> _View:
+        call, checked = _plain(inner), None if validate is None else _plain(validate)
+
         @functools.wraps(inner)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             request = _request_in(args)
             return protect(
                 request,
-                lambda: _rendered(inner(*args, **kwargs), args, request, kwargs),
+                lambda: _rendered(call(*args, **kwargs), args, request, kwargs),
                 public=public or _is_public(inner),
-                validate=None if validate is None else lambda: validate(*args, **kwargs),
+                validate=None if checked is None else lambda: checked(*args, **kwargs),
                 authorize_replay=authorize_replay,
             )
+
+        if iscoroutinefunction(inner):
+            # An async view runs inside the sync protect(): its transaction.atomic() is
+            # thread-bound, and so is Django's connection. The view's coroutine runs on
+            # the request's event loop (async_to_sync), and every ORM call it awaits
+            # (acreate, sync_to_async) comes back to this thread, on this connection:
+            # its writes are in the transaction the completion commits with.
+            wrapper = functools.wraps(inner)(_awaitable(wrapper))
 
         alias = idemflow_settings().database
         # Django reads this off the view it resolved: a decorated function view
@@ -110,6 +127,21 @@ def idempotent(
         return wrapper  # type: ignore[return-value]
 
     return decorate if view is None else decorate(view)
+
+
+def _plain(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` called from sync code: an ``async def`` one through ``async_to_sync``."""
+    return async_to_sync(function) if iscoroutinefunction(function) else function
+
+
+def _awaitable(protected: Callable[..., Any]) -> Callable[..., Any]:
+    """``protected`` as an ``async def`` view, so Django awaits it (ASGI or WSGI alike)."""
+    in_thread = sync_to_async(protected, thread_sensitive=True)
+
+    async def view(*args: Any, **kwargs: Any) -> Any:
+        return await in_thread(*args, **kwargs)
+
+    return view
 
 
 def idempotency_public(view: _View) -> _View:
