@@ -43,11 +43,11 @@ from tests.stores._race import Recorder, assert_exactly_once, race_processes, ra
 pymysql = pytest.importorskip("pymysql")
 from idemflow.stores.mysql import (  # noqa: E402
     MySQLStore,
-    PyMySQLTransaction,
     connect_kwargs,
     mysql_dialect,
     mysql_statements,
 )
+from idemflow.transactions import PyMySQLTransaction  # noqa: E402
 
 pytestmark = pytest.mark.mysql
 

@@ -35,11 +35,11 @@ from tests.factories import CREATED, intent
 asyncmy = pytest.importorskip("asyncmy")
 from idemflow.stores.mysql import (  # noqa: E402
     AsyncMySQLStore,
-    AsyncmyTransaction,
     connect_kwargs,
     error_code,
     is_unavailable,
 )
+from idemflow.transactions import AsyncmyTransaction  # noqa: E402
 
 pytestmark = [pytest.mark.mysql, pytest.mark.anyio]
 
