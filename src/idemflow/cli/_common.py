@@ -4,6 +4,7 @@ the stand-in for a command whose distribution is not installed (the demo's)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 from typing import Any
 
@@ -16,6 +17,7 @@ __all__ = [
     "database_url",
     "positive_int",
     "positive_seconds",
+    "register_from_the_demo",
 ]
 
 
@@ -83,3 +85,18 @@ def add_not_installed(subparsers: argparse._SubParsersAction[Any], name: str, hi
         raise ConfigurationError(hint)
 
     parser.set_defaults(run=run)
+
+
+def register_from_the_demo(
+    subparsers: argparse._SubParsersAction[Any], module: str, name: str
+) -> None:
+    """Register ``name`` from the demo's distribution (``module``'s ``register``), or, when it
+    is not installed, the stand-in that says how to install it."""
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != module.split(".", maxsplit=1)[0]:
+            raise  # the demo is there, something it needs is not: say that
+        add_not_installed(subparsers, name, DEMO_INSTALL)
+        return
+    loaded.register(subparsers)

@@ -9,17 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import DEMO_INSTALL, add_not_installed
+from ._common import register_from_the_demo
 
 __all__ = ["register"]
 
 
 def register(subparsers: Any) -> None:
-    try:
-        from idemflow_demo.storm.cli import register as register_storm
-    except ModuleNotFoundError as exc:
-        if exc.name is None or not exc.name.startswith("idemflow_demo"):
-            raise
-        add_not_installed(subparsers, "storm", DEMO_INSTALL)
-        return
-    register_storm(subparsers)
+    register_from_the_demo(subparsers, "idemflow_demo.storm.cli", "storm")
