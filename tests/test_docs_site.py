@@ -7,6 +7,7 @@ the path its ``type`` URI names.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import pkgutil
@@ -40,6 +41,37 @@ def public_modules() -> list[str]:
             continue
         found.append(module.name)
     return found
+
+
+#: A module docstring says what the module is for; the long story lives in docs/.
+MAX_MODULE_DOCSTRING_LINES = 15
+
+
+def module_docstrings() -> dict[str, str]:
+    """Every module docstring under ``src/idemflow``, by path (generated twins included)."""
+    found = {}
+    for path in sorted((ROOT / "src" / "idemflow").rglob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        if docstring:
+            found[str(path.relative_to(ROOT))] = docstring
+    return found
+
+
+def test_every_module_docstring_is_short_and_names_pages_that_exist() -> None:
+    too_long, missing = [], []
+    for path, docstring in module_docstrings().items():
+        lines = len(docstring.strip().splitlines())
+        if lines > MAX_MODULE_DOCSTRING_LINES:
+            too_long.append(f"{path}: {lines} lines")
+        missing += [
+            f"{path}: {page}"
+            for page in re.findall(r"docs/[\w/.-]+\.md", docstring)
+            if not (ROOT / page).is_file()
+        ]
+    assert not too_long, (
+        f"over {MAX_MODULE_DOCSTRING_LINES} lines (move the essay to docs/): {too_long}"
+    )
+    assert not missing, f"docstrings name pages that do not exist: {missing}"
 
 
 @pytest.fixture(scope="module")

@@ -2,31 +2,13 @@
 Strict JSON in, RFC 8785 canonical JSON (JCS) out.
 
 A fingerprint must not change when a client re-serialises the same request
-with other whitespace, another key order or other number spellings
-(``1.0``, ``1E0``, ``10e-1``), so JSON bodies are hashed in canonical form:
-
-- :func:`parse_json` reads I-JSON (RFC 7493) strictly: UTF-8 only, no
-  duplicate member names, no ``NaN``/``Infinity``, no lone surrogates, no
-  numbers beyond a double's range, nothing after the value.  Everything it
-  refuses raises :class:`~idemflow.InvalidBody`.
-- :func:`canonical_json` writes RFC 8785: members sorted by the UTF-16 code
-  units of their names, no whitespace, ECMAScript string escaping and
-  ECMAScript ``Number.prototype.toString`` numbers, encoded as UTF-8.
-
-**Deliberate deviation from RFC 8785:** JCS reads every number as an IEEE 754
-double, so ``9007199254740993`` and ``9007199254740992`` canonicalise the same
-and a client changing one large amount into its neighbour would not change
-the fingerprint.  Here a Python ``int`` is written with its exact decimal
-digits instead; for magnitudes up to 2**53 that is exactly what JCS writes,
-above it the digits are exact where JCS's would be rounded (and never in
-exponent form).  The price: an integral number spelled as an integer
-(``1000000000000000000000``) and the same number spelled with a fraction or
-exponent (``1e21``) canonicalise differently above 2**53.  Both spellings of
-one value are vanishingly rare in one client's retries; two different amounts
-colliding would be silently wrong data.
-
-Nesting is capped at :data:`MAX_DEPTH` levels so that no body can run the
-(recursive) parser or serialiser out of stack.
+with other whitespace, another key order or other number spellings, so JSON
+bodies are hashed in canonical form: :func:`parse_json` reads I-JSON
+(RFC 7493) strictly (anything it refuses raises :class:`~idemflow.InvalidBody`;
+nesting is capped at :data:`MAX_DEPTH` levels) and :func:`canonical_json`
+writes RFC 8785, with one deliberate deviation: a Python ``int`` keeps its
+exact digits above 2**53. What strict means, the canonical form, and the
+deviation and its price: docs/core.md, "Fingerprints".
 """
 
 from __future__ import annotations

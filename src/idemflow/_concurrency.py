@@ -1,22 +1,17 @@
 """
 Finishing a store write that must not be cut in half by cancellation.
 
-A claim, a completion or a release that is cancelled while it awaits may
-still commit (in SQLite's worker thread, or on the server after the query was
-sent); if its caller then stops, the key stays ``in_progress`` until the
-sweeper. So the async driver awaits these steps *shielded*: the step runs to
-its end, and the cancellation is delivered afterwards, at the next
-:func:`async_cancel_point`, where the flow gives back what was claimed.
-
-The sync driver is generated from the async one; ``scripts/unasync.py``
-drops both there: a synchronous call cannot be cut in half.
-
-Also here: :func:`async_resolve` and its sync twin :func:`resolve`, for hooks
-a user may write either way (replay authorization) and the operation's answer:
-async code awaits an awaitable answer (and takes a plain one as it is), sync
-code refuses one instead of taking a coroutine object for "allowed" or for a
-response. And :func:`async_checked_handler` and its twin :func:`checked_handler`:
-what can never be a handler of that driver, refused before anything is claimed.
+The async driver awaits a claim, a completion or a release *shielded*
+(:func:`async_shielded`): the step runs to its end and the cancellation is
+delivered at the next :func:`async_cancel_point`, where the flow gives back
+what was claimed; ``scripts/unasync.py`` drops both from the sync driver. Why:
+docs/architecture.md, "Sync and async". Also here: :func:`async_resolve` and
+its sync twin :func:`resolve`, for hooks a user may write either way (replay
+authorization) and the operation's answer: async code awaits an awaitable
+answer (and takes a plain one as it is), sync code refuses one instead of
+taking a coroutine object for "allowed" or for a response. And
+:func:`async_checked_handler` and its twin :func:`checked_handler`: what can
+never be a handler of that driver, refused before anything is claimed.
 """
 
 from __future__ import annotations

@@ -4,30 +4,10 @@ The one exception tree of idemflow.
 Client errors carry their HTTP meaning (``status``, a problem ``type``, a
 ``title`` and whether the same request may be sent again, ``retryable``) so
 every integration renders them the same way; each ``type`` URI is a page of
-the documentation (``docs/problems/<slug>.md``)::
-
-    IdempotencyError
-    ├── ClientError                         (the request must change, or wait)
-    │   ├── MissingKey          400         no Idempotency-Key where one is required
-    │   ├── InvalidKey          400         malformed Idempotency-Key
-    │   ├── InvalidBody         400         body over the fingerprint cap, or bad JSON
-    │   │   ├── BodyTooLarge    413         body over the cap, refused while it streams
-    │   │   └── IncompleteBody  400 retry   the body did not arrive whole (client went away)
-    │   ├── MissingPrincipal    401         no authenticated principal to scope the key
-    │   ├── ReplayForbidden     403         the principal may no longer see the stored response
-    │   ├── InProgress          409 retry   the first request with this key is still running
-    │   │   └── LeaseLost       409 retry   our claim was taken over: we must not commit
-    │   └── KeyReused           422         same key, different request
-    ├── StoreUnavailable        503 retry   the key store cannot be reached: fail closed
-    ├── OutcomeUnknown          503 retry   the handler cannot tell if its external effect happened
-    └── ConfigurationError                  unsafe or impossible settings (also a ValueError)
-        ├── ResponseNotStorable 500         a response too large, streamed or unsendable to store
-        ├── MissingExtra                    an optional dependency is not installed (an ImportError)
-        └── MissingTable                    the key table was never created: run idemflow migrate
-
-The handler's own exceptions are never wrapped: after the claim is released
-they propagate unchanged. ``OutcomeUnknown`` is the one a handler raises on
-purpose: it keeps the claim for the sweeper instead of releasing it.
+the documentation (``docs/problems/<slug>.md``). The handler's own exceptions
+are never wrapped; :class:`OutcomeUnknown` is the one a handler raises on
+purpose, to keep the claim for the sweeper. The tree, with each error's
+status: docs/core.md, "Errors and their HTTP meaning".
 """
 
 from __future__ import annotations

@@ -2,25 +2,11 @@
 The request fingerprint: what makes "same key, different request" detectable.
 
 A fingerprint is a SHA-256 digest over the method, the route, the query
-string (if any) and the body.
-JSON bodies (``application/json`` and any ``+json`` media type) are hashed in
-RFC 8785 canonical form, so a retry that re-serialises the same payload with
-other whitespace or key order still matches; other bodies are hashed as
-sent.
-
-Only the digest leaves this module.  The body is never stored or logged, so
-the key table does not become a second copy of every payment request.
-
-The hashed message is unambiguous: a version tag, then the method and the
-route each prefixed with their length in bytes, then the body kind, then the
-body.  Without the lengths, route ``"/a\\nraw"`` with a JSON body would hash
-exactly like route ``"/a"`` with a raw body that starts ``"json\\n"``.
-
-The query string is part of the request (``?dry_run=1`` is another request
-than ``?dry_run=0``). It is hashed in canonical form (pairs percent-decoded,
-sorted, re-encoded), so a retry that orders or escapes its parameters
-differently still matches; a request without one hashes exactly as before
-the query was hashed at all, so no stored fingerprint changed meaning.
+string (if any, in canonical form) and the body (JSON in RFC 8785 canonical
+form, other bodies as sent). Only the digest leaves this module: the body is
+never stored or logged. The hashed message is unambiguous (a version tag,
+length-prefixed method and route, the body kind, the body). See
+docs/core.md, "Fingerprints", and docs/http.md, "The fingerprint".
 """
 
 from __future__ import annotations

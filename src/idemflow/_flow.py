@@ -1,22 +1,11 @@
 """
 The idempotency protocol, sans I/O: claim → dispatch on state → execute → complete | release.
 
-Rule 1 (borrowed from h11's ``_state.py``): every decision about a key lives in
-this module. The drivers in ``_async/`` and ``_sync/`` only *perform* the steps
-this generator yields and send the results back in; they decide nothing.
-
-A driver runs :func:`idempotency_flow` like this::
-
-    flow = idempotency_flow(intent, policy, lease_token, atomic=..., clock=clock)
-    step = next(flow)
-    while True:
-        try:
-            result = perform(step)          # store call, or the handler
-        except BaseException as exc:
-            step = flow.throw(exc)          # the flow decides: release, re-raise
-        else:
-            step = flow.send(result)
-    # ... until StopIteration carries the Outcome.
+Every decision about a key lives in this module. The drivers in ``_async/``
+and ``_sync/`` only *perform* the steps :func:`idempotency_flow` yields and
+send the results back in; they decide nothing. The protocol step by step:
+docs/core.md, "The flow: claim → dispatch → execute → complete | release"; how
+a driver runs it: docs/architecture.md, "How a driver runs the flow".
 """
 
 from __future__ import annotations

@@ -1,41 +1,18 @@
 """
 The framework-neutral HTTP edge: request → :class:`Intent`, outcome or error → response.
 
-Every integration (``idemflow.integrations.starlette``, ``…fastapi``) only
-translates its framework's request into an :class:`HTTPRequest` and the
-:class:`~idemflow.Response` returned here into its framework's response.
-This module holds the rules and does no I/O; the one that runs a request
-through the driver is ``AsyncEdge`` in ``idemflow._async.edge``, and its
-generated sync twin ``Edge`` in ``idemflow._sync.edge`` (WSGI frameworks). What
-to do with a key is decided in ``idemflow._flow``; what it looks like on the
-wire is decided here, once, so the integrations cannot disagree:
-
-- the ``Idempotency-Key`` is read by :func:`idemflow.parse_key`;
-- the fingerprint covers the method, the full route *template* including
-  mount prefixes (``/eu/payments/{id}``) with its path parameters
-  (``id=pay_1``), the canonical query string, and the body: the same key sent
-  to ``/payments/1/refunds`` and then ``/payments/2/refunds`` is a different
-  request (422), not a replay of the first refund. The endpoint named in
-  records and metrics is the bare template, so label values stay bounded;
-- every error is an RFC 9457 ``application/problem+json`` body with ``type``,
-  ``title``, ``status`` and ``detail``, and ``Retry-After`` on 409 and 503;
-- the whole response is checked before anything is stored: a status or header
-  that cannot be sent is never recorded (:func:`unsendable`). Where the effect
-  rolls back with the record (a transaction), such a response is the
-  handler's bug: :class:`ResponseNotStorable`, 500, key released. Where it
-  does not, the key is settled with a ``response-not-stored`` marker
-  (:func:`not_stored`) and never released after the endpoint ran;
-- a replay carries the stored status, body and allow-listed headers, plus
-  ``Idempotent-Replayed: true`` and the original request's correlation id;
-- every response carries the request's own ``X-Request-Id``;
-- in middleware mode the application tells its ``OutcomeUnknown`` to the
-  middleware by raising it, or, where its framework turns every exception
-  into a 500 first (Flask, Django), through the slot the middleware leaves in
-  the request's environ or scope (:class:`OutcomeSlot`,
-  :func:`report_outcome_unknown`), or simply by making one before it fails
-  (the slot watches): either way the claim is kept;
-- once the endpoint has run without a transaction that rolls it back, no
-  failure of ours reading its answer releases the key (:func:`not_read`).
+Every integration only translates its framework's request into an
+:class:`HTTPRequest` and the :class:`~idemflow.Response` returned here into its
+framework's response. This module holds the rules and does no I/O: the one
+that runs a request through the driver is ``AsyncEdge`` in
+``idemflow._async.edge`` (and its generated sync twin ``Edge``); what to do
+with a key is decided in ``idemflow._flow``; what it looks like on the wire is
+decided here, once, so the integrations cannot disagree: the fingerprint's
+route template, RFC 9457 problems, what is stored (:func:`unsendable`,
+:func:`not_stored`, :class:`ResponseNotStorable`, :func:`not_read`), replay
+headers, ``X-Request-Id``, and the ``OutcomeUnknown`` slot
+(:class:`OutcomeSlot`, :func:`report_outcome_unknown`). The rules: docs/http.md;
+where each lives: docs/architecture.md, "Where each rule lives".
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """
 What the sweeper decides, sans I/O: the reconciler's answers and what each one means.
 
-A claim older than the stale threshold belongs to a request that can no longer
-be running (the request timeout killed it). What it *did* before it died is
-another matter: a local effect in the caller's transaction rolled back with the
-claim's completion, but an external effect (a provider charge) may or may not
-have happened. A reconciler asks the external system and answers with one of
-three values:
-
-- :class:`Happened`: the effect took place; here is the response to store and
-  replay (and, in transactional mode, the local business row to write with it);
-- :class:`DidNotHappen`: nothing took place; give the key back so a retry runs;
-- :class:`Unknown`: cannot tell yet; keep the record ``stale`` and ask again later.
-
-The drivers (``idemflow._async.sweeper`` and its generated sync twin) perform
-the store writes these answers call for.
+A claim older than the stale threshold belongs to a request that can no
+longer be running, but its external effect may or may not have happened. A
+reconciler asks the external system and answers :class:`Happened` (store and
+replay this response), :class:`DidNotHappen` (give the key back) or
+:class:`Unknown` (keep the record ``stale``, ask again later). The drivers
+(``idemflow._async.sweeper`` and its generated sync twin) perform the store
+writes these answers call for. See docs/crash-safety.md, "Reconcilers".
 """
 
 from __future__ import annotations

@@ -2,23 +2,11 @@
 Logs for idemflow through the standard :mod:`logging` module.
 
 :class:`LoggingObserver` writes one record per event to the ``idemflow.events``
-logger, with structured ``extra`` fields any JSON formatter can pick up:
-
-==================  ==============================================================
-field               value
-==================  ==============================================================
-``outcome``         the event: claimed, replayed, in_progress_conflict, …
-``endpoint``        the route template (``POST /payments``)
-``principal``       who sent the key
-``key_digest``      :func:`key_digest` of principal and key: 16 hex digits, never
-                    the key itself (``idemflow inspect`` prints the same digest)
-``correlation_id``  the request's correlation id (or ``None``)
-``elapsed_ms``      time since the run began
-==================  ==============================================================
-
-Quiet at ``INFO`` on the normal paths: claims, completions and replays log at
-``DEBUG``; 409s, 422s and released claims at ``INFO``; store outages, lost
-leases, unknown outcomes and reclaimed stale claims at ``WARNING``.
+logger, with structured ``extra`` fields any JSON formatter can pick up
+(``outcome``, ``endpoint``, ``principal``, ``key_digest``: :func:`key_digest`,
+never the key itself, ``correlation_id``, ``elapsed_ms``). Quiet at ``INFO`` on
+the normal paths. The fields and the level of each event: docs/operations.md,
+"Logs".
 """
 
 from __future__ import annotations

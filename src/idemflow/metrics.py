@@ -4,24 +4,12 @@ Prometheus metrics for idemflow (needs ``prometheus-client``: ``idemflow[metrics
 Pass a :class:`PrometheusMetrics` as the ``observer=`` of an ``Idempotency``
 (combine it with traces and logs through :func:`idemflow.fan_out`). Labels are
 bounded: ``endpoint`` is the route template (``POST /payments``), never the raw
-path, and the key or principal never appear.
-
-- ``idemflow_requests_total{outcome, endpoint}``: every outcome (claimed,
-  replayed, in_progress_conflict, fingerprint_mismatch, released,
-  stale_reclaimed, store_unavailable, outcome_unknown, and completed,
-  lease_lost).
-- ``idemflow_claim_seconds{endpoint}``: time to claim a key (histogram).
-- ``idemflow_replay_seconds{endpoint}``: time to answer with a stored response.
-- ``idemflow_stale_in_progress{state}``: claims older than the request timeout
-  (``in_progress``) or swept and unresolved (``stale``); see
-  :meth:`PrometheusMetrics.watch_stale_claims`.
-- ``idemflow_stale_reclaimed_total{resolution}``: sweeper resolutions
-  (completed, released, unknown); see :meth:`PrometheusMetrics.stale_reclaimed`.
-
-The replay-to-claim ratio per endpoint, in PromQL::
-
-    sum by (endpoint) (rate(idemflow_requests_total{outcome="replayed"}[5m]))
-      / sum by (endpoint) (rate(idemflow_requests_total{outcome="claimed"}[5m]))
+path, and the key or principal never appear. The metrics
+(``idemflow_requests_total``, ``idemflow_claim_seconds``,
+``idemflow_replay_seconds``, ``idemflow_stale_in_progress``, see
+:meth:`PrometheusMetrics.watch_stale_claims`, and
+``idemflow_stale_reclaimed_total``, see :meth:`PrometheusMetrics.stale_reclaimed`),
+their PromQL and alerts: docs/operations.md, "Metrics".
 """
 
 from __future__ import annotations

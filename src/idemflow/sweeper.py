@@ -2,21 +2,16 @@
 The stale-claim sweeper: no key stays blocked by a crashed request.
 
 A request that crashed between its claim and its completion leaves an
-``in_progress`` record; every retry would get 409 forever. The sweeper finds
-such records once they are older than ``policy.stale_after`` (derived from the
-request timeout, so no live request can still hold them), marks them
-``stale`` and resolves each one exactly once::
-
-    from idemflow.sweeper import Sweeper, start_background_sweeper
-
-    sweeper = Sweeper(store, policy)                    # no reconciler: release
-    report = sweeper.sweep_once()                       # or, in an app:
-    background = start_background_sweeper(sweeper)      # ... background.stop()
-
+``in_progress`` record; every retry would get 409 forever. :class:`Sweeper`
+(and :class:`AsyncSweeper`) finds such records once they are older than
+``policy.stale_after`` (derived from the request timeout, so no live request
+can still hold them), marks them ``stale`` and resolves each one exactly
+once: ``sweeper.sweep_once()``, or :func:`start_background_sweeper` in an app.
 When the effect went to an external system, pass a ``reconciler`` that asks
 that system what happened (:class:`Happened`, :class:`DidNotHappen`,
-:class:`Unknown`). ``docs/crash-safety.md`` explains how to choose.
-From the shell: ``idemflow sweep DATABASE_URL [--every SECONDS]``.
+:class:`Unknown`). ``docs/crash-safety.md`` explains how to choose, and
+"Running the sweeper" how to run it (``idemflow sweep DATABASE_URL [--every
+SECONDS]`` from the shell).
 """
 
 from __future__ import annotations

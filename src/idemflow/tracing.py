@@ -1,27 +1,15 @@
 """
 OpenTelemetry traces for idemflow (``idemflow[tracing]``); a no-op without ``opentelemetry-api``.
 
-Two ways in; use one of them:
-
-- :func:`traced` wraps an ``Idempotency`` (or ``AsyncIdempotency``) so each
-  ``run`` is one span, ``idemflow.run``, around claim → dispatch → execute →
-  complete, with the attributes ``idemflow.outcome``, ``idemflow.state`` and
-  ``idemflow.endpoint``. A replay's span *links* to the span of the request
-  that produced the stored response.
-- :class:`TracingObserver`, passed as (or fanned out into) the observer,
-  only annotates whatever span is current (your HTTP server span, say) with
-  the same attributes and one span event per idemflow event. No span of its
-  own, no link.
-
-How a replay finds the original trace: the correlation id stored with each
-record. When an ``Intent`` has no ``correlation_id``, :func:`traced` stores the
-run span's W3C ``traceparent`` (``00-<trace id>-<span id>-<flags>``) there; on
-a replay the stored value is parsed back into a span context for the link.
-An app that sets its own correlation id keeps it; the replay is linked when
-that id contains a traceparent (e.g. ``"req-42 00-4bf9…-00f0…-01"``), and the
-original id is always set as ``idemflow.original_correlation_id``.
-
-Nothing else in idemflow imports OpenTelemetry.
+Two ways in; use one of them: :func:`traced` wraps an ``Idempotency`` (or
+``AsyncIdempotency``) so each ``run`` is one span, ``idemflow.run``, and a
+replay's span *links* to the span of the request that produced the stored
+response (through the W3C ``traceparent`` kept in the record's correlation
+id, :func:`traceparent`); :class:`TracingObserver`, passed as (or fanned out
+into) the observer, only annotates whatever span is current with the same
+attributes and one span event per idemflow event. The attributes and how a
+replay finds the original trace: docs/operations.md, "Traces". Nothing else
+in idemflow imports OpenTelemetry.
 """
 
 from __future__ import annotations

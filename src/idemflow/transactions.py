@@ -4,28 +4,15 @@ Adapters that let idemflow write its completion in *your* transaction.
 Pass one to ``Idempotency.run(…, transaction=…)``: the library begins the
 transaction on your connection (or joins the one your session already
 opened), calls your handler with that connection, writes the completion on it
-and commits, or rolls back and releases the key. Your data access inside the
-handler is untouched: use the connection or session as you always do.
-
-=====================================  ===================================
-You hold                               Adapter
-=====================================  ===================================
-``sqlite3.Connection``                 :class:`SQLite3Transaction`
-``sqlite3.Connection``, from asyncio   :class:`AsyncSQLite3Transaction` on an
-                                       :class:`AsyncSQLite3Connection`
-``psycopg.Connection``                 :class:`PsycopgTransaction`
-``psycopg.AsyncConnection``            :class:`AsyncPsycopgTransaction`
-``pymysql.Connection``                 :class:`PyMySQLTransaction`
-``asyncmy`` connection                 :class:`AsyncmyTransaction`
-SQLAlchemy ``Connection``/``Session``  :class:`SQLAlchemyTransaction`
-SQLAlchemy ``AsyncConnection``/        :class:`AsyncSQLAlchemyTransaction`
-``AsyncSession``
-=====================================  ===================================
-
-Each adapter is a handful of lines; write your own for another driver by
-implementing :class:`idemflow.stores.protocol.Transaction`. The psycopg and
-SQLAlchemy pairs are written once (``idemflow._async.transactions``) and the
-sync ones generated from them.
+and commits, or rolls back and releases the key. One adapter per driver
+(:class:`SQLite3Transaction`, :class:`AsyncSQLite3Transaction`,
+:class:`PsycopgTransaction`, :class:`AsyncPsycopgTransaction`,
+:class:`PyMySQLTransaction`, :class:`AsyncmyTransaction`,
+:class:`SQLAlchemyTransaction`, :class:`AsyncSQLAlchemyTransaction`); for
+another driver implement :class:`idemflow.stores.protocol.Transaction`. Which
+adapter for which connection: docs/core.md, "Where the transaction boundary
+goes"; the psycopg and SQLAlchemy pairs are generated from
+``idemflow._async.transactions`` (docs/architecture.md, "Sync and async").
 """
 
 from __future__ import annotations

@@ -6,23 +6,12 @@ The sweeper: ends stale claims and reconciles what they left behind.
 GENERATED from ``idemflow/_async/sweeper.py`` by ``scripts/unasync.py``; do not edit. Import the public names from
 :mod:`idemflow.sweeper`.
 
-One pass has two parts, each in bounded batches through the ``(state,
-updated_at)`` index:
-
-1. ``in_progress`` records untouched for longer than ``policy.stale_after``
-   are marked ``stale`` (one atomic statement per batch, so each is marked by
-   exactly one sweeper) and resolved;
-2. with a reconciler, ``released`` records that got past a recovery point and
-   were not retried for as long (an intent abandoned after a transient
-   failure, whose external call may have happened: rocket-rides' completer)
-   are marked and resolved the same way, so every intent converges even if
-   its client never comes back;
-3. records still ``stale`` after an earlier *unknown* answer (or a sweeper
-   that died mid-resolution) are marked again once ``retry_unknown_after`` has
-   passed, and resolved again.
-
-Every resolution is fenced on the mark (``settle_stale``/``release_stale``):
-a sweeper whose record was re-marked by another can no longer write it.
+One pass marks ``stale``, in bounded batches, the ``in_progress`` records
+untouched for ``policy.stale_after``, (with a reconciler) the ``released``
+ones past a recovery point, and the ``stale`` ones due to be asked again,
+then resolves each; every resolution is fenced on the mark
+(``settle_stale``/``release_stale``). What one sweep does: docs/crash-safety.md,
+"What one sweep does".
 """
 
 from __future__ import annotations

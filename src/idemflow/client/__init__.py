@@ -3,20 +3,13 @@ idemflow.client: the other half of the protocol, a client that uses keys right.
 
 Each unsafe request (POST and PATCH by default) gets one ``Idempotency-Key``
 **per logical operation**, chosen before the first attempt (or the caller's,
-kept verbatim), and is retried safely: on connection errors, read timeouts, a
-``409`` in flight, ``429`` and ``503`` (and ``408``, ``425``, ``502``,
-``504``), honouring ``Retry-After``, with capped exponential backoff and full
-jitter, within a total deadline. Settled answers (2xx, 3xx, 400, 401, 403,
-422, other 4xx, and every replay) are never retried, and one key is never sent
-with a different request: the client refuses it locally
-(:class:`KeyReusedLocally`). See ``docs/client.md``.
-
-- httpx: :class:`IdempotentTransport`, :class:`AsyncIdempotentTransport`;
-- requests: :class:`IdempotentAdapter`, :func:`idempotent_session`;
-- after the call: :func:`outcome` (key, attempts, replayed), :func:`replayed`.
-
-Importing this package imports neither httpx nor requests: each comes with
-the first name taken from it (``pip install 'idemflow[client]'``).
+kept verbatim), and is retried safely, within a total deadline; settled
+answers are never retried, and one key is never sent with a different
+request (:class:`KeyReusedLocally`). httpx: :class:`IdempotentTransport`,
+:class:`AsyncIdempotentTransport`; requests: :class:`IdempotentAdapter`,
+:func:`idempotent_session`; after the call: :func:`outcome`,
+:func:`replayed`. Importing this package imports neither httpx nor requests
+(``pip install 'idemflow[client]'``). See ``docs/client.md``.
 """
 
 from __future__ import annotations

@@ -5,35 +5,10 @@ The transports (httpx sync and async, requests) are thin loops around one
 :class:`Operation`: they send, tell it what came back (:meth:`Operation.answered`
 or :meth:`Operation.failed`), and sleep for the :class:`Decision`'s delay or
 stop. Every rule lives here, once, and runs under a fake clock in the tests.
-
-What is retried, and why it is safe: every retried request carries the same
-key and the same bytes, so the server runs the operation at most once and a
-retry of one that ran is answered by the stored response.
-
-- no answer: the connection could not be made, dropped mid-request or
-  mid-answer, or the answer did not come in time (the request may have run:
-  the key makes finding out safe);
-- ``409`` while the first request with the key is still in flight (it carries
-  ``Retry-After``, or the problem type ``in-progress``/``lease-lost``): any
-  other 409 is a settled answer;
-- ``408``, ``425``, ``429``, ``502``, ``503``, ``504``: nothing was settled
-  (idemflow releases the key on these), come back later; and any 5xx whose
-  problem body says ``"retryable": true``.
-
-A problem body's ``retryable: false`` (idemflow's problems carry the member)
-vetoes a retry of any status: the server says the same request cannot succeed.
-
-Never retried: a replay (``Idempotent-Replayed: true``: the answer is
-settled, whatever its status), and every other status: 2xx, 3xx, 400, 401,
-403, 422 and the other 4xx are settled answers a retry would only repeat;
-``500`` is a server bug a retry usually meets again (add it to
-``retry_statuses`` if yours are transient).
-
-When: never sooner than ``Retry-After`` says (delta-seconds or an HTTP-date),
-otherwise after a capped exponential backoff with full jitter (a random delay
-between 0 and ``min(max_backoff, backoff × 2ⁿ)``), and never past the
-deadline: an attempt that could not start before it is not made, and each
-attempt's timeouts are cut to the time left.
+What is retried and why (no answer, a 409 in flight, the transient statuses,
+a problem's ``retryable``; never a replay or a settled answer), and when
+(``Retry-After``, capped exponential backoff with full jitter, the deadline):
+docs/client.md, "What is retried, and why".
 """
 
 from __future__ import annotations

@@ -1,50 +1,17 @@
 """
 idemflow for FastAPI, transactional mode: ``pip install 'idemflow[fastapi]'``.
 
+:class:`IdempotentRoute` (a route class) protects every route whose endpoint
+takes an :class:`IdempotentRequest` parameter, made by :func:`dependency`
+(a ``psycopg_pool.AsyncConnectionPool``, or an
+:class:`~idemflow.integrations.starlette.Idempotent` for any other store).
 The endpoint runs whole inside the claim, in the transaction the completion
-is written in, and keeps FastAPI's ``response_model``::
-
-    Idem = Annotated[IdempotentRequest, Depends(dependency(pool, principal=current_user))]
-    router = APIRouter(route_class=IdempotentRoute)
-
-    @router.post("/orders", status_code=201, response_model=OrderOut)
-    async def create_order(order: OrderIn, idem: Idem) -> OrderOut:
-        cursor = await idem.connection.execute("INSERT INTO orders … RETURNING id", …)
-        return OrderOut(...)
-
-``pool`` is a ``psycopg_pool.AsyncConnectionPool`` (keys and rows in its
-database); for any other store or transaction adapter pass an
-:class:`~idemflow.integrations.starlette.Idempotent` instead.
-:class:`IdempotentRoute` protects every route whose endpoint takes an
-:class:`IdempotentRequest` parameter. FastAPI resolves the authentication
-dependency (``principal``) and validates ``OrderIn`` first, so a 401 or a 422
-is never recorded; then the key is claimed and the endpoint runs on
-``idem.connection``. What it returns is serialised by FastAPI's own machinery
-(``response_model``, ``status_code``, ``response_class``, a ``Response``
-parameter's headers) inside the protected run, so the stored and replayed
-body is exactly what FastAPI sent; a response that does not validate is the
-handler's bug (500, rolled back, key released).
-
-The route class also:
-
-- documents the ``Idempotency-Key`` header (required, or optional with
-  ``dependency(..., required=False)``), the ``application/problem+json``
-  answers (400, 401, 409 and 503 with ``Retry-After``, 413, 422) and the
-  ``Idempotent-Replayed`` response header in the OpenAPI document;
-- refuses at start-up (``ConfigurationError`` when the route is declared)
-  what would otherwise be a 500 on every request: a protected GET (or any safe
-  method), a sync endpoint, a streamed response, the dependency used other
-  than as an endpoint parameter. ``dependency()`` without ``principal=``
-  (no authentication) is refused when it is called;
-- reads the body whole and bounded (``EdgeOptions.max_body_bytes``) before
-  FastAPI does: a body over the cap is a 413 problem at once (unread) or
-  while it streams, and a body cut short is never validated, claimed or run.
-
-The earlier form still works, with any route class: the endpoint calls
-``await idem.run(handler)`` with a handler that returns idemflow's
-``Response``. It has no OpenAPI documentation and no start-up checks, and
-FastAPI reads a body model's bytes itself, without a bound. For middleware
-mode, use :class:`idemflow.integrations.starlette.IdempotencyMiddleware`.
+is written in, and keeps FastAPI's ``response_model``; the route class reads
+the body bounded, documents the key and the problems in the OpenAPI document
+and refuses mistakes at start-up. Quick start, how a request goes, the
+OpenAPI document, optional keys, the mistakes refused and the earlier
+``idem.run(handler)`` form: docs/frameworks/fastapi.md. For middleware mode,
+use :class:`idemflow.integrations.starlette.IdempotencyMiddleware`.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the

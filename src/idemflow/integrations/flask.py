@@ -1,54 +1,16 @@
 """
 idemflow for Flask: ``pip install 'idemflow[flask]'``.
 
-::
-
-    db = SQLAlchemy(app)                       # Flask-SQLAlchemy (or pass transaction=…)
-    idem = Idempotency(app, db=db)             # keys in the same database as db.session
-
-    @app.post("/payments")
-    @idem.protect
-    def create_payment():
-        db.session.add(Payment(amount=request.json["amount"]))
-        return {"id": ...}, 201
-
-The view runs once per ``(principal, Idempotency-Key)``; its ``db.session``
-writes and the stored response commit in one transaction (the session's),
-so no crash can keep one without the other. Retries get the stored response
-byte for byte, with ``Idempotent-Replayed: true``; a duplicate of a request
-still running gets 409 with ``Retry-After``; the same key with another body
-422; a 5xx releases the key so the retry really runs.
-
-Configuration (``app.config``): ``IDEMFLOW_STORE`` (a ``DATABASE_URL``; by
-default Flask-SQLAlchemy's own database), ``IDEMFLOW_TABLE``,
-``IDEMFLOW_REQUEST_TIMEOUT``, ``IDEMFLOW_RETENTION``, ``IDEMFLOW_SINGLE_COMMIT``,
-``IDEMFLOW_MAX_BODY_BYTES``, ``IDEMFLOW_MAX_RESPONSE_BYTES``,
-``IDEMFLOW_AUTHORIZE_REPLAY``, ``IDEMFLOW_EXCLUDE_FIELDS`` (JSON members left out of
-the fingerprint: per-attempt fields), ``IDEMFLOW_STRICT_KEY`` (only the quoted
-sf-string form of the key). The principal comes from ``principal=`` (a
-callable returning the caller's id, or None), by default Flask-Login's
-``current_user`` when the app has a login manager.
-
-A retry is answered from the stored response without running the view, so
-without the view's own permission checks: ``authorize_replay=`` (or
-``IDEMFLOW_AUTHORIZE_REPLAY``, a callable or its import path), and per view
-``@idem.protect(authorize_replay=…)``, is asked ``(record) -> bool`` first
-(``record.principal`` is the caller); False answers 403 ``replay-forbidden``
-and the record is kept.
-``flask idemflow migrate|sweep|purge`` manage the key table.
-
-Without ``db=`` or ``transaction=`` the view's effect stays whatever happens
-after it ran: an answer that cannot be stored (a streamed body, ``send_file``,
-a value Flask makes no response of) settles the key with the 500
-``response-not-stored`` marker, never a release that would run the view again.
-
-Behind the WSGI middleware instead (:mod:`idemflow.integrations.wsgi`, for
-effects outside the key store's database) nothing more is needed: Flask
-answers a view's ``OutcomeUnknown`` with a 500, and the middleware, which
-noted the ``OutcomeUnknown`` made while the app ran, keeps the claim for the
-sweeper (the caller gets the 503 ``outcome-unknown`` problem).
-:func:`handle_outcome_unknown` is optional: Flask then answers that problem
-itself and reports it through the middleware's slot.
+:class:`Idempotency` (``Idempotency(app, db=db)``, then ``@idem.protect`` on a
+view) runs the view once per ``(principal, Idempotency-Key)``; its
+``db.session`` writes and the stored response commit in one transaction, so
+no crash keeps one without the other. Configured through ``app.config``
+(``IDEMFLOW_*``); ``flask idemflow migrate|sweep|purge`` manage the key table.
+:func:`handle_outcome_unknown` answers ``OutcomeUnknown`` behind the WSGI
+middleware (which registers it itself).
+Quick start, configuration, principal, transaction, replay authorization,
+bodies that cannot be stored: docs/frameworks/flask.md; behind the WSGI
+middleware: its section "Behind the WSGI middleware".
 """
 
 from __future__ import annotations

@@ -1,55 +1,18 @@
 """
 idemflow for Starlette (and so for FastAPI): ``pip install 'idemflow[starlette]'``.
 
-Two modes, and the first is the one to use wherever the effect lives in the
-same database as the keys:
-
-**Transactional mode** — :class:`Idempotent`. The endpoint validates its
-input, then calls ``await idempotent.run(request, handler)``. The handler gets
-an :class:`~idemflow.AsyncAttempt` whose ``connection`` is the transaction the
-completion is written in: the business rows and the ``completed`` record
-commit together, or neither does::
-
-    idempotent = Idempotent(idem, connect=pool.connection, transaction=AsyncPsycopgTransaction)
-
-    async def create_payment(request: Request) -> Response:
-        payment = parse(await idempotent.body(request))   # 400 here is never recorded
-        async def charge(attempt: AsyncAttempt) -> idemflow.Response:
-            await attempt.connection.execute("INSERT INTO payments …")
-            return idemflow.Response.json(201, {...})
-        return await idempotent.run(request, charge)
-
-**Middleware mode** — :class:`IdempotencyMiddleware`, pure ASGI (not
-``BaseHTTPMiddleware``), for endpoints whose effect is elsewhere. It claims,
-buffers the response through a ``send`` wrapper (as starlette's GZip
-middleware does), stores it and replays it. It **cannot make the effect and the
-record atomic**: it does not own the endpoint's transaction, so a crash between
-the endpoint's commit and the completion leaves the effect applied and the key
-``in_progress`` (the sweeper resolves it, it cannot undo it).
-
-In both modes the request body is read whole before anything is claimed, and
-bounded (``EdgeOptions.max_body_bytes``): a body over the cap is refused with
-413 as soon as ``Content-Length`` or the bytes read so far say so, and a body
-that did not arrive whole (the client went away mid-body) is never
-fingerprinted, claimed or run. The route the fingerprint and the records
-name is the full template, mount prefixes included (:func:`route_template`).
-
-Both need authentication to run first: the principal comes from
-``scope["user"]`` (starlette's ``AuthenticationMiddleware``) or a ``principal``
-hook; without one the request is refused with 401 rather than claimed
-anonymously, unless the integration is marked ``public``.
-:class:`RequestIdMiddleware` gives every response its ``X-Request-Id``.
-
-For an application's own endpoints and error handlers, the pieces the two
-modes are built from: :func:`problem` (an RFC 9457 problem response) and
-:func:`problem_for` (the problem for one of idemflow's errors, 409 and 503
-with ``Retry-After``), :func:`parse_json` (the fingerprint's strict I-JSON
-reader: ``InvalidBody`` for what ``json.loads`` would let through),
-:func:`to_starlette` / :func:`from_starlette` and :func:`send_response`
-(idemflow responses on the wire), and :func:`pooled_transaction` (a
-transaction adapter that takes a pooled connection only when it begins: what
-:class:`Idempotent` runs each request in, and a sweeper's
-``transaction_factory``).
+Two modes. Transactional mode, :class:`Idempotent` (``await
+idempotent.run(request, handler)``): the handler's rows and the ``completed``
+record commit in one transaction; use it wherever the effect lives in the key
+store's database. Middleware mode, :class:`IdempotencyMiddleware` (pure ASGI),
+for effects elsewhere: it cannot make the effect and the record atomic.
+:class:`RequestIdMiddleware` gives every response its ``X-Request-Id``; the
+other names (:func:`problem`, :func:`problem_for`, :func:`parse_json`,
+:func:`to_starlette`, :func:`from_starlette`, :func:`send_response`,
+:func:`pooled_transaction`, :func:`route_template`) are the pieces the two
+modes are built from, for an application's own endpoints.
+The two modes, the body rules, authentication first and the pieces:
+docs/http.md.
 """
 
 from __future__ import annotations

@@ -2,64 +2,17 @@
 idemflow for any WSGI application (Flask, Django, Falcon, Bottle, a bare callable).
 
 Middleware mode, the weaker one: :class:`IdempotencyMiddleware` wraps the
-application, claims the key, runs the application with the request's body,
-captures its response, stores it and replays it. It does not own the
-application's transaction, so it **cannot make the effect and the record
-atomic**: the application commits its effect first, the record is written
-second, and a crash in between leaves the effect applied and the key
-``in_progress`` for the sweeper (which resolves the key; it cannot undo the
-effect). Where the effect lives in the key store's database, use the
-framework's transactional integration instead (Django, Flask, FastAPI).
-
+application, claims the key, runs it with the request's body, captures its
+response, stores it and replays it. It does not own the application's
+transaction, so the effect and the record are not atomic; where the effect
+lives in the key store's database, use the transactional integrations.
+:func:`report_outcome_unknown` lets a framework's error hook keep a claim.
 It follows the rules of the ASGI middleware
-(:class:`idemflow.integrations.starlette.IdempotencyMiddleware`) exactly; the
-rules themselves live in ``idemflow._http`` and the sync ``Edge``:
-
-- only the ``endpoints`` listed opt in (``"POST /payments"``,
-  ``"POST /payments/{id}/refunds"``); every other request, and every
-  GET/HEAD/OPTIONS/TRACE, passes through untouched;
-- the principal comes from ``REMOTE_USER`` (or a ``principal`` hook); without
-  one the request is refused (401) unless ``EdgeOptions(public=True)``;
-- the body is read whole and bounded before anything is claimed: a
-  ``Content-Length`` over ``max_body_bytes`` is a 413 at once, unread; a body
-  without one (chunked, ``wsgi.input_terminated``) is a 413 as soon as the
-  bytes read pass the cap, and under a server that does not end such a body
-  (no ``wsgi.input_terminated``: wsgiref, Django's ``runserver``) a 411
-  ``length-required``, unread; a body that ends before its ``Content-Length``, or
-  whose read fails (the client went away), is never fingerprinted, claimed or
-  run (400 ``incomplete-body``, logged nowhere);
-- the application gets a fresh ``wsgi.input`` holding exactly that body, and
-  always runs to its end: its response is captured (at most
-  ``max_response_bytes`` of body kept, the rest counted) and its iterable
-  always closed. A response that cannot be stored or sent whole (too large, a
-  header or status that cannot be sent, a body that is not bytes) is never
-  released, since its effect happened: the key is settled with a
-  ``response-not-stored`` marker that the first caller gets too and every
-  retry replays (so too for a status line it cannot read, or none);
-- a 5xx, 408, 425 or 429 response, or an exception, releases the claim; the
-  exception propagates to the server unchanged. ``OutcomeUnknown`` (the app
-  cannot tell whether its effect happened) keeps it for the sweeper instead:
-  a 503 ``outcome-unknown`` problem;
-- an ``OutcomeUnknown`` the application's framework turned into a response
-  of its own (Flask and Django answer a view's exception with a 500, which
-  alone would release the key, and the retry would charge again) keeps the
-  claim too, with no hook to configure: while the application runs, every
-  ``OutcomeUnknown`` made is noted, and if the application then fails (a
-  transient status such as that 500, or an exception) it is raised here as if
-  the application had raised it: the caller gets the 503 ``outcome-unknown``
-  problem. One the application caught and answered from (a 201, a 402) is
-  not: that answer is stored. A framework's error hook may also report it
-  through the slot the middleware leaves in ``environ["idemflow.outcome_unknown"]``
-  (:func:`report_outcome_unknown`; Django's app ``idemflow.integrations.django``
-  does), and what is reported wins over any response the framework made.
-  Only an ``OutcomeUnknown`` object counts, and only while a middleware runs
-  the application, so no response can keep a claim by accident;
-- every response it makes carries ``X-Request-Id`` (the client's, if sane; it
-  is also ``environ["idemflow.request_id"]`` for the application's logs).
-
-The route a record names is ``SCRIPT_NAME`` (where the application is
-mounted, by a dispatcher or a proxy) followed by the template, so the same
-application mounted at ``/eu`` and ``/us`` is two endpoints.
+(:class:`idemflow.integrations.starlette.IdempotencyMiddleware`), which live in
+``idemflow._http`` and the sync ``Edge``. The rules one by one (opt-in
+endpoints, principal, bounded body, transient answers, ``OutcomeUnknown``,
+responses that cannot be stored, ``SCRIPT_NAME``): docs/frameworks/wsgi.md,
+"What it does".
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """
 idemflow for Django: ``pip install 'idemflow[django]'`` (``[drf]`` for Django REST framework).
 
-Add the app, and the key table lives in your database, created by ``manage.py migrate``::
-
-    INSTALLED_APPS = [..., "idemflow.integrations.django"]
-    IDEMFLOW = {"request_timeout": 30, "database": "default"}   # every key optional
-
-- :class:`DjangoStore` keeps key records on Django's own connections
-  (PostgreSQL, MySQL/MariaDB, SQLite), so the completion can be written in
-  the view's ``transaction.atomic()``: :class:`DjangoTransaction`.
-- :func:`idempotent` protects a function view, a class-based view's method
-  or a DRF action; :class:`IdempotencyMiddleware` protects the endpoints
-  ``IDEMFLOW['endpoints']`` lists.
-- ``manage.py idemflow_sweep`` resolves stale claims; ``manage.py
-  idemflow_purge`` deletes records past their retention.
-
-See ``docs/frameworks/django.md`` for the whole story, ``ATOMIC_REQUESTS`` included.
+Add ``"idemflow.integrations.django"`` to ``INSTALLED_APPS`` and the key table
+lives in your database, created by ``manage.py migrate``. :class:`DjangoStore`
+keeps key records on Django's own connections, so the completion can be
+written in the view's ``transaction.atomic()`` (:class:`DjangoTransaction`);
+:func:`idempotent` protects a function view, a class-based view's method or a
+DRF action; :class:`IdempotencyMiddleware` protects the endpoints
+``IDEMFLOW['endpoints']`` lists; ``manage.py idemflow_sweep`` and
+``idemflow_purge`` maintain the table. See ``docs/frameworks/django.md`` for
+the whole story, ``ATOMIC_REQUESTS`` included.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """
 ``settings.IDEMFLOW``: the one place a Django project configures idemflow.
 
-::
-
-    IDEMFLOW = {
-        "request_timeout": 30,        # seconds or a timedelta: the longest a protected view runs
-        "retention": 86400,           # how long a settled outcome is replayed
-        "table": "idemflow_keys",     # the key table (created by `manage.py migrate`)
-        "database": "default",        # the DATABASES alias of the key table and the completion
-        "store": "django",            # or a DATABASE_URL: postgresql://…, mysql://…, redis://…
-        "observer": None,             # dotted path or object: told every outcome (metrics)
-        "authorize_replay": None,     # dotted path or callable: record -> bool, before a replay
-    }
-
-Every key is optional. An unknown key or a bad value is an ``ImproperlyConfigured``
-at start-up (``AppConfig.ready``), never a 500 per request. The store and the
-driver built from it are made once per process and rebuilt when a test changes
-the setting (``override_settings``).
+Every key is optional (``request_timeout``, ``retention``, ``table``,
+``database``, ``store``, ``observer``, ``authorize_replay``, …). An unknown key
+or a bad value is an ``ImproperlyConfigured`` at start-up
+(``AppConfig.ready``), never a 500 per request. The store and the driver built
+from it are made once per process and rebuilt when a test changes the setting
+(``override_settings``). Every key and its default: docs/frameworks/django.md,
+"Settings".
 """
 
 from __future__ import annotations

@@ -1,39 +1,16 @@
 """
 ``IdempotencyMiddleware``: protect the endpoints ``IDEMFLOW['endpoints']`` names.
 
-::
-
-    MIDDLEWARE = [
-        ...,
-        "django.contrib.auth.middleware.AuthenticationMiddleware",
-        "idemflow.integrations.django.middleware.IdempotencyMiddleware",  # after authentication
-    ]
-    IDEMFLOW = {"endpoints": ["POST /payments/", "POST /payments/<int:pk>/refunds"]}
-
 Each entry is a method and the route *template* as written in the URLconf
-(with a leading ``/``). A protected request runs the rest of the stack — the
-view, and any middleware below this one — inside a ``transaction.atomic()``
-on ``IDEMFLOW['database']`` that the completion is written in (with
-``ATOMIC_REQUESTS`` the view's own atomic block becomes a savepoint in it).
-Anything else passes through untouched.
-
-The principal is ``request.user`` (``IDEMFLOW['principal']`` to change it): the
-middleware refuses to start (``ImproperlyConfigured``) when it is placed before
-``AuthenticationMiddleware`` or any middleware listed in
-``IDEMFLOW['auth_middleware']``. An anonymous request is a 401 unless the view
-is marked :func:`~.views.idempotency_public`. DRF authenticates inside the
-view, after every middleware: for DRF views use :func:`~.views.idempotent`.
-
-The claim comes before the view, so the view's own validation runs after
-it: an exception the view raises (``BadRequest``, a DRF ``ValidationError``)
-releases the key rather than storing the 400 Django answers, but the key
-stays bound to that request (a corrected body under the same key is a 422).
-To validate before the claim, use ``@idempotent(validate=…)``.
-
-A retry is answered here, from the stored response, before the view and its
-permission checks (``login_required``, ``permission_required``, a queryset
-filtered by owner) run again: set ``IDEMFLOW['authorize_replay']`` to ask again
-whether the caller may still see it (False: 403 ``replay-forbidden``).
+(``"POST /payments/<int:pk>/refunds"``). A protected request runs the rest of
+the stack inside a ``transaction.atomic()`` on ``IDEMFLOW['database']`` that
+the completion is written in; anything else passes through untouched. Place
+it after ``AuthenticationMiddleware`` (it refuses to start otherwise); an
+anonymous request is a 401 unless the view is marked
+:func:`~.views.idempotency_public`. The claim comes before the view, so for
+validation before it, and for DRF views, use :func:`~.views.idempotent`.
+Setup, validation, replays: docs/frameworks/django.md, "Three ways to protect
+an endpoint" and "Authorization on replay".
 """
 
 from __future__ import annotations

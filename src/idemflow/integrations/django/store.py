@@ -5,33 +5,12 @@ Key records in the Django project's own database, through Django's connections.
 MySQL/MariaDB or SQLite dialect, chosen from ``connection.vendor``) on the
 connections of a ``DATABASES`` alias; :class:`DjangoTransaction` lets the
 driver write the completion inside the view's ``transaction.atomic()``, so the
-business rows and the ``completed`` record commit together.
-
-Which connection a store statement (claim, replay read, release without a
-transaction, sweep, purge) runs on:
-
-- the thread's own connection (``connections[using]``) when it is in
-  autocommit, outside every atomic block: a claim then costs no connection
-  of its own and commits at once;
-- the thread's own connection too for the claim a :class:`DjangoTransaction`
-  lends it on PostgreSQL when that connection is inside an atomic block, e.g.
-  in a class-based view or a DRF action of an ``ATOMIC_REQUESTS=True``
-  project (:meth:`DjangoStore.claim_on_lent`): committed alone before the
-  request's transaction sent its ``BEGIN``, so the request holds one
-  connection of Django's pool, not two. Once that transaction has begun (the
-  view read first, e.g. a database-backed authentication), the claim takes
-  the side connection below: it must commit alone, never with the request;
-- a **side connection** (a second connection of the same alias, one per
-  thread, made from the same settings) for any other statement while the
-  thread's connection is inside an atomic block: a claim written there would
-  stay invisible to duplicates until the request commits, and would vanish
-  with a request that rolls back. Given back to Django's pool (``OPTIONS["pool"]``)
-  after each use;
-- always the side connection on MySQL/MariaDB, whose session bounds lock
-  waits (``innodb_lock_wait_timeout``, 1 s): a duplicate that meets the key
-  row locked by a live transaction answers 409 instead of waiting InnoDB's
-  default 50 s. On PostgreSQL the side connection gets ``lock_timeout``
-  (50 ms) for the same reason.
+business rows and the ``completed`` record commit together. Which connection
+a store statement runs on (the thread's own in autocommit, the request's for a
+claim lent on PostgreSQL (:meth:`DjangoStore.claim_on_lent`), otherwise a
+side connection with bounded lock waits, always on MySQL/MariaDB):
+docs/frameworks/django.md, "Transactions, ``ATOMIC_REQUESTS`` and what
+commits when".
 """
 
 from __future__ import annotations

@@ -1,50 +1,17 @@
 """
 ``@idempotent``: one decorator for function views, class-based view methods and DRF actions.
 
-::
-
-    @idempotent
-    def create_payment(request):                      # a function view
-        payment = Payment.objects.create(amount=json.loads(request.body)["amount"])
-        return JsonResponse({"id": payment.pk}, status=201)
-
-    class PaymentViewSet(viewsets.ViewSet):
-        @idempotent(validate=lambda self, request: PaymentSerializer(data=request.data)
-                    .is_valid(raise_exception=True))
-        def create(self, request):                    # a DRF action: DRF authenticated already
-            ...
-            return Response(serializer.data, status=201)
-
 The view runs once per ``(principal, Idempotency-Key)``, inside a
 ``transaction.atomic()`` on ``IDEMFLOW['database']`` in which the completion
 is written: its ORM writes and the stored response commit together. Retries
 get the stored response byte for byte, with ``Idempotent-Replayed: true``.
-
-On a DRF method the decorator runs after DRF's ``initial()`` (authentication,
-permissions, throttling): ``request.user`` is DRF's principal, and 401/403/429
-answers never reach the claim. The DRF ``Response`` is rendered here (through
-the view's own renderer), so what is stored is what was sent. ``validate``
-runs after the body was read and before the claim: its exceptions pass
-through and are never recorded, so a client that fixes its body may retry
-with the same key. An exception from the view releases the key and passes
-through unchanged.
-
-On a retry the stored response is replayed without running the view, so
-without running what it checks itself (DRF's object permissions, a lookup
-filtered by owner); ``IDEMFLOW['authorize_replay']``, or the view's own
-``authorize_replay=``, is asked again with the stored record first: False
-answers 403 ``replay-forbidden`` and the record is kept.
-
-An ``async def`` view (or ``validate``) is protected the same way: the
-decorated view stays ``async def``, runs the protection in the request's
-thread (Django's transactions are sync-only) and the view's coroutine on the
-request's loop; the ORM calls it awaits come back to that thread, inside the
-transaction (docs/frameworks/django.md). DRF runs no ``async def`` actions.
-
-A decorated *function* view opts out of ``ATOMIC_REQUESTS`` for the key
-table's alias: idemflow's own transaction takes its place (the claim must
-commit before the view runs). A method runs inside the request's transaction
-when ``ATOMIC_REQUESTS`` is on: see :class:`~.store.DjangoTransaction`.
+``validate=`` runs before the claim; ``authorize_replay=`` is asked before a
+replay; ``async def`` views are protected the same way.
+DRF actions, validation, ``async def`` views: docs/frameworks/django.md,
+"Three ways to protect an endpoint"; replays: "Authorization on replay";
+``ATOMIC_REQUESTS`` (a decorated function view opts out of it, a method runs
+inside it, see :class:`~.store.DjangoTransaction`): "Transactions,
+``ATOMIC_REQUESTS`` and what commits when".
 """
 
 from __future__ import annotations

@@ -1,60 +1,17 @@
 """
 Redis and Redis Cluster: key records as hashes, every decision in one Lua script.
 
-The claim is the seed's ``SET key value NX``, generalised to the record's
-whole life. Redis runs a script atomically, so the test and the write have no
-window between them, as with ``SET NX``. The claim script writes a fresh
-``in_progress`` record if the key is absent (or past its retention), takes
-over a *released* record of the same request (keeping its recovery point and
-``created_at``), and otherwise returns the record as it stands, so a replay is one round trip.
-Completion, release and checkpoint are compare-and-swap scripts on the lease
-token, and so are the sweeper's writes, on its mark.
-
-The record lives exactly as in the SQL stores. A claim never expires: an
-``in_progress`` record stays until its owner settles or releases it, or until
-the sweeper marks it ``stale`` (one sweeper wins), asks the reconciler and
-settles or releases it. Its recovery point survives a crash. Only records that
-hold nothing left to resolve carry a TTL, the rest of their retention: settled
-ones and released ones without a recovery point. ``in_progress``, ``stale``
-and released-with-a-recovery-point records never expire by themselves, and
-purge never deletes them.
-
-Time is Redis's (``clock="database"``, the default): each script reads
-``TIME`` and decides on it, and the instants a caller computed on its own
-clock (an expiry, the sweeper's cutoff) keep only their distance from the
-caller's now, so hosts whose clocks disagree agree on what is stale or
-expired. ``clock="caller"`` takes the caller's times as given (frozen-clock
-tests).
-
-Layout. The sweeper needs the records by ``(state, updated_at)``, and in a
-Redis Cluster one script may only touch keys of one slot. So every record
-falls in one of :data:`BUCKETS` buckets, chosen by a digest of ``(principal,
-key)``, and the bucket number is its hash tag; each bucket has four sorted
-sets in the same slot, kept by the same scripts, atomically::
-
-    <prefix>:{<bucket>}:k:<len(principal)>:<principal>:<key>   the record (a hash)
-    <prefix>:{<bucket>}:i:in_progress   score updated_at   what the sweeper marks
-    <prefix>:{<bucket>}:i:stale         score updated_at   what it marks again
-    <prefix>:{<bucket>}:i:released      score updated_at   released with a recovery point
-    <prefix>:{<bucket>}:i:expires       score expires_at   settled, or released without one
-
-Every script declares every key it reads or writes (the bucket's four indexes,
-then the record or records) except for one bounded chore: a settling write
-also purges up to two records of its bucket past their retention, so the
-expiry index stays bounded even where nobody runs ``idemflow purge`` (TTLs
-delete the records, this the index entries they leave). The 1024 tags spread
-over the slots of every master. The sweeper and purge walk the buckets from a
-random one (concurrent sweepers rarely meet): a pipelined one-key probe
-script per bucket (``ZRANGEBYSCORE`` on its node's clock) says what is due,
-then one script per bucket marks (or deletes) those records, re-checking
-each, so a record is marked by one sweeper only.
-
-What this store cannot do is share a transaction with your business write
-(``supports_transactions = False``: passing a transaction is refused before
-anything runs). The claim may commit while your database rolls back, and a
-completion may be lost after your effect committed. Send
-``attempt.downstream_key(step)`` with every external call and reconcile:
-see ``docs/stores.md``.
+:class:`RedisStore` and :class:`AsyncRedisStore`. The claim is the seed's
+``SET key value NX``, generalised to the record's whole life: one atomic
+script claims, takes over a released record of the same request, or returns
+the record as it stands. A record lives exactly as in the SQL stores (a claim
+never expires; the sweeper resolves it), time is Redis's (``clock="database"``),
+and every record falls in one of :data:`BUCKETS` hash-tagged buckets with its
+sorted-set indexes, so each script touches one Cluster slot. This store cannot
+share a transaction with your business write (``supports_transactions =
+False``): send ``attempt.downstream_key(step)`` with every external call and
+reconcile. The claim, the record's life, the layout, the pattern that replaces
+a shared transaction: docs/stores.md, "Redis".
 """
 
 from __future__ import annotations

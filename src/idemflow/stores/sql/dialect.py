@@ -10,12 +10,8 @@ runs any of them. To add a SQL database, build its dialect with
 replace the statements it spells differently with :func:`dataclasses.replace`,
 and wrap it with :func:`on_database_clock` (see ``docs/architecture.md``,
 "Adding a store"; :mod:`idemflow.stores.postgres` is the worked example).
-
-Times are integers of milliseconds since the epoch. The shared stores take
-them from the database server's clock (:func:`on_database_clock`: hosts whose
-clocks disagree cannot take a live claim or an unexpired record over);
-``clock="caller"`` and the one-host stores (SQLite) take the caller's, so an
-injected clock drives them in tests.
+Times are integers of milliseconds since the epoch, on whose clock:
+``docs/stores.md``, "Clocks: the database's, or the caller's".
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """
 SQLite: the embedded default store.
 
-WAL mode, one connection per thread and process, ``busy_timeout`` so writers
-queue instead of failing. Correct across threads and OS processes sharing one
-file because the claim is one ``INSERT … ON CONFLICT … RETURNING`` statement
-and SQLite admits one writer at a time.
-
-The async store does a whole claim (or release, or completion without a
-transaction) in one hop to a worker thread: awaiting statement by statement
-through a thread-hop wrapper was measured 5–27× slower. Its writes take that
-hop to one thread of its own (:class:`_WriteThread`), its reads to the loop's
-default executor. A claim, completion, checkpoint or release runs on the loop's
-own thread instead (:class:`_AtOnce`), the hop costing more than the statement
-it carries, unless something would make it wait there: a write handed over and
-not finished (it waits for that on the loop, then runs), or another process's
-lock on the file (it hops, and waits on the thread).
+:class:`SQLiteStore` (WAL mode, one connection per thread and process,
+``busy_timeout``) is correct across threads and processes sharing one file
+because the claim is one ``INSERT … ON CONFLICT … RETURNING`` statement.
+:class:`AsyncSQLiteStore` does a whole operation in one hop to a worker thread
+(:class:`_WriteThread` for writes), or on the loop's own thread when the hop
+would cost more (:class:`_AtOnce`). Why, and when it waits: docs/stores.md,
+"SQLite: one writer, many threads and processes".
 """
 
 from __future__ import annotations
