@@ -245,6 +245,18 @@ def module_files() -> dict[tuple[str, ...], Path]:
     return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
+def submodules_named(path: Path) -> set[tuple[str, ...]]:
+    """What ``from package import name`` may import besides the package: ``package.name``
+    (kept by :func:`import_graph` where it is a module: ``from ._async import edge``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package_of(path)[: len(package_of(path)) - node.level + 1] if node.level else ()
+            module = base + tuple(node.module.split(".") if node.module else ())
+            found |= {(*module, alias.name) for alias in node.names}
+    return {name for name in found if name[0] == "idemflow"}
+
+
 def import_graph() -> dict[tuple[str, ...], set[tuple[str, ...]]]:
     """Which library modules each module imports, at any depth (in functions, under
     ``TYPE_CHECKING``): a name imported from a package counts as the module it names."""
@@ -252,7 +264,7 @@ def import_graph() -> dict[tuple[str, ...], set[tuple[str, ...]]]:
     graph: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
     for name, path in files.items():
         targets = set()
-        for imported in imports(path):
+        for imported in imports(path) | submodules_named(path):
             module = imported
             while module and module not in files:
                 module = module[:-1]
