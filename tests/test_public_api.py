@@ -182,6 +182,13 @@ DEPRECATED = [
     ("idemflow.stores.sql.dialect", "headers_json", "idemflow._model", "headers_json"),
     ("idemflow.client", "Operation", "idemflow.client._retry", "Operation"),
     ("idemflow.client", "KeyLedger", "idemflow.client._keys", "KeyLedger"),
+    (
+        "idemflow.integrations.django.operations",
+        "key_table_ddl",
+        "idemflow.integrations.django.operations",
+        "_key_table_ddl",
+    ),
+    ("idemflow.integrations.wsgi", "Endpoint", "idemflow.integrations.wsgi", "_Endpoint"),
     ("idemflow.metrics", "RESOLUTIONS", "idemflow.metrics", "_RESOLUTIONS"),
     ("idemflow.tracing", "SPAN_NAME", "idemflow._spans", "SPAN_NAME"),
     ("idemflow.stores.sql", "is_missing_table", "idemflow.stores.sql._stats", "is_missing_table"),
@@ -203,7 +210,7 @@ def test_a_replaced_name_still_imports_with_a_deprecation_warning(
 
 
 #: Issue 32: at most 150 distinct public names. Each cut lowers this bound; it never rises.
-PUBLIC_NAMES_BOUND = 261
+PUBLIC_NAMES_BOUND = 250
 PUBLIC_NAMES_TARGET = 150
 
 
