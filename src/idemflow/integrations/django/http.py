@@ -56,7 +56,6 @@ from .store import DjangoTransaction
 __all__ = [
     "ReplayHook",
     "check_replay_authorizer",
-    "outcome_unknown_received",
     "protect",
     "replay_authorizer",
 ]
@@ -355,7 +354,7 @@ def _options(
     )
 
 
-def outcome_unknown_received(sender: Any, request: Any = None, **_: Any) -> None:
+def _outcome_unknown_received(sender: Any, request: Any = None, **_: Any) -> None:
     """``got_request_exception``'s receiver: an ``OutcomeUnknown`` told to the middleware.
 
     Django answers an exception no view or middleware handled with a 500
@@ -383,6 +382,13 @@ __getattr__ = moved(
     __name__,
     {
         name: f"{__name__}:_{name}"
-        for name in ("body_limit", "django_request", "from_django", "request_user", "to_django")
+        for name in (
+            "body_limit",
+            "django_request",
+            "from_django",
+            "outcome_unknown_received",
+            "request_user",
+            "to_django",
+        )
     },
 )

@@ -24,9 +24,9 @@ __all__ = ["CreateKeyTable"]
 
 def _key_table_ddl(vendor: str, table: str) -> list[str]:
     """The ``CREATE TABLE``/``CREATE INDEX`` statements idemflow runs on ``vendor``."""
-    from .store import dialect_for
+    from .store import _dialect_for
 
-    return [s for s in dialect_for(vendor, table).ddl if s.lstrip().upper().startswith("CREATE")]
+    return [s for s in _dialect_for(vendor, table).ddl if s.lstrip().upper().startswith("CREATE")]
 
 
 class CreateKeyTable(Operation):
