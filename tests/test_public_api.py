@@ -190,6 +190,7 @@ DEPRECATED = [
     ),
     ("idemflow.integrations.wsgi", "Endpoint", "idemflow.integrations.wsgi", "_Endpoint"),
     ("idemflow.stores.memory", "MemoryTable", "idemflow.stores.memory._table", "MemoryTable"),
+    ("idemflow.stores.stats", "stats_refused", "idemflow.stores.protocol", "_stats_refused"),
     ("idemflow.metrics", "RESOLUTIONS", "idemflow.metrics", "_RESOLUTIONS"),
     ("idemflow.tracing", "SPAN_NAME", "idemflow._spans", "SPAN_NAME"),
     ("idemflow.stores.sql", "is_missing_table", "idemflow.stores.sql._stats", "is_missing_table"),
@@ -211,7 +212,7 @@ def test_a_replaced_name_still_imports_with_a_deprecation_warning(
 
 
 #: Issue 32: at most 150 distinct public names. Each cut lowers this bound; it never rises.
-PUBLIC_NAMES_BOUND = 247
+PUBLIC_NAMES_BOUND = 246
 PUBLIC_NAMES_TARGET = 150
 
 
