@@ -85,7 +85,7 @@ async def raw_floors(store: Any) -> dict[str, Callable[[], Awaitable[object]]]:
         redis_claim,
         redis_complete,
     )
-    from idemflow.stores.redis import SCRIPTS
+    from idemflow.stores.redis._scripts import SCRIPTS
 
     client = store.client
     sha = {name: await client.script_load(lua) for name, lua in SCRIPTS.items()}

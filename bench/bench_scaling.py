@@ -171,7 +171,7 @@ def private_server(binary: str, options: Sequence[str]) -> Iterator[int]:
 
 def claims_per_second(port: int) -> float:
     """3 × redis-benchmark × 8 connections of the claim script; requests/s summed."""
-    from idemflow.stores.redis import INDEXES, SCRIPTS, SHAS
+    from idemflow.stores.redis._scripts import INDEXES, SCRIPTS, SHAS
 
     subprocess.run(
         ["redis-cli", "-p", str(port), "SCRIPT", "LOAD", SCRIPTS["claim"]],
@@ -747,7 +747,7 @@ class RedisTable(KeyTable):
                 pass
 
     def _fill_span(self, span: tuple[int, int]) -> None:
-        from idemflow.stores.redis import SHAS
+        from idemflow.stores.redis._scripts import SHAS
 
         layout, now = self.store.layout, time.time()
         expires = now + POLICY.retention_seconds

@@ -229,7 +229,8 @@ class RawMySQL:
             return count, cursor
 
     def claim_complete(self, keys: Keys) -> Op:
-        from idemflow.stores.sql.dialect import claim_params, complete_params
+        from idemflow.stores.sql._rows import complete_params
+        from idemflow.stores.sql.dialect import claim_params
 
         def op() -> None:
             now, token = time.time(), lease()
@@ -429,7 +430,7 @@ class RawRedis:
     """redis-py sending ``EVALSHA`` of the store's own scripts with the same arguments."""
 
     def __init__(self, store: Any) -> None:
-        from idemflow.stores.redis import SCRIPTS
+        from idemflow.stores.redis._scripts import SCRIPTS
 
         self.store = store
         self.client = store.client
@@ -753,7 +754,7 @@ def native_mariadb(run_id: str) -> tuple[str, float] | None:
 
 def _redis_benchmarks(targets: list[tuple[int, str]]) -> float:
     """Run one redis-benchmark per (port, key pattern) at once; their requests/s summed."""
-    from idemflow.stores.redis import INDEXES, SHAS
+    from idemflow.stores.redis._scripts import INDEXES, SHAS
 
     def keys(pattern: str) -> list[str]:  # the bucket's four indexes (same tag), then the record
         tag = pattern[pattern.index("{") : pattern.index("}") + 1]

@@ -859,7 +859,8 @@ async def test_the_store_wait_is_derived_from_the_request_timeout(
     assert busy == (int(bound * 1000),)
 
     pytest.importorskip("redis")
-    from idemflow.stores.redis import RETRIES, open_redis
+    from idemflow.stores.redis import open_redis
+    from idemflow.stores.redis._scripts import RETRIES
 
     redis_store: Any = open_redis("redis://127.0.0.1:1/0", policy=policy, asynchronous=True)
     settings = redis_store.client.connection_pool.connection_kwargs

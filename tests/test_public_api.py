@@ -106,13 +106,12 @@ STORE_PATHS = [
     ("idemflow.stores.postgres", ["is_unavailable", "postgres_dialect"]),
     ("idemflow.stores.mysql", ["MySQLStore", "connect_kwargs"]),
     ("idemflow.stores.mysql", ["mysql_dialect", "mysql_statements", "SERVER_NOW_MS"]),
-    ("idemflow.stores.mysql", ["is_unavailable", "upsert_claim"]),
+    ("idemflow.stores.mysql", ["is_unavailable", "closed_by_server"]),
     ("idemflow.stores.mysql", ["AsyncMySQLStore"]),
     ("idemflow.stores.sqlite", ["AsyncSQLiteStore", "SQLiteStore", "connect", "is_unavailable"]),
     ("idemflow.stores.sqlite", ["sqlite_dialect"]),
     ("idemflow.stores.redis", ["AsyncRedisStore", "RedisStats", "RedisStore", "open_redis"]),
-    ("idemflow.stores.redis", ["EXPIRES", "INDEXES", "IN_PROGRESS", "SCRIPTS", "SHAS"]),
-    ("idemflow.stores.redis", ["record_from_hash", "is_unavailable"]),
+    ("idemflow.stores.redis", ["is_unavailable"]),
     ("idemflow.stores.memory", ["AsyncMemoryStore", "MemoryStore"]),
     ("idemflow.stores.protocol", ["MaintainableStore", "Statement", "Store", "Transaction"]),
     ("idemflow.stores.protocol", ["AsyncMaintainableStore", "AsyncStore", "StoreClock"]),
@@ -168,6 +167,33 @@ DEPRECATED = [
     ("idemflow.stores.sql.dialect", "SQLStatement", "idemflow.stores.protocol", "Statement"),
     ("idemflow.stores.mysql", "PyMySQLTransaction", "idemflow.transactions", "PyMySQLTransaction"),
     ("idemflow.stores.mysql", "AsyncmyTransaction", "idemflow.transactions", "AsyncmyTransaction"),
+    # Issue 32: internals that were public by accident, private since 0.2.
+    ("idemflow.stores.redis", "EXPIRES", "idemflow.stores.redis._scripts", "EXPIRES"),
+    (
+        "idemflow.stores.redis",
+        "record_from_hash",
+        "idemflow.stores.redis._scripts",
+        "record_from_hash",
+    ),
+    ("idemflow.stores.mysql", "upsert_claim", "idemflow.stores.mysql._statements", "upsert_claim"),
+    ("idemflow.stores.mysql", "unpack_read", "idemflow.stores.mysql._statements", "unpack_read"),
+    ("idemflow.stores.sql.dialect", "row_shape", "idemflow.stores.sql._rows", "row_shape"),
+    ("idemflow.stores.sql.dialect", "RowShape", "idemflow.stores.sql._rows", "RowShape"),
+    ("idemflow.stores.sql.dialect", "headers_json", "idemflow._model", "headers_json"),
+    ("idemflow.client", "Operation", "idemflow.client._retry", "Operation"),
+    ("idemflow.client", "KeyLedger", "idemflow.client._keys", "KeyLedger"),
+    (
+        "idemflow.integrations.django.operations",
+        "key_table_ddl",
+        "idemflow.integrations.django.operations",
+        "_key_table_ddl",
+    ),
+    ("idemflow.integrations.wsgi", "Endpoint", "idemflow.integrations.wsgi", "_Endpoint"),
+    ("idemflow.stores.memory", "MemoryTable", "idemflow.stores.memory._table", "MemoryTable"),
+    ("idemflow.stores.stats", "stats_refused", "idemflow.stores.protocol", "_stats_refused"),
+    ("idemflow.metrics", "RESOLUTIONS", "idemflow.metrics", "_RESOLUTIONS"),
+    ("idemflow.tracing", "SPAN_NAME", "idemflow._spans", "SPAN_NAME"),
+    ("idemflow.stores.sql", "is_missing_table", "idemflow.stores.sql._stats", "is_missing_table"),
 ]
 
 
@@ -183,3 +209,38 @@ def test_a_replaced_name_still_imports_with_a_deprecation_warning(
 
     assert found is getattr(importlib.import_module(home), new)
     assert old not in imported.__all__
+
+
+#: Issue 32: at most 150 distinct public names. Each cut lowers this bound; it never rises.
+PUBLIC_NAMES_BOUND = 246
+PUBLIC_NAMES_TARGET = 150
+
+
+def public_names() -> set[str]:
+    """The union of ``__all__`` over every module of ``idemflow`` with no private part."""
+    import ast
+    from pathlib import Path
+
+    root = Path(idemflow.__file__).parent
+    names: set[str] = set()
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if any(part.startswith("_") for part in parts):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+            ):
+                names |= set(ast.literal_eval(node.value))
+    return names
+
+
+def test_the_public_api_only_shrinks_towards_its_target() -> None:
+    """A public name is a promise: the count goes down to ``PUBLIC_NAMES_TARGET``, never up."""
+    count = len(public_names())
+
+    assert count <= PUBLIC_NAMES_BOUND, (
+        f"{count} public names: the bound is {PUBLIC_NAMES_BOUND} "
+        f"(target {PUBLIC_NAMES_TARGET}); make a new name private, or drop another"
+    )

@@ -307,13 +307,13 @@ def test_without_opentelemetry_everything_is_a_no_op(tmp_path: Path) -> None:
         sys.modules["opentelemetry"] = None  # what an install without it looks like
         from idemflow import Idempotency, Intent, Response
         from idemflow.stores.sqlite import SQLiteStore
-        from idemflow import tracing
+        from idemflow import _spans, tracing
 
         store = SQLiteStore({str(tmp_path / "keys.db")!r})
         store.migrate()
         idem = Idempotency(store, observer=tracing.TracingObserver())
         assert tracing.traced(idem) is idem
-        assert tracing.traceparent() is None and not tracing.ENABLED
+        assert tracing.traceparent() is None and not _spans.ENABLED
         outcome = idem.run(Intent("a", "k", "sha256:x"), lambda attempt: Response(201))
         assert outcome.response.status == 201
         assert "opentelemetry.trace" not in sys.modules

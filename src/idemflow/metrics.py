@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ._deprecation import moved
 from ._events import Event
 from ._extras import optional
 from ._model import Clock, Duration, Intent, seconds
@@ -31,7 +32,7 @@ with optional("idemflow.metrics"):
     from prometheus_client.core import GaugeMetricFamily, Metric
     from prometheus_client.registry import Collector
 
-__all__ = ["RESOLUTIONS", "PrometheusMetrics"]
+__all__ = ["PrometheusMetrics"]
 
 logger = logging.getLogger("idemflow.metrics")
 
@@ -40,7 +41,7 @@ logger = logging.getLogger("idemflow.metrics")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 #: How the sweeper resolved a stale claim (the ``resolution`` label).
-RESOLUTIONS = ("completed", "released", "unknown")
+_RESOLUTIONS = ("completed", "released", "unknown")
 
 #: A scrape reuses the stuck-claim count this long, so many scrapers (or a
 #: short scrape interval) cost one indexed COUNT per interval, not one each.
@@ -80,7 +81,7 @@ class PrometheusMetrics:
             namespace=namespace,
             registry=self.registry,
         )
-        for resolution in RESOLUTIONS:  # present at 0, so rate() works from the start
+        for resolution in _RESOLUTIONS:  # present at 0, so rate() works from the start
             self.stale_reclaimed_total.labels(resolution)
         # (metric, label values) -> child; as bounded as the label values are.
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
@@ -224,3 +225,8 @@ class StuckClaimsGauge(Collector):
                 return None
             self._cached = (now, counts)
             return counts
+
+
+#: Issue 32: the resolutions the counter starts at 0 are the exporter's own; importable
+#: from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(__name__, {"RESOLUTIONS": "idemflow.metrics:_RESOLUTIONS"})

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, overload
 
+from . import _spans
 from ._async.driver import AsyncIdempotency
 from ._async.tracing import AsyncTracedIdempotency
-from ._spans import ENABLED, SPAN_NAME, TracingObserver, linked_context, traceparent
+from ._deprecation import moved
+from ._spans import TracingObserver, linked_context, traceparent
 from ._sync.driver import Idempotency
 from ._sync.tracing import TracedIdempotency
 
@@ -26,8 +28,6 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
 __all__ = [
-    "ENABLED",
-    "SPAN_NAME",
     "AsyncTracedIdempotency",
     "TracedIdempotency",
     "TracingObserver",
@@ -49,8 +49,15 @@ def traced(
     Args:
         tracer: defaults to the global tracer provider's ``idemflow`` tracer.
     """
-    if not ENABLED:
+    if not _spans.ENABLED:
         return idempotency
     if isinstance(idempotency, AsyncIdempotency):
         return AsyncTracedIdempotency(idempotency, tracer)
     return TracedIdempotency(idempotency, tracer)
+
+
+#: Issue 32: whether OpenTelemetry is importable, and the span's name, are the tracer's
+#: own; importable from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(
+    __name__, {name: f"idemflow._spans:{name}" for name in ("ENABLED", "SPAN_NAME")}
+)

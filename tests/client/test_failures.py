@@ -16,9 +16,9 @@ import requests.exceptions
 from urllib3.connection import HTTPConnection
 from urllib3.exceptions import MaxRetryError, NewConnectionError, ProtocolError
 
-from idemflow.client import Failure
 from idemflow.client._httpx import failure_of as httpx_failure
 from idemflow.client._requests import failure_of as requests_failure
+from idemflow.client._retry import Failure
 
 HTTPX = [
     (httpx.ConnectError("refused"), Failure.CONNECT),

@@ -25,13 +25,17 @@ from hypothesis import strategies as st
 from idemflow.client import (
     AsyncIdempotentTransport,
     IdempotentTransport,
-    Operations,
     RetryPolicy,
     idempotent_session,
     outcome,
-    parse_retry_after,
 )
-from idemflow.client._retry import MAX_PROBLEM_BYTES, MAX_PROBLEM_DEPTH, read_problem
+from idemflow.client._retry import (
+    MAX_PROBLEM_BYTES,
+    MAX_PROBLEM_DEPTH,
+    Operations,
+    parse_retry_after,
+    read_problem,
+)
 
 from .scripted import Answer, ScriptedServer, scripted_server
 

@@ -31,7 +31,7 @@ def heavy(modules: list[str]) -> list[str]:
 
 def test_importing_the_client_imports_neither_httpx_nor_requests() -> None:
     assert heavy(modules_after("import idemflow, idemflow.client")) == []
-    policy_only = "from idemflow.client import RetryPolicy, KeyLedger, outcome, replayed"
+    policy_only = "from idemflow.client import RetryPolicy, KeyForm, outcome, replayed"
     assert heavy(modules_after(policy_only)) == []
 
 

@@ -27,11 +27,10 @@ from idemflow.client import (
     AsyncIdempotentTransport,
     ClientOutcome,
     IdempotentTransport,
-    KeyLedger,
     idempotent_session,
     outcome,
 )
-from idemflow.client._keys import Followed, Redirect
+from idemflow.client._keys import Followed, KeyLedger, Redirect
 
 from .scripted import Answer, Arrived, ScriptedServer, scripted_server
 

@@ -529,13 +529,13 @@ def _without_the_django_receiver() -> Iterator[None]:
     ``got_request_exception`` receiver disconnected, then connected again."""
     from django.core.signals import got_request_exception
 
-    from idemflow.integrations.django.http import outcome_unknown_received
+    from idemflow.integrations.django.http import _outcome_unknown_received
 
     assert got_request_exception.disconnect(dispatch_uid="idemflow.outcome")
     try:
         yield
     finally:
-        got_request_exception.connect(outcome_unknown_received, dispatch_uid="idemflow.outcome")
+        got_request_exception.connect(_outcome_unknown_received, dispatch_uid="idemflow.outcome")
 
 
 def test_flask_behind_the_wsgi_middleware_keeps_an_outcome_unknown_made_in_another_thread(

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from idemflow import ConfigurationError, Idempotency, Policy, Record, State
-from idemflow.integrations.wsgi import EdgeOptions, IdempotencyMiddleware, compile_endpoint
+from idemflow.integrations.wsgi import EdgeOptions, IdempotencyMiddleware, _compile_endpoint
 from idemflow.stores.protocol import Store
 from idemflow.stores.sqlite import SQLiteStore
 from idemflow.testing import MemoryStore
@@ -625,7 +625,7 @@ def test_a_chunked_body_the_server_does_not_end_is_411_and_never_run(tmp_path: P
 )
 def test_a_malformed_or_safe_endpoint_is_refused_at_start_up(endpoint: str, why: str) -> None:
     with pytest.raises(ConfigurationError, match=why):
-        compile_endpoint(endpoint)
+        _compile_endpoint(endpoint)
 
 
 def test_no_endpoint_or_an_async_driver_is_refused_at_start_up(tmp_path: Path) -> None:
@@ -780,16 +780,16 @@ def test_django_under_asgi_refuses_a_body_over_data_upload_max_memory_size_with_
 
     import tests.integrations.django_setup  # noqa: F401 -- settings
     from idemflow import BodyTooLarge
-    from idemflow.integrations.django.http import _body, body_limit
+    from idemflow.integrations.django.http import _body, _body_limit
 
     def unframed(body: bytes) -> ASGIRequest:
         scope = {"type": "http", "method": "POST", "path": "/payments", "headers": []}
         return ASGIRequest(scope, io.BytesIO(body))
 
     with override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=100):
-        assert body_limit(4096) == 100
+        assert _body_limit(4096) == 100
         with pytest.raises(BodyTooLarge, match="100 bytes"):
-            _body(unframed(b"x" * 500), body_limit(4096))
-        assert _body(unframed(b"x" * 100), body_limit(4096)) == b"x" * 100
+            _body(unframed(b"x" * 500), _body_limit(4096))
+        assert _body(unframed(b"x" * 100), _body_limit(4096)) == b"x" * 100
     with override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=None):
-        assert body_limit(4096) == 4096
+        assert _body_limit(4096) == 4096

@@ -63,14 +63,12 @@ from tests.stores._race import Recorder, assert_exactly_once, race_processes, ra
 redis = pytest.importorskip("redis")
 from redis.connection import Connection  # noqa: E402
 
-from idemflow.stores.redis import (  # noqa: E402
+from idemflow.stores.redis import AsyncRedisStore, RedisStore, open_redis  # noqa: E402
+from idemflow.stores.redis._scripts import (  # noqa: E402
     EXPIRES,
     IN_PROGRESS,
     RELEASED,
     STALE,
-    AsyncRedisStore,
-    RedisStore,
-    open_redis,
     record_from_hash,
 )
 

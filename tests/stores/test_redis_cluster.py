@@ -33,7 +33,8 @@ from tests.stores._race import Recorder, assert_exactly_once, race_processes, ra
 pytest.importorskip("redis")
 from redis.cluster import RedisCluster
 
-from idemflow.stores.redis import INDEXES, RedisStore
+from idemflow.stores.redis import RedisStore
+from idemflow.stores.redis._scripts import INDEXES
 from tests.stores.test_redis import (
     assert_indexes_match_records,
     check_settling_write_purges_its_bucket,

@@ -18,22 +18,18 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._keys import KeyForm, KeyLedger, KeyReusedLocally, encode_key, uuid4_key
+from .._deprecation import moved
+from ._keys import KeyForm, KeyReusedLocally
 from ._retry import (
     DEFAULT_METHODS,
     DEFAULT_RETRY_STATUSES,
-    OUTCOME,
     OUTCOME_ATTRIBUTE,
     AttemptReport,
     ClientOutcome,
-    Decision,
-    Failure,
-    Operation,
-    Operations,
     RetryPolicy,
-    is_replay,
-    parse_retry_after,
 )
+from ._retry import OUTCOME as _OUTCOME
+from ._retry import is_replay as _is_replay
 
 if TYPE_CHECKING:
     from ._httpx import DEADLINE, AsyncIdempotentTransport, IdempotentTransport
@@ -43,27 +39,17 @@ __all__ = [
     "DEADLINE",
     "DEFAULT_METHODS",
     "DEFAULT_RETRY_STATUSES",
-    "OUTCOME",
     "AsyncIdempotentTransport",
     "AttemptReport",
     "ClientOutcome",
-    "Decision",
-    "Failure",
     "IdempotentAdapter",
     "IdempotentTransport",
     "KeyForm",
-    "KeyLedger",
     "KeyReusedLocally",
-    "Operation",
-    "Operations",
     "RetryPolicy",
-    "encode_key",
     "idempotent_session",
-    "is_replay",
     "outcome",
-    "parse_retry_after",
     "replayed",
-    "uuid4_key",
 ]
 
 #: Names served from a module that imports an optional dependency, and its extra.
@@ -75,6 +61,30 @@ _LAZY = {
     "idempotent_session": "_requests",
 }
 _NEEDS = {"_httpx": "httpx", "_requests": "requests"}
+
+#: Issue 32: the retry loop's and the key ledger's parts are the transports' own;
+#: importable from here, with a DeprecationWarning, until 0.3.
+_moved = moved(
+    __name__,
+    {
+        **{
+            name: f"idemflow.client._retry:{name}"
+            for name in (
+                "OUTCOME",
+                "Decision",
+                "Failure",
+                "Operation",
+                "Operations",
+                "is_replay",
+                "parse_retry_after",
+            )
+        },
+        **{
+            name: f"idemflow.client._keys:{name}"
+            for name in ("KeyLedger", "encode_key", "uuid4_key")
+        },
+    },
+)
 
 
 class _HasHeaders(Protocol):
@@ -103,7 +113,7 @@ def outcome(response: object) -> ClientOutcome | None:
 def _outcome_of(response: object) -> ClientOutcome | None:
     extensions = getattr(response, "extensions", None)
     if isinstance(extensions, Mapping):
-        found = extensions.get(OUTCOME)
+        found = extensions.get(_OUTCOME)
     else:
         found = getattr(response, OUTCOME_ATTRIBUTE, None)
     return found if isinstance(found, ClientOutcome) else None
@@ -111,14 +121,13 @@ def _outcome_of(response: object) -> ClientOutcome | None:
 
 def replayed(response: _HasHeaders) -> bool:
     """Is ``response`` the server's stored answer (``Idempotent-Replayed: true``)?"""
-    return is_replay(response.headers)
+    return _is_replay(response.headers)
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        msg = f"module {__name__!r} has no attribute {name!r}"
-        raise AttributeError(msg)
+        return _moved(name)
     try:
         loaded = importlib.import_module(f"{__name__}.{module}")
     except ImportError as exc:

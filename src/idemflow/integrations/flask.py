@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from .. import Idempotency as Driver
 from .. import Observer
+from .._deprecation import moved
 from .._errors import (
     ConfigurationError,
     IdempotencyError,
@@ -59,7 +60,7 @@ with optional("idemflow.integrations.flask"):
     from flask import Response as FlaskResponse
     from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
 
-__all__ = ["Idempotency", "flask_login_user", "from_flask", "handle_outcome_unknown", "to_flask"]
+__all__ = ["Idempotency", "flask_login_user", "handle_outcome_unknown"]
 
 _View = TypeVar("_View", bound=Callable[..., Any])
 #: Opens the transaction the completion is written in, for one request.
@@ -305,7 +306,7 @@ class Idempotency:
                 current.query_string.decode("latin-1"),
             )
         except IdempotencyError as exc:
-            return to_flask(problem_for(exc, rid))
+            return _to_flask(problem_for(exc, rid))
         if validate is not None:
             validate()
         return self._respond(state, http, view, edge)
@@ -322,7 +323,7 @@ class Idempotency:
             # where the view's effect stays (no transaction): a response-not-stored marker.
             original = current_app.make_response(returned)
             made.append(original)
-            read.append(from_flask(original))
+            read.append(_from_flask(original))
             return read[0]
 
         answer = edge.respond(
@@ -338,7 +339,7 @@ class Idempotency:
             return original
         for unsent in made:
             unsent.close()  # its file, its generator (and the context it holds) closed now
-        return to_flask(answer)
+        return _to_flask(answer)
 
     def _transactions(self) -> TransactionFactory | None:
         if self._transaction is not None:
@@ -414,7 +415,7 @@ def _body(limit: int) -> bytes:
     return body
 
 
-def from_flask(response: FlaskResponse) -> Response:
+def _from_flask(response: FlaskResponse) -> Response:
     """A Flask response with its body in memory as an idemflow Response.
 
     A streamed or ``direct_passthrough`` (``send_file``) one is refused with
@@ -432,7 +433,7 @@ def from_flask(response: FlaskResponse) -> Response:
     return Response(response.status_code, response.get_data(), headers)
 
 
-def to_flask(response: Response) -> FlaskResponse:
+def _to_flask(response: Response) -> FlaskResponse:
     """An idemflow Response (a replay, a problem) as a Flask one, header lines as they are."""
     result = FlaskResponse(response.body, status=response.status)
     result.headers.clear()  # only the stored headers: no default text/html
@@ -499,3 +500,8 @@ def _cli(extension: Idempotency) -> Any:
         click.echo(f"purged: {total} records")
 
     return group
+
+
+#: Issue 32: the extension's own conversions; importable from here, with a
+#: DeprecationWarning, until 0.3.
+__getattr__ = moved(__name__, {name: f"{__name__}:_{name}" for name in ("from_flask", "to_flask")})

@@ -28,6 +28,7 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .. import Attempt, Idempotency
+from .._deprecation import moved
 from .._errors import (
     BodyTooLarge,
     ConfigurationError,
@@ -61,9 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EdgeOptions",
-    "Endpoint",
     "IdempotencyMiddleware",
-    "compile_endpoint",
     "read_body",
     "remote_user",
     "report_outcome_unknown",
@@ -175,7 +174,7 @@ class IdempotencyMiddleware:
         self.app = app
         self.edge = Edge(idempotency, options)
         self._principal = principal
-        self._endpoints = [compile_endpoint(endpoint) for endpoint in endpoints]
+        self._endpoints = [_compile_endpoint(endpoint) for endpoint in endpoints]
         if not self._endpoints:
             raise ConfigurationError("IdempotencyMiddleware needs at least one endpoint to protect")
         _report_from_flask(app)
@@ -325,7 +324,7 @@ class ViewEdges:
 
 
 @dataclass(frozen=True, slots=True)
-class Endpoint:
+class _Endpoint:
     """One opted-in endpoint: its method, its template, and the pattern matching ``PATH_INFO``."""
 
     method: str
@@ -333,7 +332,7 @@ class Endpoint:
     pattern: re.Pattern[str]
 
 
-def compile_endpoint(endpoint: str) -> Endpoint:
+def _compile_endpoint(endpoint: str) -> _Endpoint:
     """``"POST /payments/{id}/refunds"`` compiled; ConfigurationError if it is malformed."""
     method, _, template = endpoint.strip().partition(" ")
     method, template = method.upper(), template.strip()
@@ -362,7 +361,7 @@ def compile_endpoint(endpoint: str) -> Endpoint:
             raise ConfigurationError(msg)
         else:
             parts.append(re.escape(_native(segment)))
-    return Endpoint(method, template, re.compile("/" + "/".join(parts)))
+    return _Endpoint(method, template, re.compile("/" + "/".join(parts)))
 
 
 def _native(text: str) -> str:
@@ -586,3 +585,10 @@ def status_line(status: int) -> str:
 
 
 _CLASS_PHRASES = {2: "Success", 3: "Redirection", 4: "Client Error", 5: "Server Error"}
+
+
+#: Issue 32: the middleware's own route matching; importable from here, with a
+#: DeprecationWarning, until 0.3.
+__getattr__ = moved(
+    __name__, {name: f"{__name__}:_{name}" for name in ("Endpoint", "compile_endpoint")}
+)

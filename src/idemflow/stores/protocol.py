@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 from .._deprecation import moved
 from .._errors import ConfigurationError
 from .._model import Claim, Intent, Record, Response, State
-from .stats import StatsSource, stats_refused
+from .stats import StatsSource
 
 __all__ = [
     "AsyncMaintainableStore",
@@ -293,7 +293,7 @@ class Store(Protocol):
     def stats(self) -> StatsSource:
         """The operator's questions (``idemflow stats``, the stuck gauge), asked synchronously;
         :class:`~idemflow.ConfigurationError` where this store cannot answer them."""
-        raise stats_refused(self)
+        raise _stats_refused(self)
 
     def migrate(self) -> None:
         """Create the table (or nothing to create), idempotently."""
@@ -367,7 +367,7 @@ class AsyncStore(Protocol):
 
     def stats(self) -> StatsSource:
         """:meth:`Store.stats`: refused by every async store (open a sync one on the same data)."""
-        raise stats_refused(self)
+        raise _stats_refused(self)
 
     async def migrate(self) -> None:
         """:meth:`Store.migrate`."""
@@ -461,6 +461,15 @@ class AsyncMaintainableStore(AsyncStore, Protocol):
     ) -> bool: ...
 
     async def purge(self, now: float, limit: int) -> int: ...
+
+
+def _stats_refused(store: object) -> ConfigurationError:
+    """What an async store's ``stats()`` raises: the questions are asked synchronously."""
+    msg = (
+        f"{type(store).__name__} cannot answer stats queries: open a sync store on the "
+        "same database (a pool of one or two connections is plenty)"
+    )
+    return ConfigurationError(msg)
 
 
 #: Names of 0.1 the six protocols replace: their methods are part of these now, with defaults.

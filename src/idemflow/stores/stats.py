@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .._errors import ConfigurationError
+from .._deprecation import moved
 from .._model import State
 
-__all__ = ["STUCK_STATES", "OldestClaim", "StatsSource", "StoreStats", "stats_refused"]
+__all__ = ["STUCK_STATES", "OldestClaim", "StatsSource", "StoreStats"]
 
 #: States a stuck claim can be in: never swept, or swept and not yet resolved.
 STUCK_STATES = (State.IN_PROGRESS, State.STALE)
@@ -84,10 +84,6 @@ class StatsSource(Protocol):
         """Records past their retention, not purged yet."""
 
 
-def stats_refused(store: object) -> ConfigurationError:
-    """What an async store's ``stats()`` raises: the questions are asked synchronously."""
-    msg = (
-        f"{type(store).__name__} cannot answer stats queries: open a sync store on the "
-        "same database (a pool of one or two connections is plenty)"
-    )
-    return ConfigurationError(msg)
+#: Issue 32: what an async store's ``stats()`` raises is the contract's own; importable
+#: from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(__name__, {"stats_refused": "idemflow.stores.protocol:_stats_refused"})

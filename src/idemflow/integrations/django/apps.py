@@ -18,7 +18,7 @@ class IdemflowConfig(AppConfig):
         from django.core.signals import got_request_exception
 
         from .conf import idemflow_settings, observer_of
-        from .http import check_replay_authorizer, outcome_unknown_received
+        from .http import _outcome_unknown_received, check_replay_authorizer
 
         chosen = idemflow_settings()  # a mistake in settings.IDEMFLOW fails at start-up
         # Their paths are imported here, once the settings' lock is free: a module may hold
@@ -26,5 +26,5 @@ class IdemflowConfig(AppConfig):
         check_replay_authorizer(chosen)
         observer_of(chosen)
         # Behind a WSGI/ASGI idemflow middleware, a view's OutcomeUnknown must keep
-        # the claim, not become the 500 that releases it (see outcome_unknown_received).
-        got_request_exception.connect(outcome_unknown_received, dispatch_uid="idemflow.outcome")
+        # the claim, not become the 500 that releases it (see _outcome_unknown_received).
+        got_request_exception.connect(_outcome_unknown_received, dispatch_uid="idemflow.outcome")

@@ -23,6 +23,7 @@ from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.utils.module_loading import import_string
 
+from ..._deprecation import moved
 from ..._errors import (
     ConfigurationError,
     IdempotencyError,
@@ -54,15 +55,9 @@ from .store import DjangoTransaction
 
 __all__ = [
     "ReplayHook",
-    "body_limit",
     "check_replay_authorizer",
-    "django_request",
-    "from_django",
-    "outcome_unknown_received",
     "protect",
     "replay_authorizer",
-    "request_user",
-    "to_django",
 ]
 
 #: Runs the protected view and returns its Django response.
@@ -72,7 +67,7 @@ _REPLAY_SETTING = "settings.IDEMFLOW['authorize_replay']"
 _PRINCIPAL_SETTING = "settings.IDEMFLOW['principal']"
 
 
-def request_user(request: Any) -> str | None:
+def _request_user(request: Any) -> str | None:
     """The default principal: the primary key of ``request.user`` when authenticated.
 
     The primary key, not the username: a username can change hands, and a new
@@ -87,7 +82,7 @@ def request_user(request: Any) -> str | None:
 def _principal_getter(chosen: IdemflowSettings) -> Callable[[Any], str | None]:
     getter = chosen.principal
     if getter is None:
-        return request_user
+        return _request_user
     if isinstance(getter, str):
         getter = import_string(getter)
     if not callable(getter):
@@ -132,7 +127,7 @@ def _headers(request: HttpRequest) -> RawHeaders:
     return raw_headers(request.META)
 
 
-def body_limit(max_body_bytes: int) -> int:
+def _body_limit(max_body_bytes: int) -> int:
     """The body cap of a protected request: ``max_body_bytes``, or Django's
     ``DATA_UPLOAD_MAX_MEMORY_SIZE`` when that is lower (``None`` turns it off).
 
@@ -190,7 +185,7 @@ def _unframed(request: HttpRequest, limit: int) -> bytes:
     return body
 
 
-def django_request(
+def _django_request(
     request: Any,
     principal: str | None,
     request_id: str,
@@ -222,7 +217,7 @@ def django_request(
     )
 
 
-def from_django(response: HttpResponseBase) -> Response:
+def _from_django(response: HttpResponseBase) -> Response:
     """A Django (or rendered DRF) response with its body in memory, as an idemflow Response."""
     if getattr(response, "streaming", False) or not isinstance(response, HttpResponse):
         msg = (
@@ -235,7 +230,7 @@ def from_django(response: HttpResponseBase) -> Response:
     return Response(response.status_code, bytes(response.content), tuple(headers))
 
 
-def to_django(response: Response) -> HttpResponse:
+def _to_django(response: Response) -> HttpResponse:
     """An idemflow Response (a replay, a problem) as a Django one, header for header."""
     result = HttpResponse(content=response.body, status=response.status)
     del result["Content-Type"]  # only the stored headers: no default text/html
@@ -273,12 +268,12 @@ def protect(
             msg = f"{raw.method} is idempotent already; protect unsafe methods only"
             raise ConfigurationError(msg)
         who = prepared.principal()(request)
-        limit = body_limit(edge.options.max_body_bytes)
-        http = django_request(request, who, rid, limit, match, headers)
+        limit = _body_limit(edge.options.max_body_bytes)
+        http = _django_request(request, who, rid, limit, match, headers)
         if not who and not public:
             raise MissingPrincipal("authenticate first: idempotency keys are scoped to the caller")
     except IdempotencyError as exc:
-        return to_django(problem_for(exc, rid))
+        return _to_django(problem_for(exc, rid))
     if validate is not None:
         validate()
     return _respond(http, view, edge, prepared.settings)
@@ -328,7 +323,7 @@ def _respond(
 
     def handler(attempt: Any) -> Response:
         original = view()
-        converted = from_django(original)
+        converted = _from_django(original)
         ran.append((original, converted))
         return converted
 
@@ -343,7 +338,7 @@ def _respond(
         if REQUEST_ID_HEADER not in original:
             original[REQUEST_ID_HEADER] = http.request_id
         return original
-    return to_django(answer)
+    return _to_django(answer)
 
 
 def _options(
@@ -359,7 +354,7 @@ def _options(
     )
 
 
-def outcome_unknown_received(sender: Any, request: Any = None, **_: Any) -> None:
+def _outcome_unknown_received(sender: Any, request: Any = None, **_: Any) -> None:
     """``got_request_exception``'s receiver: an ``OutcomeUnknown`` told to the middleware.
 
     Django answers an exception no view or middleware handled with a 500
@@ -379,3 +374,21 @@ def outcome_unknown_received(sender: Any, request: Any = None, **_: Any) -> None
         slot = getattr(request, "scope", None)
     if isinstance(slot, dict):
         report_outcome_unknown(slot, error)
+
+
+#: Issue 32: the view wrapper's own conversions; importable from here, with a
+#: DeprecationWarning, until 0.3.
+__getattr__ = moved(
+    __name__,
+    {
+        name: f"{__name__}:_{name}"
+        for name in (
+            "body_limit",
+            "django_request",
+            "from_django",
+            "outcome_unknown_received",
+            "request_user",
+            "to_django",
+        )
+    },
+)

@@ -24,13 +24,14 @@ from django.http import HttpRequest, HttpResponseBase
 from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
 
+from ..._deprecation import moved
 from ...edge import SAFE_METHODS
 from .conf import idemflow_settings
 from .http import check_replay_authorizer, protect
 
-__all__ = ["AUTHENTICATION_MIDDLEWARE", "IdempotencyMiddleware"]
+__all__ = ["IdempotencyMiddleware"]
 
-AUTHENTICATION_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
+_AUTHENTICATION_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
 _RAISED = "_idemflow_view_raised"
 
 
@@ -95,10 +96,10 @@ def _check_order(own: type, default_principal: bool, extra: Any) -> None:
     mine = positions[0] if positions else len(paths)
     required = list(extra)
     if default_principal:
-        required.insert(0, AUTHENTICATION_MIDDLEWARE)
+        required.insert(0, _AUTHENTICATION_MIDDLEWARE)
     for path in required:
         if path not in paths:
-            if path == AUTHENTICATION_MIDDLEWARE and default_principal:
+            if path == _AUTHENTICATION_MIDDLEWARE and default_principal:
                 msg = (
                     "IdempotencyMiddleware reads request.user, but AuthenticationMiddleware is "
                     "not in MIDDLEWARE; add it before IdempotencyMiddleware, or set "
@@ -120,3 +121,10 @@ def _is(path: str, own: type) -> bool:
     except ImportError:
         return False
     return isinstance(found, type) and issubclass(found, own)
+
+
+#: Issue 32: the middleware's own; importable from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(
+    __name__,
+    {"AUTHENTICATION_MIDDLEWARE": f"{__name__}:_AUTHENTICATION_MIDDLEWARE"},
+)

@@ -16,16 +16,17 @@ from typing import Any
 from django.db import router
 from django.db.migrations.operations.base import Operation
 
+from ..._deprecation import moved
 from .conf import idemflow_settings
 
-__all__ = ["CreateKeyTable", "key_table_ddl"]
+__all__ = ["CreateKeyTable"]
 
 
-def key_table_ddl(vendor: str, table: str) -> list[str]:
+def _key_table_ddl(vendor: str, table: str) -> list[str]:
     """The ``CREATE TABLE``/``CREATE INDEX`` statements idemflow runs on ``vendor``."""
-    from .store import dialect_for
+    from .store import _dialect_for
 
-    return [s for s in dialect_for(vendor, table).ddl if s.lstrip().upper().startswith("CREATE")]
+    return [s for s in _dialect_for(vendor, table).ddl if s.lstrip().upper().startswith("CREATE")]
 
 
 class CreateKeyTable(Operation):
@@ -47,7 +48,7 @@ class CreateKeyTable(Operation):
         table = self._table_for(app_label, schema_editor)
         if table is None:
             return
-        for statement in key_table_ddl(schema_editor.connection.vendor, table):
+        for statement in _key_table_ddl(schema_editor.connection.vendor, table):
             schema_editor.execute(statement, params=None)
 
     def database_backwards(
@@ -74,3 +75,7 @@ class CreateKeyTable(Operation):
         if alias != chosen.database or not router.allow_migrate(alias, app_label):
             return None
         return chosen.table
+
+
+#: Issue 32: the migration's own; importable from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(__name__, {"key_table_ddl": f"{__name__}:_key_table_ddl"})

@@ -24,6 +24,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.utils import InterfaceError, OperationalError
 
+from ..._deprecation import moved
 from ..._errors import ConfigurationError
 from ..._model import Claim, Intent, Record, Response, State
 from ...stores import mysql, postgres, sqlite
@@ -37,7 +38,7 @@ from ...stores.protocol import (
 from ...stores.sql import Dialect, SQLStore, check_clock
 from ...transactions import PsycopgTransaction
 
-__all__ = ["DjangoStore", "DjangoTransaction", "dialect_for"]
+__all__ = ["DjangoStore", "DjangoTransaction"]
 
 DEFAULT_TABLE = "idemflow_keys"
 
@@ -186,7 +187,7 @@ class _MySQL(mysql.MySQLStore):
         self.pool = _Pool(using)  # type: ignore[assignment]
         SQLStore.__init__(
             self,
-            dialect_for("mysql", table, clock),
+            _dialect_for("mysql", table, clock),
             self.pool.connection,
             paramstyle="pyformat",
             is_unavailable=_unavailable("mysql"),
@@ -194,7 +195,7 @@ class _MySQL(mysql.MySQLStore):
         )
 
 
-def dialect_for(vendor: str, table: str, clock: str = "caller") -> Dialect:
+def _dialect_for(vendor: str, table: str, clock: str = "caller") -> Dialect:
     """The statements idemflow's own store for ``vendor`` runs (DDL included)."""
     if vendor == "mysql":
         return mysql.mysql_dialect(table, check_clock(clock))
@@ -213,7 +214,7 @@ def _inner_store(using: str, table: str, clock: str) -> SQLStore:
     vendor = connections[using].vendor
     if vendor == "mysql":
         return _MySQL(using, table, clock, mysql.DEFAULT_LOCK_WAIT_TIMEOUT)
-    dialect = dialect_for(vendor, table, clock)
+    dialect = _dialect_for(vendor, table, clock)
 
     def connect() -> Any:
         return _store_connection(using, always_side=False)
@@ -646,3 +647,7 @@ class DjangoTransaction(Transaction):
             return
         with _store_connection(self.using, always_side=True) as conn, conn.cursor() as cursor:
             yield cursor
+
+
+#: Issue 32: the store's own; importable from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(__name__, {"dialect_for": f"{__name__}:_dialect_for"})

@@ -5,8 +5,13 @@ An in-memory store for users' own tests (and the reference the others match).
 ``scripts/unasync.py``. Both stores may share one table (``AsyncMemoryStore(store)``).
 """
 
+from ..._deprecation import moved
 from ._async import AsyncMemoryStore
 from ._sync import MemoryStore
-from ._table import MemoryStats, MemoryTable
+from ._table import MemoryStats
 
-__all__ = ["AsyncMemoryStore", "MemoryStats", "MemoryStore", "MemoryTable"]
+__all__ = ["AsyncMemoryStore", "MemoryStats", "MemoryStore"]
+
+#: Issue 32: the stores' shared table is their own (``AsyncMemoryStore(store)`` shares
+#: it); importable from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(__name__, {"MemoryTable": "idemflow.stores.memory._table:MemoryTable"})

@@ -29,21 +29,16 @@ from ._errors import (
 )
 from ._statements import (
     DEFAULT_LOCK_WAIT_TIMEOUT,
-    DEFAULT_TABLE,
     SERVER_NOW_MS,
     MySQLStatements,
-    mysql_ddl,
     mysql_dialect,
     mysql_statements,
-    unpack_read,
-    upsert_claim,
 )
 from ._sync import MySQLStore
 from ._url import connect_kwargs
 
 __all__ = [
     "DEFAULT_LOCK_WAIT_TIMEOUT",
-    "DEFAULT_TABLE",
     "SERVER_NOW_MS",
     "UNAVAILABLE_CODES",
     "AsyncMySQLStore",
@@ -55,20 +50,25 @@ __all__ = [
     "is_conflict",
     "is_contention",
     "is_unavailable",
-    "mysql_ddl",
     "mysql_dialect",
     "mysql_statements",
     "rolled_back",
-    "unpack_read",
-    "upsert_claim",
 ]
 
 #: The adapters live with every other in :mod:`idemflow.transactions` (a store never
-#: imports the layer above it); importable from here, with a DeprecationWarning, until 0.3.
+#: imports the layer above it); the store's own statement helpers are private (issue 32:
+#: a public API chosen on purpose). Both importable from here, with a DeprecationWarning,
+#: until 0.3.
 __getattr__ = moved(
     __name__,
     {
-        name: f"idemflow.transactions:{name}"
-        for name in ("AsyncmyTransaction", "PyMySQLTransaction")
+        **{
+            name: f"idemflow.transactions:{name}"
+            for name in ("AsyncmyTransaction", "PyMySQLTransaction")
+        },
+        **{
+            name: f"idemflow.stores.mysql._statements:{name}"
+            for name in ("DEFAULT_TABLE", "mysql_ddl", "unpack_read", "upsert_claim")
+        },
     },
 )

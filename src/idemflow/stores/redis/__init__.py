@@ -18,44 +18,44 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._deprecation import moved
 from ..._extras import optional
 from ..._model import Policy
 from ..protocol import StoreClock
+from . import _scripts
 from ._async import AsyncRedisStore
-from ._scripts import (
-    DEFAULT_PREFIX,
-    EXPIRES,
-    IN_PROGRESS,
-    INDEXES,
-    RELEASED,
-    RETRIES,
-    SCRIPTS,
-    SHAS,
-    STALE,
-    attempt_timeout,
-    is_unavailable,
-    record_from_hash,
-)
+from ._scripts import DEFAULT_PREFIX, is_unavailable
 from ._stats import RedisStats
 from ._sync import RedisStore
 
 __all__ = [
-    "EXPIRES",
-    "INDEXES",
-    "IN_PROGRESS",
-    "RELEASED",
-    "RETRIES",
-    "SCRIPTS",
-    "SHAS",
-    "STALE",
     "AsyncRedisStore",
     "RedisStats",
     "RedisStore",
-    "attempt_timeout",
     "is_unavailable",
     "open_redis",
-    "record_from_hash",
 ]
+
+#: The store's own layout and scripts (issue 32: a public API chosen on purpose);
+#: importable from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(
+    __name__,
+    {
+        name: f"idemflow.stores.redis._scripts:{name}"
+        for name in (
+            "EXPIRES",
+            "INDEXES",
+            "IN_PROGRESS",
+            "RELEASED",
+            "RETRIES",
+            "SCRIPTS",
+            "SHAS",
+            "STALE",
+            "attempt_timeout",
+            "record_from_hash",
+        )
+    },
+)
 
 
 def open_redis(
@@ -84,7 +84,7 @@ def open_redis(
     cluster = url.lower().startswith("redis+cluster://")
     if cluster:
         url = "redis://" + url.split("://", 1)[1]
-    timeout = attempt_timeout(policy or Policy())
+    timeout = _scripts.attempt_timeout(policy or Policy())
     options: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
@@ -92,7 +92,7 @@ def open_redis(
         # sync one, it makes one attempt and never retries (a connection the server
         # closed was a 503, where a second attempt on a new one answers).
         "retry": (AsyncRetry if asynchronous else Retry)(
-            ExponentialBackoff(cap=min(0.5, timeout / 10), base=0.05), RETRIES
+            ExponentialBackoff(cap=min(0.5, timeout / 10), base=0.05), _scripts.RETRIES
         ),
     }
     if asynchronous:

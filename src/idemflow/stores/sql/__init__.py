@@ -18,7 +18,7 @@ through a new one.
 from ..._deprecation import moved
 from ..protocol import Statement, StoreClock, check_clock
 from ._async import AsyncSQLStore
-from ._stats import SQLStats, is_missing_table, missing_table_is_clear
+from ._stats import SQLStats, missing_table_is_clear
 from ._sync import SQLStore
 from .dialect import (
     COLUMNS,
@@ -53,12 +53,19 @@ __all__ = [
     "check_clock",
     "create_table",
     "insert_claim",
-    "is_missing_table",
     "missing_table_is_clear",
     "on_database_clock",
     "row_mapping",
     "take_over_claim",
 ]
 
-#: ``SQLStatement`` of 0.1 is the contract's :class:`~idemflow.stores.protocol.Statement`.
-__getattr__ = moved(__name__, {"SQLStatement": "idemflow.stores.protocol:Statement"})
+#: ``SQLStatement`` of 0.1 is the contract's :class:`~idemflow.stores.protocol.Statement`;
+#: the missing-table rule is the stores' own (issue 32). Importable from here, with a
+#: DeprecationWarning, until 0.3.
+__getattr__ = moved(
+    __name__,
+    {
+        "SQLStatement": "idemflow.stores.protocol:Statement",
+        "is_missing_table": "idemflow.stores.sql._stats:is_missing_table",
+    },
+)

@@ -29,19 +29,16 @@ from ..._model import (
     record_from_row,
 )
 from ..protocol import AsyncMaintainableStore, AsyncTransaction, Statement
+from ._rows import RowShape, complete_params, row_shape, stale_params
 from ._stats import AsyncSQLObservable, is_missing_table, missing_table
 from .dialect import (
     CLAIM_RETRIES,
     Dialect,
-    RowShape,
     claim_busy,
     claim_params,
     claim_unsettled,
-    complete_params,
     owner_params,
     record_from_values,
-    row_shape,
-    stale_params,
     sweep_params,
 )
 

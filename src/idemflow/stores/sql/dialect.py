@@ -28,9 +28,7 @@ from ..._model import (
     Intent,
     Record,
     RecordBuilder,
-    Response,
     State,
-    headers_json,
     make_response,
     stored_headers,
 )
@@ -50,23 +48,18 @@ __all__ = [
     "SWEEPABLE_SQL",
     "TAKE_OVER_SQL",
     "Dialect",
-    "RowShape",
     "StoreClock",
     "check_clock",
     "claim_busy",
     "claim_or_read",
     "claim_params",
     "claim_unsettled",
-    "complete_params",
     "create_table",
-    "headers_json",
     "insert_claim",
     "on_database_clock",
     "owner_params",
     "record_from_values",
     "row_mapping",
-    "row_shape",
-    "stale_params",
     "sweep_params",
     "take_over_claim",
 ]
@@ -445,21 +438,6 @@ def owner_params(record: Record, now: float) -> dict[str, Any]:
     return {"id": record.id, "lease_token": record.lease_token, "now": int(now * 1000)}
 
 
-def complete_params(
-    record: Record, state: State, response: Response, now: float, expires_at: float
-) -> dict[str, Any]:
-    return {
-        "id": record.id,
-        "lease_token": record.lease_token,
-        "now": int(now * 1000),
-        "expires_at": int(expires_at * 1000),
-        "state": state.value,
-        "status": response.status,
-        "headers": headers_json(response.headers),
-        "body": response.body,
-    }
-
-
 def sweep_params(
     from_state: State, cutoff: float, now: float, keep_until: float, limit: int
 ) -> dict[str, Any]:
@@ -472,45 +450,8 @@ def sweep_params(
     }
 
 
-def stale_params(record: Record, now: float, *, forget_progress: bool = False) -> dict[str, Any]:
-    """Fence for a sweeper's write: the record exactly as this sweeper marked it."""
-    return {
-        **owner_params(record, now),
-        "marked_at": int(record.updated_at * 1000),
-        "forget_progress": int(forget_progress),
-    }
-
-
 def row_mapping(description: Sequence[Any], row: Sequence[Any]) -> Mapping[str, Any]:
     return {column[0]: value for column, value in zip(description, row, strict=True)}
-
-
-@dataclass(frozen=True, slots=True)
-class RowShape:
-    """Where a statement's result puts the record: ``COLUMNS`` in order from ``start``.
-
-    ``clock_now`` and ``claimed`` are the positions of those extra columns, or -1.
-    Learnt once per statement from its cursor's description (:func:`row_shape`),
-    so rows are read as tuples, never turned into dicts.
-    """
-
-    start: int
-    clock_now: int = -1
-    claimed: int = -1
-
-
-def row_shape(names: Sequence[str]) -> RowShape | None:
-    """The shape of a result with these column names, or None if COLUMNS are not in a run."""
-    names = list(names)
-    try:
-        start = names.index(COLUMNS[0])
-    except ValueError:
-        return None
-    if tuple(names[start : start + len(COLUMNS)]) != COLUMNS:
-        return None
-    clock = names.index("clock_now") if "clock_now" in names else -1
-    claimed = names.index("claimed") if "claimed" in names else -1
-    return RowShape(start, clock, claimed)
 
 
 _STATES = {state.value: state for state in State}
@@ -552,5 +493,17 @@ def record_from_values(row: Sequence[Any], start: int) -> Record:
     return record  # type: ignore[no-any-return]
 
 
-#: ``SQLStatement`` of 0.1 is the contract's :class:`~idemflow.stores.protocol.Statement`.
-__getattr__ = moved(__name__, {"SQLStatement": "idemflow.stores.protocol:Statement"})
+#: ``SQLStatement`` of 0.1 is the contract's :class:`~idemflow.stores.protocol.Statement`;
+#: the executor's own helpers are private (issue 32: a public API chosen on purpose).
+#: Both importable from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(
+    __name__,
+    {
+        "SQLStatement": "idemflow.stores.protocol:Statement",
+        "headers_json": "idemflow._model:headers_json",
+        **{
+            name: f"idemflow.stores.sql._rows:{name}"
+            for name in ("RowShape", "complete_params", "row_shape", "stale_params")
+        },
+    },
+)

@@ -1,0 +1,66 @@
+"""What the SQL executor sends and reads: a write's parameters, a result's shape.
+
+The executor's own helpers (``stores/sql/_async.py`` and its generated twin); a
+dialect never needs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..._model import Record, Response, State, headers_json
+from .dialect import COLUMNS, owner_params
+
+
+def complete_params(
+    record: Record, state: State, response: Response, now: float, expires_at: float
+) -> dict[str, Any]:
+    return {
+        "id": record.id,
+        "lease_token": record.lease_token,
+        "now": int(now * 1000),
+        "expires_at": int(expires_at * 1000),
+        "state": state.value,
+        "status": response.status,
+        "headers": headers_json(response.headers),
+        "body": response.body,
+    }
+
+
+def stale_params(record: Record, now: float, *, forget_progress: bool = False) -> dict[str, Any]:
+    """Fence for a sweeper's write: the record exactly as this sweeper marked it."""
+    return {
+        **owner_params(record, now),
+        "marked_at": int(record.updated_at * 1000),
+        "forget_progress": int(forget_progress),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class RowShape:
+    """Where a statement's result puts the record: ``COLUMNS`` in order from ``start``.
+
+    ``clock_now`` and ``claimed`` are the positions of those extra columns, or -1.
+    Learnt once per statement from its cursor's description (:func:`row_shape`),
+    so rows are read as tuples, never turned into dicts.
+    """
+
+    start: int
+    clock_now: int = -1
+    claimed: int = -1
+
+
+def row_shape(names: Sequence[str]) -> RowShape | None:
+    """The shape of a result with these column names, or None if COLUMNS are not in a run."""
+    names = list(names)
+    try:
+        start = names.index(COLUMNS[0])
+    except ValueError:
+        return None
+    if tuple(names[start : start + len(COLUMNS)]) != COLUMNS:
+        return None
+    clock = names.index("clock_now") if "clock_now" in names else -1
+    claimed = names.index("claimed") if "claimed" in names else -1
+    return RowShape(start, clock, claimed)
