@@ -24,12 +24,14 @@ def business_rows(table: str) -> list[str]:
 
 
 def terminate(application_name: str) -> int:
-    """End every server session of ``application_name`` (a real connection loss)."""
+    """End every server session of ``application_name`` (a real connection loss), and
+    return once each has ended (PostgreSQL waits up to 5 s for it): before, a backend still
+    exiting on a loaded machine left its socket open to the next check of its client."""
     import psycopg
 
     with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
         rows = conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
             "WHERE application_name = %s AND pid <> pg_backend_pid()",
             (application_name,),
         ).fetchall()
