@@ -25,6 +25,9 @@ from idemflow.stores.sqlite import SQLiteStore
 
 pytest.importorskip("flask")
 
+# The Django doors are test_wsgi_doors' (which needs Django and DRF, as the Django test here).
+from tests.integrations.test_wsgi_doors import _DJANGO_DOORS, DJANGO_DOORS
+
 NOT_STORED = "https://idemflow.dev/problems/response-not-stored"
 KINDS = ["streamed", "file", "generator", "sse", "stream-with-context"]
 
@@ -378,21 +381,6 @@ def django_answer(kind: str, tmp_path: Path) -> Any:
     if kind == "sse":
         return StreamingHttpResponse(events(), content_type="text/event-stream")
     return StreamingHttpResponse(chunks(), status=201)
-
-
-_DJANGO_DOORS = {
-    "django-function": ("/payments", "default", False),
-    "django-cbv": ("/cbv/payments", "default", False),
-    "django-drf": ("/drf/payments", "default", False),
-    "django-middleware": ("/mw/payments", "default", False),
-    # ATOMIC_REQUESTS: the method runs inside the request's transaction (a savepoint).
-    "django-atomic-cbv": ("/cbv/payments", "postgres", True),
-    "django-atomic-drf": ("/drf/payments", "postgres", True),
-}
-DJANGO_DOORS = [
-    pytest.param(name, marks=pytest.mark.postgres) if alias == "postgres" else name
-    for name, (_, alias, _) in _DJANGO_DOORS.items()
-]
 
 
 @pytest.mark.parametrize("kind", DJANGO_KINDS)
