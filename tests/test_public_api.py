@@ -194,6 +194,31 @@ DEPRECATED = [
     ("idemflow.metrics", "RESOLUTIONS", "idemflow.metrics", "_RESOLUTIONS"),
     ("idemflow.tracing", "SPAN_NAME", "idemflow._spans", "SPAN_NAME"),
     ("idemflow.stores.sql", "is_missing_table", "idemflow.stores.sql._stats", "is_missing_table"),
+    # Issue 32: the integrations' own plumbing, private since 0.2.
+    (
+        "idemflow.integrations.django",
+        "IdemflowSettings",
+        "idemflow.integrations.django.conf",
+        "IdemflowSettings",
+    ),
+    (
+        "idemflow.integrations.django",
+        "idemflow_settings",
+        "idemflow.integrations.django.conf",
+        "idemflow_settings",
+    ),
+    (
+        "idemflow.integrations.wsgi",
+        "require_length",
+        "idemflow.integrations.wsgi",
+        "_require_length",
+    ),
+    (
+        "idemflow.integrations.flask",
+        "flask_login_user",
+        "idemflow.integrations.flask",
+        "_flask_login_user",
+    ),
 ]
 
 

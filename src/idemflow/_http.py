@@ -26,6 +26,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Collection,
+    Iterable,
     Iterator,
     Mapping,
     MutableMapping,
@@ -345,6 +346,122 @@ def body_cut_short(size: int, declared: int | None) -> IncompleteBody:
         f"the request body ended after {size} bytes{expected}: the client went away; "
         "nothing was recorded, send the whole request again"
     )
+
+
+class BodyReader:
+    """A request body read whole and bounded, sans I/O: each door feeds it what arrived."""
+
+    def __init__(self, content_length: str | None, limit: int) -> None:
+        self.limit = limit
+        self.declared = declared_length(content_length, limit)
+        self.size = 0
+        self._chunks: list[bytes] = []
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.limit:
+            raise body_too_large(self.size, self.limit, streaming=True)
+        self._chunks.append(chunk)
+
+    def cut_short(self) -> IncompleteBody:
+        return body_cut_short(self.size, self.declared)
+
+    def body(self) -> bytes:
+        if self.declared is not None and self.size != self.declared:
+            raise self.cut_short()
+        return b"".join(self._chunks)
+
+
+class ResponseSink:
+    """An app's response body kept in memory, at most ``limit`` bytes (the rest counted).
+
+    Never raises into the app: its effect is happening, and an error mid-stream
+    would only hide how it ended. :meth:`unstorable` says why it cannot be stored.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self.chunks: list[bytes] = []
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size <= self.limit:
+            self.chunks.append(chunk)
+
+    def response(
+        self,
+        status: int,
+        headers: Iterable[tuple[str, str]],
+        classify: Callable[[Response], Any],
+        reason: str | None = None,
+    ) -> Response:
+        """The response; a :func:`not_stored` marker if ``reason`` or the size forbid storing."""
+        kept = tuple(
+            (k, v) for k, v in headers if not (isinstance(k, str) and k.lower() == "content-length")
+        )
+        response = Response(status, b"".join(self.chunks), kept)
+        if reason is None and self.size > self.limit:
+            reason = (
+                f"the response body is {self.size} bytes; the stored-body limit is "
+                f"{self.limit} bytes (raise max_response_bytes, or do not protect this endpoint)"
+            )
+        return response if reason is None else not_stored(response, reason, classify(response))
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One opted-in endpoint: its method, its template, and the pattern matching its path."""
+
+    method: str
+    template: str
+    pattern: re.Pattern[str]
+
+
+_PARAMETER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::(str|int|float|path|uuid))?\}")
+_CONVERTERS = {
+    None: "[^/]+",
+    "str": "[^/]+",
+    "int": "[0-9]+",
+    "float": r"[0-9]+(?:\.[0-9]+)?",
+    "path": ".*",
+    "uuid": "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+}
+
+
+def compile_endpoint(endpoint: str, spell: Callable[[str], str] = str) -> Endpoint:
+    """``"POST /payments/{id}/refunds"`` compiled; ConfigurationError if it is malformed.
+
+    ``spell`` turns a literal segment into how the door's paths spell it (WSGI: latin-1).
+    """
+    method, _, template = endpoint.strip().partition(" ")
+    method, template = method.upper(), template.strip()
+    if not _TOKEN.fullmatch(method) or not template.startswith("/"):
+        msg = f"endpoint {endpoint!r} must be 'METHOD /route/{{param}}'"
+        raise ConfigurationError(msg)
+    if method in SAFE_METHODS:  # it would never be protected: say so at start-up
+        msg = (
+            f"endpoint {endpoint!r}: {method} is idempotent already and is never "
+            "protected; list unsafe methods only"
+        )
+        raise ConfigurationError(msg)
+    parts: list[str] = []
+    names: set[str] = set()
+    for segment in template.split("/")[1:]:
+        parameter = _PARAMETER.fullmatch(segment)
+        if parameter is not None:
+            name = parameter.group(1)
+            if name in names:
+                msg = f"endpoint {endpoint!r} names the parameter {name!r} twice"
+                raise ConfigurationError(msg)
+            names.add(name)
+            parts.append(f"(?P<{name}>{_CONVERTERS[parameter.group(2)]})")
+        elif "{" in segment or "}" in segment:
+            msg = f"endpoint {endpoint!r}: a parameter is a whole segment, '{{name}}'"
+            raise ConfigurationError(msg)
+        else:
+            parts.append(re.escape(spell(segment)))
+    return Endpoint(method, template, re.compile("/" + "/".join(parts)))
 
 
 def header_values(headers: RawHeaders, name: str) -> list[str]:
