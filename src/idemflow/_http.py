@@ -3,16 +3,13 @@ The framework-neutral HTTP edge: request â†’ :class:`Intent`, outcome or error â
 
 Every integration only translates its framework's request into an
 :class:`HTTPRequest` and the :class:`~idemflow.Response` returned here into its
-framework's response. This module holds the rules and does no I/O: the one
-that runs a request through the driver is ``AsyncEdge`` in
-``idemflow._async.edge`` (and its generated sync twin ``Edge``); what to do
-with a key is decided in ``idemflow._flow``; what it looks like on the wire is
-decided here, once, so the integrations cannot disagree: the fingerprint's
-route template, RFC 9457 problems, what is stored (:func:`unsendable`,
-:func:`not_stored`, :class:`ResponseNotStorable`, :func:`not_read`), replay
-headers, ``X-Request-Id``, and the ``OutcomeUnknown`` slot
-(:class:`OutcomeSlot`, :func:`report_outcome_unknown`). The rules: docs/http.md;
-where each lives: docs/architecture.md, "Where each rule lives".
+framework's. This module holds the rules and does no I/O (``AsyncEdge`` in
+``idemflow._async.edge`` runs a request through the driver; ``_flow`` decides
+what to do with a key): the route template, RFC 9457 problems, what is stored,
+replay headers, ``X-Request-Id``, the ``OutcomeUnknown`` slot, and what every
+door shares sans I/O (:class:`BodyReader`, :class:`ResponseSink`,
+:func:`compile_endpoint`). The rules: docs/http.md; where each lives:
+docs/architecture.md, "Where each rule lives".
 """
 
 from __future__ import annotations

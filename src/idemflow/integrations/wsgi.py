@@ -6,13 +6,10 @@ application, claims the key, runs it with the request's body, captures its
 response, stores it and replays it. It does not own the application's
 transaction, so the effect and the record are not atomic; where the effect
 lives in the key store's database, use the transactional integrations.
-:func:`report_outcome_unknown` lets a framework's error hook keep a claim.
-It follows the rules of the ASGI middleware
-(:class:`idemflow.integrations.starlette.IdempotencyMiddleware`), which live in
-``idemflow._http`` and the sync ``Edge``. The rules one by one (opt-in
-endpoints, principal, bounded body, transient answers, ``OutcomeUnknown``,
-responses that cannot be stored, ``SCRIPT_NAME``): docs/frameworks/wsgi.md,
-"What it does".
+It follows the rules of the ASGI middleware (:mod:`idemflow.integrations.asgi`),
+which live in ``idemflow._http`` and the sync ``Edge``; also here, what Flask's and
+Django's doors share (the body read from the environ, their views' edges).
+The rules one by one: docs/frameworks/wsgi.md, "What it does".
 """
 
 from __future__ import annotations
