@@ -730,24 +730,12 @@ OUTCOME_SLOT = "idemflow.outcome_unknown"
 class OutcomeSlot:
     """Where an application reports the ``OutcomeUnknown`` its framework answered itself.
 
-    Flask and Django turn a view's exception into a 500 response before a
-    WSGI/ASGI middleware sees it, and a 500 is transient: it would release the
-    key, and the retry would make the external call again. The middleware
-    therefore puts one of these in the request's environ (or scope) before it
-    runs the application; the framework's error hook fills it
-    (:func:`report_outcome_unknown`), and the middleware raises what was
-    reported as if the application had raised it: the claim is kept, the
-    caller gets the 503 ``outcome-unknown`` problem, whatever response the
-    framework made. Only an ``OutcomeUnknown`` instance can be reported, and
-    only a middleware creates the slot, so no response (a 500 forwarded from
-    an upstream service, a header) can keep a claim by accident.
-
-    The report is not needed for the claim to be kept: while the application
-    runs the middleware :meth:`watching` notes every ``OutcomeUnknown`` made
-    (the exception's own constructor tells it), and one made before the
-    application failed (raised, or answered a transient status) is raised the
-    same way (:meth:`raise_made`). Any framework, or a bare WSGI app that turns
-    exceptions into a 500, is covered without a hook.
+    Flask and Django turn a view's exception into a 500 before a middleware sees it,
+    and a 500 would release the key: the middleware puts a slot in the environ (or
+    scope), the framework's error hook fills it (:func:`report_outcome_unknown`), and
+    the middleware raises what was reported, so the claim is kept. Only a middleware
+    creates a slot and only an ``OutcomeUnknown`` fills it: no response keeps a claim
+    by accident. :meth:`watching` covers frameworks without a hook (docs/http.md).
     """
 
     __slots__ = ("made", "reported")
@@ -767,13 +755,17 @@ class OutcomeSlot:
         """Run the application inside: every ``OutcomeUnknown`` made meanwhile, in this
         thread or task and those it starts, is noted (:attr:`made`), whether or not a
         framework's error hook reports it. So no framework can turn one into a 500 that
-        releases the key because a line of configuration was forgotten
-        (:meth:`raise_made`)."""
+        releases the key because a line of configuration was forgotten. What was
+        reported is raised after it; if the application raised, what was made first."""
         token = OUTCOME_UNKNOWN_WITNESS.set(self._note)
         try:
             yield
+        except Exception:
+            self.raise_made()
+            raise
         finally:
             OUTCOME_UNKNOWN_WITNESS.reset(token)
+            self.raise_reported()
 
     def _note(self, made: OutcomeUnknown) -> None:
         if self.made is None:

@@ -227,14 +227,8 @@ class IdempotencyMiddleware:
             # Where an app that answers its own exceptions reports an OutcomeUnknown;
             # one made while it ran and then failed is raised too, reported or not.
             slot = scope[OUTCOME_SLOT] = OutcomeSlot()
-            try:
-                with slot.watching():
-                    await self.app(scope, _replaying(body, receive), buffer.send)
-            except Exception:
-                slot.raise_made()
-                raise
-            finally:
-                slot.raise_reported()
+            with slot.watching():
+                await self.app(scope, _replaying(body, receive), buffer.send)
             response = buffer.response(classify)
             if classify(response) is Verdict.TRANSIENT:
                 slot.raise_made()  # Django's ASGI handler's own 500 for it, say

@@ -226,21 +226,15 @@ class IdempotencyMiddleware:
             # itself (a 500): what it reports is raised here, as if the app had. One
             # made while the app ran and then failed is raised too, reported or not.
             slot = environ[OUTCOME_SLOT] = OutcomeSlot()
-            try:
-                with slot.watching():
-                    result = self.app(environ, captured.start_response)
-                    try:
-                        for chunk in result:
-                            captured.add(chunk)
-                    finally:
-                        close = getattr(result, "close", None)
-                        if close is not None:
-                            close()
-            except Exception:
-                slot.raise_made()
-                raise
-            finally:
-                slot.raise_reported()
+            with slot.watching():
+                result = self.app(environ, captured.start_response)
+                try:
+                    for chunk in result:
+                        captured.add(chunk)
+                finally:
+                    close = getattr(result, "close", None)
+                    if close is not None:
+                        close()
             response = captured.response(classify)
             if classify(response) is Verdict.TRANSIENT:
                 slot.raise_made()  # the framework's own 500 for it, or the app's 503 after it
