@@ -9,9 +9,10 @@ Each store gets a process of its own running ``bench/_minimal_app.py`` (middlewa
 mode), the ASGI app called directly (no server, no socket), ``--count`` requests per
 path after a warm-up. Per request: store round trips (``bench/_wire``'s counters;
 SQLite makes none), event-loop iterations (``BaseEventLoop._run_once``), tasks
-created (``asyncio.Task``, made directly or by ``create_task``), and app CPU (``time.process_time``). "added" is
-protected (or replay) minus unprotected; "floor" is the same number of round trips
-of a trivial command (``PING``, a prepared ``SELECT 1``) through the raw driver.
+created (``asyncio.Task``, directly or by ``create_task``), and app CPU
+(``time.process_time``). "added" is protected (or replay) minus unprotected; "floor"
+is the same number of round trips of a trivial command (``PING``, a prepared
+``SELECT 1``) through the raw driver.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(asyncio.run(child(args.count, Path(args.child)))))
         return
-    print("| store | path | round trips | loop iterations | tasks | app CPU µs | added µs | floor µs |")
+    print("| store | path | round trips | loop turns | tasks | app CPU µs | added µs | floor µs |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for store in args.stores.split(","):
         rows = run_store(store, args.count)

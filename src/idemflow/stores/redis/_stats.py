@@ -8,7 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 from ..._model import State
 from ..stats import OldestClaim, StoreStats
-from ._scripts import EXPIRES, IN_PROGRESS, STALE, ms, record_from_reply, text, translated
+from ._scripts import (
+    EXPIRES,
+    FIELDS,
+    IN_PROGRESS,
+    STALE,
+    ms,
+    record_from_fields,
+    text,
+    translated,
+)
 
 if TYPE_CHECKING:
     from ._scripts import Layout
@@ -128,7 +137,7 @@ class RedisStats:
                     oldest = (first[0][1], first[0][0])
         if oldest is None:
             return None
-        found = record_from_reply(self._client.hgetall(oldest[1]))
+        found = record_from_fields(self._client.hmget(oldest[1], FIELDS))
         if found is None:
             return None
         return OldestClaim(
