@@ -1,9 +1,5 @@
 """
-The Redis store's I/O: every operation one script call (or one pipelined walk).
-
-The rules it sends (key layout, Lua scripts, argument spelling) live in
-``_scripts.py`` next to it. Import both stores from :mod:`idemflow.stores.redis`.
-
+The Redis store's I/O: each operation one script call (or a pipelined walk) of ``_scripts.py``.
 This is the async source of truth; ``idemflow/stores/redis/_sync.py`` is generated
 from it by ``scripts/unasync.py``.
 """
@@ -36,7 +32,6 @@ from ._scripts import (
     ms,
     outcome_args,
     owner_args,
-    persistence_problem,
     probe_args,
     raise_unavailable,
     record_from_fields,
@@ -123,20 +118,11 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
                     await self.start(now)
         args = self.layout.claim_args(intent, lease_token, now, expires_at, self.quarantine)
         keys = self.layout.claim_keys(intent.principal, intent.key)
-        # try/except, not translated(): a generator context manager per call costs.
-        try:
-            reply = await self._evalsha("claim", keys, args)
-            if len(reply) > 2:  # this claim found its bucket's epoch gone
-                await self._arm_lost_buckets(args[0])
-        except Exception as exc:
-            raise_unavailable(exc)
-            raise
+        reply = await self._evalsha("claim", keys, args)
+        if len(reply) > 2:  # it found its bucket's epoch gone: a loss takes every bucket of
+            with translated():  # its server, so arm each one's quarantine from now
+                await self._boot(args[0], ARM_ABSENT)
         return self.layout.claimed(reply, intent, lease_token, now, expires_at)
-
-    async def _arm_lost_buckets(self, now_ms: int) -> None:
-        """Arm every epoch that is gone from now: a loss takes every bucket of its server at
-        once, so each one's quarantine ends a threshold after this first discovery."""
-        await self._boot(now_ms, ARM_ABSENT)
 
     async def start(self, now: float | None = None) -> None:
         """Refuse a volatile server (unless allowed), write every bucket's epoch, load the
@@ -144,7 +130,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         at = ms(time.time() if now is None else now)
         with translated():
             if not self.allow_volatile:
-                refuse_volatile(persistence_problem(await self._persistence()))
+                refuse_volatile(await self._persistence())
             await self._prepare(at, create=True)
         self._started = True
 
@@ -395,17 +381,18 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
 
     async def _fenced(self, script: str, record: Record, args: list[Any]) -> bool:
         keys = self.layout.keys(record.principal, record.key)
+        return bool(await self._evalsha(script, keys, args))
+
+    async def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
+        """One round trip, a failure a 503 (try/except: a context manager per call costs);
+        a server that lost its script cache (SCRIPT FLUSH, a restart) gets them again."""
+        sha = self._shas[script]
         try:
-            return bool(await self._evalsha(script, keys, args))
+            try:
+                return await self.client.evalsha(sha, len(keys), *keys, *args)
+            except self._no_script:
+                await self._prepare(args[0])
+                return await self.client.evalsha(sha, len(keys), *keys, *args)
         except Exception as exc:
             raise_unavailable(exc)
             raise
-
-    async def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
-        """One round trip; a server that lost its script cache is sent the text once."""
-        sha = self._shas[script]
-        try:
-            return await self.client.evalsha(sha, len(keys), *keys, *args)
-        except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts, once more
-            await self._prepare(args[0])
-            return await self.client.evalsha(sha, len(keys), *keys, *args)

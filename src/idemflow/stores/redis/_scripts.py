@@ -56,23 +56,10 @@ SWEPT_FROM = {State.IN_PROGRESS: IN_PROGRESS, State.STALE: STALE, State.RELEASED
 
 #: A record's hash fields, in the order a packed record and ``HMGET`` give them.
 RECORD_FIELDS = (
-    "id",
-    "principal",
-    "key",
-    "fingerprint",
-    "endpoint",
-    "state",
-    "lease_token",
-    "created_at",
-    "updated_at",
-    "expires_at",
-    "correlation_id",
-    "recovery_point",
-    "response_status",
-    "response_headers",
-    "response_body",
-    "attempt",
-)
+    "id", "principal", "key", "fingerprint", "endpoint", "state", "lease_token", "created_at",
+    "updated_at", "expires_at", "correlation_id", "recovery_point", "response_status",
+    "response_headers", "response_body", "attempt",
+)  # fmt: skip
 
 # Every script is safe to resend (a retried write finds its own result): a URL's client retries.
 RETRIES = 2
@@ -261,10 +248,7 @@ if cur[3] ~= 'in_progress' then return 0 end
 """
 
 # ARGV[4..8]: state, status, headers, body, expires_at (retention from now).
-_COMPLETE = (
-    "local done = ARGV[4]"
-    + _FENCE
-    + """
+_COMPLETE = """
 local expires = ms(at(ARGV[8]))
 redis.call('HSET', K, 'state', ARGV[4], 'response_status', ARGV[5],
   'response_headers', ARGV[6], 'response_body', ARGV[7], 'updated_at', NOW,
@@ -274,31 +258,22 @@ retain(K, expires, false)
 trim(K)
 return 1
 """
-)
 
 # The claim's expires_at bounds a released record.
-_RELEASE = (
-    "local done = 'released'"
-    + _FENCE
-    + """
+_RELEASE = """
 redis.call('HSET', K, 'state', 'released', 'updated_at', NOW)
 redis.call('ZREM', IP, K)
 retain(K, cur[4], cur[5])
 trim(K)
 return 1
 """
-)
 
 # ARGV[4]: recovery_point. A checkpoint counts as life: updated_at moves on.
-_CHECKPOINT = (
-    "local done = nil"
-    + _FENCE
-    + """
+_CHECKPOINT = """
 redis.call('HSET', K, 'recovery_point', ARGV[4], 'updated_at', NOW)
 redis.call('ZADD', IP, NOW, K)
 return 1
 """
-)
 
 # KEYS[1]: one index. ARGV: now, bound, limit, '1' if inclusive. What is due, oldest first.
 _PROBE = """
@@ -352,9 +327,7 @@ redis.call('ZREM', ST, K)
 """
 
 # ARGV[5..9]: state, status, headers, body, expires_at.
-_SETTLE_STALE = (
-    _MARKED
-    + """
+_SETTLE_STALE = """
 local expires = ms(at(ARGV[9]))
 redis.call('HSET', K, 'state', ARGV[5], 'response_status', ARGV[6],
   'response_headers', ARGV[7], 'response_body', ARGV[8], 'updated_at', NOW,
@@ -363,12 +336,9 @@ retain(K, expires, false)
 trim(K)
 return 1
 """
-)
 
 # ARGV[5]: '1' to forget the recovery point (the reconciler undid its traces).
-_RELEASE_STALE = (
-    _MARKED
-    + """
+_RELEASE_STALE = """
 local progress = cur[6]
 if ARGV[5] == '1' then
   progress = false
@@ -379,7 +349,6 @@ retain(K, cur[5], progress)
 trim(K)
 return 1
 """
-)
 
 # KEYS[5…]: records the probe listed as past retention. ARGV: now.
 _PURGE = """
@@ -388,17 +357,17 @@ for i = 5, #KEYS do purged = purged + purge_one(KEYS[i]) end
 return purged
 """
 
-#: Each script's body and what it needs before it: the record indexes, the retention helpers.
+#: Each script's body and what it needs before it: indexes, retention helpers, its fence.
 _BODIES = {
     "claim": (_INDEXES + _PACKED, _CLAIM),
-    "complete": (_INDEXES + _RETENTION, _COMPLETE),
-    "release": (_INDEXES + _RETENTION, _RELEASE),
-    "checkpoint": (_INDEXES, _CHECKPOINT),
+    "complete": (_INDEXES + _RETENTION + "local done = ARGV[4]" + _FENCE, _COMPLETE),
+    "release": (_INDEXES + _RETENTION + "local done = 'released'" + _FENCE, _RELEASE),
+    "checkpoint": (_INDEXES + "local done = nil" + _FENCE, _CHECKPOINT),
     "probe": ("", _PROBE),
     "due": ("", _DUE),
     "sweep": (_INDEXES + _PACKED, _SWEEP),
-    "settle_stale": (_INDEXES + _RETENTION, _SETTLE_STALE),
-    "release_stale": (_INDEXES + _RETENTION, _RELEASE_STALE),
+    "settle_stale": (_INDEXES + _RETENTION + _MARKED, _SETTLE_STALE),
+    "release_stale": (_INDEXES + _RETENTION + _MARKED, _RELEASE_STALE),
     "purge": (_INDEXES + _RETENTION, _PURGE),
 }
 
@@ -438,26 +407,14 @@ def is_unavailable(exc: BaseException) -> bool:
     """Cannot reach Redis, or the cluster is moving a slot or electing a master."""
     from redis import exceptions as e
 
-    return isinstance(
-        exc,
-        e.ConnectionError
-        | e.TimeoutError
-        | e.ClusterDownError
-        | e.ClusterError
-        | e.TryAgainError
-        | e.MasterDownError
-        | e.ReadOnlyError
-        | e.SlotNotCoveredError
-        | e.RedisClusterException
-        | TimeoutError,
-    )
+    down = (e.ConnectionError, e.TimeoutError, e.ClusterDownError, e.ClusterError)
+    moving = (e.TryAgainError, e.MasterDownError, e.ReadOnlyError, e.SlotNotCoveredError)
+    return isinstance(exc, (*down, *moving, e.RedisClusterException, TimeoutError))
 
 
 def is_connection_lost(exc: BaseException) -> bool:
     """A connection ended or refused, not a timeout: a read may be sent again on another.
-
-    redis-py's cluster client reports one as ``RedisClusterUnreachableError`` (its
-    cause the connection error) when its last topology refresh met one too."""
+    (redis-py's cluster client wraps one in ``RedisClusterUnreachableError``.)"""
     from redis import exceptions as e
 
     if isinstance(exc, e.RedisClusterException):
@@ -477,19 +434,13 @@ def translated() -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if not is_unavailable(exc):
-            raise
-        raise StoreUnavailable(f"redis key store unavailable: {exc}".strip()) from exc
+        raise_unavailable(exc)
+        raise
 
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Where records and indexes live and how the scripts' arguments are spelled (no I/O).
-
-    Args:
-        prefix: the start of every key (one per application or test).
-        buckets: how many hash tags the records spread over (see the module).
-    """
+    """Where records and indexes live under ``prefix``, and the claim's arguments (no I/O)."""
 
     prefix: str
     buckets: int = BUCKETS
@@ -515,12 +466,8 @@ class Layout:
         return self._locate(principal, key)[0]
 
     def record_key(self, principal: str, key: str) -> bytes:
-        """``prefix:{bucket}:k:len:principal:key``; the bucket (from a digest) picks the slot.
-
-        Length-prefixed so no two (principal, key) pairs share a name; the
-        digest spreads them over every bucket instead of putting one
-        principal's keys in one.
-        """
+        """``prefix:{bucket}:k:len:principal:key``: length-prefixed, so no two pairs share
+        a name; the bucket, from a digest, spreads one principal's keys over every slot."""
         return self._locate(principal, key)[1]
 
     def keys(self, principal: str, key: str) -> tuple[bytes, ...]:
@@ -538,7 +485,6 @@ class Layout:
         return self._epochs[bucket]
 
     def epoch_keys(self) -> list[bytes]:
-        """Every bucket's epoch, in bucket order."""
         return list(self._epochs)
 
     def indexes(self, bucket: int) -> tuple[bytes, ...]:
@@ -581,22 +527,13 @@ class Layout:
         if verdict != b"new":
             return make_claim(verdict == b"taken", unpacked(reply[1]))
         updated_at, _, expires = bytes(reply[1]).partition(b" ")  # as the script wrote them
+        # The id is the lease token, created_at the caller's now; no recovery point, no
+        # response, attempt 1.
         record = make_record(
-            lease_token,  # the id
-            intent.principal,
-            intent.key,
-            intent.fingerprint,
-            intent.endpoint,
-            State.IN_PROGRESS,
-            lease_token,
-            ms(now) / 1000,  # created_at
-            int(updated_at) / 1000,
-            int(expires) / 1000,
-            intent.correlation_id,
-            None,  # recovery_point
-            None,  # response
-            1,  # attempt
-        )
+            lease_token, intent.principal, intent.key, intent.fingerprint, intent.endpoint,
+            State.IN_PROGRESS, lease_token, ms(now) / 1000, int(updated_at) / 1000,
+            int(expires) / 1000, intent.correlation_id, None, None, 1,
+        )  # fmt: skip
         return make_claim(True, record)
 
     def complete_args(
@@ -736,28 +673,23 @@ def data_lost(left: float) -> StoreUnavailable:
     )
 
 
-def persistence_problem(configs: Sequence[Mapping[str, Any]]) -> str | None:
-    """Why these nodes' ``CONFIG GET appendonly`` / ``save`` answers lose data on restart,
-    or None when each node keeps an AOF or RDB snapshots."""
+def refuse_volatile(configs: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse nodes whose ``CONFIG GET appendonly`` / ``save`` answers lose data on restart."""
     for config in configs:
         values = {text(name): text(value) for name, value in config.items()}
+        node = values.get("node", "the server")
         if "unknown" in values:
-            return f"{values['node']}: cannot tell, {values['unknown']}"
-        if values.get("appendonly", "no") != "yes" and not values.get("save", "").strip():
-            node = values.get("node", "the server")
-            return f"{node} has neither AOF (appendonly no) nor RDB snapshots (save '')"
-    return None
-
-
-def refuse_volatile(problem: str | None) -> None:
-    if problem is None:
-        return
-    msg = (
-        f"refusing a Redis that forgets every claim when it restarts: {problem}. Enable "
-        "persistence (appendonly yes, appendfsync everysec or always), or acknowledge it "
-        "with allow_volatile=True (?allow_volatile=1 in a URL): see docs/stores.md"
-    )
-    raise ConfigurationError(msg)
+            problem = f"{node}: cannot tell, {values['unknown']}"
+        elif values.get("appendonly", "no") != "yes" and not values.get("save", "").strip():
+            problem = f"{node} has neither AOF (appendonly no) nor RDB snapshots (save '')"
+        else:
+            continue
+        msg = (
+            f"refusing a Redis that forgets every claim when it restarts: {problem}. Enable "
+            "persistence (appendonly yes, appendfsync everysec or always), or acknowledge it "
+            "with allow_volatile=True (?allow_volatile=1 in a URL): see docs/stores.md"
+        )
+        raise ConfigurationError(msg)
 
 
 #: One caller at a time starts a store: the first claims of many tasks (threads) wait.
