@@ -16,6 +16,8 @@ a shared transaction: docs/stores.md, "Redis".
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from typing import Any
 
 from ..._deprecation import moved
@@ -99,6 +101,8 @@ def open_redis(
         from redis.asyncio import Redis as AsyncRedis
         from redis.asyncio.cluster import RedisCluster as AsyncCluster
 
+        if url.lower().startswith("redis://"):  # TLS and unix sockets keep their own class
+            options["connection_class"] = _bounded_writes()
         aclient: Any = (AsyncCluster if cluster else AsyncRedis).from_url(url, **options)
         return AsyncRedisStore(
             aclient, policy=policy, prefix=prefix, clock=clock, allow_volatile=allow_volatile
@@ -110,6 +114,29 @@ def open_redis(
     return RedisStore(
         client, policy=policy, prefix=prefix, clock=clock, allow_volatile=allow_volatile
     )
+
+
+@functools.cache
+def _bounded_writes() -> type[Any]:
+    """redis.asyncio's connection, its socket writes bounded by ``asyncio.timeout``: with
+    a socket timeout, redis-py wraps every send in ``asyncio.wait_for``, a task and a loop
+    turn per command on Python 3.11 (reads already use ``asyncio.timeout``)."""
+    from redis.asyncio.connection import Connection
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    class BoundedWrites(Connection):
+        async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            # One command at a time holds a connection: the swap is seen by no other.
+            timeout, self.socket_timeout = self.socket_timeout, None
+            try:
+                async with asyncio.timeout(timeout):
+                    await super().send_packed_command(command, check_health)
+            except TimeoutError:  # what redis-py raises, so its Retry tries again
+                raise RedisTimeoutError("Timeout writing to socket") from None
+            finally:
+                self.socket_timeout = timeout
+
+    return BoundedWrites
 
 
 def _without_option(url: str, name: str) -> tuple[str, bool]:
