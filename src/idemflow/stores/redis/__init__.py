@@ -69,13 +69,9 @@ def open_redis(
     clock: StoreClock = "database",
     allow_volatile: bool = False,
 ) -> RedisStore | AsyncRedisStore:
-    """A store on a client made from ``url``; ``redis+cluster://`` means a Redis Cluster.
-
-    ``?allow_volatile=1`` in the URL is ``allow_volatile=True``: a server without
-    persistence is accepted (see :class:`RedisStore`). The client's connect and socket
-    timeouts, its retries included, fit in ``policy.store_wait_seconds`` (``Policy()``'s
-    without one): a hung server is a 503 within it.
-    """
+    """A store on a client made from ``url``; ``redis+cluster://`` means a Redis Cluster,
+    ``?allow_volatile=1`` ``allow_volatile=True``. Timeouts and retries fit in
+    ``policy.store_wait_seconds`` (``Policy()``'s): a hung server is a 503 within it."""
     with optional("idemflow.stores.redis"):
         from redis.asyncio.retry import Retry as AsyncRetry
         from redis.backoff import ExponentialBackoff
@@ -97,23 +93,15 @@ def open_redis(
             ExponentialBackoff(cap=min(0.5, timeout / 10), base=0.05), _scripts.RETRIES
         ),
     }
-    if asynchronous:
-        from redis.asyncio import Redis as AsyncRedis
-        from redis.asyncio.cluster import RedisCluster as AsyncCluster
+    if asynchronous and url.lower().startswith("redis://"):  # TLS, unix: their own class
+        options["connection_class"] = _bounded_writes()
+    import redis
+    import redis.asyncio
 
-        if url.lower().startswith("redis://"):  # TLS and unix sockets keep their own class
-            options["connection_class"] = _bounded_writes()
-        aclient: Any = (AsyncCluster if cluster else AsyncRedis).from_url(url, **options)
-        return AsyncRedisStore(
-            aclient, policy=policy, prefix=prefix, clock=clock, allow_volatile=allow_volatile
-        )
-    from redis import Redis
-    from redis.cluster import RedisCluster
-
-    client: Any = (RedisCluster if cluster else Redis).from_url(url, **options)
-    return RedisStore(
-        client, policy=policy, prefix=prefix, clock=clock, allow_volatile=allow_volatile
-    )
+    lib: Any = redis.asyncio if asynchronous else redis
+    client = (lib.RedisCluster if cluster else lib.Redis).from_url(url, **options)
+    store = AsyncRedisStore if asynchronous else RedisStore
+    return store(client, policy=policy, prefix=prefix, clock=clock, allow_volatile=allow_volatile)
 
 
 @functools.cache

@@ -509,8 +509,6 @@ class Layout:
         bucket = int.from_bytes(digest, "big") % self.buckets
         return bucket, b"%s:{%d}:k:%s" % (self._head, bucket, name)
 
-    # --- script arguments (ARGV[1] is always now, in ms) ---------------------------
-
     def claim_args(
         self, intent: Intent, lease_token: str, now: float, expires_at: float, quarantine: float = 0
     ) -> list[Any]:
