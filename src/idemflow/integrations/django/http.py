@@ -20,6 +20,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
+from django.core.signals import setting_changed
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.utils.module_loading import import_string
 
@@ -253,12 +254,11 @@ def protect(
     through and is never recorded. ``authorize_replay``: the view's own replay
     hook, in place of ``IDEMFLOW['authorize_replay']``.
     """
-    chosen = idemflow_settings()
     raw = getattr(request, "_request", request)
     headers = _headers(raw)
     rid = request_id_from(headers)
     try:
-        prepared = _prepared(chosen)  # a bad authorize_replay path: the 500 problem naming it
+        prepared = _prepared()  # a bad authorize_replay path: the 500 problem naming it
         edge = prepared.edge(public, authorize_replay)
         if str(raw.method).upper() in SAFE_METHODS:
             msg = f"{raw.method} is idempotent already; protect unsafe methods only"
@@ -299,17 +299,26 @@ class _Prepared:
         return self._principal
 
 
-# The settings object it was made for, and what was made: a settings change
-# (override_settings) makes a new settings object, and so a new _Prepared.
-_made: tuple[IdemflowSettings, _Prepared] | None = None
+# Made on the first protected request, and again after a change of the settings
+# (override_settings): a request then reads no setting.
+_made: _Prepared | None = None
 
 
-def _prepared(chosen: IdemflowSettings) -> _Prepared:
+def _prepared() -> _Prepared:
     global _made  # noqa: PLW0603 -- one slot, replaced whole (two threads may both build it)
     made = _made
-    if made is None or made[0] is not chosen:
-        made = _made = (chosen, _Prepared(chosen))
-    return made[1]
+    if made is None:
+        made = _made = _Prepared(idemflow_settings())
+    return made
+
+
+def _forget(*, setting: str, **kwargs: Any) -> None:
+    global _made  # noqa: PLW0603 -- one slot, replaced whole
+    if setting in ("IDEMFLOW", "DATABASES"):
+        _made = None
+
+
+setting_changed.connect(_forget, dispatch_uid="idemflow-prepared")
 
 
 def _respond(
