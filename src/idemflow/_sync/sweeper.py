@@ -96,25 +96,25 @@ class Sweeper:
         self, progress: Callable[[SweepReport], None] | None = None
     ) -> SweepReport:
         """One pass over everything due now (``progress`` gets the totals per batch)."""
-        now = self.clock()
+        report = SweepReport()
+        for state, cutoff in self._cutoffs(self.clock()):
+            report += self._drain(state, cutoff, progress, report)
+        return report
+
+    def _cutoffs(self, now: float) -> list[tuple[State, float]]:
+        """What a pass looks at, in order: released ones only with a reconciler to ask."""
         stale_cutoff = now - self.policy.stale_seconds
-        report = self._drain(State.IN_PROGRESS, stale_cutoff, progress)
-        if self.reconciler is not None:  # without one there is nothing to learn about them
-            report += self._drain(State.RELEASED, stale_cutoff, progress, report)
-        return report + self._drain(
-            State.STALE, now - self.retry_unknown_after, progress, report
-        )
+        looked = [(State.IN_PROGRESS, stale_cutoff)]
+        if self.reconciler is not None:
+            looked.append((State.RELEASED, stale_cutoff))
+        return [*looked, (State.STALE, now - self.retry_unknown_after)]
 
     def due_in(self) -> float | None:
         """Seconds until a pass would have something to do (negative: now; ``math.inf``:
         nothing; None: the store cannot tell), one ``next_due`` per state a pass looks at."""
         now = self.clock()
-        stale_cutoff = now - self.policy.stale_seconds
-        asked = [(State.IN_PROGRESS, stale_cutoff), (State.STALE, now - self.retry_unknown_after)]
-        if self.reconciler is not None:
-            asked.append((State.RELEASED, stale_cutoff))
         soonest = math.inf
-        for state, cutoff in asked:
+        for state, cutoff in self._cutoffs(now):
             due = self.store.next_due(state, cutoff, now)
             if due is None:
                 return None
@@ -181,7 +181,7 @@ class Sweeper:
         from_state: State,
         cutoff: float,
         progress: Callable[[SweepReport], None] | None,
-        before: SweepReport | None = None,
+        before: SweepReport,
     ) -> SweepReport:
         """Mark and resolve batches until one comes back short. Terminates: a marked record
         leaves ``from_state`` or is touched, and nothing new falls behind ``cutoff``."""
@@ -197,7 +197,7 @@ class Sweeper:
                 resolution = self._resolve(record, abandoned=from_state is State.RELEASED)
                 report += SweepReport.of(resolution, retried=from_state is State.STALE)
             if progress is not None:
-                progress(report if before is None else before + report)
+                progress(before + report)
             if len(batch) < self.batch_size:
                 return report
 
