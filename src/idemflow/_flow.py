@@ -84,10 +84,7 @@ class Execute:
 
 @dataclass(slots=True)
 class Complete:
-    """Store the settled outcome with a compare-and-swap on the lease, then commit.
-
-    Its retention starts now: the outcome is replayed for ``retention`` seconds.
-    """
+    """Store the settled outcome (a compare-and-swap on the lease), kept ``retention`` s."""
 
     record: Record
     state: State
