@@ -30,10 +30,7 @@ MAX_DEPTH = 128
 
 def parse_json(data: bytes) -> Any:
     """Parse ``data`` as strict I-JSON; InvalidBody says why it is not."""
-    text = _decode(data)
-    value = _loads(text)
-    _check_tree(value, escaped="\\u" in text)
-    return value
+    return _parse(data)[0]
 
 
 def _parse(data: bytes) -> tuple[Any, bool]:
