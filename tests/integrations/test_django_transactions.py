@@ -24,7 +24,6 @@ from django.test import override_settings
 from idemflow import (
     Attempt,
     ConfigurationError,
-    CountingObserver,
     Idempotency,
     InProgress,
     Policy,
@@ -32,6 +31,7 @@ from idemflow import (
     State,
     StoreUnavailable,
 )
+from idemflow._events import CountingObserver
 from idemflow.integrations.django import (
     DjangoStore,
     DjangoTransaction,
