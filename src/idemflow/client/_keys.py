@@ -102,7 +102,6 @@ class KeyReusedLocally(KeyReused):
     network. Use a new key for a new request.
     """
 
-    __module__ = "idemflow.client"
 
 
 def request_fingerprint(method: str, url: str, body: bytes) -> str:
