@@ -48,8 +48,8 @@ import pymysql
 
 from bench._harness import Contender, Crew, Row, interleave, parse_list, table
 from idemflow import Idempotency, Intent, Response
-from idemflow.stores.mysql import MySQLStore
-from idemflow.stores.mysql._statements import mysql_dialect, mysql_statements, unpack_read
+from idemflow.stores.mysql import MySQLStore, mysql_dialect, mysql_statements
+from idemflow.stores.mysql._statements import unpack_read
 
 TABLE = "bench_claim_shapes"
 PROCEDURE = f"{TABLE}_claim"

@@ -27,9 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from idemflow.stores.mysql import connect_kwargs
+from idemflow.stores.mysql import connect_kwargs, mysql_dialect, mysql_statements
 from idemflow.stores.mysql._errors import DUPLICATE, error_code
-from idemflow.stores.mysql._statements import mysql_dialect, mysql_statements
 
 URL = "mysql://root@127.0.0.1:3306/test"
 TABLE = f"bench_drivers_{secrets.token_hex(3)}"

@@ -216,8 +216,7 @@ def bench_fsync(runs: int) -> None:
 
 def slap(url: str, table: str, concurrency: int, queries: int) -> Callable[[], None]:
     """A mariadb-slap of the store's claim INSERT on fresh keys, ready to run."""
-    from idemflow.stores.mysql import connect_kwargs
-    from idemflow.stores.mysql._statements import mysql_statements
+    from idemflow.stores.mysql import connect_kwargs, mysql_statements
 
     sql = _substitute(mysql_statements(table).insert.named, {
         "principal": "'bench'", "key": "UUID()", "fingerprint": f"'{FINGERPRINT}'",

@@ -195,8 +195,12 @@ class RawMySQL:
     def __init__(self, table: str) -> None:
         import pymysql
 
-        from idemflow.stores.mysql import connect_kwargs, unpack_read
-        from idemflow.stores.mysql._statements import mysql_dialect, mysql_statements
+        from idemflow.stores.mysql import (
+            connect_kwargs,
+            mysql_dialect,
+            mysql_statements,
+            unpack_read,
+        )
 
         self.unpack = unpack_read
         self.dialect = mysql_dialect(table)
@@ -724,8 +728,7 @@ def urlsplit_postgres() -> list[str]:
 
 def native_mariadb(run_id: str) -> tuple[str, float] | None:
     """mariadb-slap, 16 clients, 40 000 plain-INSERT claims with UUID() keys."""
-    from idemflow.stores.mysql import connect_kwargs
-    from idemflow.stores.mysql._statements import mysql_statements
+    from idemflow.stores.mysql import connect_kwargs, mysql_statements
 
     tool = shutil.which("mariadb-slap") or shutil.which("mysqlslap")
     if tool is None:

@@ -41,8 +41,12 @@ from tests.factories import uncorrelated_intent as intent
 from tests.stores._race import Recorder, assert_exactly_once, race_processes, race_threads
 
 pymysql = pytest.importorskip("pymysql")
-from idemflow.stores.mysql import MySQLStore, connect_kwargs  # noqa: E402
-from idemflow.stores.mysql._statements import mysql_dialect, mysql_statements  # noqa: E402
+from idemflow.stores.mysql import (  # noqa: E402
+    MySQLStore,
+    connect_kwargs,
+    mysql_dialect,
+    mysql_statements,
+)
 from idemflow.transactions import PyMySQLTransaction  # noqa: E402
 
 pytestmark = pytest.mark.mysql
@@ -474,8 +478,7 @@ def test_unavailable_is_recognised_behind_a_librarys_wrapper_of_it(library: str)
     """The caller's transaction adapters raise the driver's error wrapped: Django raises its
     ``django.db.utils`` error from it, SQLAlchemy keeps it as ``.orig``. The store's rule
     judges the error behind the wrapper (a BEGIN that cannot reach the server is a 503)."""
-    from idemflow.stores.mysql import is_unavailable
-    from idemflow.stores.mysql._errors import error_code
+    from idemflow.stores.mysql import error_code, is_unavailable
 
     def wrapped(error: Exception) -> Any:  # Django's errors are untyped
         if library == "sqlalchemy":

@@ -33,8 +33,12 @@ from tests.backends import MYSQL_URL, async_mysql_backend
 from tests.factories import CREATED, intent
 
 asyncmy = pytest.importorskip("asyncmy")
-from idemflow.stores.mysql import AsyncMySQLStore, connect_kwargs, is_unavailable  # noqa: E402
-from idemflow.stores.mysql._errors import error_code  # noqa: E402
+from idemflow.stores.mysql import (  # noqa: E402
+    AsyncMySQLStore,
+    connect_kwargs,
+    error_code,
+    is_unavailable,
+)
 from idemflow.transactions import AsyncmyTransaction  # noqa: E402
 
 pytestmark = [pytest.mark.mysql, pytest.mark.anyio]

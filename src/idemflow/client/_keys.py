@@ -103,7 +103,6 @@ class KeyReusedLocally(KeyReused):
     """
 
 
-
 def request_fingerprint(method: str, url: str, body: bytes) -> str:
     """What a key is sent with: method, full URL (query included) and the body, byte for byte.
 
