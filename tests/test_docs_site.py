@@ -25,7 +25,12 @@ from tests.problem_pages import pages
 ROOT = Path(__file__).resolve().parent.parent
 MKDOCS = Path(sys.executable).with_name("mkdocs")
 #: Public modules that are not API: the CLI is documented by its --help and docs/operations.md.
-NOT_API = ("idemflow.cli.", "idemflow.integrations.django.")
+NOT_API = ("idemflow.cli", "idemflow.integrations.django.")
+
+
+def _not_api(module: str) -> bool:
+    """The CLI and what is below it (not ``idemflow.client``), the Django app's modules."""
+    return module == "idemflow.cli" or module.startswith(("idemflow.cli.", *NOT_API[1:]))
 
 
 def public_modules() -> list[str]:
@@ -33,7 +38,7 @@ def public_modules() -> list[str]:
     found = ["idemflow"]
     for module in pkgutil.walk_packages(idemflow.__path__, "idemflow."):
         parts = module.name.split(".")
-        if any(p.startswith("_") for p in parts) or f"{module.name}.".startswith(NOT_API):
+        if any(p.startswith("_") for p in parts) or _not_api(module.name):
             continue
         if module.name.startswith("idemflow.integrations.django") and module.name != (
             "idemflow.integrations.django"

@@ -113,20 +113,11 @@ class PrometheusMetrics:
         return child
 
     def stale_reclaimed(self, resolution: str, endpoint: str) -> None:
-        """Count one stale claim the sweeper resolved, by how.
-
-        The sweeper (:class:`idemflow.sweeper.Sweeper`, ``observer=metrics``)
-        calls this once per record it resolves, next to the observer call with
-        ``Event.STALE_RECLAIMED`` that counts
-        ``idemflow_requests_total{outcome="stale_reclaimed", endpoint}``;
-        this counts ``idemflow_stale_reclaimed_total{resolution}``.
+        """Count one stale claim the sweeper resolved, in ``idemflow_stale_reclaimed_total``.
 
         Args:
-            resolution: ``completed`` (the reconciler found the effect),
-                ``released`` (it did not happen; the key is free again) or
-                ``unknown`` (kept for a later sweep; the alert sees it).
-            endpoint: the record's endpoint (route template); the resolution
-                counter has no endpoint label, the requests counter has.
+            resolution: ``completed``, ``released`` or ``unknown`` (docs/operations.md).
+            endpoint: unused: the requests counter has the endpoint, this one has not.
         """
         self.stale_reclaimed_total.labels(resolution).inc()
 
@@ -147,11 +138,8 @@ class PrometheusMetrics:
         ``cache_seconds`` at most.
 
         Args:
-            store: a store that answers stats (``Store.stats()``): a sync SQL,
-                memory or Redis store, or the async SQLite or memory one. Asyncio apps on
-                PostgreSQL or Redis pass
-                a sync store opened on the same database (a pool of one or two
-                connections is plenty).
+            store: a store that answers ``stats()``: a sync one, or the async SQLite or
+                memory store (asyncio apps on PostgreSQL or Redis pass a small sync store).
             request_timeout: the same timeout as the app's ``Policy``.
             clock: the app's clock (records carry its times).
         """
