@@ -404,7 +404,7 @@ def test_settings_mistakes_are_improperly_configured() -> None:
         pytest.raises(ImproperlyConfigured, match="request_timeout"),
     ):
         idemflow_settings()
-    for observer in ("tests.nowhere.METRICS", "idemflow.CountingObserver", 42):
+    for observer in ("tests.nowhere.METRICS", "idemflow._events.CountingObserver", 42):
         with (  # at start-up (AppConfig.ready asks observer_of), not a 500 on each request
             override_settings(IDEMFLOW={"observer": observer}),
             pytest.raises(ImproperlyConfigured, match="observer"),
