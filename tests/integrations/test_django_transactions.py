@@ -24,7 +24,6 @@ from django.test import override_settings
 from idemflow import (
     Attempt,
     ConfigurationError,
-    CountingObserver,
     Idempotency,
     InProgress,
     Policy,
@@ -32,6 +31,7 @@ from idemflow import (
     State,
     StoreUnavailable,
 )
+from idemflow._events import CountingObserver
 from idemflow.integrations.django import (
     DjangoStore,
     DjangoTransaction,
@@ -403,7 +403,7 @@ def test_settings_mistakes_are_improperly_configured() -> None:
         pytest.raises(ImproperlyConfigured, match="request_timeout"),
     ):
         idemflow_settings()
-    for observer in ("tests.nowhere.METRICS", "idemflow.CountingObserver", 42):
+    for observer in ("tests.nowhere.METRICS", "idemflow._events.CountingObserver", 42):
         with (  # at start-up (AppConfig.ready asks observer_of), not a 500 on each request
             override_settings(IDEMFLOW={"observer": observer}),
             pytest.raises(ImproperlyConfigured, match="observer"),
