@@ -37,9 +37,8 @@ from idemflow.integrations.django import (
     DjangoTransaction,
     get_idempotency,
     get_store,
-    idemflow_settings,
 )
-from idemflow.integrations.django.conf import observer_of
+from idemflow.integrations.django.conf import idemflow_settings, observer_of
 from idemflow.stores.urls import open_store
 from idemflow.testing import FrozenClock
 from tests.backends import MYSQL_URL
