@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from idemflow import Attempt, Idempotency, Intent, Policy, Response, fingerprint
-from idemflow._lease import new_lease_token
+from idemflow._model import new_lease_token
 
 from ._harness import Contender, Crew, Measurement, Row, interleave, parse_list, table
 

@@ -252,7 +252,7 @@ DEPRECATED = [
     ("idemflow", "Clock", "idemflow._model", "Clock"),
     ("idemflow", "CountingObserver", "idemflow._events", "CountingObserver"),
     ("idemflow", "MissingExtra", "idemflow._errors", "MissingExtra"),
-    ("idemflow", "canonical_json", "idemflow._canonical", "canonical_json"),
+    ("idemflow", "canonical_json", "idemflow._identity", "canonical_json"),
     ("idemflow.client", "DEFAULT_METHODS", "idemflow.client._retry", "DEFAULT_METHODS"),
     ("idemflow.client", "KeyReusedLocally", "idemflow.client._keys", "KeyReusedLocally"),
     ("idemflow.logs", "DEFAULT_LEVELS", "idemflow.logs", "_DEFAULT_LEVELS"),

@@ -48,8 +48,7 @@ from ._errors import (
     StoreUnavailable,
     problem_types,
 )
-from ._fingerprint import DEFAULT_MAX_BODY_BYTES, fingerprint
-from ._key import parse_key
+from ._identity import DEFAULT_MAX_BODY_BYTES, fingerprint, parse_key
 from ._model import Classified, Intent, Outcome, Record, Response, Verdict, default_classifier
 
 __all__ = [

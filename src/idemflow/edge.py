@@ -14,9 +14,7 @@ of ``__all__``.
 
 from ._async.edge import AsyncEdge, AsyncPooledTransaction
 from ._async.edge import pooled_transaction as async_pooled_transaction
-from ._canonical import parse_json
 from ._concurrency import async_resolve
-from ._fingerprint import DEFAULT_MAX_BODY_BYTES
 from ._http import (
     DEFAULT_MAX_RESPONSE_BYTES,
     KEY_HEADER,
@@ -48,6 +46,7 @@ from ._http import (
     settled_verdict,
     sync_replay_authorizer,
 )
+from ._identity import DEFAULT_MAX_BODY_BYTES, parse_json
 from ._sync.edge import Edge, PooledTransaction, pooled_transaction
 
 __all__ = [

@@ -31,8 +31,7 @@ from .._flow import (
     release_again,
     starts_past_a_phase,
 )
-from .._lease import new_lease_token
-from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response
+from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response, new_lease_token
 from ..stores.protocol import AsyncStore, AsyncTransaction
 from .transactions import AsyncBeginsOnFirstStatement, AsyncCommitAfter
 
