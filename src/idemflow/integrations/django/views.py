@@ -44,17 +44,19 @@ from ...edge import (
     Edge,
     HTTPRequest,
     RawHeaders,
+    ViewEdges,
     body_cut_short,
     body_too_large,
     declared_length,
     plain_callable,
     problem_for,
+    raw_headers,
     report_outcome_unknown,
     request_id_from,
     sendable_headers,
     sync_replay_authorizer,
 )
-from ..wsgi import ReplayHook, ViewEdges, _require_length, raw_headers, read_body, view_options
+from ..wsgi import ReplayHook, _require_length, read_body, view_options
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
 from .store import DjangoTransaction
 
@@ -400,7 +402,8 @@ class _Prepared:
         self.settings = chosen
         self._driver = get_idempotency()
         self._authorize_replay = replay_authorizer(chosen)
-        self._edges = ViewEdges(self._driver, view_options(functools.partial(getattr, chosen)))
+        options = view_options(functools.partial(getattr, chosen))
+        self._edges = ViewEdges(functools.partial(Edge, self._driver), options)
         self._principal: Callable[[Any], str | None] | None = None
 
     def edge(self, public: bool, authorize_replay: ReplayHook | None = None) -> Edge:
