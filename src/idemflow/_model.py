@@ -12,8 +12,8 @@ import enum
 import json
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeAlias
 
@@ -403,136 +403,10 @@ def headers_json(headers: tuple[tuple[str, str], ...]) -> str:
     return text
 
 
-def record_from_row(row: Mapping[str, Any]) -> Record:
-    """Build a Record from a row with the schema's column names (times in ms)."""
-    status = row["response_status"]
-    response = None
-    if status is not None:
-        response = Response(
-            int(status),
-            bytes(row["response_body"] or b""),
-            headers_from_json(row["response_headers"]),
-        )
-    return Record(
-        id=row["id"],
-        principal=row["principal"],
-        key=row["idempotency_key"],
-        fingerprint=row["fingerprint"],
-        endpoint=row["endpoint"],
-        state=State(row["state"]),
-        lease_token=row["lease_token"],
-        created_at=row["created_at"] / 1000,
-        updated_at=row["updated_at"] / 1000,
-        expires_at=row["expires_at"] / 1000,
-        correlation_id=row["correlation_id"],
-        recovery_point=row["recovery_point"],
-        response=response,
-        attempt=int(row["attempt"]),
-    )
-
-
-# make_record, make_response, make_claim, make_outcome: a Record, Response, Claim or
-# Outcome from all its values, in field order, without the dataclass __init__. A
-# frozen dataclass's __init__ sets each field through object.__setattr__ (a global
-# lookup and a call per field: about 1 µs for a Record), and calling each slot's
-# descriptor costs two thirds of that. Instead the values are stored into an
-# instance of a plain twin class with the very same slots (one bytecode per field,
-# no call), which then becomes the frozen class by ``__class__`` assignment: CPython
-# allows it exactly when the two layouts are identical, and checks that here at
-# import. The claim and replay paths of every store build these every time. None
-# of the four has a __post_init__, so nothing is skipped; the names are checked
-# against the classes, so a field added to one cannot be forgotten.
-_RECORD_FIELDS = (
-    "id", "principal", "key", "fingerprint", "endpoint", "state", "lease_token",
-    "created_at", "updated_at", "expires_at", "correlation_id", "recovery_point",
-    "response", "attempt",
-)  # fmt: skip
-_RESPONSE_FIELDS = ("status", "body", "headers")
-_CLAIM_FIELDS = ("owned", "record")
-_OUTCOME_FIELDS = ("response", "replayed", "record")
-
-
-def _twin(cls: type, names: tuple[str, ...]) -> type:
-    """A mutable class laid out as the frozen ``cls``, whose instances may become ``cls``'s."""
-    if tuple(item.name for item in fields(cls)) != names or getattr(cls, "__slots__", ()) != names:
-        raise AssertionError(f"the builder of {cls.__name__} must set every field, in order")
-    twin = type(f"_{cls.__name__}Builder", (), {"__slots__": names})
-    twin().__class__ = cls  # TypeError if the layouts ever differ
-    return twin
-
-
-_new = object.__new__
-#: Its instances become Records by ``__class__`` assignment once every field is set
-#: (see make_record; stores/sql/dialect.py builds its records inline so).
-RecordBuilder = _twin(Record, _RECORD_FIELDS)
-_ResponseBuilder = _twin(Response, _RESPONSE_FIELDS)
-_ClaimBuilder = _twin(Claim, _CLAIM_FIELDS)
-_OutcomeBuilder = _twin(Outcome, _OUTCOME_FIELDS)
-
-
-def make_record(
-    id: int | str,
-    principal: str,
-    key: str,
-    fingerprint: str,
-    endpoint: str,
-    state: State,
-    lease_token: str | None,
-    created_at: float,
-    updated_at: float,
-    expires_at: float,
-    correlation_id: str | None,
-    recovery_point: str | None,
-    response: Response | None,
-    attempt: int,
-) -> Record:
-    """``Record(…)`` with every field given, positionally, at a fifth of the cost."""
-    record: Any = _new(RecordBuilder)
-    record.id = id
-    record.principal = principal
-    record.key = key
-    record.fingerprint = fingerprint
-    record.endpoint = endpoint
-    record.state = state
-    record.lease_token = lease_token
-    record.created_at = created_at
-    record.updated_at = updated_at
-    record.expires_at = expires_at
-    record.correlation_id = correlation_id
-    record.recovery_point = recovery_point
-    record.response = response
-    record.attempt = attempt
-    record.__class__ = Record
-    return record  # type: ignore[no-any-return]
-
-
-def make_response(status: int, body: bytes, headers: tuple[tuple[str, str], ...]) -> Response:
-    """``Response(status, body, headers)``, cheaply (see :func:`make_record`)."""
-    response: Any = _new(_ResponseBuilder)
-    response.status = status
-    response.body = body
-    response.headers = headers
-    response.__class__ = Response
-    return response  # type: ignore[no-any-return]
-
-
-def make_claim(owned: bool, record: Record) -> Claim:
-    """``Claim(owned, record)``, cheaply (see :func:`make_record`)."""
-    claim: Any = _new(_ClaimBuilder)
-    claim.owned = owned
-    claim.record = record
-    claim.__class__ = Claim
-    return claim  # type: ignore[no-any-return]
-
-
-def make_outcome(response: Response, replayed: bool, record: Record) -> Outcome:
-    """``Outcome(response, replayed, record)``, cheaply (see :func:`make_record`)."""
-    outcome: Any = _new(_OutcomeBuilder)
-    outcome.response = response
-    outcome.replayed = replayed
-    outcome.record = record
-    outcome.__class__ = Outcome
-    return outcome  # type: ignore[no-any-return]
+# The flow and the Redis scripts still call these names (their owners switch):
+# plain constructors, since the __class__-swapping builders saved < 5 % of a
+# claim (bench/bench_replay_steps.py, issue 32).
+make_record, make_response, make_claim, make_outcome = Record, Response, Claim, Outcome
 
 
 def now_ms(clock: Clock = time.time) -> int:

@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, LeaseLost
-from ..._model import Claim, Policy, Record, State, can_take_over, make_claim, record_from_row
+from ..._model import Claim, Policy, Record, State, can_take_over
 from ..._process import PID
 from ..protocol import AsyncTransaction, Statement
 from ..sql import AsyncSQLStore
@@ -31,6 +31,7 @@ from ..sql.dialect import (
     check_clock,
     claim_busy,
     owner_params,
+    record_from_row,
     record_from_values,
     row_mapping,
     sweep_params,
@@ -354,14 +355,14 @@ class AsyncMySQLStore(AsyncSQLStore):
             except Exception as exc:  # noqa: BLE001 -- judged (and raised) by _insert_failed
                 row_id = await self._insert_failed(cursor, text, bound, exc)
             if row_id is not None:
-                return make_claim(True, inserted(params, row_id))
+                return Claim(True, inserted(params, row_id))
             values = await self._read_after_duplicate(cursor, params)
             if values is None:  # released and purged in between: claim again
                 continue
             record = record_from_values(values, 0)
             # On the server's clock (or the caller's): the upsert decides again on it.
             if not can_take_over(record, fingerprint, values[PACKED_CLOCK_AT] / 1000):
-                return make_claim(False, record)
+                return Claim(False, record)
             await self._take_over(cursor, params)
             row, shape = await self._row(cursor, self.dialect.select, params)
             current = None if row is None else record_from_values(row, shape.start)

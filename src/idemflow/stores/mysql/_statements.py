@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..._model import Claim, Record, State, can_take_over, make_record, record_from_row
+from ..._model import Claim, Record, State, can_take_over
 from ..protocol import Statement
 from ..sql.dialect import (
     CLOCK_NOW,
@@ -23,6 +23,7 @@ from ..sql.dialect import (
     StoreClock,
     claim_unsettled,
     on_database_clock,
+    record_from_row,
 )
 
 DEFAULT_TABLE = "idemflow_keys"
@@ -257,12 +258,8 @@ def decided(record: Record | None, lease_token: str) -> Claim:
 
 
 def inserted(params: Mapping[str, Any], row_id: int) -> Record:
-    """The row our plain INSERT created: exactly the values we sent (``claim_params``).
-
-    Every claim of a new key builds one: positionally, without the frozen
-    dataclass's ``__init__`` (:func:`~idemflow._model.make_record`).
-    """
-    return make_record(
+    """The row our plain INSERT created: exactly the values we sent (``claim_params``)."""
+    return Record(
         row_id,
         params["principal"],
         params["key"],

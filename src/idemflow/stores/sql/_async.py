@@ -25,14 +25,13 @@ from ..._model import (
     Response,
     State,
     can_take_over,
-    make_claim,
-    record_from_row,
 )
 from ..protocol import AsyncMaintainableStore, AsyncTransaction, Statement
 from ._rows import RowShape, complete_params, row_shape, stale_params
 from ._stats import AsyncSQLObservable, is_missing_table, missing_table
 from .dialect import (
     CLAIM_RETRIES,
+    COLUMNS,
     Dialect,
     claim_busy,
     claim_params,
@@ -44,13 +43,12 @@ from .dialect import (
 
 __all__ = ["AsyncSQLStore"]
 
-_Row: TypeAlias = Mapping[str, Any] | None
-_Fetch: TypeAlias = Callable[[Statement, Mapping[str, Any]], Awaitable[_Row]]
-_Bind: TypeAlias = Callable[[Mapping[str, Any]], Any] | None
-#: The claim's first statement (text, binder: None to send the parameters as
-#: built), the read's, and whether the first is the dialect's claim_or_read
-#: (see AsyncSQLStore._claim_on).
-_ClaimPlan: TypeAlias = tuple[str, _Bind, str, _Bind, bool]
+#: A record statement's one row (a sequence) or None, and where the record sits in it.
+_Fetched: TypeAlias = tuple[Any, RowShape]
+_Fetch: TypeAlias = Callable[[Statement, Mapping[str, Any]], Awaitable[_Fetched]]
+#: How a transaction adapter's row (a mapping) is laid out for record_from_values.
+_LAID_OUT = (*COLUMNS, "clock_now", "claimed")
+_LAID_OUT_SHAPE = RowShape(0, len(COLUMNS), len(COLUMNS) + 1)
 
 
 class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
@@ -122,7 +120,6 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         self._names: dict[str, tuple[str, ...]] = {}
         # Where each record statement's result holds the record, per text.
         self._shapes: dict[str, RowShape] = {}
-        self._claim_plan: _ClaimPlan | None = None
 
     def is_unavailable(self, exc: BaseException) -> bool:
         """Does ``exc``, a driver error, mean the database cannot serve us (fail closed)?
@@ -201,62 +198,12 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
             raise failure from exc
 
     async def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
-        """:meth:`_claim_with` on one cursor of the store's own connection.
+        """:meth:`_claim_with` on one cursor of the store's own connection, rows as tuples."""
 
-        Where the dialect has :attr:`~Dialect.claim_or_read`, the claim and the
-        read of a record it lost to are one statement (one round trip for a
-        replay); an empty answer (the holder committed after our snapshot, or
-        vanished) is asked again. Flat: the statements' texts and parameters
-        are chosen once per store (:meth:`_prepare_claim`), rows read as tuples.
-        """
-        plan = self._claim_plan or self._prepare_claim()
-        claim_text, claim_bind, read_text, read_bind, combined = plan
-        execute, fetchall, shapes = cursor.execute, cursor.fetchall, self._shapes
-        for _ in range(CLAIM_RETRIES):
-            if combined:
-                await execute(claim_text, params if claim_bind is None else claim_bind(params))
-                rows = await fetchall()
-                if not rows:
-                    continue
-                row = rows[0]
-                shape = shapes.get(claim_text) or self._learn_shape(claim_text, cursor)
-                if row[shape.claimed]:
-                    return make_claim(True, record_from_values(row, shape.start))
-            else:
-                await execute(claim_text, params if claim_bind is None else claim_bind(params))
-                rows = await fetchall()
-                if rows:
-                    shape = shapes.get(claim_text) or self._learn_shape(claim_text, cursor)
-                    return make_claim(True, record_from_values(rows[0], shape.start))
-                await execute(read_text, params if read_bind is None else read_bind(params))
-                rows = await fetchall()
-                if not rows:
-                    continue
-                row = rows[0]
-                shape = shapes.get(read_text) or self._learn_shape(read_text, cursor)
-            record = record_from_values(row, shape.start)
-            # On the store's clock (the database's, see on_database_clock): the
-            # take-over statement decides again on it, atomically.
-            if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
-                return make_claim(False, record)
-            row, shape = await self._row(cursor, self.dialect.take_over, params)
-            if row is not None:
-                return make_claim(True, record_from_values(row, shape.start))
-        raise claim_unsettled()
+        async def fetch(statement: Statement, params: Mapping[str, Any]) -> _Fetched:
+            return await self._row(cursor, statement, params)
 
-    def _prepare_claim(self) -> _ClaimPlan:
-        """The claim's statement texts and how to bind their parameters, once per store."""
-        dialect = self.dialect
-        combined = dialect.claim_or_read
-        first = combined if combined is not None else dialect.claim
-        read = dialect.read_for_claim
-
-        def binder(statement: Statement) -> _Bind:
-            return None if self._extra_params else statement.bind
-
-        plan = (self._text(first), binder(first), self._text(read), binder(read), bool(combined))
-        self._claim_plan = plan
-        return plan
+        return await self._claim_with(fetch, params, fingerprint)
 
     async def _row(
         self, cursor: Any, statement: Statement, params: Mapping[str, Any]
@@ -311,10 +258,16 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         A concurrent duplicate's uncommitted claim would make us wait on its
         index entry; the dialect bounds that wait and we answer 409 instead.
         """
+
+        async def fetch(statement: Statement, params: Mapping[str, Any]) -> _Fetched:
+            # The adapters answer rows as mappings: laid out as the executor's tuples.
+            row = await transaction.fetchone(statement, params)
+            return (None if row is None else [row.get(name) for name in _LAID_OUT]), _LAID_OUT_SHAPE
+
         with self._translate(), self._bounded_wait():
             for statement in self.dialect.before_claim_in_transaction:
                 await transaction.execute(statement, params)
-            claim = await self._claim_with(transaction.fetchone, params, fingerprint)
+            claim = await self._claim_with(fetch, params, fingerprint)
             for statement in self.dialect.after_claim_in_transaction:
                 await transaction.execute(statement, params)
             return claim
@@ -327,32 +280,34 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         The insert claims an absent key. A record that may be taken over
         (expired, or released by this same request) is taken by a
         compare-and-swap UPDATE; the read before it only spares replays that
-        UPDATE's row lock. A record that vanished in between (purged) or was
-        taken by a racing retry is simply tried again. (Rows as mappings: the
-        caller's transaction adapters answer so; the store's own connection
-        takes :meth:`_claim_on`.)
+        UPDATE's row lock. Where the dialect has ``claim_or_read``, the claim and
+        the read are one statement (one round trip for a replay). A record that
+        vanished in between (purged) or was taken by a racing retry (or an empty
+        answer: the holder committed after our snapshot) is simply tried again.
         """
         combined = self.dialect.claim_or_read
         for _ in range(CLAIM_RETRIES):
-            if combined is not None:  # one statement, as in _claim_on
-                row = await fetch(combined, params)
+            if combined is not None:
+                row, shape = await fetch(combined, params)
                 if row is None:
                     continue
-                if row["claimed"]:
-                    return Claim(owned=True, record=record_from_row(row))
+                if row[shape.claimed]:
+                    return Claim(True, record_from_values(row, shape.start))
             else:
-                row = await fetch(self.dialect.claim, params)
+                row, shape = await fetch(self.dialect.claim, params)
                 if row is not None:
-                    return Claim(owned=True, record=record_from_row(row))
-                row = await fetch(self.dialect.read_for_claim, params)
+                    return Claim(True, record_from_values(row, shape.start))
+                row, shape = await fetch(self.dialect.read_for_claim, params)
                 if row is None:
                     continue
-            record = record_from_row(row)
-            if not can_take_over(record, fingerprint, row["clock_now"] / 1000):
-                return Claim(owned=False, record=record)
-            row = await fetch(self.dialect.take_over, params)
+            record = record_from_values(row, shape.start)
+            # On the store's clock (the database's, see on_database_clock): the
+            # take-over statement decides again on it, atomically.
+            if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
+                return Claim(False, record)
+            row, shape = await fetch(self.dialect.take_over, params)
             if row is not None:
-                return Claim(owned=True, record=record_from_row(row))
+                return Claim(True, record_from_values(row, shape.start))
         raise claim_unsettled()
 
     async def complete(

@@ -27,9 +27,8 @@ from ..._errors import InProgress
 from ..._model import (
     Intent,
     Record,
-    RecordBuilder,
+    Response,
     State,
-    make_response,
     stored_headers,
 )
 from ..protocol import Statement, StoreClock, check_clock
@@ -455,14 +454,10 @@ def row_mapping(description: Sequence[Any], row: Sequence[Any]) -> Mapping[str, 
 
 
 _STATES = {state.value: state for state in State}
-_new = object.__new__
 
 
 def record_from_values(row: Sequence[Any], start: int) -> Record:
-    """A Record straight from a result tuple holding ``COLUMNS`` from ``start`` (times in ms).
-
-    The replay and claim paths' one conversion: no dict, no per-field helpers.
-    """
+    """The one record decoder for SQL rows: ``COLUMNS`` from ``start`` (times in ms)."""
     (
         record_id, principal, key, fingerprint, endpoint, state, lease_token,
         recovery_point, correlation_id, status, headers, body,
@@ -472,25 +467,17 @@ def record_from_values(row: Sequence[Any], start: int) -> Record:
     if status is not None:
         if type(body) is not bytes:
             body = bytes(body or b"")
-        response = make_response(int(status), body, stored_headers(headers))
-    # make_record's body, inline (the hot path's one record: no 14-argument call).
-    record: Any = _new(RecordBuilder)
-    record.id = record_id
-    record.principal = principal
-    record.key = key
-    record.fingerprint = fingerprint
-    record.endpoint = endpoint
-    record.state = _STATES[state]
-    record.lease_token = lease_token
-    record.created_at = created_at / 1000
-    record.updated_at = updated_at / 1000
-    record.expires_at = expires_at / 1000
-    record.correlation_id = correlation_id
-    record.recovery_point = recovery_point
-    record.response = response
-    record.attempt = int(attempt)
-    record.__class__ = Record
-    return record  # type: ignore[no-any-return]
+        response = Response(int(status), body, stored_headers(headers))
+    return Record(
+        record_id, principal, key, fingerprint, endpoint, _STATES[state], lease_token,
+        created_at / 1000, updated_at / 1000, expires_at / 1000,
+        correlation_id, recovery_point, response, int(attempt),
+    )  # fmt: skip
+
+
+def record_from_row(row: Mapping[str, Any]) -> Record:
+    """:func:`record_from_values` for a row as a mapping (the transaction adapters' shape)."""
+    return record_from_values([row[column] for column in COLUMNS], 0)
 
 
 #: ``SQLStatement`` of 0.1 is the contract's :class:`~idemflow.stores.protocol.Statement`;
