@@ -33,13 +33,13 @@ from idemflow import (
     StoreUnavailable,
 )
 from idemflow.integrations.django import (
-    DjangoStore,
     DjangoTransaction,
     get_idempotency,
     get_store,
     idemflow_settings,
 )
 from idemflow.integrations.django.conf import observer_of
+from idemflow.stores.django import DjangoStore
 from idemflow.stores.urls import open_store
 from idemflow.testing import FrozenClock
 from tests.backends import MYSQL_URL

@@ -51,7 +51,7 @@ from ...edge import (
 )
 from ..wsgi import ReplayHook, ViewEdges, raw_headers, read_body, require_length
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
-from .store import DjangoTransaction
+from .transaction import DjangoTransaction
 
 __all__ = [
     "ReplayHook",
