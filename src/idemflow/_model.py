@@ -168,14 +168,9 @@ class Outcome:
 def can_take_over(record: Record, fingerprint: str, now: float) -> bool:
     """May a new claim take this existing record over? The one definition of the rule.
 
-    A released record may be retried by the *same* request at any time (it
-    keeps its recovery point and downstream keys). Past its retention a
-    record is a new intent for any request (see :func:`is_past_retention`).
-    A record in flight (``in_progress``) or being recovered (``stale``) is
-    never taken over here, however old: only the sweeper's fenced path ends
-    it, so retention cannot hand a live claim to a second request. Stores
-    make the takeover itself one atomic compare-and-swap on exactly this
-    condition (``TAKE_OVER_SQL`` in ``idemflow.stores.sql``, the Redis claim
+    A released record: by the same request, any time; past retention: by any.
+    A claim in flight or being recovered never (only the sweeper's fenced path ends
+    it). Stores decide it again atomically (``TAKE_OVER_SQL``, the Redis claim
     script); the contract suite checks that they agree.
     """
     return is_retry(record, fingerprint) or is_past_retention(record, now)
@@ -188,12 +183,8 @@ def is_retry(record: Record, fingerprint: str) -> bool:
 
 def is_past_retention(record: Record, now: float) -> bool:
     """Has this record's retention ended, so that the key is free for a new intent?
-
-    Settled outcomes, and released keys with nothing to resolve. A released
-    key whose attempt got past a recovery point (an external call may have
-    happened) is kept until it is reconciled or retried: taken over as a new
-    intent, its effect would never be reconciled, and the same request would
-    be charged again under new downstream keys.
+    Settled ones, and released ones with no recovery point: past one, an external
+    call may have happened, and only a reconcile or a retry may resume it.
     """
     if record.expires_at > now:
         return False
@@ -320,21 +311,10 @@ class Policy:
 def retry_after(record: Record, policy: Policy, now: float) -> int:
     """Whole seconds a 409 on ``record`` asks the client to wait: the one definition.
 
-    Derived from what the record tells (``updated_at`` is when its claim was
-    taken or last renewed, on the store's clock) and what the policy knows:
-
-    - a live claim (younger than the request timeout) ends by ``updated_at +
-      request_timeout`` at the latest; one that has run a while probably runs
-      longer, so wait as long as it has run, never past that deadline (a
-      client honouring it backs off on its own: 1, 1, 2, 4, … s);
-    - an orphaned claim (older than the timeout: its request was killed
-      without ending it) ends when the sweeper passes after ``updated_at +
-      stale_after``; a sweeper already overdue is waited for one interval;
-    - a claim being recovered (``stale``) is being reconciled now if fresh
-      (one interval), else asked again a threshold after it was marked.
-
-    Clamped to ``policy.retry_after`` (the floor, 1 s by default) and to the
-    threshold plus one interval (nothing known takes longer).
+    A live claim (younger than the request timeout) as long as it has run, never
+    past ``updated_at + request_timeout``; an orphaned one until the sweeper passes
+    after ``updated_at + stale_after``; a ``stale`` one being recovered, one sweep
+    interval. Clamped to ``policy.retry_after`` and to :func:`swept_within`.
     """
     interval = policy.sweep_interval
     age = max(0.0, now - record.updated_at)

@@ -276,19 +276,10 @@ class DjangoStore(MaintainableStore):
     ) -> Claim:
         """:meth:`claim`, on the connection the request's Django transaction uses.
 
-        Outside every atomic block that is what :meth:`claim` does anyway (the
-        thread's connection, in autocommit). Inside one (``ATOMIC_REQUESTS``, a
-        class-based view or a DRF action), where :meth:`claim` would take a
-        second connection: committed alone on the request's own connection
-        while the request's transaction has sent nothing yet (psycopg's BEGIN
-        waits for the first statement), so a duplicate sees it at once, and one
-        connection serves the request. Once that transaction has begun (the
-        view read or wrote first), the claim cannot commit alone on it: it takes
-        the side connection, as :meth:`claim` does, and gives it back at once.
-        Written as one of the request's writes instead, the claim would vanish
-        with a request that crashed after an external call, and the retry would
-        run it again under a new downstream key: a pool too small for that
-        second connection answers 503 instead (fail closed).
+        Inside an atomic block whose transaction has sent nothing yet, the claim commits
+        alone on the request's own connection (one connection per request, a duplicate
+        sees it at once); once it has begun, on the side connection. Never as one of the
+        request's writes: it would vanish with a crash after an external call.
         """
         if not self._lends:
             return self.claim(intent, lease_token, now, expires_at)
@@ -388,11 +379,9 @@ class DjangoStore(MaintainableStore):
 
 
 def idle_psycopg3(conn: Any) -> Any:
-    """psycopg 3's connection under ``conn``, if no transaction is open on the server.
-
-    Django's outermost ``atomic`` turns autocommit off and sends nothing: psycopg
-    sends the BEGIN with the first statement. Until then a statement may run
-    (and commit) alone, in autocommit, before the request's transaction begins.
+    """psycopg 3's connection under ``conn``, if no transaction is open on the server
+    (psycopg sends Django's BEGIN with the first statement: until then a statement
+    may commit alone, in autocommit).
     """
     raw = conn.connection
     if raw is None or not is_psycopg3(raw) or conn.needs_rollback or raw.autocommit:

@@ -1,11 +1,5 @@
-"""
-Run a :class:`~idemflow.stores.sql.Dialect` on async DB-API connections.
-
-It holds no SQL of its own and makes no decision about keys: it performs one
-store operation per call and maps driver failures to
-:class:`~idemflow.StoreUnavailable` at the boundary. Import it from
-:mod:`idemflow.stores.sql`.
-
+"""Run a :class:`~idemflow.stores.sql.Dialect` on async DB-API connections: one store
+operation per call, driver failures mapped to :class:`~idemflow.StoreUnavailable`.
 This is the async source of truth; ``idemflow/stores/sql/_sync.py`` is generated
 from it by ``scripts/unasync.py``.
 """
@@ -83,11 +77,8 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
 
     @property
     def supports_single_commit(self) -> bool:
-        """Can the claim join the caller's transaction without holding duplicates?
-
-        Only where the dialect bounds the wait on a concurrent uncommitted
-        claim (PostgreSQL's lock timeout). SQLite admits one writer: there a
-        duplicate would queue behind the whole transaction.
+        """Only where the dialect bounds a duplicate's wait on an uncommitted claim
+        (PostgreSQL's lock timeout); on SQLite it would queue behind the transaction.
         """
         return bool(self.dialect.before_claim_in_transaction)
 
@@ -123,11 +114,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
 
     def is_unavailable(self, exc: BaseException) -> bool:
         """Does ``exc``, a driver error, mean the database cannot serve us (fail closed)?
-
-        The rule this store's own operations answer ``StoreUnavailable`` by, for an
-        error met outside them on the same database: the driver asks it of the
-        ``BEGIN`` (a pooled transaction's checkout) of the caller's transaction,
-        which no store operation runs with two commits.
+        The driver asks it of the caller's transaction's ``BEGIN`` too.
         """
         return self._is_unavailable(exc)
 
@@ -152,13 +139,8 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         expires_at: float,
         lender: AsyncTransaction,
     ) -> Claim:
-        """:meth:`claim`, committed on its own, on the connection ``lender`` will use.
-
-        ``lender`` is the request's transaction, not yet begun (two-commit
-        mode). When it takes its connections from this store's own source, it
-        lends one now (and keeps it for the transaction) and the claim runs
-        there: one checkout per request instead of two. Otherwise the claim
-        runs as :meth:`claim` does, on a connection of the store's.
+        """:meth:`claim`, committed on its own, on the connection ``lender`` will use
+        when it takes connections from this store's source (one checkout per request).
         """
         params = claim_params(intent, lease_token, now, expires_at)
         return await self._claim_alone(params, intent.fingerprint, lender)
@@ -169,12 +151,8 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         fingerprint: str,
         lender: AsyncTransaction | None,
     ) -> Claim:
-        """A claim committed on its own: on the connection ``lender`` lends, when it
-        lends one the claim may run alone on, else on a connection of the store's.
-
-        The hot path, flat: one checkout, one cursor for every statement of the
-        claim, rows read as tuples, errors translated only when raised (one
-        place for :meth:`claim` and :meth:`claim_on_lent`, the lending included).
+        """A claim committed on its own, on the lent connection when it may run alone
+        there, else on the store's: one checkout, one cursor, errors translated only when raised.
         """
         try:
             lent = None
@@ -277,13 +255,9 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
     ) -> Claim:
         """Insert, or read and dispatch, or take over: ownership is decided by a statement.
 
-        The insert claims an absent key. A record that may be taken over
-        (expired, or released by this same request) is taken by a
-        compare-and-swap UPDATE; the read before it only spares replays that
-        UPDATE's row lock. Where the dialect has ``claim_or_read``, the claim and
-        the read are one statement (one round trip for a replay). A record that
-        vanished in between (purged) or was taken by a racing retry (or an empty
-        answer: the holder committed after our snapshot) is simply tried again.
+        The takeover is a compare-and-swap UPDATE; the read before it spares replays
+        its row lock (``claim_or_read``: claim and read in one round trip). A record
+        that vanished or was taken meanwhile, or an empty answer, is tried again.
         """
         combined = self.dialect.claim_or_read
         for _ in range(CLAIM_RETRIES):
