@@ -44,34 +44,13 @@ def _as_django_error(conn: Any, error: BaseException | None) -> BaseException | 
 class DjangoTransaction(Transaction):
     """The view's ``transaction.atomic()`` on ``connections[using]``, as the driver needs it.
 
-    What the driver's begin/commit/rollback mean here:
-
-    - outside any atomic block (the usual case, and views decorated with
-      ``@idempotent``, which opt out of ``ATOMIC_REQUESTS`` for their alias):
-      ``begin`` enters an outermost ``atomic`` (BEGIN), ``commit`` leaves it
-      (COMMIT, then Django's ``on_commit`` callbacks), ``rollback`` leaves it
-      with an error (ROLLBACK). The completion is durable when the view's
-      response is returned;
-    - inside an enclosing atomic block (an ``ATOMIC_REQUESTS`` view, or your
-      own ``with transaction.atomic():`` around the call): ``begin`` is a
-      savepoint, ``commit`` releases it and ``rollback`` rolls back to it. We
-      never commit the enclosing transaction: the completion and the business
-      rows become durable together when *it* commits, and vanish together if
-      it rolls back (the key then stays ``in_progress`` until the sweeper
-      releases it, which is right: the effect was undone). Recovery points
-      (``commit_phase``) are then only as durable as the enclosing
-      transaction. After a rollback to the savepoint, nothing of the attempt
-      is left in the enclosing transaction, and what the driver writes next —
-      the release of the key — goes through an autocommit side connection, so
-      the key is given back even when the enclosing transaction rolls back
-      too (DRF marks it for rollback on every exception it handles).
-      On SQLite (one writer) this mode is refused with ``ConfigurationError``
-      and the key released: the release could not be written while the
-      enclosing transaction holds the write lock.
-
-    A transaction Django marked for rollback (a database error caught inside
-    it, or ``transaction.set_rollback(True)``) is never reported committed:
-    Django refuses the completion's UPDATE in it, so the key is released.
+    Outside any atomic block, ``begin``/``commit``/``rollback`` are an outermost
+    ``atomic`` (BEGIN, COMMIT and ``on_commit``, ROLLBACK). Inside one, a savepoint:
+    the completion commits with the enclosing transaction, and after a rollback the
+    release goes through an autocommit side connection (refused on SQLite, whose one
+    writer is the enclosing transaction). A transaction marked for rollback is never
+    reported committed. docs/frameworks/django.md, "Transactions, ``ATOMIC_REQUESTS``
+    and what commits when".
     """
 
     def __init__(self, using: str = DEFAULT_DB_ALIAS) -> None:
@@ -143,21 +122,11 @@ class DjangoTransaction(Transaction):
     ) -> int:
         """The fenced write and its COMMIT in one round trip, on PostgreSQL through psycopg 3.
 
-        Sent as :class:`~idemflow.transactions.PsycopgTransaction` sends them, on
-        the psycopg connection under Django's (one pipeline: the write raises on
-        the server when it matched no row, and the server then skips the COMMIT);
-        then Django ends its ``atomic`` block as always (its ``commit()`` finds
-        the transaction over and sends nothing; the ``on_commit`` callbacks run).
-        The next BEGIN is left to Django (psycopg sends it with the next
-        statement): sent with the COMMIT, Django's own COMMIT would end it.
-
-        Everywhere else :class:`~idemflow.stores.protocol.NotFused`, before
-        anything is sent (the write goes alone, then :meth:`commit`, as
-        always): SQLite, MySQL/MariaDB, psycopg2, a savepoint in an enclosing
-        atomic block (its COMMIT is the enclosing transaction's), a transaction
-        Django marked for rollback (its cursor refuses the write), and a
-        connection Django instruments (execute wrappers, ``DEBUG``'s query log:
-        they see every statement).
+        Sent as ``PsycopgTransaction`` sends them, on the psycopg connection under
+        Django's; Django then ends its ``atomic`` block (nothing left to send,
+        ``on_commit`` runs). Everywhere else (SQLite, MySQL, psycopg2, a savepoint, a
+        transaction marked for rollback, an instrumented connection)
+        :class:`~idemflow.stores.protocol.NotFused`, before anything is sent.
         """
         raw = self._psycopg_connection()
         if raw is None:
@@ -206,11 +175,9 @@ class DjangoTransaction(Transaction):
         self._detached = True
 
     def _psycopg_connection(self) -> Any:
-        """psycopg 3's connection, when a write and the COMMIT after it may travel together.
-
-        Only while this transaction is Django's one outermost ``atomic`` block
-        on PostgreSQL, in a transaction Django has not marked for rollback, and
-        with nothing of Django's watching the connection's statements.
+        """psycopg 3's connection, when a write and the COMMIT after it may travel together:
+        Django's one outermost ``atomic`` block on PostgreSQL, not marked for rollback,
+        nothing of Django's watching the statements.
         """
         conn = self._conn
         if (

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, LeaseLost
-from ..._model import Claim, Policy, Record, State, can_take_over
+from ..._model import Claim, Policy, Record, State, can_take_over, make_claim
 from ..._process import PID
 from ..protocol import AsyncTransaction, Statement
 from ..sql import AsyncSQLStore
@@ -325,20 +325,16 @@ class AsyncMySQLStore(AsyncSQLStore):
         insert = self.statements.insert
         text, bound = insert.pyformat, insert.bind(params)
         for _ in range(CLAIM_RETRIES):
-            try:  # the INSERT's first attempt, inline: every claim sends it
-                await cursor.execute(text, bound)
-                row_id: int | None = int(cursor.lastrowid or 0)
-            except Exception as exc:  # noqa: BLE001 -- judged (and raised) by _insert_failed
-                row_id = await self._insert_failed(cursor, text, bound, exc)
+            row_id = await self._claiming(cursor, text, bound)
             if row_id is not None:
-                return Claim(True, inserted(params, row_id))
+                return make_claim(True, inserted(params, row_id))
             values = await self._read_after_duplicate(cursor, params)
             if values is None:  # released and purged in between: claim again
                 continue
             record = record_from_values(values, 0)
             # On the server's clock (or the caller's): the upsert decides again on it.
             if not can_take_over(record, fingerprint, values[PACKED_CLOCK_AT] / 1000):
-                return Claim(False, record)
+                return make_claim(False, record)
             await self._take_over(cursor, params)
             row, shape = await self._row(cursor, self.dialect.select, params)
             current = None if row is None else record_from_values(row, shape.start)
@@ -355,57 +351,31 @@ class AsyncMySQLStore(AsyncSQLStore):
         return None if row is None else unpack_read(row)
 
     async def _take_over(self, cursor: Any, params: Mapping[str, Any]) -> None:
-        """The guarded upsert. One that kept losing conflicts lost to a write of this
-        row: what the row says now (read next, by our token) is the answer."""
-        try:
-            await self._statement(cursor, self.dialect.claim, params)
-        except Exception as exc:
-            if not is_conflict(exc):
-                raise
+        """The guarded upsert. One that kept losing conflicts (None) lost to a write of
+        this row: what the row says now (read next, by our token) is the answer."""
+        upsert = self.dialect.claim
+        await self._claiming(cursor, upsert.pyformat, upsert.bind(params))
 
-    async def _insert_failed(
-        self, cursor: Any, text: str, bound: Any, exc: Exception
-    ) -> int | None:
-        """The claim's INSERT raised ``exc``: the new row's id after all, or None when the
-        key exists (1062, or a deadlock or Galera certification lost DEADLOCK_RETRIES
-        times: lost to a row that exists). A deadlock victim had no effect and is sent
-        again after a pause; a lock wait that timed out is a live holder: 409.
+    async def _claiming(self, cursor: Any, text: str, bound: Any) -> int | None:
+        """Send a claiming statement: the id it inserted (0 if none), or None when it lost
+        to a row that exists (1062, or a deadlock or Galera certification lost
+        DEADLOCK_RETRIES times). A deadlock victim had no effect and is sent again after
+        a pause; a lock wait that timed out is a live holder: 409.
         """
-        for attempt in range(1, DEADLOCK_RETRIES + 1):
-            code = error_code(exc)
-            if code == DUPLICATE or (code == DEADLOCK and attempt == DEADLOCK_RETRIES):
-                return None
-            if code == LOCK_WAIT_TIMEOUT:
-                raise claim_busy() from exc
-            if code != DEADLOCK:
-                raise exc
-            await _pause(attempt - 1)
-            try:
-                await cursor.execute(text, bound)
-            except Exception as again:  # noqa: BLE001 -- judged by the loop, raised there
-                exc = again
-            else:
-                return int(cursor.lastrowid or 0)
-        raise AssertionError("unreachable: the last attempt returns or raises")
-
-    async def _statement(self, cursor: Any, statement: Statement, params: Mapping[str, Any]) -> int:
-        """Run a claiming statement; the id it inserted (0 if none). A deadlock victim (or
-        a lost Galera certification) had no effect and runs again after a pause; a lock
-        wait timeout is a 409; still conflicting after DEADLOCK_RETRIES it is raised.
-        """
-        text, bound = statement.pyformat, statement.bind(params)
         for attempt in range(DEADLOCK_RETRIES):
             try:
                 await cursor.execute(text, bound)
             except Exception as exc:
                 code = error_code(exc)
-                if code == DEADLOCK and attempt + 1 < DEADLOCK_RETRIES:
-                    await _pause(attempt)
-                    continue
+                if code == DUPLICATE or (code == DEADLOCK and attempt + 1 == DEADLOCK_RETRIES):
+                    return None
                 if code == LOCK_WAIT_TIMEOUT:
                     raise claim_busy() from exc
-                raise
-            return int(cursor.lastrowid or 0)
+                if code != DEADLOCK:
+                    raise
+                await _pause(attempt)
+            else:
+                return int(cursor.lastrowid or 0)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _claim_in(
@@ -518,8 +488,9 @@ class AsyncMySQLStore(AsyncSQLStore):
             if transaction is not None:
                 with rolled_back_is_503():
                     return await transaction.fetchone(statement, params) is not None
-            async with self.pool.connection() as conn:
-                return await self._fetchone(conn, statement, params) is not None
+            async with self.pool.connection() as conn, conn.cursor() as cursor:
+                await cursor.execute(statement.pyformat, statement.bind(params))
+                return await cursor.fetchone() is not None
 
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..._model import Claim, Record, State, can_take_over
+from ..._model import Claim, Record, State, can_take_over, make_record
 from ..protocol import Statement
 from ..sql.dialect import (
     CLOCK_NOW,
@@ -250,7 +250,7 @@ def decided(record: Record | None, lease_token: str) -> Claim:
 
 def inserted(params: Mapping[str, Any], row_id: int) -> Record:
     """The row our plain INSERT created: exactly the values we sent (``claim_params``)."""
-    return Record(
+    return make_record(
         row_id,
         params["principal"],
         params["key"],

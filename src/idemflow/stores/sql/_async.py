@@ -19,6 +19,7 @@ from ..._model import (
     Response,
     State,
     can_take_over,
+    make_claim,
 )
 from ..protocol import AsyncMaintainableStore, AsyncTransaction, Statement
 from ._rows import RowShape, complete_params, row_shape, stale_params
@@ -106,9 +107,6 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         self._pyformat = paramstyle == "pyformat"
         self._is_unavailable = is_unavailable
         self._is_lock_timeout = is_lock_timeout
-        # Result column names per statement text (they cannot change), because
-        # psycopg builds ``cursor.description`` afresh on every access.
-        self._names: dict[str, tuple[str, ...]] = {}
         # Where each record statement's result holds the record, per text.
         self._shapes: dict[str, RowShape] = {}
 
@@ -266,11 +264,11 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
                 if row is None:
                     continue
                 if row[shape.claimed]:
-                    return Claim(True, record_from_values(row, shape.start))
+                    return make_claim(True, record_from_values(row, shape.start))
             else:
                 row, shape = await fetch(self.dialect.claim, params)
                 if row is not None:
-                    return Claim(True, record_from_values(row, shape.start))
+                    return make_claim(True, record_from_values(row, shape.start))
                 row, shape = await fetch(self.dialect.read_for_claim, params)
                 if row is None:
                     continue
@@ -278,10 +276,10 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
             # On the store's clock (the database's, see on_database_clock): the
             # take-over statement decides again on it, atomically.
             if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
-                return Claim(False, record)
+                return make_claim(False, record)
             row, shape = await fetch(self.dialect.take_over, params)
             if row is not None:
-                return Claim(True, record_from_values(row, shape.start))
+                return make_claim(True, record_from_values(row, shape.start))
         raise claim_unsettled()
 
     async def complete(
@@ -466,27 +464,6 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
             if failure is exc:
                 raise
             raise failure from exc
-
-    async def _fetchone(
-        self, conn: Any, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        cursor = conn.cursor()
-        try:
-            await cursor.execute(self._text(statement), statement.bind(params))
-            # fetchall, not fetchone: it runs the statement to its end, so on
-            # SQLite an INSERT … RETURNING commits and frees the write lock
-            # now, not after our Python work (other writers sleep until then).
-            rows = await cursor.fetchall()
-            names = self._column_names(statement, cursor) if rows else ()
-        finally:
-            await cursor.close()
-        return dict(zip(names, rows[0], strict=True)) if rows else None
-
-    def _column_names(self, statement: Statement, cursor: Any) -> tuple[str, ...]:
-        names = self._names.get(statement.named)
-        if names is None:
-            names = self._names[statement.named] = tuple(c[0] for c in cursor.description)
-        return names
 
     def _text(self, statement: Statement) -> str:
         return statement.pyformat if self._pyformat else statement.named

@@ -20,8 +20,9 @@ from ..._errors import InProgress
 from ..._model import (
     Intent,
     Record,
-    Response,
     State,
+    make_record,
+    make_response,
     stored_headers,
 )
 from ..protocol import Statement, StoreClock, check_clock
@@ -437,8 +438,8 @@ def record_from_values(row: Sequence[Any], start: int) -> Record:
     if status is not None:
         if type(body) is not bytes:
             body = bytes(body or b"")
-        response = Response(int(status), body, stored_headers(headers))
-    return Record(
+        response = make_response(int(status), body, stored_headers(headers))
+    return make_record(
         record_id, principal, key, fingerprint, endpoint, _STATES[state], lease_token,
         created_at / 1000, updated_at / 1000, expires_at / 1000,
         correlation_id, recovery_point, response, int(attempt),
