@@ -22,8 +22,8 @@ from .._errors import ConfigurationError
 from .._extras import optional
 from .._model import Claim, Intent, Record, Response, State
 from . import mysql, postgres, sqlite
-from .protocol import MaintainableStore, Transaction
-from .sql import Dialect, SQLStore, check_clock
+from .protocol import MaintainableStore, Transaction, check_clock
+from .sql import Dialect, SQLStore
 
 with optional("idemflow.stores.django"):
     from django.db import DEFAULT_DB_ALIAS, connections

@@ -19,22 +19,26 @@ from ..._deprecation import moved
 from ..._extras import optional
 
 with optional("idemflow.integrations.django"):
-    from .conf import IdemflowSettings, get_idempotency, get_store, idemflow_settings
+    from .conf import get_idempotency, get_store
     from .middleware import IdempotencyMiddleware
     from .transaction import DjangoTransaction
     from .views import idempotency_public, idempotent
 
 __all__ = [
     "DjangoTransaction",
-    "IdemflowSettings",
     "IdempotencyMiddleware",
     "get_idempotency",
     "get_store",
-    "idemflow_settings",
     "idempotency_public",
     "idempotent",
 ]
 
-#: Issue 32: the store lives under ``idemflow.stores``; importable from here, with a
-#: DeprecationWarning, until 0.3.
-__getattr__ = moved(__name__, {"DjangoStore": "idemflow.stores.django:DjangoStore"})
+#: Issue 32: the checked settings are the integration's own, the store lives under
+#: ``idemflow.stores``; importable from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(
+    __name__,
+    {
+        **{name: f"{__name__}.conf:{name}" for name in ("IdemflowSettings", "idemflow_settings")},
+        "DjangoStore": "idemflow.stores.django:DjangoStore",
+    },
+)
