@@ -2,7 +2,7 @@
 ``@idempotent``, and a Django request through idemflow's sync edge and back.
 
 The view runs once per ``(principal, Idempotency-Key)``, inside a
-``transaction.atomic()`` on ``IDEMFLOW['database']`` (:class:`~.store.DjangoTransaction`)
+``transaction.atomic()`` on ``IDEMFLOW['database']`` (:class:`~.transaction.DjangoTransaction`)
 in which the completion is written: its ORM writes and the stored response commit
 together. Retries get the stored response byte for byte, with ``Idempotent-Replayed:
 true``. ``validate=`` runs before the claim; ``authorize_replay=`` is asked before a
@@ -58,7 +58,7 @@ from ...edge import (
 )
 from ..wsgi import ReplayHook, _require_length, read_body, view_options
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
-from .store import DjangoTransaction
+from .transaction import DjangoTransaction
 
 __all__ = ["idempotency_public", "idempotent"]
 
