@@ -229,8 +229,7 @@ class RawMySQL:
             return count, cursor
 
     def claim_complete(self, keys: Keys) -> Op:
-        from idemflow.stores.sql._rows import complete_params
-        from idemflow.stores.sql.dialect import claim_params
+        from idemflow.stores.sql.dialect import claim_params, complete_params
 
         def op() -> None:
             now, token = time.time(), lease()

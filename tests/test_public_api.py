@@ -150,7 +150,10 @@ UNLISTED = [
     ("idemflow.stores.redis", ["open_redis"]),
     ("idemflow.stores.sql", ["SQLStats", "missing_table_is_clear"]),
     ("idemflow.stores.sql.dialect", ["COLUMNS", "NEW_INTENT_SQL", "TAKE_OVER_SQL", "row_mapping"]),
-    ("idemflow.stores.sql.dialect", ["claim_params", "record_from_values", "sweep_params"]),
+    (
+        "idemflow.stores.sql.dialect",
+        ["claim_params", "complete_params", "record_from_values", "sweep_params"],
+    ),
     ("idemflow.stores.sqlite", ["sqlite_dialect"]),
     ("idemflow.stores.stats", ["STUCK_STATES", "OldestClaim", "StatsSource"]),
     ("idemflow.stores.urls", ["DATABASE_URL_ENV", "OPENERS", "redact"]),
