@@ -1,6 +1,10 @@
 """
 The async driver: performs the steps of ``idemflow._flow`` and nothing else.
 
+It lends the caller's transaction to the store as a step needs it: begun by a
+single-commit claim's first statement (:class:`AsyncBeginsOnFirstStatement`),
+committed right after a completion's write (:class:`AsyncCommitAfter`).
+
 This is the async source of truth; ``idemflow/_sync/driver.py`` is generated
 from it by ``scripts/unasync.py``.
 """
@@ -9,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeAlias
 
 from .._concurrency import async_cancel_point, async_checked_handler, async_resolve, async_shielded
@@ -32,8 +36,7 @@ from .._flow import (
     starts_past_a_phase,
 )
 from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response, new_lease_token
-from ..stores.protocol import AsyncStore, AsyncTransaction
-from .transactions import AsyncBeginsOnFirstStatement, AsyncCommitAfter
+from ..stores.protocol import AsyncStore, AsyncTransaction, CommitFailed, NotFused, Statement
 
 __all__ = ["AsyncAttempt", "AsyncHandler", "AsyncIdempotency"]
 
@@ -395,3 +398,130 @@ class _Performer:
 
 def _could_not_begin(exc: BaseException) -> StoreUnavailable:
     return StoreUnavailable(f"the request's transaction could not begin: {exc}".strip())
+
+
+class AsyncCommitAfter(AsyncTransaction):
+    """The caller's transaction, for one fenced write its COMMIT follows at once.
+
+    The driver passes it to the store's ``complete`` or ``checkpoint``, then
+    calls :meth:`finish`. Where the transaction has ``execute_and_commit``
+    (the psycopg adapters), the store's write carries the COMMIT (and, with
+    ``begin``, the next BEGIN) in one round trip; elsewhere the write is sent
+    as it always was and :meth:`finish` commits. Either way the store sees
+    the write's row count (0: ``LeaseLost``, nothing committed) and the
+    COMMIT's own error comes out of :meth:`finish`, as from a ``commit()``.
+
+    ``on_commit`` is called once the COMMIT may have run (sent, whatever
+    came back), never when the fence stopped it.
+    """
+
+    def __init__(
+        self,
+        transaction: AsyncTransaction,
+        *,
+        begin: bool = False,
+        on_commit: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._transaction = transaction
+        # Until it answers NotFused once: then the write alone, and finish() commits.
+        self._fused = True
+        self._begin = begin
+        self._on_commit = on_commit
+        self._committed = False
+        self._error: BaseException | None = None
+
+    @property
+    def connection(self) -> Any:
+        return self._transaction.connection
+
+    async def begin(self) -> None:
+        await self._transaction.begin()
+
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        if self._committed:
+            raise RuntimeError("the write this transaction was lent for has committed")
+        if not self._fused:
+            return await self._transaction.execute(statement, params)
+        try:
+            changed = await self._transaction.execute_and_commit(
+                statement, params, begin=self._begin
+            )
+        except NotFused:  # nothing sent: the write alone, finish() commits
+            self._fused = False
+            return await self._transaction.execute(statement, params)
+        except CommitFailed as failed:
+            self._committed, self._error = True, failed.__cause__
+            self._on_commit()
+            return 1
+        except BaseException:
+            self._on_commit()  # sent, perhaps with its COMMIT: it may have committed
+            raise
+        if changed == 1:
+            self._committed = True
+            self._on_commit()
+        return changed
+
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        return await self._transaction.fetchone(statement, params)
+
+    async def commit(self) -> None:
+        await self._transaction.commit()
+
+    async def rollback(self) -> None:
+        await self._transaction.rollback()
+
+    async def finish(self) -> None:
+        """Commit (and begin) unless the write did; raise the COMMIT's own error if it failed."""
+        if self._committed:
+            if self._error is not None:
+                raise self._error
+            return
+        self._on_commit()
+        await self._transaction.commit()
+        if self._begin:
+            await self._transaction.begin()
+
+
+class AsyncBeginsOnFirstStatement(AsyncTransaction):
+    """The caller's transaction, for a single-commit claim: begun by its first statement.
+
+    The driver passes it to the store's ``claim``, so the ``BEGIN``, and the
+    checkout of a transaction that takes its connection only when it begins
+    (``AsyncPooledTransaction``), run inside the store's claim, where the store's
+    own rule (``is_unavailable``) says what their errors mean: a pool that
+    cannot serve the claim, or a connection gone, is ``StoreUnavailable``, a 503
+    with nothing recorded, as when two-commit mode lends the store that checkout.
+
+    Args:
+        transaction: the caller's transaction, not yet begun.
+        begin: begins it unless begun (the driver's, which knows whether it is open).
+    """
+
+    def __init__(self, transaction: AsyncTransaction, begin: Callable[[], Awaitable[None]]) -> None:
+        self._transaction = transaction
+        self._begin = begin
+
+    @property
+    def connection(self) -> Any:
+        return self._transaction.connection
+
+    async def begin(self) -> None:
+        await self._begin()
+
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        await self._begin()
+        return await self._transaction.execute(statement, params)
+
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        await self._begin()
+        return await self._transaction.fetchone(statement, params)
+
+    async def commit(self) -> None:
+        await self._transaction.commit()
+
+    async def rollback(self) -> None:
+        await self._transaction.rollback()

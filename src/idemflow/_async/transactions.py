@@ -8,14 +8,12 @@ from it by ``scripts/unasync.py``. Import the adapters from :mod:`idemflow.trans
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..stores.protocol import AsyncTransaction, CommitFailed, NotFused, Statement
 
 __all__ = [
-    "AsyncBeginsOnFirstStatement",
-    "AsyncCommitAfter",
     "AsyncPsycopgTransaction",
     "AsyncSQLAlchemyTransaction",
     "execute_and_commit",
@@ -156,133 +154,6 @@ async def execute_and_commit(
         return await transaction.execute_and_commit(statement, params, begin=begin)
     except NotFused:
         return await _execute_then_commit(transaction, statement, params, begin)
-
-
-class AsyncCommitAfter(AsyncTransaction):
-    """The caller's transaction, for one fenced write its COMMIT follows at once.
-
-    The driver passes it to the store's ``complete`` or ``checkpoint``, then
-    calls :meth:`finish`. Where the transaction has ``execute_and_commit``
-    (the psycopg adapters), the store's write carries the COMMIT (and, with
-    ``begin``, the next BEGIN) in one round trip; elsewhere the write is sent
-    as it always was and :meth:`finish` commits. Either way the store sees
-    the write's row count (0: ``LeaseLost``, nothing committed) and the
-    COMMIT's own error comes out of :meth:`finish`, as from a ``commit()``.
-
-    ``on_commit`` is called once the COMMIT may have run (sent, whatever
-    came back), never when the fence stopped it.
-    """
-
-    def __init__(
-        self,
-        transaction: AsyncTransaction,
-        *,
-        begin: bool = False,
-        on_commit: Callable[[], None] = lambda: None,
-    ) -> None:
-        self._transaction = transaction
-        # Until it answers NotFused once: then the write alone, and finish() commits.
-        self._fused = True
-        self._begin = begin
-        self._on_commit = on_commit
-        self._committed = False
-        self._error: BaseException | None = None
-
-    @property
-    def connection(self) -> Any:
-        return self._transaction.connection
-
-    async def begin(self) -> None:
-        await self._transaction.begin()
-
-    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        if self._committed:
-            raise RuntimeError("the write this transaction was lent for has committed")
-        if not self._fused:
-            return await self._transaction.execute(statement, params)
-        try:
-            changed = await self._transaction.execute_and_commit(
-                statement, params, begin=self._begin
-            )
-        except NotFused:  # nothing sent: the write alone, finish() commits
-            self._fused = False
-            return await self._transaction.execute(statement, params)
-        except CommitFailed as failed:
-            self._committed, self._error = True, failed.__cause__
-            self._on_commit()
-            return 1
-        except BaseException:
-            self._on_commit()  # sent, perhaps with its COMMIT: it may have committed
-            raise
-        if changed == 1:
-            self._committed = True
-            self._on_commit()
-        return changed
-
-    async def fetchone(
-        self, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        return await self._transaction.fetchone(statement, params)
-
-    async def commit(self) -> None:
-        await self._transaction.commit()
-
-    async def rollback(self) -> None:
-        await self._transaction.rollback()
-
-    async def finish(self) -> None:
-        """Commit (and begin) unless the write did; raise the COMMIT's own error if it failed."""
-        if self._committed:
-            if self._error is not None:
-                raise self._error
-            return
-        self._on_commit()
-        await self._transaction.commit()
-        if self._begin:
-            await self._transaction.begin()
-
-
-class AsyncBeginsOnFirstStatement(AsyncTransaction):
-    """The caller's transaction, for a single-commit claim: begun by its first statement.
-
-    The driver passes it to the store's ``claim``, so the ``BEGIN``, and the
-    checkout of a transaction that takes its connection only when it begins
-    (``AsyncPooledTransaction``), run inside the store's claim, where the store's
-    own rule (``is_unavailable``) says what their errors mean: a pool that
-    cannot serve the claim, or a connection gone, is ``StoreUnavailable``, a 503
-    with nothing recorded, as when two-commit mode lends the store that checkout.
-
-    Args:
-        transaction: the caller's transaction, not yet begun.
-        begin: begins it unless begun (the driver's, which knows whether it is open).
-    """
-
-    def __init__(self, transaction: AsyncTransaction, begin: Callable[[], Awaitable[None]]) -> None:
-        self._transaction = transaction
-        self._begin = begin
-
-    @property
-    def connection(self) -> Any:
-        return self._transaction.connection
-
-    async def begin(self) -> None:
-        await self._begin()
-
-    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        await self._begin()
-        return await self._transaction.execute(statement, params)
-
-    async def fetchone(
-        self, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        await self._begin()
-        return await self._transaction.fetchone(statement, params)
-
-    async def commit(self) -> None:
-        await self._transaction.commit()
-
-    async def rollback(self) -> None:
-        await self._transaction.rollback()
 
 
 # Result column names per statement text (they cannot change): psycopg builds
