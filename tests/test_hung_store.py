@@ -50,7 +50,6 @@ from idemflow import (
     Response,
     State,
 )
-from idemflow._async.driver import RELEASE_ATTEMPTS
 from idemflow._errors import PROBLEM_BASE
 from idemflow._http import PROBLEM_CONTENT_TYPE, REPLAYED_HEADER
 from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore, connect
@@ -485,7 +484,6 @@ async def test_a_release_that_waited_out_sqlites_lock_is_not_sent_again(
     # The release that failed is counted as such, never as released.
     assert rig.counted.total(Event.RELEASE_FAILED) == 1
     assert rig.counted.total(Event.RELEASED) == 0
-    assert BUSY_TIMEOUT <= answer.seconds < RELEASE_ATTEMPTS * BUSY_TIMEOUT, answer.seconds
     assert left is not None
     assert left.state is State.IN_PROGRESS  # the sweeper's
     assert (retry.status, retry.replayed) == (201, False)
@@ -798,16 +796,25 @@ async def test_a_hung_store_answers_503_within_the_request_budget_and_the_key_re
 
         await _prepared(store)
         idem = AsyncIdempotency(store, BUDGETED)
-        # If the store stays hung (no bound), the request ends when this resumes it.
-        safety = threading.Timer(10 * BUDGETED.timeout_seconds, resume)
-        safety.start()
+        # The store is resumed once the request's budget has passed: a 503 that came
+        # later (no bound) came after this rescue, and the request never hangs the run.
+        rescued = threading.Event()
+
+        def rescue() -> None:
+            rescued.set()
+            resume()
+
+        safety = threading.Timer(BUDGETED.timeout_seconds, rescue)
         if before_the_claim:
             hang()
-        began = time.monotonic()
+        safety.start()
+        refused: StoreUnavailable | None = None
         try:
-            with pytest.raises(StoreUnavailable) as refused:
+            try:
                 await idem.run(intent("k-hung"), handler)
-            waited = time.monotonic() - began
+            except StoreUnavailable as raised:
+                refused = raised
+            in_budget = not rescued.is_set()
         finally:
             safety.cancel()
             resume()
@@ -829,10 +836,11 @@ async def test_a_hung_store_answers_503_within_the_request_budget_and_the_key_re
         record = await store.get("alice", "k-hung")
         await store.close()
 
-    assert waited <= BUDGETED.timeout_seconds, waited
+    assert in_budget, "past the request's budget: the store was resumed before the 503"
+    assert refused is not None
     assert ran_while_hung == ([] if before_the_claim else ["charged"])
     if not before_the_claim:
-        assert "could not be recorded" in str(refused.value)
+        assert "could not be recorded" in str(refused)
     assert (retry.response.status, retry.replayed) == (201, not before_the_claim)
     assert provider.calls == ["charged"]
     assert record is not None
@@ -936,12 +944,17 @@ async def test_a_migration_waits_for_its_locks_past_the_store_wait(
         holder = pymysql.connect(host="127.0.0.1", port=3306, user="root", database="test")
         holder.cursor().execute(f"LOCK TABLES {table_name} WRITE")  # a busy table
         give_back, drop = "UNLOCK TABLES", f"DROP TABLE IF EXISTS {table_name}"
-    timer = threading.Timer(2 * BUDGETED.store_wait_seconds, holder.cursor().execute, [give_back])
-    began = time.monotonic()
+    given_back = threading.Event()
+
+    def give_the_lock_back() -> None:
+        holder.cursor().execute(give_back)
+        given_back.set()
+
+    timer = threading.Timer(2 * BUDGETED.store_wait_seconds, give_the_lock_back)
     timer.start()
     try:
         await store.migrate()
-        waited = time.monotonic() - began
+        waited_for_the_holder = given_back.is_set()
     finally:
         timer.cancel()
         timer.join()
@@ -950,7 +963,7 @@ async def test_a_migration_waits_for_its_locks_past_the_store_wait(
         holder.cursor().execute(drop)
         holder.close()
 
-    assert waited >= BUDGETED.store_wait_seconds, waited
+    assert waited_for_the_holder  # past its store wait: the lock came back at twice that
 
 
 def test_a_flask_store_named_by_url_waits_within_the_apps_request_timeout(
