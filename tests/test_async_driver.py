@@ -38,7 +38,6 @@ from idemflow import (
     KeyReused,
     LeaseLost,
     Outcome,
-    Policy,
     Response,
     State,
 )
@@ -51,10 +50,9 @@ from idemflow.transactions import (
     PsycopgTransaction,
 )
 from tests.conftest import POSTGRES_URL, unreachable
-from tests.factories import HANDLER_EXCEPTIONS, assert_passed_through, intent
+from tests.factories import HANDLER_EXCEPTIONS, POLICY, assert_passed_through, intent
 from tests.sweeping import async_sweep_away
 
-POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b'{"id":"pay_1"}\xff', (("content-type", "application/json"), ("x-a", "1")))
 
 AsyncWrite = Callable[[Any, str], Awaitable[None]]

@@ -21,15 +21,15 @@ from typing import Any
 
 import pytest
 
-from idemflow import AsyncAttempt, AsyncIdempotency, Intent, LeaseLost, Policy, Response, State
+from idemflow import AsyncAttempt, AsyncIdempotency, Intent, LeaseLost, Response, State
 from idemflow.stores.sqlite import AsyncSQLiteStore, connect
 from idemflow.testing import FrozenClock
 from idemflow.transactions import AsyncSQLite3Connection, AsyncSQLite3Transaction
+from tests.factories import POLICY
 from tests.sweeping import async_sweep_away
 
 pytestmark = pytest.mark.anyio
 
-POLICY = Policy(request_timeout=5, retention=3600)
 INTENT = Intent("alice", "k-1", "fp-1", endpoint="POST /payments")
 OTHER = Intent("alice", "k-2", "fp-2", endpoint="POST /payments")
 CREATED = Response.json(201, {"id": "pay_1"})

@@ -21,7 +21,6 @@ from idemflow import (
     Idempotency,
     LeaseLost,
     Outcome,
-    Policy,
     Record,
     Response,
     State,
@@ -30,10 +29,9 @@ from idemflow.stores.protocol import Transaction
 from idemflow.sweeper import Happened, Sweeper, SweepReport, Unknown
 from idemflow.testing import FrozenClock
 from tests.backends import Backend
-from tests.factories import intent
+from tests.factories import POLICY, intent
 
 # The same numbers as the Redis backend's policy: its lease is this stale threshold.
-POLICY = Policy(request_timeout=5, retention=3600)
 OLD = Response.json(201, {"owner": "old"})
 NEW = Response.json(201, {"owner": "new"})
 RECONCILED = Response.json(201, {"owner": "provider"})

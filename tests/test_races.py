@@ -37,7 +37,6 @@ from idemflow import (
     InProgress,
     Intent,
     LeaseLost,
-    Policy,
     Response,
     State,
 )
@@ -45,10 +44,10 @@ from idemflow.stores.protocol import AsyncTransaction, Statement, Transaction
 from idemflow.testing import FrozenClock
 from tests.backends import Backend, open_caller, open_store
 from tests.conftest import POSTGRES_URL, unreachable
+from tests.factories import POLICY
 
 pytestmark = pytest.mark.slow
 
-POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b"created", (("x-race", "1"),))
 CLAIMANTS = 50
 #: The longest the winner holds its claim waiting for every other claimant's answer:

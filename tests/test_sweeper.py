@@ -55,9 +55,8 @@ from idemflow.sweeper import (
 from idemflow.testing import FrozenClock
 from tests.backends import Backend, open_caller, open_store
 from tests.factories import CREATED_AT as CREATED
-from tests.factories import psycopg_or_skip
+from tests.factories import POLICY, psycopg_or_skip
 
-POLICY = Policy(request_timeout=5, retention=3600)  # stale after 2 × 5 + 10 = 20 s
 STALE = POLICY.stale_seconds
 RECONCILED = Response.json(201, {"id": "pay_from_provider"})
 

@@ -31,7 +31,6 @@ from idemflow import (
     Idempotency,
     Intent,
     LeaseLost,
-    Policy,
     Response,
     State,
 )
@@ -45,10 +44,9 @@ from idemflow.transactions import (
     SQLite3Transaction,
 )
 from tests.conftest import POSTGRES_URL, unreachable
-from tests.factories import CREATED
+from tests.factories import CREATED, POLICY
 from tests.sweeping import async_sweep_away, sweep_away
 
-POLICY = Policy(request_timeout=5, retention=3600)
 INTENT = Intent("alice", "k-1", "fp-1", endpoint="POST /payments")
 ORPHAN = 42  # a parent id that never exists: the deferred foreign key fails at COMMIT
 
