@@ -74,13 +74,15 @@ def psycopg_or_skip() -> ModuleType:
     return psycopg
 
 
-async def until(condition: Callable[[], bool], what: str, timeout: float = 10) -> None:
+async def until(
+    condition: Callable[[], bool], what: str, timeout: float = 10, *, blocking: bool = False
+) -> None:
     """Return once ``condition()`` holds, polling the real state from the loop (which
-    stays free meanwhile); fail after ``timeout`` seconds: what a test waits for, never a
-    sleep standing in for an order."""
+    stays free meanwhile; a ``blocking`` condition, e.g. a query, runs on a thread); fail
+    after ``timeout`` seconds: what a test waits for, never a sleep standing in for an order."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not condition():
+    while not (await asyncio.to_thread(condition) if blocking else condition()):
         assert loop.time() < deadline, f"never happened: {what}"
         await asyncio.sleep(0.005)
 
