@@ -1,11 +1,8 @@
 """
 idemflow: make non-idempotent HTTP writes safe to retry.
 
-Claim ``(principal, key)`` atomically, run the operation once, commit its
-outcome in the operation's own transaction, and answer every retry with the
-same response. Nothing here imports a web framework or a database driver;
-stores live in :mod:`idemflow.stores`, framework glue in
-:mod:`idemflow.integrations`.
+Claim ``(principal, key)`` atomically, run the operation once, commit its outcome
+in its own transaction, answer every retry alike. Imports no framework or driver.
 """
 
 from ._async.driver import AsyncAttempt, AsyncHandler, AsyncIdempotency
