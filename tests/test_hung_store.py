@@ -51,7 +51,6 @@ from idemflow import (
     State,
 )
 from idemflow._errors import PROBLEM_BASE
-from idemflow._flow import RELEASE_ATTEMPTS
 from idemflow._http import PROBLEM_CONTENT_TYPE, REPLAYED_HEADER
 from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore, connect
 from idemflow.sweeper import Answer, AsyncSweeper, DidNotHappen, Happened, Sweeper
