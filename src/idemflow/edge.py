@@ -9,7 +9,7 @@ framework"): translate the framework's request into an :class:`HTTPRequest`
 and turn the returned :class:`~idemflow.Response` back into the framework's.
 The drivers, the model and the errors are :mod:`idemflow`'s own public names.
 
-``tests/test_layers.py`` checks that no integration reaches past this module
+``tests/core/test_layers.py`` checks that no integration reaches past this module
 into ``idemflow._http``, ``idemflow._sync`` or ``idemflow._async``.
 """
 

@@ -1,6 +1,6 @@
 """
-AsyncMySQLStore (asyncmy) beyond the async contract (``tests/test_async_driver.py``,
-backend ``mysql-asyncmy``) and the async race (``tests/test_races.py``): the URL
+AsyncMySQLStore (asyncmy) beyond the async contract (``tests/core/test_async_driver.py``,
+backend ``mysql-asyncmy``) and the async race (``tests/guarantees/test_races.py``): the URL
 opener, the takeover path under concurrent tasks, the sweeper's mark, the claim
 in the caller's transaction, an unreachable server, and asyncmy's errors read
 by the shared rules.

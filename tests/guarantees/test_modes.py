@@ -6,7 +6,7 @@ other test proved (issue 9: "a table checked against these tests").
 The modes are the four ways a request can be protected: a transaction shared
 with the handler, committing the claim on its own (two-commit) or with the
 handler's first phase (single-commit); ``run()`` without a transaction; and
-``IdempotencyMiddleware``. As in tests/test_seams.py every fault is real: a
+``IdempotencyMiddleware``. As in tests/guarantees/test_seams.py every fault is real: a
 server session terminated, a task cancelled while its claim is in flight, a
 deferred constraint failing at COMMIT, a claim swept away mid-request by the
 sweeper's own statements.
@@ -59,6 +59,7 @@ from idemflow.sweeper import AsyncSweeper, DidNotHappen
 from idemflow.testing import FrozenClock
 from tests.backends import MIDDLEWARE_RIGS, Rig, open_rig, rig_params, start_cluster
 from tests.conftest import POSTGRES_URL
+from tests.core.test_sync_edge import request
 from tests.factories import CREATED, psycopg_or_skip
 from tests.factories import uncorrelated_intent as intent
 from tests.faults import (
@@ -67,10 +68,9 @@ from tests.faults import (
     shared_pool,
     transaction_on,
 )
+from tests.guarantees.test_phase_rules import transactional_modes
 from tests.http.conftest import assert_problem, new_key, serve
 from tests.sweeping import async_sweep_away
-from tests.test_phase_rules import transactional_modes
-from tests.test_sync_edge import request
 
 if TYPE_CHECKING:
     pass
@@ -379,7 +379,7 @@ async def test_a_failure_after_commit_phase_releases_and_keeps_the_recovery_poin
 ) -> None:
     """A 503 after a commit_phase (a checkpoint, without a transaction): the key is released
     with its recovery point, so the retry resumes after the committed phase instead of
-    starting over (single-commit mode: tests/test_seams.py)."""
+    starting over (single-commit mode: tests/guarantees/test_seams.py)."""
     resumed: list[str | None] = []
     with postgres_tables(table_name):
         async with shared_pool(table_name) as store:

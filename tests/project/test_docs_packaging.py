@@ -14,7 +14,7 @@ from pathlib import Path
 
 import idemflow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 SCRIPT = Path(sys.executable).with_name("idemflow")
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "idemflow"]

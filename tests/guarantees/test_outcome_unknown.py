@@ -11,7 +11,7 @@ releases the key; without one it is released after the threshold and the retry r
 sending the provider the same downstream key. In single-commit mode before any
 ``commit_phase`` nothing is durable yet: the claim rolls back with the transaction.
 
-The rigs and the request helpers are tests/test_phase_rules.py's (tests/backends.py
+The rigs and the request helpers are tests/guarantees/test_phase_rules.py's (tests/backends.py
 ``open_rig``: store and application share a pool of one connection); the provider honours
 no downstream key, so without the rule every retry below would charge a second time.
 """
@@ -30,7 +30,7 @@ from idemflow import AsyncIdempotency, InProgress, OutcomeUnknown, State
 from idemflow.sweeper import AsyncSweeper, Sweeper
 from idemflow.testing import FrozenClock
 from tests.backends import NO_TRANSACTION_RIGS, Rig, open_rig, rig_params
-from tests.test_phase_rules import (
+from tests.guarantees.test_phase_rules import (
     CHARGE,
     PHASE,
     POLICY,
@@ -158,7 +158,7 @@ async def test_the_middleware_keeps_the_claim_of_an_endpoint_whose_outcome_is_un
     from starlette.requests import Request
     from starlette.responses import Response as StarletteResponse
 
-    from tests.test_modes import call_asgi, middleware_app, status_of
+    from tests.guarantees.test_modes import call_asgi, middleware_app, status_of
 
     async with open_rig(kind, table_name, tmp_path, transactional=False) as rig:
         world = World(rig, clock)

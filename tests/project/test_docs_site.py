@@ -22,7 +22,7 @@ import idemflow
 from idemflow._errors import PROBLEM_BASE
 from tests.problem_pages import pages
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MKDOCS = Path(sys.executable).with_name("mkdocs")
 #: Public modules that are not API: the CLI is documented by its --help and docs/operations.md.
 NOT_API = ("idemflow.cli", "idemflow.integrations.django.")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "idemflow"
 
 #: Root-private modules every layer may import, and why.

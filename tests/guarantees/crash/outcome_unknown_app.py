@@ -1,6 +1,7 @@
 """
 A payments app whose provider call ends in ``OutcomeUnknown``, killed (SIGKILL) by itself
-around it, for tests/crash/test_outcome_unknown_kills.py; uvicorn serves it in a subprocess.
+around it, for tests/guarantees/crash/test_outcome_unknown_kills.py; uvicorn serves it
+in a subprocess.
 
 ``POST /payments`` charges the provider (a row in its ledger, committed on a connection
 of its own: the provider is another system), then cannot tell whether the charge went

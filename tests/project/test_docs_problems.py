@@ -19,7 +19,7 @@ from idemflow._errors import PROBLEM_BASE, problem_types
 from idemflow._http import NOT_STORED_SLUG, is_retryable, not_stored, problem, problem_for
 from tests.problem_pages import PAGES, SECTIONS, page, pages
 
-DEMO = Path(__file__).resolve().parent.parent / "demo" / "src" / "idemflow_demo"
+DEMO = Path(__file__).resolve().parents[2] / "demo" / "src" / "idemflow_demo"
 #: ``slug="…"`` arguments and ``slug = "…"`` class attributes in the demo's source.
 DEMO_SLUG = re.compile(r"""\bslug\s*=\s*["']([a-z0-9-]+)["']""")
 #: The demo's catch-all for other framework errors (``title.lower()`` of "Error").

@@ -2,7 +2,7 @@
 SIGKILL around ``OutcomeUnknown``: the server dies right after the handler raised it
 (while idemflow acts on it) or while its 503 ``outcome-unknown`` answer is being written,
 in transactional mode (Starlette's ``Idempotent``, two commits) and in middleware mode,
-on PostgreSQL (``tests/crash/outcome_unknown_app.py``; the server kills itself, as the
+on PostgreSQL (``tests/guarantees/crash/outcome_unknown_app.py``; the server kills itself, as the
 demo's crash points do).
 
 The provider charged before the raise, so nothing may run the charge again: after the
@@ -34,7 +34,7 @@ from tests.servers import serve_on_socket
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.timeout(120)]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 POLICY = Policy(request_timeout=1)  # as the app's
 
 
@@ -46,7 +46,7 @@ def server(url: str, mode: str, log: Path, crash_at: str | None = None) -> Itera
 
     def command(fd: int) -> list[str]:
         return [
-            sys.executable, "-m", "uvicorn", "tests.crash.outcome_unknown_app:app",
+            sys.executable, "-m", "uvicorn", "tests.guarantees.crash.outcome_unknown_app:app",
             "--fd", str(fd), "--lifespan", "on", "--log-level", "warning",
         ]  # fmt: skip
 

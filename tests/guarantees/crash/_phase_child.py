@@ -1,6 +1,7 @@
 """
-The doomed side of tests/crash/test_phase_kills.py: what a spawned launcher imports (little:
-no pytest, no hypothesis) and the children it forks run, until they SIGKILL themselves.
+The doomed side of tests/guarantees/crash/test_phase_kills.py: what a spawned launcher
+imports (little: no pytest, no hypothesis) and the children it forks run, until they
+SIGKILL themselves.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from idemflow import Idempotency, InProgress, Response, State
 from idemflow._sync.edge import pooled_transaction
 from idemflow.sweeper import DidNotHappen, Happened, Sweeper
 from idemflow.testing import FrozenClock
-from tests.crash._phase_child import (
+from tests.guarantees.crash._phase_child import (
     CREATED,
     FRESH,
     PHASE,
@@ -51,7 +51,7 @@ from tests.crash._phase_child import (
     handler_for,
     intent,
 )
-from tests.crash._phase_child import launch as _launch
+from tests.guarantees.crash._phase_child import launch as _launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

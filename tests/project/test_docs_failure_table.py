@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "crash-safety.md"
 HEADING = "## What each failure leaves behind, per mode"
 MODES = ("transactional two-commit", "single-commit", "no transaction", "middleware")
@@ -144,8 +144,8 @@ def test_every_row_of_the_failure_table_names_tests_that_exist(
             print(f"\n{DOC.name}: {NOT_TESTED}: {cell}")
 
 
-REAL = "tests/test_flow.py::test_handler_exception_releases_then_reraises_the_same_object"
-GHOST = "tests/test_flow.py::test_that_never_existed"
+REAL = "tests/core/test_flow.py::test_handler_exception_releases_then_reraises_the_same_object"
+GHOST = "tests/core/test_flow.py::test_that_never_existed"
 FAKE_TABLE = "\n".join(
     [
         HEADING,

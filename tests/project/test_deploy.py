@@ -24,7 +24,7 @@ from idemflow.stores.sqlite import SQLiteStore
 from tests.conftest import IN_CI
 from tests.ops_support import crash_after_claim, created, intent, metrics_endpoint, now
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 ALERT_TESTS = DEPLOY / "prometheus" / "alerts_test.yml"
 DASHBOARD = DEPLOY / "grafana" / "idemflow-dashboard.json"

@@ -38,7 +38,7 @@ import idemflow_demo
 
 DEMO = Path(idemflow_demo.__file__).parent
 LIBRARY = Path(idemflow.__file__).parent
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODULES = sorted(DEMO.rglob("*.py"))
 
 #: The only modules of the library that may name the demo: the thin CLI loaders.

@@ -32,8 +32,8 @@ from idemflow import (
 from idemflow._async.edge import AsyncEdge
 from idemflow._sync.edge import Edge
 from idemflow.stores.memory import AsyncMemoryStore, MemoryStore
+from tests.core.test_sync_edge import request
 from tests.factories import CREATED, intent
-from tests.test_sync_edge import request
 
 
 def call_later(handler: Callable[[Any], Any], attempt: Any) -> Any:

@@ -27,7 +27,7 @@ from idemflow import Intent, Record, Response, State, downstream_key
 from idemflow.stores.protocol import Store
 from idemflow.sweeper import Answer, Happened
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUSINESS_TABLE_ENV = "IDEMFLOW_TEST_BUSINESS_TABLE"
 
 
@@ -217,7 +217,11 @@ def test_reconciler_settles_with_the_business_row(database: Database) -> None:
     crashed = database.crash("paid", age=100)
 
     done = sweep(
-        database, "--reconciler", "tests.test_cli_sweep:provider_says_charged", "--step", "charge"
+        database,
+        "--reconciler",
+        "tests.cli.test_cli_sweep:provider_says_charged",
+        "--step",
+        "charge",
     )
 
     assert done.returncode == 0, done.stderr
@@ -242,7 +246,7 @@ def test_several_processes_resolve_each_record_exactly_once(database: Database) 
         "10",
         "--json",
         "--reconciler",
-        "tests.test_cli_sweep:provider_says_charged",
+        "tests.cli.test_cli_sweep:provider_says_charged",
     ]
     processes = [
         subprocess.Popen(

@@ -10,7 +10,7 @@ cores) once per session; each test then reads its result.
 
 ``spin`` comes from the Debian package ``spin``: without it these tests skip
 on a developer's machine and fail under ``CI=true``. Run this module as a
-script (``python -m tests.test_model``) for the figures docs/model.md quotes.
+script (``python -m tests.guarantees.test_model``) for the figures docs/model.md quotes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pytest
 
 from tests.conftest import IN_CI
 
-MODEL = Path(__file__).resolve().parent.parent / "model" / "idemflow.pml"
+MODEL = Path(__file__).resolve().parents[2] / "model" / "idemflow.pml"
 #: pan may not use more than this (megabytes): a search that needs more is a failure.
 MEMORY_LIMIT_MB = 1024
 SEARCH_TIMEOUT_S = 240

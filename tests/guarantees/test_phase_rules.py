@@ -16,7 +16,7 @@ only the rules stand between a retry and a second charge; the reconciler answers
 provider's ledger. Faults are real: a server session terminated or KILLed, a deferred
 foreign key failing the COMMIT, the file's write lock held, the Redis connection killed
 (the memory store has no I/O: a double fails its completion). Cancellation is tried at
-every await of a run (tests/crash/test_phase_kills.py has the SIGKILLs).
+every await of a run (tests/guarantees/crash/test_phase_kills.py has the SIGKILLs).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def _act(world: World, attempt: Any, step: str) -> Any:
         return None
     if kind == "await":  # the provider's answer, awaited (nothing to wait for when sync)
         return None if world.rig.sync else asyncio.sleep(0)
-    if kind == "unknown":  # the provider's answer never came: tests/test_outcome_unknown.py
+    if kind == "unknown":  # the provider's answer never came: guarantees/test_outcome_unknown.py
         raise OutcomeUnknown("the provider timed out after the charge was sent")
     raise AssertionError(step)
 
@@ -583,7 +583,7 @@ async def test_middleware_lost_completion_keeps_the_claim_on_every_store(
     from starlette.responses import JSONResponse
     from starlette.responses import Response as StarletteResponse
 
-    from tests.test_modes import call_asgi, middleware_app, status_of
+    from tests.guarantees.test_modes import call_asgi, middleware_app, status_of
 
     async with open_rig(kind, table_name, tmp_path, transactional=False) as rig:
         world = World(rig, clock)

@@ -1,8 +1,8 @@
 """
 ``async_shielded``: a store step runs to its end whatever happens to the task awaiting it.
 
-The drivers' claim, completion and release go through it (``tests/test_seams.py`` and
-``tests/test_modes.py`` cancel real runs); these pin the primitive itself: a cancellation
+The drivers' claim, completion and release go through it (``tests/guarantees/test_seams.py`` and
+``tests/guarantees/test_modes.py`` cancel real runs); these pin the primitive itself: a cancellation
 of the caller waits for the step and is delivered after it, a timeout of the caller stays
 a timeout, and a timeout *inside* the step (a driver's own ``asyncio.timeout``) still
 ends the step instead of being deferred forever.

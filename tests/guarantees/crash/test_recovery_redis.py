@@ -31,9 +31,9 @@ from idemflow_demo.app import DemoService, create_app
 from idemflow_demo.db_redis import RedisDatabase
 from idemflow_demo.payments import PAYMENT_CREATED, refund_id, refund_response, succeeded_response
 from idemflow_demo.recovery import recovery_sweeper
-from tests.crash.test_recovery import charge, crashed_claim, payment, pending_row
 from tests.demo_stores import redis_url
 from tests.factories import started
+from tests.guarantees.crash.test_recovery import charge, crashed_claim, payment, pending_row
 
 __all__ = ["redis_url"]
 

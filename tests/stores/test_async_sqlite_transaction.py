@@ -1,7 +1,7 @@
 """
 ``AsyncSQLite3Transaction``: the completion in an asyncio app's own SQLite transaction.
 
-The same promises as every adapter in ``tests/test_transactions.py`` (both
+The same promises as every adapter in ``tests/core/test_transactions.py`` (both
 commit, or neither; a handler's exception releases the key; a lost claim or a
 refused COMMIT leaves nothing), and the two that are SQLite's own: every
 statement runs on the connection's one thread, and the transaction begins

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from tests.demo_stores import mysql_url, redis_url
+from tests.guarantees.test_storm import storm
 from tests.http.conftest import pg_url
-from tests.test_storm import storm
 
 __all__ = ["mysql_url", "pg_url", "redis_url"]
 
