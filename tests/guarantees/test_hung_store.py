@@ -41,7 +41,6 @@ import pytest
 from idemflow import (
     AsyncAttempt,
     AsyncIdempotency,
-    CountingObserver,
     Event,
     Idempotency,
     IdempotencyError,
@@ -51,6 +50,7 @@ from idemflow import (
     State,
 )
 from idemflow._errors import PROBLEM_BASE
+from idemflow._events import CountingObserver
 from idemflow._http import PROBLEM_CONTENT_TYPE, REPLAYED_HEADER
 from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore, connect
 from idemflow.sweeper import Answer, AsyncSweeper, DidNotHappen, Happened, Sweeper
