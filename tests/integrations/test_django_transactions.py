@@ -32,12 +32,12 @@ from idemflow import (
 )
 from idemflow._events import CountingObserver
 from idemflow.integrations.django import (
-    DjangoStore,
     DjangoTransaction,
     get_idempotency,
     get_store,
 )
 from idemflow.integrations.django.conf import idemflow_settings, observer_of
+from idemflow.stores.django import DjangoStore
 from idemflow.stores.urls import open_store
 from idemflow.testing import FrozenClock
 from tests.backends import MYSQL_URL
