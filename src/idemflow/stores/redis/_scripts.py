@@ -14,7 +14,7 @@ import hashlib
 import math
 import random
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +86,44 @@ def attempt_timeout(policy: Policy) -> float:
     answers 503 within ``policy.store_wait_seconds`` (plus the backoffs, a tenth of an
     attempt at most), not (1 + RETRIES) × a fixed timeout."""
     return policy.store_wait_seconds / (1 + RETRIES)
+
+
+def shorten_waits(client: Any, store_wait: float, *, cluster: bool) -> None:
+    """Each attempt of ``client`` waits at most :func:`attempt_timeout`'s share of
+    ``store_wait`` from now on, where it waited longer: in the settings new connections
+    are made with, and on each connection held (redis.asyncio reads it at each call; a
+    sync pool's idle connections are closed, to reconnect with it)."""
+    from redis.cluster import RedisCluster
+
+    attempt = store_wait / (1 + RETRIES)
+    if not cluster:
+        _shorten_pool(client.connection_pool, attempt)
+        return
+    _shorten(client.nodes_manager.connection_kwargs, [], attempt)
+    for node in client.get_nodes():
+        if isinstance(client, RedisCluster):  # sync: each node a client of its own
+            if node.redis_connection is not None:
+                _shorten_pool(node.redis_connection.connection_pool, attempt)
+        else:  # redis.asyncio's nodes hold their connections themselves
+            _shorten(node.connection_kwargs, node._connections, attempt)
+
+
+def _shorten(settings: dict[str, Any], connections: Iterable[Any], attempt: float) -> bool:
+    if (settings.get("socket_timeout") or math.inf) <= attempt:
+        return False
+    settings["socket_timeout"] = settings["socket_connect_timeout"] = attempt
+    for conn in connections:
+        conn.socket_timeout = conn.socket_connect_timeout = attempt
+    return True
+
+
+def _shorten_pool(pool: Any, attempt: float) -> None:
+    from redis import ConnectionPool
+
+    held = [*pool._available_connections, *pool._in_use_connections]
+    # A sync socket keeps the timeout it was opened with.
+    if _shorten(pool.connection_kwargs, held, attempt) and isinstance(pool, ConnectionPool):
+        pool.disconnect(inuse_connections=False)
 
 
 # Every script starts on its clock: ``now`` (ms) is the time its decisions are
