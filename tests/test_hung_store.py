@@ -879,6 +879,45 @@ async def test_a_store_built_without_the_policy_waits_within_the_drivers_budget(
     assert ran == []
 
 
+@pytest.mark.redis
+def test_a_sync_redis_store_built_without_the_policy_waits_within_the_drivers_budget(
+    tmp_path: Path,
+) -> None:
+    """As above with the sync client, whose idle connections keep the socket timeout they
+    were opened with: the store told a shorter wait closes them, to reconnect with it."""
+    import threading
+
+    pytest.importorskip("redis")
+    from idemflow import StoreUnavailable
+    from idemflow.stores.redis import open_redis
+
+    ran: list[str] = []
+
+    def handler(attempt: Any) -> Response:
+        ran.append("charged")
+        return CREATED
+
+    with own_redis_server(tmp_path) as (process, url):
+        store: Any = open_redis(url, clock="caller", allow_volatile=True)
+        store.get("alice", "k-warm")  # a pooled connection, opened with Policy()'s timeout
+        idem = Idempotency(store, BUDGETED)
+        safety = threading.Timer(10 * BUDGETED.timeout_seconds, lambda: _thaw_all([process]))
+        safety.start()
+        freeze(process)
+        began = time.monotonic()
+        try:
+            with pytest.raises(StoreUnavailable):
+                idem.run(intent("k-hung"), handler)
+            waited = time.monotonic() - began
+        finally:
+            safety.cancel()
+            _thaw_all([process])
+        store.client.close()
+
+    assert waited <= BUDGETED.timeout_seconds, waited
+    assert ran == []
+
+
 @pytest.mark.postgres
 @pytest.mark.parametrize("request_timeout", [1, 30])
 async def test_the_store_wait_is_derived_from_the_request_timeout(
