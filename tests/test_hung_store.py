@@ -883,8 +883,8 @@ async def test_a_store_built_without_the_policy_waits_within_the_drivers_budget(
 def test_a_sync_redis_store_built_without_the_policy_waits_within_the_drivers_budget(
     tmp_path: Path,
 ) -> None:
-    """As above with the sync client, whose idle connections keep the socket timeout they
-    were opened with: the store told a shorter wait closes them, to reconnect with it."""
+    """As above with the sync client, whose pooled connection keeps the socket timeout it
+    was opened with: the store told a shorter wait sets it on the socket itself."""
     import threading
 
     pytest.importorskip("redis")

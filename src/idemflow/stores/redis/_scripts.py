@@ -92,7 +92,7 @@ def shorten_waits(client: Any, store_wait: float, *, cluster: bool) -> None:
     """Each attempt of ``client`` waits at most :func:`attempt_timeout`'s share of
     ``store_wait`` from now on, where it waited longer: in the settings new connections
     are made with, and on each connection held (redis.asyncio reads it at each call; a
-    sync pool's idle connections are closed, to reconnect with it)."""
+    sync one's socket is told at once)."""
     from redis.cluster import RedisCluster
 
     attempt = store_wait / (1 + RETRIES)
@@ -121,9 +121,24 @@ def _shorten_pool(pool: Any, attempt: float) -> None:
     from redis import ConnectionPool
 
     held = [*pool._available_connections, *pool._in_use_connections]
-    # A sync socket keeps the timeout it was opened with.
     if _shorten(pool.connection_kwargs, held, attempt) and isinstance(pool, ConnectionPool):
-        pool.disconnect(inuse_connections=False)
+        for conn in held:
+            _shorten_socket(conn, attempt)
+
+
+def _shorten_socket(conn: Any, attempt: float) -> None:
+    """A connected sync ``conn``'s socket, which keeps the timeout it was opened with, and
+    its parser's copy (restored after each poll of the pool's checkout): as redis-py's own
+    ``update_current_socket_timeout`` does (recent releases only). Never reconnects."""
+    sock = conn._sock
+    if sock is None:
+        return
+    sock.settimeout(attempt)
+    parser = conn._parser
+    if getattr(parser, "_buffer", None) is not None:  # the pure-Python parsers
+        parser._buffer.socket_timeout = attempt
+    if hasattr(parser, "_socket_timeout"):  # hiredis's
+        parser._socket_timeout = attempt
 
 
 # Every script starts on its clock: ``now`` (ms) is the time its decisions are
