@@ -45,14 +45,12 @@ def _store() -> Any:
 
         return AsyncPostgresStore(URL, max_size=8)
     if KIND == "redis":
-        import redis.asyncio
+        from idemflow.stores.redis import open_redis
 
-        from idemflow.stores.redis import AsyncRedisStore
-
-        client = redis.asyncio.Redis.from_url(URL)
-        # The bench's shared Redis keeps nothing on disk: acknowledged, as the tests do.
+        # The client open_store makes from a URL (bounded timeouts, retries). The bench's
+        # shared Redis keeps nothing on disk: acknowledged, as the tests do.
         prefix = os.environ.get("BENCH_PREFIX", "bench:")
-        return AsyncRedisStore(client, prefix=prefix, allow_volatile=True)
+        return open_redis(URL, prefix=prefix, asynchronous=True, allow_volatile=True)
     if KIND == "mysql":
         from idemflow.stores.mysql import AsyncMySQLStore
 

@@ -134,9 +134,9 @@ FSYNC = {
 }
 REQUESTS = 100_000
 #: ARGV of the claim script: now, expires_at, token, principal, key, fingerprint,
-#: endpoint, correlation id, has one, quarantine (ms).
+#: endpoint, quarantine (ms); no correlation id.
 CLAIM_ARGS = ["1800000000000", "1800086400000", "tok", "bench", "k", FINGERPRINT, ENDPOINT]
-CLAIM_ARGS += ["", "0", "70000"]
+CLAIM_ARGS += ["70000"]
 
 
 def _tests_importable() -> None:

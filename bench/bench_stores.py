@@ -664,7 +664,7 @@ def postgres_claim(run_id: str) -> Iterator[Op | None]:
 # --- native clients (the servers' own capacity) --------------------------------
 
 NATIVE_SECONDS = 10
-REDIS_ARGS = ["1800000000000", "1800086400000", "tok", "bench", "k", FINGERPRINT, ENDPOINT, "", "0"]
+REDIS_ARGS = ["1800000000000", "1800086400000", "tok", "bench", "k", FINGERPRINT, ENDPOINT, "0"]
 
 
 def native_rates(run_id: str, report: Report) -> None:

@@ -16,6 +16,8 @@ a shared transaction: docs/stores.md, "Redis".
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from typing import Any
 
 from ..._deprecation import moved
@@ -67,13 +69,9 @@ def open_redis(
     clock: StoreClock = "database",
     allow_volatile: bool = False,
 ) -> RedisStore | AsyncRedisStore:
-    """A store on a client made from ``url``; ``redis+cluster://`` means a Redis Cluster.
-
-    ``?allow_volatile=1`` in the URL is ``allow_volatile=True``: a server without
-    persistence is accepted (see :class:`RedisStore`). The client's connect and socket
-    timeouts, its retries included, fit in ``policy.store_wait_seconds`` (``Policy()``'s
-    without one): a hung server is a 503 within it.
-    """
+    """A store on a client made from ``url``; ``redis+cluster://`` means a Redis Cluster,
+    ``?allow_volatile=1`` ``allow_volatile=True``. Timeouts and retries fit in
+    ``policy.store_wait_seconds`` (``Policy()``'s): a hung server is a 503 within it."""
     with optional("idemflow.stores.redis"):
         from redis.asyncio.retry import Retry as AsyncRetry
         from redis.backoff import ExponentialBackoff
@@ -95,21 +93,38 @@ def open_redis(
             ExponentialBackoff(cap=min(0.5, timeout / 10), base=0.05), _scripts.RETRIES
         ),
     }
-    if asynchronous:
-        from redis.asyncio import Redis as AsyncRedis
-        from redis.asyncio.cluster import RedisCluster as AsyncCluster
+    if asynchronous and url.lower().startswith("redis://"):  # TLS, unix: their own class
+        options["connection_class"] = _bounded_writes()
+    import redis
+    import redis.asyncio
 
-        aclient: Any = (AsyncCluster if cluster else AsyncRedis).from_url(url, **options)
-        return AsyncRedisStore(
-            aclient, policy=policy, prefix=prefix, clock=clock, allow_volatile=allow_volatile
-        )
-    from redis import Redis
-    from redis.cluster import RedisCluster
+    lib: Any = redis.asyncio if asynchronous else redis
+    client = (lib.RedisCluster if cluster else lib.Redis).from_url(url, **options)
+    store = AsyncRedisStore if asynchronous else RedisStore
+    return store(client, policy=policy, prefix=prefix, clock=clock, allow_volatile=allow_volatile)
 
-    client: Any = (RedisCluster if cluster else Redis).from_url(url, **options)
-    return RedisStore(
-        client, policy=policy, prefix=prefix, clock=clock, allow_volatile=allow_volatile
-    )
+
+@functools.cache
+def _bounded_writes() -> type[Any]:
+    """redis.asyncio's connection, its socket writes bounded by ``asyncio.timeout``: with
+    a socket timeout, redis-py wraps every send in ``asyncio.wait_for``, a task and a loop
+    turn per command on Python 3.11 (reads already use ``asyncio.timeout``)."""
+    from redis.asyncio.connection import Connection
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    class BoundedWrites(Connection):
+        async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            # One command at a time holds a connection: the swap is seen by no other.
+            timeout, self.socket_timeout = self.socket_timeout, None
+            try:
+                async with asyncio.timeout(timeout):
+                    await super().send_packed_command(command, check_health)
+            except TimeoutError:  # what redis-py raises, so its Retry tries again
+                raise RedisTimeoutError("Timeout writing to socket") from None
+            finally:
+                self.socket_timeout = timeout
+
+    return BoundedWrites
 
 
 def _without_option(url: str, name: str) -> tuple[str, bool]:

@@ -1,9 +1,5 @@
 """
-The Redis store's I/O: every operation one script call (or one pipelined walk).
-
-The rules it sends (key layout, Lua scripts, argument spelling) live in
-``_scripts.py`` next to it. Import both stores from :mod:`idemflow.stores.redis`.
-
+The Redis store's I/O: each operation one script call (or a pipelined walk) of ``_scripts.py``.
 This is the async source of truth; ``idemflow/stores/redis/_sync.py`` is generated
 from it by ``scripts/unasync.py``.
 """
@@ -25,23 +21,26 @@ from ._scripts import (
     CREATE_ABSENT,
     DEFAULT_PREFIX,
     EXPIRES,
+    FIELDS,
     KEEP_ABSENT,
     ON_CLOCK,
     WALK_ATTEMPTS,
     AsyncStartGate,
     is_connection_lost,
     layout_for,
+    marked_args,
     ms,
-    persistence_problem,
+    outcome_args,
+    owner_args,
     probe_args,
     raise_unavailable,
-    record_from_hash,
-    record_from_reply,
+    record_from_fields,
     refuse_transaction,
     refuse_volatile,
     shorten_waits,
     swept_index,
     translated,
+    unpacked,
 )
 from ._stats import AsyncRedisObservable
 
@@ -55,47 +54,18 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
     """Key records in Redis or Redis Cluster, on a redis-py client (``redis.asyncio``'s for async).
 
     Args:
-        client: a redis-py client with ``decode_responses=False``. Bound its
-            retries (``retry=Retry(…, retries=2)``, ``socket_timeout``): an
-            outage is answered 503 only once they are spent. Every script is
-            safe to retry. ``redis.asyncio``'s client needs the ``Retry`` of
-            ``redis.asyncio.retry``: given redis-py's sync one, it never retries.
-        policy: your app's policy: its stale threshold is how long claims
-            are refused after a data loss is found (below). Optional: each
-            idempotency driver made on the store tells it its own policy's
-            threshold, and the store keeps the longest it was given
-            (``Policy()``'s if none). A record's life does not depend on
-            it (claims end through the sweeper; retention comes with each write).
+        client: a redis-py client with ``decode_responses=False``, its retries bounded
+            (``redis.asyncio.retry.Retry`` for the async one: given the sync one it never
+            retries). Every script is safe to resend.
+        policy: its stale threshold is how long claims are refused after a data loss is
+            found; each driver made on the store tells it its own, the longest is kept.
         prefix: the start of every key this store writes.
-        clock: ``"database"`` (the default): every decision is taken on Redis's
-            own clock (``TIME`` in each script; on each master's in a cluster),
-            and the instants a caller computes (an expiry, the sweeper's cutoff)
-            keep only their distance from the caller's now, so app servers and
-            sweepers whose clocks disagree still agree on what is stale or
-            expired. ``"caller"``: the caller's ``now`` as given (tests that
-            move a frozen clock).
-        allow_volatile: accept a server that keeps neither an AOF nor RDB
-            snapshots. Without it the first claim checks every master
-            (``CONFIG GET appendonly`` / ``save``) and raises
-            ``ConfigurationError``: restarted, such a server forgets every
-            claim, and requests in flight run a second time.
+        clock: ``"database"`` (Redis's ``TIME`` decides) or ``"caller"`` (frozen-clock tests).
+        allow_volatile: accept a server with neither AOF nor RDB snapshots (refused by
+            default: restarted, it forgets every claim).
 
-    A data loss while running is detected: the store writes each bucket's
-    epoch key when it starts, with the server's boot (``INFO``'s ``run_id``).
-    A bucket whose epoch is gone (its data vanished), or was last seen on
-    another boot (the server restarted or failed over, and may have lost its
-    last writes), answers the claims that would write a record 503 +
-    ``Retry-After`` until the stale threshold has passed since the loss was
-    found, or since the boot: no request in flight before it can run again
-    while it may still be running. The first claim that finds an epoch gone
-    arms every epoch that is gone with it, so every bucket the loss took
-    opens again a threshold after that discovery. Replays, 409s and 422s
-    answer throughout.
-
-    ``supports_transactions`` is False: ``Idempotency.run(…, transaction=…)``
-    raises ``ConfigurationError`` before claiming anything. Run the sweeper
-    (``idemflow sweep redis://…``) as for the SQL stores: a crashed claim
-    stays ``in_progress`` until it marks it stale.
+    Cannot share a transaction (``supports_transactions = False``); run the sweeper. The
+    design (epochs, quarantine, layout): docs/stores.md, "Redis".
     """
 
     supports_transactions = False
@@ -127,9 +97,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
 
     @property
     def quarantine(self) -> float:
-        """How long claims are refused in a bucket whose data vanished (seconds): the
-        longest stale threshold of the store's policy and of every driver's
-        (:meth:`cover_stale_threshold`); ``Policy()``'s when none was given."""
+        """Seconds claims are refused in a bucket that lost data (the longest threshold told)."""
         return _DEFAULT_QUARANTINE if self._quarantine is None else self._quarantine
 
     def cover_stale_threshold(self, seconds: float) -> None:
@@ -155,59 +123,26 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
                     await self.start(now)
         args = self.layout.claim_args(intent, lease_token, now, expires_at, self.quarantine)
         keys = self.layout.claim_keys(intent.principal, intent.key)
-        # try/except, not translated(): a generator context manager per call costs.
-        try:
-            reply = await self._evalsha("claim", keys, args)
-            if self.layout.found_loss(reply):
-                await self._arm_lost_buckets(args[0])
-        except Exception as exc:
-            raise_unavailable(exc)
-            raise
+        reply = await self._evalsha("claim", keys, args)
+        if len(reply) > 2:  # it found its bucket's epoch gone: a loss takes every bucket of
+            with translated():  # its server, so arm each one's quarantine from now
+                await self._boot(args[0], ARM_ABSENT)
         return self.layout.claimed(reply, intent, lease_token, now, expires_at)
 
-    async def _arm_lost_buckets(self, now_ms: int) -> None:
-        """A claim found its bucket's epoch gone: arm every epoch that is gone from now.
-
-        A loss (a restart without persistence, ``FLUSHALL``, an empty replica
-        promoted) takes every bucket of its server (of its master, on a cluster)
-        at once. Left to each bucket's first claim, the quarantine of a bucket
-        first asked later would end that much later than the loss; armed here,
-        it ends a stale threshold after the first discovery wherever the next
-        claim falls. Any instant after the loss is safe to arm from (a claim lost
-        with the data had begun before it); an epoch still there is only told
-        the boot, as always. On a cluster, once per master (the boot script).
-        """
-        await self._boot(now_ms, ARM_ABSENT)
-
     async def start(self, now: float | None = None) -> None:
-        """Refuse a volatile server (unless allowed), write every bucket's epoch, load the scripts.
-
-        Run by the first claim (``now`` on the caller's clock; the time by
-        default); safe to run again. An epoch that exists learns the server's
-        boot, or is armed if it saw another (see :meth:`_prepare`). A store
-        started after a loss cannot tell an emptied server from a new one: it
-        is the stores running during the loss that find it, and every store
-        finds a restart.
-        """
+        """Refuse a volatile server (unless allowed), write every bucket's epoch, load the
+        scripts. Run by the first claim; safe to run again."""
         at = ms(time.time() if now is None else now)
         with translated():
             if not self.allow_volatile:
-                refuse_volatile(persistence_problem(await self._persistence()))
+                refuse_volatile(await self._persistence())
             await self._prepare(at, create=True)
         self._started = True
 
     async def _prepare(self, now_ms: int, *, create: bool = False) -> None:
-        """The boot script on every bucket's epoch, then every script loaded.
-
-        Whenever scripts are loaded into a server (at start, when one is
-        missing: a restart, a failover, ``SCRIPT FLUSH``): no claim can run on
-        a boot whose epochs were not compared with it first. On one server
-        both travel in one pipeline, on one connection, so a restart cannot
-        fall between them (a connection does not survive one). On a cluster
-        they are separate calls, so the boot runs again after the load: a
-        master that restarted in between is found then (what another store
-        claimed there in those milliseconds is not).
-        """
+        """The boot script on every epoch, then the scripts loaded: no claim runs on a boot
+        its epochs were not told. One pipeline (one connection, so no restart between) on
+        one server; on a cluster the boot runs again after the load."""
         absent = CREATE_ABSENT if create else KEEP_ABSENT
         if self._cluster:
             await self._boot(now_ms, absent)
@@ -232,12 +167,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
             await self.client.eval(self._boot_scripts["keys"], len(epochs), *epochs, *argv)
 
     async def _boot_cluster(self, epochs: list[bytes], argv: list[Any]) -> None:
-        """The boot script once per master, on the epochs of the buckets it serves.
-
-        Where that is refused (a server before Redis 7, a slot that moved since
-        the client last looked), once per bucket: slower (an ``INFO`` each),
-        never wrong.
-        """
+        """The boot script once per master; where refused (Redis < 7, a moved slot), per bucket."""
         await self._learn_slots()
         served: dict[str, list[bytes]] = {}
         for epoch in epochs:
@@ -292,7 +222,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         self, record: Record, now: float, transaction: AsyncTransaction | None = None
     ) -> bool:
         refuse_transaction(transaction)
-        return await self._fenced("release", record, self.layout.release_args(record, now))
+        return await self._fenced("release", record, owner_args(record, now))
 
     async def checkpoint(
         self,
@@ -302,37 +232,33 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         transaction: AsyncTransaction | None = None,
     ) -> None:
         refuse_transaction(transaction)
-        args = self.layout.checkpoint_args(record, recovery_point, now)
+        args = owner_args(record, now, recovery_point)
         if not await self._fenced("checkpoint", record, args):
             raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
 
     async def get(self, principal: str, key: str) -> Record | None:
         with translated():
-            flat = await self.client.hgetall(self.layout.record_key(principal, key))
-        return record_from_reply(flat)
+            fields = await self.client.hmget(self.layout.record_key(principal, key), FIELDS)
+        return record_from_fields(fields)
 
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
         """Mark up to ``limit`` records untouched since ``cutoff`` stale, bucket by bucket."""
         index = swept_index(from_state)
-        args = self.layout.sweep_args(from_state, cutoff, now, keep_until, new_lease_token())
+        args = [ms(now), from_state.value, ms(cutoff), ms(keep_until), new_lease_token()]
         marked: list[Record] = []
 
         async def mark(bucket: int, members: list[bytes]) -> int:
             reply = await self._evalsha("sweep", (*self.layout.indexes(bucket), *members), args)
-            marked.extend(record_from_hash(flat) for flat in reply)
+            marked.extend(unpacked(packed) for packed in reply)
             return len(reply)
 
         await self._walk(index, now, cutoff, limit, mark)
         return marked
 
     async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until :meth:`sweep` with ``cutoff`` would mark a record (math.inf: none).
-
-        The oldest entry of every bucket's index, in pipelined round trips of
-        :data:`PROBE_CHUNK` buckets: the walk an idle sweep makes, without its marks.
-        """
+        """Seconds until :meth:`sweep` with ``cutoff`` would mark a record (math.inf: none)."""
         index = swept_index(from_state)
         argv = [ms(now), ms(cutoff)]
         soonest = math.inf
@@ -353,7 +279,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         transaction: AsyncTransaction | None = None,
     ) -> bool:
         refuse_transaction(transaction)
-        args = self.layout.settle_stale_args(record, state, response, now, expires_at)
+        args = marked_args(record, now, *outcome_args(state, response, expires_at))
         return await self._fenced("settle_stale", record, args)
 
     async def release_stale(
@@ -365,14 +291,11 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         forget_progress: bool = False,
     ) -> bool:
         refuse_transaction(transaction)
-        args = self.layout.release_stale_args(record, now, forget_progress)
+        args = marked_args(record, now, "1" if forget_progress else "0")
         return await self._fenced("release_stale", record, args)
 
     async def purge(self, now: float, limit: int) -> int:
-        """Delete up to ``limit`` settled or released records past retention.
-
-        Counts the expiry entries whose record Redis already deleted by TTL too.
-        """
+        """Delete up to ``limit`` records past retention (and count entries TTL emptied)."""
         args = [ms(now)]
 
         async def delete(bucket: int, members: list[bytes]) -> int:
@@ -397,10 +320,8 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         limit: int,
         act: Callable[[int, list[bytes]], Awaitable[int]],
     ) -> int:
-        """Probe every bucket's ``index`` for entries due by ``bound``; ``act`` on them.
-
-        Stops once ``act`` has handled ``limit``; returns how many it handled.
-        """
+        """Probe every bucket's ``index`` for entries due by ``bound``; ``act`` on them, up to
+        ``limit`` in all; returns how many it handled."""
         done = 0
         with translated():
             for chunk in self.layout.walk():
@@ -419,17 +340,10 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
     async def _ask_each(
         self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
     ) -> list[Any]:
-        """One pipelined round trip: a one-key script on one index of each bucket.
-
-        A connection the server had closed while it sat idle (a node restarted,
-        its ``timeout``, ``CLIENT KILL``) fails the round trip: redis.asyncio's
-        cluster client lends one unchecked (its single-server pool checks), and
-        a client told not to retry gives up on it. Failing, it drops that
-        connection and marks its node's other idle ones; the walk only reads, so
-        it is asked again, up to :data:`WALK_ATTEMPTS` times in all (the node's
-        pool, then the one the client asks for the topology, may each hold one).
-        A server that is gone fails every attempt; a timeout is not repeated.
-        """
+        """One pipelined round trip: a one-key script on one index of each bucket. A
+        connection the server closed while idle fails it (redis.asyncio's cluster client
+        lends one unchecked): a walk only reads, so it is asked again, up to
+        :data:`WALK_ATTEMPTS` times; a timeout is not repeated."""
         attempts = 1
         while True:
             try:
@@ -460,34 +374,30 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         return pipe
 
     def _route(self, key: bytes) -> dict[str, Any]:
-        """A pipelined one-key script's node, named (on a cluster, once its slots are known).
-
-        Left to find it, redis-py's sync cluster pipeline (8.x) first asks a node
-        ``COMMAND GETKEYS``, one round trip per command: a walk of the 1024 buckets
-        took 1024 of them. A MOVED reply is still followed.
-        """
+        """A pipelined one-key script's node, named on a cluster: left to find it, redis-py's
+        sync cluster pipeline asks ``COMMAND GETKEYS`` first, one round trip per command."""
         return {"target_nodes": self.client.get_node_from_key(key)} if self._cluster else {}
 
     async def _learn_slots(self) -> None:
-        """redis.asyncio's cluster client learns its slots lazily: before a key's node is
-        looked up (at once when known; the sync client learns them when it is made)."""
+        """redis.asyncio's cluster client learns its slots lazily: before a node lookup."""
         initialize = getattr(self.client, "initialize", None)
         if initialize is not None:
             await initialize()
 
     async def _fenced(self, script: str, record: Record, args: list[Any]) -> bool:
         keys = self.layout.keys(record.principal, record.key)
+        return bool(await self._evalsha(script, keys, args))
+
+    async def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
+        """One round trip, a failure a 503 (try/except: a context manager per call costs);
+        a server that lost its script cache (SCRIPT FLUSH, a restart) gets them again."""
+        sha = self._shas[script]
         try:
-            return bool(await self._evalsha(script, keys, args))
+            try:
+                return await self.client.evalsha(sha, len(keys), *keys, *args)
+            except self._no_script:
+                await self._prepare(args[0])
+                return await self.client.evalsha(sha, len(keys), *keys, *args)
         except Exception as exc:
             raise_unavailable(exc)
             raise
-
-    async def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
-        """One round trip; a server that lost its script cache is sent the text once."""
-        sha = self._shas[script]
-        try:
-            return await self.client.evalsha(sha, len(keys), *keys, *args)
-        except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts, once more
-            await self._prepare(args[0])
-            return await self.client.evalsha(sha, len(keys), *keys, *args)

@@ -54,37 +54,20 @@ INDEXES = ("in_progress", "stale", "released", "expires")
 #: The index each state the sweeper marks from is found in.
 SWEPT_FROM = {State.IN_PROGRESS: IN_PROGRESS, State.STALE: STALE, State.RELEASED: RELEASED}
 
-#: A record's hash fields, in the order a claim's reply packs them (see record_from_packed).
+#: A record's hash fields, in the order a packed record and ``HMGET`` give them.
 RECORD_FIELDS = (
-    "id",
-    "principal",
-    "key",
-    "fingerprint",
-    "endpoint",
-    "state",
-    "lease_token",
-    "created_at",
-    "updated_at",
-    "expires_at",
-    "correlation_id",
-    "recovery_point",
-    "response_status",
-    "response_headers",
-    "response_body",
-    "attempt",
-)
+    "id", "principal", "key", "fingerprint", "endpoint", "state", "lease_token", "created_at",
+    "updated_at", "expires_at", "correlation_id", "recovery_point", "response_status",
+    "response_headers", "response_body", "attempt",
+)  # fmt: skip
 
-# Clients made from a URL send a call again after a connection error or a timeout
-# (every script is safe to retry: a retried write finds its own result and reports
-# it again), this many times.
+# Every script is safe to resend (a retried write finds its own result): a URL's client retries.
 RETRIES = 2
 
 
 def attempt_timeout(policy: Policy) -> float:
-    """Each attempt's connect and socket timeout, for a client made from a URL: the
-    policy's store wait shared by the first attempt and its retries, so a hung server
-    answers 503 within ``policy.store_wait_seconds`` (plus the backoffs, a tenth of an
-    attempt at most), not (1 + RETRIES) × a fixed timeout."""
+    """Each attempt's connect and socket timeout: the first attempt and its retries share
+    ``policy.store_wait_seconds``, so a hung server is a 503 within it."""
     return policy.store_wait_seconds / (1 + RETRIES)
 
 
@@ -141,14 +124,9 @@ def _shorten_socket(conn: Any, attempt: float) -> None:
         parser._socket_timeout = attempt
 
 
-# Every script starts on its clock: ``now`` (ms) is the time its decisions are
-# taken on. On the store's clock (the default) that is Redis's own ``TIME``,
-# one clock for every app server and sweeper, and each instant a caller
-# computed on its own clock (an expiry, the sweeper's cutoff) keeps only its
-# distance from the caller's now, ARGV[1]: ``at(instant)``. On the caller's
-# clock (frozen-clock tests) ``now`` is ARGV[1] and ``at`` changes nothing.
-# ``created_at`` is an identity (it names the intent's downstream keys), never
-# compared: it stays the caller's ARGV[1]. Times are written as integer strings.
+# ``now`` (ms): Redis's TIME by default, one clock for every host; ``at()`` keeps only an
+# instant's distance from the caller's now, ARGV[1] (docs/stores.md, "Redis").
+# ``created_at`` is an identity, never compared: it stays the caller's ARGV[1].
 _ON_STORE_CLOCK = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -167,13 +145,10 @@ _INDEXES = """
 local IP, ST, REL, EXP = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 """
 
-# What the scripts that settle or delete records share (kept out of the claim's
-# hot path: a script pays for the closures it defines on every call).
+# Only the scripts that settle or delete define these: a script pays for its closures per call.
 _RETENTION = """
--- A settled or released record is replayed (or retried) until it expires. With
--- nothing left to resolve it joins the expiry index and gets the rest of its
--- retention as its TTL; released past a recovery point, it is the sweeper's
--- (and its retry's) until resolved: no TTL, never purged.
+-- Nothing left to resolve: in the expiry index, with the rest of its retention as TTL.
+-- Released past a recovery point: the sweeper's (and its retry's), never expires.
 local function retain(k, expires, progress)
   if progress then
     redis.call('ZADD', REL, NOW, k)
@@ -183,9 +158,8 @@ local function retain(k, expires, progress)
   end
 end
 
--- Delete k if its retention ended (_model.is_past_retention): 1. An entry whose
--- record its TTL already deleted is dropped: 1. An entry that is not the
--- expiry index's is dropped, one with an old score corrected: 0.
+-- Delete k if past retention (1); drop an entry whose record is gone (1); fix a stale
+-- score or drop an entry of another state (0).
 local function purge_one(k)
   local cur = redis.call('HMGET', k, 'state', 'expires_at', 'recovery_point')
   local state = cur[1]
@@ -204,8 +178,7 @@ local function purge_one(k)
   return 1
 end
 
--- Each settling write adds one expiry entry and purges up to two past retention
--- (same bucket, so same slot): the index stays bounded without a purge job.
+-- Each settling write purges up to two records past retention: the index stays bounded.
 local function trim(own)
   for _, k in ipairs(redis.call('ZRANGEBYSCORE', EXP, '-inf', NOW, 'LIMIT', 0, 2)) do
     if k ~= own then purge_one(k) end
@@ -213,8 +186,8 @@ local function trim(own)
 end
 """
 
-# A record in one bulk string: each of RECORD_FIELDS in order, as '<length>:<value>',
-# or '-' for a field the record does not have (record_from_packed reads it).
+# A record in one bulk string, '<length>:<value>' or '-' (absent) per field: one reply
+# element instead of HGETALL's 32, each of which costs the client Python.
 _PACKED = (
     "local FIELDS = {"
     + ", ".join(f"'{name}'" for name in RECORD_FIELDS)
@@ -230,41 +203,14 @@ end
 """
 )
 
-# KEYS[5]: the record. ARGV: now, expires_at, lease_token, principal, key,
-# fingerprint, endpoint, correlation_id, has_correlation_id. Returns {'new',
-# 'updated_at expires_at'} when a fresh record was written, else {'taken' |
-# 'held', the record packed (see _PACKED)}: taken over by us (or our own claim,
-# retried after a lost reply), or held. Two reply elements whatever the record
-# holds: a client parses each element of a reply in Python, and HGETALL's 32
-# (a replay's whole record, field by field) cost a replay more than the rest
-# of its round trip. The take-over rule is _model.can_take_over: the
-# same request retrying a released record, or a record past its retention
-# (settled, or released with nothing to reconcile); only the latter, when it
-# is not a retry, starts a new intent. In flight (in_progress) or being
-# recovered (stale) is never taken over, however old: only the sweeper ends it.
-#
-# KEYS[6]: the bucket's epoch, ARGV[10]: the quarantine (ms). The epoch holds
-# "<armed_ms> <run_id>": when a loss was last found in the bucket (0: never)
-# and the server boot (INFO's run_id) the bucket was last seen on, which the
-# boot script (_BOOT) writes and compares; a claim reads only the first field.
-# The store writes every bucket's epoch when it starts. An epoch that is gone
-# means this bucket's data vanished since (a restart without persistence, a
-# flush, an empty replica promoted); a boot that changed means the server
-# restarted (or failed over) and may have lost its last writes (an AOF fsynced
-# every second, RDB snapshots). Either way requests that claimed before may
-# still be running, and their records may be gone. So every claim in the bucket
-# that would write a record (a fresh key, a take-over) answers {'lost', ms left}
-# until the quarantine (the stale threshold) has passed since the loss was found
-# (a vanished epoch is written again with that time) or since the boot. The claim
-# that finds a vanished epoch answers {'lost', ms left, 'found'}: the store then
-# arms every other vanished epoch from then (the boot script, ARM_ABSENT), so the
-# quarantine of every bucket the loss took ends a threshold after its discovery,
-# not after each bucket's first claim. A claim that only reads (a replay, a
-# request in flight: 409, a key reused: 422) still answers from the record.
-# (Only the benchmark's raw calls leave KEYS[6] out.)
-_CLAIM = (
-    _PACKED
-    + """
+# KEYS[5] the record, KEYS[6] the bucket's epoch (the benchmark's raw calls leave it out).
+# ARGV: now, expires_at, lease_token, principal, key, fingerprint, endpoint, quarantine
+# (ms), then correlation_id if there is one. Replies {'new', 'updated_at expires_at'},
+# {'taken' | 'held', packed record}, or {'lost', ms left[, 'found']}. Take-over:
+# _model.can_take_over. The epoch "<armed_ms> <run_id>": gone or on another boot means
+# writes may be lost, so a claim that would write waits out the quarantine; reads answer
+# (docs/stores.md, "Redis").
+_CLAIM = """
 local K = KEYS[5]
 local cur = redis.call('HMGET', K, 'state', 'fingerprint', 'expires_at', 'lease_token',
   'recovery_point')
@@ -289,7 +235,7 @@ if KEYS[6] then
   else
     redis.call('SET', KEYS[6], NOW)
   end
-  local left = armed + tonumber(ARGV[10]) - now
+  local left = armed + tonumber(ARGV[8]) - now
   if left > 0 then
     if epoch then return {'lost', ms(left)} end
     return {'lost', ms(left), 'found'}
@@ -311,25 +257,16 @@ else
 end
 redis.call('HSET', K, 'state', 'in_progress', 'lease_token', ARGV[3], 'fingerprint', ARGV[6],
   'endpoint', ARGV[7], 'updated_at', NOW, 'expires_at', expires)
-if ARGV[9] == '1' then redis.call('HSET', K, 'correlation_id', ARGV[8]) end
+if ARGV[9] then redis.call('HSET', K, 'correlation_id', ARGV[9]) end
 redis.call('ZADD', IP, NOW, K)
 if retry then return {'taken', packed(K)} end
 return {'new', NOW .. ' ' .. expires}
 """
-)
 
-# The epochs in ``epochs`` (see BOOT_SCRIPTS for where they come from). ARGV[1]:
-# now, ARGV[2]: what an absent epoch becomes: KEEP_ABSENT leaves it (a loss the
-# next claim in its bucket finds), CREATE_ABSENT writes it unarmed (the store's
-# start), ARM_ABSENT armed from now (a claim found a loss). Tells each epoch
-# which server boot it is on: the script cache does not survive a restart, so
-# every store runs this before it loads the scripts into a server (at its
-# start, and whenever a script is missing), and no claim runs on a boot whose
-# epochs were not told. An epoch last seen on another boot is armed from that
-# boot (now - uptime, a second late at most), so the quarantine ends a stale
-# threshold after the restart however late a bucket is found, and at once where
-# the restart is older. An epoch that never saw a boot (written before this
-# rule, or by a claim that found it gone) just learns it. Returns the run_id.
+# Tells each epoch the server's boot (run_id); ARGV[2] says what an absent one becomes
+# (KEEP_ABSENT, CREATE_ABSENT, ARM_ABSENT). Run before scripts are loaded into a server,
+# so no claim runs on a boot its epochs were not told. An epoch last seen on another boot
+# is armed from that boot (now - uptime). Returns the run_id.
 _BOOT = """
 local info = redis.call('INFO', 'server')
 local run = string.match(info, 'run_id:(%x+)')
@@ -353,10 +290,8 @@ end
 return run
 """
 
-# The fence every owner write shares: our record (id, lease token), still in
-# progress. ARGV[2..3]: id, lease_token. A write the client retries after a
-# lost reply finds its own result already there (``done``) and reports success
-# again; a record the sweeper marked carries the sweeper's token, never ours.
+# Every owner write's fence: our id and lease token, in progress. A resent write finds its
+# own result (``done``) and succeeds again; the sweeper's mark carries its own token.
 _FENCE = """
 local K = KEYS[5]
 local cur = redis.call('HMGET', K, 'id', 'lease_token', 'state', 'expires_at', 'recovery_point')
@@ -366,10 +301,7 @@ if cur[3] ~= 'in_progress' then return 0 end
 """
 
 # ARGV[4..8]: state, status, headers, body, expires_at (retention from now).
-_COMPLETE = (
-    "local done = ARGV[4]"
-    + _FENCE
-    + """
+_COMPLETE = """
 local expires = ms(at(ARGV[8]))
 redis.call('HSET', K, 'state', ARGV[4], 'response_status', ARGV[5],
   'response_headers', ARGV[6], 'response_body', ARGV[7], 'updated_at', NOW,
@@ -379,55 +311,40 @@ retain(K, expires, false)
 trim(K)
 return 1
 """
-)
 
 # The claim's expires_at bounds a released record.
-_RELEASE = (
-    "local done = 'released'"
-    + _FENCE
-    + """
+_RELEASE = """
 redis.call('HSET', K, 'state', 'released', 'updated_at', NOW)
 redis.call('ZREM', IP, K)
 retain(K, cur[4], cur[5])
 trim(K)
 return 1
 """
-)
 
 # ARGV[4]: recovery_point. A checkpoint counts as life: updated_at moves on.
-_CHECKPOINT = (
-    "local done = nil"
-    + _FENCE
-    + """
+_CHECKPOINT = """
 redis.call('HSET', K, 'recovery_point', ARGV[4], 'updated_at', NOW)
 redis.call('ZADD', IP, NOW, K)
 return 1
 """
-)
 
-# KEYS[1]: one index of one bucket. ARGV: now, bound (an instant), limit, '1'
-# if the bound is inclusive. What is due there, oldest first: the sweeper's
-# and purge's look before they act (on each node's own clock in a cluster).
+# KEYS[1]: one index. ARGV: now, bound, limit, '1' if inclusive. What is due, oldest first.
 _PROBE = """
 local bound = ms(at(ARGV[2]))
 if ARGV[4] ~= '1' then bound = '(' .. bound end
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', bound, 'LIMIT', 0, tonumber(ARGV[3]))
 """
 
-# KEYS[1]: one index of one bucket. ARGV: now, cutoff (an instant). The sweeper's
-# schedule: the oldest entry's score minus the cutoff, in ms, on this node's
-# clock (negative: due already), or nil for an empty index.
+# KEYS[1]: one index. ARGV: now, cutoff. ms until its oldest entry is due (nil: empty).
 _DUE = """
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 if #first == 0 then return false end
 return ms(tonumber(first[2]) - at(ARGV[2]))
 """
 
-# KEYS[5…]: records the probe listed as due. ARGV: now, from_state, cutoff,
-# keep_until, sweep token. Each is re-checked (state, age) and marked only if
-# still due, so of two sweepers each record goes to one; the mark takes a
-# token of the sweeper's own, which fences the old owner out. Entries that no
-# longer belong to the index are dropped. Returns the marked records.
+# KEYS[5…]: records the probe found due. ARGV: now, from_state, cutoff, keep_until, token.
+# Each is re-checked and marked only if still due (two sweepers: each record to one), with
+# the sweeper's own token, which fences the old owner out. Returns the marked, packed.
 _SWEEP = """
 local from = ARGV[2]
 local index = (from == 'in_progress' and IP) or (from == 'stale' and ST) or REL
@@ -445,14 +362,13 @@ for i = 5, #KEYS do
       'expires_at', expires)
     redis.call('ZREM', index, k)
     redis.call('ZADD', ST, NOW, k)
-    marked[#marked + 1] = redis.call('HGETALL', k)
+    marked[#marked + 1] = packed(k)
   end
 end
 return marked
 """
 
-# The fence of a sweeper's write: the record exactly as this sweeper marked it
-# (id, its token, stale, updated_at of the mark). ARGV[2..4]: id, token, marked_at.
+# A sweeper's write is fenced on the record as it marked it. ARGV[2..4]: id, token, marked_at.
 _MARKED = """
 local K = KEYS[5]
 local cur = redis.call('HMGET', K, 'id', 'lease_token', 'state', 'updated_at', 'expires_at',
@@ -464,9 +380,7 @@ redis.call('ZREM', ST, K)
 """
 
 # ARGV[5..9]: state, status, headers, body, expires_at.
-_SETTLE_STALE = (
-    _MARKED
-    + """
+_SETTLE_STALE = """
 local expires = ms(at(ARGV[9]))
 redis.call('HSET', K, 'state', ARGV[5], 'response_status', ARGV[6],
   'response_headers', ARGV[7], 'response_body', ARGV[8], 'updated_at', NOW,
@@ -475,12 +389,9 @@ retain(K, expires, false)
 trim(K)
 return 1
 """
-)
 
 # ARGV[5]: '1' to forget the recovery point (the reconciler undid its traces).
-_RELEASE_STALE = (
-    _MARKED
-    + """
+_RELEASE_STALE = """
 local progress = cur[6]
 if ARGV[5] == '1' then
   progress = false
@@ -491,7 +402,6 @@ retain(K, cur[5], progress)
 trim(K)
 return 1
 """
-)
 
 # KEYS[5…]: records the probe listed as past retention. ARGV: now.
 _PURGE = """
@@ -500,17 +410,17 @@ for i = 5, #KEYS do purged = purged + purge_one(KEYS[i]) end
 return purged
 """
 
-#: Each script's body and what it needs before it: the record indexes, the retention helpers.
+#: Each script's body and what it needs before it: indexes, retention helpers, its fence.
 _BODIES = {
-    "claim": (_INDEXES, _CLAIM),
-    "complete": (_INDEXES + _RETENTION, _COMPLETE),
-    "release": (_INDEXES + _RETENTION, _RELEASE),
-    "checkpoint": (_INDEXES, _CHECKPOINT),
+    "claim": (_INDEXES + _PACKED, _CLAIM),
+    "complete": (_INDEXES + _RETENTION + "local done = ARGV[4]" + _FENCE, _COMPLETE),
+    "release": (_INDEXES + _RETENTION + "local done = 'released'" + _FENCE, _RELEASE),
+    "checkpoint": (_INDEXES + "local done = nil" + _FENCE, _CHECKPOINT),
     "probe": ("", _PROBE),
     "due": ("", _DUE),
-    "sweep": (_INDEXES, _SWEEP),
-    "settle_stale": (_INDEXES + _RETENTION, _SETTLE_STALE),
-    "release_stale": (_INDEXES + _RETENTION, _RELEASE_STALE),
+    "sweep": (_INDEXES + _PACKED, _SWEEP),
+    "settle_stale": (_INDEXES + _RETENTION + _MARKED, _SETTLE_STALE),
+    "release_stale": (_INDEXES + _RETENTION + _MARKED, _RELEASE_STALE),
     "purge": (_INDEXES + _RETENTION, _PURGE),
 }
 
@@ -530,12 +440,9 @@ SCRIPTS = scripts("database")
 SHAS = _shas(SCRIPTS)
 _CALLER_SCRIPTS = scripts("caller")
 ON_CLOCK = {"database": (SCRIPTS, SHAS), "caller": (_CALLER_SCRIPTS, _shas(_CALLER_SCRIPTS))}
-#: The boot script on each clock, sent with ``EVAL`` (rarely: at start, when a script is
-#: missing), in two forms. ``"keys"``: the epochs are its KEYS, all of one server
-#: (or one bucket's on a cluster, one slot). ``"node"``: the epochs are ARGV[3…],
-#: every bucket one master of a cluster serves, KEYS[1] one of them to route it
-#: there; ``allow-cross-slot-keys`` (Redis ≥ 7, Valkey) lets one script touch them,
-#: so one ``INFO`` per master instead of one per bucket.
+#: The boot script (``EVAL``, rarely) per clock: ``"keys"`` with the epochs as KEYS (one
+#: server, or one slot); ``"node"`` with one master's epochs as ARGV[3…] and KEYS[1] to
+#: route it (``allow-cross-slot-keys``, Redis >= 7 / Valkey): one ``INFO`` per master.
 BOOT_SCRIPTS = {
     clock: {
         "keys": start + _CLOCK + "local epochs = KEYS\n" + _BOOT,
@@ -553,26 +460,14 @@ def is_unavailable(exc: BaseException) -> bool:
     """Cannot reach Redis, or the cluster is moving a slot or electing a master."""
     from redis import exceptions as e
 
-    return isinstance(
-        exc,
-        e.ConnectionError
-        | e.TimeoutError
-        | e.ClusterDownError
-        | e.ClusterError
-        | e.TryAgainError
-        | e.MasterDownError
-        | e.ReadOnlyError
-        | e.SlotNotCoveredError
-        | e.RedisClusterException
-        | TimeoutError,
-    )
+    down = (e.ConnectionError, e.TimeoutError, e.ClusterDownError, e.ClusterError)
+    moving = (e.TryAgainError, e.MasterDownError, e.ReadOnlyError, e.SlotNotCoveredError)
+    return isinstance(exc, (*down, *moving, e.RedisClusterException, TimeoutError))
 
 
 def is_connection_lost(exc: BaseException) -> bool:
     """A connection ended or refused, not a timeout: a read may be sent again on another.
-
-    redis-py's cluster client reports one as ``RedisClusterUnreachableError`` (its
-    cause the connection error) when its last topology refresh met one too."""
+    (redis-py's cluster client wraps one in ``RedisClusterUnreachableError``.)"""
     from redis import exceptions as e
 
     if isinstance(exc, e.RedisClusterException):
@@ -592,19 +487,13 @@ def translated() -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if not is_unavailable(exc):
-            raise
-        raise StoreUnavailable(f"redis key store unavailable: {exc}".strip()) from exc
+        raise_unavailable(exc)
+        raise
 
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Where records and indexes live and how the scripts' arguments are spelled (no I/O).
-
-    Args:
-        prefix: the start of every key (one per application or test).
-        buckets: how many hash tags the records spread over (see the module).
-    """
+    """Where records and indexes live under ``prefix``, and the claim's arguments (no I/O)."""
 
     prefix: str
     buckets: int = BUCKETS
@@ -630,12 +519,8 @@ class Layout:
         return self._locate(principal, key)[0]
 
     def record_key(self, principal: str, key: str) -> bytes:
-        """``prefix:{bucket}:k:len:principal:key``; the bucket (from a digest) picks the slot.
-
-        Length-prefixed so no two (principal, key) pairs share a name; the
-        digest spreads them over every bucket instead of putting one
-        principal's keys in one.
-        """
+        """``prefix:{bucket}:k:len:principal:key``: length-prefixed, so no two pairs share
+        a name; the bucket, from a digest, spreads one principal's keys over every slot."""
         return self._locate(principal, key)[1]
 
     def keys(self, principal: str, key: str) -> tuple[bytes, ...]:
@@ -653,7 +538,6 @@ class Layout:
         return self._epochs[bucket]
 
     def epoch_keys(self) -> list[bytes]:
-        """Every bucket's epoch, in bucket order."""
         return list(self._epochs)
 
     def indexes(self, bucket: int) -> tuple[bytes, ...]:
@@ -678,95 +562,51 @@ class Layout:
         bucket = int.from_bytes(digest, "big") % self.buckets
         return bucket, b"%s:{%d}:k:%s" % (self._head, bucket, name)
 
-    # --- script arguments (ARGV[1] is always now, in ms) ---------------------------
-
     def claim_args(
-        self,
-        intent: Intent,
-        lease_token: str,
-        now: float,
-        expires_at: float,
-        quarantine: float = 0.0,
+        self, intent: Intent, lease_token: str, now: float, expires_at: float, quarantine: float = 0
     ) -> list[Any]:
-        return [
-            ms(now),
-            ms(expires_at),
-            lease_token,
-            intent.principal,
-            intent.key,
-            intent.fingerprint,
-            intent.endpoint,
-            intent.correlation_id or "",
-            "0" if intent.correlation_id is None else "1",
-            ms(quarantine),
-        ]
-
-    @staticmethod
-    def found_loss(reply: Sequence[Any]) -> bool:
-        """Whether this claim was the one that found its bucket's epoch gone (a loss)."""
-        return len(reply) > 2
+        args = [ms(now), ms(expires_at), lease_token, intent.principal, intent.key]
+        args += [intent.fingerprint, intent.endpoint, ms(quarantine)]
+        return args if intent.correlation_id is None else [*args, intent.correlation_id]
 
     def claimed(
         self, reply: Sequence[Any], intent: Intent, lease_token: str, now: float, expires_at: float
     ) -> Claim:
-        verdict = text(reply[0])
-        if verdict == "lost":
+        verdict = reply[0]
+        if verdict == b"lost":
             raise data_lost(int(reply[1]) / 1000)
-        if verdict == "new":  # the times the script wrote, on its clock: 'now expires'
-            updated_at, _, expires = bytes(reply[1]).partition(b" ")
-            record = make_record(
-                lease_token,  # the id
-                intent.principal,
-                intent.key,
-                intent.fingerprint,
-                intent.endpoint,
-                State.IN_PROGRESS,
-                lease_token,
-                ms(now) / 1000,  # created_at
-                int(updated_at) / 1000,
-                int(expires) / 1000,  # expires_at
-                intent.correlation_id,
-                None,  # recovery_point
-                None,  # response
-                1,  # attempt
-            )
-            return make_claim(True, record)
-        return make_claim(verdict == "taken", record_from_packed(reply[1]))
-
-    def owner_args(self, record: Record, now: float) -> list[Any]:
-        return [ms(now), str(record.id), record.lease_token or ""]
+        if verdict != b"new":
+            return make_claim(verdict == b"taken", unpacked(reply[1]))
+        updated_at, _, expires = bytes(reply[1]).partition(b" ")  # as the script wrote them
+        # The id is the lease token, created_at the caller's now; no recovery point, no
+        # response, attempt 1.
+        record = make_record(
+            lease_token, intent.principal, intent.key, intent.fingerprint, intent.endpoint,
+            State.IN_PROGRESS, lease_token, ms(now) / 1000, int(updated_at) / 1000,
+            int(expires) / 1000, intent.correlation_id, None, None, 1,
+        )  # fmt: skip
+        return make_claim(True, record)
 
     def complete_args(
         self, record: Record, state: State, response: Response, now: float, expires_at: float
     ) -> list[Any]:
-        return [*self.owner_args(record, now), *_outcome(state, response), ms(expires_at)]
-
-    def release_args(self, record: Record, now: float) -> list[Any]:
-        return self.owner_args(record, now)
-
-    def checkpoint_args(self, record: Record, recovery_point: str, now: float) -> list[Any]:
-        return [*self.owner_args(record, now), recovery_point]
-
-    def sweep_args(
-        self, from_state: State, cutoff: float, now: float, keep_until: float, token: str
-    ) -> list[Any]:
-        return [ms(now), from_state.value, ms(cutoff), ms(keep_until), token]
-
-    def marked_args(self, record: Record, now: float) -> list[Any]:
-        """The sweeper's fence: the record as marked (id, token, updated_at)."""
-        return [*self.owner_args(record, now), ms(record.updated_at)]
-
-    def settle_stale_args(
-        self, record: Record, state: State, response: Response, now: float, expires_at: float
-    ) -> list[Any]:
-        return [*self.marked_args(record, now), *_outcome(state, response), ms(expires_at)]
-
-    def release_stale_args(self, record: Record, now: float, forget_progress: bool) -> list[Any]:
-        return [*self.marked_args(record, now), "1" if forget_progress else "0"]
+        return owner_args(record, now, *outcome_args(state, response, expires_at))
 
 
-def _outcome(state: State, response: Response) -> list[Any]:
-    return [state.value, response.status, headers_json(response.headers), response.body]
+def owner_args(record: Record, now: float, *more: Any) -> list[Any]:
+    """An owner write's ARGV: now, id, lease token (the fence), then ``more``."""
+    return [ms(now), str(record.id), record.lease_token or "", *more]
+
+
+def marked_args(record: Record, now: float, *more: Any) -> list[Any]:
+    """The sweeper's fence: the record as marked (id, token, updated_at), then ``more``."""
+    return owner_args(record, now, ms(record.updated_at), *more)
+
+
+def outcome_args(state: State, response: Response, expires_at: float) -> list[Any]:
+    """ARGV of a settling write: state, status, headers, body, expires_at."""
+    return [state.value, response.status, headers_json(response.headers), response.body,
+            ms(expires_at)]  # fmt: skip
 
 
 def swept_index(from_state: State) -> int:
@@ -795,79 +635,22 @@ def _glob_escape(text: str) -> str:
 
 
 def record_from_hash(flat: Sequence[bytes]) -> Record:
-    """A record from ``HGETALL``'s flat ``field, value, …`` reply (bytes; times in ms).
-
-    On the replay path, so written for speed: one dict, no per-field helpers.
-    """
+    """A record from ``HGETALL``'s flat ``field, value, …`` reply (tests, old callers)."""
     pairs = iter(flat)
-    fields: dict[bytes, bytes] = dict(zip(pairs, pairs, strict=True))
-    get = fields.get
-    status = get(b"response_status")
-    response = None
-    if status is not None:
-        body = get(b"response_body") or b""
-        response = make_response(int(status), body, stored_headers(get(b"response_headers")))
-    lease_token = get(b"lease_token")
-    correlation_id = get(b"correlation_id")
-    recovery_point = get(b"recovery_point")
-    attempt = get(b"attempt")
-    return make_record(
-        fields[b"id"].decode(),
-        fields[b"principal"].decode(),
-        fields[b"key"].decode(),
-        fields[b"fingerprint"].decode(),
-        fields[b"endpoint"].decode(),
-        _STATES[fields[b"state"]],
-        None if lease_token is None else lease_token.decode(),
-        int(fields[b"created_at"]) / 1000,
-        int(fields[b"updated_at"]) / 1000,
-        int(fields[b"expires_at"]) / 1000,
-        None if correlation_id is None else correlation_id.decode(),
-        None if recovery_point is None else recovery_point.decode(),
-        response,
-        1 if attempt is None else int(attempt),
+    fields = dict(zip(pairs, pairs, strict=True))
+    return unpacked(
+        b"".join(b"-" if v is None else b"%d:%s" % (len(v), v) for v in map(fields.get, FIELDS))
     )
 
 
-def record_from_packed(packed: bytes) -> Record:
-    """A record from a claim's reply: its :data:`RECORD_FIELDS` packed in one string (_PACKED).
-
-    On the replay path: one pass over the string, slices only.
-    """
-    values: list[Any] = []  # bytes, or None for an absent field
-    add = values.append
-    find = packed.find
-    at, end = 0, len(packed)
-    while at < end:
-        if packed[at] == _ABSENT:
-            add(None)
-            at += 1
-            continue
-        colon = find(b":", at)
-        start = colon + 1
-        at = start + int(packed[at:colon])
-        add(packed[start:at])
-    if len(values) != len(RECORD_FIELDS) or at != end:
-        msg = f"a claim's packed record does not hold {len(RECORD_FIELDS)} fields"
-        raise ValueError(msg)
-    (
-        id_,
-        principal,
-        key,
-        fingerprint,
-        endpoint,
-        state,
-        lease_token,
-        created_at,
-        updated_at,
-        expires_at,
-        correlation_id,
-        recovery_point,
-        status,
-        headers,
-        body,
-        attempt,
-    ) = values
+def record_from_fields(values: Sequence[Any]) -> Record | None:
+    """The one decoder: a record from its :data:`RECORD_FIELDS` in order (``HMGET``'s
+    reply, or a packed one split); None when it has no id (absent). Times are ms."""
+    id_, principal, key, fingerprint, endpoint, state, lease_token, created_at = values[:8]
+    updated_at, expires_at, correlation_id, recovery_point, status, headers, body = values[8:15]
+    attempt = values[15]
+    if id_ is None:
+        return None
     response = None
     if status is not None:
         response = make_response(int(status), body or b"", stored_headers(headers))
@@ -889,8 +672,28 @@ def record_from_packed(packed: bytes) -> Record:
     )
 
 
+def unpacked(packed: bytes) -> Record:
+    """A record from a script's reply (see _PACKED): one pass, slices only."""
+    values: list[bytes | None] = []
+    at, end = 0, len(packed)
+    while at < end:
+        if packed[at] == _ABSENT:
+            values.append(None)
+            at += 1
+            continue
+        colon = packed.find(b":", at)
+        start = colon + 1
+        at = start + int(packed[at:colon])
+        values.append(packed[start:at])
+    record = record_from_fields(values) if len(values) == len(FIELDS) and at == end else None
+    if record is None:
+        raise ValueError(f"a packed record does not hold {len(FIELDS)} fields")
+    return record
+
+
 _ABSENT = ord("-")
 _STATES = {state.value.encode(): state for state in State}
+FIELDS = tuple(name.encode() for name in RECORD_FIELDS)
 
 
 def layout_for(client: Any, prefix: str) -> Layout:
@@ -902,15 +705,6 @@ def layout_for(client: Any, prefix: str) -> Layout:
         )
         raise ConfigurationError(msg)
     return Layout(prefix)
-
-
-def record_from_reply(flat: Any) -> Record | None:
-    """HGETALL answers a list (RESP2 raw) or a dict (parsed); empty when absent."""
-    if not flat:
-        return None
-    if isinstance(flat, dict):
-        flat = [item for pair in flat.items() for item in pair]
-    return record_from_hash(flat)
 
 
 def refuse_transaction(transaction: object) -> None:
@@ -930,51 +724,25 @@ def data_lost(left: float) -> StoreUnavailable:
     )
 
 
-def persistence_problem(configs: Sequence[Mapping[str, Any]]) -> str | None:
-    """Why these nodes' ``CONFIG GET appendonly`` / ``save`` answers lose data on restart,
-    or None when each node keeps an AOF or RDB snapshots."""
+def refuse_volatile(configs: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse nodes whose ``CONFIG GET appendonly`` / ``save`` answers lose data on restart."""
     for config in configs:
         values = {text(name): text(value) for name, value in config.items()}
+        node = values.get("node", "the server")
         if "unknown" in values:
-            return f"{values['node']}: cannot tell, {values['unknown']}"
-        if values.get("appendonly", "no") != "yes" and not values.get("save", "").strip():
-            node = values.get("node", "the server")
-            return f"{node} has neither AOF (appendonly no) nor RDB snapshots (save '')"
-    return None
+            problem = f"{node}: cannot tell, {values['unknown']}"
+        elif values.get("appendonly", "no") != "yes" and not values.get("save", "").strip():
+            problem = f"{node} has neither AOF (appendonly no) nor RDB snapshots (save '')"
+        else:
+            continue
+        msg = (
+            f"refusing a Redis that forgets every claim when it restarts: {problem}. Enable "
+            "persistence (appendonly yes, appendfsync everysec or always), or acknowledge it "
+            "with allow_volatile=True (?allow_volatile=1 in a URL): see docs/stores.md"
+        )
+        raise ConfigurationError(msg)
 
 
-def refuse_volatile(problem: str | None) -> None:
-    if problem is None:
-        return
-    msg = (
-        f"refusing a Redis that forgets every claim when it restarts: {problem}. Enable "
-        "persistence (appendonly yes, appendfsync everysec or always), or acknowledge it "
-        "with allow_volatile=True (?allow_volatile=1 in a URL): see docs/stores.md"
-    )
-    raise ConfigurationError(msg)
-
-
-class AsyncStartGate:
-    """One caller at a time starts an async store: the first claims of many tasks wait for it."""
-
-    def __init__(self) -> None:
-        self._lock = asyncio.Lock()
-
-    async def __aenter__(self) -> None:
-        await self._lock.acquire()
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._lock.release()
-
-
-class StartGate:
-    """:class:`AsyncStartGate` for threads (the sync store)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._lock.release()
+#: One caller at a time starts a store: the first claims of many tasks (threads) wait.
+AsyncStartGate = asyncio.Lock
+StartGate = threading.Lock

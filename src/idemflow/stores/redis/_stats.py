@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..._model import State
 from ..stats import OldestClaim, StoreStats
-from ._scripts import EXPIRES, IN_PROGRESS, STALE, ms, record_from_reply, text, translated
+from ._scripts import EXPIRES, FIELDS, IN_PROGRESS, STALE, ms, text, translated
+from ._scripts import record_from_fields as decoded
 
 if TYPE_CHECKING:
     from ._scripts import Layout
@@ -17,11 +18,7 @@ __all__ = ["AsyncRedisObservable", "RedisObservable", "RedisStats"]
 
 
 class RedisObservable:
-    """What :class:`~idemflow.stores.redis.RedisStore` adds for operators: its stats.
-
-    A base of the generated sync store (its async source names
-    :class:`AsyncRedisObservable`), so only the sync store answers.
-    """
+    """The sync store's stats (a base of the generated store: only the sync one answers)."""
 
     client: Any
     layout: Layout
@@ -35,8 +32,7 @@ class RedisObservable:
 
 
 class AsyncRedisObservable:
-    """What :class:`~idemflow.stores.redis.AsyncRedisStore` adds for operators: nothing (the
-    contract's default refuses; the questions are asked synchronously, by scrapes and the CLI)."""
+    """Nothing: the async store's stats are refused (scrapes and the CLI ask synchronously)."""
 
 
 class RedisStats:
@@ -128,7 +124,7 @@ class RedisStats:
                     oldest = (first[0][1], first[0][0])
         if oldest is None:
             return None
-        found = record_from_reply(self._client.hgetall(oldest[1]))
+        found = decoded(self._client.hmget(oldest[1], FIELDS))
         if found is None:
             return None
         return OldestClaim(

@@ -1,0 +1,152 @@
+"""
+What one protected request costs in counts: round trips, loop iterations, tasks, our CPU.
+
+Run::
+
+    .venv/bin/python -m bench.bench_counts [--count 500] [--stores sqlite,postgres,redis]
+
+Each store gets a process of its own running ``bench/_minimal_app.py`` (middleware
+mode), the ASGI app called directly (no server, no socket), ``--count`` requests per
+path after a warm-up. Per request: store round trips (``bench/_wire``'s counters;
+SQLite makes none), event-loop iterations (``BaseEventLoop._run_once``), tasks
+created (``asyncio.Task``, directly or by ``create_task``), and app CPU
+(``time.process_time``). "added" is protected (or replay) minus unprotected; "floor"
+is the same number of round trips of a trivial command (``PING``, a prepared
+``SELECT 1``) through the raw driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench._harness import lifespan, post_over_asgi
+from bench._loop_turns import BODY, Turns
+from bench._wire import read_counts, wire_env
+
+PATHS = ("unprotected", "protected", "replay")
+
+
+class Tasks:
+    """Counts the tasks created: ``asyncio.Task`` made directly or by ``loop.create_task``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        tally = self
+
+        class Counted(asyncio.Task):  # type: ignore[type-arg]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                tally.count += 1
+                super().__init__(*args, **kwargs)
+
+        asyncio.Task = asyncio.tasks.Task = Counted  # type: ignore[misc]
+
+
+async def _floor(app: Any, trips: float, count: int) -> float:
+    """CPU µs of ``trips`` trivial round trips through the raw driver, per request."""
+    kind = os.environ["BENCH_STORE"]
+    whole = round(trips * count)
+    if kind == "redis":
+        client = app.state.store.client
+        send = lambda: client.execute_command("PING")  # noqa: E731
+    elif kind == "postgres":
+        import psycopg
+
+        conn = await psycopg.AsyncConnection.connect(os.environ["BENCH_URL"], autocommit=True)
+        send = lambda: conn.execute("SELECT 1", prepare=True)  # noqa: E731
+    else:
+        return 0.0
+    for _ in range(50):
+        await send()
+    started = time.process_time()
+    for _ in range(whole):
+        await send()
+    return (time.process_time() - started) / count * 1e6
+
+
+async def child(count: int, wire: Path) -> dict[str, Any]:
+    import bench._minimal_app as minimal
+
+    turns, tasks = Turns(), Tasks()
+    app = minimal.app
+    stop = await lifespan(app)
+    done = f"counts-{uuid.uuid4().hex}"
+    make = {
+        "unprotected": lambda: ("/plain/things", None),
+        "protected": lambda: ("/things", f"counts-{uuid.uuid4().hex}"),
+        "replay": lambda: ("/things", done),
+    }
+    for path in PATHS:  # warm: pool connections, prepared statements, the done key
+        for _ in range(50):
+            await post_over_asgi(app, *make[path](), BODY)
+    rows: dict[str, Any] = {}
+    for path in PATHS:
+        statuses = set()
+        trips_before = read_counts(wire)[0]
+        turns.count = tasks.count = 0
+        started = time.process_time()
+        for _ in range(count):
+            statuses.add(await post_over_asgi(app, *make[path](), BODY))
+        cpu = (time.process_time() - started) / count * 1e6
+        rows[path] = {
+            "trips": (read_counts(wire)[0] - trips_before) / count,
+            "turns": turns.count / count,
+            "tasks": tasks.count / count,
+            "cpu": cpu,
+            "statuses": sorted(statuses),
+        }
+    for path in ("protected", "replay"):
+        rows[path]["floor"] = await _floor(app, rows[path]["trips"], count)
+    await stop()
+    return rows
+
+
+def run_store(store: str, count: int) -> dict[str, Any]:
+    from bench.bench_middleware import store_settings
+
+    with tempfile.TemporaryDirectory() as workdir, store_settings(store, Path(workdir)) as env:
+        wire = Path(workdir) / "wire"
+        wire.mkdir()
+        full = {**os.environ, **env, **wire_env(wire), "BENCH_DIR": workdir}
+        command = [sys.executable, "-m", "bench.bench_counts", "--child", str(wire)]
+        command += ["--count", str(count)]
+        out = subprocess.run(command, env=full, check=True, capture_output=True, text=True)
+    result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--count", type=int, default=500, help="requests per path")
+    parser.add_argument("--stores", default="sqlite,postgres,redis")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(asyncio.run(child(args.count, Path(args.child)))))
+        return
+    print("| store | path | round trips | loop turns | tasks | app CPU µs | added µs | floor µs |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for store in args.stores.split(","):
+        rows = run_store(store, args.count)
+        base = rows["unprotected"]["cpu"]
+        for path in PATHS:
+            row = rows[path]
+            added = "" if path == "unprotected" else f"{row['cpu'] - base:.0f}"
+            floor = f"{row['floor']:.0f}" if "floor" in row else ""
+            print(
+                f"| {store} | {path} | {row['trips']:.2f} | {row['turns']:.2f} | "
+                f"{row['tasks']:.2f} | {row['cpu']:.0f} | {added} | {floor} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
