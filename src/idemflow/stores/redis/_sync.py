@@ -38,7 +38,6 @@ from ._scripts import (
     record_from_fields,
     refuse_transaction,
     refuse_volatile,
-    shorten_waits,
     swept_index,
     translated,
     unpacked,
@@ -104,10 +103,6 @@ class RedisStore(RedisObservable, MaintainableStore):
     def cover_stale_threshold(self, seconds: float) -> None:
         """A driver's stale threshold: claims after a loss wait at least that long."""
         self._quarantine = max(self._quarantine or 0.0, seconds)
-
-    def cover_store_wait(self, seconds: float) -> None:
-        """A driver's store wait: each call, its retries included, fits in it."""
-        shorten_waits(self.client, seconds, cluster=self._cluster)
 
     def claim(
         self,
