@@ -15,7 +15,7 @@ drivers) and behind the ASGI middleware:
   be recorded"); resumed, the record is completed (the buffered completion ran: the
   retry replays) or claimed until the sweeper's reconciler settles it: one charge;
 - frozen before a transient answer: the release waits out the client and is sent once,
-  not ``RELEASE_ATTEMPTS`` times (``driver.RELEASE_RETRY_WITHIN_SECONDS``): a second
+  not ``RELEASE_ATTEMPTS`` times (``_flow.RELEASE_RETRY_WITHIN_SECONDS``): a second
   would wait as long again before the caller hears anything. The same rule where the
   wait is SQLite's lock.
 
@@ -41,7 +41,6 @@ import pytest
 from idemflow import (
     AsyncAttempt,
     AsyncIdempotency,
-    CountingObserver,
     Event,
     Idempotency,
     IdempotencyError,
@@ -50,8 +49,9 @@ from idemflow import (
     Response,
     State,
 )
-from idemflow._async.driver import RELEASE_ATTEMPTS
 from idemflow._errors import PROBLEM_BASE
+from idemflow._events import CountingObserver
+from idemflow._flow import RELEASE_ATTEMPTS
 from idemflow._http import PROBLEM_CONTENT_TYPE, REPLAYED_HEADER
 from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore, connect
 from idemflow.sweeper import Answer, AsyncSweeper, DidNotHappen, Happened, Sweeper

@@ -20,31 +20,17 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ._errors import InvalidBody
+from ._key import excerpt
 
 __all__ = ["MAX_DEPTH", "canonical_json", "canonical_json_bytes", "parse_json"]
 
-#: The deepest nesting of arrays and objects a body may have.  Far beyond any
-#: real request, far below Python's recursion limit.
+#: The deepest nesting a body may have: beyond any real request, below the recursion limit.
 MAX_DEPTH = 128
-
-# How much of a member name an error message may quote.
-_EXCERPT_LENGTH = 40
-
-
-# --- Parsing ------------------------------------------------------------------
 
 
 def parse_json(data: bytes) -> Any:
-    """Parse ``data`` as strict I-JSON.
-
-    Raises:
-        InvalidBody: ``data`` is not UTF-8, not JSON, or JSON that I-JSON
-            forbids; the message says which.
-    """
-    text = _decode(data)
-    value = _loads(text)
-    _check_tree(value, escaped="\\u" in text)
-    return value
+    """Parse ``data`` as strict I-JSON; InvalidBody says why it is not."""
+    return _parse(data)[0]
 
 
 def _parse(data: bytes) -> tuple[Any, bool]:
@@ -62,8 +48,7 @@ def _decode(data: bytes) -> str:
             f"request body is not valid UTF-8 (bad byte at offset {e.start})"
         ) from None
     if text.startswith("\ufeff"):
-        # RFC 8259 §8.1 lets parsers skip a BOM; a strict reader refuses it
-        # rather than guess whether the sender meant it as content.
+        # RFC 8259 §8.1 lets parsers skip a BOM; a strict one refuses to guess.
         raise InvalidBody("request body starts with a byte order mark (U+FEFF)")
     return text
 
@@ -77,8 +62,7 @@ def _loads(text: str) -> Any:
             f"request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
         ) from None
     except RecursionError:
-        # The C scanner recurses per nesting level; a body of 100 000 "["
-        # must be a 400, not a 500.
+        # The C scanner recurses per level: 100 000 "[" must be a 400, not a 500.
         raise _too_deep() from None
 
 
@@ -89,7 +73,7 @@ def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for name, _ in pairs:
             if name in seen:
-                raise InvalidBody(f"request body repeats the member name {_excerpt(name)}")
+                raise InvalidBody(f"request body repeats the member name {excerpt(name)}")
             seen.add(name)
     return obj
 
@@ -99,8 +83,7 @@ def _reject_constant(name: str) -> Any:
 
 
 def _finite_float(text: str) -> float:
-    # The json module reads 1e400 as inf; a double cannot hold it, so neither
-    # can I-JSON, and JCS has no way to write it.
+    # json reads 1e400 as inf, which neither I-JSON nor JCS can hold.
     value = float(text)
     if not math.isfinite(value):
         raise InvalidBody("request body contains a number too large for a double")
@@ -108,8 +91,7 @@ def _finite_float(text: str) -> float:
 
 
 def _bounded_int(text: str) -> int:
-    # int() refuses more digits than sys.get_int_max_str_digits() with a
-    # plain ValueError; say what happened rather than fail as a 500.
+    # int() refuses more than sys.get_int_max_str_digits(): a 400, not a 500.
     try:
         return int(text)
     except ValueError:
@@ -118,8 +100,7 @@ def _bounded_int(text: str) -> int:
         ) from None
 
 
-# Made once: json.loads with hooks would build a decoder and its scanner per call.
-# It keeps no state between calls (as json's own default decoder, shared by all).
+# Made once (json.loads with hooks builds one per call); it keeps no state between calls.
 _DECODER = json.JSONDecoder(
     object_pairs_hook=_unique_members,
     parse_constant=_reject_constant,
@@ -131,22 +112,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _check_tree(value: Any, *, escaped: bool = True, ascii: bool = False) -> bool:
-    """Refuse lone surrogates anywhere and nesting beyond MAX_DEPTH; True if *plain*.
-
-    The json module decodes ``"\\ud83d\\ude00"`` to one character, so any
-    surrogate left in a string came from an unpaired escape.  Iterative, so
-    that a deep body cannot exhaust the stack while we look at it.
-
-    Plain: no float anywhere and no member name beyond the BMP. For such a
-    value ``json.dumps`` (sorted, compact, not ASCII-escaped) writes exactly
-    RFC 8785: ints are written alike, strings are escaped alike (``"``,
-    ``\\``, the short escapes, other controls as lower-case ``\\u00xx``),
-    and code-point order is UTF-16 order when no name has an astral character.
-
-    ``escaped``: the text had a ``\\u`` escape (only one can make a lone
-    surrogate: UTF-8 cannot carry one); ``ascii``: the text was ASCII (so,
-    without an escape, no astral character anywhere).
-    """
+    """Refuse lone surrogates (only an unpaired ``\\u`` escape leaves one) and nesting
+    beyond MAX_DEPTH, iteratively; True if *plain*: no float and no astral member name,
+    where ``json.dumps`` (sorted, compact) writes exactly RFC 8785 and is faster."""
     astral = escaped or not ascii
     plain = True
     stack: list[tuple[Any, int]] = [(value, 1)]
@@ -185,20 +153,9 @@ def _too_deep() -> InvalidBody:
     return InvalidBody(f"request body nests deeper than {MAX_DEPTH} levels")
 
 
-# --- Serialising --------------------------------------------------------------
-
-
 def canonical_json(value: Any) -> bytes:
-    """Serialise ``value`` as RFC 8785 canonical JSON, UTF-8 encoded.
-
-    ``value`` is made of dicts with str keys, lists (or tuples), str, int,
-    finite float, bool and None.  Ints are written exactly, see the module
-    docstring.
-
-    Raises:
-        TypeError: A value of another type, or a non-str member name.
-        ValueError: A non-finite float, or a str with a lone surrogate.
-    """
+    """Serialise ``value`` (JSON types, tuples as arrays; ints exact) as RFC 8785, UTF-8.
+    TypeError for another type; ValueError for a non-finite float or a lone surrogate."""
     parts: list[str] = []
     _write(value, parts.append)
     return "".join(parts).encode("utf-8")
@@ -250,14 +207,12 @@ def _write_array(items: list[Any] | tuple[Any, ...], out: Callable[[str], object
 
 
 def _utf16_order(name: str) -> bytes:
-    # RFC 8785 §3.2.3 sorts by UTF-16 code units, which differs from code point
-    # order once astral characters meet U+E000-U+FFFF.  Big-endian bytes
-    # compare exactly like the code units they encode.
+    # RFC 8785 §3.2.3 sorts by UTF-16 code units (not code points past U+E000);
+    # big-endian bytes compare like the code units.
     return name.encode("utf-16-be", "surrogatepass")
 
 
-# JSON.stringify escapes only these; everything else, including U+007F,
-# U+2028 and non-ASCII, is written as itself.
+# JSON.stringify escapes only these (and other controls as \u00xx).
 _ESCAPES = {
     '"': '\\"',
     "\\": "\\\\",
@@ -287,18 +242,14 @@ def _number(value: float) -> str:
         raise ValueError(f"cannot canonicalise {value!r}: JSON has no such number")
     if value == 0:
         return "0"  # also -0.0
-    # repr() gives the shortest digits that round-trip, as ECMAScript requires;
-    # only the layout differs.
+    # repr() gives the shortest round-tripping digits, as ECMAScript; only the layout differs.
     digits, point = _decimal_digits(float.__repr__(abs(value)))
     sign = "-" if value < 0 else ""
     return sign + _es_layout(digits, point)
 
 
 def _decimal_digits(text: str) -> tuple[str, int]:
-    """Split a positive float repr into significant digits and point position.
-
-    The value is ``0.<digits> * 10**point``, ECMAScript's *s* and *n*.
-    """
+    """A positive float's repr as ``0.<digits> * 10**point`` (ECMAScript's *s* and *n*)."""
     mantissa, _, exponent = text.partition("e")
     whole, _, fraction = mantissa.partition(".")
     digits = (whole + fraction).rstrip("0")
@@ -321,25 +272,11 @@ def _es_layout(digits: str, point: int) -> str:
     return f"{mantissa}e{'+' if exponent > 0 else '-'}{abs(exponent)}"
 
 
-# --- Both ---------------------------------------------------------------------
-
-
 def canonical_json_bytes(data: bytes, exclude_fields: Collection[str] = ()) -> bytes:
-    """Parse ``data`` strictly and return its canonical form.
-
-    Args:
-        data: A JSON document.
-        exclude_fields: Member names to leave out before canonicalising, such
-            as a per-attempt timestamp.  ``"a.b"`` names member ``b`` of the
-            top-level object ``a``: a dot always separates path segments, and
-            paths descend through objects only, never arrays.  Paths that do
-            not exist are ignored.
-
-    Raises:
-        InvalidBody: ``data`` is not strict I-JSON (see :func:`parse_json`).
-    """
-    # A lone str is a Collection[str] of its characters: "id" would drop the
-    # members "i" and "d".
+    """Parse ``data`` strictly (InvalidBody) and return its canonical form, leaving out
+    ``exclude_fields``: ``"a.b"`` is member ``b`` of object ``a`` (objects only, never
+    arrays; a missing path is ignored)."""
+    # A lone str is a Collection[str] of its characters: "id" would drop "i" and "d".
     if isinstance(exclude_fields, str):
         raise TypeError("exclude_fields must be a collection of names, not a str")
     value, plain = _parse(data)
@@ -364,10 +301,3 @@ def _drop(value: Any, path: list[str]) -> None:
         value = value.get(segment)
     if isinstance(value, dict):
         value.pop(name, None)
-
-
-def _excerpt(text: str) -> str:
-    """At most _EXCERPT_LENGTH characters of client input, escaped by ``repr``."""
-    if len(text) <= _EXCERPT_LENGTH:
-        return repr(text)
-    return repr(text[:_EXCERPT_LENGTH]) + "..."

@@ -32,14 +32,12 @@ class Event(enum.StrEnum):
     LEASE_LOST = "lease_lost"
     STALE_RECLAIMED = "stale_reclaimed"
     STORE_UNAVAILABLE = "store_unavailable"
-    #: The handler raised ``OutcomeUnknown``: 503, and the key stays claimed for the
-    #: sweeper's reconciler (released only in single-commit mode before a commit_phase).
+    #: The handler raised ``OutcomeUnknown``: 503, the key kept for the sweeper.
     OUTCOME_UNKNOWN = "outcome_unknown"
     #: The replay authorization hook refused a stored response (403). Counted after the
     #: ``REPLAYED`` the claim reported: replays served = replayed - replay_forbidden.
     REPLAY_FORBIDDEN = "replay_forbidden"
-    #: A transient failure's release could not be written (the store did not answer):
-    #: the key stays claimed, retries get 409 until the sweeper releases it.
+    #: A release could not be written: retries get 409 until the sweeper releases it.
     RELEASE_FAILED = "release_failed"
 
 
@@ -54,13 +52,9 @@ def null_observer(event: Event, intent: Intent, elapsed: float) -> None:
 
 
 def fan_out(*observers: Observer) -> Observer:
-    """One observer that tells each of ``observers`` in turn (metrics, traces, logs).
-
-    An observer that raises anyway is logged and skipped: a broken exporter
-    must neither fail the request nor silence the observers after it. The
-    sweeper's ``stale_reclaimed(resolution, endpoint)`` hook is passed on to
-    every observer that has one.
-    """
+    """One observer telling each of ``observers`` in turn (and the sweeper's
+    ``stale_reclaimed`` hook to those that have one); one that raises is logged and
+    skipped: a broken exporter must neither fail the request nor silence the others."""
     flat = tuple(
         inner
         for observer in observers

@@ -1,10 +1,7 @@
 """
 Optional dependencies: a missing one is one line naming the extra that installs it.
-
-Every import of an optional dependency sits in an ``optional(...)`` block, in
-the module (or at the call) that needs it, so ``import idemflow`` stays light
-and a newcomer reads ``idemflow.stores.postgres needs psycopg_pool: pip install
-'idemflow[postgres]'`` instead of a bare ``ModuleNotFoundError``.
+Every import of one sits in an ``optional(...)`` block where it is needed, so
+``import idemflow`` stays light.
 """
 
 from __future__ import annotations
@@ -39,12 +36,8 @@ EXTRAS = {
 
 @contextmanager
 def optional(needed_by: str) -> Iterator[None]:
-    """Imports in this block are optional dependencies of ``needed_by`` (a module or a name).
-
-    A missing package that an extra installs becomes :class:`MissingExtra`;
-    any other import error (a broken install, a missing transitive
-    dependency) propagates unchanged.
-    """
+    """Imports in this block are optional dependencies of ``needed_by``: a missing package
+    an extra installs is :class:`MissingExtra`; any other import error goes through."""
     try:
         yield
     except ModuleNotFoundError as exc:

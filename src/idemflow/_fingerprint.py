@@ -1,12 +1,9 @@
 """
 The request fingerprint: what makes "same key, different request" detectable.
 
-A fingerprint is a SHA-256 digest over the method, the route, the query
-string (if any, in canonical form) and the body (JSON in RFC 8785 canonical
-form, other bodies as sent). Only the digest leaves this module: the body is
-never stored or logged. The hashed message is unambiguous (a version tag,
-length-prefixed method and route, the body kind, the body). See
-docs/core.md, "Fingerprints", and docs/http.md, "The fingerprint".
+A SHA-256 digest over a version tag, the length-prefixed method and route, the
+canonical query and the body (JSON in RFC 8785 form, others as sent): only the
+digest leaves this module. See docs/core.md, "Fingerprints".
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ __all__ = ["DEFAULT_MAX_BODY_BYTES", "canonical_query", "fingerprint"]
 #: Bodies larger than this (1 MiB) are refused rather than hashed.
 DEFAULT_MAX_BODY_BYTES = 1_048_576
 
-# Bump the tag whenever the encoding below changes: a stored fingerprint must
-# never match one computed differently.
+# Bump it when the encoding changes: a stored fingerprint must never match another's.
 _VERSION_TAG = b"idemflow-fp-v1\n"
 
 
@@ -39,28 +35,10 @@ def fingerprint(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     query: str | bytes = b"",
 ) -> str:
-    """Return ``"sha256:<hex>"`` identifying this request's intent.
-
-    Args:
-        method: The HTTP method; case does not matter.
-        route: The route the request matched, e.g. ``/payments``.
-        body: The raw request body.
-        content_type: The ``Content-Type`` header, if any.  JSON media types
-            are fingerprinted by their canonical form.
-        exclude_fields: JSON member names (or dotted paths) to leave out, such
-            as a per-attempt timestamp; see
-            :func:`~idemflow._canonical.canonical_json_bytes`.  Ignored for
-            non-JSON bodies.
-        max_body_bytes: The largest body that may be fingerprinted.
-        query: The raw query string (``a=1&b=2``, without ``?``); see
-            :func:`canonical_query`.
-
-    Raises:
-        InvalidBody: The body is declared as JSON and is not strict I-JSON
-            (:class:`~idemflow.BodyTooLarge`: it is over ``max_body_bytes``).
-    """
-    # Checked here too: a raw body would otherwise ignore the mistake silently
-    # until the first JSON request.
+    """``"sha256:<hex>"`` for this request's intent: a JSON ``content_type``'s body in
+    canonical form without ``exclude_fields`` (dotted paths); InvalidBody for bad JSON,
+    BodyTooLarge over ``max_body_bytes``."""
+    # Checked here too: a raw body would hide the mistake until the first JSON request.
     if isinstance(exclude_fields, str):
         raise TypeError("exclude_fields must be a collection of names, not a str")
     if len(body) > max_body_bytes:
@@ -73,8 +51,7 @@ def fingerprint(
     digest = _head(method, route).copy()
     canonical = canonical_query(query) if query else b""
     if canonical:
-        # "query" can never be a body kind ("json", "raw"), so a digest with a
-        # query cannot collide with one without.
+        # "query" is never a body kind: a digest with a query cannot collide with one without.
         digest.update(b"query\n" + b"%d:%s\n" % (len(canonical), canonical))
     digest.update(kind + b"\n")
     # The body is last, so it needs no length: it runs to the end.
@@ -89,9 +66,7 @@ def _hashed_body(
     if not _is_json(content_type):
         return b"raw", body
     if not body:
-        # An empty body is no JSON document, but a bodyless POST declared as
-        # JSON is common and harmless.  Canonical JSON is never empty, so this
-        # cannot collide with a real document.
+        # A bodyless POST declared JSON is common; canonical JSON is never empty.
         return b"json", b""
     return b"json", canonical_json_bytes(body, exclude_fields)
 
@@ -118,19 +93,14 @@ def _is_json(content_type: str | None) -> bool:
 
 
 def _length_prefixed(text: str) -> bytes:
-    # surrogatepass: an ASGI path may carry any code point; every str must map
-    # to distinct bytes rather than raise.
+    # surrogatepass: an ASGI path may carry any code point, each mapped to distinct bytes.
     data = text.encode("utf-8", "surrogatepass")
     return b"%d:%s\n" % (len(data), data)
 
 
 def canonical_query(query: str | bytes) -> bytes:
-    """``query`` with its pairs percent-decoded, sorted and re-encoded: one spelling per meaning.
-
-    ``b=2&a=1``, ``a=1&b=2`` and ``a=%31&b=2`` are one query; ``a`` and ``a=``
-    are one pair; empty pieces (``a=1&&b=2``) are dropped. A str is taken as
-    latin-1, as ASGI servers decode bytes they pass on.
-    """
+    """``query`` with its pairs percent-decoded, sorted and re-encoded: ``b=2&a=1`` and
+    ``a=%31&b=2`` are one query, ``a`` and ``a=`` one pair; a str is taken as latin-1."""
     raw = query.encode("latin-1", "replace") if isinstance(query, str) else query
     raw = raw.removeprefix(b"?")
     if not raw:

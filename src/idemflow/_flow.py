@@ -1,21 +1,34 @@
 """
 The idempotency protocol, sans I/O: claim → dispatch on state → execute → complete | release.
 
-Every decision about a key lives in this module. The drivers in ``_async/``
-and ``_sync/`` only *perform* the steps :func:`idempotency_flow` yields and
-send the results back in; they decide nothing. The protocol step by step:
-docs/core.md, "The flow: claim → dispatch → execute → complete | release"; how
-a driver runs it: docs/architecture.md, "How a driver runs the flow".
+Every decision about a key lives here: the order of the steps, dispatch, when a
+failure releases or keeps the claim, which connection a claim uses
+(:func:`claim_on`), whether a failed release is sent again (:func:`release_again`),
+what a run may not be asked (:func:`refuse_run`). The drivers perform the steps
+:func:`idempotency_flow` yields and send the results back. What they keep, and
+why (docs/architecture.md, "What the drivers keep"): *whether* an exception
+means "the database cannot serve" (``is_unavailable``: only the store or the
+transaction adapter knows its library's exceptions; the flow says what it then
+means), and the state of the caller's transaction (open, begun, committed), which
+only the code that sends BEGIN and COMMIT sees.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from ._errors import InProgress, KeyReused, LeaseLost, OutcomeUnknown, StoreUnavailable
+from ._errors import (
+    ConfigurationError,
+    InProgress,
+    KeyReused,
+    LeaseLost,
+    OutcomeUnknown,
+    StoreUnavailable,
+)
 from ._model import (
     Claim,
     Clock,
@@ -31,11 +44,19 @@ from ._model import (
     swept_within,
 )
 
-__all__ = ["Step", "dispatch", "idempotency_flow"]
+__all__ = [
+    "ClaimOn",
+    "Step",
+    "claim_on",
+    "dispatch",
+    "idempotency_flow",
+    "refuse_run",
+    "release_again",
+    "starts_past_a_phase",
+]
 
 
-# The steps are built on every run, so they are plain slotted dataclasses: a frozen
-# one's __init__ pays an object.__setattr__ per field. Nothing ever changes one.
+# Plain slotted, not frozen: built on every run, and nothing changes one.
 
 
 @dataclass(slots=True)
@@ -63,10 +84,7 @@ class Execute:
 
 @dataclass(slots=True)
 class Complete:
-    """Store the settled outcome with a compare-and-swap on the lease, then commit.
-
-    Its retention starts now: the outcome is replayed for ``retention`` seconds.
-    """
+    """Store the settled outcome (a compare-and-swap on the lease), kept ``retention`` s."""
 
     record: Record
     state: State
@@ -83,16 +101,8 @@ class Release:
 
 @dataclass(slots=True)
 class PhaseCommitted:
-    """Ask the driver whether this run's operation went past a committed phase: a bool.
-
-    It did once it committed one (``attempt.commit_phase``), or once it started
-    from its record's ``recovery_point`` (a resumed run; when the operation
-    answered, the flow knows that from the record without asking), or, without
-    a transaction, once it started at all: nothing it does rolls back.
-
-    Past a committed phase the effect no longer rolls back whole with the
-    completion: an external call made after it may have happened.
-    """
+    """Ask the driver whether the operation went past a committed phase (a bool): past
+    one, an external call made after it may have happened (:func:`starts_past_a_phase`)."""
 
     record: Record
 
@@ -112,13 +122,9 @@ def idempotency_flow(
 ) -> Flow:
     """The whole protocol. Yields steps; returns the :class:`Outcome` or raises.
 
-    ``atomic``: the operation's effect commits or rolls back with the
-    completion (transactional mode), until it commits a phase of its own.
-    Without that, an effect may have happened when its completion fails, and
-    only the sweeper may decide.
-    ``single_commit``: the claim is part of the caller's transaction until its
-    first commit. ``clock`` dates a 409's ``Retry-After`` (see
-    :func:`idemflow._model.retry_after`).
+    ``atomic``: the effect commits or rolls back with the completion (until it
+    commits a phase of its own). ``single_commit``: the claim is part of the
+    caller's transaction until its first commit. ``clock`` dates a 409.
     """
     # One generator, not one delegating to another: every step crosses one frame.
     try:
@@ -181,18 +187,10 @@ def _outcome_unknown(
 ) -> Generator[Step, Any, bool]:
     """Did the operation end without an answer, its effect unknown, where its claim is durable?
 
-    The one rule for an operation that ends without answering (DEVELOPERS.md, guarantee
-    2: an unknown outcome is never resolved by re-executing):
-
-    - ``OutcomeUnknown``: the handler says it cannot tell whether its external effect
-      happened. Unknown wherever the claim is durable: from the claim on with two
-      commits, without a transaction and in middleware mode; in single-commit mode only
-      past a committed phase (before it the claim rolls back with the transaction, and
-      there is nothing to keep).
-    - any other exception: the handler's own answer, by contract that it did nothing.
-    - a cancellation (or a BaseException): unknown past a committed phase (without a
-      transaction, from the operation's start), where an external call made after it
-      may have happened and the handler never said it did not.
+    ``OutcomeUnknown`` is unknown wherever the claim is durable (in single-commit
+    mode only past a committed phase: before it the claim rolls back). Any other
+    exception is the handler's answer that it did nothing. A cancellation is
+    unknown past a committed phase (guarantee 2: never resolved by re-executing).
     """
     if isinstance(exc, OutcomeUnknown):
         if not single_commit:
@@ -203,11 +201,8 @@ def _outcome_unknown(
 
 
 def _past_a_committed_phase(record: Record, *, answered: bool = True) -> Generator[Step, Any, bool]:
-    """Did the operation run past a committed phase (an earlier attempt's, or its own)?
-
-    One that ``answered`` ran, past its record's recovery point if it has one;
-    one that did not may have been stopped before it started: the driver knows.
-    """
+    """Past a committed phase (an earlier attempt's, or its own)? One that ``answered``
+    ran past its record's recovery point; one that did not may never have started."""
     if answered and record.recovery_point is not None:
         return True
     committed: bool = yield PhaseCommitted(record)
@@ -221,14 +216,9 @@ _UNRECORDED = (
 
 
 def dispatch(record: Record, intent: Intent, policy: Policy, now: float) -> Outcome:
-    """Answer a request whose claim found someone else's record. Order matters.
-
-    1. A different request under the same key is the client's bug: 422, even
-       while the first is still running.
-    2. In flight (or stale and being reconciled): 409 at once, never wait,
-       with the ``Retry-After`` the record's age says (``now`` dates it).
-    3. Settled: the stored response, verbatim.
-    """
+    """Answer a request whose claim found someone else's record: 422 for a different
+    request (even while the first runs), then 409 at once while in flight (never wait),
+    then the settled response verbatim."""
     if record.fingerprint != intent.fingerprint:
         msg = (
             "this Idempotency-Key was first used for a different request "
@@ -248,3 +238,61 @@ _BUSY = {
     State.COMPLETED: "the response for this Idempotency-Key is not stored; retry later",
     State.FAILED_PERMANENT: "the response for this Idempotency-Key is not stored; retry later",
 }
+
+
+class ClaimOn(enum.Enum):
+    """Which connection a claim uses: a request holds at most one at any moment."""
+
+    STORE = "store"  # no transaction: the store's own
+    # Two commits: the transaction's where it lends one of the store's (one checkout),
+    # committed alone before its BEGIN.
+    LENT = "lent"
+    # One commit: the claim is the transaction's first statement.
+    TRANSACTION = "transaction"
+
+
+def claim_on(*, transaction: bool, single_commit: bool) -> ClaimOn:
+    if not transaction:
+        return ClaimOn.STORE
+    return ClaimOn.TRANSACTION if single_commit else ClaimOn.LENT
+
+
+def refuse_run(
+    store: str, *, transaction: bool, single_commit: bool, shares: bool, single_commits: bool
+) -> None:
+    """Raise ConfigurationError, before anything is claimed, for a run the store cannot do."""
+    if transaction and not shares:
+        msg = f"{store} cannot share the caller's transaction"
+        raise ConfigurationError(msg)
+    if single_commit and not transaction:
+        msg = "single_commit needs the caller's transaction"
+        raise ConfigurationError(msg)
+    if single_commit and not single_commits:
+        msg = (
+            f"{store} cannot bound a duplicate's wait on an uncommitted claim; "
+            "single_commit needs PostgreSQL or MySQL"
+        )
+        raise ConfigurationError(msg)
+
+
+def starts_past_a_phase(record: Record, *, transaction: bool) -> bool:
+    """Is the operation past a committed phase from its start? A resumed one is; one
+    without a transaction too: nothing it does rolls back."""
+    return record.recovery_point is not None or not transaction
+
+
+#: How often a failed release is sent again before the key is left to the sweeper.
+RELEASE_ATTEMPTS = 3
+#: A release the store could not serve is sent again only if it failed this fast (a
+#: pooled connection found dead, which the pool dropped): one that waited for the store
+#: would wait as long again, and the answer with it. At most half the store wait.
+RELEASE_RETRY_WITHIN_SECONDS = 0.5
+
+
+def release_again(exc: Exception, *, attempt: int, elapsed: float, policy: Policy) -> bool:
+    """Send a failed release again? The fenced release is idempotent, so a deadlock
+    victim or a dropped connection is retried; a store waited for in vain is not.
+    ``elapsed``: on the monotonic clock (the injected one dates records, not waits)."""
+    within = min(RELEASE_RETRY_WITHIN_SECONDS, policy.store_wait_seconds / 2)
+    waited_for_the_store = isinstance(exc, StoreUnavailable) and elapsed >= within
+    return attempt < RELEASE_ATTEMPTS and not waited_for_the_store

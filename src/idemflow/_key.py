@@ -1,19 +1,11 @@
 """
 Reading the ``Idempotency-Key`` request header.
 
-The IETF draft (draft-ietf-httpapi-idempotency-key-header) makes the field an
-RFC 8941/9651 *Item* whose value MUST be a *String*: ``"8e03978e-..."``.
-Almost every client in the wild sends it bare (Stripe's own example is
-``Idempotency-Key: KG5LxwFBepaKHyUD``), so the bare form is accepted unless
-``strict=True``.  Both forms yield the same key: ``"abc"`` and ``abc`` are
-one key.
-
-The key becomes part of a database key, so it is bounded before anything
-else sees it: 1 to :data:`MAX_KEY_LENGTH` printable ASCII characters.
-
-Error messages say what was wrong without echoing the attacker's value: at
-most a short, ``repr``-escaped excerpt, so a key cannot smuggle newlines or
-megabytes into a log line.
+The IETF draft makes the field an RFC 9651 *String* (``"8e03978e-..."``); almost
+every client sends it bare (Stripe's ``Idempotency-Key: KG5LxwFBepaKHyUD``), so the
+bare form is accepted unless ``strict=True``: ``"abc"`` and ``abc`` are one key.
+It is bounded before anything else sees it (1 to :data:`MAX_KEY_LENGTH` printable
+ASCII), and errors quote at most a short ``repr``-escaped excerpt of it.
 """
 
 from __future__ import annotations
@@ -22,7 +14,7 @@ from collections.abc import Sequence
 
 from ._errors import InvalidKey, MissingKey
 
-__all__ = ["MAX_KEY_LENGTH", "parse_key"]
+__all__ = ["MAX_KEY_LENGTH", "excerpt", "parse_key"]
 
 #: The longest key accepted, in characters (Stripe's limit).
 MAX_KEY_LENGTH = 255
@@ -30,8 +22,7 @@ MAX_KEY_LENGTH = 255
 # Optional whitespace around a field value (RFC 9110 §5.6.3).
 _OWS = " \t"
 
-# A valid quoted key is at most every character escaped plus two quotes;
-# anything longer is rejected before we spend a loop on it.
+# Every character escaped plus two quotes: anything longer is refused before a loop.
 _MAX_RAW_LENGTH = 2 * MAX_KEY_LENGTH + 2
 
 # How much of the client's value an error message may quote.
@@ -42,20 +33,10 @@ _CHAR_NAMES = {"\t": "a tab", " ": "a space", "\x7f": "DEL"}
 
 
 def parse_key(values: Sequence[str], *, strict: bool = False) -> str:
-    """Return the idempotency key carried by the ``Idempotency-Key`` field lines.
-
-    Args:
-        values: Every raw field line named ``Idempotency-Key``, decoded as
-            latin-1.  Pass ``[]`` when the header is absent.
-        strict: Accept only the quoted sf-string form the IETF draft requires.
-
-    Raises:
-        MissingKey: No field line at all.
-        InvalidKey: Repeated lines, a list, parameters, a bad escape, an empty or
-            over-long key, or a character outside printable ASCII.
-    """
-    # A bare str is a Sequence[str] too; iterating it would read one line per
-    # character and report a confusing "sent 36 times".
+    """The key carried by every ``Idempotency-Key`` field line (latin-1; ``[]`` when
+    absent): MissingKey without one, InvalidKey for anything but one valid key
+    (``strict``: quoted only, as the draft requires)."""
+    # A bare str is a Sequence[str] too: it would be "sent 36 times".
     if isinstance(values, str):
         raise TypeError("values must be a sequence of field lines, not a str")
     if not values:
@@ -115,17 +96,13 @@ def _reject_trailing(rest: str) -> None:
     if tail.startswith(";"):
         raise InvalidKey("Idempotency-Key: parameters are not allowed")
     raise InvalidKey(
-        "Idempotency-Key: unexpected characters after the closing quote: " + _excerpt(rest)
+        "Idempotency-Key: unexpected characters after the closing quote: " + excerpt(rest)
     )
 
 
 def _check_bare(raw: str) -> str:
-    """Refuse what a bare key cannot hold; the rest is checked with the key.
-
-    A ``;`` starts parameters (``abc;p=1`` is the item ``abc`` with a
-    parameter), refused as for the quoted form, so the two forms agree on what
-    a key is; a key that contains ``;`` is sent quoted (``"a;b"``).
-    """
+    """Refuse what a bare key cannot hold (``;`` starts parameters, refused as quoted,
+    so both forms agree); the rest is checked with the key."""
     if "," in raw:
         raise InvalidKey("Idempotency-Key: lists are not allowed; send one key")
     if ";" in raw:
@@ -177,7 +154,7 @@ def _describe(ch: str) -> str:
     return f"{name} ({code})"
 
 
-def _excerpt(text: str) -> str:
+def excerpt(text: str) -> str:
     """At most _EXCERPT_LENGTH characters of client input, escaped by ``repr``."""
     if len(text) <= _EXCERPT_LENGTH:
         return repr(text)

@@ -1,11 +1,7 @@
 """
 Lease tokens: unique per claim, cheap to make.
-
-A token only has to be unique (it fences writes; nobody guesses it), so it is
-a random per-process prefix plus a counter. Calling ``os.urandom`` for every
-claim cost ~15 µs a call on a loaded machine, the largest single item of a
-replay's CPU. The prefix is drawn again in a forked child, so parent and
-child can never hand out the same token.
+A token only fences writes, so it need only be unique: a random per-process prefix
+(drawn again at fork) plus a counter, not ``os.urandom`` per claim (~15 µs).
 """
 
 from __future__ import annotations
@@ -31,7 +27,5 @@ os.register_at_fork(after_in_child=_reseed)
 
 def new_lease_token() -> str:
     """A token no other claim, in this process or any other, has had."""
-    # next() on itertools.count is atomic under the GIL: no lock needed. The
-    # prefix has a fixed length, so the plain decimal counter after it keeps
-    # every token distinct (and costs less than a formatted one).
+    # count() is atomic under the GIL; the prefix's fixed length keeps tokens distinct.
     return _prefix + str(next(_counter))

@@ -1,13 +1,9 @@
 """
 What the sweeper decides, sans I/O: the reconciler's answers and what each one means.
-
-A claim older than the stale threshold belongs to a request that can no
-longer be running, but its external effect may or may not have happened. A
-reconciler asks the external system and answers :class:`Happened` (store and
-replay this response), :class:`DidNotHappen` (give the key back) or
-:class:`Unknown` (keep the record ``stale``, ask again later). The drivers
-(``idemflow._async.sweeper`` and its generated sync twin) perform the store
-writes these answers call for. See docs/crash-safety.md, "Reconcilers".
+A stale claim's request can no longer run, but its effect may have happened: a
+reconciler answers :class:`Happened`, :class:`DidNotHappen` or :class:`Unknown`,
+and the sweeper drivers perform what :func:`plan` says each means. See
+docs/crash-safety.md, "Reconcilers".
 """
 
 from __future__ import annotations
@@ -27,29 +23,22 @@ __all__ = [
     "AsyncStop",
     "DidNotHappen",
     "Happened",
+    "Plan",
     "Resolution",
     "Stop",
     "SweepReport",
     "Unknown",
     "downstream_keys",
     "intent_of",
-    "settled_state",
+    "plan",
 ]
 
 
 @dataclass(frozen=True, slots=True)
 class Happened:
-    """The effect took place: complete the record with ``response``.
-
-    Args:
-        response: what every retry of the intent will be answered with (the
-            classifier decides completed or failed_permanent, as for a live run).
-        apply: writes the local business row that the crashed request never
-            committed, on the connection of the sweeper's transaction
-            (``apply(connection)``; a coroutine function for ``AsyncSweeper``).
-            It commits together with the settled record or not at all. Needs
-            the sweeper's ``transaction_factory``.
-    """
+    """The effect took place: settle the record with ``response``. ``apply(connection)``
+    writes the business row the crashed request never committed, in the sweeper's
+    transaction (its ``transaction_factory``), with the settled record or not at all."""
 
     response: Response
     apply: Callable[[Any], Any] | None = None
@@ -58,16 +47,8 @@ class Happened:
 @dataclass(frozen=True, slots=True)
 class DidNotHappen:
     """The effect did not take place: release the key so the next retry really runs.
-
-    Args:
-        reason: for the logs.
-        apply: undoes the local traces the attempt committed before its
-            external call (a ``pending`` row, say), on the connection of the
-            sweeper's transaction (``apply(connection)``; a coroutine function
-            for ``AsyncSweeper``). It commits together with the release, which
-            then also forgets the recovery point: a retry starts afresh. Needs
-            the sweeper's ``transaction_factory``.
-    """
+    ``apply(connection)`` undoes the attempt's local traces in the sweeper's transaction,
+    with a release that forgets the recovery point."""
 
     reason: str = ""
     apply: Callable[[Any], Any] | None = None
@@ -96,13 +77,8 @@ class Resolution(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class SweepReport:
-    """What one pass (or part of one) did, record by record.
-
-    ``completed`` counts records settled from a reconciler's answer (completed
-    or failed_permanent), ``released`` those given back, ``unknown`` those
-    left stale to be retried, ``lost`` those another sweeper resolved first.
-    ``retried`` counts how many of them were stale from an earlier pass.
-    """
+    """What one pass (or part of one) did, record by record (``retried``: of them, those
+    stale from an earlier pass; ``lost``: those another sweeper resolved first)."""
 
     completed: int = 0
     released: int = 0
@@ -146,14 +122,40 @@ def downstream_keys(record: Record, steps: Sequence[str]) -> Mapping[str, str]:
     return {step: downstream_key(record, step) for step in steps}
 
 
-def settled_state(answer: Happened, policy: Policy) -> State | None:
-    """The state a reconciled response settles the record in; None if it is not settled.
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the sweeper writes for one answer: a fenced settle (``state``) or release, in
+    its transaction or on the store's connection; or, for UNKNOWN, nothing (``why``)."""
 
-    A transient response (503, 429, …) is not an outcome: storing it would
-    poison the key, so the answer is treated as unknown.
-    """
-    verdict = policy.verdict(answer.response)
-    return None if verdict is Verdict.TRANSIENT else verdict.value
+    resolution: Resolution
+    state: State | None = None
+    in_transaction: bool = False
+    why: str = ""  # logged with the record's id
+
+
+def plan(answer: Answer, policy: Policy, *, transactions: bool) -> Plan:
+    """What ``answer`` means for its stale record (``transactions``: the sweeper has a
+    ``transaction_factory``). An ``apply`` commits with the record or not at all."""
+    if isinstance(answer, Unknown):
+        return Plan(Resolution.UNKNOWN)
+    if isinstance(answer, Happened):
+        verdict = policy.verdict(answer.response)
+        if verdict is Verdict.TRANSIENT:  # storing it would poison the key
+            why = (
+                f"reconciler answered Happened with transient status {answer.response.status}"
+                " for record %s; a transient response is not an outcome, the record stays stale"
+            )
+            return Plan(Resolution.UNKNOWN, why=why)
+        done = Plan(Resolution.COMPLETED, verdict.value, in_transaction=transactions)
+    else:
+        done = Plan(Resolution.RELEASED, in_transaction=transactions and answer.apply is not None)
+    if answer.apply is not None and not transactions:
+        why = (
+            f"{type(answer).__name__}.apply for record %s needs the sweeper's "
+            "transaction_factory; the record stays stale"
+        )
+        return Plan(Resolution.UNKNOWN, why=why)
+    return done
 
 
 class Stop:

@@ -99,14 +99,9 @@ def new_tracer(tracer: Tracer | None) -> Tracer:
 
 
 class Run:
-    """One traced run: its span (current until :meth:`close`), the intent as
-    claimed, and what its events said.
-
-    Events are noted here and written to the span once, at the end: each
-    OpenTelemetry attribute call validates its values, and the span is on
-    the hot path of every protected request (so is the plain attach/detach
-    here, rather than the SDK's generator-based context managers).
-    """
+    """One traced run: its span (current until :meth:`close`), the intent as claimed,
+    and what its events said, written to the span once at the end (each attribute call
+    validates its values, on the hot path)."""
 
     def __init__(self, tracer: Tracer, intent: Intent, policy: Policy) -> None:
         assert _trace is not None
@@ -155,8 +150,7 @@ class Run:
         if not self.recording:
             return
         self.span.set_attributes(self.attributes)
-        # 409/422 answers are outcomes, not failures; a lost lease means our
-        # work was rolled back, which is.
+        # 409/422 are outcomes; a lost lease (our work rolled back) is a failure.
         if not isinstance(exc, ClientError) or isinstance(exc, LeaseLost):
             assert _trace is not None
             self.span.record_exception(exc)

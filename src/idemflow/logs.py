@@ -1,12 +1,9 @@
 """
 Logs for idemflow through the standard :mod:`logging` module.
 
-:class:`LoggingObserver` writes one record per event to the ``idemflow.events``
-logger, with structured ``extra`` fields any JSON formatter can pick up
-(``outcome``, ``endpoint``, ``principal``, ``key_digest``: :func:`key_digest`,
-never the key itself, ``correlation_id``, ``elapsed_ms``). Quiet at ``INFO`` on
-the normal paths. The fields and the level of each event: docs/operations.md,
-"Logs".
+:class:`LoggingObserver` writes one record per event with structured ``extra``
+fields (never the key itself: its :func:`key_digest`). The fields and levels:
+docs/operations.md, "Logs".
 """
 
 from __future__ import annotations
@@ -15,13 +12,16 @@ import hashlib
 import logging
 from collections.abc import Mapping
 
+from ._deprecation import moved
 from ._events import Event
 from ._model import Intent
 
-__all__ = ["DEFAULT_LEVELS", "LoggingObserver", "key_digest"]
+__all__ = [
+    "LoggingObserver",
+]
 
 #: The level each event logs at unless told otherwise.
-DEFAULT_LEVELS: Mapping[Event, int] = {
+_DEFAULT_LEVELS: Mapping[Event, int] = {
     Event.CLAIMED: logging.DEBUG,
     Event.COMPLETED: logging.DEBUG,
     Event.REPLAYED: logging.DEBUG,
@@ -55,27 +55,16 @@ _DIGEST_BYTES = 8
 
 
 def key_digest(principal: str, key: str, salt: bytes = b"") -> str:
-    """A short, non-reversible name for ``(principal, key)``, for logs and support.
-
-    BLAKE2b over both (keyed with ``salt`` if given): the same pair always
-    gives the same 16 hex digits, so a log line can be matched to
-    ``idemflow inspect`` output; the key cannot be read back from it. Keys are
-    client-chosen; if yours may be guessable, set a secret ``salt``.
-    """
+    """A short, non-reversible name for ``(principal, key)`` (BLAKE2b, keyed with ``salt``:
+    set a secret one if keys may be guessable), matching ``idemflow inspect``."""
     who = principal.encode()
     data = len(who).to_bytes(4, "big") + who + key.encode()  # unambiguous: no separator to forge
     return hashlib.blake2b(data, digest_size=_DIGEST_BYTES, key=salt).hexdigest()
 
 
 class LoggingObserver:
-    """An observer that logs each event with structured ``extra`` fields.
-
-    Args:
-        logger: defaults to ``logging.getLogger("idemflow.events")``.
-        levels: per-event levels replacing :data:`DEFAULT_LEVELS` entries.
-        salt: keys the digest (see :func:`key_digest`); share it with anyone
-            who needs to match log lines to ``idemflow inspect``.
-    """
+    """An observer that logs each event with structured ``extra`` fields (to
+    ``idemflow.events`` unless given a logger; ``levels`` override the defaults)."""
 
     def __init__(
         self,
@@ -85,7 +74,7 @@ class LoggingObserver:
         salt: bytes = b"",
     ) -> None:
         self.logger = logger if logger is not None else logging.getLogger("idemflow.events")
-        self.levels = {**DEFAULT_LEVELS, **(levels or {})}
+        self.levels = {**_DEFAULT_LEVELS, **(levels or {})}
         self.salt = salt
 
     def __call__(self, event: Event, intent: Intent, elapsed: float) -> None:
@@ -106,3 +95,8 @@ class LoggingObserver:
                 "elapsed_ms": round(elapsed * 1000, 3),
             },
         )
+
+
+#: Issue 32: the default levels are the observer's own; importable from here, with a
+#: DeprecationWarning, until 0.3.
+__getattr__ = moved(__name__, {"DEFAULT_LEVELS": "idemflow.logs:_DEFAULT_LEVELS"})

@@ -1,15 +1,10 @@
 """
 Prometheus metrics for idemflow (needs ``prometheus-client``: ``idemflow[metrics]``).
 
-Pass a :class:`PrometheusMetrics` as the ``observer=`` of an ``Idempotency``
-(combine it with traces and logs through :func:`idemflow.fan_out`). Labels are
-bounded: ``endpoint`` is the route template (``POST /payments``), never the raw
-path, and the key or principal never appear. The metrics
-(``idemflow_requests_total``, ``idemflow_claim_seconds``,
-``idemflow_replay_seconds``, ``idemflow_stale_in_progress``, see
-:meth:`PrometheusMetrics.watch_stale_claims`, and
-``idemflow_stale_reclaimed_total``, see :meth:`PrometheusMetrics.stale_reclaimed`),
-their PromQL and alerts: docs/operations.md, "Metrics".
+Pass a :class:`PrometheusMetrics` as the ``observer=`` of an ``Idempotency``.
+Labels are bounded: ``endpoint`` is the route template, never the raw path; the
+key and principal never appear. The metrics, their PromQL and alerts:
+docs/operations.md, "Metrics".
 """
 
 from __future__ import annotations
@@ -36,27 +31,19 @@ __all__ = ["PrometheusMetrics"]
 
 logger = logging.getLogger("idemflow.metrics")
 
-# Claims and replays are one or two indexed statements: most land in
-# milliseconds, the tail shows a saturated pool or a lock queue.
+# One or two indexed statements: milliseconds; the tail shows a saturated pool or lock queue.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 #: How the sweeper resolved a stale claim (the ``resolution`` label).
 _RESOLUTIONS = ("completed", "released", "unknown")
 
-#: A scrape reuses the stuck-claim count this long, so many scrapers (or a
-#: short scrape interval) cost one indexed COUNT per interval, not one each.
+#: A scrape reuses the stuck-claim count this long: one COUNT per interval, not per scraper.
 DEFAULT_GAUGE_CACHE_SECONDS = 5.0
 
 
 class PrometheusMetrics:
-    """An observer that counts every outcome and times claims and replays.
-
-    Args:
-        registry: where the metrics live; a new one unless given (serve it
-            with ``prometheus_client.make_asgi_app(registry)`` or
-            ``start_http_server(port, registry=registry)``).
-        namespace: the metric name prefix.
-    """
+    """An observer that counts every outcome and times claims and replays, in ``registry``
+    (a new one unless given) under the ``namespace`` prefix."""
 
     def __init__(
         self, registry: CollectorRegistry | None = None, *, namespace: str = "idemflow"
@@ -113,21 +100,8 @@ class PrometheusMetrics:
         return child
 
     def stale_reclaimed(self, resolution: str, endpoint: str) -> None:
-        """Count one stale claim the sweeper resolved, by how.
-
-        The sweeper (:class:`idemflow.sweeper.Sweeper`, ``observer=metrics``)
-        calls this once per record it resolves, next to the observer call with
-        ``Event.STALE_RECLAIMED`` that counts
-        ``idemflow_requests_total{outcome="stale_reclaimed", endpoint}``;
-        this counts ``idemflow_stale_reclaimed_total{resolution}``.
-
-        Args:
-            resolution: ``completed`` (the reconciler found the effect),
-                ``released`` (it did not happen; the key is free again) or
-                ``unknown`` (kept for a later sweep; the alert sees it).
-            endpoint: the record's endpoint (route template); the resolution
-                counter has no endpoint label, the requests counter has.
-        """
+        """Count one stale claim the sweeper resolved (``completed``, ``released`` or
+        ``unknown``); the sweeper calls it beside its ``STALE_RECLAIMED`` event."""
         self.stale_reclaimed_total.labels(resolution).inc()
 
     def watch_stale_claims(
@@ -138,23 +112,9 @@ class PrometheusMetrics:
         cache_seconds: float = DEFAULT_GAUGE_CACHE_SECONDS,
         clock: Clock = time.time,
     ) -> None:
-        """Export ``idemflow_stale_in_progress{state}``, read from ``store`` at scrape time.
-
-        ``state="in_progress"``: claims untouched for longer than
-        ``request_timeout`` (every one a crashed attempt whose external effect
-        is unknown); ``state="stale"``: claims the sweeper marked and has not
-        resolved yet (a reconciler answered "unknown"). One indexed COUNT per
-        ``cache_seconds`` at most.
-
-        Args:
-            store: a store that answers stats (``Store.stats()``): a sync SQL,
-                memory or Redis store, or the async SQLite or memory one. Asyncio apps on
-                PostgreSQL or Redis pass
-                a sync store opened on the same database (a pool of one or two
-                connections is plenty).
-            request_timeout: the same timeout as the app's ``Policy``.
-            clock: the app's clock (records carry its times).
-        """
+        """Export ``idemflow_stale_in_progress{state}``, read from ``store`` (a sync one)
+        at scrape time: claims untouched past ``request_timeout`` (``in_progress``) and
+        those swept and unresolved (``stale``), one COUNT per ``cache_seconds`` at most."""
         gauge = StuckClaimsGauge(
             f"{self.namespace}_stale_in_progress",
             store.stats(),
@@ -192,7 +152,6 @@ class StuckClaimsGauge(Collector):
         self._cached: tuple[float, dict[str, int]] | None = None
 
     def describe(self) -> Iterator[Metric]:
-        # Describing without values keeps registration from querying the store.
         yield self._family()
 
     def collect(self) -> Iterator[Metric]:
@@ -227,6 +186,5 @@ class StuckClaimsGauge(Collector):
             return counts
 
 
-#: Issue 32: the resolutions the counter starts at 0 are the exporter's own; importable
-#: from here, with a DeprecationWarning, until 0.3.
+#: Issue 32: moved; importable with a DeprecationWarning until 0.3.
 __getattr__ = moved(__name__, {"RESOLUTIONS": "idemflow.metrics:_RESOLUTIONS"})

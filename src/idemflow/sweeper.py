@@ -1,17 +1,10 @@
 """
 The stale-claim sweeper: no key stays blocked by a crashed request.
 
-A request that crashed between its claim and its completion leaves an
-``in_progress`` record; every retry would get 409 forever. :class:`Sweeper`
-(and :class:`AsyncSweeper`) finds such records once they are older than
-``policy.stale_after`` (derived from the request timeout, so no live request
-can still hold them), marks them ``stale`` and resolves each one exactly
-once: ``sweeper.sweep_once()``, or :func:`start_background_sweeper` in an app.
-When the effect went to an external system, pass a ``reconciler`` that asks
-that system what happened (:class:`Happened`, :class:`DidNotHappen`,
-:class:`Unknown`). ``docs/crash-safety.md`` explains how to choose, and
-"Running the sweeper" how to run it (``idemflow sweep DATABASE_URL [--every
-SECONDS]`` from the shell).
+A crashed request's ``in_progress`` record would answer 409 forever: a
+:class:`Sweeper` marks it ``stale`` once older than ``policy.stale_after`` and
+resolves it exactly once, asking a ``reconciler`` where the effect went to an
+external system. How to choose and run it: docs/crash-safety.md.
 """
 
 from __future__ import annotations
@@ -20,34 +13,25 @@ import asyncio
 import threading
 from typing import overload
 
-from ._async.sweeper import DEFAULT_BATCH_SIZE, AsyncReconciler, AsyncSweeper
+# Not listed: the CLI's loop parts, and what a pass reports (a result, never built by a
+# caller). Named here so that the layers above may take them (tests/test_layers.py).
+from ._async.sweeper import DEFAULT_BATCH_SIZE as DEFAULT_BATCH_SIZE  # noqa: PLC0414
+from ._async.sweeper import AsyncSweeper
+from ._deprecation import moved
 from ._model import Duration
-from ._reconcile import (
-    Answer,
-    AsyncStop,
-    DidNotHappen,
-    Happened,
-    Resolution,
-    Stop,
-    SweepReport,
-    Unknown,
-)
-from ._sync.sweeper import Reconciler, Sweeper
+from ._reconcile import Answer, DidNotHappen, Happened, Unknown
+from ._reconcile import AsyncStop as AsyncStop  # noqa: PLC0414
+from ._reconcile import Stop as Stop  # noqa: PLC0414
+from ._reconcile import SweepReport as SweepReport  # noqa: PLC0414
+from ._sync.sweeper import Reconciler as Reconciler  # noqa: PLC0414
+from ._sync.sweeper import Sweeper
 
 __all__ = [
-    "DEFAULT_BATCH_SIZE",
     "Answer",
     "AsyncBackgroundSweeper",
-    "AsyncReconciler",
-    "AsyncStop",
     "AsyncSweeper",
-    "BackgroundSweeper",
     "DidNotHappen",
     "Happened",
-    "Reconciler",
-    "Resolution",
-    "Stop",
-    "SweepReport",
     "Sweeper",
     "Unknown",
     "start_background_sweeper",
@@ -126,18 +110,20 @@ def start_background_sweeper(
 def start_background_sweeper(
     sweeper: Sweeper | AsyncSweeper, *, every: Duration | None = None
 ) -> BackgroundSweeper | AsyncBackgroundSweeper:
-    """Run ``sweeper`` in the background: at each earliest stale deadline, looking at least
-    every ``every`` seconds (see :meth:`Sweeper.run_forever`).
-
-    A crashed claim ends milliseconds after its threshold; on a store that
-    cannot tell its earliest deadline, within one ``every`` after it (the
-    default, ``policy.sweep_interval``, is a tenth of the threshold).
-
-    A :class:`Sweeper` runs in a daemon thread; an :class:`AsyncSweeper` in a
-    task of the running event loop (call this from inside it, e.g. in a
-    lifespan handler). Every process of an app may run one: a record is
-    marked, and so resolved, by exactly one of them.
-    """
+    """Run ``sweeper``'s :meth:`~Sweeper.run_forever` in the background: a :class:`Sweeper`
+    in a daemon thread, an :class:`AsyncSweeper` in a task of the running loop (call it
+    from inside, e.g. a lifespan handler). Every process of an app may run one."""
     if isinstance(sweeper, AsyncSweeper):
         return AsyncBackgroundSweeper(sweeper, every)
     return BackgroundSweeper(sweeper, every)
+
+
+#: Issue 32: the reconciler's protocol and the resolution's names are the sweeper's
+#: own; importable from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(
+    __name__,
+    {
+        "AsyncReconciler": "idemflow._async.sweeper:AsyncReconciler",
+        "Resolution": "idemflow._reconcile:Resolution",
+    },
+)

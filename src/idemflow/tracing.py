@@ -1,15 +1,10 @@
 """
 OpenTelemetry traces for idemflow (``idemflow[tracing]``); a no-op without ``opentelemetry-api``.
 
-Two ways in; use one of them: :func:`traced` wraps an ``Idempotency`` (or
-``AsyncIdempotency``) so each ``run`` is one span, ``idemflow.run``, and a
-replay's span *links* to the span of the request that produced the stored
-response (through the W3C ``traceparent`` kept in the record's correlation
-id, :func:`traceparent`); :class:`TracingObserver`, passed as (or fanned out
-into) the observer, only annotates whatever span is current with the same
-attributes and one span event per idemflow event. The attributes and how a
-replay finds the original trace: docs/operations.md, "Traces". Nothing else
-in idemflow imports OpenTelemetry.
+Use one of two: :func:`traced` makes each ``run`` one span (a replay's linked to
+the original's through the ``traceparent`` kept as its correlation id), or a
+:class:`TracingObserver` annotates whatever span is current. The attributes:
+docs/operations.md, "Traces".
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ from . import _spans
 from ._async.driver import AsyncIdempotency
 from ._async.tracing import AsyncTracedIdempotency
 from ._deprecation import moved
-from ._spans import TracingObserver, linked_context, traceparent
+from ._spans import TracingObserver, traceparent
 from ._sync.driver import Idempotency
 from ._sync.tracing import TracedIdempotency
 
@@ -28,10 +23,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
 __all__ = [
-    "AsyncTracedIdempotency",
-    "TracedIdempotency",
     "TracingObserver",
-    "linked_context",
     "traced",
     "traceparent",
 ]
@@ -44,11 +36,8 @@ def traced(idempotency: Idempotency, tracer: Tracer | None = None) -> Idempotenc
 def traced(
     idempotency: Idempotency | AsyncIdempotency, tracer: Tracer | None = None
 ) -> Idempotency | AsyncIdempotency:
-    """``idempotency``, tracing every run (unchanged when OpenTelemetry is not installed).
-
-    Args:
-        tracer: defaults to the global tracer provider's ``idemflow`` tracer.
-    """
+    """``idempotency``, tracing every run with ``tracer`` (the global ``idemflow`` one);
+    unchanged when OpenTelemetry is not installed."""
     if not _spans.ENABLED:
         return idempotency
     if isinstance(idempotency, AsyncIdempotency):
@@ -56,8 +45,8 @@ def traced(
     return TracedIdempotency(idempotency, tracer)
 
 
-#: Issue 32: whether OpenTelemetry is importable, and the span's name, are the tracer's
-#: own; importable from here, with a DeprecationWarning, until 0.3.
+#: Issue 32: moved; importable with a DeprecationWarning until 0.3.
 __getattr__ = moved(
-    __name__, {name: f"idemflow._spans:{name}" for name in ("ENABLED", "SPAN_NAME")}
+    __name__,
+    {name: f"idemflow._spans:{name}" for name in ("ENABLED", "SPAN_NAME", "linked_context")},
 )

@@ -30,7 +30,7 @@ from ._sync.transactions import (
     _execute_then_commit,
 )
 from .stores.protocol import AsyncTransaction, Statement, Transaction
-from .stores.sql import row_mapping
+from .stores.sql.dialect import row_mapping
 
 __all__ = [
     "AsyncPsycopgTransaction",

@@ -21,10 +21,7 @@ __all__ = ["AsyncTracedIdempotency"]
 
 
 class AsyncTracedIdempotency(AsyncIdempotency):
-    """An :class:`~idemflow.AsyncIdempotency` whose every run is a span.
-
-    Make one with :func:`idemflow.tracing.traced`.
-    """
+    """An :class:`~idemflow.AsyncIdempotency` whose every run is a span (:func:`traced`)."""
 
     def __init__(self, inner: AsyncIdempotency, tracer: Tracer | None = None) -> None:
         vars(self).update(vars(inner))  # same store, policy, clock; new attributes too

@@ -3,15 +3,8 @@
 """
 The sweeper: ends stale claims and reconciles what they left behind.
 
-GENERATED from ``idemflow/_async/sweeper.py`` by ``scripts/unasync.py``; do not edit. Import the public names from
-:mod:`idemflow.sweeper`.
-
-One pass marks ``stale``, in bounded batches, the ``in_progress`` records
-untouched for ``policy.stale_after``, (with a reconciler) the ``released``
-ones past a recovery point, and the ``stale`` ones due to be asked again,
-then resolves each; every resolution is fenced on the mark
-(``settle_stale``/``release_stale``). What one sweep does: docs/crash-safety.md,
-"What one sweep does".
+GENERATED from ``idemflow/_async/sweeper.py`` by ``scripts/unasync.py``; do not edit. What an answer means is decided in
+``_reconcile`` (sans I/O); what one sweep does: docs/crash-safety.md.
 """
 
 from __future__ import annotations
@@ -31,12 +24,13 @@ from .._reconcile import (
     Answer,
     DidNotHappen,
     Happened,
+    Plan,
     Resolution,
     SweepReport,
     Unknown,
     downstream_keys,
     intent_of,
-    settled_state,
+    plan,
 )
 from ..stores.protocol import MaintainableStore, Transaction
 
@@ -44,57 +38,31 @@ __all__ = ["Reconciler", "Sweeper"]
 
 logger = logging.getLogger("idemflow.sweeper")
 
-#: Records marked per statement. Small enough that one batch's UPDATE holds
-#: its row locks briefly; large enough that a backlog clears in few round trips.
+#: Records marked per statement: row locks held briefly, a backlog cleared in few trips.
 DEFAULT_BATCH_SIZE = 100
-#: How long past a record's deadline the sweeper wakes: the SQL and Redis stores keep
-#: whole milliseconds, and a record is due once strictly older than the cutoff (two
-#: milliseconds, so the cutoff's own rounding to one cannot land on the deadline).
+#: Wake this long past a deadline: stores keep whole milliseconds, and the cutoff's own
+#: rounding must not land on the deadline.
 DEADLINE_MARGIN = 0.002
 #: The shortest wait between passes when a record is still due right after one.
 MIN_PAUSE = 0.05
-#: Transactions a resolution tries to begin before its error ends the pass: one
-#: lost pooled connection is replaced by the second; a store that is down fails both.
+#: A lost pooled connection is replaced by the second; a store that is down fails both.
 BEGIN_ATTEMPTS = 2
 
 
 class Reconciler(Protocol):
-    """**Protocol:** asks the external system what a crashed attempt did.
-
-    Called with the stale record (its ``recovery_point`` tells how far the
-    attempt got) and the downstream keys of the sweeper's ``steps``, e.g.
-    ``{"charge": "idemflow-3f2a…"}``: the keys the attempt sent to the
-    provider, by which the provider can be asked. Must not have side effects
-    of its own beyond asking. Raising counts as :class:`Unknown`.
-    """
+    """**Protocol:** asks the external system what a crashed attempt did, given the stale
+    record and the downstream keys of the sweeper's ``steps``. Raising counts as Unknown."""
 
     def __call__(self, record: Record, downstream_keys: Mapping[str, str], /) -> Answer: ...
 
 
 class Sweeper:
-    """Resolves stale claims of one store. Safe to run in several processes at once.
+    """Resolves stale claims of one store; safe to run in several processes at once.
 
-    Args:
-        store: a store with the maintenance statements (every SQL store, memory).
-        policy: the same policy the application runs with; its ``stale_after``
-            (derived from ``request_timeout``) is the threshold, its
-            ``retention`` how long unresolved records are kept.
-        reconciler: asks the external system what happened. Without one every
-            stale record is released, which is right only when the effect is
-            local (it rolled back with the lost completion) or goes downstream
-            under a downstream key (see ``docs/crash-safety.md``).
-        steps: step names whose downstream keys the reconciler is given.
-        transaction_factory: opens a transaction adapter (see
-            :mod:`idemflow.transactions`) in which a :class:`Happened` answer's
-            ``apply`` and the settled record commit together.
-        clock: seconds since the epoch.
-        batch_size: records marked per statement.
-        retry_unknown_after: how long a record stays stale before an unknown
-            answer is asked again. Defaults to ``policy.stale_after``.
-        observer: told ``STALE_RECLAIMED`` for every resolution (``elapsed`` is
-            the time that resolution took, reconciler included); if it has a
-            ``stale_reclaimed(resolution, endpoint)`` method (as
-            :class:`idemflow.metrics.PrometheusMetrics` has), that is called too.
+    Without a ``reconciler`` every stale record is released: right only when the effect
+    was local or went downstream under a downstream key. ``transaction_factory`` opens
+    the transaction in which an answer's ``apply`` commits with the record. The
+    arguments: docs/crash-safety.md, "Running the sweeper".
     """
 
     def __init__(
@@ -129,35 +97,26 @@ class Sweeper:
     def sweep_once(
         self, progress: Callable[[SweepReport], None] | None = None
     ) -> SweepReport:
-        """One pass over everything due now; returns the counts per resolution.
+        """One pass over everything due now (``progress`` gets the totals per batch)."""
+        report = SweepReport()
+        for state, cutoff in self._cutoffs(self.clock()):
+            report += self._drain(state, cutoff, progress, report)
+        return report
 
-        ``progress`` is called with the running totals after each batch.
-        """
-        now = self.clock()
+    def _cutoffs(self, now: float) -> list[tuple[State, float]]:
+        """What a pass looks at, in order: released ones only with a reconciler to ask."""
         stale_cutoff = now - self.policy.stale_seconds
-        report = self._drain(State.IN_PROGRESS, stale_cutoff, progress)
-        if self.reconciler is not None:  # without one there is nothing to learn about them
-            report += self._drain(State.RELEASED, stale_cutoff, progress, report)
-        return report + self._drain(
-            State.STALE, now - self.retry_unknown_after, progress, report
-        )
+        looked = [(State.IN_PROGRESS, stale_cutoff)]
+        if self.reconciler is not None:
+            looked.append((State.RELEASED, stale_cutoff))
+        return [*looked, (State.STALE, now - self.retry_unknown_after)]
 
     def due_in(self) -> float | None:
-        """Seconds until a pass would have something to do: negative if it has now.
-
-        The earliest deadline among the records a pass looks at (in flight past
-        the threshold; released past a recovery point, with a reconciler;
-        stale past ``retry_unknown_after``), each asked of the store
-        (``next_due``: one index probe on the SQL stores); ``math.inf`` when
-        there is none, None when the store cannot tell.
-        """
+        """Seconds until a pass would have something to do (negative: now; ``math.inf``:
+        nothing; None: the store cannot tell), one ``next_due`` per state a pass looks at."""
         now = self.clock()
-        stale_cutoff = now - self.policy.stale_seconds
-        asked = [(State.IN_PROGRESS, stale_cutoff), (State.STALE, now - self.retry_unknown_after)]
-        if self.reconciler is not None:
-            asked.append((State.RELEASED, stale_cutoff))
         soonest = math.inf
-        for state, cutoff in asked:
+        for state, cutoff in self._cutoffs(now):
             due = self.store.next_due(state, cutoff, now)
             if due is None:
                 return None
@@ -167,24 +126,10 @@ class Sweeper:
     def run_forever(
         self, every: Duration | None = None, *, stop: _reconcile.Stop | None = None
     ) -> None:
-        """Sweep at the earliest stale deadline, or at least every ``every`` seconds.
-
-        After each look the loop sleeps until the oldest claim in flight (or
-        record to ask again) can become due (:meth:`due_in`), so a crashed
-        claim ends a few milliseconds after its threshold, and a sweeper with
-        nothing due passes only when something is: it asks one index probe
-        per state instead. Nothing needs to wake it earlier: a claim written
-        while it sleeps is due a whole threshold later. It looks at least every
-        ``every`` seconds (default ``policy.sweep_interval``, a tenth of the
-        stale threshold, at most the request timeout), which bounds a wrong
-        answer (a host whose clock lags writing on its own clock).
-
-        On a store that cannot tell (``next_due`` answers None) it passes every
-        ``every`` seconds, on that beat (the time a pass takes is not added
-        to the wait): a crashed claim then ends within one interval after its
-        threshold, what a 409's ``Retry-After`` promises. A failed pass or look
-        (store unreachable) is logged and the loop goes on.
-        """
+        """Sweep at the earliest stale deadline (:meth:`due_in`), looking at least every
+        ``every`` seconds (``policy.sweep_interval``); on a store that cannot tell, pass on
+        that beat. A claim written meanwhile is due a whole threshold later, so nothing
+        needs to wake it earlier. A failed pass is logged and the loop goes on."""
         interval = seconds(self.policy.sweep_interval if every is None else every)
         stop = stop or _reconcile.Stop()
         due = False  # the last look found a deadline within the wait: pass on waking
@@ -203,12 +148,8 @@ class Sweeper:
                 return
 
     def _step(self, interval: float, *, due: bool) -> tuple[float | None, bool]:
-        """Look (unless a pass is ``due``), pass if something is due, look again.
-
-        Returns the wait until the next step (None: the interval's beat) and
-        whether a pass is due when it ends, so the step after a deadline passes
-        without asking first (on Redis a look walks every bucket).
-        """
+        """Look (unless a pass is ``due``), pass if something is due, look again; returns
+        the wait (None: the interval's beat) and whether a pass is due after it."""
         if not due:
             asked = self.clock()
             until = self.due_in()
@@ -223,14 +164,12 @@ class Sweeper:
         if after is None:
             return None, False
         if after < 0:
-            # Due again at once: a record that fell due during the pass, or one it
-            # could not take (locked by a completion committing now). Soon, not busily.
+            # Due again at once (locked by a completion committing now): soon, not busily.
             return min(MIN_PAUSE, interval), True
         return self._until(after, asked, interval)
 
     def _until(self, until: float, asked: float, interval: float) -> tuple[float, bool]:
-        """The wait for a deadline ``until`` seconds after ``asked`` (the answer's own
-        time is taken off), at most ``interval``; and whether a pass is due after it."""
+        """The wait for a deadline ``until`` seconds after ``asked``, at most ``interval``."""
         wait = until + DEADLINE_MARGIN - (self.clock() - asked)
         if wait <= interval:
             return max(0.0, wait), True
@@ -244,13 +183,10 @@ class Sweeper:
         from_state: State,
         cutoff: float,
         progress: Callable[[SweepReport], None] | None,
-        before: SweepReport | None = None,
+        before: SweepReport,
     ) -> SweepReport:
-        """Mark and resolve batch after batch until a batch comes back short.
-
-        Terminates: every record we mark leaves ``from_state`` or gets a fresh
-        ``updated_at``, and nothing new can fall behind the fixed ``cutoff``.
-        """
+        """Mark and resolve batches until one comes back short. Terminates: a marked record
+        leaves ``from_state`` or is touched, and nothing new falls behind ``cutoff``."""
         report = SweepReport()
         while True:
             now = self.clock()
@@ -263,25 +199,21 @@ class Sweeper:
                 resolution = self._resolve(record, abandoned=from_state is State.RELEASED)
                 report += SweepReport.of(resolution, retried=from_state is State.STALE)
             if progress is not None:
-                progress(report if before is None else before + report)
+                progress(before + report)
             if len(batch) < self.batch_size:
                 return report
 
     def _resolve(self, record: Record, *, abandoned: bool) -> Resolution:
-        """Ask, then settle or release as the answer says.
-
-        ``abandoned``: the record was released, not crashed. Its client gave
-        up, so a "did not happen" also forgets its recovery point; else it
-        would be swept again and again, and kept past its retention forever.
-        """
+        """Ask, then settle or release. An ``abandoned`` (released) record's "did not
+        happen" forgets its recovery point too, or it would be swept forever."""
         started = self.clock()
         answer = self._ask(record)
-        if isinstance(answer, Happened):
-            resolution = self._settle(record, answer)
-        elif isinstance(answer, DidNotHappen):
-            resolution = self._release(record, answer, forget_progress=abandoned)
-        else:
-            resolution = Resolution.UNKNOWN
+        todo = plan(answer, self.policy, transactions=self._transactions is not None)
+        if todo.why:
+            logger.error(todo.why, record.id)
+        resolution = todo.resolution
+        if resolution is not Resolution.UNKNOWN and not isinstance(answer, Unknown):
+            resolution = self._write(record, answer, todo, abandoned=abandoned)
         self._report(record, resolution, self.clock() - started)
         return resolution
 
@@ -305,58 +237,24 @@ class Sweeper:
             return Unknown("not an answer")
         return answer
 
-    def _release(
-        self, record: Record, answer: DidNotHappen, *, forget_progress: bool
+    def _write(
+        self, record: Record, answer: Happened | DidNotHappen, todo: Plan, *, abandoned: bool
     ) -> Resolution:
-        if answer.apply is None:
-            released = self.store.release_stale(
-                record, self.clock(), forget_progress=forget_progress
-            )
-            return Resolution.RELEASED if released else Resolution.LOST
-        if self._transactions is None:
-            return self._needs_transaction("DidNotHappen", record)
-
-        def release(transaction: Transaction) -> bool:
-            now = self.clock()
-            return self.store.release_stale(record, now, transaction, forget_progress=True)
-
-        return self._in_transaction(record, release, answer.apply, Resolution.RELEASED)
-
-    def _needs_transaction(self, answer: str, record: Record) -> Resolution:
-        logger.error(
-            "%s.apply for record %s needs the sweeper's transaction_factory; "
-            "the record stays stale",
-            answer,
-            record.id,
-        )
-        return Resolution.UNKNOWN
-
-    def _settle(self, record: Record, answer: Happened) -> Resolution:
-        state = settled_state(answer, self.policy)
-        if state is None:
-            logger.error(
-                "reconciler answered Happened with transient status %s for record %s; "
-                "a transient response is not an outcome, the record stays stale",
-                answer.response.status,
-                record.id,
-            )
-            return Resolution.UNKNOWN
         expires_at = self.clock() + self.policy.retention_seconds
-        if self._transactions is None:
-            if answer.apply is not None:
-                return self._needs_transaction("Happened", record)
-            settled = self.store.settle_stale(
-                record, state, answer.response, self.clock(), expires_at
-            )
-            return Resolution.COMPLETED if settled else Resolution.LOST
 
-        def settle(transaction: Transaction) -> bool:
+        def write(transaction: Transaction | None) -> bool:
             now = self.clock()
-            return self.store.settle_stale(
-                record, state, answer.response, now, expires_at, transaction
-            )
+            if isinstance(answer, Happened) and todo.state is not None:
+                return self.store.settle_stale(
+                    record, todo.state, answer.response, now, expires_at, transaction
+                )
+            # An apply undid the attempt's traces: a retry starts afresh.
+            forget = abandoned or transaction is not None
+            return self.store.release_stale(record, now, transaction, forget_progress=forget)
 
-        return self._in_transaction(record, settle, answer.apply, Resolution.COMPLETED)
+        if not todo.in_transaction:
+            return todo.resolution if write(None) else Resolution.LOST
+        return self._in_transaction(record, write, answer.apply, todo.resolution)
 
     def _in_transaction(
         self,
@@ -366,16 +264,8 @@ class Sweeper:
         resolution: Resolution,
     ) -> Resolution:
         """The fenced write first (it locks the record), then ``apply``; both or neither.
-
-        A transaction that cannot be opened or begun says nothing about the
-        record: its connection is gone (a pooled one is given up, so the pool
-        discards it) or the store is down. It is tried once more on a fresh
-        one; if that cannot begin either, the error ends the pass (``run_forever``
-        logs it and passes again; the batch's marked records are asked again
-        after ``retry_unknown_after``) instead of failing every record of the
-        batch in turn. A failure once begun is this record's: it stays stale,
-        and the pass goes on with the others.
-        """
+        A transaction that cannot begin says nothing about the record: a fresh one is
+        tried, then the error ends the pass; a failure once begun leaves it stale."""
         assert self._transactions is not None
         attempt = 1
         while True:
@@ -420,7 +310,6 @@ class Sweeper:
                 apply(transaction.connection)
             transaction.commit()
         except Exception:
-            # A failed COMMIT may have committed: the record is then settled, else stale.
             logger.warning(
                 "resolving record %s failed; unless it committed, it stays stale",
                 record.id,
@@ -434,7 +323,6 @@ class Sweeper:
         return resolution
 
     def _check_settings(self) -> None:
-        """Refuse settings that cannot work, at construction time."""
         if self.batch_size < 1:
             msg = f"batch_size must be at least 1, got {self.batch_size}"
             raise ConfigurationError(msg)
@@ -446,7 +334,6 @@ class Sweeper:
             raise ConfigurationError(msg)
 
     def _report(self, record: Record, resolution: Resolution, elapsed: float) -> None:
-        """Tell the observer; a failing metrics hook must not stop the sweep."""
         if resolution is Resolution.LOST:
             return
         logger.info("stale record %s: %s", record.id, resolution.value)

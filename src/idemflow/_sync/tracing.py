@@ -22,10 +22,7 @@ __all__ = ["TracedIdempotency"]
 
 
 class TracedIdempotency(Idempotency):
-    """An :class:`~idemflow.Idempotency` whose every run is a span.
-
-    Make one with :func:`idemflow.tracing.traced`.
-    """
+    """An :class:`~idemflow.Idempotency` whose every run is a span (:func:`traced`)."""
 
     def __init__(self, inner: Idempotency, tracer: Tracer | None = None) -> None:
         vars(self).update(vars(inner))  # same store, policy, clock; new attributes too

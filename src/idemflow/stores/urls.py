@@ -30,11 +30,8 @@ if TYPE_CHECKING:
     from .protocol import AsyncMaintainableStore, MaintainableStore
 
 __all__ = [
-    "DATABASE_URL_ENV",
-    "OPENERS",
     "open_async_store",
     "open_store",
-    "redact",
     "scheme_of",
     "sqlite_path",
 ]

@@ -14,10 +14,11 @@ the whole story, ``ATOMIC_REQUESTS`` included.
 
 from __future__ import annotations
 
+from ..._deprecation import moved
 from ..._extras import optional
 
 with optional("idemflow.integrations.django"):
-    from .conf import IdemflowSettings, get_idempotency, get_store, idemflow_settings
+    from .conf import get_idempotency, get_store
     from .middleware import IdempotencyMiddleware
     from .store import DjangoStore, DjangoTransaction
     from .views import idempotency_public, idempotent
@@ -25,11 +26,16 @@ with optional("idemflow.integrations.django"):
 __all__ = [
     "DjangoStore",
     "DjangoTransaction",
-    "IdemflowSettings",
     "IdempotencyMiddleware",
     "get_idempotency",
     "get_store",
-    "idemflow_settings",
     "idempotency_public",
     "idempotent",
 ]
+
+#: Issue 32: the checked settings are the integration's own; importable from here, with a
+#: DeprecationWarning, until 0.3.
+__getattr__ = moved(
+    __name__,
+    {name: f"{__name__}.conf:{name}" for name in ("IdemflowSettings", "idemflow_settings")},
+)

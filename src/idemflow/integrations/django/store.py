@@ -34,8 +34,9 @@ from ...stores.protocol import (
     NotFused,
     Statement,
     Transaction,
+    check_clock,
 )
-from ...stores.sql import Dialect, SQLStore, check_clock
+from ...stores.sql import Dialect, SQLStore
 from ...transactions import PsycopgTransaction
 
 __all__ = ["DjangoStore", "DjangoTransaction"]

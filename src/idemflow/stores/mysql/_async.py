@@ -23,12 +23,10 @@ from typing import Any, TypeVar
 from ..._errors import ConfigurationError, LeaseLost
 from ..._model import Claim, Policy, Record, State, can_take_over, make_claim, record_from_row
 from ..._process import PID
-from ..protocol import AsyncTransaction, Statement
+from ..protocol import AsyncTransaction, Statement, StoreClock, check_clock
 from ..sql import AsyncSQLStore
 from ..sql.dialect import (
     CLAIM_RETRIES,
-    StoreClock,
-    check_clock,
     claim_busy,
     owner_params,
     record_from_values,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._model import Claim, Record, State, can_take_over, make_record, record_from_row
-from ..protocol import Statement
+from ..protocol import Statement, StoreClock
 from ..sql.dialect import (
     CLOCK_NOW,
     COLUMNS,
@@ -20,7 +20,6 @@ from ..sql.dialect import (
     SWEEPABLE_SQL,
     TAKE_OVER_SQL,
     Dialect,
-    StoreClock,
     claim_unsettled,
     on_database_clock,
 )

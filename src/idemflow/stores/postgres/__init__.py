@@ -20,14 +20,13 @@ from typing import TYPE_CHECKING, Any
 from ..._errors import driver_error
 from ..._extras import optional
 from ..._model import Policy
+from ..protocol import StoreClock, check_clock
 from ..sql import (
     PURGEABLE_SQL,
     AsyncSQLStore,
     Dialect,
     SQLStore,
     Statement,
-    StoreClock,
-    check_clock,
     create_table,
     insert_claim,
     on_database_clock,
@@ -44,14 +43,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_CLAIM_LOCK_TIMEOUT_MS",
-    "SERVER_NOW_MS",
     "AsyncPostgresStore",
     "PostgresStore",
-    "async_bounded_connection_class",
-    "bounded_connection_class",
     "connection_options",
     "is_unavailable",
-    "postgres_dialect",
 ]
 
 DEFAULT_TABLE = "idemflow_keys"

@@ -32,36 +32,17 @@ from ..._model import (
     make_response,
     stored_headers,
 )
-from ..protocol import Statement, StoreClock, check_clock
+from ..protocol import Statement
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 __all__ = [
-    "CLAIM_RETRIES",
-    "CLOCK_NOW",
-    "COLUMNS",
-    "NEW_INTENT_SQL",
-    "PAST_RETENTION_SQL",
     "PURGEABLE_SQL",
-    "RETRY_SQL",
-    "SWEEPABLE_SQL",
-    "TAKE_OVER_SQL",
     "Dialect",
-    "StoreClock",
-    "check_clock",
-    "claim_busy",
-    "claim_or_read",
-    "claim_params",
-    "claim_unsettled",
     "create_table",
     "insert_claim",
     "on_database_clock",
-    "owner_params",
-    "record_from_values",
-    "row_mapping",
-    "sweep_params",
-    "take_over_claim",
 ]
 
 COLUMNS = (
@@ -500,6 +481,8 @@ __getattr__ = moved(
     __name__,
     {
         "SQLStatement": "idemflow.stores.protocol:Statement",
+        "StoreClock": "idemflow.stores.protocol:StoreClock",
+        "check_clock": "idemflow.stores.protocol:check_clock",
         "headers_json": "idemflow._model:headers_json",
         **{
             name: f"idemflow.stores.sql._rows:{name}"

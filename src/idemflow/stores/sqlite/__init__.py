@@ -32,7 +32,12 @@ from ..._process import PID
 from ..protocol import AsyncMaintainableStore, AsyncTransaction
 from ..sql import AsyncSQLStore, Dialect, SQLStats, SQLStore, create_table, insert_claim
 
-__all__ = ["AsyncSQLiteStore", "SQLiteStore", "connect", "is_unavailable", "sqlite_dialect"]
+__all__ = [
+    "AsyncSQLiteStore",
+    "SQLiteStore",
+    "connect",
+    "is_unavailable",
+]
 
 DEFAULT_TABLE = "idemflow_keys"
 
