@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from ..stores.protocol import AsyncTransaction, CommitFailed, NotFused, Statement
-from ..stores.sql import row_mapping
+from ..stores.sql.dialect import row_mapping
 
 __all__ = [
     "AsyncBeginsOnFirstStatement",

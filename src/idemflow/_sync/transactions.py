@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..stores.protocol import Transaction, CommitFailed, NotFused, Statement
-from ..stores.sql import row_mapping
+from ..stores.sql.dialect import row_mapping
 
 __all__ = [
     "BeginsOnFirstStatement",
