@@ -147,8 +147,6 @@ class AsyncCheckout:
         except BaseException:
             slots.release()
             raise
-        # Read at each checkout: a driver may have shortened the store's wait since.
-        conn._read_timeout = pool._timeout  # both drivers read it per reply
         self._conn = conn
         return conn
 
@@ -292,10 +290,6 @@ class AsyncMySQLStore(AsyncSQLStore):
                 ),
             }
         )
-
-    def cover_store_wait(self, seconds: float) -> None:
-        """A driver's store wait: each checkout, and each reply on it, waits no longer."""
-        self.pool._timeout = min(self.pool._timeout, seconds)
 
     async def close(self) -> None:
         await self.pool.close()
