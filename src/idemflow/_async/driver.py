@@ -115,6 +115,8 @@ class AsyncIdempotency:
         self.observer = observer
         # Its refusal after a possible loss of claims must cover our stale threshold.
         store.cover_stale_threshold(self.policy.stale_seconds)
+        # And no wait of the store's may outlast our request's budget.
+        store.cover_store_wait(self.policy.store_wait_seconds)
 
     async def run(
         self,
@@ -403,16 +405,11 @@ def _could_not_begin(exc: BaseException) -> StoreUnavailable:
 class AsyncCommitAfter(AsyncTransaction):
     """The caller's transaction, for one fenced write its COMMIT follows at once.
 
-    The driver passes it to the store's ``complete`` or ``checkpoint``, then
-    calls :meth:`finish`. Where the transaction has ``execute_and_commit``
-    (the psycopg adapters), the store's write carries the COMMIT (and, with
-    ``begin``, the next BEGIN) in one round trip; elsewhere the write is sent
-    as it always was and :meth:`finish` commits. Either way the store sees
-    the write's row count (0: ``LeaseLost``, nothing committed) and the
-    COMMIT's own error comes out of :meth:`finish`, as from a ``commit()``.
-
-    ``on_commit`` is called once the COMMIT may have run (sent, whatever
-    came back), never when the fence stopped it.
+    Given to the store's ``complete`` or ``checkpoint``, then :meth:`finish`. With
+    ``execute_and_commit`` (psycopg) the write carries the COMMIT (and, with ``begin``,
+    the next BEGIN) in one round trip; elsewhere :meth:`finish` commits. The store sees
+    the write's row count (0: ``LeaseLost``, nothing committed); the COMMIT's own error
+    comes out of :meth:`finish`. ``on_commit`` is called once the COMMIT may have run.
     """
 
     def __init__(
@@ -487,16 +484,10 @@ class AsyncCommitAfter(AsyncTransaction):
 class AsyncBeginsOnFirstStatement(AsyncTransaction):
     """The caller's transaction, for a single-commit claim: begun by its first statement.
 
-    The driver passes it to the store's ``claim``, so the ``BEGIN``, and the
-    checkout of a transaction that takes its connection only when it begins
-    (``AsyncPooledTransaction``), run inside the store's claim, where the store's
-    own rule (``is_unavailable``) says what their errors mean: a pool that
-    cannot serve the claim, or a connection gone, is ``StoreUnavailable``, a 503
-    with nothing recorded, as when two-commit mode lends the store that checkout.
-
-    Args:
-        transaction: the caller's transaction, not yet begun.
-        begin: begins it unless begun (the driver's, which knows whether it is open).
+    So the ``BEGIN`` (and a checkout that waits for it, ``AsyncPooledTransaction``) runs
+    inside the store's claim, whose ``is_unavailable`` judges its errors: an exhausted
+    pool or a lost connection is ``StoreUnavailable``, a 503 with nothing recorded.
+    ``begin`` begins it unless begun (the driver knows whether it is open).
     """
 
     def __init__(self, transaction: AsyncTransaction, begin: Callable[[], Awaitable[None]]) -> None:

@@ -1,5 +1,5 @@
 """
-The transaction adapters for psycopg and SQLAlchemy, sync and async alike.
+The transaction adapters for psycopg, SQLAlchemy and MySQL, sync and async alike.
 
 This is the async source of truth; ``idemflow/_sync/transactions.py`` is generated
 from it by ``scripts/unasync.py``. Import the adapters from :mod:`idemflow.transactions`.
@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..stores.protocol import AsyncTransaction, CommitFailed, NotFused, Statement
+from ..stores.sql.dialect import row_mapping
 
 __all__ = [
     "AsyncPsycopgTransaction",
@@ -314,3 +315,53 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
             # ROLLBACK, but SQLite keeps it open (with the write lock): end it.
             await self.connection.begin()
             await self.connection.rollback()
+
+
+_IN_TRANSACTION = 1  # pymysql.constants.SERVER_STATUS.SERVER_STATUS_IN_TRANS
+
+
+class AsyncmyTransaction(AsyncTransaction):
+    """An asyncmy connection; joins a transaction the caller already began.
+
+    Works under any isolation level: the store's own statements in your
+    transaction are writes or locking reads, which always see the latest
+    committed row, never an older REPEATABLE READ snapshot.
+    """
+
+    connection: Any = None  # set per instance (the protocol declares it read-only)
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    async def begin(self) -> None:
+        # BEGIN would silently commit what the caller's transaction already did.
+        if not self.connection.server_status & _IN_TRANSACTION:
+            await self.connection.begin()
+
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        async with self.connection.cursor() as cursor:
+            return int(await cursor.execute(statement.pyformat, statement.bind(params)))
+
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        async with self.connection.cursor() as cursor:
+            await cursor.execute(statement.pyformat, statement.bind(params))
+            row = await cursor.fetchone()
+            return None if row is None else row_mapping(cursor.description, row)
+
+    async def commit(self) -> None:
+        try:
+            await self.connection.commit()
+        except Exception as exc:
+            # A deadlock or (Galera) a failed certification rolled everything
+            # back, the effect with the completion: a 503 to retry, not a 500.
+            # Imported here: most applications never load the MySQL store.
+            from ..stores.mysql import is_conflict, rolled_back
+
+            if is_conflict(exc):
+                raise rolled_back() from exc
+            raise
+
+    async def rollback(self) -> None:
+        await self.connection.rollback()
