@@ -14,7 +14,7 @@ of ``__all__``.
 
 from ._async.edge import AsyncEdge, AsyncPooledTransaction
 from ._async.edge import pooled_transaction as async_pooled_transaction
-from ._concurrency import async_resolve
+from ._flow import async_resolve
 from ._http import (
     DEFAULT_MAX_RESPONSE_BYTES,
     KEY_HEADER,

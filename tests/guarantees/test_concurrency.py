@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from idemflow._concurrency import async_cancel_point, async_shielded
+from idemflow._async.driver import async_cancel_point, async_shielded
 
 pytestmark = pytest.mark.anyio
 

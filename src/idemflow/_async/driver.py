@@ -11,12 +11,13 @@ from it by ``scripts/unasync.py``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
-from .._concurrency import async_cancel_point, async_checked_handler, async_resolve, async_shielded
 from .._downstream import downstream_key
 from .._errors import StoreUnavailable
 from .._events import Event, Observer, error_event, null_observer
@@ -29,6 +30,8 @@ from .._flow import (
     Flow,
     PhaseCommitted,
     Step,
+    async_checked_handler,
+    async_resolve,
     claim_on,
     idempotency_flow,
     refuse_run,
@@ -516,3 +519,89 @@ class AsyncBeginsOnFirstStatement(AsyncTransaction):
 
     async def rollback(self) -> None:
         await self._transaction.rollback()
+
+
+# Async only: scripts/unasync.py drops this block (and the shields' calls). A step the
+# driver awaits shielded (a claim, a completion, a release) runs to its end; a
+# cancellation meanwhile is delivered at the next async_cancel_point, where the flow
+# gives back what was claimed. Why: docs/architecture.md, "Sync and async".
+
+_T = TypeVar("_T")
+
+
+async def async_shielded(awaitable: Awaitable[_T]) -> _T:
+    """Await ``awaitable`` to its end even if this task is cancelled meanwhile.
+
+    A cancellation that arrives meanwhile is requested again once the step is
+    done (the cancel count is kept, so ``asyncio.timeout`` still recognises
+    its own), and raises at the caller's next await.
+
+    The step runs in a task of its own, so a timeout inside it (a driver's
+    ``asyncio.timeout``) cancels the step and not this task. This task waits
+    on a future it cannot cancel (:class:`_Unstoppable`) which the step
+    settles itself: one loop turn less than ``asyncio.shield`` (no relay
+    callback), and none at all on Python 3.12+ when the step ends without
+    waiting (its task starts eagerly).
+    """
+    loop = asyncio.get_running_loop()
+    settled = _Unstoppable(loop=loop)
+    # ``loop=`` is needed: an eager Task made without it raises AttributeError (3.12.1, 3.13.0).
+    step = asyncio.Task(_settle(awaitable, settled), loop=loop, **_EAGER)
+    deferred = False
+    try:
+        while True:
+            try:
+                done, value = await settled
+            except asyncio.CancelledError:
+                # Thrown in by this task's cancel(), which could not cancel
+                # ``settled``: it is delivered once the step has ended.
+                deferred = True
+                if not settled.done():  # pragma: no cover -- woken only by ``settled``
+                    continue
+                done, value = settled.result()
+            break
+    finally:
+        if deferred:
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+                current.cancel()
+    del step  # held until here: the loop keeps only a weak reference to a task
+    if done:
+        result: _T = value
+        return result
+    raise value
+
+
+class _Unstoppable(asyncio.Future[tuple[bool, Any]]):
+    """A future whose ``cancel()`` does nothing: a task cancelled while it waits on one
+    gets its ``CancelledError`` when the future is done, not before."""
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False
+
+
+async def _settle(awaitable: Awaitable[Any], settled: _Unstoppable) -> None:
+    """Run the step; hand its result (or exception, its own cancellation too) to ``settled``."""
+    try:
+        value = await awaitable
+    except BaseException as exc:
+        settled.set_result((False, exc))
+        if not isinstance(exc, Exception | asyncio.CancelledError):
+            raise  # KeyboardInterrupt, SystemExit: the loop must see them
+    else:
+        settled.set_result((True, value))
+
+
+# Python 3.12+: the step runs at once, up to its first wait, without a loop turn.
+_EAGER: dict[str, Any] = {"eager_start": True} if sys.version_info >= (3, 12) else {}
+
+
+async def async_cancel_point() -> None:
+    """Raise a cancellation :func:`async_shielded` deferred, before anything else runs."""
+    current = asyncio.current_task()
+    if current is not None and current.cancelling():
+        await asyncio.sleep(0)
+
+
+# End of async only.

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
-from .._concurrency import checked_handler, resolve
 from .._downstream import downstream_key
 from .._errors import StoreUnavailable
 from .._events import Event, Observer, error_event, null_observer
@@ -30,10 +29,12 @@ from .._flow import (
     Flow,
     PhaseCommitted,
     Step,
+    checked_handler,
     claim_on,
     idempotency_flow,
     refuse_run,
     release_again,
+    resolve,
     starts_past_a_phase,
 )
 from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response, new_lease_token
