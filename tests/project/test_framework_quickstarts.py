@@ -32,7 +32,7 @@ from tests.conftest import POSTGRES_URL, unreachable
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 INSTALL = re.compile(r"`pip install (?P<args>[^`]+)`")
 QUICK_START = re.compile(r"^## Quick start.*?^```python\n(?P<code>.*?)^```", re.M | re.S)
 
