@@ -26,6 +26,7 @@ from idemflow import (
     MissingKey,
     OutcomeUnknown,
     Response,
+    ResponseNotStorable,
     State,
 )
 from idemflow.consumers import AsyncConsumer, Consumer
@@ -139,6 +140,17 @@ def test_an_unknown_outcome_keeps_the_claim(consumer: Consumer, store: MemorySto
     record = store.get(QUEUE, "m-1")
     assert record is not None
     assert record.state is State.IN_PROGRESS
+
+
+def test_an_answer_that_cannot_be_stored_is_a_mistake_raised_not_a_redelivery(
+    consumer: Consumer, store: MemoryStore
+) -> None:
+    with pytest.raises(ResponseNotStorable):
+        consumer.handle("m-1", b"one", lambda attempt: object())
+
+    record = store.get(QUEUE, "m-1")
+    assert record is not None
+    assert record.state is State.RELEASED
 
 
 def test_outcomes_are_counted_per_queue_like_requests(

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
 from .. import AsyncAttempt, AsyncIdempotency, Intent, Response, Verdict, fingerprint
-from .._errors import ConfigurationError, MissingKey
+from .._errors import ConfigurationError, MissingKey, ResponseNotStorable
 from ..stores.protocol import AsyncTransaction
 from ._decision import Decision, decide, decide_failure
 from ._keeper import AsyncLeaseKeeper
@@ -70,7 +70,7 @@ class AsyncConsumer:
             async def kept_alive(attempt: AsyncAttempt) -> Response:
                 keeper = AsyncLeaseKeeper(idem.store, attempt.record, self.renew_every, idem.clock)
                 answer = await keeper.guard(lambda: handler(attempt))
-                return answer if isinstance(answer, Response) else Response.json(200, answer)
+                return _stored(answer)
 
             outcome = await idem.run(intent, kept_alive, transaction=transaction)
         except ConfigurationError:
@@ -81,3 +81,15 @@ class AsyncConsumer:
             not outcome.replayed and idem.policy.verdict(outcome.response) is Verdict.TRANSIENT
         )
         return decide(outcome, released=released)
+
+
+def _stored(answer: Any) -> Response:
+    """The handler's answer as the response replayed for its duplicates: a mistake (an
+    answer JSON cannot hold) is raised, never taken for a transient failure."""
+    if isinstance(answer, Response):
+        return answer
+    try:
+        return Response.json(200, answer)
+    except (TypeError, ValueError) as exc:
+        msg = f"a message handler must answer a Response or a JSON value, not {type(answer)!r}"
+        raise ResponseNotStorable(msg) from exc

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, TypeAlias
 
 from .. import Attempt, Idempotency, Intent, Response, Verdict, fingerprint
-from .._errors import ConfigurationError, MissingKey
+from .._errors import ConfigurationError, MissingKey, ResponseNotStorable
 from ..stores.protocol import Transaction
 from ._decision import Decision, decide, decide_failure
 from ._keeper import LeaseKeeper
@@ -71,7 +71,7 @@ class Consumer:
             def kept_alive(attempt: Attempt) -> Response:
                 keeper = LeaseKeeper(idem.store, attempt.record, self.renew_every, idem.clock)
                 answer = keeper.guard(lambda: handler(attempt))
-                return answer if isinstance(answer, Response) else Response.json(200, answer)
+                return _stored(answer)
 
             outcome = idem.run(intent, kept_alive, transaction=transaction)
         except ConfigurationError:
@@ -82,3 +82,15 @@ class Consumer:
             not outcome.replayed and idem.policy.verdict(outcome.response) is Verdict.TRANSIENT
         )
         return decide(outcome, released=released)
+
+
+def _stored(answer: Any) -> Response:
+    """The handler's answer as the response replayed for its duplicates: a mistake (an
+    answer JSON cannot hold) is raised, never taken for a transient failure."""
+    if isinstance(answer, Response):
+        return answer
+    try:
+        return Response.json(200, answer)
+    except (TypeError, ValueError) as exc:
+        msg = f"a message handler must answer a Response or a JSON value, not {type(answer)!r}"
+        raise ResponseNotStorable(msg) from exc
