@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,7 +165,7 @@ from idemflow.stores.postgres import PostgresStore
 from idemflow.transactions import PsycopgTransaction
 from tests.backends import redis_client
 from tests.factories import POLICY
-url, table, prefix = sys.argv[1:]
+url, table, prefix, where = sys.argv[1:]
 
 class Transaction:
     def __enter__(self):
@@ -174,7 +175,7 @@ class Transaction:
         self.conn.close()
 
 def stalled_ack(*args):
-    print("committed, not acked", flush=True)
+    print("killable", flush=True)
     threading.Event().wait()
 
 store = PostgresStore(url, table=table, clock="caller")
@@ -183,6 +184,8 @@ adapter = RedisStreams(Consumer(Idempotency(store, POLICY), prefix), redis_clien
 adapter.client.xack = stalled_ack
 def charge(attempt, fields):
     attempt.connection.execute(f"INSERT INTO biz_{table} (note) VALUES ('charged')")
+    if where == "before the commit":
+        stalled_ack()
     return "charged"
 
 print(adapter.poll(charge), flush=True)  # never reached: the XACK stalls
@@ -209,9 +212,12 @@ def postgres_table(prefix: str) -> Iterator[str]:
         conn.execute(f"DROP TABLE {table}")
 
 
-def test_a_consumer_killed_between_its_commit_and_its_ack_has_one_effect_after_redelivery(
-    prefix: str, postgres_table: str
+@pytest.mark.parametrize("where", ["before the commit", "before the ack"])
+def test_a_consumer_killed_after_its_business_write_has_one_effect_after_redelivery(
+    prefix: str, postgres_table: str, where: str
 ) -> None:
+    """Killed before the commit: nothing committed, the claim left to the sweeper, then run
+    once. Killed between the commit and the XACK: settled, acked with the stored result."""
     import psycopg
 
     from idemflow.stores.postgres import PostgresStore
@@ -227,7 +233,7 @@ def test_a_consumer_killed_between_its_commit_and_its_ack_has_one_effect_after_r
     publish(adapter, "order-1", b"{}")
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(CHILD), POSTGRES_URL, postgres_table, prefix],
+        [sys.executable, "-c", textwrap.dedent(CHILD), POSTGRES_URL, postgres_table, prefix, where],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
@@ -239,7 +245,7 @@ def test_a_consumer_killed_between_its_commit_and_its_ack_has_one_effect_after_r
     finally:
         child.send_signal(signal.SIGKILL)
         _, errors = child.communicate(timeout=10)
-    assert line == b"committed, not acked\n", errors.decode()
+    assert line == b"killable\n", errors.decode()
 
     def count() -> int:
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
@@ -247,15 +253,21 @@ def test_a_consumer_killed_between_its_commit_and_its_ack_has_one_effect_after_r
             assert row is not None
             return int(row[0])
 
-    record = store.get(prefix, "order-1")
-    assert record is not None
-    assert record.state is State.COMPLETED
-    assert count() == 1
-    assert pending(adapter) == 1  # the killed consumer never acked
-
     def again(attempt: Attempt, fields: dict[bytes, bytes]) -> None:
         attempt.connection.execute(f"INSERT INTO biz_{postgres_table} (note) VALUES ('again')")
 
-    assert drain(adapter, again) == ["ack_with_stored_result"]
+    record = store.get(prefix, "order-1")
+    assert record is not None
+    assert pending(adapter) == 1  # the killed consumer never acked
+    if where == "before the ack":
+        assert (record.state, count()) == (State.COMPLETED, 1)
+        assert drain(adapter, again) == ["ack_with_stored_result"]
+    else:
+        assert (record.state, count()) == (State.IN_PROGRESS, 0)  # rolled back with the kill
+        assert adapter.poll(again) == ["requeue_with_delay"]  # still claimed: never run twice
+        # The sweeper's pass, its threshold past: the dead consumer's claim released.
+        (marked,) = store.sweep(State.IN_PROGRESS, time.time() + 1, time.time(), time.time(), 10)
+        assert store.release_stale(marked, time.time())
+        assert drain(adapter, again) == ["ack"]
     assert count() == 1
     store.close()
