@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ from idemflow import (
 from idemflow.consumers import AsyncConsumer, Consumer
 from idemflow.metrics import PrometheusMetrics
 from idemflow.stores.memory import AsyncMemoryStore, MemoryStore
+from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 from idemflow.testing import FrozenClock
 from tests.factories import POLICY, until
 
@@ -236,21 +238,36 @@ def test_a_sync_handler_whose_lease_is_stolen_never_completes(
     assert (record.state, record.lease_token) == (State.IN_PROGRESS, "lease-b")
 
 
+@pytest.fixture(params=["memory", "sqlite"])
+async def async_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    """An async store (its ``renew`` written for it: the memory store's, SQLite's hops)
+    and a sync view of the same records."""
+    if request.param == "memory":
+        store: Any = AsyncMemoryStore()
+        yield store, MemoryStore(store)
+        return
+    path = tmp_path / "keys.db"
+    store = AsyncSQLiteStore(path)
+    await store.migrate()
+    view = SQLiteStore(path)
+    yield store, view
+    view.close()
+    await store.close()
+
+
 @pytest.mark.anyio
-async def test_an_async_handler_longer_than_its_lease_keeps_its_claim(clock: FrozenClock) -> None:
-    store = AsyncMemoryStore()
+async def test_an_async_handler_longer_than_its_lease_keeps_its_claim(
+    clock: FrozenClock, async_store: tuple[Any, Any]
+) -> None:
+    store, view = async_store
     consumer = AsyncConsumer(AsyncIdempotency(store, POLICY, clock=clock), QUEUE, renew_every=0.01)
 
     async def long(attempt: AsyncAttempt) -> str:
         clock.advance(POLICY.stale_seconds - 1)
-        await until(renewed_at(MemoryStore(store), clock), "a renewal")
+        await until(renewed_at(view, clock), "a renewal", blocking=True)
         clock.advance(2)
-        assert (
-            await store.sweep(
-                State.IN_PROGRESS, clock() - POLICY.stale_seconds, clock(), clock() + 3600, 100
-            )
-            == []
-        )
+        cutoff = clock() - POLICY.stale_seconds
+        assert await store.sweep(State.IN_PROGRESS, cutoff, clock(), clock() + 3600, 100) == []
         return "done"
 
     assert (await consumer.handle("m-1", b"one", long)).action == "ack"
