@@ -48,6 +48,8 @@ class AsyncLeaseKeeper:
             raise self._lost from None
         finally:
             renewing.cancel()
+            # Ended before the completion: a renewal still in flight would race it.
+            await asyncio.wait([renewing])
 
     async def _renew_until_lost(self, task: asyncio.Future[Any]) -> None:
         while True:
