@@ -19,6 +19,7 @@ from idemflow import (
     AsyncAttempt,
     AsyncIdempotency,
     Attempt,
+    ConfigurationError,
     Event,
     Idempotency,
     Intent,
@@ -153,6 +154,14 @@ def test_an_answer_that_cannot_be_stored_is_a_mistake_raised_not_a_redelivery(
     record = store.get(QUEUE, "m-1")
     assert record is not None
     assert record.state is State.RELEASED
+
+
+def test_an_async_handler_given_to_the_sync_consumer_is_refused(consumer: Consumer) -> None:
+    async def handler(attempt: Attempt) -> None:
+        return None
+
+    with pytest.raises(ConfigurationError, match="coroutine function"):
+        consumer.handle("m-1", b"one", handler)
 
 
 def test_outcomes_are_counted_per_queue_like_requests(

@@ -15,6 +15,7 @@ GENERATED from ``idemflow/consumers/_async.py`` by ``scripts/unasync.py``; do no
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -89,6 +90,10 @@ def _stored(answer: Any) -> Response:
     answer JSON cannot hold) is raised, never taken for a transient failure."""
     if isinstance(answer, Response):
         return answer
+    if inspect.iscoroutine(answer):  # a coroutine function given to the sync consumer
+        answer.close()
+        msg = "a coroutine function is no handler for the sync consumer: use the asyncio one"
+        raise ConfigurationError(msg)
     try:
         return Response.json(200, answer)
     except (TypeError, ValueError) as exc:
