@@ -35,6 +35,7 @@ __all__ = [
     "is_past_retention",
     "is_retry",
     "retry_after",
+    "route_policy",
     "seconds",
     "starts_new_intent",
 ]
@@ -346,6 +347,24 @@ def retry_after(record: Record, policy: Policy, now: float) -> int:
     elif record.state is State.STALE:
         wait = interval if age < interval else max(swept_by, interval)
     return max(policy.retry_after, min(math.ceil(wait), swept_within(policy)))
+
+
+def route_policy(route: Policy, app: Policy) -> Policy:
+    """``route``, checked to run under ``app``'s sweeper: its stale threshold no longer.
+
+    One sweeper, on the app's policy, ends every route's stale claims, so a
+    route's claim may not live longer than the app's threshold (a shorter one
+    is swept later than its own threshold, never while its request can run).
+    Its retention is the record's own (``expires_at``): purge honours any.
+    """
+    if route is app or route.stale_seconds <= app.stale_seconds:
+        return route
+    msg = (
+        f"a route's stale threshold ({route.stale_seconds:g}s, from request_timeout="
+        f"{route.timeout_seconds:g}s) exceeds the app's ({app.stale_seconds:g}s), which its "
+        "sweeper runs on: raise the app policy's request_timeout to the longest route's"
+    )
+    raise ConfigurationError(msg)
 
 
 def swept_within(policy: Policy) -> int:
