@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import pytest
 
-from idemflow import Attempt, ConfigurationError, Idempotency, Policy, Response, State
+from idemflow import Attempt, ConfigurationError, Idempotency, InProgress, Policy, Response, State
 from idemflow.stores.memory import MemoryStore
 from idemflow.sweeper import Sweeper
 from idemflow.testing import FrozenClock
@@ -63,6 +63,8 @@ def test_a_route_may_not_outlive_the_threshold_the_sweeper_runs_on(clock: Frozen
 
 
 def test_the_handler_sees_the_policy_it_runs_under(clock: FrozenClock) -> None:
+    """The route's retention and timeout, and the app's stale threshold: the one its claim
+    is swept at (what a 409's Retry-After is dated by)."""
     idem = Idempotency(MemoryStore(), APP, clock=clock)
     seen: list[Policy] = []
 
@@ -73,7 +75,13 @@ def test_the_handler_sees_the_policy_it_runs_under(clock: FrozenClock) -> None:
     idem.run(intent("route"), handler, policy=QUICK_KEPT_LONG)
     idem.run(intent("app"), handler)
 
-    assert seen == [QUICK_KEPT_LONG, APP]
+    route, app = seen
+    assert app is APP
+    assert (route.request_timeout, route.retention) == (
+        QUICK_KEPT_LONG.request_timeout,
+        QUICK_KEPT_LONG.retention,
+    )
+    assert route.stale_after == APP.stale_after
 
 
 def test_a_sweeper_on_the_app_policy_never_ends_a_shorter_routes_claim_early(
@@ -95,3 +103,19 @@ def test_a_sweeper_on_the_app_policy_never_ends_a_shorter_routes_claim_early(
     clock.advance(2)
     assert sweeper.sweep_once().released == 2
     assert idem.run(intent("quick"), created, policy=QUICK_KEPT_LONG).replayed is False
+
+
+def test_a_409_on_a_shorter_routes_orphaned_claim_waits_for_the_apps_sweeper(
+    clock: FrozenClock,
+) -> None:
+    """Past the route's own 20 s threshold its crashed claim is still there (the sweeper
+    ends it at the app's 70 s): the Retry-After says so, not "any moment now"."""
+    store = MemoryStore()
+    idem = Idempotency(store, APP, clock=clock)
+    assert store.claim(intent(), "lease-crashed", clock(), clock() + 60).owned
+    clock.advance(21)
+
+    with pytest.raises(InProgress) as busy:
+        idem.run(intent(), created, policy=QUICK_KEPT_LONG)
+
+    assert busy.value.retry_after >= APP.stale_seconds - 21

@@ -117,6 +117,7 @@ class Idempotency:
         self.observer = observer
         # Its refusal after a possible loss of claims must cover our stale threshold.
         store.cover_stale_threshold(self.policy.stale_seconds)
+        self._routes: dict[Policy, Policy] = {}  # each route's policy, as it runs here
 
     def run(
         self,
@@ -133,7 +134,7 @@ class Idempotency:
         this route's (its retention, timeout, classifier), within the driver's
         (:func:`~idemflow._model.route_policy`); by default the driver's."""
         checked_handler(handler)
-        policy = self.policy if policy is None else route_policy(policy, self.policy)
+        policy = self._route(policy)
         refuse_run(
             type(self.store).__name__,
             transaction=transaction is not None,
@@ -162,6 +163,23 @@ class Idempotency:
         if outcome.replayed:
             perform.observe(Event.REPLAYED)
         return outcome
+
+
+    def _route(self, policy: Policy | None) -> Policy:
+        """``policy`` as a run under this driver uses it (``route_policy``), made once per
+        policy (a resolver may answer a new one per request: the cache is bounded)."""
+        if policy is None or policy is self.policy:
+            return self.policy
+        ran = self._routes.get(policy)
+        if ran is None:
+            if len(self._routes) >= _ROUTES_KEPT:
+                self._routes.clear()
+            ran = self._routes[policy] = route_policy(policy, self.policy)
+        return ran
+
+
+#: How many route policies a driver keeps as they run under it.
+_ROUTES_KEPT = 64
 
 
 def _drive(flow: Flow, perform: Callable[[Step], Any]) -> Outcome:
