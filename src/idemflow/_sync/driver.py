@@ -164,7 +164,6 @@ class Idempotency:
             perform.observe(Event.REPLAYED)
         return outcome
 
-
     def _route(self, policy: Policy | None) -> Policy:
         """``policy`` as a run under this driver uses it (``route_policy``), made once per
         policy (a resolver may answer a new one per request: the cache is bounded)."""
