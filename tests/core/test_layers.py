@@ -179,9 +179,8 @@ def test_the_store_contract_is_six_protocols_at_most() -> None:
         "MaintainableStore",
         "AsyncMaintainableStore",
     }
-    assert {"claim_on_lent", "is_unavailable", "cover_stale_threshold", "stats"} <= protocols[
-        "Store"
-    ]
+    capabilities = {"claim_on_lent", "is_unavailable", "cover_stale_threshold", "cover_store_wait"}
+    assert capabilities | {"stats"} <= protocols["Store"]
     assert {"execute_and_commit", "lend", "is_unavailable"} <= protocols["Transaction"]
 
 

@@ -119,3 +119,26 @@ def test_a_409_on_a_shorter_routes_orphaned_claim_waits_for_the_apps_sweeper(
         idem.run(intent(), created, policy=QUICK_KEPT_LONG)
 
     assert busy.value.retry_after >= APP.stale_seconds - 21
+
+
+class _TellingMemoryStore(MemoryStore):
+    """A memory store that keeps the wait budgets its drivers tell it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: list[float] = []
+
+    def cover_store_wait(self, seconds: float) -> None:
+        self.told.append(seconds)
+
+
+def test_a_shorter_routes_wait_budget_is_told_to_the_store(clock: FrozenClock) -> None:
+    """A 5 s route may wait on its store 2.5 s, not the app's 5 s: the store keeps the shortest."""
+    store = _TellingMemoryStore()
+    idem = Idempotency(store, APP, clock=clock)
+    assert store.told == [APP.store_wait_seconds]
+
+    idem.run(intent(), created, policy=QUICK_KEPT_LONG)
+
+    assert store.told == [APP.store_wait_seconds, QUICK_KEPT_LONG.store_wait_seconds]
+    assert QUICK_KEPT_LONG.store_wait_seconds < APP.store_wait_seconds

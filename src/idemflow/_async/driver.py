@@ -116,6 +116,8 @@ class AsyncIdempotency:
         self.observer = observer
         # Its refusal after a possible loss of claims must cover our stale threshold.
         store.cover_stale_threshold(self.policy.stale_seconds)
+        # And no wait of the store's may outlast our request's budget.
+        store.cover_store_wait(self.policy.store_wait_seconds)
         self._routes: dict[Policy, Policy] = {}  # each route's policy, as it runs here
 
     async def run(
@@ -133,7 +135,7 @@ class AsyncIdempotency:
         this route's (its retention, timeout, classifier), within the driver's
         (:func:`~idemflow._model.route_policy`); by default the driver's."""
         async_checked_handler(handler)
-        policy = self._route(policy)
+        policy = self.route(policy)
         refuse_run(
             type(self.store).__name__,
             transaction=transaction is not None,
@@ -163,9 +165,11 @@ class AsyncIdempotency:
             perform.observe(Event.REPLAYED)
         return outcome
 
-    def _route(self, policy: Policy | None) -> Policy:
-        """``policy`` as a run under this driver uses it (``route_policy``), made once per
-        policy (a resolver may answer a new one per request: the cache is bounded)."""
+    def route(self, policy: Policy | None) -> Policy:
+        """``policy`` (a route's) as a run under this driver uses it: with this driver's stale
+        threshold, the one its sweeper runs on (``ConfigurationError`` if it would outlive
+        it), its store told its wait budget. Made once per policy (a resolver may answer a
+        new one per request: the cache is bounded); None is the driver's own."""
         if policy is None or policy is self.policy:
             return self.policy
         ran = self._routes.get(policy)
@@ -173,6 +177,8 @@ class AsyncIdempotency:
             if len(self._routes) >= _ROUTES_KEPT:
                 self._routes.clear()
             ran = self._routes[policy] = route_policy(policy, self.policy)
+            # A shorter request timeout is a shorter budget: the store keeps the shortest.
+            self.store.cover_store_wait(ran.store_wait_seconds)
         return ran
 
 

@@ -30,7 +30,7 @@ from .._http import (
     storing,
     with_request_id,
 )
-from .._model import Intent, Policy, Record, Response, Verdict, route_policy
+from .._model import Intent, Policy, Record, Response, Verdict
 from ..stores.protocol import Transaction
 from .driver import Attempt, Idempotency
 from .transactions import execute_and_commit
@@ -71,7 +71,7 @@ class Edge:
         self.idempotency = idempotency
         self.options = options or EdgeOptions()
         if isinstance(self.options.policy, Policy):  # a route's: refused now, not per request
-            route_policy(self.options.policy, idempotency.policy)
+            idempotency.route(self.options.policy)
 
     def intent(self, request: HTTPRequest) -> Intent:
         """The request's identity; raises the 400/401 client errors, claims nothing."""
