@@ -73,7 +73,8 @@ from idemflow import (
 )
 from idemflow._async.transactions import _fenced
 from idemflow._lease import new_lease_token
-from idemflow.stores.sql import COLUMNS, Dialect
+from idemflow.stores.sql import Dialect
+from idemflow.stores.sql.dialect import COLUMNS
 from idemflow.transactions import PsycopgTransaction
 
 from ._harness import Contender, Crew, Row, interleave, parse_list, table, task_slice

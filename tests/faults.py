@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from idemflow._async.edge import pooled_transaction
-from idemflow.stores.sql import StoreClock
+from idemflow.stores.protocol import StoreClock
 from tests.conftest import POSTGRES_URL
 
 

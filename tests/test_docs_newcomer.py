@@ -24,10 +24,10 @@ from idemflow import (
     ConfigurationError,
     Idempotency,
     Intent,
-    MissingExtra,
     MissingTable,
     Response,
 )
+from idemflow._errors import MissingExtra
 from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 from tests.conftest import POSTGRES_URL, unreachable
 

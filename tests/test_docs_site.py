@@ -1,8 +1,8 @@
 """
 The documentation site builds with ``mkdocs build --strict`` (a broken link,
-anchor or API reference fails it), offline, and holds what it promises: an API
-reference entry for every public name, and a page for every problem type at
-the path its ``type`` URI names.
+anchor or API reference fails it), offline, and holds what it promises: one API
+reference page listing every public name and no other, and a page for every
+problem type at the path its ``type`` URI names.
 """
 
 from __future__ import annotations
@@ -28,12 +28,17 @@ MKDOCS = Path(sys.executable).with_name("mkdocs")
 NOT_API = ("idemflow.cli", "idemflow.integrations.django.")
 
 
+def _not_api(module: str) -> bool:
+    """The CLI and what is below it (not ``idemflow.client``), the Django app's modules."""
+    return module == "idemflow.cli" or module.startswith(("idemflow.cli.", *NOT_API[1:]))
+
+
 def public_modules() -> list[str]:
     """``idemflow`` and every module under it whose dotted name has no ``_`` part."""
     found = ["idemflow"]
     for module in pkgutil.walk_packages(idemflow.__path__, "idemflow."):
         parts = module.name.split(".")
-        if any(p.startswith("_") for p in parts) or module.name.startswith(NOT_API):
+        if any(p.startswith("_") for p in parts) or _not_api(module.name):
             continue
         if module.name.startswith("idemflow.integrations.django") and module.name != (
             "idemflow.integrations.django"
@@ -111,7 +116,25 @@ def test_every_public_name_has_an_api_reference_entry(site: Path) -> None:
             for member in getattr(module, "__all__", [])
             if f"{name}.{member}" not in documented
         ]
-    assert missing == [], "not in docs/reference/: " + ", ".join(missing)
+    assert missing == [], "not in docs/reference.md: " + ", ".join(missing)
+
+
+def test_the_api_reference_lists_no_private_name(site: Path) -> None:
+    """The other way round: a module's entries are its ``__all__`` and its submodules."""
+    documented = anchors(site)
+    modules = set(public_modules())
+    extra = []
+    for name in modules & documented:
+        listed = set(getattr(importlib.import_module(name), "__all__", []))
+        extra += [
+            anchor
+            for anchor in documented
+            if anchor.startswith(f"{name}.")
+            and "." not in anchor.removeprefix(f"{name}.")
+            and anchor.removeprefix(f"{name}.") not in listed
+            and anchor not in modules
+        ]
+    assert extra == [], "private names on the reference page: " + ", ".join(sorted(extra))
 
 
 def test_every_problem_type_uri_names_a_page_of_the_site(site: Path) -> None:

@@ -42,7 +42,6 @@ import pytest
 from idemflow import (
     AsyncAttempt,
     AsyncIdempotency,
-    CountingObserver,
     Event,
     Idempotency,
     IdempotencyError,
@@ -52,6 +51,7 @@ from idemflow import (
     State,
 )
 from idemflow._errors import PROBLEM_BASE
+from idemflow._events import CountingObserver
 from idemflow._flow import RELEASE_ATTEMPTS
 from idemflow._http import PROBLEM_CONTENT_TYPE, REPLAYED_HEADER
 from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore, connect

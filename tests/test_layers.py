@@ -358,3 +358,25 @@ def test_no_import_runs_up_a_layer() -> None:
     )
 
     assert upward == []
+
+
+def store_classes() -> list[str]:
+    """Every class of the library that answers the store contract's ``claim``."""
+    found = []
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name == "claim"
+                for item in node.body
+            ):
+                found.append(f"{'.'.join(name)}.{node.name}")
+    return found
+
+
+def test_every_store_lives_under_stores() -> None:
+    """What the driver calls a store (``DjangoStore`` included) sits below it, in
+    ``idemflow.stores``: a claim never calls up into an integration."""
+    stores = store_classes()
+
+    assert "idemflow.stores.django.DjangoStore" in stores
+    assert [name for name in stores if not name.startswith("idemflow.stores.")] == []

@@ -14,7 +14,6 @@ import pytest
 
 from idemflow import (
     Attempt,
-    CountingObserver,
     Event,
     Idempotency,
     InProgress,
@@ -25,7 +24,7 @@ from idemflow import (
     StoreUnavailable,
     fan_out,
 )
-from idemflow._events import null_observer
+from idemflow._events import CountingObserver, null_observer
 from idemflow.logs import LoggingObserver, key_digest
 from idemflow.stores.sqlite import SQLiteStore
 from idemflow.testing import FrozenClock

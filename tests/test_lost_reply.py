@@ -217,7 +217,8 @@ def completion_behind(
         django_setup = pytest.importorskip("tests.integrations.django_setup")
         from django.db import connections
 
-        from idemflow.integrations.django import DjangoStore, DjangoTransaction
+        from idemflow.integrations.django import DjangoTransaction
+        from idemflow.stores.django import DjangoStore
 
         alias = django_setup.VENDOR_ALIAS["postgres"]
         django_setup.require(alias)

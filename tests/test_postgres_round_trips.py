@@ -431,7 +431,8 @@ def test_django_sends_each_fenced_write_with_its_commit(
     django_setup = pytest.importorskip("tests.integrations.django_setup")
     from django.db import connections, transaction
 
-    from idemflow.integrations.django import DjangoStore, DjangoTransaction
+    from idemflow.integrations.django import DjangoTransaction
+    from idemflow.stores.django import DjangoStore
 
     alias = django_setup.VENDOR_ALIAS["postgres"]
     django_setup.require(alias)
@@ -543,7 +544,8 @@ def framework(name: str, table: str) -> Iterator[tuple[Any, Any, Any]]:
         django_setup = pytest.importorskip("tests.integrations.django_setup")
         from django.db import connections
 
-        from idemflow.integrations.django import DjangoStore, DjangoTransaction
+        from idemflow.integrations.django import DjangoTransaction
+        from idemflow.stores.django import DjangoStore
 
         alias = django_setup.VENDOR_ALIAS["postgres"]
         django_setup.require(alias)

@@ -102,33 +102,28 @@ def test_import_pulls_in_no_framework_or_driver(fresh: dict[str, list[str]], pac
 STORE_PATHS = [
     ("idemflow.stores", ["AsyncMemoryStore", "AsyncStore", "AsyncTransaction", "MemoryStore"]),
     ("idemflow.stores.postgres", ["AsyncPostgresStore", "PostgresStore", "connection_options"]),
-    ("idemflow.stores.postgres", ["DEFAULT_CLAIM_LOCK_TIMEOUT_MS", "SERVER_NOW_MS"]),
-    ("idemflow.stores.postgres", ["is_unavailable", "postgres_dialect"]),
-    ("idemflow.stores.mysql", ["MySQLStore", "connect_kwargs"]),
-    ("idemflow.stores.mysql", ["mysql_dialect", "mysql_statements", "SERVER_NOW_MS"]),
+    ("idemflow.stores.postgres", ["DEFAULT_CLAIM_LOCK_TIMEOUT_MS", "is_unavailable"]),
+    ("idemflow.stores.mysql", ["MySQLStore", "connect_kwargs", "DEFAULT_LOCK_WAIT_TIMEOUT"]),
     ("idemflow.stores.mysql", ["is_unavailable", "closed_by_server"]),
     ("idemflow.stores.mysql", ["AsyncMySQLStore"]),
     ("idemflow.stores.sqlite", ["AsyncSQLiteStore", "SQLiteStore", "connect", "is_unavailable"]),
-    ("idemflow.stores.sqlite", ["sqlite_dialect"]),
-    ("idemflow.stores.redis", ["AsyncRedisStore", "RedisStats", "RedisStore", "open_redis"]),
-    ("idemflow.stores.redis", ["is_unavailable"]),
+    ("idemflow.stores.redis", ["AsyncRedisStore", "RedisStore", "is_unavailable"]),
     ("idemflow.stores.memory", ["AsyncMemoryStore", "MemoryStore"]),
     ("idemflow.stores.protocol", ["MaintainableStore", "Statement", "Store", "Transaction"]),
-    ("idemflow.stores.protocol", ["AsyncMaintainableStore", "AsyncStore", "StoreClock"]),
+    ("idemflow.stores.protocol", ["AsyncMaintainableStore", "AsyncStore", "AsyncTransaction"]),
     ("idemflow.stores.sql", ["AsyncSQLStore", "Dialect", "Statement", "SQLStore"]),
-    ("idemflow.stores.sql", ["on_database_clock", "create_table", "insert_claim"]),
-    ("idemflow.stores.stats", ["OldestClaim", "StatsSource", "StoreStats"]),
+    ("idemflow.stores.sql", ["on_database_clock", "create_table", "insert_claim", "PURGEABLE_SQL"]),
+    ("idemflow.stores.stats", ["StoreStats"]),
     ("idemflow.stores.urls", ["open_async_store", "open_store", "scheme_of", "sqlite_path"]),
     ("idemflow.transactions", ["AsyncPsycopgTransaction", "AsyncSQLAlchemyTransaction"]),
     ("idemflow.transactions", ["AsyncSQLite3Connection", "AsyncSQLite3Transaction"]),
     ("idemflow.transactions", ["PsycopgTransaction", "PyMySQLTransaction"]),
     ("idemflow.transactions", ["AsyncmyTransaction"]),
     ("idemflow.transactions", ["SQLAlchemyTransaction", "SQLite3Transaction"]),
-    ("idemflow.tracing", ["AsyncTracedIdempotency", "TracedIdempotency", "TracingObserver"]),
-    ("idemflow.tracing", ["linked_context", "traced", "traceparent"]),
+    ("idemflow.tracing", ["TracingObserver", "traced", "traceparent"]),
     ("idemflow.edge", ["AsyncEdge", "Edge", "HTTPRequest", "pooled_transaction"]),
     # The conformance kit (issue 35).
-    ("idemflow.audit", ["CHECKS", "CheckResult", "Report", "audit", "audit_async", "plan"]),
+    ("idemflow.audit", ["audit", "audit_async"]),
 ]
 
 
@@ -139,6 +134,39 @@ def test_every_public_store_path_still_imports(module: str, names: list[str]) ->
 
     assert [name for name in names if not hasattr(imported, name)] == []
     assert [name for name in names if name not in imported.__all__] == []
+
+
+#: Issue 32: names other public modules of the library (the CLI, ``transactions``,
+#: another store) or a result's type still take from where they were, but no longer
+#: promised: out of ``__all__``, off the reference page, importable without a warning.
+UNLISTED = [
+    ("idemflow.audit", ["CHECKS", "CheckResult", "Report", "plan"]),
+    ("idemflow.client", ["ClientOutcome"]),
+    ("idemflow.logs", ["key_digest"]),
+    ("idemflow.stores.mysql", ["error_code", "is_conflict", "is_contention", "rolled_back"]),
+    ("idemflow.stores.mysql", ["UNAVAILABLE_CODES", "mysql_dialect", "mysql_statements"]),
+    ("idemflow.stores.postgres", ["SERVER_NOW_MS", "postgres_dialect"]),
+    ("idemflow.stores.protocol", ["CommitFailed", "NotFused", "StoreClock", "check_clock"]),
+    ("idemflow.stores.redis", ["open_redis"]),
+    ("idemflow.stores.sql", ["SQLStats", "missing_table_is_clear"]),
+    ("idemflow.stores.sql.dialect", ["COLUMNS", "NEW_INTENT_SQL", "TAKE_OVER_SQL", "row_mapping"]),
+    ("idemflow.stores.sql.dialect", ["claim_params", "record_from_values", "sweep_params"]),
+    ("idemflow.stores.sqlite", ["sqlite_dialect"]),
+    ("idemflow.stores.stats", ["STUCK_STATES", "OldestClaim", "StatsSource"]),
+    ("idemflow.stores.urls", ["DATABASE_URL_ENV", "OPENERS", "redact"]),
+    ("idemflow.sweeper", ["DEFAULT_BATCH_SIZE", "Reconciler", "Stop", "SweepReport"]),
+    ("idemflow.sweeper", ["AsyncStop", "BackgroundSweeper"]),
+    ("idemflow.tracing", ["AsyncTracedIdempotency", "TracedIdempotency"]),
+]
+
+
+@pytest.mark.parametrize(("module", "names"), UNLISTED)
+def test_an_unlisted_name_still_imports_and_is_not_exported(module: str, names: list[str]) -> None:
+    """Not public any more, and not broken either: each resolves where it did."""
+    imported = importlib.import_module(module)
+
+    assert [name for name in names if not hasattr(imported, name)] == []
+    assert [name for name in names if name in imported.__all__] == []
 
 
 def test_the_memory_stores_share_one_table() -> None:
@@ -189,11 +217,87 @@ DEPRECATED = [
         "_key_table_ddl",
     ),
     ("idemflow.integrations.wsgi", "Endpoint", "idemflow.integrations.wsgi", "_Endpoint"),
+    ("idemflow.integrations.django", "DjangoStore", "idemflow.stores.django", "DjangoStore"),
+    ("idemflow.integrations.django.store", "DjangoStore", "idemflow.stores.django", "DjangoStore"),
+    (
+        "idemflow.integrations.django.store",
+        "DjangoTransaction",
+        "idemflow.integrations.django.transaction",
+        "DjangoTransaction",
+    ),
     ("idemflow.stores.memory", "MemoryTable", "idemflow.stores.memory._table", "MemoryTable"),
     ("idemflow.stores.stats", "stats_refused", "idemflow.stores.protocol", "_stats_refused"),
     ("idemflow.metrics", "RESOLUTIONS", "idemflow.metrics", "_RESOLUTIONS"),
     ("idemflow.tracing", "SPAN_NAME", "idemflow._spans", "SPAN_NAME"),
     ("idemflow.stores.sql", "is_missing_table", "idemflow.stores.sql._stats", "is_missing_table"),
+    # Issue 32: the integrations' own plumbing, private since 0.2.
+    (
+        "idemflow.integrations.django",
+        "IdemflowSettings",
+        "idemflow.integrations.django.conf",
+        "IdemflowSettings",
+    ),
+    (
+        "idemflow.integrations.django",
+        "idemflow_settings",
+        "idemflow.integrations.django.conf",
+        "idemflow_settings",
+    ),
+    (
+        "idemflow.integrations.wsgi",
+        "require_length",
+        "idemflow.integrations.wsgi",
+        "_require_length",
+    ),
+    (
+        "idemflow.integrations.flask",
+        "flask_login_user",
+        "idemflow.integrations.flask",
+        "_flask_login_user",
+    ),
+    ("idemflow", "AsyncHandler", "idemflow._async.driver", "AsyncHandler"),
+    ("idemflow", "Handler", "idemflow._sync.driver", "Handler"),
+    ("idemflow", "Clock", "idemflow._model", "Clock"),
+    ("idemflow", "CountingObserver", "idemflow._events", "CountingObserver"),
+    ("idemflow", "MissingExtra", "idemflow._errors", "MissingExtra"),
+    ("idemflow", "canonical_json", "idemflow._canonical", "canonical_json"),
+    ("idemflow.client", "DEFAULT_METHODS", "idemflow.client._retry", "DEFAULT_METHODS"),
+    ("idemflow.client", "KeyReusedLocally", "idemflow.client._keys", "KeyReusedLocally"),
+    ("idemflow.logs", "DEFAULT_LEVELS", "idemflow.logs", "_DEFAULT_LEVELS"),
+    ("idemflow.sweeper", "AsyncReconciler", "idemflow._async.sweeper", "AsyncReconciler"),
+    ("idemflow.sweeper", "Resolution", "idemflow._reconcile", "Resolution"),
+    ("idemflow.tracing", "linked_context", "idemflow._spans", "linked_context"),
+    ("idemflow.stores.memory", "MemoryStats", "idemflow.stores.memory._table", "MemoryStats"),
+    ("idemflow.stores.redis", "RedisStats", "idemflow.stores.redis._stats", "RedisStats"),
+    (
+        "idemflow.stores.mysql",
+        "SERVER_NOW_MS",
+        "idemflow.stores.mysql._statements",
+        "SERVER_NOW_MS",
+    ),
+    (
+        "idemflow.stores.mysql",
+        "MySQLStatements",
+        "idemflow.stores.mysql._statements",
+        "MySQLStatements",
+    ),
+    ("idemflow.stores.sql", "StoreClock", "idemflow.stores.protocol", "StoreClock"),
+    ("idemflow.stores.sql", "check_clock", "idemflow.stores.protocol", "check_clock"),
+    ("idemflow.stores.sql.dialect", "StoreClock", "idemflow.stores.protocol", "StoreClock"),
+    ("idemflow.stores.sql.dialect", "check_clock", "idemflow.stores.protocol", "check_clock"),
+    *[
+        ("idemflow.stores.sql", name, "idemflow.stores.sql.dialect", name)
+        for name in (
+            "COLUMNS",
+            "NEW_INTENT_SQL",
+            "PAST_RETENTION_SQL",
+            "RETRY_SQL",
+            "SWEEPABLE_SQL",
+            "TAKE_OVER_SQL",
+            "row_mapping",
+            "take_over_claim",
+        )
+    ],
 ]
 
 
@@ -212,7 +316,7 @@ def test_a_replaced_name_still_imports_with_a_deprecation_warning(
 
 
 #: Issue 32: at most 150 distinct public names. Each cut lowers this bound; it never rises.
-PUBLIC_NAMES_BOUND = 246
+PUBLIC_NAMES_BOUND = 148
 PUBLIC_NAMES_TARGET = 150
 
 

@@ -18,7 +18,8 @@ import pytest
 
 from idemflow import Record, State
 from idemflow._model import can_take_over, is_past_retention, starts_new_intent
-from idemflow.stores.sql import NEW_INTENT_SQL, PURGEABLE_SQL, TAKE_OVER_SQL, Statement
+from idemflow.stores.sql import PURGEABLE_SQL, Statement
+from idemflow.stores.sql.dialect import NEW_INTENT_SQL, TAKE_OVER_SQL
 from tests.conftest import POSTGRES_URL, unreachable
 
 NOW_MS = 1_800_000_000_000

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from idemflow import Attempt, CountingObserver, Event, Idempotency, Policy, Response, State
+from idemflow import Attempt, Event, Idempotency, Policy, Response, State
+from idemflow._events import CountingObserver
 from idemflow._http import EdgeOptions, HTTPRequest
 from idemflow._sync.edge import Edge, pooled_transaction
 from idemflow.stores.sqlite import SQLiteStore

@@ -20,7 +20,6 @@ from opentelemetry.trace import StatusCode, Tracer
 
 from idemflow import (
     AsyncIdempotency,
-    CountingObserver,
     Event,
     Idempotency,
     InProgress,
@@ -29,9 +28,11 @@ from idemflow import (
     Response,
     StoreUnavailable,
 )
+from idemflow._events import CountingObserver
+from idemflow._spans import linked_context
 from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore
 from idemflow.testing import FrozenClock
-from idemflow.tracing import TracingObserver, linked_context, traced, traceparent
+from idemflow.tracing import TracingObserver, traced, traceparent
 from tests.ops_support import created, intent
 
 ENDPOINT = "POST /payments"

@@ -5,8 +5,8 @@ Claim ``(principal, key)`` atomically, run the operation once, commit its outcom
 in its own transaction, answer every retry alike. Imports no framework or driver.
 """
 
-from ._async.driver import AsyncAttempt, AsyncHandler, AsyncIdempotency
-from ._canonical import canonical_json
+from ._async.driver import AsyncAttempt, AsyncIdempotency
+from ._deprecation import moved as _moved_names
 from ._downstream import downstream_key
 from ._errors import (
     BodyTooLarge,
@@ -20,7 +20,6 @@ from ._errors import (
     KeyReused,
     LeaseLost,
     LengthRequired,
-    MissingExtra,
     MissingKey,
     MissingPrincipal,
     MissingTable,
@@ -29,12 +28,11 @@ from ._errors import (
     ResponseNotStorable,
     StoreUnavailable,
 )
-from ._events import CountingObserver, Event, Observer, fan_out
+from ._events import Event, Observer, fan_out
 from ._fingerprint import fingerprint
 from ._key import parse_key
 from ._model import (
     Claim,
-    Clock,
     Intent,
     Outcome,
     Policy,
@@ -44,21 +42,17 @@ from ._model import (
     Verdict,
     default_classifier,
 )
-from ._sync.driver import Attempt, Handler, Idempotency
+from ._sync.driver import Attempt, Idempotency
 
 __all__ = [
     "AsyncAttempt",
-    "AsyncHandler",
     "AsyncIdempotency",
     "Attempt",
     "BodyTooLarge",
     "Claim",
     "ClientError",
-    "Clock",
     "ConfigurationError",
-    "CountingObserver",
     "Event",
-    "Handler",
     "Idempotency",
     "IdempotencyError",
     "InProgress",
@@ -69,7 +63,6 @@ __all__ = [
     "KeyReused",
     "LeaseLost",
     "LengthRequired",
-    "MissingExtra",
     "MissingKey",
     "MissingPrincipal",
     "MissingTable",
@@ -84,7 +77,6 @@ __all__ = [
     "State",
     "StoreUnavailable",
     "Verdict",
-    "canonical_json",
     "default_classifier",
     "downstream_key",
     "fan_out",
@@ -93,10 +85,24 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> str:
-    if name == "__version__":
-        from importlib.metadata import version
+#: Issue 32: helpers and types only the library's own modules need; importable from
+#: here, with a DeprecationWarning, until 0.3.
+_moved = _moved_names(
+    __name__,
+    {
+        "AsyncHandler": "idemflow._async.driver:AsyncHandler",
+        "Handler": "idemflow._sync.driver:Handler",
+        "Clock": "idemflow._model:Clock",
+        "CountingObserver": "idemflow._events:CountingObserver",
+        "MissingExtra": "idemflow._errors:MissingExtra",
+        "canonical_json": "idemflow._canonical:canonical_json",
+    },
+)
 
-        return version("idemflow")
-    msg = f"module {__name__!r} has no attribute {name!r}"
-    raise AttributeError(msg)
+
+def __getattr__(name: str) -> object:
+    if name != "__version__":
+        return _moved(name)
+    from importlib.metadata import version
+
+    return version("idemflow")

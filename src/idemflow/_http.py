@@ -3,16 +3,13 @@ The framework-neutral HTTP edge: request â†’ :class:`Intent`, outcome or error â
 
 Every integration only translates its framework's request into an
 :class:`HTTPRequest` and the :class:`~idemflow.Response` returned here into its
-framework's response. This module holds the rules and does no I/O: the one
-that runs a request through the driver is ``AsyncEdge`` in
-``idemflow._async.edge`` (and its generated sync twin ``Edge``); what to do
-with a key is decided in ``idemflow._flow``; what it looks like on the wire is
-decided here, once, so the integrations cannot disagree: the fingerprint's
-route template, RFC 9457 problems, what is stored (:func:`unsendable`,
-:func:`not_stored`, :class:`ResponseNotStorable`, :func:`not_read`), replay
-headers, ``X-Request-Id``, and the ``OutcomeUnknown`` slot
-(:class:`OutcomeSlot`, :func:`report_outcome_unknown`). The rules: docs/http.md;
-where each lives: docs/architecture.md, "Where each rule lives".
+framework's. This module holds the rules and does no I/O (``AsyncEdge`` in
+``idemflow._async.edge`` runs a request through the driver; ``_flow`` decides
+what to do with a key): the route template, RFC 9457 problems, what is stored,
+replay headers, ``X-Request-Id``, the ``OutcomeUnknown`` slot, and what every
+door shares sans I/O (:class:`BodyReader`, :class:`ResponseSink`,
+:func:`compile_endpoint`). The rules: docs/http.md; where each lives:
+docs/architecture.md, "Where each rule lives".
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Collection,
+    Iterable,
     Iterator,
     Mapping,
     MutableMapping,
@@ -347,6 +345,122 @@ def body_cut_short(size: int, declared: int | None) -> IncompleteBody:
     )
 
 
+class BodyReader:
+    """A request body read whole and bounded, sans I/O: each door feeds it what arrived."""
+
+    def __init__(self, content_length: str | None, limit: int) -> None:
+        self.limit = limit
+        self.declared = declared_length(content_length, limit)
+        self.size = 0
+        self._chunks: list[bytes] = []
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.limit:
+            raise body_too_large(self.size, self.limit, streaming=True)
+        self._chunks.append(chunk)
+
+    def cut_short(self) -> IncompleteBody:
+        return body_cut_short(self.size, self.declared)
+
+    def body(self) -> bytes:
+        if self.declared is not None and self.size != self.declared:
+            raise self.cut_short()
+        return b"".join(self._chunks)
+
+
+class ResponseSink:
+    """An app's response body kept in memory, at most ``limit`` bytes (the rest counted).
+
+    Never raises into the app: its effect is happening, and an error mid-stream
+    would only hide how it ended. :meth:`unstorable` says why it cannot be stored.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self.chunks: list[bytes] = []
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size <= self.limit:
+            self.chunks.append(chunk)
+
+    def response(
+        self,
+        status: int,
+        headers: Iterable[tuple[str, str]],
+        classify: Callable[[Response], Any],
+        reason: str | None = None,
+    ) -> Response:
+        """The response; a :func:`not_stored` marker if ``reason`` or the size forbid storing."""
+        kept = tuple(
+            (k, v) for k, v in headers if not (isinstance(k, str) and k.lower() == "content-length")
+        )
+        response = Response(status, b"".join(self.chunks), kept)
+        if reason is None and self.size > self.limit:
+            reason = (
+                f"the response body is {self.size} bytes; the stored-body limit is "
+                f"{self.limit} bytes (raise max_response_bytes, or do not protect this endpoint)"
+            )
+        return response if reason is None else not_stored(response, reason, classify(response))
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One opted-in endpoint: its method, its template, and the pattern matching its path."""
+
+    method: str
+    template: str
+    pattern: re.Pattern[str]
+
+
+_PARAMETER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::(str|int|float|path|uuid))?\}")
+_CONVERTERS = {
+    None: "[^/]+",
+    "str": "[^/]+",
+    "int": "[0-9]+",
+    "float": r"[0-9]+(?:\.[0-9]+)?",
+    "path": ".*",
+    "uuid": "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+}
+
+
+def compile_endpoint(endpoint: str, spell: Callable[[str], str] = str) -> Endpoint:
+    """``"POST /payments/{id}/refunds"`` compiled; ConfigurationError if it is malformed.
+
+    ``spell`` turns a literal segment into how the door's paths spell it (WSGI: latin-1).
+    """
+    method, _, template = endpoint.strip().partition(" ")
+    method, template = method.upper(), template.strip()
+    if not _TOKEN.fullmatch(method) or not template.startswith("/"):
+        msg = f"endpoint {endpoint!r} must be 'METHOD /route/{{param}}'"
+        raise ConfigurationError(msg)
+    if method in SAFE_METHODS:  # it would never be protected: say so at start-up
+        msg = (
+            f"endpoint {endpoint!r}: {method} is idempotent already and is never "
+            "protected; list unsafe methods only"
+        )
+        raise ConfigurationError(msg)
+    parts: list[str] = []
+    names: set[str] = set()
+    for segment in template.split("/")[1:]:
+        parameter = _PARAMETER.fullmatch(segment)
+        if parameter is not None:
+            name = parameter.group(1)
+            if name in names:
+                msg = f"endpoint {endpoint!r} names the parameter {name!r} twice"
+                raise ConfigurationError(msg)
+            names.add(name)
+            parts.append(f"(?P<{name}>{_CONVERTERS[parameter.group(2)]})")
+        elif "{" in segment or "}" in segment:
+            msg = f"endpoint {endpoint!r}: a parameter is a whole segment, '{{name}}'"
+            raise ConfigurationError(msg)
+        else:
+            parts.append(re.escape(spell(segment)))
+    return Endpoint(method, template, re.compile("/" + "/".join(parts)))
+
+
 def header_values(headers: RawHeaders, name: str) -> list[str]:
     """Every field line called ``name`` (lower-case), decoded as latin-1 (RFC 9110)."""
     wanted = name.encode("latin-1")
@@ -616,24 +730,12 @@ OUTCOME_SLOT = "idemflow.outcome_unknown"
 class OutcomeSlot:
     """Where an application reports the ``OutcomeUnknown`` its framework answered itself.
 
-    Flask and Django turn a view's exception into a 500 response before a
-    WSGI/ASGI middleware sees it, and a 500 is transient: it would release the
-    key, and the retry would make the external call again. The middleware
-    therefore puts one of these in the request's environ (or scope) before it
-    runs the application; the framework's error hook fills it
-    (:func:`report_outcome_unknown`), and the middleware raises what was
-    reported as if the application had raised it: the claim is kept, the
-    caller gets the 503 ``outcome-unknown`` problem, whatever response the
-    framework made. Only an ``OutcomeUnknown`` instance can be reported, and
-    only a middleware creates the slot, so no response (a 500 forwarded from
-    an upstream service, a header) can keep a claim by accident.
-
-    The report is not needed for the claim to be kept: while the application
-    runs the middleware :meth:`watching` notes every ``OutcomeUnknown`` made
-    (the exception's own constructor tells it), and one made before the
-    application failed (raised, or answered a transient status) is raised the
-    same way (:meth:`raise_made`). Any framework, or a bare WSGI app that turns
-    exceptions into a 500, is covered without a hook.
+    Flask and Django turn a view's exception into a 500 before a middleware sees it,
+    and a 500 would release the key: the middleware puts a slot in the environ (or
+    scope), the framework's error hook fills it (:func:`report_outcome_unknown`), and
+    the middleware raises what was reported, so the claim is kept. Only a middleware
+    creates a slot and only an ``OutcomeUnknown`` fills it: no response keeps a claim
+    by accident. :meth:`watching` covers frameworks without a hook (docs/http.md).
     """
 
     __slots__ = ("made", "reported")
@@ -653,13 +755,17 @@ class OutcomeSlot:
         """Run the application inside: every ``OutcomeUnknown`` made meanwhile, in this
         thread or task and those it starts, is noted (:attr:`made`), whether or not a
         framework's error hook reports it. So no framework can turn one into a 500 that
-        releases the key because a line of configuration was forgotten
-        (:meth:`raise_made`)."""
+        releases the key because a line of configuration was forgotten. What was
+        reported is raised after it; if the application raised, what was made first."""
         token = OUTCOME_UNKNOWN_WITNESS.set(self._note)
         try:
             yield
+        except Exception:
+            self.raise_made()
+            raise
         finally:
             OUTCOME_UNKNOWN_WITNESS.reset(token)
+            self.raise_reported()
 
     def _note(self, made: OutcomeUnknown) -> None:
         if self.made is None:

@@ -1,16 +1,15 @@
 """
 The HTTP edge: what a framework integration is built from.
 
-Every module in :mod:`idemflow.integrations` imports the edge from here, and a
-new framework's integration does the same (``docs/architecture.md``, "Adding a
-framework"): translate the framework's request into an :class:`HTTPRequest`
-(its body read whole with the body rules below), call :meth:`AsyncEdge.respond`
-(ASGI) or :meth:`Edge.respond` (WSGI) with the handler and a transaction scope,
-and turn the returned :class:`~idemflow.Response` back into the framework's.
-The drivers, the model and the errors are :mod:`idemflow`'s own public names.
-
+A new framework's integration (``docs/architecture.md``, "Adding a framework")
+translates the framework's request into an :class:`HTTPRequest` (its body read
+whole and bounded), calls :meth:`AsyncEdge.respond` (ASGI) or
+:meth:`Edge.respond` (WSGI) with the handler and a transaction scope, and turns
+the returned :class:`~idemflow.Response` back into the framework's.
 ``tests/test_layers.py`` checks that no integration reaches past this module
-into ``idemflow._http``, ``idemflow._sync`` or ``idemflow._async``.
+into ``idemflow._http``, ``idemflow._sync`` or ``idemflow._async``; the helpers
+idemflow's own integrations share are importable here but not part
+of ``__all__``.
 """
 
 from ._async.edge import AsyncEdge, AsyncPooledTransaction
@@ -27,12 +26,16 @@ from ._http import (
     REPLAYED_HEADER,
     REQUEST_ID_HEADER,
     SAFE_METHODS,
+    BodyReader,
     EdgeOptions,
+    Endpoint,
     HTTPRequest,
     OutcomeSlot,
     RawHeaders,
+    ResponseSink,
     body_cut_short,
     body_too_large,
+    compile_endpoint,
     declared_length,
     header_values,
     not_stored,
@@ -48,38 +51,18 @@ from ._http import (
 from ._sync.edge import Edge, PooledTransaction, pooled_transaction
 
 __all__ = [
-    "DEFAULT_MAX_BODY_BYTES",
-    "DEFAULT_MAX_RESPONSE_BYTES",
     "KEY_HEADER",
-    "ORIGINAL_REQUEST_ID_HEADER",
-    "OUTCOME_SLOT",
-    "PROBLEM_CONTENT_TYPE",
-    "REPLAYED_HEADER",
     "REQUEST_ID_HEADER",
-    "SAFE_METHODS",
     "AsyncEdge",
-    "AsyncPooledTransaction",
+    "BodyReader",
     "Edge",
     "EdgeOptions",
     "HTTPRequest",
-    "OutcomeSlot",
-    "PooledTransaction",
-    "RawHeaders",
     "async_pooled_transaction",
-    "async_resolve",
-    "body_cut_short",
-    "body_too_large",
-    "declared_length",
-    "header_values",
-    "not_stored",
-    "parse_json",
-    "plain_callable",
     "pooled_transaction",
     "problem",
     "problem_for",
     "report_outcome_unknown",
     "request_id_from",
     "sendable_headers",
-    "settled_verdict",
-    "sync_replay_authorizer",
 ]

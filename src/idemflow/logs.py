@@ -12,13 +12,16 @@ import hashlib
 import logging
 from collections.abc import Mapping
 
+from ._deprecation import moved
 from ._events import Event
 from ._model import Intent
 
-__all__ = ["DEFAULT_LEVELS", "LoggingObserver", "key_digest"]
+__all__ = [
+    "LoggingObserver",
+]
 
 #: The level each event logs at unless told otherwise.
-DEFAULT_LEVELS: Mapping[Event, int] = {
+_DEFAULT_LEVELS: Mapping[Event, int] = {
     Event.CLAIMED: logging.DEBUG,
     Event.COMPLETED: logging.DEBUG,
     Event.REPLAYED: logging.DEBUG,
@@ -61,7 +64,7 @@ def key_digest(principal: str, key: str, salt: bytes = b"") -> str:
 
 class LoggingObserver:
     """An observer that logs each event with structured ``extra`` fields (to
-    ``idemflow.events`` unless given a logger; ``levels`` override DEFAULT_LEVELS)."""
+    ``idemflow.events`` unless given a logger; ``levels`` override the defaults)."""
 
     def __init__(
         self,
@@ -71,7 +74,7 @@ class LoggingObserver:
         salt: bytes = b"",
     ) -> None:
         self.logger = logger if logger is not None else logging.getLogger("idemflow.events")
-        self.levels = {**DEFAULT_LEVELS, **(levels or {})}
+        self.levels = {**_DEFAULT_LEVELS, **(levels or {})}
         self.salt = salt
 
     def __call__(self, event: Event, intent: Intent, elapsed: float) -> None:
@@ -92,3 +95,8 @@ class LoggingObserver:
                 "elapsed_ms": round(elapsed * 1000, 3),
             },
         )
+
+
+#: Issue 32: the default levels are the observer's own; importable from here, with a
+#: DeprecationWarning, until 0.3.
+__getattr__ = moved(__name__, {"DEFAULT_LEVELS": "idemflow.logs:_DEFAULT_LEVELS"})

@@ -13,34 +13,25 @@ import asyncio
 import threading
 from typing import overload
 
-from ._async.sweeper import DEFAULT_BATCH_SIZE, AsyncReconciler, AsyncSweeper
+# Not listed: the CLI's loop parts, and what a pass reports (a result, never built by a
+# caller). Named here so that the layers above may take them (tests/test_layers.py).
+from ._async.sweeper import DEFAULT_BATCH_SIZE as DEFAULT_BATCH_SIZE  # noqa: PLC0414
+from ._async.sweeper import AsyncSweeper
+from ._deprecation import moved
 from ._model import Duration
-from ._reconcile import (
-    Answer,
-    AsyncStop,
-    DidNotHappen,
-    Happened,
-    Resolution,
-    Stop,
-    SweepReport,
-    Unknown,
-)
-from ._sync.sweeper import Reconciler, Sweeper
+from ._reconcile import Answer, DidNotHappen, Happened, Unknown
+from ._reconcile import AsyncStop as AsyncStop  # noqa: PLC0414
+from ._reconcile import Stop as Stop  # noqa: PLC0414
+from ._reconcile import SweepReport as SweepReport  # noqa: PLC0414
+from ._sync.sweeper import Reconciler as Reconciler  # noqa: PLC0414
+from ._sync.sweeper import Sweeper
 
 __all__ = [
-    "DEFAULT_BATCH_SIZE",
     "Answer",
     "AsyncBackgroundSweeper",
-    "AsyncReconciler",
-    "AsyncStop",
     "AsyncSweeper",
-    "BackgroundSweeper",
     "DidNotHappen",
     "Happened",
-    "Reconciler",
-    "Resolution",
-    "Stop",
-    "SweepReport",
     "Sweeper",
     "Unknown",
     "start_background_sweeper",
@@ -125,3 +116,14 @@ def start_background_sweeper(
     if isinstance(sweeper, AsyncSweeper):
         return AsyncBackgroundSweeper(sweeper, every)
     return BackgroundSweeper(sweeper, every)
+
+
+#: Issue 32: the reconciler's protocol and the resolution's names are the sweeper's
+#: own; importable from here, with a DeprecationWarning, until 0.3.
+__getattr__ = moved(
+    __name__,
+    {
+        "AsyncReconciler": "idemflow._async.sweeper:AsyncReconciler",
+        "Resolution": "idemflow._reconcile:Resolution",
+    },
+)

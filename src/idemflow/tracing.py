@@ -15,7 +15,7 @@ from . import _spans
 from ._async.driver import AsyncIdempotency
 from ._async.tracing import AsyncTracedIdempotency
 from ._deprecation import moved
-from ._spans import TracingObserver, linked_context, traceparent
+from ._spans import TracingObserver, traceparent
 from ._sync.driver import Idempotency
 from ._sync.tracing import TracedIdempotency
 
@@ -23,10 +23,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
 __all__ = [
-    "AsyncTracedIdempotency",
-    "TracedIdempotency",
     "TracingObserver",
-    "linked_context",
     "traced",
     "traceparent",
 ]
@@ -50,5 +47,6 @@ def traced(
 
 #: Issue 32: moved; importable with a DeprecationWarning until 0.3.
 __getattr__ = moved(
-    __name__, {name: f"idemflow._spans:{name}" for name in ("ENABLED", "SPAN_NAME")}
+    __name__,
+    {name: f"idemflow._spans:{name}" for name in ("ENABLED", "SPAN_NAME", "linked_context")},
 )

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from ._async.transactions import AsyncPsycopgTransaction, AsyncSQLAlchemyTransaction
 from ._sync.transactions import PsycopgTransaction, SQLAlchemyTransaction, _execute_then_commit
 from .stores.protocol import AsyncTransaction, Statement, Transaction
-from .stores.sql import row_mapping
+from .stores.sql.dialect import row_mapping
 
 __all__ = [
     "AsyncPsycopgTransaction",

@@ -32,11 +32,11 @@ from idemflow.client import (
     ClientOutcome,
     IdempotentTransport,
     KeyForm,
-    KeyReusedLocally,
     RetryPolicy,
     idempotent_session,
     outcome,
 )
+from idemflow.client._keys import KeyReusedLocally
 from tests.client.recording import Recorded, RecordingRelay, recording_relay
 from tests.http.conftest import ALICE, Demo, run_demo
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from idemflow import ConfigurationError, InvalidKey, KeyReused, parse_key
-from idemflow.client import AttemptReport, KeyForm, KeyReusedLocally, RetryPolicy
-from idemflow.client._keys import KeyLedger, encode_key
+from idemflow.client import AttemptReport, KeyForm, RetryPolicy
+from idemflow.client._keys import KeyLedger, KeyReusedLocally, encode_key
 from idemflow.client._retry import Failure, Operation, Operations, is_replay, parse_retry_after
 from idemflow.testing import FrozenClock
 

@@ -12,7 +12,6 @@ import pytest
 from idemflow import (
     AsyncIdempotency,
     ConfigurationError,
-    CountingObserver,
     Event,
     InProgress,
     KeyReused,
@@ -24,6 +23,7 @@ from idemflow import (
     fingerprint,
 )
 from idemflow._async.edge import AsyncEdge as Edge
+from idemflow._events import CountingObserver
 from idemflow._http import (
     EdgeOptions,
     HTTPRequest,

@@ -31,14 +31,8 @@ from pydantic import BaseModel  # noqa: E402
 from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
 
 import idemflow  # noqa: E402
-from idemflow import (  # noqa: E402
-    AsyncAttempt,
-    AsyncIdempotency,
-    ConfigurationError,
-    CountingObserver,
-    Event,
-    Policy,
-)
+from idemflow import AsyncAttempt, AsyncIdempotency, ConfigurationError, Event, Policy  # noqa: E402
+from idemflow._events import CountingObserver  # noqa: E402
 from idemflow.integrations.fastapi import (  # noqa: E402
     IdempotentRequest,
     IdempotentRoute,

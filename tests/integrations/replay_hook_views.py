@@ -11,7 +11,8 @@ from typing import Any
 
 from django.http import JsonResponse
 
-from idemflow import CountingObserver, Record
+from idemflow import Record
+from idemflow._events import CountingObserver
 from idemflow.integrations.django import idempotent
 
 

@@ -24,7 +24,6 @@ from django.test import override_settings
 from idemflow import (
     Attempt,
     ConfigurationError,
-    CountingObserver,
     Idempotency,
     InProgress,
     Policy,
@@ -32,14 +31,14 @@ from idemflow import (
     State,
     StoreUnavailable,
 )
+from idemflow._events import CountingObserver
 from idemflow.integrations.django import (
-    DjangoStore,
     DjangoTransaction,
     get_idempotency,
     get_store,
-    idemflow_settings,
 )
-from idemflow.integrations.django.conf import observer_of
+from idemflow.integrations.django.conf import idemflow_settings, observer_of
+from idemflow.stores.django import DjangoStore
 from idemflow.stores.urls import open_store
 from idemflow.testing import FrozenClock
 from tests.backends import MYSQL_URL
@@ -404,7 +403,7 @@ def test_settings_mistakes_are_improperly_configured() -> None:
         pytest.raises(ImproperlyConfigured, match="request_timeout"),
     ):
         idemflow_settings()
-    for observer in ("tests.nowhere.METRICS", "idemflow.CountingObserver", 42):
+    for observer in ("tests.nowhere.METRICS", "idemflow._events.CountingObserver", 42):
         with (  # at start-up (AppConfig.ready asks observer_of), not a 500 on each request
             override_settings(IDEMFLOW={"observer": observer}),
             pytest.raises(ImproperlyConfigured, match="observer"),

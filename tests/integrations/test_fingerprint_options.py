@@ -27,7 +27,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
 from idemflow import ConfigurationError
-from idemflow.integrations.django import idemflow_settings
+from idemflow.integrations.django.conf import idemflow_settings
 from tests.http.conftest import assert_problem
 from tests.integrations.test_wsgi_doors import (
     _DJANGO_DOORS,

@@ -82,7 +82,7 @@ from tests.integrations.test_wsgi_apps import (
 httpx = pytest.importorskip("httpx")
 
 from idemflow import Policy  # noqa: E402
-from idemflow.stores.mysql import SERVER_NOW_MS as MYSQL_NOW_MS  # noqa: E402
+from idemflow.stores.mysql._statements import SERVER_NOW_MS as MYSQL_NOW_MS  # noqa: E402
 from idemflow.stores.postgres import SERVER_NOW_MS as POSTGRES_NOW_MS  # noqa: E402
 
 pytestmark = pytest.mark.slow

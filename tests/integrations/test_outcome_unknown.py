@@ -148,7 +148,8 @@ def test_django_idempotent_keeps_the_claim_and_rolls_the_atomic_block_back(
     from django.http import HttpRequest, HttpResponse
     from django.test import RequestFactory, override_settings
 
-    from idemflow.integrations.django import DjangoStore, get_store, idempotent
+    from idemflow.integrations.django import get_store, idempotent
+    from idemflow.stores.django import DjangoStore
     from tests.integrations.django_setup import execute, require
 
     require("default")

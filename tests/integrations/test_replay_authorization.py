@@ -302,7 +302,8 @@ def test_django_refuses_an_async_hook_in_the_settings_at_start_up_and_in_the_dec
     from django.http import HttpResponse
     from django.test import RequestFactory, override_settings
 
-    from idemflow.integrations.django import IdempotencyMiddleware, idemflow_settings, idempotent
+    from idemflow.integrations.django import IdempotencyMiddleware, idempotent
+    from idemflow.integrations.django.conf import idemflow_settings
 
     principal = {"principal": lambda request: "alice"}
     with (

@@ -13,6 +13,14 @@ Importing this package imports httpx (``pip install 'idemflow[client]'``);
 
 from __future__ import annotations
 
-from ._checks import CHECKS, CheckResult, Report, audit, audit_async, plan
+# Not listed: the CLI's plan, and what a report holds (a result, never built by a caller).
+from ._checks import CHECKS as CHECKS
+from ._checks import CheckResult as CheckResult
+from ._checks import Report as Report
+from ._checks import audit, audit_async
+from ._checks import plan as plan
 
-__all__ = ["CHECKS", "CheckResult", "Report", "audit", "audit_async", "plan"]
+__all__ = [
+    "audit",
+    "audit_async",
+]

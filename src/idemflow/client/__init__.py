@@ -5,7 +5,7 @@ Each unsafe request (POST and PATCH by default) gets one ``Idempotency-Key``
 **per logical operation**, chosen before the first attempt (or the caller's,
 kept verbatim), and is retried safely, within a total deadline; settled
 answers are never retried, and one key is never sent with a different
-request (:class:`KeyReusedLocally`). httpx: :class:`IdempotentTransport`,
+request (a :class:`~idemflow.KeyReused`). httpx: :class:`IdempotentTransport`,
 :class:`AsyncIdempotentTransport`; requests: :class:`IdempotentAdapter`,
 :func:`idempotent_session`; after the call: :func:`outcome`,
 :func:`replayed`. Importing this package imports neither httpx nor requests
@@ -19,16 +19,17 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._deprecation import moved
-from ._keys import KeyForm, KeyReusedLocally
+from ._keys import KeyForm
 from ._retry import (
-    DEFAULT_METHODS,
     DEFAULT_RETRY_STATUSES,
     OUTCOME_ATTRIBUTE,
     AttemptReport,
-    ClientOutcome,
     RetryPolicy,
 )
 from ._retry import OUTCOME as _OUTCOME
+from ._retry import (
+    ClientOutcome as ClientOutcome,
+)
 from ._retry import is_replay as _is_replay
 
 if TYPE_CHECKING:
@@ -37,15 +38,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEADLINE",
-    "DEFAULT_METHODS",
     "DEFAULT_RETRY_STATUSES",
     "AsyncIdempotentTransport",
     "AttemptReport",
-    "ClientOutcome",
     "IdempotentAdapter",
     "IdempotentTransport",
     "KeyForm",
-    "KeyReusedLocally",
     "RetryPolicy",
     "idempotent_session",
     "outcome",
@@ -70,6 +68,7 @@ _moved = moved(
         **{
             name: f"idemflow.client._retry:{name}"
             for name in (
+                "DEFAULT_METHODS",
                 "OUTCOME",
                 "Decision",
                 "Failure",
@@ -81,7 +80,7 @@ _moved = moved(
         },
         **{
             name: f"idemflow.client._keys:{name}"
-            for name in ("KeyLedger", "encode_key", "uuid4_key")
+            for name in ("KeyLedger", "KeyReusedLocally", "encode_key", "uuid4_key")
         },
     },
 )

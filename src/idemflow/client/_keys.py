@@ -102,8 +102,6 @@ class KeyReusedLocally(KeyReused):
     network. Use a new key for a new request.
     """
 
-    __module__ = "idemflow.client"
-
 
 def request_fingerprint(method: str, url: str, body: bytes) -> str:
     """What a key is sent with: method, full URL (query included) and the body, byte for byte.

@@ -51,17 +51,8 @@ with optional("idemflow.integrations.fastapi"):
     from starlette.responses import Response as StarletteResponse
     from starlette.types import Receive, Scope, Send
 
-    from .starlette import (
-        Idempotent,
-        StarletteHandler,
-        _declares_streaming,
-        _read_body,
-        _replaying,
-        authenticated_user,
-        request_id,
-        send_response,
-        to_starlette,
-    )
+    from .asgi import _read_body, _replaying, authenticated_user, request_id, send_response
+    from .starlette import Idempotent, StarletteHandler, _declares_streaming, to_starlette
 
 __all__ = ["EdgeOptions", "IdempotentRequest", "IdempotentRoute", "dependency", "scope_user"]
 

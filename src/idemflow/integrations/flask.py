@@ -39,7 +39,6 @@ from ..edge import (
     REQUEST_ID_HEADER,
     SAFE_METHODS,
     Edge,
-    EdgeOptions,
     HTTPRequest,
     body_cut_short,
     body_too_large,
@@ -53,14 +52,21 @@ from ..edge import (
 from ..stores.protocol import Store, Transaction
 
 # raw_headers: werkzeug's lines, one reader
-from .wsgi import ReplayHook, ViewEdges, raw_headers, report_from_flask, require_length
+from .wsgi import (
+    ReplayHook,
+    ViewEdges,
+    _require_length,
+    raw_headers,
+    report_from_flask,
+    view_options,
+)
 
 with optional("idemflow.integrations.flask"):
     from flask import Flask, current_app, request
     from flask import Response as FlaskResponse
     from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
 
-__all__ = ["Idempotency", "flask_login_user", "handle_outcome_unknown"]
+__all__ = ["Idempotency", "handle_outcome_unknown"]
 
 _View = TypeVar("_View", bound=Callable[..., Any])
 #: Opens the transaction the completion is written in, for one request.
@@ -81,7 +87,7 @@ _CONFIG: dict[str, Any] = {
 }
 
 
-def flask_login_user() -> str | None:
+def _flask_login_user() -> str | None:
     """The default principal: Flask-Login's ``current_user.get_id()`` when authenticated."""
     from flask_login import current_user
 
@@ -119,12 +125,10 @@ class _State:
         if observer is not None:
             self.driver.observer = observer
         self.single_commit = bool(app.config["IDEMFLOW_SINGLE_COMMIT"])
-        self.max_body_bytes = int(app.config["IDEMFLOW_MAX_BODY_BYTES"])
-        self.max_response_bytes = int(app.config["IDEMFLOW_MAX_RESPONSE_BYTES"])
-        self.exclude_fields = _field_names(app.config["IDEMFLOW_EXCLUDE_FIELDS"])
-        self.strict_key = bool(app.config["IDEMFLOW_STRICT_KEY"])
+        _field_names(app.config["IDEMFLOW_EXCLUDE_FIELDS"])  # not a str read as its letters
+        self.options = view_options(lambda name: app.config[f"IDEMFLOW_{name.upper()}"])
         self.authorize_replay = authorize_replay
-        self._edges = ViewEdges(self.driver, self._options)
+        self._edges = ViewEdges(self.driver, self.options)
         for public in (False, True):
             self.edge(public)
 
@@ -133,16 +137,6 @@ class _State:
         the app's."""
         hook = self.authorize_replay if authorize_replay is None else authorize_replay
         return self._edges(public, hook)
-
-    def _options(self, public: bool, authorize_replay: ReplayHook | None) -> EdgeOptions:
-        return EdgeOptions(
-            public=public,
-            authorize_replay=authorize_replay,
-            max_body_bytes=self.max_body_bytes,
-            max_response_bytes=self.max_response_bytes,
-            exclude_fields=self.exclude_fields,
-            strict_key=self.strict_key,
-        )
 
 
 class Idempotency:
@@ -289,7 +283,7 @@ class Idempotency:
             if current.method.upper() in SAFE_METHODS:
                 msg = f"{current.method} is idempotent already; protect unsafe methods only"
                 raise ConfigurationError(msg)
-            who = (self._principal or flask_login_user)()
+            who = (self._principal or _flask_login_user)()
             if not who and not public:
                 raise MissingPrincipal(
                     "authenticate first: idempotency keys are scoped to the caller"
@@ -299,7 +293,7 @@ class Idempotency:
                 current.method,
                 rule.rule if rule is not None else current.path,
                 headers,
-                _body(state.max_body_bytes),
+                _body(state.options.max_body_bytes),
                 who,
                 rid,
                 {str(k): str(v) for k, v in (current.view_args or {}).items()},
@@ -394,7 +388,7 @@ def _body(limit: int) -> bytes:
     declared = declared_length(environ.get("CONTENT_LENGTH"), cap)
     if request.content_length is None:  # Werkzeug ignores a length sent with chunked
         declared = None
-        require_length(environ)  # a chunked body the server does not end: 411, not empty
+        _require_length(environ)  # a chunked body the server does not end: 411, not empty
         # A body without its length (chunked, behind a server that terminates the
         # stream): Werkzeug reads it up to the request's maximum and returns what it
         # read, cut there, without a word. One byte past ``cap`` tells a body too large.
@@ -504,4 +498,7 @@ def _cli(extension: Idempotency) -> Any:
 
 #: Issue 32: the extension's own conversions; importable from here, with a
 #: DeprecationWarning, until 0.3.
-__getattr__ = moved(__name__, {name: f"{__name__}:_{name}" for name in ("from_flask", "to_flask")})
+__getattr__ = moved(
+    __name__,
+    {name: f"{__name__}:_{name}" for name in ("flask_login_user", "from_flask", "to_flask")},
+)

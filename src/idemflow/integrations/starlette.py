@@ -1,23 +1,16 @@
 """
 idemflow for Starlette (and so for FastAPI): ``pip install 'idemflow[starlette]'``.
 
-Two modes. Transactional mode, :class:`Idempotent` (``await
-idempotent.run(request, handler)``): the handler's rows and the ``completed``
-record commit in one transaction; use it wherever the effect lives in the key
-store's database. Middleware mode, :class:`IdempotencyMiddleware` (pure ASGI),
-for effects elsewhere: it cannot make the effect and the record atomic.
-:class:`RequestIdMiddleware` gives every response its ``X-Request-Id``; the
-other names (:func:`problem`, :func:`problem_for`, :func:`parse_json`,
-:func:`to_starlette`, :func:`from_starlette`, :func:`send_response`,
-:func:`pooled_transaction`, :func:`route_template`) are the pieces the two
-modes are built from, for an application's own endpoints.
-The two modes, the body rules, authentication first and the pieces:
-docs/http.md.
+Transactional mode, :class:`Idempotent` (``await idempotent.run(request,
+handler)``): the handler's rows and the ``completed`` record commit in one
+transaction. Middleware mode, :class:`IdempotencyMiddleware`: the pure ASGI one
+(:mod:`idemflow.integrations.asgi`) knowing Starlette's routes: templates through
+mounts, and an opted-in route declared to stream refused at start-up.
+docs/http.md tells the two modes, the body rules and the pieces.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import re
 import typing
@@ -26,45 +19,43 @@ from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Any, TypeAlias
 
 from .. import AsyncAttempt, AsyncIdempotency
-from .._errors import (
-    ConfigurationError,
-    IdempotencyError,
-    ResponseNotStorable,
-)
+from .._errors import ConfigurationError, IdempotencyError, ResponseNotStorable
 from .._extras import optional
-from .._model import Response, Verdict
+from .._model import Response
 from ..edge import (
-    OUTCOME_SLOT,
-    REQUEST_ID_HEADER,
     SAFE_METHODS,
     AsyncEdge,
+    BodyReader,
     EdgeOptions,
+    Endpoint,
     HTTPRequest,
-    OutcomeSlot,
+    async_pooled_transaction,
     async_resolve,
-    body_cut_short,
     body_too_large,
-    declared_length,
-    header_values,
-    not_stored,
     parse_json,
     plain_callable,
     problem,
     problem_for,
     report_outcome_unknown,
-    request_id_from,
     sendable_headers,
-    settled_verdict,
 )
-from ..edge import async_pooled_transaction as pooled_transaction
 from ..stores.protocol import AsyncTransaction
+from . import asgi
+from .asgi import (
+    PRINCIPAL_HOOK,
+    PrincipalGetter,
+    RequestIdMiddleware,
+    authenticated_user,
+    request_id,
+    send_response,
+)
 
 with optional("idemflow.integrations.starlette"):
     from starlette.requests import ClientDisconnect, Request
     from starlette.responses import FileResponse, StreamingResponse
     from starlette.responses import Response as StarletteResponse
-    from starlette.routing import BaseRoute, Host, Match, Mount, compile_path
-    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+    from starlette.routing import BaseRoute, Host, Match, Mount
+    from starlette.types import Scope
 
 __all__ = [
     "EdgeOptions",
@@ -86,8 +77,9 @@ __all__ = [
     "to_starlette",
 ]
 
-#: Returns the authenticated principal of a request's scope, or None.
-PrincipalGetter: TypeAlias = Callable[[Scope], str | None]
+#: The async transaction scope, under the name applications import from here.
+pooled_transaction = async_pooled_transaction
+
 #: A transactional handler: business writes on ``attempt.connection``.
 StarletteHandler: TypeAlias = Callable[[AsyncAttempt], Awaitable[Response | StarletteResponse]]
 
@@ -96,65 +88,22 @@ StarletteHandler: TypeAlias = Callable[[AsyncAttempt], Awaitable[Response | Star
 _MAX_MOUNT_DEPTH = 32
 
 
-def authenticated_user(scope: Scope) -> str | None:
-    """The identity of ``scope["user"]`` as starlette's ``AuthenticationMiddleware`` sets it.
+class IdempotencyMiddleware(asgi.IdempotencyMiddleware):
+    """The ASGI middleware (:class:`idemflow.integrations.asgi.IdempotencyMiddleware`)
+    knowing Starlette's routes.
 
-    Raises ConfigurationError when no authentication ran at all: that is a
-    wiring mistake (idempotency placed before authentication), not a 401.
-    """
-    if "user" not in scope:
-        msg = (
-            "no authentication ran before idempotency: add AuthenticationMiddleware "
-            "before it, or pass principal=… (keys are never claimed anonymously)"
-        )
-        raise ConfigurationError(msg)
-    user = scope["user"]
-    if not getattr(user, "is_authenticated", False):
-        return None
-    return str(user.identity)
-
-
-def request_id(scope: Scope) -> str:
-    """This request's correlation id: set by :class:`RequestIdMiddleware`, else made now."""
-    state = scope.setdefault("state", {})
-    value = state.get("request_id")
-    if not isinstance(value, str):
-        value = request_id_from(scope.get("headers", ()))
-        state["request_id"] = value
-    return value
-
-
-class RequestIdMiddleware:
-    """Give every response an ``X-Request-Id``: the client's (if sane) or a new one.
-
-    The id is also ``request.state.request_id`` and becomes the key record's
-    correlation id, which replays link back to.
+    Records name the full template through mounts (``Mount("/{region}")``
+    gives ``/{region}/payments``), and an opted-in route whose endpoint is
+    declared to stream (a ``StreamingResponse``/``FileResponse`` response class
+    or return annotation, a generator endpoint) fails the ASGI lifespan startup,
+    its requests answered 500 unrun. Place it after authentication.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    def refusal(self, endpoints: list[Endpoint]) -> str | None:
+        return _streaming_refusal(self.app, endpoints)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        value = request_id(scope).encode("latin-1")
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", ()))
-                if not any(k.lower() == REQUEST_ID_HEADER.encode() for k, _ in headers):
-                    headers.append((REQUEST_ID_HEADER.encode(), value))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-# --- transactional mode ---------------------------------------------------------------------
-
-
-_PRINCIPAL = "principal= (called without awaiting, before the claim)"
+    def mount_prefix(self, scope: Scope) -> str:
+        return mount_prefix(scope)
 
 
 class Idempotent:
@@ -197,7 +146,7 @@ class Idempotent:
         self.edge = AsyncEdge(idempotency, options)
         self._connect = connect
         self._transaction = transaction
-        self._principal = plain_callable(principal, _PRINCIPAL, "(scope) -> str | None")
+        self._principal = plain_callable(principal, PRINCIPAL_HOOK, "(scope) -> str | None")
         self._single_commit = single_commit
 
     async def run(
@@ -266,28 +215,17 @@ async def read_body(request: Request, limit: int) -> bytes:
         if len(cached) > limit:
             raise body_too_large(len(cached), limit)
         return cached
-    declared = declared_length(request.headers.get("content-length"), limit)
-    chunks: list[bytes] = []
-    size = 0
+    reader = BodyReader(request.headers.get("content-length"), limit)
     try:
         async with aclosing(request.stream()) as stream:
             async for chunk in stream:
-                size += len(chunk)
-                if size > limit:
-                    raise body_too_large(size, limit, streaming=True)
-                chunks.append(chunk)
+                reader.add(chunk)
     except ClientDisconnect:
-        raise body_cut_short(size, declared) from None
-    if declared is not None and size != declared:
-        raise body_cut_short(size, declared)
-    body = b"".join(chunks)
+        raise reader.cut_short() from None
+    body = reader.body()
     # Starlette's own cache: request.body() returns it instead of reading again.
     request._body = body
     return body
-
-
-def _first(values: list[str]) -> str | None:
-    return values[0] if values else None
 
 
 def route_template(scope: Scope) -> str:
@@ -422,294 +360,15 @@ def to_starlette(response: Response) -> StarletteResponse:
     return result
 
 
-# --- middleware mode ------------------------------------------------------------------------
-
-
-class IdempotencyMiddleware:
-    """Middleware mode: claim, buffer the response, store it, replay it. Pure ASGI.
-
-    Only the ``endpoints`` listed opt in (``"POST /payments"``,
-    ``"POST /payments/{id}/refunds"``: method and route template); every other
-    request, and every GET/HEAD/OPTIONS, passes through untouched.
-
-    It cannot put the completion in the endpoint's transaction (it does not
-    own it): the endpoint's effect commits first, then the record. A 5xx, 408
-    or 429 response (or an exception) releases the claim, so a retry runs the
-    endpoint again; an ``OutcomeUnknown`` keeps it for the sweeper (a 503).
-    Starlette and FastAPI raise it on after their ``ServerErrorMiddleware``
-    has sent its 500, so it arrives here wherever the middleware is placed.
-    An app that answers it itself (Django's ``ASGIHandler`` turns every
-    exception into a 500) needs nothing either: an ``OutcomeUnknown`` made
-    while the app ran, followed by a failure (that 500, any transient status,
-    an exception), keeps the claim. It may also report it through the slot
-    left in ``scope["idemflow.outcome_unknown"]`` (Django's app
-    ``idemflow.integrations.django`` in ``INSTALLED_APPS`` does; any other
-    framework's error handler calls :func:`report_outcome_unknown`); what is
-    reported keeps the claim whatever response the app sent.
-
-    The app always runs to its end: its response is buffered (at most
-    ``max_response_bytes``, never an error raised into the app mid-stream).
-    A body sent in several messages is stored whole if it fits. One that
-    cannot be stored or sent whole (over the limit, a header that cannot be
-    sent, an ``http.response.pathsend``) is never released, since its effect
-    has happened: the key is settled with a ``response-not-stored`` marker
-    (see :func:`idemflow._http.not_stored`), which the caller gets and every
-    retry replays. An opted-in route whose endpoint is declared to stream
-    (a ``StreamingResponse``/``FileResponse`` response class or return
-    annotation, a generator endpoint) is refused at start-up (the ASGI
-    lifespan startup fails), and its requests answered 500 unrun.
-
-    The ``endpoints`` are templates relative to where the middleware sits:
-    inside ``Mount("/eu", …, middleware=[…])``, ``"POST /payments"`` matches
-    ``/eu/payments`` and its records name ``POST /eu/payments``.
-
-    Place it after authentication (inside ``AuthenticationMiddleware``).
-    """
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        idempotency: AsyncIdempotency,
-        endpoints: Iterable[str],
-        principal: PrincipalGetter = authenticated_user,
-        options: EdgeOptions | None = None,
-    ) -> None:
-        self.app = app
-        self.edge = AsyncEdge(idempotency, options)
-        self._principal = plain_callable(principal, _PRINCIPAL, "(scope) -> str | None")
-        self._routes = [_compile_endpoint(endpoint) for endpoint in endpoints]
-        if not self._routes:
-            raise ConfigurationError("IdempotencyMiddleware needs at least one endpoint to protect")
-        self._refusal: str | None = None
-        self._checked = False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(scope, receive, send)
-            return
-        route = self._match(scope) if scope["type"] == "http" else None
-        if route is None:
-            await self.app(scope, receive, send)
-            return
-        rid = request_id(scope)
-        try:
-            refusal = self._check_routes()
-            if refusal is not None:
-                raise ConfigurationError(refusal)
-            who = self._principal(scope)
-            body = await _read_body(receive, scope, self.edge.options.max_body_bytes)
-        except IdempotencyError as exc:
-            # After a disconnect this answer goes nowhere (the server drops
-            # it); it is sent all the same, so there is one path, no traceback.
-            await send_response(send, problem_for(exc, rid))
-            return
-        template, params = route
-        request = HTTPRequest(
-            scope["method"], template, scope["headers"], body, who, rid, params, _query(scope)
-        )
-        response = await self.edge.respond(request, self._endpoint(scope, body, receive))
-        await send_response(send, response)
-
-    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Fail the ASGI startup if an opted-in route is declared to stream."""
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            refusal = self._check_routes(again=True)
-            if refusal is not None:
-                await send({"type": "lifespan.startup.failed", "message": refusal})
-                return
-        pending = [message]
-
-        async def replay() -> Message:
-            return pending.pop() if pending else await receive()
-
-        await self.app(scope, replay, send)
-
-    def _check_routes(self, *, again: bool = False) -> str | None:
-        """Why this middleware must not run (a protected route that streams), or None."""
-        if again or not self._checked:
-            self._refusal = _streaming_refusal(self.app, self._routes)
-            self._checked = True
-        return self._refusal
-
-    def _match(self, scope: Scope) -> tuple[str, dict[str, str]] | None:
-        """The opted-in route this request matches: its full template, and its path parameters.
-
-        The path is matched below the mount the middleware sits in (the
-        ``root_path``), and the mount's template and parameters are added.
-        """
-        method = scope["method"].upper()
-        if method in SAFE_METHODS:
-            return None
-        path = _route_path(scope)
-        for route_method, pattern, template in self._routes:
-            match = pattern.match(path) if route_method == method else None
-            if match is not None:
-                params = {**_path_params(scope), **match.groupdict()}
-                return mount_prefix(scope) + template, params
-        return None
-
-    def _endpoint(
-        self, scope: Scope, body: bytes, receive: Receive
-    ) -> Callable[[AsyncAttempt], Awaitable[Response]]:
-        # The app has run when it is asked: a classifier that fails settles, never releases.
-        classify = functools.partial(settled_verdict, self.edge.idempotency.policy.verdict)
-
-        async def operation(attempt: AsyncAttempt) -> Response:
-            buffer = _ResponseBuffer(self.edge.options.max_response_bytes)
-            # Where an app that answers its own exceptions reports an OutcomeUnknown;
-            # one made while it ran and then failed is raised too, reported or not.
-            slot = scope[OUTCOME_SLOT] = OutcomeSlot()
-            try:
-                with slot.watching():
-                    await self.app(scope, _replaying(body, receive), buffer.send)
-            except Exception:
-                slot.raise_made()
-                raise
-            finally:
-                slot.raise_reported()
-            response = buffer.response(classify)
-            if classify(response) is Verdict.TRANSIENT:
-                slot.raise_made()  # Django's ASGI handler's own 500 for it, say
-            return response
-
-        return operation
-
-
-def _compile_endpoint(endpoint: str) -> tuple[str, re.Pattern[str], str]:
-    method, _, template = endpoint.strip().partition(" ")
-    if not method.isalpha() or not template.startswith("/"):
-        msg = f"endpoint {endpoint!r} must be 'METHOD /route/{{param}}'"
-        raise ConfigurationError(msg)
-    if method.upper() in SAFE_METHODS:  # it would never be protected: say so at start-up
-        msg = (
-            f"endpoint {endpoint!r}: {method.upper()} is idempotent already and is never "
-            "protected; list unsafe methods only"
-        )
-        raise ConfigurationError(msg)
-    pattern, _, _ = compile_path(template.strip())
-    return method.upper(), pattern, template.strip()
-
-
-def _route_path(scope: Scope) -> str:
-    """The path below ``root_path`` (the mount, or a proxy's prefix), as starlette routes it."""
-    path = str(scope.get("path", ""))
-    root_path = str(scope.get("root_path", ""))
-    if root_path and path.startswith(root_path) and path[len(root_path) :][:1] in ("/", ""):
-        return path[len(root_path) :]
-    return path
-
-
-async def _read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
-    """The whole request body, as :func:`read_body` reads it, from ASGI messages."""
-    declared = declared_length(
-        _first(header_values(scope.get("headers", ()), "content-length")), limit
-    )
-    chunks: list[bytes] = []
-    size = 0
-    more = True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise body_cut_short(size, declared)
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(size, limit, streaming=True)
-        chunks.append(chunk)
-        more = bool(message.get("more_body", False))
-    if declared is not None and size != declared:
-        raise body_cut_short(size, declared)
-    return b"".join(chunks)
-
-
-def _replaying(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that hands the buffered body to the app once, then defers to the client."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
-
-
-class _ResponseBuffer:
-    """A ``send`` that keeps the app's response in memory instead of sending it.
-
-    It never raises into the app: the app's effect is happening, and an error
-    mid-stream would only hide how it ended. It keeps at most ``limit`` body
-    bytes and counts the rest; :meth:`response` decides what can be stored.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._start: Message | None = None
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self._ended = False
-        self._other: str | None = None
-
-    async def send(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            self._start = message
-        elif kind == "http.response.body":
-            chunk = bytes(message.get("body", b""))
-            self._size += len(chunk)
-            if self._size <= self._limit:
-                self._chunks.append(chunk)
-            self._ended = not message.get("more_body", False)
-        elif self._other is None:  # http.response.pathsend, zerocopysend, trailers
-            self._other = kind
-
-    def response(self, classify: Callable[[Response], Any]) -> Response:
-        """The app's response; a :func:`~idemflow._http.not_stored` marker if not whole.
-
-        Never raises: the app has run, and what it did stays (no transaction).
-        """
-        if self._start is None:
-            why = "the endpoint returned without sending a response"
-            return not_stored(None, why, Verdict.FAILED_PERMANENT)
-        headers = tuple(
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in self._start.get("headers", ())
-            if k.lower() != b"content-length"
-        )
-        response = Response(int(self._start["status"]), b"".join(self._chunks), headers)
-        reason = self._unstorable()
-        return response if reason is None else not_stored(response, reason, classify(response))
-
-    def _unstorable(self) -> str | None:
-        if self._other is not None:
-            return f"the endpoint sent its body as {self._other}, which cannot be buffered"
-        if self._size > self._limit:
-            return (
-                f"the response body is {self._size} bytes; the stored-body limit is "
-                f"{self._limit} bytes (raise max_response_bytes, or do not protect this endpoint)"
-            )
-        if not self._ended:
-            return "the endpoint returned before its response body ended"
-        return None
-
-
-# --- what a route declares ------------------------------------------------------------------
-
 _STREAMING = (StreamingResponse, FileResponse)
 
 
-def _streaming_refusal(
-    app: ASGIApp, endpoints: Sequence[tuple[str, re.Pattern[str], str]]
-) -> str | None:
+def _streaming_refusal(app: Any, endpoints: Sequence[Endpoint]) -> str | None:
     """Why an opted-in endpoint cannot be protected: its route declares a streamed body."""
     routes = _routes_below(app)
     if routes is None:
         return None
-    wanted = {(method, _normalised(template)) for method, _, template in endpoints}
+    wanted = {(e.method, _normalised(e.template)) for e in endpoints}
     for template, route in _leaf_routes(routes, "", 0):
         why = _declares_streaming(route)
         if why is None:
@@ -725,7 +384,7 @@ def _streaming_refusal(
     return None
 
 
-def _routes_below(app: ASGIApp) -> Sequence[BaseRoute] | None:
+def _routes_below(app: Any) -> Sequence[BaseRoute] | None:
     """The routes of the router under this middleware (through other middleware's ``.app``)."""
     current: Any = app
     for _ in range(_MAX_MOUNT_DEPTH):
@@ -786,12 +445,3 @@ def _endpoint_streams(endpoint: Callable[..., Any]) -> str | None:
 
 def _is_streaming_class(value: Any) -> bool:
     return isinstance(value, type) and issubclass(value, _STREAMING)
-
-
-async def send_response(send: Send, response: Response) -> None:
-    """Send an idemflow Response as ASGI messages (with its ``Content-Length``)."""
-    headers = sendable_headers(response)
-    if response.status >= 200 and response.status not in (204, 304):
-        headers.append((b"content-length", str(len(response.body)).encode("latin-1")))
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
-    await send({"type": "http.response.body", "body": response.body})

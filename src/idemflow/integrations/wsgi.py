@@ -6,13 +6,10 @@ application, claims the key, runs it with the request's body, captures its
 response, stores it and replays it. It does not own the application's
 transaction, so the effect and the record are not atomic; where the effect
 lives in the key store's database, use the transactional integrations.
-:func:`report_outcome_unknown` lets a framework's error hook keep a claim.
-It follows the rules of the ASGI middleware
-(:class:`idemflow.integrations.starlette.IdempotencyMiddleware`), which live in
-``idemflow._http`` and the sync ``Edge``. The rules one by one (opt-in
-endpoints, principal, bounded body, transient answers, ``OutcomeUnknown``,
-responses that cannot be stored, ``SCRIPT_NAME``): docs/frameworks/wsgi.md,
-"What it does".
+It follows the rules of the ASGI middleware (:mod:`idemflow.integrations.asgi`),
+which live in ``idemflow._http`` and the sync ``Edge``; also here, what Flask's and
+Django's doors share (the body read from the environ, their views' edges).
+The rules one by one: docs/frameworks/wsgi.md, "What it does".
 """
 
 from __future__ import annotations
@@ -23,14 +20,13 @@ import io
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import replace
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .. import Attempt, Idempotency
 from .._deprecation import moved
 from .._errors import (
-    BodyTooLarge,
     ConfigurationError,
     IdempotencyError,
     LengthRequired,
@@ -40,13 +36,13 @@ from .._model import Record, Response, Verdict
 from ..edge import (
     OUTCOME_SLOT,
     SAFE_METHODS,
+    BodyReader,
     Edge,
     EdgeOptions,
     HTTPRequest,
     OutcomeSlot,
     RawHeaders,
-    body_cut_short,
-    declared_length,
+    ResponseSink,
     not_stored,
     plain_callable,
     problem_for,
@@ -56,6 +52,8 @@ from ..edge import (
     settled_verdict,
     sync_replay_authorizer,
 )
+from ..edge import Endpoint as _Endpoint
+from ..edge import compile_endpoint as compile_any_endpoint
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
@@ -67,7 +65,6 @@ __all__ = [
     "remote_user",
     "report_outcome_unknown",
     "request_id",
-    "require_length",
 ]
 
 #: Returns the authenticated principal of a request's environ, or None.
@@ -83,10 +80,6 @@ REQUEST_ID_KEY = "idemflow.request_id"
 # How much of the body one read asks the server for.
 _READ_SIZE = 65_536
 
-# A method is an HTTP token (RFC 9110 §9.1).
-_METHOD = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-# A parameter is a whole path segment: ``{name}``.
-_PARAMETER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # The status line a WSGI application passes: three digits, then a reason.
 _STATUS = re.compile(r"([0-9]{3})(?: .*)?")
 
@@ -233,21 +226,15 @@ class IdempotencyMiddleware:
             # itself (a 500): what it reports is raised here, as if the app had. One
             # made while the app ran and then failed is raised too, reported or not.
             slot = environ[OUTCOME_SLOT] = OutcomeSlot()
-            try:
-                with slot.watching():
-                    result = self.app(environ, captured.start_response)
-                    try:
-                        for chunk in result:
-                            captured.add(chunk)
-                    finally:
-                        close = getattr(result, "close", None)
-                        if close is not None:
-                            close()
-            except Exception:
-                slot.raise_made()
-                raise
-            finally:
-                slot.raise_reported()
+            with slot.watching():
+                result = self.app(environ, captured.start_response)
+                try:
+                    for chunk in result:
+                        captured.add(chunk)
+                finally:
+                    close = getattr(result, "close", None)
+                    if close is not None:
+                        close()
             response = captured.response(classify)
             if classify(response) is Verdict.TRANSIENT:
                 slot.raise_made()  # the framework's own 500 for it, or the app's 503 after it
@@ -302,14 +289,23 @@ def report_from_flask(app: Any) -> None:
 _MAX_WRAPPERS = 8
 
 
+def view_options(setting: Callable[[str], Any]) -> EdgeOptions:
+    """A framework's settings (Django's ``IDEMFLOW``, Flask's ``IDEMFLOW_*``) as the options
+    every protected view shares; ``setting("max_body_bytes")`` reads one."""
+    return EdgeOptions(
+        max_body_bytes=int(setting("max_body_bytes")),
+        max_response_bytes=int(setting("max_response_bytes")),
+        exclude_fields=tuple(setting("exclude_fields")),
+        strict_key=bool(setting("strict_key")),
+    )
+
+
 class ViewEdges:
     """The edges of one app's views (Flask's, Django's): one per public or non-public
     view and replay hook, made on its first request, never per request (its options
     are checked once, when it is made)."""
 
-    def __init__(
-        self, driver: Idempotency, options: Callable[[bool, ReplayHook | None], EdgeOptions]
-    ) -> None:
+    def __init__(self, driver: Idempotency, options: EdgeOptions) -> None:
         self._driver = driver
         self._options = options
         # (public, id of the hook) -> (the hook, kept so its id is not reused; its edge)
@@ -318,50 +314,14 @@ class ViewEdges:
     def __call__(self, public: bool, authorize_replay: ReplayHook | None) -> Edge:
         made = self._made.get((public, id(authorize_replay)))
         if made is None:  # two threads may both make it: the same options, either will do
-            edge = Edge(self._driver, self._options(public, authorize_replay))
+            options = replace(self._options, public=public, authorize_replay=authorize_replay)
+            edge = Edge(self._driver, options)
             made = self._made[(public, id(authorize_replay))] = (authorize_replay, edge)
         return made[1]
 
 
-@dataclass(frozen=True, slots=True)
-class _Endpoint:
-    """One opted-in endpoint: its method, its template, and the pattern matching ``PATH_INFO``."""
-
-    method: str
-    template: str
-    pattern: re.Pattern[str]
-
-
 def _compile_endpoint(endpoint: str) -> _Endpoint:
-    """``"POST /payments/{id}/refunds"`` compiled; ConfigurationError if it is malformed."""
-    method, _, template = endpoint.strip().partition(" ")
-    method, template = method.upper(), template.strip()
-    if not _METHOD.fullmatch(method) or not template.startswith("/"):
-        msg = f"endpoint {endpoint!r} must be 'METHOD /route/{{param}}'"
-        raise ConfigurationError(msg)
-    if method in SAFE_METHODS:
-        msg = (
-            f"endpoint {endpoint!r}: {method} is idempotent already and is never "
-            "protected; list unsafe methods only"
-        )
-        raise ConfigurationError(msg)
-    parts: list[str] = []
-    names: set[str] = set()
-    for segment in template.split("/")[1:]:
-        parameter = _PARAMETER.fullmatch(segment)
-        if parameter is not None:
-            name = parameter.group(1)
-            if name in names:
-                msg = f"endpoint {endpoint!r} names the parameter {name!r} twice"
-                raise ConfigurationError(msg)
-            names.add(name)
-            parts.append(f"(?P<{name}>[^/]+)")
-        elif "{" in segment or "}" in segment:
-            msg = f"endpoint {endpoint!r}: a parameter is a whole segment, '{{name}}'"
-            raise ConfigurationError(msg)
-        else:
-            parts.append(re.escape(_native(segment)))
-    return _Endpoint(method, template, re.compile("/" + "/".join(parts)))
+    return compile_any_endpoint(endpoint, _native)
 
 
 def _native(text: str) -> str:
@@ -425,34 +385,26 @@ def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
     announced a body, but a chunked one cannot be read safely, and an empty body
     must never be claimed in its place (411).
     """
-    declared = declared_length(environ.get("CONTENT_LENGTH"), limit)
-    if declared is None and not environ.get("wsgi.input_terminated"):
-        require_length(environ)
+    reader = BodyReader(environ.get("CONTENT_LENGTH"), limit)
+    if reader.declared is None and not environ.get("wsgi.input_terminated"):
+        _require_length(environ)
         return b""
     stream = environ.get("wsgi.input")
-    chunks: list[bytes] = []
-    size = 0
-    while declared is None or size < declared:
+    while reader.declared is None or reader.size < reader.declared:
         # Without a length, one byte past ``limit`` at most: enough to tell it is over.
-        want = min(_READ_SIZE, (limit + 1 if declared is None else declared) - size)
+        want = min(
+            _READ_SIZE, (limit + 1 if reader.declared is None else reader.declared) - reader.size
+        )
         chunk = _read(stream, want)
         if chunk is None:
-            raise body_cut_short(size, declared)
+            raise reader.cut_short()
         if not chunk:
             break
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(
-                f"more than {limit} bytes arrived; the limit for idempotent requests is "
-                f"{limit} bytes"
-            )
-        chunks.append(chunk)
-    if declared is not None and size != declared:
-        raise body_cut_short(size, declared)
-    return b"".join(chunks)
+        reader.add(chunk)
+    return reader.body()
 
 
-def require_length(environ: Mapping[str, Any]) -> None:
+def _require_length(environ: Mapping[str, Any]) -> None:
     """For a request without a length: 411 if a ``Transfer-Encoding`` (chunked) announces
     a body the server does not end (no ``wsgi.input_terminated``).
 
@@ -486,20 +438,13 @@ def _read(stream: Any, size: int) -> bytes | None:
 # --- the application's response -------------------------------------------------------------
 
 
-class _Captured:
-    """A ``start_response`` and body sink that keep the application's response in memory.
-
-    It never raises into the application: its effect is happening, and an
-    error mid-body would only hide how it ended. It keeps at most ``limit``
-    body bytes and counts the rest; :meth:`response` decides what can be stored.
-    """
+class _Captured(ResponseSink):
+    """A ``start_response`` and body sink that keep the application's response in memory."""
 
     def __init__(self, limit: int) -> None:
-        self._limit = limit
+        super().__init__(limit)
         self._status: object = None
         self._headers: list[Any] = []
-        self._chunks: list[bytes] = []
-        self._size = 0
         self._not_bytes: str | None = None
 
     def start_response(
@@ -518,19 +463,14 @@ class _Captured:
         return None
 
     def add(self, chunk: object) -> None:
-        if not isinstance(chunk, bytes | bytearray | memoryview):
+        if isinstance(chunk, bytes | bytearray | memoryview):
+            super().add(bytes(chunk))
+        else:
             self._not_bytes = self._not_bytes or type(chunk).__name__
-            return
-        self._size += len(chunk)
-        if self._size <= self._limit:
-            self._chunks.append(bytes(chunk))
 
-    def response(self, classify: Callable[[Response], Any]) -> Response:
-        """The application's response; a :func:`~idemflow._http.not_stored` marker if not whole.
-
-        Never raises: the application has run, and what it did stays (no transaction),
-        so an answer that cannot be read settles the key with the marker too.
-        """
+    def response(self, classify: Callable[[Response], Any]) -> Response:  # type: ignore[override]
+        """The application's response; a ``not_stored`` marker if not whole. Never raises:
+        the application has run, and what it did stays (no transaction)."""
         if self._status is None:
             why = "the WSGI application returned without calling start_response"
             return not_stored(None, why, Verdict.FAILED_PERMANENT)
@@ -538,24 +478,11 @@ class _Captured:
         if status is None:
             why = f"the WSGI application's status {self._status!r} is not '<3 digits> <reason>'"
             return not_stored(None, why, Verdict.FAILED_PERMANENT)
-        headers = tuple(
-            (name, value)
-            for name, value in (_pair(header) for header in self._headers)
-            if not (isinstance(name, str) and name.lower() == "content-length")
-        )
-        response = Response(int(status.group(1)), b"".join(self._chunks), headers)
-        reason = self._unstorable()
-        return response if reason is None else not_stored(response, reason, classify(response))
-
-    def _unstorable(self) -> str | None:
+        headers = [_pair(header) for header in self._headers]
+        reason = None
         if self._not_bytes is not None:
-            return f"the application yielded a {self._not_bytes}, not bytes"
-        if self._size > self._limit:
-            return (
-                f"the response body is {self._size} bytes; the stored-body limit is "
-                f"{self._limit} bytes (raise max_response_bytes, or do not protect this endpoint)"
-            )
-        return None
+            reason = f"the application yielded a {self._not_bytes}, not bytes"
+        return super().response(int(status.group(1)), headers, classify, reason)
 
 
 def _pair(header: Any) -> tuple[Any, Any]:
@@ -590,5 +517,6 @@ _CLASS_PHRASES = {2: "Success", 3: "Redirection", 4: "Client Error", 5: "Server 
 #: Issue 32: the middleware's own route matching; importable from here, with a
 #: DeprecationWarning, until 0.3.
 __getattr__ = moved(
-    __name__, {name: f"{__name__}:_{name}" for name in ("Endpoint", "compile_endpoint")}
+    __name__,
+    {name: f"{__name__}:_{name}" for name in ("Endpoint", "compile_endpoint", "require_length")},
 )

@@ -28,15 +28,10 @@ __all__ = [
     "AsyncMaintainableStore",
     "AsyncStore",
     "AsyncTransaction",
-    "CommitFailed",
     "MaintainableStore",
-    "NotFused",
     "Statement",
-    "StatsSource",
     "Store",
-    "StoreClock",
     "Transaction",
-    "check_clock",
 ]
 
 #: Where the time every decision is taken on comes from: the store server's

@@ -17,7 +17,9 @@ from typing import Protocol
 from .._deprecation import moved
 from .._model import State
 
-__all__ = ["STUCK_STATES", "OldestClaim", "StatsSource", "StoreStats"]
+__all__ = [
+    "StoreStats",
+]
 
 #: States a stuck claim can be in: never swept, or swept and not yet resolved.
 STUCK_STATES = (State.IN_PROGRESS, State.STALE)

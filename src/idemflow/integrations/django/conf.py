@@ -28,7 +28,7 @@ from ... import ConfigurationError, Idempotency, Observer, Policy
 from ...edge import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BYTES, sync_replay_authorizer
 from ...stores.protocol import Store
 
-__all__ = ["IdemflowSettings", "get_idempotency", "get_store", "idemflow_settings"]
+__all__ = ["get_idempotency", "get_store"]
 
 #: The store that lives on Django's own database connections.
 DJANGO_STORE = "django"
@@ -153,7 +153,7 @@ def _built() -> tuple[Store, Idempotency]:
     chosen = _checked()
     store: Store
     if chosen.store == DJANGO_STORE:
-        from .store import DjangoStore
+        from ...stores.django import DjangoStore
 
         store = DjangoStore(chosen.database, table=chosen.table, clock=chosen.clock)
     else:

@@ -20,6 +20,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
+from django.core.signals import setting_changed
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.utils.module_loading import import_string
 
@@ -36,7 +37,6 @@ from ...edge import (
     REQUEST_ID_HEADER,
     SAFE_METHODS,
     Edge,
-    EdgeOptions,
     HTTPRequest,
     RawHeaders,
     body_cut_short,
@@ -49,16 +49,13 @@ from ...edge import (
     sendable_headers,
     sync_replay_authorizer,
 )
-from ..wsgi import ReplayHook, ViewEdges, raw_headers, read_body, require_length
+from ..wsgi import ReplayHook as _ReplayHook
+from ..wsgi import ViewEdges, _require_length, raw_headers, read_body, view_options
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
-from .store import DjangoTransaction
+from .transaction import DjangoTransaction
 
-__all__ = [
-    "ReplayHook",
-    "check_replay_authorizer",
-    "protect",
-    "replay_authorizer",
-]
+# What the views, the middleware and the app's ready() share: not promised to applications.
+__all__: list[str] = []
 
 #: Runs the protected view and returns its Django response.
 ViewCall = Callable[[], HttpResponseBase]
@@ -90,7 +87,7 @@ def _principal_getter(chosen: IdemflowSettings) -> Callable[[Any], str | None]:
     return plain_callable(getter, _PRINCIPAL_SETTING, "(request) -> str | None")  # type: ignore[no-any-return]
 
 
-def replay_authorizer(chosen: IdemflowSettings) -> ReplayHook | None:
+def replay_authorizer(chosen: IdemflowSettings) -> _ReplayHook | None:
     """``IDEMFLOW['authorize_replay']``: imported if a dotted path, and checked.
 
     Raises:
@@ -171,7 +168,7 @@ def _unframed(request: HttpRequest, limit: int) -> bytes:
     """
     environ = request.META
     if not environ.get("wsgi.input_terminated"):
-        require_length(environ)  # a chunked body: 411
+        _require_length(environ)  # a chunked body: 411
         return bytes(request.body)  # neither a length nor a framing: no body (RFC 9112 6.3)
     body = read_body(environ, limit)
     environ["wsgi.input"] = io.BytesIO(body)
@@ -248,7 +245,7 @@ def protect(
     public: bool = False,
     validate: Callable[[], object] | None = None,
     match: Any = None,
-    authorize_replay: ReplayHook | None = None,
+    authorize_replay: _ReplayHook | None = None,
 ) -> HttpResponseBase:
     """Run ``view`` once per ``(principal, Idempotency-Key)`` in its own transaction.
 
@@ -257,12 +254,11 @@ def protect(
     through and is never recorded. ``authorize_replay``: the view's own replay
     hook, in place of ``IDEMFLOW['authorize_replay']``.
     """
-    chosen = idemflow_settings()
     raw = getattr(request, "_request", request)
     headers = _headers(raw)
     rid = request_id_from(headers)
     try:
-        prepared = _prepared(chosen)  # a bad authorize_replay path: the 500 problem naming it
+        prepared = _prepared()  # a bad authorize_replay path: the 500 problem naming it
         edge = prepared.edge(public, authorize_replay)
         if str(raw.method).upper() in SAFE_METHODS:
             msg = f"{raw.method} is idempotent already; protect unsafe methods only"
@@ -287,10 +283,10 @@ class _Prepared:
         self.settings = chosen
         self._driver = get_idempotency()
         self._authorize_replay = replay_authorizer(chosen)
-        self._edges = ViewEdges(self._driver, functools.partial(_options, chosen))
+        self._edges = ViewEdges(self._driver, view_options(functools.partial(getattr, chosen)))
         self._principal: Callable[[Any], str | None] | None = None
 
-    def edge(self, public: bool, authorize_replay: ReplayHook | None = None) -> Edge:
+    def edge(self, public: bool, authorize_replay: _ReplayHook | None = None) -> Edge:
         """The edge of a public or non-public view, with the view's own replay hook or
         the setting's."""
         hook = self._authorize_replay if authorize_replay is None else authorize_replay
@@ -303,17 +299,26 @@ class _Prepared:
         return self._principal
 
 
-# The settings object it was made for, and what was made: a settings change
-# (override_settings) makes a new settings object, and so a new _Prepared.
-_made: tuple[IdemflowSettings, _Prepared] | None = None
+# Made on the first protected request, and again after a change of the settings
+# (override_settings): a request then reads no setting.
+_made: _Prepared | None = None
 
 
-def _prepared(chosen: IdemflowSettings) -> _Prepared:
+def _prepared() -> _Prepared:
     global _made  # noqa: PLW0603 -- one slot, replaced whole (two threads may both build it)
     made = _made
-    if made is None or made[0] is not chosen:
-        made = _made = (chosen, _Prepared(chosen))
-    return made[1]
+    if made is None:
+        made = _made = _Prepared(idemflow_settings())
+    return made
+
+
+def _forget(*, setting: str, **kwargs: Any) -> None:
+    global _made  # noqa: PLW0603 -- one slot, replaced whole
+    if setting in ("IDEMFLOW", "DATABASES"):
+        _made = None
+
+
+setting_changed.connect(_forget, dispatch_uid="idemflow-prepared")
 
 
 def _respond(
@@ -339,19 +344,6 @@ def _respond(
             original[REQUEST_ID_HEADER] = http.request_id
         return original
     return _to_django(answer)
-
-
-def _options(
-    chosen: IdemflowSettings, public: bool, authorize_replay: ReplayHook | None
-) -> EdgeOptions:
-    return EdgeOptions(
-        public=public,
-        authorize_replay=authorize_replay,
-        max_body_bytes=chosen.max_body_bytes,
-        max_response_bytes=chosen.max_response_bytes,
-        exclude_fields=tuple(chosen.exclude_fields),
-        strict_key=chosen.strict_key,
-    )
 
 
 def _outcome_unknown_received(sender: Any, request: Any = None, **_: Any) -> None:

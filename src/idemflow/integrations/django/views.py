@@ -24,8 +24,9 @@ from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
 from django.http import HttpRequest
 
 from ...edge import sync_replay_authorizer
+from ..wsgi import ReplayHook
 from .conf import idemflow_settings
-from .http import ReplayHook, protect
+from .http import protect
 
 __all__ = ["idempotency_public", "idempotent"]
 

@@ -19,40 +19,28 @@ from __future__ import annotations
 from ..._deprecation import moved
 from ._async import AsyncMySQLStore
 from ._binding import closed_by_server
-from ._errors import (
-    UNAVAILABLE_CODES,
-    error_code,
-    is_conflict,
-    is_contention,
-    is_unavailable,
-    rolled_back,
-)
-from ._statements import (
-    DEFAULT_LOCK_WAIT_TIMEOUT,
-    SERVER_NOW_MS,
-    MySQLStatements,
-    mysql_dialect,
-    mysql_statements,
-)
+
+# Not listed, shared: what idemflow.transactions' MySQL adapters and the Django store ask
+# of the driver's errors, and the statements the Django store runs.
+from ._errors import UNAVAILABLE_CODES as UNAVAILABLE_CODES
+from ._errors import error_code as error_code
+from ._errors import is_conflict as is_conflict
+from ._errors import is_contention as is_contention
+from ._errors import is_unavailable
+from ._errors import rolled_back as rolled_back
+from ._statements import DEFAULT_LOCK_WAIT_TIMEOUT
+from ._statements import mysql_dialect as mysql_dialect
+from ._statements import mysql_statements as mysql_statements
 from ._sync import MySQLStore
 from ._url import connect_kwargs
 
 __all__ = [
     "DEFAULT_LOCK_WAIT_TIMEOUT",
-    "SERVER_NOW_MS",
-    "UNAVAILABLE_CODES",
     "AsyncMySQLStore",
-    "MySQLStatements",
     "MySQLStore",
     "closed_by_server",
     "connect_kwargs",
-    "error_code",
-    "is_conflict",
-    "is_contention",
     "is_unavailable",
-    "mysql_dialect",
-    "mysql_statements",
-    "rolled_back",
 ]
 
 #: The adapters live with every other in :mod:`idemflow.transactions` (a store never
@@ -68,7 +56,14 @@ __getattr__ = moved(
         },
         **{
             name: f"idemflow.stores.mysql._statements:{name}"
-            for name in ("DEFAULT_TABLE", "mysql_ddl", "unpack_read", "upsert_claim")
+            for name in (
+                "DEFAULT_TABLE",
+                "SERVER_NOW_MS",
+                "MySQLStatements",
+                "mysql_ddl",
+                "unpack_read",
+                "upsert_claim",
+            )
         },
     },
 )

@@ -1,15 +1,8 @@
-"""
-PostgreSQL: the production store, on psycopg 3.
-
-Why psycopg 3 and not asyncpg or SQLAlchemy Core: psycopg and asyncpg measured
-about equal on our two statements, but psycopg serves sync *and* async code
-with one driver, prepares repeated statements on the server by itself, and is
-what SQLAlchemy uses for PostgreSQL anyway; SQLAlchemy Core on the same
-statements cost about 40% of throughput. The pool hands out autocommit
-connections with no per-checkout reset query, so a claim is one round trip.
-
-Users who hold a SQLAlchemy ``Connection`` or ``Session`` still put the
-completion in their own transaction: see :mod:`idemflow.transactions`.
+"""PostgreSQL: the production store, on psycopg 3 (sync and async with one driver,
+statements prepared on the server by itself; SQLAlchemy Core cost ~40 % of
+throughput). Autocommit connections with no reset query: a claim is one round
+trip. A SQLAlchemy ``Connection`` or ``Session`` still takes the completion:
+:mod:`idemflow.transactions`.
 """
 
 from __future__ import annotations
@@ -20,14 +13,13 @@ from typing import TYPE_CHECKING, Any
 from ..._errors import driver_error
 from ..._extras import optional
 from ..._model import Policy
+from ..protocol import StoreClock, check_clock
 from ..sql import (
     PURGEABLE_SQL,
     AsyncSQLStore,
     Dialect,
     SQLStore,
     Statement,
-    StoreClock,
-    check_clock,
     create_table,
     insert_claim,
     on_database_clock,
@@ -44,14 +36,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_CLAIM_LOCK_TIMEOUT_MS",
-    "SERVER_NOW_MS",
     "AsyncPostgresStore",
     "PostgresStore",
-    "async_bounded_connection_class",
-    "bounded_connection_class",
     "connection_options",
     "is_unavailable",
-    "postgres_dialect",
 ]
 
 DEFAULT_TABLE = "idemflow_keys"
@@ -109,15 +97,10 @@ def postgres_dialect(
 def purge_statement(table: str) -> Statement:
     """One bounded batch of expired records, found through the expiry index.
 
-    The batch's row addresses are read and locked once (the InitPlan, an index
-    scan on ``<table>_expires``) and deleted by TID scan: as ``id IN
-    (subquery)`` the planner hash-joins against a sequential scan of the whole
-    table for every batch. ``SKIP LOCKED``: a row a claim is taking over right
-    now is left for the next pass instead of waited for (the connections'
-    lock_timeout would fail the batch). The expiry is tested again on the
-    deleted row version (with the state: a record in flight or being recovered
-    is never purged), so a record taken over in between is kept; ``+ 0``
-    keeps that re-check from being planned as a second index scan.
+    Row addresses read and locked once, deleted by TID scan (``id IN (subquery)``
+    hash-joined a full scan per batch); ``SKIP LOCKED`` leaves a row being taken
+    over for the next pass; the expiry and state are tested again on the deleted
+    version (``+ 0``: not planned as a second index scan).
     """
     return Statement(
         f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
@@ -128,15 +111,9 @@ def purge_statement(table: str) -> Statement:
 
 
 def connection_options(claim_lock_timeout_ms: int, conninfo: str = "") -> dict[str, Any]:
-    """Autocommit connections whose lock waits are bounded.
-
-    A claim that meets another request's *uncommitted* claim (single-commit
-    mode) waits on its index entry; the bound turns the wait into a 409
-    instead of a held connection. Replays take no lock at all (the claim is
-    ``ON CONFLICT DO NOTHING``) and our other statements are single-row and
-    short, so nothing legitimate waits this long. Options already in
-    ``conninfo`` (a ``search_path``, say) are kept: a keyword would replace
-    them. Pass the same options if you bring your own pool.
+    """Autocommit connections whose lock waits are bounded: a claim meeting another's
+    uncommitted claim (single-commit mode) answers 409 instead of holding a
+    connection. Options already in ``conninfo`` are kept. Pass them to a pool of yours.
     """
     with optional("idemflow.stores.postgres"):
         from psycopg.conninfo import conninfo_to_dict

@@ -27,15 +27,12 @@ from ..protocol import StoreClock
 from . import _scripts
 from ._async import AsyncRedisStore
 from ._scripts import DEFAULT_PREFIX, is_unavailable
-from ._stats import RedisStats
 from ._sync import RedisStore
 
 __all__ = [
     "AsyncRedisStore",
-    "RedisStats",
     "RedisStore",
     "is_unavailable",
-    "open_redis",
 ]
 
 #: The store's own layout and scripts (issue 32: a public API chosen on purpose);
@@ -43,19 +40,22 @@ __all__ = [
 __getattr__ = moved(
     __name__,
     {
-        name: f"idemflow.stores.redis._scripts:{name}"
-        for name in (
-            "EXPIRES",
-            "INDEXES",
-            "IN_PROGRESS",
-            "RELEASED",
-            "RETRIES",
-            "SCRIPTS",
-            "SHAS",
-            "STALE",
-            "attempt_timeout",
-            "record_from_hash",
-        )
+        "RedisStats": "idemflow.stores.redis._stats:RedisStats",
+        **{
+            name: f"idemflow.stores.redis._scripts:{name}"
+            for name in (
+                "EXPIRES",
+                "INDEXES",
+                "IN_PROGRESS",
+                "RELEASED",
+                "RETRIES",
+                "SCRIPTS",
+                "SHAS",
+                "STALE",
+                "attempt_timeout",
+                "record_from_hash",
+            )
+        },
     },
 )
 

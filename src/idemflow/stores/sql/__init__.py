@@ -1,62 +1,28 @@
-"""
-The SQL family: one executor for every relational store, and the public seam
-for adding a SQL database.
-
-- :mod:`idemflow.stores.sql.dialect`: :class:`Dialect` (the statements a
-  database speaks), :meth:`Dialect.standard`, :func:`on_database_clock`, and
-  the rules spelled in SQL (``TAKE_OVER_SQL``, ``PURGEABLE_SQL``, …);
-- :class:`SQLStore` / :class:`AsyncSQLStore`: run any dialect on DB-API
-  connections (``stores/sql/_async.py`` is the source, ``_sync.py`` is
-  generated from it by ``scripts/unasync.py``). They hold no SQL of their own
-  and take no decision about keys.
-
-:mod:`idemflow.stores.postgres` and :mod:`idemflow.stores.sqlite` are built
-from these pieces alone; ``docs/architecture.md`` ("Adding a store") walks
-through a new one.
+"""The SQL family: one executor for every relational store (:class:`SQLStore` /
+:class:`AsyncSQLStore`, no SQL and no decision of their own), and the public
+seam for adding a SQL database (:mod:`idemflow.stores.sql.dialect`).
+``docs/architecture.md`` ("Adding a store") walks through a new one.
 """
 
 from ..._deprecation import moved
-from ..protocol import Statement, StoreClock, check_clock
+from ..protocol import Statement
 from ._async import AsyncSQLStore
-from ._stats import SQLStats, missing_table_is_clear
+
+# Not listed, shared: the SQLite store's statistics, the CLI's missing-table rule.
+from ._stats import SQLStats as SQLStats
+from ._stats import missing_table_is_clear as missing_table_is_clear
 from ._sync import SQLStore
-from .dialect import (
-    COLUMNS,
-    NEW_INTENT_SQL,
-    PAST_RETENTION_SQL,
-    PURGEABLE_SQL,
-    RETRY_SQL,
-    SWEEPABLE_SQL,
-    TAKE_OVER_SQL,
-    Dialect,
-    create_table,
-    insert_claim,
-    on_database_clock,
-    row_mapping,
-    take_over_claim,
-)
+from .dialect import PURGEABLE_SQL, Dialect, create_table, insert_claim, on_database_clock
 
 __all__ = [
-    "COLUMNS",
-    "NEW_INTENT_SQL",
-    "PAST_RETENTION_SQL",
     "PURGEABLE_SQL",
-    "RETRY_SQL",
-    "SWEEPABLE_SQL",
-    "TAKE_OVER_SQL",
     "AsyncSQLStore",
     "Dialect",
-    "SQLStats",
     "SQLStore",
     "Statement",
-    "StoreClock",
-    "check_clock",
     "create_table",
     "insert_claim",
-    "missing_table_is_clear",
     "on_database_clock",
-    "row_mapping",
-    "take_over_claim",
 ]
 
 #: ``SQLStatement`` of 0.1 is the contract's :class:`~idemflow.stores.protocol.Statement`;
@@ -67,5 +33,20 @@ __getattr__ = moved(
     {
         "SQLStatement": "idemflow.stores.protocol:Statement",
         "is_missing_table": "idemflow.stores.sql._stats:is_missing_table",
+        "StoreClock": "idemflow.stores.protocol:StoreClock",
+        "check_clock": "idemflow.stores.protocol:check_clock",
+        **{
+            name: f"idemflow.stores.sql.dialect:{name}"
+            for name in (
+                "COLUMNS",
+                "NEW_INTENT_SQL",
+                "PAST_RETENTION_SQL",
+                "RETRY_SQL",
+                "SWEEPABLE_SQL",
+                "TAKE_OVER_SQL",
+                "row_mapping",
+                "take_over_claim",
+            )
+        },
     },
 )
