@@ -130,6 +130,8 @@ class IdempotencyMiddleware:
     ) -> None:
         self.app = app
         self.edge = AsyncEdge(idempotency, options)
+        # The app has run when it is asked: a classifier that fails settles, never releases.
+        self._classify = functools.partial(settled_verdict, idempotency.policy.verdict)
         self._principal = plain_callable(principal, PRINCIPAL_HOOK, "(scope) -> str | None")
         self._routes = [compile_endpoint(endpoint) for endpoint in endpoints]
         if not self._routes:
@@ -219,8 +221,7 @@ class IdempotencyMiddleware:
     def _endpoint(
         self, scope: Scope, body: bytes, receive: Receive
     ) -> Callable[[AsyncAttempt], Awaitable[Response]]:
-        # The app has run when it is asked: a classifier that fails settles, never releases.
-        classify = functools.partial(settled_verdict, self.edge.idempotency.policy.verdict)
+        classify = self._classify
 
         async def operation(attempt: AsyncAttempt) -> Response:
             buffer = _ResponseBuffer(self.edge.options.max_response_bytes)
@@ -230,7 +231,7 @@ class IdempotencyMiddleware:
             with slot.watching():
                 await self.app(scope, _replaying(body, receive), buffer.send)
             response = buffer.response(classify)
-            if classify(response) is Verdict.TRANSIENT:
+            if slot.made is not None and classify(response) is Verdict.TRANSIENT:
                 slot.raise_made()  # Django's ASGI handler's own 500 for it, say
             return response
 

@@ -166,6 +166,8 @@ class IdempotencyMiddleware:
         plain_callable(principal, "IdempotencyMiddleware(principal=…)", "(environ) -> str | None")
         self.app = app
         self.edge = Edge(idempotency, options)
+        # The app has run when it is asked: a classifier that fails settles, never releases.
+        self._classify = functools.partial(settled_verdict, idempotency.policy.verdict)
         self._principal = principal
         self._endpoints = [_compile_endpoint(endpoint) for endpoint in endpoints]
         if not self._endpoints:
@@ -212,9 +214,7 @@ class IdempotencyMiddleware:
         return None
 
     def _endpoint(self, environ: WSGIEnvironment, body: bytes) -> Callable[[Attempt], Response]:
-        # The app has run when it is asked: a classifier that fails settles, never releases.
-        classify = functools.partial(settled_verdict, self.edge.idempotency.policy.verdict)
-        limit = self.edge.options.max_response_bytes
+        classify, limit = self._classify, self.edge.options.max_response_bytes
 
         def operation(attempt: Attempt) -> Response:
             # The server's stream is spent: the application reads our copy.
@@ -236,7 +236,7 @@ class IdempotencyMiddleware:
                     if close is not None:
                         close()
             response = captured.response(classify)
-            if classify(response) is Verdict.TRANSIENT:
+            if slot.made is not None and classify(response) is Verdict.TRANSIENT:
                 slot.raise_made()  # the framework's own 500 for it, or the app's 503 after it
             return response
 
