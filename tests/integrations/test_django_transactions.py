@@ -26,7 +26,6 @@ from idemflow import (
     ConfigurationError,
     Idempotency,
     InProgress,
-    Policy,
     Response,
     State,
     StoreUnavailable,
@@ -43,10 +42,9 @@ from idemflow.stores.urls import open_store
 from idemflow.testing import FrozenClock
 from tests.backends import MYSQL_URL
 from tests.conftest import POSTGRES_URL
-from tests.factories import intent
+from tests.factories import POLICY, intent
 from tests.integrations.django_setup import VENDOR_ALIAS, execute, require
 
-POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response.json(201, {"id": 1})
 VENDORS = [
     "sqlite",

@@ -5,7 +5,7 @@ in process. An endpoint that charged and then cannot tell whether the charge wen
 raises ``OutcomeUnknown``: the caller gets a 503 outcome-unknown problem with
 ``Retry-After``, the key stays ``in_progress`` (the endpoint's transaction rolled back what
 it wrote), and a retry gets 409 instead of running the endpoint again. The ASGI middleware,
-on every store, is in tests/test_outcome_unknown.py.
+on every store, is in tests/guarantees/test_outcome_unknown.py.
 """
 
 # No ``from __future__ import annotations``: FastAPI must see the local ``Idem`` alias.

@@ -236,14 +236,14 @@ class PostgresStore(SQLStore):
         clock: StoreClock = "database",
         policy: Policy | None = None,
     ) -> None:
-        store_wait = (policy or Policy()).store_wait_seconds
+        self._store_wait = (policy or Policy()).store_wait_seconds
         self.pool: psycopg_pool.ConnectionPool[Any] = _open_pool(
-            pool, max_size, claim_lock_timeout_ms, store_wait, asynchronous=False
+            pool, max_size, claim_lock_timeout_ms, self._store_wait, asynchronous=False
         )
         options = _executor_options(
             self.pool,
             self.connection,
-            lambda: self._checkout(store_wait),
+            lambda: self._checkout(self._store_wait),
             table,
             claim_lock_timeout_ms,
             clock,
@@ -263,6 +263,10 @@ class PostgresStore(SQLStore):
     def _checkout(self, store_wait: float | None) -> LiveConnection:
         """:meth:`connection`, its waits bounded by ``store_wait`` (the store's own)."""
         return LiveConnection(self.pool, store_wait)
+
+    def cover_store_wait(self, seconds: float) -> None:
+        """A driver's store wait: the store's own checkouts and statements wait no longer."""
+        self._store_wait = min(self._store_wait, seconds)
 
     def close(self) -> None:
         self.pool.close()
@@ -289,14 +293,14 @@ class AsyncPostgresStore(AsyncSQLStore):
         clock: StoreClock = "database",
         policy: Policy | None = None,
     ) -> None:
-        store_wait = (policy or Policy()).store_wait_seconds
+        self._store_wait = (policy or Policy()).store_wait_seconds
         self.pool: psycopg_pool.AsyncConnectionPool[Any] = _open_pool(
-            pool, max_size, claim_lock_timeout_ms, store_wait, asynchronous=True
+            pool, max_size, claim_lock_timeout_ms, self._store_wait, asynchronous=True
         )
         options = _executor_options(
             self.pool,
             self.connection,
-            lambda: self._checkout(store_wait),
+            lambda: self._checkout(self._store_wait),
             table,
             claim_lock_timeout_ms,
             clock,
@@ -314,6 +318,10 @@ class AsyncPostgresStore(AsyncSQLStore):
         if self.pool.closed:  # never yet opened (or closed): opened by the first use
             return _OpeningConnection(self.pool, store_wait)
         return AsyncLiveConnection(self.pool, store_wait)
+
+    def cover_store_wait(self, seconds: float) -> None:
+        """A driver's store wait: the store's own checkouts and statements wait no longer."""
+        self._store_wait = min(self._store_wait, seconds)
 
     async def claim_on_lent(self, *args: Any, **kwargs: Any) -> Claim:
         """As the executor's, once the pool is open (the lent connection is taken from it)."""

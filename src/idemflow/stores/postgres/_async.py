@@ -37,7 +37,7 @@ class AsyncLiveConnection:
         self._bounded: Any = None  # the connection whose waits this checkout bounds
 
     async def __aenter__(self) -> Any:
-        context = self._pool.connection()
+        context = self._pool.connection(timeout=self._store_wait)
         conn = await context.__aenter__()
         if conn.closed or readable_now(conn.pgconn.socket):  # rare: a restart, a notice
             context, conn = await self._live(context, conn)
@@ -60,7 +60,7 @@ class AsyncLiveConnection:
                 await context.__aexit__(type(exc), exc, exc.__traceback__)
                 raise
             await context.__aexit__(None, None, None)
-            context = self._pool.connection()
+            context = self._pool.connection(timeout=self._store_wait)
             conn = await context.__aenter__()
             if not (conn.closed or readable_now(conn.pgconn.socket)):
                 return context, conn

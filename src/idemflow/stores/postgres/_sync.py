@@ -38,7 +38,7 @@ class LiveConnection:
         self._bounded: Any = None  # the connection whose waits this checkout bounds
 
     def __enter__(self) -> Any:
-        context = self._pool.connection()
+        context = self._pool.connection(timeout=self._store_wait)
         conn = context.__enter__()
         if conn.closed or readable_now(conn.pgconn.socket):  # rare: a restart, a notice
             context, conn = self._live(context, conn)
@@ -61,7 +61,7 @@ class LiveConnection:
                 context.__exit__(type(exc), exc, exc.__traceback__)
                 raise
             context.__exit__(None, None, None)
-            context = self._pool.connection()
+            context = self._pool.connection(timeout=self._store_wait)
             conn = context.__enter__()
             if not (conn.closed or readable_now(conn.pgconn.socket)):
                 return context, conn

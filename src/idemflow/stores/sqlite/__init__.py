@@ -127,7 +127,14 @@ class _Connections:
         writer: _Writer | None = getattr(self._local, "writer", None)
         if writer is None or self._local.pid != PID[0]:
             writer = self._open()
+        elif writer._timeout != self._busy_timeout:  # a driver shortened it since: on its thread
+            writer._timeout = self._busy_timeout
+            writer.conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
         return writer
+
+    def shorten(self, busy_timeout: float) -> None:
+        """Wait at most ``busy_timeout`` for a lock, each connection from its next call on."""
+        self._busy_timeout = min(self._busy_timeout, busy_timeout)
 
     def reader(self) -> nullcontext[sqlite3.Connection]:
         # nullcontext, not @contextmanager: a generator-based context manager
@@ -203,6 +210,10 @@ class SQLiteStore(SQLStore):
             read_connect=self._connections.reader,
             extra_params=True,
         )
+
+    def cover_store_wait(self, seconds: float) -> None:
+        """A driver's store wait: no write waits longer for the file's lock."""
+        self._connections.shorten(seconds)
 
     def close(self) -> None:
         """Close the store's connections (one per thread that used it)."""
@@ -381,6 +392,10 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
     def is_unavailable(self, exc: BaseException) -> bool:
         """See :meth:`idemflow.stores.sql.AsyncSQLStore.is_unavailable`."""
         return is_unavailable(exc)
+
+    def cover_store_wait(self, seconds: float) -> None:
+        """:meth:`SQLiteStore.cover_store_wait`."""
+        self.sync.cover_store_wait(seconds)
 
     async def claim(
         self,
