@@ -38,16 +38,10 @@ H = TypeVar("H")
 
 
 async def async_shielded(awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable`` to its end even if this task is cancelled meanwhile.
-
-    The step runs in this task, no task of its own (none made, no loop turn
-    added): this task waits on :class:`_Shield`, whose ``cancel()`` refuses,
-    so a cancellation waits for the step's wait to end, is swallowed, and is
-    requested again (cancel count kept, so ``asyncio.timeout`` still knows its
-    own) once the step is done, to raise at the caller's next await. While the
-    step runs, ``asyncio.current_task()`` is a :class:`_StepTask`: a driver's
-    own ``asyncio.timeout`` cancels the step's wait, never the caller.
-    """
+    """Await ``awaitable`` to its end even if this task is cancelled meanwhile: the
+    cancellation is requested again (its count kept, for ``asyncio.timeout``) once the
+    step is done. The step runs in this task, which waits on a :class:`_Shield` (no task
+    made, no loop turn added); a driver's own timeout cancels a :class:`_StepTask`."""
     result: T = await _Shield(awaitable)
     return result
 
@@ -77,9 +71,6 @@ class _StepTask:
         self._cancels = max(self._cancels - 1, 0)
         return self._cancels
 
-    def done(self) -> bool:
-        return self.finished
-
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
 
@@ -95,8 +86,7 @@ class _StepTask:
 
 
 class _Shield:
-    """What the caller's task waits on while the step waits: the step's own future,
-    whose wake-up it shares (so no loop turn is added), but not its ``cancel()``."""
+    """What the caller's task waits on: the step's future's wake-up, not its ``cancel()``."""
 
     _asyncio_future_blocking = False
 
