@@ -239,7 +239,7 @@ class IdempotencyMiddleware:
             with slot.watching():
                 await self.app(scope, _replaying(body, receive), buffer.send)
             response = buffer.response(classify)
-            if classify(response) is Verdict.TRANSIENT:
+            if slot.made is not None and classify(response) is Verdict.TRANSIENT:
                 slot.raise_made()  # Django's ASGI handler's own 500 for it, say
             return response
 

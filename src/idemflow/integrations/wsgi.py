@@ -243,7 +243,7 @@ class IdempotencyMiddleware:
                     if close is not None:
                         close()
             response = captured.response(classify)
-            if classify(response) is Verdict.TRANSIENT:
+            if slot.made is not None and classify(response) is Verdict.TRANSIENT:
                 slot.raise_made()  # the framework's own 500 for it, or the app's 503 after it
             return response
 
