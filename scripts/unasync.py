@@ -29,6 +29,7 @@ PAIRS = [
     (ROOT / "stores" / "memory" / "_async.py", ROOT / "stores" / "memory" / "_sync.py"),
     (ROOT / "stores" / "mysql" / "_async.py", ROOT / "stores" / "mysql" / "_sync.py"),
     (ROOT / "stores" / "postgres" / "_async.py", ROOT / "stores" / "postgres" / "_sync.py"),
+    (ROOT / "consumers" / "_async.py", ROOT / "consumers" / "_sync.py"),
 ]
 
 #: The sentence every source carries, naming its twin (checked against PAIRS).
@@ -44,7 +45,8 @@ SUBS = [
     # deferred cancellation to deliver (the async driver's "Async only" block).
     (r"\n\n\n# Async only:[\s\S]*?^# End of async only\.\n", "\n"),
     (r"^import asyncio\n", ""),
-    (r"^import sys\n", ""),
+    (r"^from asyncio\.tasks import .*\n", ""),
+    (r"^(from collections\.abc import [^\n]*?), Generator\b", r"\1"),
     (r"^(from typing import Any, TypeAlias), TypeVar\n", r"\1\n"),
     # The driver's import of _flow in isort's order: resolve sorts after release_again.
     (

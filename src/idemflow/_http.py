@@ -49,7 +49,16 @@ from ._errors import (
     problem_types,
 )
 from ._identity import DEFAULT_MAX_BODY_BYTES, fingerprint, parse_key
-from ._model import Classified, Intent, Outcome, Record, Response, Verdict, default_classifier
+from ._model import (
+    Classified,
+    Intent,
+    Outcome,
+    Policy,
+    Record,
+    Response,
+    Verdict,
+    default_classifier,
+)
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
@@ -151,6 +160,8 @@ _MAX_REQUEST_ID_LENGTH = 128
 RawHeaders: TypeAlias = Sequence[tuple[bytes, bytes]]
 #: Returns whether the principal may still see a stored response (sync or async).
 ReplayAuthorizer: TypeAlias = Callable[[Record], bool | Awaitable[bool]]
+#: A route's policy, or a function of the request's principal answering one.
+RoutePolicy: TypeAlias = Policy | Callable[[str], Policy]
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +216,9 @@ class EdgeOptions:
             while it streams).
         exclude_fields: JSON members left out of the fingerprint (per-attempt fields).
         strict_key: accept only the quoted sf-string form of the key.
+        policy: this route's :class:`~idemflow.Policy` (retention, request timeout,
+            classifier), or ``(principal) -> Policy``; None: the driver's. Its stale
+            threshold may not exceed the driver's, which the sweeper runs on.
     """
 
     public: bool = False
@@ -214,12 +228,40 @@ class EdgeOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     exclude_fields: Collection[str] = field(default=())
     strict_key: bool = False
+    policy: RoutePolicy | None = None
 
     def __post_init__(self) -> None:
         if self.max_response_bytes < 0:
             raise ConfigurationError("max_response_bytes must not be negative")
         if self.max_body_bytes < 0:
             raise ConfigurationError("max_body_bytes must not be negative")
+
+
+#: A middleware's ``endpoints``: templates, or templates mapped to their route's policy.
+Endpoints: TypeAlias = Iterable[str] | Mapping[str, RoutePolicy | None]
+
+
+def route_table(endpoints: Endpoints, options: EdgeOptions) -> dict[str, EdgeOptions]:
+    """Each endpoint's options: ``options``, with the policy the table maps it to (if any)."""
+    if not isinstance(endpoints, Mapping):
+        return dict.fromkeys(endpoints, options)
+    return {
+        endpoint: options if policy is None else replace(options, policy=policy)
+        for endpoint, policy in endpoints.items()
+    }
+
+
+def policy_for(options: EdgeOptions, principal: str) -> Policy | None:
+    """The policy a request of ``principal`` runs under: its route's, or what its resolver
+    answers (checked against the driver's by ``run``); None: the driver's."""
+    chosen = options.policy
+    if chosen is None or isinstance(chosen, Policy):
+        return chosen
+    answered = chosen(principal)
+    if not isinstance(answered, Policy):
+        msg = f"EdgeOptions(policy=…) answered {answered!r} for a principal, not a Policy"
+        raise ConfigurationError(msg)
+    return answered
 
 
 def sync_replay_authorizer(hook: object, name: str) -> Callable[[Record], bool]:
@@ -519,21 +561,29 @@ _CONTENT_HEADERS = (b"content-type", b"content-length")  # listed only when set
 
 class ViewEdges(Generic[_Edge]):
     """The edges of one app's views (Flask's, Django's): one per public or non-public
-    view and replay hook, made by ``make`` on its first request, never per request (its
-    options are checked once, when it is made)."""
+    view, replay hook and route policy, made by ``make`` on its first request, never per
+    request (its options are checked once, when it is made)."""
 
     def __init__(self, make: Callable[[EdgeOptions], _Edge], options: EdgeOptions) -> None:
         self._make = make
         self._options = options
-        # (public, id of the hook) -> (the hook, kept so its id is not reused; its edge)
-        self._made: dict[tuple[bool, int], tuple[_ReplayHook | None, _Edge]] = {}
+        # (public, id of the hook, id of the policy) -> (both, kept so their ids are not
+        # reused; its edge)
+        self._made: dict[tuple[bool, int, int], tuple[object, _Edge]] = {}
 
-    def __call__(self, public: bool, authorize_replay: _ReplayHook | None) -> _Edge:
-        made = self._made.get((public, id(authorize_replay)))
+    def __call__(
+        self,
+        public: bool,
+        authorize_replay: _ReplayHook | None,
+        policy: RoutePolicy | None = None,
+    ) -> _Edge:
+        made = self._made.get((public, id(authorize_replay), id(policy)))
         if made is None:  # two threads may both make it: the same options, either will do
-            options = replace(self._options, public=public, authorize_replay=authorize_replay)
-            edge = self._make(options)
-            made = self._made[(public, id(authorize_replay))] = (authorize_replay, edge)
+            options = replace(
+                self._options, public=public, authorize_replay=authorize_replay, policy=policy
+            )
+            made = (authorize_replay, policy), self._make(options)
+            self._made[(public, id(authorize_replay), id(policy))] = made
         return made[1]
 
 

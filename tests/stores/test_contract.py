@@ -22,6 +22,7 @@ from idemflow import (
     KeyReused,
     LeaseLost,
     Outcome,
+    Policy,
     Response,
     State,
 )
@@ -44,6 +45,7 @@ class Harness:
         self,
         intent: Intent,
         respond: Callable[[Attempt], Response] = lambda attempt: CREATED,
+        policy: Policy | None = None,
     ) -> Outcome:
         def handler(attempt: Attempt) -> Response:
             self.calls += 1
@@ -54,7 +56,7 @@ class Harness:
             return response
 
         with self._transaction() as transaction:
-            return self.idem.run(intent, handler, transaction=transaction)
+            return self.idem.run(intent, handler, transaction=transaction, policy=policy)
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[Any]:
@@ -377,6 +379,33 @@ def test_release_and_complete_are_fenced_by_the_lease(backend: Backend, clock: F
     assert (current.state, current.lease_token) == (State.IN_PROGRESS, "lease-b")
 
 
+def test_a_renewed_claim_outlives_the_stale_threshold_and_a_stolen_one_cannot_renew(
+    backend: Backend, clock: FrozenClock
+) -> None:
+    """``renew`` dates the claim now (the sweeper counts from the last renewal), fenced by
+    the lease: once the claim is swept and taken over, renewing raises LeaseLost."""
+    store: Any = backend.store
+    first = store.claim(intent(), "lease-a", clock(), clock() + 3600).record
+    clock.advance(POLICY.stale_seconds - 1)
+    store.renew(first, clock())
+    clock.advance(2)  # past the threshold counted from the claim, not from the renewal
+
+    def sweep() -> list[Any]:
+        cutoff = clock() - POLICY.stale_seconds
+        return list(store.sweep(State.IN_PROGRESS, cutoff, clock(), clock() + 3600, 100))
+
+    assert sweep() == []
+    clock.advance(POLICY.stale_seconds)
+    (marked,) = sweep()
+    assert store.release_stale(marked, clock())
+    assert store.claim(intent(), "lease-b", clock(), clock() + 3600).owned
+    with pytest.raises(LeaseLost):
+        store.renew(first, clock())
+    current = store.get("alice", "k-1")
+    assert current is not None
+    assert (current.state, current.lease_token) == (State.IN_PROGRESS, "lease-b")
+
+
 def test_claim_reports_owner_only_once(backend: Backend, clock: FrozenClock) -> None:
     """Two claims of one key: the first owns it, the second sees the first's record."""
     store = backend.store
@@ -489,6 +518,25 @@ def test_purge_deletes_exactly_the_expired(backend: Backend, clock: FrozenClock)
     running = store.get("alice", "running")
     assert running is not None
     assert running.state is State.IN_PROGRESS
+
+
+def test_each_route_keeps_its_outcomes_for_its_own_retention(
+    harness: Harness, backend: Backend, clock: FrozenClock
+) -> None:
+    """Two routes through one driver, kept a minute and an hour: each record carries its own
+    expiry from its route's policy, so one purge removes exactly the one past it, and that
+    key alone is free for a new intent."""
+    minute = Policy(request_timeout=5, retention=60)
+    harness.run(intent("minute"), policy=minute)
+    harness.run(intent("hour"))
+    clock.advance(61)
+
+    assert backend.store.purge(clock(), 10) == 1
+    assert backend.store.get("alice", "minute") is None
+    with pytest.raises(KeyReused):  # the hour's record holds its key still
+        harness.run(intent("hour", fp="fp-other"))
+    again = harness.run(intent("minute", fp="fp-new"), lambda a: Response(201, b"new"), minute)
+    assert (again.replayed, again.response.body) == (False, b"new")
 
 
 def test_next_due_is_the_deadline_of_the_oldest_record_sweep_would_mark(

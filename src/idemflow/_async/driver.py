@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from asyncio.tasks import _enter_task, _leave_task
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from typing import Any, TypeAlias, TypeVar
 
 from .._downstream import downstream_key
@@ -38,7 +38,17 @@ from .._flow import (
     release_again,
     starts_past_a_phase,
 )
-from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response, new_lease_token
+from .._model import (
+    Claim,
+    Clock,
+    Intent,
+    Outcome,
+    Policy,
+    Record,
+    Response,
+    new_lease_token,
+    route_policy,
+)
 from ..stores.protocol import AsyncStore, AsyncTransaction, CommitFailed, NotFused, Statement
 
 __all__ = ["AsyncAttempt", "AsyncHandler", "AsyncIdempotency"]
@@ -57,8 +67,11 @@ class AsyncAttempt:
         transaction: AsyncTransaction | None,
         clock: Clock,
         on_commit: Callable[[], None] = lambda: None,
+        policy: Policy | None = None,
     ) -> None:
         self.record = record
+        #: The policy this run is under: its route's (``run(policy=…)``), else the driver's.
+        self.policy = policy or Policy()
         #: The last progress committed for this intent, by this or an earlier attempt.
         self.recovery_point = record.recovery_point
         self._store = store
@@ -120,6 +133,7 @@ class AsyncIdempotency:
         store.cover_stale_threshold(self.policy.stale_seconds)
         # And no wait of the store's may outlast our request's budget.
         store.cover_store_wait(self.policy.store_wait_seconds)
+        self._routes: dict[Policy, Policy] = {}  # each route's policy, as it runs here
 
     async def run(
         self,
@@ -128,11 +142,15 @@ class AsyncIdempotency:
         *,
         transaction: AsyncTransaction | None = None,
         single_commit: bool = False,
+        policy: Policy | None = None,
     ) -> Outcome:
         """Claim ``intent``, then replay, refuse, or run ``handler`` once. With
         ``transaction`` (:mod:`idemflow.transactions`) the completion commits with the
-        handler's writes; ``single_commit=True`` puts the claim in it too."""
+        handler's writes; ``single_commit=True`` puts the claim in it too. ``policy``:
+        this route's (its retention, timeout, classifier), within the driver's
+        (:func:`~idemflow._model.route_policy`); by default the driver's."""
         async_checked_handler(handler)
+        policy = self.route(policy)
         refuse_run(
             type(self.store).__name__,
             transaction=transaction is not None,
@@ -140,11 +158,11 @@ class AsyncIdempotency:
             shares=self.store.supports_transactions,
             single_commits=self.store.supports_single_commit,
         )
-        perform = _Performer(self, intent, handler, transaction, single_commit)
+        perform = _Performer(self, intent, handler, transaction, single_commit, policy)
         try:
             flow = idempotency_flow(
                 intent,
-                self.policy,
+                policy,
                 new_lease_token(),
                 atomic=transaction is not None,
                 single_commit=single_commit,
@@ -161,6 +179,26 @@ class AsyncIdempotency:
         if outcome.replayed:
             perform.observe(Event.REPLAYED)
         return outcome
+
+    def route(self, policy: Policy | None) -> Policy:
+        """``policy`` (a route's) as a run under this driver uses it: with this driver's stale
+        threshold, the one its sweeper runs on (``ConfigurationError`` if it would outlive
+        it), its store told its wait budget. Made once per policy (a resolver may answer a
+        new one per request: the cache is bounded); None is the driver's own."""
+        if policy is None or policy is self.policy:
+            return self.policy
+        ran = self._routes.get(policy)
+        if ran is None:
+            if len(self._routes) >= _ROUTES_KEPT:
+                self._routes.clear()
+            ran = self._routes[policy] = route_policy(policy, self.policy)
+            # A shorter request timeout is a shorter budget: the store keeps the shortest.
+            self.store.cover_store_wait(ran.store_wait_seconds)
+        return ran
+
+
+#: How many route policies a driver keeps as they run under it.
+_ROUTES_KEPT = 64
 
 
 async def _drive(flow: Flow, perform: Callable[[Step], Awaitable[Any]]) -> Outcome:
@@ -210,8 +248,10 @@ class _Performer:
         handler: AsyncHandler,
         transaction: AsyncTransaction | None,
         single_commit: bool,
+        policy: Policy,
     ) -> None:
         self._idem = idempotency
+        self._policy = policy
         self._intent = intent
         self._started = idempotency.clock()
         self._handler = handler
@@ -229,7 +269,12 @@ class _Performer:
             return await async_shielded(self._claim(step))
         if isinstance(step, Execute):
             attempt = AsyncAttempt(
-                step.record, self._idem.store, self._transaction, self._idem.clock, self._committed
+                step.record,
+                self._idem.store,
+                self._transaction,
+                self._idem.clock,
+                self._committed,
+                self._policy,
             )
             await async_cancel_point()  # a cancellation deferred by the claim: release now
             await self._begin_for_handler()
@@ -530,71 +575,115 @@ _T = TypeVar("_T")
 
 
 async def async_shielded(awaitable: Awaitable[_T]) -> _T:
-    """Await ``awaitable`` to its end even if this task is cancelled meanwhile.
-
-    A cancellation that arrives meanwhile is requested again once the step is
-    done (the cancel count is kept, so ``asyncio.timeout`` still recognises
-    its own), and raises at the caller's next await.
-
-    The step runs in a task of its own, so a timeout inside it (a driver's
-    ``asyncio.timeout``) cancels the step and not this task. This task waits
-    on a future it cannot cancel (:class:`_Unstoppable`) which the step
-    settles itself: one loop turn less than ``asyncio.shield`` (no relay
-    callback), and none at all on Python 3.12+ when the step ends without
-    waiting (its task starts eagerly).
-    """
-    loop = asyncio.get_running_loop()
-    settled = _Unstoppable(loop=loop)
-    # ``loop=`` is needed: an eager Task made without it raises AttributeError (3.12.1, 3.13.0).
-    step = asyncio.Task(_settle(awaitable, settled), loop=loop, **_EAGER)
-    deferred = False
-    try:
-        while True:
-            try:
-                done, value = await settled
-            except asyncio.CancelledError:
-                # Thrown in by this task's cancel(), which could not cancel
-                # ``settled``: it is delivered once the step has ended.
-                deferred = True
-                if not settled.done():  # pragma: no cover -- woken only by ``settled``
-                    continue
-                done, value = settled.result()
-            break
-    finally:
-        if deferred:
-            current = asyncio.current_task()
-            if current is not None:
-                current.uncancel()
-                current.cancel()
-    del step  # held until here: the loop keeps only a weak reference to a task
-    if done:
-        result: _T = value
-        return result
-    raise value
+    """Await ``awaitable`` to its end even if this task is cancelled meanwhile: the
+    cancellation is requested again (its count kept, for ``asyncio.timeout``) once the
+    step is done. The step runs in this task, which waits on a :class:`_Shield` (no task
+    made, no loop turn added); a driver's own timeout cancels a :class:`_StepTask`."""
+    result: _T = await _Shield(awaitable)
+    return result
 
 
-class _Unstoppable(asyncio.Future[tuple[bool, Any]]):
-    """A future whose ``cancel()`` does nothing: a task cancelled while it waits on one
-    gets its ``CancelledError`` when the future is done, not before."""
+class _StepTask:
+    """The current task while a shielded step runs: what the step's own timeouts cancel."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.waiting: Any = None  # the future the step waits on
+        self.must_cancel = False  # a cancel() the step has not received yet
+        self._cancels = 0
+        self.finished = False
 
     def cancel(self, msg: Any = None) -> bool:
-        return False
+        if self.finished:
+            return False
+        self._cancels += 1
+        if self.waiting is None or not self.waiting.cancel(msg):
+            self.must_cancel = True
+        return True
+
+    def cancelling(self) -> int:
+        return self._cancels
+
+    def uncancel(self) -> int:
+        self._cancels = max(self._cancels - 1, 0)
+        return self._cancels
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def run(self, caller: asyncio.Task[Any], resume: Any, sent: Any) -> Any:
+        """``resume(sent)`` with this as the current task: what the step yields next."""
+        _leave_task(self._loop, caller)
+        _enter_task(self._loop, self)  # type: ignore[arg-type]  # task-like, as asyncio.timeout needs
+        try:
+            return resume(sent)
+        finally:
+            _leave_task(self._loop, self)  # type: ignore[arg-type]
+            _enter_task(self._loop, caller)
 
 
-async def _settle(awaitable: Awaitable[Any], settled: _Unstoppable) -> None:
-    """Run the step; hand its result (or exception, its own cancellation too) to ``settled``."""
-    try:
-        value = await awaitable
-    except BaseException as exc:
-        settled.set_result((False, exc))
-        if not isinstance(exc, Exception | asyncio.CancelledError):
-            raise  # KeyboardInterrupt, SystemExit: the loop must see them
-    else:
-        settled.set_result((True, value))
+class _Shield:
+    """What the caller's task waits on: the step's future's wake-up, not its ``cancel()``."""
 
+    _asyncio_future_blocking = False
 
-# Python 3.12+: the step runs at once, up to its first wait, without a loop turn.
-_EAGER: dict[str, Any] = {"eager_start": True} if sys.version_info >= (3, 12) else {}
+    def __init__(self, awaitable: Awaitable[Any]) -> None:
+        self._awaitable = awaitable
+        self._step: _StepTask | None = None
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        assert self._step is not None
+        return self._step.get_loop()
+
+    def add_done_callback(self, callback: Any, *, context: Any = None) -> None:
+        assert self._step is not None
+        self._step.waiting.add_done_callback(callback, context=context)
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False  # the caller's task keeps it as ``_must_cancel``: thrown in after the wait
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        caller = asyncio.current_task()
+        assert caller is not None
+        cancels = caller.cancelling()
+        step = self._step = _StepTask(asyncio.get_running_loop())
+        inner = self._awaitable.__await__()
+        resume: Any = inner.send
+        sent: Any = None
+        try:
+            while True:
+                if step.must_cancel:
+                    step.must_cancel = False
+                    resume, sent = inner.throw, asyncio.CancelledError()
+                try:
+                    waiting = step.run(caller, resume, sent)
+                except StopIteration as stop:
+                    return stop.value
+                resume, sent = inner.send, None
+                blocking = getattr(waiting, "_asyncio_future_blocking", False)
+                if blocking:  # else a bare yield: the caller's task steps again soon
+                    waiting._asyncio_future_blocking = False
+                    self._asyncio_future_blocking = True  # the caller's task blocks on us
+                    step.waiting = waiting
+                try:
+                    yield self if blocking else waiting
+                except asyncio.CancelledError as exc:
+                    if blocking and waiting.cancelled():
+                        resume, sent = inner.throw, exc  # the step's own (its timeout)
+                    # else: the caller's, delivered once the step is done
+                except GeneratorExit:
+                    inner.close()  # the caller's coroutine is closed: so is the step
+                    raise
+                except BaseException as exc:  # noqa: BLE001 -- the step's future's error: the step's
+                    resume, sent = inner.throw, exc
+                finally:
+                    step.waiting = None
+        finally:
+            step.finished = True
+            if caller.cancelling() > cancels:
+                # A cancellation of the caller arrived meanwhile: raise it at its next await.
+                caller.uncancel()
+                caller.cancel()
 
 
 async def async_cancel_point() -> None:

@@ -44,6 +44,7 @@ from ...edge import (
     Edge,
     HTTPRequest,
     RawHeaders,
+    RoutePolicy,
     ViewEdges,
     body_cut_short,
     body_too_large,
@@ -73,6 +74,7 @@ def idempotent(
     public: bool = False,
     validate: Callable[..., object] | None = None,
     authorize_replay: ReplayHook | None = None,
+    policy: RoutePolicy | None = None,
 ) -> Callable[[_View], _View]: ...
 
 
@@ -82,6 +84,7 @@ def idempotent(
     public: bool = False,
     validate: Callable[..., object] | None = None,
     authorize_replay: ReplayHook | None = None,
+    policy: RoutePolicy | None = None,
 ) -> Any:
     """Protect a view (see the module's docstring).
 
@@ -93,9 +96,12 @@ def idempotent(
             is replayed (``record.principal`` is the caller); False answers 403.
             Replaces ``IDEMFLOW['authorize_replay']`` for this view. A plain
             function: an ``async def`` one is a ``ConfigurationError`` here.
+        policy: this view's :class:`~idemflow.Policy` (retention, request timeout;
+            its stale threshold within the settings'), or ``(principal) -> Policy``.
     """
     if authorize_replay is not None:
         sync_replay_authorizer(authorize_replay, "@idempotent(authorize_replay=…)")
+    policy = idemflow_settings().route_policy(policy, "@idempotent(policy=…)")
 
     def decorate(inner: _View) -> _View:
         call, checked = _plain(inner), None if validate is None else _plain(validate)
@@ -109,6 +115,7 @@ def idempotent(
                 public=public or _is_public(inner),
                 validate=None if checked is None else lambda: checked(*args, **kwargs),
                 authorize_replay=authorize_replay,
+                policy=policy,
             )
 
         if iscoroutinefunction(inner):
@@ -365,20 +372,22 @@ def protect(
     validate: Callable[[], object] | None = None,
     match: Any = None,
     authorize_replay: ReplayHook | None = None,
+    policy: RoutePolicy | None = None,
 ) -> HttpResponseBase:
     """Run ``view`` once per ``(principal, Idempotency-Key)`` in its own transaction.
 
     ``validate`` runs after the body was read and before anything is claimed:
     what it raises (a DRF ``ValidationError``, Django's ``BadRequest``) passes
     through and is never recorded. ``authorize_replay``: the view's own replay
-    hook, in place of ``IDEMFLOW['authorize_replay']``.
+    hook, in place of ``IDEMFLOW['authorize_replay']``; ``policy`` the view's own
+    (``EdgeOptions.policy``), in place of the settings' durations.
     """
     raw = getattr(request, "_request", request)
     headers = _headers(raw)
     rid = request_id_from(headers)
     try:
         prepared = _prepared()  # a bad authorize_replay path: the 500 problem naming it
-        edge = prepared.edge(public, authorize_replay)
+        edge = prepared.edge(public, authorize_replay, policy)
         if str(raw.method).upper() in SAFE_METHODS:
             msg = f"{raw.method} is idempotent already; protect unsafe methods only"
             raise ConfigurationError(msg)
@@ -406,11 +415,16 @@ class _Prepared:
         self._edges = ViewEdges(functools.partial(Edge, self._driver), options)
         self._principal: Callable[[Any], str | None] | None = None
 
-    def edge(self, public: bool, authorize_replay: ReplayHook | None = None) -> Edge:
+    def edge(
+        self,
+        public: bool,
+        authorize_replay: ReplayHook | None = None,
+        policy: RoutePolicy | None = None,
+    ) -> Edge:
         """The edge of a public or non-public view, with the view's own replay hook or
-        the setting's."""
+        the setting's, and its own policy or the settings'."""
         hook = self._authorize_replay if authorize_replay is None else authorize_replay
-        return self._edges(public, hook)
+        return self._edges(public, hook, policy)
 
     def principal(self) -> Callable[[Any], str | None]:
         """The principal getter; a bad ``IDEMFLOW['principal']`` raises on each request."""
