@@ -150,11 +150,15 @@ def missing_table_is_clear(table: str) -> Iterator[None]:
 
 def missing_table(table: str, store: str = "") -> MissingTable:
     """The one hint for a key table that was never created, from the library and the CLI."""
+    # `idemflow migrate` creates idemflow_keys unless told the name: a hint without
+    # it would create another table (and --table may be a typo: say check it).
+    named = "" if table == "idemflow_keys" else f" --table {table}"
     if not store:  # the CLI, which was given the URL
-        return MissingTable(f"table {table} does not exist: run idemflow migrate")
+        check = " (check --table)" if named else ""
+        return MissingTable(f"table {table} does not exist{check}: run idemflow migrate{named}")
     return MissingTable(
         f"table {table} does not exist in the {store} key store: run idemflow migrate "
-        "DATABASE_URL (or store.migrate()) once before serving requests"
+        f"DATABASE_URL{named} (or store.migrate()) once before serving requests"
     )
 
 
