@@ -24,6 +24,7 @@ EXTRAS = {
     "fastapi": "fastapi",
     "django": "django",
     "rest_framework": "drf",
+    "drf_spectacular": "drf",
     "flask": "flask",
     "werkzeug": "flask",
     "prometheus_client": "metrics",

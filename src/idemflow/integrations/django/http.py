@@ -43,6 +43,7 @@ from ...edge import (
     body_too_large,
     declared_length,
     plain_callable,
+    problem,
     problem_for,
     report_outcome_unknown,
     request_id_from,
@@ -250,9 +251,10 @@ def protect(
     """Run ``view`` once per ``(principal, Idempotency-Key)`` in its own transaction.
 
     ``validate`` runs after the body was read and before anything is claimed:
-    what it raises (a DRF ``ValidationError``, Django's ``BadRequest``) passes
-    through and is never recorded. ``authorize_replay``: the view's own replay
-    hook, in place of ``IDEMFLOW['authorize_replay']``.
+    an :class:`InvalidData` it raises is a 400 ``invalid-body`` problem, anything
+    else (a DRF ``ValidationError``, Django's ``BadRequest``) passes through;
+    neither is recorded. ``authorize_replay``: the view's own replay hook, in
+    place of ``IDEMFLOW['authorize_replay']``.
     """
     raw = getattr(request, "_request", request)
     headers = _headers(raw)
@@ -271,8 +273,28 @@ def protect(
     except IdempotencyError as exc:
         return _to_django(problem_for(exc, rid))
     if validate is not None:
-        validate()
+        try:
+            validate()
+        except InvalidData as invalid:
+            answer = problem(
+                400,
+                "Invalid request body",
+                invalid.detail,
+                slug="invalid-body",
+                request_id=rid,
+                errors=invalid.errors,
+            )
+            return _to_django(answer)
     return _respond(http, view, edge, prepared.settings)
+
+
+class InvalidData(Exception):
+    """A body ``validate`` refuses: ``detail`` one line, ``errors`` the serializer's."""
+
+    def __init__(self, detail: str, errors: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.errors = errors
 
 
 class _Prepared:
