@@ -190,6 +190,13 @@ class Idempotency:
             self.init_app(app)
 
     def init_app(self, app: Flask) -> None:
+        """Set ``app`` up (application factories): its ``IDEMFLOW_*`` defaults, its key store
+        and the ``flask idemflow`` commands.
+
+        Raises:
+            ConfigurationError: no ``principal=`` and no Flask-Login login manager (keys
+                are never claimed anonymously), or a setting out of range.
+        """
         for key, value in _CONFIG.items():
             app.config.setdefault(key, value)
         policy = Policy(
@@ -260,7 +267,7 @@ class Idempotency:
 
         return decorate if view is None else decorate(view)
 
-    def state(self, app: Flask | None = None) -> _State:
+    def _state(self, app: Flask | None = None) -> _State:
         found = (app or current_app).extensions.get("idemflow")
         if not isinstance(found, _State):
             raise ConfigurationError("Idempotency.init_app(app) was not called for this app")
@@ -273,7 +280,7 @@ class Idempotency:
         validate: Callable[[], object] | None,
         authorize_replay: ReplayHook | None,
     ) -> FlaskResponse:
-        state = self.state()
+        state = self._state()
         # Once: every access through the request proxy costs a context lookup.
         current: Any = request._get_current_object()  # type: ignore[attr-defined]
         headers = raw_headers(current.environ)
@@ -467,7 +474,7 @@ def _cli(extension: Idempotency) -> Any:
     @group.command("migrate")
     def migrate() -> None:
         """Create the key table and its indexes (safe to run again)."""
-        extension.state().store.migrate()
+        extension._state().store.migrate()
         click.echo("migrated")
 
     @group.command("sweep")
@@ -475,7 +482,7 @@ def _cli(extension: Idempotency) -> Any:
         """Release claims left in progress past the stale threshold."""
         from ..sweeper import Sweeper
 
-        state = extension.state()
+        state = extension._state()
         report = Sweeper(
             state.store,  # type: ignore[arg-type]
             state.driver.policy,
@@ -487,7 +494,7 @@ def _cli(extension: Idempotency) -> Any:
     @click.option("--batch", default=1000, show_default=True)
     def purge(batch: int) -> None:
         """Delete records past their retention, in batches."""
-        store: Any = extension.state().store
+        store: Any = extension._state().store
         total = 0
         while (deleted := store.purge(time.time(), batch)) > 0:
             total += deleted
