@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-#: The network storm of ``tests/test_storm_network.py`` (``NETWORK_STORM``).
+#: The network storm of ``tests/guarantees/test_storm_network.py`` (``NETWORK_STORM``).
 DEFAULT_STORM = [
     *("--keys", "100", "--retries", "3", "--duration", "15", "--kill-every", "0"),
     *("--partition-every", "3", "--partition-for", "1.5"),

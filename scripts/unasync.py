@@ -49,6 +49,8 @@ SUBS = [
     (r"\bawait async_shielded\((.*)\)(:?)$", r"\1\2"),
     (r"^ *await async_cancel_point\(\).*\n", ""),
     (r"\basynccontextmanager\b", "contextmanager"),
+    (r"\bAsyncmyTransaction\b", "PyMySQLTransaction"),
+    (r"\bAn asyncmy connection\b", "A ``pymysql.Connection``"),
     (r"\bAsync([A-Z]\w*)", r"\1"),
     (r"\basync def\b", "def"),
     (r"\basync with\b", "with"),

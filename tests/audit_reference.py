@@ -1,5 +1,5 @@
 """
-A small reference Idempotency-Key endpoint for ``tests/test_audit.py``, and its
+A small reference Idempotency-Key endpoint for ``tests/core/test_audit.py``, and its
 deliberately broken variants: a mutation test of ``idemflow audit`` itself.
 
 ``POST /things`` (``Authorization: Bearer alice|bob``) with a JSON body runs once

@@ -941,7 +941,7 @@ def give_back(tables: Tables, shape: Shape, failed: bool, kept: list[tuple[Table
         tables.drop()
 
 
-# --- one store per mode, on a pool its application shares (tests/test_phase_rules.py) ----
+# --- one store per mode, on a pool its application shares (guarantees/test_phase_rules.py) ---
 
 
 @dataclass

@@ -61,13 +61,27 @@ def anyio_backend() -> str:
 _ON_A_CLUSTER = ("galera", "redis-cluster", "valkey-cluster", "test_redis_cluster.py")
 
 
+#: Files of long tests that share no module fixture: each test is a work unit of its
+#: own, so their restarts under load (10-50 s each, mostly waiting) run side by side
+#: on several workers instead of one after another on one. Not the storms: each file
+#: stays whole, so two storms at most run at once (four at once left keys unresolved
+#: on a loaded machine).
+_EACH_TEST_ALONE = (
+    "tests/http/test_demo_pool_pressure.py",
+    "tests/http/test_demo_convergence.py",
+    "tests/http/test_demo_database_restart.py",
+)
+
+
 def _work_unit(nodeid: str) -> str:
     """What one xdist worker runs whole: a file (its module fixtures, e.g. the framework
-    faults' staged servers, start once), or every test on a self-started cluster (one
-    Galera, one Redis and one Valkey cluster for the run, not one per worker)."""
+    faults' staged servers, start once), every test on a self-started cluster (one
+    Galera, one Redis and one Valkey cluster for the run, not one per worker), or one
+    test of :data:`_EACH_TEST_ALONE`."""
     if any(name in nodeid for name in _ON_A_CLUSTER):
         return "clusters"
-    return nodeid.split("::", 1)[0]
+    path = nodeid.split("::", 1)[0]
+    return nodeid if path in _EACH_TEST_ALONE else path
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

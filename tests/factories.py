@@ -10,23 +10,27 @@ plugin, so its fixtures (``clock``) reach every test.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import strategies as st
 
-from idemflow import Intent, Response
+from idemflow import Intent, Policy, Response
 from idemflow.stores.protocol import NotFused
 from idemflow.testing import FrozenClock
 from tests.conftest import POSTGRES_URL, unreachable
 
 if TYPE_CHECKING:
     from idemflow_demo.app import DemoService
+
+#: The suite's usual policy: claims stale after 2 × 5 s + 10 s, records kept an hour.
+POLICY = Policy(request_timeout=5, retention=3600)
 
 #: A payment created: the JSON body a handler answers with.
 CREATED = Response.json(201, {"id": "pay_1"})
@@ -68,6 +72,19 @@ def psycopg_or_skip() -> ModuleType:
     except psycopg.OperationalError as exc:
         unreachable("PostgreSQL", exc)
     return psycopg
+
+
+async def until(
+    condition: Callable[[], bool], what: str, timeout: float = 10, *, blocking: bool = False
+) -> None:
+    """Return once ``condition()`` holds, polling the real state from the loop (which
+    stays free meanwhile; a ``blocking`` condition, e.g. a query, runs on a thread); fail
+    after ``timeout`` seconds: what a test waits for, never a sleep standing in for an order."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (await asyncio.to_thread(condition) if blocking else condition()):
+        assert loop.time() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.005)
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import enum
 import json
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, TypeAlias
@@ -168,14 +168,9 @@ class Outcome:
 def can_take_over(record: Record, fingerprint: str, now: float) -> bool:
     """May a new claim take this existing record over? The one definition of the rule.
 
-    A released record may be retried by the *same* request at any time (it
-    keeps its recovery point and downstream keys). Past its retention a
-    record is a new intent for any request (see :func:`is_past_retention`).
-    A record in flight (``in_progress``) or being recovered (``stale``) is
-    never taken over here, however old: only the sweeper's fenced path ends
-    it, so retention cannot hand a live claim to a second request. Stores
-    make the takeover itself one atomic compare-and-swap on exactly this
-    condition (``TAKE_OVER_SQL`` in ``idemflow.stores.sql``, the Redis claim
+    A released record: by the same request, any time; past retention: by any.
+    A claim in flight or being recovered never (only the sweeper's fenced path ends
+    it). Stores decide it again atomically (``TAKE_OVER_SQL``, the Redis claim
     script); the contract suite checks that they agree.
     """
     return is_retry(record, fingerprint) or is_past_retention(record, now)
@@ -188,12 +183,8 @@ def is_retry(record: Record, fingerprint: str) -> bool:
 
 def is_past_retention(record: Record, now: float) -> bool:
     """Has this record's retention ended, so that the key is free for a new intent?
-
-    Settled outcomes, and released keys with nothing to resolve. A released
-    key whose attempt got past a recovery point (an external call may have
-    happened) is kept until it is reconciled or retried: taken over as a new
-    intent, its effect would never be reconciled, and the same request would
-    be charged again under new downstream keys.
+    Settled ones, and released ones with no recovery point: past one, an external
+    call may have happened, and only a reconcile or a retry may resume it.
     """
     if record.expires_at > now:
         return False
@@ -320,21 +311,10 @@ class Policy:
 def retry_after(record: Record, policy: Policy, now: float) -> int:
     """Whole seconds a 409 on ``record`` asks the client to wait: the one definition.
 
-    Derived from what the record tells (``updated_at`` is when its claim was
-    taken or last renewed, on the store's clock) and what the policy knows:
-
-    - a live claim (younger than the request timeout) ends by ``updated_at +
-      request_timeout`` at the latest; one that has run a while probably runs
-      longer, so wait as long as it has run, never past that deadline (a
-      client honouring it backs off on its own: 1, 1, 2, 4, … s);
-    - an orphaned claim (older than the timeout: its request was killed
-      without ending it) ends when the sweeper passes after ``updated_at +
-      stale_after``; a sweeper already overdue is waited for one interval;
-    - a claim being recovered (``stale``) is being reconciled now if fresh
-      (one interval), else asked again a threshold after it was marked.
-
-    Clamped to ``policy.retry_after`` (the floor, 1 s by default) and to the
-    threshold plus one interval (nothing known takes longer).
+    A live claim (younger than the request timeout) as long as it has run, never
+    past ``updated_at + request_timeout``; an orphaned one until the sweeper passes
+    after ``updated_at + stale_after``; a ``stale`` one being recovered, one sweep
+    interval. Clamped to ``policy.retry_after`` and to :func:`swept_within`.
     """
     interval = policy.sweep_interval
     age = max(0.0, now - record.updated_at)
@@ -403,45 +383,12 @@ def headers_json(headers: tuple[tuple[str, str], ...]) -> str:
     return text
 
 
-def record_from_row(row: Mapping[str, Any]) -> Record:
-    """Build a Record from a row with the schema's column names (times in ms)."""
-    status = row["response_status"]
-    response = None
-    if status is not None:
-        response = Response(
-            int(status),
-            bytes(row["response_body"] or b""),
-            headers_from_json(row["response_headers"]),
-        )
-    return Record(
-        id=row["id"],
-        principal=row["principal"],
-        key=row["idempotency_key"],
-        fingerprint=row["fingerprint"],
-        endpoint=row["endpoint"],
-        state=State(row["state"]),
-        lease_token=row["lease_token"],
-        created_at=row["created_at"] / 1000,
-        updated_at=row["updated_at"] / 1000,
-        expires_at=row["expires_at"] / 1000,
-        correlation_id=row["correlation_id"],
-        recovery_point=row["recovery_point"],
-        response=response,
-        attempt=int(row["attempt"]),
-    )
-
-
-# make_record, make_response, make_claim, make_outcome: a Record, Response, Claim or
-# Outcome from all its values, in field order, without the dataclass __init__. A
-# frozen dataclass's __init__ sets each field through object.__setattr__ (a global
-# lookup and a call per field: about 1 µs for a Record), and calling each slot's
-# descriptor costs two thirds of that. Instead the values are stored into an
-# instance of a plain twin class with the very same slots (one bytecode per field,
-# no call), which then becomes the frozen class by ``__class__`` assignment: CPython
-# allows it exactly when the two layouts are identical, and checks that here at
-# import. The claim and replay paths of every store build these every time. None
-# of the four has a __post_init__, so nothing is skipped; the names are checked
-# against the classes, so a field added to one cannot be forgotten.
+# make_record, make_response, make_claim, make_outcome: the frozen class built without
+# its __init__ (object.__setattr__ per field): the values go into a plain twin with the
+# same slots, which becomes the frozen class by ``__class__`` assignment (CPython allows
+# it only for identical layouts, checked at import with the field names). Kept because
+# it measured >= 5 %: ~2.8 us less per SQL claim (Record, Response, Claim), 4-9 % of
+# bench_replay_steps' "the record, the take-over test, the Claim" row (issue 32).
 _RECORD_FIELDS = (
     "id", "principal", "key", "fingerprint", "endpoint", "state", "lease_token",
     "created_at", "updated_at", "expires_at", "correlation_id", "recovery_point",

@@ -6,7 +6,7 @@ translates the framework's request into an :class:`HTTPRequest` (its body read
 whole and bounded), calls :meth:`AsyncEdge.respond` (ASGI) or
 :meth:`Edge.respond` (WSGI) with the handler and a transaction scope, and turns
 the returned :class:`~idemflow.Response` back into the framework's.
-``tests/test_layers.py`` checks that no integration reaches past this module
+``tests/core/test_layers.py`` checks that no integration reaches past this module
 into ``idemflow._http``, ``idemflow._sync`` or ``idemflow._async``; the helpers
 idemflow's own integrations share are importable here but not part
 of ``__all__``.

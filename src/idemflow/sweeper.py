@@ -14,7 +14,7 @@ import threading
 from typing import overload
 
 # Not listed: the CLI's loop parts, and what a pass reports (a result, never built by a
-# caller). Named here so that the layers above may take them (tests/test_layers.py).
+# caller). Named here so that the layers above may take them (tests/core/test_layers.py).
 from ._async.sweeper import DEFAULT_BATCH_SIZE as DEFAULT_BATCH_SIZE  # noqa: PLC0414
 from ._async.sweeper import AsyncSweeper
 from ._deprecation import moved

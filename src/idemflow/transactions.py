@@ -2,17 +2,13 @@
 Adapters that let idemflow write its completion in *your* transaction.
 
 Pass one to ``Idempotency.run(…, transaction=…)``: the library begins the
-transaction on your connection (or joins the one your session already
-opened), calls your handler with that connection, writes the completion on it
-and commits, or rolls back and releases the key. One adapter per driver
-(:class:`SQLite3Transaction`, :class:`AsyncSQLite3Transaction`,
-:class:`PsycopgTransaction`, :class:`AsyncPsycopgTransaction`,
-:class:`PyMySQLTransaction`, :class:`AsyncmyTransaction`,
-:class:`SQLAlchemyTransaction`, :class:`AsyncSQLAlchemyTransaction`); for
-another driver implement :class:`idemflow.stores.protocol.Transaction`. Which
-adapter for which connection: docs/core.md, "Where the transaction boundary
-goes"; the psycopg and SQLAlchemy pairs are generated from
-``idemflow._async.transactions`` (docs/architecture.md, "Sync and async").
+transaction on your connection (or joins the one already open), calls your
+handler with it, writes the completion on it and commits, or rolls back and
+releases the key. One adapter per driver; for another, implement
+:class:`idemflow.stores.protocol.Transaction`. Which adapter for which
+connection: docs/core.md, "Where the transaction boundary goes". The psycopg,
+SQLAlchemy and MySQL pairs are written once in ``idemflow._async.transactions``
+(PyMySQL's generated from asyncmy's); SQLite's async one hops to a thread.
 """
 
 from __future__ import annotations
@@ -22,8 +18,17 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ._async.transactions import AsyncPsycopgTransaction, AsyncSQLAlchemyTransaction
-from ._sync.transactions import PsycopgTransaction, SQLAlchemyTransaction, _execute_then_commit
+from ._async.transactions import (
+    AsyncmyTransaction,
+    AsyncPsycopgTransaction,
+    AsyncSQLAlchemyTransaction,
+)
+from ._sync.transactions import (
+    PsycopgTransaction,
+    PyMySQLTransaction,
+    SQLAlchemyTransaction,
+    _execute_then_commit,
+)
 from .stores.protocol import AsyncTransaction, Statement, Transaction
 from .stores.sql.dialect import row_mapping
 
@@ -76,97 +81,6 @@ class SQLite3Transaction(Transaction):
 
     def rollback(self) -> None:
         self.connection.rollback()
-
-
-_IN_TRANSACTION = 1  # pymysql.constants.SERVER_STATUS.SERVER_STATUS_IN_TRANS
-
-
-class PyMySQLTransaction(Transaction):
-    """A ``pymysql.Connection``; joins a transaction the caller already began.
-
-    Works under any isolation level: the store's own statements in your
-    transaction are writes or locking reads, which always see the latest
-    committed row, never an older REPEATABLE READ snapshot.
-    """
-
-    connection: Any = None  # set per instance (the protocol declares it read-only)
-
-    def __init__(self, connection: Any) -> None:
-        self.connection = connection
-
-    def begin(self) -> None:
-        # BEGIN would silently commit what the caller's transaction already did.
-        if not self.connection.server_status & _IN_TRANSACTION:
-            self.connection.begin()
-
-    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        with self.connection.cursor() as cursor:
-            return int(cursor.execute(statement.pyformat, statement.bind(params)))
-
-    def fetchone(self, statement: Statement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        with self.connection.cursor() as cursor:
-            cursor.execute(statement.pyformat, statement.bind(params))
-            row = cursor.fetchone()
-            return None if row is None else row_mapping(cursor.description, row)
-
-    def commit(self) -> None:
-        try:
-            self.connection.commit()
-        except Exception as exc:
-            # A deadlock or (Galera) a failed certification rolled everything
-            # back, the effect with the completion: a 503 to retry, not a 500.
-            from .stores.mysql import is_conflict, rolled_back
-
-            if is_conflict(exc):
-                raise rolled_back() from exc
-            raise
-
-    def rollback(self) -> None:
-        self.connection.rollback()
-
-
-class AsyncmyTransaction(AsyncTransaction):
-    """An asyncmy connection (asyncio MySQL/MariaDB): :class:`PyMySQLTransaction`, awaited.
-
-    The caller's transaction for :class:`~idemflow.stores.mysql.AsyncMySQLStore`;
-    it joins a transaction the caller already began, under any isolation level.
-    """
-
-    connection: Any = None  # set per instance (the protocol declares it read-only)
-
-    def __init__(self, connection: Any) -> None:
-        self.connection = connection
-
-    async def begin(self) -> None:
-        # BEGIN would silently commit what the caller's transaction already did.
-        if not self.connection.server_status & _IN_TRANSACTION:
-            await self.connection.begin()
-
-    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        async with self.connection.cursor() as cursor:
-            return int(await cursor.execute(statement.pyformat, statement.bind(params)))
-
-    async def fetchone(
-        self, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        async with self.connection.cursor() as cursor:
-            await cursor.execute(statement.pyformat, statement.bind(params))
-            row = await cursor.fetchone()
-            return None if row is None else row_mapping(cursor.description, row)
-
-    async def commit(self) -> None:
-        try:
-            await self.connection.commit()
-        except Exception as exc:
-            # As PyMySQLTransaction.commit: a conflict rolled everything back (a 503).
-            from .stores.mysql import is_conflict, rolled_back
-
-            if is_conflict(exc):
-                raise rolled_back() from exc
-            raise
-
-    async def rollback(self) -> None:
-        await self.connection.rollback()
 
 
 T = TypeVar("T")

@@ -36,6 +36,7 @@ from idemflow.integrations.starlette import (  # noqa: E402
 from idemflow.stores.postgres import AsyncPostgresStore, PostgresStore  # noqa: E402
 from idemflow.transactions import AsyncPsycopgTransaction  # noqa: E402
 from tests.conftest import POSTGRES_URL, unreachable  # noqa: E402
+from tests.factories import until  # noqa: E402
 from tests.http.conftest import assert_problem, new_key, serve  # noqa: E402
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(90)]
@@ -272,7 +273,7 @@ def test_a_duplicate_during_the_first_gets_409_at_once_then_the_replay(app: App)
         async with httpx.AsyncClient(base_url=app.url, headers=headers, timeout=30) as client:
             body = {"item": name, "quantity": 2}
             first = asyncio.create_task(client.post("/orders?sleep=0.6", json=body))
-            await asyncio.sleep(0.25)
+            await until(lambda: app.key_state(key) is not None, "claimed", blocking=True)
             conflict = await client.post("/orders?sleep=0.6", json=body)
             return [await first, conflict, await client.post("/orders?sleep=0.6", json=body)]
 

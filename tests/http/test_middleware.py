@@ -29,6 +29,7 @@ from starlette.routing import Mount, Route
 from idemflow import AsyncIdempotency, ConfigurationError, Policy, Record
 from idemflow.integrations.starlette import EdgeOptions, IdempotencyMiddleware, RequestIdMiddleware
 from idemflow.stores.sqlite import AsyncSQLiteStore
+from tests.factories import until
 from tests.http.conftest import STARTUP_SECONDS, assert_problem, new_key, serve
 from tests.http.rawhttp import (
     ErrorLog,
@@ -245,7 +246,7 @@ def test_a_request_while_the_first_runs_gets_409_with_retry_after(server: Server
         headers = {"X-User": "carol", "Idempotency-Key": key}
         async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=30) as client:
             slow = asyncio.create_task(client.post("/items?sleep=0.5", json={}))
-            await asyncio.sleep(0.2)
+            await until(lambda: server.record("carol", key) is not None, "claimed", blocking=True)
             conflict = await client.post("/items?sleep=0.5", json={})
             return await slow, conflict
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from idemflow.integrations.django import DjangoStore, DjangoTransaction
+from idemflow.integrations.django import DjangoTransaction
+from idemflow.stores.django import DjangoStore
 from tests.backends import Backend
 from tests.integrations.django_setup import VENDOR_ALIAS, execute, own_connection, require
 from tests.stores.test_contract import *  # noqa: F403 -- the contract's scenarios, run here

@@ -26,27 +26,25 @@ from idemflow import (
     ConfigurationError,
     Idempotency,
     InProgress,
-    Policy,
     Response,
     State,
     StoreUnavailable,
 )
 from idemflow._events import CountingObserver
 from idemflow.integrations.django import (
-    DjangoStore,
     DjangoTransaction,
     get_idempotency,
     get_store,
 )
 from idemflow.integrations.django.conf import idemflow_settings, observer_of
+from idemflow.stores.django import DjangoStore
 from idemflow.stores.urls import open_store
 from idemflow.testing import FrozenClock
 from tests.backends import MYSQL_URL
 from tests.conftest import POSTGRES_URL
-from tests.factories import intent
+from tests.factories import POLICY, intent
 from tests.integrations.django_setup import VENDOR_ALIAS, execute, require
 
-POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response.json(201, {"id": 1})
 VENDORS = [
     "sqlite",

@@ -5,7 +5,7 @@ in process. An endpoint that charged and then cannot tell whether the charge wen
 raises ``OutcomeUnknown``: the caller gets a 503 outcome-unknown problem with
 ``Retry-After``, the key stays ``in_progress`` (the endpoint's transaction rolled back what
 it wrote), and a retry gets 409 instead of running the endpoint again. The ASGI middleware,
-on every store, is in tests/test_outcome_unknown.py.
+on every store, is in tests/guarantees/test_outcome_unknown.py.
 """
 
 # No ``from __future__ import annotations``: FastAPI must see the local ``Idem`` alias.
@@ -148,7 +148,8 @@ def test_django_idempotent_keeps_the_claim_and_rolls_the_atomic_block_back(
     from django.http import HttpRequest, HttpResponse
     from django.test import RequestFactory, override_settings
 
-    from idemflow.integrations.django import DjangoStore, get_store, idempotent
+    from idemflow.integrations.django import get_store, idempotent
+    from idemflow.stores.django import DjangoStore
     from tests.integrations.django_setup import execute, require
 
     require("default")

@@ -16,10 +16,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from idemflow import Attempt, Idempotency, InProgress, Intent, Policy, Response
+from idemflow import Attempt, Idempotency, InProgress, Intent, Response
 from idemflow.stores.protocol import Store, Transaction
+from tests.factories import POLICY
 
-POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b"created")
 #: The longest the winner holds its claim waiting for the others' answers: reached
 #: only when a second claimant executes too (then the count fails the round).

@@ -22,16 +22,13 @@ from idemflow import (
     KeyReused,
     LeaseLost,
     Outcome,
-    Policy,
     Response,
     State,
 )
 from idemflow.testing import FrozenClock
 from tests.backends import Backend
 from tests.factories import CREATED_AT as CREATED
-from tests.factories import HANDLER_EXCEPTIONS, intent
-
-POLICY = Policy(request_timeout=5, retention=3600)
+from tests.factories import HANDLER_EXCEPTIONS, POLICY, intent
 
 
 class Harness:

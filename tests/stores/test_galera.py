@@ -31,7 +31,6 @@ from idemflow import (
     Intent,
     KeyReused,
     LeaseLost,
-    Policy,
     Record,
     Response,
     State,
@@ -45,10 +44,10 @@ from tests.stores._race import Recorder
 pymysql = pytest.importorskip("pymysql")
 from idemflow.stores.mysql import MySQLStore, connect_kwargs  # noqa: E402
 from idemflow.transactions import PyMySQLTransaction  # noqa: E402
+from tests.factories import POLICY  # noqa: E402
 
 pytestmark = pytest.mark.mysql
 
-POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b"created")
 DEADLOCK, DUPLICATE = 1213, 1062
 

@@ -28,7 +28,6 @@ from idemflow import (
     Idempotency,
     InProgress,
     LeaseLost,
-    Policy,
     Response,
     State,
     StoreUnavailable,
@@ -36,7 +35,7 @@ from idemflow import (
 from idemflow.testing import FrozenClock
 from tests.backends import MYSQL_URL
 from tests.conftest import unreachable
-from tests.factories import CREATED
+from tests.factories import CREATED, POLICY
 from tests.factories import uncorrelated_intent as intent
 from tests.stores._race import Recorder, assert_exactly_once, race_processes, race_threads
 
@@ -51,7 +50,6 @@ from idemflow.transactions import PyMySQLTransaction  # noqa: E402
 
 pytestmark = pytest.mark.mysql
 
-POLICY = Policy(request_timeout=5, retention=3600)
 T0 = 1_700_000_000.0
 FOUND_ROWS = 2
 ISOLATION_LEVELS = ["READ COMMITTED", "REPEATABLE READ"]

@@ -1,6 +1,6 @@
 """
-AsyncMySQLStore (asyncmy) beyond the async contract (``tests/test_async_driver.py``,
-backend ``mysql-asyncmy``) and the async race (``tests/test_races.py``): the URL
+AsyncMySQLStore (asyncmy) beyond the async contract (``tests/core/test_async_driver.py``,
+backend ``mysql-asyncmy``) and the async race (``tests/guarantees/test_races.py``): the URL
 opener, the takeover path under concurrent tasks, the sweeper's mark, the claim
 in the caller's transaction, an unreachable server, and asyncmy's errors read
 by the shared rules.
@@ -23,14 +23,13 @@ from idemflow import (
     AsyncIdempotency,
     InProgress,
     KeyReused,
-    Policy,
     Response,
     State,
     StoreUnavailable,
 )
 from idemflow.stores.urls import open_async_store
 from tests.backends import MYSQL_URL, async_mysql_backend
-from tests.factories import CREATED, intent
+from tests.factories import CREATED, POLICY, intent
 
 asyncmy = pytest.importorskip("asyncmy")
 from idemflow.stores.mysql import (  # noqa: E402
@@ -43,7 +42,6 @@ from idemflow.transactions import AsyncmyTransaction  # noqa: E402
 
 pytestmark = [pytest.mark.mysql, pytest.mark.anyio]
 
-POLICY = Policy(request_timeout=5, retention=3600)
 T0 = 1_700_000_000.0
 TASKS = 20
 

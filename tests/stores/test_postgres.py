@@ -252,7 +252,7 @@ def test_after_a_restart_the_middleware_on_a_pool_of_two_refuses_no_request(
 
     from idemflow import AsyncIdempotency, State
     from idemflow.stores.postgres import AsyncPostgresStore
-    from tests.test_modes import call_asgi, middleware_app, status_of
+    from tests.guarantees.test_modes import call_asgi, middleware_app, status_of
 
     async def create(request: Request) -> StarletteResponse:
         return JSONResponse({"id": 1}, status_code=201)

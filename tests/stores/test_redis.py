@@ -56,7 +56,7 @@ from idemflow.testing import FrozenClock
 from tests._private_redis import own_redis_server
 from tests.backends import REDIS_URL, adelete_keys, delete_keys, redis_client
 from tests.conftest import unreachable
-from tests.factories import CREATED, free_port
+from tests.factories import CREATED, POLICY, free_port
 from tests.factories import uncorrelated_intent as intent
 from tests.stores._race import Recorder, assert_exactly_once, race_processes, race_threads
 
@@ -74,7 +74,6 @@ from idemflow.stores.redis._scripts import (  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
-POLICY = Policy(request_timeout=5, retention=3600)  # stale after 2 × 5 s + 10 s = 20 s
 THRESHOLD = POLICY.stale_seconds
 
 

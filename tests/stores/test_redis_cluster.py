@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from idemflow import Idempotency, Intent, Policy, Response, State, StoreUnavailable
+from idemflow import Idempotency, Intent, Response, State, StoreUnavailable
 from idemflow.sweeper import Happened, Sweeper, Unknown
 from idemflow.testing import FrozenClock
 from tests._redis_cluster import (
@@ -35,6 +35,7 @@ from redis.cluster import RedisCluster
 
 from idemflow.stores.redis import RedisStore
 from idemflow.stores.redis._scripts import INDEXES
+from tests.factories import POLICY
 from tests.stores.test_redis import (
     assert_indexes_match_records,
     check_settling_write_purges_its_bucket,
@@ -42,7 +43,6 @@ from tests.stores.test_redis import (
 
 pytestmark = pytest.mark.redis
 
-POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b"ok")
 
 

@@ -27,7 +27,6 @@ from idemflow import (
     Idempotency,
     InProgress,
     LeaseLost,
-    Policy,
     Response,
     StoreUnavailable,
 )
@@ -36,7 +35,7 @@ from tests._private_redis import VOLATILE, RedisServer
 from tests._redis_cluster import ClusterUnavailable, valkey_server
 from tests.backends import redis_client
 from tests.conftest import unreachable
-from tests.factories import intent
+from tests.factories import POLICY, intent
 from tests.stores._race import Recorder
 
 redis = pytest.importorskip("redis")
@@ -45,7 +44,6 @@ from idemflow.stores.urls import open_store  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
-POLICY = Policy(request_timeout=5, retention=3600)
 CREATED = Response(201, b"created")
 
 

@@ -26,7 +26,7 @@ from idemflow.stores.sqlite import (
     _writer_lock,
     connect,
 )
-from tests.factories import intent
+from tests.factories import intent, until
 
 NOW = 1_800_000_000.0
 CREATED = Response(201, b"created")
@@ -220,9 +220,8 @@ async def test_writes_wait_for_one_handed_over_then_run_on_the_loops_thread(
 
     try:
         handed_over = asyncio.ensure_future(store._writes.run(gate.wait, 10))
-        await asyncio.sleep(0.05)  # the write thread is in it
         requests = asyncio.gather(*(request(n) for n in range(32)))
-        await asyncio.sleep(0.2)
+        await until(lambda: len(store._writes._idle_waiters) == 32, "every claim waits")
         assert seen == []  # every claim waits for the write handed over
         gate.set()
         await requests
@@ -244,9 +243,8 @@ async def test_a_write_cancelled_while_it_waits_for_one_handed_over_writes_nothi
     gate = threading.Event()
     try:
         handed_over = asyncio.ensure_future(store._writes.run(gate.wait, 10))
-        await asyncio.sleep(0.05)
         waiting = asyncio.ensure_future(store.claim(intent("k-1"), "lease-1", NOW, NOW + 60))
-        await asyncio.sleep(0.05)
+        await until(lambda: len(store._writes._idle_waiters) == 1, "the claim waits")
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -272,7 +270,7 @@ def test_a_write_waiting_on_another_event_loop_is_woken_from_the_one_that_handed
     def hand_over() -> None:
         async def write() -> None:
             pending = asyncio.ensure_future(store._writes.run(gate.wait, 10))
-            await asyncio.sleep(0.05)
+            await until(lambda: store._writes.pending == 1, "the write handed over")
             handed.set()
             assert await pending
 
@@ -292,7 +290,10 @@ def test_a_write_waiting_on_another_event_loop_is_woken_from_the_one_that_handed
         thread.start()
     try:
         handed.wait(10)
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while not store._writes._idle_waiters:  # the claim on the other loop waits
+            assert time.monotonic() < deadline, "the claim never waited"
+            time.sleep(0.005)
         assert claims == []  # waiting for the write handed over on the first loop
         gate.set()
         for thread in threads:
@@ -390,9 +391,8 @@ async def test_a_write_never_overtakes_one_handed_over(tmp_path: Path, write: st
     try:
         pending = await _claimed_then(store, write)
         before = asyncio.ensure_future(store._writes.run(gate.wait, 10))
-        await asyncio.sleep(0.05)  # the write thread is in it
         queued = asyncio.ensure_future(pending)
-        await asyncio.sleep(0.2)
+        await until(lambda: len(store._writes._idle_waiters) == 1, "the write waits")
         assert not queued.done()  # waiting for the write handed over
         gate.set()
         assert await before
@@ -416,9 +416,9 @@ async def test_a_write_that_would_wait_never_blocks_the_loop(tmp_path: Path, wri
         pending = await _claimed_then(store, write)
         other.execute("BEGIN IMMEDIATE")
         waiting = asyncio.ensure_future(pending)
-        started = time.monotonic()
-        await asyncio.sleep(0.3)  # the write's task runs first, then the loop comes back
-        assert time.monotonic() - started < 3.5  # not 5 s of a busy handler on the loop
+        # Handed to the write thread while the loop polls: a try on the loop's thread
+        # that waited out a busy timeout would have failed the write, never handed it over.
+        await until(lambda: store._writes.pending == 1, "the write handed over")
         assert not waiting.done()
         other.execute("ROLLBACK")
         _assert_written(store, write, await asyncio.wait_for(waiting, 10))

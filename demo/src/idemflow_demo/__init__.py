@@ -8,7 +8,8 @@ Importing this package imports nothing heavy: the app lives in
 storm in :mod:`idemflow_demo.storm`.
 
 It is its own distribution (``idemflow-demo``, ``demo/``), outside the library's
-wheel, and uses only idemflow's public API (``tests/test_demo_public_api.py`` checks every import):
+wheel, and uses only idemflow's public API (``tests/project/test_demo_public_api.py``
+checks every import):
 what it needs is what an application needs. The test-only fault injection
 (:mod:`idemflow_demo.faults`) and the benchmark-only route live here, never in
 the library.

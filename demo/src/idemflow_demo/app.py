@@ -57,7 +57,6 @@ from idemflow.sweeper import AsyncBackgroundSweeper
 
 from .databases import open_database
 from .db import Database
-from .db_mysql import PoolTimeout
 from .faults import crash_point
 from .payments import InvalidRequest, Payments, Phases, parse_payment, parse_refund, payment_json
 from .provider import FakeProvider
@@ -439,7 +438,7 @@ def _outage(exc: BaseException) -> bool:
 
 def database_unavailable(exc: BaseException) -> bool:
     """Is ``exc`` a database outage (any backend) rather than a bug?"""
-    if sqlite_unavailable(exc) or isinstance(exc, PoolTimeout):
+    if sqlite_unavailable(exc):
         return True
     try:
         if postgres_unavailable(exc):

@@ -3,7 +3,7 @@ TEST-ONLY fault injection: the demo kills itself at a chosen point of a payment.
 
 Off unless the environment variable ``IDEMFLOW_DEMO_CRASH_AT`` is set when
 the server starts; nothing here runs otherwise. The crash tests
-(``tests/crash/``) set it to one of :data:`CRASH_POINTS` to put a real
+(``tests/guarantees/crash/``) set it to one of :data:`CRASH_POINTS` to put a real
 server process down exactly where a crash hurts most:
 
 - ``after_claim``: the claim committed, nothing else did;

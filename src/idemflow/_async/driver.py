@@ -113,6 +113,8 @@ class AsyncIdempotency:
         self.observer = observer
         # Its refusal after a possible loss of claims must cover our stale threshold.
         store.cover_stale_threshold(self.policy.stale_seconds)
+        # And no wait of the store's may outlast our request's budget.
+        store.cover_store_wait(self.policy.store_wait_seconds)
 
     async def run(
         self,

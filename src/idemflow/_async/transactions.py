@@ -1,5 +1,5 @@
 """
-The transaction adapters for psycopg and SQLAlchemy, sync and async alike.
+The transaction adapters for psycopg, SQLAlchemy and MySQL, sync and async alike.
 
 This is the async source of truth; ``idemflow/_sync/transactions.py`` is generated
 from it by ``scripts/unasync.py``. Import the adapters from :mod:`idemflow.transactions`.
@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from ..stores.protocol import AsyncTransaction, CommitFailed, NotFused, Statement
+from ..stores.sql.dialect import row_mapping
 
 __all__ = [
     "AsyncBeginsOnFirstStatement",
@@ -161,16 +162,11 @@ async def execute_and_commit(
 class AsyncCommitAfter(AsyncTransaction):
     """The caller's transaction, for one fenced write its COMMIT follows at once.
 
-    The driver passes it to the store's ``complete`` or ``checkpoint``, then
-    calls :meth:`finish`. Where the transaction has ``execute_and_commit``
-    (the psycopg adapters), the store's write carries the COMMIT (and, with
-    ``begin``, the next BEGIN) in one round trip; elsewhere the write is sent
-    as it always was and :meth:`finish` commits. Either way the store sees
-    the write's row count (0: ``LeaseLost``, nothing committed) and the
-    COMMIT's own error comes out of :meth:`finish`, as from a ``commit()``.
-
-    ``on_commit`` is called once the COMMIT may have run (sent, whatever
-    came back), never when the fence stopped it.
+    Given to the store's ``complete`` or ``checkpoint``, then :meth:`finish`. With
+    ``execute_and_commit`` (psycopg) the write carries the COMMIT (and, with ``begin``,
+    the next BEGIN) in one round trip; elsewhere :meth:`finish` commits. The store sees
+    the write's row count (0: ``LeaseLost``, nothing committed); the COMMIT's own error
+    comes out of :meth:`finish`. ``on_commit`` is called once the COMMIT may have run.
     """
 
     def __init__(
@@ -245,16 +241,10 @@ class AsyncCommitAfter(AsyncTransaction):
 class AsyncBeginsOnFirstStatement(AsyncTransaction):
     """The caller's transaction, for a single-commit claim: begun by its first statement.
 
-    The driver passes it to the store's ``claim``, so the ``BEGIN``, and the
-    checkout of a transaction that takes its connection only when it begins
-    (``AsyncPooledTransaction``), run inside the store's claim, where the store's
-    own rule (``is_unavailable``) says what their errors mean: a pool that
-    cannot serve the claim, or a connection gone, is ``StoreUnavailable``, a 503
-    with nothing recorded, as when two-commit mode lends the store that checkout.
-
-    Args:
-        transaction: the caller's transaction, not yet begun.
-        begin: begins it unless begun (the driver's, which knows whether it is open).
+    So the ``BEGIN`` (and a checkout that waits for it, ``AsyncPooledTransaction``) runs
+    inside the store's claim, whose ``is_unavailable`` judges its errors: an exhausted
+    pool or a lost connection is ``StoreUnavailable``, a 503 with nothing recorded.
+    ``begin`` begins it unless begun (the driver knows whether it is open).
     """
 
     def __init__(self, transaction: AsyncTransaction, begin: Callable[[], Awaitable[None]]) -> None:
@@ -443,3 +433,53 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
             # ROLLBACK, but SQLite keeps it open (with the write lock): end it.
             await self.connection.begin()
             await self.connection.rollback()
+
+
+_IN_TRANSACTION = 1  # pymysql.constants.SERVER_STATUS.SERVER_STATUS_IN_TRANS
+
+
+class AsyncmyTransaction(AsyncTransaction):
+    """An asyncmy connection; joins a transaction the caller already began.
+
+    Works under any isolation level: the store's own statements in your
+    transaction are writes or locking reads, which always see the latest
+    committed row, never an older REPEATABLE READ snapshot.
+    """
+
+    connection: Any = None  # set per instance (the protocol declares it read-only)
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    async def begin(self) -> None:
+        # BEGIN would silently commit what the caller's transaction already did.
+        if not self.connection.server_status & _IN_TRANSACTION:
+            await self.connection.begin()
+
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        async with self.connection.cursor() as cursor:
+            return int(await cursor.execute(statement.pyformat, statement.bind(params)))
+
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        async with self.connection.cursor() as cursor:
+            await cursor.execute(statement.pyformat, statement.bind(params))
+            row = await cursor.fetchone()
+            return None if row is None else row_mapping(cursor.description, row)
+
+    async def commit(self) -> None:
+        try:
+            await self.connection.commit()
+        except Exception as exc:
+            # A deadlock or (Galera) a failed certification rolled everything
+            # back, the effect with the completion: a 503 to retry, not a 500.
+            # Imported here: most applications never load the MySQL store.
+            from ..stores.mysql import is_conflict, rolled_back
+
+            if is_conflict(exc):
+                raise rolled_back() from exc
+            raise
+
+    async def rollback(self) -> None:
+        await self.connection.rollback()

@@ -114,6 +114,8 @@ class Idempotency:
         self.observer = observer
         # Its refusal after a possible loss of claims must cover our stale threshold.
         store.cover_stale_threshold(self.policy.stale_seconds)
+        # And no wait of the store's may outlast our request's budget.
+        store.cover_store_wait(self.policy.store_wait_seconds)
 
     def run(
         self,

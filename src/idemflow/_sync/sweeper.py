@@ -91,6 +91,8 @@ class Sweeper:
         )
         self._transactions = transaction_factory
         self._check_settings()
+        # A sweep's calls are bounded as a request's are.
+        store.cover_store_wait(self.policy.store_wait_seconds)
 
     def sweep_once(
         self, progress: Callable[[SweepReport], None] | None = None

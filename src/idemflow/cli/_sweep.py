@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     url = database_url(args)
     reconciler = _load_reconciler(args.reconciler) if args.reconciler else None
     _require_sqlite_file(url)
-    store = open_store(url, table=args.table)
+    store = open_store(url, table=args.table, policy=policy)
     try:
         sweeper = Sweeper(
             store,

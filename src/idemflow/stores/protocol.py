@@ -285,6 +285,13 @@ class Store(Protocol):
         store keeps the longest. Stores that cannot lose a committed claim ignore it."""
         return
 
+    def cover_store_wait(self, seconds: float) -> None:
+        """Bound every wait of the store's own (checkout, connect, each reply) by ``seconds``:
+        each driver tells its store its policy's ``store_wait_seconds``, the store keeps the
+        shortest and reads it at each call, so no store call outlasts a request's budget,
+        however the store was built. Stores with no wait of their own ignore it."""
+        return
+
     def stats(self) -> StatsSource:
         """The operator's questions (``idemflow stats``, the stuck gauge), asked synchronously;
         :class:`~idemflow.ConfigurationError` where this store cannot answer them."""
@@ -358,6 +365,10 @@ class AsyncStore(Protocol):
 
     def cover_stale_threshold(self, seconds: float) -> None:
         """:meth:`Store.cover_stale_threshold`."""
+        return
+
+    def cover_store_wait(self, seconds: float) -> None:
+        """:meth:`Store.cover_store_wait`."""
         return
 
     def stats(self) -> StatsSource:

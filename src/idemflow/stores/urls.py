@@ -1,19 +1,13 @@
 """
 Open a store from a ``DATABASE_URL``: the one way the CLI, the demo and apps name a store.
 
-======================================  ==========================================
-URL                                     Store
-======================================  ==========================================
-``sqlite:///relative/path.db``          :class:`~idemflow.stores.sqlite.SQLiteStore`
-``sqlite:////absolute/path.db``
-``postgresql://user@host:5432/db``      :class:`~idemflow.stores.postgres.PostgresStore`
-``mysql://user:pw@host:3306/db``        :class:`~idemflow.stores.mysql.MySQLStore`
-                                        (async: :class:`~idemflow.stores.mysql.AsyncMySQLStore`)
-``redis://host:6379/0``                 :class:`~idemflow.stores.redis.RedisStore`
-``redis+cluster://host:7000/0``         the same, on ``redis.cluster.RedisCluster``
-======================================  ==========================================
-
-Further schemes register in ``OPENERS`` (each imports its driver only when used).
+``sqlite:///relative/path.db`` (``sqlite:////absolute/path.db``) →
+:class:`~idemflow.stores.sqlite.SQLiteStore`; ``postgresql://user@host:5432/db`` →
+:class:`~idemflow.stores.postgres.PostgresStore`; ``mysql://user:pw@host:3306/db`` →
+:class:`~idemflow.stores.mysql.MySQLStore` (async: ``AsyncMySQLStore``);
+``redis://host:6379/0`` → :class:`~idemflow.stores.redis.RedisStore` (``redis+cluster://``:
+on ``RedisCluster``). Further schemes register in ``OPENERS`` (each imports its driver
+only when used).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 The verdict: what the clients saw, set against what the service and the provider hold.
 
 Pure: no I/O, so every way a storm can fail is tested on made-up inputs
-(``tests/test_storm.py``). A key is *exactly once* when it has one payment
+(``tests/guarantees/test_storm.py``). A key is *exactly once* when it has one payment
 row, one provider charge, and every client got the same settled answer, the
 one that names that payment and that charge.
 """

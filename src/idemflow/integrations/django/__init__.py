@@ -2,9 +2,10 @@
 idemflow for Django: ``pip install 'idemflow[django]'`` (``[drf]`` for Django REST framework).
 
 Add ``"idemflow.integrations.django"`` to ``INSTALLED_APPS`` and the key table
-lives in your database, created by ``manage.py migrate``. :class:`DjangoStore`
-keeps key records on Django's own connections, so the completion can be
-written in the view's ``transaction.atomic()`` (:class:`DjangoTransaction`);
+lives in your database, created by ``manage.py migrate``.
+:class:`~idemflow.stores.django.DjangoStore` keeps key records on Django's own
+connections, so the completion can be written in the view's
+``transaction.atomic()`` (:class:`DjangoTransaction`);
 :func:`idempotent` protects a function view, a class-based view's method or a
 DRF action; :class:`IdempotencyMiddleware` protects the endpoints
 ``IDEMFLOW['endpoints']`` lists; ``manage.py idemflow_sweep`` and
@@ -20,11 +21,10 @@ from ..._extras import optional
 with optional("idemflow.integrations.django"):
     from .conf import get_idempotency, get_store
     from .middleware import IdempotencyMiddleware
-    from .store import DjangoStore, DjangoTransaction
+    from .transaction import DjangoTransaction
     from .views import idempotency_public, idempotent
 
 __all__ = [
-    "DjangoStore",
     "DjangoTransaction",
     "IdempotencyMiddleware",
     "get_idempotency",
@@ -33,9 +33,12 @@ __all__ = [
     "idempotent",
 ]
 
-#: Issue 32: the checked settings are the integration's own; importable from here, with a
-#: DeprecationWarning, until 0.3.
+#: Issue 32: the checked settings are the integration's own, the store lives under
+#: ``idemflow.stores``; importable from here, with a DeprecationWarning, until 0.3.
 __getattr__ = moved(
     __name__,
-    {name: f"{__name__}.conf:{name}" for name in ("IdemflowSettings", "idemflow_settings")},
+    {
+        **{name: f"{__name__}.conf:{name}" for name in ("IdemflowSettings", "idemflow_settings")},
+        "DjangoStore": "idemflow.stores.django:DjangoStore",
+    },
 )

@@ -153,7 +153,7 @@ def _built() -> tuple[Store, Idempotency]:
     chosen = _checked()
     store: Store
     if chosen.store == DJANGO_STORE:
-        from .store import DjangoStore
+        from ...stores.django import DjangoStore
 
         store = DjangoStore(chosen.database, table=chosen.table, clock=chosen.clock)
     else:

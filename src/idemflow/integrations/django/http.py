@@ -53,7 +53,7 @@ from ...edge import (
 from ..wsgi import ReplayHook as _ReplayHook
 from ..wsgi import ViewEdges, _require_length, raw_headers, read_body, view_options
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
-from .store import DjangoTransaction
+from .transaction import DjangoTransaction
 
 # What the views, the middleware and the app's ready() share: not promised to applications.
 __all__: list[str] = []

@@ -3,7 +3,7 @@ The migration operation that creates the key table: idemflow's own DDL, per vend
 
 There is one definition of the table, its constraints and its indexes: the
 DDL every idemflow store runs (``idemflow migrate``). This operation runs the
-``CREATE`` statements of the dialect :class:`~.store.DjangoStore` picks for
+``CREATE`` statements of the dialect :class:`~idemflow.stores.django.DjangoStore` picks for
 the connection being migrated, so ``manage.py migrate`` and ``idemflow
 migrate`` give the same schema (a test compares them on each vendor).
 The migration's own transaction replaces the dialect's BEGIN/COMMIT.
@@ -24,9 +24,9 @@ __all__ = ["CreateKeyTable"]
 
 def _key_table_ddl(vendor: str, table: str) -> list[str]:
     """The ``CREATE TABLE``/``CREATE INDEX`` statements idemflow runs on ``vendor``."""
-    from .store import _dialect_for
+    from ...stores.django import dialect_for
 
-    return [s for s in _dialect_for(vendor, table).ddl if s.lstrip().upper().startswith("CREATE")]
+    return [s for s in dialect_for(vendor, table).ddl if s.lstrip().upper().startswith("CREATE")]
 
 
 class CreateKeyTable(Operation):

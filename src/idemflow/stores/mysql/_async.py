@@ -1,11 +1,6 @@
-"""
-The MySQL store's I/O: its pool of autocommit connections and its claim algorithm
-(the package docstring says why), on the shared SQL executor.
-
-The driver is named only through ``_binding.py`` (asyncmy here, PyMySQL in the
-twin); the statements are ``_statements.py``'s, the error rules ``_errors.py``'s.
-Import both stores from :mod:`idemflow.stores.mysql`.
-
+"""The MySQL store's I/O: its pool of autocommit connections and its claim algorithm
+(the package docstring says why), on the shared SQL executor; the driver named only
+through ``_binding.py``.
 This is the async source of truth; ``idemflow/stores/mysql/_sync.py`` is generated
 from it by ``scripts/unasync.py``.
 """
@@ -21,7 +16,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ..._errors import ConfigurationError, LeaseLost
-from ..._model import Claim, Policy, Record, State, can_take_over, make_claim, record_from_row
+from ..._model import Claim, Policy, Record, State, can_take_over, make_claim
 from ..._process import PID
 from ..protocol import AsyncTransaction, Statement, StoreClock, check_clock
 from ..sql import AsyncSQLStore
@@ -29,6 +24,7 @@ from ..sql.dialect import (
     CLAIM_RETRIES,
     claim_busy,
     owner_params,
+    record_from_row,
     record_from_values,
     row_mapping,
     sweep_params,
@@ -70,16 +66,11 @@ PING_AFTER = 30.0
 class AsyncPool:
     """The store's own small pool of autocommit connections.
 
-    Neither driver's fits: PyMySQL has none, and asyncmy's cannot be told to
-    drop a connection that saw an error. Here a connection that saw any error
-    (or whose task was cancelled while it was out) is closed rather than
-    reused: its session state, or its socket's place in the protocol, is
-    unknown. One idle for longer than :data:`PING_AFTER` is pinged (and
-    replaced by a new one if it does not answer) first, so a server that
-    dropped it while idle (``wait_timeout``) costs a round trip, not a 503. After ``fork`` the child
-    starts empty and never touches the parent's sockets. The idle connections
-    sit in a deque, whose appends and pops are atomic, so threads share it
-    without a lock; the last one returned is the next one out.
+    PyMySQL has none and asyncmy's cannot drop a connection that saw an error:
+    here one that did (or whose task was cancelled) is closed, its state unknown.
+    One idle past :data:`PING_AFTER` is pinged first (``wait_timeout``: a round
+    trip, not a 503); after ``fork`` the child starts empty; the deque's atomic
+    appends and pops let threads share it without a lock.
     """
 
     def __init__(
@@ -107,11 +98,8 @@ class AsyncPool:
         return conn
 
     async def _checked(self, conn: Any) -> Any:
-        """``conn`` if it still answers a ping, else a new connection in its place.
-
-        Not the drivers' ``ping(reconnect=True)``: PyMySQL deprecates it, and a
-        connection opened by the factory is set up as every other (autocommit,
-        and on Galera the causal reads) where a reconnect in place is not.
+        """``conn`` if it still answers a ping, else a new one from the factory (set up as
+        every other, where PyMySQL's deprecated ``ping(reconnect=True)`` is not).
         """
         try:
             await conn.ping(False)
@@ -182,11 +170,9 @@ async def _pause(attempt: int) -> None:
 
 
 async def retry_conflicts(run: Callable[[], Awaitable[T]]) -> T:
-    """Run an autocommit statement again while it loses a deadlock or certification.
-
-    Only for statements that decide on the current row (fenced updates, the
-    sweep's mark, purge): each attempt is judged again by its WHERE clause.
-    Still losing after :data:`~._errors.DEADLOCK_RETRIES` attempts is a 503.
+    """Run an autocommit statement again while it loses a deadlock or certification:
+    only statements judged again by their WHERE clause; still losing after
+    :data:`~._errors.DEADLOCK_RETRIES` attempts is a 503.
     """
     for attempt in range(DEADLOCK_RETRIES):
         try:
@@ -309,16 +295,11 @@ class AsyncMySQLStore(AsyncSQLStore):
         await self.pool.close()
 
     def _causal(self, factory: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
-        """New connections, each told to act causally if the server is a Galera node.
+        """New connections, each told to read causally (``wsrep_sync_wait = 3``) on Galera.
 
-        ``wsrep_sync_wait = 3``: a read, ``UPDATE`` or ``DELETE`` first waits
-        until this node has applied every commit the cluster certified before
-        it. Every decision is a certified write, so the guarantees do not need
-        it; the answers do: a fenced write (a completion on another node than
-        its claim) would otherwise miss a claim not applied here yet and call
-        the lease lost, and a retry reaching another node right after the
-        completion would get a 409 instead of the replay. One query per new
-        connection.
+        Decisions are certified writes and need no more; the answers do: a completion
+        on another node than its claim would call the lease lost, a retry right after
+        the completion would get 409 instead of the replay. One query per connection.
         """
 
         async def connect() -> Any:
@@ -336,21 +317,13 @@ class AsyncMySQLStore(AsyncSQLStore):
     async def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
         """A plain INSERT decides a new key; a guarded upsert decides a takeover.
 
-        Each decision is one atomic statement. The read after a duplicate only
-        tells us whether a takeover is worth attempting (past retention, or
-        released by this same request); the upsert then re-checks that on the
-        current row and writes our lease token only if it still holds. (The
-        executor's ``claim`` calls this on one cursor of the store's own
-        connection, and translates what it raises.)
+        The read after a duplicate only tells whether a takeover is worth trying; the
+        upsert checks again on the current row and writes our token only if it holds.
         """
         insert = self.statements.insert
         text, bound = insert.pyformat, insert.bind(params)
         for _ in range(CLAIM_RETRIES):
-            try:  # the INSERT's first attempt, inline: every claim sends it
-                await cursor.execute(text, bound)
-                row_id: int | None = int(cursor.lastrowid or 0)
-            except Exception as exc:  # noqa: BLE001 -- judged (and raised) by _insert_failed
-                row_id = await self._insert_failed(cursor, text, bound, exc)
+            row_id = await self._claiming(cursor, text, bound)
             if row_id is not None:
                 return make_claim(True, inserted(params, row_id))
             values = await self._read_after_duplicate(cursor, params)
@@ -376,67 +349,31 @@ class AsyncMySQLStore(AsyncSQLStore):
         return None if row is None else unpack_read(row)
 
     async def _take_over(self, cursor: Any, params: Mapping[str, Any]) -> None:
-        """The guarded upsert. One that kept losing conflicts lost to a write of this
-        row: what the row says now (read next, by our token) is the answer."""
-        try:
-            await self._statement(cursor, self.dialect.claim, params)
-        except Exception as exc:
-            if not is_conflict(exc):
-                raise
+        """The guarded upsert. One that kept losing conflicts (None) lost to a write of
+        this row: what the row says now (read next, by our token) is the answer."""
+        upsert = self.dialect.claim
+        await self._claiming(cursor, upsert.pyformat, upsert.bind(params))
 
-    async def _insert_failed(
-        self, cursor: Any, text: str, bound: Any, exc: Exception
-    ) -> int | None:
-        """The claim's INSERT raised ``exc``: the new row's id after all, or None when
-        the key exists (error 1062).
-
-        A deadlock victim's INSERT had no effect: it is sent again after a short
-        pause, :data:`~._errors.DEADLOCK_RETRIES` attempts in all (the first one
-        is :meth:`_claim_on`'s). One that keeps losing (a deadlock, or on Galera
-        the certification of another node's insert of this key) lost it to a row
-        that exists: None too, so the caller reads that row and dispatches. A lock
-        wait that times out means a live transaction holds the row: a 409.
+    async def _claiming(self, cursor: Any, text: str, bound: Any) -> int | None:
+        """Send a claiming statement: the id it inserted (0 if none), or None when it lost
+        to a row that exists (1062, or a deadlock or Galera certification lost
+        DEADLOCK_RETRIES times). A deadlock victim had no effect and is sent again after
+        a pause; a lock wait that timed out is a live holder: 409.
         """
-        for attempt in range(1, DEADLOCK_RETRIES + 1):
-            code = error_code(exc)
-            if code == DUPLICATE or (code == DEADLOCK and attempt == DEADLOCK_RETRIES):
-                return None
-            if code == LOCK_WAIT_TIMEOUT:
-                raise claim_busy() from exc
-            if code != DEADLOCK:
-                raise exc
-            await _pause(attempt - 1)
-            try:
-                await cursor.execute(text, bound)
-            except Exception as again:  # noqa: BLE001 -- judged by the loop, raised there
-                exc = again
-            else:
-                return int(cursor.lastrowid or 0)
-        raise AssertionError("unreachable: the last attempt returns or raises")
-
-    async def _statement(self, cursor: Any, statement: Statement, params: Mapping[str, Any]) -> int:
-        """Run a claiming statement; the id it inserted (0 if none).
-
-        A deadlock victim's statement had no effect, so it is run again after
-        a short pause (on Galera, a certification failure means another
-        node's write of this row was ordered first: once applied here, the
-        statement sees it). A lock wait that times out means a live
-        transaction holds the row, which is a 409. Still conflicting after
-        :data:`~._errors.DEADLOCK_RETRIES`: the last conflict is raised.
-        """
-        text, bound = statement.pyformat, statement.bind(params)
         for attempt in range(DEADLOCK_RETRIES):
             try:
                 await cursor.execute(text, bound)
             except Exception as exc:
                 code = error_code(exc)
-                if code == DEADLOCK and attempt + 1 < DEADLOCK_RETRIES:
-                    await _pause(attempt)
-                    continue
+                if code == DUPLICATE or (code == DEADLOCK and attempt + 1 == DEADLOCK_RETRIES):
+                    return None
                 if code == LOCK_WAIT_TIMEOUT:
                     raise claim_busy() from exc
-                raise
-            return int(cursor.lastrowid or 0)
+                if code != DEADLOCK:
+                    raise
+                await _pause(attempt)
+            else:
+                return int(cursor.lastrowid or 0)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _claim_in(
@@ -444,12 +381,9 @@ class AsyncMySQLStore(AsyncSQLStore):
     ) -> Claim:
         """Claim as a write of the caller's transaction (``single_commit=True``).
 
-        Every read here is a locking read: under REPEATABLE READ a plain
-        SELECT would answer from the transaction's snapshot, which may
-        predate the winner's commit (no row at all, or its old state).
-        ``FOR SHARE``/``FOR UPDATE`` read the latest committed version; the
-        failed INSERT already holds a shared lock on the duplicate, so the
-        shared read never waits. Ownership is read off our lease token.
+        Every read locks: under REPEATABLE READ a plain SELECT answers from a snapshot
+        that may predate the winner's commit. The failed INSERT already holds a shared
+        lock on the duplicate, so the shared read never waits.
         """
         bound = {**params, "lock_wait": self.lock_wait_timeout}
         with self._translate():
@@ -500,12 +434,9 @@ class AsyncMySQLStore(AsyncSQLStore):
         params: Mapping[str, Any],
         transaction: AsyncTransaction | None,
     ) -> bool:
-        """A fenced UPDATE; a conflict it loses is sent again (autocommit) or is a 503.
-
-        Autocommit: the losing statement had no effect and the fence judges the
-        current row again, so it is retried. In the caller's transaction the
-        conflict rolled the whole transaction back (the effect with it): a 503
-        the flow answers after releasing the claim, never a 500.
+        """A fenced UPDATE; a conflict it loses is sent again (autocommit: the fence judges
+        the row again) or, in the caller's transaction (rolled back with the effect), a
+        503 the flow answers after releasing the claim, never a 500.
         """
         parent = super()._write
         if transaction is None:
@@ -538,11 +469,8 @@ class AsyncMySQLStore(AsyncSQLStore):
         now: float,
         transaction: AsyncTransaction | None = None,
     ) -> None:
-        """Record progress; an identical checkpoint in the same millisecond is not a loss.
-
-        Without ``CLIENT_FOUND_ROWS`` MySQL counts *changed* rows, so a
-        checkpoint that rewrites the same values reports 0; we then ask
-        whether the record is still ours before calling the claim lost.
+        """Record progress. Without ``CLIENT_FOUND_ROWS`` an identical checkpoint in the
+        same millisecond counts 0 rows changed: whether the record is still ours is asked.
         """
         params = {**owner_params(record, now), "recovery_point": recovery_point}
         if await self._write(self.dialect.checkpoint, params, transaction):
@@ -558,17 +486,15 @@ class AsyncMySQLStore(AsyncSQLStore):
             if transaction is not None:
                 with rolled_back_is_503():
                     return await transaction.fetchone(statement, params) is not None
-            async with self.pool.connection() as conn:
-                return await self._fetchone(conn, statement, params) is not None
+            async with self.pool.connection() as conn, conn.cursor() as cursor:
+                await cursor.execute(statement.pyformat, statement.bind(params))
+                return await cursor.fetchone() is not None
 
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
-        """Mark up to ``limit`` stale claims with this sweep's token, then read them back.
-
-        The marked records carry the sweep token as their lease token: only
-        this sweeper can settle or release them, and the crashed owner's
-        token no longer matches anything.
+        """Mark up to ``limit`` stale claims with this sweep's token, then read them back:
+        only this sweeper can settle or release them now.
         """
         params = {
             **sweep_params(from_state, cutoff, now, keep_until, limit),

@@ -1,13 +1,7 @@
-"""What each MySQL store needs of its driver, under one name ``scripts/unasync.py`` maps.
-
-The store's I/O (its pool, its claim algorithm) is written once, awaited, in
-``_async.py``, against :class:`AsyncBinding` (asyncmy); its generated twin
-``_sync.py`` reads :class:`Binding` (PyMySQL) instead. Everything in which the
-two drivers differ beyond ``await`` is here: how a connection is opened and
-closed, how the pool bounds its checkouts, how a pause waits, which errors
-mean the server is not there. The rest of their API (``cursor()`` as a context
-manager, ``execute``, ``fetchone``, ``fetchall``, ``lastrowid``,
-``description``, ``ping``, ``autocommit``) is the same, awaited or not.
+"""What each MySQL store needs of its driver, under one name ``scripts/unasync.py`` maps:
+:class:`AsyncBinding` (asyncmy) for ``_async.py``, :class:`Binding` (PyMySQL) for its
+twin. Only what differs beyond ``await`` (connect, close, checkout bounds, pauses,
+which errors mean the server is gone) is here.
 """
 
 from __future__ import annotations
@@ -66,12 +60,8 @@ class AsyncBinding:
 
     @staticmethod
     def closed_by_server(conn: Any) -> bool:
-        """Has the server closed ``conn`` while it sat idle (a restart, ``KILL``)?
-
-        The event loop reads the socket when it gets to it: its protocol saw the end
-        of file, the transport is closing, or the socket has something the loop has
-        not read yet. Read through asyncmy's own attributes; a release without them
-        says False, and the connection is used as before.
+        """Has the server closed this idle connection (a restart, ``KILL``)? One poll of its
+        socket, no round trip: an idle MySQL connection is sent nothing but the goodbye.
         """
         transport = getattr(conn, "_transport", None)
         if transport is None:
@@ -132,11 +122,8 @@ class Binding:
 
     @staticmethod
     def closed_by_server(conn: Any) -> bool:
-        """Has the server closed ``conn`` while it sat idle (a restart, ``KILL``)?
-
-        An idle MySQL connection is never sent anything but the server's goodbye, so
-        a socket with something to read, or none, is one to ping (one poll, no round
-        trip, when it has nothing).
+        """Has the server closed this idle connection (a restart, ``KILL``)? One poll of its
+        socket, no round trip: an idle MySQL connection is sent nothing but the goodbye.
         """
         sock = getattr(conn, "_sock", None)
         return sock is None or readable_now(sock.fileno())
@@ -169,16 +156,9 @@ class Binding:
 def _sharing_connection() -> Callable[..., Any]:
     """``pymysql.connect``, whose connections share one ``PREFERRED`` TLS context.
 
-    Told nothing about TLS, PyMySQL 1.2 asks for it when the server offers it
-    (``PREFERRED``, verifying nothing) and builds for that, in every new
-    connection, a context from ``ssl.create_default_context()``, loading the
-    system CA bundle: ~20-65 ms of CPU per connection, on every pool fill and
-    every reconnect, whether the server offers TLS or not. It builds that
-    context in ``_create_ssl_ctx({})`` (an empty dict: no TLS option given,
-    nothing of the connection read); here it is built once, by PyMySQL's own
-    code, and reused by every connection of the process: the same settings,
-    the same handshake. Were the hook renamed, each connection would build its
-    own again: slower, never less safe.
+    PyMySQL builds one per connection from ``ssl.create_default_context()`` (the
+    system CA bundle: ~20-65 ms of CPU each) in ``_create_ssl_ctx({})``; built once
+    here by that same code. Were the hook renamed, each would build its own again.
     """
     import pymysql.connections
 
@@ -196,12 +176,8 @@ def _sharing_connection() -> Callable[..., Any]:
 
 
 def closed_by_server(connection: Any) -> bool:
-    """Has the server closed this idle PyMySQL or asyncmy connection (a restart, ``KILL``)?
-
-    What the store's pools ask of each idle connection before handing it out, public
-    for a pool of the application's own: one poll of its socket, no round trip. An
-    idle MySQL connection is sent nothing but the server's goodbye, so True means:
-    close it and take another (or ping it first, as the store's pools do).
+    """Has the server closed this idle connection (a restart, ``KILL``)? One poll of its
+    socket, no round trip: an idle MySQL connection is sent nothing but the goodbye.
     """
     if getattr(connection, "_transport", None) is not None:  # asyncmy
         return AsyncBinding.closed_by_server(connection)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..._model import Claim, Record, State, can_take_over, make_record, record_from_row
+from ..._model import Claim, Record, State, can_take_over, make_record
 from ..protocol import Statement, StoreClock
 from ..sql.dialect import (
     CLOCK_NOW,
@@ -22,6 +22,7 @@ from ..sql.dialect import (
     Dialect,
     claim_unsettled,
     on_database_clock,
+    record_from_row,
 )
 
 DEFAULT_TABLE = "idemflow_keys"
@@ -101,13 +102,8 @@ def mysql_ddl(table: str) -> list[str]:
 
 
 def _quiet(ddl: list[str]) -> list[str]:
-    """``ddl`` with the session's notes off while it runs, then as they were.
-
-    Every start migrates, and ``CREATE TABLE IF NOT EXISTS`` on an existing
-    table leaves a note; asyncmy asks ``SHOW WARNINGS`` after any statement
-    with one (a round trip) and logs each as a warning: an "already exists"
-    in the app's log at every start, for nothing. (Django's migration keeps
-    only the ``CREATE``.)
+    """``ddl`` with the session's notes off: ``CREATE TABLE IF NOT EXISTS`` leaves one
+    that asyncmy fetches (a round trip) and logs at every start.
     """
     return [
         "SET @idemflow_sql_notes = @@session.sql_notes, SESSION sql_notes = 0",
@@ -119,15 +115,11 @@ def _quiet(ddl: list[str]) -> list[str]:
 def upsert_claim(table: str) -> str:
     """The takeover: ``INSERT … ON DUPLICATE KEY UPDATE``, every assignment guarded alike.
 
-    MySQL evaluates the assignments left to right, each seeing the columns
-    already changed (MariaDB too, unless ``SIMULTANEOUS_ASSIGNMENT`` is on, in
-    which case all see the old row). So the lease token goes first, guarded
-    by the takeover condition on the old row; every later assignment asks
-    "is the token ours now, or does the old row qualify", which gives the
-    same answer under both orders. ``state`` and ``expires_at`` go last because
-    ``created_at``, ``recovery_point`` and ``attempt`` need their old values to
-    tell a fresh intent (reset everything) from a retry of a released one
-    (keep its recovery point).
+    The lease token goes first, guarded by the takeover condition on the old row;
+    every later one asks "is the token ours now, or does the old row qualify",
+    right whether assignments see earlier ones (MySQL) or not (MariaDB's
+    ``SIMULTANEOUS_ASSIGNMENT``). ``state`` and ``expires_at`` go last: the others
+    need the old row to tell a new intent from a retry.
     """
     qualifies = TAKE_OVER_SQL
     taken = f"(lease_token <=> :lease_token OR {qualifies})"
@@ -256,11 +248,7 @@ def decided(record: Record | None, lease_token: str) -> Claim:
 
 
 def inserted(params: Mapping[str, Any], row_id: int) -> Record:
-    """The row our plain INSERT created: exactly the values we sent (``claim_params``).
-
-    Every claim of a new key builds one: positionally, without the frozen
-    dataclass's ``__init__`` (:func:`~idemflow._model.make_record`).
-    """
+    """The row our plain INSERT created: exactly the values we sent (``claim_params``)."""
     return make_record(
         row_id,
         params["principal"],

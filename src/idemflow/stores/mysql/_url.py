@@ -24,14 +24,10 @@ SSL_MODES = ("DISABLED", "PREFERRED", "REQUIRED", "VERIFY_CA", "VERIFY_IDENTITY"
 
 
 def connect_kwargs(url: str, driver: str = "pymysql") -> dict[str, Any]:
-    """``mysql://user:password@host:3306/db?found_rows=1`` → ``pymysql.connect`` arguments.
-
-    ``ssl-mode=REQUIRED``, ``VERIFY_CA`` and ``VERIFY_IDENTITY`` → ``ssl=`` one
-    :class:`ssl.SSLContext`, new on each call; ``DISABLED`` → ``ssl_disabled=True``;
-    ``PREFERRED``, or no ``ssl-mode``, → no TLS argument (PyMySQL's default is
-    ``PREFERRED``). With ``driver="asyncmy"``, ``asyncmy.connect`` arguments:
-    ``DISABLED`` (asyncmy's default) → no TLS argument, and ``PREFERRED`` is a
-    :class:`~idemflow.ConfigurationError`: asyncmy cannot fall back to plain TCP.
+    """``mysql://user:password@host:3306/db?found_rows=1`` → ``pymysql.connect`` (or, with
+    ``driver="asyncmy"``, ``asyncmy.connect``) arguments. ``ssl-mode``: REQUIRED and
+    VERIFY_* → ``ssl=`` a new context; DISABLED → off; PREFERRED or none → the
+    driver's default (asyncmy cannot fall back: ConfigurationError).
     """
     if driver not in ("pymysql", "asyncmy"):
         msg = f"connect_kwargs' driver is 'pymysql' or 'asyncmy', not {driver!r}"
@@ -102,13 +98,8 @@ def _ssl_options(query: str) -> tuple[str | None, str | None]:
 
 
 def unverified_context() -> ssl.SSLContext:
-    """TLS that checks neither the certificate nor the host name.
-
-    What PyMySQL's ``PREFERRED`` default and MySQL's ``REQUIRED`` encrypt with:
-    PyMySQL's own (``ssl.create_default_context()``, then ``check_hostname =
-    False``, ``verify_mode = CERT_NONE``) also loads the system CA bundle,
-    which a context that verifies nothing never consults: that load was the
-    ~20-65 ms of CPU each new connection paid.
+    """TLS that checks neither the certificate nor the host name (``PREFERRED``,
+    ``REQUIRED``), without loading the CA bundle it never consults (~20-65 ms).
     """
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False

@@ -1,15 +1,8 @@
-"""
-PostgreSQL: the production store, on psycopg 3.
-
-Why psycopg 3 and not asyncpg or SQLAlchemy Core: psycopg and asyncpg measured
-about equal on our two statements, but psycopg serves sync *and* async code
-with one driver, prepares repeated statements on the server by itself, and is
-what SQLAlchemy uses for PostgreSQL anyway; SQLAlchemy Core on the same
-statements cost about 40% of throughput. The pool hands out autocommit
-connections with no per-checkout reset query, so a claim is one round trip.
-
-Users who hold a SQLAlchemy ``Connection`` or ``Session`` still put the
-completion in their own transaction: see :mod:`idemflow.transactions`.
+"""PostgreSQL: the production store, on psycopg 3 (sync and async with one driver,
+statements prepared on the server by itself; SQLAlchemy Core cost ~40 % of
+throughput). Autocommit connections with no reset query: a claim is one round
+trip. A SQLAlchemy ``Connection`` or ``Session`` still takes the completion:
+:mod:`idemflow.transactions`.
 """
 
 from __future__ import annotations
@@ -104,15 +97,10 @@ def postgres_dialect(
 def purge_statement(table: str) -> Statement:
     """One bounded batch of expired records, found through the expiry index.
 
-    The batch's row addresses are read and locked once (the InitPlan, an index
-    scan on ``<table>_expires``) and deleted by TID scan: as ``id IN
-    (subquery)`` the planner hash-joins against a sequential scan of the whole
-    table for every batch. ``SKIP LOCKED``: a row a claim is taking over right
-    now is left for the next pass instead of waited for (the connections'
-    lock_timeout would fail the batch). The expiry is tested again on the
-    deleted row version (with the state: a record in flight or being recovered
-    is never purged), so a record taken over in between is kept; ``+ 0``
-    keeps that re-check from being planned as a second index scan.
+    Row addresses read and locked once, deleted by TID scan (``id IN (subquery)``
+    hash-joined a full scan per batch); ``SKIP LOCKED`` leaves a row being taken
+    over for the next pass; the expiry and state are tested again on the deleted
+    version (``+ 0``: not planned as a second index scan).
     """
     return Statement(
         f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
@@ -123,15 +111,9 @@ def purge_statement(table: str) -> Statement:
 
 
 def connection_options(claim_lock_timeout_ms: int, conninfo: str = "") -> dict[str, Any]:
-    """Autocommit connections whose lock waits are bounded.
-
-    A claim that meets another request's *uncommitted* claim (single-commit
-    mode) waits on its index entry; the bound turns the wait into a 409
-    instead of a held connection. Replays take no lock at all (the claim is
-    ``ON CONFLICT DO NOTHING``) and our other statements are single-row and
-    short, so nothing legitimate waits this long. Options already in
-    ``conninfo`` (a ``search_path``, say) are kept: a keyword would replace
-    them. Pass the same options if you bring your own pool.
+    """Autocommit connections whose lock waits are bounded: a claim meeting another's
+    uncommitted claim (single-commit mode) answers 409 instead of holding a
+    connection. Options already in ``conninfo`` are kept. Pass them to a pool of yours.
     """
     with optional("idemflow.stores.postgres"):
         from psycopg.conninfo import conninfo_to_dict
@@ -254,14 +236,14 @@ class PostgresStore(SQLStore):
         clock: StoreClock = "database",
         policy: Policy | None = None,
     ) -> None:
-        store_wait = (policy or Policy()).store_wait_seconds
+        self._store_wait = (policy or Policy()).store_wait_seconds
         self.pool: psycopg_pool.ConnectionPool[Any] = _open_pool(
-            pool, max_size, claim_lock_timeout_ms, store_wait, asynchronous=False
+            pool, max_size, claim_lock_timeout_ms, self._store_wait, asynchronous=False
         )
         options = _executor_options(
             self.pool,
             self.connection,
-            lambda: self._checkout(store_wait),
+            lambda: self._checkout(self._store_wait),
             table,
             claim_lock_timeout_ms,
             clock,
@@ -281,6 +263,10 @@ class PostgresStore(SQLStore):
     def _checkout(self, store_wait: float | None) -> LiveConnection:
         """:meth:`connection`, its waits bounded by ``store_wait`` (the store's own)."""
         return LiveConnection(self.pool, store_wait)
+
+    def cover_store_wait(self, seconds: float) -> None:
+        """A driver's store wait: the store's own checkouts and statements wait no longer."""
+        self._store_wait = min(self._store_wait, seconds)
 
     def close(self) -> None:
         self.pool.close()
@@ -307,14 +293,14 @@ class AsyncPostgresStore(AsyncSQLStore):
         clock: StoreClock = "database",
         policy: Policy | None = None,
     ) -> None:
-        store_wait = (policy or Policy()).store_wait_seconds
+        self._store_wait = (policy or Policy()).store_wait_seconds
         self.pool: psycopg_pool.AsyncConnectionPool[Any] = _open_pool(
-            pool, max_size, claim_lock_timeout_ms, store_wait, asynchronous=True
+            pool, max_size, claim_lock_timeout_ms, self._store_wait, asynchronous=True
         )
         options = _executor_options(
             self.pool,
             self.connection,
-            lambda: self._checkout(store_wait),
+            lambda: self._checkout(self._store_wait),
             table,
             claim_lock_timeout_ms,
             clock,
@@ -332,6 +318,10 @@ class AsyncPostgresStore(AsyncSQLStore):
         if self.pool.closed:  # never yet opened (or closed): opened by the first use
             return _OpeningConnection(self.pool, store_wait)
         return AsyncLiveConnection(self.pool, store_wait)
+
+    def cover_store_wait(self, seconds: float) -> None:
+        """A driver's store wait: the store's own checkouts and statements wait no longer."""
+        self._store_wait = min(self._store_wait, seconds)
 
     async def claim_on_lent(self, *args: Any, **kwargs: Any) -> Claim:
         """As the executor's, once the pool is open (the lent connection is taken from it)."""

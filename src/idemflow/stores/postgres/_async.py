@@ -1,16 +1,10 @@
-"""
-The PostgreSQL stores' checkout: a pooled connection, never one the server closed.
+"""The PostgreSQL stores' checkout: a pooled connection, never one the server closed.
 
-A restart of PostgreSQL (or a backend ended by ``pg_terminate_backend``) closes
-every pooled connection, and the pool learns that a connection is dead only
-when a statement fails on it: each would refuse one claim (a 503), and a
-completion that drew one would leave its key claimed, its outcome unknown,
-until the sweeper. The server's goodbye (its last message, then end of file)
-makes an idle connection's socket readable, so one non-blocking poll per
-checkout, no round trip, finds it; it is closed (the pool makes a new one in
-its place) and the next is taken. A socket readable for another reason (a
-notice) is asked with an empty statement, and kept if it answers.
-
+A restart closes every pooled connection and the pool learns it only when a
+statement fails (a refused claim, or a completion left unknown). The server's
+goodbye makes an idle socket readable, so one non-blocking poll per checkout
+finds it and the next is taken; a socket readable for another reason (a notice)
+is asked an empty statement.
 This is the async source of truth; ``idemflow/stores/postgres/_sync.py`` is generated
 from it by ``scripts/unasync.py``.
 """
@@ -29,12 +23,9 @@ _WAIT_INTERVAL = 0.1
 
 
 class AsyncLiveConnection:
-    """``pool.connection()`` that skips connections the server has closed.
-
-    ``store_wait``: on a connection of :func:`bounded_connection_class` (the pools the
-    stores make), how long each of its waits for the server may last while this
-    checkout holds it (the store's own statements); None (the application's
-    checkouts, and any other once this one ends) waits as psycopg does, unbounded.
+    """``pool.connection()`` that skips connections the server has closed. ``store_wait``
+    bounds each wait for the server while this checkout holds a bounded connection;
+    None waits as psycopg does.
     """
 
     __slots__ = ("_bounded", "_context", "_pool", "_store_wait")
@@ -46,7 +37,7 @@ class AsyncLiveConnection:
         self._bounded: Any = None  # the connection whose waits this checkout bounds
 
     async def __aenter__(self) -> Any:
-        context = self._pool.connection()
+        context = self._pool.connection(timeout=self._store_wait)
         conn = await context.__aenter__()
         if conn.closed or readable_now(conn.pgconn.socket):  # rare: a restart, a notice
             context, conn = await self._live(context, conn)
@@ -69,7 +60,7 @@ class AsyncLiveConnection:
                 await context.__aexit__(type(exc), exc, exc.__traceback__)
                 raise
             await context.__aexit__(None, None, None)
-            context = self._pool.connection()
+            context = self._pool.connection(timeout=self._store_wait)
             conn = await context.__aenter__()
             if not (conn.closed or readable_now(conn.pgconn.socket)):
                 return context, conn

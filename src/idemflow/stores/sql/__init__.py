@@ -1,18 +1,7 @@
-"""
-The SQL family: one executor for every relational store, and the public seam
-for adding a SQL database.
-
-- :mod:`idemflow.stores.sql.dialect`: :class:`Dialect` (the statements a
-  database speaks), :meth:`Dialect.standard`, :func:`on_database_clock`, and
-  the rules spelled in SQL (``TAKE_OVER_SQL``, ``PURGEABLE_SQL``, …);
-- :class:`SQLStore` / :class:`AsyncSQLStore`: run any dialect on DB-API
-  connections (``stores/sql/_async.py`` is the source, ``_sync.py`` is
-  generated from it by ``scripts/unasync.py``). They hold no SQL of their own
-  and take no decision about keys.
-
-:mod:`idemflow.stores.postgres` and :mod:`idemflow.stores.sqlite` are built
-from these pieces alone; ``docs/architecture.md`` ("Adding a store") walks
-through a new one.
+"""The SQL family: one executor for every relational store (:class:`SQLStore` /
+:class:`AsyncSQLStore`, no SQL and no decision of their own), and the public
+seam for adding a SQL database (:mod:`idemflow.stores.sql.dialect`).
+``docs/architecture.md`` ("Adding a store") walks through a new one.
 """
 
 from ..._deprecation import moved

@@ -1,11 +1,5 @@
-"""
-Run a :class:`~idemflow.stores.sql.Dialect` on async DB-API connections.
-
-It holds no SQL of its own and makes no decision about keys: it performs one
-store operation per call and maps driver failures to
-:class:`~idemflow.StoreUnavailable` at the boundary. Import it from
-:mod:`idemflow.stores.sql`.
-
+"""Run a :class:`~idemflow.stores.sql.Dialect` on async DB-API connections: one store
+operation per call, driver failures mapped to :class:`~idemflow.StoreUnavailable`.
 This is the async source of truth; ``idemflow/stores/sql/_sync.py`` is generated
 from it by ``scripts/unasync.py``.
 """
@@ -26,13 +20,13 @@ from ..._model import (
     State,
     can_take_over,
     make_claim,
-    record_from_row,
 )
 from ..protocol import AsyncMaintainableStore, AsyncTransaction, Statement
 from ._rows import RowShape, complete_params, row_shape, stale_params
 from ._stats import AsyncSQLObservable, is_missing_table, missing_table
 from .dialect import (
     CLAIM_RETRIES,
+    COLUMNS,
     Dialect,
     claim_busy,
     claim_params,
@@ -44,13 +38,12 @@ from .dialect import (
 
 __all__ = ["AsyncSQLStore"]
 
-_Row: TypeAlias = Mapping[str, Any] | None
-_Fetch: TypeAlias = Callable[[Statement, Mapping[str, Any]], Awaitable[_Row]]
-_Bind: TypeAlias = Callable[[Mapping[str, Any]], Any] | None
-#: The claim's first statement (text, binder: None to send the parameters as
-#: built), the read's, and whether the first is the dialect's claim_or_read
-#: (see AsyncSQLStore._claim_on).
-_ClaimPlan: TypeAlias = tuple[str, _Bind, str, _Bind, bool]
+#: A record statement's one row (a sequence) or None, and where the record sits in it.
+_Fetched: TypeAlias = tuple[Any, RowShape]
+_Fetch: TypeAlias = Callable[[Statement, Mapping[str, Any]], Awaitable[_Fetched]]
+#: How a transaction adapter's row (a mapping) is laid out for record_from_values.
+_LAID_OUT = (*COLUMNS, "clock_now", "claimed")
+_LAID_OUT_SHAPE = RowShape(0, len(COLUMNS), len(COLUMNS) + 1)
 
 
 class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
@@ -85,11 +78,8 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
 
     @property
     def supports_single_commit(self) -> bool:
-        """Can the claim join the caller's transaction without holding duplicates?
-
-        Only where the dialect bounds the wait on a concurrent uncommitted
-        claim (PostgreSQL's lock timeout). SQLite admits one writer: there a
-        duplicate would queue behind the whole transaction.
+        """Only where the dialect bounds a duplicate's wait on an uncommitted claim
+        (PostgreSQL's lock timeout); on SQLite it would queue behind the transaction.
         """
         return bool(self.dialect.before_claim_in_transaction)
 
@@ -117,20 +107,12 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         self._pyformat = paramstyle == "pyformat"
         self._is_unavailable = is_unavailable
         self._is_lock_timeout = is_lock_timeout
-        # Result column names per statement text (they cannot change), because
-        # psycopg builds ``cursor.description`` afresh on every access.
-        self._names: dict[str, tuple[str, ...]] = {}
         # Where each record statement's result holds the record, per text.
         self._shapes: dict[str, RowShape] = {}
-        self._claim_plan: _ClaimPlan | None = None
 
     def is_unavailable(self, exc: BaseException) -> bool:
         """Does ``exc``, a driver error, mean the database cannot serve us (fail closed)?
-
-        The rule this store's own operations answer ``StoreUnavailable`` by, for an
-        error met outside them on the same database: the driver asks it of the
-        ``BEGIN`` (a pooled transaction's checkout) of the caller's transaction,
-        which no store operation runs with two commits.
+        The driver asks it of the caller's transaction's ``BEGIN`` too.
         """
         return self._is_unavailable(exc)
 
@@ -155,13 +137,8 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         expires_at: float,
         lender: AsyncTransaction,
     ) -> Claim:
-        """:meth:`claim`, committed on its own, on the connection ``lender`` will use.
-
-        ``lender`` is the request's transaction, not yet begun (two-commit
-        mode). When it takes its connections from this store's own source, it
-        lends one now (and keeps it for the transaction) and the claim runs
-        there: one checkout per request instead of two. Otherwise the claim
-        runs as :meth:`claim` does, on a connection of the store's.
+        """:meth:`claim`, committed on its own, on the connection ``lender`` will use
+        when it takes connections from this store's source (one checkout per request).
         """
         params = claim_params(intent, lease_token, now, expires_at)
         return await self._claim_alone(params, intent.fingerprint, lender)
@@ -172,12 +149,8 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         fingerprint: str,
         lender: AsyncTransaction | None,
     ) -> Claim:
-        """A claim committed on its own: on the connection ``lender`` lends, when it
-        lends one the claim may run alone on, else on a connection of the store's.
-
-        The hot path, flat: one checkout, one cursor for every statement of the
-        claim, rows read as tuples, errors translated only when raised (one
-        place for :meth:`claim` and :meth:`claim_on_lent`, the lending included).
+        """A claim committed on its own, on the lent connection when it may run alone
+        there, else on the store's: one checkout, one cursor, errors translated only when raised.
         """
         try:
             lent = None
@@ -201,62 +174,12 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
             raise failure from exc
 
     async def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
-        """:meth:`_claim_with` on one cursor of the store's own connection.
+        """:meth:`_claim_with` on one cursor of the store's own connection, rows as tuples."""
 
-        Where the dialect has :attr:`~Dialect.claim_or_read`, the claim and the
-        read of a record it lost to are one statement (one round trip for a
-        replay); an empty answer (the holder committed after our snapshot, or
-        vanished) is asked again. Flat: the statements' texts and parameters
-        are chosen once per store (:meth:`_prepare_claim`), rows read as tuples.
-        """
-        plan = self._claim_plan or self._prepare_claim()
-        claim_text, claim_bind, read_text, read_bind, combined = plan
-        execute, fetchall, shapes = cursor.execute, cursor.fetchall, self._shapes
-        for _ in range(CLAIM_RETRIES):
-            if combined:
-                await execute(claim_text, params if claim_bind is None else claim_bind(params))
-                rows = await fetchall()
-                if not rows:
-                    continue
-                row = rows[0]
-                shape = shapes.get(claim_text) or self._learn_shape(claim_text, cursor)
-                if row[shape.claimed]:
-                    return make_claim(True, record_from_values(row, shape.start))
-            else:
-                await execute(claim_text, params if claim_bind is None else claim_bind(params))
-                rows = await fetchall()
-                if rows:
-                    shape = shapes.get(claim_text) or self._learn_shape(claim_text, cursor)
-                    return make_claim(True, record_from_values(rows[0], shape.start))
-                await execute(read_text, params if read_bind is None else read_bind(params))
-                rows = await fetchall()
-                if not rows:
-                    continue
-                row = rows[0]
-                shape = shapes.get(read_text) or self._learn_shape(read_text, cursor)
-            record = record_from_values(row, shape.start)
-            # On the store's clock (the database's, see on_database_clock): the
-            # take-over statement decides again on it, atomically.
-            if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
-                return make_claim(False, record)
-            row, shape = await self._row(cursor, self.dialect.take_over, params)
-            if row is not None:
-                return make_claim(True, record_from_values(row, shape.start))
-        raise claim_unsettled()
+        async def fetch(statement: Statement, params: Mapping[str, Any]) -> _Fetched:
+            return await self._row(cursor, statement, params)
 
-    def _prepare_claim(self) -> _ClaimPlan:
-        """The claim's statement texts and how to bind their parameters, once per store."""
-        dialect = self.dialect
-        combined = dialect.claim_or_read
-        first = combined if combined is not None else dialect.claim
-        read = dialect.read_for_claim
-
-        def binder(statement: Statement) -> _Bind:
-            return None if self._extra_params else statement.bind
-
-        plan = (self._text(first), binder(first), self._text(read), binder(read), bool(combined))
-        self._claim_plan = plan
-        return plan
+        return await self._claim_with(fetch, params, fingerprint)
 
     async def _row(
         self, cursor: Any, statement: Statement, params: Mapping[str, Any]
@@ -311,10 +234,16 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         A concurrent duplicate's uncommitted claim would make us wait on its
         index entry; the dialect bounds that wait and we answer 409 instead.
         """
+
+        async def fetch(statement: Statement, params: Mapping[str, Any]) -> _Fetched:
+            # The adapters answer rows as mappings: laid out as the executor's tuples.
+            row = await transaction.fetchone(statement, params)
+            return (None if row is None else [row.get(name) for name in _LAID_OUT]), _LAID_OUT_SHAPE
+
         with self._translate(), self._bounded_wait():
             for statement in self.dialect.before_claim_in_transaction:
                 await transaction.execute(statement, params)
-            claim = await self._claim_with(transaction.fetchone, params, fingerprint)
+            claim = await self._claim_with(fetch, params, fingerprint)
             for statement in self.dialect.after_claim_in_transaction:
                 await transaction.execute(statement, params)
             return claim
@@ -324,35 +253,33 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
     ) -> Claim:
         """Insert, or read and dispatch, or take over: ownership is decided by a statement.
 
-        The insert claims an absent key. A record that may be taken over
-        (expired, or released by this same request) is taken by a
-        compare-and-swap UPDATE; the read before it only spares replays that
-        UPDATE's row lock. A record that vanished in between (purged) or was
-        taken by a racing retry is simply tried again. (Rows as mappings: the
-        caller's transaction adapters answer so; the store's own connection
-        takes :meth:`_claim_on`.)
+        The takeover is a compare-and-swap UPDATE; the read before it spares replays
+        its row lock (``claim_or_read``: claim and read in one round trip). A record
+        that vanished or was taken meanwhile, or an empty answer, is tried again.
         """
         combined = self.dialect.claim_or_read
         for _ in range(CLAIM_RETRIES):
-            if combined is not None:  # one statement, as in _claim_on
-                row = await fetch(combined, params)
+            if combined is not None:
+                row, shape = await fetch(combined, params)
                 if row is None:
                     continue
-                if row["claimed"]:
-                    return Claim(owned=True, record=record_from_row(row))
+                if row[shape.claimed]:
+                    return make_claim(True, record_from_values(row, shape.start))
             else:
-                row = await fetch(self.dialect.claim, params)
+                row, shape = await fetch(self.dialect.claim, params)
                 if row is not None:
-                    return Claim(owned=True, record=record_from_row(row))
-                row = await fetch(self.dialect.read_for_claim, params)
+                    return make_claim(True, record_from_values(row, shape.start))
+                row, shape = await fetch(self.dialect.read_for_claim, params)
                 if row is None:
                     continue
-            record = record_from_row(row)
-            if not can_take_over(record, fingerprint, row["clock_now"] / 1000):
-                return Claim(owned=False, record=record)
-            row = await fetch(self.dialect.take_over, params)
+            record = record_from_values(row, shape.start)
+            # On the store's clock (the database's, see on_database_clock): the
+            # take-over statement decides again on it, atomically.
+            if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
+                return make_claim(False, record)
+            row, shape = await fetch(self.dialect.take_over, params)
             if row is not None:
-                return Claim(owned=True, record=record_from_row(row))
+                return make_claim(True, record_from_values(row, shape.start))
         raise claim_unsettled()
 
     async def complete(
@@ -537,27 +464,6 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
             if failure is exc:
                 raise
             raise failure from exc
-
-    async def _fetchone(
-        self, conn: Any, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        cursor = conn.cursor()
-        try:
-            await cursor.execute(self._text(statement), statement.bind(params))
-            # fetchall, not fetchone: it runs the statement to its end, so on
-            # SQLite an INSERT … RETURNING commits and frees the write lock
-            # now, not after our Python work (other writers sleep until then).
-            rows = await cursor.fetchall()
-            names = self._column_names(statement, cursor) if rows else ()
-        finally:
-            await cursor.close()
-        return dict(zip(names, rows[0], strict=True)) if rows else None
-
-    def _column_names(self, statement: Statement, cursor: Any) -> tuple[str, ...]:
-        names = self._names.get(statement.named)
-        if names is None:
-            names = self._names[statement.named] = tuple(c[0] for c in cursor.description)
-        return names
 
     def _text(self, statement: Statement) -> str:
         return statement.pyformat if self._pyformat else statement.named

@@ -1,17 +1,10 @@
-"""
-What a SQL dialect is made of: the statements every relational store speaks,
+"""What a SQL dialect is made of: the statements every relational store speaks,
 built once per dialect and table name, and the rules they spell in SQL.
 
-Backends differ in what they say, not in how the flow goes: a
-:class:`Dialect` is a bundle of statement texts; one executor
-(:class:`~idemflow.stores.sql.SQLStore` / :class:`~idemflow.stores.sql.AsyncSQLStore`)
-runs any of them. To add a SQL database, build its dialect with
-:meth:`Dialect.standard` (and :func:`create_table`, :func:`insert_claim`),
-replace the statements it spells differently with :func:`dataclasses.replace`,
-and wrap it with :func:`on_database_clock` (see ``docs/architecture.md``,
-"Adding a store"; :mod:`idemflow.stores.postgres` is the worked example).
-Times are integers of milliseconds since the epoch, on whose clock:
-``docs/stores.md``, "Clocks: the database's, or the caller's".
+A :class:`Dialect` is a bundle of statement texts; one executor runs any of
+them. A new database: :meth:`Dialect.standard`, :func:`dataclasses.replace` for
+what it spells differently, :func:`on_database_clock` (``docs/architecture.md``,
+"Adding a store"). Times are integer epoch milliseconds.
 """
 
 from __future__ import annotations
@@ -27,8 +20,8 @@ from ..._errors import InProgress
 from ..._model import (
     Intent,
     Record,
-    RecordBuilder,
     State,
+    make_record,
     make_response,
     stored_headers,
 )
@@ -92,12 +85,8 @@ def _owned_by_caller(alias: str = "") -> str:
 
 
 def _in_state(state: str, prefix: str = "") -> str:
-    """``state = '<state>'`` in a form no index can serve, for statements that name their row.
-
-    A connection that prepares a fenced write while the key table is empty or
-    unanalysed keeps a generic plan; with a bare ``state = …`` PostgreSQL's
-    picks the ``(state, updated_at)`` index for it, and every later execution
-    scans all rows in that state instead of finding one by its primary key
+    """``state = '<state>'`` in a form no index can serve, for statements that name their
+    row: a generic plan made on an empty table would otherwise scan the state index
     (tests/stores/test_postgres_plans.py).
     """
     return f"COALESCE({prefix}state, '') = '{state}'"
@@ -148,16 +137,10 @@ _INSTANTS = re.compile(r"(?<![:\w]):(expires_at|cutoff|keep_until)\b")
 def on_database_clock(dialect: _Statements, now_sql: str) -> _Statements:
     """``dialect`` (or any frozen dataclass of statements) on the database server's clock.
 
-    With several application hosts and a sweeper on yet another, their clocks
-    disagree; a sweeper whose clock runs ahead would call live claims stale,
-    and a claimer whose clock runs ahead would take settled keys over before
-    their retention ended. So ``:now`` becomes ``now_sql`` (the server's epoch
-    milliseconds, one value per statement), and the instants the caller
-    computes from its own clock (``:expires_at``, ``:cutoff``, ``:keep_until``)
-    keep only their distance from the caller's ``:now``: an expiry one hour
-    ahead is one hour after the *server's* now. ``created_at`` (``:began_at``)
-    and the sweeper's fence (``:marked_at``) are identities, never compared
-    with a clock, and stay as sent.
+    Hosts' clocks disagree: one ahead would call live claims stale or take keys over
+    early. ``:now`` becomes ``now_sql``; ``:expires_at``, ``:cutoff``, ``:keep_until``
+    keep their distance from the caller's ``:now``; ``:began_at`` and ``:marked_at``
+    are identities, sent as they are.
     """
 
     server_now = f"({now_sql})"
@@ -333,11 +316,8 @@ def create_table(
 
 
 def insert_claim(table: str) -> str:
-    """The claim: ``INSERT … ON CONFLICT (principal, key) DO NOTHING RETURNING``.
-
-    One row back: the key is ours. Nothing back: someone holds it, and we read
-    their record to dispatch. DO NOTHING takes no lock on an existing row, so
-    replays of a settled key never queue behind each other.
+    """The claim: ``INSERT … ON CONFLICT (principal, key) DO NOTHING RETURNING``. A row
+    back: ours. DO NOTHING locks no existing row, so replays never queue.
     """
     columns = ", ".join(COLUMNS)
     return (
@@ -350,15 +330,9 @@ def insert_claim(table: str) -> str:
 
 
 def claim_or_read(table: str, claim: str) -> str:
-    """``claim`` (an ``INSERT … DO NOTHING RETURNING``) and the row it lost to, in one statement.
-
-    The claim stays the one atomic decision: a row comes back with
-    ``claimed = 1`` only when the INSERT wrote it. Otherwise the same
-    statement reads the record that holds the key (``claimed = 0``), with
-    ``clock_now``: a replay is one round trip instead of two. The read sees
-    the statement's snapshot, so a key whose holder committed after it began
-    (a racing first claim) gives no row at all, and the executor asks again,
-    as when the record vanished between the two statements.
+    """``claim`` and the row it lost to, in one statement (``claimed`` 1 or 0, with
+    ``clock_now``): a replay in one round trip. A holder that committed after the
+    statement's snapshot gives no row; the executor asks again.
     """
     columns = ", ".join(COLUMNS)
     return (
@@ -374,13 +348,9 @@ CLOCK_NOW_BIGINT = "CAST(:now AS BIGINT) AS clock_now"
 
 
 def take_over_claim(table: str) -> str:
-    """The takeover: a compare-and-swap ``UPDATE … WHERE <may take over> RETURNING``.
-
-    Only tried when the record we read looks expired or released (see
-    :func:`idemflow._model.can_take_over`); the condition is repeated here so
-    that exactly one of several racing retries wins. A new intent (past
-    retention, not a retry) resets everything; a retry of a released record
-    keeps its recovery point, created_at and so its downstream keys.
+    """The takeover: a compare-and-swap ``UPDATE … WHERE <may take over> RETURNING``
+    (:func:`idemflow._model.can_take_over` in SQL, so one racing retry wins). A new
+    intent resets everything; a retry keeps its recovery point and created_at.
     """
     columns = ", ".join(COLUMNS)
     expired = NEW_INTENT_SQL
@@ -436,14 +406,10 @@ def row_mapping(description: Sequence[Any], row: Sequence[Any]) -> Mapping[str, 
 
 
 _STATES = {state.value: state for state in State}
-_new = object.__new__
 
 
 def record_from_values(row: Sequence[Any], start: int) -> Record:
-    """A Record straight from a result tuple holding ``COLUMNS`` from ``start`` (times in ms).
-
-    The replay and claim paths' one conversion: no dict, no per-field helpers.
-    """
+    """The one record decoder for SQL rows: ``COLUMNS`` from ``start`` (times in ms)."""
     (
         record_id, principal, key, fingerprint, endpoint, state, lease_token,
         recovery_point, correlation_id, status, headers, body,
@@ -454,24 +420,16 @@ def record_from_values(row: Sequence[Any], start: int) -> Record:
         if type(body) is not bytes:
             body = bytes(body or b"")
         response = make_response(int(status), body, stored_headers(headers))
-    # make_record's body, inline (the hot path's one record: no 14-argument call).
-    record: Any = _new(RecordBuilder)
-    record.id = record_id
-    record.principal = principal
-    record.key = key
-    record.fingerprint = fingerprint
-    record.endpoint = endpoint
-    record.state = _STATES[state]
-    record.lease_token = lease_token
-    record.created_at = created_at / 1000
-    record.updated_at = updated_at / 1000
-    record.expires_at = expires_at / 1000
-    record.correlation_id = correlation_id
-    record.recovery_point = recovery_point
-    record.response = response
-    record.attempt = int(attempt)
-    record.__class__ = Record
-    return record  # type: ignore[no-any-return]
+    return make_record(
+        record_id, principal, key, fingerprint, endpoint, _STATES[state], lease_token,
+        created_at / 1000, updated_at / 1000, expires_at / 1000,
+        correlation_id, recovery_point, response, int(attempt),
+    )  # fmt: skip
+
+
+def record_from_row(row: Mapping[str, Any]) -> Record:
+    """:func:`record_from_values` for a row as a mapping (the transaction adapters' shape)."""
+    return record_from_values([row[column] for column in COLUMNS], 0)
 
 
 #: ``SQLStatement`` of 0.1 is the contract's :class:`~idemflow.stores.protocol.Statement`;

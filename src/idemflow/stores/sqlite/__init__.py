@@ -111,11 +111,8 @@ class _Writer:
 
 
 class _Connections:
-    """One autocommit connection per (process, thread): sqlite3 objects must not cross either.
-
-    Calling it gives the connection for writes (under the process's lock on
-    the file, see :class:`_Writer`); :meth:`reader` gives it without the lock
-    (WAL readers never wait for the writer).
+    """One autocommit connection per (process, thread): sqlite3 objects cross neither.
+    Called: the connection for writes, under :class:`_Writer`; :meth:`reader`: without it.
     """
 
     def __init__(self, path: str, busy_timeout: float, *, checkpoints: bool = True) -> None:
@@ -130,7 +127,14 @@ class _Connections:
         writer: _Writer | None = getattr(self._local, "writer", None)
         if writer is None or self._local.pid != PID[0]:
             writer = self._open()
+        elif writer._timeout != self._busy_timeout:  # a driver shortened it since: on its thread
+            writer._timeout = self._busy_timeout
+            writer.conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
         return writer
+
+    def shorten(self, busy_timeout: float) -> None:
+        """Wait at most ``busy_timeout`` for a lock, each connection from its next call on."""
+        self._busy_timeout = min(self._busy_timeout, busy_timeout)
 
     def reader(self) -> nullcontext[sqlite3.Connection]:
         # nullcontext, not @contextmanager: a generator-based context manager
@@ -207,6 +211,10 @@ class SQLiteStore(SQLStore):
             extra_params=True,
         )
 
+    def cover_store_wait(self, seconds: float) -> None:
+        """A driver's store wait: no write waits longer for the file's lock."""
+        self._connections.shorten(seconds)
+
     def close(self) -> None:
         """Close the store's connections (one per thread that used it)."""
         self._connections.close()
@@ -222,11 +230,8 @@ class _Busy(enum.Enum):
 
 
 class _AtOnce(SQLiteStore):
-    """The file for writes on the event loop's own thread: nothing there may wait.
-
-    No busy timeout (SQLite's write lock is taken at once or not at all), and no
-    WAL checkpoint (its ``fsync`` would stall the loop; the write thread's commits
-    checkpoint).
+    """The file for writes on the event loop's thread: no busy timeout (the write lock
+    now or never) and no WAL checkpoint (its ``fsync`` would stall the loop).
     """
 
     _checkpoints = False
@@ -235,14 +240,9 @@ class _AtOnce(SQLiteStore):
         super().__init__(path, table=table, busy_timeout=0)
 
     def if_free(self, write: Callable[..., T], *args: Any) -> T | Literal[_Busy.BUSY]:
-        """``write(*args)`` here and now, in one ``BEGIN IMMEDIATE`` transaction, if it
-        can begin at once; else BUSY.
-
-        The process's lock on the file taken without waiting, then SQLite's write
-        lock at once. Either busy: BUSY, nothing is written, and the caller hops
-        to the write thread, which waits as before. Once both are held nothing in
-        ``write`` waits, and it commits whole or not at all. (Inline, not a
-        context manager: a generator-based one costs several times more.)
+        """``write(*args)`` now, in one ``BEGIN IMMEDIATE`` transaction, if both the process's
+        lock and SQLite's write lock are free at once; else BUSY and nothing is written.
+        (Inline, not a context manager: a generator-based one costs several times more.)
         """
         try:
             writer = self._connections()
@@ -274,14 +274,10 @@ class _AtOnce(SQLiteStore):
 class _WriteThread:
     """The async store's own writes, in turn, on one thread of its own (one per process).
 
-    They queue on the process's lock on the file anyway (:class:`_Writer`). From the
-    loop's default executor they took up to six threads, each with a connection of its
-    own, that handed that lock and the GIL to one another: with 32 concurrent clients
-    the demo served 14–20 % fewer protected requests than on one thread (docs/benchmarks.md,
-    "SQLite: the async store's writes on one thread"). On one thread each write follows
-    the last with no hand-over. Reads stay on the default executor: a WAL reader never
-    waits for the writer, so a replay is never queued behind a claim that waits for
-    another process's write lock.
+    They queue on the file's lock anyway; spread over the default executor they
+    handed it and the GIL to one another (14–20 % fewer requests at 32 clients:
+    docs/benchmarks.md, "SQLite: the async store's writes on one thread"). Reads
+    stay on the default executor: a WAL reader never waits for the writer.
     """
 
     def __init__(self) -> None:
@@ -298,11 +294,8 @@ class _WriteThread:
         return self.pending > 0 and self._pid == PID[0]
 
     async def idle(self) -> None:
-        """Return once no write handed over is pending (at once when none is).
-
-        A write on the loop's thread waits here rather than hop behind them: a hop
-        costs more than the write, and once one write had hopped, every write
-        arriving while it was pending hopped too, so under load they all did.
+        """Return once no write handed over is pending: a write on the loop's thread waits
+        here rather than hop behind them (under load, one hop made every write hop).
         """
         while self.busy():
             waiter = asyncio.get_running_loop().create_future()
@@ -365,11 +358,9 @@ CHECKPOINT_HOP = 64
 class AsyncSQLiteStore(AsyncMaintainableStore):
     """The SQLite store for asyncio code: each operation is one hop to a thread, or none.
 
-    The writes without the caller's transaction hop to one thread of the store's,
-    in turn; the reads to the loop's default executor. A claim, completion,
-    checkpoint or release runs where it is awaited instead, once no write handed
-    over is pending, when both locks on the file are free (:meth:`_write`); one
-    completion in :data:`CHECKPOINT_HOP` hops, for the WAL's checkpoint.
+    Writes run where they are awaited when both locks on the file are free and no
+    handed-over write is pending (:meth:`_write`), else on the store's write thread;
+    reads on the default executor.
     """
 
     supports_transactions = True
@@ -402,6 +393,10 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
         """See :meth:`idemflow.stores.sql.AsyncSQLStore.is_unavailable`."""
         return is_unavailable(exc)
 
+    def cover_store_wait(self, seconds: float) -> None:
+        """:meth:`SQLiteStore.cover_store_wait`."""
+        self.sync.cover_store_wait(seconds)
+
     async def claim(
         self,
         intent: Intent,
@@ -418,11 +413,9 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
         )
 
     async def _write(self, at_once: Callable[..., T], on_thread: Callable[..., T], *args: Any) -> T:
-        """``at_once(*args)`` on the loop's thread, once no write handed over is pending,
-        if both locks on the file are free; else ``on_thread(*args)`` on the write thread.
-
-        A hop to the write thread costs more CPU than the statement it carries (~130
-        against ~50 µs: docs/benchmarks.md, "The async SQLite store's hop to its thread").
+        """``at_once(*args)`` on the loop's thread when no handed-over write is pending and
+        both locks are free; else ``on_thread(*args)``: a hop costs more CPU than the
+        statement (~130 against ~50 µs: docs/benchmarks.md).
         """
         await self._writes.idle()
         done = self._at_once.if_free(at_once, *args)
@@ -451,12 +444,8 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
             await self._write(self._at_once.complete, self.sync.complete, *args)
 
     def _checkpoint_due(self) -> bool:
-        """Is this completion the one in :data:`CHECKPOINT_HOP` that hops to the write thread?
-
-        The loop's thread never checkpoints the WAL (the ``fsync`` would stall
-        it), so with every write there the WAL would grow without end. SQLite
-        checkpoints on a commit that finds the WAL past 1,000 pages: every
-        ``CHECKPOINT_HOP``-th completion commits on the write thread to let it.
+        """Is this completion the one in :data:`CHECKPOINT_HOP` that commits on the write
+        thread? The loop's thread never checkpoints, so the WAL would grow without end.
         """
         self._completions += 1
         return self._completions % CHECKPOINT_HOP == 0

@@ -1,0 +1,407 @@
+"""
+Key records in the Django project's own database, through Django's connections.
+
+:class:`DjangoStore` runs the SQL every idemflow store speaks (the PostgreSQL,
+MySQL/MariaDB or SQLite dialect, chosen from ``connection.vendor``) on the
+connections of a ``DATABASES`` alias. Which connection a statement runs on (the
+thread's own in autocommit, the request's for a claim lent on PostgreSQL,
+otherwise a side connection with bounded lock waits, always on MySQL/MariaDB):
+docs/frameworks/django.md, "Transactions, ``ATOMIC_REQUESTS`` and what commits
+when". The view's transaction is ``idemflow.integrations.django.DjangoTransaction``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .._errors import ConfigurationError
+from .._extras import optional
+from .._model import Claim, Intent, Record, Response, State
+from . import mysql, postgres, sqlite
+from .protocol import MaintainableStore, Transaction, check_clock
+from .sql import Dialect, SQLStore
+
+with optional("idemflow.stores.django"):
+    from django.db import DEFAULT_DB_ALIAS, connections
+    from django.db.utils import InterfaceError, OperationalError
+
+__all__ = ["DjangoStore"]
+
+DEFAULT_TABLE = "idemflow_keys"
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The driver's own error behind Django's wrapper (``django.db.utils.*``)."""
+    return exc.__cause__ if exc.__cause__ is not None else exc
+
+
+def _unavailable(vendor: str) -> Callable[[BaseException], bool]:
+    """Driver errors that mean "cannot reach the key store": a 503, fail closed."""
+
+    def check(exc: BaseException) -> bool:
+        if isinstance(exc, InterfaceError):
+            return True
+        if not isinstance(exc, OperationalError):
+            return False
+        if vendor == "sqlite":
+            return sqlite.is_unavailable(_cause(exc))
+        if vendor == "mysql":
+            return mysql.error_code(exc) in mysql.UNAVAILABLE_CODES
+        return True  # PostgreSQL: as PostgresStore, any OperationalError is an outage
+
+    return check
+
+
+def _pg_lock_timeout(exc: BaseException) -> bool:
+    """SQLSTATE 55P03 from psycopg 3 (``sqlstate``) or psycopg2 (``pgcode``)."""
+    cause = _cause(exc)
+    return (getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)) == "55P03"
+
+
+# --- connections --------------------------------------------------------------------------
+
+
+class _SideConnections:
+    """One extra connection per (thread, alias), in autocommit, with bounded lock waits.
+
+    Django's connections belong to the thread that made them; so do these.
+    A connection that raised is closed, so the next use reconnects.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, using: str) -> Any:
+        opened: dict[str, Any] = self._local.__dict__.setdefault("opened", {})
+        conn = opened.get(using)
+        if conn is None:
+            conn = opened[using] = connections.create_connection(using)
+        if conn.connection is None:
+            conn.ensure_connection()
+            with conn.cursor() as cursor:
+                for statement in _session_bounds(conn.vendor):
+                    cursor.execute(statement)
+        return conn
+
+    def discard(self, using: str) -> None:
+        conn = self._local.__dict__.get("opened", {}).pop(using, None)
+        if conn is not None:
+            conn.close()
+
+
+def _session_bounds(vendor: str) -> tuple[str, ...]:
+    if vendor == "postgresql":
+        return (f"SET lock_timeout = '{postgres.DEFAULT_CLAIM_LOCK_TIMEOUT_MS}ms'",)
+    if vendor == "mysql":
+        return (f"SET SESSION innodb_lock_wait_timeout = {mysql.DEFAULT_LOCK_WAIT_TIMEOUT}",)
+    return ()
+
+
+_side = _SideConnections()
+
+#: The connection a lent claim runs on, per thread: ``{alias: connection}`` while
+#: :meth:`DjangoStore.claim_on_lent` claims alone on the request's own connection.
+_lent = threading.local()
+
+
+def _pooled(using: str) -> bool:
+    """Does the alias take its connections from Django's pool (``OPTIONS["pool"]``)?"""
+    return bool(connections.settings[using].get("OPTIONS", {}).get("pool"))
+
+
+def _busy(conn: Any) -> bool:
+    """Is the thread's connection inside a transaction (an atomic block, or autocommit off)?"""
+    if conn.in_atomic_block:
+        return True
+    if conn.connection is None:
+        conn.ensure_connection()  # what getautocommit() does first
+    return not conn.autocommit
+
+
+class store_connection:
+    """The connection a store statement runs on (see the module's docstring).
+
+    A class, not a generator: it is entered for every claim.
+    """
+
+    __slots__ = ("_always_side", "_side", "_using")
+
+    def __init__(self, using: str, *, always_side: bool) -> None:
+        self._using = using
+        self._always_side = always_side
+        self._side = False
+
+    def __enter__(self) -> Any:
+        lent = _lent.__dict__.get(self._using)
+        if lent is not None:
+            return lent
+        shared = connections[self._using]
+        if not self._always_side and not _busy(shared):
+            return shared
+        self._side = True
+        return _side.get(self._using)
+
+    def __exit__(self, kind: Any, exc: Any, traceback: Any) -> None:
+        # Its session state is unknown after an error; a pooled one goes back to
+        # Django's pool after each use, never held between requests.
+        if self._side and (kind is not None or _pooled(self._using)):
+            _side.discard(self._using)
+
+
+class _Pool:
+    """What :class:`~idemflow.stores.mysql.MySQLStore` asks of its pool, on Django's connections."""
+
+    def __init__(self, using: str) -> None:
+        self.using = using
+
+    def connection(self) -> Any:
+        return store_connection(self.using, always_side=True)
+
+    def close(self) -> None:
+        _side.discard(self.using)
+
+
+class _MySQL(mysql.MySQLStore):
+    """MySQLStore's claim algorithm on Django's connections instead of its own pool.
+
+    ``MySQLStore.__init__`` is not called: its pool would hand one thread's
+    connection to another, which Django's connections refuse.
+    """
+
+    def __init__(self, using: str, table: str, clock: str, lock_wait_timeout: int) -> None:
+        self.statements = mysql.mysql_statements(table, check_clock(clock))
+        self.lock_wait_timeout = lock_wait_timeout
+        self.pool = _Pool(using)  # type: ignore[assignment]
+        SQLStore.__init__(
+            self,
+            dialect_for("mysql", table, clock),
+            self.pool.connection,
+            paramstyle="pyformat",
+            is_unavailable=_unavailable("mysql"),
+            is_lock_timeout=mysql.is_contention,
+        )
+
+
+def dialect_for(vendor: str, table: str, clock: str = "caller") -> Dialect:
+    """The statements idemflow's own store for ``vendor`` runs (DDL included)."""
+    if vendor == "mysql":
+        return mysql.mysql_dialect(table, check_clock(clock))
+    if vendor == "postgresql":
+        return postgres.postgres_dialect(
+            table, postgres.DEFAULT_CLAIM_LOCK_TIMEOUT_MS, check_clock(clock)
+        )
+    if vendor == "sqlite":
+        # SQLite has no server clock to move to: the caller's is the only one.
+        return sqlite.sqlite_dialect(table)
+    msg = f"DjangoStore supports PostgreSQL, MySQL/MariaDB and SQLite, not {vendor!r}"
+    raise ConfigurationError(msg)
+
+
+def _inner_store(using: str, table: str, clock: str) -> SQLStore:
+    vendor = connections[using].vendor
+    if vendor == "mysql":
+        return _MySQL(using, table, clock, mysql.DEFAULT_LOCK_WAIT_TIMEOUT)
+    dialect = dialect_for(vendor, table, clock)
+
+    def connect() -> Any:
+        return store_connection(using, always_side=False)
+
+    # Django's cursors take %(name)s on every backend (its SQLite wrapper converts them).
+    return SQLStore(
+        dialect,
+        connect,
+        paramstyle="pyformat",
+        is_unavailable=_unavailable(vendor),
+        is_lock_timeout=_pg_lock_timeout if vendor == "postgresql" else _never,
+    )
+
+
+def _never(exc: BaseException) -> bool:
+    return False  # SQLite: one writer, no lock wait to bound
+
+
+# --- the store ----------------------------------------------------------------------------
+
+
+class DjangoStore(MaintainableStore):
+    """Key records in a ``DATABASES`` alias, on Django's connections.
+
+    Args:
+        using: the alias (the key table and the completion live there).
+        table: the key table, created by ``manage.py migrate`` (the app's migration).
+        clock: ``"database"`` (default) takes every time decision on the
+            server's clock (PostgreSQL, MySQL); ``"caller"`` on the ``now``
+            each call passes (tests with a frozen clock). SQLite has only the caller's.
+    """
+
+    supports_transactions = True
+
+    def __init__(
+        self, using: str = DEFAULT_DB_ALIAS, *, table: str = DEFAULT_TABLE, clock: str = "database"
+    ) -> None:
+        self.using = using
+        self.table = table
+        self._inner = _inner_store(using, table, clock)
+        self.dialect = self._inner.dialect
+
+    @property
+    def vendor(self) -> str:
+        return str(connections[self.using].vendor)
+
+    @property
+    def supports_single_commit(self) -> bool:
+        """PostgreSQL and MySQL bound a duplicate's wait on an uncommitted claim; SQLite cannot."""
+        return bool(self._inner.supports_single_commit)
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """See :meth:`idemflow.stores.sql.SQLStore.is_unavailable`."""
+        return self._inner.is_unavailable(exc)
+
+    @functools.cached_property
+    def _lends(self) -> bool:
+        """On PostgreSQL (the vendor Django pools), a claim runs on the request's connection."""
+        return self.vendor == "postgresql"
+
+    def claim_on_lent(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        lender: Transaction,
+    ) -> Claim:
+        """:meth:`claim`, on the connection the request's Django transaction uses.
+
+        Inside an atomic block whose transaction has sent nothing yet, the claim commits
+        alone on the request's own connection (one connection per request, a duplicate
+        sees it at once); once it has begun, on the side connection. Never as one of the
+        request's writes: it would vanish with a crash after an external call.
+        """
+        if not self._lends:
+            return self.claim(intent, lease_token, now, expires_at)
+        conn = lender.lend((self.using,))
+        if conn is None or not conn.in_atomic_block:
+            return self.claim(intent, lease_token, now, expires_at)
+        raw = idle_psycopg3(conn)
+        if raw is None:  # begun on the server: committed alone on the side connection
+            return self.claim(intent, lease_token, now, expires_at)
+        _lent.__dict__[self.using] = conn
+        try:
+            with autocommit(raw):
+                claim = self._inner.claim(intent, lease_token, now, expires_at)
+        finally:
+            del _lent.__dict__[self.using]
+        return claim
+
+    def claim(
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        transaction: Transaction | None = None,
+    ) -> Claim:
+        return self._inner.claim(intent, lease_token, now, expires_at, transaction)
+
+    def complete(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        expires_at: float,
+        transaction: Transaction | None = None,
+    ) -> None:
+        self._inner.complete(record, state, response, now, expires_at, transaction)
+
+    def release(self, record: Record, now: float, transaction: Transaction | None = None) -> bool:
+        return self._inner.release(record, now, transaction)
+
+    def checkpoint(
+        self,
+        record: Record,
+        recovery_point: str,
+        now: float,
+        transaction: Transaction | None = None,
+    ) -> None:
+        self._inner.checkpoint(record, recovery_point, now, transaction)
+
+    def get(self, principal: str, key: str) -> Record | None:
+        return self._inner.get(principal, key)
+
+    def sweep(
+        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
+    ) -> list[Record]:
+        return self._inner.sweep(from_state, cutoff, now, keep_until, limit)
+
+    def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
+        return self._inner.next_due(from_state, cutoff, now)
+
+    def settle_stale(
+        self,
+        record: Record,
+        state: State,
+        response: Response,
+        now: float,
+        expires_at: float,
+        transaction: Transaction | None = None,
+    ) -> bool:
+        return self._inner.settle_stale(record, state, response, now, expires_at, transaction)
+
+    def release_stale(
+        self,
+        record: Record,
+        now: float,
+        transaction: Transaction | None = None,
+        *,
+        forget_progress: bool = False,
+    ) -> bool:
+        return self._inner.release_stale(record, now, transaction, forget_progress=forget_progress)
+
+    def purge(self, now: float, limit: int) -> int:
+        return self._inner.purge(now, limit)
+
+    def migrate(self) -> None:
+        """Create the key table as ``idemflow migrate`` does (``manage.py migrate`` is the
+        Django way; both give the same schema)."""
+        self._inner.migrate()
+
+    def close(self) -> None:
+        """Close this thread's side connection (the thread's own belongs to Django)."""
+        _side.discard(self.using)
+
+
+# --- the view's transaction ---------------------------------------------------------------
+
+
+def idle_psycopg3(conn: Any) -> Any:
+    """psycopg 3's connection under ``conn``, if no transaction is open on the server
+    (psycopg sends Django's BEGIN with the first statement: until then a statement
+    may commit alone, in autocommit).
+    """
+    raw = conn.connection
+    if raw is None or not is_psycopg3(raw) or conn.needs_rollback or raw.autocommit:
+        return None
+    from psycopg.pq import TransactionStatus
+
+    return raw if raw.info.transaction_status == TransactionStatus.IDLE else None
+
+
+@contextmanager
+def autocommit(raw: Any) -> Iterator[None]:
+    """psycopg 3's ``raw`` in autocommit for the block (Django's bookkeeping unchanged)."""
+    raw.autocommit = True
+    try:
+        yield
+    finally:
+        if not raw.closed and not raw.broken:  # a connection gone: Django closes it
+            raw.autocommit = False
+
+
+def is_psycopg3(raw: Any) -> bool:
+    """Is ``raw`` a psycopg 3 connection (not psycopg2's)?"""
+    return type(raw).__module__.split(".", 1)[0] == "psycopg"
