@@ -192,8 +192,9 @@ def test_the_reference_shows_each_name_once_and_no_django_plumbing(site: Path) -
     documented = anchors(site)
     assert {a for a in documented if a.endswith(".EdgeOptions")} == {"idemflow.edge.EdgeOptions"}
     plumbing = ("claim_on_lent", "lend", "execute_and_commit")
-    django = "idemflow.integrations.django."
+    django = ("idemflow.integrations.django.", "idemflow.stores.django.")
     assert {a for a in documented if a.startswith(django) and a.endswith(plumbing)} == set()
+    assert "idemflow.stores.django.DjangoStore.claim" in documented
     assert "idemflow.stores.protocol.Transaction.lend" in documented
     assert Idempotency.init_app.__doc__
     assert "idemflow.integrations.flask.Idempotency.init_app" in documented
