@@ -25,7 +25,7 @@ def test_a_path_runs_just_pytest_on_it(tmp_path: Path) -> None:
     executable(tmp_path / ".venv" / "bin" / "python", 'echo "python $*"')
 
     done = subprocess.run(
-        [tmp_path / "scripts" / "test", "tests/test_key.py", "-x"],
+        [tmp_path / "scripts" / "test", "tests/core/test_key.py", "-x"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -33,4 +33,4 @@ def test_a_path_runs_just_pytest_on_it(tmp_path: Path) -> None:
     )
 
     assert (done.returncode, done.stderr) == (0, "")
-    assert done.stdout == "python -m pytest tests/test_key.py -x\n"
+    assert done.stdout == "python -m pytest tests/core/test_key.py -x\n"
