@@ -184,6 +184,19 @@ def test_the_state_machine_and_every_scenario_is_a_diagram(site: Path) -> None:
     assert html.count('<pre class="mermaid">') >= 1 + len(SCENARIOS)
 
 
+#: A Sphinx role (``:class:`X```) mkdocstrings would print as it is, colons and all.
+UNRENDERED_ROLE = re.compile(r":(?:class|func|meth|data|attr|exc|mod|obj|const|py:\w+):(?=`|<code)")
+
+
+def test_the_site_shows_no_unrendered_sphinx_role(site: Path) -> None:
+    """Docstrings cross-reference in Markdown (`X` or [X][idemflow.X]), which renders."""
+    found = {
+        str(page.relative_to(site)): len(UNRENDERED_ROLE.findall(page.read_text()))
+        for page in site.rglob("*.html")
+    }
+    assert {page: count for page, count in found.items() if count} == {}
+
+
 def test_the_reference_shows_each_name_once_and_no_django_plumbing(site: Path) -> None:
     """EdgeOptions at its home only; the Django store's and transaction's side of the store
     contract (the driver's calls) is the protocol's entry, not a Django API."""

@@ -125,7 +125,7 @@ class AsyncIdempotency:
         single_commit: bool = False,
     ) -> Outcome:
         """Claim ``intent``, then replay, refuse, or run ``handler`` once. With
-        ``transaction`` (:mod:`idemflow.transactions`) the completion commits with the
+        ``transaction`` (`idemflow.transactions`) the completion commits with the
         handler's writes; ``single_commit=True`` puts the claim in it too."""
         async_checked_handler(handler)
         refuse_run(
@@ -359,7 +359,7 @@ class _Performer:
             await self._transaction.begin()
 
     async def _begin_for_handler(self) -> None:
-        """:meth:`_begin`, whose error is the request's: one the transaction's or the
+        """`_begin`, whose error is the request's: one the transaction's or the
         store's rule calls unavailable is a 503, the key given back on the store's."""
         try:
             await self._begin()

@@ -1,17 +1,17 @@
 """
 idemflow for FastAPI, transactional mode: ``pip install 'idemflow[fastapi]'``.
 
-:class:`IdempotentRoute` (a route class) protects every route whose endpoint
-takes an :class:`IdempotentRequest` parameter, made by :func:`dependency`
+`IdempotentRoute` (a route class) protects every route whose endpoint
+takes an `IdempotentRequest` parameter, made by `dependency`
 (a ``psycopg_pool.AsyncConnectionPool``, or an
-:class:`~idemflow.integrations.starlette.Idempotent` for any other store).
+[`Idempotent`][idemflow.integrations.starlette.Idempotent] for any other store).
 The endpoint runs whole inside the claim, in the transaction the completion
 is written in, and keeps FastAPI's ``response_model``; the route class reads
 the body bounded, documents the key and the problems in the OpenAPI document
 and refuses mistakes at start-up. Quick start, how a request goes, the
 OpenAPI document, optional keys, the mistakes refused and the earlier
 ``idem.run(handler)`` form: docs/frameworks/fastapi.md. For middleware mode,
-use :class:`idemflow.integrations.starlette.IdempotencyMiddleware`.
+use `idemflow.integrations.starlette.IdempotencyMiddleware`.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the
@@ -65,9 +65,9 @@ class _Protection:
 class IdempotentRequest:
     """One request's handle on transactional idempotency.
 
-    Under :class:`IdempotentRoute` the endpoint already runs protected: write
-    on :attr:`connection` and return what FastAPI should serialise. Otherwise
-    call :meth:`run` with a handler.
+    Under `IdempotentRoute` the endpoint already runs protected: write
+    on `connection` and return what FastAPI should serialise. Otherwise
+    call `run` with a handler.
     """
 
     def __init__(
@@ -177,25 +177,25 @@ def dependency(
     options: EdgeOptions | None = None,
     observer: Observer | None = None,
 ) -> Callable[..., Any]:
-    """A FastAPI dependency yielding :class:`IdempotentRequest`.
+    """A FastAPI dependency yielding `IdempotentRequest`.
 
     Args:
         idempotent: the transactional configuration (store, connections,
-            options): an :class:`~idemflow.integrations.starlette.Idempotent`,
+            options): an [`Idempotent`][idemflow.integrations.starlette.Idempotent],
             or, as a shorthand, a ``psycopg_pool.AsyncConnectionPool`` of
             autocommit connections: keys in its database (the
             ``idemflow_keys`` table), the endpoint's transaction on a
             connection of the same pool, ``policy``, ``options`` and
-            ``observer`` (metrics: :class:`~idemflow.metrics.PrometheusMetrics`)
+            ``observer`` (metrics: [`PrometheusMetrics`][idemflow.metrics.PrometheusMetrics])
             as given.
         principal: your authentication dependency; FastAPI runs it first, and
             what it returns (a ``str``, or an object with ``identity`` or
             ``username``; None for nobody, answered 401) scopes the key. For
-            starlette's ``AuthenticationMiddleware`` pass :func:`scope_user`.
+            starlette's ``AuthenticationMiddleware`` pass `scope_user`.
             Only a ``public`` endpoint (``EdgeOptions(public=True)``) may omit it.
         required: whether a request must carry an ``Idempotency-Key`` (400
             ``missing-key`` without one). With False (and
-            :class:`IdempotentRoute`), a request without one runs unprotected,
+            `IdempotentRoute`), a request without one runs unprotected,
             once, in a transaction of its own; the header is documented optional.
 
     Raises:
@@ -284,7 +284,7 @@ def principal_name(who: Any) -> str | None:
 
 
 class IdempotentRoute(APIRoute):
-    """An ``APIRoute`` that protects endpoints taking an :class:`IdempotentRequest` parameter.
+    """An ``APIRoute`` that protects endpoints taking an `IdempotentRequest` parameter.
 
     ``APIRouter(route_class=IdempotentRoute)``, or ``app.router.route_class =
     IdempotentRoute`` before the routes are declared. A route without the
@@ -325,7 +325,7 @@ class IdempotentRoute(APIRoute):
 
 
 def _protected_parameter(route: APIRoute) -> tuple[str, _Protection] | None:
-    """The endpoint parameter that receives the :class:`IdempotentRequest`, and its protection."""
+    """The endpoint parameter that receives the `IdempotentRequest`, and its protection."""
     found: list[tuple[str | None, _Protection]] = []
     for dependant in route.dependant.dependencies:
         protection = getattr(dependant.call, _MARK, None)

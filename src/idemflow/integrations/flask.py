@@ -1,12 +1,12 @@
 """
 idemflow for Flask: ``pip install 'idemflow[flask]'``.
 
-:class:`Idempotency` (``Idempotency(app, db=db)``, then ``@idem.protect`` on a
+`Idempotency` (``Idempotency(app, db=db)``, then ``@idem.protect`` on a
 view) runs the view once per ``(principal, Idempotency-Key)``; its
 ``db.session`` writes and the stored response commit in one transaction, so
 no crash keeps one without the other. Configured through ``app.config``
 (``IDEMFLOW_*``); ``flask idemflow migrate|sweep|purge`` manage the key table.
-:func:`handle_outcome_unknown` answers ``OutcomeUnknown`` behind the WSGI
+`handle_outcome_unknown` answers ``OutcomeUnknown`` behind the WSGI
 middleware (which registers it itself).
 Quick start, configuration, principal, transaction, replay authorization,
 bodies that cannot be stored: docs/frameworks/flask.md; behind the WSGI
@@ -153,7 +153,7 @@ class Idempotency:
         store: a store object instead of ``IDEMFLOW_STORE``.
         principal: returns the caller's id (None when anonymous).
         observer: told every outcome of every protected request (claimed,
-            replayed, released, …), e.g. an :class:`idemflow.metrics.PrometheusMetrics`.
+            replayed, released, …), e.g. an `idemflow.metrics.PrometheusMetrics`.
         authorize_replay: ``(record) -> bool``, asked before a stored response
             is replayed; False answers 403. Or ``IDEMFLOW_AUTHORIZE_REPLAY``,
             not both. A plain function: an ``async def`` one is a
@@ -446,7 +446,7 @@ def _to_flask(response: Response) -> FlaskResponse:
 def handle_outcome_unknown(app: Flask) -> None:
     """Register the error handler that tells the WSGI middleware about an ``OutcomeUnknown``.
 
-    For an app behind :class:`idemflow.integrations.wsgi.IdempotencyMiddleware`,
+    For an app behind `idemflow.integrations.wsgi.IdempotencyMiddleware`,
     optional: without it Flask answers the view's ``OutcomeUnknown`` with a 500
     (or, with ``PROPAGATE_EXCEPTIONS``, raises it), and the middleware, which
     noted the ``OutcomeUnknown`` made while the app ran, keeps the claim all the
@@ -457,7 +457,7 @@ def handle_outcome_unknown(app: Flask) -> None:
     ``OutcomeUnknown`` only, more specifically than an app's own
     ``errorhandler(Exception)``; an app's own ``errorhandler(OutcomeUnknown)``
     replaces it, and must then call
-    :func:`idemflow.integrations.wsgi.report_outcome_unknown` itself; one the
+    `idemflow.integrations.wsgi.report_outcome_unknown` itself; one the
     app registered before is kept (this registers nothing then). The WSGI
     middleware calls it on the Flask app it wraps.
     ``@idem.protect`` views never reach it: their edge answers it first.

@@ -1,11 +1,11 @@
 """
 A Django request through idemflow's sync edge, and back as a Django response.
 
-Shared by :func:`~.views.idempotent` and :class:`~.middleware.IdempotencyMiddleware`:
-both build an :class:`~idemflow._http.HTTPRequest` from the request (the route
+Shared by [`idempotent`][idemflow.integrations.django.idempotent] and `IdempotencyMiddleware`:
+both build an [`HTTPRequest`][idemflow.edge.HTTPRequest] from the request (the route
 *template* Django matched, its parameters, the raw headers, the body read
 whole and bounded) and run the view as the handler inside
-:class:`~.store.DjangoTransaction`, so the view's ORM writes and the
+`DjangoTransaction`, so the view's ORM writes and the
 completion commit together.
 """
 
@@ -107,7 +107,7 @@ def replay_authorizer(chosen: IdemflowSettings) -> _ReplayHook | None:
 
 
 def check_replay_authorizer(chosen: IdemflowSettings) -> None:
-    """:func:`replay_authorizer` at start-up (``AppConfig.ready``, the middleware's
+    """`replay_authorizer` at start-up (``AppConfig.ready``, the middleware's
     ``__init__``): a wrong path or an ``async def`` hook is ``ImproperlyConfigured`` then,
     not a 500 problem on every protected request. So is an ``async def`` principal getter
     given as a callable (one given by its path is checked where it is imported, at the
@@ -251,7 +251,7 @@ def protect(
     """Run ``view`` once per ``(principal, Idempotency-Key)`` in its own transaction.
 
     ``validate`` runs after the body was read and before anything is claimed:
-    an :class:`InvalidData` it raises is a 400 ``invalid-body`` problem, anything
+    an `InvalidData` it raises is a 400 ``invalid-body`` problem, anything
     else (a DRF ``ValidationError``, Django's ``BadRequest``) passes through;
     neither is recorded. ``authorize_replay``: the view's own replay hook, in
     place of ``IDEMFLOW['authorize_replay']``.

@@ -11,7 +11,7 @@ get the stored response byte for byte, with ``Idempotent-Replayed: true``.
 DRF actions, validation, ``async def`` views: docs/frameworks/django.md,
 "Three ways to protect an endpoint"; replays: "Authorization on replay";
 ``ATOMIC_REQUESTS`` (a decorated function view opts out of it, a method runs
-inside it, see :class:`~.store.DjangoTransaction`): "Transactions,
+inside it, see `DjangoTransaction`): "Transactions,
 ``ATOMIC_REQUESTS`` and what commits when".
 """
 
@@ -165,7 +165,7 @@ def _awaitable(protected: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def idempotency_public(view: _View) -> _View:
-    """Mark a view deliberately unauthenticated for :class:`~.middleware.IdempotencyMiddleware`."""
+    """Mark a view deliberately unauthenticated for `IdempotencyMiddleware`."""
     view.idemflow_public = True  # type: ignore[attr-defined]
     return view
 

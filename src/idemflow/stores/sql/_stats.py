@@ -1,5 +1,5 @@
 """
-The operator's questions (see :mod:`idemflow.stores.stats`) on any SQL store.
+The operator's questions (see [`idemflow.stores.stats`][idemflow.stores.stats]) on any SQL store.
 
 Every question is one statement, and the ones asked on every scrape (stuck
 claims) or every purge (expired records) run through the ``(state,
@@ -31,10 +31,10 @@ __all__ = [
 
 
 class SQLObservable:
-    """What :class:`~idemflow.stores.sql.SQLStore` adds for operators: its stats.
+    """What [`SQLStore`][idemflow.stores.sql.SQLStore] adds for operators: its stats.
 
     A base of the generated sync executor (its async source names
-    :class:`AsyncSQLObservable`), so only the sync store answers.
+    `AsyncSQLObservable`), so only the sync store answers.
     """
 
     dialect: Dialect
@@ -47,7 +47,7 @@ class SQLObservable:
 
 
 class AsyncSQLObservable:
-    """What :class:`~idemflow.stores.sql.AsyncSQLStore` adds for operators: nothing (the
+    """What [`AsyncSQLStore`][idemflow.stores.sql.AsyncSQLStore] adds for operators: nothing (the
     contract's default refuses; the questions are asked synchronously, by scrapes and the CLI)."""
 
 
