@@ -1,6 +1,6 @@
 """
 A FastAPI orders service protected by idemflow: the quick start of
-docs/frameworks/fastapi.md, runnable.
+docs/frameworks/fastapi.md (SQLAlchemy's asyncio engine), runnable.
 
     FASTAPI_APP_DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test \
         uvicorn examples.fastapi_app:app --port 8010
@@ -17,8 +17,9 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException
-from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from idemflow.integrations.fastapi import IdempotentRequest, IdempotentRoute, dependency
 from idemflow.stores.postgres import AsyncPostgresStore
@@ -26,6 +27,18 @@ from idemflow.stores.postgres import AsyncPostgresStore
 DATABASE_URL = os.environ.get(
     "FASTAPI_APP_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
+engine = create_async_engine(DATABASE_URL.replace("postgresql://", "postgresql+psycopg://", 1))
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base):
+    __tablename__ = "orders"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    item: Mapped[str]
+    quantity: Mapped[int]
 
 
 class OrderIn(BaseModel):
@@ -33,10 +46,8 @@ class OrderIn(BaseModel):
     quantity: int
 
 
-class OrderOut(BaseModel):
+class OrderOut(OrderIn):
     id: int
-    item: str
-    quantity: int
 
 
 def current_user(authorization: Annotated[str | None, Header()] = None) -> str | None:
@@ -48,33 +59,30 @@ def current_user(authorization: Annotated[str | None, Header()] = None) -> str |
     return authorization.removeprefix("Bearer ")
 
 
-pool = AsyncConnectionPool(DATABASE_URL, kwargs={"autocommit": True}, open=False)
-Idem = Annotated[IdempotentRequest, Depends(dependency(pool, principal=current_user))]
+Idem = Annotated[
+    IdempotentRequest[AsyncSession], Depends(dependency(engine, principal=current_user))
+]
 router = APIRouter(route_class=IdempotentRoute)
 
 
 @router.post("/orders", status_code=201, response_model=OrderOut)
 async def create_order(order: OrderIn, idem: Idem) -> OrderOut:
-    cursor = await idem.connection.execute(
-        "INSERT INTO orders (item, quantity) VALUES (%s, %s) RETURNING id",
-        (order.item, order.quantity),
-    )
-    row = await cursor.fetchone()
-    assert row is not None
-    return OrderOut(id=row[0], item=order.item, quantity=order.quantity)
+    session = idem.connection  # this request's AsyncSession, in the transaction
+    row = Order(item=order.item, quantity=order.quantity)
+    session.add(row)
+    await session.flush()
+    return OrderOut(id=row.id, item=row.item, quantity=row.quantity)
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    await pool.open()
-    await AsyncPostgresStore(pool).migrate()  # the key table, idempotently
-    async with pool.connection() as conn:
-        await conn.execute(
-            "CREATE TABLE IF NOT EXISTS orders "
-            "(id BIGSERIAL PRIMARY KEY, item TEXT NOT NULL, quantity INTEGER NOT NULL)"
-        )
+    keys = AsyncPostgresStore(DATABASE_URL, max_size=1)
+    await keys.migrate()  # the key table, idempotently (`idemflow migrate` does the same)
+    await keys.close()
+    async with engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
     yield
-    await pool.close()
+    await engine.dispose()
 
 
 app = FastAPI(title="orders", lifespan=lifespan)

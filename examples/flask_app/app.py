@@ -21,9 +21,11 @@ bench/bench_frameworks.py only.
 import os
 import time
 
-from flask import Flask, abort, request
+from flask import Flask, Request, abort, request
 from flask_login import LoginManager, UserMixin, current_user
 from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy import String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from idemflow.integrations.flask import Idempotency
 
@@ -40,7 +42,13 @@ app.config["IDEMFLOW_REQUEST_TIMEOUT"] = float(os.environ.get("SHOP_REQUEST_TIME
 # IDEMFLOW_MAX_BODY_BYTES: the lower of the two bounds a protected request's body).
 if os.environ.get("SHOP_MAX_CONTENT_LENGTH"):
     app.config["MAX_CONTENT_LENGTH"] = int(os.environ["SHOP_MAX_CONTENT_LENGTH"])
-db = SQLAlchemy(app)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+db = SQLAlchemy(app, model_class=Base)
 login = LoginManager(app)
 
 
@@ -49,16 +57,19 @@ class User(UserMixin):
         self.id = name
 
 
-@login.request_loader
-def from_header(req):
+def from_header(req: Request) -> User | None:
     name = req.headers.get("X-User")
     return User(name) if name else None
 
 
-class Payment(db.Model):
-    id = db.Column(db.Integer, primary_key=True)
-    principal = db.Column(db.String(255), nullable=False)
-    amount = db.Column(db.Integer, nullable=False)
+login.request_loader(from_header)
+
+
+class Payment(Base):
+    __tablename__ = "payment"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    principal: Mapped[str] = mapped_column(String(255))
+    amount: Mapped[int]
 
 
 idem = Idempotency(app, db=db)  # principal: Flask-Login's current_user
@@ -83,7 +94,7 @@ def hold(header: str) -> None:
 
 @app.post("/payments")
 @idem.protect(validate=valid_amount)
-def create_payment():
+def create_payment() -> tuple[dict[str, object], int]:
     # The slow part (a provider's call) before the first write: on SQLite a transaction
     # that wrote holds the one write lock, and a duplicate's claim would queue behind it.
     hold("X-Hold")
@@ -99,14 +110,15 @@ def create_payment():
 # Benchmark only (bench/bench_frameworks.py): the endpoint above without idemflow, the
 # same validation and write, committed by the view itself. Not a pattern to copy.
 @app.post("/_bench/payments")
-def create_payment_unprotected():
+def create_payment_unprotected() -> tuple[dict[str, object], int]:
     if not current_user.is_authenticated:
         abort(401)
     valid_amount()
     payment = Payment(principal=current_user.get_id(), amount=request.json["amount"])
     db.session.add(payment)
     db.session.flush()
-    answer = {"id": payment.id, "amount": payment.amount}  # read before commit expires it
+    # Read before the commit expires it.
+    answer: dict[str, object] = {"id": payment.id, "amount": payment.amount}
     db.session.commit()
     return answer, 201
 

@@ -25,3 +25,33 @@ def test_quickstart_charges_once_and_refuses_the_reused_key() -> None:
     assert lines[5].endswith("(replayed)")
     assert "  -> 422" in lines[7]
     assert lines[-1] == "payments in the database: 1"
+
+
+#: The example apps a user's strict type checker should find strict: idemflow gives them
+#: no ``Any`` (``idem.connection`` is the request's ``AsyncSession``; ``@idem.protect``
+#: keeps the view's parameters). The Django example is left out: Django has no types.
+TYPED_EXAMPLES = ["fastapi_app.py", "flask_app/app.py", "wsgi_app.py", "quickstart.py"]
+
+
+def test_the_examples_type_check_strictly_with_no_function_made_any() -> None:
+    """``mypy --strict`` and ``--disallow-any-decorated``: a decorator of idemflow's that
+    erased a view's signature would make it ``Any`` and fail here. Base classes from
+    untyped packages (Flask-Login's ``UserMixin``) are theirs, allowed."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--disallow-any-decorated",
+            "--allow-subclassing-any",
+            "--no-error-summary",
+            *(str(EXAMPLES / name) for name in TYPED_EXAMPLES),
+        ],
+        cwd=EXAMPLES.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

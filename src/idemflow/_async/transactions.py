@@ -311,19 +311,30 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
+        self._session = hasattr(connection, "flush")
 
     async def begin(self) -> None:
         if not self.connection.in_transaction():
             await self.connection.begin()
 
+    async def _bound(self) -> Any:
+        """Where idemflow's statements run: a session's connection, in its transaction.
+
+        As the session's own ``execute`` runs a text statement (never autoflushed),
+        without calling it: SQLModel's sessions deprecate it for their ``exec``.
+        """
+        return await self.connection.connection() if self._session else self.connection
+
     async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        result = await self.connection.execute(_text(statement.named), statement.bind(params))
+        bound = await self._bound()
+        result = await bound.execute(_text(statement.named), statement.bind(params))
         return int(result.rowcount)
 
     async def fetchone(
         self, statement: Statement, params: Mapping[str, Any]
     ) -> Mapping[str, Any] | None:
-        result = await self.connection.execute(_text(statement.named), statement.bind(params))
+        bound = await self._bound()
+        result = await bound.execute(_text(statement.named), statement.bind(params))
         row = result.mappings().fetchone()
         return None if row is None else dict(row)
 
@@ -399,7 +410,7 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
         holder = self.connection
         if holder.in_nested_transaction():
             return None
-        session = hasattr(holder, "flush")
+        session = self._session
         if session:
             if getattr(holder, "sync_session", holder).dispatch.before_commit:
                 return None

@@ -312,19 +312,30 @@ class SQLAlchemyTransaction(Transaction):
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
+        self._session = hasattr(connection, "flush")
 
     def begin(self) -> None:
         if not self.connection.in_transaction():
             self.connection.begin()
 
+    def _bound(self) -> Any:
+        """Where idemflow's statements run: a session's connection, in its transaction.
+
+        As the session's own ``execute`` runs a text statement (never autoflushed),
+        without calling it: SQLModel's sessions deprecate it for their ``exec``.
+        """
+        return self.connection.connection() if self._session else self.connection
+
     def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        result = self.connection.execute(_text(statement.named), statement.bind(params))
+        bound = self._bound()
+        result = bound.execute(_text(statement.named), statement.bind(params))
         return int(result.rowcount)
 
     def fetchone(
         self, statement: Statement, params: Mapping[str, Any]
     ) -> Mapping[str, Any] | None:
-        result = self.connection.execute(_text(statement.named), statement.bind(params))
+        bound = self._bound()
+        result = bound.execute(_text(statement.named), statement.bind(params))
         row = result.mappings().fetchone()
         return None if row is None else dict(row)
 
@@ -400,7 +411,7 @@ class SQLAlchemyTransaction(Transaction):
         holder = self.connection
         if holder.in_nested_transaction():
             return None
-        session = hasattr(holder, "flush")
+        session = self._session
         if session:
             if getattr(holder, "sync_session", holder).dispatch.before_commit:
                 return None

@@ -3,7 +3,8 @@ idemflow for FastAPI, transactional mode: ``pip install 'idemflow[fastapi]'``.
 
 `IdempotentRoute` (a route class) protects every route whose endpoint
 takes an `IdempotentRequest` parameter, made by `dependency`
-(a ``psycopg_pool.AsyncConnectionPool``, or an
+(the app's own SQLAlchemy ``AsyncEngine`` or ``async_sessionmaker``, a
+``psycopg_pool.AsyncConnectionPool``, or an
 [`Idempotent`][idemflow.integrations.starlette.Idempotent] for any other store).
 The endpoint runs whole inside the claim, in the transaction the completion
 is written in, and keeps FastAPI's ``response_model``; the route class reads
@@ -22,7 +23,7 @@ import functools
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Generic, cast
 
 from .. import AsyncAttempt, AsyncIdempotency, Observer
 from .._errors import ConfigurationError, IdempotencyError, MissingPrincipal
@@ -46,11 +47,16 @@ with optional("idemflow.integrations.fastapi"):
     from fastapi.utils import deep_dict_update, is_body_allowed_for_status_code
     from starlette.responses import Response as StarletteResponse
     from starlette.types import Receive, Scope, Send
+    from typing_extensions import TypeVar  # fastapi's own dependency: a TypeVar's default
 
     from .asgi import _read_body, _replaying, authenticated_user, request_id, send_response
     from .starlette import Idempotent, StarletteHandler, _declares_streaming, to_starlette
 
 __all__ = ["EdgeOptions", "IdempotentRequest", "IdempotentRoute", "dependency", "scope_user"]
+
+#: What ``idem.connection`` is: the ``AsyncSession`` of a SQLAlchemy engine, psycopg's
+#: ``AsyncConnection`` of a pool; unsaid (``IdempotentRequest``), Any.
+Connection = TypeVar("Connection", default=Any)
 
 # The attribute marking a callable returned by dependency(), for the route class.
 _MARK = "__idemflow_protection__"
@@ -62,12 +68,13 @@ class _Protection:
     required: bool
 
 
-class IdempotentRequest:
+class IdempotentRequest(Generic[Connection]):
     """One request's handle on transactional idempotency.
 
     Under `IdempotentRoute` the endpoint already runs protected: write
     on `connection` and return what FastAPI should serialise. Otherwise
-    call `run` with a handler.
+    call `run` with a handler. Its parameter names what `connection`
+    is: ``IdempotentRequest[AsyncSession]`` for a SQLAlchemy engine.
     """
 
     def __init__(
@@ -99,12 +106,12 @@ class IdempotentRequest:
         return self._attempt
 
     @property
-    def connection(self) -> Any:
-        """The connection of the transaction the completion is written in: write on it."""
+    def connection(self) -> Connection:
+        """The connection (or session) of the transaction the completion is written in."""
         if self._attempt is not None:
-            return self._attempt.connection
+            return cast(Connection, self._attempt.connection)
         if self._plain is not None:
-            return self._plain.connection
+            return cast(Connection, self._plain.connection)
         msg = (
             "idem.connection exists only while the endpoint runs protected: declare the "
             "route with route_class=IdempotentRoute (or use idem.run(handler))"
@@ -182,12 +189,15 @@ def dependency(
     Args:
         idempotent: the transactional configuration (store, connections,
             options): an [`Idempotent`][idemflow.integrations.starlette.Idempotent],
-            or, as a shorthand, a ``psycopg_pool.AsyncConnectionPool`` of
-            autocommit connections: keys in its database (the
-            ``idemflow_keys`` table), the endpoint's transaction on a
-            connection of the same pool, ``policy``, ``options`` and
-            ``observer`` (metrics: [`PrometheusMetrics`][idemflow.metrics.PrometheusMetrics])
-            as given.
+            or, as a shorthand, the app's own database: a SQLAlchemy
+            ``AsyncEngine`` or ``async_sessionmaker`` (``idem.connection`` is
+            the request's ``AsyncSession``; PostgreSQL through psycopg, or a
+            SQLite file), or a ``psycopg_pool.AsyncConnectionPool`` of
+            autocommit connections (``idem.connection`` a psycopg
+            ``AsyncConnection``). Keys then live in that database (the
+            ``idemflow_keys`` table), claimed on the same pool; ``policy``,
+            ``options`` and ``observer`` (metrics:
+            [`PrometheusMetrics`][idemflow.metrics.PrometheusMetrics]) as given.
         principal: your authentication dependency; FastAPI runs it first, and
             what it returns (a ``str``, or an object with ``identity`` or
             ``username``; None for nobody, answered 401) scopes the key. For
@@ -203,7 +213,7 @@ def dependency(
             keys are never claimed anonymously.
     """
     if not isinstance(idempotent, Idempotent):
-        idempotent = _on_pool(idempotent, policy, options, observer)
+        idempotent = _on_shorthand(idempotent, policy, options, observer)
     elif policy is not None or options is not None or observer is not None:
         msg = "policy=, options= and observer= belong to the Idempotent given"
         raise ConfigurationError(msg)
@@ -234,30 +244,90 @@ def dependency(
     return from_dependency
 
 
-def _on_pool(
-    pool: Any, policy: Policy | None, options: EdgeOptions | None, observer: Observer | None
+def _on_shorthand(
+    given: Any, policy: Policy | None, options: EdgeOptions | None, observer: Observer | None
 ) -> Idempotent:
-    """The transactional configuration for a psycopg async pool: keys and rows in one database."""
-    cls = type(pool)
-    if not (cls.__module__.startswith("psycopg_pool") and cls.__name__ == "AsyncConnectionPool"):
+    """The transactional configuration for the app's own database: keys and rows in one."""
+    module = type(given).__module__
+    if module.startswith("sqlalchemy"):
+        store, connect, transaction = _on_sqlalchemy(given, policy)
+    elif module.startswith("psycopg_pool") and type(given).__name__ == "AsyncConnectionPool":
+        from ..stores.postgres import AsyncPostgresStore
+        from ..transactions import AsyncPsycopgTransaction
+
+        store = AsyncPostgresStore(given)
+        # The pool's, never one the server closed (a restart).
+        connect, transaction = store.connection, AsyncPsycopgTransaction
+    else:
         msg = (
-            f"dependency() takes an Idempotent or a psycopg_pool.AsyncConnectionPool, not "
-            f"{cls.__name__}"
+            "dependency() takes a SQLAlchemy AsyncEngine or async_sessionmaker, a "
+            f"psycopg_pool.AsyncConnectionPool or an Idempotent, not {type(given).__name__}"
         )
         raise TypeError(msg)
-    from ..stores.postgres import AsyncPostgresStore
-    from ..transactions import AsyncPsycopgTransaction
-
-    store = AsyncPostgresStore(pool)
     driver = AsyncIdempotency(store, policy)
     if observer is not None:
         driver.observer = observer
-    return Idempotent(
-        driver,
-        connect=store.connection,  # the pool's, never one the server closed (a restart)
-        transaction=AsyncPsycopgTransaction,
-        options=options,
+    return Idempotent(driver, connect=connect, transaction=transaction, options=options)
+
+
+def _on_sqlalchemy(sessions: Any, policy: Policy | None) -> tuple[Any, Any, Any]:
+    """The store, the sessions and their adapter for an ``AsyncEngine`` or ``async_sessionmaker``.
+
+    The endpoint's ``AsyncSession`` carries the completion; the store claims on the
+    engine's own pool (one pool for both, each request holding one connection at a
+    time), or, for a SQLite file, on the file.
+    """
+    with optional("idemflow.integrations.fastapi"):
+        from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
+
+    from ..transactions import AsyncSQLAlchemyTransaction
+
+    if isinstance(sessions, AsyncEngine):
+        sessions = async_sessionmaker(sessions)
+    engine = sessions.kw.get("bind") if isinstance(sessions, async_sessionmaker) else None
+    if not isinstance(engine, AsyncEngine):
+        msg = "dependency() takes an AsyncEngine or an async_sessionmaker bound to one"
+        raise ConfigurationError(msg)
+    return _store_on(engine, policy), sessions, AsyncSQLAlchemyTransaction
+
+
+def _store_on(engine: Any, policy: Policy | None) -> Any:
+    """The key store in ``engine``'s database: PostgreSQL (psycopg) on its pool, a SQLite file."""
+    dialect, url = engine.dialect, engine.url
+    if dialect.name == "sqlite" and url.database not in (None, "", ":memory:"):
+        from ..stores.sqlite import AsyncSQLiteStore
+
+        return AsyncSQLiteStore(url.database, policy=policy)
+    if dialect.name == "postgresql" and dialect.driver.startswith("psycopg"):
+        from ..stores.postgres import is_lock_timeout, is_unavailable, postgres_dialect
+        from ..stores.sql import AsyncSQLStore
+        from ..transactions import AsyncSQLAlchemyTransaction
+
+        # The store's statements commit alone: on a connection of the engine's pool,
+        # autocommit while the store holds it (SQLAlchemy resets it on return).
+        autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+        @contextlib.asynccontextmanager
+        async def connect() -> Any:
+            async with autocommit.connect() as connection:
+                yield (await connection.get_raw_connection()).driver_connection
+
+        return AsyncSQLStore(
+            postgres_dialect(),
+            connect,
+            paramstyle="pyformat",
+            # A pool timeout is SQLAlchemy's; a refused connection psycopg's, wrapped.
+            is_unavailable=lambda exc: (
+                is_unavailable(exc) or AsyncSQLAlchemyTransaction.is_unavailable(exc)
+            ),
+            is_lock_timeout=is_lock_timeout,
+            extra_params=True,
+        )
+    msg = (
+        f"dependency() keeps keys in the engine's database on PostgreSQL (psycopg) or a SQLite "
+        f"file, not {dialect.name}+{dialect.driver}: pass an Idempotent with a store instead"
     )
+    raise ConfigurationError(msg)
 
 
 def scope_user(request: Request) -> str | None:

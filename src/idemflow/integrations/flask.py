@@ -19,7 +19,7 @@ import functools
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, Protocol, overload
 
 from .. import Idempotency as Driver
 from .. import Observer
@@ -68,7 +68,8 @@ with optional("idemflow.integrations.flask"):
 
 __all__ = ["Idempotency", "handle_outcome_unknown"]
 
-_View = TypeVar("_View", bound=Callable[..., Any])
+_P = ParamSpec("_P")
+_Q = ParamSpec("_Q")
 #: Opens the transaction the completion is written in, for one request.
 TransactionFactory = Callable[[], AbstractContextManager[Transaction]]
 PrincipalGetter = Callable[[], "str | None"]
@@ -137,6 +138,12 @@ class _State:
         the app's."""
         hook = self.authorize_replay if authorize_replay is None else authorize_replay
         return self._edges(public, hook)
+
+
+class _Protector(Protocol):
+    """``@idem.protect(…)``: a decorator keeping the view's parameters."""
+
+    def __call__(self, view: Callable[_P, object], /) -> Callable[_P, FlaskResponse]: ...
 
 
 class Idempotency:
@@ -232,16 +239,37 @@ class Idempotency:
                 raise ConfigurationError(msg) from exc
         return sync_replay_authorizer(configured, "IDEMFLOW_AUTHORIZE_REPLAY")
 
+    @overload
     def protect(
         self,
-        view: Any = None,
+        view: Callable[_P, object],
         *,
         public: bool = False,
         validate: Callable[..., object] | None = None,
         authorize_replay: ReplayHook | None = None,
-    ) -> Any:
+    ) -> Callable[_P, FlaskResponse]: ...
+
+    @overload
+    def protect(
+        self,
+        view: None = None,
+        *,
+        public: bool = False,
+        validate: Callable[..., object] | None = None,
+        authorize_replay: ReplayHook | None = None,
+    ) -> _Protector: ...
+
+    def protect(
+        self,
+        view: Callable[_P, object] | None = None,
+        *,
+        public: bool = False,
+        validate: Callable[..., object] | None = None,
+        authorize_replay: ReplayHook | None = None,
+    ) -> Callable[_P, FlaskResponse] | _Protector:
         """Protect a view; ``@idem.protect`` or ``@idem.protect(public=…, validate=…)``.
 
+        The view keeps its parameters; it answers a Flask ``Response``.
         ``validate`` is called with the view's arguments after the body was read
         and before the claim: what it raises (a 400) is never recorded.
         ``authorize_replay`` replaces the app's replay hook for this view.
@@ -249,9 +277,9 @@ class Idempotency:
         if authorize_replay is not None:
             sync_replay_authorizer(authorize_replay, "@idem.protect(authorize_replay=…)")
 
-        def decorate(inner: _View) -> _View:
+        def decorate(inner: Callable[_Q, object]) -> Callable[_Q, FlaskResponse]:
             @functools.wraps(inner)
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
+            def wrapper(*args: _Q.args, **kwargs: _Q.kwargs) -> FlaskResponse:
                 # An async view (or validate) is run to its end as Flask runs one
                 # (ensure_sync: asgiref's async_to_sync), in the request's context.
                 view = current_app.ensure_sync(inner)
@@ -263,7 +291,7 @@ class Idempotency:
                     authorize_replay,
                 )
 
-            return wrapper  # type: ignore[return-value]
+            return wrapper
 
         return decorate if view is None else decorate(view)
 

@@ -1,0 +1,209 @@
+"""
+Each framework page's quick start, run as written: in a fresh virtual
+environment holding only what the page's install line installs (idemflow
+from this checkout, with that line's extras), served by a real server on
+PostgreSQL. A quick start that imports what its line does not install fails
+here, not in a reader's terminal.
+
+One environment per page, made once (pip's cache keeps it cheap), both at
+once; the file is marked slow so it starts first, beside the other files.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import POSTGRES_URL, unreachable
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTALL = re.compile(r"`pip install (?P<args>[^`]+)`")
+QUICK_START = re.compile(r"^## Quick start.*?^```python\n(?P<code>.*?)^```", re.M | re.S)
+
+
+@dataclass(frozen=True)
+class Page:
+    name: str
+    #: Run in the environment, in the app's directory, before the server starts.
+    setup: tuple[tuple[str, ...], ...]
+    serve: tuple[str, ...]
+    path: str
+    body: dict[str, object]
+    other: dict[str, object]
+    table: str
+
+    @property
+    def text(self) -> str:
+        return (ROOT / "docs" / "frameworks" / f"{self.name}.md").read_text()
+
+    def install_args(self) -> list[str]:
+        """The page's first install line, idemflow taken from this checkout."""
+        found = INSTALL.search(self.text)
+        assert found is not None, f"{self.name}.md names no pip install line"
+        args = shlex.split(found["args"])
+        return [re.sub(r"^idemflow(?=\[|$)", str(ROOT), arg) for arg in args]
+
+    def code(self) -> str:
+        found = QUICK_START.search(self.text)
+        assert found is not None, f"{self.name}.md has no quick start"
+        return found["code"]
+
+
+CREATE_TABLES = (
+    "import asyncio, app\n"
+    "async def main():\n"
+    "    async with app.engine.begin() as c:\n"
+    "        await c.run_sync(app.Base.metadata.create_all)\n"
+    "asyncio.run(main())\n"
+)
+PAGES = [
+    Page(
+        "fastapi",
+        setup=(("idemflow", "migrate", "{keys}"), ("python", "-c", CREATE_TABLES)),
+        serve=("uvicorn", "app:app", "--port", "{port}"),
+        path="/orders",
+        body={"item": "book", "quantity": 2},
+        other={"item": "pen", "quantity": 1},
+        table="orders",
+    ),
+    Page(
+        "flask",
+        setup=(
+            ("flask", "--app", "app", "idemflow", "migrate"),
+            ("python", "-c", "import app\nwith app.app.app_context(): app.db.create_all()"),
+        ),
+        serve=("flask", "--app", "app", "run", "--port", "{port}"),
+        path="/payments",
+        body={"amount": 1000},
+        other={"amount": 5},
+        table="payments",
+    ),
+]
+
+
+def make_environment(page: Page, where: Path) -> Path:
+    """A virtual environment with exactly the page's install line installed."""
+    where.mkdir(parents=True)
+    subprocess.run([sys.executable, "-m", "venv", str(where / "venv")], check=True, timeout=120)
+    pip = [str(where / "venv" / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    done = subprocess.run(
+        [*pip, *page.install_args()], capture_output=True, text=True, timeout=500, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (where / "app.py").write_text(page.code())
+    return where
+
+
+@pytest.fixture(scope="module")
+def environments(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("quickstarts")
+    with concurrent.futures.ThreadPoolExecutor(len(PAGES)) as pool:
+        made = {p.name: pool.submit(make_environment, p, base / p.name) for p in PAGES}
+        return {name: future.result() for name, future in made.items()}
+
+
+@pytest.fixture
+def schema() -> Iterator[str]:
+    psycopg = pytest.importorskip("psycopg")
+    name = f"quick_{uuid.uuid4().hex[:10]}"
+    try:
+        with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3) as conn:
+            conn.execute(f"CREATE SCHEMA {name}")
+    except psycopg.OperationalError as exc:
+        unreachable("PostgreSQL", exc)
+    yield name
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {name} CASCADE")
+
+
+@contextlib.contextmanager
+def served(page: Page, where: Path, schema: str) -> Iterator[str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    keys = f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
+    database = keys.replace("postgresql://", "postgresql+psycopg://", 1)
+    env = {**os.environ, "DATABASE_URL": database, "PYTHONPATH": ""}
+    bin_dir = where / "venv" / "bin"
+
+    def command(words: tuple[str, ...]) -> list[str]:
+        filled = [w.format(keys=keys, port=port) for w in words]
+        return [str(bin_dir / filled[0]), *filled[1:]]
+
+    for step in page.setup:
+        done = subprocess.run(
+            command(step),
+            cwd=where,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, f"{step}: {done.stdout[-2000:]} {done.stderr[-2000:]}"
+    log = where / f"server-{port}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(command(page.serve), cwd=where, env=env, stderr=out, stdout=out)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                httpx.get(url + "/", timeout=1)
+                break
+            assert process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not start in time"
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_the_quick_start_runs_as_written_with_only_its_install_line(
+    page: Page, environments: dict[str, Path], schema: str
+) -> None:
+    """Ten concurrent requests with one key make one row; the replay is the first answer,
+    byte for byte; the key with another body is a 422; a caller nobody names is a 401."""
+    import psycopg
+
+    headers = {"Authorization": "alice", "Idempotency-Key": f"order-{uuid.uuid4().hex}"}
+    with (
+        served(page, environments[page.name], schema) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            answers = list(
+                pool.map(
+                    lambda _: client.post(page.path, json=page.body, headers=headers), range(10)
+                )
+            )
+        first = client.post(page.path, json=page.body, headers=headers)
+        other = client.post(page.path, json=page.other, headers=headers)
+        nobody = client.post(page.path, json=page.body, headers={"Idempotency-Key": "k"})
+    assert {a.status_code for a in answers} <= {201, 409}
+    assert first.status_code == 201
+    assert first.headers["idempotent-replayed"] == "true"
+    assert all(a.content == first.content for a in answers if a.status_code == 201)
+    assert other.status_code == 422
+    assert nobody.status_code == 401
+    with psycopg.connect(POSTGRES_URL) as conn:
+        rows = conn.execute(f"SELECT count(*) FROM {schema}.{page.table}").fetchone()
+    assert rows == (1,)
