@@ -29,6 +29,7 @@ PAIRS = [
     (ROOT / "stores" / "memory" / "_async.py", ROOT / "stores" / "memory" / "_sync.py"),
     (ROOT / "stores" / "mysql" / "_async.py", ROOT / "stores" / "mysql" / "_sync.py"),
     (ROOT / "stores" / "postgres" / "_async.py", ROOT / "stores" / "postgres" / "_sync.py"),
+    (ROOT / "consumers" / "_async.py", ROOT / "consumers" / "_sync.py"),
 ]
 
 #: The sentence every source carries, naming its twin (checked against PAIRS).

@@ -328,7 +328,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("idemflow._model", "idemflow._errors", "idemflow._lease", "idemflow._process"),
     ("idemflow.stores",),
     ("idemflow._async", "idemflow._sync", "idemflow.transactions", "idemflow._http"),
-    ("idemflow.integrations", "idemflow.audit", "idemflow.client"),
+    ("idemflow.integrations", "idemflow.consumers", "idemflow.audit", "idemflow.client"),
     ("idemflow.cli",),
 ]
 

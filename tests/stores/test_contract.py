@@ -377,6 +377,33 @@ def test_release_and_complete_are_fenced_by_the_lease(backend: Backend, clock: F
     assert (current.state, current.lease_token) == (State.IN_PROGRESS, "lease-b")
 
 
+def test_a_renewed_claim_outlives_the_stale_threshold_and_a_stolen_one_cannot_renew(
+    backend: Backend, clock: FrozenClock
+) -> None:
+    """``renew`` dates the claim now (the sweeper counts from the last renewal), fenced by
+    the lease: once the claim is swept and taken over, renewing raises LeaseLost."""
+    store: Any = backend.store
+    first = store.claim(intent(), "lease-a", clock(), clock() + 3600).record
+    clock.advance(POLICY.stale_seconds - 1)
+    store.renew(first, clock())
+    clock.advance(2)  # past the threshold counted from the claim, not from the renewal
+
+    def sweep() -> list[Any]:
+        cutoff = clock() - POLICY.stale_seconds
+        return list(store.sweep(State.IN_PROGRESS, cutoff, clock(), clock() + 3600, 100))
+
+    assert sweep() == []
+    clock.advance(POLICY.stale_seconds)
+    (marked,) = sweep()
+    assert store.release_stale(marked, clock())
+    assert store.claim(intent(), "lease-b", clock(), clock() + 3600).owned
+    with pytest.raises(LeaseLost):
+        store.renew(first, clock())
+    current = store.get("alice", "k-1")
+    assert current is not None
+    assert (current.state, current.lease_token) == (State.IN_PROGRESS, "lease-b")
+
+
 def test_claim_reports_owner_only_once(backend: Backend, clock: FrozenClock) -> None:
     """Two claims of one key: the first owns it, the second sees the first's record."""
     store = backend.store

@@ -330,6 +330,9 @@ class DjangoStore(MaintainableStore):
     ) -> None:
         self._inner.checkpoint(record, recovery_point, now, transaction)
 
+    def renew(self, record: Record, now: float) -> None:
+        self._inner.renew(record, now)
+
     def get(self, principal: str, key: str) -> Record | None:
         return self._inner.get(principal, key)
 

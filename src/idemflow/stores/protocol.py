@@ -192,7 +192,7 @@ class Store(Protocol):
 
     Capabilities with defaults: `claim_on_lent` (claims on its own), `is_unavailable`
     (no error is an outage), `cover_stale_threshold` (nothing to cover), `stats`
-    (refused), `migrate` and `close` (nothing to do).
+    and `renew` (refused), `migrate` and `close` (nothing to do).
     """
 
     @property
@@ -255,6 +255,14 @@ class Store(Protocol):
 
     def get(self, principal: str, key: str) -> Record | None:
         """The record for ``(principal, key)``, for operators and tests."""
+
+    def renew(self, record: Record, now: float) -> None:
+        """Keep the claim alive: date it ``now`` if it is still ours (``id``, lease token,
+        ``in_progress``, as `complete` is fenced), else ``LeaseLost``. A consumer's
+        lease keeper calls it while a long handler runs, so the sweeper's threshold counts
+        from the last renewal; HTTP requests never do (they have timeouts). By default
+        `ConfigurationError`: this store cannot keep a claim alive."""
+        raise _renew_refused(self)
 
     def claim_on_lent(
         self,
@@ -347,6 +355,10 @@ class AsyncStore(Protocol):
     ) -> None: ...
 
     async def get(self, principal: str, key: str) -> Record | None: ...
+
+    async def renew(self, record: Record, now: float) -> None:
+        """`Store.renew`."""
+        raise _renew_refused(self)
 
     async def claim_on_lent(
         self,
@@ -467,6 +479,11 @@ class AsyncMaintainableStore(AsyncStore, Protocol):
     ) -> bool: ...
 
     async def purge(self, now: float, limit: int) -> int: ...
+
+
+def _renew_refused(store: object) -> ConfigurationError:
+    msg = f"{type(store).__name__} cannot renew a claim: a lease keeper needs another store"
+    return ConfigurationError(msg)
 
 
 def _stats_refused(store: object) -> ConfigurationError:

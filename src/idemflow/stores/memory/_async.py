@@ -96,6 +96,10 @@ class AsyncMemoryStore(AsyncMaintainableStore):
             msg = "the claim on this Idempotency-Key was taken over"
             raise LeaseLost(msg)
 
+    async def renew(self, record: Record, now: float) -> None:
+        if not self._update_owned(record, updated_at=now):
+            raise LeaseLost("the claim on this Idempotency-Key was taken over")
+
     async def get(self, principal: str, key: str) -> Record | None:
         with self._lock:
             return self.records.get((principal, key))

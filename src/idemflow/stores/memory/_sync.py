@@ -97,6 +97,10 @@ class MemoryStore(MaintainableStore):
             msg = "the claim on this Idempotency-Key was taken over"
             raise LeaseLost(msg)
 
+    def renew(self, record: Record, now: float) -> None:
+        if not self._update_owned(record, updated_at=now):
+            raise LeaseLost("the claim on this Idempotency-Key was taken over")
+
     def get(self, principal: str, key: str) -> Record | None:
         with self._lock:
             return self.records.get((principal, key))

@@ -479,6 +479,15 @@ class MySQLStore(SQLStore):
         if not self._still_owned(params, transaction):
             raise LeaseLost("the claim on this Idempotency-Key was taken over")
 
+    def renew(self, record: Record, now: float) -> None:
+        """Keep the claim alive; a renewal in the claim's millisecond changes 0 rows
+        (no ``CLIENT_FOUND_ROWS``): whether the record is still ours is asked."""
+        params = owner_params(record, now)
+        if self._write(self.dialect.renew, params, None):
+            return
+        if not self._still_owned(params, None):
+            raise LeaseLost("the claim on this Idempotency-Key was taken over")
+
     def _still_owned(
         self, params: Mapping[str, Any], transaction: Transaction | None
     ) -> bool:

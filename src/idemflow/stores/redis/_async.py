@@ -231,6 +231,10 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         if not await self._fenced("checkpoint", record, args):
             raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
 
+    async def renew(self, record: Record, now: float) -> None:
+        if not await self._fenced("renew", record, owner_args(record, now)):
+            raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
+
     async def get(self, principal: str, key: str) -> Record | None:
         with translated():
             fields = await self.client.hmget(self.layout.record_key(principal, key), FIELDS)

@@ -275,6 +275,13 @@ redis.call('ZADD', IP, NOW, K)
 return 1
 """
 
+# A consumer's lease renewed: the claim dated now, nothing else changed.
+_RENEW = """
+redis.call('HSET', K, 'updated_at', NOW)
+redis.call('ZADD', IP, NOW, K)
+return 1
+"""
+
 # KEYS[1]: one index. ARGV: now, bound, limit, '1' if inclusive. What is due, oldest first.
 _PROBE = """
 local bound = ms(at(ARGV[2]))
@@ -363,6 +370,7 @@ _BODIES = {
     "complete": (_INDEXES + _RETENTION + "local done = ARGV[4]" + _FENCE, _COMPLETE),
     "release": (_INDEXES + _RETENTION + "local done = 'released'" + _FENCE, _RELEASE),
     "checkpoint": (_INDEXES + "local done = nil" + _FENCE, _CHECKPOINT),
+    "renew": (_INDEXES + "local done = nil" + _FENCE, _RENEW),
     "probe": ("", _PROBE),
     "due": ("", _DUE),
     "sweep": (_INDEXES + _PACKED, _SWEEP),

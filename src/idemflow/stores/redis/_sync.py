@@ -232,6 +232,10 @@ class RedisStore(RedisObservable, MaintainableStore):
         if not self._fenced("checkpoint", record, args):
             raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
 
+    def renew(self, record: Record, now: float) -> None:
+        if not self._fenced("renew", record, owner_args(record, now)):
+            raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
+
     def get(self, principal: str, key: str) -> Record | None:
         with translated():
             fields = self.client.hmget(self.layout.record_key(principal, key), FIELDS)

@@ -320,6 +320,10 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         if not await self._write(self.dialect.checkpoint, params, transaction):
             raise LeaseLost("the claim on this Idempotency-Key was taken over")
 
+    async def renew(self, record: Record, now: float) -> None:
+        if not await self._write(self.dialect.renew, owner_params(record, now), None):
+            raise LeaseLost("the claim on this Idempotency-Key was taken over")
+
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:

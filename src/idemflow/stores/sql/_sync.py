@@ -321,6 +321,10 @@ class SQLStore(SQLObservable, MaintainableStore):
         if not self._write(self.dialect.checkpoint, params, transaction):
             raise LeaseLost("the claim on this Idempotency-Key was taken over")
 
+    def renew(self, record: Record, now: float) -> None:
+        if not self._write(self.dialect.renew, owner_params(record, now), None):
+            raise LeaseLost("the claim on this Idempotency-Key was taken over")
+
     def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:

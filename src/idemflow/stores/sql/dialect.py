@@ -176,6 +176,8 @@ class Dialect:
     complete: Statement
     release: Statement
     checkpoint: Statement
+    #: Keep a claim alive (a consumer's lease): date it now, fenced like ``release``.
+    renew: Statement
     #: Maintenance: mark a batch stale, settle or release what was marked, purge.
     sweep: Statement
     settle_stale: Statement
@@ -242,6 +244,7 @@ class Dialect:
                 f"UPDATE {table} SET recovery_point = :recovery_point, updated_at = :now "
                 f"WHERE {_owned_by_caller()}"
             ),
+            renew=Statement(f"UPDATE {table} SET updated_at = :now WHERE {_owned_by_caller()}"),
             # One statement marks a batch and claims it for this sweeper: the
             # state/age condition is repeated outside the subquery so a row
             # that changed in between is not marked. The batch is picked in a

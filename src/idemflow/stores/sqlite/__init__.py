@@ -470,6 +470,9 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
             return
         await self._in_transaction.checkpoint(record, recovery_point, now, transaction)
 
+    async def renew(self, record: Record, now: float) -> None:
+        await self._write(self._at_once.renew, self.sync.renew, record, now)
+
     async def get(self, principal: str, key: str) -> Record | None:
         return await asyncio.to_thread(self.sync.get, principal, key)
 

@@ -1,0 +1,100 @@
+"""
+The consumer entry point: one message, exactly one effect, through the core's driver.
+
+The key is the message's idempotency key, the principal the consumer's scope
+(a queue, stream or task name, also the metrics' endpoint label), the
+fingerprint the payload's. `AsyncConsumer.handle` runs the handler through
+`AsyncIdempotency.run` (in the caller's transaction when one is given),
+its claim kept alive by a lease keeper, and answers a
+``Decision`` (``idemflow.consumers._decision``) for the adapter to perform.
+
+This is the async source of truth; ``idemflow/consumers/_sync.py`` is generated
+from it by ``scripts/unasync.py``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeAlias
+
+from .. import AsyncAttempt, AsyncIdempotency, Intent, Response, Verdict, fingerprint
+from .._errors import ConfigurationError, MissingKey, ResponseNotStorable
+from ..stores.protocol import AsyncTransaction
+from ._decision import Decision, decide, decide_failure
+from ._keeper import AsyncLeaseKeeper
+
+__all__ = ["AsyncConsumer", "AsyncMessageHandler"]
+
+#: A message's handler: its answer is stored and replayed (a Response as it is; any other
+#: value as JSON). Raising gives the claim back (redelivered); ``OutcomeUnknown`` keeps it.
+AsyncMessageHandler: TypeAlias = Callable[[AsyncAttempt], Awaitable[Any]]
+
+
+class AsyncConsumer:
+    """Exactly-once effects for the messages of one ``scope`` (a queue, stream or task).
+
+    ``renew_every``: seconds between renewals of a running handler's claim (default: the
+    policy's ``request_timeout``, the claimed duration; the sweeper waits for twice as
+    long and more). Consumers always renew; HTTP requests never do (they time out).
+    """
+
+    def __init__(
+        self, idempotency: AsyncIdempotency, scope: str, *, renew_every: float | None = None
+    ) -> None:
+        self.idempotency = idempotency
+        self.scope = scope
+        policy = idempotency.policy
+        self.renew_every = policy.timeout_seconds if renew_every is None else renew_every
+
+    async def handle(
+        self,
+        key: str,
+        payload: bytes,
+        handler: AsyncMessageHandler,
+        *,
+        transaction: AsyncTransaction | None = None,
+    ) -> Decision:
+        """Run ``handler`` once for ``key`` and say what the broker should do with the message.
+
+        ``transaction``: the app's (`idemflow.transactions`), where the completion
+        commits with the handler's writes before the adapter acks.
+        """
+        idem = self.idempotency
+        try:
+            if not key:
+                raise MissingKey("the message carries no idempotency key")
+            intent = Intent(
+                self.scope, key, fingerprint("MESSAGE", self.scope, payload), self.scope
+            )
+
+            async def kept_alive(attempt: AsyncAttempt) -> Response:
+                keeper = AsyncLeaseKeeper(idem.store, attempt.record, self.renew_every, idem.clock)
+                answer = await keeper.guard(lambda: handler(attempt))
+                return _stored(answer)
+
+            outcome = await idem.run(intent, kept_alive, transaction=transaction)
+        except ConfigurationError:
+            raise  # a mistake in the code, not in the message
+        except Exception as exc:  # noqa: BLE001 -- every failure is a broker action
+            return decide_failure(exc, idem.policy.retry_after)
+        released = (
+            not outcome.replayed and idem.policy.verdict(outcome.response) is Verdict.TRANSIENT
+        )
+        return decide(outcome, released=released)
+
+
+def _stored(answer: Any) -> Response:
+    """The handler's answer as the response replayed for its duplicates: a mistake (an
+    answer JSON cannot hold) is raised, never taken for a transient failure."""
+    if isinstance(answer, Response):
+        return answer
+    if inspect.iscoroutine(answer):  # a coroutine function given to the sync consumer
+        answer.close()
+        msg = "a coroutine function is no handler for the sync consumer: use the asyncio one"
+        raise ConfigurationError(msg)
+    try:
+        return Response.json(200, answer)
+    except (TypeError, ValueError) as exc:
+        msg = f"a message handler must answer a Response or a JSON value, not {type(answer)!r}"
+        raise ResponseNotStorable(msg) from exc

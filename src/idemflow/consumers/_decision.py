@@ -1,0 +1,78 @@
+"""
+What a consumer does with a message, sans I/O: the broker action each outcome maps to.
+
+`decide` is the whole mapping (docs/consumers.md, "Outcomes and broker
+actions"); adapters only perform the `Action` it names.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .._errors import (
+    ClientError,
+    IdempotencyError,
+    InProgress,
+    OutcomeUnknown,
+    StoreUnavailable,
+)
+from .._model import Outcome, Response
+
+__all__ = ["Action", "Decision", "decide", "decide_failure"]
+
+
+class Action(enum.StrEnum):
+    """The broker action for one delivery (a ``str``: adapters may compare to its value)."""
+
+    #: First delivery: the handler ran and its outcome committed; ack.
+    ACK = "ack"
+    #: Already settled: ack without running, the stored result handed back.
+    ACK_WITH_STORED_RESULT = "ack_with_stored_result"
+    #: In progress elsewhere (or our lease was taken): redeliver after ``delay``, never wait.
+    REQUEUE_WITH_DELAY = "requeue_with_delay"
+    #: Same key, other payload (or no usable key): dead-letter with ``problem``.
+    DEAD_LETTER = "dead_letter"
+    #: The handler failed transiently: the claim was given back; redeliver.
+    RELEASE_AND_REQUEUE = "release_and_requeue"
+    #: The outcome is unknown: the claim stays for the sweeper and reconciler; do not ack.
+    KEEP_CLAIMED = "keep_claimed"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One delivery's verdict: the ``action``, the (stored) ``response`` where there is
+    one, the ``delay`` in seconds before a redelivery, the ``problem`` that led here."""
+
+    action: Action
+    response: Response | None = None
+    delay: float = 0.0
+    problem: IdempotencyError | Exception | None = None
+
+
+def decide(outcome: Outcome, *, released: bool) -> Decision:
+    """A run that returned: ``released`` when its response was transient (given back)."""
+    if released:
+        return Decision(Action.RELEASE_AND_REQUEUE, outcome.response)
+    if outcome.replayed:
+        return Decision(Action.ACK_WITH_STORED_RESULT, outcome.response)
+    return Decision(Action.ACK, outcome.response)
+
+
+def decide_failure(exc: Exception, retry_after: float) -> Decision:
+    """A run that raised ``exc``; ``retry_after``: the policy's least redelivery delay."""
+    if isinstance(exc, InProgress):  # LeaseLost too: the new owner settles it
+        return Decision(
+            Action.REQUEUE_WITH_DELAY, delay=max(exc.retry_after, retry_after), problem=exc
+        )
+    if isinstance(exc, ClientError):  # KeyReused: same key, other payload
+        return Decision(Action.DEAD_LETTER, problem=exc)
+    if isinstance(exc, OutcomeUnknown):
+        return Decision(Action.KEEP_CLAIMED, delay=exc.retry_after, problem=exc)
+    if isinstance(exc, StoreUnavailable):
+        # Nothing claimed, or a claim the flow kept for the sweeper: either way not ours to ack.
+        return Decision(
+            Action.REQUEUE_WITH_DELAY, delay=max(exc.retry_after, retry_after), problem=exc
+        )
+    # The handler's own error: the flow gave the claim back.
+    return Decision(Action.RELEASE_AND_REQUEUE, delay=retry_after, problem=exc)
