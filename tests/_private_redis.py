@@ -134,7 +134,8 @@ def wait_until_drained(url: str, timeout: float = 10.0) -> None:
     reconnections made while it was frozen sit in its backlog until it accepts
     them. So it has drained when this connection, accepted after all of them, is
     the only one left. (The stores here keep none open after a call that failed:
-    redis-py drops a connection that timed out.)
+    redis-py drops a connection that timed out.) Run it off the loop
+    (``asyncio.to_thread``): a socket the client closed is closed at the loop's next turn.
     """
     client = redis_client(url)
     try:

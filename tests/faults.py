@@ -71,6 +71,7 @@ class SignallingStore:
     def __init__(self, store: Any) -> None:
         self.store = store
         self.claim_sent = asyncio.Event()
+        self._cancelled = asyncio.Event()
         self.supports_transactions = store.supports_transactions
         self.supports_single_commit = store.supports_single_commit
 
@@ -81,10 +82,16 @@ class SignallingStore:
         """The two-commit claim on the request's own connection (PostgreSQL's)."""
         return await self._signalled(self.store.claim_on_lent(*args, **kwargs))
 
+    def cancel(self, task: asyncio.Task[Any]) -> None:
+        """Cancel ``task`` while its claim is held here, then let the claim's answer through:
+        the cancellation lands mid-claim however few loop turns the claim takes."""
+        task.cancel()
+        self._cancelled.set()
+
     async def _signalled(self, claim: Any) -> Any:
-        pending = asyncio.ensure_future(claim)
-        await asyncio.sleep(0)  # let the claim start (its thread, or its query)
+        pending = asyncio.ensure_future(claim)  # starts now (its thread, or its query)
         self.claim_sent.set()
+        await self._cancelled.wait()
         return await pending
 
     def __getattr__(self, name: str) -> Any:

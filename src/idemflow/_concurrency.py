@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import sys
-from collections.abc import Awaitable
+from asyncio.tasks import _enter_task, _leave_task
+from collections.abc import Awaitable, Generator
 from typing import Any, TypeVar
 
 from ._errors import ConfigurationError
@@ -38,71 +38,115 @@ H = TypeVar("H")
 
 
 async def async_shielded(awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable`` to its end even if this task is cancelled meanwhile.
-
-    A cancellation that arrives meanwhile is requested again once the step is
-    done (the cancel count is kept, so ``asyncio.timeout`` still recognises
-    its own), and raises at the caller's next await.
-
-    The step runs in a task of its own, so a timeout inside it (a driver's
-    ``asyncio.timeout``) cancels the step and not this task. This task waits
-    on a future it cannot cancel (`_Unstoppable`) which the step
-    settles itself: one loop turn less than ``asyncio.shield`` (no relay
-    callback), and none at all on Python 3.12+ when the step ends without
-    waiting (its task starts eagerly).
-    """
-    loop = asyncio.get_running_loop()
-    settled = _Unstoppable(loop=loop)
-    # ``loop=`` is needed: an eager Task made without it raises AttributeError (3.12.1, 3.13.0).
-    step = asyncio.Task(_settle(awaitable, settled), loop=loop, **_EAGER)
-    deferred = False
-    try:
-        while True:
-            try:
-                done, value = await settled
-            except asyncio.CancelledError:
-                # Thrown in by this task's cancel(), which could not cancel
-                # ``settled``: it is delivered once the step has ended.
-                deferred = True
-                if not settled.done():  # pragma: no cover -- woken only by ``settled``
-                    continue
-                done, value = settled.result()
-            break
-    finally:
-        if deferred:
-            current = asyncio.current_task()
-            if current is not None:
-                current.uncancel()
-                current.cancel()
-    del step  # held until here: the loop keeps only a weak reference to a task
-    if done:
-        result: T = value
-        return result
-    raise value
+    """Await ``awaitable`` to its end even if this task is cancelled meanwhile: the
+    cancellation is requested again (its count kept, for ``asyncio.timeout``) once the
+    step is done. The step runs in this task, which waits on a `_Shield` (no task
+    made, no loop turn added); a driver's own timeout cancels a `_StepTask`."""
+    result: T = await _Shield(awaitable)
+    return result
 
 
-class _Unstoppable(asyncio.Future[tuple[bool, Any]]):
-    """A future whose ``cancel()`` does nothing: a task cancelled while it waits on one
-    gets its ``CancelledError`` when the future is done, not before."""
+class _StepTask:
+    """The current task while a shielded step runs: what the step's own timeouts cancel."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.waiting: Any = None  # the future the step waits on
+        self.must_cancel = False  # a cancel() the step has not received yet
+        self._cancels = 0
+        self.finished = False
 
     def cancel(self, msg: Any = None) -> bool:
-        return False
+        if self.finished:
+            return False
+        self._cancels += 1
+        if self.waiting is None or not self.waiting.cancel(msg):
+            self.must_cancel = True
+        return True
+
+    def cancelling(self) -> int:
+        return self._cancels
+
+    def uncancel(self) -> int:
+        self._cancels = max(self._cancels - 1, 0)
+        return self._cancels
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def run(self, caller: asyncio.Task[Any], resume: Any, sent: Any) -> Any:
+        """``resume(sent)`` with this as the current task: what the step yields next."""
+        _leave_task(self._loop, caller)
+        _enter_task(self._loop, self)  # type: ignore[arg-type]  # task-like, as asyncio.timeout needs
+        try:
+            return resume(sent)
+        finally:
+            _leave_task(self._loop, self)  # type: ignore[arg-type]
+            _enter_task(self._loop, caller)
 
 
-async def _settle(awaitable: Awaitable[Any], settled: _Unstoppable) -> None:
-    """Run the step; hand its result (or exception, its own cancellation too) to ``settled``."""
-    try:
-        value = await awaitable
-    except BaseException as exc:
-        settled.set_result((False, exc))
-        if not isinstance(exc, Exception | asyncio.CancelledError):
-            raise  # KeyboardInterrupt, SystemExit: the loop must see them
-    else:
-        settled.set_result((True, value))
+class _Shield:
+    """What the caller's task waits on: the step's future's wake-up, not its ``cancel()``."""
 
+    _asyncio_future_blocking = False
 
-# Python 3.12+: the step runs at once, up to its first wait, without a loop turn.
-_EAGER: dict[str, Any] = {"eager_start": True} if sys.version_info >= (3, 12) else {}
+    def __init__(self, awaitable: Awaitable[Any]) -> None:
+        self._awaitable = awaitable
+        self._step: _StepTask | None = None
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        assert self._step is not None
+        return self._step.get_loop()
+
+    def add_done_callback(self, callback: Any, *, context: Any = None) -> None:
+        assert self._step is not None
+        self._step.waiting.add_done_callback(callback, context=context)
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False  # the caller's task keeps it as ``_must_cancel``: thrown in after the wait
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        caller = asyncio.current_task()
+        assert caller is not None
+        cancels = caller.cancelling()
+        step = self._step = _StepTask(asyncio.get_running_loop())
+        inner = self._awaitable.__await__()
+        resume: Any = inner.send
+        sent: Any = None
+        try:
+            while True:
+                if step.must_cancel:
+                    step.must_cancel = False
+                    resume, sent = inner.throw, asyncio.CancelledError()
+                try:
+                    waiting = step.run(caller, resume, sent)
+                except StopIteration as stop:
+                    return stop.value
+                resume, sent = inner.send, None
+                blocking = getattr(waiting, "_asyncio_future_blocking", False)
+                if blocking:  # else a bare yield: the caller's task steps again soon
+                    waiting._asyncio_future_blocking = False
+                    self._asyncio_future_blocking = True  # the caller's task blocks on us
+                    step.waiting = waiting
+                try:
+                    yield self if blocking else waiting
+                except asyncio.CancelledError as exc:
+                    if blocking and waiting.cancelled():
+                        resume, sent = inner.throw, exc  # the step's own (its timeout)
+                    # else: the caller's, delivered once the step is done
+                except GeneratorExit:
+                    inner.close()  # the caller's coroutine is closed: so is the step
+                    raise
+                except BaseException as exc:  # noqa: BLE001 -- the step's future's error: the step's
+                    resume, sent = inner.throw, exc
+                finally:
+                    step.waiting = None
+        finally:
+            step.finished = True
+            if caller.cancelling() > cancels:
+                # A cancellation of the caller arrived meanwhile: raise it at its next await.
+                caller.uncancel()
+                caller.cancel()
 
 
 async def async_cancel_point() -> None:

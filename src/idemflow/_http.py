@@ -30,7 +30,7 @@ from collections.abc import (
     Sequence,
 )
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 from urllib.parse import urlencode
 
@@ -50,7 +50,16 @@ from ._errors import (
 )
 from ._fingerprint import DEFAULT_MAX_BODY_BYTES, fingerprint
 from ._key import parse_key
-from ._model import Classified, Intent, Outcome, Record, Response, Verdict, default_classifier
+from ._model import (
+    Classified,
+    Intent,
+    Outcome,
+    Policy,
+    Record,
+    Response,
+    Verdict,
+    default_classifier,
+)
 
 __all__ = [
     "DEFAULT_MAX_RESPONSE_BYTES",
@@ -147,6 +156,8 @@ _MAX_REQUEST_ID_LENGTH = 128
 RawHeaders: TypeAlias = Sequence[tuple[bytes, bytes]]
 #: Returns whether the principal may still see a stored response (sync or async).
 ReplayAuthorizer: TypeAlias = Callable[[Record], bool | Awaitable[bool]]
+#: A route's policy, or a function of the request's principal answering one.
+RoutePolicy: TypeAlias = Policy | Callable[[str], Policy]
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +212,9 @@ class EdgeOptions:
             while it streams).
         exclude_fields: JSON members left out of the fingerprint (per-attempt fields).
         strict_key: accept only the quoted sf-string form of the key.
+        policy: this route's [`Policy`][idemflow.Policy] (retention, request timeout,
+            classifier), or ``(principal) -> Policy``; None: the driver's. Its stale
+            threshold may not exceed the driver's, which the sweeper runs on.
     """
 
     public: bool = False
@@ -210,12 +224,40 @@ class EdgeOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     exclude_fields: Collection[str] = field(default=())
     strict_key: bool = False
+    policy: RoutePolicy | None = None
 
     def __post_init__(self) -> None:
         if self.max_response_bytes < 0:
             raise ConfigurationError("max_response_bytes must not be negative")
         if self.max_body_bytes < 0:
             raise ConfigurationError("max_body_bytes must not be negative")
+
+
+#: A middleware's ``endpoints``: templates, or templates mapped to their route's policy.
+Endpoints: TypeAlias = Iterable[str] | Mapping[str, RoutePolicy | None]
+
+
+def route_table(endpoints: Endpoints, options: EdgeOptions) -> dict[str, EdgeOptions]:
+    """Each endpoint's options: ``options``, with the policy the table maps it to (if any)."""
+    if not isinstance(endpoints, Mapping):
+        return dict.fromkeys(endpoints, options)
+    return {
+        endpoint: options if policy is None else replace(options, policy=policy)
+        for endpoint, policy in endpoints.items()
+    }
+
+
+def policy_for(options: EdgeOptions, principal: str) -> Policy | None:
+    """The policy a request of ``principal`` runs under: its route's, or what its resolver
+    answers (checked against the driver's by ``run``); None: the driver's."""
+    chosen = options.policy
+    if chosen is None or isinstance(chosen, Policy):
+        return chosen
+    answered = chosen(principal)
+    if not isinstance(answered, Policy):
+        msg = f"EdgeOptions(policy=…) answered {answered!r} for a principal, not a Policy"
+        raise ConfigurationError(msg)
+    return answered
 
 
 def sync_replay_authorizer(hook: object, name: str) -> Callable[[Record], bool]:

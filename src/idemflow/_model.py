@@ -13,7 +13,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from typing import Any, TypeAlias
 
@@ -35,6 +35,7 @@ __all__ = [
     "is_past_retention",
     "is_retry",
     "retry_after",
+    "route_policy",
     "seconds",
     "starts_new_intent",
 ]
@@ -326,6 +327,27 @@ def retry_after(record: Record, policy: Policy, now: float) -> int:
     elif record.state is State.STALE:
         wait = interval if age < interval else max(swept_by, interval)
     return max(policy.retry_after, min(math.ceil(wait), swept_within(policy)))
+
+
+def route_policy(route: Policy, app: Policy) -> Policy:
+    """``route`` as it runs under ``app``: with the app's stale threshold, or refused.
+
+    One sweeper, on the app's policy, ends every route's stale claims, so that
+    threshold is each route's too (what its 409s and ``Retry-After`` hints
+    are dated by). A route whose own would be longer (a longer request
+    timeout) is refused: the sweeper would end its claims while they run.
+    Its retention is the record's own (``expires_at``): purge honours any.
+    """
+    if route is app or route.stale_after == app.stale_after:
+        return route
+    if route.stale_seconds > app.stale_seconds:
+        msg = (
+            f"a route's stale threshold ({route.stale_seconds:g}s, from request_timeout="
+            f"{route.timeout_seconds:g}s) exceeds the app's ({app.stale_seconds:g}s), which "
+            "its sweeper runs on: raise the app policy's request_timeout to the longest route's"
+        )
+        raise ConfigurationError(msg)
+    return replace(route, stale_after=app.stale_after)
 
 
 def swept_within(policy: Policy) -> int:

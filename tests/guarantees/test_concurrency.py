@@ -11,6 +11,7 @@ ends the step instead of being deferred forever.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 import pytest
 
@@ -128,3 +129,16 @@ async def test_a_step_cancelled_on_its_own_raises_its_cancellation() -> None:
 
     with pytest.raises(asyncio.CancelledError):
         await async_shielded(step())
+
+
+async def test_the_step_runs_in_the_callers_task() -> None:
+    """No task of its own (a task per store step was most of a request's loop turns): what
+    the step sets in its context, the caller sees."""
+    seen: contextvars.ContextVar[str] = contextvars.ContextVar("seen")
+
+    async def step() -> None:
+        seen.set("set by the step")
+        await asyncio.sleep(0)
+
+    await async_shielded(step())
+    assert seen.get("") == "set by the step"

@@ -27,6 +27,7 @@ completed and the duplicate replays it or hears 409: one charge.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sqlite3
 import subprocess
@@ -321,7 +322,7 @@ async def test_redis_frozen_before_the_claim_is_a_bounded_503_and_the_retry_runs
         freeze(process)
         answer = await rig.ask("k-hung", provider.charge)
         thaw(process)
-        wait_until_drained(url)
+        await asyncio.to_thread(wait_until_drained, url)
         left = await rig.record("k-hung")
         early = await rig.ask("k-hung", provider.charge)
         ran_before_the_sweeper = list(provider.calls)
@@ -364,7 +365,7 @@ async def test_redis_frozen_after_the_charge_keeps_the_outcome_and_never_charges
     async with redis_rig(mode, url) as rig:
         answer = await rig.ask("k-hung", charge_then_freeze)
         thaw(process)
-        wait_until_drained(url)
+        await asyncio.to_thread(wait_until_drained, url)
         left = await rig.record("k-hung")
         early = await rig.ask("k-hung", provider.charge)
         await rig.sweep(provider.reconcile)
@@ -406,7 +407,7 @@ async def test_redis_frozen_before_a_transient_answer_sends_one_release_that_wai
         answer = await rig.ask("k-hung", freeze_then_fail)
         releases = rig.store.releases
         thaw(process)
-        wait_until_drained(url)
+        await asyncio.to_thread(wait_until_drained, url)
         left = await rig.record("k-hung")
         await rig.sweep(provider.reconcile)
         retry = await rig.ask("k-hung", provider.charge)

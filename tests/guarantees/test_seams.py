@@ -416,7 +416,7 @@ async def test_cancelled_while_claiming_leaves_no_claim_behind(
         idem = AsyncIdempotency(store, POLICY)
         task = asyncio.create_task(idem.run(intent(), handler))
         await store.claim_sent.wait()
-        task.cancel()
+        store.cancel(task)
         with pytest.raises(asyncio.CancelledError):
             await task
         record = await real.get("alice", "k-1")

@@ -157,7 +157,8 @@ def _sqlite_records(path: Path) -> Callable[[str], int]:
 
 
 @contextlib.contextmanager
-def _wsgi_door(tmp: Path) -> Iterator[Door]:
+def _wsgi_door(tmp: Path, endpoints: Any = ("POST /payments",)) -> Iterator[Door]:
+    """The WSGI middleware; ``endpoints``: its table (a list, or a dict of route policies)."""
     from idemflow import Idempotency, Policy
     from idemflow.integrations.wsgi import EdgeOptions, IdempotencyMiddleware
     from idemflow.stores.sqlite import SQLiteStore
@@ -177,7 +178,7 @@ def _wsgi_door(tmp: Path) -> Iterator[Door]:
     protected = IdempotencyMiddleware(
         app,
         idempotency=Idempotency(store, Policy(request_timeout=5)),
-        endpoints=["POST /payments"],
+        endpoints=endpoints,
         principal=lambda environ: environ.get("HTTP_X_USER"),
         options=EdgeOptions(max_body_bytes=CAP),
     )

@@ -22,6 +22,7 @@ from idemflow import (
     KeyReused,
     LeaseLost,
     Outcome,
+    Policy,
     Response,
     State,
 )
@@ -44,6 +45,7 @@ class Harness:
         self,
         intent: Intent,
         respond: Callable[[Attempt], Response] = lambda attempt: CREATED,
+        policy: Policy | None = None,
     ) -> Outcome:
         def handler(attempt: Attempt) -> Response:
             self.calls += 1
@@ -54,7 +56,7 @@ class Harness:
             return response
 
         with self._transaction() as transaction:
-            return self.idem.run(intent, handler, transaction=transaction)
+            return self.idem.run(intent, handler, transaction=transaction, policy=policy)
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[Any]:
@@ -516,6 +518,25 @@ def test_purge_deletes_exactly_the_expired(backend: Backend, clock: FrozenClock)
     running = store.get("alice", "running")
     assert running is not None
     assert running.state is State.IN_PROGRESS
+
+
+def test_each_route_keeps_its_outcomes_for_its_own_retention(
+    harness: Harness, backend: Backend, clock: FrozenClock
+) -> None:
+    """Two routes through one driver, kept a minute and an hour: each record carries its own
+    expiry from its route's policy, so one purge removes exactly the one past it, and that
+    key alone is free for a new intent."""
+    minute = Policy(request_timeout=5, retention=60)
+    harness.run(intent("minute"), policy=minute)
+    harness.run(intent("hour"))
+    clock.advance(61)
+
+    assert backend.store.purge(clock(), 10) == 1
+    assert backend.store.get("alice", "minute") is None
+    with pytest.raises(KeyReused):  # the hour's record holds its key still
+        harness.run(intent("hour", fp="fp-other"))
+    again = harness.run(intent("minute", fp="fp-new"), lambda a: Response(201, b"new"), minute)
+    assert (again.replayed, again.response.body) == (False, b"new")
 
 
 def test_next_due_is_the_deadline_of_the_oldest_record_sweep_would_mark(

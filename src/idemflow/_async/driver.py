@@ -32,7 +32,7 @@ from .._flow import (
     starts_past_a_phase,
 )
 from .._lease import new_lease_token
-from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response
+from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response, route_policy
 from ..stores.protocol import AsyncStore, AsyncTransaction
 from .transactions import AsyncBeginsOnFirstStatement, AsyncCommitAfter
 
@@ -52,8 +52,11 @@ class AsyncAttempt:
         transaction: AsyncTransaction | None,
         clock: Clock,
         on_commit: Callable[[], None] = lambda: None,
+        policy: Policy | None = None,
     ) -> None:
         self.record = record
+        #: The policy this run is under: its route's (``run(policy=…)``), else the driver's.
+        self.policy = policy or Policy()
         #: The last progress committed for this intent, by this or an earlier attempt.
         self.recovery_point = record.recovery_point
         self._store = store
@@ -115,6 +118,7 @@ class AsyncIdempotency:
         store.cover_stale_threshold(self.policy.stale_seconds)
         # And no wait of the store's may outlast our request's budget.
         store.cover_store_wait(self.policy.store_wait_seconds)
+        self._routes: dict[Policy, Policy] = {}  # each route's policy, as it runs here
 
     async def run(
         self,
@@ -123,11 +127,15 @@ class AsyncIdempotency:
         *,
         transaction: AsyncTransaction | None = None,
         single_commit: bool = False,
+        policy: Policy | None = None,
     ) -> Outcome:
         """Claim ``intent``, then replay, refuse, or run ``handler`` once. With
         ``transaction`` (`idemflow.transactions`) the completion commits with the
-        handler's writes; ``single_commit=True`` puts the claim in it too."""
+        handler's writes; ``single_commit=True`` puts the claim in it too. ``policy``:
+        this route's (its retention, timeout, classifier), within the driver's
+        (`route_policy`); by default the driver's."""
         async_checked_handler(handler)
+        policy = self.route(policy)
         refuse_run(
             type(self.store).__name__,
             transaction=transaction is not None,
@@ -135,11 +143,11 @@ class AsyncIdempotency:
             shares=self.store.supports_transactions,
             single_commits=self.store.supports_single_commit,
         )
-        perform = _Performer(self, intent, handler, transaction, single_commit)
+        perform = _Performer(self, intent, handler, transaction, single_commit, policy)
         try:
             flow = idempotency_flow(
                 intent,
-                self.policy,
+                policy,
                 new_lease_token(),
                 atomic=transaction is not None,
                 single_commit=single_commit,
@@ -156,6 +164,26 @@ class AsyncIdempotency:
         if outcome.replayed:
             perform.observe(Event.REPLAYED)
         return outcome
+
+    def route(self, policy: Policy | None) -> Policy:
+        """``policy`` (a route's) as a run under this driver uses it: with this driver's stale
+        threshold, the one its sweeper runs on (``ConfigurationError`` if it would outlive
+        it), its store told its wait budget. Made once per policy (a resolver may answer a
+        new one per request: the cache is bounded); None is the driver's own."""
+        if policy is None or policy is self.policy:
+            return self.policy
+        ran = self._routes.get(policy)
+        if ran is None:
+            if len(self._routes) >= _ROUTES_KEPT:
+                self._routes.clear()
+            ran = self._routes[policy] = route_policy(policy, self.policy)
+            # A shorter request timeout is a shorter budget: the store keeps the shortest.
+            self.store.cover_store_wait(ran.store_wait_seconds)
+        return ran
+
+
+#: How many route policies a driver keeps as they run under it.
+_ROUTES_KEPT = 64
 
 
 async def _drive(flow: Flow, perform: Callable[[Step], Awaitable[Any]]) -> Outcome:
@@ -205,8 +233,10 @@ class _Performer:
         handler: AsyncHandler,
         transaction: AsyncTransaction | None,
         single_commit: bool,
+        policy: Policy,
     ) -> None:
         self._idem = idempotency
+        self._policy = policy
         self._intent = intent
         self._started = idempotency.clock()
         self._handler = handler
@@ -224,7 +254,12 @@ class _Performer:
             return await async_shielded(self._claim(step))
         if isinstance(step, Execute):
             attempt = AsyncAttempt(
-                step.record, self._idem.store, self._transaction, self._idem.clock, self._committed
+                step.record,
+                self._idem.store,
+                self._transaction,
+                self._idem.clock,
+                self._committed,
+                self._policy,
             )
             await async_cancel_point()  # a cancellation deferred by the claim: release now
             await self._begin_for_handler()

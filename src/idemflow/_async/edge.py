@@ -22,13 +22,14 @@ from .._http import (
     HTTPRequest,
     intent_for,
     not_read,
+    policy_for,
     problem_for,
     replayed,
     stored_form,
     storing,
     with_request_id,
 )
-from .._model import Intent, Record, Response, Verdict
+from .._model import Intent, Policy, Record, Response, Verdict
 from ..stores.protocol import AsyncTransaction
 from .driver import AsyncAttempt, AsyncIdempotency
 from .transactions import execute_and_commit
@@ -68,6 +69,8 @@ class AsyncEdge:
     def __init__(self, idempotency: AsyncIdempotency, options: EdgeOptions | None = None) -> None:
         self.idempotency = idempotency
         self.options = options or EdgeOptions()
+        if isinstance(self.options.policy, Policy):  # a route's: refused now, not per request
+            idempotency.route(self.options.policy)
 
     def intent(self, request: HTTPRequest) -> Intent:
         """The request's identity; raises the 400/401 client errors, claims nothing."""
@@ -102,15 +105,22 @@ class AsyncEdge:
         async_checked_handler(handler)
         try:
             intent = self.intent(request)
+            policy = policy_for(self.options, intent.principal)
             started = self.idempotency.clock()
             sent: list[Response] = []
             operation = self._storing(handler, sent, read, atomic=transaction is not None)
             if transaction is None:
-                outcome = await self.idempotency.run(intent, operation, single_commit=single_commit)
+                outcome = await self.idempotency.run(
+                    intent, operation, single_commit=single_commit, policy=policy
+                )
             else:
                 async with transaction() as opened:
                     outcome = await self.idempotency.run(
-                        intent, operation, transaction=opened, single_commit=single_commit
+                        intent,
+                        operation,
+                        transaction=opened,
+                        single_commit=single_commit,
+                        policy=policy,
                     )
             if outcome.replayed:
                 await self._authorize(intent, outcome.record, started)
@@ -129,10 +139,10 @@ class AsyncEdge:
     ) -> AsyncOperationHandler:
         """Wrap ``handler``: keep what to send, return what to store."""
         limit = self.options.max_response_bytes
-        policy = self.idempotency.policy
 
         async def operation(attempt: AsyncAttempt) -> Response:
             answer: Response = await async_resolve(handler(attempt))  # raising: released
+            policy = attempt.policy
             # The endpoint has run. Unless its effect rolls back with us (atomic), nothing
             # we fail at from here (reading, classifying, checking its answer) may release
             # the key: the retry would run the endpoint again.

@@ -23,13 +23,14 @@ from .._http import (
     HTTPRequest,
     intent_for,
     not_read,
+    policy_for,
     problem_for,
     replayed,
     stored_form,
     storing,
     with_request_id,
 )
-from .._model import Intent, Record, Response, Verdict
+from .._model import Intent, Policy, Record, Response, Verdict
 from ..stores.protocol import Transaction
 from .driver import Attempt, Idempotency
 from .transactions import execute_and_commit
@@ -69,6 +70,8 @@ class Edge:
     def __init__(self, idempotency: Idempotency, options: EdgeOptions | None = None) -> None:
         self.idempotency = idempotency
         self.options = options or EdgeOptions()
+        if isinstance(self.options.policy, Policy):  # a route's: refused now, not per request
+            idempotency.route(self.options.policy)
 
     def intent(self, request: HTTPRequest) -> Intent:
         """The request's identity; raises the 400/401 client errors, claims nothing."""
@@ -103,15 +106,22 @@ class Edge:
         checked_handler(handler)
         try:
             intent = self.intent(request)
+            policy = policy_for(self.options, intent.principal)
             started = self.idempotency.clock()
             sent: list[Response] = []
             operation = self._storing(handler, sent, read, atomic=transaction is not None)
             if transaction is None:
-                outcome = self.idempotency.run(intent, operation, single_commit=single_commit)
+                outcome = self.idempotency.run(
+                    intent, operation, single_commit=single_commit, policy=policy
+                )
             else:
                 with transaction() as opened:
                     outcome = self.idempotency.run(
-                        intent, operation, transaction=opened, single_commit=single_commit
+                        intent,
+                        operation,
+                        transaction=opened,
+                        single_commit=single_commit,
+                        policy=policy,
                     )
             if outcome.replayed:
                 self._authorize(intent, outcome.record, started)
@@ -130,10 +140,10 @@ class Edge:
     ) -> OperationHandler:
         """Wrap ``handler``: keep what to send, return what to store."""
         limit = self.options.max_response_bytes
-        policy = self.idempotency.policy
 
         def operation(attempt: Attempt) -> Response:
             answer: Response = resolve(handler(attempt))  # raising: released
+            policy = attempt.policy
             # The endpoint has run. Unless its effect rolls back with us (atomic), nothing
             # we fail at from here (reading, classifying, checking its answer) may release
             # the key: the retry would run the endpoint again.

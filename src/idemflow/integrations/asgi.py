@@ -12,7 +12,7 @@ the modes, the body rules and where to place it (after authentication).
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, TypeAlias
 
 from .. import AsyncAttempt, AsyncIdempotency
@@ -26,6 +26,7 @@ from ..edge import (
     BodyReader,
     EdgeOptions,
     Endpoint,
+    Endpoints,
     HTTPRequest,
     OutcomeSlot,
     ResponseSink,
@@ -35,6 +36,7 @@ from ..edge import (
     plain_callable,
     problem_for,
     request_id_from,
+    route_table,
     sendable_headers,
     settled_verdict,
 )
@@ -112,11 +114,14 @@ class IdempotencyMiddleware:
 
     Only the ``endpoints`` listed opt in (``"POST /payments/{id}/refunds"``:
     method and route template, relative to where the middleware sits); every
-    other request passes through untouched. A 5xx, 408 or 429 (or an exception)
-    releases the claim; an ``OutcomeUnknown``, raised or reported through
-    ``scope["idemflow.outcome_unknown"]``, keeps it for the sweeper. A response
-    that cannot be stored whole settles the key with a ``response-not-stored``
-    marker, never a release: its effect has happened (docs/http.md).
+    other request passes through untouched. Mapped to a [`Policy`][idemflow.Policy]
+    (``{"POST /payments": Policy(retention=timedelta(days=7))}``), an endpoint runs
+    under that policy (``EdgeOptions.policy``); unmapped (None), the driver's.
+    A 5xx, 408 or 429 (or an exception) releases the claim; an ``OutcomeUnknown``,
+    raised or reported through ``scope["idemflow.outcome_unknown"]``, keeps it for
+    the sweeper. A response that cannot be stored whole settles the key with a
+    ``response-not-stored`` marker, never a release: its effect has happened
+    (docs/http.md).
     """
 
     def __init__(
@@ -124,14 +129,16 @@ class IdempotencyMiddleware:
         app: ASGIApp,
         *,
         idempotency: AsyncIdempotency,
-        endpoints: Iterable[str],
+        endpoints: Endpoints,
         principal: PrincipalGetter = authenticated_user,
         options: EdgeOptions | None = None,
     ) -> None:
         self.app = app
         self.edge = AsyncEdge(idempotency, options)
         self._principal = plain_callable(principal, PRINCIPAL_HOOK, "(scope) -> str | None")
-        self._routes = [compile_endpoint(endpoint) for endpoint in endpoints]
+        table = route_table(endpoints, self.edge.options)
+        self._routes = [compile_endpoint(endpoint) for endpoint in table]
+        self._edges = [AsyncEdge(idempotency, chosen) for chosen in table.values()]
         if not self._routes:
             raise ConfigurationError("IdempotencyMiddleware needs at least one endpoint to protect")
         self._refusal: str | None = None
@@ -157,13 +164,13 @@ class IdempotencyMiddleware:
             # it); it is sent all the same, so there is one path, no traceback.
             await send_response(send, problem_for(exc, rid))
             return
-        template, params = route
+        template, params, edge = route
         raw = scope.get("query_string", b"")
         query = raw.decode("latin-1") if isinstance(raw, bytes) else str(raw)
         request = HTTPRequest(
             scope["method"], template, scope["headers"], body, who, rid, params, query
         )
-        response = await self.edge.respond(request, self._endpoint(scope, body, receive))
+        response = await edge.respond(request, self._endpoint(scope, body, receive))
         await send_response(send, response)
 
     def refusal(self, endpoints: list[Endpoint]) -> str | None:
@@ -199,8 +206,9 @@ class IdempotencyMiddleware:
             self._checked = True
         return self._refusal
 
-    def _match(self, scope: Scope) -> tuple[str, dict[str, str]] | None:
-        """The opted-in route this request matches: its full template, and its path parameters.
+    def _match(self, scope: Scope) -> tuple[str, dict[str, str], AsyncEdge] | None:
+        """The opted-in route this request matches: its full template, its path parameters
+        and its edge.
 
         The path is matched below the mount the middleware sits in (the
         ``root_path``), and the mount's template and parameters are added.
@@ -209,20 +217,21 @@ class IdempotencyMiddleware:
         if method in SAFE_METHODS:
             return None
         path = _route_path(scope)
-        for route in self._routes:
+        for route, edge in zip(self._routes, self._edges, strict=True):
             match = route.pattern.fullmatch(path) if route.method == method else None
             if match is not None:
                 mounted = {str(k): str(v) for k, v in scope.get("path_params", {}).items()}
-                return self.mount_prefix(scope) + route.template, {**mounted, **match.groupdict()}
+                params = {**mounted, **match.groupdict()}
+                return self.mount_prefix(scope) + route.template, params, edge
         return None
 
     def _endpoint(
         self, scope: Scope, body: bytes, receive: Receive
     ) -> Callable[[AsyncAttempt], Awaitable[Response]]:
-        # The app has run when it is asked: a classifier that fails settles, never releases.
-        classify = functools.partial(settled_verdict, self.edge.idempotency.policy.verdict)
 
         async def operation(attempt: AsyncAttempt) -> Response:
+            # The app has run when it is asked: a classifier that fails settles, never releases.
+            classify = functools.partial(settled_verdict, attempt.policy.verdict)
             buffer = _ResponseBuffer(self.edge.options.max_response_bytes)
             # Where an app that answers its own exceptions reports an OutcomeUnknown;
             # one made while it ran and then failed is raised too, reported or not.
@@ -230,7 +239,7 @@ class IdempotencyMiddleware:
             with slot.watching():
                 await self.app(scope, _replaying(body, receive), buffer.send)
             response = buffer.response(classify)
-            if classify(response) is Verdict.TRANSIENT:
+            if slot.made is not None and classify(response) is Verdict.TRANSIENT:
                 slot.raise_made()  # Django's ASGI handler's own 500 for it, say
             return response
 

@@ -19,10 +19,11 @@ use `idemflow.integrations.starlette.IdempotencyMiddleware`.
 # dependency's signature at runtime, including names from this closure.
 
 import contextlib
+import copy
 import functools
 import inspect
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Generic, cast
 
 from .. import AsyncAttempt, AsyncIdempotency, Observer
@@ -32,8 +33,11 @@ from .._model import Policy, Response, Verdict
 from ..edge import (
     KEY_HEADER,
     SAFE_METHODS,
+    AsyncEdge,
     EdgeOptions,
+    RoutePolicy,
     header_values,
+    policy_for,
     problem_for,
 )
 from ..edge import async_pooled_transaction as pooled_transaction
@@ -165,9 +169,9 @@ class IdempotentRequest(Generic[Connection]):
                 raise
             finally:
                 self._plain = None
-            verdict = idempotent.edge.idempotency.policy.verdict(
-                Response(response.status_code, b"", ())
-            )
+            edge = idempotent.edge
+            policy = policy_for(edge.options, self._principal or "") or edge.idempotency.policy
+            verdict = policy.verdict(Response(response.status_code, b"", ()))
             if verdict is Verdict.TRANSIENT:
                 await plain.rollback()
             else:
@@ -180,7 +184,7 @@ def dependency(
     *,
     principal: Callable[..., Any] | None = None,
     required: bool = True,
-    policy: Policy | None = None,
+    policy: RoutePolicy | None = None,
     options: EdgeOptions | None = None,
     observer: Observer | None = None,
 ) -> Callable[..., Any]:
@@ -203,6 +207,10 @@ def dependency(
             ``username``; None for nobody, answered 401) scopes the key. For
             starlette's ``AuthenticationMiddleware`` pass `scope_user`.
             Only a ``public`` endpoint (``EdgeOptions(public=True)``) may omit it.
+        policy: this route's [`Policy`][idemflow.Policy] (its retention, request
+            timeout, classifier; ``EdgeOptions.policy``), or ``(principal) -> Policy``.
+            With an ``Idempotent`` its stale threshold may not exceed its driver's,
+            which the sweeper runs on; with an engine or a pool it is the driver's own.
         required: whether a request must carry an ``Idempotency-Key`` (400
             ``missing-key`` without one). With False (and
             `IdempotentRoute`), a request without one runs unprotected,
@@ -213,10 +221,13 @@ def dependency(
             keys are never claimed anonymously.
     """
     if not isinstance(idempotent, Idempotent):
-        idempotent = _on_shorthand(idempotent, policy, options, observer)
-    elif policy is not None or options is not None or observer is not None:
-        msg = "policy=, options= and observer= belong to the Idempotent given"
+        app_policy = policy if isinstance(policy, Policy) else None
+        idempotent = _on_shorthand(idempotent, app_policy, options, observer)
+    elif options is not None or observer is not None:
+        msg = "options= and observer= belong to the Idempotent given"
         raise ConfigurationError(msg)
+    if policy is not None and policy is not idempotent.edge.idempotency.policy:
+        idempotent = _for_route(idempotent, policy)
     public = idempotent.edge.options.public
     if principal is None and not public:
         msg = (
@@ -242,6 +253,14 @@ def dependency(
 
     setattr(from_dependency, _MARK, protection)
     return from_dependency
+
+
+def _for_route(idempotent: Idempotent, policy: RoutePolicy) -> Idempotent:
+    """``idempotent`` for one route: the same driver and connections, the route's policy."""
+    route = copy.copy(idempotent)
+    options = replace(idempotent.edge.options, policy=policy)
+    route.edge = AsyncEdge(idempotent.edge.idempotency, options)
+    return route
 
 
 def _on_shorthand(

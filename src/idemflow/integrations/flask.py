@@ -40,6 +40,7 @@ from ..edge import (
     SAFE_METHODS,
     Edge,
     HTTPRequest,
+    RoutePolicy,
     body_cut_short,
     body_too_large,
     declared_length,
@@ -133,11 +134,16 @@ class _State:
         for public in (False, True):
             self.edge(public)
 
-    def edge(self, public: bool, authorize_replay: ReplayHook | None = None) -> Edge:
+    def edge(
+        self,
+        public: bool,
+        authorize_replay: ReplayHook | None = None,
+        policy: RoutePolicy | None = None,
+    ) -> Edge:
         """The edge of a public or non-public view, with the view's own replay hook or
-        the app's."""
+        the app's, and the view's policy or the app's."""
         hook = self.authorize_replay if authorize_replay is None else authorize_replay
-        return self._edges(public, hook)
+        return self._edges(public, hook, policy)
 
 
 class _Protector(Protocol):
@@ -247,6 +253,7 @@ class Idempotency:
         public: bool = False,
         validate: Callable[..., object] | None = None,
         authorize_replay: ReplayHook | None = None,
+        policy: RoutePolicy | None = None,
     ) -> Callable[_P, FlaskResponse]: ...
 
     @overload
@@ -257,6 +264,7 @@ class Idempotency:
         public: bool = False,
         validate: Callable[..., object] | None = None,
         authorize_replay: ReplayHook | None = None,
+        policy: RoutePolicy | None = None,
     ) -> _Protector: ...
 
     def protect(
@@ -266,6 +274,7 @@ class Idempotency:
         public: bool = False,
         validate: Callable[..., object] | None = None,
         authorize_replay: ReplayHook | None = None,
+        policy: RoutePolicy | None = None,
     ) -> Callable[_P, FlaskResponse] | _Protector:
         """Protect a view; ``@idem.protect`` or ``@idem.protect(public=…, validate=…)``.
 
@@ -273,6 +282,8 @@ class Idempotency:
         ``validate`` is called with the view's arguments after the body was read
         and before the claim: what it raises (a 400) is never recorded.
         ``authorize_replay`` replaces the app's replay hook for this view.
+        ``policy``: this view's [`Policy`][idemflow.Policy] (retention, request timeout;
+        its stale threshold within the app's), or ``(principal) -> Policy``.
         """
         if authorize_replay is not None:
             sync_replay_authorizer(authorize_replay, "@idem.protect(authorize_replay=…)")
@@ -289,6 +300,7 @@ class Idempotency:
                     public,
                     None if check is None else lambda: check(*args, **kwargs),
                     authorize_replay,
+                    policy,
                 )
 
             return wrapper
@@ -307,14 +319,15 @@ class Idempotency:
         public: bool,
         validate: Callable[[], object] | None,
         authorize_replay: ReplayHook | None,
+        policy: RoutePolicy | None = None,
     ) -> FlaskResponse:
         state = self._state()
         # Once: every access through the request proxy costs a context lookup.
         current: Any = request._get_current_object()  # type: ignore[attr-defined]
         headers = raw_headers(current.environ)
         rid = request_id_from(headers)
-        edge = state.edge(public, authorize_replay)
         try:
+            edge = state.edge(public, authorize_replay, policy)  # a bad policy: a 500 problem
             if current.method.upper() in SAFE_METHODS:
                 msg = f"{current.method} is idempotent already; protect unsafe methods only"
                 raise ConfigurationError(msg)

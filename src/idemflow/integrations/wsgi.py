@@ -39,15 +39,18 @@ from ..edge import (
     BodyReader,
     Edge,
     EdgeOptions,
+    Endpoints,
     HTTPRequest,
     OutcomeSlot,
     RawHeaders,
     ResponseSink,
+    RoutePolicy,
     not_stored,
     plain_callable,
     problem_for,
     report_outcome_unknown,
     request_id_from,
+    route_table,
     sendable_headers,
     settled_verdict,
     sync_replay_authorizer,
@@ -147,7 +150,7 @@ class IdempotencyMiddleware:
         app: WSGIApplication,
         *,
         idempotency: Idempotency,
-        endpoints: Iterable[str],
+        endpoints: Endpoints,
         principal: PrincipalGetter = remote_user,
         options: EdgeOptions | None = None,
     ) -> None:
@@ -167,7 +170,9 @@ class IdempotencyMiddleware:
         self.app = app
         self.edge = Edge(idempotency, options)
         self._principal = principal
-        self._endpoints = [_compile_endpoint(endpoint) for endpoint in endpoints]
+        table = route_table(endpoints, self.edge.options)
+        self._endpoints = [_compile_endpoint(endpoint) for endpoint in table]
+        self._edges = [Edge(idempotency, chosen) for chosen in table.values()]
         if not self._endpoints:
             raise ConfigurationError("IdempotencyMiddleware needs at least one endpoint to protect")
         _report_from_flask(app)
@@ -185,7 +190,7 @@ class IdempotencyMiddleware:
             # After a disconnect this answer goes nowhere; it is sent all the
             # same, so there is one path and no traceback.
             return send(start_response, problem_for(exc, rid))
-        template, params = route
+        template, params, edge = route
         request = HTTPRequest(
             str(environ["REQUEST_METHOD"]),
             template,
@@ -196,27 +201,29 @@ class IdempotencyMiddleware:
             params,
             str(environ.get("QUERY_STRING", "")),
         )
-        response = self.edge.respond(request, self._endpoint(environ, body))
+        response = edge.respond(request, self._endpoint(environ, body))
         return send(start_response, response)
 
-    def _match(self, environ: WSGIEnvironment) -> tuple[str, dict[str, str]] | None:
-        """The opted-in endpoint this request matches: its full template and path parameters."""
+    def _match(self, environ: WSGIEnvironment) -> tuple[str, dict[str, str], Edge] | None:
+        """The opted-in endpoint this request matches: its full template, path parameters
+        and edge."""
         method = str(environ.get("REQUEST_METHOD", "GET")).upper()
         if method in SAFE_METHODS:
             return None
         path = str(environ.get("PATH_INFO", "")) or "/"
-        for endpoint in self._endpoints:
+        for endpoint, edge in zip(self._endpoints, self._edges, strict=True):
             match = endpoint.pattern.fullmatch(path) if endpoint.method == method else None
             if match is not None:
-                return str(environ.get("SCRIPT_NAME", "")) + endpoint.template, match.groupdict()
+                template = str(environ.get("SCRIPT_NAME", "")) + endpoint.template
+                return template, match.groupdict(), edge
         return None
 
     def _endpoint(self, environ: WSGIEnvironment, body: bytes) -> Callable[[Attempt], Response]:
-        # The app has run when it is asked: a classifier that fails settles, never releases.
-        classify = functools.partial(settled_verdict, self.edge.idempotency.policy.verdict)
         limit = self.edge.options.max_response_bytes
 
         def operation(attempt: Attempt) -> Response:
+            # The app has run when it is asked: a classifier that fails settles, never releases.
+            classify = functools.partial(settled_verdict, attempt.policy.verdict)
             # The server's stream is spent: the application reads our copy.
             environ["wsgi.input"] = io.BytesIO(body)
             environ["CONTENT_LENGTH"] = str(len(body))
@@ -236,7 +243,7 @@ class IdempotencyMiddleware:
                     if close is not None:
                         close()
             response = captured.response(classify)
-            if classify(response) is Verdict.TRANSIENT:
+            if slot.made is not None and classify(response) is Verdict.TRANSIENT:
                 slot.raise_made()  # the framework's own 500 for it, or the app's 503 after it
             return response
 
@@ -302,21 +309,30 @@ def view_options(setting: Callable[[str], Any]) -> EdgeOptions:
 
 class ViewEdges:
     """The edges of one app's views (Flask's, Django's): one per public or non-public
-    view and replay hook, made on its first request, never per request (its options
-    are checked once, when it is made)."""
+    view, replay hook and route policy, made on its first request, never per request
+    (its options are checked once, when it is made)."""
 
     def __init__(self, driver: Idempotency, options: EdgeOptions) -> None:
         self._driver = driver
         self._options = options
-        # (public, id of the hook) -> (the hook, kept so its id is not reused; its edge)
-        self._made: dict[tuple[bool, int], tuple[ReplayHook | None, Edge]] = {}
+        # (public, id of the hook, id of the policy) -> (both, kept so their ids are not
+        # reused; its edge)
+        self._made: dict[tuple[bool, int, int], tuple[object, Edge]] = {}
 
-    def __call__(self, public: bool, authorize_replay: ReplayHook | None) -> Edge:
-        made = self._made.get((public, id(authorize_replay)))
+    def __call__(
+        self,
+        public: bool,
+        authorize_replay: ReplayHook | None,
+        policy: RoutePolicy | None = None,
+    ) -> Edge:
+        made = self._made.get((public, id(authorize_replay), id(policy)))
         if made is None:  # two threads may both make it: the same options, either will do
-            options = replace(self._options, public=public, authorize_replay=authorize_replay)
+            options = replace(
+                self._options, public=public, authorize_replay=authorize_replay, policy=policy
+            )
             edge = Edge(self._driver, options)
-            made = self._made[(public, id(authorize_replay))] = (authorize_replay, edge)
+            made = (authorize_replay, policy), edge
+            self._made[(public, id(authorize_replay), id(policy))] = made
         return made[1]
 
 

@@ -25,7 +25,13 @@ from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
 from ... import ConfigurationError, Idempotency, Observer, Policy
-from ...edge import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BYTES, sync_replay_authorizer
+from ..._model import route_policy
+from ...edge import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    RoutePolicy,
+    sync_replay_authorizer,
+)
 from ...stores.protocol import Store
 
 __all__ = ["get_idempotency", "get_store"]
@@ -45,7 +51,9 @@ _DEFAULTS: Mapping[str, Any] = {
     "principal": None,  # dotted path or callable: request -> str | None (default: request.user.pk)
     # dotted path or callable: record -> bool, asked again before a stored response is replayed
     "authorize_replay": None,
-    "endpoints": (),  # what IdempotencyMiddleware protects: "POST /payments/<int:pk>/refunds"
+    # What IdempotencyMiddleware protects: "POST /payments/<int:pk>/refunds"; or a dict
+    # mapping each to its route's durations ({"retention": 7 * 86400}) or Policy (None: these).
+    "endpoints": (),
     "auth_middleware": (),  # further middleware that must run before IdempotencyMiddleware
     "max_body_bytes": DEFAULT_MAX_BODY_BYTES,
     "max_response_bytes": DEFAULT_MAX_RESPONSE_BYTES,
@@ -74,7 +82,7 @@ class IdemflowSettings:
     #: A callable, or its dotted path (imported by ``AppConfig.ready``, and by
     #: ``IdempotencyMiddleware`` as it starts): see ``http.replay_authorizer``.
     authorize_replay: Any
-    endpoints: Sequence[str]
+    endpoints: Sequence[str] | Mapping[str, Any]
     auth_middleware: Sequence[str]
     max_body_bytes: int
     max_response_bytes: int
@@ -87,6 +95,24 @@ class IdemflowSettings:
     @property
     def policy(self) -> Policy:
         return Policy(request_timeout=self.request_timeout, retention=self.retention)
+
+    def route_policy(self, given: Any, where: str) -> RoutePolicy | None:
+        """A view's or an endpoint's policy (``where`` it was given): a Policy, or a dict of
+        durations over these settings' (``{"retention": 7 * 86400}``); None: the settings'.
+        ``ImproperlyConfigured`` if it is none, or outlives the settings' stale threshold."""
+        app = self.policy
+        try:
+            if isinstance(given, Mapping):
+                durations = {"request_timeout": self.request_timeout, "retention": self.retention}
+                given = Policy(**{**durations, **given})
+            if given is None or callable(given):  # none, or a resolver: checked per request
+                return cast(RoutePolicy | None, given)
+            if not isinstance(given, Policy):
+                msg = f"must be a Policy or a dict of its durations, got {given!r}"
+                raise ConfigurationError(msg)
+            return route_policy(given, app)
+        except (ConfigurationError, TypeError) as exc:
+            raise ImproperlyConfigured(f"{where}: {exc}") from exc
 
 
 def idemflow_settings() -> IdemflowSettings:

@@ -39,6 +39,7 @@ from ...edge import (
     Edge,
     HTTPRequest,
     RawHeaders,
+    RoutePolicy,
     body_cut_short,
     body_too_large,
     declared_length,
@@ -247,6 +248,7 @@ def protect(
     validate: Callable[[], object] | None = None,
     match: Any = None,
     authorize_replay: _ReplayHook | None = None,
+    policy: RoutePolicy | None = None,
 ) -> HttpResponseBase:
     """Run ``view`` once per ``(principal, Idempotency-Key)`` in its own transaction.
 
@@ -254,14 +256,15 @@ def protect(
     an `InvalidData` it raises is a 400 ``invalid-body`` problem, anything
     else (a DRF ``ValidationError``, Django's ``BadRequest``) passes through;
     neither is recorded. ``authorize_replay``: the view's own replay hook, in
-    place of ``IDEMFLOW['authorize_replay']``.
+    place of ``IDEMFLOW['authorize_replay']``; ``policy`` the view's own
+    (``EdgeOptions.policy``), in place of the settings' durations.
     """
     raw = getattr(request, "_request", request)
     headers = _headers(raw)
     rid = request_id_from(headers)
     try:
         prepared = _prepared()  # a bad authorize_replay path: the 500 problem naming it
-        edge = prepared.edge(public, authorize_replay)
+        edge = prepared.edge(public, authorize_replay, policy)
         if str(raw.method).upper() in SAFE_METHODS:
             msg = f"{raw.method} is idempotent already; protect unsafe methods only"
             raise ConfigurationError(msg)
@@ -308,11 +311,16 @@ class _Prepared:
         self._edges = ViewEdges(self._driver, view_options(functools.partial(getattr, chosen)))
         self._principal: Callable[[Any], str | None] | None = None
 
-    def edge(self, public: bool, authorize_replay: _ReplayHook | None = None) -> Edge:
+    def edge(
+        self,
+        public: bool,
+        authorize_replay: _ReplayHook | None = None,
+        policy: RoutePolicy | None = None,
+    ) -> Edge:
         """The edge of a public or non-public view, with the view's own replay hook or
-        the setting's."""
+        the setting's, and its own policy or the settings'."""
         hook = self._authorize_replay if authorize_replay is None else authorize_replay
-        return self._edges(public, hook)
+        return self._edges(public, hook, policy)
 
     def principal(self) -> Callable[[Any], str | None]:
         """The principal getter; a bad ``IDEMFLOW['principal']`` raises on each request."""

@@ -2,7 +2,8 @@
 ``IdempotencyMiddleware``: protect the endpoints ``IDEMFLOW['endpoints']`` names.
 
 Each entry is a method and the route *template* as written in the URLconf
-(``"POST /payments/<int:pk>/refunds"``). A protected request runs the rest of
+(``"POST /payments/<int:pk>/refunds"``), or a dict mapping each to its route's
+durations or Policy (``{"retention": 7 * 86400}``). A protected request runs the rest of
 the stack inside a ``transaction.atomic()`` on ``IDEMFLOW['database']`` that
 the completion is written in; anything else passes through untouched. Place
 it after ``AuthenticationMiddleware`` (it refuses to start otherwise); an
@@ -15,7 +16,7 @@ an endpoint" and "Authorization on replay".
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from django.conf import settings
@@ -43,7 +44,13 @@ class IdempotencyMiddleware:
         _check_order(type(self), chosen.principal is None, chosen.auth_middleware)
         check_replay_authorizer(chosen)  # also without the app in INSTALLED_APPS
         self.get_response = get_response
-        self.endpoints = frozenset(_endpoint(entry) for entry in chosen.endpoints)
+        given = chosen.endpoints
+        table = given if isinstance(given, Mapping) else dict.fromkeys(given)
+        #: (method, route) -> the route's policy (None: the settings').
+        self.endpoints = {
+            _endpoint(entry): chosen.route_policy(policy, f"IDEMFLOW['endpoints'][{entry!r}]")
+            for entry, policy in table.items()
+        }
         if not self.endpoints:
             msg = "IdempotencyMiddleware protects IDEMFLOW['endpoints']; none are listed"
             raise ImproperlyConfigured(msg)
@@ -54,7 +61,10 @@ class IdempotencyMiddleware:
         if match is None or (method, f"/{match.route}") not in self.endpoints:
             return self.get_response(request)
         public = bool(getattr(match.func, "idemflow_public", False))
-        return protect(request, lambda: self._view(request), public=public, match=match)
+        policy = self.endpoints[(method, f"/{match.route}")]
+        return protect(
+            request, lambda: self._view(request), public=public, match=match, policy=policy
+        )
 
     def _view(self, request: HttpRequest) -> HttpResponseBase:
         """The rest of the stack; an exception the view raised is raised again here.

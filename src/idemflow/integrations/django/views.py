@@ -24,7 +24,7 @@ from typing import Any, TypeVar, overload
 from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
 from django.http import HttpRequest
 
-from ...edge import sync_replay_authorizer
+from ...edge import RoutePolicy, sync_replay_authorizer
 from ..wsgi import ReplayHook
 from .conf import idemflow_settings
 from .http import InvalidData, protect
@@ -43,6 +43,7 @@ def idempotent(
     validate: Callable[..., object] | None = None,
     serializer: type[Any] | None = None,
     authorize_replay: ReplayHook | None = None,
+    policy: RoutePolicy | None = None,
 ) -> Callable[[_View], _View]: ...
 
 
@@ -53,6 +54,7 @@ def idempotent(
     validate: Callable[..., object] | None = None,
     serializer: type[Any] | None = None,
     authorize_replay: ReplayHook | None = None,
+    policy: RoutePolicy | None = None,
 ) -> Any:
     """Protect a view (see the module's docstring).
 
@@ -69,9 +71,12 @@ def idempotent(
             is replayed (``record.principal`` is the caller); False answers 403.
             Replaces ``IDEMFLOW['authorize_replay']`` for this view. A plain
             function: an ``async def`` one is a ``ConfigurationError`` here.
+        policy: this view's [`Policy`][idemflow.Policy] (retention, request timeout;
+            its stale threshold within the settings'), or ``(principal) -> Policy``.
     """
     if authorize_replay is not None:
         sync_replay_authorizer(authorize_replay, "@idempotent(authorize_replay=…)")
+    policy = idemflow_settings().route_policy(policy, "@idempotent(policy=…)")
 
     def decorate(inner: _View) -> _View:
         call, checked = _plain(inner), None if validate is None else _plain(validate)
@@ -93,6 +98,7 @@ def idempotent(
                 public=public or _is_public(inner),
                 validate=None if checked is None and serializer is None else check,
                 authorize_replay=authorize_replay,
+                policy=policy,
             )
 
         if iscoroutinefunction(inner):
