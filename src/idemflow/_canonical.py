@@ -3,9 +3,9 @@ Strict JSON in, RFC 8785 canonical JSON (JCS) out.
 
 A fingerprint must not change when a client re-serialises the same request
 with other whitespace, another key order or other number spellings, so JSON
-bodies are hashed in canonical form: :func:`parse_json` reads I-JSON
-(RFC 7493) strictly (anything it refuses raises :class:`~idemflow.InvalidBody`;
-nesting is capped at :data:`MAX_DEPTH` levels) and :func:`canonical_json`
+bodies are hashed in canonical form: `parse_json` reads I-JSON
+(RFC 7493) strictly (anything it refuses raises [`InvalidBody`][idemflow.InvalidBody];
+nesting is capped at `MAX_DEPTH` levels) and `canonical_json`
 writes RFC 8785, with one deliberate deviation: a Python ``int`` keeps its
 exact digits above 2**53. What strict means, the canonical form, and the
 deviation and its price: docs/core.md, "Fingerprints".
@@ -34,7 +34,7 @@ def parse_json(data: bytes) -> Any:
 
 
 def _parse(data: bytes) -> tuple[Any, bool]:
-    """:func:`parse_json`, and whether the value is *plain* (see :func:`_check_tree`)."""
+    """`parse_json`, and whether the value is *plain* (see `_check_tree`)."""
     text = _decode(data)
     value = _loads(text)
     return value, _check_tree(value, escaped="\\u" in text, ascii=text.isascii())

@@ -2,15 +2,15 @@
 Finishing a store write that must not be cut in half by cancellation.
 
 The async driver awaits a claim, a completion or a release *shielded*
-(:func:`async_shielded`): the step runs to its end and the cancellation is
-delivered at the next :func:`async_cancel_point`, where the flow gives back
+(`async_shielded`): the step runs to its end and the cancellation is
+delivered at the next `async_cancel_point`, where the flow gives back
 what was claimed; ``scripts/unasync.py`` drops both from the sync driver. Why:
-docs/architecture.md, "Sync and async". Also here: :func:`async_resolve` and
-its sync twin :func:`resolve`, for hooks a user may write either way (replay
+docs/architecture.md, "Sync and async". Also here: `async_resolve` and
+its sync twin `resolve`, for hooks a user may write either way (replay
 authorization) and the operation's answer: async code awaits an awaitable
 answer (and takes a plain one as it is), sync code refuses one instead of
 taking a coroutine object for "allowed" or for a response. And
-:func:`async_checked_handler` and its twin :func:`checked_handler`: what can
+`async_checked_handler` and its twin `checked_handler`: what can
 never be a handler of that driver, refused before anything is claimed.
 """
 
@@ -40,8 +40,8 @@ H = TypeVar("H")
 async def async_shielded(awaitable: Awaitable[T]) -> T:
     """Await ``awaitable`` to its end even if this task is cancelled meanwhile: the
     cancellation is requested again (its count kept, for ``asyncio.timeout``) once the
-    step is done. The step runs in this task, which waits on a :class:`_Shield` (no task
-    made, no loop turn added); a driver's own timeout cancels a :class:`_StepTask`."""
+    step is done. The step runs in this task, which waits on a `_Shield` (no task
+    made, no loop turn added); a driver's own timeout cancels a `_StepTask`."""
     result: T = await _Shield(awaitable)
     return result
 
@@ -150,7 +150,7 @@ class _Shield:
 
 
 async def async_cancel_point() -> None:
-    """Raise a cancellation :func:`async_shielded` deferred, before anything else runs."""
+    """Raise a cancellation `async_shielded` deferred, before anything else runs."""
     current = asyncio.current_task()
     if current is not None and current.cancelling():
         await asyncio.sleep(0)

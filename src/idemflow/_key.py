@@ -4,7 +4,7 @@ Reading the ``Idempotency-Key`` request header.
 The IETF draft makes the field an RFC 9651 *String* (``"8e03978e-..."``); almost
 every client sends it bare (Stripe's ``Idempotency-Key: KG5LxwFBepaKHyUD``), so the
 bare form is accepted unless ``strict=True``: ``"abc"`` and ``abc`` are one key.
-It is bounded before anything else sees it (1 to :data:`MAX_KEY_LENGTH` printable
+It is bounded before anything else sees it (1 to `MAX_KEY_LENGTH` printable
 ASCII), and errors quote at most a short ``repr``-escaped excerpt of it.
 """
 

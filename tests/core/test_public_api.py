@@ -35,6 +35,7 @@ HEAVY = (
     "rich",
     "django",
     "rest_framework",
+    "drf_spectacular",
     "flask",
     "flask_sqlalchemy",
     "flask_login",

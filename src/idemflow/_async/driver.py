@@ -130,10 +130,10 @@ class AsyncIdempotency:
         policy: Policy | None = None,
     ) -> Outcome:
         """Claim ``intent``, then replay, refuse, or run ``handler`` once. With
-        ``transaction`` (:mod:`idemflow.transactions`) the completion commits with the
+        ``transaction`` (`idemflow.transactions`) the completion commits with the
         handler's writes; ``single_commit=True`` puts the claim in it too. ``policy``:
         this route's (its retention, timeout, classifier), within the driver's
-        (:func:`~idemflow._model.route_policy`); by default the driver's."""
+        (`route_policy`); by default the driver's."""
         async_checked_handler(handler)
         policy = self.route(policy)
         refuse_run(
@@ -394,7 +394,7 @@ class _Performer:
             await self._transaction.begin()
 
     async def _begin_for_handler(self) -> None:
-        """:meth:`_begin`, whose error is the request's: one the transaction's or the
+        """`_begin`, whose error is the request's: one the transaction's or the
         store's rule calls unavailable is a 503, the key given back on the store's."""
         try:
             await self._begin()

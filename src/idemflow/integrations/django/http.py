@@ -1,11 +1,11 @@
 """
 A Django request through idemflow's sync edge, and back as a Django response.
 
-Shared by :func:`~.views.idempotent` and :class:`~.middleware.IdempotencyMiddleware`:
-both build an :class:`~idemflow._http.HTTPRequest` from the request (the route
+Shared by [`idempotent`][idemflow.integrations.django.idempotent] and `IdempotencyMiddleware`:
+both build an [`HTTPRequest`][idemflow.edge.HTTPRequest] from the request (the route
 *template* Django matched, its parameters, the raw headers, the body read
 whole and bounded) and run the view as the handler inside
-:class:`~.store.DjangoTransaction`, so the view's ORM writes and the
+`DjangoTransaction`, so the view's ORM writes and the
 completion commit together.
 """
 
@@ -44,6 +44,7 @@ from ...edge import (
     body_too_large,
     declared_length,
     plain_callable,
+    problem,
     problem_for,
     report_outcome_unknown,
     request_id_from,
@@ -107,7 +108,7 @@ def replay_authorizer(chosen: IdemflowSettings) -> _ReplayHook | None:
 
 
 def check_replay_authorizer(chosen: IdemflowSettings) -> None:
-    """:func:`replay_authorizer` at start-up (``AppConfig.ready``, the middleware's
+    """`replay_authorizer` at start-up (``AppConfig.ready``, the middleware's
     ``__init__``): a wrong path or an ``async def`` hook is ``ImproperlyConfigured`` then,
     not a 500 problem on every protected request. So is an ``async def`` principal getter
     given as a callable (one given by its path is checked where it is imported, at the
@@ -252,9 +253,10 @@ def protect(
     """Run ``view`` once per ``(principal, Idempotency-Key)`` in its own transaction.
 
     ``validate`` runs after the body was read and before anything is claimed:
-    what it raises (a DRF ``ValidationError``, Django's ``BadRequest``) passes
-    through and is never recorded. ``authorize_replay``: the view's own replay
-    hook, in place of ``IDEMFLOW['authorize_replay']``; ``policy`` the view's own
+    an `InvalidData` it raises is a 400 ``invalid-body`` problem, anything
+    else (a DRF ``ValidationError``, Django's ``BadRequest``) passes through;
+    neither is recorded. ``authorize_replay``: the view's own replay hook, in
+    place of ``IDEMFLOW['authorize_replay']``; ``policy`` the view's own
     (``EdgeOptions.policy``), in place of the settings' durations.
     """
     raw = getattr(request, "_request", request)
@@ -274,8 +276,28 @@ def protect(
     except IdempotencyError as exc:
         return _to_django(problem_for(exc, rid))
     if validate is not None:
-        validate()
+        try:
+            validate()
+        except InvalidData as invalid:
+            answer = problem(
+                400,
+                "Invalid request body",
+                invalid.detail,
+                slug="invalid-body",
+                request_id=rid,
+                errors=invalid.errors,
+            )
+            return _to_django(answer)
     return _respond(http, view, edge, prepared.settings)
+
+
+class InvalidData(Exception):
+    """A body ``validate`` refuses: ``detail`` one line, ``errors`` the serializer's."""
+
+    def __init__(self, detail: str, errors: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.errors = errors
 
 
 class _Prepared:

@@ -5,12 +5,13 @@ The view runs once per ``(principal, Idempotency-Key)``, inside a
 ``transaction.atomic()`` on ``IDEMFLOW['database']`` in which the completion
 is written: its ORM writes and the stored response commit together. Retries
 get the stored response byte for byte, with ``Idempotent-Replayed: true``.
-``validate=`` runs before the claim; ``authorize_replay=`` is asked before a
-replay; ``async def`` views are protected the same way.
+``validate=`` runs before the claim, and so does a DRF action's ``serializer=``
+(validated once, handed to the view; its errors a 400 problem, nothing recorded);
+``authorize_replay=`` is asked before a replay; ``async def`` views the same way.
 DRF actions, validation, ``async def`` views: docs/frameworks/django.md,
 "Three ways to protect an endpoint"; replays: "Authorization on replay";
 ``ATOMIC_REQUESTS`` (a decorated function view opts out of it, a method runs
-inside it, see :class:`~.store.DjangoTransaction`): "Transactions,
+inside it, see `DjangoTransaction`): "Transactions,
 ``ATOMIC_REQUESTS`` and what commits when".
 """
 
@@ -26,7 +27,7 @@ from django.http import HttpRequest
 from ...edge import RoutePolicy, sync_replay_authorizer
 from ..wsgi import ReplayHook
 from .conf import idemflow_settings
-from .http import protect
+from .http import InvalidData, protect
 
 __all__ = ["idempotency_public", "idempotent"]
 
@@ -40,6 +41,7 @@ def idempotent(
     *,
     public: bool = False,
     validate: Callable[..., object] | None = None,
+    serializer: type[Any] | None = None,
     authorize_replay: ReplayHook | None = None,
     policy: RoutePolicy | None = None,
 ) -> Callable[[_View], _View]: ...
@@ -50,6 +52,7 @@ def idempotent(
     *,
     public: bool = False,
     validate: Callable[..., object] | None = None,
+    serializer: type[Any] | None = None,
     authorize_replay: ReplayHook | None = None,
     policy: RoutePolicy | None = None,
 ) -> Any:
@@ -59,11 +62,16 @@ def idempotent(
         public: the view is deliberately unauthenticated; its keys are scoped
             to ``"anonymous"``. Otherwise an anonymous request is a 401.
         validate: called with the view's own arguments before the claim.
+        serializer: a DRF action's serializer class: built on ``request.data``
+            (with the view's serializer context) and validated once, before the
+            claim; invalid, a 400 ``invalid-body`` problem whose ``errors`` are the
+            serializer's, nothing recorded (the corrected body may keep the key);
+            valid, passed to the view as its ``serializer`` keyword argument.
         authorize_replay: ``(record) -> bool``, asked before a stored response
             is replayed (``record.principal`` is the caller); False answers 403.
             Replaces ``IDEMFLOW['authorize_replay']`` for this view. A plain
             function: an ``async def`` one is a ``ConfigurationError`` here.
-        policy: this view's :class:`~idemflow.Policy` (retention, request timeout;
+        policy: this view's [`Policy`][idemflow.Policy] (retention, request timeout;
             its stale threshold within the settings'), or ``(principal) -> Policy``.
     """
     if authorize_replay is not None:
@@ -76,11 +84,19 @@ def idempotent(
         @functools.wraps(inner)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             request = _request_in(args)
+            given: dict[str, Any] = {}
+
+            def check() -> None:
+                if checked is not None:
+                    checked(*args, **kwargs)
+                if serializer is not None:
+                    given["serializer"] = _validated(serializer, args, request, kwargs)
+
             return protect(
                 request,
-                lambda: _rendered(call(*args, **kwargs), args, request, kwargs),
+                lambda: _rendered(call(*args, **given, **kwargs), args, request, kwargs),
                 public=public or _is_public(inner),
-                validate=None if checked is None else lambda: checked(*args, **kwargs),
+                validate=None if checked is None and serializer is None else check,
                 authorize_replay=authorize_replay,
                 policy=policy,
             )
@@ -98,9 +114,45 @@ def idempotent(
         # runs in idemflow's transaction, not in an ATOMIC_REQUESTS one.
         non_atomic = set(getattr(inner, "_non_atomic_requests", set()))
         wrapper._non_atomic_requests = non_atomic | {alias}  # type: ignore[attr-defined]
+        _document(wrapper, serializer)
         return wrapper  # type: ignore[return-value]
 
     return decorate if view is None else decorate(view)
+
+
+def _validated(serializer: type[Any], args: tuple[Any, ...], request: Any, kwargs: Any) -> Any:
+    """``serializer`` on the request's data, validated; InvalidData with its errors if not."""
+    view = args[0] if args and args[0] is not request else None
+    context = getattr(view, "get_serializer_context", None)
+    made = serializer(
+        data=request.data,
+        context=context() if context is not None else {"request": request, "view": view},
+    )
+    if made.is_valid():
+        return made
+    raise InvalidData("; ".join(_messages(made.errors)) or "the body is not valid", made.errors)
+
+
+def _messages(errors: Any, where: str = "") -> list[str]:
+    """A serializer's nested errors as ``field: message`` lines."""
+    if isinstance(errors, dict):
+        return [m for name, value in errors.items() for m in _messages(value, f"{where}{name}.")]
+    if isinstance(errors, list):
+        return [m for value in errors for m in _messages(value, where)]
+    return [f"{where.rstrip('.')}: {errors}" if where else str(errors)]
+
+
+def _document(wrapper: Any, serializer: type[Any] | None) -> None:
+    """Tell drf-spectacular, where the project uses it, what the protection adds."""
+    try:
+        from ._schema import idempotent_schema
+    except ImportError:  # no DRF or no drf-spectacular: no OpenAPI document to tell
+        return
+    schema = idempotent_schema(wrapper, serializer)
+    if schema is not None:
+        # Where drf-spectacular reads a view method's own schema (extend_schema does too).
+        kwargs = wrapper.__dict__.setdefault("kwargs", {})
+        kwargs["schema"] = schema
 
 
 def _plain(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,7 +171,7 @@ def _awaitable(protected: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def idempotency_public(view: _View) -> _View:
-    """Mark a view deliberately unauthenticated for :class:`~.middleware.IdempotencyMiddleware`."""
+    """Mark a view deliberately unauthenticated for `IdempotencyMiddleware`."""
     view.idemflow_public = True  # type: ignore[attr-defined]
     return view
 
