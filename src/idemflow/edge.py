@@ -55,7 +55,6 @@ from ._http import (
 from ._sync.edge import Edge, PooledTransaction, pooled_transaction
 
 __all__ = [
-    "KEY_HEADER",
     "REQUEST_ID_HEADER",
     "AsyncEdge",
     "BodyReader",
