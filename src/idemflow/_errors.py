@@ -5,7 +5,7 @@ Client errors carry their HTTP meaning (``status``, a problem ``type``, a
 ``title`` and whether the same request may be sent again, ``retryable``) so
 every integration renders them the same way; each ``type`` URI is a page of
 the documentation (``docs/problems/<slug>.md``). The handler's own exceptions
-are never wrapped; :class:`OutcomeUnknown` is the one a handler raises on
+are never wrapped; [`OutcomeUnknown`][idemflow.OutcomeUnknown] is the one a handler raises on
 purpose, to keep the claim for the sweeper. The tree, with each error's
 status: docs/core.md, "Errors and their HTTP meaning".
 """

@@ -24,6 +24,7 @@ EXTRAS = {
     "fastapi": "fastapi",
     "django": "django",
     "rest_framework": "drf",
+    "drf_spectacular": "drf",
     "flask": "flask",
     "werkzeug": "flask",
     "prometheus_client": "metrics",
@@ -37,7 +38,7 @@ EXTRAS = {
 @contextmanager
 def optional(needed_by: str) -> Iterator[None]:
     """Imports in this block are optional dependencies of ``needed_by``: a missing package
-    an extra installs is :class:`MissingExtra`; any other import error goes through."""
+    an extra installs is `MissingExtra`; any other import error goes through."""
     try:
         yield
     except ModuleNotFoundError as exc:

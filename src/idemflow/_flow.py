@@ -3,10 +3,10 @@ The idempotency protocol, sans I/O: claim → dispatch on state → execute → 
 
 Every decision about a key lives here: the order of the steps, dispatch, when a
 failure releases or keeps the claim, which connection a claim uses
-(:func:`claim_on`), whether a failed release is sent again (:func:`release_again`),
-what a run or a handler may not be asked (:func:`refuse_run`,
-:func:`checked_handler`). The drivers perform the steps
-:func:`idempotency_flow` yields and send the results back. What they keep, and
+(`claim_on`), whether a failed release is sent again (`release_again`),
+what a run or a handler may not be asked (`refuse_run`, `checked_handler`). The
+drivers perform the steps `idempotency_flow` yields and send the results back. What
+they keep, and
 why (docs/architecture.md, "What the drivers keep"): *whether* an exception
 means "the database cannot serve" (``is_unavailable``: only the store or the
 transaction adapter knows its library's exceptions; the flow says what it then
@@ -108,7 +108,7 @@ class Release:
 @dataclass(slots=True)
 class PhaseCommitted:
     """Ask the driver whether the operation went past a committed phase (a bool): past
-    one, an external call made after it may have happened (:func:`starts_past_a_phase`)."""
+    one, an external call made after it may have happened (`starts_past_a_phase`)."""
 
     record: Record
 
@@ -126,7 +126,7 @@ def idempotency_flow(
     single_commit: bool = False,
     clock: Clock = time.time,
 ) -> Flow:
-    """The whole protocol. Yields steps; returns the :class:`Outcome` or raises.
+    """The whole protocol. Yields steps; returns the [`Outcome`][idemflow.Outcome] or raises.
 
     ``atomic``: the effect commits or rolls back with the completion (until it
     commits a phase of its own). ``single_commit``: the claim is part of the

@@ -1,14 +1,14 @@
 """
-The framework-neutral HTTP edge: request → :class:`Intent`, outcome or error → response.
+The framework-neutral HTTP edge: request → [`Intent`][idemflow.Intent], outcome or error → response.
 
 Every integration only translates its framework's request into an
-:class:`HTTPRequest` and the :class:`~idemflow.Response` returned here into its
+`HTTPRequest` and the `Response` returned here into its
 framework's. This module holds the rules and does no I/O (``AsyncEdge`` in
 ``idemflow._async.edge`` runs a request through the driver; ``_flow`` decides
 what to do with a key): the route template, RFC 9457 problems, what is stored,
 replay headers, ``X-Request-Id``, the ``OutcomeUnknown`` slot, and what every
-door shares sans I/O (:class:`BodyReader`, :class:`ResponseSink`,
-:func:`compile_endpoint`). The rules: docs/http.md; where each lives:
+door shares sans I/O ([`BodyReader`][idemflow.edge.BodyReader], `ResponseSink`,
+`compile_endpoint`). The rules: docs/http.md; where each lives:
 docs/architecture.md, "Where each rule lives".
 """
 
@@ -138,7 +138,7 @@ REPLAYED_HEADERS = frozenset(
 DEFAULT_MAX_RESPONSE_BYTES = 1_048_576
 
 #: The problem type of the marker a key is settled with when the endpoint ran
-#: but its response could not be stored (see :func:`not_stored`).
+#: but its response could not be stored (see `not_stored`).
 NOT_STORED_SLUG = "response-not-stored"
 
 # Framing is the server's business: a handler's own Content-Length (or
@@ -211,12 +211,12 @@ class EdgeOptions:
             answers 403. The principal already scopes the key; this re-checks
             object-level permission that may have changed since.
         max_response_bytes: the largest body stored for replay; a larger one is
-            never stored truncated: see :func:`storing` for what happens instead.
+            never stored truncated: see `storing` for what happens instead.
         max_body_bytes: the largest request body read (413 above it, refused
             while it streams).
         exclude_fields: JSON members left out of the fingerprint (per-attempt fields).
         strict_key: accept only the quoted sf-string form of the key.
-        policy: this route's :class:`~idemflow.Policy` (retention, request timeout,
+        policy: this route's [`Policy`][idemflow.Policy] (retention, request timeout,
             classifier), or ``(principal) -> Policy``; None: the driver's. Its stale
             threshold may not exceed the driver's, which the sweeper runs on.
     """
@@ -340,8 +340,8 @@ def storing(response: Response, verdict: Verdict, *, atomic: bool, max_bytes: in
 
     ``atomic``: the handler's effect rolls back with the claim (a transaction),
     so a response that cannot be stored is the handler's bug and undoes it
-    (:class:`ResponseNotStorable`). Without that the effect stays: the key is
-    settled with a :func:`not_stored` marker instead, never released. A
+    (`ResponseNotStorable`). Without that the effect stays: the key is
+    settled with a `not_stored` marker instead, never released. A
     transient response is released, never stored: no size limit applies.
     """
     if isinstance(response, Classified):  # a marker the integration already made
@@ -360,7 +360,7 @@ def declared_length(value: str | None, limit: int) -> int | None:
     """A request's ``Content-Length``, if one was sent; BodyTooLarge at once if over ``limit``.
 
     Every integration reads a body whole and bounded before anything is
-    claimed; this, :func:`body_too_large` and :func:`body_cut_short` are the
+    claimed; this, `body_too_large` and `body_cut_short` are the
     rules they share.
     """
     text = value.strip() if isinstance(value, str) else ""
@@ -419,7 +419,7 @@ class ResponseSink:
     """An app's response body kept in memory, at most ``limit`` bytes (the rest counted).
 
     Never raises into the app: its effect is happening, and an error mid-stream
-    would only hide how it ended. :meth:`unstorable` says why it cannot be stored.
+    would only hide how it ended. `unstorable` says why it cannot be stored.
     """
 
     def __init__(self, limit: int) -> None:
@@ -439,7 +439,7 @@ class ResponseSink:
         classify: Callable[[Response], Any],
         reason: str | None = None,
     ) -> Response:
-        """The response; a :func:`not_stored` marker if ``reason`` or the size forbid storing."""
+        """The response; a `not_stored` marker if ``reason`` or the size forbid storing."""
         kept = tuple(
             (k, v) for k, v in headers if not (isinstance(k, str) and k.lower() == "content-length")
         )
@@ -590,7 +590,7 @@ class ViewEdges(Generic[_Edge]):
 def storable(response: Response, *, max_bytes: int) -> Response:
     """``response`` as it is stored: allow-listed headers only, body within the limit.
 
-    A :func:`not_stored` marker is stored as it is.
+    A `not_stored` marker is stored as it is.
     """
     if isinstance(response, Classified):
         return response
@@ -601,8 +601,8 @@ def storable(response: Response, *, max_bytes: int) -> Response:
 
 
 def stored_form(response: Response) -> Response:
-    """``response`` with only the :data:`REPLAYED_HEADERS`, for a response already checked
-    whole (by :func:`storing`); a :func:`not_stored` marker as it is."""
+    """``response`` with only the `REPLAYED_HEADERS`, for a response already checked
+    whole (by `storing`); a `not_stored` marker as it is."""
     if isinstance(response, Classified):
         return response
     headers = tuple((k.lower(), v) for k, v in response.headers if k.lower() in REPLAYED_HEADERS)
@@ -695,11 +695,11 @@ def not_stored(original: Response | None, reason: str, verdict: Verdict) -> Resp
 
 def not_read(error: Exception, classify: Callable[[Response], Verdict]) -> Response:
     """The marker for an answer the endpoint gave that could not be read or checked once
-    it ran, where its effect stays (no transaction): never a release (:func:`not_stored`).
+    it ran, where its effect stays (no transaction): never a release (`not_stored`).
 
     ``error`` is what reading it raised (a streamed body a door cannot store, a value its
     framework cannot make a response of, a classifier that failed): its ``response``, if
-    it is a :class:`ResponseNotStorable` carrying one, names the original status, whose
+    it is a `ResponseNotStorable` carrying one, names the original status, whose
     verdict settles the key; otherwise the key is settled ``failed_permanent``.
     """
     original: Response | None = error.response if isinstance(error, ResponseNotStorable) else None
@@ -777,7 +777,7 @@ def problem(
     """An RFC 9457 problem response (``type`` is ``https://idemflow.dev/problems/<slug>``).
 
     Its ``retryable`` member says whether the same request, unchanged, may be
-    sent again and then succeed (:func:`is_retryable`), unless given.
+    sent again and then succeed (`is_retryable`), unless given.
     """
     if retryable is None:
         retryable = is_retryable(slug, status)
@@ -833,7 +833,7 @@ def problem_for(error: IdempotencyError, request_id: str | None = None) -> Respo
 # --- OutcomeUnknown behind a framework's error handling ------------------------------------
 
 #: The WSGI environ / ASGI scope key under which a middleware-mode edge leaves
-#: an :class:`OutcomeSlot` for the application it runs.
+#: an `OutcomeSlot` for the application it runs.
 OUTCOME_SLOT = "idemflow.outcome_unknown"
 
 
@@ -842,17 +842,17 @@ class OutcomeSlot:
 
     Flask and Django turn a view's exception into a 500 before a middleware sees it,
     and a 500 would release the key: the middleware puts a slot in the environ (or
-    scope), the framework's error hook fills it (:func:`report_outcome_unknown`), and
+    scope), the framework's error hook fills it (`report_outcome_unknown`), and
     the middleware raises what was reported, so the claim is kept. Only a middleware
     creates a slot and only an ``OutcomeUnknown`` fills it: no response keeps a claim
-    by accident. :meth:`watching` covers frameworks without a hook (docs/http.md).
+    by accident. `watching` covers frameworks without a hook (docs/http.md).
     """
 
     __slots__ = ("made", "reported")
 
     def __init__(self) -> None:
         self.reported: OutcomeUnknown | None = None
-        #: The first ``OutcomeUnknown`` made while the application ran (:meth:`watching`).
+        #: The first ``OutcomeUnknown`` made while the application ran (`watching`).
         self.made: OutcomeUnknown | None = None
 
     def raise_reported(self) -> None:
@@ -863,7 +863,7 @@ class OutcomeSlot:
     @contextmanager
     def watching(self) -> Iterator[None]:
         """Run the application inside: every ``OutcomeUnknown`` made meanwhile, in this
-        thread or task and those it starts, is noted (:attr:`made`), whether or not a
+        thread or task and those it starts, is noted (`made`), whether or not a
         framework's error hook reports it. So no framework can turn one into a 500 that
         releases the key because a line of configuration was forgotten. What was
         reported is raised after it; if the application raised, what was made first."""

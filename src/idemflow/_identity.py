@@ -2,11 +2,11 @@
 What identifies a request: its ``Idempotency-Key`` and its fingerprint.
 
 The key is an RFC 9651 *String* (the bare form every client sends is accepted
-unless ``strict=True``), 1 to :data:`MAX_KEY_LENGTH` printable ASCII; errors
+unless ``strict=True``), 1 to `MAX_KEY_LENGTH` printable ASCII; errors
 quote at most a short ``repr``-escaped excerpt. The fingerprint is a SHA-256
 digest over a version tag, the length-prefixed method and route, the canonical
 query and the body: a JSON body read strictly as I-JSON (RFC 7493, nesting
-capped at :data:`MAX_DEPTH`) and hashed in RFC 8785 canonical form, so another
+capped at `MAX_DEPTH`) and hashed in RFC 8785 canonical form, so another
 whitespace, key order or number spelling is the same request (one deliberate
 deviation: an ``int`` keeps its exact digits above 2**53). Only the digest
 leaves this module. Why and how: docs/core.md, "Fingerprints".
@@ -198,7 +198,7 @@ def parse_json(data: bytes) -> Any:
 
 
 def _parse(data: bytes) -> tuple[Any, bool]:
-    """:func:`parse_json`, and whether the value is *plain* (see :func:`_check_tree`)."""
+    """`parse_json`, and whether the value is *plain* (see `_check_tree`)."""
     text = _decode(data)
     value = _loads(text)
     return value, _check_tree(value, escaped="\\u" in text, ascii=text.isascii())

@@ -119,7 +119,7 @@ class Classified(Response):
 class Intent:
     """One request's identity: who sent which key, for what.
 
-    ``fingerprint`` is a digest (see :func:`idemflow.fingerprint`), never the body.
+    ``fingerprint`` is a digest (see `idemflow.fingerprint`), never the body.
     """
 
     principal: str
@@ -159,7 +159,7 @@ class Claim:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What :meth:`Idempotency.run` returns: the response and whether it was a replay.
+    """What `Idempotency.run` returns: the response and whether it was a replay.
 
     On a replay ``record.correlation_id`` names the original request.
     """
@@ -266,7 +266,7 @@ class Policy:
             ``2 × request_timeout + 10 s``; anything closer to the timeout is
             rejected, because the sweeper would release live claims.
         retry_after: the least ``Retry-After``, in whole seconds, on 409 answers.
-            The hint itself is derived from the record (see :func:`retry_after`):
+            The hint itself is derived from the record (see `retry_after`):
             when its request must have finished, or when the sweeper ends it.
         classify: maps a response to completed / failed_permanent / transient.
     """
@@ -341,7 +341,7 @@ def retry_after(record: Record, policy: Policy, now: float) -> int:
     A live claim (younger than the request timeout) as long as it has run, never
     past ``updated_at + request_timeout``; an orphaned one until the sweeper passes
     after ``updated_at + stale_after``; a ``stale`` one being recovered, one sweep
-    interval. Clamped to ``policy.retry_after`` and to :func:`swept_within`.
+    interval. Clamped to ``policy.retry_after`` and to `swept_within`.
     """
     interval = policy.sweep_interval
     age = max(0.0, now - record.updated_at)
@@ -502,7 +502,7 @@ def make_record(
 
 
 def make_response(status: int, body: bytes, headers: tuple[tuple[str, str], ...]) -> Response:
-    """``Response(status, body, headers)``, cheaply (see :func:`make_record`)."""
+    """``Response(status, body, headers)``, cheaply (see `make_record`)."""
     response: Any = _new(_ResponseBuilder)
     response.status = status
     response.body = body
@@ -512,7 +512,7 @@ def make_response(status: int, body: bytes, headers: tuple[tuple[str, str], ...]
 
 
 def make_claim(owned: bool, record: Record) -> Claim:
-    """``Claim(owned, record)``, cheaply (see :func:`make_record`)."""
+    """``Claim(owned, record)``, cheaply (see `make_record`)."""
     claim: Any = _new(_ClaimBuilder)
     claim.owned = owned
     claim.record = record
@@ -521,7 +521,7 @@ def make_claim(owned: bool, record: Record) -> Claim:
 
 
 def make_outcome(response: Response, replayed: bool, record: Record) -> Outcome:
-    """``Outcome(response, replayed, record)``, cheaply (see :func:`make_record`)."""
+    """``Outcome(response, replayed, record)``, cheaply (see `make_record`)."""
     outcome: Any = _new(_OutcomeBuilder)
     outcome.response = response
     outcome.replayed = replayed

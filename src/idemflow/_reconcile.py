@@ -1,8 +1,8 @@
 """
 What the sweeper decides, sans I/O: the reconciler's answers and what each one means.
 A stale claim's request can no longer run, but its effect may have happened: a
-reconciler answers :class:`Happened`, :class:`DidNotHappen` or :class:`Unknown`,
-and the sweeper drivers perform what :func:`plan` says each means. See
+reconciler answers `Happened`, `DidNotHappen` or `Unknown`,
+and the sweeper drivers perform what `plan` says each means. See
 docs/crash-safety.md, "Reconcilers".
 """
 
@@ -176,7 +176,7 @@ class Stop:
 
 
 class AsyncStop:
-    """:class:`Stop` for asyncio: ``set()`` from the loop, ``await wait(timeout)``."""
+    """`Stop` for asyncio: ``set()`` from the loop, ``await wait(timeout)``."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()

@@ -1,5 +1,5 @@
 """
-The machinery of :mod:`idemflow.tracing`: one traced run, its span and what its events
+The machinery of `idemflow.tracing`: one traced run, its span and what its events
 said. No driver here: the traced drivers (``idemflow/_async/tracing.py`` and its
 generated twin) use it, and ``idemflow.tracing`` is the public face.
 """
@@ -99,7 +99,7 @@ def new_tracer(tracer: Tracer | None) -> Tracer:
 
 
 class Run:
-    """One traced run: its span (current until :meth:`close`), the intent as claimed,
+    """One traced run: its span (current until `close`), the intent as claimed,
     and what its events said, written to the span once at the end (each attribute call
     validates its values, on the hot path)."""
 
@@ -178,7 +178,7 @@ _CURRENT_RUN: ContextVar[Run | None] = ContextVar("idemflow_traced_run", default
 
 
 def record_in_run(event: Event, intent: Intent, elapsed: float) -> None:
-    """The observer :func:`traced` adds: notes each event on the run it belongs to."""
+    """The observer `traced` adds: notes each event on the run it belongs to."""
     run = _CURRENT_RUN.get()
     if run is not None:
         run.record(event)

@@ -2,10 +2,10 @@
 The HTTP edge: what a framework integration is built from.
 
 A new framework's integration (``docs/architecture.md``, "Adding a framework")
-translates the framework's request into an :class:`HTTPRequest` (its body read
-whole and bounded), calls :meth:`AsyncEdge.respond` (ASGI) or
-:meth:`Edge.respond` (WSGI) with the handler and a transaction scope, and turns
-the returned :class:`~idemflow.Response` back into the framework's.
+translates the framework's request into an [`HTTPRequest`][idemflow.edge.HTTPRequest] (its body read
+whole and bounded), calls [`AsyncEdge.respond`][idemflow.edge.AsyncEdge.respond] (ASGI) or
+`Edge.respond` (WSGI) with the handler and a transaction scope, and turns
+the returned [`Response`][idemflow.Response] back into the framework's.
 ``tests/core/test_layers.py`` checks that no integration reaches past this module
 into ``idemflow._http``, ``idemflow._sync`` or ``idemflow._async``; the helpers
 idemflow's own integrations share are importable here but not part
@@ -56,7 +56,6 @@ from ._identity import DEFAULT_MAX_BODY_BYTES, parse_json
 from ._sync.edge import Edge, PooledTransaction, pooled_transaction
 
 __all__ = [
-    "KEY_HEADER",
     "REQUEST_ID_HEADER",
     "AsyncEdge",
     "BodyReader",

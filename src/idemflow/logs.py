@@ -1,8 +1,8 @@
 """
-Logs for idemflow through the standard :mod:`logging` module.
+Logs for idemflow through the standard `logging` module.
 
-:class:`LoggingObserver` writes one record per event with structured ``extra``
-fields (never the key itself: its :func:`key_digest`). The fields and levels:
+`LoggingObserver` writes one record per event with structured ``extra``
+fields (never the key itself: its `key_digest`). The fields and levels:
 docs/operations.md, "Logs".
 """
 

@@ -1,7 +1,7 @@
 """
 Prometheus metrics for idemflow (needs ``prometheus-client``: ``idemflow[metrics]``).
 
-Pass a :class:`PrometheusMetrics` as the ``observer=`` of an ``Idempotency``.
+Pass a `PrometheusMetrics` as the ``observer=`` of an ``Idempotency``.
 Labels are bounded: ``endpoint`` is the route template, never the raw path; the
 key and principal never appear. The metrics, their PromQL and alerts:
 docs/operations.md, "Metrics".

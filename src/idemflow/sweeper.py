@@ -2,7 +2,7 @@
 The stale-claim sweeper: no key stays blocked by a crashed request.
 
 A crashed request's ``in_progress`` record would answer 409 forever: a
-:class:`Sweeper` marks it ``stale`` once older than ``policy.stale_after`` and
+[`Sweeper`][idemflow.sweeper.Sweeper] marks it ``stale`` once older than ``policy.stale_after`` and
 resolves it exactly once, asking a ``reconciler`` where the effect went to an
 external system. How to choose and run it: docs/crash-safety.md.
 """
@@ -39,7 +39,7 @@ __all__ = [
 
 
 class BackgroundSweeper:
-    """A :class:`Sweeper` looping in a daemon thread; :meth:`stop` ends it."""
+    """A [`Sweeper`][idemflow.sweeper.Sweeper] looping in a daemon thread; `stop` ends it."""
 
     def __init__(self, sweeper: Sweeper, every: Duration | None) -> None:
         self.sweeper = sweeper
@@ -70,7 +70,7 @@ class BackgroundSweeper:
 
 
 class AsyncBackgroundSweeper:
-    """An :class:`AsyncSweeper` looping in an asyncio task; ``await stop()`` ends it."""
+    """An `AsyncSweeper` looping in an asyncio task; ``await stop()`` ends it."""
 
     def __init__(self, sweeper: AsyncSweeper, every: Duration | None) -> None:
         self.sweeper = sweeper
@@ -110,8 +110,8 @@ def start_background_sweeper(
 def start_background_sweeper(
     sweeper: Sweeper | AsyncSweeper, *, every: Duration | None = None
 ) -> BackgroundSweeper | AsyncBackgroundSweeper:
-    """Run ``sweeper``'s :meth:`~Sweeper.run_forever` in the background: a :class:`Sweeper`
-    in a daemon thread, an :class:`AsyncSweeper` in a task of the running loop (call it
+    """Run ``sweeper``'s `run_forever` in the background: a `Sweeper`
+    in a daemon thread, an `AsyncSweeper` in a task of the running loop (call it
     from inside, e.g. a lifespan handler). Every process of an app may run one."""
     if isinstance(sweeper, AsyncSweeper):
         return AsyncBackgroundSweeper(sweeper, every)

@@ -12,7 +12,7 @@ __all__ = ["AsyncMemoryStore", "FrozenClock", "MemoryStore"]
 
 
 class FrozenClock:
-    """A clock that stands still until :meth:`advance` moves it. Pass it as ``clock=``."""
+    """A clock that stands still until `advance` moves it. Pass it as ``clock=``."""
 
     def __init__(self, start: float = 1_800_000_000.0) -> None:
         self._now = start

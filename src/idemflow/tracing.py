@@ -1,9 +1,9 @@
 """
 OpenTelemetry traces for idemflow (``idemflow[tracing]``); a no-op without ``opentelemetry-api``.
 
-Use one of two: :func:`traced` makes each ``run`` one span (a replay's linked to
+Use one of two: `traced` makes each ``run`` one span (a replay's linked to
 the original's through the ``traceparent`` kept as its correlation id), or a
-:class:`TracingObserver` annotates whatever span is current. The attributes:
+`TracingObserver` annotates whatever span is current. The attributes:
 docs/operations.md, "Traces".
 """
 

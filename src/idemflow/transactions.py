@@ -5,7 +5,7 @@ Pass one to ``Idempotency.run(…, transaction=…)``: the library begins the
 transaction on your connection (or joins the one already open), calls your
 handler with it, writes the completion on it and commits, or rolls back and
 releases the key. One adapter per driver; for another, implement
-:class:`idemflow.stores.protocol.Transaction`. Which adapter for which
+`idemflow.stores.protocol.Transaction`. Which adapter for which
 connection: docs/core.md, "Where the transaction boundary goes". The psycopg,
 SQLAlchemy and MySQL pairs are written once in ``idemflow._async.transactions``
 (PyMySQL's generated from asyncmy's); SQLite's async one hops to a thread.
@@ -97,7 +97,7 @@ class AsyncSQLite3Connection:
     Args:
         raw: an autocommit connection that may cross threads
             (``isolation_level=None, check_same_thread=False``), as
-            :func:`idemflow.stores.sqlite.connect` opens it.
+            [`idemflow.stores.sqlite.connect`][idemflow.stores.sqlite.connect] opens it.
     """
 
     def __init__(self, raw: Any) -> None:
@@ -115,12 +115,12 @@ class AsyncSQLite3Connection:
 
 
 class AsyncSQLite3Transaction(AsyncTransaction):
-    """:class:`SQLite3Transaction` for asyncio, on an :class:`AsyncSQLite3Connection`.
+    """`SQLite3Transaction` for asyncio, on an `AsyncSQLite3Connection`.
 
-    ``attempt.connection`` is that :class:`AsyncSQLite3Connection`: run your
-    own statements through its :meth:`~AsyncSQLite3Connection.run`, so they
+    ``attempt.connection`` is that `AsyncSQLite3Connection`: run your
+    own statements through its [`run`][idemflow.transactions.AsyncSQLite3Connection.run], so they
     take their turn on its thread with idemflow's. The transaction begins
-    deferred, as :class:`SQLite3Transaction` explains: a phase that waits on
+    deferred, as `SQLite3Transaction` explains: a phase that waits on
     an external call before its first write holds no lock;
     ``immediate=True`` takes the lock at once.
     """
@@ -147,10 +147,10 @@ class AsyncSQLite3Transaction(AsyncTransaction):
     ) -> int:
         """The fenced write, its COMMIT (and the next BEGIN) in one hop to the connection's thread.
 
-        As the write, then :meth:`commit` (then :meth:`begin`), each a hop of its
+        As the write, then `commit` (then `begin`), each a hop of its
         own: a write that changed no row commits nothing (the transaction stays
         open for the driver to roll back); a COMMIT or BEGIN that fails raises
-        :class:`~idemflow.stores.protocol.CommitFailed` from its own error.
+        `CommitFailed` from its own error.
         """
         # The sync fallback's rules (the write, then COMMIT, then BEGIN), run on the
         # connection's thread in one hop.

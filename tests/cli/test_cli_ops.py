@@ -325,7 +325,10 @@ def test_a_missing_table_says_to_migrate(
     assert code == 1
     assert out == ""
     line = one_line_error(err, command)
-    assert line.endswith("table no_such_table does not exist: run idemflow migrate")
+    assert line.endswith(
+        "table no_such_table does not exist (check --table): "
+        "run idemflow migrate --table no_such_table"
+    )
 
 
 @pytest.mark.parametrize(
@@ -349,6 +352,33 @@ def test_an_unusable_url_is_one_line(
     assert code == 1
     assert out == ""
     assert message in one_line_error(err, command)
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        pytest.param(
+            "postgresql://postgres@127.0.0.1:5432/idemflow_no_such_db",
+            'database "idemflow_no_such_db" does not exist',
+            marks=pytest.mark.postgres,
+        ),
+        pytest.param(
+            "mysql://root@127.0.0.1:3306/idemflow_no_such_db",
+            "Unknown database 'idemflow_no_such_db'",
+            marks=pytest.mark.mysql,
+        ),
+    ],
+)
+def test_an_unknown_database_is_one_line(
+    url: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PostgreSQL and MySQL alike: the server's reason after the redacted URL, no driver class."""
+    code, out, err = cli(capsys, "stats", url)
+    assert (code, out) == (1, "")
+    line = one_line_error(err, "stats")
+    assert line.startswith(f"idemflow stats: cannot reach {url}: ")
+    assert says in line
+    assert "Error" not in err
 
 
 def test_a_missing_sqlite_file_is_not_created(
@@ -413,7 +443,10 @@ def test_the_installed_command_reads_the_environment_variable(
         check=False,
     )
     assert done.returncode == 1
-    assert done.stderr == "idemflow stats: table absent does not exist: run idemflow migrate\n"
+    assert done.stderr == (
+        "idemflow stats: table absent does not exist (check --table): "
+        "run idemflow migrate --table absent\n"
+    )
 
 
 @pytest.mark.parametrize("command", ["inspect", "stats", "purge"])

@@ -35,6 +35,7 @@ HEAVY = (
     "rich",
     "django",
     "rest_framework",
+    "drf_spectacular",
     "flask",
     "flask_sqlalchemy",
     "flask_login",
@@ -142,6 +143,7 @@ def test_every_public_store_path_still_imports(module: str, names: list[str]) ->
 UNLISTED = [
     ("idemflow.audit", ["CHECKS", "CheckResult", "Report", "plan"]),
     ("idemflow.client", ["ClientOutcome"]),
+    ("idemflow.edge", ["KEY_HEADER"]),
     ("idemflow.logs", ["key_digest"]),
     ("idemflow.stores.mysql", ["error_code", "is_conflict", "is_contention", "rolled_back"]),
     ("idemflow.stores.mysql", ["UNAVAILABLE_CODES", "mysql_dialect", "mysql_statements"]),
@@ -318,10 +320,10 @@ def test_a_replaced_name_still_imports_with_a_deprecation_warning(
     assert old not in imported.__all__
 
 
-#: Issue 32: at most 150 distinct public names. Each cut lowers this bound; it never rises,
-#: but for issue 36, deliberately and past the target by one: the consumer entry point
-#: (Consumer, AsyncConsumer) and its first adapter (RedisStreams). The next cut pays it back.
-PUBLIC_NAMES_BOUND = 151
+#: Issue 32: at most 150 distinct public names. Each cut lowers this bound; it never rises
+#: (issue 36's Consumer, AsyncConsumer and RedisStreams were paid for by edge's KEY_HEADER,
+#: a constant no page or example names).
+PUBLIC_NAMES_BOUND = 150
 PUBLIC_NAMES_TARGET = 150
 
 

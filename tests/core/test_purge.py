@@ -228,7 +228,10 @@ def test_purge_every_survives_an_outage_and_stops_on_a_missing_table(
 
     assert main(["purge", url, "--table", "absent", "--every", "0.2"]) == 1
     err = capsys.readouterr().err
-    assert err == "idemflow purge: table absent does not exist: run idemflow migrate\n"
+    assert err == (
+        "idemflow purge: table absent does not exist (check --table): "
+        "run idemflow migrate --table absent\n"
+    )
 
 
 @pytest.mark.parametrize(

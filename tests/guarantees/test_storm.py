@@ -416,3 +416,17 @@ def test_single_commit_releases_every_503_at_once_on_postgresql(pg_url: str) -> 
     assert verdict["payments"] == verdict["charges"] == 60
     assert verdict["releases"] == verdict["responses"]["503"] > 0
     assert sum(verdict["stale_reclaimed"].values()) == 0  # nothing was left for the sweeper
+
+
+def test_the_storm_starts_its_demo_on_the_port_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    """--port: the demo listens there (the next demos on the next ports); not with --url."""
+    from idemflow_demo.storm.cli import config_from, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    config = config_from(parser.parse_args(["storm", "--port", "8123"]))
+    command = DemoProcess(config, Path("unused")).command()
+    assert command[command.index("--port") + 1] == "8123"
+    assert DemoProcess(config, Path("unused"), index=1).port == 8124
+    assert main(["storm", "--url", "http://127.0.0.1:9", "--port", "8123"]) == 1
+    assert "--port: only for the demo the storm starts itself" in capsys.readouterr().err

@@ -292,3 +292,13 @@ def test_without_the_demo_its_commands_say_how_to_install_it(argv: list[str]) ->
     assert done.stderr.startswith(f"idemflow {argv[0]}: the demo is its own distribution")
     assert "scripts/demo" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_demo_tells_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """``scripts/demo --version`` (``idemflow demo --version``) prints both distributions'."""
+    from idemflow.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("idemflow-demo ")

@@ -12,6 +12,7 @@ import math
 import secrets
 import socket
 from datetime import timedelta
+from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
 
 from idemflow import ConfigurationError
@@ -36,6 +37,8 @@ def register(subparsers: Any) -> None:
         ),
     )
     add = parser.add_argument
+    versions = f"idemflow-demo {version('idemflow-demo')} (idemflow {version('idemflow')})"
+    add("--version", action="version", version=versions)
     add(
         "--database",
         metavar="URL",

@@ -77,19 +77,16 @@ class PaymentView(View):
         return _pay(request, "cbv")
 
 
-# 3. A DRF action: DRF authenticates first, the serializer validates before the claim.
+# 3. A DRF action: DRF authenticates first; the serializer is validated once, before the
+# claim (invalid: a 400 problem with its errors, nothing recorded), and handed to the view.
 class PaymentIn(serializers.Serializer):
     amount = serializers.IntegerField(min_value=1)
 
 
-def _valid(view, request):
-    PaymentIn(data=request.data).is_valid(raise_exception=True)
-
-
 class PaymentViewSet(viewsets.ViewSet):
-    @idempotent(validate=_valid)
-    def create(self, request):
-        amount = request.data["amount"]
+    @idempotent(serializer=PaymentIn)
+    def create(self, request, serializer):
+        amount = serializer.validated_data["amount"]
         _hold(request)
         payment = Payment.objects.create(principal=str(request.user.pk), amount=amount, via="drf")
         _hold(request, "X-Hold-After-Write")
@@ -107,7 +104,7 @@ def middleware_payment(request):
 # same validation and write in Django's autocommit. Not a pattern to copy.
 class UnprotectedPaymentViewSet(viewsets.ViewSet):
     def create(self, request):
-        _valid(self, request)
+        PaymentIn(data=request.data).is_valid(raise_exception=True)
         amount = request.data["amount"]
         payment = Payment.objects.create(principal=str(request.user.pk), amount=amount, via="drf")
         return Response({"id": payment.pk, "amount": amount}, status=201)

@@ -2,8 +2,8 @@
 The async driver: performs the steps of ``idemflow._flow`` and nothing else.
 
 It lends the caller's transaction to the store as a step needs it: begun by a
-single-commit claim's first statement (:class:`AsyncBeginsOnFirstStatement`),
-committed right after a completion's write (:class:`AsyncCommitAfter`).
+single-commit claim's first statement (`AsyncBeginsOnFirstStatement`),
+committed right after a completion's write (`AsyncCommitAfter`).
 
 This is the async source of truth; ``idemflow/_sync/driver.py`` is generated
 from it by ``scripts/unasync.py``.
@@ -145,10 +145,10 @@ class AsyncIdempotency:
         policy: Policy | None = None,
     ) -> Outcome:
         """Claim ``intent``, then replay, refuse, or run ``handler`` once. With
-        ``transaction`` (:mod:`idemflow.transactions`) the completion commits with the
+        ``transaction`` (`idemflow.transactions`) the completion commits with the
         handler's writes; ``single_commit=True`` puts the claim in it too. ``policy``:
         this route's (its retention, timeout, classifier), within the driver's
-        (:func:`~idemflow._model.route_policy`); by default the driver's."""
+        (`route_policy`); by default the driver's."""
         async_checked_handler(handler)
         policy = self.route(policy)
         refuse_run(
@@ -409,7 +409,7 @@ class _Performer:
             await self._transaction.begin()
 
     async def _begin_for_handler(self) -> None:
-        """:meth:`_begin`, whose error is the request's: one the transaction's or the
+        """`_begin`, whose error is the request's: one the transaction's or the
         store's rule calls unavailable is a 503, the key given back on the store's."""
         try:
             await self._begin()
@@ -453,11 +453,11 @@ def _could_not_begin(exc: BaseException) -> StoreUnavailable:
 class AsyncCommitAfter(AsyncTransaction):
     """The caller's transaction, for one fenced write its COMMIT follows at once.
 
-    Given to the store's ``complete`` or ``checkpoint``, then :meth:`finish`. With
+    Given to the store's ``complete`` or ``checkpoint``, then `finish`. With
     ``execute_and_commit`` (psycopg) the write carries the COMMIT (and, with ``begin``,
-    the next BEGIN) in one round trip; elsewhere :meth:`finish` commits. The store sees
+    the next BEGIN) in one round trip; elsewhere `finish` commits. The store sees
     the write's row count (0: ``LeaseLost``, nothing committed); the COMMIT's own error
-    comes out of :meth:`finish`. ``on_commit`` is called once the COMMIT may have run.
+    comes out of `finish`. ``on_commit`` is called once the COMMIT may have run.
     """
 
     def __init__(
@@ -577,8 +577,8 @@ _T = TypeVar("_T")
 async def async_shielded(awaitable: Awaitable[_T]) -> _T:
     """Await ``awaitable`` to its end even if this task is cancelled meanwhile: the
     cancellation is requested again (its count kept, for ``asyncio.timeout``) once the
-    step is done. The step runs in this task, which waits on a :class:`_Shield` (no task
-    made, no loop turn added); a driver's own timeout cancels a :class:`_StepTask`."""
+    step is done. The step runs in this task, which waits on a `_Shield` (no task
+    made, no loop turn added); a driver's own timeout cancels a `_StepTask`."""
     result: _T = await _Shield(awaitable)
     return result
 
@@ -687,7 +687,7 @@ class _Shield:
 
 
 async def async_cancel_point() -> None:
-    """Raise a cancellation :func:`async_shielded` deferred, before anything else runs."""
+    """Raise a cancellation `async_shielded` deferred, before anything else runs."""
     current = asyncio.current_task()
     if current is not None and current.cancelling():
         await asyncio.sleep(0)

@@ -53,7 +53,7 @@ class AsyncEdge:
     """Runs one protected request: intent, claim via the driver, response.
 
     A response the handler returns is checked whole before anything is
-    stored (see :func:`idemflow._http.storing`): with a ``transaction`` an
+    stored (see `storing`): with a ``transaction`` an
     unstorable one is the handler's bug (500, rolled back, key released);
     without one the effect stays and the key is settled with a
     ``response-not-stored`` marker, never released after the endpoint ran.
@@ -63,7 +63,7 @@ class AsyncEdge:
 
     Args:
         idempotency: the driver; its policy decides what is stored.
-        options: see :class:`idemflow._http.EdgeOptions`.
+        options: see [`EdgeOptions`][idemflow.edge.EdgeOptions].
     """
 
     def __init__(self, idempotency: AsyncIdempotency, options: EdgeOptions | None = None) -> None:
@@ -92,10 +92,10 @@ class AsyncEdge:
         What ``read`` raises is never the endpoint's failure: with a
         ``transaction`` it rolls back and releases (the effect goes with it);
         without one the key is settled with a ``response-not-stored`` marker
-        (:func:`idemflow._http.not_read`), never released.
+        (`not_read`), never released.
 
         ``transaction`` opens the caller's transaction for this one run (see
-        :func:`pooled_transaction`); it is closed before the replay
+        [`pooled_transaction`][idemflow.edge.pooled_transaction]); it is closed before the replay
         authorization hook runs, so the hook may use a connection of its own.
         The first execution answers with the handler's full response; what is
         stored (and replayed) keeps only the allow-listed headers. Errors of
@@ -179,19 +179,19 @@ class AsyncPooledTransaction:
     connection from the pool: duplicates cost one claim, not one pooled
     connection each. (Or it lends its connection to the claim, when both come
     from the store's pool: then the claim's checkout is the request's only
-    one.) The connection is kept until :meth:`aclose` (the end of
+    one.) The connection is kept until `aclose` (the end of
     the request), across ``commit_phase`` boundaries and the release, so
     ``attempt.connection`` names the same connection in every phase and a
     request never holds two. One that fails to begin or to roll back (its
     session is gone) is given back at once, with its error, so the pool
     discards it and a store write that follows (the release) never waits
-    behind it; the next :meth:`begin` takes another.
+    behind it; the next `begin` takes another.
 
     Args:
         acquire: returns an async context manager yielding a connection, e.g.
             ``psycopg_pool.AsyncConnectionPool.connection``.
         adapter: wraps that connection, e.g.
-            :class:`idemflow.transactions.AsyncPsycopgTransaction`.
+            `idemflow.transactions.AsyncPsycopgTransaction`.
     """
 
     def __init__(
@@ -303,7 +303,7 @@ async def pooled_transaction(
     acquire: Callable[[], AbstractAsyncContextManager[Any]],
     adapter: Callable[[Any], AsyncTransaction],
 ) -> AsyncIterator[AsyncPooledTransaction]:
-    """An :class:`AsyncPooledTransaction` that gives its connection back on exit."""
+    """An `AsyncPooledTransaction` that gives its connection back on exit."""
     transaction = AsyncPooledTransaction(acquire, adapter)
     try:
         yield transaction

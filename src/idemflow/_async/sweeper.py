@@ -125,7 +125,7 @@ class AsyncSweeper:
     async def run_forever(
         self, every: Duration | None = None, *, stop: _reconcile.AsyncStop | None = None
     ) -> None:
-        """Sweep at the earliest stale deadline (:meth:`due_in`), looking at least every
+        """Sweep at the earliest stale deadline (`due_in`), looking at least every
         ``every`` seconds (``policy.sweep_interval``); on a store that cannot tell, pass on
         that beat. A claim written meanwhile is due a whole threshold later, so nothing
         needs to wake it earlier. A failed pass is logged and the loop goes on."""

@@ -1,5 +1,5 @@
 """
-A traced driver: every run one span, ``idemflow.run`` (see :mod:`idemflow.tracing`).
+A traced driver: every run one span, ``idemflow.run`` (see [`idemflow.tracing`][idemflow.tracing]).
 
 This is the async source of truth; ``idemflow/_sync/tracing.py`` is generated
 from it by ``scripts/unasync.py``.
@@ -21,7 +21,7 @@ __all__ = ["AsyncTracedIdempotency"]
 
 
 class AsyncTracedIdempotency(AsyncIdempotency):
-    """An :class:`~idemflow.AsyncIdempotency` whose every run is a span (:func:`traced`)."""
+    """An `AsyncIdempotency` whose every run is a span (`traced`)."""
 
     def __init__(self, inner: AsyncIdempotency, tracer: Tracer | None = None) -> None:
         vars(self).update(vars(inner))  # same store, policy, clock; new attributes too

@@ -2,7 +2,7 @@
 The transaction adapters for psycopg, SQLAlchemy and MySQL, sync and async alike.
 
 This is the async source of truth; ``idemflow/_sync/transactions.py`` is generated
-from it by ``scripts/unasync.py``. Import the adapters from :mod:`idemflow.transactions`.
+from it by ``scripts/unasync.py``. Import the adapters from `idemflow.transactions`.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class AsyncPsycopgTransaction(AsyncTransaction):
         return 1
 
 
-#: What the fence of :func:`_fenced` says when the write matched no row.
+#: What the fence of `_fenced` says when the write matched no row.
 _NO_ROW = "idemflow: the fenced write matched no row"
 
 
@@ -247,7 +247,7 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
     ) -> int:
         """The fenced write and its COMMIT in one round trip, on PostgreSQL through psycopg 3.
 
-        Sent as :class:`AsyncPsycopgTransaction` sends them, on the psycopg
+        Sent as `AsyncPsycopgTransaction` sends them, on the psycopg
         connection under SQLAlchemy's (one pipeline: the write raises on the
         server when it matched no row, and the server then skips the COMMIT),
         after a session's pending changes are flushed; then SQLAlchemy ends its
@@ -256,8 +256,8 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
         BEGIN is left to SQLAlchemy (psycopg sends it with the next statement):
         sent with the COMMIT, SQLAlchemy's own COMMIT would end it.
 
-        Everywhere else :class:`~idemflow.stores.protocol.NotFused`, before
-        anything is sent (the write goes alone, then :meth:`commit`, as
+        Everywhere else `NotFused`, before
+        anything is sent (the write goes alone, then `commit`, as
         always): SQLite, MySQL/MariaDB, psycopg2, a savepoint open
         (``begin_nested``), a session with ``before_commit`` listeners (they
         run before the COMMIT), a connection whose statements are listened to

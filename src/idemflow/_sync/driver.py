@@ -4,8 +4,8 @@
 The sync driver: performs the steps of ``idemflow._flow`` and nothing else.
 
 It lends the caller's transaction to the store as a step needs it: begun by a
-single-commit claim's first statement (:class:`BeginsOnFirstStatement`),
-committed right after a completion's write (:class:`CommitAfter`).
+single-commit claim's first statement (`BeginsOnFirstStatement`),
+committed right after a completion's write (`CommitAfter`).
 
 GENERATED from ``idemflow/_async/driver.py`` by ``scripts/unasync.py``; do not edit.
 """
@@ -144,10 +144,10 @@ class Idempotency:
         policy: Policy | None = None,
     ) -> Outcome:
         """Claim ``intent``, then replay, refuse, or run ``handler`` once. With
-        ``transaction`` (:mod:`idemflow.transactions`) the completion commits with the
+        ``transaction`` (`idemflow.transactions`) the completion commits with the
         handler's writes; ``single_commit=True`` puts the claim in it too. ``policy``:
         this route's (its retention, timeout, classifier), within the driver's
-        (:func:`~idemflow._model.route_policy`); by default the driver's."""
+        (`route_policy`); by default the driver's."""
         checked_handler(handler)
         policy = self.route(policy)
         refuse_run(
@@ -407,7 +407,7 @@ class _Performer:
             self._transaction.begin()
 
     def _begin_for_handler(self) -> None:
-        """:meth:`_begin`, whose error is the request's: one the transaction's or the
+        """`_begin`, whose error is the request's: one the transaction's or the
         store's rule calls unavailable is a 503, the key given back on the store's."""
         try:
             self._begin()
@@ -451,11 +451,11 @@ def _could_not_begin(exc: BaseException) -> StoreUnavailable:
 class CommitAfter(Transaction):
     """The caller's transaction, for one fenced write its COMMIT follows at once.
 
-    Given to the store's ``complete`` or ``checkpoint``, then :meth:`finish`. With
+    Given to the store's ``complete`` or ``checkpoint``, then `finish`. With
     ``execute_and_commit`` (psycopg) the write carries the COMMIT (and, with ``begin``,
-    the next BEGIN) in one round trip; elsewhere :meth:`finish` commits. The store sees
+    the next BEGIN) in one round trip; elsewhere `finish` commits. The store sees
     the write's row count (0: ``LeaseLost``, nothing committed); the COMMIT's own error
-    comes out of :meth:`finish`. ``on_commit`` is called once the COMMIT may have run.
+    comes out of `finish`. ``on_commit`` is called once the COMMIT may have run.
     """
 
     def __init__(

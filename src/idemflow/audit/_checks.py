@@ -66,7 +66,7 @@ class CheckResult:
 
 @dataclass
 class Report:
-    """Every check run against ``target``, in the order of :data:`CHECKS`."""
+    """Every check run against ``target``, in the order of `CHECKS`."""
 
     target: str
     checks: list[CheckResult] = field(default_factory=list)
@@ -116,7 +116,7 @@ _COUNTED: tuple[Result, ...] = ("pass", "fail", "skip")
 
 @dataclass(frozen=True)
 class Endpoint:
-    """What the checks send, and where (the arguments of :func:`audit`)."""
+    """What the checks send, and where (the arguments of [`audit`][idemflow.audit.audit])."""
 
     url: str
     method: str = "POST"
@@ -638,7 +638,7 @@ def plan(
     skip: Sequence[str] | None = None,
     **options: Any,
 ) -> str:
-    """What :func:`audit` with the same arguments will send, and at most how many requests."""
+    """What `audit` with the same arguments will send, and at most how many requests."""
     endpoint = _endpoint(url, True, True, dict(options))
     checks = _select(only, skip)
     requests = sum(c.requests(endpoint) for c in checks)
@@ -682,7 +682,7 @@ def audit(
     ``slow_body``, ``slow_headers``, ``count_url``, ``concurrency``,
     ``key_optional``, ``timeout`` (seconds per request). A host other than
     loopback needs ``allow_remote=True``. Not from a running event loop: there,
-    await :func:`audit_async`."""
+    await [`audit_async`][idemflow.audit.audit_async]."""
     return asyncio.run(
         audit_async(
             url, asgi=asgi, wsgi=wsgi, only=only, skip=skip, allow_remote=allow_remote, **options
@@ -700,7 +700,7 @@ async def audit_async(
     allow_remote: bool = False,
     **options: Any,
 ) -> Report:
-    """:func:`audit`, awaited."""
+    """[`audit`][idemflow.audit.audit], awaited."""
     if asgi is not None and wsgi is not None:
         raise ConfigurationError("give asgi or wsgi, not both")
     endpoint = _endpoint(url, asgi is not None or wsgi is not None, allow_remote, dict(options))

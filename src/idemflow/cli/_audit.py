@@ -1,6 +1,6 @@
 """``idemflow audit URL``: black-box conformance checks of one Idempotency-Key endpoint.
 
-Arguments only here; the checks (:mod:`idemflow.audit`, with httpx) are
+Arguments only here; the checks ([`idemflow.audit`][idemflow.audit], with httpx) are
 imported when the command runs. It prints what it will send before it starts
 (on stderr, so ``--json`` stays clean), refuses a host other than loopback
 without ``--yes``, and exits 1 when a check fails.

@@ -1,7 +1,7 @@
 """``idemflow demo``: the demo payments service, the distribution ``idemflow-demo`` (``demo/``).
 
 The library keeps only this loader. The command's arguments live in
-:mod:`idemflow_demo.cli` (argparse and the demo's settings, nothing heavy), and
+`idemflow_demo.cli` (argparse and the demo's settings, nothing heavy), and
 the app with Starlette and uvicorn is imported only when the command runs, so
 ``idemflow --help`` and the other commands stay fast.
 """

@@ -75,9 +75,24 @@ def _check_reachable(url: str, scheme: str) -> None:
         try:
             psycopg.connect(conninfo, connect_timeout=_CONNECT_TIMEOUT_SECONDS).close()
         except psycopg.Error as exc:
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            msg = f"cannot reach {redact(url)}: {reason}"
-            raise StoreUnavailable(msg) from exc
+            raise _unreachable(url, str(exc)) from exc
+    elif scheme == "mysql":
+        try:
+            import pymysql
+        except ImportError:
+            return  # open_store says which extra to install
+        from ..stores.mysql import connect_kwargs
+
+        try:
+            pymysql.connect(**connect_kwargs(url), connect_timeout=_CONNECT_TIMEOUT_SECONDS).close()
+        except pymysql.err.MySQLError as exc:
+            # PyMySQL's message is its args: (1049, "Unknown database 'x'") → the text.
+            raise _unreachable(url, str(exc.args[-1] if exc.args else exc)) from exc
+
+
+def _unreachable(url: str, reason: str) -> StoreUnavailable:
+    first_line = (reason.strip().splitlines() or ["no reason given"])[0]
+    return StoreUnavailable(f"cannot reach {redact(url)}: {first_line}")
 
 
 # --- values ---------------------------------------------------------------------

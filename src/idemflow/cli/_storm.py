@@ -1,7 +1,7 @@
 """``idemflow storm``: the retry storm, ``idemflow_demo.storm`` in the demo's distribution.
 
 The library keeps only this loader. The command's arguments live in
-:mod:`idemflow_demo.storm.cli` (argparse only); the storm, httpx and the demo it
+`idemflow_demo.storm.cli` (argparse only); the storm, httpx and the demo it
 attacks are imported only when the command runs.
 """
 

@@ -5,10 +5,10 @@ Each unsafe request (POST and PATCH by default) gets one ``Idempotency-Key``
 **per logical operation**, chosen before the first attempt (or the caller's,
 kept verbatim), and is retried safely, within a total deadline; settled
 answers are never retried, and one key is never sent with a different
-request (a :class:`~idemflow.KeyReused`). httpx: :class:`IdempotentTransport`,
-:class:`AsyncIdempotentTransport`; requests: :class:`IdempotentAdapter`,
-:func:`idempotent_session`; after the call: :func:`outcome`,
-:func:`replayed`. Importing this package imports neither httpx nor requests
+request (a `KeyReused`). httpx: `IdempotentTransport`,
+`AsyncIdempotentTransport`; requests: `IdempotentAdapter`,
+`idempotent_session`; after the call: `outcome`,
+[`replayed`][idemflow.client.replayed]. Importing this package imports neither httpx nor requests
 (``pip install 'idemflow[client]'``). See ``docs/client.md``.
 """
 

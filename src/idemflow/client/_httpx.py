@@ -1,7 +1,7 @@
 """
 httpx transports that key and retry unsafe requests: sync and async.
 
-Both are thin loops around the sans-I/O :class:`~idemflow.client._retry.Operation`
+Both are thin loops around the sans-I/O `Operation`
 (every decision is taken there, once); what is here is only httpx's I/O:
 reading the body once, sending it, reading the answer whole (an answer cut
 off mid-body is retried like any lost answer), sleeping.
@@ -125,14 +125,14 @@ class _Keyed:
 
 
 class IdempotentTransport(httpx.BaseTransport):
-    """Gives each unsafe request one key and retries it safely (see :mod:`idemflow.client`).
+    """Gives each unsafe request one key and retries it safely (see `idemflow.client`).
 
     Args:
         wrapped: the transport that sends (``httpx.HTTPTransport()`` by default).
         policy: which methods, what is retried, the deadline, the keys.
         ledger: the keys sent and what with; share one between transports to
             share the check.
-        on_attempt: called after every attempt with an :class:`AttemptReport`.
+        on_attempt: called after every attempt with an `AttemptReport`.
         sleep: waits between attempts (injected in tests).
     """
 
@@ -173,7 +173,7 @@ class IdempotentTransport(httpx.BaseTransport):
 
 
 class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
-    """The async twin of :class:`IdempotentTransport`; sleeps with anyio (asyncio or trio)."""
+    """The async twin of `IdempotentTransport`; sleeps with anyio (asyncio or trio)."""
 
     def __init__(
         self,

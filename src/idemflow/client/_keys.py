@@ -9,7 +9,7 @@ bodies (the server answers 422, after the first has taken effect). So a key is
 chosen before the first attempt, the caller's ``Idempotency-Key`` is kept
 verbatim, and every key this client sent is remembered with a fingerprint of
 what it was sent with: a second, different request under it is refused here,
-before anything is sent (:class:`KeyReusedLocally`).
+before anything is sent (`KeyReusedLocally`).
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def uuid4_key() -> str:
 
 
 def encode_key(key: str, form: KeyForm) -> str:
-    """The header value for ``key``; raises :class:`idemflow.InvalidKey` if the server would.
+    """The header value for ``key``; raises `idemflow.InvalidKey` if the server would.
 
-    Checked with the server's own parser (:func:`idemflow.parse_key`), so a key
+    Checked with the server's own parser ([`idemflow.parse_key`][idemflow.parse_key]), so a key
     this client sends is a key an idemflow server accepts, and means the same
     key: 1 to 255 printable ASCII characters, and in the bare form none of
     ``, ; "``, space or tab (write those keys as ``KeyForm.SF_STRING``).
@@ -247,7 +247,7 @@ class KeyLedger:
         that follows may carry the key (accepted here with its new URL). Any other (the
         method turned into ``GET``, another origin) makes a request that is not the
         operation, or goes to a server the key was not meant for: remembered, so that
-        :meth:`stays_behind` drops the key from the request that follows.
+        `stays_behind` drops the key from the request that follows.
         """
         try:
             follows = redirect.followed()
@@ -266,7 +266,7 @@ class KeyLedger:
 
     def stays_behind(self, values: Sequence[str], url: str) -> bool:
         """Does this request (its ``Idempotency-Key`` lines, its URL) follow a redirect the
-        key must not follow (:meth:`redirected`)? Never raises: any method, any header."""
+        key must not follow (`redirected`)? Never raises: any method, any header."""
         if not values:
             return False
         try:

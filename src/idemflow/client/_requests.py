@@ -1,9 +1,9 @@
 """
 A ``requests`` adapter that keys and retries unsafe requests.
 
-A thin loop around the sans-I/O :class:`~idemflow.client._retry.Operation`,
+A thin loop around the sans-I/O `Operation`,
 like the httpx transports: every decision is taken there. Mount it on a
-session, or let :func:`idempotent_session` do it::
+session, or let [`idempotent_session`][idemflow.client.idempotent_session] do it::
 
     session = idempotent_session()
     response = session.post(url, json=payment)
@@ -48,14 +48,14 @@ def failure_of(error: requests.exceptions.RequestException) -> Failure:
 
 
 class IdempotentAdapter(requests.adapters.HTTPAdapter):
-    """Gives each unsafe request one key and retries it safely (see :mod:`idemflow.client`).
+    """Gives each unsafe request one key and retries it safely (see `idemflow.client`).
 
     Args:
         policy: which methods, what is retried, the deadline, the keys.
         ledger: the keys sent and what with.
         on_attempt: called after every attempt with an ``AttemptReport``.
         sleep: waits between attempts (injected in tests).
-        **kwargs: :class:`requests.adapters.HTTPAdapter`'s (pool sizes, …).
+        **kwargs: `requests.adapters.HTTPAdapter`'s (pool sizes, …).
     """
 
     def __init__(

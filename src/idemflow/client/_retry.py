@@ -2,8 +2,8 @@
 The client's retry policy, sans I/O: what to do after each attempt.
 
 The transports (httpx sync and async, requests) are thin loops around one
-:class:`Operation`: they send, tell it what came back (:meth:`Operation.answered`
-or :meth:`Operation.failed`), and sleep for the :class:`Decision`'s delay or
+`Operation`: they send, tell it what came back (`Operation.answered`
+or `Operation.failed`), and sleep for the `Decision`'s delay or
 stop. Every rule lives here, once, and runs under a fake clock in the tests.
 What is retried and why (no answer, a 409 in flight, the transient statuses,
 a problem's ``retryable``; never a replay or a settled answer), and when
@@ -63,7 +63,7 @@ __all__ = [
 DEFAULT_METHODS = frozenset({"POST", "PATCH"})
 #: Statuses that settle nothing: retried (409 only while in flight; see the module doc).
 DEFAULT_RETRY_STATUSES = frozenset({408, 409, 425, 429, 502, 503, 504})
-#: Where a transport puts the :class:`ClientOutcome` (httpx ``response.extensions``).
+#: Where a transport puts the `ClientOutcome` (httpx ``response.extensions``).
 OUTCOME = "idemflow.client"
 #: Where it is kept on what has no extensions: a ``requests.Response``, an error raised.
 OUTCOME_ATTRIBUTE = "_idemflow_outcome"
@@ -125,7 +125,7 @@ Observer: TypeAlias = Callable[[AttemptReport], None]
 
 @dataclass(frozen=True, slots=True)
 class ClientOutcome:
-    """How an operation ended; see :func:`idemflow.client.outcome`."""
+    """How an operation ended; see [`idemflow.client.outcome`][idemflow.client.outcome]."""
 
     key: str
     attempts: int
@@ -369,7 +369,7 @@ class Operations:
 
     def stays_behind(self, key_values: Sequence[str], url: str) -> bool:
         """Must this request go without its ``Idempotency-Key`` lines? It follows a
-        redirect to another origin or with another method (:meth:`KeyLedger.redirected`)."""
+        redirect to another origin or with another method (`KeyLedger.redirected`)."""
         return self.ledger.stays_behind(key_values, url)
 
 
@@ -406,7 +406,7 @@ def read_problem(headers: Mapping[str, str], body: bytes) -> dict[str, object] |
     An answer is read after the request may have run, from a server that may be
     broken or hostile, so reading it must never raise: only an
     ``application/problem+json`` body (one media type, any parameters) of at most
-    :data:`MAX_PROBLEM_BYTES` and :data:`MAX_PROBLEM_DEPTH` levels of nesting
+    `MAX_PROBLEM_BYTES` and `MAX_PROBLEM_DEPTH` levels of nesting
     (counted before parsing: the parser recurses per level) in UTF-8 is parsed.
     """
     if _media_type(headers.get("content-type")) != "application/problem+json":

@@ -3,8 +3,8 @@ The consumer entry point: one message, exactly one effect, through the core's dr
 
 The key is the message's idempotency key, the principal the consumer's scope
 (a queue, stream or task name, also the metrics' endpoint label), the
-fingerprint the payload's. :meth:`AsyncConsumer.handle` runs the handler through
-:meth:`AsyncIdempotency.run` (in the caller's transaction when one is given),
+fingerprint the payload's. `AsyncConsumer.handle` runs the handler through
+`AsyncIdempotency.run` (in the caller's transaction when one is given),
 its claim kept alive by a lease keeper, and answers a
 ``Decision`` (``idemflow.consumers._decision``) for the adapter to perform.
 
@@ -57,7 +57,7 @@ class AsyncConsumer:
     ) -> Decision:
         """Run ``handler`` once for ``key`` and say what the broker should do with the message.
 
-        ``transaction``: the app's (:mod:`idemflow.transactions`), where the completion
+        ``transaction``: the app's (`idemflow.transactions`), where the completion
         commits with the handler's writes before the adapter acks.
         """
         idem = self.idempotency

@@ -1,8 +1,8 @@
 """
 What a consumer does with a message, sans I/O: the broker action each outcome maps to.
 
-:func:`decide` is the whole mapping (docs/consumers.md, "Outcomes and broker
-actions"); adapters only perform the :class:`Action` it names.
+`decide` is the whole mapping (docs/consumers.md, "Outcomes and broker
+actions"); adapters only perform the `Action` it names.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 A lease that lives as long as the work: a consumer's claim renewed while its handler runs.
 
 Every ``every`` seconds the keeper calls the store's fenced ``renew``; the first
-renewal that finds another owner (``LeaseLost``) stops it. :class:`AsyncLeaseKeeper`
+renewal that finds another owner (``LeaseLost``) stops it. `AsyncLeaseKeeper`
 then cancels the handler, which raises ``LeaseLost`` instead of answering;
-:class:`LeaseKeeper` (a thread: a sync handler cannot be interrupted) lets it end
+`LeaseKeeper` (a thread: a sync handler cannot be interrupted) lets it end
 and raises ``LeaseLost`` instead of its answer. Either way the run never completes
 over the new owner (the completion is fenced too) and the caller's transaction
 rolls back. A renewal the store cannot serve is tried again at the next tick.
@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 
 class AsyncLeaseKeeper:
-    """Renews ``record``'s claim in ``store`` every ``every`` seconds while :meth:`guard` runs."""
+    """Renews ``record``'s claim in ``store`` every ``every`` seconds while `guard` runs."""
 
     def __init__(self, store: AsyncStore, record: Record, every: float, clock: Clock) -> None:
         self._store, self._record, self._every, self._clock = store, record, every, clock
@@ -65,7 +65,7 @@ class AsyncLeaseKeeper:
 
 
 class LeaseKeeper:
-    """:class:`AsyncLeaseKeeper` for sync handlers: a thread renews the claim."""
+    """`AsyncLeaseKeeper` for sync handlers: a thread renews the claim."""
 
     def __init__(self, store: Store, record: Record, every: float, clock: Clock) -> None:
         self._store, self._record, self._every, self._clock = store, record, every, clock

@@ -5,8 +5,8 @@ The consumer entry point: one message, exactly one effect, through the core's dr
 
 The key is the message's idempotency key, the principal the consumer's scope
 (a queue, stream or task name, also the metrics' endpoint label), the
-fingerprint the payload's. :meth:`Consumer.handle` runs the handler through
-:meth:`Idempotency.run` (in the caller's transaction when one is given),
+fingerprint the payload's. `Consumer.handle` runs the handler through
+`Idempotency.run` (in the caller's transaction when one is given),
 its claim kept alive by a lease keeper, and answers a
 ``Decision`` (``idemflow.consumers._decision``) for the adapter to perform.
 
@@ -58,7 +58,7 @@ class Consumer:
     ) -> Decision:
         """Run ``handler`` once for ``key`` and say what the broker should do with the message.
 
-        ``transaction``: the app's (:mod:`idemflow.transactions`), where the completion
+        ``transaction``: the app's (`idemflow.transactions`), where the completion
         commits with the handler's writes before the adapter acks.
         """
         idem = self.idempotency

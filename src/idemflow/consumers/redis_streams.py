@@ -2,7 +2,7 @@
 Redis Streams consumer groups with exactly-once effects (redis-py, imported only here).
 
 Each entry's idempotency key is a field (or a function of the entry), its payload a
-field; :class:`RedisStreams` hands both to :class:`~idemflow.consumers.Consumer` and
+field; `RedisStreams` hands both to `Consumer` and
 performs the ``Decision``: ``ack`` and ``ack_with_stored_result`` ``XACK``;
 ``dead_letter`` copies the entry to the dead-letter stream with its problem and acks,
 in one ``MULTI``; every other action leaves the entry pending, where ``XAUTOCLAIM``

@@ -1,10 +1,10 @@
 """
 idemflow as pure ASGI middleware: no framework imported.
 
-:class:`IdempotencyMiddleware` protects the ``endpoints`` listed (middleware
-mode: the effect commits first, then the record); :class:`RequestIdMiddleware`
+`IdempotencyMiddleware` protects the ``endpoints`` listed (middleware
+mode: the effect commits first, then the record); `RequestIdMiddleware`
 gives every response its ``X-Request-Id``. For Starlette and FastAPI,
-:mod:`idemflow.integrations.starlette` adds route templates through mounts and
+`idemflow.integrations.starlette` adds route templates through mounts and
 refuses, at start-up, an opted-in route declared to stream. docs/http.md tells
 the modes, the body rules and where to place it (after authentication).
 """
@@ -73,7 +73,7 @@ def authenticated_user(scope: Scope) -> str | None:
 
 
 def request_id(scope: Scope) -> str:
-    """This request's correlation id: set by :class:`RequestIdMiddleware`, else made now."""
+    """This request's correlation id: set by `RequestIdMiddleware`, else made now."""
     state = scope.setdefault("state", {})
     value = state.get("request_id")
     if not isinstance(value, str):
@@ -114,7 +114,7 @@ class IdempotencyMiddleware:
 
     Only the ``endpoints`` listed opt in (``"POST /payments/{id}/refunds"``:
     method and route template, relative to where the middleware sits); every
-    other request passes through untouched. Mapped to a :class:`~idemflow.Policy`
+    other request passes through untouched. Mapped to a [`Policy`][idemflow.Policy]
     (``{"POST /payments": Policy(retention=timedelta(days=7))}``), an endpoint runs
     under that policy (``EdgeOptions.policy``); unmapped (None), the driver's.
     A 5xx, 408 or 429 (or an exception) releases the claim; an ``OutcomeUnknown``,
@@ -186,7 +186,7 @@ class IdempotencyMiddleware:
         return root_path[len(app_root) :]
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Fail the ASGI startup if the middleware must not run (:meth:`refusal`)."""
+        """Fail the ASGI startup if the middleware must not run (`refusal`)."""
         message = await receive()
         if message["type"] == "lifespan.startup":
             refusal = self._check_routes(again=True)
@@ -256,7 +256,7 @@ def _route_path(scope: Scope) -> str:
 
 
 async def _read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
-    """The whole request body from ASGI messages, bounded (:class:`~idemflow._http.BodyReader`)."""
+    """The whole request body from ASGI messages, bounded (`BodyReader`)."""
     lengths = header_values(scope.get("headers", ()), "content-length")
     reader = BodyReader(lengths[0] if lengths else None, limit)
     more = True

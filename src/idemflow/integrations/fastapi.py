@@ -1,18 +1,18 @@
 """
 idemflow for FastAPI, transactional mode: ``pip install 'idemflow[fastapi]'``.
 
-:class:`IdempotentRoute` (a route class) protects every route whose endpoint
-takes an :class:`IdempotentRequest` parameter, made by :func:`dependency`
+`IdempotentRoute` (a route class) protects every route whose endpoint
+takes an `IdempotentRequest` parameter, made by `dependency`
 (the app's own SQLAlchemy ``AsyncEngine`` or ``async_sessionmaker``, a
 ``psycopg_pool.AsyncConnectionPool``, or an
-:class:`~idemflow.integrations.starlette.Idempotent` for any other store).
+[`Idempotent`][idemflow.integrations.starlette.Idempotent] for any other store).
 The endpoint runs whole inside the claim, in the transaction the completion
 is written in, and keeps FastAPI's ``response_model``; the route class reads
 the body bounded, documents the key and the problems in the OpenAPI document
 and refuses mistakes at start-up. Quick start, how a request goes, the
 OpenAPI document, optional keys, the mistakes refused and the earlier
 ``idem.run(handler)`` form: docs/frameworks/fastapi.md. For middleware mode,
-use :class:`idemflow.integrations.starlette.IdempotencyMiddleware`.
+use `idemflow.integrations.starlette.IdempotencyMiddleware`.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the
@@ -32,10 +32,6 @@ from .._extras import optional
 from .._model import Policy, Response, Verdict
 from ..edge import (
     KEY_HEADER,
-    ORIGINAL_REQUEST_ID_HEADER,
-    PROBLEM_CONTENT_TYPE,
-    REPLAYED_HEADER,
-    REQUEST_ID_HEADER,
     SAFE_METHODS,
     AsyncEdge,
     EdgeOptions,
@@ -45,6 +41,7 @@ from ..edge import (
     problem_for,
 )
 from ..edge import async_pooled_transaction as pooled_transaction
+from ._openapi import operation
 
 # fastapi first: without it, the hint names the fastapi extra (starlette comes with it).
 with optional("idemflow.integrations.fastapi"):
@@ -78,9 +75,9 @@ class _Protection:
 class IdempotentRequest(Generic[Connection]):
     """One request's handle on transactional idempotency.
 
-    Under :class:`IdempotentRoute` the endpoint already runs protected: write
-    on :attr:`connection` and return what FastAPI should serialise. Otherwise
-    call :meth:`run` with a handler. Its parameter names what :attr:`connection`
+    Under `IdempotentRoute` the endpoint already runs protected: write
+    on `connection` and return what FastAPI should serialise. Otherwise
+    call `run` with a handler. Its parameter names what `connection`
     is: ``IdempotentRequest[AsyncSession]`` for a SQLAlchemy engine.
     """
 
@@ -191,11 +188,11 @@ def dependency(
     options: EdgeOptions | None = None,
     observer: Observer | None = None,
 ) -> Callable[..., Any]:
-    """A FastAPI dependency yielding :class:`IdempotentRequest`.
+    """A FastAPI dependency yielding `IdempotentRequest`.
 
     Args:
         idempotent: the transactional configuration (store, connections,
-            options): an :class:`~idemflow.integrations.starlette.Idempotent`,
+            options): an [`Idempotent`][idemflow.integrations.starlette.Idempotent],
             or, as a shorthand, the app's own database: a SQLAlchemy
             ``AsyncEngine`` or ``async_sessionmaker`` (``idem.connection`` is
             the request's ``AsyncSession``; PostgreSQL through psycopg, or a
@@ -204,19 +201,19 @@ def dependency(
             ``AsyncConnection``). Keys then live in that database (the
             ``idemflow_keys`` table), claimed on the same pool; ``policy``,
             ``options`` and ``observer`` (metrics:
-            :class:`~idemflow.metrics.PrometheusMetrics`) as given.
+            [`PrometheusMetrics`][idemflow.metrics.PrometheusMetrics]) as given.
         principal: your authentication dependency; FastAPI runs it first, and
             what it returns (a ``str``, or an object with ``identity`` or
             ``username``; None for nobody, answered 401) scopes the key. For
-            starlette's ``AuthenticationMiddleware`` pass :func:`scope_user`.
+            starlette's ``AuthenticationMiddleware`` pass `scope_user`.
             Only a ``public`` endpoint (``EdgeOptions(public=True)``) may omit it.
-        policy: this route's :class:`~idemflow.Policy` (its retention, request
+        policy: this route's [`Policy`][idemflow.Policy] (its retention, request
             timeout, classifier; ``EdgeOptions.policy``), or ``(principal) -> Policy``.
             With an ``Idempotent`` its stale threshold may not exceed its driver's,
             which the sweeper runs on; with an engine or a pool it is the driver's own.
         required: whether a request must carry an ``Idempotency-Key`` (400
             ``missing-key`` without one). With False (and
-            :class:`IdempotentRoute`), a request without one runs unprotected,
+            `IdempotentRoute`), a request without one runs unprotected,
             once, in a transaction of its own; the header is documented optional.
 
     Raises:
@@ -376,7 +373,7 @@ def principal_name(who: Any) -> str | None:
 
 
 class IdempotentRoute(APIRoute):
-    """An ``APIRoute`` that protects endpoints taking an :class:`IdempotentRequest` parameter.
+    """An ``APIRoute`` that protects endpoints taking an `IdempotentRequest` parameter.
 
     ``APIRouter(route_class=IdempotentRoute)``, or ``app.router.route_class =
     IdempotentRoute`` before the routes are declared. A route without the
@@ -417,7 +414,7 @@ class IdempotentRoute(APIRoute):
 
 
 def _protected_parameter(route: APIRoute) -> tuple[str, _Protection] | None:
-    """The endpoint parameter that receives the :class:`IdempotentRequest`, and its protection."""
+    """The endpoint parameter that receives the `IdempotentRequest`, and its protection."""
     found: list[tuple[str | None, _Protection]] = []
     for dependant in route.dependant.dependencies:
         protection = getattr(dependant.call, _MARK, None)
@@ -536,101 +533,10 @@ def _as_starlette(result: Any) -> StarletteResponse:
 
 # --- what the OpenAPI document says -----------------------------------------------------------
 
-_PROBLEM_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "description": "An RFC 9457 problem (https://idemflow.dev/problems/<slug>).",
-    "required": ["type", "title", "status", "detail", "retryable"],
-    "properties": {
-        "type": {"type": "string", "format": "uri"},
-        "title": {"type": "string"},
-        "status": {"type": "integer"},
-        "detail": {"type": "string"},
-        "retryable": {
-            "type": "boolean",
-            "description": "Whether the same request, unchanged, may be sent again.",
-        },
-    },
-    "additionalProperties": True,
-}
-_RETRY_AFTER = {
-    "Retry-After": {
-        "description": "Seconds to wait before retrying with the same key.",
-        "schema": {"type": "integer", "minimum": 0},
-    }
-}
-_PROBLEMS: dict[str, tuple[str, bool]] = {
-    "400": (
-        "`missing-key`, `invalid-key`: no or a malformed Idempotency-Key; `invalid-body`, "
-        "`incomplete-body`: a body that cannot be fingerprinted or did not arrive whole. "
-        "Nothing was recorded.",
-        False,
-    ),
-    "401": ("`missing-principal`: authenticate first; keys are scoped to the caller.", False),
-    "409": (
-        "`in-progress`: the first request with this key is still running; retry after "
-        "`Retry-After` seconds with the same key. `lease-lost`: the claim was taken over.",
-        True,
-    ),
-    "413": ("`body-too-large`: the body is over the limit for idempotent requests.", False),
-    "422": (
-        "Validation Error, or `key-reused`: this Idempotency-Key was first used for a "
-        "different request (body, method, route, path parameters or query string).",
-        False,
-    ),
-    "503": (
-        "`store-unavailable`: the idempotency key store cannot be reached; retry after "
-        "`Retry-After` seconds with the same key.",
-        True,
-    ),
-}
-
 
 def _documentation(route: APIRoute, *, required: bool) -> dict[str, Any]:
     """The route's ``openapi_extra``: the key header, the problem answers, the replay headers."""
-    problem = {PROBLEM_CONTENT_TYPE: {"schema": copy.deepcopy(_PROBLEM_SCHEMA)}}
-    responses: dict[str, Any] = {
-        _success_status(route): {"headers": _replay_headers()},
-    }
-    for status, (description, retry) in _PROBLEMS.items():
-        answer: dict[str, Any] = {"description": description, "content": copy.deepcopy(problem)}
-        if retry:
-            answer["headers"] = copy.deepcopy(_RETRY_AFTER)
-        responses[status] = answer
-    key = {
-        "name": "Idempotency-Key",
-        "in": "header",
-        "required": required,
-        "description": (
-            "A unique key per operation (1-255 printable ASCII characters, bare or as an "
-            "RFC 9651 quoted string). Retrying with the same key and the same request "
-            "returns the first response instead of running it again."
-            + ("" if required else " Optional: without one the request runs unprotected.")
-        ),
-        "schema": {"type": "string", "minLength": 1},
-    }
-    return {"parameters": [key], "responses": responses}
-
-
-def _replay_headers() -> dict[str, Any]:
-    return {
-        _title_case(REPLAYED_HEADER): {
-            "description": "`true` when this is the stored response of an earlier request "
-            "with the same key, replayed (the endpoint did not run again).",
-            "schema": {"type": "string", "enum": ["true"]},
-        },
-        _title_case(ORIGINAL_REQUEST_ID_HEADER): {
-            "description": "On a replay: the X-Request-Id of the request that produced it.",
-            "schema": {"type": "string"},
-        },
-        _title_case(REQUEST_ID_HEADER): {
-            "description": "This request's correlation id.",
-            "schema": {"type": "string"},
-        },
-    }
-
-
-def _title_case(name: str) -> str:
-    return "-".join(part.capitalize() for part in name.split("-"))
+    return operation(_success_status(route), required=required, also_422="Validation Error")
 
 
 def _success_status(route: APIRoute) -> str:

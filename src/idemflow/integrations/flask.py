@@ -1,12 +1,12 @@
 """
 idemflow for Flask: ``pip install 'idemflow[flask]'``.
 
-:class:`Idempotency` (``Idempotency(app, db=db)``, then ``@idem.protect`` on a
+`Idempotency` (``Idempotency(app, db=db)``, then ``@idem.protect`` on a
 view) runs the view once per ``(principal, Idempotency-Key)``; its
 ``db.session`` writes and the stored response commit in one transaction, so
 no crash keeps one without the other. Configured through ``app.config``
 (``IDEMFLOW_*``); ``flask idemflow migrate|sweep|purge`` manage the key table.
-:func:`handle_outcome_unknown` answers ``OutcomeUnknown`` behind the WSGI
+`handle_outcome_unknown` answers ``OutcomeUnknown`` behind the WSGI
 middleware (which registers it itself).
 Quick start, configuration, principal, transaction, replay authorization,
 bodies that cannot be stored: docs/frameworks/flask.md; behind the WSGI
@@ -159,7 +159,7 @@ class Idempotency:
         store: a store object instead of ``IDEMFLOW_STORE``.
         principal: returns the caller's id (None when anonymous).
         observer: told every outcome of every protected request (claimed,
-            replayed, released, …), e.g. an :class:`idemflow.metrics.PrometheusMetrics`.
+            replayed, released, …), e.g. an `idemflow.metrics.PrometheusMetrics`.
         authorize_replay: ``(record) -> bool``, asked before a stored response
             is replayed; False answers 403. Or ``IDEMFLOW_AUTHORIZE_REPLAY``,
             not both. A plain function: an ``async def`` one is a
@@ -196,6 +196,13 @@ class Idempotency:
             self.init_app(app)
 
     def init_app(self, app: Flask) -> None:
+        """Set ``app`` up (application factories): its ``IDEMFLOW_*`` defaults, its key store
+        and the ``flask idemflow`` commands.
+
+        Raises:
+            ConfigurationError: no ``principal=`` and no Flask-Login login manager (keys
+                are never claimed anonymously), or a setting out of range.
+        """
         for key, value in _CONFIG.items():
             app.config.setdefault(key, value)
         policy = Policy(
@@ -268,7 +275,7 @@ class Idempotency:
         ``validate`` is called with the view's arguments after the body was read
         and before the claim: what it raises (a 400) is never recorded.
         ``authorize_replay`` replaces the app's replay hook for this view.
-        ``policy``: this view's :class:`~idemflow.Policy` (retention, request timeout;
+        ``policy``: this view's [`Policy`][idemflow.Policy] (retention, request timeout;
         its stale threshold within the app's), or ``(principal) -> Policy``.
         """
         if authorize_replay is not None:
@@ -293,7 +300,7 @@ class Idempotency:
 
         return decorate if view is None else decorate(view)
 
-    def state(self, app: Flask | None = None) -> _State:
+    def _state(self, app: Flask | None = None) -> _State:
         found = (app or current_app).extensions.get("idemflow")
         if not isinstance(found, _State):
             raise ConfigurationError("Idempotency.init_app(app) was not called for this app")
@@ -307,7 +314,7 @@ class Idempotency:
         authorize_replay: ReplayHook | None,
         policy: RoutePolicy | None = None,
     ) -> FlaskResponse:
-        state = self.state()
+        state = self._state()
         # Once: every access through the request proxy costs a context lookup.
         current: Any = request._get_current_object()  # type: ignore[attr-defined]
         headers = raw_headers(current.environ)
@@ -473,7 +480,7 @@ def _to_flask(response: Response) -> FlaskResponse:
 def handle_outcome_unknown(app: Flask) -> None:
     """Register the error handler that tells the WSGI middleware about an ``OutcomeUnknown``.
 
-    For an app behind :class:`idemflow.integrations.wsgi.IdempotencyMiddleware`,
+    For an app behind `idemflow.integrations.wsgi.IdempotencyMiddleware`,
     optional: without it Flask answers the view's ``OutcomeUnknown`` with a 500
     (or, with ``PROPAGATE_EXCEPTIONS``, raises it), and the middleware, which
     noted the ``OutcomeUnknown`` made while the app ran, keeps the claim all the
@@ -484,7 +491,7 @@ def handle_outcome_unknown(app: Flask) -> None:
     ``OutcomeUnknown`` only, more specifically than an app's own
     ``errorhandler(Exception)``; an app's own ``errorhandler(OutcomeUnknown)``
     replaces it, and must then call
-    :func:`idemflow.integrations.wsgi.report_outcome_unknown` itself; one the
+    `idemflow.integrations.wsgi.report_outcome_unknown` itself; one the
     app registered before is kept (this registers nothing then). The WSGI
     middleware calls it on the Flask app it wraps.
     ``@idem.protect`` views never reach it: their edge answers it first.
@@ -501,7 +508,7 @@ def _cli(extension: Idempotency) -> Any:
     @group.command("migrate")
     def migrate() -> None:
         """Create the key table and its indexes (safe to run again)."""
-        extension.state().store.migrate()
+        extension._state().store.migrate()
         click.echo("migrated")
 
     @group.command("sweep")
@@ -509,7 +516,7 @@ def _cli(extension: Idempotency) -> Any:
         """Release claims left in progress past the stale threshold."""
         from ..sweeper import Sweeper
 
-        state = extension.state()
+        state = extension._state()
         report = Sweeper(
             state.store,  # type: ignore[arg-type]
             state.driver.policy,
@@ -521,7 +528,7 @@ def _cli(extension: Idempotency) -> Any:
     @click.option("--batch", default=1000, show_default=True)
     def purge(batch: int) -> None:
         """Delete records past their retention, in batches."""
-        store: Any = extension.state().store
+        store: Any = extension._state().store
         total = 0
         while (deleted := store.purge(time.time(), batch)) > 0:
             total += deleted

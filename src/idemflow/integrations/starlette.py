@@ -1,10 +1,10 @@
 """
 idemflow for Starlette (and so for FastAPI): ``pip install 'idemflow[starlette]'``.
 
-Transactional mode, :class:`Idempotent` (``await idempotent.run(request,
+Transactional mode, `Idempotent` (``await idempotent.run(request,
 handler)``): the handler's rows and the ``completed`` record commit in one
-transaction. Middleware mode, :class:`IdempotencyMiddleware`: the pure ASGI one
-(:mod:`idemflow.integrations.asgi`) knowing Starlette's routes: templates through
+transaction. Middleware mode, `IdempotencyMiddleware`: the pure ASGI one
+(`idemflow.integrations.asgi`) knowing Starlette's routes: templates through
 mounts, and an opted-in route declared to stream refused at start-up.
 docs/http.md tells the two modes, the body rules and the pieces.
 """
@@ -89,7 +89,7 @@ _MAX_MOUNT_DEPTH = 32
 
 
 class IdempotencyMiddleware(asgi.IdempotencyMiddleware):
-    """The ASGI middleware (:class:`idemflow.integrations.asgi.IdempotencyMiddleware`)
+    """The ASGI middleware (`idemflow.integrations.asgi.IdempotencyMiddleware`)
     knowing Starlette's routes.
 
     Records name the full template through mounts (``Mount("/{region}")``
@@ -116,7 +116,7 @@ class Idempotent:
             called only when the handler is about to run: replays and 409
             answers take no connection.
         transaction: wraps that connection in a transaction adapter, e.g.
-            :class:`idemflow.transactions.AsyncPsycopgTransaction`.
+            `idemflow.transactions.AsyncPsycopgTransaction`.
         principal: reads the authenticated principal from the scope.
         options: public endpoints, replay authorization, size limits.
         single_commit: claim inside the endpoint's transaction too (PostgreSQL),
@@ -161,7 +161,7 @@ class Idempotent:
         Call it after validating the request: failures before this call are
         never recorded. ``principal`` overrides the ``principal`` hook (the
         FastAPI dependency passes what its auth dependency returned). The
-        body is read with :meth:`body` (bounded, whole, or refused).
+        body is read with `body` (bounded, whole, or refused).
         """
         rid = request_id(request.scope)
         try:
@@ -190,9 +190,9 @@ class Idempotent:
         return to_starlette(response)
 
     async def body(self, request: Request) -> bytes:
-        """The request body, whole and at most ``options.max_body_bytes``: see :func:`read_body`.
+        """The request body, whole and at most ``options.max_body_bytes``: see `read_body`.
 
-        Validate from it before calling :meth:`run`; ``run`` reads the same bytes.
+        Validate from it before calling `run`; ``run`` reads the same bytes.
         """
         return await read_body(request, self.edge.options.max_body_bytes)
 

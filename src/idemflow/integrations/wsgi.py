@@ -1,12 +1,12 @@
 """
 idemflow for any WSGI application (Flask, Django, Falcon, Bottle, a bare callable).
 
-Middleware mode, the weaker one: :class:`IdempotencyMiddleware` wraps the
+Middleware mode, the weaker one: `IdempotencyMiddleware` wraps the
 application, claims the key, runs it with the request's body, captures its
 response, stores it and replays it. It does not own the application's
 transaction, so the effect and the record are not atomic; where the effect
 lives in the key store's database, use the transactional integrations.
-It follows the rules of the ASGI middleware (:mod:`idemflow.integrations.asgi`),
+It follows the rules of the ASGI middleware (`idemflow.integrations.asgi`),
 which live in ``idemflow._http`` and the sync ``Edge``; also here, what Flask's and
 Django's doors share (the body read from the environ, the settings as options).
 The rules one by one: docs/frameworks/wsgi.md, "What it does".

@@ -1,7 +1,7 @@
 """
 Key records in the Django project's own database, through Django's connections.
 
-:class:`DjangoStore` runs the SQL every idemflow store speaks (the PostgreSQL,
+`DjangoStore` runs the SQL every idemflow store speaks (the PostgreSQL,
 MySQL/MariaDB or SQLite dialect, chosen from ``connection.vendor``) on the
 connections of a ``DATABASES`` alias. Which connection a statement runs on (the
 thread's own in autocommit, the request's for a claim lent on PostgreSQL,
@@ -104,7 +104,7 @@ def _session_bounds(vendor: str) -> tuple[str, ...]:
 _side = _SideConnections()
 
 #: The connection a lent claim runs on, per thread: ``{alias: connection}`` while
-#: :meth:`DjangoStore.claim_on_lent` claims alone on the request's own connection.
+#: `DjangoStore.claim_on_lent` claims alone on the request's own connection.
 _lent = threading.local()
 
 
@@ -153,7 +153,7 @@ class store_connection:
 
 
 class _Pool:
-    """What :class:`~idemflow.stores.mysql.MySQLStore` asks of its pool, on Django's connections."""
+    """What `MySQLStore` asks of its pool, on Django's connections."""
 
     def __init__(self, using: str) -> None:
         self.using = using
@@ -258,7 +258,7 @@ class DjangoStore(MaintainableStore):
         return bool(self._inner.supports_single_commit)
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        """See :meth:`idemflow.stores.sql.SQLStore.is_unavailable`."""
+        """See `idemflow.stores.sql.SQLStore.is_unavailable`."""
         return self._inner.is_unavailable(exc)
 
     @functools.cached_property
@@ -274,7 +274,7 @@ class DjangoStore(MaintainableStore):
         expires_at: float,
         lender: Transaction,
     ) -> Claim:
-        """:meth:`claim`, on the connection the request's Django transaction uses.
+        """`claim`, on the connection the request's Django transaction uses.
 
         Inside an atomic block whose transaction has sent nothing yet, the claim commits
         alone on the request's own connection (one connection per request, a duplicate

@@ -1,9 +1,9 @@
 """
 The backend contract: what a key store and a caller's transaction must do.
 
-Six protocols: :class:`Store` and :class:`AsyncStore`, :class:`Transaction` and
-:class:`AsyncTransaction`, and the maintenance pair the sweeper, the purger and
-the operator's commands need (:class:`MaintainableStore`, :class:`AsyncMaintainableStore`).
+Six protocols: `Store` and `AsyncStore`, `Transaction` and
+`AsyncTransaction`, and the maintenance pair the sweeper, the purger and
+the operator's commands need (`MaintainableStore`, `AsyncMaintainableStore`).
 Each method is one atomic operation on one record; when to call which is
 ``idemflow._flow``'s. Optional capabilities are methods with a default (a store
 that cannot lend a claim a connection claims on its own; a rule that judges no
@@ -42,7 +42,7 @@ StoreClock: TypeAlias = Literal["database", "caller"]
 
 
 def check_clock(clock: str) -> StoreClock:
-    """``clock`` as a :data:`StoreClock`, or :class:`~idemflow.ConfigurationError`."""
+    """``clock`` as a `StoreClock`, or [`ConfigurationError`][idemflow.ConfigurationError]."""
     if clock not in ("database", "caller"):
         msg = f"clock must be 'database' or 'caller', got {clock!r}"
         raise ConfigurationError(msg)
@@ -102,9 +102,9 @@ class Transaction(Protocol):
     """The caller's transaction on the caller's connection (sync).
 
     Beside the five statements, three capabilities with defaults:
-    :meth:`execute_and_commit` (a fenced write and its COMMIT in one round trip),
-    :meth:`lend` (its connection, for a claim that commits alone before BEGIN) and
-    :meth:`is_unavailable` (what its library's errors mean).
+    `execute_and_commit` (a fenced write and its COMMIT in one round trip),
+    `lend` (its connection, for a claim that commits alone before BEGIN) and
+    `is_unavailable` (what its library's errors mean).
     """
 
     @property
@@ -125,8 +125,8 @@ class Transaction(Protocol):
         """Run the write; commit (then begin again, with ``begin``) only if it changed one row.
 
         Returns the rows the write changed; anything but 1 commits nothing and
-        leaves the transaction open, to be rolled back. Raises :class:`CommitFailed`
-        when the write went through and the COMMIT did not, :class:`NotFused`
+        leaves the transaction open, to be rolled back. Raises `CommitFailed`
+        when the write went through and the COMMIT did not, `NotFused`
         (having sent nothing) when they cannot travel together: by default, always.
         """
         raise NotFused
@@ -155,7 +155,7 @@ class Transaction(Protocol):
 
 
 class AsyncTransaction(Protocol):
-    """:class:`Transaction` with coroutines."""
+    """[`Transaction`][idemflow.stores.protocol.Transaction] with coroutines."""
 
     @property
     def connection(self) -> Any:
@@ -172,15 +172,15 @@ class AsyncTransaction(Protocol):
     async def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
     ) -> int:
-        """:meth:`Transaction.execute_and_commit`."""
+        """`Transaction.execute_and_commit`."""
         raise NotFused
 
     async def lend(self, sources: tuple[Any, ...]) -> Any:
-        """:meth:`Transaction.lend`."""
+        """[`Transaction.lend`][idemflow.stores.protocol.Transaction.lend]."""
         return None
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        """:meth:`Transaction.is_unavailable`."""
+        """[`Transaction.is_unavailable`][idemflow.stores.protocol.Transaction.is_unavailable]."""
         return False
 
     if not TYPE_CHECKING:
@@ -190,9 +190,9 @@ class AsyncTransaction(Protocol):
 class Store(Protocol):
     """A synchronous key store.
 
-    Capabilities with defaults: :meth:`claim_on_lent` (claims on its own), :meth:`is_unavailable`
-    (no error is an outage), :meth:`cover_stale_threshold` (nothing to cover), :meth:`stats`
-    and :meth:`renew` (refused), :meth:`migrate` and :meth:`close` (nothing to do).
+    Capabilities with defaults: `claim_on_lent` (claims on its own), `is_unavailable`
+    (no error is an outage), `cover_stale_threshold` (nothing to cover), `stats`
+    and `renew` (refused), `migrate` and `close` (nothing to do).
     """
 
     @property
@@ -258,10 +258,10 @@ class Store(Protocol):
 
     def renew(self, record: Record, now: float) -> None:
         """Keep the claim alive: date it ``now`` if it is still ours (``id``, lease token,
-        ``in_progress``, as :meth:`complete` is fenced), else ``LeaseLost``. A consumer's
+        ``in_progress``, as `complete` is fenced), else ``LeaseLost``. A consumer's
         lease keeper calls it while a long handler runs, so the sweeper's threshold counts
         from the last renewal; HTTP requests never do (they have timeouts). By default
-        :class:`~idemflow.ConfigurationError`: this store cannot keep a claim alive."""
+        `ConfigurationError`: this store cannot keep a claim alive."""
         raise _renew_refused(self)
 
     def claim_on_lent(
@@ -272,9 +272,9 @@ class Store(Protocol):
         expires_at: float,
         lender: Transaction,
     ) -> Claim:
-        """:meth:`claim`, committed on its own (two commits), on the connection ``lender``
-        lends (:meth:`Transaction.lend`) where it lends one of the store's own; by
-        default on the store's connection, as :meth:`claim`."""
+        """`claim`, committed on its own (two commits), on the connection ``lender``
+        lends (`Transaction.lend`) where it lends one of the store's own; by
+        default on the store's connection, as `claim`."""
         return self.claim(intent, lease_token, now, expires_at)
 
     def is_unavailable(self, exc: BaseException) -> bool:
@@ -302,7 +302,7 @@ class Store(Protocol):
 
     def stats(self) -> StatsSource:
         """The operator's questions (``idemflow stats``, the stuck gauge), asked synchronously;
-        :class:`~idemflow.ConfigurationError` where this store cannot answer them."""
+        [`ConfigurationError`][idemflow.ConfigurationError] where this store cannot answer them."""
         raise _stats_refused(self)
 
     def migrate(self) -> None:
@@ -315,7 +315,7 @@ class Store(Protocol):
 
 
 class AsyncStore(Protocol):
-    """An asynchronous key store: :class:`Store` with coroutines."""
+    """An asynchronous key store: [`Store`][idemflow.stores.protocol.Store] with coroutines."""
 
     @property
     def supports_transactions(self) -> bool: ...
@@ -357,7 +357,7 @@ class AsyncStore(Protocol):
     async def get(self, principal: str, key: str) -> Record | None: ...
 
     async def renew(self, record: Record, now: float) -> None:
-        """:meth:`Store.renew`."""
+        """`Store.renew`."""
         raise _renew_refused(self)
 
     async def claim_on_lent(
@@ -368,31 +368,31 @@ class AsyncStore(Protocol):
         expires_at: float,
         lender: AsyncTransaction,
     ) -> Claim:
-        """:meth:`Store.claim_on_lent`."""
+        """[`Store.claim_on_lent`][idemflow.stores.protocol.Store.claim_on_lent]."""
         return await self.claim(intent, lease_token, now, expires_at)
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        """:meth:`Store.is_unavailable`."""
+        """[`Store.is_unavailable`][idemflow.stores.protocol.Store.is_unavailable]."""
         return False
 
     def cover_stale_threshold(self, seconds: float) -> None:
-        """:meth:`Store.cover_stale_threshold`."""
+        """[`Store.cover_stale_threshold`][idemflow.stores.protocol.Store.cover_stale_threshold]."""
         return
 
     def cover_store_wait(self, seconds: float) -> None:
-        """:meth:`Store.cover_store_wait`."""
+        """[`Store.cover_store_wait`][idemflow.stores.protocol.Store.cover_store_wait]."""
         return
 
     def stats(self) -> StatsSource:
-        """:meth:`Store.stats`: refused by every async store (open a sync one on the same data)."""
+        """`Store.stats`: refused by every async store (open a sync one on the same data)."""
         raise _stats_refused(self)
 
     async def migrate(self) -> None:
-        """:meth:`Store.migrate`."""
+        """[`Store.migrate`][idemflow.stores.protocol.Store.migrate]."""
         return
 
     async def close(self) -> None:
-        """:meth:`Store.close`."""
+        """[`Store.close`][idemflow.stores.protocol.Store.close]."""
         return
 
 
@@ -411,10 +411,10 @@ class MaintainableStore(Store, Protocol):
         """
 
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until :meth:`sweep` with this ``cutoff`` would find a record to mark.
+        """Seconds until `sweep` with this ``cutoff`` would find a record to mark.
 
-        ``oldest updated_at − cutoff`` over the records :meth:`sweep` considers,
-        measured as :meth:`sweep` measures. Negative: one is due already.
+        ``oldest updated_at − cutoff`` over the records `sweep` considers,
+        measured as `sweep` measures. Negative: one is due already.
         ``math.inf``: none is in ``from_state``. ``None``: this store cannot tell
         cheaply, and the sweeper passes every interval instead.
         """
@@ -451,7 +451,7 @@ class MaintainableStore(Store, Protocol):
 
 
 class AsyncMaintainableStore(AsyncStore, Protocol):
-    """:class:`MaintainableStore` with coroutines."""
+    """[`MaintainableStore`][idemflow.stores.protocol.MaintainableStore] with coroutines."""
 
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int

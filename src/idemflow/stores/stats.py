@@ -2,8 +2,8 @@
 What an operator asks a key store: how many records in which state, what is stuck, what is due.
 
 A store that answers declares it: ``stats()`` (see
-:meth:`~idemflow.stores.protocol.Store.stats`) returns a
-:class:`StatsSource`. The metrics gauge (``idemflow.metrics``) and ``idemflow
+[`stats`][idemflow.stores.protocol.Store.stats]) returns a
+`StatsSource`. The metrics gauge (``idemflow.metrics``) and ``idemflow
 stats`` read the same numbers from it. Each store answers from its own
 package (``stores/sql/_stats.py``, ``stores/memory/_table.py``,
 ``stores/redis/``); this module is only the vocabulary they share.

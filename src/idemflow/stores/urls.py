@@ -2,10 +2,10 @@
 Open a store from a ``DATABASE_URL``: the one way the CLI, the demo and apps name a store.
 
 ``sqlite:///relative/path.db`` (``sqlite:////absolute/path.db``) →
-:class:`~idemflow.stores.sqlite.SQLiteStore`; ``postgresql://user@host:5432/db`` →
-:class:`~idemflow.stores.postgres.PostgresStore`; ``mysql://user:pw@host:3306/db`` →
-:class:`~idemflow.stores.mysql.MySQLStore` (async: ``AsyncMySQLStore``);
-``redis://host:6379/0`` → :class:`~idemflow.stores.redis.RedisStore` (``redis+cluster://``:
+[`SQLiteStore`][idemflow.stores.sqlite.SQLiteStore]; ``postgresql://user@host:5432/db`` →
+[`PostgresStore`][idemflow.stores.postgres.PostgresStore]; ``mysql://user:pw@host:3306/db`` →
+[`MySQLStore`][idemflow.stores.mysql.MySQLStore] (async: ``AsyncMySQLStore``);
+``redis://host:6379/0`` → [`RedisStore`][idemflow.stores.redis.RedisStore] (``redis+cluster://``:
 on ``RedisCluster``). Further schemes register in ``OPENERS`` (each imports its driver
 only when used).
 """
@@ -81,7 +81,7 @@ def _open_postgres(url: str, table: str, asynchronous: bool, policy: Policy | No
 
 
 def _open_mysql(url: str, table: str, asynchronous: bool, policy: Policy | None) -> Any:
-    """PyMySQL for :func:`open_store`, asyncmy for :func:`open_async_store`."""
+    """PyMySQL for `open_store`, asyncmy for `open_async_store`."""
     try:
         from .mysql import AsyncMySQLStore, MySQLStore
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -126,7 +126,7 @@ def open_store(
 def open_async_store(
     url: str, *, table: str = "idemflow_keys", policy: Policy | None = None
 ) -> AsyncMaintainableStore:
-    """An asyncio store for ``url``, its waits bounded as :func:`open_store`'s."""
+    """An asyncio store for ``url``, its waits bounded as `open_store`'s."""
     store: AsyncMaintainableStore = OPENERS[scheme_of(url)](url, table, True, policy)
     return store
 

@@ -172,6 +172,14 @@ def register(subparsers: Any) -> None:
         metavar="PATH",
         help="keep the demo's files here (default: a temporary folder, removed when green)",
     )
+    add(
+        "--port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the port the demo listens on, the next ones for more --database demos "
+        "(default: a free one)",
+    )
     add("--json", action="store_true", help="print the verdict as JSON")
     parser.set_defaults(run=run)
 
@@ -182,7 +190,7 @@ def config_from(args: argparse.Namespace) -> Any:
 
     from . import StormConfig
 
-    demo_only = ("kill_every", "provider_latency_ms", "provider_failure_rate", "data_dir")
+    demo_only = ("kill_every", "provider_latency_ms", "provider_failure_rate", "data_dir", "port")
     if args.url:
         given = [name for name in demo_only if getattr(args, name) is not None]
         given += ["min_kills"] if args.min_kills else []
@@ -208,6 +216,7 @@ def config_from(args: argparse.Namespace) -> Any:
         seed=args.seed,
         settle_for=args.settle_for,
         data_dir=args.data_dir,
+        port=args.port,
         claim_commit=args.claim_commit,
         partition_every=args.partition_every,
         partition_for=args.partition_for,

@@ -56,6 +56,8 @@ class StormConfig:
         max_backoff: the cap of a client's backoff between attempts where the
             server gives no ``Retry-After`` (a refused connection while the demo restarts).
         data_dir: where the demo keeps its files (None: a fresh temporary folder).
+        port: the port the demo listens on, ``port + n`` for demo n of several
+            (None: a free one).
         tokens: principal → bearer token.
         claim_commit: how the demo commits each claim: ``own`` (a commit of its
             own) or ``single`` (with the payment's first phase; PostgreSQL only).
@@ -87,6 +89,7 @@ class StormConfig:
     settle_for: float | None = None
     max_backoff: float = 1.0
     data_dir: Path | None = None
+    port: int | None = None
     tokens: Mapping[str, str] = field(default_factory=lambda: DEFAULT_TOKENS)
     claim_commit: str = "own"
     partition_every: float | None = None

@@ -43,13 +43,11 @@ class DemoProcess:
     provider ledger they share).
     """
 
-    def __init__(
-        self, config: StormConfig, data_dir: Path, *, port: int | None = None, index: int = 0
-    ) -> None:
+    def __init__(self, config: StormConfig, data_dir: Path, *, index: int = 0) -> None:
         self.config = config
         self.data_dir = data_dir
         self.index = index
-        self.port = port or free_port()
+        self.port = free_port() if config.port is None else config.port + index
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = data_dir / ("demo.log" if index == 0 else f"demo-{index + 1}.log")
         self.incarnation = 0

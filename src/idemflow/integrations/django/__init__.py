@@ -3,11 +3,11 @@ idemflow for Django: ``pip install 'idemflow[django]'`` (``[drf]`` for Django RE
 
 Add ``"idemflow.integrations.django"`` to ``INSTALLED_APPS`` and the key table
 lives in your database, created by ``manage.py migrate``.
-:class:`~idemflow.stores.django.DjangoStore` keeps key records on Django's own
+[`DjangoStore`][idemflow.stores.django.DjangoStore] keeps key records on Django's own
 connections, so the completion can be written in the view's
-``transaction.atomic()`` (:class:`DjangoTransaction`);
-:func:`idempotent` protects a function view, a class-based view's method or a
-DRF action; :class:`IdempotencyMiddleware` protects the endpoints
+``transaction.atomic()`` ([`DjangoTransaction`][idemflow.integrations.django.DjangoTransaction]);
+`idempotent` protects a function view, a class-based view's method or a
+DRF action; `IdempotencyMiddleware` protects the endpoints
 ``IDEMFLOW['endpoints']`` lists; ``manage.py idemflow_sweep`` and
 ``idemflow_purge`` maintain the table. See ``docs/frameworks/django.md`` for
 the whole story, ``ATOMIC_REQUESTS`` included.

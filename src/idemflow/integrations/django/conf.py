@@ -89,7 +89,7 @@ class IdemflowSettings:
     exclude_fields: Sequence[str]
     strict_key: bool
     #: Told every outcome (``PrometheusMetrics``, a ``fan_out``), or its dotted path:
-    #: :func:`observer_of` gives the object.
+    #: `observer_of` gives the object.
     observer: Observer | str | None
 
     @property
@@ -218,7 +218,7 @@ def get_store() -> Store:
 
 
 def get_idempotency() -> Idempotency:
-    """The driver on :func:`get_store` with the configured policy."""
+    """The driver on `get_store` with the configured policy."""
     with _lock:
         return _built()[1]
 

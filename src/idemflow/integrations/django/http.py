@@ -1,5 +1,5 @@
 """
-Moved into :mod:`.views` (issue 32): the view wrapper's own conversions are
+Moved into `views` (issue 32): the view wrapper's own conversions are
 importable from here, with a DeprecationWarning, until 0.3.
 """
 

@@ -8,8 +8,8 @@ the stack inside a ``transaction.atomic()`` on ``IDEMFLOW['database']`` that
 the completion is written in; anything else passes through untouched. Place
 it after ``AuthenticationMiddleware`` (it refuses to start otherwise); an
 anonymous request is a 401 unless the view is marked
-:func:`~.views.idempotency_public`. The claim comes before the view, so for
-validation before it, and for DRF views, use :func:`~.views.idempotent`.
+`idempotency_public`. The claim comes before the view, so for
+validation before it, and for DRF views, use `idempotent`.
 Setup, validation, replays: docs/frameworks/django.md, "Three ways to protect
 an endpoint" and "Authorization on replay".
 """

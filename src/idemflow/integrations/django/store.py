@@ -1,4 +1,4 @@
-"""Moved: :class:`~idemflow.stores.django.DjangoStore` lives in ``idemflow.stores.django``."""
+"""Moved: `DjangoStore` lives in ``idemflow.stores.django``."""
 
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ class DjangoTransaction(Transaction):
         Django's; Django then ends its ``atomic`` block (nothing left to send,
         ``on_commit`` runs). Everywhere else (SQLite, MySQL, psycopg2, a savepoint, a
         transaction marked for rollback, an instrumented connection)
-        :class:`~idemflow.stores.protocol.NotFused`, before anything is sent.
+        `NotFused`, before anything is sent.
         """
         raw = self._psycopg_connection()
         if raw is None:

@@ -2,16 +2,18 @@
 ``@idempotent``, and a Django request through idemflow's sync edge and back.
 
 The view runs once per ``(principal, Idempotency-Key)``, inside a
-``transaction.atomic()`` on ``IDEMFLOW['database']`` (:class:`~.transaction.DjangoTransaction`)
-in which the completion is written: its ORM writes and the stored response commit
-together. Retries get the stored response byte for byte, with ``Idempotent-Replayed:
-true``. ``validate=`` runs before the claim; ``authorize_replay=`` is asked before a
-replay; ``async def`` views are protected the same way. :func:`protect` is what the
-decorator and :class:`~.middleware.IdempotencyMiddleware` share: the request as an
-``HTTPRequest`` (the route *template* Django matched, its parameters, the raw headers,
-the body read whole and bounded). DRF actions, validation, ``async def`` views:
-docs/frameworks/django.md, "Three ways to protect an endpoint"; replays: "Authorization
-on replay"; ``ATOMIC_REQUESTS``: "Transactions, ``ATOMIC_REQUESTS`` and what commits when".
+``transaction.atomic()`` on ``IDEMFLOW['database']`` (`DjangoTransaction`) in which
+the completion is written: its ORM writes and the stored response commit together.
+Retries get the stored response byte for byte, with ``Idempotent-Replayed: true``.
+``validate=`` runs before the claim, and so does a DRF action's ``serializer=``
+(validated once, handed to the view; its errors a 400 problem, nothing recorded);
+``authorize_replay=`` is asked before a replay; ``async def`` views the same way.
+`protect` is what the decorator and `IdempotencyMiddleware` share: the request as an
+``HTTPRequest`` (the route *template* Django matched, its parameters, the raw
+headers, the body read whole and bounded). DRF actions, validation, ``async def``
+views: docs/frameworks/django.md, "Three ways to protect an endpoint"; replays:
+"Authorization on replay"; ``ATOMIC_REQUESTS``: "Transactions, ``ATOMIC_REQUESTS``
+and what commits when".
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from ...edge import (
     body_too_large,
     declared_length,
     plain_callable,
+    problem,
     problem_for,
     raw_headers,
     report_outcome_unknown,
@@ -73,6 +76,7 @@ def idempotent(
     *,
     public: bool = False,
     validate: Callable[..., object] | None = None,
+    serializer: type[Any] | None = None,
     authorize_replay: ReplayHook | None = None,
     policy: RoutePolicy | None = None,
 ) -> Callable[[_View], _View]: ...
@@ -83,6 +87,7 @@ def idempotent(
     *,
     public: bool = False,
     validate: Callable[..., object] | None = None,
+    serializer: type[Any] | None = None,
     authorize_replay: ReplayHook | None = None,
     policy: RoutePolicy | None = None,
 ) -> Any:
@@ -92,11 +97,16 @@ def idempotent(
         public: the view is deliberately unauthenticated; its keys are scoped
             to ``"anonymous"``. Otherwise an anonymous request is a 401.
         validate: called with the view's own arguments before the claim.
+        serializer: a DRF action's serializer class: built on ``request.data``
+            (with the view's serializer context) and validated once, before the
+            claim; invalid, a 400 ``invalid-body`` problem whose ``errors`` are the
+            serializer's, nothing recorded (the corrected body may keep the key);
+            valid, passed to the view as its ``serializer`` keyword argument.
         authorize_replay: ``(record) -> bool``, asked before a stored response
             is replayed (``record.principal`` is the caller); False answers 403.
             Replaces ``IDEMFLOW['authorize_replay']`` for this view. A plain
             function: an ``async def`` one is a ``ConfigurationError`` here.
-        policy: this view's :class:`~idemflow.Policy` (retention, request timeout;
+        policy: this view's [`Policy`][idemflow.Policy] (retention, request timeout;
             its stale threshold within the settings'), or ``(principal) -> Policy``.
     """
     if authorize_replay is not None:
@@ -109,11 +119,19 @@ def idempotent(
         @functools.wraps(inner)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             request = _request_in(args)
+            given: dict[str, Any] = {}
+
+            def check() -> None:
+                if checked is not None:
+                    checked(*args, **kwargs)
+                if serializer is not None:
+                    given["serializer"] = _validated(serializer, args, request, kwargs)
+
             return protect(
                 request,
-                lambda: _rendered(call(*args, **kwargs), args, request, kwargs),
+                lambda: _rendered(call(*args, **given, **kwargs), args, request, kwargs),
                 public=public or _is_public(inner),
-                validate=None if checked is None else lambda: checked(*args, **kwargs),
+                validate=None if checked is None and serializer is None else check,
                 authorize_replay=authorize_replay,
                 policy=policy,
             )
@@ -131,9 +149,45 @@ def idempotent(
         # runs in idemflow's transaction, not in an ATOMIC_REQUESTS one.
         non_atomic = set(getattr(inner, "_non_atomic_requests", set()))
         wrapper._non_atomic_requests = non_atomic | {alias}  # type: ignore[attr-defined]
+        _document(wrapper, serializer)
         return wrapper  # type: ignore[return-value]
 
     return decorate if view is None else decorate(view)
+
+
+def _validated(serializer: type[Any], args: tuple[Any, ...], request: Any, kwargs: Any) -> Any:
+    """``serializer`` on the request's data, validated; InvalidData with its errors if not."""
+    view = args[0] if args and args[0] is not request else None
+    context = getattr(view, "get_serializer_context", None)
+    made = serializer(
+        data=request.data,
+        context=context() if context is not None else {"request": request, "view": view},
+    )
+    if made.is_valid():
+        return made
+    raise InvalidData("; ".join(_messages(made.errors)) or "the body is not valid", made.errors)
+
+
+def _messages(errors: Any, where: str = "") -> list[str]:
+    """A serializer's nested errors as ``field: message`` lines."""
+    if isinstance(errors, dict):
+        return [m for name, value in errors.items() for m in _messages(value, f"{where}{name}.")]
+    if isinstance(errors, list):
+        return [m for value in errors for m in _messages(value, where)]
+    return [f"{where.rstrip('.')}: {errors}" if where else str(errors)]
+
+
+def _document(wrapper: Any, serializer: type[Any] | None) -> None:
+    """Tell drf-spectacular, where the project uses it, what the protection adds."""
+    try:
+        from ._schema import idempotent_schema
+    except ImportError:  # no DRF or no drf-spectacular: no OpenAPI document to tell
+        return
+    schema = idempotent_schema(wrapper, serializer)
+    if schema is not None:
+        # Where drf-spectacular reads a view method's own schema (extend_schema does too).
+        kwargs = wrapper.__dict__.setdefault("kwargs", {})
+        kwargs["schema"] = schema
 
 
 def _plain(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -152,7 +206,7 @@ def _awaitable(protected: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def idempotency_public(view: _View) -> _View:
-    """Mark a view deliberately unauthenticated for :class:`~.middleware.IdempotencyMiddleware`."""
+    """Mark a view deliberately unauthenticated for `IdempotencyMiddleware`."""
     view.idemflow_public = True  # type: ignore[attr-defined]
     return view
 
@@ -232,7 +286,7 @@ def replay_authorizer(chosen: IdemflowSettings) -> ReplayHook | None:
 
 
 def check_replay_authorizer(chosen: IdemflowSettings) -> None:
-    """:func:`replay_authorizer` at start-up (``AppConfig.ready``, the middleware's
+    """`replay_authorizer` at start-up (``AppConfig.ready``, the middleware's
     ``__init__``): a wrong path or an ``async def`` hook is ``ImproperlyConfigured`` then,
     not a 500 problem on every protected request. So is an ``async def`` principal getter
     given as a callable (one given by its path is checked where it is imported, at the
@@ -377,9 +431,10 @@ def protect(
     """Run ``view`` once per ``(principal, Idempotency-Key)`` in its own transaction.
 
     ``validate`` runs after the body was read and before anything is claimed:
-    what it raises (a DRF ``ValidationError``, Django's ``BadRequest``) passes
-    through and is never recorded. ``authorize_replay``: the view's own replay
-    hook, in place of ``IDEMFLOW['authorize_replay']``; ``policy`` the view's own
+    an `InvalidData` it raises is a 400 ``invalid-body`` problem, anything
+    else (a DRF ``ValidationError``, Django's ``BadRequest``) passes through;
+    neither is recorded. ``authorize_replay``: the view's own replay hook, in
+    place of ``IDEMFLOW['authorize_replay']``; ``policy`` the view's own
     (``EdgeOptions.policy``), in place of the settings' durations.
     """
     raw = getattr(request, "_request", request)
@@ -399,8 +454,28 @@ def protect(
     except IdempotencyError as exc:
         return _to_django(problem_for(exc, rid))
     if validate is not None:
-        validate()
+        try:
+            validate()
+        except InvalidData as invalid:
+            answer = problem(
+                400,
+                "Invalid request body",
+                invalid.detail,
+                slug="invalid-body",
+                request_id=rid,
+                errors=invalid.errors,
+            )
+            return _to_django(answer)
     return _respond(http, view, edge, prepared.settings)
+
+
+class InvalidData(Exception):
+    """A body ``validate`` refuses: ``detail`` one line, ``errors`` the serializer's."""
+
+    def __init__(self, detail: str, errors: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.errors = errors
 
 
 class _Prepared:

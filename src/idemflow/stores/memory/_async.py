@@ -6,7 +6,7 @@ and released records of the same request, every owner write is fenced by the
 lease token. It cannot share a caller's transaction, so the drivers refuse one.
 
 This is the async source of truth; ``idemflow/stores/memory/_sync.py`` is generated
-from it by ``scripts/unasync.py``. Import both stores from :mod:`idemflow.stores.memory`.
+from it by ``scripts/unasync.py``. Import both stores from `idemflow.stores.memory`.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class AsyncMemoryStore(AsyncMaintainableStore):
             return marked
 
     async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until :meth:`sweep` with ``cutoff`` would mark a record (math.inf: none)."""
+        """Seconds until `sweep` with ``cutoff`` would mark a record (math.inf: none)."""
         with self._lock:
             oldest = min(
                 (

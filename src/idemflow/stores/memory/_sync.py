@@ -7,7 +7,7 @@ It follows the SQL stores to the letter: the claim takes over expired records
 and released records of the same request, every owner write is fenced by the
 lease token. It cannot share a caller's transaction, so the drivers refuse one.
 
-GENERATED from ``idemflow/stores/memory/_async.py`` by ``scripts/unasync.py``; do not edit. Import both stores from :mod:`idemflow.stores.memory`.
+GENERATED from ``idemflow/stores/memory/_async.py`` by ``scripts/unasync.py``; do not edit. Import both stores from `idemflow.stores.memory`.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class MemoryStore(MaintainableStore):
             return marked
 
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until :meth:`sweep` with ``cutoff`` would mark a record (math.inf: none)."""
+        """Seconds until `sweep` with ``cutoff`` would mark a record (math.inf: none)."""
         with self._lock:
             oldest = min(
                 (

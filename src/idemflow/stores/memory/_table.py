@@ -22,14 +22,14 @@ class MemoryTable:
 
 
 class SharesTable(Protocol):
-    """A memory store, sync or async: anything with a :class:`MemoryTable`."""
+    """A memory store, sync or async: anything with a `MemoryTable`."""
 
     @property
     def table(self) -> MemoryTable: ...
 
 
 class MemoryStats:
-    """The questions :class:`~idemflow.stores.stats.StatsSource` asks, answered from the dict."""
+    """The questions `StatsSource` asks, answered from the dict."""
 
     table = "memory"
 

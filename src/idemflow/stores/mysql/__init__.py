@@ -1,6 +1,6 @@
 """
-MySQL 8 and MariaDB (≥ 10.6): key records in InnoDB, on PyMySQL (:class:`MySQLStore`)
-or, from asyncio, on asyncmy (:class:`AsyncMySQLStore`, the same statements and rules).
+MySQL 8 and MariaDB (≥ 10.6): key records in InnoDB, on PyMySQL (`MySQLStore`)
+or, from asyncio, on asyncmy (`AsyncMySQLStore`, the same statements and rules).
 
 Neither server has ``UPDATE … RETURNING`` and ``INSERT IGNORE`` is out, so a
 claim is a plain ``INSERT`` (error 1062: the key is held), then a packed read
@@ -43,7 +43,7 @@ __all__ = [
     "is_unavailable",
 ]
 
-#: The adapters live with every other in :mod:`idemflow.transactions` (a store never
+#: The adapters live with every other in `idemflow.transactions` (a store never
 #: imports the layer above it); the store's own statement helpers are private (issue 32:
 #: a public API chosen on purpose). Both importable from here, with a DeprecationWarning,
 #: until 0.3.

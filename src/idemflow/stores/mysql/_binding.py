@@ -1,5 +1,5 @@
 """What each MySQL store needs of its driver, under one name ``scripts/unasync.py`` maps:
-:class:`AsyncBinding` (asyncmy) for ``_async.py``, :class:`Binding` (PyMySQL) for its
+`AsyncBinding` (asyncmy) for ``_async.py``, `Binding` (PyMySQL) for its
 twin. Only what differs beyond ``await`` (connect, close, checkout bounds, pauses,
 which errors mean the server is gone) is here.
 """
@@ -20,11 +20,11 @@ from ._errors import is_unavailable
 
 
 class AsyncBinding:
-    """asyncmy (asyncio), for :class:`~idemflow.stores.mysql.AsyncMySQLStore`."""
+    """asyncmy (asyncio), for [`AsyncMySQLStore`][idemflow.stores.mysql.AsyncMySQLStore]."""
 
     sleep = staticmethod(asyncio.sleep)
 
-    #: How :func:`~._url.connect_kwargs` spells a URL for this driver.
+    #: How [`connect_kwargs`][idemflow.stores.mysql.connect_kwargs] spells a URL for this driver.
     driver = "asyncmy"
 
     @staticmethod
@@ -73,7 +73,7 @@ class AsyncBinding:
 
     @staticmethod
     def is_unavailable(exc: BaseException) -> bool:
-        """:func:`is_unavailable`, plus a socket asyncmy lets through unwrapped (reset, EOF)."""
+        """`is_unavailable`, plus a socket asyncmy lets through unwrapped (reset, EOF)."""
         return is_unavailable(exc) or isinstance(exc, (OSError, asyncio.IncompleteReadError))
 
     class Slots(asyncio.BoundedSemaphore):
@@ -90,7 +90,7 @@ class AsyncBinding:
 
 
 class Binding:
-    """PyMySQL (threads), for :class:`~idemflow.stores.mysql.MySQLStore`."""
+    """PyMySQL (threads), for [`MySQLStore`][idemflow.stores.mysql.MySQLStore]."""
 
     sleep = staticmethod(time.sleep)
     is_unavailable = staticmethod(is_unavailable)
@@ -101,7 +101,7 @@ class Binding:
     def connector(kwargs: Mapping[str, Any]) -> Callable[[], Any]:
         """A function opening a new connection (``pymysql.connect`` arguments).
 
-        Its connections share one ``PREFERRED`` TLS context (:func:`_sharing_connection`).
+        Its connections share one ``PREFERRED`` TLS context (`_sharing_connection`).
         """
         with optional("idemflow.stores.mysql"):
             import pymysql  # noqa: F401 -- the extra's message if it is missing

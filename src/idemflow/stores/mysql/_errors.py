@@ -97,7 +97,7 @@ def kept_losing() -> StoreUnavailable:
 
 @contextmanager
 def rolled_back_is_503() -> Iterator[None]:
-    """A conflict inside the caller's transaction rolled it all back: :func:`rolled_back`."""
+    """A conflict inside the caller's transaction rolled it all back: `rolled_back`."""
     try:
         yield
     except Exception as exc:

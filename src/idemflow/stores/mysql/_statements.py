@@ -47,12 +47,12 @@ _PACKED_LIST = ", ".join(
 
 @dataclass(frozen=True, slots=True)
 class MySQLStatements:
-    """What MySQL says beyond the shared :class:`Dialect`."""
+    """What MySQL says beyond the shared [`Dialect`][idemflow.stores.sql.Dialect]."""
 
     #: The plain INSERT that claims a new key (error 1062 when it exists).
     insert: Statement
     #: The claim's read after a duplicate (a replay's second round trip), packed
-    #: (:func:`unpack_read`): PyMySQL parses one descriptor packet per result
+    #: (`unpack_read`): PyMySQL parses one descriptor packet per result
     #: column, and 17 of them were a third of a replay's client CPU
     #: (``bench/bench_mysql_claim_shapes.py``).
     packed_read: Statement
@@ -161,7 +161,7 @@ def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") ->
     """The shared fenced UPDATEs, with MySQL's own claim, read, sweep and purge.
 
     ``claim`` is the guarded upsert, which the store sends only for a
-    takeover; a new key is claimed by :func:`mysql_statements`' plain INSERT.
+    takeover; a new key is claimed by `mysql_statements`' plain INSERT.
     """
     standard = Dialect.standard("mysql", table, _quiet(mysql_ddl(table)), upsert_claim(table))
     by_key = "WHERE principal = :principal AND idempotency_key = :key"
@@ -219,14 +219,14 @@ def mysql_statements(table: str = DEFAULT_TABLE, clock: StoreClock = "database")
     return on_database_clock(statements, SERVER_NOW_MS) if clock == "database" else statements
 
 
-#: Where :func:`unpack_read` puts the headers and the body back, and the clock after COLUMNS.
+#: Where `unpack_read` puts the headers and the body back, and the clock after COLUMNS.
 _HEADERS_AT, _BODY_AT = COLUMNS.index("response_headers"), COLUMNS.index("response_body")
 PACKED_CLOCK_AT = len(COLUMNS)
 
 
 def unpack_read(row: tuple[Any, ...]) -> list[Any]:
-    """A :attr:`MySQLStatements.packed_read` row as the plain read's: ``COLUMNS`` in
-    order from 0, then the clock (at :data:`PACKED_CLOCK_AT`), for ``record_from_values``."""
+    """A `MySQLStatements.packed_read` row as the plain read's: ``COLUMNS`` in
+    order from 0, then the clock (at `PACKED_CLOCK_AT`), for ``record_from_values``."""
     packed, headers, body = row
     values: list[Any] = json.loads(packed)
     values.insert(_HEADERS_AT, headers)

@@ -69,7 +69,7 @@ class Pool:
 
     PyMySQL has none and asyncmy's cannot drop a connection that saw an error:
     here one that did (or whose task was cancelled) is closed, its state unknown.
-    One idle past :data:`PING_AFTER` is pinged first (``wait_timeout``: a round
+    One idle past `PING_AFTER` is pinged first (``wait_timeout``: a round
     trip, not a 503); after ``fork`` the child starts empty; the deque's atomic
     appends and pops let threads share it without a lock.
     """
@@ -173,7 +173,7 @@ def _pause(attempt: int) -> None:
 def retry_conflicts(run: Callable[[], T]) -> T:
     """Run an autocommit statement again while it loses a deadlock or certification:
     only statements judged again by their WHERE clause; still losing after
-    :data:`~._errors.DEADLOCK_RETRIES` attempts is a 503.
+    `DEADLOCK_RETRIES` attempts is a 503.
     """
     for attempt in range(DEADLOCK_RETRIES):
         try:
@@ -210,7 +210,7 @@ class MySQLStore(SQLStore):
             transaction waits on your connection's bounds).
         policy: your app's policy, which bounds the waits (above).
         clock: ``"database"`` (the default) takes every time decision on the
-            server's clock (see :class:`idemflow.stores.postgres.PostgresStore`);
+            server's clock (see `idemflow.stores.postgres.PostgresStore`);
             ``"caller"`` uses the ``now`` each call passes.
 
     The client flag ``CLIENT_FOUND_ROWS`` may be on or off: no decision

@@ -3,7 +3,7 @@
 TLS is spelt as MySQL's own clients spell it (``mysql --ssl-mode``), as query
 options: ``ssl-mode=DISABLED|PREFERRED|REQUIRED|VERIFY_CA|VERIFY_IDENTITY`` and
 ``ssl-ca=/path/ca.pem`` (``ssl_mode``, ``ssl_ca`` too). A mode that encrypts
-and is not the driver's default becomes one :class:`ssl.SSLContext`, built
+and is not the driver's default becomes one `ssl.SSLContext`, built
 here, when the store reads its URL, and handed to the driver as ``ssl=`` for
 every connection the store opens: PyMySQL and asyncmy both take a context as
 it is, instead of building one (and loading the CA bundle) per connection.

@@ -2,7 +2,7 @@
 statements prepared on the server by itself; SQLAlchemy Core cost ~40 % of
 throughput). Autocommit connections with no reset query: a claim is one round
 trip. A SQLAlchemy ``Connection`` or ``Session`` still takes the completion:
-:mod:`idemflow.transactions`.
+[`idemflow.transactions`][idemflow.transactions].
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ class PostgresStore(SQLStore):
         return self._checkout(None)
 
     def _checkout(self, store_wait: float | None) -> LiveConnection:
-        """:meth:`connection`, its waits bounded by ``store_wait`` (the store's own)."""
+        """`connection`, its waits bounded by ``store_wait`` (the store's own)."""
         return LiveConnection(self.pool, store_wait)
 
     def cover_store_wait(self, seconds: float) -> None:
@@ -278,8 +278,8 @@ class AsyncPostgresStore(AsyncSQLStore):
     Args:
         pool: a ``psycopg_pool.AsyncConnectionPool`` of autocommit connections,
             or a conninfo string from which one is made (opened on first use).
-        clock: as for :class:`PostgresStore`.
-        policy: as for :class:`PostgresStore` (a pool you bring: with
+        clock: as for [`PostgresStore`][idemflow.stores.postgres.PostgresStore].
+        policy: as for `PostgresStore` (a pool you bring: with
             ``connection_class=async_bounded_connection_class()``).
     """
 
@@ -310,11 +310,11 @@ class AsyncPostgresStore(AsyncSQLStore):
     def connection(self) -> Any:
         """A connection of the store's pool (an async context manager), never one the
         server has closed; the pool is opened by its first use. As
-        :meth:`PostgresStore.connection`, for ``pooled_transaction(store.connection, …)``."""
+        `PostgresStore.connection`, for ``pooled_transaction(store.connection, …)``."""
         return self._checkout(None)
 
     def _checkout(self, store_wait: float | None) -> Any:
-        """:meth:`connection`, its waits bounded by ``store_wait`` (the store's own)."""
+        """`connection`, its waits bounded by ``store_wait`` (the store's own)."""
         if self.pool.closed:  # never yet opened (or closed): opened by the first use
             return _OpeningConnection(self.pool, store_wait)
         return AsyncLiveConnection(self.pool, store_wait)
@@ -334,7 +334,7 @@ class AsyncPostgresStore(AsyncSQLStore):
 
 
 class _OpeningConnection:
-    """:class:`AsyncLiveConnection` that opens the pool on first use (it cannot open in
+    """`AsyncLiveConnection` that opens the pool on first use (it cannot open in
     __init__)."""
 
     def __init__(

@@ -1,12 +1,12 @@
 """
 Redis and Redis Cluster: key records as hashes, every decision in one Lua script.
 
-:class:`RedisStore` and :class:`AsyncRedisStore`. The claim is the seed's
+`RedisStore` and `AsyncRedisStore`. The claim is the seed's
 ``SET key value NX``, generalised to the record's whole life: one atomic
 script claims, takes over a released record of the same request, or returns
 the record as it stands. A record lives exactly as in the SQL stores (a claim
 never expires; the sweeper resolves it), time is Redis's (``clock="database"``),
-and every record falls in one of :data:`BUCKETS` hash-tagged buckets with its
+and every record falls in one of `BUCKETS` hash-tagged buckets with its
 sorted-set indexes, so each script touches one Cluster slot. This store cannot
 share a transaction with your business write (``supports_transactions =
 False``): send ``attempt.downstream_key(step)`` with every external call and

@@ -256,7 +256,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         return marked
 
     async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until :meth:`sweep` with ``cutoff`` would mark a record (math.inf: none)."""
+        """Seconds until `sweep` with ``cutoff`` would mark a record (math.inf: none)."""
         index = swept_index(from_state)
         argv = [ms(now), ms(cutoff)]
         soonest = math.inf
@@ -341,7 +341,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         """One pipelined round trip: a one-key script on one index of each bucket. A
         connection the server closed while idle fails it (redis.asyncio's cluster client
         lends one unchecked): a walk only reads, so it is asked again, up to
-        :data:`WALK_ATTEMPTS` times; a timeout is not repeated."""
+        `WALK_ATTEMPTS` times; a timeout is not repeated."""
         attempts = 1
         while True:
             try:

@@ -3,7 +3,7 @@ The Redis store's rules, without I/O: where records and indexes live, the Lua
 scripts that decide, how their arguments are spelled and their replies read.
 
 The stores that send them are ``AsyncRedisStore`` in ``idemflow._async.redis``
-and its generated sync twin; import both from :mod:`idemflow.stores.redis`,
+and its generated sync twin; import both from [`idemflow.stores.redis`][idemflow.stores.redis],
 whose docstring explains the design.
 """
 
@@ -484,7 +484,7 @@ class Layout:
         return (*self._indexes[bucket], record)
 
     def claim_keys(self, principal: str, key: str) -> tuple[bytes, ...]:
-        """The claim's KEYS: those of :meth:`keys`, then the bucket's epoch."""
+        """The claim's KEYS: those of `keys`, then the bucket's epoch."""
         bucket, record = self._locate(principal, key)
         return (*self._indexes[bucket], record, self._epochs[bucket])
 
@@ -504,7 +504,7 @@ class Layout:
         return _glob_escape(self.prefix) + ":{*}:k:*"
 
     def walk(self) -> Iterator[tuple[int, ...]]:
-        """Every bucket once, in chunks of :data:`PROBE_CHUNK`, from a random one."""
+        """Every bucket once, in chunks of `PROBE_CHUNK`, from a random one."""
         start = random.randrange(self.buckets)
         order = [(start + n) % self.buckets for n in range(self.buckets)]
         for at in range(0, self.buckets, PROBE_CHUNK):
@@ -599,7 +599,7 @@ def record_from_hash(flat: Sequence[bytes]) -> Record:
 
 
 def record_from_fields(values: Sequence[Any]) -> Record | None:
-    """The one decoder: a record from its :data:`RECORD_FIELDS` in order (``HMGET``'s
+    """The one decoder: a record from its `RECORD_FIELDS` in order (``HMGET``'s
     reply, or a packed one split); None when it has no id (absent). Times are ms."""
     id_, principal, key, fingerprint, endpoint, state, lease_token, created_at = values[:8]
     updated_at, expires_at, correlation_id, recovery_point, status, headers, body = values[8:15]

@@ -1,4 +1,4 @@
-"""The operator's questions (see :mod:`idemflow.stores.stats`), asked of Redis."""
+"""The operator's questions (see `idemflow.stores.stats`), asked of Redis."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class RedisStats:
     """The operator's questions (``idemflow stats``, the stuck-claims gauge), asked of Redis.
 
     Counts come from the bucket indexes, one pipelined round trip per
-    :data:`PROBE_CHUNK` buckets; only the breakdown by state and endpoint
+    `PROBE_CHUNK` buckets; only the breakdown by state and endpoint
     reads every record (``SCAN``), as the SQL stores' full scan does.
     """
 

@@ -1,6 +1,6 @@
-"""The SQL family: one executor for every relational store (:class:`SQLStore` /
-:class:`AsyncSQLStore`, no SQL and no decision of their own), and the public
-seam for adding a SQL database (:mod:`idemflow.stores.sql.dialect`).
+"""The SQL family: one executor for every relational store (`SQLStore` /
+`AsyncSQLStore`, no SQL and no decision of their own), and the public
+seam for adding a SQL database ([`idemflow.stores.sql.dialect`][idemflow.stores.sql.dialect]).
 ``docs/architecture.md`` ("Adding a store") walks through a new one.
 """
 
@@ -25,7 +25,7 @@ __all__ = [
     "on_database_clock",
 ]
 
-#: ``SQLStatement`` of 0.1 is the contract's :class:`~idemflow.stores.protocol.Statement`;
+#: ``SQLStatement`` of 0.1 is the contract's [`Statement`][idemflow.stores.protocol.Statement];
 #: the missing-table rule is the stores' own (issue 32). Importable from here, with a
 #: DeprecationWarning, until 0.3.
 __getattr__ = moved(

@@ -1,5 +1,5 @@
-"""Run a :class:`~idemflow.stores.sql.Dialect` on async DB-API connections: one store
-operation per call, driver failures mapped to :class:`~idemflow.StoreUnavailable`.
+"""Run a [`Dialect`][idemflow.stores.sql.Dialect] on async DB-API connections: one store
+operation per call, driver failures mapped to [`StoreUnavailable`][idemflow.StoreUnavailable].
 This is the async source of truth; ``idemflow/stores/sql/_sync.py`` is generated
 from it by ``scripts/unasync.py``.
 """
@@ -59,18 +59,18 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
             store" (connection refused, pool exhausted, database locked).
         is_lock_timeout: recognises the error a bounded wait on a concurrent
             uncommitted claim raises (single-commit mode only).
-        read_connect: connections for reads alone (:meth:`get`, stats), where
+        read_connect: connections for reads alone (`get`, stats), where
             they may differ (SQLite's skip its writer lock); ``connect`` by default.
         extra_params: the driver ignores parameters a statement does not name
             (sqlite3, psycopg), so the claim and fenced writes send their
             parameters as built instead of a copy per statement.
         lend_sources: where the store's own connections come from (a pool's
             ``connection``, the store's checked checkout), for claims on a
-            connection the request's transaction lends (:meth:`claim_on_lent`).
+            connection the request's transaction lends (`claim_on_lent`).
         claims_alone_on: whether a lent connection commits a statement on its
             own right now (autocommit, no transaction open); required with
             ``lend_sources``.
-        migrate_connect: connections for :meth:`migrate`, where ``connect``'s
+        migrate_connect: connections for `migrate`, where ``connect``'s
             bound the waits of a request's (a migration waits for its locks);
             ``connect`` by default.
     """
@@ -138,7 +138,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         expires_at: float,
         lender: AsyncTransaction,
     ) -> Claim:
-        """:meth:`claim`, committed on its own, on the connection ``lender`` will use
+        """`claim`, committed on its own, on the connection ``lender`` will use
         when it takes connections from this store's source (one checkout per request).
         """
         params = claim_params(intent, lease_token, now, expires_at)
@@ -175,7 +175,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
             raise failure from exc
 
     async def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
-        """:meth:`_claim_with` on one cursor of the store's own connection, rows as tuples."""
+        """`_claim_with` on one cursor of the store's own connection, rows as tuples."""
 
         async def fetch(statement: Statement, params: Mapping[str, Any]) -> _Fetched:
             return await self._row(cursor, statement, params)
@@ -215,7 +215,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
     def _unavailable(self, exc: Exception) -> Exception:
         """``exc`` itself, or what it means: StoreUnavailable (fail closed), MissingTable.
 
-        :meth:`_translate`'s rules, for the hot paths that catch instead of
+        `_translate`'s rules, for the hot paths that catch instead of
         entering a context manager on every call.
         """
         if is_missing_table(exc):
@@ -331,7 +331,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         """Mark up to ``limit`` records in ``from_state`` untouched since ``cutoff`` as stale.
 
         Returns them as marked; only this caller can settle or release them
-        (see :meth:`settle_stale`), so parallel sweepers never resolve one twice.
+        (see `settle_stale`), so parallel sweepers never resolve one twice.
         """
         params = sweep_params(from_state, cutoff, now, keep_until, limit)
         with self._translate():
@@ -350,7 +350,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
                     await cursor.close()
 
     async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until :meth:`sweep` with ``cutoff`` would mark a record (the Protocol's).
+        """Seconds until `sweep` with ``cutoff`` would mark a record (the Protocol's).
 
         One probe of the ``(state, updated_at)`` index (the dialect's ``due``);
         None where the dialect has none.
@@ -492,7 +492,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         """Driver errors that mean "unreachable" become StoreUnavailable (fail closed).
 
         A missing key table is the newcomer's mistake, not an outage: it
-        becomes :class:`~idemflow.MissingTable`, naming the command that fixes it.
+        becomes [`MissingTable`][idemflow.MissingTable], naming the command that fixes it.
         """
         try:
             yield

@@ -28,7 +28,7 @@ class RowShape:
     """Where a statement's result puts the record: ``COLUMNS`` in order from ``start``.
 
     ``clock_now`` and ``claimed`` are the positions of those extra columns, or -1.
-    Learnt once per statement from its cursor's description (:func:`row_shape`),
+    Learnt once per statement from its cursor's description (`row_shape`),
     so rows are read as tuples, never turned into dicts.
     """
 

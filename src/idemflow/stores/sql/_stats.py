@@ -1,5 +1,5 @@
 """
-The operator's questions (see :mod:`idemflow.stores.stats`) on any SQL store.
+The operator's questions (see [`idemflow.stores.stats`][idemflow.stores.stats]) on any SQL store.
 
 Every question is one statement, and the ones asked on every scrape (stuck
 claims) or every purge (expired records) run through the ``(state,
@@ -31,10 +31,10 @@ __all__ = [
 
 
 class SQLObservable:
-    """What :class:`~idemflow.stores.sql.SQLStore` adds for operators: its stats.
+    """What [`SQLStore`][idemflow.stores.sql.SQLStore] adds for operators: its stats.
 
     A base of the generated sync executor (its async source names
-    :class:`AsyncSQLObservable`), so only the sync store answers.
+    `AsyncSQLObservable`), so only the sync store answers.
     """
 
     dialect: Dialect
@@ -47,7 +47,7 @@ class SQLObservable:
 
 
 class AsyncSQLObservable:
-    """What :class:`~idemflow.stores.sql.AsyncSQLStore` adds for operators: nothing (the
+    """What [`AsyncSQLStore`][idemflow.stores.sql.AsyncSQLStore] adds for operators: nothing (the
     contract's default refuses; the questions are asked synchronously, by scrapes and the CLI)."""
 
 
@@ -150,11 +150,15 @@ def missing_table_is_clear(table: str) -> Iterator[None]:
 
 def missing_table(table: str, store: str = "") -> MissingTable:
     """The one hint for a key table that was never created, from the library and the CLI."""
+    # `idemflow migrate` creates idemflow_keys unless told the name: a hint without
+    # it would create another table (and --table may be a typo: say check it).
+    named = "" if table == "idemflow_keys" else f" --table {table}"
     if not store:  # the CLI, which was given the URL
-        return MissingTable(f"table {table} does not exist: run idemflow migrate")
+        check = " (check --table)" if named else ""
+        return MissingTable(f"table {table} does not exist{check}: run idemflow migrate{named}")
     return MissingTable(
         f"table {table} does not exist in the {store} key store: run idemflow migrate "
-        "DATABASE_URL (or store.migrate()) once before serving requests"
+        f"DATABASE_URL{named} (or store.migrate()) once before serving requests"
     )
 
 

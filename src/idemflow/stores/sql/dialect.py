@@ -1,9 +1,9 @@
 """What a SQL dialect is made of: the statements every relational store speaks,
 built once per dialect and table name, and the rules they spell in SQL.
 
-A :class:`Dialect` is a bundle of statement texts; one executor runs any of
-them. A new database: :meth:`Dialect.standard`, :func:`dataclasses.replace` for
-what it spells differently, :func:`on_database_clock` (``docs/architecture.md``,
+A `Dialect` is a bundle of statement texts; one executor runs any of
+them. A new database: `Dialect.standard`, `dataclasses.replace` for
+what it spells differently, `on_database_clock` (``docs/architecture.md``,
 "Adding a store"). Times are integer epoch milliseconds.
 """
 
@@ -59,17 +59,17 @@ COLUMNS = (
     "attempt",
 )
 
-#: :func:`idemflow._model.is_retry` in SQL (the claimant's ``:fingerprint``).
+#: `is_retry` in SQL (the claimant's ``:fingerprint``).
 RETRY_SQL = "(state = 'released' AND fingerprint = :fingerprint)"
-#: :func:`idemflow._model.is_past_retention` in SQL: a settled record, or a
+#: `is_past_retention` in SQL: a settled record, or a
 #: released one with nothing to reconcile, whose retention ended.
 PAST_RETENTION_SQL = (
     "(expires_at <= :now AND (state IN ('completed', 'failed_permanent') "
     "OR (state = 'released' AND recovery_point IS NULL)))"
 )
-#: :func:`idemflow._model.can_take_over` in SQL.
+#: `can_take_over` in SQL.
 TAKE_OVER_SQL = f"({RETRY_SQL} OR {PAST_RETENTION_SQL})"
-#: :func:`idemflow._model.starts_new_intent` in SQL.
+#: `starts_new_intent` in SQL.
 NEW_INTENT_SQL = f"({PAST_RETENTION_SQL} AND NOT {RETRY_SQL})"
 
 
@@ -77,7 +77,7 @@ def _owned_by_caller(alias: str = "") -> str:
     """The fence every write of an owner carries: our record, our lease, still running.
 
     The state is compared through COALESCE so that only the primary key can
-    serve the statement (see :func:`_in_state`).
+    serve the statement (see `_in_state`).
     """
     prefix = f"{alias}." if alias else ""
     return (
@@ -119,7 +119,7 @@ def claim_busy() -> InProgress:
 
 
 def claim_unsettled() -> InProgress:
-    """The 409 of a claim whose record changed under it :data:`CLAIM_RETRIES` times."""
+    """The 409 of a claim whose record changed under it `CLAIM_RETRIES` times."""
     return InProgress("the record for this Idempotency-Key keeps changing; retry later")
 
 
@@ -190,7 +190,7 @@ class Dialect:
     before_claim_in_transaction: tuple[Statement, ...] = ()
     after_claim_in_transaction: tuple[Statement, ...] = ()
     #: The claim and, when it loses, the existing record, in one statement
-    #: (:func:`claim_or_read`: ``claimed``, the columns, ``clock_now``), for
+    #: (`claim_or_read`: ``claimed``, the columns, ``clock_now``), for
     #: databases that can write in a CTE (PostgreSQL). Without it the executor
     #: sends ``claim`` then ``read_for_claim``: two round trips for a replay.
     claim_or_read: Statement | None = None
@@ -348,13 +348,13 @@ def claim_or_read(table: str, claim: str) -> str:
     )
 
 
-#: :data:`CLOCK_NOW` typed, for the two branches of a UNION.
+#: `CLOCK_NOW` typed, for the two branches of a UNION.
 CLOCK_NOW_BIGINT = "CAST(:now AS BIGINT) AS clock_now"
 
 
 def take_over_claim(table: str) -> str:
     """The takeover: a compare-and-swap ``UPDATE … WHERE <may take over> RETURNING``
-    (:func:`idemflow._model.can_take_over` in SQL, so one racing retry wins). A new
+    (`can_take_over` in SQL, so one racing retry wins). A new
     intent resets everything; a retry keeps its recovery point and created_at.
     """
     columns = ", ".join(COLUMNS)
@@ -448,11 +448,11 @@ def record_from_values(row: Sequence[Any], start: int) -> Record:
 
 
 def record_from_row(row: Mapping[str, Any]) -> Record:
-    """:func:`record_from_values` for a row as a mapping (the transaction adapters' shape)."""
+    """`record_from_values` for a row as a mapping (the transaction adapters' shape)."""
     return record_from_values([row[column] for column in COLUMNS], 0)
 
 
-#: ``SQLStatement`` of 0.1 is the contract's :class:`~idemflow.stores.protocol.Statement`;
+#: ``SQLStatement`` of 0.1 is the contract's [`Statement`][idemflow.stores.protocol.Statement];
 #: the executor's own helpers are private (issue 32: a public API chosen on purpose).
 #: Both importable from here, with a DeprecationWarning, until 0.3.
 __getattr__ = moved(

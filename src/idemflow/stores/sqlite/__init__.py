@@ -1,12 +1,12 @@
 """
 SQLite: the embedded default store.
 
-:class:`SQLiteStore` (WAL mode, one connection per thread and process,
+`SQLiteStore` (WAL mode, one connection per thread and process,
 ``busy_timeout``) is correct across threads and processes sharing one file
 because the claim is one ``INSERT … ON CONFLICT … RETURNING`` statement.
-:class:`AsyncSQLiteStore` does a whole operation in one hop to a worker thread
-(:class:`_WriteThread` for writes), or on the loop's own thread when the hop
-would cost more (:class:`_AtOnce`). Why, and when it waits: docs/stores.md,
+`AsyncSQLiteStore` does a whole operation in one hop to a worker thread
+(`_WriteThread` for writes), or on the loop's own thread when the hop
+would cost more (`_AtOnce`). Why, and when it waits: docs/stores.md,
 "SQLite: one writer, many threads and processes".
 """
 
@@ -112,7 +112,7 @@ class _Writer:
 
 class _Connections:
     """One autocommit connection per (process, thread): sqlite3 objects cross neither.
-    Called: the connection for writes, under :class:`_Writer`; :meth:`reader`: without it.
+    Called: the connection for writes, under `_Writer`; `reader`: without it.
     """
 
     def __init__(self, path: str, busy_timeout: float, *, checkpoints: bool = True) -> None:
@@ -178,7 +178,7 @@ def _busy_timeout(busy_timeout: float | None, policy: Policy | None) -> float:
 
 
 class SQLiteStore(SQLStore):
-    """Key records in a SQLite file (created on :meth:`migrate`).
+    """Key records in a SQLite file (created on `migrate`).
 
     Args:
         busy_timeout: how long a write waits for another connection's lock on the
@@ -224,7 +224,7 @@ T = TypeVar("T")
 
 
 class _Busy(enum.Enum):
-    """What :meth:`_AtOnce.if_free` answers when the write must hop instead."""
+    """What `if_free` answers when the write must hop instead."""
 
     BUSY = enum.auto()
 
@@ -285,7 +285,7 @@ class _WriteThread:
         self._pid = 0
         self._lock = threading.Lock()
         #: Writes handed over and not finished: a write tried on the loop's thread
-        #: waits for them (:meth:`idle`) instead of taking the file's lock from under them.
+        #: waits for them (`idle`) instead of taking the file's lock from under them.
         self.pending = 0
         self._idle_waiters: list[asyncio.Future[None]] = []
 
@@ -359,7 +359,7 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
     """The SQLite store for asyncio code: each operation is one hop to a thread, or none.
 
     Writes run where they are awaited when both locks on the file are free and no
-    handed-over write is pending (:meth:`_write`), else on the store's write thread;
+    handed-over write is pending (`_write`), else on the store's write thread;
     reads on the default executor.
     """
 
@@ -390,11 +390,11 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
         )
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        """See :meth:`idemflow.stores.sql.AsyncSQLStore.is_unavailable`."""
+        """See `idemflow.stores.sql.AsyncSQLStore.is_unavailable`."""
         return is_unavailable(exc)
 
     def cover_store_wait(self, seconds: float) -> None:
-        """:meth:`SQLiteStore.cover_store_wait`."""
+        """[`SQLiteStore.cover_store_wait`][idemflow.stores.sqlite.SQLiteStore.cover_store_wait]."""
         self.sync.cover_store_wait(seconds)
 
     async def claim(
@@ -444,7 +444,7 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
             await self._write(self._at_once.complete, self.sync.complete, *args)
 
     def _checkpoint_due(self) -> bool:
-        """Is this completion the one in :data:`CHECKPOINT_HOP` that commits on the write
+        """Is this completion the one in `CHECKPOINT_HOP` that commits on the write
         thread? The loop's thread never checkpoints, so the WAL would grow without end.
         """
         self._completions += 1
