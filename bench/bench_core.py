@@ -72,7 +72,7 @@ from idemflow import (
     fingerprint,
 )
 from idemflow._async.transactions import _fenced
-from idemflow._lease import new_lease_token
+from idemflow._model import new_lease_token
 from idemflow.stores.sql import Dialect
 from idemflow.stores.sql.dialect import COLUMNS
 from idemflow.transactions import PsycopgTransaction

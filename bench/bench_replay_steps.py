@@ -33,8 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from idemflow import Idempotency, Intent, State
-from idemflow._lease import new_lease_token
-from idemflow._model import can_take_over, make_claim
+from idemflow._model import can_take_over, make_claim, new_lease_token
 from idemflow.stores.memory import MemoryStore
 from idemflow.stores.sql.dialect import claim_params, record_from_values
 from idemflow.stores.sqlite import SQLiteStore

@@ -6,7 +6,7 @@ Run::
     .venv/bin/python -m bench.bench_shield [--count 20000] [--rounds 7]
 
 The step waits once on a future the loop settles (``call_soon``), as a store's round trip
-does; awaited bare, then through ``_concurrency.async_shielded``, alternating, ``--rounds``
+does; awaited bare, then through ``_async.driver.async_shielded``, alternating, ``--rounds``
 times ``--count`` steps in one process. Prints the median CPU µs per step
 (``time.process_time``) with every round's, and the tasks and loop turns per step.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 from bench._loop_turns import Turns
 from bench.bench_counts import Tasks
-from idemflow._concurrency import async_shielded
+from idemflow._async.driver import async_shielded
 
 
 async def _step(loop: asyncio.AbstractEventLoop) -> int:

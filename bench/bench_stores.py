@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from idemflow import Attempt, Idempotency, Intent, Policy, Response, fingerprint
-from idemflow._lease import new_lease_token
+from idemflow._model import new_lease_token
 
 from ._harness import Contender, Crew, Measurement, Row, interleave, parse_list, table
 
@@ -229,8 +229,7 @@ class RawMySQL:
             return count, cursor
 
     def claim_complete(self, keys: Keys) -> Op:
-        from idemflow.stores.sql._rows import complete_params
-        from idemflow.stores.sql.dialect import claim_params
+        from idemflow.stores.sql.dialect import claim_params, complete_params
 
         def op() -> None:
             now, token = time.time(), lease()

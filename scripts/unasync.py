@@ -42,8 +42,17 @@ SUBS = [
     (r"^\"\"\"\n", '"""\n'),
     (r"\bAbstractAsyncContextManager\b", "AbstractContextManager"),
     # A synchronous call cannot be cut in half by cancellation: no shield, no
-    # deferred cancellation to deliver (see idemflow/_concurrency.py).
-    (r"^(from \.\._concurrency import )async_cancel_point, (.+?)(, )?async_shielded\n", r"\1\2\n"),
+    # deferred cancellation to deliver (the async driver's "Async only" block).
+    (r"\n\n\n# Async only:[\s\S]*?^# End of async only\.\n", "\n"),
+    (r"^import asyncio\n", ""),
+    (r"^from asyncio\.tasks import .*\n", ""),
+    (r"^(from collections\.abc import [^\n]*?), Generator\b", r"\1"),
+    (r"^(from typing import Any, TypeAlias), TypeVar\n", r"\1\n"),
+    # The driver's import of _flow in isort's order: resolve sorts after release_again.
+    (
+        r"^    async_resolve,\n(    claim_on,\n(?:    \w+,\n)*?    release_again,\n)",
+        r"\1    resolve,\n",
+    ),
     (r"\basync_resolve\b", "resolve"),
     (r"\basync_checked_handler\b", "checked_handler"),
     (r"\baclose\b", "close"),

@@ -29,8 +29,7 @@ from ._errors import (
     StoreUnavailable,
 )
 from ._events import Event, Observer, fan_out
-from ._fingerprint import fingerprint
-from ._key import parse_key
+from ._identity import fingerprint, parse_key
 from ._model import (
     Claim,
     Intent,
@@ -95,7 +94,7 @@ _moved = _moved_names(
         "Clock": "idemflow._model:Clock",
         "CountingObserver": "idemflow._events:CountingObserver",
         "MissingExtra": "idemflow._errors:MissingExtra",
-        "canonical_json": "idemflow._canonical:canonical_json",
+        "canonical_json": "idemflow._identity:canonical_json",
     },
 )
 

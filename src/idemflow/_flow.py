@@ -4,8 +4,9 @@ The idempotency protocol, sans I/O: claim → dispatch on state → execute → 
 Every decision about a key lives here: the order of the steps, dispatch, when a
 failure releases or keeps the claim, which connection a claim uses
 (`claim_on`), whether a failed release is sent again (`release_again`),
-what a run may not be asked (`refuse_run`). The drivers perform the steps
-`idempotency_flow` yields and send the results back. What they keep, and
+what a run or a handler may not be asked (`refuse_run`, `checked_handler`). The
+drivers perform the steps `idempotency_flow` yields and send the results back. What
+they keep, and
 why (docs/architecture.md, "What the drivers keep"): *whether* an exception
 means "the database cannot serve" (``is_unavailable``: only the store or the
 transaction adapter knows its library's exceptions; the flow says what it then
@@ -16,10 +17,11 @@ only the code that sends BEGIN and COMMIT sees.
 from __future__ import annotations
 
 import enum
+import inspect
 import time
-from collections.abc import Generator
+from collections.abc import Awaitable, Generator
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 from ._errors import (
     ConfigurationError,
@@ -47,11 +49,15 @@ from ._model import (
 __all__ = [
     "ClaimOn",
     "Step",
+    "async_checked_handler",
+    "async_resolve",
+    "checked_handler",
     "claim_on",
     "dispatch",
     "idempotency_flow",
     "refuse_run",
     "release_again",
+    "resolve",
     "starts_past_a_phase",
 ]
 
@@ -296,3 +302,66 @@ def release_again(exc: Exception, *, attempt: int, elapsed: float, policy: Polic
     within = min(RELEASE_RETRY_WITHIN_SECONDS, policy.store_wait_seconds / 2)
     waited_for_the_store = isinstance(exc, StoreUnavailable) and elapsed >= within
     return attempt < RELEASE_ATTEMPTS and not waited_for_the_store
+
+
+# What a handler or a hook may be, refused before anything is claimed, and how
+# their answer is taken: awaited by async code, refused by sync code.
+
+_T = TypeVar("_T")
+_Handler = TypeVar("_Handler")
+
+
+async def async_resolve(answer: _T | Awaitable[_T]) -> _T:
+    """A hook's answer: awaited if the hook was a coroutine function."""
+    if inspect.isawaitable(answer):
+        return await answer
+    return answer
+
+
+def resolve(answer: _T | Awaitable[_T]) -> _T:
+    """A hook's answer in sync code, where an awaitable one is a configuration mistake."""
+    if inspect.isawaitable(answer):
+        if inspect.iscoroutine(answer):
+            answer.close()  # never awaited: say so here, not as a RuntimeWarning later
+        msg = (
+            "a coroutine function was given to sync code, which cannot await it: pass a "
+            "plain function (or use the async API: AsyncIdempotency)"
+        )
+        raise ConfigurationError(msg)
+    return answer
+
+
+def async_checked_handler(handler: _Handler) -> _Handler:
+    """``handler`` for async code; an ``async def`` with ``yield`` answers an async
+    generator, never a response, and runs nothing: refused before the claim. (A plain
+    function is fine: its answer is awaited if it is awaitable, else taken as it is.)"""
+    if _defined_as(handler, inspect.isasyncgenfunction):
+        raise ConfigurationError(f"{_name(handler)} is an async generator function: {_ANSWER}")
+    return handler
+
+
+def checked_handler(handler: _Handler) -> _Handler:
+    """``handler`` for sync code; an ``async def`` one answers a coroutine that sync code
+    cannot await (it would run nothing, and used to leave its key claimed): refused
+    before the claim, with the fix."""
+    if _defined_as(handler, inspect.iscoroutinefunction) or _defined_as(
+        handler, inspect.isasyncgenfunction
+    ):
+        msg = (
+            f"{_name(handler)} is an 'async def' function, which sync code cannot await: "
+            "use AsyncIdempotency (or an async integration), or make it a plain function"
+        )
+        raise ConfigurationError(msg)
+    return handler
+
+
+_ANSWER = "a handler must return its Response (or an awaitable of one)"
+
+
+def _defined_as(handler: object, kind: Any) -> bool:
+    """Is ``handler`` (or its ``__call__``, for an object) a function of ``kind``?"""
+    return bool(kind(handler) or kind(getattr(handler, "__call__", None)))  # noqa: B004
+
+
+def _name(handler: object) -> str:
+    return str(getattr(handler, "__qualname__", None) or repr(handler))

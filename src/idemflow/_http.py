@@ -31,7 +31,7 @@ from collections.abc import (
 )
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeAlias
+from typing import Any, Generic, TypeAlias, TypeVar
 from urllib.parse import urlencode
 
 from ._errors import (
@@ -48,8 +48,7 @@ from ._errors import (
     StoreUnavailable,
     problem_types,
 )
-from ._fingerprint import DEFAULT_MAX_BODY_BYTES, fingerprint
-from ._key import parse_key
+from ._identity import DEFAULT_MAX_BODY_BYTES, fingerprint, parse_key
 from ._model import (
     Classified,
     Intent,
@@ -75,6 +74,7 @@ __all__ = [
     "HTTPRequest",
     "OutcomeSlot",
     "ResponseNotStorable",
+    "ViewEdges",
     "body_cut_short",
     "body_too_large",
     "declared_length",
@@ -85,6 +85,7 @@ __all__ = [
     "oversized",
     "problem",
     "problem_for",
+    "raw_headers",
     "report_outcome_unknown",
     "request_id_from",
     "settled_verdict",
@@ -95,6 +96,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("idemflow.http")
+
+_Edge = TypeVar("_Edge")
+_ReplayHook: TypeAlias = Callable[[Record], bool]
 
 KEY_HEADER = "idempotency-key"
 REQUEST_ID_HEADER = "x-request-id"
@@ -517,6 +521,70 @@ def request_id_from(headers: RawHeaders) -> str:
         if 0 < len(value) <= _MAX_REQUEST_ID_LENGTH and all("!" <= c <= "~" for c in value):
             return value
     return uuid.uuid4().hex
+
+
+def raw_headers(environ: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
+    """The request's header lines as (lower-case name, value) bytes: the lines werkzeug's
+    ``request.headers`` lists. The one reader of the WSGI middleware, Flask and Django
+    (whose ``request.META`` is the environ under WSGI, and is built like it under ASGI).
+
+    Every ``HTTP_*`` key is a line, an empty value too: ``Idempotency-Key:`` with nothing
+    after it is a client's mistake to answer 400 "empty", not a missing key. Not so
+    ``CONTENT_TYPE`` and ``CONTENT_LENGTH``, listed only when set: a server leaves them
+    empty when the request has none (CGI, RFC 3875 §4.1). Nor their ``HTTP_`` twins, as
+    werkzeug reads them: the server's own keys are what it framed the body by.
+    """
+    headers: list[tuple[bytes, bytes]] = []
+    names = _HEADER_NAMES
+    for key, value in environ.items():
+        name = names.get(key)
+        if name is None:
+            if key.startswith("HTTP_") and key not in ("HTTP_CONTENT_TYPE", "HTTP_CONTENT_LENGTH"):
+                name = key[5:].replace("_", "-").lower().encode("latin-1")
+            elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+                name = key.replace("_", "-").lower().encode("latin-1")
+            else:
+                name = b""  # not a header line
+            if len(names) < _MAX_HEADER_NAMES:
+                names[key] = name
+        if name and isinstance(value, str) and (value or name not in _CONTENT_HEADERS):
+            headers.append((name, value.encode("latin-1", "replace")))
+    return headers
+
+
+# environ key -> header name (b"" for the keys that are no header), learned as requests
+# come: the same few dozen keys every time. Bounded, since clients choose header names.
+_HEADER_NAMES: dict[str, bytes] = {}
+_MAX_HEADER_NAMES = 512
+_CONTENT_HEADERS = (b"content-type", b"content-length")  # listed only when set
+
+
+class ViewEdges(Generic[_Edge]):
+    """The edges of one app's views (Flask's, Django's): one per public or non-public
+    view, replay hook and route policy, made by ``make`` on its first request, never per
+    request (its options are checked once, when it is made)."""
+
+    def __init__(self, make: Callable[[EdgeOptions], _Edge], options: EdgeOptions) -> None:
+        self._make = make
+        self._options = options
+        # (public, id of the hook, id of the policy) -> (both, kept so their ids are not
+        # reused; its edge)
+        self._made: dict[tuple[bool, int, int], tuple[object, _Edge]] = {}
+
+    def __call__(
+        self,
+        public: bool,
+        authorize_replay: _ReplayHook | None,
+        policy: RoutePolicy | None = None,
+    ) -> _Edge:
+        made = self._made.get((public, id(authorize_replay), id(policy)))
+        if made is None:  # two threads may both make it: the same options, either will do
+            options = replace(
+                self._options, public=public, authorize_replay=authorize_replay, policy=policy
+            )
+            made = (authorize_replay, policy), self._make(options)
+            self._made[(public, id(authorize_replay), id(policy))] = made
+        return made[1]
 
 
 def storable(response: Response, *, max_bytes: int) -> Response:

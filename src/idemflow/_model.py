@@ -9,8 +9,10 @@ seconds since the epoch, so tests can move it (see ``idemflow.testing``).
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
@@ -34,6 +36,7 @@ __all__ = [
     "default_classifier",
     "is_past_retention",
     "is_retry",
+    "new_lease_token",
     "retry_after",
     "route_policy",
     "seconds",
@@ -164,6 +167,29 @@ class Outcome:
     response: Response
     replayed: bool
     record: Record
+
+
+# Lease tokens fence every owner write, so they need only be unique: a random
+# per-process prefix (drawn again at fork) plus a counter, not ``os.urandom`` per
+# claim (~15 µs).
+_lease_prefix = ""
+_lease_counter = itertools.count()
+
+
+def _reseed_leases() -> None:
+    global _lease_prefix, _lease_counter  # noqa: PLW0603 -- one process-wide sequence, by design
+    _lease_prefix = os.urandom(12).hex()
+    _lease_counter = itertools.count()
+
+
+_reseed_leases()
+os.register_at_fork(after_in_child=_reseed_leases)
+
+
+def new_lease_token() -> str:
+    """A token no other claim, in this process or any other, has had."""
+    # count() is atomic under the GIL; the prefix's fixed length keeps tokens distinct.
+    return _lease_prefix + str(next(_lease_counter))
 
 
 def can_take_over(record: Record, fingerprint: str, now: float) -> bool:

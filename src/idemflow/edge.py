@@ -14,9 +14,7 @@ of ``__all__``.
 
 from ._async.edge import AsyncEdge, AsyncPooledTransaction
 from ._async.edge import pooled_transaction as async_pooled_transaction
-from ._canonical import parse_json
-from ._concurrency import async_resolve
-from ._fingerprint import DEFAULT_MAX_BODY_BYTES
+from ._flow import async_resolve
 from ._http import (
     DEFAULT_MAX_RESPONSE_BYTES,
     KEY_HEADER,
@@ -35,6 +33,7 @@ from ._http import (
     RawHeaders,
     ResponseSink,
     RoutePolicy,
+    ViewEdges,
     body_cut_short,
     body_too_large,
     compile_endpoint,
@@ -45,6 +44,7 @@ from ._http import (
     policy_for,
     problem,
     problem_for,
+    raw_headers,
     report_outcome_unknown,
     request_id_from,
     route_table,
@@ -52,6 +52,7 @@ from ._http import (
     settled_verdict,
     sync_replay_authorizer,
 )
+from ._identity import DEFAULT_MAX_BODY_BYTES, parse_json
 from ._sync.edge import Edge, PooledTransaction, pooled_transaction
 
 __all__ = [

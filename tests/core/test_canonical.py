@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idemflow._canonical import MAX_DEPTH, canonical_json, canonical_json_bytes, parse_json
 from idemflow._errors import InvalidBody
+from idemflow._identity import MAX_DEPTH, canonical_json, canonical_json_bytes, parse_json
 from tests.factories import JSON_VALUES, reordered
 
 FUZZ = settings(max_examples=300, deadline=None)

@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from idemflow._canonical import canonical_json
 from idemflow._errors import BodyTooLarge, InvalidBody
-from idemflow._fingerprint import DEFAULT_MAX_BODY_BYTES, canonical_query, fingerprint
+from idemflow._identity import DEFAULT_MAX_BODY_BYTES, canonical_json, canonical_query, fingerprint
 from tests.factories import JSON_VALUES, reordered
 
 FUZZ = settings(max_examples=200, deadline=None)

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from idemflow._errors import InvalidKey, MissingKey
-from idemflow._key import MAX_KEY_LENGTH, parse_key
+from idemflow._identity import MAX_KEY_LENGTH, parse_key
 
 PRINTABLE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
 FUZZ = settings(max_examples=300, deadline=None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from idemflow._lease import new_lease_token
+from idemflow._model import new_lease_token
 
 
 def test_tokens_are_unique_across_threads() -> None:

@@ -15,7 +15,7 @@ import contextvars
 
 import pytest
 
-from idemflow._concurrency import async_cancel_point, async_shielded
+from idemflow._async.driver import async_cancel_point, async_shielded
 
 pytestmark = pytest.mark.anyio
 

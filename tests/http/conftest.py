@@ -44,7 +44,7 @@ def new_key() -> str:
 
 #: ``Idempotency-Key`` field lines, as sent on the wire, that every door (the ASGI edge,
 #: Django's, Flask's, the WSGI middleware) answers with the 400 ``invalid-key`` problem
-#: before anything is claimed or run: one table for all of them (``idemflow._key``'s rules).
+#: before anything is claimed or run: one table for all of them (``idemflow._identity``'s rules).
 #: Two lines reach a WSGI application as one value joined by ``,`` (a list, refused too).
 MALFORMED_KEYS: dict[str, tuple[bytes, ...]] = {
     "empty": (b"",),

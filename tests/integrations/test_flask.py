@@ -106,7 +106,7 @@ def test_the_header_lines_are_werkzeugs() -> None:
     an empty Idempotency-Key kept (it is a 400 "empty", not a missing key)."""
     from werkzeug.datastructures import EnvironHeaders
 
-    from idemflow.integrations.wsgi import raw_headers as _headers  # what flask reads by
+    from idemflow.edge import raw_headers as _headers  # what flask reads by
 
     environ: dict[str, Any] = {
         "REQUEST_METHOD": "POST",

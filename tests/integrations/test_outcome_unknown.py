@@ -530,7 +530,7 @@ def _without_the_django_receiver() -> Iterator[None]:
     ``got_request_exception`` receiver disconnected, then connected again."""
     from django.core.signals import got_request_exception
 
-    from idemflow.integrations.django.http import _outcome_unknown_received
+    from idemflow.integrations.django.views import _outcome_unknown_received
 
     assert got_request_exception.disconnect(dispatch_uid="idemflow.outcome")
     try:

@@ -710,7 +710,7 @@ def test_django_reads_meta_as_werkzeug_reads_the_environ() -> None:
     from werkzeug.datastructures import EnvironHeaders
 
     import tests.integrations.django_setup  # noqa: F401 -- settings
-    from idemflow.integrations.django.http import _headers
+    from idemflow.integrations.django.views import _headers
 
     meta = {"CONTENT_TYPE": "", "CONTENT_LENGTH": "", "HTTP_IDEMPOTENCY_KEY": ""}
     request = RequestFactory().generic("POST", "/payments", **meta)
@@ -737,7 +737,7 @@ def test_django_reads_a_body_without_its_length_only_where_the_server_ends_it() 
 
     import tests.integrations.django_setup  # noqa: F401 -- settings
     from idemflow import BodyTooLarge, LengthRequired
-    from idemflow.integrations.django.http import _body
+    from idemflow.integrations.django.views import _body
 
     def unframed(body: bytes, **meta: Any) -> WSGIRequest:
         environ = {
@@ -780,7 +780,7 @@ def test_django_under_asgi_refuses_a_body_over_data_upload_max_memory_size_with_
 
     import tests.integrations.django_setup  # noqa: F401 -- settings
     from idemflow import BodyTooLarge
-    from idemflow.integrations.django.http import _body, _body_limit
+    from idemflow.integrations.django.views import _body, _body_limit
 
     def unframed(body: bytes) -> ASGIRequest:
         scope = {"type": "http", "method": "POST", "path": "/payments", "headers": []}

@@ -99,8 +99,7 @@ def test_claim_counts_are_what_the_store_reads(
     store: MySQLStore, flag: int, expected: list[int]
 ) -> None:
     """The upsert counts insert 1, someone else's 0 (1 with CLIENT_FOUND_ROWS), takeover 2."""
-    from idemflow.stores.sql._rows import complete_params
-    from idemflow.stores.sql.dialect import claim_params
+    from idemflow.stores.sql.dialect import claim_params, complete_params
 
     claim = store.dialect.claim
     counts = []

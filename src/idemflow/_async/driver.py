@@ -1,18 +1,23 @@
 """
 The async driver: performs the steps of ``idemflow._flow`` and nothing else.
 
+It lends the caller's transaction to the store as a step needs it: begun by a
+single-commit claim's first statement (`AsyncBeginsOnFirstStatement`),
+committed right after a completion's write (`AsyncCommitAfter`).
+
 This is the async source of truth; ``idemflow/_sync/driver.py`` is generated
 from it by ``scripts/unasync.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeAlias
+from asyncio.tasks import _enter_task, _leave_task
+from collections.abc import Awaitable, Callable, Generator, Mapping
+from typing import Any, TypeAlias, TypeVar
 
-from .._concurrency import async_cancel_point, async_checked_handler, async_resolve, async_shielded
 from .._downstream import downstream_key
 from .._errors import StoreUnavailable
 from .._events import Event, Observer, error_event, null_observer
@@ -25,16 +30,26 @@ from .._flow import (
     Flow,
     PhaseCommitted,
     Step,
+    async_checked_handler,
+    async_resolve,
     claim_on,
     idempotency_flow,
     refuse_run,
     release_again,
     starts_past_a_phase,
 )
-from .._lease import new_lease_token
-from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response, route_policy
-from ..stores.protocol import AsyncStore, AsyncTransaction
-from .transactions import AsyncBeginsOnFirstStatement, AsyncCommitAfter
+from .._model import (
+    Claim,
+    Clock,
+    Intent,
+    Outcome,
+    Policy,
+    Record,
+    Response,
+    new_lease_token,
+    route_policy,
+)
+from ..stores.protocol import AsyncStore, AsyncTransaction, CommitFailed, NotFused, Statement
 
 __all__ = ["AsyncAttempt", "AsyncHandler", "AsyncIdempotency"]
 
@@ -433,3 +448,249 @@ class _Performer:
 
 def _could_not_begin(exc: BaseException) -> StoreUnavailable:
     return StoreUnavailable(f"the request's transaction could not begin: {exc}".strip())
+
+
+class AsyncCommitAfter(AsyncTransaction):
+    """The caller's transaction, for one fenced write its COMMIT follows at once.
+
+    Given to the store's ``complete`` or ``checkpoint``, then `finish`. With
+    ``execute_and_commit`` (psycopg) the write carries the COMMIT (and, with ``begin``,
+    the next BEGIN) in one round trip; elsewhere `finish` commits. The store sees
+    the write's row count (0: ``LeaseLost``, nothing committed); the COMMIT's own error
+    comes out of `finish`. ``on_commit`` is called once the COMMIT may have run.
+    """
+
+    def __init__(
+        self,
+        transaction: AsyncTransaction,
+        *,
+        begin: bool = False,
+        on_commit: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._transaction = transaction
+        # Until it answers NotFused once: then the write alone, and finish() commits.
+        self._fused = True
+        self._begin = begin
+        self._on_commit = on_commit
+        self._committed = False
+        self._error: BaseException | None = None
+
+    @property
+    def connection(self) -> Any:
+        return self._transaction.connection
+
+    async def begin(self) -> None:
+        await self._transaction.begin()
+
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        if self._committed:
+            raise RuntimeError("the write this transaction was lent for has committed")
+        if not self._fused:
+            return await self._transaction.execute(statement, params)
+        try:
+            changed = await self._transaction.execute_and_commit(
+                statement, params, begin=self._begin
+            )
+        except NotFused:  # nothing sent: the write alone, finish() commits
+            self._fused = False
+            return await self._transaction.execute(statement, params)
+        except CommitFailed as failed:
+            self._committed, self._error = True, failed.__cause__
+            self._on_commit()
+            return 1
+        except BaseException:
+            self._on_commit()  # sent, perhaps with its COMMIT: it may have committed
+            raise
+        if changed == 1:
+            self._committed = True
+            self._on_commit()
+        return changed
+
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        return await self._transaction.fetchone(statement, params)
+
+    async def commit(self) -> None:
+        await self._transaction.commit()
+
+    async def rollback(self) -> None:
+        await self._transaction.rollback()
+
+    async def finish(self) -> None:
+        """Commit (and begin) unless the write did; raise the COMMIT's own error if it failed."""
+        if self._committed:
+            if self._error is not None:
+                raise self._error
+            return
+        self._on_commit()
+        await self._transaction.commit()
+        if self._begin:
+            await self._transaction.begin()
+
+
+class AsyncBeginsOnFirstStatement(AsyncTransaction):
+    """The caller's transaction, for a single-commit claim: begun by its first statement.
+
+    So the ``BEGIN`` (and a checkout that waits for it, ``AsyncPooledTransaction``) runs
+    inside the store's claim, whose ``is_unavailable`` judges its errors: an exhausted
+    pool or a lost connection is ``StoreUnavailable``, a 503 with nothing recorded.
+    ``begin`` begins it unless begun (the driver knows whether it is open).
+    """
+
+    def __init__(self, transaction: AsyncTransaction, begin: Callable[[], Awaitable[None]]) -> None:
+        self._transaction = transaction
+        self._begin = begin
+
+    @property
+    def connection(self) -> Any:
+        return self._transaction.connection
+
+    async def begin(self) -> None:
+        await self._begin()
+
+    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        await self._begin()
+        return await self._transaction.execute(statement, params)
+
+    async def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        await self._begin()
+        return await self._transaction.fetchone(statement, params)
+
+    async def commit(self) -> None:
+        await self._transaction.commit()
+
+    async def rollback(self) -> None:
+        await self._transaction.rollback()
+
+
+# Async only: scripts/unasync.py drops this block (and the shields' calls). A step the
+# driver awaits shielded (a claim, a completion, a release) runs to its end; a
+# cancellation meanwhile is delivered at the next async_cancel_point, where the flow
+# gives back what was claimed. Why: docs/architecture.md, "Sync and async".
+
+_T = TypeVar("_T")
+
+
+async def async_shielded(awaitable: Awaitable[_T]) -> _T:
+    """Await ``awaitable`` to its end even if this task is cancelled meanwhile: the
+    cancellation is requested again (its count kept, for ``asyncio.timeout``) once the
+    step is done. The step runs in this task, which waits on a `_Shield` (no task
+    made, no loop turn added); a driver's own timeout cancels a `_StepTask`."""
+    result: _T = await _Shield(awaitable)
+    return result
+
+
+class _StepTask:
+    """The current task while a shielded step runs: what the step's own timeouts cancel."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.waiting: Any = None  # the future the step waits on
+        self.must_cancel = False  # a cancel() the step has not received yet
+        self._cancels = 0
+        self.finished = False
+
+    def cancel(self, msg: Any = None) -> bool:
+        if self.finished:
+            return False
+        self._cancels += 1
+        if self.waiting is None or not self.waiting.cancel(msg):
+            self.must_cancel = True
+        return True
+
+    def cancelling(self) -> int:
+        return self._cancels
+
+    def uncancel(self) -> int:
+        self._cancels = max(self._cancels - 1, 0)
+        return self._cancels
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def run(self, caller: asyncio.Task[Any], resume: Any, sent: Any) -> Any:
+        """``resume(sent)`` with this as the current task: what the step yields next."""
+        _leave_task(self._loop, caller)
+        _enter_task(self._loop, self)  # type: ignore[arg-type]  # task-like, as asyncio.timeout needs
+        try:
+            return resume(sent)
+        finally:
+            _leave_task(self._loop, self)  # type: ignore[arg-type]
+            _enter_task(self._loop, caller)
+
+
+class _Shield:
+    """What the caller's task waits on: the step's future's wake-up, not its ``cancel()``."""
+
+    _asyncio_future_blocking = False
+
+    def __init__(self, awaitable: Awaitable[Any]) -> None:
+        self._awaitable = awaitable
+        self._step: _StepTask | None = None
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        assert self._step is not None
+        return self._step.get_loop()
+
+    def add_done_callback(self, callback: Any, *, context: Any = None) -> None:
+        assert self._step is not None
+        self._step.waiting.add_done_callback(callback, context=context)
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False  # the caller's task keeps it as ``_must_cancel``: thrown in after the wait
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        caller = asyncio.current_task()
+        assert caller is not None
+        cancels = caller.cancelling()
+        step = self._step = _StepTask(asyncio.get_running_loop())
+        inner = self._awaitable.__await__()
+        resume: Any = inner.send
+        sent: Any = None
+        try:
+            while True:
+                if step.must_cancel:
+                    step.must_cancel = False
+                    resume, sent = inner.throw, asyncio.CancelledError()
+                try:
+                    waiting = step.run(caller, resume, sent)
+                except StopIteration as stop:
+                    return stop.value
+                resume, sent = inner.send, None
+                blocking = getattr(waiting, "_asyncio_future_blocking", False)
+                if blocking:  # else a bare yield: the caller's task steps again soon
+                    waiting._asyncio_future_blocking = False
+                    self._asyncio_future_blocking = True  # the caller's task blocks on us
+                    step.waiting = waiting
+                try:
+                    yield self if blocking else waiting
+                except asyncio.CancelledError as exc:
+                    if blocking and waiting.cancelled():
+                        resume, sent = inner.throw, exc  # the step's own (its timeout)
+                    # else: the caller's, delivered once the step is done
+                except GeneratorExit:
+                    inner.close()  # the caller's coroutine is closed: so is the step
+                    raise
+                except BaseException as exc:  # noqa: BLE001 -- the step's future's error: the step's
+                    resume, sent = inner.throw, exc
+                finally:
+                    step.waiting = None
+        finally:
+            step.finished = True
+            if caller.cancelling() > cancels:
+                # A cancellation of the caller arrived meanwhile: raise it at its next await.
+                caller.uncancel()
+                caller.cancel()
+
+
+async def async_cancel_point() -> None:
+    """Raise a cancellation `async_shielded` deferred, before anything else runs."""
+    current = asyncio.current_task()
+    if current is not None and current.cancelling():
+        await asyncio.sleep(0)
+
+
+# End of async only.

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeAlias, cast
 
-from .._concurrency import async_checked_handler, async_resolve
 from .._errors import IdempotencyError, ReplayForbidden
 from .._events import Event
+from .._flow import async_checked_handler, async_resolve
 from .._http import (
     EdgeOptions,
     HTTPRequest,

@@ -8,15 +8,13 @@ from it by ``scripts/unasync.py``. Import the adapters from `idemflow.transactio
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..stores.protocol import AsyncTransaction, CommitFailed, NotFused, Statement
 from ..stores.sql.dialect import row_mapping
 
 __all__ = [
-    "AsyncBeginsOnFirstStatement",
-    "AsyncCommitAfter",
     "AsyncPsycopgTransaction",
     "AsyncSQLAlchemyTransaction",
     "execute_and_commit",
@@ -157,122 +155,6 @@ async def execute_and_commit(
         return await transaction.execute_and_commit(statement, params, begin=begin)
     except NotFused:
         return await _execute_then_commit(transaction, statement, params, begin)
-
-
-class AsyncCommitAfter(AsyncTransaction):
-    """The caller's transaction, for one fenced write its COMMIT follows at once.
-
-    Given to the store's ``complete`` or ``checkpoint``, then `finish`. With
-    ``execute_and_commit`` (psycopg) the write carries the COMMIT (and, with ``begin``,
-    the next BEGIN) in one round trip; elsewhere `finish` commits. The store sees
-    the write's row count (0: ``LeaseLost``, nothing committed); the COMMIT's own error
-    comes out of `finish`. ``on_commit`` is called once the COMMIT may have run.
-    """
-
-    def __init__(
-        self,
-        transaction: AsyncTransaction,
-        *,
-        begin: bool = False,
-        on_commit: Callable[[], None] = lambda: None,
-    ) -> None:
-        self._transaction = transaction
-        # Until it answers NotFused once: then the write alone, and finish() commits.
-        self._fused = True
-        self._begin = begin
-        self._on_commit = on_commit
-        self._committed = False
-        self._error: BaseException | None = None
-
-    @property
-    def connection(self) -> Any:
-        return self._transaction.connection
-
-    async def begin(self) -> None:
-        await self._transaction.begin()
-
-    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        if self._committed:
-            raise RuntimeError("the write this transaction was lent for has committed")
-        if not self._fused:
-            return await self._transaction.execute(statement, params)
-        try:
-            changed = await self._transaction.execute_and_commit(
-                statement, params, begin=self._begin
-            )
-        except NotFused:  # nothing sent: the write alone, finish() commits
-            self._fused = False
-            return await self._transaction.execute(statement, params)
-        except CommitFailed as failed:
-            self._committed, self._error = True, failed.__cause__
-            self._on_commit()
-            return 1
-        except BaseException:
-            self._on_commit()  # sent, perhaps with its COMMIT: it may have committed
-            raise
-        if changed == 1:
-            self._committed = True
-            self._on_commit()
-        return changed
-
-    async def fetchone(
-        self, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        return await self._transaction.fetchone(statement, params)
-
-    async def commit(self) -> None:
-        await self._transaction.commit()
-
-    async def rollback(self) -> None:
-        await self._transaction.rollback()
-
-    async def finish(self) -> None:
-        """Commit (and begin) unless the write did; raise the COMMIT's own error if it failed."""
-        if self._committed:
-            if self._error is not None:
-                raise self._error
-            return
-        self._on_commit()
-        await self._transaction.commit()
-        if self._begin:
-            await self._transaction.begin()
-
-
-class AsyncBeginsOnFirstStatement(AsyncTransaction):
-    """The caller's transaction, for a single-commit claim: begun by its first statement.
-
-    So the ``BEGIN`` (and a checkout that waits for it, ``AsyncPooledTransaction``) runs
-    inside the store's claim, whose ``is_unavailable`` judges its errors: an exhausted
-    pool or a lost connection is ``StoreUnavailable``, a 503 with nothing recorded.
-    ``begin`` begins it unless begun (the driver knows whether it is open).
-    """
-
-    def __init__(self, transaction: AsyncTransaction, begin: Callable[[], Awaitable[None]]) -> None:
-        self._transaction = transaction
-        self._begin = begin
-
-    @property
-    def connection(self) -> Any:
-        return self._transaction.connection
-
-    async def begin(self) -> None:
-        await self._begin()
-
-    async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        await self._begin()
-        return await self._transaction.execute(statement, params)
-
-    async def fetchone(
-        self, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        await self._begin()
-        return await self._transaction.fetchone(statement, params)
-
-    async def commit(self) -> None:
-        await self._transaction.commit()
-
-    async def rollback(self) -> None:
-        await self._transaction.rollback()
 
 
 # Result column names per statement text (they cannot change): psycopg builds

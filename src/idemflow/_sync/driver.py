@@ -3,6 +3,10 @@
 """
 The sync driver: performs the steps of ``idemflow._flow`` and nothing else.
 
+It lends the caller's transaction to the store as a step needs it: begun by a
+single-commit claim's first statement (`BeginsOnFirstStatement`),
+committed right after a completion's write (`CommitAfter`).
+
 GENERATED from ``idemflow/_async/driver.py`` by ``scripts/unasync.py``; do not edit.
 """
 
@@ -10,10 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
-from .._concurrency import checked_handler, resolve
 from .._downstream import downstream_key
 from .._errors import StoreUnavailable
 from .._events import Event, Observer, error_event, null_observer
@@ -26,16 +29,26 @@ from .._flow import (
     Flow,
     PhaseCommitted,
     Step,
+    checked_handler,
     claim_on,
     idempotency_flow,
     refuse_run,
     release_again,
+    resolve,
     starts_past_a_phase,
 )
-from .._lease import new_lease_token
-from .._model import Claim, Clock, Intent, Outcome, Policy, Record, Response, route_policy
-from ..stores.protocol import Store, Transaction
-from .transactions import BeginsOnFirstStatement, CommitAfter
+from .._model import (
+    Claim,
+    Clock,
+    Intent,
+    Outcome,
+    Policy,
+    Record,
+    Response,
+    new_lease_token,
+    route_policy,
+)
+from ..stores.protocol import Store, Transaction, CommitFailed, NotFused, Statement
 
 __all__ = ["Attempt", "Handler", "Idempotency"]
 
@@ -433,3 +446,119 @@ class _Performer:
 
 def _could_not_begin(exc: BaseException) -> StoreUnavailable:
     return StoreUnavailable(f"the request's transaction could not begin: {exc}".strip())
+
+
+class CommitAfter(Transaction):
+    """The caller's transaction, for one fenced write its COMMIT follows at once.
+
+    Given to the store's ``complete`` or ``checkpoint``, then `finish`. With
+    ``execute_and_commit`` (psycopg) the write carries the COMMIT (and, with ``begin``,
+    the next BEGIN) in one round trip; elsewhere `finish` commits. The store sees
+    the write's row count (0: ``LeaseLost``, nothing committed); the COMMIT's own error
+    comes out of `finish`. ``on_commit`` is called once the COMMIT may have run.
+    """
+
+    def __init__(
+        self,
+        transaction: Transaction,
+        *,
+        begin: bool = False,
+        on_commit: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._transaction = transaction
+        # Until it answers NotFused once: then the write alone, and finish() commits.
+        self._fused = True
+        self._begin = begin
+        self._on_commit = on_commit
+        self._committed = False
+        self._error: BaseException | None = None
+
+    @property
+    def connection(self) -> Any:
+        return self._transaction.connection
+
+    def begin(self) -> None:
+        self._transaction.begin()
+
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        if self._committed:
+            raise RuntimeError("the write this transaction was lent for has committed")
+        if not self._fused:
+            return self._transaction.execute(statement, params)
+        try:
+            changed = self._transaction.execute_and_commit(
+                statement, params, begin=self._begin
+            )
+        except NotFused:  # nothing sent: the write alone, finish() commits
+            self._fused = False
+            return self._transaction.execute(statement, params)
+        except CommitFailed as failed:
+            self._committed, self._error = True, failed.__cause__
+            self._on_commit()
+            return 1
+        except BaseException:
+            self._on_commit()  # sent, perhaps with its COMMIT: it may have committed
+            raise
+        if changed == 1:
+            self._committed = True
+            self._on_commit()
+        return changed
+
+    def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        return self._transaction.fetchone(statement, params)
+
+    def commit(self) -> None:
+        self._transaction.commit()
+
+    def rollback(self) -> None:
+        self._transaction.rollback()
+
+    def finish(self) -> None:
+        """Commit (and begin) unless the write did; raise the COMMIT's own error if it failed."""
+        if self._committed:
+            if self._error is not None:
+                raise self._error
+            return
+        self._on_commit()
+        self._transaction.commit()
+        if self._begin:
+            self._transaction.begin()
+
+
+class BeginsOnFirstStatement(Transaction):
+    """The caller's transaction, for a single-commit claim: begun by its first statement.
+
+    So the ``BEGIN`` (and a checkout that waits for it, ``PooledTransaction``) runs
+    inside the store's claim, whose ``is_unavailable`` judges its errors: an exhausted
+    pool or a lost connection is ``StoreUnavailable``, a 503 with nothing recorded.
+    ``begin`` begins it unless begun (the driver knows whether it is open).
+    """
+
+    def __init__(self, transaction: Transaction, begin: Callable[[], None]) -> None:
+        self._transaction = transaction
+        self._begin = begin
+
+    @property
+    def connection(self) -> Any:
+        return self._transaction.connection
+
+    def begin(self) -> None:
+        self._begin()
+
+    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
+        self._begin()
+        return self._transaction.execute(statement, params)
+
+    def fetchone(
+        self, statement: Statement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        self._begin()
+        return self._transaction.fetchone(statement, params)
+
+    def commit(self) -> None:
+        self._transaction.commit()
+
+    def rollback(self) -> None:
+        self._transaction.rollback()

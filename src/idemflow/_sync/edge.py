@@ -15,9 +15,9 @@ from collections.abc import Iterator, Callable
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeAlias, cast
 
-from .._concurrency import checked_handler, resolve
 from .._errors import IdempotencyError, ReplayForbidden
 from .._events import Event
+from .._flow import checked_handler, resolve
 from .._http import (
     EdgeOptions,
     HTTPRequest,

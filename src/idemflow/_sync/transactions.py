@@ -9,15 +9,13 @@ GENERATED from ``idemflow/_async/transactions.py`` by ``scripts/unasync.py``; do
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..stores.protocol import Transaction, CommitFailed, NotFused, Statement
 from ..stores.sql.dialect import row_mapping
 
 __all__ = [
-    "BeginsOnFirstStatement",
-    "CommitAfter",
     "PsycopgTransaction",
     "SQLAlchemyTransaction",
     "execute_and_commit",
@@ -158,122 +156,6 @@ def execute_and_commit(
         return transaction.execute_and_commit(statement, params, begin=begin)
     except NotFused:
         return _execute_then_commit(transaction, statement, params, begin)
-
-
-class CommitAfter(Transaction):
-    """The caller's transaction, for one fenced write its COMMIT follows at once.
-
-    Given to the store's ``complete`` or ``checkpoint``, then `finish`. With
-    ``execute_and_commit`` (psycopg) the write carries the COMMIT (and, with ``begin``,
-    the next BEGIN) in one round trip; elsewhere `finish` commits. The store sees
-    the write's row count (0: ``LeaseLost``, nothing committed); the COMMIT's own error
-    comes out of `finish`. ``on_commit`` is called once the COMMIT may have run.
-    """
-
-    def __init__(
-        self,
-        transaction: Transaction,
-        *,
-        begin: bool = False,
-        on_commit: Callable[[], None] = lambda: None,
-    ) -> None:
-        self._transaction = transaction
-        # Until it answers NotFused once: then the write alone, and finish() commits.
-        self._fused = True
-        self._begin = begin
-        self._on_commit = on_commit
-        self._committed = False
-        self._error: BaseException | None = None
-
-    @property
-    def connection(self) -> Any:
-        return self._transaction.connection
-
-    def begin(self) -> None:
-        self._transaction.begin()
-
-    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        if self._committed:
-            raise RuntimeError("the write this transaction was lent for has committed")
-        if not self._fused:
-            return self._transaction.execute(statement, params)
-        try:
-            changed = self._transaction.execute_and_commit(
-                statement, params, begin=self._begin
-            )
-        except NotFused:  # nothing sent: the write alone, finish() commits
-            self._fused = False
-            return self._transaction.execute(statement, params)
-        except CommitFailed as failed:
-            self._committed, self._error = True, failed.__cause__
-            self._on_commit()
-            return 1
-        except BaseException:
-            self._on_commit()  # sent, perhaps with its COMMIT: it may have committed
-            raise
-        if changed == 1:
-            self._committed = True
-            self._on_commit()
-        return changed
-
-    def fetchone(
-        self, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        return self._transaction.fetchone(statement, params)
-
-    def commit(self) -> None:
-        self._transaction.commit()
-
-    def rollback(self) -> None:
-        self._transaction.rollback()
-
-    def finish(self) -> None:
-        """Commit (and begin) unless the write did; raise the COMMIT's own error if it failed."""
-        if self._committed:
-            if self._error is not None:
-                raise self._error
-            return
-        self._on_commit()
-        self._transaction.commit()
-        if self._begin:
-            self._transaction.begin()
-
-
-class BeginsOnFirstStatement(Transaction):
-    """The caller's transaction, for a single-commit claim: begun by its first statement.
-
-    So the ``BEGIN`` (and a checkout that waits for it, ``PooledTransaction``) runs
-    inside the store's claim, whose ``is_unavailable`` judges its errors: an exhausted
-    pool or a lost connection is ``StoreUnavailable``, a 503 with nothing recorded.
-    ``begin`` begins it unless begun (the driver knows whether it is open).
-    """
-
-    def __init__(self, transaction: Transaction, begin: Callable[[], None]) -> None:
-        self._transaction = transaction
-        self._begin = begin
-
-    @property
-    def connection(self) -> Any:
-        return self._transaction.connection
-
-    def begin(self) -> None:
-        self._begin()
-
-    def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        self._begin()
-        return self._transaction.execute(statement, params)
-
-    def fetchone(
-        self, statement: Statement, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        self._begin()
-        return self._transaction.fetchone(statement, params)
-
-    def commit(self) -> None:
-        self._transaction.commit()
-
-    def rollback(self) -> None:
-        self._transaction.rollback()
 
 
 # Result column names per statement text (they cannot change): psycopg builds

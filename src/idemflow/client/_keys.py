@@ -25,7 +25,7 @@ from typing import TypeVar
 from urllib.parse import unquote, urljoin, urlsplit
 
 from .._errors import InvalidKey, KeyReused
-from .._key import parse_key
+from .._identity import parse_key
 
 __all__ = [
     "HEADER",

@@ -41,26 +41,19 @@ from ..edge import (
     Edge,
     HTTPRequest,
     RoutePolicy,
+    ViewEdges,
     body_cut_short,
     body_too_large,
     declared_length,
     plain_callable,
     problem_for,
+    raw_headers,
     request_id_from,
     sendable_headers,
     sync_replay_authorizer,
 )
 from ..stores.protocol import Store, Transaction
-
-# raw_headers: werkzeug's lines, one reader
-from .wsgi import (
-    ReplayHook,
-    ViewEdges,
-    _require_length,
-    raw_headers,
-    report_from_flask,
-    view_options,
-)
+from .wsgi import ReplayHook, _require_length, report_from_flask, view_options
 
 with optional("idemflow.integrations.flask"):
     from flask import Flask, current_app, request
@@ -130,7 +123,7 @@ class _State:
         _field_names(app.config["IDEMFLOW_EXCLUDE_FIELDS"])  # not a str read as its letters
         self.options = view_options(lambda name: app.config[f"IDEMFLOW_{name.upper()}"])
         self.authorize_replay = authorize_replay
-        self._edges = ViewEdges(self.driver, self.options)
+        self._edges = ViewEdges(functools.partial(Edge, self.driver), self.options)
         for public in (False, True):
             self.edge(public)
 

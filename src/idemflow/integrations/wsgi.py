@@ -8,7 +8,7 @@ transaction, so the effect and the record are not atomic; where the effect
 lives in the key store's database, use the transactional integrations.
 It follows the rules of the ASGI middleware (`idemflow.integrations.asgi`),
 which live in ``idemflow._http`` and the sync ``Edge``; also here, what Flask's and
-Django's doors share (the body read from the environ, their views' edges).
+Django's doors share (the body read from the environ, the settings as options).
 The rules one by one: docs/frameworks/wsgi.md, "What it does".
 """
 
@@ -20,7 +20,6 @@ import io
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -44,10 +43,10 @@ from ..edge import (
     OutcomeSlot,
     RawHeaders,
     ResponseSink,
-    RoutePolicy,
     not_stored,
     plain_callable,
     problem_for,
+    raw_headers,
     report_outcome_unknown,
     request_id_from,
     route_table,
@@ -307,35 +306,6 @@ def view_options(setting: Callable[[str], Any]) -> EdgeOptions:
     )
 
 
-class ViewEdges:
-    """The edges of one app's views (Flask's, Django's): one per public or non-public
-    view, replay hook and route policy, made on its first request, never per request
-    (its options are checked once, when it is made)."""
-
-    def __init__(self, driver: Idempotency, options: EdgeOptions) -> None:
-        self._driver = driver
-        self._options = options
-        # (public, id of the hook, id of the policy) -> (both, kept so their ids are not
-        # reused; its edge)
-        self._made: dict[tuple[bool, int, int], tuple[object, Edge]] = {}
-
-    def __call__(
-        self,
-        public: bool,
-        authorize_replay: ReplayHook | None,
-        policy: RoutePolicy | None = None,
-    ) -> Edge:
-        made = self._made.get((public, id(authorize_replay), id(policy)))
-        if made is None:  # two threads may both make it: the same options, either will do
-            options = replace(
-                self._options, public=public, authorize_replay=authorize_replay, policy=policy
-            )
-            edge = Edge(self._driver, options)
-            made = (authorize_replay, policy), edge
-            self._made[(public, id(authorize_replay), id(policy))] = made
-        return made[1]
-
-
 def _compile_endpoint(endpoint: str) -> _Endpoint:
     return compile_any_endpoint(endpoint, _native)
 
@@ -343,42 +313,6 @@ def _compile_endpoint(endpoint: str) -> _Endpoint:
 def _native(text: str) -> str:
     """``text`` as WSGI spells a path: its UTF-8 bytes decoded as latin-1 (PEP 3333)."""
     return text.encode("utf-8").decode("latin-1")
-
-
-def raw_headers(environ: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
-    """The request's header lines as (lower-case name, value) bytes: the lines werkzeug's
-    ``request.headers`` lists. The one reader of the WSGI middleware, Flask and Django
-    (whose ``request.META`` is the environ under WSGI, and is built like it under ASGI).
-
-    Every ``HTTP_*`` key is a line, an empty value too: ``Idempotency-Key:`` with nothing
-    after it is a client's mistake to answer 400 "empty", not a missing key. Not so
-    ``CONTENT_TYPE`` and ``CONTENT_LENGTH``, listed only when set: a server leaves them
-    empty when the request has none (CGI, RFC 3875 §4.1). Nor their ``HTTP_`` twins, as
-    werkzeug reads them: the server's own keys are what it framed the body by.
-    """
-    headers: list[tuple[bytes, bytes]] = []
-    names = _HEADER_NAMES
-    for key, value in environ.items():
-        name = names.get(key)
-        if name is None:
-            if key.startswith("HTTP_") and key not in ("HTTP_CONTENT_TYPE", "HTTP_CONTENT_LENGTH"):
-                name = key[5:].replace("_", "-").lower().encode("latin-1")
-            elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
-                name = key.replace("_", "-").lower().encode("latin-1")
-            else:
-                name = b""  # not a header line
-            if len(names) < _MAX_HEADER_NAMES:
-                names[key] = name
-        if name and isinstance(value, str) and (value or name not in _CONTENT_HEADERS):
-            headers.append((name, value.encode("latin-1", "replace")))
-    return headers
-
-
-# environ key -> header name (b"" for the keys that are no header), learned as requests
-# come: the same few dozen keys every time. Bounded, since clients choose header names.
-_HEADER_NAMES: dict[str, bytes] = {}
-_MAX_HEADER_NAMES = 512
-_CONTENT_HEADERS = (b"content-type", b"content-length")  # listed only when set
 
 
 # --- the request body -----------------------------------------------------------------------

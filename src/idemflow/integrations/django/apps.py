@@ -18,7 +18,7 @@ class IdemflowConfig(AppConfig):
         from django.core.signals import got_request_exception
 
         from .conf import idemflow_settings, observer_of
-        from .http import _outcome_unknown_received, check_replay_authorizer
+        from .views import _outcome_unknown_received, check_replay_authorizer
 
         chosen = idemflow_settings()  # a mistake in settings.IDEMFLOW fails at start-up
         # Their paths are imported here, once the settings' lock is free: a module may hold

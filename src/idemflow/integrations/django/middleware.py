@@ -28,7 +28,7 @@ from django.utils.module_loading import import_string
 from ..._deprecation import moved
 from ...edge import SAFE_METHODS
 from .conf import idemflow_settings
-from .http import check_replay_authorizer, protect
+from .views import check_replay_authorizer, protect
 
 __all__ = ["IdempotencyMiddleware"]
 

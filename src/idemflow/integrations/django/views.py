@@ -1,33 +1,68 @@
 """
-``@idempotent``: one decorator for function views, class-based view methods and DRF actions.
+``@idempotent``, and a Django request through idemflow's sync edge and back.
 
 The view runs once per ``(principal, Idempotency-Key)``, inside a
-``transaction.atomic()`` on ``IDEMFLOW['database']`` in which the completion
-is written: its ORM writes and the stored response commit together. Retries
-get the stored response byte for byte, with ``Idempotent-Replayed: true``.
+``transaction.atomic()`` on ``IDEMFLOW['database']`` (`DjangoTransaction`) in which
+the completion is written: its ORM writes and the stored response commit together.
+Retries get the stored response byte for byte, with ``Idempotent-Replayed: true``.
 ``validate=`` runs before the claim, and so does a DRF action's ``serializer=``
 (validated once, handed to the view; its errors a 400 problem, nothing recorded);
 ``authorize_replay=`` is asked before a replay; ``async def`` views the same way.
-DRF actions, validation, ``async def`` views: docs/frameworks/django.md,
-"Three ways to protect an endpoint"; replays: "Authorization on replay";
-``ATOMIC_REQUESTS`` (a decorated function view opts out of it, a method runs
-inside it, see `DjangoTransaction`): "Transactions,
-``ATOMIC_REQUESTS`` and what commits when".
+`protect` is what the decorator and `IdempotencyMiddleware` share: the request as an
+``HTTPRequest`` (the route *template* Django matched, its parameters, the raw
+headers, the body read whole and bounded). DRF actions, validation, ``async def``
+views: docs/frameworks/django.md, "Three ways to protect an endpoint"; replays:
+"Authorization on replay"; ``ATOMIC_REQUESTS``: "Transactions, ``ATOMIC_REQUESTS``
+and what commits when".
 """
 
 from __future__ import annotations
 
 import functools
+import io
+import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any, TypeVar, overload
 
 from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
-from django.http import HttpRequest
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured, RequestDataTooBig
+from django.core.signals import setting_changed
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.utils.module_loading import import_string
 
-from ...edge import RoutePolicy, sync_replay_authorizer
-from ..wsgi import ReplayHook
-from .conf import idemflow_settings
-from .http import InvalidData, protect
+from ..._errors import (
+    ConfigurationError,
+    IdempotencyError,
+    MissingPrincipal,
+    OutcomeUnknown,
+    ResponseNotStorable,
+)
+from ..._model import Response
+from ...edge import (
+    REQUEST_ID_HEADER,
+    SAFE_METHODS,
+    Edge,
+    HTTPRequest,
+    RawHeaders,
+    RoutePolicy,
+    ViewEdges,
+    body_cut_short,
+    body_too_large,
+    declared_length,
+    plain_callable,
+    problem,
+    problem_for,
+    raw_headers,
+    report_outcome_unknown,
+    request_id_from,
+    sendable_headers,
+    sync_replay_authorizer,
+)
+from ..wsgi import ReplayHook, _require_length, read_body, view_options
+from .conf import IdemflowSettings, get_idempotency, idemflow_settings
+from .transaction import DjangoTransaction
 
 __all__ = ["idempotency_public", "idempotent"]
 
@@ -200,3 +235,343 @@ def _rendered(response: Any, args: tuple[Any, ...], request: Any, kwargs: Any) -
         view_args = args[2:] if view is not None else args[1:]
         response = finalize(request, response, *view_args, **kwargs)
     return response.render()
+
+
+#: Runs the protected view and returns its Django response.
+ViewCall = Callable[[], HttpResponseBase]
+
+_REPLAY_SETTING = "settings.IDEMFLOW['authorize_replay']"
+_PRINCIPAL_SETTING = "settings.IDEMFLOW['principal']"
+
+
+def _request_user(request: Any) -> str | None:
+    """The default principal: the primary key of ``request.user`` when authenticated.
+
+    The primary key, not the username: a username can change hands, and a new
+    owner must never be replayed the old one's responses.
+    """
+    user = getattr(request, "user", None)
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None
+    return str(user.pk)
+
+
+def _principal_getter(chosen: IdemflowSettings) -> Callable[[Any], str | None]:
+    getter = chosen.principal
+    if getter is None:
+        return _request_user
+    if isinstance(getter, str):
+        getter = import_string(getter)
+    if not callable(getter):
+        raise ConfigurationError("settings.IDEMFLOW['principal'] must be a callable or its path")
+    return plain_callable(getter, _PRINCIPAL_SETTING, "(request) -> str | None")  # type: ignore[no-any-return]
+
+
+def replay_authorizer(chosen: IdemflowSettings) -> ReplayHook | None:
+    """``IDEMFLOW['authorize_replay']``: imported if a dotted path, and checked.
+
+    Raises:
+        ConfigurationError: the path does not import, or names no callable or an
+            ``async def`` one.
+    """
+    hook = chosen.authorize_replay
+    if hook is None:
+        return None
+    if isinstance(hook, str):
+        try:
+            hook = import_string(hook)
+        except ImportError as exc:
+            raise ConfigurationError(f"{_REPLAY_SETTING} = {hook!r}: {exc}") from exc
+    return sync_replay_authorizer(hook, _REPLAY_SETTING)
+
+
+def check_replay_authorizer(chosen: IdemflowSettings) -> None:
+    """`replay_authorizer` at start-up (``AppConfig.ready``, the middleware's
+    ``__init__``): a wrong path or an ``async def`` hook is ``ImproperlyConfigured`` then,
+    not a 500 problem on every protected request. So is an ``async def`` principal getter
+    given as a callable (one given by its path is checked where it is imported, at the
+    first protected request)."""
+    try:
+        replay_authorizer(chosen)
+        if callable(chosen.principal):
+            plain_callable(chosen.principal, _PRINCIPAL_SETTING, "(request) -> str | None")
+    except ConfigurationError as exc:
+        raise ImproperlyConfigured(str(exc)) from exc
+
+
+def _headers(request: HttpRequest) -> RawHeaders:
+    """The request's header lines, read from ``META`` as the WSGI middleware reads the environ."""
+    return raw_headers(request.META)
+
+
+def _body_limit(max_body_bytes: int) -> int:
+    """The body cap of a protected request: ``max_body_bytes``, or Django's
+    ``DATA_UPLOAD_MAX_MEMORY_SIZE`` when that is lower (``None`` turns it off).
+
+    Django refuses a body over that setting when it reads one itself (``request.body``:
+    ``RequestDataTooBig``, a 400); idemflow reads the body for Django, before the view, so
+    the setting bounds it there too, whatever its framing: the 413 ``body-too-large``
+    problem, nothing claimed.
+    """
+    django_cap = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    return max_body_bytes if django_cap is None else min(max_body_bytes, int(django_cap))
+
+
+def _body(request: HttpRequest, limit: int) -> bytes:
+    """The whole body, at most ``limit`` bytes; 413 before reading when the length says so."""
+    declared = declared_length(request.META.get("CONTENT_LENGTH"), limit)
+    if declared is None and "wsgi.input" in request.META:
+        return _unframed(request, limit)
+    try:
+        body = bytes(request.body)
+    except RequestDataTooBig:  # an ASGI body without its length, over Django's own cap
+        raise body_too_large(0, limit, streaming=True) from None
+    if len(body) > limit:
+        raise body_too_large(len(body), limit)
+    if declared is not None and len(body) != declared:
+        raise body_cut_short(len(body), declared)
+    return body
+
+
+def _unframed(request: HttpRequest, limit: int) -> bytes:
+    """A WSGI request's body sent without its length (chunked), made the request's own.
+
+    Django's WSGIRequest reads ``CONTENT_LENGTH`` bytes of ``wsgi.input``: none
+    when it is absent, so it sees an empty body. Where the server ends the
+    stream at the body's end (``wsgi.input_terminated``, gunicorn's chunked
+    bodies), it is read here, at most one byte past ``limit`` (413 while it
+    streams, 400 if it is cut short), and given to the request as Django caches
+    a body it has read (``HttpRequest.body``), with its length in ``META``:
+    the view, DRF's parsers and ``request.POST`` all read it. Where the server
+    does not, a body announced by ``Transfer-Encoding`` cannot be read safely:
+    411, never an empty body claimed in its place.
+    """
+    environ = request.META
+    if not environ.get("wsgi.input_terminated"):
+        _require_length(environ)  # a chunked body: 411
+        return bytes(request.body)  # neither a length nor a framing: no body (RFC 9112 6.3)
+    body = read_body(environ, limit)
+    environ["wsgi.input"] = io.BytesIO(body)
+    environ["CONTENT_LENGTH"] = str(len(body))
+    # What HttpRequest.body leaves once it has read a body; what was parsed from
+    # the empty one before (request.POST, by CSRF's check of a form) goes with it.
+    request._body = body  # Django's own cache of the read body
+    request._stream = io.BytesIO(body)
+    for parsed in ("_post", "_files"):
+        request.__dict__.pop(parsed, None)
+    return body
+
+
+def _django_request(
+    request: Any,
+    principal: str | None,
+    request_id: str,
+    limit: int,
+    match: Any = None,
+    headers: RawHeaders | None = None,
+) -> HTTPRequest:
+    """``request`` (Django's, or DRF's wrapping one) as the edge sees it.
+
+    The route is the template Django matched (``/payments/<int:pk>/refunds``),
+    so records and metrics name a bounded set of endpoints; its parameters
+    are part of the fingerprint. ``headers``: its header lines, if already read.
+    """
+    raw: HttpRequest = getattr(request, "_request", request)
+    match = match if match is not None else raw.resolver_match
+    route = f"/{match.route}" if match is not None and match.route else raw.path
+    params = {} if match is None else {str(k): str(v) for k, v in match.kwargs.items()}
+    if match is not None:
+        params.update({str(i): str(v) for i, v in enumerate(match.args)})
+    return HTTPRequest(
+        raw.method or "POST",
+        route,
+        _headers(raw) if headers is None else headers,
+        _body(raw, limit),
+        principal,
+        request_id,
+        params,
+        str(raw.META.get("QUERY_STRING", "")),
+    )
+
+
+def _from_django(response: HttpResponseBase) -> Response:
+    """A Django (or rendered DRF) response with its body in memory, as an idemflow Response."""
+    if getattr(response, "streaming", False) or not isinstance(response, HttpResponse):
+        msg = (
+            f"{type(response).__name__} streams its body, which cannot be stored for replay; "
+            "return a response with the body in memory from protected views"
+        )
+        raise ResponseNotStorable(msg)
+    headers = [(str(k), str(v)) for k, v in response.items()]
+    headers += [("set-cookie", morsel.OutputString()) for morsel in response.cookies.values()]
+    return Response(response.status_code, bytes(response.content), tuple(headers))
+
+
+def _to_django(response: Response) -> HttpResponse:
+    """An idemflow Response (a replay, a problem) as a Django one, header for header."""
+    result = HttpResponse(content=response.body, status=response.status)
+    del result["Content-Type"]  # only the stored headers: no default text/html
+    for name, value in sendable_headers(response):
+        key, text = name.decode("latin-1"), value.decode("latin-1")
+        # Django keeps one value per name: repeated lines (Link, Vary) are joined.
+        result[key] = f"{result[key]}, {text}" if key in result else text
+    return result
+
+
+def protect(
+    request: Any,
+    view: ViewCall,
+    *,
+    public: bool = False,
+    validate: Callable[[], object] | None = None,
+    match: Any = None,
+    authorize_replay: ReplayHook | None = None,
+    policy: RoutePolicy | None = None,
+) -> HttpResponseBase:
+    """Run ``view`` once per ``(principal, Idempotency-Key)`` in its own transaction.
+
+    ``validate`` runs after the body was read and before anything is claimed:
+    an `InvalidData` it raises is a 400 ``invalid-body`` problem, anything
+    else (a DRF ``ValidationError``, Django's ``BadRequest``) passes through;
+    neither is recorded. ``authorize_replay``: the view's own replay hook, in
+    place of ``IDEMFLOW['authorize_replay']``; ``policy`` the view's own
+    (``EdgeOptions.policy``), in place of the settings' durations.
+    """
+    raw = getattr(request, "_request", request)
+    headers = _headers(raw)
+    rid = request_id_from(headers)
+    try:
+        prepared = _prepared()  # a bad authorize_replay path: the 500 problem naming it
+        edge = prepared.edge(public, authorize_replay, policy)
+        if str(raw.method).upper() in SAFE_METHODS:
+            msg = f"{raw.method} is idempotent already; protect unsafe methods only"
+            raise ConfigurationError(msg)
+        who = prepared.principal()(request)
+        limit = _body_limit(edge.options.max_body_bytes)
+        http = _django_request(request, who, rid, limit, match, headers)
+        if not who and not public:
+            raise MissingPrincipal("authenticate first: idempotency keys are scoped to the caller")
+    except IdempotencyError as exc:
+        return _to_django(problem_for(exc, rid))
+    if validate is not None:
+        try:
+            validate()
+        except InvalidData as invalid:
+            answer = problem(
+                400,
+                "Invalid request body",
+                invalid.detail,
+                slug="invalid-body",
+                request_id=rid,
+                errors=invalid.errors,
+            )
+            return _to_django(answer)
+    return _respond(http, view, edge, prepared.settings)
+
+
+class InvalidData(Exception):
+    """A body ``validate`` refuses: ``detail`` one line, ``errors`` the serializer's."""
+
+    def __init__(self, detail: str, errors: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.errors = errors
+
+
+class _Prepared:
+    """What every protected request of one ``settings.IDEMFLOW`` shares, made once:
+    the edges (their options checked), the principal."""
+
+    def __init__(self, chosen: IdemflowSettings) -> None:
+        self.settings = chosen
+        self._driver = get_idempotency()
+        self._authorize_replay = replay_authorizer(chosen)
+        options = view_options(functools.partial(getattr, chosen))
+        self._edges = ViewEdges(functools.partial(Edge, self._driver), options)
+        self._principal: Callable[[Any], str | None] | None = None
+
+    def edge(
+        self,
+        public: bool,
+        authorize_replay: ReplayHook | None = None,
+        policy: RoutePolicy | None = None,
+    ) -> Edge:
+        """The edge of a public or non-public view, with the view's own replay hook or
+        the setting's, and its own policy or the settings'."""
+        hook = self._authorize_replay if authorize_replay is None else authorize_replay
+        return self._edges(public, hook, policy)
+
+    def principal(self) -> Callable[[Any], str | None]:
+        """The principal getter; a bad ``IDEMFLOW['principal']`` raises on each request."""
+        if self._principal is None:
+            self._principal = _principal_getter(self.settings)
+        return self._principal
+
+
+# Made on the first protected request, and again after a change of the settings
+# (override_settings): a request then reads no setting.
+_made: _Prepared | None = None
+
+
+def _prepared() -> _Prepared:
+    global _made  # noqa: PLW0603 -- one slot, replaced whole (two threads may both build it)
+    made = _made
+    if made is None:
+        made = _made = _Prepared(idemflow_settings())
+    return made
+
+
+def _forget(*, setting: str, **kwargs: Any) -> None:
+    global _made  # noqa: PLW0603 -- one slot, replaced whole
+    if setting in ("IDEMFLOW", "DATABASES"):
+        _made = None
+
+
+setting_changed.connect(_forget, dispatch_uid="idemflow-prepared")
+
+
+def _respond(
+    http: HTTPRequest, view: ViewCall, edge: Edge, chosen: IdemflowSettings
+) -> HttpResponseBase:
+    ran: list[tuple[HttpResponseBase, Response]] = []
+
+    def handler(attempt: Any) -> Response:
+        original = view()
+        converted = _from_django(original)
+        ran.append((original, converted))
+        return converted
+
+    answer = edge.respond(
+        http,
+        handler,
+        transaction=lambda: nullcontext(DjangoTransaction(chosen.database)),
+        single_commit=chosen.single_commit,
+    )
+    if ran and answer.body is ran[0][1].body and answer.status == ran[0][1].status:
+        original = ran[0][0]  # the first execution: the view's own response object, cookies and all
+        if REQUEST_ID_HEADER not in original:
+            original[REQUEST_ID_HEADER] = http.request_id
+        return original
+    return _to_django(answer)
+
+
+def _outcome_unknown_received(sender: Any, request: Any = None, **_: Any) -> None:
+    """``got_request_exception``'s receiver: an ``OutcomeUnknown`` told to the middleware.
+
+    Django answers an exception no view or middleware handled with a 500
+    (WSGI and ASGI handlers alike) and sends this signal while it is being
+    handled. A WSGI or ASGI idemflow middleware around the Django application
+    would see only the 500, and release the key; this tells it through the
+    slot it left in the request's environ (``request.environ``) or scope
+    (``request.scope``), so the claim is kept for the sweeper and the caller
+    gets the 503 ``outcome-unknown`` problem. Connected by the app's
+    ``ready()`` (``"idemflow.integrations.django"`` in ``INSTALLED_APPS``).
+    """
+    error = sys.exc_info()[1]
+    if request is None or not isinstance(error, OutcomeUnknown):
+        return
+    slot = getattr(request, "environ", None)
+    if slot is None:
+        slot = getattr(request, "scope", None)
+    if isinstance(slot, dict):
+        report_outcome_unknown(slot, error)

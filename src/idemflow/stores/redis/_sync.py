@@ -13,8 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._errors import LeaseLost
-from ..._lease import new_lease_token
-from ..._model import Claim, Intent, Policy, Record, Response, State
+from ..._model import Claim, Intent, Policy, Record, Response, State, new_lease_token
 from ..protocol import MaintainableStore, Transaction, StoreClock, check_clock
 from ._scripts import (
     ARM_ABSENT,

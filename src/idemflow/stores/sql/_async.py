@@ -22,7 +22,7 @@ from ..._model import (
     make_claim,
 )
 from ..protocol import AsyncMaintainableStore, AsyncTransaction, Statement
-from ._rows import RowShape, complete_params, row_shape, stale_params
+from ._rows import RowShape, row_shape, stale_params
 from ._stats import AsyncSQLObservable, is_missing_table, missing_table
 from .dialect import (
     CLAIM_RETRIES,
@@ -31,6 +31,7 @@ from .dialect import (
     claim_busy,
     claim_params,
     claim_unsettled,
+    complete_params,
     owner_params,
     record_from_values,
     sweep_params,

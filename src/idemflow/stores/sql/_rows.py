@@ -1,4 +1,4 @@
-"""What the SQL executor sends and reads: a write's parameters, a result's shape.
+"""What the SQL executor sends and reads: a sweeper's fence, a result's shape.
 
 The executor's own helpers (``stores/sql/_async.py`` and its generated twin); a
 dialect never needs them.
@@ -10,23 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..._model import Record, Response, State, headers_json
+from ..._model import Record
 from .dialect import COLUMNS, owner_params
-
-
-def complete_params(
-    record: Record, state: State, response: Response, now: float, expires_at: float
-) -> dict[str, Any]:
-    return {
-        "id": record.id,
-        "lease_token": record.lease_token,
-        "now": int(now * 1000),
-        "expires_at": int(expires_at * 1000),
-        "state": state.value,
-        "status": response.status,
-        "headers": headers_json(response.headers),
-        "body": response.body,
-    }
 
 
 def stale_params(record: Record, now: float, *, forget_progress: bool = False) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from ..._model import (
     make_claim,
 )
 from ..protocol import MaintainableStore, Transaction, Statement
-from ._rows import RowShape, complete_params, row_shape, stale_params
+from ._rows import RowShape, row_shape, stale_params
 from ._stats import SQLObservable, is_missing_table, missing_table
 from .dialect import (
     CLAIM_RETRIES,
@@ -32,6 +32,7 @@ from .dialect import (
     claim_busy,
     claim_params,
     claim_unsettled,
+    complete_params,
     owner_params,
     record_from_values,
     sweep_params,

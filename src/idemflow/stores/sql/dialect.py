@@ -20,11 +20,13 @@ from ..._errors import InProgress
 from ..._model import (
     Intent,
     Record,
+    Response,
     State,
     make_record,
     make_response,
     stored_headers,
 )
+from ..._model import headers_json as _headers_json  # dialect.headers_json is deprecated
 from ..protocol import Statement
 
 if TYPE_CHECKING:
@@ -388,6 +390,21 @@ def claim_params(intent: Intent, lease_token: str, now: float, expires_at: float
     }
 
 
+def complete_params(
+    record: Record, state: State, response: Response, now: float, expires_at: float
+) -> dict[str, Any]:
+    return {
+        "id": record.id,
+        "lease_token": record.lease_token,
+        "now": int(now * 1000),
+        "expires_at": int(expires_at * 1000),
+        "state": state.value,
+        "status": response.status,
+        "headers": _headers_json(response.headers),
+        "body": response.body,
+    }
+
+
 def owner_params(record: Record, now: float) -> dict[str, Any]:
     return {"id": record.id, "lease_token": record.lease_token, "now": int(now * 1000)}
 
@@ -447,7 +464,7 @@ __getattr__ = moved(
         "headers_json": "idemflow._model:headers_json",
         **{
             name: f"idemflow.stores.sql._rows:{name}"
-            for name in ("RowShape", "complete_params", "row_shape", "stale_params")
+            for name in ("RowShape", "row_shape", "stale_params")
         },
     },
 )

@@ -1,0 +1,571 @@
+"""
+What identifies a request: its ``Idempotency-Key`` and its fingerprint.
+
+The key is an RFC 9651 *String* (the bare form every client sends is accepted
+unless ``strict=True``), 1 to `MAX_KEY_LENGTH` printable ASCII; errors
+quote at most a short ``repr``-escaped excerpt. The fingerprint is a SHA-256
+digest over a version tag, the length-prefixed method and route, the canonical
+query and the body: a JSON body read strictly as I-JSON (RFC 7493, nesting
+capped at `MAX_DEPTH`) and hashed in RFC 8785 canonical form, so another
+whitespace, key order or number spelling is the same request (one deliberate
+deviation: an ``int`` keeps its exact digits above 2**53). Only the digest
+leaves this module. Why and how: docs/core.md, "Fingerprints".
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+from urllib.parse import quote_from_bytes, unquote_to_bytes
+
+from ._errors import BodyTooLarge, InvalidBody, InvalidKey, MissingKey
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "MAX_DEPTH",
+    "MAX_KEY_LENGTH",
+    "canonical_json",
+    "canonical_json_bytes",
+    "canonical_query",
+    "excerpt",
+    "fingerprint",
+    "parse_json",
+    "parse_key",
+]
+
+
+# The key.
+
+#: The longest key accepted, in characters (Stripe's limit).
+MAX_KEY_LENGTH = 255
+
+# Optional whitespace around a field value (RFC 9110 §5.6.3).
+_OWS = " \t"
+
+# Every character escaped plus two quotes: anything longer is refused before a loop.
+_MAX_RAW_LENGTH = 2 * MAX_KEY_LENGTH + 2
+
+# How much of the client's value an error message may quote.
+_EXCERPT_LENGTH = 40
+
+# Names for the characters clients most often get wrong.
+_CHAR_NAMES = {"\t": "a tab", " ": "a space", "\x7f": "DEL"}
+
+
+def parse_key(values: Sequence[str], *, strict: bool = False) -> str:
+    """The key carried by every ``Idempotency-Key`` field line (latin-1; ``[]`` when
+    absent): MissingKey without one, InvalidKey for anything but one valid key
+    (``strict``: quoted only, as the draft requires)."""
+    # A bare str is a Sequence[str] too: it would be "sent 36 times".
+    if isinstance(values, str):
+        raise TypeError("values must be a sequence of field lines, not a str")
+    if not values:
+        raise MissingKey("the Idempotency-Key header is required")
+    if len(values) > 1:
+        # Repeated lines combine into a list (RFC 9110 §5.3), never a valid Item.
+        raise InvalidKey(f"Idempotency-Key was sent {len(values)} times; send exactly one")
+
+    raw = values[0].strip(_OWS)
+    if not raw:
+        raise InvalidKey("Idempotency-Key is empty")
+    if len(raw) > _MAX_RAW_LENGTH:
+        raise _too_long()
+    if raw.startswith('"'):
+        key = _unquote(raw)
+    elif strict:
+        raise InvalidKey('Idempotency-Key must be a quoted string (RFC 9651), e.g. "order-42"')
+    else:
+        key = _check_bare(raw)
+    return _check_key(key)
+
+
+def _unquote(raw: str) -> str:
+    """Decode an sf-string that starts at ``raw[0]`` and must end at ``raw[-1]``."""
+    if raw.find('"', 1) == len(raw) - 1 and "\\" not in raw:
+        return raw[1:-1]  # the usual key: no escape, nothing after the closing quote
+    chars: list[str] = []
+    i = 1
+    while i < len(raw):
+        ch = raw[i]
+        if ch == '"':
+            _reject_trailing(raw[i + 1 :])
+            return "".join(chars)
+        if ch == "\\":
+            escaped = raw[i + 1 : i + 2]
+            if not escaped:
+                break  # a backslash at the very end: the quote is missing
+            if escaped not in ('"', "\\"):
+                raise InvalidKey(
+                    'Idempotency-Key: only \\" and \\\\ escapes are allowed in a quoted key'
+                )
+            ch = escaped
+            i += 1
+        # Other characters are checked once, on the decoded key.
+        chars.append(ch)
+        i += 1
+    raise InvalidKey("Idempotency-Key: the quoted key has no closing quote")
+
+
+def _reject_trailing(rest: str) -> None:
+    """Refuse anything after the closing quote: parameters, list members, junk."""
+    if not rest:
+        return
+    tail = rest.lstrip(_OWS)
+    if tail.startswith(","):
+        raise InvalidKey("Idempotency-Key: lists are not allowed; send one key")
+    if tail.startswith(";"):
+        raise InvalidKey("Idempotency-Key: parameters are not allowed")
+    raise InvalidKey(
+        "Idempotency-Key: unexpected characters after the closing quote: " + excerpt(rest)
+    )
+
+
+def _check_bare(raw: str) -> str:
+    """Refuse what a bare key cannot hold (``;`` starts parameters, refused as quoted,
+    so both forms agree); the rest is checked with the key."""
+    if "," in raw:
+        raise InvalidKey("Idempotency-Key: lists are not allowed; send one key")
+    if ";" in raw:
+        raise InvalidKey(
+            "Idempotency-Key: parameters are not allowed; a key containing ';' must be "
+            'sent quoted, e.g. "a;b"'
+        )
+    if '"' in raw:
+        raise InvalidKey(
+            "Idempotency-Key: a bare key may not contain a double quote; "
+            'use the quoted form with \\" instead'
+        )
+    for ch in _OWS:
+        if ch in raw:
+            raise InvalidKey(
+                f"Idempotency-Key: a bare key may not contain {_CHAR_NAMES[ch]}; "
+                "use the quoted form"
+            )
+    return raw
+
+
+def _check_key(key: str) -> str:
+    """Return ``key`` if it is 1 to MAX_KEY_LENGTH printable ASCII characters."""
+    if not key:
+        raise InvalidKey("Idempotency-Key is empty")
+    if len(key) > MAX_KEY_LENGTH:
+        raise _too_long()
+    if key.isascii() and key.isprintable():  # printable ASCII is exactly 0x20-0x7E
+        return key
+    for ch in key:
+        if not " " <= ch <= "~":
+            raise InvalidKey(
+                f"Idempotency-Key contains {_describe(ch)}; "
+                "only printable ASCII (0x20-0x7E) is allowed"
+            )
+    return key
+
+
+def _too_long() -> InvalidKey:
+    return InvalidKey(f"Idempotency-Key is longer than {MAX_KEY_LENGTH} characters")
+
+
+def _describe(ch: str) -> str:
+    """Name a character without writing it raw into a message (or a log line)."""
+    code = f"U+{ord(ch):04X}"
+    name = _CHAR_NAMES.get(ch)
+    if name is None:
+        name = "a control character" if ord(ch) < 0x20 else "a non-ASCII character"
+    return f"{name} ({code})"
+
+
+def excerpt(text: str) -> str:
+    """At most _EXCERPT_LENGTH characters of client input, escaped by ``repr``."""
+    if len(text) <= _EXCERPT_LENGTH:
+        return repr(text)
+    return repr(text[:_EXCERPT_LENGTH]) + "..."
+
+
+# Canonical JSON.
+
+#: The deepest nesting a body may have: beyond any real request, below the recursion limit.
+MAX_DEPTH = 128
+
+
+def parse_json(data: bytes) -> Any:
+    """Parse ``data`` as strict I-JSON; InvalidBody says why it is not."""
+    return _parse(data)[0]
+
+
+def _parse(data: bytes) -> tuple[Any, bool]:
+    """`parse_json`, and whether the value is *plain* (see `_check_tree`)."""
+    text = _decode(data)
+    value = _loads(text)
+    return value, _check_tree(value, escaped="\\u" in text, ascii=text.isascii())
+
+
+def _decode(data: bytes) -> str:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidBody(
+            f"request body is not valid UTF-8 (bad byte at offset {e.start})"
+        ) from None
+    if text.startswith("\ufeff"):
+        # RFC 8259 §8.1 lets parsers skip a BOM; a strict one refuses to guess.
+        raise InvalidBody("request body starts with a byte order mark (U+FEFF)")
+    return text
+
+
+def _loads(text: str) -> Any:
+    try:
+        return _DECODER.decode(text)
+    except json.JSONDecodeError as e:
+        # e.msg and the position never quote the body.
+        raise InvalidBody(
+            f"request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
+        ) from None
+    except RecursionError:
+        # The C scanner recurses per level: 100 000 "[" must be a 400, not a 500.
+        raise _too_deep() from None
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Build an object, refusing repeated names (compared after unescaping)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise InvalidBody(f"request body repeats the member name {excerpt(name)}")
+            seen.add(name)
+    return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidBody(f"request body contains {name}, which is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    # json reads 1e400 as inf, which neither I-JSON nor JCS can hold.
+    value = float(text)
+    if not math.isfinite(value):
+        raise InvalidBody("request body contains a number too large for a double")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    # int() refuses more than sys.get_int_max_str_digits(): a 400, not a 500.
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidBody(
+            f"request body contains an integer with {len(text)} digits, too many to read"
+        ) from None
+
+
+# Made once (json.loads with hooks builds one per call); it keeps no state between calls.
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_unique_members,
+    parse_constant=_reject_constant,
+    parse_float=_finite_float,
+    parse_int=_bounded_int,
+)
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_tree(value: Any, *, escaped: bool = True, ascii: bool = False) -> bool:
+    """Refuse lone surrogates (only an unpaired ``\\u`` escape leaves one) and nesting
+    beyond MAX_DEPTH, iteratively; True if *plain*: no float and no astral member name,
+    where ``json.dumps`` (sorted, compact) writes exactly RFC 8785 and is faster."""
+    astral = escaped or not ascii
+    plain = True
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if escaped:
+                _check_text(item)
+        elif isinstance(item, float):
+            plain = False
+        elif isinstance(item, dict | list):
+            if depth > MAX_DEPTH:
+                raise _too_deep()
+            if isinstance(item, dict):
+                for name in item:
+                    if escaped:
+                        _check_text(name)
+                    if plain and astral and not name.isascii() and _ASTRAL.search(name):
+                        plain = False
+                item = item.values()
+            stack.extend((child, depth + 1) for child in item)
+    return plain
+
+
+_ASTRAL = re.compile("[\U00010000-\U0010ffff]")
+
+
+def _check_text(text: str) -> None:
+    if _SURROGATE.search(text):
+        raise InvalidBody(
+            "request body contains an unpaired UTF-16 surrogate escape (\\uD800-\\uDFFF)"
+        )
+
+
+def _too_deep() -> InvalidBody:
+    return InvalidBody(f"request body nests deeper than {MAX_DEPTH} levels")
+
+
+def canonical_json(value: Any) -> bytes:
+    """Serialise ``value`` (JSON types, tuples as arrays; ints exact) as RFC 8785, UTF-8.
+    TypeError for another type; ValueError for a non-finite float or a lone surrogate."""
+    parts: list[str] = []
+    _write(value, parts.append)
+    return "".join(parts).encode("utf-8")
+
+
+def _write(value: Any, out: Callable[[str], object]) -> None:
+    # bool before int: True is an int too.
+    if value is None:
+        out("null")
+    elif value is True:
+        out("true")
+    elif value is False:
+        out("false")
+    elif isinstance(value, str):
+        out(_string(value))
+    elif isinstance(value, int):
+        out(int.__repr__(value))
+    elif isinstance(value, float):
+        out(_number(value))
+    elif isinstance(value, Mapping):
+        _write_object(value, out)
+    elif isinstance(value, list | tuple):
+        _write_array(value, out)
+    else:
+        raise TypeError(f"cannot canonicalise a {type(value).__name__} as JSON")
+
+
+def _write_object(obj: Mapping[Any, Any], out: Callable[[str], object]) -> None:
+    for name in obj:
+        if not isinstance(name, str):
+            raise TypeError(f"JSON member names must be str, not {type(name).__name__}")
+    out("{")
+    for i, name in enumerate(sorted(obj, key=_utf16_order)):
+        if i:
+            out(",")
+        out(_string(name))
+        out(":")
+        _write(obj[name], out)
+    out("}")
+
+
+def _write_array(items: list[Any] | tuple[Any, ...], out: Callable[[str], object]) -> None:
+    out("[")
+    for i, item in enumerate(items):
+        if i:
+            out(",")
+        _write(item, out)
+    out("]")
+
+
+def _utf16_order(name: str) -> bytes:
+    # RFC 8785 §3.2.3 sorts by UTF-16 code units (not code points past U+E000);
+    # big-endian bytes compare like the code units.
+    return name.encode("utf-16-be", "surrogatepass")
+
+
+# JSON.stringify escapes only these (and other controls as \u00xx).
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+_NEEDS_ESCAPE = re.compile('["\\\\\x00-\x1f]')
+
+
+def _escape(match: re.Match[str]) -> str:
+    ch = match.group()
+    return _ESCAPES.get(ch) or f"\\u{ord(ch):04x}"
+
+
+def _string(text: str) -> str:
+    if _SURROGATE.search(text):
+        raise ValueError("cannot canonicalise a str containing a lone surrogate")
+    return '"' + _NEEDS_ESCAPE.sub(_escape, text) + '"'
+
+
+def _number(value: float) -> str:
+    """Format a double as ECMAScript's ``Number.prototype.toString`` does."""
+    if not math.isfinite(value):
+        raise ValueError(f"cannot canonicalise {value!r}: JSON has no such number")
+    if value == 0:
+        return "0"  # also -0.0
+    # repr() gives the shortest round-tripping digits, as ECMAScript; only the layout differs.
+    digits, point = _decimal_digits(float.__repr__(abs(value)))
+    sign = "-" if value < 0 else ""
+    return sign + _es_layout(digits, point)
+
+
+def _decimal_digits(text: str) -> tuple[str, int]:
+    """A positive float's repr as ``0.<digits> * 10**point`` (ECMAScript's *s* and *n*)."""
+    mantissa, _, exponent = text.partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    digits = (whole + fraction).rstrip("0")
+    point = len(whole) + int(exponent or 0)
+    significant = digits.lstrip("0")
+    return significant, point - (len(digits) - len(significant))
+
+
+def _es_layout(digits: str, point: int) -> str:
+    """Lay out ``0.<digits> * 10**point`` as ECMA-262's Number::toString does."""
+    k = len(digits)
+    if k <= point <= 21:
+        return digits + "0" * (point - k)
+    if 0 < point <= 21:
+        return digits[:point] + "." + digits[point:]
+    if -6 < point <= 0:
+        return "0." + "0" * -point + digits
+    exponent = point - 1
+    mantissa = digits if k == 1 else digits[0] + "." + digits[1:]
+    return f"{mantissa}e{'+' if exponent > 0 else '-'}{abs(exponent)}"
+
+
+def canonical_json_bytes(data: bytes, exclude_fields: Collection[str] = ()) -> bytes:
+    """Parse ``data`` strictly (InvalidBody) and return its canonical form, leaving out
+    ``exclude_fields``: ``"a.b"`` is member ``b`` of object ``a`` (objects only, never
+    arrays; a missing path is ignored)."""
+    # A lone str is a Collection[str] of its characters: "id" would drop "i" and "d".
+    if isinstance(exclude_fields, str):
+        raise TypeError("exclude_fields must be a collection of names, not a str")
+    value, plain = _parse(data)
+    for path in exclude_fields:
+        _drop(value, path.split("."))
+    if plain:  # the same bytes, from the C encoder (see _check_tree)
+        return _PLAIN.encode(value).encode("utf-8")
+    return canonical_json(value)
+
+
+_PLAIN = json.JSONEncoder(
+    ensure_ascii=False, sort_keys=True, separators=(",", ":"), check_circular=False
+)
+
+
+def _drop(value: Any, path: list[str]) -> None:
+    """Remove the member at ``path`` from ``value`` in place, if it is there."""
+    *parents, name = path
+    for segment in parents:
+        if not isinstance(value, dict):
+            return
+        value = value.get(segment)
+    if isinstance(value, dict):
+        value.pop(name, None)
+
+
+# The fingerprint.
+
+#: Bodies larger than this (1 MiB) are refused rather than hashed.
+DEFAULT_MAX_BODY_BYTES = 1_048_576
+
+# Bump it when the encoding changes: a stored fingerprint must never match another's.
+_VERSION_TAG = b"idemflow-fp-v1\n"
+
+
+def fingerprint(
+    method: str,
+    route: str,
+    body: bytes,
+    *,
+    content_type: str | None = None,
+    exclude_fields: Collection[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    query: str | bytes = b"",
+) -> str:
+    """``"sha256:<hex>"`` for this request's intent: a JSON ``content_type``'s body in
+    canonical form without ``exclude_fields`` (dotted paths); InvalidBody for bad JSON,
+    BodyTooLarge over ``max_body_bytes``."""
+    # Checked here too: a raw body would hide the mistake until the first JSON request.
+    if isinstance(exclude_fields, str):
+        raise TypeError("exclude_fields must be a collection of names, not a str")
+    if len(body) > max_body_bytes:
+        raise BodyTooLarge(
+            f"request body is {len(body)} bytes; "
+            f"the limit for idempotent requests is {max_body_bytes} bytes"
+        )
+    kind, hashed_body = _hashed_body(body, content_type, exclude_fields)
+
+    digest = _head(method, route).copy()
+    canonical = canonical_query(query) if query else b""
+    if canonical:
+        # "query" is never a body kind: a digest with a query cannot collide with one without.
+        digest.update(b"query\n" + b"%d:%s\n" % (len(canonical), canonical))
+    digest.update(kind + b"\n")
+    # The body is last, so it needs no length: it runs to the end.
+    digest.update(hashed_body)
+    return "sha256:" + digest.hexdigest()
+
+
+def _hashed_body(
+    body: bytes, content_type: str | None, exclude_fields: Collection[str]
+) -> tuple[bytes, bytes]:
+    """The body kind and the bytes that stand for the body in the digest."""
+    if not _is_json(content_type):
+        return b"raw", body
+    if not body:
+        # A bodyless POST declared JSON is common; canonical JSON is never empty.
+        return b"json", b""
+    return b"json", canonical_json_bytes(body, exclude_fields)
+
+
+@functools.lru_cache(maxsize=1024)
+def _head(method: str, route: str) -> hashlib._Hash:
+    """The digest of what comes before the query and the body, hashed once per route."""
+    digest = hashlib.sha256(_VERSION_TAG)
+    digest.update(_length_prefixed(method.upper()))
+    digest.update(_length_prefixed(route))
+    return digest
+
+
+@functools.lru_cache(maxsize=256)
+def _is_json(content_type: str | None) -> bool:
+    """Whether the media type is ``application/json`` or a ``+json`` suffix type."""
+    if content_type is None:
+        return False
+    media_type = content_type.partition(";")[0].strip(" \t").lower()
+    type_, _, subtype = media_type.partition("/")
+    return (type_ == "application" and subtype == "json") or (
+        bool(type_) and subtype.endswith("+json")
+    )
+
+
+def _length_prefixed(text: str) -> bytes:
+    # surrogatepass: an ASGI path may carry any code point, each mapped to distinct bytes.
+    data = text.encode("utf-8", "surrogatepass")
+    return b"%d:%s\n" % (len(data), data)
+
+
+def canonical_query(query: str | bytes) -> bytes:
+    """``query`` with its pairs percent-decoded, sorted and re-encoded: ``b=2&a=1`` and
+    ``a=%31&b=2`` are one query, ``a`` and ``a=`` one pair; a str is taken as latin-1."""
+    raw = query.encode("latin-1", "replace") if isinstance(query, str) else query
+    raw = raw.removeprefix(b"?")
+    if not raw:
+        return b""
+    pairs = sorted(
+        (_unquote_part(name), _unquote_part(value))
+        for name, _, value in (piece.partition(b"=") for piece in raw.split(b"&") if piece)
+    )
+    return b"&".join(_quote_part(name) + b"=" + _quote_part(value) for name, value in pairs)
+
+
+def _unquote_part(part: bytes) -> bytes:
+    return unquote_to_bytes(part.replace(b"+", b" "))
+
+
+def _quote_part(part: bytes) -> bytes:
+    return quote_from_bytes(part, safe="").encode("ascii")
