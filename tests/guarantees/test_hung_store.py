@@ -990,17 +990,19 @@ async def test_a_migration_waits_for_its_locks_past_the_store_wait(
         holder = pymysql.connect(host="127.0.0.1", port=3306, user="root", database="test")
         holder.cursor().execute(f"LOCK TABLES {table_name} WRITE")  # a busy table
         give_back, drop = "UNLOCK TABLES", f"DROP TABLE IF EXISTS {table_name}"
-    given_back = threading.Event()
+    # Set before the lock is given back: the migration cannot return before that, and a
+    # flag set after the holder's reply would race the migration's own return.
+    giving_back = threading.Event()
 
     def give_the_lock_back() -> None:
+        giving_back.set()
         holder.cursor().execute(give_back)
-        given_back.set()
 
     timer = threading.Timer(2 * BUDGETED.store_wait_seconds, give_the_lock_back)
     timer.start()
     try:
         await store.migrate()
-        waited_for_the_holder = given_back.is_set()
+        waited_for_the_holder = giving_back.is_set()
     finally:
         timer.cancel()
         timer.join()
