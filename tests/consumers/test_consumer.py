@@ -310,3 +310,29 @@ async def test_an_async_handler_whose_lease_is_stolen_is_cancelled(clock: Frozen
     record = await store.get(QUEUE, "m-1")
     assert record is not None
     assert (record.state, record.lease_token) == (State.IN_PROGRESS, "lease-b")
+
+
+class KeepsNoClaimAlive(MemoryStore):
+    """A store as a third party might write one: every write fenced, but no `renew`."""
+
+    renews_claims = False
+
+    def renew(self, record: Any, now: float) -> None:
+        raise ConfigurationError("cannot renew")
+
+
+class AsyncKeepsNoClaimAlive(AsyncMemoryStore):
+    renews_claims = False
+
+    async def renew(self, record: Any, now: float) -> None:
+        raise ConfigurationError("cannot renew")
+
+
+def test_a_store_that_cannot_renew_a_claim_is_refused_at_start_up(clock: FrozenClock) -> None:
+    """Its claims would age out under a long handler and the sweeper would hand the message
+    to another consumer: refused when the consumer is made, naming the fix, never found out
+    mid-handler."""
+    with pytest.raises(ConfigurationError, match=r"cannot renew a claim.*renews_claims"):
+        Consumer(Idempotency(KeepsNoClaimAlive(), POLICY, clock=clock), QUEUE)
+    with pytest.raises(ConfigurationError, match=r"cannot renew a claim.*renews_claims"):
+        AsyncConsumer(AsyncIdempotency(AsyncKeepsNoClaimAlive(), POLICY, clock=clock), QUEUE)

@@ -42,6 +42,13 @@ class AsyncConsumer:
     def __init__(
         self, idempotency: AsyncIdempotency, scope: str, *, renew_every: float | None = None
     ) -> None:
+        if not idempotency.store.renews_claims:
+            msg = (
+                f"{type(idempotency.store).__name__} cannot renew a claim, so a long handler's "
+                "would age out under it and run twice: give the consumer one of idemflow's "
+                "stores, or implement Store.renew and set renews_claims = True"
+            )
+            raise ConfigurationError(msg)
         self.idempotency = idempotency
         self.scope = scope
         policy = idempotency.policy

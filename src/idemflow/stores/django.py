@@ -239,6 +239,7 @@ class DjangoStore(MaintainableStore):
     """
 
     supports_transactions = True
+    renews_claims = True
 
     def __init__(
         self, using: str = DEFAULT_DB_ALIAS, *, table: str = DEFAULT_TABLE, clock: str = "database"

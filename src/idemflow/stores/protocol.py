@@ -256,6 +256,10 @@ class Store(Protocol):
     def get(self, principal: str, key: str) -> Record | None:
         """The record for ``(principal, key)``, for operators and tests."""
 
+    #: Whether `renew` keeps a claim alive: a consumer refuses a store that cannot, at
+    #: start-up (its claims would age out under a running handler). True where it does.
+    renews_claims: bool = False
+
     def renew(self, record: Record, now: float) -> None:
         """Keep the claim alive: date it ``now`` if it is still ours (``id``, lease token,
         ``in_progress``, as `complete` is fenced), else ``LeaseLost``. A consumer's
@@ -355,6 +359,8 @@ class AsyncStore(Protocol):
     ) -> None: ...
 
     async def get(self, principal: str, key: str) -> Record | None: ...
+
+    renews_claims: bool = False  # `Store.renews_claims`
 
     async def renew(self, record: Record, now: float) -> None:
         """`Store.renew`."""

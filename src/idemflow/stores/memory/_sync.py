@@ -43,6 +43,7 @@ class MemoryStore(MaintainableStore):
 
     supports_transactions = False
     supports_single_commit = False
+    renews_claims = True
 
     def __init__(self, store: SharesTable | None = None) -> None:
         self.table = MemoryTable() if store is None else store.table

@@ -68,6 +68,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
 
     supports_transactions = False
     supports_single_commit = False
+    renews_claims = True
 
     def __init__(
         self,

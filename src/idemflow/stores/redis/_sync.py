@@ -69,6 +69,7 @@ class RedisStore(RedisObservable, MaintainableStore):
 
     supports_transactions = False
     supports_single_commit = False
+    renews_claims = True
 
     def __init__(
         self,

@@ -76,6 +76,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
     """
 
     supports_transactions = True
+    renews_claims = True
 
     @property
     def supports_single_commit(self) -> bool:

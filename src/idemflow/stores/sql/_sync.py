@@ -77,6 +77,7 @@ class SQLStore(SQLObservable, MaintainableStore):
     """
 
     supports_transactions = True
+    renews_claims = True
 
     @property
     def supports_single_commit(self) -> bool:

@@ -366,6 +366,7 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
     supports_transactions = True
     # One writer at a time: a duplicate would queue behind the whole transaction.
     supports_single_commit = False
+    renews_claims = True
 
     def __init__(
         self,
