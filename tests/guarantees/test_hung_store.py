@@ -635,8 +635,10 @@ async def test_postgresql_frozen_after_the_charge_then_resumed_charges_once(mode
 
 # --- every store, hung, within the request's own budget ---------------------------------
 
-#: A short request timeout: each store call waits at most its store wait (0.5 s).
-BUDGETED = Policy(request_timeout=1)
+#: A short request timeout: each store call waits at most its store wait (1 s), half the
+#: budget; the other second is slack for a loaded CI machine's stalls (a Redis Cluster
+#: 503 that takes 0.6 s alone once came after 1 s under the whole suite).
+BUDGETED = Policy(request_timeout=2)
 
 
 @contextlib.contextmanager
@@ -812,12 +814,14 @@ async def test_a_hung_store_answers_503_within_the_request_budget_and_the_key_re
             hang()
         safety.start()
         refused: StoreUnavailable | None = None
+        began = time.monotonic()
         try:
             try:
                 await idem.run(intent("k-hung"), handler)
             except StoreUnavailable as raised:
                 refused = raised
             in_budget = not rescued.is_set()
+            answered_after = time.monotonic() - began
         finally:
             safety.cancel()
             resume()
@@ -839,7 +843,7 @@ async def test_a_hung_store_answers_503_within_the_request_budget_and_the_key_re
         record = await store.get("alice", "k-hung")
         await store.close()
 
-    assert in_budget, "past the request's budget: the store was resumed before the 503"
+    assert in_budget, f"past the request's budget: the 503 came after {answered_after:.2f} s"
     assert refused is not None
     assert ran_while_hung == ([] if before_the_claim else ["charged"])
     if not before_the_claim:
