@@ -19,9 +19,9 @@ from ..._deprecation import moved
 from ..._extras import optional
 
 with optional("idemflow.integrations.django"):
+    from ...stores.django import DjangoTransaction
     from .conf import get_idempotency, get_store
     from .middleware import IdempotencyMiddleware
-    from .transaction import DjangoTransaction
     from .views import idempotency_public, idempotent
 
 __all__ = [

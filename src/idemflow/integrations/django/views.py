@@ -60,9 +60,9 @@ from ...edge import (
     sendable_headers,
     sync_replay_authorizer,
 )
+from ...stores.django import DjangoTransaction
 from ..wsgi import ReplayHook, _require_length, read_body, view_options
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
-from .transaction import DjangoTransaction
 
 __all__ = ["idempotency_public", "idempotent"]
 
