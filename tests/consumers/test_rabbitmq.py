@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from idemflow import AsyncAttempt, AsyncIdempotency, Intent, State
+from idemflow import AsyncAttempt, AsyncIdempotency, Intent, OutcomeUnknown, State
 from idemflow.consumers import AsyncConsumer
 from idemflow.stores.protocol import AsyncTransaction
 from idemflow.testing import FrozenClock
@@ -447,3 +447,25 @@ async def test_a_message_without_its_key_header_is_dead_lettered(
     assert await rabbit.adapter.deliver(await rabbit.next(), charge) == "dead_letter"
     assert shop.count() == 0
     assert await broker.left(rabbit.adapter.dead_letter) == 1
+
+
+async def test_an_unknown_outcome_keeps_the_claim_and_comes_back_after_the_sweep(
+    app: tuple[App, list[str]], broker: Broker
+) -> None:
+    """Not acked as done, not run again: the claim stays for the sweeper and reconciler,
+    and the message waits in the delay queue past the sweeper's pass."""
+    shop, _ = app
+    rabbit = await broker.consumer(shop)
+    await broker.publish("order-1", b"{}")
+
+    async def unknown(attempt: AsyncAttempt, message: Any) -> None:
+        raise OutcomeUnknown("the provider timed out after the request was sent")
+
+    assert await rabbit.adapter.deliver(await rabbit.next(), unknown) == "keep_claimed"
+
+    record = await shop.store.get(broker.queue, "order-1")
+    assert record is not None
+    assert record.state is State.IN_PROGRESS
+    waiting = {n: await broker.left(f"{broker.queue}.delay.{1 << n}s") for n in range(8)}
+    assert waiting == {n: int(n == 5) for n in range(8)}  # 32 s: the sweep's 22 s, rounded up
+    assert await broker.left(broker.queue) == 0
