@@ -1,11 +1,13 @@
 """
 Each framework page's quick start, run as written: in a fresh virtual
 environment holding only what the page's install line installs (idemflow
-from this checkout, with that line's extras), served by a real server on
-PostgreSQL. A quick start that imports what its line does not install fails
-here, not in a reader's terminal.
+from this checkout, with that line's extras): FastAPI and Flask served by a
+real server on PostgreSQL, Django's (its settings and view, in a project the
+test makes around them) through Django's test client on SQLite. A quick start
+that imports what its line does not install fails here, not in a reader's
+terminal.
 
-One environment per page, made once (pip's cache keeps it cheap), both at
+One environment per page, made once (pip's cache keeps it cheap), all at
 once; the file is marked slow so it starts first, beside the other files.
 """
 
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.util
+import json
 import os
 import re
 import shlex
@@ -35,6 +39,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = re.compile(r"`pip install (?P<args>[^`]+)`")
 QUICK_START = re.compile(r"^## Quick start.*?^```python\n(?P<code>.*?)^```", re.M | re.S)
+FILE_HEADING = re.compile(r"^# ([\w/]+\.py)\b.*\n", re.M)
 
 
 @dataclass(frozen=True)
@@ -52,17 +57,25 @@ class Page:
     def text(self) -> str:
         return (ROOT / "docs" / "frameworks" / f"{self.name}.md").read_text()
 
-    def install_args(self) -> list[str]:
-        """The page's first install line, idemflow taken from this checkout."""
+    def install_args(self, wheel: Path) -> list[str]:
+        """The page's first install line, idemflow taken from this checkout's ``wheel``."""
         found = INSTALL.search(self.text)
         assert found is not None, f"{self.name}.md names no pip install line"
         args = shlex.split(found["args"])
-        return [re.sub(r"^idemflow(?=\[|$)", str(ROOT), arg) for arg in args]
+        return [re.sub(r"^idemflow(?=\[|$)", str(wheel), arg) for arg in args]
 
     def code(self) -> str:
         found = QUICK_START.search(self.text)
         assert found is not None, f"{self.name}.md has no quick start"
         return found["code"]
+
+    def files(self) -> dict[str, str]:
+        """The quick start's parts by the file each names (``# payments/views.py``);
+        ``app.py`` when it names none."""
+        parts = FILE_HEADING.split(self.code())
+        if len(parts) == 1:
+            return {"app.py": parts[0]}
+        return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 CREATE_TABLES = (
@@ -97,24 +110,117 @@ PAGES = [
 ]
 
 
-def make_environment(page: Page, where: Path) -> Path:
-    """A virtual environment with exactly the page's install line installed."""
+#: The Django project around the page's settings and view (the page's parts appended):
+#: what ``django-admin startproject`` and ``startapp`` would have made, cut to the bone.
+DJANGO_SCAFFOLD = {
+    "settings.py": (
+        'SECRET_KEY = "quick-start"\n'
+        'ALLOWED_HOSTS = ["testserver"]\n'
+        'ROOT_URLCONF = "urls"\n'
+        "USE_TZ = True\n"
+        'DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"\n'
+        'DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": "db.sqlite3"}}\n'
+        "INSTALLED_APPS = [\n"
+        '    "django.contrib.auth", "django.contrib.contenttypes", "django.contrib.sessions",\n'
+        '    "payments",\n'
+        "]\n"
+        "MIDDLEWARE = [\n"
+        '    "django.contrib.sessions.middleware.SessionMiddleware",\n'
+        '    "django.contrib.auth.middleware.AuthenticationMiddleware",\n'
+        "]\n"
+    ),
+    "payments/__init__.py": "",
+    "payments/models.py": (
+        "from django.db import models\n\n\n"
+        "class Payment(models.Model):\n"
+        "    amount = models.IntegerField()\n"
+    ),
+    "urls.py": (
+        "from django.urls import path\n\n"
+        "from payments.views import create_payment\n\n"
+        'urlpatterns = [path("payments", create_payment)]\n'
+    ),
+    # What the test asks of the project, run by the environment's own python.
+    "check.py": (
+        "import json, os, uuid\n"
+        'os.environ["DJANGO_SETTINGS_MODULE"] = "settings"\n'
+        "import django\n"
+        "django.setup()\n"
+        "from django.contrib.auth.models import User\n"
+        "from django.core.management import call_command\n"
+        "from django.test import Client\n"
+        "from payments.models import Payment\n"
+        'call_command("migrate", run_syncdb=True, verbosity=0)\n'
+        "client = Client()\n"
+        'client.force_login(User.objects.create_user("alice"))\n'
+        'key = {"HTTP_IDEMPOTENCY_KEY": f"order-{uuid.uuid4().hex}"}\n'
+        "def post(body, client=client, **headers):\n"
+        '    answer = client.post("/payments", body, content_type="application/json", **headers)\n'
+        '    return [answer.status_code, answer.headers.get("Idempotent-Replayed"),\n'
+        "            answer.content.decode()]\n"
+        "answers = {\n"
+        '    "first": post({"amount": 1000}, **key),\n'
+        '    "replay": post({"amount": 1000}, **key),\n'
+        '    "other": post({"amount": 5}, **key),\n'
+        '    "nobody": post({"amount": 1000}, client=Client(), **key),\n'
+        '    "rows": Payment.objects.count(),\n'
+        "}\n"
+        "print(json.dumps(answers))\n"
+    ),
+}
+SCAFFOLDS = {"django": DJANGO_SCAFFOLD}
+DJANGO = Page(
+    "django", setup=(), serve=(), path="/payments", body={}, other={}, table="payments_payment"
+)
+
+
+def build_wheel(where: Path) -> Path:
+    """idemflow's wheel from this checkout, built once for every environment (with this
+    interpreter's hatchling when it has one: no build environment to make)."""
+    isolation = [] if importlib.util.find_spec("hatchling") is None else ["--no-build-isolation"]
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", *isolation]
+    subprocess.run(
+        [*pip_wheel, "--wheel-dir", str(where), str(ROOT)],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = where.glob("idemflow-*.whl")
+    return wheel
+
+
+def make_environment(page: Page, where: Path, wheel: Path) -> Path:
+    """A virtual environment with exactly the page's install line installed (by this
+    interpreter's pip: a venv made without its own pip is made in a moment)."""
     where.mkdir(parents=True)
-    subprocess.run([sys.executable, "-m", "venv", str(where / "venv")], check=True, timeout=120)
-    pip = [str(where / "venv" / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    venv = where / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
     done = subprocess.run(
-        [*pip, *page.install_args()], capture_output=True, text=True, timeout=500, check=False
+        [*pip, "install", "--quiet", *page.install_args(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    (where / "app.py").write_text(page.code())
+    scaffold = SCAFFOLDS.get(page.name, {})
+    files = {
+        **scaffold,
+        **{name: scaffold.get(name, "") + text for name, text in page.files().items()},
+    }
+    for name, text in files.items():
+        (where / name).parent.mkdir(parents=True, exist_ok=True)
+        (where / name).write_text(text)
     return where
 
 
 @pytest.fixture(scope="module")
 def environments(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("quickstarts")
-    with concurrent.futures.ThreadPoolExecutor(len(PAGES)) as pool:
-        made = {p.name: pool.submit(make_environment, p, base / p.name) for p in PAGES}
+    wheel = build_wheel(base / "dist")
+    every = [*PAGES, DJANGO]
+    with concurrent.futures.ThreadPoolExecutor(len(every)) as pool:
+        made = {p.name: pool.submit(make_environment, p, base / p.name, wheel) for p in every}
         return {name: future.result() for name, future in made.items()}
 
 
@@ -207,3 +313,30 @@ def test_the_quick_start_runs_as_written_with_only_its_install_line(
     with psycopg.connect(POSTGRES_URL) as conn:
         rows = conn.execute(f"SELECT count(*) FROM {schema}.{page.table}").fetchone()
     assert rows == (1,)
+
+
+def test_the_django_quick_start_runs_as_written_with_only_its_install_line(
+    environments: dict[str, Path],
+) -> None:
+    """The page's settings line and view in a minimal project, migrated on SQLite (the
+    key table by idemflow's migration): the first request is a 201, its replay the same
+    bytes with ``Idempotent-Replayed``, the key with another body a 422, an anonymous
+    caller a 401; one row."""
+    where = environments["django"]
+    done = subprocess.run(
+        [str(where / "venv" / "bin" / "python"), "check.py"],
+        cwd=where,
+        env={**os.environ, "PYTHONPATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    first, replay, other, nobody = (answers[k] for k in ("first", "replay", "other", "nobody"))
+    assert first[:2] == [201, None], first
+    assert replay == [201, "true", first[2]]
+    assert other[0] == 422, other
+    assert nobody[0] == 401, nobody
+    assert answers["rows"] == 1
