@@ -66,7 +66,7 @@ TransactionFactory = Callable[[], AbstractContextManager[Transaction]]
 PrincipalGetter = Callable[[], "str | None"]
 
 
-class FlaskSQLAlchemy(Protocol):
+class _FlaskSQLAlchemy(Protocol):
     """What idemflow uses of Flask-SQLAlchemy's ``SQLAlchemy``: its engine and session."""
 
     @property
@@ -76,7 +76,7 @@ class FlaskSQLAlchemy(Protocol):
 
 
 #: The app's own database: Flask-SQLAlchemy's ``db``, a SQLAlchemy engine or sessionmaker.
-Database: TypeAlias = "FlaskSQLAlchemy | Engine | sessionmaker[Any]"
+_Database: TypeAlias = "_FlaskSQLAlchemy | Engine | sessionmaker[Any]"
 _SESSION = "_idemflow_session"  # flask.g: the request's Session, for an engine's sessions
 
 _CONFIG: dict[str, Any] = {
@@ -185,7 +185,7 @@ class Idempotency:
         self,
         app: Flask | None = None,
         *,
-        db: Database | None = None,
+        db: _Database | None = None,
         transaction: TransactionFactory | None = None,
         store: Store | None = None,
         principal: PrincipalGetter | None = None,
@@ -198,6 +198,7 @@ class Idempotency:
             sync_replay_authorizer(authorize_replay, "Idempotency(authorize_replay=…)")
         self._authorize_replay = authorize_replay
         self.db = db
+        """The app's database, as given to ``db=`` (None without one)."""
         self._transaction = transaction
         self._store = store
         self._principal = (
