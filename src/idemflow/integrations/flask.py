@@ -199,7 +199,7 @@ class Idempotency:
         self._authorize_replay = authorize_replay
         self.db = db
         """The app's database, as given to ``db=`` (None without one)."""
-        self._transaction = transaction
+        self._transaction = transaction if db is None else _session_transactions(db)
         self._store = store
         self._principal = (
             None
@@ -377,7 +377,7 @@ class Idempotency:
         answer = edge.respond(
             http,
             lambda attempt: view(),
-            transaction=self._transactions(),
+            transaction=self._transaction,
             single_commit=state.single_commit,
             read=reader,
         )
@@ -400,31 +400,6 @@ class Idempotency:
             raise RuntimeError("idem.session exists only while a protected view runs (db=)")
         return found
 
-    def _transactions(self) -> TransactionFactory | None:
-        if self._transaction is not None or self.db is None:
-            return self._transaction
-        from sqlalchemy.orm import sessionmaker
-
-        from ..transactions import SQLAlchemyTransaction
-
-        db = self.db
-        if not _is_engine_side(db):
-            scoped = db.session  # type: ignore[union-attr]
-            # A scoped_session: called, it is the request's own Session.
-            return lambda: nullcontext(SQLAlchemyTransaction(scoped()))
-        sessions: sessionmaker[Any] = db if isinstance(db, sessionmaker) else sessionmaker(db)
-
-        @contextlib.contextmanager
-        def transaction() -> Iterator[Transaction]:
-            with sessions() as session:
-                setattr(g, _SESSION, session)
-                try:
-                    yield SQLAlchemyTransaction(session)
-                finally:
-                    g.pop(_SESSION, None)
-
-        return transaction
-
     def _open_store(self, app: Flask, policy: Policy) -> Store:
         url, table = app.config["IDEMFLOW_STORE"], app.config["IDEMFLOW_TABLE"]
         from ..stores.urls import open_store
@@ -436,6 +411,34 @@ class Idempotency:
         with app.app_context():
             engine = _engine_of(self.db)
         return _store_on(engine, table, policy)
+
+
+def _session_transactions(db: _Database) -> TransactionFactory:
+    """The request's transaction on ``db``: Flask-SQLAlchemy's scoped session, or a
+    ``Session`` of the engine's made for the request (``idem.session``)."""
+    from sqlalchemy.orm import sessionmaker
+
+    from ..transactions import SQLAlchemyTransaction
+
+    if not _is_engine_side(db):
+        scoped = getattr(db, "session", None)
+        if scoped is None:
+            msg = f"db= takes Flask-SQLAlchemy's db, an Engine or a sessionmaker, not {db!r}"
+            raise ConfigurationError(msg)
+        # A scoped_session: called, it is the request's own Session.
+        return lambda: nullcontext(SQLAlchemyTransaction(scoped()))
+    sessions: sessionmaker[Any] = db if isinstance(db, sessionmaker) else sessionmaker(db)
+
+    @contextlib.contextmanager
+    def transaction() -> Iterator[Transaction]:
+        with sessions() as session:
+            setattr(g, _SESSION, session)
+            try:
+                yield SQLAlchemyTransaction(session)
+            finally:
+                g.pop(_SESSION, None)
+
+    return transaction
 
 
 def _is_engine_side(db: object) -> TypeGuard[Engine | sessionmaker[Any]]:
@@ -570,23 +573,12 @@ def _to_flask(response: Response) -> FlaskResponse:
 
 
 def handle_outcome_unknown(app: Flask) -> None:
-    """Register the error handler that tells the WSGI middleware about an ``OutcomeUnknown``.
+    """Answer an ``OutcomeUnknown`` with the 503 ``outcome-unknown`` problem and report it to
+    `idemflow.integrations.wsgi.IdempotencyMiddleware` (the claim kept for the sweeper).
 
-    For an app behind `idemflow.integrations.wsgi.IdempotencyMiddleware`,
-    optional: without it Flask answers the view's ``OutcomeUnknown`` with a 500
-    (or, with ``PROPAGATE_EXCEPTIONS``, raises it), and the middleware, which
-    noted the ``OutcomeUnknown`` made while the app ran, keeps the claim all the
-    same. With it, the view's ``OutcomeUnknown`` is reported through
-    the middleware's slot in ``request.environ`` (the claim is kept for the
-    sweeper) and answered with the 503 ``outcome-unknown`` problem, which is
-    also what a request outside the middleware gets. It handles
-    ``OutcomeUnknown`` only, more specifically than an app's own
-    ``errorhandler(Exception)``; an app's own ``errorhandler(OutcomeUnknown)``
-    replaces it, and must then call
-    `idemflow.integrations.wsgi.report_outcome_unknown` itself; one the
-    app registered before is kept (this registers nothing then). The WSGI
-    middleware calls it on the Flask app it wraps.
-    ``@idem.protect`` views never reach it: their edge answers it first.
+    The middleware registers it on the app it wraps; an app's own
+    ``errorhandler(OutcomeUnknown)`` is kept, and calls
+    `idemflow.integrations.wsgi.report_outcome_unknown` itself.
     """
     report_from_flask(app)
 
