@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 INSTALL = re.compile(r"`pip install (?P<args>[^`]+)`")
 QUICK_START = re.compile(r"^## Quick start.*?^```python\n(?P<code>.*?)^```", re.M | re.S)
 FILE_HEADING = re.compile(r"^# ([\w/]+\.py)\b.*\n", re.M)
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 
 
 @dataclass(frozen=True)
@@ -52,16 +53,23 @@ class Page:
     body: dict[str, object]
     other: dict[str, object]
     table: str
+    #: The page (``name`` by default), which of its install lines, and the files its
+    #: other blocks add to the quick start (by their ``# path.py`` heading).
+    doc: str = ""
+    install: int = 0
+    blocks: tuple[str, ...] = ()
+    #: A directory of files the page's parts are appended to (a Django project).
+    scaffold: Path | None = None
 
     @property
     def text(self) -> str:
-        return (ROOT / "docs" / "frameworks" / f"{self.name}.md").read_text()
+        return (ROOT / "docs" / "frameworks" / f"{self.doc or self.name}.md").read_text()
 
     def install_args(self, wheel: Path) -> list[str]:
-        """The page's first install line, idemflow taken from this checkout's ``wheel``."""
-        found = INSTALL.search(self.text)
-        assert found is not None, f"{self.name}.md names no pip install line"
-        args = shlex.split(found["args"])
+        """The page's install line, idemflow taken from this checkout's ``wheel``."""
+        found = list(INSTALL.finditer(self.text))
+        assert len(found) > self.install, f"{self.name}: no install line {self.install}"
+        args = shlex.split(found[self.install]["args"])
         return [re.sub(r"^idemflow(?=\[|$)", str(wheel), arg) for arg in args]
 
     def code(self) -> str:
@@ -75,7 +83,13 @@ class Page:
         parts = FILE_HEADING.split(self.code())
         if len(parts) == 1:
             return {"app.py": parts[0]}
-        return dict(zip(parts[1::2], parts[2::2], strict=True))
+        found = dict(zip(parts[1::2], parts[2::2], strict=True))
+        for block in BLOCK.findall(self.text):
+            named = FILE_HEADING.split(block)
+            if len(named) == 3 and named[1] in self.blocks:
+                found[named[1]] = named[2]
+        assert sorted(self.blocks) == sorted(set(found) & set(self.blocks)), self.blocks
+        return found
 
 
 CREATE_TABLES = (
@@ -110,68 +124,24 @@ PAGES = [
 ]
 
 
-#: The Django project around the page's settings and view (the page's parts appended):
-#: what ``django-admin startproject`` and ``startapp`` would have made, cut to the bone.
-DJANGO_SCAFFOLD = {
-    "settings.py": (
-        'SECRET_KEY = "quick-start"\n'
-        'ALLOWED_HOSTS = ["testserver"]\n'
-        'ROOT_URLCONF = "urls"\n'
-        "USE_TZ = True\n"
-        'DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"\n'
-        'DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": "db.sqlite3"}}\n'
-        "INSTALLED_APPS = [\n"
-        '    "django.contrib.auth", "django.contrib.contenttypes", "django.contrib.sessions",\n'
-        '    "payments",\n'
-        "]\n"
-        "MIDDLEWARE = [\n"
-        '    "django.contrib.sessions.middleware.SessionMiddleware",\n'
-        '    "django.contrib.auth.middleware.AuthenticationMiddleware",\n'
-        "]\n"
+#: The Django project the page's settings line and files are put in.
+DJANGO_PROJECT = Path(__file__).with_name("django_quickstart")
+DJANGO = [
+    Page("django", (), (), "/payments", {}, {}, "", scaffold=DJANGO_PROJECT),
+    Page(
+        "drf",
+        (),
+        (),
+        "/drf/payments",
+        {},
+        {},
+        "",
+        doc="django",
+        install=1,
+        blocks=("payments/api.py",),
+        scaffold=DJANGO_PROJECT,
     ),
-    "payments/__init__.py": "",
-    "payments/models.py": (
-        "from django.db import models\n\n\n"
-        "class Payment(models.Model):\n"
-        "    amount = models.IntegerField()\n"
-    ),
-    "urls.py": (
-        "from django.urls import path\n\n"
-        "from payments.views import create_payment\n\n"
-        'urlpatterns = [path("payments", create_payment)]\n'
-    ),
-    # What the test asks of the project, run by the environment's own python.
-    "check.py": (
-        "import json, os, uuid\n"
-        'os.environ["DJANGO_SETTINGS_MODULE"] = "settings"\n'
-        "import django\n"
-        "django.setup()\n"
-        "from django.contrib.auth.models import User\n"
-        "from django.core.management import call_command\n"
-        "from django.test import Client\n"
-        "from payments.models import Payment\n"
-        'call_command("migrate", run_syncdb=True, verbosity=0)\n'
-        "client = Client()\n"
-        'client.force_login(User.objects.create_user("alice"))\n'
-        'key = {"HTTP_IDEMPOTENCY_KEY": f"order-{uuid.uuid4().hex}"}\n'
-        "def post(body, client=client, **headers):\n"
-        '    answer = client.post("/payments", body, content_type="application/json", **headers)\n'
-        '    return [answer.status_code, answer.headers.get("Idempotent-Replayed"),\n'
-        "            answer.content.decode()]\n"
-        "answers = {\n"
-        '    "first": post({"amount": 1000}, **key),\n'
-        '    "replay": post({"amount": 1000}, **key),\n'
-        '    "other": post({"amount": 5}, **key),\n'
-        '    "nobody": post({"amount": 1000}, client=Client(), **key),\n'
-        '    "rows": Payment.objects.count(),\n'
-        "}\n"
-        "print(json.dumps(answers))\n"
-    ),
-}
-SCAFFOLDS = {"django": DJANGO_SCAFFOLD}
-DJANGO = Page(
-    "django", setup=(), serve=(), path="/payments", body={}, other={}, table="payments_payment"
-)
+]
 
 
 def build_wheel(where: Path) -> Path:
@@ -203,7 +173,10 @@ def make_environment(page: Page, where: Path, wheel: Path) -> Path:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    scaffold = SCAFFOLDS.get(page.name, {})
+    scaffold = {}
+    if page.scaffold is not None:
+        for made in page.scaffold.rglob("*.py"):
+            scaffold[str(made.relative_to(page.scaffold))] = made.read_text()
     files = {
         **scaffold,
         **{name: scaffold.get(name, "") + text for name, text in page.files().items()},
@@ -218,7 +191,7 @@ def make_environment(page: Page, where: Path, wheel: Path) -> Path:
 def environments(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("quickstarts")
     wheel = build_wheel(base / "dist")
-    every = [*PAGES, DJANGO]
+    every = [*PAGES, *DJANGO]
     with concurrent.futures.ThreadPoolExecutor(len(every)) as pool:
         made = {p.name: pool.submit(make_environment, p, base / p.name, wheel) for p in every}
         return {name: future.result() for name, future in made.items()}
@@ -315,16 +288,19 @@ def test_the_quick_start_runs_as_written_with_only_its_install_line(
     assert rows == (1,)
 
 
+@pytest.mark.parametrize("page", DJANGO, ids=lambda p: p.name)
 def test_the_django_quick_start_runs_as_written_with_only_its_install_line(
-    environments: dict[str, Path],
+    page: Page, environments: dict[str, Path]
 ) -> None:
-    """The page's settings line and view in a minimal project, migrated on SQLite (the
-    key table by idemflow's migration): the first request is a 201, its replay the same
-    bytes with ``Idempotent-Replayed``, the key with another body a 422, an anonymous
-    caller a 401; one row."""
-    where = environments["django"]
+    """The page's settings line and view (and, with DRF's install line, its viewset) in a
+    minimal project, migrated on SQLite (the key table by idemflow's migration), through
+    Django's test client: a 201, its replay the same bytes with ``Idempotent-Replayed``,
+    the key with another body a 422, an anonymous caller a 401. An invalid body: the
+    function view (no validation) runs it, and its key is then bound to it (422); DRF's
+    serializer refuses it (400), and the corrected body under that key runs once."""
+    where = environments[page.name]
     done = subprocess.run(
-        [str(where / "venv" / "bin" / "python"), "check.py"],
+        [str(where / "venv" / "bin" / "python"), "check.py", page.path],
         cwd=where,
         env={**os.environ, "PYTHONPATH": ""},
         capture_output=True,
@@ -339,4 +315,12 @@ def test_the_django_quick_start_runs_as_written_with_only_its_install_line(
     assert replay == [201, "true", first[2]]
     assert other[0] == 422, other
     assert nobody[0] == 401, nobody
-    assert answers["rows"] == 1
+    invalid, fixed = answers["invalid"], answers["fixed"]
+    if page.name == "drf":
+        assert invalid[0] == 400, invalid
+        assert "greater than or equal to 1" in json.loads(invalid[2])["detail"]
+        assert fixed[:2] == [201, None], fixed
+        assert answers["rows"] == [7, 1000]
+    else:
+        assert (invalid[0], fixed[0]) == (201, 422)
+        assert answers["rows"] == [0, 1000]
