@@ -32,7 +32,8 @@ from werkzeug.serving import make_server  # noqa: E402
 
 from idemflow import State  # noqa: E402
 from idemflow.integrations.flask import Idempotency  # noqa: E402
-from tests.conftest import POSTGRES_URL, unreachable  # noqa: E402
+from tests.conftest import POSTGRES_URL  # noqa: E402
+from tests.http.conftest import pg_schema  # noqa: E402
 
 POOL_SIZE = 2
 
@@ -63,22 +64,15 @@ class Shop:
 
 @pytest.fixture(params=["postgres", "sqlite"])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """The app's SQLAlchemy URL (a schema of its own on PostgreSQL) and its backend."""
+    """The app's SQLAlchemy URL (a schema of its own on PostgreSQL, its connections named
+    apart) and its backend."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'shop.db'}", "sqlite"
         return
     request.applymarker(pytest.mark.postgres)
-    psycopg = pytest.importorskip("psycopg")
-    schema = f"flaskdb_{uuid.uuid4().hex[:10]}"
-    try:
-        with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3) as conn:
-            conn.execute(f"CREATE SCHEMA {schema}")
-    except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
-    url = f"{POSTGRES_URL}?options=-csearch_path%3D{schema}&application_name={schema}"
-    yield url.replace("postgresql://", "postgresql+psycopg://", 1), "postgres"
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    with pg_schema() as url:
+        named = f"{url}&application_name=flaskdb_{uuid.uuid4().hex[:10]}"
+        yield named.replace("postgresql://", "postgresql+psycopg://", 1), "postgres"
 
 
 @pytest.fixture(params=["flask-sqlalchemy", "engine"])
