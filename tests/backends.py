@@ -303,19 +303,10 @@ def mysql_admin(kwargs: dict[str, Any]) -> Any:
         unreachable("MariaDB", exc)
 
 
-@dataclass
-class AsyncMySQL:
-    """The asyncio MySQL store on its own tables, and how a request opens its transaction."""
-
-    store: Any
-    #: A fresh asyncmy connection per request, as an AsyncmyTransaction.
-    open_transaction: Callable[[], contextlib.AbstractAsyncContextManager[Any]]
-    notes: Callable[[], list[str]]
-
-
 @contextlib.asynccontextmanager
-async def async_mysql_backend(table: str, *, max_size: int = 8) -> AsyncIterator[AsyncMySQL]:
-    """AsyncMySQLStore (asyncmy) on MariaDB: the key table and ``biz_<table>``, dropped after."""
+async def async_mysql_backend(table: str, *, max_size: int = 8) -> AsyncIterator[Rig]:
+    """AsyncMySQLStore (asyncmy) on MariaDB: the key table and ``biz_<table>``, dropped after;
+    the caller's transaction an AsyncmyTransaction on a fresh connection per request."""
     asyncmy = pytest.importorskip("asyncmy")
     from idemflow.stores.mysql import AsyncMySQLStore, connect_kwargs
     from idemflow.transactions import AsyncmyTransaction
@@ -332,6 +323,10 @@ async def async_mysql_backend(table: str, *, max_size: int = 8) -> AsyncIterator
         finally:
             await conn.ensure_closed()
 
+    async def write(conn: Any, note: str) -> None:
+        async with conn.cursor() as cursor:
+            await cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
     def notes() -> list[str]:
         with admin.cursor() as cursor:
             cursor.execute(f"SELECT note FROM biz_{table} ORDER BY id")
@@ -343,7 +338,9 @@ async def async_mysql_backend(table: str, *, max_size: int = 8) -> AsyncIterator
             f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
         )
         try:
-            yield AsyncMySQL(store, open_transaction, notes)
+            yield Rig(
+                "mysql-asyncmy", store, False, open_transaction, write, _no_fault, notes, _no_peek
+            )
         finally:
             await store.close()
             cursor.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
@@ -1734,7 +1731,7 @@ def _no_peek(key: str) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def _async_memory(tmp_path: Path, table: str) -> AsyncIterator[Rig]:
+async def _async_memory(tmp_path: Path, table: str, max_size: int) -> AsyncIterator[Rig]:
     """The memory store: no transaction to share; business rows go to a list."""
     from idemflow.stores.memory import AsyncMemoryStore
 
@@ -1747,7 +1744,9 @@ async def _async_memory(tmp_path: Path, table: str) -> AsyncIterator[Rig]:
 
 
 @contextlib.asynccontextmanager
-async def _async_sqlite(tmp_path: Path, table: str, *, session: bool) -> AsyncIterator[Rig]:
+async def _async_sqlite(
+    tmp_path: Path, table: str, max_size: int, *, session: bool
+) -> AsyncIterator[Rig]:
     """AsyncSQLiteStore; the caller's transaction SQLAlchemy's on aiosqlite: an
     ``AsyncSession`` (``session``) or an ``AsyncConnection``."""
     from sqlalchemy import text
@@ -1821,7 +1820,9 @@ def postgres_tables(table: str) -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def _async_postgres(tmp_path: Path, table: str, *, sqlalchemy: bool) -> AsyncIterator[Rig]:
+async def _async_postgres(
+    tmp_path: Path, table: str, max_size: int, *, sqlalchemy: bool
+) -> AsyncIterator[Rig]:
     """AsyncPostgresStore; the caller's transaction on a fresh psycopg connection, or
     (``sqlalchemy``) on a SQLAlchemy ``AsyncConnection``. Both tables dropped after."""
     with postgres_tables(table):
@@ -1831,13 +1832,13 @@ async def _async_postgres(tmp_path: Path, table: str, *, sqlalchemy: bool) -> As
         from idemflow.transactions import AsyncPsycopgTransaction, AsyncSQLAlchemyTransaction
         from tests.conftest import POSTGRES_URL
 
-        store = AsyncPostgresStore(POSTGRES_URL, table=table, max_size=2, clock="caller")
+        store = AsyncPostgresStore(POSTGRES_URL, table=table, max_size=max_size, clock="caller")
         engine: Any = None
         if sqlalchemy:
             from sqlalchemy.ext.asyncio import create_async_engine
 
             url = POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1)
-            engine = create_async_engine(url, pool_size=2, max_overflow=0)
+            engine = create_async_engine(url, pool_size=max_size, max_overflow=0)
 
         @contextlib.asynccontextmanager
         async def open_transaction() -> AsyncIterator[Any]:
@@ -1865,21 +1866,6 @@ async def _async_postgres(tmp_path: Path, table: str, *, sqlalchemy: bool) -> As
             await store.close()
             if engine is not None:
                 await engine.dispose()
-
-
-@contextlib.asynccontextmanager
-async def _async_mysql(tmp_path: Path, table: str) -> AsyncIterator[Rig]:
-    """AsyncMySQLStore (asyncmy), the caller's transaction an AsyncmyTransaction."""
-
-    async def write(conn: Any, note: str) -> None:
-        async with conn.cursor() as cursor:
-            await cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
-
-    async with async_mysql_backend(table, max_size=2) as mysql:
-        transaction, notes = mysql.open_transaction, mysql.notes
-        yield Rig(
-            "mysql-asyncmy", mysql.store, False, transaction, write, _no_fault, notes, _no_peek
-        )
 
 
 # --- a private store that can be hung (guarantees/test_hung_store.py) ------------------
@@ -2005,6 +1991,8 @@ def _hung_mysql(tmp_path: Path, policy: Any) -> Iterator[Hung]:
 #: Opens a rig (:func:`open_rig`'s): (rig id, table, tmp_path, transactional, pool_size,
 #: app_pool, busy_timeout); each opener uses the options its store has.
 RigOpener = Callable[..., contextlib.AbstractAsyncContextManager[Rig]]
+#: An async driver's store end to end, opening (:func:`open_async_rig`).
+AsyncRig = contextlib.AbstractAsyncContextManager[Rig]
 #: The drivers a rig runs under: its id is the kind's name (async) or ``<name>-sync``.
 DRIVERS = ("async", "sync")
 
@@ -2049,10 +2037,9 @@ class Kind:
     #: the drivers the suites run it under.
     rig: RigOpener | None = None
     rigs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    #: The async driver end to end (core/test_async_driver.py): id → (tmp_path, table) → Rig.
-    async_rigs: Mapping[str, Callable[[Path, str], contextlib.AbstractAsyncContextManager[Rig]]] = (
-        field(default_factory=dict)
-    )
+    #: The async driver end to end (core/test_async_driver.py): id → (tmp_path, table,
+    #: max_size of the store's pool) → Rig; the first is the kind's own (the async race's).
+    async_rigs: Mapping[str, Callable[[Path, str, int], AsyncRig]] = field(default_factory=dict)
     #: A private copy that can be hung (guarantees/test_hung_store.py): (tmp_path, policy).
     hung: Callable[[Path, Any], contextlib.AbstractContextManager[Hung]] | None = None
     #: Starts its cluster (if not up yet).
@@ -2093,8 +2080,8 @@ KINDS: dict[str, Kind] = {
             rig=_sqlite_rig,
             rigs={"transaction": _BOTH, "no-transaction": _ASYNC},
             async_rigs={
-                "sqlite-sqlalchemy-session": partial(_async_sqlite, session=True),
                 "sqlite-sqlalchemy-connection": partial(_async_sqlite, session=False),
+                "sqlite-sqlalchemy-session": partial(_async_sqlite, session=True),
             },
             hung=_hung_sqlite,
         ),
@@ -2139,7 +2126,11 @@ KINDS: dict[str, Kind] = {
             caller=_mysql_caller,
             rig=_mysql_rig,
             rigs={"transaction": _BOTH, "no-transaction": _BOTH},
-            async_rigs={"mysql-asyncmy": _async_mysql},
+            async_rigs={
+                "mysql-asyncmy": lambda tmp_path, table, max_size: async_mysql_backend(
+                    table, max_size=max_size
+                )
+            },
             hung=_hung_mysql,
         ),
         Kind(
@@ -2271,12 +2262,15 @@ def async_rig_params() -> list[Any]:
 
 
 def open_async_rig(
-    name: str, tmp_path: Path, table: str
+    name: str, tmp_path: Path, table: str, max_size: int = 2
 ) -> contextlib.AbstractAsyncContextManager[Rig]:
-    """The async driver's store ``name`` (:func:`async_rig_params`), its caller's
-    transaction a fresh connection per request."""
+    """The async driver's store ``name`` (:func:`async_rig_params`, or a kind's name: its
+    first), its caller's transaction a fresh connection per request, its pool of
+    ``max_size`` where it has one."""
+    if name in KINDS:
+        name = next(iter(KINDS[name].async_rigs))
     opener = next(kind.async_rigs[name] for kind in kinds() if name in kind.async_rigs)
-    return opener(tmp_path, table)
+    return opener(tmp_path, table, max_size)
 
 
 def start_cluster(rig_id: str) -> None:
