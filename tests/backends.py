@@ -207,7 +207,7 @@ def postgres_backend(table: str, create: bool = True) -> Backend:
             if create:
                 conn.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
     except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
+        unreachable(KINDS["postgres"].service, exc)
     store = PostgresStore(POSTGRES_URL, table=table, max_size=8, clock="caller")
     if create:
         store.migrate()
@@ -254,7 +254,7 @@ def mysql_backend(table: str, *, found_rows: bool = False, create: bool = True) 
     try:
         conn = pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
     except pymysql.err.OperationalError as exc:
-        unreachable("MariaDB", exc)
+        unreachable(KINDS["mysql"].service, exc)
     with contextlib.closing(conn), conn.cursor() as cursor:
         if create:
             cursor.execute(
@@ -300,7 +300,7 @@ def mysql_admin(kwargs: dict[str, Any]) -> Any:
     try:
         return pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
     except pymysql.err.OperationalError as exc:
-        unreachable("MariaDB", exc)
+        unreachable(KINDS["mysql"].service, exc)
 
 
 @contextlib.asynccontextmanager
@@ -449,7 +449,7 @@ def async_mysql_bridged_backend(table: str, create: bool = True) -> Backend:
     try:
         admin = pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
     except pymysql.err.OperationalError as exc:
-        unreachable("MariaDB", exc)
+        unreachable(KINDS["mysql"].service, exc)
     if create:
         with admin.cursor() as cursor:
             cursor.execute(
@@ -532,7 +532,7 @@ def galera_urls() -> tuple[str, ...]:
     try:
         return tuple(shared_cluster().urls)
     except (GaleraUnavailable, OSError) as exc:
-        unreachable("MariaDB Galera", exc)
+        unreachable(KINDS["galera"].service, exc)
         raise  # unreachable() never returns
 
 
@@ -1179,7 +1179,7 @@ async def _mysql_rig(
         # first waits until its node applied every commit certified before it).
         admins = [pymysql.connect(**node, autocommit=True, connect_timeout=3) for node in nodes]
     except pymysql.err.OperationalError as exc:
-        unreachable("MariaDB Galera" if galera else "MariaDB", exc)
+        unreachable(rig_kind(kind).service, exc)
     admin = admins[0]
 
     def sql(statement: str) -> list[Any]:
@@ -1585,7 +1585,7 @@ async def _redis_rig(
     try:
         admin.ping()
     except Exception as exc:
-        unreachable(KINDS["redis-cluster" if cluster else "redis"].service, exc)
+        unreachable(rig_kind(kind).service, exc)
     sync = kind.endswith("-sync")
     name = f"idemflow-{table}"  # the cluster client's connections, so a fault can end them
     store: Any
@@ -1807,7 +1807,7 @@ def postgres_tables(table: str) -> Iterator[None]:
     try:
         conn = psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3)
     except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
+        unreachable(KINDS["postgres"].service, exc)
     with conn:
         store = PostgresStore(POSTGRES_URL, table=table, max_size=1, clock="caller")
         store.migrate()
@@ -2236,12 +2236,13 @@ def rig_kind(rig_id: str) -> Kind:
     return KINDS[rig_id.removesuffix("-sync")]
 
 
-def contract_params() -> list[Any]:
-    """Every contract store's id (variants too: ``mysql-found-rows``), sorted, marked."""
+def contract_params(**capabilities: bool) -> list[Any]:
+    """The contract store ids (variants too: ``mysql-found-rows``) of every kind with
+    ``capabilities``, sorted, marked."""
     return sorted(
         (
             pytest.param(name, marks=kind.marks, id=name)
-            for kind in kinds()
+            for kind in kinds(**capabilities)
             for name in kind.contract
         ),
         key=lambda param: param.id,
@@ -2317,6 +2318,20 @@ def backend(
     the next test of that backend instead of dropped, only if the test passed and have the
     columns, indexes and constraints they were created with still; else they are dropped.
     The next test sees them as a fresh pair: empty, of the same shape."""
+    yield from _kept_backend(request, tmp_path, table_name, _kept_tables)
+
+
+@pytest.fixture(params=contract_params(shares_transaction=True))
+def transactional(
+    request: pytest.FixtureRequest, tmp_path: Path, table_name: str, _kept_tables: KeptTables
+) -> Iterator[Backend]:
+    """Every store that shares the caller's transaction, as :func:`backend` opens it."""
+    yield from _kept_backend(request, tmp_path, table_name, _kept_tables)
+
+
+def _kept_backend(
+    request: pytest.FixtureRequest, tmp_path: Path, table_name: str, _kept_tables: KeptTables
+) -> Iterator[Backend]:
     kept = _kept_tables.setdefault(request.param, [])
     name, shape = table_name, None
     if kept:

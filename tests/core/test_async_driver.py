@@ -41,10 +41,7 @@ from idemflow import (
 )
 from idemflow.stores.memory import AsyncMemoryStore
 from idemflow.testing import FrozenClock
-from idemflow.transactions import (
-    AsyncPsycopgTransaction,
-    PsycopgTransaction,
-)
+from idemflow.transactions import AsyncPsycopgTransaction, PsycopgTransaction
 from tests.backends import Rig, async_rig_params, open_async_rig, postgres_notes, postgres_tables
 from tests.conftest import POSTGRES_URL
 from tests.factories import HANDLER_EXCEPTIONS, POLICY, assert_passed_through, intent
@@ -52,9 +49,7 @@ from tests.sweeping import async_sweep_away
 
 CREATED = Response(201, b'{"id":"pay_1"}\xff', (("content-type", "application/json"), ("x-a", "1")))
 
-AsyncWrite = Callable[[Any, str], Awaitable[None]]
-
-
+#: Every kind's async store, a fresh caller connection per request (:attr:`Kind.async_rigs`).
 BACKENDS = async_rig_params()
 
 
