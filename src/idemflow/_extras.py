@@ -32,6 +32,8 @@ EXTRAS = {
     "rich": "cli",
     "httpx": "client",
     "requests": "client",
+    "aio_pika": "rabbitmq",
+    "aiormq": "rabbitmq",
 }
 
 
