@@ -229,7 +229,13 @@ DEPRECATED = [
     (
         "idemflow.integrations.django.store",
         "DjangoTransaction",
+        "idemflow.integrations.django",
+        "DjangoTransaction",
+    ),
+    (
         "idemflow.integrations.django.transaction",
+        "DjangoTransaction",
+        "idemflow.integrations.django",
         "DjangoTransaction",
     ),
     ("idemflow.stores.memory", "MemoryTable", "idemflow.stores.memory._table", "MemoryTable"),
