@@ -1,12 +1,6 @@
-"""
-An in-memory store for users' own tests (and the reference the others match).
-
-It follows the SQL stores to the letter: the claim takes over expired records
-and released records of the same request, every owner write is fenced by the
-lease token. It cannot share a caller's transaction, so the drivers refuse one.
-
+"""An in-memory store for users' own tests, following the SQL stores to the letter.
 This is the async source of truth; ``idemflow/stores/memory/_sync.py`` is generated
-from it by ``scripts/unasync.py``. Import both stores from `idemflow.stores.memory`.
+from it by ``scripts/unasync.py``.
 """
 
 from __future__ import annotations
@@ -33,9 +27,8 @@ __all__ = ["AsyncMemoryStore"]
 
 
 class AsyncMemoryStore(AsyncMaintainableStore):
-    """A dict and a lock. Thread-safe; not shared between processes.
+    """A dict and a lock: thread-safe, not shared between processes, no shared transaction.
 
-    Nothing inside awaits: the async store and the sync one are the same code.
     ``store``: share the records of another memory store, sync or async (a
     test's sweeper and its app, say).
     """
@@ -191,9 +184,8 @@ class AsyncMemoryStore(AsyncMaintainableStore):
         with self._lock:
             slot = (record.principal, record.key)
             current = self.records.get(slot)
-            if not _owned(current, record):
+            if current is None or not _owned(current, record):
                 return False
-            assert current is not None
             self.records[slot] = dataclasses.replace(current, **changes)  # type: ignore[arg-type]
             return True
 
@@ -229,10 +221,9 @@ def _sweepable(record: Record) -> bool:
     return record.state is not State.RELEASED or record.recovery_point is not None
 
 
-def _owned(current: Record | None, record: Record) -> bool:
+def _owned(current: Record, record: Record) -> bool:
     return (
-        current is not None
-        and current.id == record.id
+        current.id == record.id
         and current.lease_token == record.lease_token
         and current.state is State.IN_PROGRESS
     )

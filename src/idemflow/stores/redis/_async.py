@@ -1,5 +1,4 @@
-"""
-The Redis store's I/O: each operation one script call (or a pipelined walk) of ``_scripts.py``.
+"""The Redis store's I/O: each operation one script call (or a pipelined walk) of ``_scripts.py``.
 This is the async source of truth; ``idemflow/stores/redis/_sync.py`` is generated
 from it by ``scripts/unasync.py``.
 """
@@ -62,8 +61,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         allow_volatile: accept a server with neither AOF nor RDB snapshots (refused by
             default: restarted, it forgets every claim).
 
-    Cannot share a transaction (``supports_transactions = False``); run the sweeper. The
-    design (epochs, quarantine, layout): docs/stores.md, "Redis".
+    Cannot share a transaction; run the sweeper. The design: docs/stores.md, "Redis".
     """
 
     supports_transactions = False
@@ -90,7 +88,6 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         self._no_script = NoScriptError
         self._response_error = ResponseError
         self.allow_volatile = allow_volatile
-        # The policy's stale threshold, or None until a driver tells us its own.
         self._quarantine = None if policy is None else policy.stale_seconds
         self._started = False
 
@@ -136,8 +133,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
 
     async def _prepare(self, now_ms: int, *, create: bool = False) -> None:
         """The boot script on every epoch, then the scripts loaded: no claim runs on a boot
-        its epochs were not told. One pipeline (one connection, so no restart between) on
-        one server; on a cluster the boot runs again after the load."""
+        its epochs were not told (one pipeline; on a cluster, the boot again after)."""
         absent = CREATE_ABSENT if create else KEEP_ABSENT
         if self._cluster:
             await self._boot(now_ms, absent)
@@ -324,7 +320,8 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         done = 0
         with translated():
             for chunk in self.layout.walk():
-                probed = await self._probe(chunk, probe_args(index, now, bound, limit - done))
+                args = probe_args(index, now, bound, limit - done)
+                probed = await self._ask_each("probe", chunk, *args)
                 for bucket, members in zip(chunk, probed, strict=True):
                     if members:
                         done += await act(bucket, members[: limit - done])
@@ -332,17 +329,11 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
                             return done
         return done
 
-    async def _probe(self, chunk: Sequence[int], args: tuple[int, list[Any]]) -> list[Any]:
-        """One pipelined round trip: the probe script on each bucket (on its own node)."""
-        return await self._ask_each("probe", chunk, *args)
-
     async def _ask_each(
         self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
     ) -> list[Any]:
-        """One pipelined round trip: a one-key script on one index of each bucket. A
-        connection the server closed while idle fails it (redis.asyncio's cluster client
-        lends one unchecked): a walk only reads, so it is asked again, up to
-        `WALK_ATTEMPTS` times; a timeout is not repeated."""
+        """One pipelined round trip: a one-key script on one index of each bucket; asked again
+        (it only reads) when a connection the server closed while idle fails it."""
         attempts = 1
         while True:
             try:
@@ -373,8 +364,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         return pipe
 
     def _route(self, key: bytes) -> dict[str, Any]:
-        """A pipelined one-key script's node, named on a cluster: left to find it, redis-py's
-        sync cluster pipeline asks ``COMMAND GETKEYS`` first, one round trip per command."""
+        """A one-key script's node, named on a cluster (else redis-py asks ``COMMAND GETKEYS``)."""
         return {"target_nodes": self.client.get_node_from_key(key)} if self._cluster else {}
 
     async def _learn_slots(self) -> None:
@@ -388,8 +378,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         return bool(await self._evalsha(script, keys, args))
 
     async def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
-        """One round trip, a failure a 503 (try/except: a context manager per call costs);
-        a server that lost its script cache (SCRIPT FLUSH, a restart) gets them again."""
+        """One round trip, a failure a 503; a server that lost its scripts gets them again."""
         sha = self._shas[script]
         try:
             try:
