@@ -1,8 +1,4 @@
-"""What the SQL executor sends and reads: a sweeper's fence, a result's shape.
-
-The executor's own helpers (``stores/sql/_async.py`` and its generated twin); a
-dialect never needs them.
-"""
+"""What the SQL executor sends and reads: a sweeper's fence, a result's shape."""
 
 from __future__ import annotations
 
@@ -25,12 +21,8 @@ def stale_params(record: Record, now: float, *, forget_progress: bool = False) -
 
 @dataclass(frozen=True, slots=True)
 class RowShape:
-    """Where a statement's result puts the record: ``COLUMNS`` in order from ``start``.
-
-    ``clock_now`` and ``claimed`` are the positions of those extra columns, or -1.
-    Learnt once per statement from its cursor's description (`row_shape`),
-    so rows are read as tuples, never turned into dicts.
-    """
+    """Where a statement's result puts the record: ``COLUMNS`` in order from ``start``, and
+    the positions of ``clock_now`` and ``claimed`` (or -1); rows are read as tuples."""
 
     start: int
     clock_now: int = -1
