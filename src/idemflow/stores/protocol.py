@@ -232,12 +232,7 @@ class Store(Protocol):
         raise _renew_refused(self)
 
     def claim_on_lent(
-        self,
-        intent: Intent,
-        lease_token: str,
-        now: float,
-        expires_at: float,
-        lender: Transaction,
+        self, intent: Intent, lease_token: str, now: float, expires_at: float, lender: Transaction
     ) -> Claim:
         """`claim`, committed on its own, on the connection ``lender`` lends
         (`Transaction.lend`); by default on the store's connection, as `claim`."""

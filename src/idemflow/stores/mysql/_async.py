@@ -382,10 +382,7 @@ class AsyncMySQLStore(AsyncSQLStore):
         return await transaction.fetchone(self.statements.select_current, params)
 
     async def _write(
-        self,
-        statement: Statement,
-        params: Mapping[str, Any],
-        transaction: AsyncTransaction | None,
+        self, statement: Statement, params: Mapping[str, Any], transaction: AsyncTransaction | None
     ) -> bool:
         """A fenced UPDATE; a conflict it loses is sent again (autocommit) or, in the
         caller's transaction (rolled back with the effect), a 503, never a 500."""

@@ -383,10 +383,7 @@ class MySQLStore(SQLStore):
         return transaction.fetchone(self.statements.select_current, params)
 
     def _write(
-        self,
-        statement: Statement,
-        params: Mapping[str, Any],
-        transaction: Transaction | None,
+        self, statement: Statement, params: Mapping[str, Any], transaction: Transaction | None
     ) -> bool:
         """A fenced UPDATE; a conflict it loses is sent again (autocommit) or, in the
         caller's transaction (rolled back with the effect), a 503, never a 500."""

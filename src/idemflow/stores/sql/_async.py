@@ -126,10 +126,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         return await self._claim_alone(params, intent.fingerprint, lender)
 
     async def _claim_alone(
-        self,
-        params: Mapping[str, Any],
-        fingerprint: str,
-        lender: AsyncTransaction | None,
+        self, params: Mapping[str, Any], fingerprint: str, lender: AsyncTransaction | None
     ) -> Claim:
         try:
             lent = None
@@ -193,10 +190,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         return StoreUnavailable(f"{self.dialect.name} key store unavailable: {exc}".strip())
 
     async def _claim_in(
-        self,
-        transaction: AsyncTransaction,
-        params: Mapping[str, Any],
-        fingerprint: str,
+        self, transaction: AsyncTransaction, params: Mapping[str, Any], fingerprint: str
     ) -> Claim:
         """Claim as the first write of the caller's transaction (single-commit mode): the
         dialect bounds the wait on a duplicate's uncommitted claim, answered 409."""
@@ -389,10 +383,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         return None if row is None else record_from_values(row, shape.start)
 
     async def _write(
-        self,
-        statement: Statement,
-        params: Mapping[str, Any],
-        transaction: AsyncTransaction | None,
+        self, statement: Statement, params: Mapping[str, Any], transaction: AsyncTransaction | None
     ) -> bool:
         """Run a fenced UPDATE; True when it changed our row."""
         try:

@@ -127,10 +127,7 @@ class SQLStore(SQLObservable, MaintainableStore):
         return self._claim_alone(params, intent.fingerprint, lender)
 
     def _claim_alone(
-        self,
-        params: Mapping[str, Any],
-        fingerprint: str,
-        lender: Transaction | None,
+        self, params: Mapping[str, Any], fingerprint: str, lender: Transaction | None
     ) -> Claim:
         try:
             lent = None
@@ -194,10 +191,7 @@ class SQLStore(SQLObservable, MaintainableStore):
         return StoreUnavailable(f"{self.dialect.name} key store unavailable: {exc}".strip())
 
     def _claim_in(
-        self,
-        transaction: Transaction,
-        params: Mapping[str, Any],
-        fingerprint: str,
+        self, transaction: Transaction, params: Mapping[str, Any], fingerprint: str
     ) -> Claim:
         """Claim as the first write of the caller's transaction (single-commit mode): the
         dialect bounds the wait on a duplicate's uncommitted claim, answered 409."""
@@ -390,10 +384,7 @@ class SQLStore(SQLObservable, MaintainableStore):
         return None if row is None else record_from_values(row, shape.start)
 
     def _write(
-        self,
-        statement: Statement,
-        params: Mapping[str, Any],
-        transaction: Transaction | None,
+        self, statement: Statement, params: Mapping[str, Any], transaction: Transaction | None
     ) -> bool:
         """Run a fenced UPDATE; True when it changed our row."""
         try:

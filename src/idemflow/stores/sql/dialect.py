@@ -14,28 +14,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..._deprecation import moved
 from ..._errors import InProgress
-from ..._model import (
-    Intent,
-    Record,
-    Response,
-    State,
-    make_record,
-    make_response,
-    stored_headers,
-)
+from ..._model import Intent, Record, Response, State, make_record, make_response, stored_headers
 from ..._model import headers_json as _headers_json  # dialect.headers_json is deprecated
 from ..protocol import Statement
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = [
-    "PURGEABLE_SQL",
-    "Dialect",
-    "create_table",
-    "insert_claim",
-    "on_database_clock",
-]
+__all__ = ["PURGEABLE_SQL", "Dialect", "create_table", "insert_claim", "on_database_clock"]
 
 COLUMNS = (
     "id", "principal", "idempotency_key", "fingerprint", "endpoint", "state", "lease_token",

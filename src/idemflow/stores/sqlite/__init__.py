@@ -342,10 +342,7 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
         self._completions = 0
         # Writes in the caller's transaction, on the caller's connection: it has none.
         self._in_transaction = AsyncSQLStore(
-            self.dialect,
-            _no_connection,
-            paramstyle="named",
-            is_unavailable=is_unavailable,
+            self.dialect, _no_connection, paramstyle="named", is_unavailable=is_unavailable
         )
 
     def is_unavailable(self, exc: BaseException) -> bool:
