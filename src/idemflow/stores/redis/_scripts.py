@@ -1,5 +1,6 @@
 """The Redis store's rules, without I/O: where records and indexes live, the Lua scripts
-that decide, how their arguments are spelled and their replies read (docs/stores.md, "Redis").
+that decide, how their arguments are spelled and their replies read (docs/stores.md, "Redis"),
+and what the async store and its sync twin share.
 """
 
 from __future__ import annotations
@@ -682,3 +683,39 @@ def refuse_volatile(configs: Sequence[Mapping[str, Any]]) -> None:
 #: One caller at a time starts a store: the first claims of many tasks (threads) wait.
 AsyncStartGate = asyncio.Lock
 StartGate = threading.Lock
+
+
+#: How long claims are refused after a loss when no policy was given: ``Policy()``'s.
+_DEFAULT_QUARANTINE = Policy().stale_seconds
+
+
+class RedisShared:
+    """What `AsyncRedisStore` and `RedisStore` share that is no coroutine."""
+
+    client: Any
+    layout: Layout
+    _cluster: bool
+    _quarantine: float | None
+    _shas: dict[str, str]
+
+    @property
+    def quarantine(self) -> float:
+        """Seconds claims are refused in a bucket that lost data (the longest threshold told)."""
+        return _DEFAULT_QUARANTINE if self._quarantine is None else self._quarantine
+
+    def cover_stale_threshold(self, seconds: float) -> None:
+        """A driver's stale threshold: claims after a loss wait at least that long."""
+        self._quarantine = max(self._quarantine or 0.0, seconds)
+
+    def _each(self, script: str, chunk: Sequence[int], index: int, argv: list[Any]) -> Any:
+        pipe = self.client.pipeline(transaction=False)
+        for bucket in chunk:
+            # execute_command: redis-py's cluster pipeline refuses its evalsha()
+            # method, yet routes the command itself by its one key (one slot).
+            name = self.layout.indexes(bucket)[index]
+            pipe.execute_command("EVALSHA", self._shas[script], 1, name, *argv, **self._route(name))
+        return pipe
+
+    def _route(self, key: bytes) -> dict[str, Any]:
+        """A one-key script's node, named on a cluster (else redis-py asks ``COMMAND GETKEYS``)."""
+        return {"target_nodes": self.client.get_node_from_key(key)} if self._cluster else {}

@@ -25,6 +25,7 @@ from ._scripts import (
     ON_CLOCK,
     WALK_ATTEMPTS,
     StartGate,
+    RedisShared,
     is_connection_lost,
     layout_for,
     marked_args,
@@ -44,11 +45,8 @@ from ._stats import RedisObservable
 
 __all__ = ["RedisStore"]
 
-#: How long claims are refused after a loss when no policy was given: ``Policy()``'s.
-_DEFAULT_QUARANTINE = Policy().stale_seconds
 
-
-class RedisStore(RedisObservable, MaintainableStore):
+class RedisStore(RedisShared, RedisObservable, MaintainableStore):
     """Key records in Redis or Redis Cluster, on a redis-py client (``redis.asyncio``'s for async).
 
     Args:
@@ -91,15 +89,6 @@ class RedisStore(RedisObservable, MaintainableStore):
         self.allow_volatile = allow_volatile
         self._quarantine = None if policy is None else policy.stale_seconds
         self._started = False
-
-    @property
-    def quarantine(self) -> float:
-        """Seconds claims are refused in a bucket that lost data (the longest threshold told)."""
-        return _DEFAULT_QUARANTINE if self._quarantine is None else self._quarantine
-
-    def cover_stale_threshold(self, seconds: float) -> None:
-        """A driver's stale threshold: claims after a loss wait at least that long."""
-        self._quarantine = max(self._quarantine or 0.0, seconds)
 
     def claim(
         self,
@@ -354,19 +343,6 @@ class RedisStore(RedisObservable, MaintainableStore):
         except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts, once more
             self._prepare(argv[0])
             return list(self._each(script, chunk, index, argv).execute())
-
-    def _each(self, script: str, chunk: Sequence[int], index: int, argv: list[Any]) -> Any:
-        pipe = self.client.pipeline(transaction=False)
-        for bucket in chunk:
-            # execute_command: redis-py's cluster pipeline refuses its evalsha()
-            # method, yet routes the command itself by its one key (one slot).
-            name = self.layout.indexes(bucket)[index]
-            pipe.execute_command("EVALSHA", self._shas[script], 1, name, *argv, **self._route(name))
-        return pipe
-
-    def _route(self, key: bytes) -> dict[str, Any]:
-        """A one-key script's node, named on a cluster (else redis-py asks ``COMMAND GETKEYS``)."""
-        return {"target_nodes": self.client.get_node_from_key(key)} if self._cluster else {}
 
     def _learn_slots(self) -> None:
         """redis.asyncio's cluster client learns its slots lazily: before a node lookup."""

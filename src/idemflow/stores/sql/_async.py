@@ -7,20 +7,19 @@ from it by ``scripts/unasync.py``.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from contextlib import AbstractAsyncContextManager, contextmanager, nullcontext
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any, Literal, TypeAlias
 
-from ..._errors import ConfigurationError, LeaseLost, StoreUnavailable
+from ..._errors import LeaseLost
 from ..._model import Claim, Intent, Record, Response, State, can_take_over, make_claim
 from ..protocol import AsyncMaintainableStore, AsyncTransaction, Statement
-from ._rows import RowShape, row_shape, stale_params
-from ._stats import AsyncSQLObservable, is_missing_table, missing_table
+from ._rows import Executor, RowShape, stale_params
+from ._stats import AsyncSQLObservable
 from .dialect import (
     CLAIM_RETRIES,
     COLUMNS,
     Dialect,
-    claim_busy,
     claim_params,
     claim_unsettled,
     complete_params,
@@ -39,7 +38,7 @@ _LAID_OUT = (*COLUMNS, "clock_now", "claimed")
 _LAID_OUT_SHAPE = RowShape(0, len(COLUMNS), len(COLUMNS) + 1)
 
 
-class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
+class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
     """A key store on any SQL dialect, with connections from ``connect()``.
 
     Args:
@@ -64,11 +63,6 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
 
     supports_transactions = True
     renews_claims = True
-
-    @property
-    def supports_single_commit(self) -> bool:
-        """Only where the dialect bounds a duplicate's wait on an uncommitted claim."""
-        return bool(self.dialect.before_claim_in_transaction)
 
     def __init__(
         self,
@@ -95,10 +89,6 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         self._is_unavailable = is_unavailable
         self._is_lock_timeout = is_lock_timeout
         self._shapes: dict[str, RowShape] = {}  # per statement text
-
-    def is_unavailable(self, exc: BaseException) -> bool:
-        """Does ``exc``, a driver error, mean the database cannot serve us (fail closed)?"""
-        return self._is_unavailable(exc)
 
     async def claim(
         self,
@@ -167,27 +157,6 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         if shape is None:
             shape = self._learn_shape(text, cursor)
         return (rows[0] if rows else None), shape
-
-    def _learn_shape(self, text: str, cursor: Any) -> RowShape:
-        """Read once per statement (psycopg builds ``cursor.description`` afresh each time)."""
-        shape = row_shape([column[0] for column in cursor.description])
-        if shape is None:
-            msg = f"{self.dialect.name}: a record statement must return COLUMNS in order: {text}"
-            raise ConfigurationError(msg)
-        self._shapes[text] = shape
-        return shape
-
-    def _claim_failure(self, exc: Exception) -> Exception:
-        """A 409 for a bounded wait on another's uncommitted claim, else `_unavailable`."""
-        return claim_busy() if self._is_lock_timeout(exc) else self._unavailable(exc)
-
-    def _unavailable(self, exc: Exception) -> Exception:
-        """What ``exc`` means: StoreUnavailable (fail closed), MissingTable, or itself."""
-        if is_missing_table(exc):
-            return missing_table(self.dialect.table, self.dialect.name)
-        if not self._is_unavailable(exc):
-            return exc
-        return StoreUnavailable(f"{self.dialect.name} key store unavailable: {exc}".strip())
 
     async def _claim_in(
         self, transaction: AsyncTransaction, params: Mapping[str, Any], fingerprint: str
@@ -398,20 +367,6 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
                     return bool(cursor.rowcount == 1)
                 finally:
                     await cursor.close()
-        except Exception as exc:
-            failure = self._unavailable(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
-
-    def _text(self, statement: Statement) -> str:
-        return statement.pyformat if self._pyformat else statement.named
-
-    @contextmanager
-    def _translate(self) -> Iterator[None]:
-        """Driver failures as `_unavailable` says (a missing table: `MissingTable`)."""
-        try:
-            yield
         except Exception as exc:
             failure = self._unavailable(exc)
             if failure is exc:

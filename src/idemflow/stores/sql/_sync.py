@@ -8,20 +8,19 @@ GENERATED from ``idemflow/stores/sql/_async.py`` by ``scripts/unasync.py``; do n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, TypeAlias
 
-from ..._errors import ConfigurationError, LeaseLost, StoreUnavailable
+from ..._errors import LeaseLost
 from ..._model import Claim, Intent, Record, Response, State, can_take_over, make_claim
 from ..protocol import MaintainableStore, Transaction, Statement
-from ._rows import RowShape, row_shape, stale_params
-from ._stats import SQLObservable, is_missing_table, missing_table
+from ._rows import Executor, RowShape, stale_params
+from ._stats import SQLObservable
 from .dialect import (
     CLAIM_RETRIES,
     COLUMNS,
     Dialect,
-    claim_busy,
     claim_params,
     claim_unsettled,
     complete_params,
@@ -40,7 +39,7 @@ _LAID_OUT = (*COLUMNS, "clock_now", "claimed")
 _LAID_OUT_SHAPE = RowShape(0, len(COLUMNS), len(COLUMNS) + 1)
 
 
-class SQLStore(SQLObservable, MaintainableStore):
+class SQLStore(Executor, SQLObservable, MaintainableStore):
     """A key store on any SQL dialect, with connections from ``connect()``.
 
     Args:
@@ -65,11 +64,6 @@ class SQLStore(SQLObservable, MaintainableStore):
 
     supports_transactions = True
     renews_claims = True
-
-    @property
-    def supports_single_commit(self) -> bool:
-        """Only where the dialect bounds a duplicate's wait on an uncommitted claim."""
-        return bool(self.dialect.before_claim_in_transaction)
 
     def __init__(
         self,
@@ -96,10 +90,6 @@ class SQLStore(SQLObservable, MaintainableStore):
         self._is_unavailable = is_unavailable
         self._is_lock_timeout = is_lock_timeout
         self._shapes: dict[str, RowShape] = {}  # per statement text
-
-    def is_unavailable(self, exc: BaseException) -> bool:
-        """Does ``exc``, a driver error, mean the database cannot serve us (fail closed)?"""
-        return self._is_unavailable(exc)
 
     def claim(
         self,
@@ -168,27 +158,6 @@ class SQLStore(SQLObservable, MaintainableStore):
         if shape is None:
             shape = self._learn_shape(text, cursor)
         return (rows[0] if rows else None), shape
-
-    def _learn_shape(self, text: str, cursor: Any) -> RowShape:
-        """Read once per statement (psycopg builds ``cursor.description`` afresh each time)."""
-        shape = row_shape([column[0] for column in cursor.description])
-        if shape is None:
-            msg = f"{self.dialect.name}: a record statement must return COLUMNS in order: {text}"
-            raise ConfigurationError(msg)
-        self._shapes[text] = shape
-        return shape
-
-    def _claim_failure(self, exc: Exception) -> Exception:
-        """A 409 for a bounded wait on another's uncommitted claim, else `_unavailable`."""
-        return claim_busy() if self._is_lock_timeout(exc) else self._unavailable(exc)
-
-    def _unavailable(self, exc: Exception) -> Exception:
-        """What ``exc`` means: StoreUnavailable (fail closed), MissingTable, or itself."""
-        if is_missing_table(exc):
-            return missing_table(self.dialect.table, self.dialect.name)
-        if not self._is_unavailable(exc):
-            return exc
-        return StoreUnavailable(f"{self.dialect.name} key store unavailable: {exc}".strip())
 
     def _claim_in(
         self, transaction: Transaction, params: Mapping[str, Any], fingerprint: str
@@ -399,20 +368,6 @@ class SQLStore(SQLObservable, MaintainableStore):
                     return bool(cursor.rowcount == 1)
                 finally:
                     cursor.close()
-        except Exception as exc:
-            failure = self._unavailable(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
-
-    def _text(self, statement: Statement) -> str:
-        return statement.pyformat if self._pyformat else statement.named
-
-    @contextmanager
-    def _translate(self) -> Iterator[None]:
-        """Driver failures as `_unavailable` says (a missing table: `MissingTable`)."""
-        try:
-            yield
         except Exception as exc:
             failure = self._unavailable(exc)
             if failure is exc:
