@@ -105,7 +105,6 @@ class AsyncMemoryStore(TableStore, AsyncMaintainableStore):
             return marked
 
     async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until `sweep` with ``cutoff`` would mark a record (math.inf: none)."""
         with self._lock:
             oldest = min(
                 (

@@ -106,7 +106,6 @@ class MemoryStore(TableStore, MaintainableStore):
             return marked
 
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until `sweep` with ``cutoff`` would mark a record (math.inf: none)."""
         with self._lock:
             oldest = min(
                 (

@@ -111,18 +111,6 @@ def connection_options(claim_lock_timeout_ms: int, conninfo: str = "") -> dict[s
     return {"autocommit": True, "options": f"{own} {bound}" if own else bound}
 
 
-def _pool_settings(
-    conninfo: str, max_size: int, claim_lock_timeout_ms: int, store_wait: float
-) -> dict[str, Any]:
-    # The store's wait without a free connection is an outage (503), not a queue.
-    return {
-        "min_size": 1,
-        "max_size": max_size,
-        "kwargs": connection_options(claim_lock_timeout_ms, conninfo),
-        "timeout": store_wait,
-    }
-
-
 def is_lock_timeout(exc: BaseException) -> bool:
     """SQLSTATE 55P03, raised by psycopg directly or wrapped (SQLAlchemy, Django)."""
     original = driver_error(exc)
@@ -164,7 +152,13 @@ def _executor_options(
         with optional("idemflow.stores.postgres"):
             import psycopg_pool
 
-        settings = _pool_settings(pool, max_size, claim_lock_timeout_ms, store._store_wait)
+        # The store's wait without a free connection is an outage (503), not a queue.
+        settings: dict[str, Any] = {
+            "min_size": 1,
+            "max_size": max_size,
+            "kwargs": connection_options(claim_lock_timeout_ms, pool),
+            "timeout": store._store_wait,
+        }
         if asynchronous:  # an async pool cannot open in __init__: _OpeningConnection opens it
             pool = psycopg_pool.AsyncConnectionPool(
                 pool, **settings, connection_class=async_bounded_connection_class(), open=False

@@ -228,7 +228,6 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
-        """Mark up to ``limit`` records untouched since ``cutoff`` stale, bucket by bucket."""
         index = swept_index(from_state)
         args = [ms(now), from_state.value, ms(cutoff), ms(keep_until), new_lease_token()]
         marked: list[Record] = []
@@ -242,7 +241,6 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         return marked
 
     async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until `sweep` with ``cutoff`` would mark a record (math.inf: none)."""
         index = swept_index(from_state)
         argv = [ms(now), ms(cutoff)]
         soonest = math.inf

@@ -229,7 +229,6 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
     def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
-        """Mark up to ``limit`` records untouched since ``cutoff`` stale, bucket by bucket."""
         index = swept_index(from_state)
         args = [ms(now), from_state.value, ms(cutoff), ms(keep_until), new_lease_token()]
         marked: list[Record] = []
@@ -243,7 +242,6 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         return marked
 
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until `sweep` with ``cutoff`` would mark a record (math.inf: none)."""
         index = swept_index(from_state)
         argv = [ms(now), ms(cutoff)]
         soonest = math.inf

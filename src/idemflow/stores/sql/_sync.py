@@ -112,7 +112,6 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
         expires_at: float,
         lender: Transaction,
     ) -> Claim:
-        """`claim`, committed on its own, on the connection ``lender`` lends (one checkout)."""
         params = claim_params(intent, lease_token, now, expires_at)
         return self._claim_alone(params, intent.fingerprint, lender)
 
@@ -251,8 +250,6 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
     def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
-        """Mark up to ``limit`` records in ``from_state`` untouched since ``cutoff`` as stale;
-        only this caller can settle or release them (see `settle_stale`)."""
         params = sweep_params(from_state, cutoff, now, keep_until, limit)
         text = self._text(self.dialect.sweep)
         with self._translate():
@@ -269,8 +266,7 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
                     cursor.close()
 
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until `sweep` with ``cutoff`` would mark a record: one probe of the
-        ``(state, updated_at)`` index (the dialect's ``due``); None where it has none."""
+        """One probe of the ``(state, updated_at)`` index (the dialect's ``due``), if any."""
         statement = self.dialect.due
         if statement is None:
             return None
@@ -294,7 +290,6 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
         expires_at: float,
         transaction: Transaction | None = None,
     ) -> bool:
-        """Complete a record this sweeper marked stale (a reconciler found the effect)."""
         params = {
             **complete_params(record, state, response, now, expires_at),
             **stale_params(record, now),
@@ -309,13 +304,10 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
         *,
         forget_progress: bool = False,
     ) -> bool:
-        """Give back a key this sweeper marked stale; ``forget_progress`` clears the
-        recovery point too (the reconciler undid the local traces)."""
         params = stale_params(record, now, forget_progress=forget_progress)
         return self._write(self.dialect.release_stale, params, transaction)
 
     def purge(self, now: float, limit: int) -> int:
-        """Delete up to ``limit`` records past their retention; how many went."""
         params = {"now": int(now * 1000), "limit": limit}
         with self._translate():
             with self._connect() as conn:
@@ -328,7 +320,6 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
                     cursor.close()
 
     def migrate(self) -> None:
-        """Create the table and its indexes if they do not exist (idempotent)."""
         with self._translate():
             with self._migrate_connect() as conn:
                 cursor = conn.cursor()
