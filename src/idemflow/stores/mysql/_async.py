@@ -87,8 +87,7 @@ class AsyncPool:
 
     async def _open(self) -> Any:
         conn = await self._factory()
-        # A factory of the caller's may hand out a connection in a transaction:
-        # each statement of the store must be its own (no round trip if it is).
+        # A caller's factory may hand out a connection in a transaction (no round trip if not).
         await conn.autocommit(True)
         return conn
 
@@ -133,8 +132,7 @@ class AsyncCheckout:
             except IndexError:
                 conn = await pool._open()
             else:
-                # Pinged when idle long (the server's wait_timeout may have ended it),
-                # or when the server closed it (a restart): one poll, no round trip.
+                # Idle long (wait_timeout may have ended it), or closed by the server: pinged.
                 if time.monotonic() - since > PING_AFTER or AsyncBinding.closed_by_server(conn):
                     conn = await pool._checked(conn)
         except BaseException:
@@ -394,8 +392,7 @@ class AsyncMySQLStore(AsyncSQLStore):
                 return True
             if not self.galera_seen:
                 return False
-            # Galera: your node may not have applied the claim yet, and no causal wait can
-            # be asked inside a transaction: judge again after short pauses.
+            # Galera: your node may not have applied the claim yet: judge again after pauses.
             for attempt in range(APPLY_RETRIES):
                 await _pause(attempt + 3)
                 if await parent(statement, params, transaction):

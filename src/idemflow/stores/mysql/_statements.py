@@ -144,8 +144,7 @@ def upsert_claim(table: str) -> str:
     )
 
 
-#: The server's time in epoch milliseconds, whatever the session's time zone;
-#: one value per statement.
+#: The server's time in epoch milliseconds, whatever the session's time zone.
 SERVER_NOW_MS = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000"
 
 

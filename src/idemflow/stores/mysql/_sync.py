@@ -88,8 +88,7 @@ class Pool:
 
     def _open(self) -> Any:
         conn = self._factory()
-        # A factory of the caller's may hand out a connection in a transaction:
-        # each statement of the store must be its own (no round trip if it is).
+        # A caller's factory may hand out a connection in a transaction (no round trip if not).
         conn.autocommit(True)
         return conn
 
@@ -134,8 +133,7 @@ class Checkout:
             except IndexError:
                 conn = pool._open()
             else:
-                # Pinged when idle long (the server's wait_timeout may have ended it),
-                # or when the server closed it (a restart): one poll, no round trip.
+                # Idle long (wait_timeout may have ended it), or closed by the server: pinged.
                 if time.monotonic() - since > PING_AFTER or Binding.closed_by_server(conn):
                     conn = pool._checked(conn)
         except BaseException:
@@ -395,8 +393,7 @@ class MySQLStore(SQLStore):
                 return True
             if not self.galera_seen:
                 return False
-            # Galera: your node may not have applied the claim yet, and no causal wait can
-            # be asked inside a transaction: judge again after short pauses.
+            # Galera: your node may not have applied the claim yet: judge again after pauses.
             for attempt in range(APPLY_RETRIES):
                 _pause(attempt + 3)
                 if parent(statement, params, transaction):

@@ -31,8 +31,7 @@ COLUMNS = (
 
 #: `is_retry` in SQL (the claimant's ``:fingerprint``).
 RETRY_SQL = "(state = 'released' AND fingerprint = :fingerprint)"
-#: `is_past_retention` in SQL: a settled record, or a
-#: released one with nothing to reconcile, whose retention ended.
+#: `is_past_retention` in SQL: settled, or released with nothing to reconcile, and expired.
 PAST_RETENTION_SQL = (
     "(expires_at <= :now AND (state IN ('completed', 'failed_permanent') "
     "OR (state = 'released' AND recovery_point IS NULL)))"
@@ -142,8 +141,7 @@ class Dialect:
     settle_stale: Statement
     release_stale: Statement
     purge: Statement
-    #: Run around the claim when it is part of the caller's transaction
-    #: (single-commit mode), e.g. to bound the wait on a concurrent claim.
+    #: Run around a claim in the caller's transaction, e.g. to bound its wait on another's.
     before_claim_in_transaction: tuple[Statement, ...] = ()
     after_claim_in_transaction: tuple[Statement, ...] = ()
     #: The claim and, when it loses, the existing record, in one statement (`claim_or_read`),
