@@ -9,8 +9,6 @@ from typing import Any
 
 from ._common import positive_int, positive_seconds
 
-__all__ = ["register"]
-
 EXIT_CHECK_FAILED = 1
 
 

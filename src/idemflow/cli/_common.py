@@ -10,15 +10,6 @@ from typing import Any
 from .._errors import ConfigurationError
 from ..stores.urls import DATABASE_URL_ENV
 
-__all__ = [
-    "add_database_arguments",
-    "add_not_installed",
-    "database_url",
-    "positive_int",
-    "positive_seconds",
-    "register_from_the_demo",
-]
-
 
 def add_database_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(

@@ -66,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def describe_record(record: Record, now: float) -> dict[str, Any]:
-
     response = record.response
     return {
         "principal": record.principal,
@@ -124,7 +123,6 @@ def _short(value: str | None, chars: int) -> str | None:
 
 
 def _human(described: dict[str, Any]) -> list[tuple[str, Any]]:
-
     pairs: list[tuple[str, Any]] = []
     for name, value in described.items():
         if name == "fingerprint":

@@ -18,18 +18,6 @@ from ..stores.sql import missing_table_is_clear
 from ..stores.urls import open_store, redact, scheme_of, sqlite_path
 from ._common import database_url
 
-__all__ = [
-    "add_json_argument",
-    "age",
-    "intermixed",
-    "iso",
-    "operated_store",
-    "print_json",
-    "print_pairs",
-    "print_table",
-    "rich_console",
-]
-
 # Enough for a table of endpoints without wrapping when output is not a terminal.
 _PIPE_WIDTH = 160
 _CONNECT_TIMEOUT_SECONDS = 5

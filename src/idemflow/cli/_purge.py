@@ -101,30 +101,20 @@ def purge_pass(
 
 
 def _report(args: argparse.Namespace, done: PurgePass) -> None:
-    _say(
-        args,
+    """One line per pass: the summary, or a JSON object (JSON Lines with ``--every``)."""
+    batches = f"{done.batches} batch" if done.batches == 1 else f"{done.batches} batches"
+    text = (
         f"purged {done.purged} expired records from {args.table} in "
-        f"{done.seconds:.2f}s ({_batches(done.batches)} of at most {args.batch})",
-        purged=done.purged,
-        batches=done.batches,
-        seconds=round(done.seconds, 3),
+        f"{done.seconds:.2f}s ({batches} of at most {args.batch})"
     )
-
-
-def _batches(n: int) -> str:
-    return f"{n} batch" if n == 1 else f"{n} batches"
-
-
-def _say(args: argparse.Namespace, text: str, **fields: Any) -> None:
-
     if args.json:
+        fields = {"purged": done.purged, "batches": done.batches, "seconds": round(done.seconds, 3)}
         print(json.dumps({"table": args.table, **fields, "message": text}), flush=True)
     else:
         print(text, flush=True)
 
 
 def _progress(args: argparse.Namespace, store: Store) -> Progress:
-
     if args.json or not sys.stderr.isatty():
         return lambda deleted, last: None
     total = _expected(store)
@@ -135,7 +125,6 @@ def _progress(args: argparse.Namespace, store: Store) -> Progress:
 
 
 def _expected(store: Store) -> int | None:
-
     try:
         return store.stats().expired(time.time())
     except ConfigurationError:

@@ -6,8 +6,6 @@ from typing import Any
 
 from ._common import register_from_the_demo
 
-__all__ = ["register"]
-
 
 def register(subparsers: Any) -> None:
     register_from_the_demo(subparsers, "idemflow_demo.storm.cli", "storm")

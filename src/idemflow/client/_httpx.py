@@ -22,8 +22,6 @@ from ._retry import (
     RetryPolicy,
 )
 
-__all__ = ["DEADLINE", "AsyncIdempotentTransport", "IdempotentTransport", "failure_of"]
-
 #: A request extension overriding the policy's deadline for one request (seconds, or a
 #: function returning the seconds left): ``client.post(url, extensions={DEADLINE: 5.0})``.
 DEADLINE = "idemflow.deadline"

@@ -16,19 +16,6 @@ from urllib.parse import unquote, urljoin, urlsplit
 from .._errors import InvalidKey, KeyReused
 from .._identity import parse_key
 
-__all__ = [
-    "HEADER",
-    "KeyFactory",
-    "KeyForm",
-    "KeyLedger",
-    "KeyReusedLocally",
-    "Redirect",
-    "SentKey",
-    "encode_key",
-    "request_fingerprint",
-    "uuid4_key",
-]
-
 HEADER = "Idempotency-Key"
 
 #: Makes a new key: any callable returning 1 to 255 printable ASCII characters.

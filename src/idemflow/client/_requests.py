@@ -15,8 +15,6 @@ from urllib3.exceptions import NewConnectionError
 from ._keys import HEADER, KeyLedger
 from ._retry import OUTCOME_ATTRIBUTE, Failure, Observer, Operation, Operations, RetryPolicy
 
-__all__ = ["IdempotentAdapter", "failure_of", "idempotent_session"]
-
 Timeout: TypeAlias = float | tuple[float, float] | tuple[float, None] | None
 
 

@@ -30,25 +30,6 @@ from ._keys import (
     uuid4_key,
 )
 
-__all__ = [
-    "DEFAULT_METHODS",
-    "DEFAULT_RETRY_STATUSES",
-    "OUTCOME",
-    "OUTCOME_ATTRIBUTE",
-    "AttemptReport",
-    "ClientOutcome",
-    "Deadline",
-    "Decision",
-    "Failure",
-    "Observer",
-    "Operation",
-    "Operations",
-    "RetryPolicy",
-    "is_replay",
-    "parse_retry_after",
-    "read_problem",
-]
-
 #: Methods that get a key and the retry loop; others pass through untouched.
 DEFAULT_METHODS = frozenset({"POST", "PATCH"})
 #: Statuses that settle nothing: retried (409 only while in flight).

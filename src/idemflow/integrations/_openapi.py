@@ -18,8 +18,6 @@ from ..edge import (
     REQUEST_ID_HEADER,
 )
 
-__all__ = ["operation"]
-
 _PROBLEM_SCHEMA: dict[str, Any] = {
     "type": "object",
     "description": "An RFC 9457 problem (https://idemflow.dev/problems/<slug>).",
