@@ -403,7 +403,6 @@ async def _at_once(run: Run, key: str, bodies: Sequence[int]) -> list[httpx.Resp
 def _judge_race(
     responses: Sequence[httpx.Response], ran: int | None, allowed: frozenset[int]
 ) -> tuple[list[str], str]:
-    """What is wrong in a burst under one key, and what was seen."""
     successes = [r for r in responses if _ok(r)]
     bodies = {_value(r.content) for r in successes}
     marked = [r for r in successes if _replay_marker(r)]

@@ -112,7 +112,6 @@ class Redirect:
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
-    """Scheme, host and port."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     try:

@@ -166,7 +166,8 @@ class Operation:
         self.policy = policy
         self.sent = sent
         self._observer = observer
-        self._on_redirect = on_redirect or _no_redirect_rule
+        # Without a ledger (tests), no rule for where the key may follow a redirect.
+        self._on_redirect = on_redirect or (lambda status, location: None)
         self.attempts = 0
         self._started = policy.clock()
         chosen = policy.deadline if deadline is None else deadline  # 0 is a deadline too
@@ -323,10 +324,6 @@ class Operations:
 
         return Operation(self.policy, sent, deadline, self.observer, redirected)
 
-    def stays_behind(self, key_values: Sequence[str], url: str) -> bool:
-        """Must this request go without its key (`KeyLedger.stays_behind`)?"""
-        return self.ledger.stays_behind(key_values, url)
-
 
 def is_replay(headers: Mapping[str, str]) -> bool:
     """Is this the server's stored answer (``Idempotent-Replayed: true``)?"""
@@ -367,7 +364,6 @@ def read_problem(headers: Mapping[str, str], body: bytes) -> dict[str, object] |
 
 
 def _media_type(value: str | None) -> str:
-    """``type/subtype`` of a ``Content-Type``, lower-cased."""
     return (value or "").split(";", 1)[0].strip().lower()
 
 
@@ -391,10 +387,6 @@ def _in_flight(headers: Mapping[str, str], problem: dict[str, object] | None, sa
         return True
     kind = problem.get("type") if problem is not None else None
     return isinstance(kind, str) and kind.endswith(IN_FLIGHT_PROBLEMS)
-
-
-def _no_redirect_rule(status: int, location: str) -> None:
-    """An operation made without a ledger (tests)."""
 
 
 def _seconds_left(

@@ -160,7 +160,6 @@ class IdempotencyMiddleware:
         return root_path[len(app_root) :]
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Fail the ASGI startup if the middleware must not run (`refusal`)."""
         message = await receive()
         if message["type"] == "lifespan.startup":
             refusal = self._check_routes(again=True)
@@ -232,7 +231,6 @@ def _route_path(scope: Scope) -> str:
 
 
 async def _read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
-    """The whole request body from ASGI messages, bounded (`BodyReader`)."""
     lengths = header_values(scope.get("headers", ()), "content-length")
     reader = BodyReader(lengths[0] if lengths else None, limit)
     more = True

@@ -234,7 +234,6 @@ def dependency(
 
 
 def _for_route(idempotent: Idempotent, policy: RoutePolicy) -> Idempotent:
-    """``idempotent`` for one route: the same driver and connections, the route's policy."""
     route = copy.copy(idempotent)
     options = replace(idempotent.edge.options, policy=policy)
     route.edge = AsyncEdge(idempotent.edge.idempotency, options)
@@ -285,7 +284,6 @@ def _on_sqlalchemy(sessions: Any, policy: Policy | None) -> tuple[Any, Any, Any]
 
 
 def _store_on(engine: Any, policy: Policy | None) -> Any:
-    """The key store in ``engine``'s database: PostgreSQL (psycopg) on its pool, a SQLite file."""
     dialect, url = engine.dialect, engine.url
     if dialect.name == "sqlite" and url.database not in (None, "", ":memory:"):
         from ..stores.sqlite import AsyncSQLiteStore
@@ -379,7 +377,6 @@ class IdempotentRoute(APIRoute):
 
 
 def _protected_parameter(route: APIRoute) -> tuple[str, _Protection] | None:
-    """The endpoint parameter that receives the `IdempotentRequest`, and its protection."""
     found: list[tuple[str | None, _Protection]] = []
     for dependant in route.dependant.dependencies:
         protection = getattr(dependant.call, _MARK, None)
