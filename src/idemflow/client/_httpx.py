@@ -58,7 +58,7 @@ class _Keyed:
     def manages(self, request: httpx.Request) -> bool:
         """Is it the policy's? Every request passes here, so a redirect loses here a key that
         must not follow it (httpx copies the headers into the request it follows with)."""
-        if self.operations.ledger.stays_behind(request.headers.get_list(HEADER), str(request.url)):
+        if self.operations.stays_behind(request.headers.get_list(HEADER), str(request.url)):
             del request.headers[HEADER]
         return self.operations.policy.manages(request.method)
 

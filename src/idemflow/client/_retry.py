@@ -324,6 +324,10 @@ class Operations:
 
         return Operation(self.policy, sent, deadline, self.observer, redirected)
 
+    def stays_behind(self, key_values: Sequence[str], url: str) -> bool:
+        """Must this request go without its key (`KeyLedger.stays_behind`)?"""
+        return self.ledger.stays_behind(key_values, url)
+
 
 def is_replay(headers: Mapping[str, str]) -> bool:
     """Is this the server's stored answer (``Idempotent-Replayed: true``)?"""
