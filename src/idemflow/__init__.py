@@ -1,5 +1,4 @@
-"""
-idemflow: make non-idempotent HTTP writes safe to retry.
+"""idemflow: make non-idempotent HTTP writes safe to retry.
 
 Claim ``(principal, key)`` atomically, run the operation once, commit its outcome
 in its own transaction, answer every retry alike. Imports no framework or driver.
@@ -83,9 +82,6 @@ __all__ = [
     "parse_key",
 ]
 
-
-#: Issue 32: helpers and types only the library's own modules need; importable from
-#: here, with a DeprecationWarning, until 0.3.
 _moved = _moved_names(
     __name__,
     {

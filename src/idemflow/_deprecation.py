@@ -14,11 +14,8 @@ REMOVED_IN = "0.3"
 
 
 def moved(module: str, names: dict[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` answering each old name in ``names`` with its replacement.
-
-    ``names`` maps an old name to ``"package.module:Name"``; the replacement is imported
-    only when the old name is used, and the warning names both.
-    """
+    """A module ``__getattr__`` answering each old name in ``names`` with its replacement
+    (``"package.module:Name"``, imported when used), with a warning naming both."""
 
     def __getattr__(name: str) -> Any:
         target = names.get(name)

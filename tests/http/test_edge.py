@@ -19,6 +19,7 @@ from idemflow import (
     Record,
     Response,
     StoreUnavailable,
+    Verdict,
     default_classifier,
     fingerprint,
 )
@@ -30,11 +31,17 @@ from idemflow._http import (
     ResponseNotStorable,
     problem_for,
     request_id_from,
-    storable,
+    stored_form,
+    storing,
     unsendable,
 )
 from idemflow.testing import AsyncMemoryStore
 from idemflow_demo.settings import parse_duration, parse_token
+
+
+def storable(response: Response, *, max_bytes: int) -> Response:
+    """What the edge stores of ``response`` where the effect rolls back with the claim."""
+    return stored_form(storing(response, Verdict.COMPLETED, atomic=True, max_bytes=max_bytes))
 
 
 def request(**changes: object) -> HTTPRequest:

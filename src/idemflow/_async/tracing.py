@@ -1,6 +1,4 @@
-"""
-A traced driver: every run one span, ``idemflow.run`` (see [`idemflow.tracing`][idemflow.tracing]).
-
+"""A traced driver: every run one span, ``idemflow.run`` (`idemflow.tracing`).
 This is the async source of truth; ``idemflow/_sync/tracing.py`` is generated
 from it by ``scripts/unasync.py``.
 """
