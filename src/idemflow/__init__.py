@@ -1,8 +1,7 @@
 """idemflow: make non-idempotent HTTP writes safe to retry.
 
 Claim ``(principal, key)`` atomically, run the operation once, commit its outcome
-in its own transaction, answer every retry alike. Imports no framework or driver.
-"""
+in its own transaction, answer every retry alike. Imports no framework or driver."""
 
 from ._async.driver import AsyncAttempt, AsyncIdempotency
 from ._deprecation import moved as _moved_names

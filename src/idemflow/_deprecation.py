@@ -7,8 +7,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["REMOVED_IN", "moved"]
-
 #: The release that removes every name deprecated in this one.
 REMOVED_IN = "0.3"
 

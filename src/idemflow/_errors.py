@@ -1,35 +1,12 @@
 """The one exception tree of idemflow: each error carries its HTTP meaning (``status``, a
 problem ``type`` documented in ``docs/problems/<slug>.md``, ``title``, ``retryable``).
-The tree: docs/core.md, "Errors and their HTTP meaning".
-"""
+The tree: docs/core.md, "Errors and their HTTP meaning"."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any, ClassVar
-
-__all__ = [
-    "BodyTooLarge",
-    "ClientError",
-    "ConfigurationError",
-    "IdempotencyError",
-    "InProgress",
-    "IncompleteBody",
-    "InvalidBody",
-    "InvalidKey",
-    "KeyReused",
-    "LeaseLost",
-    "MissingExtra",
-    "MissingKey",
-    "MissingPrincipal",
-    "MissingTable",
-    "OutcomeUnknown",
-    "ReplayForbidden",
-    "ResponseNotStorable",
-    "StoreUnavailable",
-    "problem_types",
-]
 
 PROBLEM_BASE = "https://idemflow.dev/problems/"
 
@@ -167,8 +144,7 @@ class OutcomeUnknown(IdempotencyError):
 
     Any other exception releases the key; this one keeps the claim wherever it is
     durable, so a retry gets 409 until the sweeper settles or releases it, and the
-    caller a 503 whose ``retry_after`` covers the sweeper's next pass.
-    """
+    caller a 503 whose ``retry_after`` covers the sweeper's next pass."""
 
     status = 503
     slug = "outcome-unknown"
@@ -253,7 +229,5 @@ def driver_error(exc: BaseException) -> BaseException:
 
 
 # Named ``idemflow.X`` in tracebacks and the reference.
-for _error in problem_types().values():
-    _error.__module__ = "idemflow"
-for _error in (ClientError, ConfigurationError, MissingExtra):
+for _error in (*problem_types().values(), ClientError, ConfigurationError, MissingExtra):
     _error.__module__ = "idemflow"

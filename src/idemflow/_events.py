@@ -1,6 +1,5 @@
 """Every outcome is counted: the events a driver reports, and the observer seam (metrics,
-logs and traces are observers). ``elapsed`` is the time since the run began.
-"""
+logs and traces are observers). ``elapsed`` is the time since the run began."""
 
 from __future__ import annotations
 
@@ -12,8 +11,6 @@ from typing import Protocol
 
 from ._errors import InProgress, KeyReused, LeaseLost, OutcomeUnknown, StoreUnavailable
 from ._model import Intent
-
-__all__ = ["CountingObserver", "Event", "Observer", "error_event", "fan_out", "null_observer"]
 
 logger = logging.getLogger("idemflow")
 

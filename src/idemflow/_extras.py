@@ -1,6 +1,5 @@
 """Optional dependencies, imported in an ``optional(...)`` block where needed: a missing
-one is one line naming the extra that installs it.
-"""
+one is one line naming the extra that installs it."""
 
 from __future__ import annotations
 
@@ -8,8 +7,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ._errors import MissingExtra
-
-__all__ = ["EXTRAS", "optional"]
 
 #: The extra that installs each optional top-level package.
 EXTRAS = {

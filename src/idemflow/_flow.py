@@ -1,8 +1,7 @@
 """The idempotency protocol, sans I/O: claim → dispatch on state → execute → complete | release.
 
 Every decision about a key lives here; the drivers perform the steps `idempotency_flow`
-yields and send the results back. What they keep: docs/architecture.md.
-"""
+yields and send the results back. What they keep: docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -35,21 +34,6 @@ from ._model import (
     retry_after,
     swept_within,
 )
-
-__all__ = [
-    "ClaimOn",
-    "Step",
-    "async_checked_handler",
-    "async_resolve",
-    "checked_handler",
-    "claim_on",
-    "dispatch",
-    "idempotency_flow",
-    "refuse_run",
-    "release_again",
-    "resolve",
-    "starts_past_a_phase",
-]
 
 
 # Steps: plain slotted, not frozen (built on every run; nothing changes one).
@@ -117,8 +101,7 @@ def idempotency_flow(
 
     ``atomic``: the effect commits or rolls back with the completion (until it
     commits a phase of its own). ``single_commit``: the claim is part of the
-    caller's transaction until its first commit. ``clock`` dates a 409.
-    """
+    caller's transaction until its first commit. ``clock`` dates a 409."""
     try:
         claim: Claim = yield ClaimKey(intent, lease_token, policy.retention_seconds)
         if not claim.owned:

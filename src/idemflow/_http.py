@@ -1,7 +1,6 @@
 """The framework-neutral HTTP edge, sans I/O: request → [`Intent`][idemflow.Intent], outcome or
 error → response, and what every door shares. The rules: docs/http.md; where each lives:
-docs/architecture.md, "Where each rule lives".
-"""
+docs/architecture.md, "Where each rule lives"."""
 
 from __future__ import annotations
 
@@ -50,41 +49,6 @@ from ._model import (
     Verdict,
     default_classifier,
 )
-
-__all__ = [
-    "DEFAULT_MAX_RESPONSE_BYTES",
-    "KEY_HEADER",
-    "ORIGINAL_REQUEST_ID_HEADER",
-    "OUTCOME_SLOT",
-    "PROBLEM_CONTENT_TYPE",
-    "REPLAYED_HEADER",
-    "REPLAYED_HEADERS",
-    "REQUEST_ID_HEADER",
-    "SAFE_METHODS",
-    "EdgeOptions",
-    "HTTPRequest",
-    "OutcomeSlot",
-    "ResponseNotStorable",
-    "ViewEdges",
-    "body_cut_short",
-    "body_too_large",
-    "declared_length",
-    "intent_for",
-    "is_retryable",
-    "not_read",
-    "not_stored",
-    "oversized",
-    "problem",
-    "problem_for",
-    "raw_headers",
-    "report_outcome_unknown",
-    "request_id_from",
-    "settled_verdict",
-    "stored_form",
-    "storing",
-    "sync_replay_authorizer",
-    "unsendable",
-]
 
 logger = logging.getLogger("idemflow.http")
 
@@ -195,8 +159,7 @@ class EdgeOptions:
         strict_key: accept only the quoted sf-string form of the key.
         policy: this route's [`Policy`][idemflow.Policy] (retention, request timeout,
             classifier), or ``(principal) -> Policy``; None: the driver's. Its stale
-            threshold may not exceed the driver's, which the sweeper runs on.
-    """
+            threshold may not exceed the driver's, which the sweeper runs on."""
 
     public: bool = False
     anonymous_principal: str = "anonymous"
@@ -472,8 +435,7 @@ def raw_headers(environ: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
     """A WSGI environ's (or Django's ``META``'s) header lines as (lower-case name, value)
     bytes, as werkzeug lists them. An empty ``HTTP_*`` value is a line (``Idempotency-Key:``
     is a 400 "empty"); ``CONTENT_TYPE`` and ``CONTENT_LENGTH`` only when set (CGI leaves
-    them empty when absent), never their ``HTTP_`` twins: the server framed the body by its own.
-    """
+    them empty when absent), never their ``HTTP_`` twins: the server framed the body by its own."""
     headers: list[tuple[bytes, bytes]] = []
     names = _HEADER_NAMES
     for key, value in environ.items():
@@ -777,8 +739,7 @@ def report_outcome_unknown(request: MutableMapping[str, Any], error: BaseExcepti
     Call it from the framework's error handler with the exception it handles;
     ``request`` is the WSGI environ or the ASGI scope (``flask.request.environ``,
     Django's ``request.environ`` or ``request.scope``). Returns whether there was a
-    middleware to tell; anything but an ``OutcomeUnknown`` is ignored. The first report wins.
-    """
+    middleware to tell; anything but an ``OutcomeUnknown`` is ignored. The first report wins."""
     slot = request.get(OUTCOME_SLOT)
     if not isinstance(slot, OutcomeSlot) or not isinstance(error, OutcomeUnknown):
         return False

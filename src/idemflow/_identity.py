@@ -1,7 +1,6 @@
 """What identifies a request: its ``Idempotency-Key`` (an RFC 9651 *String*, or bare) and
 its fingerprint (SHA-256 over the request, a JSON body strict I-JSON in RFC 8785 form).
-Why and how: docs/core.md, "Fingerprints" and "Keys".
-"""
+Why and how: docs/core.md, "Fingerprints" and "Keys"."""
 
 from __future__ import annotations
 
@@ -10,24 +9,11 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote_from_bytes, unquote_to_bytes
 
 from ._errors import BodyTooLarge, InvalidBody, InvalidKey, MissingKey
-
-__all__ = [
-    "DEFAULT_MAX_BODY_BYTES",
-    "MAX_DEPTH",
-    "MAX_KEY_LENGTH",
-    "canonical_json",
-    "canonical_json_bytes",
-    "canonical_query",
-    "excerpt",
-    "fingerprint",
-    "parse_json",
-    "parse_key",
-]
 
 #: The longest key accepted, in characters (Stripe's limit).
 MAX_KEY_LENGTH = 255
@@ -291,53 +277,30 @@ def _too_deep() -> InvalidBody:
 def canonical_json(value: Any) -> bytes:
     """Serialise ``value`` (JSON types, tuples as arrays; ints exact) as RFC 8785, UTF-8.
     TypeError for another type; ValueError for a non-finite float or a lone surrogate."""
-    parts: list[str] = []
-    _write(value, parts.append)
-    return "".join(parts).encode("utf-8")
+    return _write(value).encode("utf-8")
 
 
-def _write(value: Any, out: Callable[[str], object]) -> None:
-    if value is None:
-        out("null")
-    elif value is True:  # before int: True is an int too
-        out("true")
-    elif value is False:
-        out("false")
-    elif isinstance(value, str):
-        out(_string(value))
-    elif isinstance(value, int):
-        out(int.__repr__(value))
-    elif isinstance(value, float):
-        out(_number(value))
-    elif isinstance(value, Mapping):
-        _write_object(value, out)
-    elif isinstance(value, list | tuple):
-        _write_array(value, out)
-    else:
-        raise TypeError(f"cannot canonicalise a {type(value).__name__} as JSON")
+_LITERALS = {None: "null", True: "true", False: "false"}
 
 
-def _write_object(obj: Mapping[Any, Any], out: Callable[[str], object]) -> None:
-    for name in obj:
-        if not isinstance(name, str):
-            raise TypeError(f"JSON member names must be str, not {type(name).__name__}")
-    out("{")
-    for i, name in enumerate(sorted(obj, key=_utf16_order)):
-        if i:
-            out(",")
-        out(_string(name))
-        out(":")
-        _write(obj[name], out)
-    out("}")
-
-
-def _write_array(items: list[Any] | tuple[Any, ...], out: Callable[[str], object]) -> None:
-    out("[")
-    for i, item in enumerate(items):
-        if i:
-            out(",")
-        _write(item, out)
-    out("]")
+def _write(value: Any) -> str:
+    if value is None or value is True or value is False:  # before int: True is an int too
+        return _LITERALS[value]
+    if isinstance(value, str):
+        return _string(value)
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, float):
+        return _number(value)
+    if isinstance(value, Mapping):
+        for name in value:
+            if not isinstance(name, str):
+                raise TypeError(f"JSON member names must be str, not {type(name).__name__}")
+        members = sorted(value, key=_utf16_order)
+        return "{" + ",".join(f"{_string(name)}:{_write(value[name])}" for name in members) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_write(item) for item in value) + "]"
+    raise TypeError(f"cannot canonicalise a {type(value).__name__} as JSON")
 
 
 def _utf16_order(name: str) -> bytes:

@@ -1,6 +1,5 @@
 """The vocabulary of idemflow: states, records, responses, the policy, lease tokens.
-Durations are ``timedelta`` or seconds; time comes from an injected clock (epoch seconds).
-"""
+Durations are ``timedelta`` or seconds; time comes from an injected clock (epoch seconds)."""
 
 from __future__ import annotations
 
@@ -16,28 +15,6 @@ from datetime import timedelta
 from typing import Any, TypeAlias
 
 from ._errors import ConfigurationError
-
-__all__ = [
-    "Claim",
-    "Classified",
-    "Clock",
-    "Intent",
-    "Outcome",
-    "Policy",
-    "Record",
-    "Response",
-    "State",
-    "Verdict",
-    "can_take_over",
-    "default_classifier",
-    "is_past_retention",
-    "is_retry",
-    "new_lease_token",
-    "retry_after",
-    "route_policy",
-    "seconds",
-    "starts_new_intent",
-]
 
 #: Returns the current time in seconds since the epoch. ``time.time`` by default.
 Clock: TypeAlias = Callable[[], float]
@@ -242,8 +219,7 @@ class Policy:
             rejected: the sweeper would release live claims.
         retry_after: the least ``Retry-After`` on 409 answers, in whole seconds
             (the hint itself is derived from the record).
-        classify: maps a response to completed / failed_permanent / transient.
-    """
+        classify: maps a response to completed / failed_permanent / transient."""
 
     request_timeout: Duration = timedelta(seconds=30)
     retention: Duration = timedelta(hours=24)

@@ -1,6 +1,5 @@
 """This process's id, kept current across forks, for stores that check at every checkout
-that what they opened is this process's (``os.getpid()`` would be a system call each time).
-"""
+that what they opened is this process's (``os.getpid()`` would be a system call each time)."""
 
 from __future__ import annotations
 

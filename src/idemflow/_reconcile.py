@@ -1,6 +1,5 @@
 """What the sweeper decides, sans I/O: a reconciler's answers and what `plan` says each
-means (docs/crash-safety.md, "Reconcilers").
-"""
+means (docs/crash-safety.md, "Reconcilers")."""
 
 from __future__ import annotations
 
@@ -13,21 +12,6 @@ from typing import Any, TypeAlias
 
 from ._downstream import downstream_key
 from ._model import Intent, Policy, Record, Response, State, Verdict
-
-__all__ = [
-    "Answer",
-    "AsyncStop",
-    "DidNotHappen",
-    "Happened",
-    "Plan",
-    "Resolution",
-    "Stop",
-    "SweepReport",
-    "Unknown",
-    "downstream_keys",
-    "intent_of",
-    "plan",
-]
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,17 +21,6 @@ except ImportError:  # pragma: no cover - covered by a subprocess test without i
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, SpanContext, Tracer
 
-__all__ = [
-    "ENABLED",
-    "SPAN_NAME",
-    "Run",
-    "TracingObserver",
-    "linked_context",
-    "new_tracer",
-    "record_in_run",
-    "traceparent",
-]
-
 #: True when ``opentelemetry-api`` is importable; everything here is a no-op otherwise.
 ENABLED = _trace is not None
 

@@ -2,8 +2,7 @@
 framework"): the framework's request as an [`HTTPRequest`][idemflow.edge.HTTPRequest], through
 [`AsyncEdge.respond`][idemflow.edge.AsyncEdge.respond] or `Edge.respond`, back from a
 [`Response`][idemflow.Response]. The helpers idemflow's integrations share are here too,
-outside ``__all__``.
-"""
+outside ``__all__``."""
 
 from ._async.edge import AsyncEdge, AsyncPooledTransaction
 from ._async.edge import pooled_transaction as async_pooled_transaction

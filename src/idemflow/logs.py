@@ -1,6 +1,5 @@
 """Logs for idemflow: `LoggingObserver` writes one `logging` record per event with
-structured ``extra`` fields (never the key: its `key_digest`). docs/operations.md, "Logs".
-"""
+structured ``extra`` fields (never the key: its `key_digest`). docs/operations.md, "Logs"."""
 
 from __future__ import annotations
 

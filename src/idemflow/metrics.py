@@ -1,7 +1,6 @@
 """Prometheus metrics for idemflow (``idemflow[metrics]``): pass a `PrometheusMetrics` as
 the ``observer=`` of an ``Idempotency``. Labels are bounded (the route template, never the
-key or principal). The metrics, their PromQL and alerts: docs/operations.md, "Metrics".
-"""
+key or principal). The metrics, their PromQL and alerts: docs/operations.md, "Metrics"."""
 
 from __future__ import annotations
 

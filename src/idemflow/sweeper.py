@@ -1,7 +1,6 @@
 """The stale-claim sweeper: a [`Sweeper`][idemflow.sweeper.Sweeper] marks a crashed request's
 claim ``stale`` past ``policy.stale_after`` and resolves it exactly once, asking a
-``reconciler`` where the effect went outside. How to run it: docs/crash-safety.md.
-"""
+``reconciler`` where the effect went outside. How to run it: docs/crash-safety.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """OpenTelemetry traces for idemflow (``idemflow[tracing]``; a no-op without it): `traced`
 makes each ``run`` a span (a replay's linked to the original's), or a `TracingObserver`
-annotates the current span. The attributes: docs/operations.md, "Traces".
-"""
+annotates the current span. The attributes: docs/operations.md, "Traces"."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Pass one to ``Idempotency.run(…, transaction=…)``: the library begins (or jo
 transaction on your connection, runs your handler in it, writes the completion and
 commits, or rolls back and releases the key. One adapter per driver; for another,
 implement `idemflow.stores.protocol.Transaction`. Which for which connection:
-docs/core.md, "Where the transaction boundary goes".
-"""
+docs/core.md, "Where the transaction boundary goes"."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ class SQLite3Transaction(Transaction):
     holds the write lock, a duplicate's claim queues behind it. So the transaction
     begins *deferred*, taking the lock at your first write: keep slow work before it.
     ``immediate=True`` takes it at once (a deferred one that reads, then writes after
-    another writer committed, fails "database is locked": released, the retry runs again).
-    """
+    another writer committed, fails "database is locked": released, the retry runs again)."""
 
     connection: Any = None  # set per instance (the protocol declares it read-only)
 
@@ -86,8 +84,7 @@ class AsyncSQLite3Connection:
     Args:
         raw: an autocommit connection that may cross threads
             (``isolation_level=None, check_same_thread=False``), as
-            [`idemflow.stores.sqlite.connect`][idemflow.stores.sqlite.connect] opens it.
-    """
+            [`idemflow.stores.sqlite.connect`][idemflow.stores.sqlite.connect] opens it."""
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
@@ -107,8 +104,7 @@ class AsyncSQLite3Transaction(AsyncTransaction):
     """`SQLite3Transaction` for asyncio, on an `AsyncSQLite3Connection`: run your own
     statements through its [`run`][idemflow.transactions.AsyncSQLite3Connection.run]
     (``attempt.connection``), so they take their turn on its thread with idemflow's.
-    Deferred unless ``immediate=True``, as `SQLite3Transaction` explains.
-    """
+    Deferred unless ``immediate=True``, as `SQLite3Transaction` explains."""
 
     connection: Any = None  # set per instance (the protocol declares it read-only)
 

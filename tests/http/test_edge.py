@@ -18,6 +18,7 @@ from idemflow import (
     MissingPrincipal,
     Record,
     Response,
+    ResponseNotStorable,
     StoreUnavailable,
     Verdict,
     default_classifier,
@@ -28,7 +29,6 @@ from idemflow._events import CountingObserver
 from idemflow._http import (
     EdgeOptions,
     HTTPRequest,
-    ResponseNotStorable,
     problem_for,
     request_id_from,
     stored_form,

@@ -1,4 +1,3 @@
-"""The I/O shells of the core, each module the async source of truth of its sync twin.
-This is the async source of truth; ``idemflow/_sync/__init__.py`` is generated
-from it by ``scripts/unasync.py``.
-"""
+"""The I/O shells of the core.
+This is the async source of truth; ``idemflow/_sync/__init__.py`` is generated from it by
+``scripts/unasync.py``."""

@@ -1,8 +1,6 @@
 """The async driver: performs the steps of ``idemflow._flow`` and nothing else.
-
-This is the async source of truth; ``idemflow/_sync/driver.py`` is generated
-from it by ``scripts/unasync.py``.
-"""
+This is the async source of truth; ``idemflow/_sync/driver.py`` is generated from it by
+``scripts/unasync.py``."""
 
 from __future__ import annotations
 
@@ -45,8 +43,6 @@ from .._model import (
     route_policy,
 )
 from ..stores.protocol import AsyncStore, AsyncTransaction, CommitFailed, NotFused, Statement
-
-__all__ = ["AsyncAttempt", "AsyncHandler", "AsyncIdempotency"]
 
 logger = logging.getLogger("idemflow")
 
@@ -426,8 +422,7 @@ def _could_not_begin(exc: BaseException) -> StoreUnavailable:
 class AsyncCommitAfter(AsyncTransaction):
     """The caller's transaction, for one fenced write its COMMIT follows at once (in one
     round trip where ``execute_and_commit`` can, else in `finish`); the COMMIT's own error
-    comes out of `finish`. ``on_commit`` is called once the COMMIT may have run.
-    """
+    comes out of `finish`. ``on_commit`` is called once the COMMIT may have run."""
 
     def __init__(
         self,

@@ -1,13 +1,10 @@
-"""The HTTP edge's I/O: one protected request through the driver, and its transaction
-(the rules live in ``idemflow._http``).
-
-This is the async source of truth; ``idemflow/_sync/edge.py`` is generated
-from it by ``scripts/unasync.py``.
-"""
+"""The HTTP edge's I/O: one request through the driver (the rules: ``idemflow._http``).
+This is the async source of truth; ``idemflow/_sync/edge.py`` is generated from it by
+``scripts/unasync.py``."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeAlias, cast
 
@@ -28,18 +25,9 @@ from .._http import (
 )
 from .._model import Intent, Policy, Record, Response, Verdict
 from ..stores.protocol import AsyncTransaction
-from .driver import AsyncAttempt, AsyncIdempotency
+from .driver import AsyncAttempt, AsyncHandler, AsyncIdempotency
 from .transactions import execute_and_commit
 
-__all__ = [
-    "AsyncEdge",
-    "AsyncOperationHandler",
-    "AsyncPooledTransaction",
-    "AsyncTransactionScope",
-    "pooled_transaction",
-]
-
-AsyncOperationHandler: TypeAlias = Callable[[AsyncAttempt], Awaitable[Response]]
 #: Reads what a framework's endpoint answered (its own response object) as a Response.
 Reader: TypeAlias = Callable[[Any], Response]
 #: Opens the caller's transaction for one run, e.g. ``lambda: pooled_transaction(…)``.
@@ -56,8 +44,7 @@ class AsyncEdge:
 
     Args:
         idempotency: the driver; its policy decides what is stored.
-        options: see [`EdgeOptions`][idemflow.edge.EdgeOptions].
-    """
+        options: see [`EdgeOptions`][idemflow.edge.EdgeOptions]."""
 
     def __init__(self, idempotency: AsyncIdempotency, options: EdgeOptions | None = None) -> None:
         self.idempotency = idempotency
@@ -72,7 +59,7 @@ class AsyncEdge:
     async def respond(
         self,
         request: HTTPRequest,
-        handler: AsyncOperationHandler,
+        handler: AsyncHandler,
         *,
         transaction: AsyncTransactionScope | None = None,
         single_commit: bool = False,
@@ -86,8 +73,7 @@ class AsyncEdge:
         [`pooled_transaction`][idemflow.edge.pooled_transaction]), closed before the replay
         authorization hook runs. The first execution answers with the handler's full
         response; what is stored keeps only the allow-listed headers. Errors of idemflow
-        become problem responses; the handler's own propagate (the claim released).
-        """
+        become problem responses; the handler's own propagate (the claim released)."""
         async_checked_handler(handler)
         try:
             intent = self.intent(request)
@@ -117,12 +103,12 @@ class AsyncEdge:
 
     def _storing(
         self,
-        handler: AsyncOperationHandler,
+        handler: AsyncHandler,
         sent: list[Response],
         read: Reader | None,
         *,
         atomic: bool,
-    ) -> AsyncOperationHandler:
+    ) -> AsyncHandler:
         """Wrap ``handler``: keep what to send, return what to store."""
         limit = self.options.max_response_bytes
 
@@ -168,8 +154,7 @@ class AsyncPooledTransaction:
         acquire: returns an async context manager yielding a connection, e.g.
             ``psycopg_pool.AsyncConnectionPool.connection``.
         adapter: wraps that connection, e.g.
-            `idemflow.transactions.AsyncPsycopgTransaction`.
-    """
+            `idemflow.transactions.AsyncPsycopgTransaction`."""
 
     def __init__(
         self,

@@ -1,8 +1,6 @@
 """The sweeper: ends stale claims and reconciles what they left behind (docs/crash-safety.md).
-
-This is the async source of truth; ``idemflow/_sync/sweeper.py`` is generated
-from it by ``scripts/unasync.py``.
-"""
+This is the async source of truth; ``idemflow/_sync/sweeper.py`` is generated from it by
+``scripts/unasync.py``."""
 
 from __future__ import annotations
 
@@ -31,8 +29,6 @@ from .._reconcile import (
 )
 from ..stores.protocol import AsyncMaintainableStore, AsyncTransaction
 
-__all__ = ["AsyncReconciler", "AsyncSweeper"]
-
 logger = logging.getLogger("idemflow.sweeper")
 
 #: Records marked per statement: row locks held briefly, a backlog cleared in few trips.
@@ -58,8 +54,7 @@ class AsyncSweeper:
     Without a ``reconciler`` every stale record is released: right only when the effect
     was local or went downstream under a downstream key. ``transaction_factory`` opens
     the transaction an answer's ``apply`` commits in. The arguments:
-    docs/crash-safety.md, "Running the sweeper".
-    """
+    docs/crash-safety.md, "Running the sweeper"."""
 
     def __init__(
         self,

@@ -1,8 +1,6 @@
 """The transaction adapters for psycopg, SQLAlchemy and MySQL (`idemflow.transactions`).
-
-This is the async source of truth; ``idemflow/_sync/transactions.py`` is generated
-from it by ``scripts/unasync.py``.
-"""
+This is the async source of truth; ``idemflow/_sync/transactions.py`` is generated from it
+by ``scripts/unasync.py``."""
 
 from __future__ import annotations
 
@@ -12,12 +10,6 @@ from typing import Any
 
 from ..stores.protocol import AsyncTransaction, CommitFailed, NotFused, Statement
 from ..stores.sql.dialect import row_mapping
-
-__all__ = [
-    "AsyncPsycopgTransaction",
-    "AsyncSQLAlchemyTransaction",
-    "execute_and_commit",
-]
 
 
 class AsyncPsycopgTransaction(AsyncTransaction):
@@ -57,8 +49,7 @@ class AsyncPsycopgTransaction(AsyncTransaction):
         pipeline whose write raises on the server when it changed no row, so the server
         skips the COMMIT and the transaction stays open, failed, for the driver to roll
         back. Values bound on the client (Django's cursors): one simple query, stopped at
-        the same error. Without pipeline support in libpq: the write, then ``commit()``.
-        """
+        the same error. Without pipeline support in libpq: the write, then ``commit()``."""
         import psycopg
 
         connection = self.connection
@@ -206,8 +197,7 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
     def is_unavailable(exc: BaseException) -> bool:
         """Does ``exc``, SQLAlchemy's, mean the database cannot serve the request? Its pool
         timed out, or a disconnect (``connection_invalidated``); any other DB-API error is
-        the store's rule to judge. Static: a pooled transaction asks the class.
-        """
+        the store's rule to judge. Static: a pooled transaction asks the class."""
         from sqlalchemy.exc import DBAPIError, TimeoutError
 
         if isinstance(exc, TimeoutError):
@@ -222,8 +212,7 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
         SQLAlchemy's own COMMIT finds nothing to send, and sends the next BEGIN itself.
         psycopg's errors come out as SQLAlchemy's. Anywhere else (another driver, a
         savepoint, ``before_commit`` listeners, statements listened to or echoed,
-        autocommit) `NotFused`, before anything is sent.
-        """
+        autocommit) `NotFused`, before anything is sent."""
         driver = await self._psycopg_connection()
         if driver is None:
             raise NotFused
