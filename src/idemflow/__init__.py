@@ -1,9 +1,7 @@
-"""
-idemflow: make non-idempotent HTTP writes safe to retry.
+"""idemflow: make non-idempotent HTTP writes safe to retry.
 
 Claim ``(principal, key)`` atomically, run the operation once, commit its outcome
-in its own transaction, answer every retry alike. Imports no framework or driver.
-"""
+in its own transaction, answer every retry alike. Imports no framework or driver."""
 
 from ._async.driver import AsyncAttempt, AsyncIdempotency
 from ._deprecation import moved as _moved_names
@@ -83,9 +81,6 @@ __all__ = [
     "parse_key",
 ]
 
-
-#: Issue 32: helpers and types only the library's own modules need; importable from
-#: here, with a DeprecationWarning, until 0.3.
 _moved = _moved_names(
     __name__,
     {

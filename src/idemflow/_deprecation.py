@@ -7,18 +7,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["REMOVED_IN", "moved"]
-
 #: The release that removes every name deprecated in this one.
 REMOVED_IN = "0.3"
 
 
 def moved(module: str, names: dict[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` answering each old name in ``names`` with its replacement.
-
-    ``names`` maps an old name to ``"package.module:Name"``; the replacement is imported
-    only when the old name is used, and the warning names both.
-    """
+    """A module ``__getattr__`` answering each old name in ``names`` with its replacement
+    (``"package.module:Name"``, imported when used), with a warning naming both."""
 
     def __getattr__(name: str) -> Any:
         target = names.get(name)

@@ -6,8 +6,6 @@ import hashlib
 
 from ._model import Record
 
-__all__ = ["downstream_key"]
-
 
 def downstream_key(record: Record, step: str, *, namespace: str = "idemflow") -> str:
     """The key to send downstream for ``step`` of ``record``'s intent: the same on every

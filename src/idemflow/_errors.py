@@ -1,42 +1,12 @@
-"""
-The one exception tree of idemflow.
-
-Client errors carry their HTTP meaning (``status``, a problem ``type``, a
-``title`` and whether the same request may be sent again, ``retryable``) so
-every integration renders them the same way; each ``type`` URI is a page of
-the documentation (``docs/problems/<slug>.md``). The handler's own exceptions
-are never wrapped; [`OutcomeUnknown`][idemflow.OutcomeUnknown] is the one a handler raises on
-purpose, to keep the claim for the sweeper. The tree, with each error's
-status: docs/core.md, "Errors and their HTTP meaning".
-"""
+"""The one exception tree of idemflow: each error carries its HTTP meaning (``status``, a
+problem ``type`` documented in ``docs/problems/<slug>.md``, ``title``, ``retryable``).
+The tree: docs/core.md, "Errors and their HTTP meaning"."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any, ClassVar
-
-__all__ = [
-    "BodyTooLarge",
-    "ClientError",
-    "ConfigurationError",
-    "IdempotencyError",
-    "InProgress",
-    "IncompleteBody",
-    "InvalidBody",
-    "InvalidKey",
-    "KeyReused",
-    "LeaseLost",
-    "MissingExtra",
-    "MissingKey",
-    "MissingPrincipal",
-    "MissingTable",
-    "OutcomeUnknown",
-    "ReplayForbidden",
-    "ResponseNotStorable",
-    "StoreUnavailable",
-    "problem_types",
-]
 
 PROBLEM_BASE = "https://idemflow.dev/problems/"
 
@@ -128,8 +98,7 @@ class ReplayForbidden(ClientError):
 
 
 class InProgress(ClientError):
-    """A request with this key is still running; retry after ``retry_after`` seconds (never
-    waits: a held connection per duplicate is how a burst of retries becomes an outage)."""
+    """A request with this key is still running; retry after ``retry_after`` seconds."""
 
     status = 409
     slug = "in-progress"
@@ -174,10 +143,8 @@ class OutcomeUnknown(IdempotencyError):
     """Raise it from a handler that cannot tell whether its external effect happened.
 
     Any other exception releases the key; this one keeps the claim wherever it is
-    durable, so a retry gets 409 until the sweeper settles or releases it. The caller
-    gets a 503 whose ``retry_after`` covers the sweeper's next pass. When to raise it:
-    docs/core.md, "Errors and their HTTP meaning".
-    """
+    durable, so a retry gets 409 until the sweeper settles or releases it, and the
+    caller a 503 whose ``retry_after`` covers the sweeper's next pass."""
 
     status = 503
     slug = "outcome-unknown"
@@ -185,7 +152,7 @@ class OutcomeUnknown(IdempotencyError):
     retryable = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> OutcomeUnknown:
-        # In __new__, which every subclass runs (its own __init__ may not call ours).
+        # Not in __init__: a subclass's own may not call ours.
         made = super().__new__(cls, *args, **kwargs)
         witness = OUTCOME_UNKNOWN_WITNESS.get()
         if witness is not None:
@@ -197,9 +164,7 @@ class OutcomeUnknown(IdempotencyError):
         self.retry_after = retry_after
 
 
-#: Told of every ``OutcomeUnknown`` made in this context: a middleware sets it while the
-#: application it protects runs, so an ``OutcomeUnknown`` its framework turned into a 500
-#: of its own is known without any hook of the framework's (see ``idemflow._http.OutcomeSlot``).
+#: Told of every ``OutcomeUnknown`` made in this context (``idemflow._http.OutcomeSlot``).
 OUTCOME_UNKNOWN_WITNESS: ContextVar[Callable[[OutcomeUnknown], None] | None] = ContextVar(
     "idemflow.outcome_unknown_witness", default=None
 )
@@ -211,8 +176,8 @@ class ConfigurationError(IdempotencyError, ValueError):
 
 class ResponseNotStorable(ConfigurationError):
     """The handler's response cannot be stored for replay (too large, streamed, unsendable):
-    raised inside a transactional operation, which then rolls back; elsewhere the record
-    settles with a ``response-not-stored`` marker. Never replayed empty."""
+    a transactional operation rolls back; elsewhere the record settles with a
+    ``response-not-stored`` marker."""
 
     status = 500
     slug = "response-not-storable"
@@ -220,8 +185,7 @@ class ResponseNotStorable(ConfigurationError):
 
     def __init__(self, message: str = "", *, response: Any = None) -> None:
         super().__init__(message)
-        #: The endpoint's ``Response``, status and headers only. ``Any``: below the model.
-        self.response = response
+        self.response = response  # the endpoint's Response (status, headers), if any
 
 
 class MissingExtra(ConfigurationError, ImportError):
@@ -264,8 +228,6 @@ def driver_error(exc: BaseException) -> BaseException:
     return exc
 
 
-# Public as ``idemflow.X``: in tracebacks and the reference.
-for _error in problem_types().values():
-    _error.__module__ = "idemflow"
-for _error in (ClientError, ConfigurationError, MissingExtra):
+# Named ``idemflow.X`` in tracebacks and the reference.
+for _error in (*problem_types().values(), ClientError, ConfigurationError, MissingExtra):
     _error.__module__ = "idemflow"

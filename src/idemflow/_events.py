@@ -1,10 +1,5 @@
-"""
-Every outcome is counted: the events a driver reports, and the observer seam.
-
-Metrics (``idemflow.metrics``), logs and traces are observers; the core knows
-none of them. ``elapsed`` is the time since the run began, so for ``CLAIMED``
-it is the claim latency and for ``REPLAYED`` the whole replay's.
-"""
+"""Every outcome is counted: the events a driver reports, and the observer seam (metrics,
+logs and traces are observers). ``elapsed`` is the time since the run began."""
 
 from __future__ import annotations
 
@@ -16,8 +11,6 @@ from typing import Protocol
 
 from ._errors import InProgress, KeyReused, LeaseLost, OutcomeUnknown, StoreUnavailable
 from ._model import Intent
-
-__all__ = ["CountingObserver", "Event", "Observer", "error_event", "fan_out", "null_observer"]
 
 logger = logging.getLogger("idemflow")
 
@@ -34,8 +27,8 @@ class Event(enum.StrEnum):
     STORE_UNAVAILABLE = "store_unavailable"
     #: The handler raised ``OutcomeUnknown``: 503, the key kept for the sweeper.
     OUTCOME_UNKNOWN = "outcome_unknown"
-    #: The replay authorization hook refused a stored response (403). Counted after the
-    #: ``REPLAYED`` the claim reported: replays served = replayed - replay_forbidden.
+    #: The replay authorization hook refused a stored response (403), after its
+    #: ``REPLAYED``: replays served = replayed - replay_forbidden.
     REPLAY_FORBIDDEN = "replay_forbidden"
     #: A release could not be written: retries get 409 until the sweeper releases it.
     RELEASE_FAILED = "release_failed"
@@ -53,8 +46,7 @@ def null_observer(event: Event, intent: Intent, elapsed: float) -> None:
 
 def fan_out(*observers: Observer) -> Observer:
     """One observer telling each of ``observers`` in turn (and the sweeper's
-    ``stale_reclaimed`` hook to those that have one); one that raises is logged and
-    skipped: a broken exporter must neither fail the request nor silence the others."""
+    ``stale_reclaimed`` hook to those that have one); one that raises is logged and skipped."""
     flat = tuple(
         inner
         for observer in observers
@@ -92,9 +84,8 @@ class _FanOut:
 
 def error_event(exc: BaseException) -> Event | None:
     """The event an exception leaving ``run`` stands for, if it is one of ours."""
-    # LeaseLost is an InProgress: test the narrower type first.
     for kind, event in (
-        (LeaseLost, Event.LEASE_LOST),
+        (LeaseLost, Event.LEASE_LOST),  # an InProgress: the narrower type first
         (InProgress, Event.IN_PROGRESS_CONFLICT),
         (KeyReused, Event.FINGERPRINT_MISMATCH),
         (StoreUnavailable, Event.STORE_UNAVAILABLE),

@@ -1,8 +1,5 @@
-"""
-Optional dependencies: a missing one is one line naming the extra that installs it.
-Every import of one sits in an ``optional(...)`` block where it is needed, so
-``import idemflow`` stays light.
-"""
+"""Optional dependencies, imported in an ``optional(...)`` block where needed: a missing
+one is one line naming the extra that installs it."""
 
 from __future__ import annotations
 
@@ -11,9 +8,7 @@ from contextlib import contextmanager
 
 from ._errors import MissingExtra
 
-__all__ = ["EXTRAS", "optional"]
-
-#: The extra (pyproject.toml) that installs each optional top-level package.
+#: The extra that installs each optional top-level package.
 EXTRAS = {
     "psycopg": "postgres",
     "psycopg_pool": "postgres",

@@ -1,18 +1,7 @@
-"""
-The idempotency protocol, sans I/O: claim → dispatch on state → execute → complete | release.
+"""The idempotency protocol, sans I/O: claim → dispatch on state → execute → complete | release.
 
-Every decision about a key lives here: the order of the steps, dispatch, when a
-failure releases or keeps the claim, which connection a claim uses
-(`claim_on`), whether a failed release is sent again (`release_again`),
-what a run or a handler may not be asked (`refuse_run`, `checked_handler`). The
-drivers perform the steps `idempotency_flow` yields and send the results back. What
-they keep, and
-why (docs/architecture.md, "What the drivers keep"): *whether* an exception
-means "the database cannot serve" (``is_unavailable``: only the store or the
-transaction adapter knows its library's exceptions; the flow says what it then
-means), and the state of the caller's transaction (open, begun, committed), which
-only the code that sends BEGIN and COMMIT sees.
-"""
+Every decision about a key lives here; the drivers perform the steps `idempotency_flow`
+yields and send the results back. What they keep: docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -46,25 +35,8 @@ from ._model import (
     swept_within,
 )
 
-__all__ = [
-    "ClaimOn",
-    "Step",
-    "async_checked_handler",
-    "async_resolve",
-    "checked_handler",
-    "claim_on",
-    "dispatch",
-    "idempotency_flow",
-    "refuse_run",
-    "release_again",
-    "resolve",
-    "starts_past_a_phase",
-]
 
-
-# Plain slotted, not frozen: built on every run, and nothing changes one.
-
-
+# Steps: plain slotted, not frozen (built on every run; nothing changes one).
 @dataclass(slots=True)
 class ClaimKey:
     """One atomic statement: insert ``in_progress``, or take over an expired or released record."""
@@ -107,8 +79,7 @@ class Release:
 
 @dataclass(slots=True)
 class PhaseCommitted:
-    """Ask the driver whether the operation went past a committed phase (a bool): past
-    one, an external call made after it may have happened (`starts_past_a_phase`)."""
+    """Ask the driver whether the operation went past a committed phase (a bool)."""
 
     record: Record
 
@@ -130,31 +101,26 @@ def idempotency_flow(
 
     ``atomic``: the effect commits or rolls back with the completion (until it
     commits a phase of its own). ``single_commit``: the claim is part of the
-    caller's transaction until its first commit. ``clock`` dates a 409.
-    """
-    # One generator, not one delegating to another: every step crosses one frame.
+    caller's transaction until its first commit. ``clock`` dates a 409."""
     try:
         claim: Claim = yield ClaimKey(intent, lease_token, policy.retention_seconds)
         if not claim.owned:
             return dispatch(claim.record, intent, policy, clock())
         record = claim.record
         if single_commit and record.recovery_point is not None:
-            # Resuming past a committed phase, the operation's next step may be an
-            # external call: a crash that rolled the take-over back would leave the
-            # intent released, and a retry would resume (and call) a second time.
+            # Resuming, the next step may be an external call: a crash that rolled the
+            # take-over back would let a retry resume (and call) a second time.
             yield CommitClaim(record)
         try:
             response: Response = yield Execute(record)
         except BaseException as exc:
             if (yield from _outcome_unknown(exc, record, single_commit)):
-                # The external call may have happened and nobody can say: releasing would
-                # let a retry resume and make it again. The key stays claimed (the driver
-                # rolls back what is still open) for the sweeper's reconciler.
+                # Releasing would let a retry make the external call again: the key stays
+                # claimed for the sweeper's reconciler.
                 if isinstance(exc, OutcomeUnknown):
                     exc.retry_after = max(exc.retry_after, swept_within(policy))
                 raise
-            # The operation failed (or was cancelled) before it answered: nothing
-            # settled. Give the key back and let its own exception through unchanged.
+            # Failed (or cancelled) before it answered: nothing settled, the key given back.
             if isinstance(exc, OutcomeUnknown):
                 exc.retry_after = max(exc.retry_after, policy.retry_after)
             yield Release(record)
@@ -169,21 +135,17 @@ def idempotency_flow(
             raise  # the key is someone else's now: nothing of ours to release
         except BaseException as exc:
             if atomic and not (yield from _past_a_committed_phase(record)):
-                # The completion did not commit (or we cannot tell), and the effect
-                # rolled back with it: nothing settled. The release is fenced by our
-                # lease and in_progress, so it changes nothing if the commit did happen.
+                # The effect rolled back with the completion. The release is fenced: it
+                # changes nothing if the commit did happen.
                 yield Release(record)
                 raise
             if isinstance(exc, StoreUnavailable):
-                # The effect happened, or its part past a committed phase may have
-                # (an external call): only its record is missing. Releasing would run
-                # it again: the key stays claimed for the sweeper's reconciler.
+                # The effect (or its part past a phase) may have happened: releasing would
+                # run it again. The key stays claimed for the sweeper's reconciler.
                 raise StoreUnavailable(_UNRECORDED, retry_after=exc.retry_after) from exc
             raise
         return make_outcome(response, False, record)
-    except InProgress as busy:
-        # A 409 raised without the record to date it (the store's lock wait on
-        # an uncommitted claim, a lease lost): the policy's floor still holds.
+    except InProgress as busy:  # one raised without the record to date it: the floor holds
         busy.retry_after = max(busy.retry_after, policy.retry_after)
         raise
 
@@ -191,13 +153,9 @@ def idempotency_flow(
 def _outcome_unknown(
     exc: BaseException, record: Record, single_commit: bool
 ) -> Generator[Step, Any, bool]:
-    """Did the operation end without an answer, its effect unknown, where its claim is durable?
-
-    ``OutcomeUnknown`` is unknown wherever the claim is durable (in single-commit
-    mode only past a committed phase: before it the claim rolls back). Any other
-    exception is the handler's answer that it did nothing. A cancellation is
-    unknown past a committed phase (guarantee 2: never resolved by re-executing).
-    """
+    """Did the operation end with its effect unknown, where its claim is durable? An
+    ``OutcomeUnknown`` (in single-commit mode past a committed phase), or a cancellation
+    past a committed phase; any other exception says the handler did nothing."""
     if isinstance(exc, OutcomeUnknown):
         if not single_commit:
             return True
@@ -207,8 +165,8 @@ def _outcome_unknown(
 
 
 def _past_a_committed_phase(record: Record, *, answered: bool = True) -> Generator[Step, Any, bool]:
-    """Past a committed phase (an earlier attempt's, or its own)? One that ``answered``
-    ran past its record's recovery point; one that did not may never have started."""
+    """Past a committed phase (an earlier attempt's, or its own)? One that did not
+    ``answered`` may never have started past its record's recovery point."""
     if answered and record.recovery_point is not None:
         return True
     committed: bool = yield PhaseCommitted(record)
@@ -223,8 +181,7 @@ _UNRECORDED = (
 
 def dispatch(record: Record, intent: Intent, policy: Policy, now: float) -> Outcome:
     """Answer a request whose claim found someone else's record: 422 for a different
-    request (even while the first runs), then 409 at once while in flight (never wait),
-    then the settled response verbatim."""
+    request, then 409 at once while in flight, then the settled response verbatim."""
     if record.fingerprint != intent.fingerprint:
         msg = (
             "this Idempotency-Key was first used for a different request "
@@ -250,11 +207,8 @@ class ClaimOn(enum.Enum):
     """Which connection a claim uses: a request holds at most one at any moment."""
 
     STORE = "store"  # no transaction: the store's own
-    # Two commits: the transaction's where it lends one of the store's (one checkout),
-    # committed alone before its BEGIN.
-    LENT = "lent"
-    # One commit: the claim is the transaction's first statement.
-    TRANSACTION = "transaction"
+    LENT = "lent"  # the transaction's, lent to the store, committed alone before its BEGIN
+    TRANSACTION = "transaction"  # single commit: the transaction's first statement
 
 
 def claim_on(*, transaction: bool, single_commit: bool) -> ClaimOn:
@@ -282,30 +236,25 @@ def refuse_run(
 
 
 def starts_past_a_phase(record: Record, *, transaction: bool) -> bool:
-    """Is the operation past a committed phase from its start? A resumed one is; one
-    without a transaction too: nothing it does rolls back."""
+    """Is the operation past a committed phase from its start (resumed, or nothing of it
+    rolls back)?"""
     return record.recovery_point is not None or not transaction
 
 
 #: How often a failed release is sent again before the key is left to the sweeper.
 RELEASE_ATTEMPTS = 3
-#: A release the store could not serve is sent again only if it failed this fast (a
-#: pooled connection found dead, which the pool dropped): one that waited for the store
-#: would wait as long again, and the answer with it. At most half the store wait.
+#: A release the store could not serve is sent again only if it failed this fast (a dead
+#: pooled connection), not after a wait (at most half the store wait).
 RELEASE_RETRY_WITHIN_SECONDS = 0.5
 
 
 def release_again(exc: Exception, *, attempt: int, elapsed: float, policy: Policy) -> bool:
-    """Send a failed release again? The fenced release is idempotent, so a deadlock
-    victim or a dropped connection is retried; a store waited for in vain is not.
-    ``elapsed``: on the monotonic clock (the injected one dates records, not waits)."""
+    """Send a failed (fenced, idempotent) release again? Not after waiting for the store
+    in vain. ``elapsed``: on the monotonic clock."""
     within = min(RELEASE_RETRY_WITHIN_SECONDS, policy.store_wait_seconds / 2)
     waited_for_the_store = isinstance(exc, StoreUnavailable) and elapsed >= within
     return attempt < RELEASE_ATTEMPTS and not waited_for_the_store
 
-
-# What a handler or a hook may be, refused before anything is claimed, and how
-# their answer is taken: awaited by async code, refused by sync code.
 
 _T = TypeVar("_T")
 _Handler = TypeVar("_Handler")
@@ -332,18 +281,16 @@ def resolve(answer: _T | Awaitable[_T]) -> _T:
 
 
 def async_checked_handler(handler: _Handler) -> _Handler:
-    """``handler`` for async code; an ``async def`` with ``yield`` answers an async
-    generator, never a response, and runs nothing: refused before the claim. (A plain
-    function is fine: its answer is awaited if it is awaitable, else taken as it is.)"""
+    """``handler`` for async code, refused before the claim if an async generator
+    function (it answers a generator, never a response)."""
     if _defined_as(handler, inspect.isasyncgenfunction):
         raise ConfigurationError(f"{_name(handler)} is an async generator function: {_ANSWER}")
     return handler
 
 
 def checked_handler(handler: _Handler) -> _Handler:
-    """``handler`` for sync code; an ``async def`` one answers a coroutine that sync code
-    cannot await (it would run nothing, and used to leave its key claimed): refused
-    before the claim, with the fix."""
+    """``handler`` for sync code, refused before the claim if ``async def`` (sync code
+    cannot await what it answers)."""
     if _defined_as(handler, inspect.iscoroutinefunction) or _defined_as(
         handler, inspect.isasyncgenfunction
     ):

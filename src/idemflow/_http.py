@@ -1,16 +1,6 @@
-"""
-The framework-neutral HTTP edge: request → [`Intent`][idemflow.Intent], outcome or error → response.
-
-Every integration only translates its framework's request into an
-`HTTPRequest` and the `Response` returned here into its
-framework's. This module holds the rules and does no I/O (``AsyncEdge`` in
-``idemflow._async.edge`` runs a request through the driver; ``_flow`` decides
-what to do with a key): the route template, RFC 9457 problems, what is stored,
-replay headers, ``X-Request-Id``, the ``OutcomeUnknown`` slot, and what every
-door shares sans I/O ([`BodyReader`][idemflow.edge.BodyReader], `ResponseSink`,
-`compile_endpoint`). The rules: docs/http.md; where each lives:
-docs/architecture.md, "Where each rule lives".
-"""
+"""The framework-neutral HTTP edge, sans I/O: request → [`Intent`][idemflow.Intent], outcome or
+error → response, and what every door shares. The rules: docs/http.md; where each lives:
+docs/architecture.md, "Where each rule lives"."""
 
 from __future__ import annotations
 
@@ -48,7 +38,7 @@ from ._errors import (
     StoreUnavailable,
     problem_types,
 )
-from ._identity import DEFAULT_MAX_BODY_BYTES, fingerprint, parse_key
+from ._identity import DEFAULT_MAX_BODY_BYTES, excerpt, fingerprint, parse_key
 from ._model import (
     Classified,
     Intent,
@@ -60,41 +50,6 @@ from ._model import (
     default_classifier,
 )
 
-__all__ = [
-    "DEFAULT_MAX_RESPONSE_BYTES",
-    "KEY_HEADER",
-    "ORIGINAL_REQUEST_ID_HEADER",
-    "OUTCOME_SLOT",
-    "PROBLEM_CONTENT_TYPE",
-    "REPLAYED_HEADER",
-    "REPLAYED_HEADERS",
-    "REQUEST_ID_HEADER",
-    "SAFE_METHODS",
-    "EdgeOptions",
-    "HTTPRequest",
-    "OutcomeSlot",
-    "ResponseNotStorable",
-    "ViewEdges",
-    "body_cut_short",
-    "body_too_large",
-    "declared_length",
-    "intent_for",
-    "is_retryable",
-    "not_read",
-    "not_stored",
-    "oversized",
-    "problem",
-    "problem_for",
-    "raw_headers",
-    "report_outcome_unknown",
-    "request_id_from",
-    "settled_verdict",
-    "stored_form",
-    "storing",
-    "sync_replay_authorizer",
-    "unsendable",
-]
-
 logger = logging.getLogger("idemflow.http")
 
 _Edge = TypeVar("_Edge")
@@ -103,8 +58,7 @@ _ReplayHook: TypeAlias = Callable[[Record], bool]
 KEY_HEADER = "idempotency-key"
 REQUEST_ID_HEADER = "x-request-id"
 REPLAYED_HEADER = "idempotent-replayed"
-#: Names the request whose execution produced a replayed response: one support
-#: question ("why was I charged?") resolves with one log query.
+#: Names the request whose execution produced a replayed response.
 ORIGINAL_REQUEST_ID_HEADER = "idempotency-original-request-id"
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 _KEY_NAME = KEY_HEADER.encode("latin-1")
@@ -113,10 +67,8 @@ _CONTENT_TYPE_NAME = b"content-type"
 #: Methods that are idempotent already: the header is ignored on them.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
-#: The headers a client needs to interpret a replayed response. Everything
-#: else is dropped before storing: ``Set-Cookie`` would hand a session to
-#: whoever replays, ``Date`` and rate-limit headers describe the first
-#: request's moment, not this one.
+#: The headers a client needs to interpret a replayed response; the rest is not stored
+#: (``Set-Cookie`` would hand a session to whoever replays, ``Date`` is the first moment's).
 REPLAYED_HEADERS = frozenset(
     {
         "cache-control",
@@ -137,8 +89,7 @@ REPLAYED_HEADERS = frozenset(
 #: The largest response body stored for replay (1 MiB); configurable per integration.
 DEFAULT_MAX_RESPONSE_BYTES = 1_048_576
 
-#: The problem type of the marker a key is settled with when the endpoint ran
-#: but its response could not be stored (see `not_stored`).
+#: The problem type of the `not_stored` marker.
 NOT_STORED_SLUG = "response-not-stored"
 
 # Framing is the server's business: a handler's own Content-Length (or
@@ -147,14 +98,9 @@ _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
 
 # RFC 9110 §5.1: a field name is a token.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-# RFC 9110 §5.5: a field value is visible latin-1 octets, spaces and tabs; CR,
-# LF, NUL and other controls would end the header or be refused by the server.
+# RFC 9110 §5.5: visible latin-1, spaces and tabs; a control would end the header.
 _UNSENDABLE_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]|[^\x00-\xff]")
-# How much of a bad header name or value a message may quote.
-_EXCERPT_LENGTH = 40
-
-# A client-sent X-Request-Id is echoed only if it is short, printable ASCII:
-# it goes into logs and a database column.
+# A client's X-Request-Id is echoed only if short, printable ASCII: it goes into logs.
 _MAX_REQUEST_ID_LENGTH = 128
 
 RawHeaders: TypeAlias = Sequence[tuple[bytes, bytes]]
@@ -166,12 +112,9 @@ RoutePolicy: TypeAlias = Policy | Callable[[str], Policy]
 
 @dataclass(frozen=True, slots=True)
 class HTTPRequest:
-    """What the edge needs of a request, whatever the framework.
-
-    ``route`` is the route template the request matched (``/payments/{id}``)
-    and ``path_params`` its values; ``principal`` comes from the authentication
-    that ran before (None if none).
-    """
+    """What the edge needs of a request, whatever the framework: ``route`` is the template
+    it matched (``/payments/{id}``), ``path_params`` its values, ``principal`` who the
+    authentication that ran before says sent it (None if none)."""
 
     method: str
     route: str
@@ -180,7 +123,7 @@ class HTTPRequest:
     principal: str | None
     request_id: str
     path_params: Mapping[str, str] = field(default_factory=dict)
-    #: The raw query string (``a=1&b=2``): part of the request, so of its fingerprint.
+    #: The raw query string (``a=1&b=2``), part of the fingerprint.
     query: str = ""
 
     @property
@@ -207,19 +150,16 @@ class EdgeOptions:
         public: the endpoint is deliberately unauthenticated; keys are then
             scoped to ``anonymous_principal`` (all anonymous callers share one
             key space). Otherwise a request without a principal is refused (401).
-        authorize_replay: asked again before a stored response is replayed; False
-            answers 403. The principal already scopes the key; this re-checks
-            object-level permission that may have changed since.
+        authorize_replay: asked before a stored response is replayed (False: 403), to
+            re-check object-level permission that may have changed since.
         max_response_bytes: the largest body stored for replay; a larger one is
-            never stored truncated: see `storing` for what happens instead.
-        max_body_bytes: the largest request body read (413 above it, refused
-            while it streams).
+            never stored truncated (see `storing`).
+        max_body_bytes: the largest request body read (413, while it streams).
         exclude_fields: JSON members left out of the fingerprint (per-attempt fields).
         strict_key: accept only the quoted sf-string form of the key.
         policy: this route's [`Policy`][idemflow.Policy] (retention, request timeout,
             classifier), or ``(principal) -> Policy``; None: the driver's. Its stale
-            threshold may not exceed the driver's, which the sweeper runs on.
-    """
+            threshold may not exceed the driver's, which the sweeper runs on."""
 
     public: bool = False
     anonymous_principal: str = "anonymous"
@@ -242,7 +182,7 @@ Endpoints: TypeAlias = Iterable[str] | Mapping[str, RoutePolicy | None]
 
 
 def route_table(endpoints: Endpoints, options: EdgeOptions) -> dict[str, EdgeOptions]:
-    """Each endpoint's options: ``options``, with the policy the table maps it to (if any)."""
+    """Each endpoint's options, with the policy the table maps it to (if any)."""
     if not isinstance(endpoints, Mapping):
         return dict.fromkeys(endpoints, options)
     return {
@@ -252,8 +192,7 @@ def route_table(endpoints: Endpoints, options: EdgeOptions) -> dict[str, EdgeOpt
 
 
 def policy_for(options: EdgeOptions, principal: str) -> Policy | None:
-    """The policy a request of ``principal`` runs under: its route's, or what its resolver
-    answers (checked against the driver's by ``run``); None: the driver's."""
+    """The route's policy for ``principal`` (its resolver's answer); None: the driver's."""
     chosen = options.policy
     if chosen is None or isinstance(chosen, Policy):
         return chosen
@@ -265,25 +204,14 @@ def policy_for(options: EdgeOptions, principal: str) -> Policy | None:
 
 
 def sync_replay_authorizer(hook: object, name: str) -> Callable[[Record], bool]:
-    """``hook`` checked where a WSGI framework's integration is configured: a plain
-    callable ``(record) -> bool``; ``name`` says where it was given, for the message.
-
-    The sync edge cannot await: an ``async def`` hook answers a coroutine, which the
-    edge refuses on every replay (a 500 each time, never taken for "allowed"). Refused
-    here instead, once, when the application is configured.
-    """
+    """`plain_callable` for a WSGI door's replay hook: the sync edge cannot await one."""
     checked: Callable[[Record], bool] = plain_callable(hook, name, "(record) -> bool")
-    return checked  # its answer is checked on each replay (the edge refuses an awaitable)
+    return checked
 
 
 def plain_callable(hook: object, name: str, signature: str) -> Any:
-    """``hook`` checked where it is configured: a plain callable ``signature`` (a
-    principal getter, a replay hook, a WSGI application); ``name`` says where it was given.
-
-    Code that calls it without awaiting would take the coroutine an ``async def`` one
-    answers for its answer (a principal that differs on every request, so a retry would
-    run again; a response that never ran): refused once, with the fix.
-    """
+    """``hook``, refused where it is configured unless a plain callable ``signature``:
+    code that does not await would take an ``async def`` one's coroutine for its answer."""
     if not callable(hook):
         raise ConfigurationError(f"{name} must be a callable {signature}, got {hook!r}")
     # An object whose __call__ is async answers a coroutine just the same.
@@ -299,9 +227,7 @@ def plain_callable(hook: object, name: str, signature: str) -> Any:
 def intent_for(request: HTTPRequest, options: EdgeOptions) -> Intent:
     """The request's identity; raises the 400/401 client errors, claims nothing."""
     principal = request.principal
-    if inspect.isawaitable(principal):
-        # A principal getter that answered a coroutine (one returned by a plain function,
-        # past the check where it was configured): its text would differ on every request.
+    if inspect.isawaitable(principal):  # its text would differ on every request
         if inspect.iscoroutine(principal):
             principal.close()
         msg = "the principal getter answered an awaitable: pass a plain function returning str"
@@ -311,7 +237,6 @@ def intent_for(request: HTTPRequest, options: EdgeOptions) -> Intent:
             msg = "authenticate first: idempotency keys are scoped to the caller"
             raise MissingPrincipal(msg)
         principal = options.anonymous_principal
-    # One pass over the header lines for the two the intent needs.
     keys: list[str] = []
     content_type = None
     for raw_name, value in request.headers:
@@ -336,14 +261,10 @@ def intent_for(request: HTTPRequest, options: EdgeOptions) -> Intent:
 
 
 def storing(response: Response, verdict: Verdict, *, atomic: bool, max_bytes: int) -> Response:
-    """What to send and store for the handler's ``response``, checked whole first.
-
-    ``atomic``: the handler's effect rolls back with the claim (a transaction),
-    so a response that cannot be stored is the handler's bug and undoes it
-    (`ResponseNotStorable`). Without that the effect stays: the key is
-    settled with a `not_stored` marker instead, never released. A
-    transient response is released, never stored: no size limit applies.
-    """
+    """What to send and store for ``response``, checked whole first. One that cannot be
+    stored raises `ResponseNotStorable` where the effect rolls back with the claim
+    (``atomic``); elsewhere it settles the key as a `not_stored` marker. A transient
+    response is released, never stored: no size limit applies."""
     if isinstance(response, Classified):  # a marker the integration already made
         return response
     reason = unsendable(response)
@@ -357,12 +278,7 @@ def storing(response: Response, verdict: Verdict, *, atomic: bool, max_bytes: in
 
 
 def declared_length(value: str | None, limit: int) -> int | None:
-    """A request's ``Content-Length``, if one was sent; BodyTooLarge at once if over ``limit``.
-
-    Every integration reads a body whole and bounded before anything is
-    claimed; this, `body_too_large` and `body_cut_short` are the
-    rules they share.
-    """
+    """A request's ``Content-Length``, if one was sent; BodyTooLarge at once if over ``limit``."""
     text = value.strip() if isinstance(value, str) else ""
     if not (text.isascii() and text.isdigit()):
         return None  # none (chunked), or a framing the server already refused
@@ -417,10 +333,7 @@ class BodyReader:
 
 class ResponseSink:
     """An app's response body kept in memory, at most ``limit`` bytes (the rest counted).
-
-    Never raises into the app: its effect is happening, and an error mid-stream
-    would only hide how it ended. `unstorable` says why it cannot be stored.
-    """
+    Never raises into the app: its effect is happening."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -445,16 +358,13 @@ class ResponseSink:
         )
         response = Response(status, b"".join(self.chunks), kept)
         if reason is None and self.size > self.limit:
-            reason = (
-                f"the response body is {self.size} bytes; the stored-body limit is "
-                f"{self.limit} bytes (raise max_response_bytes, or do not protect this endpoint)"
-            )
+            reason = _too_large(self.size, self.limit)
         return response if reason is None else not_stored(response, reason, classify(response))
 
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """One opted-in endpoint: its method, its template, and the pattern matching its path."""
+    """One opted-in endpoint: its method, template, and the pattern matching its path."""
 
     method: str
     template: str
@@ -473,16 +383,14 @@ _CONVERTERS = {
 
 
 def compile_endpoint(endpoint: str, spell: Callable[[str], str] = str) -> Endpoint:
-    """``"POST /payments/{id}/refunds"`` compiled; ConfigurationError if it is malformed.
-
-    ``spell`` turns a literal segment into how the door's paths spell it (WSGI: latin-1).
-    """
+    """``"POST /payments/{id}/refunds"`` compiled; ConfigurationError if malformed.
+    ``spell`` turns a literal segment into how the door's paths spell it (WSGI: latin-1)."""
     method, _, template = endpoint.strip().partition(" ")
     method, template = method.upper(), template.strip()
     if not _TOKEN.fullmatch(method) or not template.startswith("/"):
         msg = f"endpoint {endpoint!r} must be 'METHOD /route/{{param}}'"
         raise ConfigurationError(msg)
-    if method in SAFE_METHODS:  # it would never be protected: say so at start-up
+    if method in SAFE_METHODS:
         msg = (
             f"endpoint {endpoint!r}: {method} is idempotent already and is never "
             "protected; list unsafe methods only"
@@ -524,16 +432,10 @@ def request_id_from(headers: RawHeaders) -> str:
 
 
 def raw_headers(environ: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
-    """The request's header lines as (lower-case name, value) bytes: the lines werkzeug's
-    ``request.headers`` lists. The one reader of the WSGI middleware, Flask and Django
-    (whose ``request.META`` is the environ under WSGI, and is built like it under ASGI).
-
-    Every ``HTTP_*`` key is a line, an empty value too: ``Idempotency-Key:`` with nothing
-    after it is a client's mistake to answer 400 "empty", not a missing key. Not so
-    ``CONTENT_TYPE`` and ``CONTENT_LENGTH``, listed only when set: a server leaves them
-    empty when the request has none (CGI, RFC 3875 §4.1). Nor their ``HTTP_`` twins, as
-    werkzeug reads them: the server's own keys are what it framed the body by.
-    """
+    """A WSGI environ's (or Django's ``META``'s) header lines as (lower-case name, value)
+    bytes, as werkzeug lists them. An empty ``HTTP_*`` value is a line (``Idempotency-Key:``
+    is a 400 "empty"); ``CONTENT_TYPE`` and ``CONTENT_LENGTH`` only when set (CGI leaves
+    them empty when absent), never their ``HTTP_`` twins: the server framed the body by its own."""
     headers: list[tuple[bytes, bytes]] = []
     names = _HEADER_NAMES
     for key, value in environ.items():
@@ -552,23 +454,22 @@ def raw_headers(environ: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
     return headers
 
 
-# environ key -> header name (b"" for the keys that are no header), learned as requests
-# come: the same few dozen keys every time. Bounded, since clients choose header names.
+# environ key -> header name (b"": no header), learned as requests come; bounded, since
+# clients choose header names.
 _HEADER_NAMES: dict[str, bytes] = {}
 _MAX_HEADER_NAMES = 512
 _CONTENT_HEADERS = (b"content-type", b"content-length")  # listed only when set
 
 
 class ViewEdges(Generic[_Edge]):
-    """The edges of one app's views (Flask's, Django's): one per public or non-public
-    view, replay hook and route policy, made by ``make`` on its first request, never per
-    request (its options are checked once, when it is made)."""
+    """The edges of one app's views (Flask's, Django's): one per publicness, replay hook
+    and route policy, made by ``make`` on first use, never per request."""
 
     def __init__(self, make: Callable[[EdgeOptions], _Edge], options: EdgeOptions) -> None:
         self._make = make
         self._options = options
-        # (public, id of the hook, id of the policy) -> (both, kept so their ids are not
-        # reused; its edge)
+        # (public, id of the hook, id of the policy) -> (both, kept so their ids stay
+        # unique; the edge)
         self._made: dict[tuple[bool, int, int], tuple[object, _Edge]] = {}
 
     def __call__(
@@ -587,22 +488,8 @@ class ViewEdges(Generic[_Edge]):
         return made[1]
 
 
-def storable(response: Response, *, max_bytes: int) -> Response:
-    """``response`` as it is stored: allow-listed headers only, body within the limit.
-
-    A `not_stored` marker is stored as it is.
-    """
-    if isinstance(response, Classified):
-        return response
-    reason = unsendable(response) or oversized(response, max_bytes)
-    if reason is not None:
-        raise ResponseNotStorable(reason)
-    return stored_form(response)
-
-
 def stored_form(response: Response) -> Response:
-    """``response`` with only the `REPLAYED_HEADERS`, for a response already checked
-    whole (by `storing`); a `not_stored` marker as it is."""
+    """``response``, checked by `storing`, with only the `REPLAYED_HEADERS` (a marker as is)."""
     if isinstance(response, Classified):
         return response
     headers = tuple((k.lower(), v) for k, v in response.headers if k.lower() in REPLAYED_HEADERS)
@@ -610,12 +497,9 @@ def stored_form(response: Response) -> Response:
 
 
 def unsendable(response: Response) -> str | None:
-    """Why ``response`` cannot be sent as it is (None if it can): status, headers, body type.
-
-    Every header counts, not only the replayed ones: the first caller is sent
-    them all. A name must be an HTTP token; a value latin-1 text without CR,
-    LF, NUL or other controls (a tab is allowed).
-    """
+    """Why ``response`` cannot be sent as it is (None if it can): status, body type, and
+    every header (the first caller is sent them all), each an HTTP token and latin-1
+    text without controls but a tab."""
     status = response.status
     if isinstance(status, bool) or not isinstance(status, int) or not 200 <= status <= 599:
         return f"the status {status!r} is not a final HTTP status (200-599)"
@@ -634,33 +518,26 @@ def unsendable(response: Response) -> str | None:
 
 def oversized(response: Response, max_bytes: int) -> str | None:
     """Why ``response`` is too large to store (None if it is not)."""
-    if len(response.body) <= max_bytes:
-        return None
+    return None if len(response.body) <= max_bytes else _too_large(len(response.body), max_bytes)
+
+
+def _too_large(size: int, limit: int) -> str:
     return (
-        f"the response body is {len(response.body)} bytes; the stored-body limit is "
-        f"{max_bytes} bytes (raise max_response_bytes, or do not protect this endpoint)"
+        f"the response body is {size} bytes; the stored-body limit is {limit} bytes "
+        "(raise max_response_bytes, or do not protect this endpoint)"
     )
 
 
 def _excerpt(value: object) -> str:
-    """At most _EXCERPT_LENGTH characters of a value, escaped by ``repr`` (safe in any log)."""
-    text = value if isinstance(value, str) else repr(value)
-    if len(text) <= _EXCERPT_LENGTH:
-        return repr(text)
-    return repr(text[:_EXCERPT_LENGTH]) + "..."
+    return excerpt(value if isinstance(value, str) else repr(value))
 
 
 def not_stored(original: Response | None, reason: str, verdict: Verdict) -> Response:
-    """The marker a key is settled with when the endpoint ran but its response cannot be stored.
-
-    A 500 ``response-not-stored`` problem whose ``original_status`` (and
-    ``location``, if the original had one) say what the endpoint answered, so
-    a client can find the effect instead of running it again. It is settled
-    with ``verdict``, the original's (completed or failed_permanent); a
-    transient original is still released, and this problem is what its
-    caller gets instead of a response that cannot be sent whole. ``original``
-    is None when not even its status could be read (``original_status`` null).
-    """
+    """The marker a key is settled with (by ``verdict``, the original's) when the endpoint
+    ran but its response cannot be stored: a 500 ``response-not-stored`` problem whose
+    ``original_status`` and ``location`` let a client find the effect instead of running
+    it again (``original`` None: not even its status could be read). A transient
+    original is still released; its caller gets this instead of what cannot be sent."""
     status = None
     extensions: dict[str, Any] = {}
     if original is not None:
@@ -694,14 +571,9 @@ def not_stored(original: Response | None, reason: str, verdict: Verdict) -> Resp
 
 
 def not_read(error: Exception, classify: Callable[[Response], Verdict]) -> Response:
-    """The marker for an answer the endpoint gave that could not be read or checked once
-    it ran, where its effect stays (no transaction): never a release (`not_stored`).
-
-    ``error`` is what reading it raised (a streamed body a door cannot store, a value its
-    framework cannot make a response of, a classifier that failed): its ``response``, if
-    it is a `ResponseNotStorable` carrying one, names the original status, whose
-    verdict settles the key; otherwise the key is settled ``failed_permanent``.
-    """
+    """The `not_stored` marker for an answer that could not be read or checked where the
+    effect stays: settled by the verdict of the ``response`` a `ResponseNotStorable`
+    ``error`` carries, else ``failed_permanent``; never a release."""
     original: Response | None = error.response if isinstance(error, ResponseNotStorable) else None
     if original is None:
         logger.error("the endpoint ran but its answer could not be read", exc_info=error)
@@ -712,11 +584,8 @@ def not_read(error: Exception, classify: Callable[[Response], Verdict]) -> Respo
 
 
 def settled_verdict(classify: Callable[[Response], Verdict], response: Response) -> Verdict:
-    """``classify(response)``, or ``failed_permanent`` when the classifier itself fails.
-
-    For an answer the endpoint gave where its effect stays (middleware mode, no
-    transaction): a failure of ours after it ran settles the key, never releases it.
-    """
+    """``classify(response)``, or ``failed_permanent`` when the classifier fails: where the
+    effect stays, a failure of ours after the endpoint ran settles the key."""
     try:
         return classify(response)
     except Exception:
@@ -774,11 +643,8 @@ def problem(
     retryable: bool | None = None,
     **extensions: Any,
 ) -> Response:
-    """An RFC 9457 problem response (``type`` is ``https://idemflow.dev/problems/<slug>``).
-
-    Its ``retryable`` member says whether the same request, unchanged, may be
-    sent again and then succeed (`is_retryable`), unless given.
-    """
+    """An RFC 9457 problem response (``type`` is ``https://idemflow.dev/problems/<slug>``);
+    ``retryable``: may the same request, unchanged, succeed if sent again (`is_retryable`)."""
     if retryable is None:
         retryable = is_retryable(slug, status)
     content = {
@@ -799,13 +665,8 @@ def problem(
 
 
 def is_retryable(slug: str, status: int) -> bool:
-    """The ``retryable`` member of a problem of type ``slug``.
-
-    An idemflow error decides for its own type (``IdempotencyError.retryable``);
-    any other problem, an application's own, is retryable when the default
-    classifier calls its status transient (408, 425, 429, 5xx): such an
-    outcome is released, not stored, so the retry runs again.
-    """
+    """The ``retryable`` member of a problem: an idemflow error's own; an application's
+    when its status is transient (released, not stored, so the retry runs again)."""
     error = problem_types().get(slug)
     if error is not None:
         return error.retryable
@@ -830,43 +691,26 @@ def problem_for(error: IdempotencyError, request_id: str | None = None) -> Respo
     )
 
 
-# --- OutcomeUnknown behind a framework's error handling ------------------------------------
-
-#: The WSGI environ / ASGI scope key under which a middleware-mode edge leaves
-#: an `OutcomeSlot` for the application it runs.
+#: The WSGI environ / ASGI scope key of a middleware's `OutcomeSlot`.
 OUTCOME_SLOT = "idemflow.outcome_unknown"
 
 
 class OutcomeSlot:
-    """Where an application reports the ``OutcomeUnknown`` its framework answered itself.
-
-    Flask and Django turn a view's exception into a 500 before a middleware sees it,
-    and a 500 would release the key: the middleware puts a slot in the environ (or
-    scope), the framework's error hook fills it (`report_outcome_unknown`), and
-    the middleware raises what was reported, so the claim is kept. Only a middleware
-    creates a slot and only an ``OutcomeUnknown`` fills it: no response keeps a claim
-    by accident. `watching` covers frameworks without a hook (docs/http.md).
-    """
+    """Where an application reports the ``OutcomeUnknown`` its framework turned into a 500
+    (which would release the key): filled by `report_outcome_unknown` or noted by
+    `watching`, raised by the middleware so the claim is kept (docs/http.md)."""
 
     __slots__ = ("made", "reported")
 
     def __init__(self) -> None:
         self.reported: OutcomeUnknown | None = None
-        #: The first ``OutcomeUnknown`` made while the application ran (`watching`).
         self.made: OutcomeUnknown | None = None
-
-    def raise_reported(self) -> None:
-        """Raise the reported ``OutcomeUnknown``, if one was; else nothing."""
-        if self.reported is not None:
-            raise self.reported
 
     @contextmanager
     def watching(self) -> Iterator[None]:
-        """Run the application inside: every ``OutcomeUnknown`` made meanwhile, in this
-        thread or task and those it starts, is noted (`made`), whether or not a
-        framework's error hook reports it. So no framework can turn one into a 500 that
-        releases the key because a line of configuration was forgotten. What was
-        reported is raised after it; if the application raised, what was made first."""
+        """Run the application inside: the first ``OutcomeUnknown`` made meanwhile (in this
+        context and those it starts) is noted, hook or not. After it, what was reported is
+        raised; if the application raised, what was made."""
         token = OUTCOME_UNKNOWN_WITNESS.set(self._note)
         try:
             yield
@@ -875,17 +719,16 @@ class OutcomeSlot:
             raise
         finally:
             OUTCOME_UNKNOWN_WITNESS.reset(token)
-            self.raise_reported()
+            if self.reported is not None:
+                raise self.reported
 
     def _note(self, made: OutcomeUnknown) -> None:
         if self.made is None:
             self.made = made
 
     def raise_made(self) -> None:
-        """Raise the ``OutcomeUnknown`` made while the application ran, if one was: call
-        it when the application failed (raised, or answered a transient status), which
-        would release the key. One it caught and then answered from (a 201, a 402) is
-        not raised: that answer is settled as it is."""
+        """Raise the ``OutcomeUnknown`` made while the application ran, if any: for an
+        application that failed (raised, or answered a transient status)."""
         if self.made is not None:
             raise self.made
 
@@ -893,13 +736,10 @@ class OutcomeSlot:
 def report_outcome_unknown(request: MutableMapping[str, Any], error: BaseException) -> bool:
     """Tell the idemflow middleware running this request that its outcome is unknown.
 
+    Call it from the framework's error handler with the exception it handles;
     ``request`` is the WSGI environ or the ASGI scope (``flask.request.environ``,
-    Django's ``request.environ`` or ``request.scope``); call it from the
-    framework's error handler with the exception it handles. Returns whether
-    there was a middleware to tell (anything but an ``OutcomeUnknown`` is
-    ignored: other exceptions release the key, as the 500 does). The first
-    report wins.
-    """
+    Django's ``request.environ`` or ``request.scope``). Returns whether there was a
+    middleware to tell; anything but an ``OutcomeUnknown`` is ignored. The first report wins."""
     slot = request.get(OUTCOME_SLOT)
     if not isinstance(slot, OutcomeSlot) or not isinstance(error, OutcomeUnknown):
         return False

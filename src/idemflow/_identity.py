@@ -1,16 +1,6 @@
-"""
-What identifies a request: its ``Idempotency-Key`` and its fingerprint.
-
-The key is an RFC 9651 *String* (the bare form every client sends is accepted
-unless ``strict=True``), 1 to `MAX_KEY_LENGTH` printable ASCII; errors
-quote at most a short ``repr``-escaped excerpt. The fingerprint is a SHA-256
-digest over a version tag, the length-prefixed method and route, the canonical
-query and the body: a JSON body read strictly as I-JSON (RFC 7493, nesting
-capped at `MAX_DEPTH`) and hashed in RFC 8785 canonical form, so another
-whitespace, key order or number spelling is the same request (one deliberate
-deviation: an ``int`` keeps its exact digits above 2**53). Only the digest
-leaves this module. Why and how: docs/core.md, "Fingerprints".
-"""
+"""What identifies a request: its ``Idempotency-Key`` (an RFC 9651 *String*, or bare) and
+its fingerprint (SHA-256 over the request, a JSON body strict I-JSON in RFC 8785 form).
+Why and how: docs/core.md, "Fingerprints" and "Keys"."""
 
 from __future__ import annotations
 
@@ -19,55 +9,31 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote_from_bytes, unquote_to_bytes
 
 from ._errors import BodyTooLarge, InvalidBody, InvalidKey, MissingKey
 
-__all__ = [
-    "DEFAULT_MAX_BODY_BYTES",
-    "MAX_DEPTH",
-    "MAX_KEY_LENGTH",
-    "canonical_json",
-    "canonical_json_bytes",
-    "canonical_query",
-    "excerpt",
-    "fingerprint",
-    "parse_json",
-    "parse_key",
-]
-
-
-# The key.
-
 #: The longest key accepted, in characters (Stripe's limit).
 MAX_KEY_LENGTH = 255
-
-# Optional whitespace around a field value (RFC 9110 §5.6.3).
-_OWS = " \t"
-
+_OWS = " \t"  # RFC 9110 §5.6.3
 # Every character escaped plus two quotes: anything longer is refused before a loop.
 _MAX_RAW_LENGTH = 2 * MAX_KEY_LENGTH + 2
-
-# How much of the client's value an error message may quote.
 _EXCERPT_LENGTH = 40
-
-# Names for the characters clients most often get wrong.
 _CHAR_NAMES = {"\t": "a tab", " ": "a space", "\x7f": "DEL"}
 
 
 def parse_key(values: Sequence[str], *, strict: bool = False) -> str:
-    """The key carried by every ``Idempotency-Key`` field line (latin-1; ``[]`` when
-    absent): MissingKey without one, InvalidKey for anything but one valid key
-    (``strict``: quoted only, as the draft requires)."""
+    """The key of the ``Idempotency-Key`` field lines (latin-1; ``[]`` when absent):
+    MissingKey without one, InvalidKey for anything but one valid key (``strict``:
+    quoted only, as the draft requires)."""
     # A bare str is a Sequence[str] too: it would be "sent 36 times".
     if isinstance(values, str):
         raise TypeError("values must be a sequence of field lines, not a str")
     if not values:
         raise MissingKey("the Idempotency-Key header is required")
-    if len(values) > 1:
-        # Repeated lines combine into a list (RFC 9110 §5.3), never a valid Item.
+    if len(values) > 1:  # a list (RFC 9110 §5.3), never a valid Item
         raise InvalidKey(f"Idempotency-Key was sent {len(values)} times; send exactly one")
 
     raw = values[0].strip(_OWS)
@@ -105,7 +71,6 @@ def _unquote(raw: str) -> str:
                 )
             ch = escaped
             i += 1
-        # Other characters are checked once, on the decoded key.
         chars.append(ch)
         i += 1
     raise InvalidKey("Idempotency-Key: the quoted key has no closing quote")
@@ -126,8 +91,7 @@ def _reject_trailing(rest: str) -> None:
 
 
 def _check_bare(raw: str) -> str:
-    """Refuse what a bare key cannot hold (``;`` starts parameters, refused as quoted,
-    so both forms agree); the rest is checked with the key."""
+    """Refuse what a bare key cannot hold (``;`` starts parameters: refused as quoted)."""
     if "," in raw:
         raise InvalidKey("Idempotency-Key: lists are not allowed; send one key")
     if ";" in raw:
@@ -150,7 +114,7 @@ def _check_bare(raw: str) -> str:
 
 
 def _check_key(key: str) -> str:
-    """Return ``key`` if it is 1 to MAX_KEY_LENGTH printable ASCII characters."""
+    """``key`` if it is 1 to MAX_KEY_LENGTH printable ASCII characters."""
     if not key:
         raise InvalidKey("Idempotency-Key is empty")
     if len(key) > MAX_KEY_LENGTH:
@@ -186,8 +150,6 @@ def excerpt(text: str) -> str:
     return repr(text[:_EXCERPT_LENGTH]) + "..."
 
 
-# Canonical JSON.
-
 #: The deepest nesting a body may have: beyond any real request, below the recursion limit.
 MAX_DEPTH = 128
 
@@ -211,8 +173,7 @@ def _decode(data: bytes) -> str:
         raise InvalidBody(
             f"request body is not valid UTF-8 (bad byte at offset {e.start})"
         ) from None
-    if text.startswith("\ufeff"):
-        # RFC 8259 §8.1 lets parsers skip a BOM; a strict one refuses to guess.
+    if text.startswith("\ufeff"):  # RFC 8259 §8.1 lets parsers skip it; strict ones refuse
         raise InvalidBody("request body starts with a byte order mark (U+FEFF)")
     return text
 
@@ -220,18 +181,16 @@ def _decode(data: bytes) -> str:
 def _loads(text: str) -> Any:
     try:
         return _DECODER.decode(text)
-    except json.JSONDecodeError as e:
-        # e.msg and the position never quote the body.
+    except json.JSONDecodeError as e:  # e.msg and the position never quote the body
         raise InvalidBody(
             f"request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
         ) from None
-    except RecursionError:
-        # The C scanner recurses per level: 100 000 "[" must be a 400, not a 500.
+    except RecursionError:  # the C scanner recurses per level: a 400, not a 500
         raise _too_deep() from None
 
 
 def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """Build an object, refusing repeated names (compared after unescaping)."""
+    """An object; InvalidBody for repeated names (compared after unescaping)."""
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
@@ -247,16 +206,14 @@ def _reject_constant(name: str) -> Any:
 
 
 def _finite_float(text: str) -> float:
-    # json reads 1e400 as inf, which neither I-JSON nor JCS can hold.
-    value = float(text)
+    value = float(text)  # 1e400 reads as inf, which neither I-JSON nor JCS can hold
     if not math.isfinite(value):
         raise InvalidBody("request body contains a number too large for a double")
     return value
 
 
 def _bounded_int(text: str) -> int:
-    # int() refuses more than sys.get_int_max_str_digits(): a 400, not a 500.
-    try:
+    try:  # more than sys.get_int_max_str_digits(): a 400, not a 500
         return int(text)
     except ValueError:
         raise InvalidBody(
@@ -264,7 +221,7 @@ def _bounded_int(text: str) -> int:
         ) from None
 
 
-# Made once (json.loads with hooks builds one per call); it keeps no state between calls.
+# Made once: json.loads with hooks builds one per call.
 _DECODER = json.JSONDecoder(
     object_pairs_hook=_unique_members,
     parse_constant=_reject_constant,
@@ -276,9 +233,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _check_tree(value: Any, *, escaped: bool = True, ascii: bool = False) -> bool:
-    """Refuse lone surrogates (only an unpaired ``\\u`` escape leaves one) and nesting
-    beyond MAX_DEPTH, iteratively; True if *plain*: no float and no astral member name,
-    where ``json.dumps`` (sorted, compact) writes exactly RFC 8785 and is faster."""
+    """Refuse lone surrogates (only a ``\\u`` escape leaves one) and nesting beyond
+    MAX_DEPTH; True if *plain* (no float, no astral member name): ``json.dumps`` then
+    writes exactly RFC 8785, faster."""
     astral = escaped or not ascii
     plain = True
     stack: list[tuple[Any, int]] = [(value, 1)]
@@ -320,59 +277,34 @@ def _too_deep() -> InvalidBody:
 def canonical_json(value: Any) -> bytes:
     """Serialise ``value`` (JSON types, tuples as arrays; ints exact) as RFC 8785, UTF-8.
     TypeError for another type; ValueError for a non-finite float or a lone surrogate."""
-    parts: list[str] = []
-    _write(value, parts.append)
-    return "".join(parts).encode("utf-8")
+    return _write(value).encode("utf-8")
 
 
-def _write(value: Any, out: Callable[[str], object]) -> None:
-    # bool before int: True is an int too.
-    if value is None:
-        out("null")
-    elif value is True:
-        out("true")
-    elif value is False:
-        out("false")
-    elif isinstance(value, str):
-        out(_string(value))
-    elif isinstance(value, int):
-        out(int.__repr__(value))
-    elif isinstance(value, float):
-        out(_number(value))
-    elif isinstance(value, Mapping):
-        _write_object(value, out)
-    elif isinstance(value, list | tuple):
-        _write_array(value, out)
-    else:
-        raise TypeError(f"cannot canonicalise a {type(value).__name__} as JSON")
+_LITERALS = {None: "null", True: "true", False: "false"}
 
 
-def _write_object(obj: Mapping[Any, Any], out: Callable[[str], object]) -> None:
-    for name in obj:
-        if not isinstance(name, str):
-            raise TypeError(f"JSON member names must be str, not {type(name).__name__}")
-    out("{")
-    for i, name in enumerate(sorted(obj, key=_utf16_order)):
-        if i:
-            out(",")
-        out(_string(name))
-        out(":")
-        _write(obj[name], out)
-    out("}")
-
-
-def _write_array(items: list[Any] | tuple[Any, ...], out: Callable[[str], object]) -> None:
-    out("[")
-    for i, item in enumerate(items):
-        if i:
-            out(",")
-        _write(item, out)
-    out("]")
+def _write(value: Any) -> str:
+    if value is None or value is True or value is False:  # before int: True is an int too
+        return _LITERALS[value]
+    if isinstance(value, str):
+        return _string(value)
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, float):
+        return _number(value)
+    if isinstance(value, Mapping):
+        for name in value:
+            if not isinstance(name, str):
+                raise TypeError(f"JSON member names must be str, not {type(name).__name__}")
+        members = sorted(value, key=_utf16_order)
+        return "{" + ",".join(f"{_string(name)}:{_write(value[name])}" for name in members) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_write(item) for item in value) + "]"
+    raise TypeError(f"cannot canonicalise a {type(value).__name__} as JSON")
 
 
 def _utf16_order(name: str) -> bytes:
-    # RFC 8785 §3.2.3 sorts by UTF-16 code units (not code points past U+E000);
-    # big-endian bytes compare like the code units.
+    # RFC 8785 §3.2.3 sorts by UTF-16 code units; big-endian bytes compare like them.
     return name.encode("utf-16-be", "surrogatepass")
 
 
@@ -401,7 +333,7 @@ def _string(text: str) -> str:
 
 
 def _number(value: float) -> str:
-    """Format a double as ECMAScript's ``Number.prototype.toString`` does."""
+    """A double as ECMAScript's ``Number.prototype.toString`` writes it."""
     if not math.isfinite(value):
         raise ValueError(f"cannot canonicalise {value!r}: JSON has no such number")
     if value == 0:
@@ -437,16 +369,14 @@ def _es_layout(digits: str, point: int) -> str:
 
 
 def canonical_json_bytes(data: bytes, exclude_fields: Collection[str] = ()) -> bytes:
-    """Parse ``data`` strictly (InvalidBody) and return its canonical form, leaving out
-    ``exclude_fields``: ``"a.b"`` is member ``b`` of object ``a`` (objects only, never
-    arrays; a missing path is ignored)."""
-    # A lone str is a Collection[str] of its characters: "id" would drop "i" and "d".
+    """``data`` parsed strictly (InvalidBody), in canonical form without ``exclude_fields``
+    (``"a.b"``: member ``b`` of object ``a``; never into arrays; a missing path is ignored)."""
     if isinstance(exclude_fields, str):
         raise TypeError("exclude_fields must be a collection of names, not a str")
     value, plain = _parse(data)
     for path in exclude_fields:
         _drop(value, path.split("."))
-    if plain:  # the same bytes, from the C encoder (see _check_tree)
+    if plain:  # the same bytes, from the C encoder
         return _PLAIN.encode(value).encode("utf-8")
     return canonical_json(value)
 
@@ -457,7 +387,7 @@ _PLAIN = json.JSONEncoder(
 
 
 def _drop(value: Any, path: list[str]) -> None:
-    """Remove the member at ``path`` from ``value`` in place, if it is there."""
+    """Remove the member at ``path`` from ``value``, if it is there."""
     *parents, name = path
     for segment in parents:
         if not isinstance(value, dict):
@@ -466,8 +396,6 @@ def _drop(value: Any, path: list[str]) -> None:
     if isinstance(value, dict):
         value.pop(name, None)
 
-
-# The fingerprint.
 
 #: Bodies larger than this (1 MiB) are refused rather than hashed.
 DEFAULT_MAX_BODY_BYTES = 1_048_576
@@ -489,7 +417,7 @@ def fingerprint(
     """``"sha256:<hex>"`` for this request's intent: a JSON ``content_type``'s body in
     canonical form without ``exclude_fields`` (dotted paths); InvalidBody for bad JSON,
     BodyTooLarge over ``max_body_bytes``."""
-    # Checked here too: a raw body would hide the mistake until the first JSON request.
+    # A lone str is a Collection[str] of its characters: "id" would drop "i" and "d".
     if isinstance(exclude_fields, str):
         raise TypeError("exclude_fields must be a collection of names, not a str")
     if len(body) > max_body_bytes:
@@ -501,12 +429,10 @@ def fingerprint(
 
     digest = _head(method, route).copy()
     canonical = canonical_query(query) if query else b""
-    if canonical:
-        # "query" is never a body kind: a digest with a query cannot collide with one without.
+    if canonical:  # "query" is never a body kind: no collision with a digest without one
         digest.update(b"query\n" + b"%d:%s\n" % (len(canonical), canonical))
     digest.update(kind + b"\n")
-    # The body is last, so it needs no length: it runs to the end.
-    digest.update(hashed_body)
+    digest.update(hashed_body)  # last, so it needs no length
     return "sha256:" + digest.hexdigest()
 
 
@@ -516,15 +442,14 @@ def _hashed_body(
     """The body kind and the bytes that stand for the body in the digest."""
     if not _is_json(content_type):
         return b"raw", body
-    if not body:
-        # A bodyless POST declared JSON is common; canonical JSON is never empty.
+    if not body:  # a bodyless POST declared JSON is common; canonical JSON is never empty
         return b"json", b""
     return b"json", canonical_json_bytes(body, exclude_fields)
 
 
 @functools.lru_cache(maxsize=1024)
 def _head(method: str, route: str) -> hashlib._Hash:
-    """The digest of what comes before the query and the body, hashed once per route."""
+    """The digest of what precedes the query and the body, once per route."""
     digest = hashlib.sha256(_VERSION_TAG)
     digest.update(_length_prefixed(method.upper()))
     digest.update(_length_prefixed(route))
@@ -533,7 +458,7 @@ def _head(method: str, route: str) -> hashlib._Hash:
 
 @functools.lru_cache(maxsize=256)
 def _is_json(content_type: str | None) -> bool:
-    """Whether the media type is ``application/json`` or a ``+json`` suffix type."""
+    """Is the media type ``application/json`` or a ``+json`` suffix type?"""
     if content_type is None:
         return False
     media_type = content_type.partition(";")[0].strip(" \t").lower()

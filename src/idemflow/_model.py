@@ -1,10 +1,5 @@
-"""
-The vocabulary of idemflow: states, records, responses and the policy.
-
-Every value is a frozen dataclass; durations are ``timedelta`` (plain numbers
-are read as seconds); time itself comes from an injected clock that returns
-seconds since the epoch, so tests can move it (see ``idemflow.testing``).
-"""
+"""The vocabulary of idemflow: states, records, responses, the policy, lease tokens.
+Durations are ``timedelta`` or seconds; time comes from an injected clock (epoch seconds)."""
 
 from __future__ import annotations
 
@@ -20,28 +15,6 @@ from datetime import timedelta
 from typing import Any, TypeAlias
 
 from ._errors import ConfigurationError
-
-__all__ = [
-    "Claim",
-    "Classified",
-    "Clock",
-    "Intent",
-    "Outcome",
-    "Policy",
-    "Record",
-    "Response",
-    "State",
-    "Verdict",
-    "can_take_over",
-    "default_classifier",
-    "is_past_retention",
-    "is_retry",
-    "new_lease_token",
-    "retry_after",
-    "route_policy",
-    "seconds",
-    "starts_new_intent",
-]
 
 #: Returns the current time in seconds since the epoch. ``time.time`` by default.
 Clock: TypeAlias = Callable[[], float]
@@ -105,22 +78,16 @@ class Response:
 
 @dataclass(frozen=True, slots=True)
 class Classified(Response):
-    """A response that carries its own verdict instead of the policy's classification.
-
-    The HTTP edge answers with one when the endpoint ran but its response
-    cannot be stored whole: a 500 marker that must settle (the effect is not
-    ours to undo), where the policy would call any 500 transient and release.
-    """
+    """A response that carries its own verdict instead of the policy's classification
+    (the edge's 500 marker that must settle where the policy would release)."""
 
     verdict: Verdict = Verdict.COMPLETED
 
 
 @dataclass(frozen=True, slots=True)
 class Intent:
-    """One request's identity: who sent which key, for what.
-
-    ``fingerprint`` is a digest (see `idemflow.fingerprint`), never the body.
-    """
+    """One request's identity: who sent which key, for what (``fingerprint`` is a digest,
+    see `idemflow.fingerprint`, never the body)."""
 
     principal: str
     key: str
@@ -159,19 +126,16 @@ class Claim:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What `Idempotency.run` returns: the response and whether it was a replay.
-
-    On a replay ``record.correlation_id`` names the original request.
-    """
+    """What `Idempotency.run` returns: the response and whether it was a replay (then
+    ``record.correlation_id`` names the original request)."""
 
     response: Response
     replayed: bool
     record: Record
 
 
-# Lease tokens fence every owner write, so they need only be unique: a random
-# per-process prefix (drawn again at fork) plus a counter, not ``os.urandom`` per
-# claim (~15 µs).
+# Lease tokens need only be unique: a per-process random prefix (drawn again at fork)
+# and a counter, cheaper than ``os.urandom`` per claim.
 _lease_prefix = ""
 _lease_counter = itertools.count()
 
@@ -193,13 +157,9 @@ def new_lease_token() -> str:
 
 
 def can_take_over(record: Record, fingerprint: str, now: float) -> bool:
-    """May a new claim take this existing record over? The one definition of the rule.
-
-    A released record: by the same request, any time; past retention: by any.
-    A claim in flight or being recovered never (only the sweeper's fenced path ends
-    it). Stores decide it again atomically (``TAKE_OVER_SQL``, the Redis claim
-    script); the contract suite checks that they agree.
-    """
+    """May a new claim take this record over? A released one: by the same request; past
+    retention: by any; one in flight or being recovered: never. The one definition:
+    stores decide it again atomically, and the contract suite checks they agree."""
     return is_retry(record, fingerprint) or is_past_retention(record, now)
 
 
@@ -209,10 +169,8 @@ def is_retry(record: Record, fingerprint: str) -> bool:
 
 
 def is_past_retention(record: Record, now: float) -> bool:
-    """Has this record's retention ended, so that the key is free for a new intent?
-    Settled ones, and released ones with no recovery point: past one, an external
-    call may have happened, and only a reconcile or a retry may resume it.
-    """
+    """Is the key free for a new intent? Settled records past retention, and released ones
+    without a recovery point (past one, only a reconcile or a retry may resume it)."""
     if record.expires_at > now:
         return False
     if record.state is State.RELEASED:
@@ -235,19 +193,14 @@ def default_classifier(response: Response) -> Verdict:
     return Verdict.FAILED_PERMANENT
 
 
-# A claim is stale once it is this many request timeouts old, plus the margin:
-# no request can still be running by then, because the timeout killed it.
+# A claim is stale this many request timeouts old, plus the margin: by then the
+# timeout has killed its request.
 STALE_MULTIPLIER = 2.0
 STALE_MARGIN = timedelta(seconds=10)
-# The background sweeper passes this many times per stale threshold, so a
-# crashed claim ends within threshold × (1 + 1/10), not threshold + a whole
-# request timeout; every pass is one indexed statement per state, so cheap.
+# Passes per stale threshold: a crashed claim ends within threshold × 1.1.
 SWEEPS_PER_THRESHOLD = 10
-# One store call (its connect, pool checkout, lock waits, socket reads and the
-# client's retries, all together) waits at most this share of the request
-# timeout, and never longer than the cap: a hung store answers 503 while the
-# request still has time to send it, instead of holding it (and its connection)
-# past the timeout that kills it.
+# One store call waits at most this share of the request timeout (and the cap): a hung
+# store answers 503 while the request still has time to send it.
 STORE_WAIT_SHARE = 0.5
 STORE_WAIT_CAP = timedelta(seconds=5)
 
@@ -259,17 +212,14 @@ class Policy:
     Args:
         request_timeout: the longest a protected request can run (what your
             proxy or server enforces). The stale threshold is derived from it.
-        retention: how long a settled outcome is replayed, counted from the moment
-            it settled (Stripe keeps at least 24 h). Any positive duration: it
-            never ends a claim in flight, only the sweeper does.
+        retention: how long a settled outcome is replayed, from the moment it settled
+            (Stripe keeps at least 24 h); it never ends a claim in flight.
         stale_after: when an ``in_progress`` claim counts as crashed. Defaults to
             ``2 × request_timeout + 10 s``; anything closer to the timeout is
-            rejected, because the sweeper would release live claims.
-        retry_after: the least ``Retry-After``, in whole seconds, on 409 answers.
-            The hint itself is derived from the record (see `retry_after`):
-            when its request must have finished, or when the sweeper ends it.
-        classify: maps a response to completed / failed_permanent / transient.
-    """
+            rejected: the sweeper would release live claims.
+        retry_after: the least ``Retry-After`` on 409 answers, in whole seconds
+            (the hint itself is derived from the record).
+        classify: maps a response to completed / failed_permanent / transient."""
 
     request_timeout: Duration = timedelta(seconds=30)
     retention: Duration = timedelta(hours=24)
@@ -312,9 +262,8 @@ class Policy:
 
     @property
     def store_wait_seconds(self) -> float:
-        """The longest one store call waits before ``StoreUnavailable`` (503): half the
-        request timeout, at most 5 s. A store made with this policy bounds every wait of
-        its own by it (connect, pool checkout, lock waits, reads, the client's retries)."""
+        """The longest one store call waits (all its waits together) before
+        ``StoreUnavailable`` (503): half the request timeout, at most 5 s."""
         return min(self.timeout_seconds * STORE_WAIT_SHARE, seconds(STORE_WAIT_CAP))
 
     @property
@@ -327,22 +276,15 @@ class Policy:
 
     @property
     def sweep_interval(self) -> float:
-        """Seconds between background sweeps by default.
-
-        A tenth of the stale threshold, or the request timeout if that is
-        shorter (the old default, so no policy is swept less often than before).
-        """
+        """Seconds between background sweeps by default: a tenth of the stale threshold,
+        or the request timeout if shorter."""
         return min(self.stale_seconds / SWEEPS_PER_THRESHOLD, self.timeout_seconds)
 
 
 def retry_after(record: Record, policy: Policy, now: float) -> int:
-    """Whole seconds a 409 on ``record`` asks the client to wait: the one definition.
-
-    A live claim (younger than the request timeout) as long as it has run, never
-    past ``updated_at + request_timeout``; an orphaned one until the sweeper passes
-    after ``updated_at + stale_after``; a ``stale`` one being recovered, one sweep
-    interval. Clamped to ``policy.retry_after`` and to `swept_within`.
-    """
+    """Whole seconds a 409 on ``record`` asks the client to wait: a live claim as long as
+    it has run (never past its timeout); an orphaned one until the sweeper passes; a
+    ``stale`` one, a sweep interval. Within ``policy.retry_after`` and `swept_within`."""
     interval = policy.sweep_interval
     age = max(0.0, now - record.updated_at)
     swept_by = record.updated_at + policy.stale_seconds + interval - now
@@ -356,14 +298,8 @@ def retry_after(record: Record, policy: Policy, now: float) -> int:
 
 
 def route_policy(route: Policy, app: Policy) -> Policy:
-    """``route`` as it runs under ``app``: with the app's stale threshold, or refused.
-
-    One sweeper, on the app's policy, ends every route's stale claims, so that
-    threshold is each route's too (what its 409s and ``Retry-After`` hints
-    are dated by). A route whose own would be longer (a longer request
-    timeout) is refused: the sweeper would end its claims while they run.
-    Its retention is the record's own (``expires_at``): purge honours any.
-    """
+    """``route`` as it runs under ``app``: with the app's stale threshold (one sweeper, on
+    the app's policy, ends every route's claims), or refused if its own is longer."""
     if route is app or route.stale_after == app.stale_after:
         return route
     if route.stale_seconds > app.stale_seconds:
@@ -377,8 +313,8 @@ def route_policy(route: Policy, app: Policy) -> Policy:
 
 
 def swept_within(policy: Policy) -> int:
-    """Whole seconds until the sweeper has passed over a claim left now: its threshold
-    plus one interval (the longest any ``Retry-After`` asks a client to wait)."""
+    """Whole seconds until the sweeper has passed over a claim left now (the longest
+    ``Retry-After``)."""
     return max(policy.retry_after, math.ceil(policy.stale_seconds + policy.sweep_interval))
 
 
@@ -390,29 +326,18 @@ def _positive(name: str, value: Duration) -> float:
     return number
 
 
-def headers_to_json(headers: Iterable[tuple[str, str]]) -> str:
-    return json.dumps([list(pair) for pair in headers], separators=(",", ":"))
-
-
-def headers_from_json(text: str | bytes | None) -> tuple[tuple[str, str], ...]:
-    if not text:
-        return ()
-    return tuple((str(k), str(v)) for k, v in json.loads(text))
-
-
-# Stored headers as JSON and the tuple they decode to, remembered both ways for the
-# stores' hot paths: most responses of an endpoint carry the same headers, and tuples
-# are immutable, so sharing them is safe. Each cache is bounded by a reset.
+# Stored headers as JSON and their tuple, remembered both ways for the stores' hot
+# paths (an endpoint's responses mostly share headers; tuples are safe to share).
 _DECODED: dict[str | bytes, tuple[tuple[str, str], ...]] = {}
 _ENCODED: dict[tuple[tuple[str, str], ...], str] = {}
 _CACHED = 512
 
 
 def stored_headers(text: Any) -> tuple[tuple[str, str], ...]:
-    """``headers_from_json``, remembered per text (a driver's buffer type is decoded, not kept)."""
+    """Headers decoded from their stored JSON (a driver's buffer type is decoded, not kept)."""
     headers = _DECODED.get(text) if isinstance(text, str | bytes) else None
     if headers is None:
-        headers = headers_from_json(text)
+        headers = tuple((str(k), str(v)) for k, v in json.loads(text)) if text else ()
         if len(_DECODED) >= _CACHED:
             _DECODED.clear()
         if isinstance(text, str | bytes):
@@ -421,22 +346,19 @@ def stored_headers(text: Any) -> tuple[tuple[str, str], ...]:
 
 
 def headers_json(headers: tuple[tuple[str, str], ...]) -> str:
-    """``headers_to_json``, remembered per headers tuple."""
+    """Headers as stored: JSON ``[[name, value], …]``."""
     text = _ENCODED.get(headers)
     if text is None:
-        text = headers_to_json(headers)
+        text = json.dumps([list(pair) for pair in headers], separators=(",", ":"))
         if len(_ENCODED) >= _CACHED:
             _ENCODED.clear()
         _ENCODED[headers] = text
     return text
 
 
-# make_record, make_response, make_claim, make_outcome: the frozen class built without
-# its __init__ (object.__setattr__ per field): the values go into a plain twin with the
-# same slots, which becomes the frozen class by ``__class__`` assignment (CPython allows
-# it only for identical layouts, checked at import with the field names). Kept because
-# it measured >= 5 %: ~2.8 us less per SQL claim (Record, Response, Claim), 4-9 % of
-# bench_replay_steps' "the record, the take-over test, the Claim" row (issue 32).
+# make_*: the frozen class built without its __init__ (a __setattr__ per field): a plain
+# twin with the same slots becomes it by ``__class__`` assignment (CPython allows it for
+# identical layouts, checked at import). Why: docs/benchmarks.md, "Fourth round".
 _RECORD_FIELDS = (
     "id", "principal", "key", "fingerprint", "endpoint", "state", "lease_token",
     "created_at", "updated_at", "expires_at", "correlation_id", "recovery_point",
@@ -457,8 +379,7 @@ def _twin(cls: type, names: tuple[str, ...]) -> type:
 
 
 _new = object.__new__
-#: Its instances become Records by ``__class__`` assignment once every field is set
-#: (see make_record; stores/sql/dialect.py builds its records inline so).
+#: Becomes a Record by ``__class__`` assignment (stores/sql/dialect.py builds so inline).
 RecordBuilder = _twin(Record, _RECORD_FIELDS)
 _ResponseBuilder = _twin(Response, _RESPONSE_FIELDS)
 _ClaimBuilder = _twin(Claim, _CLAIM_FIELDS)

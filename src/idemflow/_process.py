@@ -1,9 +1,5 @@
-"""This process's id, kept current across forks.
-
-What a process opened (a pool's connections, a thread's SQLite connection) is
-its own: a forked child must open its own. The stores compare ``PID[0]`` on
-every checkout or call; ``os.getpid()`` there would be a system call each time.
-"""
+"""This process's id, kept current across forks, for stores that check at every checkout
+that what they opened is this process's (``os.getpid()`` would be a system call each time)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""
-What the sweeper decides, sans I/O: the reconciler's answers and what each one means.
-A stale claim's request can no longer run, but its effect may have happened: a
-reconciler answers `Happened`, `DidNotHappen` or `Unknown`,
-and the sweeper drivers perform what `plan` says each means. See
-docs/crash-safety.md, "Reconcilers".
-"""
+"""What the sweeper decides, sans I/O: a reconciler's answers and what `plan` says each
+means (docs/crash-safety.md, "Reconcilers")."""
 
 from __future__ import annotations
 
@@ -18,27 +13,12 @@ from typing import Any, TypeAlias
 from ._downstream import downstream_key
 from ._model import Intent, Policy, Record, Response, State, Verdict
 
-__all__ = [
-    "Answer",
-    "AsyncStop",
-    "DidNotHappen",
-    "Happened",
-    "Plan",
-    "Resolution",
-    "Stop",
-    "SweepReport",
-    "Unknown",
-    "downstream_keys",
-    "intent_of",
-    "plan",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class Happened:
     """The effect took place: settle the record with ``response``. ``apply(connection)``
-    writes the business row the crashed request never committed, in the sweeper's
-    transaction (its ``transaction_factory``), with the settled record or not at all."""
+    writes what the crashed request never committed, with the record, in the sweeper's
+    transaction."""
 
     response: Response
     apply: Callable[[Any], Any] | None = None
@@ -47,8 +27,8 @@ class Happened:
 @dataclass(frozen=True, slots=True)
 class DidNotHappen:
     """The effect did not take place: release the key so the next retry really runs.
-    ``apply(connection)`` undoes the attempt's local traces in the sweeper's transaction,
-    with a release that forgets the recovery point."""
+    ``apply(connection)`` undoes the attempt's local traces, with the release, in the
+    sweeper's transaction."""
 
     reason: str = ""
     apply: Callable[[Any], Any] | None = None
@@ -77,8 +57,8 @@ class Resolution(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class SweepReport:
-    """What one pass (or part of one) did, record by record (``retried``: of them, those
-    stale from an earlier pass; ``lost``: those another sweeper resolved first)."""
+    """What one pass (or part of one) did, record by record (``retried``: those stale
+    from an earlier pass; ``lost``: those another sweeper resolved first)."""
 
     completed: int = 0
     released: int = 0
@@ -125,7 +105,7 @@ def downstream_keys(record: Record, steps: Sequence[str]) -> Mapping[str, str]:
 @dataclass(frozen=True, slots=True)
 class Plan:
     """What the sweeper writes for one answer: a fenced settle (``state``) or release, in
-    its transaction or on the store's connection; or, for UNKNOWN, nothing (``why``)."""
+    its transaction or not; for UNKNOWN nothing (``why``)."""
 
     resolution: Resolution
     state: State | None = None
@@ -135,7 +115,7 @@ class Plan:
 
 def plan(answer: Answer, policy: Policy, *, transactions: bool) -> Plan:
     """What ``answer`` means for its stale record (``transactions``: the sweeper has a
-    ``transaction_factory``). An ``apply`` commits with the record or not at all."""
+    ``transaction_factory``, without which no ``apply`` runs)."""
     if isinstance(answer, Unknown):
         return Plan(Resolution.UNKNOWN)
     if isinstance(answer, Happened):

@@ -1,15 +1,11 @@
-"""
-The machinery of `idemflow.tracing`: one traced run, its span and what its events
-said. No driver here: the traced drivers (``idemflow/_async/tracing.py`` and its
-generated twin) use it, and ``idemflow.tracing`` is the public face.
-"""
+"""The machinery of `idemflow.tracing`: one traced run, its span and what its events said."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._errors import ClientError, ConfigurationError, LeaseLost
 from ._events import Event
@@ -25,17 +21,6 @@ except ImportError:  # pragma: no cover - covered by a subprocess test without i
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, SpanContext, Tracer
 
-__all__ = [
-    "ENABLED",
-    "SPAN_NAME",
-    "Run",
-    "TracingObserver",
-    "linked_context",
-    "new_tracer",
-    "record_in_run",
-    "traceparent",
-]
-
 #: True when ``opentelemetry-api`` is importable; everything here is a no-op otherwise.
 ENABLED = _trace is not None
 
@@ -43,8 +28,7 @@ SPAN_NAME = "idemflow.run"
 _TRACER_NAME = "idemflow"
 _TRACEPARENT = re.compile(r"\b00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})\b")
 
-# Events that decide what kind of answer a request got; COMPLETED and RELEASED (or
-# RELEASE_FAILED) only change, or keep, the record's state after a claim.
+# Events that decide what kind of answer a request got; the others only set the state.
 _OUTCOMES = frozenset(Event) - {Event.COMPLETED, Event.RELEASED, Event.RELEASE_FAILED}
 _STATE_AFTER = {
     Event.CLAIMED: "in_progress",
@@ -82,11 +66,8 @@ class TracingObserver:
         span = _trace.get_current_span()
         if not span.is_recording():
             return
-        attributes: dict[str, str] = {"idemflow.endpoint": intent.endpoint or "unknown"}
-        if event in _OUTCOMES:
-            attributes["idemflow.outcome"] = event.value
-        if event in _STATE_AFTER:
-            attributes["idemflow.state"] = _STATE_AFTER[event]
+        attributes = {"idemflow.endpoint": intent.endpoint or "unknown"}
+        _note(event, attributes)
         span.set_attributes(attributes)
         span.add_event(f"idemflow.{event.value}", {"idemflow.elapsed_ms": elapsed * 1000})
 
@@ -99,9 +80,8 @@ def new_tracer(tracer: Tracer | None) -> Tracer:
 
 
 class Run:
-    """One traced run: its span (current until `close`), the intent as claimed,
-    and what its events said, written to the span once at the end (each attribute call
-    validates its values, on the hot path)."""
+    """One traced run: its span (current until `close`), the intent as claimed, and what
+    its events said, written to the span once at the end (each write validates its values)."""
 
     def __init__(self, tracer: Tracer, intent: Intent, policy: Policy) -> None:
         assert _trace is not None
@@ -123,10 +103,7 @@ class Run:
         self.span.end()
 
     def record(self, event: Event) -> None:
-        if event in _OUTCOMES:
-            self.attributes["idemflow.outcome"] = event.value
-        if event in _STATE_AFTER:
-            self.attributes["idemflow.state"] = _STATE_AFTER[event]
+        _note(event, self.attributes)
 
     def finish(self, outcome: Outcome) -> None:
         if not self.recording:
@@ -182,6 +159,13 @@ def record_in_run(event: Event, intent: Intent, elapsed: float) -> None:
     run = _CURRENT_RUN.get()
     if run is not None:
         run.record(event)
+
+
+def _note(event: Event, attributes: dict[str, Any]) -> None:
+    if event in _OUTCOMES:
+        attributes["idemflow.outcome"] = event.value
+    if event in _STATE_AFTER:
+        attributes["idemflow.state"] = _STATE_AFTER[event]
 
 
 def _traceparent_of(span: Span) -> str | None:

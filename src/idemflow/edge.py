@@ -1,16 +1,8 @@
-"""
-The HTTP edge: what a framework integration is built from.
-
-A new framework's integration (``docs/architecture.md``, "Adding a framework")
-translates the framework's request into an [`HTTPRequest`][idemflow.edge.HTTPRequest] (its body read
-whole and bounded), calls [`AsyncEdge.respond`][idemflow.edge.AsyncEdge.respond] (ASGI) or
-`Edge.respond` (WSGI) with the handler and a transaction scope, and turns
-the returned [`Response`][idemflow.Response] back into the framework's.
-``tests/core/test_layers.py`` checks that no integration reaches past this module
-into ``idemflow._http``, ``idemflow._sync`` or ``idemflow._async``; the helpers
-idemflow's own integrations share are importable here but not part
-of ``__all__``.
-"""
+"""The HTTP edge a framework integration is built from (docs/architecture.md, "Adding a
+framework"): the framework's request as an [`HTTPRequest`][idemflow.edge.HTTPRequest], through
+[`AsyncEdge.respond`][idemflow.edge.AsyncEdge.respond] or `Edge.respond`, back from a
+[`Response`][idemflow.Response]. The helpers idemflow's integrations share are here too,
+outside ``__all__``."""
 
 from ._async.edge import AsyncEdge, AsyncPooledTransaction
 from ._async.edge import pooled_transaction as async_pooled_transaction

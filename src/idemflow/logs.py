@@ -1,10 +1,5 @@
-"""
-Logs for idemflow through the standard `logging` module.
-
-`LoggingObserver` writes one record per event with structured ``extra``
-fields (never the key itself: its `key_digest`). The fields and levels:
-docs/operations.md, "Logs".
-"""
+"""Logs for idemflow: `LoggingObserver` writes one `logging` record per event with
+structured ``extra`` fields (never the key: its `key_digest`). docs/operations.md, "Logs"."""
 
 from __future__ import annotations
 
@@ -16,11 +11,8 @@ from ._deprecation import moved
 from ._events import Event
 from ._model import Intent
 
-__all__ = [
-    "LoggingObserver",
-]
+__all__ = ["LoggingObserver"]
 
-#: The level each event logs at unless told otherwise.
 _DEFAULT_LEVELS: Mapping[Event, int] = {
     Event.CLAIMED: logging.DEBUG,
     Event.COMPLETED: logging.DEBUG,
@@ -97,6 +89,4 @@ class LoggingObserver:
         )
 
 
-#: Issue 32: the default levels are the observer's own; importable from here, with a
-#: DeprecationWarning, until 0.3.
 __getattr__ = moved(__name__, {"DEFAULT_LEVELS": "idemflow.logs:_DEFAULT_LEVELS"})

@@ -1,11 +1,6 @@
-"""
-Prometheus metrics for idemflow (needs ``prometheus-client``: ``idemflow[metrics]``).
-
-Pass a `PrometheusMetrics` as the ``observer=`` of an ``Idempotency``.
-Labels are bounded: ``endpoint`` is the route template, never the raw path; the
-key and principal never appear. The metrics, their PromQL and alerts:
-docs/operations.md, "Metrics".
-"""
+"""Prometheus metrics for idemflow (``idemflow[metrics]``): pass a `PrometheusMetrics` as
+the ``observer=`` of an ``Idempotency``. Labels are bounded (the route template, never the
+key or principal). The metrics, their PromQL and alerts: docs/operations.md, "Metrics"."""
 
 from __future__ import annotations
 
@@ -31,10 +26,9 @@ __all__ = ["PrometheusMetrics"]
 
 logger = logging.getLogger("idemflow.metrics")
 
-# One or two indexed statements: milliseconds; the tail shows a saturated pool or lock queue.
+# One or two indexed statements: milliseconds; the tail shows a saturated pool or lock.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-#: How the sweeper resolved a stale claim (the ``resolution`` label).
 _RESOLUTIONS = ("completed", "released", "unknown")
 
 #: A scrape reuses the stuck-claim count this long: one COUNT per interval, not per scraper.
@@ -70,7 +64,6 @@ class PrometheusMetrics:
         )
         for resolution in _RESOLUTIONS:  # present at 0, so rate() works from the start
             self.stale_reclaimed_total.labels(resolution)
-        # (metric, label values) -> child; as bounded as the label values are.
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
 
     def _histogram(self, namespace: str, name: str, documentation: str) -> Histogram:
@@ -101,7 +94,7 @@ class PrometheusMetrics:
 
     def stale_reclaimed(self, resolution: str, endpoint: str) -> None:
         """Count one stale claim the sweeper resolved (``completed``, ``released`` or
-        ``unknown``); the sweeper calls it beside its ``STALE_RECLAIMED`` event."""
+        ``unknown``), beside its ``STALE_RECLAIMED`` event."""
         self.stale_reclaimed_total.labels(resolution).inc()
 
     def watch_stale_claims(
@@ -186,5 +179,4 @@ class StuckClaimsGauge(Collector):
             return counts
 
 
-#: Issue 32: moved; importable with a DeprecationWarning until 0.3.
 __getattr__ = moved(__name__, {"RESOLUTIONS": "idemflow.metrics:_RESOLUTIONS"})

@@ -1,11 +1,6 @@
-"""
-The stale-claim sweeper: no key stays blocked by a crashed request.
-
-A crashed request's ``in_progress`` record would answer 409 forever: a
-[`Sweeper`][idemflow.sweeper.Sweeper] marks it ``stale`` once older than ``policy.stale_after`` and
-resolves it exactly once, asking a ``reconciler`` where the effect went to an
-external system. How to choose and run it: docs/crash-safety.md.
-"""
+"""The stale-claim sweeper: a [`Sweeper`][idemflow.sweeper.Sweeper] marks a crashed request's
+claim ``stale`` past ``policy.stale_after`` and resolves it exactly once, asking a
+``reconciler`` where the effect went outside. How to run it: docs/crash-safety.md."""
 
 from __future__ import annotations
 
@@ -13,8 +8,7 @@ import asyncio
 import threading
 from typing import overload
 
-# Not listed: the CLI's loop parts, and what a pass reports (a result, never built by a
-# caller). Named here so that the layers above may take them (tests/core/test_layers.py).
+# Not listed, but here for the layers above (the CLI): the loop's parts, a pass's report.
 from ._async.sweeper import DEFAULT_BATCH_SIZE as DEFAULT_BATCH_SIZE  # noqa: PLC0414
 from ._async.sweeper import AsyncSweeper
 from ._deprecation import moved
@@ -118,8 +112,6 @@ def start_background_sweeper(
     return BackgroundSweeper(sweeper, every)
 
 
-#: Issue 32: the reconciler's protocol and the resolution's names are the sweeper's
-#: own; importable from here, with a DeprecationWarning, until 0.3.
 __getattr__ = moved(
     __name__,
     {

@@ -1,11 +1,6 @@
-"""
-OpenTelemetry traces for idemflow (``idemflow[tracing]``); a no-op without ``opentelemetry-api``.
-
-Use one of two: `traced` makes each ``run`` one span (a replay's linked to
-the original's through the ``traceparent`` kept as its correlation id), or a
-`TracingObserver` annotates whatever span is current. The attributes:
-docs/operations.md, "Traces".
-"""
+"""OpenTelemetry traces for idemflow (``idemflow[tracing]``; a no-op without it): `traced`
+makes each ``run`` a span (a replay's linked to the original's), or a `TracingObserver`
+annotates the current span. The attributes: docs/operations.md, "Traces"."""
 
 from __future__ import annotations
 
@@ -45,7 +40,6 @@ def traced(
     return TracedIdempotency(idempotency, tracer)
 
 
-#: Issue 32: moved; importable with a DeprecationWarning until 0.3.
 __getattr__ = moved(
     __name__,
     {name: f"idemflow._spans:{name}" for name in ("ENABLED", "SPAN_NAME", "linked_context")},

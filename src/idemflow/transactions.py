@@ -1,15 +1,10 @@
-"""
-Adapters that let idemflow write its completion in *your* transaction.
+"""Adapters that let idemflow write its completion in *your* transaction.
 
-Pass one to ``Idempotency.run(…, transaction=…)``: the library begins the
-transaction on your connection (or joins the one already open), calls your
-handler with it, writes the completion on it and commits, or rolls back and
-releases the key. One adapter per driver; for another, implement
-`idemflow.stores.protocol.Transaction`. Which adapter for which
-connection: docs/core.md, "Where the transaction boundary goes". The psycopg,
-SQLAlchemy and MySQL pairs are written once in ``idemflow._async.transactions``
-(PyMySQL's generated from asyncmy's); SQLite's async one hops to a thread.
-"""
+Pass one to ``Idempotency.run(…, transaction=…)``: the library begins (or joins) the
+transaction on your connection, runs your handler in it, writes the completion and
+commits, or rolls back and releases the key. One adapter per driver; for another,
+implement `idemflow.stores.protocol.Transaction`. Which for which connection:
+docs/core.md, "Where the transaction boundary goes"."""
 
 from __future__ import annotations
 
@@ -48,16 +43,11 @@ __all__ = [
 class SQLite3Transaction(Transaction):
     """A ``sqlite3.Connection``.
 
-    SQLite admits one writer at a time, and a claim is a write: while your
-    transaction holds the write lock, a duplicate's claim queues behind it
-    instead of getting its 409 at once. So the transaction begins *deferred*
-    and takes the lock at your first write; keep slow work (external calls)
-    before it, or in a step of its own (see recovery points).
-
-    Pass ``immediate=True`` to take the lock at once instead: a deferred
-    transaction that reads, then writes after another writer committed, fails
-    with "database is locked" (the claim is released, the retry runs again).
-    """
+    SQLite admits one writer at a time, and a claim is a write: while your transaction
+    holds the write lock, a duplicate's claim queues behind it. So the transaction
+    begins *deferred*, taking the lock at your first write: keep slow work before it.
+    ``immediate=True`` takes it at once (a deferred one that reads, then writes after
+    another writer committed, fails "database is locked": released, the retry runs again)."""
 
     connection: Any = None  # set per instance (the protocol declares it read-only)
 
@@ -87,18 +77,14 @@ T = TypeVar("T")
 
 
 class AsyncSQLite3Connection:
-    """A ``sqlite3.Connection`` for asyncio: its statements run, in order, on a thread of its own.
-
-    One worker thread per connection, never a shared pool: with shared
-    workers, statements waiting for SQLite's write lock could take every
-    worker and starve the very transaction that holds the lock (and must
-    commit to free it).
+    """A ``sqlite3.Connection`` for asyncio: its statements run, in order, on a thread of
+    its own (shared workers waiting for the write lock could starve the transaction
+    holding it).
 
     Args:
         raw: an autocommit connection that may cross threads
             (``isolation_level=None, check_same_thread=False``), as
-            [`idemflow.stores.sqlite.connect`][idemflow.stores.sqlite.connect] opens it.
-    """
+            [`idemflow.stores.sqlite.connect`][idemflow.stores.sqlite.connect] opens it."""
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
@@ -115,15 +101,10 @@ class AsyncSQLite3Connection:
 
 
 class AsyncSQLite3Transaction(AsyncTransaction):
-    """`SQLite3Transaction` for asyncio, on an `AsyncSQLite3Connection`.
-
-    ``attempt.connection`` is that `AsyncSQLite3Connection`: run your
-    own statements through its [`run`][idemflow.transactions.AsyncSQLite3Connection.run], so they
-    take their turn on its thread with idemflow's. The transaction begins
-    deferred, as `SQLite3Transaction` explains: a phase that waits on
-    an external call before its first write holds no lock;
-    ``immediate=True`` takes the lock at once.
-    """
+    """`SQLite3Transaction` for asyncio, on an `AsyncSQLite3Connection`: run your own
+    statements through its [`run`][idemflow.transactions.AsyncSQLite3Connection.run]
+    (``attempt.connection``), so they take their turn on its thread with idemflow's.
+    Deferred unless ``immediate=True``, as `SQLite3Transaction` explains."""
 
     connection: Any = None  # set per instance (the protocol declares it read-only)
 
@@ -145,15 +126,9 @@ class AsyncSQLite3Transaction(AsyncTransaction):
     async def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
     ) -> int:
-        """The fenced write, its COMMIT (and the next BEGIN) in one hop to the connection's thread.
-
-        As the write, then `commit` (then `begin`), each a hop of its
-        own: a write that changed no row commits nothing (the transaction stays
-        open for the driver to roll back); a COMMIT or BEGIN that fails raises
-        `CommitFailed` from its own error.
-        """
-        # The sync fallback's rules (the write, then COMMIT, then BEGIN), run on the
-        # connection's thread in one hop.
+        """The fenced write, then COMMIT (and BEGIN), in one hop to the connection's thread:
+        a write that changed no row commits nothing; a failed COMMIT or BEGIN raises
+        `CommitFailed` from its own error."""
         return await self._on.run(_execute_then_commit, self._sync, statement, params, begin)
 
     async def commit(self) -> None:

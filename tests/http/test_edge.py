@@ -18,7 +18,9 @@ from idemflow import (
     MissingPrincipal,
     Record,
     Response,
+    ResponseNotStorable,
     StoreUnavailable,
+    Verdict,
     default_classifier,
     fingerprint,
 )
@@ -27,14 +29,19 @@ from idemflow._events import CountingObserver
 from idemflow._http import (
     EdgeOptions,
     HTTPRequest,
-    ResponseNotStorable,
     problem_for,
     request_id_from,
-    storable,
+    stored_form,
+    storing,
     unsendable,
 )
 from idemflow.testing import AsyncMemoryStore
 from idemflow_demo.settings import parse_duration, parse_token
+
+
+def storable(response: Response, *, max_bytes: int) -> Response:
+    """What the edge stores of ``response`` where the effect rolls back with the claim."""
+    return stored_form(storing(response, Verdict.COMPLETED, atomic=True, max_bytes=max_bytes))
 
 
 def request(**changes: object) -> HTTPRequest:

@@ -1,13 +1,6 @@
-"""
-The async driver: performs the steps of ``idemflow._flow`` and nothing else.
-
-It lends the caller's transaction to the store as a step needs it: begun by a
-single-commit claim's first statement (`AsyncBeginsOnFirstStatement`),
-committed right after a completion's write (`AsyncCommitAfter`).
-
-This is the async source of truth; ``idemflow/_sync/driver.py`` is generated
-from it by ``scripts/unasync.py``.
-"""
+"""The async driver: performs the steps of ``idemflow._flow`` and nothing else.
+This is the async source of truth; ``idemflow/_sync/driver.py`` is generated from it by
+``scripts/unasync.py``."""
 
 from __future__ import annotations
 
@@ -51,8 +44,6 @@ from .._model import (
 )
 from ..stores.protocol import AsyncStore, AsyncTransaction, CommitFailed, NotFused, Statement
 
-__all__ = ["AsyncAttempt", "AsyncHandler", "AsyncIdempotency"]
-
 logger = logging.getLogger("idemflow")
 
 
@@ -70,8 +61,7 @@ class AsyncAttempt:
         policy: Policy | None = None,
     ) -> None:
         self.record = record
-        #: The policy this run is under: its route's (``run(policy=…)``), else the driver's.
-        self.policy = policy or Policy()
+        self.policy = policy or Policy()  # the route's, else the driver's
         #: The last progress committed for this intent, by this or an earlier attempt.
         self.recovery_point = record.recovery_point
         self._store = store
@@ -94,7 +84,7 @@ class AsyncAttempt:
         await self._store.checkpoint(self.record, recovery_point, self._clock(), self._transaction)
         self.recovery_point = recovery_point
         if self._transaction is None:
-            self._on_commit()  # written at once: a committed phase
+            self._on_commit()
 
     async def commit_phase(self, recovery_point: str) -> None:
         """End an atomic phase: checkpoint, commit, begin the next transaction. A retry
@@ -102,8 +92,6 @@ class AsyncAttempt:
         if self._transaction is None:
             await self.checkpoint(recovery_point)
             return
-        # Once the COMMIT may have run, a single-commit claim may be committed: giving
-        # it back then takes a write of its own (on_commit).
         phase = AsyncCommitAfter(self._transaction, begin=True, on_commit=self._on_commit)
         await self._store.checkpoint(self.record, recovery_point, self._clock(), phase)
         self.recovery_point = recovery_point
@@ -129,9 +117,7 @@ class AsyncIdempotency:
         self.policy = policy or Policy()
         self.clock = clock
         self.observer = observer
-        # Its refusal after a possible loss of claims must cover our stale threshold.
         store.cover_stale_threshold(self.policy.stale_seconds)
-        # And no wait of the store's may outlast our request's budget.
         store.cover_store_wait(self.policy.store_wait_seconds)
         self._routes: dict[Policy, Policy] = {}  # each route's policy, as it runs here
 
@@ -181,10 +167,8 @@ class AsyncIdempotency:
         return outcome
 
     def route(self, policy: Policy | None) -> Policy:
-        """``policy`` (a route's) as a run under this driver uses it: with this driver's stale
-        threshold, the one its sweeper runs on (``ConfigurationError`` if it would outlive
-        it), its store told its wait budget. Made once per policy (a resolver may answer a
-        new one per request: the cache is bounded); None is the driver's own."""
+        """A route's ``policy`` under this driver (`route_policy`), its store told its wait
+        budget; cached (bounded: a resolver may answer a new one per request)."""
         if policy is None or policy is self.policy:
             return self.policy
         ran = self._routes.get(policy)
@@ -192,12 +176,10 @@ class AsyncIdempotency:
             if len(self._routes) >= _ROUTES_KEPT:
                 self._routes.clear()
             ran = self._routes[policy] = route_policy(policy, self.policy)
-            # A shorter request timeout is a shorter budget: the store keeps the shortest.
             self.store.cover_store_wait(ran.store_wait_seconds)
         return ran
 
 
-#: How many route policies a driver keeps as they run under it.
 _ROUTES_KEPT = 64
 
 
@@ -231,15 +213,14 @@ async def _drive(flow: Flow, perform: Callable[[Step], Awaitable[Any]]) -> Outco
 
 
 def _rewrapped(raised: RuntimeError, thrown: BaseException | None) -> bool:
-    """Is ``raised`` only PEP 479's wrapping of a ``StopIteration`` thrown into the flow?
-    The caller is owed the object itself (``contextlib`` unwraps it the same way)."""
+    """Is ``raised`` only PEP 479's wrapping of a ``StopIteration`` thrown into the flow
+    (whose caller is owed the object itself, as ``contextlib`` unwraps it)?"""
     return isinstance(thrown, StopIteration) and raised.__cause__ is thrown
 
 
 class _Performer:
-    """Performs one run's steps; holds at most one connection at any moment (the claim
-    on the one ``claim_on`` names, everything after it on the caller's transaction, the
-    release included), so a pool the store shares can never deadlock on one request."""
+    """Performs one run's steps, holding at most one connection at any moment (so a pool
+    the store shares can never deadlock on one request)."""
 
     def __init__(
         self,
@@ -258,9 +239,7 @@ class _Performer:
         self._transaction = transaction
         self._single_commit = single_commit
         self._open = False  # is the caller's transaction begun and not yet ended?
-        # A failed BEGIN sends the release through the store's connection: another would
-        # meet the same pool, or the same dead session.
-        self._unbegun = False
+        self._unbegun = False  # a failed BEGIN: the release goes on the store's connection
         self._claim_committed = not single_commit  # does giving it back take a write?
         self._phase_committed = False
 
@@ -281,7 +260,6 @@ class _Performer:
             self._phase_committed = starts_past_a_phase(
                 step.record, transaction=self._transaction is not None
             )
-            # An answer the driver cannot take is a ConfigurationError in Execute: released.
             return await async_resolve(self._handler(attempt))
         if isinstance(step, Complete):
             await async_shielded(self._complete(step))
@@ -316,8 +294,8 @@ class _Performer:
     async def _claim_in_transaction(
         self, step: ClaimKey, now: float, expires_at: float, transaction: AsyncTransaction
     ) -> Claim:
-        """The transaction begins with the claim's first statement. What the store's rule
-        let through, the transaction's judges: nothing committed, so a 503 is safe."""
+        """The transaction begins with the claim's first statement (see
+        `AsyncBeginsOnFirstStatement`); nothing committed, so a 503 is safe."""
         begun = AsyncBeginsOnFirstStatement(transaction, self._begin)
         try:
             return await self._idem.store.claim(
@@ -336,24 +314,20 @@ class _Performer:
                 step.record, step.state, step.response, now, expires_at, self._transaction
             )
             return
-        # Still open if the COMMIT fails (SQLite keeps the transaction after a deferred
-        # constraint fails), so abandon() can roll it back.
         ending = AsyncCommitAfter(self._transaction)
         try:
             await store.complete(step.record, step.state, step.response, now, expires_at, ending)
-        except Exception as exc:
-            # The transaction's library's errors (a session checking out only now): the
-            # effect rolls back with the completion, so a 503, the key given back.
+        except Exception as exc:  # the effect rolls back with it: a 503, the key given back
             if not self._transaction.is_unavailable(exc):
                 raise
             msg = f"the request's transaction could not complete: {exc}".strip()
             raise StoreUnavailable(msg) from exc
-        await ending.finish()
+        await ending.finish()  # a failed COMMIT may leave it open (SQLite): abandon() rolls back
         self._open = False
 
     async def _release(self, record: Record) -> bool:
-        """Roll back, then give the key back if the claim was committed. Never raises:
-        the flow re-raises what led here. What cannot be released is the sweeper's."""
+        """Roll back, then give the key back if the claim was committed; never raises (what
+        cannot be released is the sweeper's)."""
         connection_usable = await self._rollback() and not self._unbegun
         if not self._claim_committed:
             return True  # single-commit mode: the rollback took the claim with it
@@ -364,9 +338,7 @@ class _Performer:
             started = time.monotonic()
             try:
                 await self._release_on(transaction, record)
-            except Exception as exc:
-                # Sent again through the store's connection when the transaction's pool
-                # cannot serve it: that pool's next wait would end as this one did.
+            except Exception as exc:  # on the store's connection if the transaction's failed
                 if transaction is not None and transaction.is_unavailable(exc):
                     transaction = None
                 elapsed = time.monotonic() - started
@@ -403,14 +375,11 @@ class _Performer:
 
     async def _begin(self) -> None:
         if self._transaction is not None and not self._open:
-            # Open from before the BEGIN: one that fails or is cancelled may still have
-            # begun (SQLite's worker thread runs it anyway).
-            self._open = True
+            self._open = True  # before: a BEGIN that fails or is cancelled may have run
             await self._transaction.begin()
 
     async def _begin_for_handler(self) -> None:
-        """`_begin`, whose error is the request's: one the transaction's or the
-        store's rule calls unavailable is a 503, the key given back on the store's."""
+        """`_begin`; an error either rule calls unavailable is a 503."""
         try:
             await self._begin()
         except Exception as exc:
@@ -439,8 +408,8 @@ class _Performer:
         return True
 
     async def abandon(self) -> None:
-        """Never leave the caller's transaction open behind an error. Shielded: a rollback
-        cut short would give the connection back open (or dead) to the pool."""
+        """Never leave the caller's transaction open behind an error (shielded: a rollback
+        cut short would give the connection back open to the pool)."""
         if self._transaction is None or not self._open:
             return  # nothing open (every run that ended well): no step to shield
         await async_shielded(self._rollback())
@@ -451,14 +420,9 @@ def _could_not_begin(exc: BaseException) -> StoreUnavailable:
 
 
 class AsyncCommitAfter(AsyncTransaction):
-    """The caller's transaction, for one fenced write its COMMIT follows at once.
-
-    Given to the store's ``complete`` or ``checkpoint``, then `finish`. With
-    ``execute_and_commit`` (psycopg) the write carries the COMMIT (and, with ``begin``,
-    the next BEGIN) in one round trip; elsewhere `finish` commits. The store sees
-    the write's row count (0: ``LeaseLost``, nothing committed); the COMMIT's own error
-    comes out of `finish`. ``on_commit`` is called once the COMMIT may have run.
-    """
+    """The caller's transaction, for one fenced write its COMMIT follows at once (in one
+    round trip where ``execute_and_commit`` can, else in `finish`); the COMMIT's own error
+    comes out of `finish`. ``on_commit`` is called once the COMMIT may have run."""
 
     def __init__(
         self,
@@ -468,8 +432,7 @@ class AsyncCommitAfter(AsyncTransaction):
         on_commit: Callable[[], None] = lambda: None,
     ) -> None:
         self._transaction = transaction
-        # Until it answers NotFused once: then the write alone, and finish() commits.
-        self._fused = True
+        self._fused = True  # until NotFused: then the write alone, finish() commits
         self._begin = begin
         self._on_commit = on_commit
         self._committed = False
@@ -530,13 +493,8 @@ class AsyncCommitAfter(AsyncTransaction):
 
 
 class AsyncBeginsOnFirstStatement(AsyncTransaction):
-    """The caller's transaction, for a single-commit claim: begun by its first statement.
-
-    So the ``BEGIN`` (and a checkout that waits for it, ``AsyncPooledTransaction``) runs
-    inside the store's claim, whose ``is_unavailable`` judges its errors: an exhausted
-    pool or a lost connection is ``StoreUnavailable``, a 503 with nothing recorded.
-    ``begin`` begins it unless begun (the driver knows whether it is open).
-    """
+    """The caller's transaction, for a single-commit claim: begun by its first statement,
+    so the store's claim judges the BEGIN's errors (and its checkout's) as its own."""
 
     def __init__(self, transaction: AsyncTransaction, begin: Callable[[], Awaitable[None]]) -> None:
         self._transaction = transaction
@@ -566,19 +524,15 @@ class AsyncBeginsOnFirstStatement(AsyncTransaction):
         await self._transaction.rollback()
 
 
-# Async only: scripts/unasync.py drops this block (and the shields' calls). A step the
-# driver awaits shielded (a claim, a completion, a release) runs to its end; a
-# cancellation meanwhile is delivered at the next async_cancel_point, where the flow
-# gives back what was claimed. Why: docs/architecture.md, "Sync and async".
+# Async only: scripts/unasync.py drops this block (and the shields' calls). Why:
+# docs/architecture.md, "Sync and async".
 
 _T = TypeVar("_T")
 
 
 async def async_shielded(awaitable: Awaitable[_T]) -> _T:
     """Await ``awaitable`` to its end even if this task is cancelled meanwhile: the
-    cancellation is requested again (its count kept, for ``asyncio.timeout``) once the
-    step is done. The step runs in this task, which waits on a `_Shield` (no task
-    made, no loop turn added); a driver's own timeout cancels a `_StepTask`."""
+    cancellation is requested again (its count kept) once the step is done."""
     result: _T = await _Shield(awaitable)
     return result
 

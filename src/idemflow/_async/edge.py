@@ -1,16 +1,10 @@
-"""
-The HTTP edge's I/O: one protected request through the driver, and its transaction.
-
-The rules (intent, what is stored, problems) live in ``idemflow._http``; this
-module only runs them, so ASGI and WSGI integrations answer alike.
-
-This is the async source of truth; ``idemflow/_sync/edge.py`` is generated
-from it by ``scripts/unasync.py``.
-"""
+"""The HTTP edge's I/O: one request through the driver (the rules: ``idemflow._http``).
+This is the async source of truth; ``idemflow/_sync/edge.py`` is generated from it by
+``scripts/unasync.py``."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeAlias, cast
 
@@ -31,18 +25,9 @@ from .._http import (
 )
 from .._model import Intent, Policy, Record, Response, Verdict
 from ..stores.protocol import AsyncTransaction
-from .driver import AsyncAttempt, AsyncIdempotency
+from .driver import AsyncAttempt, AsyncHandler, AsyncIdempotency
 from .transactions import execute_and_commit
 
-__all__ = [
-    "AsyncEdge",
-    "AsyncOperationHandler",
-    "AsyncPooledTransaction",
-    "AsyncTransactionScope",
-    "pooled_transaction",
-]
-
-AsyncOperationHandler: TypeAlias = Callable[[AsyncAttempt], Awaitable[Response]]
 #: Reads what a framework's endpoint answered (its own response object) as a Response.
 Reader: TypeAlias = Callable[[Any], Response]
 #: Opens the caller's transaction for one run, e.g. ``lambda: pooled_transaction(…)``.
@@ -52,19 +37,14 @@ AsyncTransactionScope: TypeAlias = Callable[[], AbstractAsyncContextManager[Asyn
 class AsyncEdge:
     """Runs one protected request: intent, claim via the driver, response.
 
-    A response the handler returns is checked whole before anything is
-    stored (see `storing`): with a ``transaction`` an
-    unstorable one is the handler's bug (500, rolled back, key released);
-    without one the effect stays and the key is settled with a
-    ``response-not-stored`` marker, never released after the endpoint ran.
-    So too for a failure reading the endpoint's answer (``read``): the line
-    between "the endpoint failed" (its exception, the key released) and "we
-    failed after it ran" is drawn here, once, for every door.
+    Where "the endpoint failed" (the key released) ends and "we failed after it ran"
+    begins is drawn here, for every door: a response that cannot be stored (or read)
+    is, with a ``transaction``, the handler's bug (500, rolled back, key released);
+    without one the key is settled with a ``response-not-stored`` marker.
 
     Args:
         idempotency: the driver; its policy decides what is stored.
-        options: see [`EdgeOptions`][idemflow.edge.EdgeOptions].
-    """
+        options: see [`EdgeOptions`][idemflow.edge.EdgeOptions]."""
 
     def __init__(self, idempotency: AsyncIdempotency, options: EdgeOptions | None = None) -> None:
         self.idempotency = idempotency
@@ -79,7 +59,7 @@ class AsyncEdge:
     async def respond(
         self,
         request: HTTPRequest,
-        handler: AsyncOperationHandler,
+        handler: AsyncHandler,
         *,
         transaction: AsyncTransactionScope | None = None,
         single_commit: bool = False,
@@ -87,21 +67,13 @@ class AsyncEdge:
     ) -> Response:
         """Answer ``request``: run ``handler`` once per key, or replay, or a problem.
 
-        ``read``: the handler returns what the framework's endpoint answered, as
-        it is, and ``read`` makes a Response of it once the endpoint has run.
-        What ``read`` raises is never the endpoint's failure: with a
-        ``transaction`` it rolls back and releases (the effect goes with it);
-        without one the key is settled with a ``response-not-stored`` marker
-        (`not_read`), never released.
-
+        ``read`` makes a Response of what the handler returns (the framework's endpoint's
+        answer) once it has run; what it raises is never the endpoint's failure.
         ``transaction`` opens the caller's transaction for this one run (see
-        [`pooled_transaction`][idemflow.edge.pooled_transaction]); it is closed before the replay
-        authorization hook runs, so the hook may use a connection of its own.
-        The first execution answers with the handler's full response; what is
-        stored (and replayed) keeps only the allow-listed headers. Errors of
-        idemflow become problem responses; the handler's own exceptions
-        propagate (after the claim was released).
-        """
+        [`pooled_transaction`][idemflow.edge.pooled_transaction]), closed before the replay
+        authorization hook runs. The first execution answers with the handler's full
+        response; what is stored keeps only the allow-listed headers. Errors of idemflow
+        become problem responses; the handler's own propagate (the claim released)."""
         async_checked_handler(handler)
         try:
             intent = self.intent(request)
@@ -131,21 +103,20 @@ class AsyncEdge:
 
     def _storing(
         self,
-        handler: AsyncOperationHandler,
+        handler: AsyncHandler,
         sent: list[Response],
         read: Reader | None,
         *,
         atomic: bool,
-    ) -> AsyncOperationHandler:
+    ) -> AsyncHandler:
         """Wrap ``handler``: keep what to send, return what to store."""
         limit = self.options.max_response_bytes
 
         async def operation(attempt: AsyncAttempt) -> Response:
             answer: Response = await async_resolve(handler(attempt))  # raising: released
             policy = attempt.policy
-            # The endpoint has run. Unless its effect rolls back with us (atomic), nothing
-            # we fail at from here (reading, classifying, checking its answer) may release
-            # the key: the retry would run the endpoint again.
+            # The endpoint has run: unless its effect rolls back with us, nothing we fail
+            # at from here may release the key.
             try:
                 response = answer if read is None else read(answer)
                 verdict = policy.verdict(response)
@@ -173,26 +144,17 @@ class AsyncEdge:
 
 
 class AsyncPooledTransaction:
-    """A transaction adapter that checks its connection out only when it begins.
-
-    Replays and 409 answers never begin a transaction, so they never take a
-    connection from the pool: duplicates cost one claim, not one pooled
-    connection each. (Or it lends its connection to the claim, when both come
-    from the store's pool: then the claim's checkout is the request's only
-    one.) The connection is kept until `aclose` (the end of
-    the request), across ``commit_phase`` boundaries and the release, so
-    ``attempt.connection`` names the same connection in every phase and a
-    request never holds two. One that fails to begin or to roll back (its
-    session is gone) is given back at once, with its error, so the pool
-    discards it and a store write that follows (the release) never waits
-    behind it; the next `begin` takes another.
+    """A transaction adapter that checks its connection out only when it begins (or lends
+    it to the claim, when both come from the store's pool), so replays and 409s take no
+    pooled connection. It keeps the connection until `aclose`, across phases and the
+    release: a request never holds two. One that fails to begin or roll back is given
+    back at once, with its error, for the pool to discard.
 
     Args:
         acquire: returns an async context manager yielding a connection, e.g.
             ``psycopg_pool.AsyncConnectionPool.connection``.
         adapter: wraps that connection, e.g.
-            `idemflow.transactions.AsyncPsycopgTransaction`.
-    """
+            `idemflow.transactions.AsyncPsycopgTransaction`."""
 
     def __init__(
         self,
@@ -201,8 +163,7 @@ class AsyncPooledTransaction:
     ) -> None:
         self._acquire = acquire
         self._adapter = adapter
-        # Asked of the adapter's class (the contract's rule is static): a checkout that
-        # fails (the BEGIN's) does so before any adapter is made. A factory judges nothing.
+        # The adapter's class judges a failed checkout, before any adapter is made.
         rule = cast(Any, adapter).is_unavailable if isinstance(adapter, type) else None
         self._rule: Callable[[BaseException], bool] = rule or (lambda exc: False)
         self._context: AbstractAsyncContextManager[Any] | None = None
@@ -247,14 +208,8 @@ class AsyncPooledTransaction:
         return self._rule(exc)
 
     async def lend(self, sources: tuple[Any, ...]) -> Any:
-        """The connection, taken now, for a claim, if it comes from one of ``sources``; else None.
-
-        ``sources`` are the store's own (its pool's ``connection``, its
-        checked ``connection``): only then is the claim's connection one the
-        store would have used, and the request takes one connection instead
-        of two. Otherwise nothing is taken, and the connection is taken when
-        the transaction begins.
-        """
+        """The connection, taken now for a claim, if it comes from one of ``sources`` (the
+        store's own); else None, nothing taken."""
         if self._acquire not in sources:
             return None
         inner = await self._taken()
@@ -265,9 +220,7 @@ class AsyncPooledTransaction:
         if self._inner is not None:
             return self._inner
         context = self._acquire()
-        # Kept only once it served a connection: a checkout that failed (a pool timeout)
-        # holds nothing to give back, and the MySQL stores' pools would give back a slot
-        # they never took.
+        # Kept only once it served one: a failed checkout has nothing to give back.
         connection = await context.__aenter__()
         self._context = context
         self._inner = inner = self._adapter(connection)
@@ -280,10 +233,8 @@ class AsyncPooledTransaction:
             await context.__aexit__(None, None, None)
 
     async def _give_up(self, error: BaseException) -> None:
-        """Give a connection that failed back now, with ``error``: a pool closes or discards
-        a connection returned with an error instead of handing it out again (the MySQL
-        stores' pools reuse any other), and with a pool of one shared with the store, the
-        release that follows needs that very slot."""
+        """Give a connection that failed back now, with ``error``, so the pool discards it
+        (and a pool of one shared with the store has its slot for the release)."""
         context, self._context, self._inner = self._context, None, None
         if context is None:
             return

@@ -1,10 +1,6 @@
-"""
-The sweeper: ends stale claims and reconciles what they left behind.
-
-This is the async source of truth; ``idemflow/_sync/sweeper.py`` is generated
-from it by ``scripts/unasync.py``. What an answer means is decided in
-``_reconcile`` (sans I/O); what one sweep does: docs/crash-safety.md.
-"""
+"""The sweeper: ends stale claims and reconciles what they left behind (docs/crash-safety.md).
+This is the async source of truth; ``idemflow/_sync/sweeper.py`` is generated from it by
+``scripts/unasync.py``."""
 
 from __future__ import annotations
 
@@ -33,14 +29,11 @@ from .._reconcile import (
 )
 from ..stores.protocol import AsyncMaintainableStore, AsyncTransaction
 
-__all__ = ["AsyncReconciler", "AsyncSweeper"]
-
 logger = logging.getLogger("idemflow.sweeper")
 
 #: Records marked per statement: row locks held briefly, a backlog cleared in few trips.
 DEFAULT_BATCH_SIZE = 100
-#: Wake this long past a deadline: stores keep whole milliseconds, and the cutoff's own
-#: rounding must not land on the deadline.
+#: Wake this long past a deadline: stores keep whole milliseconds.
 DEADLINE_MARGIN = 0.002
 #: The shortest wait between passes when a record is still due right after one.
 MIN_PAUSE = 0.05
@@ -60,9 +53,8 @@ class AsyncSweeper:
 
     Without a ``reconciler`` every stale record is released: right only when the effect
     was local or went downstream under a downstream key. ``transaction_factory`` opens
-    the transaction in which an answer's ``apply`` commits with the record. The
-    arguments: docs/crash-safety.md, "Running the sweeper".
-    """
+    the transaction an answer's ``apply`` commits in. The arguments:
+    docs/crash-safety.md, "Running the sweeper"."""
 
     def __init__(
         self,
@@ -90,7 +82,6 @@ class AsyncSweeper:
         )
         self._transactions = transaction_factory
         self._check_settings()
-        # A sweep's calls are bounded as a request's are.
         store.cover_store_wait(self.policy.store_wait_seconds)
 
     async def sweep_once(
@@ -126,9 +117,8 @@ class AsyncSweeper:
         self, every: Duration | None = None, *, stop: _reconcile.AsyncStop | None = None
     ) -> None:
         """Sweep at the earliest stale deadline (`due_in`), looking at least every
-        ``every`` seconds (``policy.sweep_interval``); on a store that cannot tell, pass on
-        that beat. A claim written meanwhile is due a whole threshold later, so nothing
-        needs to wake it earlier. A failed pass is logged and the loop goes on."""
+        ``every`` seconds (``policy.sweep_interval``; a store that cannot tell: a pass on
+        that beat). A failed pass is logged and the loop goes on."""
         interval = seconds(self.policy.sweep_interval if every is None else every)
         stop = stop or _reconcile.AsyncStop()
         due = False  # the last look found a deadline within the wait: pass on waking
@@ -162,8 +152,7 @@ class AsyncSweeper:
         after = await self.due_in()
         if after is None:
             return None, False
-        if after < 0:
-            # Due again at once (locked by a completion committing now): soon, not busily.
+        if after < 0:  # due again at once (locked by a completion committing): soon, not busily
             return min(MIN_PAUSE, interval), True
         return self._until(after, asked, interval)
 
@@ -184,8 +173,8 @@ class AsyncSweeper:
         progress: Callable[[SweepReport], None] | None,
         before: SweepReport,
     ) -> SweepReport:
-        """Mark and resolve batches until one comes back short. Terminates: a marked record
-        leaves ``from_state`` or is touched, and nothing new falls behind ``cutoff``."""
+        """Mark and resolve batches until one comes back short (a marked record leaves
+        ``from_state`` or is touched, and nothing new falls behind ``cutoff``)."""
         report = SweepReport()
         while True:
             now = self.clock()
@@ -203,8 +192,8 @@ class AsyncSweeper:
                 return report
 
     async def _resolve(self, record: Record, *, abandoned: bool) -> Resolution:
-        """Ask, then settle or release. An ``abandoned`` (released) record's "did not
-        happen" forgets its recovery point too, or it would be swept forever."""
+        """Ask, then settle or release (an ``abandoned`` record's "did not happen" forgets
+        its recovery point too, or it would be swept forever)."""
         started = self.clock()
         answer = await self._ask(record)
         todo = plan(answer, self.policy, transactions=self._transactions is not None)
@@ -247,7 +236,6 @@ class AsyncSweeper:
                 return await self.store.settle_stale(
                     record, todo.state, answer.response, now, expires_at, transaction
                 )
-            # An apply undid the attempt's traces: a retry starts afresh.
             forget = abandoned or transaction is not None
             return await self.store.release_stale(record, now, transaction, forget_progress=forget)
 
@@ -262,9 +250,8 @@ class AsyncSweeper:
         apply: Callable[[Any], Any] | None,
         resolution: Resolution,
     ) -> Resolution:
-        """The fenced write first (it locks the record), then ``apply``; both or neither.
-        A transaction that cannot begin says nothing about the record: a fresh one is
-        tried, then the error ends the pass; a failure once begun leaves it stale."""
+        """The fenced write (it locks the record), then ``apply``; both or neither. One that
+        cannot begin is tried afresh, then ends the pass; a failure once begun leaves it stale."""
         assert self._transactions is not None
         attempt = 1
         while True:

@@ -1,9 +1,6 @@
-"""
-A traced driver: every run one span, ``idemflow.run`` (see [`idemflow.tracing`][idemflow.tracing]).
-
-This is the async source of truth; ``idemflow/_sync/tracing.py`` is generated
-from it by ``scripts/unasync.py``.
-"""
+"""A traced driver: every run one span, ``idemflow.run``.
+This is the async source of truth; ``idemflow/_sync/tracing.py`` is generated from it by
+``scripts/unasync.py``."""
 
 from __future__ import annotations
 
@@ -16,8 +13,6 @@ from .driver import AsyncIdempotency
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
-
-__all__ = ["AsyncTracedIdempotency"]
 
 
 class AsyncTracedIdempotency(AsyncIdempotency):

@@ -1,9 +1,6 @@
-"""
-The transaction adapters for psycopg, SQLAlchemy and MySQL, sync and async alike.
-
-This is the async source of truth; ``idemflow/_sync/transactions.py`` is generated
-from it by ``scripts/unasync.py``. Import the adapters from `idemflow.transactions`.
-"""
+"""The transaction adapters for psycopg, SQLAlchemy and MySQL (`idemflow.transactions`).
+This is the async source of truth; ``idemflow/_sync/transactions.py`` is generated from it
+by ``scripts/unasync.py``."""
 
 from __future__ import annotations
 
@@ -13,12 +10,6 @@ from typing import Any
 
 from ..stores.protocol import AsyncTransaction, CommitFailed, NotFused, Statement
 from ..stores.sql.dialect import row_mapping
-
-__all__ = [
-    "AsyncPsycopgTransaction",
-    "AsyncSQLAlchemyTransaction",
-    "execute_and_commit",
-]
 
 
 class AsyncPsycopgTransaction(AsyncTransaction):
@@ -54,19 +45,11 @@ class AsyncPsycopgTransaction(AsyncTransaction):
     async def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
     ) -> int:
-        """The fenced write, its COMMIT (and the next BEGIN) in one round trip.
-
-        Sent in one pipeline (one ``Sync``): the write inside a statement
-        that raises on the server when it changed no row, so the server
-        skips the rest of the pipeline (the COMMIT) and the transaction stays
-        open, failed, for the driver to roll back. The write is prepared as
-        any statement psycopg runs often (its plan cached per connection, its
-        row found by id whatever the plan: see ``_owned_by_caller``). Without
-        pipeline support in libpq: the write, then ``commit()``. On a
-        connection whose cursors bind values on the client (a ``ClientCursor``
-        factory, as Django's): one simple query of the same statements, which
-        the server stops at the same error (nothing is prepared there anyway).
-        """
+        """The fenced write, its COMMIT (and the next BEGIN) in one round trip: one
+        pipeline whose write raises on the server when it changed no row, so the server
+        skips the COMMIT and the transaction stays open, failed, for the driver to roll
+        back. Values bound on the client (Django's cursors): one simple query, stopped at
+        the same error. Without pipeline support in libpq: the write, then ``commit()``."""
         import psycopg
 
         connection = self.connection
@@ -75,10 +58,6 @@ class AsyncPsycopgTransaction(AsyncTransaction):
             return await _execute_then_commit(self, statement, params, begin)
         try:
             if on_client:
-                # Values bound on the client (Django's cursors): one simple query, whose
-                # execution the server abandons at its first error, as it skips the rest
-                # of a pipeline. No pipeline machinery: it costs this client no more
-                # than the write alone.
                 ending = "; COMMIT; BEGIN" if begin else "; COMMIT"
                 await connection.execute(
                     _fenced(statement.pyformat) + ending, statement.bind(params)
@@ -93,9 +72,7 @@ class AsyncPsycopgTransaction(AsyncTransaction):
             if getattr(exc, "sqlstate", None) == "22P02" and _NO_ROW in str(exc):
                 return 0  # the fence: nothing committed, the transaction failed and open
             idle = psycopg.pq.TransactionStatus.IDLE
-            if connection.info.transaction_status == idle:
-                # The write went through (a failed one leaves the transaction
-                # open); the COMMIT ran and failed, ending it.
+            if connection.info.transaction_status == idle:  # a failed write leaves it open
                 raise CommitFailed from exc
             raise
         return 1
@@ -107,12 +84,8 @@ _NO_ROW = "idemflow: the fenced write matched no row"
 
 @functools.lru_cache(maxsize=64)
 def _fenced(update: str) -> str:
-    """``update`` made to raise when it changes no row.
-
-    The cast fails at run time only (its input depends on the row count: a
-    constant arm would be folded, and fail, at plan time). ``update`` has no
-    RETURNING of its own; ``id`` is the primary key, so at most one row.
-    """
+    """``update`` (of at most one row, no RETURNING) made to raise when it changes none:
+    the cast's input depends on the row count, so it fails at run time, not plan time."""
     return (
         f"WITH fenced AS ({update} RETURNING 1) "
         f"SELECT CAST(CASE COUNT(*) WHEN 1 THEN '1' ELSE '{_NO_ROW}' END AS INTEGER) "
@@ -157,8 +130,8 @@ async def execute_and_commit(
         return await _execute_then_commit(transaction, statement, params, begin)
 
 
-# Result column names per statement text (they cannot change): psycopg builds
-# ``cursor.description`` afresh, one Column object per column, on every access.
+# Result column names per statement text: psycopg builds ``cursor.description`` afresh
+# on every access.
 _psycopg_names: dict[str, tuple[str, ...]] = {}
 
 
@@ -200,11 +173,8 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
             await self.connection.begin()
 
     async def _bound(self) -> Any:
-        """Where idemflow's statements run: a session's connection, in its transaction.
-
-        As the session's own ``execute`` runs a text statement (never autoflushed),
-        without calling it: SQLModel's sessions deprecate it for their ``exec``.
-        """
+        """Where idemflow's statements run: a session's connection, in its transaction (not
+        the session's ``execute``, which SQLModel's sessions deprecate)."""
         return await self.connection.connection() if self._session else self.connection
 
     async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
@@ -225,17 +195,9 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
 
     @staticmethod
     def is_unavailable(exc: BaseException) -> bool:
-        """Does ``exc``, SQLAlchemy's, mean the database cannot serve the request?
-
-        Its pool gave no connection in time (``TimeoutError``: ``QueuePool limit
-        … timed out``), or a DB-API error SQLAlchemy judged a disconnect
-        (``connection_invalidated``, by its dialect's ``is_disconnect``). Any
-        other DB-API error is the store's to judge: the driver asks the store's
-        rule next, which reads the driver's error SQLAlchemy wrapped (``.orig``).
-        Not every ``OperationalError``: a deadlock or a lock timeout is one too.
-        A static method, so a pooled transaction (``connect=``, ``transaction=``)
-        finds it on the adapter's class before any connection is checked out.
-        """
+        """Does ``exc``, SQLAlchemy's, mean the database cannot serve the request? Its pool
+        timed out, or a disconnect (``connection_invalidated``); any other DB-API error is
+        the store's rule to judge. Static: a pooled transaction asks the class."""
         from sqlalchemy.exc import DBAPIError, TimeoutError
 
         if isinstance(exc, TimeoutError):
@@ -245,24 +207,12 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
     async def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
     ) -> int:
-        """The fenced write and its COMMIT in one round trip, on PostgreSQL through psycopg 3.
-
-        Sent as `AsyncPsycopgTransaction` sends them, on the psycopg
-        connection under SQLAlchemy's (one pipeline: the write raises on the
-        server when it matched no row, and the server then skips the COMMIT),
-        after a session's pending changes are flushed; then SQLAlchemy ends its
-        transaction as always (its COMMIT finds the transaction over: psycopg
-        sends nothing). psycopg's errors come out as SQLAlchemy's. The next
-        BEGIN is left to SQLAlchemy (psycopg sends it with the next statement):
-        sent with the COMMIT, SQLAlchemy's own COMMIT would end it.
-
-        Everywhere else `NotFused`, before
-        anything is sent (the write goes alone, then `commit`, as
-        always): SQLite, MySQL/MariaDB, psycopg2, a savepoint open
-        (``begin_nested``), a session with ``before_commit`` listeners (they
-        run before the COMMIT), a connection whose statements are listened to
-        or echoed, autocommit.
-        """
+        """The fenced write and its COMMIT in one round trip on PostgreSQL through psycopg 3,
+        sent as `AsyncPsycopgTransaction` sends them (a session flushed first); then
+        SQLAlchemy's own COMMIT finds nothing to send, and sends the next BEGIN itself.
+        psycopg's errors come out as SQLAlchemy's. Anywhere else (another driver, a
+        savepoint, ``before_commit`` listeners, statements listened to or echoed,
+        autocommit) `NotFused`, before anything is sent."""
         driver = await self._psycopg_connection()
         if driver is None:
             raise NotFused
@@ -285,10 +235,8 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
         return changed
 
     async def _psycopg_connection(self) -> Any:
-        """psycopg 3's connection, when a write and the COMMIT after it may travel together.
-
-        A session's pending changes are flushed first: its COMMIT would flush them after.
-        """
+        """psycopg 3's connection, when a write and its COMMIT may travel together (a
+        session's pending changes flushed first: its COMMIT would flush them after)."""
         holder = self.connection
         if holder.in_nested_transaction():
             return None
@@ -321,9 +269,7 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
     async def rollback(self) -> None:
         active = self.connection.in_transaction()
         await self.connection.rollback()
-        if not active:
-            # After a failed COMMIT a Connection drops its transaction without a
-            # ROLLBACK, but SQLite keeps it open (with the write lock): end it.
+        if not active:  # dropped by a failed COMMIT, but SQLite keeps it (and its lock)
             await self.connection.begin()
             await self.connection.rollback()
 
@@ -332,12 +278,8 @@ _IN_TRANSACTION = 1  # pymysql.constants.SERVER_STATUS.SERVER_STATUS_IN_TRANS
 
 
 class AsyncmyTransaction(AsyncTransaction):
-    """An asyncmy connection; joins a transaction the caller already began.
-
-    Works under any isolation level: the store's own statements in your
-    transaction are writes or locking reads, which always see the latest
-    committed row, never an older REPEATABLE READ snapshot.
-    """
+    """An asyncmy connection; joins a transaction the caller already began. Any isolation
+    level: the store's statements are writes or locking reads, which see the latest row."""
 
     connection: Any = None  # set per instance (the protocol declares it read-only)
 
@@ -364,10 +306,7 @@ class AsyncmyTransaction(AsyncTransaction):
     async def commit(self) -> None:
         try:
             await self.connection.commit()
-        except Exception as exc:
-            # A deadlock or (Galera) a failed certification rolled everything
-            # back, the effect with the completion: a 503 to retry, not a 500.
-            # Imported here: most applications never load the MySQL store.
+        except Exception as exc:  # a deadlock or failed certification rolled all back: a 503
             from ..stores.mysql import is_conflict, rolled_back
 
             if is_conflict(exc):
