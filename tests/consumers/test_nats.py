@@ -1,0 +1,165 @@
+"""
+The NATS JetStream adapter against the real server on loopback (each test its own
+stream and durable consumer, deleted after), on PostgreSQL and SQLite stores (the app
+fixture of the RabbitMQ tests): duplicates delivered to two consumers at once make one
+effect, a poisoned message is dead-lettered, a transient failure is redelivered (a
+delayed ``nak``) and run once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from idemflow import AsyncAttempt, AsyncIdempotency
+from idemflow.consumers import AsyncConsumer
+from tests.conftest import unreachable
+from tests.factories import POLICY
+
+nats = pytest.importorskip("nats")
+pytest.importorskip("aio_pika")  # the shared app fixture lives with the RabbitMQ tests
+from nats.js.api import ConsumerConfig  # noqa: E402
+
+from idemflow.consumers.nats import JetStream  # noqa: E402
+from tests.consumers import test_rabbitmq  # noqa: E402
+from tests.consumers.test_rabbitmq import App  # noqa: E402
+
+pytestmark = [pytest.mark.nats, pytest.mark.anyio]
+
+app = test_rabbitmq.app  # the fixture, shared
+
+NATS_URL = os.environ.get("IDEMFLOW_TEST_NATS_URL", "nats://127.0.0.1:4222")
+
+
+@dataclass
+class Broker:
+    nc: Any
+    js: Any
+    stream: str
+    subject: str
+
+    async def consumer(self, app: App, durable: str = "workers") -> JetStream:
+        idempotency = AsyncIdempotency(app.store, POLICY)
+        consumer = AsyncConsumer(idempotency, f"{self.stream}/{durable}")
+        return JetStream(consumer, self.js, self.stream, durable, transaction=app.transaction)
+
+    async def publish(self, key: str, body: bytes) -> None:
+        await self.js.publish(self.subject, body, headers={"Idempotency-Key": key})
+
+    async def next(self, durable: str = "workers", within: float = 10) -> Any:
+        sub = await self.js.pull_subscribe_bind(durable, self.stream)
+        try:
+            (message,) = await sub.fetch(1, timeout=within)
+        finally:
+            await sub.unsubscribe()
+        return message
+
+    async def pending(self, durable: str = "workers") -> int:
+        info = await self.js.consumer_info(self.stream, durable)
+        return int(info.num_pending + info.num_ack_pending)
+
+
+@pytest.fixture
+async def broker() -> AsyncIterator[Broker]:
+    try:
+        nc = await nats.connect(NATS_URL, connect_timeout=3, max_reconnect_attempts=0)
+    except Exception as exc:  # any failure to connect means no server
+        unreachable("NATS", exc)
+    js = nc.jetstream()
+    name = f"idemflow-test-{uuid.uuid4().hex[:10]}"
+    subject = f"{name}.orders"
+    await js.add_stream(name=name, subjects=[f"{name}.>"])
+    await js.add_consumer(
+        name, ConsumerConfig(durable_name="workers", filter_subject=subject, ack_wait=5)
+    )
+    yield Broker(nc, js, name, subject)
+    await js.delete_stream(name)
+    await nc.close()
+
+
+async def test_a_message_published_twice_and_delivered_to_two_consumers_has_one_effect(
+    app: tuple[App, list[str]], broker: Broker
+) -> None:
+    shop, _ = app
+    first, second = await broker.consumer(shop), await broker.consumer(shop)
+    await broker.publish("order-1", b'{"amount": 5}')
+    await broker.publish("order-1", b'{"amount": 5}')
+    one, two = await broker.next(), await broker.next()  # two copies, both unacked
+    effects: list[str] = []
+    running, raced = asyncio.Event(), asyncio.Event()
+
+    async def held(attempt: AsyncAttempt, message: Any) -> str:
+        running.set()
+        await asyncio.wait_for(raced.wait(), 10)
+        await shop.write(attempt.connection)
+        effects.append(attempt.record.key)
+        return "charged"
+
+    async def other(attempt: AsyncAttempt, message: Any) -> str:
+        await shop.write(attempt.connection)
+        effects.append(attempt.record.key)
+        return "charged again"
+
+    holding = asyncio.create_task(first.deliver(one, held))
+    await running.wait()
+    met = await second.deliver(two, other)
+    raced.set()
+
+    assert (met, await holding) == ("requeue_with_delay", "ack")  # never waited for it
+    back = await broker.next()  # the nak'd copy, redelivered after its delay
+    assert back.metadata.num_delivered == 2
+    assert await second.deliver(back, other) == "ack_with_stored_result"
+    assert (effects, shop.count()) == (["order-1"], 1)
+    assert await broker.pending() == 0
+
+
+async def test_a_poisoned_message_is_dead_lettered_without_an_effect(
+    app: tuple[App, list[str]], broker: Broker
+) -> None:
+    shop, _ = app
+    jet = await broker.consumer(shop)
+    await broker.publish("order-1", b'{"amount": 5}')
+    await broker.publish("order-1", b'{"amount": 500}')
+    effects: list[bytes] = []
+
+    async def charge(attempt: AsyncAttempt, message: Any) -> None:
+        await shop.write(attempt.connection)
+        effects.append(message.data)
+
+    actions = [await jet.deliver(await broker.next(), charge) for _ in range(2)]
+
+    assert actions == ["ack", "dead_letter"]
+    assert (effects, shop.count()) == ([b'{"amount": 5}'], 1)
+    dead = await broker.js.get_last_msg(broker.stream, f"{broker.subject}.dead")
+    assert dead.data == b'{"amount": 500}'
+    assert dead.headers["Idempotency-Key"] == "order-1"
+    assert "different request" in dead.headers["Idemflow-Problem"]
+    assert await broker.pending() == 0
+
+
+async def test_a_transient_failure_is_redelivered_and_run_once(
+    app: tuple[App, list[str]], broker: Broker
+) -> None:
+    shop, _ = app
+    jet = await broker.consumer(shop)
+    await broker.publish("order-1", b"{}")
+    calls: list[int] = []
+
+    async def flaky(attempt: AsyncAttempt, message: Any) -> str:
+        calls.append(attempt.record.attempt)
+        await shop.write(attempt.connection)
+        if len(calls) == 1:
+            raise ConnectionError("the provider is down")  # the write rolls back
+        return "charged"
+
+    assert await jet.fetch(flaky) == 1
+    assert shop.count() == 0
+    assert await jet.fetch(flaky, timeout=10) == 1  # back after the nak's delay
+    assert (calls, shop.count()) == ([1, 2], 1)
+    assert await broker.pending() == 0
