@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,10 +18,12 @@ from typing import Any
 
 import pytest
 
-from idemflow import AsyncAttempt, AsyncIdempotency
+from idemflow import AsyncAttempt, AsyncIdempotency, Intent, State
 from idemflow.consumers import AsyncConsumer
+from idemflow.testing import FrozenClock
 from tests.conftest import unreachable
 from tests.factories import POLICY
+from tests.sweeping import async_sweep_away
 
 nats = pytest.importorskip("nats")
 pytest.importorskip("aio_pika")  # the shared app fixture lives with the RabbitMQ tests
@@ -44,10 +47,16 @@ class Broker:
     stream: str
     subject: str
 
-    async def consumer(self, app: App, durable: str = "workers") -> JetStream:
-        idempotency = AsyncIdempotency(app.store, POLICY)
-        consumer = AsyncConsumer(idempotency, f"{self.stream}/{durable}")
-        return JetStream(consumer, self.js, self.stream, durable, transaction=app.transaction)
+    @property
+    def scope(self) -> str:
+        return f"{self.stream}/workers"
+
+    async def consumer(self, app: App, clock: Any = None, **options: Any) -> JetStream:
+        idempotency = AsyncIdempotency(app.store, POLICY, **({"clock": clock} if clock else {}))
+        consumer = AsyncConsumer(idempotency, self.scope, **options)
+        return JetStream(
+            consumer, self.js, self.stream, "workers", transaction=app.transaction, ack_wait=2
+        )
 
     async def publish(self, key: str, body: bytes) -> None:
         await self.js.publish(self.subject, body, headers={"Idempotency-Key": key})
@@ -76,7 +85,7 @@ async def broker() -> AsyncIterator[Broker]:
     subject = f"{name}.orders"
     await js.add_stream(name=name, subjects=[f"{name}.>"])
     await js.add_consumer(
-        name, ConsumerConfig(durable_name="workers", filter_subject=subject, ack_wait=5)
+        name, ConsumerConfig(durable_name="workers", filter_subject=subject, ack_wait=2)
     )
     yield Broker(nc, js, name, subject)
     await js.delete_stream(name)
@@ -163,3 +172,66 @@ async def test_a_transient_failure_is_redelivered_and_run_once(
     assert await jet.fetch(flaky, timeout=10) == 1  # back after the nak's delay
     assert (calls, shop.count()) == ([1, 2], 1)
     assert await broker.pending() == 0
+
+
+async def test_a_handler_longer_than_ack_wait_and_its_lease_keeps_both(
+    app: tuple[App, list[str]], broker: Broker, clock: FrozenClock
+) -> None:
+    shop, _ = app
+    jet = await broker.consumer(shop, clock, renew_every=0.01)
+    await broker.publish("order-1", b"{}")
+
+    async def renewed() -> bool:
+        record = await shop.store.get(broker.scope, "order-1")
+        return record is not None and record.updated_at == clock()
+
+    async def long(attempt: AsyncAttempt, message: Any) -> str:
+        clock.advance(POLICY.stale_seconds - 1)
+        deadline = time.monotonic() + 10
+        while not await renewed():
+            assert time.monotonic() < deadline, "never renewed"
+            await asyncio.sleep(0.01)
+        clock.advance(2)  # past the threshold counted from the claim
+        cutoff = clock() - POLICY.stale_seconds
+        assert await shop.store.sweep(State.IN_PROGRESS, cutoff, clock(), clock() + 60, 10) == []
+        await asyncio.sleep(3)  # past the broker's ack wait (2 s): in_progress() keeps it
+        with pytest.raises(TimeoutError):  # not redelivered to anyone meanwhile
+            await broker.next(within=0.5)
+        await shop.write(attempt.connection)
+        return "done"
+
+    message = await broker.next()
+    assert await jet.deliver(message, long) == "ack"
+    assert message.metadata.num_delivered == 1
+    assert shop.count() == 1
+    assert await broker.pending() == 0  # never redelivered while it ran
+
+
+async def test_a_handler_whose_lease_is_stolen_never_completes(
+    app: tuple[App, list[str]], broker: Broker, clock: FrozenClock
+) -> None:
+    shop, _ = app
+    jet = await broker.consumer(shop, clock, renew_every=0.01)
+    await broker.publish("order-1", b"{}")
+    effects: list[str] = []
+    started = asyncio.Event()
+
+    async def overrun(attempt: AsyncAttempt, message: Any) -> str:
+        started.set()
+        await asyncio.Event().wait()  # cancelled once a renewal meets lease-b
+        effects.append("never")
+        return "too late"
+
+    handling = asyncio.create_task(jet.deliver(await broker.next(), overrun))
+    await started.wait()
+    clock.advance(POLICY.stale_seconds + 1)
+    (marked,) = await async_sweep_away(shop.store, clock() + 1)
+    intent = Intent(marked.principal, marked.key, marked.fingerprint, marked.endpoint)
+    assert (await shop.store.claim(intent, "lease-b", clock(), clock() + 60)).owned
+
+    assert await handling == "requeue_with_delay"
+    record = await shop.store.get(broker.scope, "order-1")
+    assert record is not None
+    assert (record.state, record.lease_token) == (State.IN_PROGRESS, "lease-b")
+    assert effects == []
+    assert shop.count() == 0
