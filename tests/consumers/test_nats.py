@@ -3,17 +3,23 @@ The NATS JetStream adapter against the real server on loopback (each test its ow
 stream and durable consumer, deleted after), on PostgreSQL and SQLite stores (the app
 fixture of the RabbitMQ tests): duplicates delivered to two consumers at once make one
 effect, a poisoned message is dead-lettered, a transient failure is redelivered (a
-delayed ``nak``) and run once.
+delayed ``nak``) and run once, a handler past ack wait and its lease keeps both, a
+stolen lease never completes, and a consumer SIGKILLed after its business write (before
+its commit, or between it and its ack) makes one effect after the redelivery.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import sys
+import textwrap
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +43,7 @@ pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
 app = test_rabbitmq.app  # the fixture, shared
 
+ROOT = Path(__file__).resolve().parents[2]
 NATS_URL = os.environ.get("IDEMFLOW_TEST_NATS_URL", "nats://127.0.0.1:4222")
 
 
@@ -235,3 +242,89 @@ async def test_a_handler_whose_lease_is_stolen_never_completes(
     assert (record.state, record.lease_token) == (State.IN_PROGRESS, "lease-b")
     assert effects == []
     assert shop.count() == 0
+
+
+#: The child: a consumer whose ack never comes (it reports, then waits to be killed).
+CHILD = """
+import asyncio, sys
+import nats
+from nats.aio.msg import Msg
+from idemflow import AsyncIdempotency
+from idemflow.consumers import AsyncConsumer
+from idemflow.consumers.nats import JetStream
+from tests.consumers.test_nats import NATS_URL
+from tests.consumers.test_rabbitmq import open_app
+from tests.factories import POLICY
+kind, where, table, stream, stall = sys.argv[1:]
+
+async def stalled(*args, **kwargs):
+    print("killable", flush=True)
+    await asyncio.Event().wait()
+
+async def main():
+    app = open_app(kind, where, table)
+    nc = await nats.connect(NATS_URL)
+    consumer = AsyncConsumer(AsyncIdempotency(app.store, POLICY), f"{stream}/workers")
+    adapter = JetStream(consumer, nc.jetstream(), stream, "workers", transaction=app.transaction)
+    Msg.ack_sync = stalled
+
+    async def charge(attempt, message):
+        await app.write(attempt.connection)
+        if stall == "before the commit":
+            await stalled()
+        return "charged"
+
+    while True:
+        await adapter.fetch(charge)  # killed meanwhile
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("stall", ["before the commit", "before the ack"])
+async def test_a_consumer_killed_after_its_business_write_has_one_effect_after_redelivery(
+    app: tuple[App, list[str]], broker: Broker, stall: str
+) -> None:
+    """Killed before the commit: nothing committed, the claim left to the sweeper, then run
+    once. Killed between the commit and the ack: settled, acked with the stored result."""
+    shop, where = app
+    await broker.publish("order-1", b"{}")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        textwrap.dedent(CHILD),
+        *where,
+        broker.stream,
+        stall,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(child.stdout.readline(), 30)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        _, errors = await child.communicate()
+    assert line == b"killable\n", errors.decode()
+
+    async def again(attempt: AsyncAttempt, message: Any) -> None:
+        await shop.write(attempt.connection)
+
+    jet = await broker.consumer(shop)
+    redelivered = await broker.next()  # never acked: back after the ack wait (2 s)
+    assert redelivered.metadata.num_delivered == 2
+    record = await shop.store.get(broker.scope, "order-1")
+    assert record is not None
+    if stall == "before the ack":
+        assert (record.state, shop.count()) == (State.COMPLETED, 1)
+        assert await jet.deliver(redelivered, again) == "ack_with_stored_result"
+    else:
+        assert (record.state, shop.count()) == (State.IN_PROGRESS, 0)  # rolled back
+        assert await jet.deliver(redelivered, again) == "requeue_with_delay"
+        assert len(await async_sweep_away(shop.store, time.time() + 1)) == 1
+        assert await jet.deliver(await broker.next(), again) == "ack"
+    assert shop.count() == 1
+    assert await broker.pending() == 0
