@@ -29,6 +29,7 @@ EXTRAS = {
     "requests": "client",
     "aio_pika": "rabbitmq",
     "aiormq": "rabbitmq",
+    "nats": "nats",
 }
 
 

@@ -43,6 +43,7 @@ HEAVY = (
     "gunicorn",
     "aio_pika",
     "aiormq",
+    "nats",
 )
 
 PROBE = """
