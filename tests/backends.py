@@ -4,7 +4,10 @@ Every store the contract suite runs against, behind one small interface.
 A :class:`Backend` gives the tests a store, and (where the store can share
 one) a fresh caller connection wrapped in a transaction adapter, plus a
 business table to prove that effect and record commit or roll back together.
-Backends for further stores register themselves in ``BACKENDS``.
+Every backend kind is one entry of :data:`KINDS` (at the end): its name, its marker, how to
+make its stores and rigs, what it can do. The suites derive their parameters from it
+(:func:`kinds`, :func:`contract_params`, :func:`rig_params`, :func:`async_rig_params`):
+adding a backend is one entry there.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -203,7 +207,7 @@ def postgres_backend(table: str, create: bool = True) -> Backend:
             if create:
                 conn.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
     except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
+        unreachable(KINDS["postgres"].service, exc)
     store = PostgresStore(POSTGRES_URL, table=table, max_size=8, clock="caller")
     if create:
         store.migrate()
@@ -250,7 +254,7 @@ def mysql_backend(table: str, *, found_rows: bool = False, create: bool = True) 
     try:
         conn = pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
     except pymysql.err.OperationalError as exc:
-        unreachable("MariaDB", exc)
+        unreachable(KINDS["mysql"].service, exc)
     with contextlib.closing(conn), conn.cursor() as cursor:
         if create:
             cursor.execute(
@@ -276,9 +280,8 @@ def mysql_backend(table: str, *, found_rows: bool = False, create: bool = True) 
 
     name = "mysql-found-rows" if found_rows else "mysql"
     tables = Tables(table, "mysql", _pymysql_sql(lambda: pymysql.connect(**kwargs)))
-    return Backend(
-        name, store, open_transaction, write, count, (name, (table,)), [store.close], tables
-    )
+    spec = ("mysql", (table, found_rows))
+    return Backend(name, store, open_transaction, write, count, spec, [store.close], tables)
 
 
 def _open_mysql(table: str, found_rows: bool = False) -> Store:
@@ -297,22 +300,13 @@ def mysql_admin(kwargs: dict[str, Any]) -> Any:
     try:
         return pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
     except pymysql.err.OperationalError as exc:
-        unreachable("MariaDB", exc)
-
-
-@dataclass
-class AsyncMySQL:
-    """The asyncio MySQL store on its own tables, and how a request opens its transaction."""
-
-    store: Any
-    #: A fresh asyncmy connection per request, as an AsyncmyTransaction.
-    open_transaction: Callable[[], contextlib.AbstractAsyncContextManager[Any]]
-    notes: Callable[[], list[str]]
+        unreachable(KINDS["mysql"].service, exc)
 
 
 @contextlib.asynccontextmanager
-async def async_mysql_backend(table: str, *, max_size: int = 8) -> AsyncIterator[AsyncMySQL]:
-    """AsyncMySQLStore (asyncmy) on MariaDB: the key table and ``biz_<table>``, dropped after."""
+async def async_mysql_backend(table: str, *, max_size: int = 8) -> AsyncIterator[Rig]:
+    """AsyncMySQLStore (asyncmy) on MariaDB: the key table and ``biz_<table>``, dropped after;
+    the caller's transaction an AsyncmyTransaction on a fresh connection per request."""
     asyncmy = pytest.importorskip("asyncmy")
     from idemflow.stores.mysql import AsyncMySQLStore, connect_kwargs
     from idemflow.transactions import AsyncmyTransaction
@@ -329,6 +323,10 @@ async def async_mysql_backend(table: str, *, max_size: int = 8) -> AsyncIterator
         finally:
             await conn.ensure_closed()
 
+    async def write(conn: Any, note: str) -> None:
+        async with conn.cursor() as cursor:
+            await cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
     def notes() -> list[str]:
         with admin.cursor() as cursor:
             cursor.execute(f"SELECT note FROM biz_{table} ORDER BY id")
@@ -340,7 +338,9 @@ async def async_mysql_backend(table: str, *, max_size: int = 8) -> AsyncIterator
             f"CREATE TABLE biz_{table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT)"
         )
         try:
-            yield AsyncMySQL(store, open_transaction, notes)
+            yield Rig(
+                "mysql-asyncmy", store, False, open_transaction, write, _no_fault, notes, _no_peek
+            )
         finally:
             await store.close()
             cursor.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
@@ -449,7 +449,7 @@ def async_mysql_bridged_backend(table: str, create: bool = True) -> Backend:
     try:
         admin = pymysql.connect(**kwargs, autocommit=True, connect_timeout=3)
     except pymysql.err.OperationalError as exc:
-        unreachable("MariaDB", exc)
+        unreachable(KINDS["mysql"].service, exc)
     if create:
         with admin.cursor() as cursor:
             cursor.execute(
@@ -532,7 +532,7 @@ def galera_urls() -> tuple[str, ...]:
     try:
         return tuple(shared_cluster().urls)
     except (GaleraUnavailable, OSError) as exc:
-        unreachable("MariaDB Galera", exc)
+        unreachable(KINDS["galera"].service, exc)
         raise  # unreachable() never returns
 
 
@@ -644,9 +644,6 @@ async def adelete_keys(client: Any, prefix: str) -> None:
         await pipe.execute()
 
 
-_SERVICES = {"redis": "Redis", "redis-cluster": "Redis Cluster", "valkey-cluster": "Valkey Cluster"}
-
-
 def redis_backend(
     table: str, url: str = REDIS_URL, *, cluster: bool = False, name: str | None = None
 ) -> Backend:
@@ -660,7 +657,7 @@ def redis_backend(
         store.migrate()
     except Exception as exc:
         store.close()
-        unreachable(_SERVICES[name], exc)
+        unreachable(KINDS[name].service, exc)
     rows: list[str] = []
 
     def drop() -> None:
@@ -687,18 +684,9 @@ def redis_cluster_urls() -> list[str]:
     try:
         cluster = shared_cluster()
     except (ClusterUnavailable, OSError) as exc:
-        unreachable(_SERVICES["redis-cluster"], exc)
+        unreachable(KINDS["redis-cluster"].service, exc)
         raise  # unreachable() never returns
     return [cluster.url, *(f"redis://{address}/0" for address in cluster.addresses)]
-
-
-def start_cluster(kind: str) -> None:
-    """Start the session's cluster a rig of ``kind`` runs on, if it has one and it is not
-    up yet (Galera: ~10 s, longer on a loaded machine), so that opening the rig is quick."""
-    if kind == "galera":
-        galera_urls()
-    elif kind == "redis-cluster":
-        redis_cluster_urls()
 
 
 def redis_cluster_backend(table: str, *, valkey: bool = False) -> Backend:
@@ -711,7 +699,7 @@ def redis_cluster_backend(table: str, *, valkey: bool = False) -> Backend:
     try:
         cluster = shared_cluster(valkey_server() if valkey else "redis-server")
     except (ClusterUnavailable, OSError) as exc:
-        unreachable(_SERVICES[name], exc)
+        unreachable(KINDS[name].service, exc)
     return redis_backend(table, cluster.url, cluster=True, name=name)
 
 
@@ -738,47 +726,22 @@ def memory_backend() -> Backend:
     )
 
 
-#: Each backend, from (tmp_path, table, create): ``create`` False only for a backend whose
-#: :attr:`Backend.tables` the ``backend`` fixture kept (they exist, migrated and empty).
-BACKENDS: dict[str, Callable[[Path, str, bool], Backend]] = {
-    "memory": lambda tmp_path, table, create: memory_backend(),
-    "sqlite": lambda tmp_path, table, create: sqlite_backend(tmp_path, table),
-    "postgres": lambda tmp_path, table, create: postgres_backend(table, create),
-    "mysql": lambda tmp_path, table, create: mysql_backend(table, create=create),
-    "mysql-found-rows": lambda tmp_path, table, create: mysql_backend(
-        table, found_rows=True, create=create
-    ),
-    "redis": lambda tmp_path, table, create: redis_backend(table),
-    "redis-cluster": lambda tmp_path, table, create: redis_cluster_backend(table),
-    "valkey-cluster": lambda tmp_path, table, create: redis_cluster_backend(table, valkey=True),
-    "galera": lambda tmp_path, table, create: galera_backend(table, create),
-    "mysql-async": lambda tmp_path, table, create: async_mysql_bridged_backend(table, create),
-}
+def _open_sqlite(path: str, table: str) -> Store:
+    return SQLiteStore(path, table=table)
+
+
+def _open_postgres(url: str, table: str) -> Store:
+    from idemflow.stores.postgres import PostgresStore
+
+    return PostgresStore(url, table=table, max_size=4, clock="caller")
 
 
 def open_store(spec: tuple[str, tuple[Any, ...]]) -> Store:
     """Open a store from a picklable spec (used by child processes in race tests)."""
     kind, args = spec
-    if kind == "sqlite":
-        path, table = args
-        return SQLiteStore(path, table=table)
-    if kind == "postgres":
-        from idemflow.stores.postgres import PostgresStore
-
-        url, table = args
-        return PostgresStore(url, table=table, max_size=4, clock="caller")
-    return STORE_OPENERS[kind](*args)
-
-
-#: Further stores (MySQL, Redis, …) add an opener here for the process races.
-STORE_OPENERS: dict[str, Callable[..., Store]] = {
-    "mysql": _open_mysql,
-    "mysql-found-rows": lambda table: _open_mysql(table, found_rows=True),
-    "redis": _open_redis,
-    "redis-cluster": lambda prefix, url: _open_redis(prefix, url, cluster=True),
-    "valkey-cluster": lambda prefix, url: _open_redis(prefix, url, cluster=True),
-    "galera": _open_galera,
-}
+    reopen = KINDS[kind].reopen
+    assert reopen is not None, f"{kind}: its store lives in one process"
+    return reopen(*args)
 
 
 # --- the caller's side, rebuilt from a spec (child processes in race tests) -------
@@ -796,8 +759,8 @@ def open_caller(spec: tuple[str, tuple[Any, ...]]) -> Caller | None:
     code that only has the spec (a child process cannot unpickle closures).
     """
     kind, args = spec
-    opener = CALLER_OPENERS.get(kind)
-    return None if opener is None else opener(*args)
+    caller = KINDS[kind].caller
+    return None if caller is None else caller(*args)
 
 
 def _sqlite_caller(path: str, table: str) -> Caller:
@@ -846,101 +809,6 @@ def _mysql_caller(table: str, found_rows: bool = False) -> Caller:
     return open_transaction, write
 
 
-#: Stores that share the caller's transaction register how to rebuild the caller here.
-CALLER_OPENERS: dict[str, Callable[..., Caller]] = {
-    "sqlite": _sqlite_caller,
-    "postgres": _postgres_caller,
-    "mysql": _mysql_caller,
-    "mysql-found-rows": lambda table: _mysql_caller(table, found_rows=True),
-    "galera": _galera_caller,
-}
-
-
-#: The marker each service-backed store carries, so ``-m "not mysql"`` deselects it.
-SERVICE_MARKS = {
-    "postgres": "postgres",
-    "mysql": "mysql",
-    "mysql-found-rows": "mysql",
-    "redis": "redis",
-    "redis-cluster": "redis",
-    "valkey-cluster": "redis",
-    "galera": "mysql",
-    "mysql-async": "mysql",
-}
-
-
-def backend_params(names: Iterable[str]) -> list[Any]:
-    """``names`` as fixture params, each marked with its service (if any)."""
-    return [
-        pytest.param(name, marks=getattr(pytest.mark, SERVICE_MARKS[name]))
-        if name in SERVICE_MARKS
-        else name
-        for name in names
-    ]
-
-
-#: Tables emptied for the next test, with their shape when created: by backend name.
-KeptTables = dict[str, list[tuple[Tables, Shape]]]
-_FAILED = pytest.StashKey[bool]()
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """Marks a test that did not pass: its tables are not kept (a test that failed, or stopped
-    half-way, may have left a writer on them)."""
-    report = yield
-    if report.when == "call" and not report.passed:
-        item.stash[_FAILED] = True
-    return report
-
-
-@pytest.fixture(scope="session")
-def _kept_tables() -> Iterator[KeptTables]:
-    """This worker's kept tables, dropped as it ends."""
-    kept: KeptTables = {}
-    yield kept
-    for entries in kept.values():
-        for tables, _ in entries:
-            tables.drop()
-
-
-@pytest.fixture(params=backend_params(sorted(BACKENDS)))
-def backend(
-    request: pytest.FixtureRequest, tmp_path: Path, table_name: str, _kept_tables: KeptTables
-) -> Iterator[Backend]:
-    """Every store. A SQL store's tables are emptied (:meth:`Tables.empty`) and kept for
-    the next test of that backend instead of dropped, only if the test passed and have the
-    columns, indexes and constraints they were created with still; else they are dropped.
-    The next test sees them as a fresh pair: empty, of the same shape."""
-    kept = _kept_tables.setdefault(request.param, [])
-    name, shape = table_name, None
-    if kept:
-        taken, shape = kept.pop()
-        name = taken.name
-    made = BACKENDS[request.param](tmp_path, name, shape is None)
-    tables = made.tables
-    if tables is None:  # nothing to keep
-        yield made
-        made.close()
-        return
-    if shape is None:
-        shape = tables.shape()
-    yield made
-    for close in made.closers:
-        close()
-    give_back(tables, shape, request.node.stash.get(_FAILED, False), kept)
-
-
-def give_back(tables: Tables, shape: Shape, failed: bool, kept: list[tuple[Tables, Shape]]) -> None:
-    """After a test, its store closed: ``tables``, emptied, join ``kept`` if the test passed
-    and they still have ``shape`` (theirs when created); else they are dropped."""
-    if not failed and tables.shape() == shape:
-        tables.empty()
-        kept.append((tables, shape))
-    else:
-        tables.drop()
-
-
 # --- one store per mode, on a pool its application shares (guarantees/test_phase_rules.py) ---
 
 
@@ -985,6 +853,10 @@ class Rig:
     adapter: Callable[[Any], Any] | None = None
 
     @property
+    def transactional(self) -> bool:
+        return self.transaction is not None
+
+    @property
     def single_commit(self) -> bool:
         return self.transaction is not None and bool(self.store.supports_single_commit)
 
@@ -1002,41 +874,6 @@ class Rig:
         if self.sync:
             return await asyncio.to_thread(function, *args)
         return await function(*args)
-
-
-#: Rigs sharing the caller's transaction: (kind, service mark or None).
-TRANSACTIONAL_RIGS = (
-    ("postgres", "postgres"),
-    ("postgres-sync", "postgres"),
-    ("mysql", "mysql"),
-    ("mysql-sync", "mysql"),
-    ("sqlite", None),
-    ("sqlite-sync", None),
-)
-#: Rigs in no-transaction mode (``run()`` without ``transaction=``).
-NO_TRANSACTION_RIGS = (
-    ("postgres", "postgres"),
-    ("mysql", "mysql"),
-    ("mysql-sync", "mysql"),
-    ("sqlite", None),
-    ("redis", "redis"),
-    ("redis-sync", "redis"),
-    ("memory", None),
-)
-#: Rigs ``IdempotencyMiddleware`` runs on (async, no transaction): every store it can use,
-#: the self-started clusters too (their ids name them, so xdist runs them on one worker).
-MIDDLEWARE_RIGS = (
-    *((kind, mark) for kind, mark in NO_TRANSACTION_RIGS if not kind.endswith("-sync")),
-    ("redis-cluster", "redis"),
-    ("galera", "mysql"),
-)
-
-
-def rig_params(rigs: Iterable[tuple[str, str | None]]) -> list[Any]:
-    return [
-        pytest.param(kind, marks=getattr(pytest.mark, mark)) if mark else kind
-        for kind, mark in rigs
-    ]
 
 
 def crowding(
@@ -1077,7 +914,7 @@ def crowding(
 
 @contextlib.asynccontextmanager
 async def open_rig(
-    kind: str,
+    rig_id: str,
     table: str,
     tmp_path: Path,
     *,
@@ -1087,12 +924,13 @@ async def open_rig(
     sqlalchemy: Literal["connect", "session"] | None = None,
     busy_timeout: float = 0.05,
 ) -> AsyncIterator[Rig]:
-    """The store ``kind`` names on a pool of ``pool_size`` that requests share, clock="caller".
+    """The store a rig id names (:func:`rig_params`: ``postgres``, ``postgres-sync``, …) on a
+    pool of ``pool_size`` that requests share, clock="caller"; its kind's :attr:`Kind.rig`.
 
     ``galera`` is the MySQL rig (async) on the session's Galera cluster, its connections
     spread over the three primaries; ``redis-cluster`` the Redis rig (async) on the
     session's Redis Cluster.
-    ``app_pool`` (PostgreSQL and MySQL): the request's transaction takes its connection
+    ``app_pool`` (a :attr:`Kind.pooled` store): the request's transaction takes its connection
     from a pool of its own instead (a second store's, of ``pool_size``), as an application
     with a pool apart from the key store's: no claim runs on a connection it lends.
     ``sqlalchemy`` (PostgreSQL and MySQL): that pool is a SQLAlchemy engine's instead (see
@@ -1105,31 +943,15 @@ async def open_rig(
     if sqlalchemy is not None:
         async with contextlib.AsyncExitStack() as stack:
             rig = await stack.enter_async_context(
-                open_rig(kind, table, tmp_path, transactional=transactional)
+                open_rig(rig_id, table, tmp_path, transactional=transactional)
             )
             yield await stack.enter_async_context(sqlalchemy_app(rig, table, pool_size, sqlalchemy))
         return
-    pooled = {
-        "postgres": _postgres_rig,
-        "postgres-sync": _postgres_rig,
-        "mysql": _mysql_rig,
-        "mysql-sync": _mysql_rig,
-        "galera": _mysql_rig,
-    }
-    openers = {
-        "redis": _redis_rig,
-        "redis-sync": _redis_rig,
-        "redis-cluster": _redis_rig,
-        "memory": _memory_rig,
-    }
-    if kind in pooled:
-        opened = pooled[kind](kind, table, tmp_path, transactional, pool_size, app_pool)
-    elif app_pool:
-        raise ValueError(f"{kind}: only the PostgreSQL and MySQL rigs have an app pool")
-    elif kind.startswith("sqlite"):
-        opened = _sqlite_rig(kind, table, tmp_path, transactional, pool_size, busy_timeout)
-    else:
-        opened = openers[kind](kind, table, tmp_path, transactional, pool_size)
+    kind = rig_kind(rig_id)
+    if app_pool and not kind.pooled:
+        raise ValueError(f"{rig_id}: only a pooled store's rig has an app pool")
+    assert kind.rig is not None, f"{rig_id}: no rig"
+    opened = kind.rig(rig_id, table, tmp_path, transactional, pool_size, app_pool, busy_timeout)
     async with opened as rig:
         yield rig
 
@@ -1229,7 +1051,13 @@ async def sqlalchemy_app(
 
 @contextlib.asynccontextmanager
 async def _postgres_rig(
-    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int, app_pool: bool
+    kind: str,
+    table: str,
+    tmp_path: Path,
+    transactional: bool,
+    pool_size: int,
+    app_pool: bool,
+    busy_timeout: float,
 ) -> AsyncIterator[Rig]:
     from tests.factories import psycopg_or_skip
 
@@ -1325,7 +1153,13 @@ async def _postgres_rig(
 
 @contextlib.asynccontextmanager
 async def _mysql_rig(
-    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int, app_pool: bool
+    kind: str,
+    table: str,
+    tmp_path: Path,
+    transactional: bool,
+    pool_size: int,
+    app_pool: bool,
+    busy_timeout: float,
 ) -> AsyncIterator[Rig]:
     """MariaDB, or (``galera``) the session's Galera cluster: each new connection of the
     store's pool opens on the next primary, and a fault KILLs each on its own node."""
@@ -1345,7 +1179,7 @@ async def _mysql_rig(
         # first waits until its node applied every commit certified before it).
         admins = [pymysql.connect(**node, autocommit=True, connect_timeout=3) for node in nodes]
     except pymysql.err.OperationalError as exc:
-        unreachable("MariaDB Galera" if galera else "MariaDB", exc)
+        unreachable(rig_kind(kind).service, exc)
     admin = admins[0]
 
     def sql(statement: str) -> list[Any]:
@@ -1581,7 +1415,8 @@ async def _sqlite_rig(
     tmp_path: Path,
     transactional: bool,
     pool_size: int,
-    busy_timeout: float = 0.05,
+    app_pool: bool,
+    busy_timeout: float,
 ) -> AsyncIterator[Rig]:
     """SQLite has no pool: each request opens its connection. Its faults: in a transaction,
     a deferred foreign key that fails the COMMIT; without one, another connection holding
@@ -1718,7 +1553,13 @@ def _store_unavailable() -> type[BaseException]:
 
 @contextlib.asynccontextmanager
 async def _redis_rig(
-    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int
+    kind: str,
+    table: str,
+    tmp_path: Path,
+    transactional: bool,
+    pool_size: int,
+    app_pool: bool,
+    busy_timeout: float,
 ) -> AsyncIterator[Rig]:
     """One connection (``single_connection_client``), no client-side retry: a fault that ends
     it (``CLIENT KILL``) reaches the store, as the loss of the server would. ``redis-cluster``:
@@ -1744,7 +1585,7 @@ async def _redis_rig(
     try:
         admin.ping()
     except Exception as exc:
-        unreachable(_SERVICES["redis-cluster" if cluster else "redis"], exc)
+        unreachable(rig_kind(kind).service, exc)
     sync = kind.endswith("-sync")
     name = f"idemflow-{table}"  # the cluster client's connections, so a fault can end them
     store: Any
@@ -1839,7 +1680,13 @@ class LosesCompletion:
 
 @contextlib.asynccontextmanager
 async def _memory_rig(
-    kind: str, table: str, tmp_path: Path, transactional: bool, pool_size: int
+    kind: str,
+    table: str,
+    tmp_path: Path,
+    transactional: bool,
+    pool_size: int,
+    app_pool: bool,
+    busy_timeout: float,
 ) -> AsyncIterator[Rig]:
     from idemflow import StoreUnavailable
     from idemflow.stores.memory import AsyncMemoryStore
@@ -1869,3 +1716,646 @@ async def _memory_rig(
         heal,
         charge=charge,
     )
+
+
+# --- the async driver end to end: a fresh caller connection per request ---------------
+# (core/test_async_driver.py: each request on its own connection, as an async service's)
+
+
+def _no_fault(conn: Any) -> None:
+    raise AssertionError("this rig makes no fault")
+
+
+def _no_peek(key: str) -> Any:
+    raise AssertionError("this rig reads no record from outside")
+
+
+@contextlib.asynccontextmanager
+async def _async_memory(tmp_path: Path, table: str, max_size: int) -> AsyncIterator[Rig]:
+    """The memory store: no transaction to share; business rows go to a list."""
+    from idemflow.stores.memory import AsyncMemoryStore
+
+    rows: list[str] = []
+
+    async def write(conn: Any, note: str) -> None:
+        rows.append(note)
+
+    yield Rig("memory", AsyncMemoryStore(), False, None, write, _no_fault, rows.copy, _no_peek)
+
+
+@contextlib.asynccontextmanager
+async def _async_sqlite(
+    tmp_path: Path, table: str, max_size: int, *, session: bool
+) -> AsyncIterator[Rig]:
+    """AsyncSQLiteStore; the caller's transaction SQLAlchemy's on aiosqlite: an
+    ``AsyncSession`` (``session``) or an ``AsyncConnection``."""
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from idemflow.stores.sqlite import AsyncSQLiteStore
+    from idemflow.transactions import AsyncSQLAlchemyTransaction
+
+    path = str(tmp_path / "app.db")
+    store = AsyncSQLiteStore(path, table=table)
+    await store.migrate()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute(f"CREATE TABLE biz_{table} (id INTEGER PRIMARY KEY, note TEXT)")
+        conn.commit()
+    engine = create_async_engine(f"sqlite+aiosqlite:///{path}")
+    insert = text(f"INSERT INTO biz_{table} (note) VALUES (:note)")
+
+    @contextlib.asynccontextmanager
+    async def open_transaction() -> AsyncIterator[AsyncSQLAlchemyTransaction]:
+        async with AsyncSession(engine) if session else engine.connect() as holder:
+            yield AsyncSQLAlchemyTransaction(holder)
+
+    async def write(conn: Any, note: str) -> None:
+        await conn.execute(insert, {"note": note})
+
+    def notes() -> list[str]:
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            return [r[0] for r in conn.execute(f"SELECT note FROM biz_{table} ORDER BY id")]
+
+    name = f"sqlite-sqlalchemy-{'session' if session else 'connection'}"
+    try:
+        yield Rig(name, store, False, open_transaction, write, _no_fault, notes, _no_peek)
+    finally:
+        await engine.dispose()
+
+
+def postgres_notes(table: str) -> Callable[[], list[str]]:
+    """Reads ``biz_<table>``'s notes, in order, on a connection of its own."""
+
+    def notes() -> list[str]:
+        import psycopg
+
+        from tests.conftest import POSTGRES_URL
+
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            return [r[0] for r in conn.execute(f"SELECT note FROM biz_{table} ORDER BY id")]
+
+    return notes
+
+
+@contextlib.contextmanager
+def postgres_tables(table: str) -> Iterator[None]:
+    """The key table (migrated) and the business table; both dropped afterwards."""
+    psycopg = pytest.importorskip("psycopg")
+    from idemflow.stores.postgres import PostgresStore
+    from tests.conftest import POSTGRES_URL, unreachable
+
+    try:
+        conn = psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as exc:
+        unreachable(KINDS["postgres"].service, exc)
+    with conn:
+        store = PostgresStore(POSTGRES_URL, table=table, max_size=1, clock="caller")
+        store.migrate()
+        store.close()
+        conn.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
+        try:
+            yield
+        finally:
+            conn.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
+
+
+@contextlib.asynccontextmanager
+async def _async_postgres(
+    tmp_path: Path, table: str, max_size: int, *, sqlalchemy: bool
+) -> AsyncIterator[Rig]:
+    """AsyncPostgresStore; the caller's transaction on a fresh psycopg connection, or
+    (``sqlalchemy``) on a SQLAlchemy ``AsyncConnection``. Both tables dropped after."""
+    with postgres_tables(table):
+        import psycopg
+
+        from idemflow.stores.postgres import AsyncPostgresStore
+        from idemflow.transactions import AsyncPsycopgTransaction, AsyncSQLAlchemyTransaction
+        from tests.conftest import POSTGRES_URL
+
+        store = AsyncPostgresStore(POSTGRES_URL, table=table, max_size=max_size, clock="caller")
+        engine: Any = None
+        if sqlalchemy:
+            from sqlalchemy.ext.asyncio import create_async_engine
+
+            url = POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1)
+            engine = create_async_engine(url, pool_size=max_size, max_overflow=0)
+
+        @contextlib.asynccontextmanager
+        async def open_transaction() -> AsyncIterator[Any]:
+            if engine is not None:
+                async with engine.connect() as holder:
+                    yield AsyncSQLAlchemyTransaction(holder)
+                return
+            async with await psycopg.AsyncConnection.connect(POSTGRES_URL) as conn:
+                yield AsyncPsycopgTransaction(conn)
+
+        async def write(conn: Any, note: str) -> None:
+            if engine is not None:
+                from sqlalchemy import text
+
+                insert = text(f"INSERT INTO biz_{table} (note) VALUES (:note)")
+                await conn.execute(insert, {"note": note})
+            else:
+                await conn.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
+
+        name = "postgres-sqlalchemy-connection" if sqlalchemy else "postgres-psycopg"
+        notes = postgres_notes(table)
+        try:
+            yield Rig(name, store, False, open_transaction, write, _no_fault, notes, _no_peek)
+        finally:
+            await store.close()
+            if engine is not None:
+                await engine.dispose()
+
+
+# --- a private store that can be hung (guarantees/test_hung_store.py) ------------------
+
+#: A started async store (not yet migrated), how to hang it, how to resume it (safe twice).
+Hung = tuple[Any, Callable[[], object], Callable[[], object]]
+
+
+@contextlib.contextmanager
+def _hung_sqlite(tmp_path: Path, policy: Any) -> Iterator[Hung]:
+    """Another connection takes the file's write lock (``BEGIN IMMEDIATE``)."""
+    from idemflow.stores.sqlite import AsyncSQLiteStore
+
+    path = tmp_path / "keys.db"
+    blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+
+    def unlock() -> None:
+        if blocker.in_transaction:
+            blocker.rollback()
+
+    try:
+        yield (
+            AsyncSQLiteStore(path, policy=policy),
+            lambda: blocker.execute("BEGIN IMMEDIATE"),
+            unlock,
+        )
+    finally:
+        unlock()
+        blocker.close()
+
+
+def _freeze_all(processes: list[Any]) -> None:
+    from tests._private_redis import freeze
+
+    for process in processes:
+        freeze(process)
+
+
+def _thaw_all(processes: list[Any]) -> None:
+    from tests._private_redis import thaw
+
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            thaw(process)
+
+
+@contextlib.contextmanager
+def _hung_redis(tmp_path: Path, policy: Any) -> Iterator[Hung]:
+    """A private redis-server, frozen with SIGSTOP."""
+    pytest.importorskip("redis")
+    from idemflow.stores.redis import open_redis
+    from tests._private_redis import own_redis_server
+
+    with own_redis_server(tmp_path) as (process, url):
+        store = open_redis(
+            url, policy=policy, asynchronous=True, clock="caller", allow_volatile=True
+        )
+        yield store, lambda: _freeze_all([process]), lambda: _thaw_all([process])
+
+
+@contextlib.contextmanager
+def _hung_redis_cluster(tmp_path: Path, policy: Any) -> Iterator[Hung]:
+    """The session's Redis Cluster, every node frozen; keys of this test's own."""
+    pytest.importorskip("redis")
+    from idemflow.stores.redis import open_redis
+    from tests._redis_cluster import ClusterUnavailable, shared_cluster
+    from tests.conftest import unreachable
+
+    try:
+        cluster = shared_cluster()
+    except ClusterUnavailable as exc:
+        unreachable("a private Redis Cluster", exc)
+    store = open_redis(
+        "redis+cluster://" + cluster.url.split("://", 1)[1],
+        prefix=tmp_path.name,
+        policy=policy,
+        asynchronous=True,
+        clock="caller",
+        allow_volatile=True,
+    )
+    try:
+        yield store, lambda: _freeze_all(cluster.processes), lambda: _thaw_all(cluster.processes)
+    finally:
+        _thaw_all(cluster.processes)
+
+
+@contextlib.contextmanager
+def _hung_postgres(tmp_path: Path, policy: Any) -> Iterator[Hung]:
+    """A private PostgreSQL, every process stopped."""
+    pytest.importorskip("psycopg_pool")
+    from idemflow.stores.postgres import AsyncPostgresStore
+    from tests._private_postgres import PrivatePostgresUnavailable, private_postgres
+    from tests.conftest import unreachable
+
+    try:
+        with private_postgres() as pg:
+            yield AsyncPostgresStore(pg.url, policy=policy, clock="caller"), pg.freeze, pg.thaw
+    except PrivatePostgresUnavailable as exc:
+        unreachable("a private PostgreSQL", exc)
+
+
+@contextlib.contextmanager
+def _hung_mysql(tmp_path: Path, policy: Any) -> Iterator[Hung]:
+    """A private MariaDB, stopped."""
+    pytest.importorskip("asyncmy")
+    from idemflow.stores.mysql import AsyncMySQLStore
+    from tests._private_mariadb import PrivateMariaDBUnavailable, private_mariadb
+    from tests.conftest import unreachable
+
+    try:
+        with private_mariadb() as maria:
+            yield (
+                AsyncMySQLStore(maria.url, policy=policy, clock="caller"),
+                maria.freeze,
+                maria.thaw,
+            )
+    except PrivateMariaDBUnavailable as exc:
+        unreachable("a private MariaDB", exc)
+
+
+# --- the registry: every backend kind, once ------------------------------------------------
+
+#: Opens a rig (:func:`open_rig`'s): (rig id, table, tmp_path, transactional, pool_size,
+#: app_pool, busy_timeout); each opener uses the options its store has.
+RigOpener = Callable[..., contextlib.AbstractAsyncContextManager[Rig]]
+#: An async driver's store end to end, opening (:func:`open_async_rig`).
+AsyncRig = contextlib.AbstractAsyncContextManager[Rig]
+#: The drivers a rig runs under: its id is the kind's name (async) or ``<name>-sync``.
+DRIVERS = ("async", "sync")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One backend kind, and everything the tests know of it. Adding a backend is one entry
+    in :data:`KINDS`: every suite derives its parameters from these fields (:func:`kinds`,
+    :func:`contract_params`, :func:`rig_params`, :func:`async_rig_params`)."""
+
+    name: str
+    #: What is unreachable when it is (fails under CI=true, else skips).
+    service: str
+    #: Its pytest marker (``-m "not mysql"`` deselects it); None: it needs no service.
+    mark: str | None = None
+    #: Its store writes the completion in the caller's transaction (effect and record
+    #: commit together).
+    shares_transaction: bool = False
+    #: And the claim too (single-commit mode).
+    single_commit: bool = False
+    #: Its store has a pool the request's transaction can take its connection from
+    #: (:func:`open_rig`'s ``app_pool``, :attr:`Rig.crowd`).
+    pooled: bool = False
+    #: Its store decides on the server's clock by default (``clock="database"``; the tests
+    #: build it with ``clock="caller"``).
+    server_clock: bool = False
+    #: A cluster the session starts on first use (``start``).
+    cluster: bool = False
+    #: The store lives in the test's own process: nothing outside to share or break.
+    in_process: bool = False
+    #: Built without ``policy=``, it is told the driver's store wait (``cover_store_wait``).
+    covers_store_wait: bool = False
+    #: The contract suite's sync stores (the ``backend`` fixture): id → (tmp_path, table,
+    #: create) → :class:`Backend`; ``create`` False only for tables the fixture kept.
+    contract: Mapping[str, Callable[[Path, str, bool], Backend]] = field(default_factory=dict)
+    #: Reopens its store from the args of a :attr:`Backend.spec` named after it (another
+    #: process); None: the store lives in one process.
+    reopen: Callable[..., Store] | None = None
+    #: Reopens the caller's side from the same args; None: no transaction to share.
+    caller: Callable[..., Caller] | None = None
+    #: Opens its rig (:func:`open_rig`) and, per mode ("transaction", "no-transaction"),
+    #: the drivers the suites run it under.
+    rig: RigOpener | None = None
+    rigs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: The async driver end to end (core/test_async_driver.py): id → (tmp_path, table,
+    #: max_size of the store's pool) → Rig; the first is the kind's own (the async race's).
+    async_rigs: Mapping[str, Callable[[Path, str, int], AsyncRig]] = field(default_factory=dict)
+    #: A private copy that can be hung (guarantees/test_hung_store.py): (tmp_path, policy).
+    hung: Callable[[Path, Any], contextlib.AbstractContextManager[Hung]] | None = None
+    #: Starts its cluster (if not up yet).
+    start: Callable[[], object] | None = None
+
+    @property
+    def marks(self) -> tuple[Any, ...]:
+        return () if self.mark is None else (getattr(pytest.mark, self.mark),)
+
+    @property
+    def param(self) -> Any:
+        """The kind as a test parameter, its id its name, marked."""
+        return pytest.param(self.name, marks=self.marks, id=self.name)
+
+
+_BOTH, _ASYNC = DRIVERS, ("async",)
+
+KINDS: dict[str, Kind] = {
+    kind.name: kind
+    for kind in (
+        Kind(
+            "memory",
+            "the memory store",
+            in_process=True,
+            contract={"memory": lambda tmp_path, table, create: memory_backend()},
+            rig=_memory_rig,
+            rigs={"no-transaction": _ASYNC},
+            async_rigs={"memory": _async_memory},
+        ),
+        Kind(
+            "sqlite",
+            "SQLite",
+            shares_transaction=True,
+            covers_store_wait=True,
+            contract={"sqlite": lambda tmp_path, table, create: sqlite_backend(tmp_path, table)},
+            reopen=_open_sqlite,
+            caller=_sqlite_caller,
+            rig=_sqlite_rig,
+            rigs={"transaction": _BOTH, "no-transaction": _ASYNC},
+            async_rigs={
+                "sqlite-sqlalchemy-connection": partial(_async_sqlite, session=False),
+                "sqlite-sqlalchemy-session": partial(_async_sqlite, session=True),
+            },
+            hung=_hung_sqlite,
+        ),
+        Kind(
+            "postgres",
+            "PostgreSQL",
+            "postgres",
+            shares_transaction=True,
+            single_commit=True,
+            pooled=True,
+            server_clock=True,
+            covers_store_wait=True,
+            contract={"postgres": lambda tmp_path, table, create: postgres_backend(table, create)},
+            reopen=_open_postgres,
+            caller=_postgres_caller,
+            rig=_postgres_rig,
+            rigs={"transaction": _BOTH, "no-transaction": _ASYNC},
+            async_rigs={
+                "postgres-psycopg": partial(_async_postgres, sqlalchemy=False),
+                "postgres-sqlalchemy-connection": partial(_async_postgres, sqlalchemy=True),
+            },
+            hung=_hung_postgres,
+        ),
+        Kind(
+            "mysql",
+            "MariaDB",
+            "mysql",
+            shares_transaction=True,
+            single_commit=True,
+            pooled=True,
+            server_clock=True,
+            contract={
+                "mysql": lambda tmp_path, table, create: mysql_backend(table, create=create),
+                "mysql-found-rows": lambda tmp_path, table, create: mysql_backend(
+                    table, found_rows=True, create=create
+                ),
+                "mysql-async": lambda tmp_path, table, create: async_mysql_bridged_backend(
+                    table, create
+                ),
+            },
+            reopen=_open_mysql,
+            caller=_mysql_caller,
+            rig=_mysql_rig,
+            rigs={"transaction": _BOTH, "no-transaction": _BOTH},
+            async_rigs={
+                "mysql-asyncmy": lambda tmp_path, table, max_size: async_mysql_backend(
+                    table, max_size=max_size
+                )
+            },
+            hung=_hung_mysql,
+        ),
+        Kind(
+            "galera",
+            "MariaDB Galera",
+            "mysql",
+            shares_transaction=True,
+            single_commit=True,
+            pooled=True,
+            server_clock=True,
+            cluster=True,
+            contract={"galera": lambda tmp_path, table, create: galera_backend(table, create)},
+            reopen=_open_galera,
+            caller=_galera_caller,
+            rig=_mysql_rig,
+            rigs={"no-transaction": _ASYNC},
+            start=galera_urls,
+        ),
+        Kind(
+            "redis",
+            "Redis",
+            "redis",
+            server_clock=True,
+            contract={"redis": lambda tmp_path, table, create: redis_backend(table)},
+            reopen=_open_redis,
+            rig=_redis_rig,
+            rigs={"no-transaction": _BOTH},
+            hung=_hung_redis,
+        ),
+        Kind(
+            "redis-cluster",
+            "Redis Cluster",
+            "redis",
+            server_clock=True,
+            cluster=True,
+            contract={
+                "redis-cluster": lambda tmp_path, table, create: redis_cluster_backend(table)
+            },
+            reopen=partial(_open_redis, cluster=True),
+            rig=_redis_rig,
+            rigs={"no-transaction": _ASYNC},
+            hung=_hung_redis_cluster,
+            start=redis_cluster_urls,
+        ),
+        Kind(
+            "valkey-cluster",
+            "Valkey Cluster",
+            "redis",
+            server_clock=True,
+            cluster=True,
+            contract={
+                "valkey-cluster": lambda tmp_path, table, create: redis_cluster_backend(
+                    table, valkey=True
+                )
+            },
+            reopen=partial(_open_redis, cluster=True),
+        ),
+    )
+}
+
+
+def kinds(**capabilities: bool) -> list[Kind]:
+    """The kinds that have each of ``capabilities`` (``kinds(shares_transaction=True)``)."""
+    return [
+        kind
+        for kind in KINDS.values()
+        if all(getattr(kind, name) == value for name, value in capabilities.items())
+    ]
+
+
+def kind_params(**capabilities: bool) -> list[Any]:
+    """:func:`kinds` as test parameters: each kind's name, marked."""
+    return [kind.param for kind in kinds(**capabilities)]
+
+
+def rigs(
+    mode: str | None = None, drivers: tuple[str, ...] = DRIVERS, **capabilities: bool
+) -> list[tuple[Kind, str]]:
+    """Each rig (its kind, its id) that runs in ``mode`` ("transaction", "no-transaction";
+    None: either) under one of ``drivers``, of every kind with ``capabilities``."""
+    found: list[tuple[Kind, str]] = []
+    for kind in kinds(**capabilities):
+        for opened in [mode] if mode else list(kind.rigs):
+            for driver in kind.rigs.get(opened, ()):
+                rig_id = kind.name if driver == "async" else f"{kind.name}-sync"
+                if driver in drivers and (kind, rig_id) not in found:
+                    found.append((kind, rig_id))
+    return found
+
+
+def rig_params(
+    mode: str | None = None, drivers: tuple[str, ...] = DRIVERS, **capabilities: bool
+) -> list[Any]:
+    """:func:`rigs` as test parameters: each rig's id, marked with its kind's service."""
+    return [
+        pytest.param(rig_id, marks=kind.marks, id=rig_id)
+        for kind, rig_id in rigs(mode, drivers, **capabilities)
+    ]
+
+
+def rig_kind(rig_id: str) -> Kind:
+    """The kind a rig id (``postgres-sync``, say) is of."""
+    return KINDS[rig_id.removesuffix("-sync")]
+
+
+def contract_params(**capabilities: bool) -> list[Any]:
+    """The contract store ids (variants too: ``mysql-found-rows``) of every kind with
+    ``capabilities``, sorted, marked."""
+    return sorted(
+        (
+            pytest.param(name, marks=kind.marks, id=name)
+            for kind in kinds(**capabilities)
+            for name in kind.contract
+        ),
+        key=lambda param: param.id,
+    )
+
+
+def _contract(name: str) -> Callable[[Path, str, bool], Backend]:
+    return next(kind.contract[name] for kind in kinds() if name in kind.contract)
+
+
+def async_rig_params() -> list[Any]:
+    """Every store of the async driver end to end (:attr:`Kind.async_rigs`), marked."""
+    return [
+        pytest.param(name, marks=kind.marks, id=name)
+        for kind in kinds()
+        for name in kind.async_rigs
+    ]
+
+
+def open_async_rig(
+    name: str, tmp_path: Path, table: str, max_size: int = 2
+) -> contextlib.AbstractAsyncContextManager[Rig]:
+    """The async driver's store ``name`` (:func:`async_rig_params`, or a kind's name: its
+    first), its caller's transaction a fresh connection per request, its pool of
+    ``max_size`` where it has one."""
+    if name in KINDS:
+        name = next(iter(KINDS[name].async_rigs))
+    opener = next(kind.async_rigs[name] for kind in kinds() if name in kind.async_rigs)
+    return opener(tmp_path, table, max_size)
+
+
+def start_cluster(rig_id: str) -> None:
+    """Start the session's cluster a rig runs on, if it has one and it is not up yet
+    (Galera: ~10 s, longer on a loaded machine), so that opening the rig is quick."""
+    start = rig_kind(rig_id).start
+    if start is not None:
+        start()
+
+
+# --- the contract suite's fixture: every store, its SQL tables kept between tests ----------
+
+
+#: Tables emptied for the next test, with their shape when created: by backend name.
+KeptTables = dict[str, list[tuple[Tables, Shape]]]
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Marks a test that did not pass: its tables are not kept (a test that failed, or stopped
+    half-way, may have left a writer on them)."""
+    report = yield
+    if report.when == "call" and not report.passed:
+        item.stash[_FAILED] = True
+    return report
+
+
+@pytest.fixture(scope="session")
+def _kept_tables() -> Iterator[KeptTables]:
+    """This worker's kept tables, dropped as it ends."""
+    kept: KeptTables = {}
+    yield kept
+    for entries in kept.values():
+        for tables, _ in entries:
+            tables.drop()
+
+
+@pytest.fixture(params=contract_params())
+def backend(
+    request: pytest.FixtureRequest, tmp_path: Path, table_name: str, _kept_tables: KeptTables
+) -> Iterator[Backend]:
+    """Every store. A SQL store's tables are emptied (:meth:`Tables.empty`) and kept for
+    the next test of that backend instead of dropped, only if the test passed and have the
+    columns, indexes and constraints they were created with still; else they are dropped.
+    The next test sees them as a fresh pair: empty, of the same shape."""
+    yield from _kept_backend(request, tmp_path, table_name, _kept_tables)
+
+
+@pytest.fixture(params=contract_params(shares_transaction=True))
+def transactional(
+    request: pytest.FixtureRequest, tmp_path: Path, table_name: str, _kept_tables: KeptTables
+) -> Iterator[Backend]:
+    """Every store that shares the caller's transaction, as :func:`backend` opens it."""
+    yield from _kept_backend(request, tmp_path, table_name, _kept_tables)
+
+
+def _kept_backend(
+    request: pytest.FixtureRequest, tmp_path: Path, table_name: str, _kept_tables: KeptTables
+) -> Iterator[Backend]:
+    kept = _kept_tables.setdefault(request.param, [])
+    name, shape = table_name, None
+    if kept:
+        taken, shape = kept.pop()
+        name = taken.name
+    made = _contract(request.param)(tmp_path, name, shape is None)
+    tables = made.tables
+    if tables is None:  # nothing to keep
+        yield made
+        made.close()
+        return
+    if shape is None:
+        shape = tables.shape()
+    yield made
+    for close in made.closers:
+        close()
+    give_back(tables, shape, request.node.stash.get(_FAILED, False), kept)
+
+
+def give_back(tables: Tables, shape: Shape, failed: bool, kept: list[tuple[Tables, Shape]]) -> None:
+    """After a test, its store closed: ``tables``, emptied, join ``kept`` if the test passed
+    and they still have ``shape`` (theirs when created); else they are dropped."""
+    if not failed and tables.shape() == shape:
+        tables.empty()
+        kept.append((tables, shape))
+    else:
+        tables.drop()

@@ -27,6 +27,8 @@ EXTRAS = {
     "rich": "cli",
     "httpx": "client",
     "requests": "client",
+    "aio_pika": "rabbitmq",
+    "aiormq": "rabbitmq",
 }
 
 

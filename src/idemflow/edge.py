@@ -48,7 +48,6 @@ from ._identity import DEFAULT_MAX_BODY_BYTES, parse_json
 from ._sync.edge import Edge, PooledTransaction, pooled_transaction
 
 __all__ = [
-    "REQUEST_ID_HEADER",
     "AsyncEdge",
     "BodyReader",
     "Edge",

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,198 +40,23 @@ from idemflow import (
     State,
 )
 from idemflow.stores.memory import AsyncMemoryStore
-from idemflow.stores.sqlite import AsyncSQLiteStore
 from idemflow.testing import FrozenClock
-from idemflow.transactions import (
-    AsyncPsycopgTransaction,
-    AsyncSQLAlchemyTransaction,
-    PsycopgTransaction,
-)
-from tests.conftest import POSTGRES_URL, unreachable
+from idemflow.transactions import AsyncPsycopgTransaction, PsycopgTransaction
+from tests.backends import Rig, async_rig_params, open_async_rig, postgres_notes, postgres_tables
+from tests.conftest import POSTGRES_URL
 from tests.factories import HANDLER_EXCEPTIONS, POLICY, assert_passed_through, intent
 from tests.sweeping import async_sweep_away
 
 CREATED = Response(201, b'{"id":"pay_1"}\xff', (("content-type", "application/json"), ("x-a", "1")))
 
-AsyncWrite = Callable[[Any, str], Awaitable[None]]
-
-
-# --- async backends -------------------------------------------------------------
-
-
-@dataclass
-class AsyncBackend:
-    """An async store, how a request opens its transaction, and the business table."""
-
-    store: Any
-    #: A fresh caller transaction per request (None: the store cannot share one).
-    open_transaction: Callable[[], contextlib.AbstractAsyncContextManager[Any]]
-    write: AsyncWrite
-    notes: Callable[[], list[str]]
-    transactional: bool = True
-
-
-@contextlib.asynccontextmanager
-async def memory_backend() -> AsyncIterator[AsyncBackend]:
-    rows: list[str] = []
-
-    @contextlib.asynccontextmanager
-    async def no_transaction() -> AsyncIterator[None]:
-        yield None
-
-    async def write(conn: Any, note: str) -> None:
-        rows.append(note)
-
-    yield AsyncBackend(AsyncMemoryStore(), no_transaction, write, lambda: list(rows), False)
-
-
-def sqlite_notes(path: str, table: str) -> Callable[[], list[str]]:
-    def notes() -> list[str]:
-        with contextlib.closing(sqlite3.connect(path)) as conn:
-            return [r[0] for r in conn.execute(f"SELECT note FROM biz_{table} ORDER BY id")]
-
-    return notes
-
-
-@contextlib.asynccontextmanager
-async def sqlite_backend(
-    tmp_path: Path, table: str, *, session: bool
-) -> AsyncIterator[AsyncBackend]:
-    from sqlalchemy import text
-    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
-
-    path = str(tmp_path / "app.db")
-    store = AsyncSQLiteStore(path, table=table)
-    await store.migrate()
-    with contextlib.closing(sqlite3.connect(path)) as conn:
-        conn.execute(f"CREATE TABLE biz_{table} (id INTEGER PRIMARY KEY, note TEXT)")
-        conn.commit()
-    engine = create_async_engine(f"sqlite+aiosqlite:///{path}")
-    insert = text(f"INSERT INTO biz_{table} (note) VALUES (:note)")
-
-    @contextlib.asynccontextmanager
-    async def open_transaction() -> AsyncIterator[AsyncSQLAlchemyTransaction]:
-        async with AsyncSession(engine) if session else engine.connect() as holder:
-            yield AsyncSQLAlchemyTransaction(holder)
-
-    async def write(conn: Any, note: str) -> None:
-        await conn.execute(insert, {"note": note})
-
-    try:
-        yield AsyncBackend(store, open_transaction, write, sqlite_notes(path, table))
-    finally:
-        await engine.dispose()
-
-
-def postgres_notes(table: str) -> Callable[[], list[str]]:
-    def notes() -> list[str]:
-        import psycopg
-
-        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-            return [r[0] for r in conn.execute(f"SELECT note FROM biz_{table} ORDER BY id")]
-
-    return notes
-
-
-@contextlib.contextmanager
-def postgres_tables(table: str) -> Iterator[None]:
-    """The key table (migrated) and the business table; both dropped afterwards."""
-    psycopg = pytest.importorskip("psycopg")
-    from idemflow.stores.postgres import PostgresStore
-
-    try:
-        conn = psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3)
-    except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
-    with conn:
-        store = PostgresStore(POSTGRES_URL, table=table, max_size=1, clock="caller")
-        store.migrate()
-        store.close()
-        conn.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
-        try:
-            yield
-        finally:
-            conn.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
-
-
-@contextlib.asynccontextmanager
-async def postgres_backend(table: str, *, sqlalchemy: bool) -> AsyncIterator[AsyncBackend]:
-    with postgres_tables(table):
-        import psycopg
-
-        from idemflow.stores.postgres import AsyncPostgresStore
-
-        store = AsyncPostgresStore(POSTGRES_URL, table=table, max_size=2, clock="caller")
-        engine: Any = None
-        if sqlalchemy:
-            from sqlalchemy.ext.asyncio import create_async_engine
-
-            url = POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1)
-            engine = create_async_engine(url, pool_size=2, max_overflow=0)
-
-        @contextlib.asynccontextmanager
-        async def open_transaction() -> AsyncIterator[Any]:
-            if engine is not None:
-                async with engine.connect() as holder:
-                    yield AsyncSQLAlchemyTransaction(holder)
-                return
-            async with await psycopg.AsyncConnection.connect(POSTGRES_URL) as conn:
-                yield AsyncPsycopgTransaction(conn)
-
-        async def write(conn: Any, note: str) -> None:
-            if engine is not None:
-                from sqlalchemy import text
-
-                insert = text(f"INSERT INTO biz_{table} (note) VALUES (:note)")
-                await conn.execute(insert, {"note": note})
-            else:
-                await conn.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
-
-        try:
-            yield AsyncBackend(store, open_transaction, write, postgres_notes(table))
-        finally:
-            await store.close()
-            if engine is not None:
-                await engine.dispose()
-
-
-@contextlib.asynccontextmanager
-async def mysql_backend(table: str) -> AsyncIterator[AsyncBackend]:
-    """AsyncMySQLStore (asyncmy), the caller's transaction an AsyncmyTransaction."""
-    from tests.backends import async_mysql_backend
-
-    async def write(conn: Any, note: str) -> None:
-        async with conn.cursor() as cursor:
-            await cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
-
-    async with async_mysql_backend(table, max_size=2) as mysql:
-        yield AsyncBackend(mysql.store, mysql.open_transaction, write, mysql.notes)
-
-
-BACKENDS = [
-    "memory",
-    "sqlite-sqlalchemy-session",
-    "sqlite-sqlalchemy-connection",
-    "postgres-psycopg",
-    "postgres-sqlalchemy-connection",
-    "mysql-asyncmy",
-]
-
-
-def open_backend(name: str, tmp_path: Path, table: str) -> Any:
-    if name == "memory":
-        return memory_backend()
-    if name == "mysql-asyncmy":
-        return mysql_backend(table)
-    if name.startswith("sqlite"):
-        return sqlite_backend(tmp_path, table, session=name.endswith("session"))
-    return postgres_backend(table, sqlalchemy=name.endswith("sqlalchemy-connection"))
+#: Every kind's async store, a fresh caller connection per request (:attr:`Kind.async_rigs`).
+BACKENDS = async_rig_params()
 
 
 class Harness:
     """Runs operations the way an async service would, one caller transaction per request."""
 
-    def __init__(self, backend: AsyncBackend, clock: FrozenClock) -> None:
+    def __init__(self, backend: Rig, clock: FrozenClock) -> None:
         self.backend = backend
         self.clock = clock
         self.idem = AsyncIdempotency(backend.store, POLICY, clock=clock)
@@ -252,13 +75,15 @@ class Harness:
             await self.backend.write(attempt.connection, f"{request.principal}/{request.key}")
             return response
 
-        async with self.backend.open_transaction() as transaction:
+        if self.backend.transaction is None:
+            return await self.idem.run(request, handler)
+        async with self.backend.transaction() as transaction:
             return await self.idem.run(request, handler, transaction=transaction)
 
 
 @contextlib.asynccontextmanager
 async def harness_for(name: str, tmp_path: Path, table: str) -> AsyncIterator[Harness]:
-    async with open_backend(name, tmp_path, table) as backend:
+    async with open_async_rig(name, tmp_path, table) as backend:
         yield Harness(backend, FrozenClock())
 
 
@@ -445,9 +270,10 @@ async def test_single_commit_needs_a_transaction() -> None:
 @pytest.mark.anyio
 async def test_single_commit_is_refused_on_sqlite(tmp_path: Path, table_name: str) -> None:
     """SQLite admits one writer: single-commit mode is refused there, nothing is claimed."""
-    async with sqlite_backend(tmp_path, table_name, session=False) as backend:
+    async with open_async_rig("sqlite-sqlalchemy-connection", tmp_path, table_name) as backend:
         idem = AsyncIdempotency(backend.store, POLICY)
-        async with backend.open_transaction() as transaction:
+        assert backend.transaction is not None
+        async with backend.transaction() as transaction:
             with pytest.raises(ConfigurationError, match="PostgreSQL"):
                 await idem.run(intent(), _never, transaction=transaction, single_commit=True)
         assert await backend.store.get("alice", "k-1") is None

@@ -41,6 +41,8 @@ HEAVY = (
     "flask_login",
     "werkzeug",
     "gunicorn",
+    "aio_pika",
+    "aiormq",
 )
 
 PROBE = """
@@ -227,7 +229,13 @@ DEPRECATED = [
     (
         "idemflow.integrations.django.store",
         "DjangoTransaction",
+        "idemflow.integrations.django",
+        "DjangoTransaction",
+    ),
+    (
         "idemflow.integrations.django.transaction",
+        "DjangoTransaction",
+        "idemflow.integrations.django",
         "DjangoTransaction",
     ),
     ("idemflow.stores.memory", "MemoryTable", "idemflow.stores.memory._table", "MemoryTable"),
@@ -322,7 +330,7 @@ def test_a_replaced_name_still_imports_with_a_deprecation_warning(
 
 #: Issue 32: at most 150 distinct public names. Each cut lowers this bound; it never rises
 #: (issue 36's Consumer, AsyncConsumer and RedisStreams were paid for by edge's KEY_HEADER,
-#: a constant no page or example names).
+#: its RabbitMQ by edge's REQUEST_ID_HEADER: constants no page or example names).
 PUBLIC_NAMES_BOUND = 150
 PUBLIC_NAMES_TARGET = 150
 

@@ -137,13 +137,6 @@ def _transaction(backend: Backend) -> Iterator[Transaction | None]:
         yield transaction
 
 
-@pytest.fixture
-def transactional(backend: Backend) -> Backend:
-    if not backend.transactional:
-        pytest.skip(f"{backend.name} cannot share a transaction")
-    return backend
-
-
 # --- crashed and live claims --------------------------------------------------
 
 

@@ -55,14 +55,7 @@ from idemflow.metrics import PrometheusMetrics
 from idemflow.stores.memory import MemoryStore
 from idemflow.sweeper import AsyncSweeper, DidNotHappen, Happened, Sweeper, Unknown
 from idemflow.testing import FrozenClock
-from tests.backends import (
-    MIDDLEWARE_RIGS,
-    REDIS_POLICY_ARGS,
-    TRANSACTIONAL_RIGS,
-    Rig,
-    open_rig,
-    rig_params,
-)
+from tests.backends import REDIS_POLICY_ARGS, Rig, kinds, open_rig, rig_params, rigs
 from tests.ops_support import Samples, metrics_endpoint
 from tests.ops_support import intent as payment_intent
 
@@ -352,15 +345,13 @@ def idempotent_endpoint(
 def asgi_cases() -> Iterator[Any]:
     """(kind, mode): the middleware on every async store, ``Idempotent`` on every store
     that shares the endpoint's transaction, with two commits and (PostgreSQL, MariaDB) one."""
-    for kind, mark in (("postgres", "postgres"), ("mysql", "mysql"), ("sqlite", None)):
-        marks = () if mark is None else (getattr(pytest.mark, mark),)
-        yield pytest.param(kind, "two-commit", marks=marks, id=f"{kind}-two-commit")
-        if kind != "sqlite":
-            yield pytest.param(kind, "single-commit", marks=marks, id=f"{kind}-single-commit")
-    for param in rig_params(MIDDLEWARE_RIGS):  # the clusters too: Redis Cluster, Galera
-        kind = param if isinstance(param, str) else param.values[0]
-        marks = () if isinstance(param, str) else param.marks
-        yield pytest.param(kind, "middleware", marks=marks, id=f"{kind}-middleware")
+    for kind, rig in rigs("transaction", ("async",)):
+        yield pytest.param(rig, "two-commit", marks=kind.marks, id=f"{rig}-two-commit")
+        if kind.single_commit:
+            yield pytest.param(rig, "single-commit", marks=kind.marks, id=f"{rig}-single-commit")
+    # The clusters too: Redis Cluster, Galera.
+    for kind, rig in rigs("no-transaction", ("async",)):
+        yield pytest.param(rig, "middleware", marks=kind.marks, id=f"{rig}-middleware")
 
 
 def loss_of(kind: str, transactional: bool) -> Loss:
@@ -625,23 +616,15 @@ def _none(key: str) -> None:
 def wsgi_cases() -> Iterator[Any]:
     """(door, kind, mode): the WSGI middleware on every sync store; Flask in its
     transaction (two commits, and one on PostgreSQL and MariaDB), and without one."""
-    stores = (
-        ("postgres-sync", "postgres"),
-        ("mysql-sync", "mysql"),
-        ("sqlite-sync", None),
-        ("redis-sync", "redis"),
-        ("memory-sync", None),
-    )
-    for kind, mark in stores:
-        marks = () if mark is None else (getattr(pytest.mark, mark),)
-        name = kind.removesuffix("-sync")
+    for kind in kinds(cluster=False):
+        name, rig, marks = kind.name, f"{kind.name}-sync", kind.marks
         for door in ("wsgi", "wsgi+flask", "wsgi+django"):
-            yield pytest.param(door, kind, "no-transaction", marks=marks, id=f"{door}-{name}")
+            yield pytest.param(door, rig, "no-transaction", marks=marks, id=f"{door}-{name}")
         modes = ["no-transaction"]
-        if kind in ("postgres-sync", "mysql-sync", "sqlite-sync"):
-            modes = ["two-commit"] + ([] if name == "sqlite" else ["single-commit"])
+        if kind.shares_transaction:
+            modes = ["two-commit"] + (["single-commit"] if kind.single_commit else [])
         for mode in modes:
-            yield pytest.param("flask", kind, mode, marks=marks, id=f"flask-{name}-{mode}")
+            yield pytest.param("flask", rig, mode, marks=marks, id=f"flask-{name}-{mode}")
 
 
 @pytest.mark.parametrize(("door_name", "kind", "mode"), list(wsgi_cases()))
@@ -826,17 +809,7 @@ class Reconciler:
         return self.answers[record.key]
 
 
-SWEPT_STORES = (
-    *TRANSACTIONAL_RIGS,
-    ("redis", "redis"),
-    ("redis-sync", "redis"),
-    ("memory", None),
-    ("redis-cluster", "redis"),
-    ("galera", "mysql"),
-)
-
-
-@pytest.mark.parametrize("kind", rig_params(SWEPT_STORES))
+@pytest.mark.parametrize("kind", rig_params())  # every rig
 async def test_the_sweeper_counts_each_resolution_once_and_the_swept_request_its_lost_lease(
     kind: str,
     tmp_path: Path,

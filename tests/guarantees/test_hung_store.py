@@ -58,6 +58,7 @@ from idemflow.sweeper import Answer, AsyncSweeper, DidNotHappen, Happened, Sweep
 from idemflow.testing import FrozenClock
 from idemflow.transactions import SQLite3Transaction
 from tests._private_redis import freeze, own_redis_server, thaw, wait_until_drained
+from tests.backends import KINDS, kinds
 from tests.conftest import unreachable
 from tests.factories import CREATED
 from tests.factories import uncorrelated_intent as intent
@@ -143,7 +144,7 @@ class Reply:
 
 
 @dataclass(frozen=True)
-class Rig:
+class Driven:
     """One store (counting its releases) driven in one mode: requests, records, sweeps."""
 
     mode: str
@@ -276,7 +277,7 @@ def redis_server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]
 
 
 @contextlib.asynccontextmanager
-async def redis_rig(mode: str, url: str) -> AsyncIterator[Rig]:
+async def driven_redis(mode: str, url: str) -> AsyncIterator[Driven]:
     """A started Redis store (its scripts loaded: what hangs is the request's own script)
     whose client gives up after ``SOCKET_TIMEOUT``, ``RETRIES`` times."""
     from redis import Redis
@@ -294,7 +295,7 @@ async def redis_rig(mode: str, url: str) -> AsyncIterator[Rig]:
         store = sync_store(client, **settings)
         store.start()
         try:
-            yield Rig(mode, store)
+            yield Driven(mode, store)
         finally:
             store.close()
         return
@@ -303,7 +304,7 @@ async def redis_rig(mode: str, url: str) -> AsyncIterator[Rig]:
     astore = async_store(aclient, **settings)
     await astore.start()
     try:
-        yield Rig(mode, astore)
+        yield Driven(mode, astore)
     finally:
         await astore.close()
 
@@ -318,17 +319,17 @@ async def test_redis_frozen_before_the_claim_is_a_bounded_503_and_the_retry_runs
     claimed with nobody running it (409) until the sweeper releases it. One run in all."""
     process, url = redis_server
     provider = Provider()
-    async with redis_rig(mode, url) as rig:
+    async with driven_redis(mode, url) as driven:
         freeze(process)
-        answer = await rig.ask("k-hung", provider.charge)
+        answer = await driven.ask("k-hung", provider.charge)
         thaw(process)
         await asyncio.to_thread(wait_until_drained, url)
-        left = await rig.record("k-hung")
-        early = await rig.ask("k-hung", provider.charge)
+        left = await driven.record("k-hung")
+        early = await driven.ask("k-hung", provider.charge)
         ran_before_the_sweeper = list(provider.calls)
-        await rig.sweep(provider.reconcile)
-        retry = await rig.ask("k-hung", provider.charge)
-        record = await rig.record("k-hung")
+        await driven.sweep(provider.reconcile)
+        retry = await driven.ask("k-hung", provider.charge)
+        record = await driven.record("k-hung")
 
     assert (answer.status, answer.problem) == (503, "store-unavailable")
     assert ONE_CALL_AT_LEAST <= answer.seconds <= ONE_CALL_AT_MOST, answer.seconds
@@ -341,7 +342,7 @@ async def test_redis_frozen_before_the_claim_is_a_bounded_503_and_the_retry_runs
     assert provider.calls == ["charged"]
     assert record is not None
     assert record.state is State.COMPLETED
-    assert rig.store.releases == 0
+    assert driven.store.releases == 0
 
 
 @pytest.mark.redis
@@ -362,14 +363,14 @@ async def test_redis_frozen_after_the_charge_keeps_the_outcome_and_never_charges
         freeze(process)
         return answer
 
-    async with redis_rig(mode, url) as rig:
-        answer = await rig.ask("k-hung", charge_then_freeze)
+    async with driven_redis(mode, url) as driven:
+        answer = await driven.ask("k-hung", charge_then_freeze)
         thaw(process)
         await asyncio.to_thread(wait_until_drained, url)
-        left = await rig.record("k-hung")
-        early = await rig.ask("k-hung", provider.charge)
-        await rig.sweep(provider.reconcile)
-        retry = await rig.ask("k-hung", provider.charge)
+        left = await driven.record("k-hung")
+        early = await driven.ask("k-hung", provider.charge)
+        await driven.sweep(provider.reconcile)
+        retry = await driven.ask("k-hung", provider.charge)
 
     assert (answer.status, answer.problem) == (503, "store-unavailable")
     assert "could not be recorded" in answer.detail
@@ -384,7 +385,7 @@ async def test_redis_frozen_after_the_charge_keeps_the_outcome_and_never_charges
         assert (early.status, early.problem) == (409, "in-progress")
     assert (retry.status, retry.replayed) == (201, True)
     assert provider.calls == ["charged"]
-    assert rig.store.releases == 0
+    assert driven.store.releases == 0
 
 
 @pytest.mark.redis
@@ -403,15 +404,15 @@ async def test_redis_frozen_before_a_transient_answer_sends_one_release_that_wai
         freeze(process)
         return provider.fail()
 
-    async with redis_rig(mode, url) as rig:
-        answer = await rig.ask("k-hung", freeze_then_fail)
-        releases = rig.store.releases
+    async with driven_redis(mode, url) as driven:
+        answer = await driven.ask("k-hung", freeze_then_fail)
+        releases = driven.store.releases
         thaw(process)
         await asyncio.to_thread(wait_until_drained, url)
-        left = await rig.record("k-hung")
-        await rig.sweep(provider.reconcile)
-        retry = await rig.ask("k-hung", provider.charge)
-        record = await rig.record("k-hung")
+        left = await driven.record("k-hung")
+        await driven.sweep(provider.reconcile)
+        retry = await driven.ask("k-hung", provider.charge)
+        record = await driven.record("k-hung")
 
     assert (answer.status, answer.problem) == (503, None)  # the handler's own 503
     assert releases == 1
@@ -429,19 +430,19 @@ async def test_redis_frozen_before_a_transient_answer_sends_one_release_that_wai
 
 
 @contextlib.asynccontextmanager
-async def sqlite_rig(mode: str, path: Path) -> AsyncIterator[Rig]:
+async def driven_sqlite(mode: str, path: Path) -> AsyncIterator[Driven]:
     if mode in SYNC_MODES:
         store = CountingSQLiteStore(path, busy_timeout=BUSY_TIMEOUT)
         store.migrate()
         try:
-            yield Rig(mode, store, lambda: connect(path, busy_timeout=BUSY_TIMEOUT))
+            yield Driven(mode, store, lambda: connect(path, busy_timeout=BUSY_TIMEOUT))
         finally:
             store.close()
         return
     astore = AsyncCountingSQLiteStore(path, busy_timeout=BUSY_TIMEOUT)
     await astore.migrate()
     try:
-        yield Rig(mode, astore)
+        yield Driven(mode, astore)
     finally:
         await astore.close()
 
@@ -469,22 +470,22 @@ async def test_a_release_that_waited_out_sqlites_lock_is_not_sent_again(
             raise Boom("the handler's own failure")
         return provider.fail()
 
-    async with sqlite_rig(mode, path) as rig:
+    async with driven_sqlite(mode, path) as driven:
         try:
-            answer = await rig.ask("k-locked", lock_then_fail)
+            answer = await driven.ask("k-locked", lock_then_fail)
         finally:
             blocker.rollback()
             blocker.close()
-        left = await rig.record("k-locked")
-        releases = rig.store.releases
-        await rig.sweep(provider.reconcile)
-        retry = await rig.ask("k-locked", provider.charge)
+        left = await driven.record("k-locked")
+        releases = driven.store.releases
+        await driven.sweep(provider.reconcile)
+        retry = await driven.ask("k-locked", provider.charge)
 
     assert answer.status == (503 if failure == "transient" else None)
     assert releases == 1
     # The release that failed is counted as such, never as released.
-    assert rig.counted.total(Event.RELEASE_FAILED) == 1
-    assert rig.counted.total(Event.RELEASED) == 0
+    assert driven.counted.total(Event.RELEASE_FAILED) == 1
+    assert driven.counted.total(Event.RELEASED) == 0
     assert left is not None
     assert left.state is State.IN_PROGRESS  # the sweeper's
     assert (retry.status, retry.replayed) == (201, False)
@@ -557,7 +558,6 @@ async def test_postgresql_frozen_after_the_charge_then_resumed_charges_once(mode
     )
     from idemflow.transactions import AsyncPsycopgTransaction
     from tests._private_postgres import PrivatePostgresUnavailable, private_postgres
-    from tests.conftest import unreachable
 
     transactional = mode != "no-transaction"
     charged: list[str] = []
@@ -641,109 +641,13 @@ async def test_postgresql_frozen_after_the_charge_then_resumed_charges_once(mode
 BUDGETED = Policy(request_timeout=2)
 
 
-@contextlib.contextmanager
-def hung_store(
-    kind: str, tmp_path: Path, policy: Policy | None = BUDGETED
-) -> Iterator[tuple[Any, Callable[[], object], Any]]:
-    """A started async store of ``kind`` made with ``policy`` on the caller's clock
-    (the sweeper's frozen clock must see its claims as stale); how to hang it; how to
-    resume it (safe to call twice)."""
-    if kind == "sqlite":
-        path = tmp_path / "keys.db"
-        blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-
-        def unlock() -> None:
-            if blocker.in_transaction:
-                blocker.rollback()
-
-        try:
-            yield (
-                AsyncSQLiteStore(path, policy=policy),
-                lambda: blocker.execute("BEGIN IMMEDIATE"),
-                unlock,
-            )
-        finally:
-            unlock()
-            blocker.close()
-        return
-    if kind in ("redis", "redis-cluster"):
-        pytest.importorskip("redis")
-        from idemflow.stores.redis import open_redis
-
-        if kind == "redis":
-            with own_redis_server(tmp_path) as (process, url):
-                processes = [process]
-                yield (
-                    open_redis(
-                        url, policy=policy, asynchronous=True, clock="caller", allow_volatile=True
-                    ),
-                    lambda: freeze(process),
-                    lambda: _thaw_all(processes),
-                )
-            return
-        from tests._redis_cluster import ClusterUnavailable, shared_cluster
-
-        try:
-            cluster = shared_cluster()
-        except ClusterUnavailable as exc:
-            unreachable("a private Redis Cluster", exc)
-        cluster_url = "redis+cluster://" + cluster.url.split("://", 1)[1]
-        store = open_redis(
-            cluster_url,
-            prefix=tmp_path.name,  # the cluster is the session's: keys of this test's own
-            policy=policy,
-            asynchronous=True,
-            clock="caller",
-            allow_volatile=True,
-        )
-        try:
-            yield (
-                store,
-                lambda: _freeze_all(cluster.processes),
-                lambda: _thaw_all(cluster.processes),
-            )
-        finally:
-            _thaw_all(cluster.processes)
-        return
-    if kind == "postgres":
-        pytest.importorskip("psycopg_pool")
-        from idemflow.stores.postgres import AsyncPostgresStore
-        from tests._private_postgres import PrivatePostgresUnavailable, private_postgres
-
-        try:
-            with private_postgres() as pg:
-                yield (
-                    AsyncPostgresStore(pg.url, policy=policy, clock="caller"),
-                    pg.freeze,
-                    pg.thaw,
-                )
-        except PrivatePostgresUnavailable as exc:
-            unreachable("a private PostgreSQL", exc)
-        return
-    pytest.importorskip("asyncmy")
-    from idemflow.stores.mysql import AsyncMySQLStore
-    from tests._private_mariadb import PrivateMariaDBUnavailable, private_mariadb
-
-    try:
-        with private_mariadb() as maria:
-            yield (
-                AsyncMySQLStore(maria.url, policy=policy, clock="caller"),
-                maria.freeze,
-                maria.thaw,
-            )
-    except PrivateMariaDBUnavailable as exc:
-        unreachable("a private MariaDB", exc)
-
-
-def _freeze_all(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        freeze(process)
-
-
-def _thaw_all(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        with contextlib.suppress(ProcessLookupError):
-            thaw(process)
+def hung_store(kind: str, tmp_path: Path, policy: Policy | None) -> Any:
+    """A started async store of ``kind`` made with ``policy`` on the caller's clock (the
+    sweeper's frozen clock must see its claims as stale); how to hang it; how to resume
+    it (safe to call twice): :attr:`Kind.hung`."""
+    hung = KINDS[kind].hung
+    assert hung is not None
+    return hung(tmp_path, policy)
 
 
 async def _prepared(store: Any) -> None:
@@ -755,13 +659,8 @@ async def _prepared(store: Any) -> None:
     await store.get("alice", "k-warm")
 
 
-HUNG_KINDS = [
-    pytest.param("sqlite"),
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("redis-cluster", marks=pytest.mark.redis),
-    pytest.param("postgres", marks=pytest.mark.postgres),
-    pytest.param("mariadb", marks=pytest.mark.mysql),
-]
+#: Every kind with a private copy to hang (:attr:`Kind.hung`).
+HUNG_KINDS = [kind.param for kind in kinds() if kind.hung is not None]
 
 
 @pytest.mark.parametrize("moment", ["before-the-claim", "after-the-charge"])
@@ -788,7 +687,7 @@ async def test_a_hung_store_answers_503_within_the_request_budget_and_the_key_re
     provider = Provider()
     before_the_claim = moment == "before-the-claim"
 
-    with hung_store(kind, tmp_path) as (store, hang, resume):
+    with hung_store(kind, tmp_path, BUDGETED) as (store, hang, resume):
 
         async def handler(attempt: AsyncAttempt) -> Response:
             answer = provider.charge()
@@ -854,9 +753,10 @@ async def test_a_hung_store_answers_503_within_the_request_budget_and_the_key_re
     assert record.state is State.COMPLETED
 
 
-#: Redis and MariaDB are left out: told the store wait, the partitioned-network storm
-#: left keys unresolved on both (CHANGELOG, "Fixed").
-TOLD_KINDS = [kind for kind in HUNG_KINDS if kind.values[0] in ("sqlite", "postgres")]
+#: The kinds told the driver's store wait (:attr:`Kind.covers_store_wait`). Redis and
+#: MariaDB are not: told it, the partitioned-network storm left keys unresolved on both
+#: (CHANGELOG, "Fixed").
+TOLD_KINDS = [kind.param for kind in kinds(covers_store_wait=True) if kind.hung is not None]
 
 
 @pytest.mark.parametrize("kind", TOLD_KINDS)
@@ -877,7 +777,7 @@ async def test_a_store_built_without_the_policy_waits_within_the_drivers_budget(
         ran.append("charged")
         return CREATED
 
-    with hung_store(kind, tmp_path, policy=None) as (store, hang, resume):
+    with hung_store(kind, tmp_path, None) as (store, hang, resume):
         await _prepared(store)
         idem = AsyncIdempotency(store, BUDGETED)
         safety = threading.Timer(10 * BUDGETED.timeout_seconds, resume)

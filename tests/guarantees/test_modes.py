@@ -57,7 +57,7 @@ from idemflow.integrations.starlette import IdempotencyMiddleware, Idempotent
 from idemflow.stores.sqlite import AsyncSQLiteStore
 from idemflow.sweeper import AsyncSweeper, DidNotHappen
 from idemflow.testing import FrozenClock
-from tests.backends import MIDDLEWARE_RIGS, Rig, open_rig, rig_params, start_cluster
+from tests.backends import Rig, open_rig, rig_params, start_cluster
 from tests.conftest import POSTGRES_URL
 from tests.core.test_sync_edge import request
 from tests.factories import CREATED, psycopg_or_skip
@@ -445,7 +445,7 @@ async def test_single_commit_with_its_connection_gone_before_the_claim_runs_noth
 
 def pooled_modes() -> list[Any]:
     """The transactional modes on every store with a pool (SQLite has none)."""
-    return [mode for mode in transactional_modes() if not mode.values[0].startswith("sqlite")]
+    return list(transactional_modes(pooled=True))
 
 
 async def respond(
@@ -872,7 +872,9 @@ def served(app: RigServer) -> Iterator[str]:
         raise
 
 
-MIDDLEWARE_STORES = pytest.mark.parametrize("kind", rig_params(MIDDLEWARE_RIGS))
+#: Every rig the middleware runs on (async, no transaction), the self-started clusters too
+#: (their ids name them, so xdist runs them on one worker).
+MIDDLEWARE_STORES = pytest.mark.parametrize("kind", rig_params("no-transaction", ("async",)))
 
 
 @MIDDLEWARE_STORES

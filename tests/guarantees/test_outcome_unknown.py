@@ -29,7 +29,7 @@ import pytest
 from idemflow import AsyncIdempotency, InProgress, OutcomeUnknown, State
 from idemflow.sweeper import AsyncSweeper, Sweeper
 from idemflow.testing import FrozenClock
-from tests.backends import NO_TRANSACTION_RIGS, Rig, open_rig, rig_params
+from tests.backends import Rig, open_rig, rig_params
 from tests.guarantees.test_phase_rules import (
     CHARGE,
     PHASE,
@@ -101,7 +101,7 @@ async def test_an_unknown_outcome_keeps_the_claim_in_the_transactional_modes(
         assert report.completed == 2  # the reconciler found both charges
 
 
-@pytest.mark.parametrize("kind", rig_params(NO_TRANSACTION_RIGS))
+@pytest.mark.parametrize("kind", rig_params("no-transaction", cluster=False))
 async def test_an_unknown_outcome_keeps_the_claim_without_a_transaction(
     kind: str, tmp_path: Path, table_name: str, clock: FrozenClock
 ) -> None:
@@ -148,7 +148,7 @@ def assert_outcome_unknown(status: int, headers: Any, body: bytes) -> None:
     assert int(headers["retry-after"]) >= SWEPT_WITHIN
 
 
-@pytest.mark.parametrize("kind", rig_params(r for r in NO_TRANSACTION_RIGS if "-sync" not in r[0]))
+@pytest.mark.parametrize("kind", rig_params("no-transaction", ("async",), cluster=False))
 async def test_the_middleware_keeps_the_claim_of_an_endpoint_whose_outcome_is_unknown(
     kind: str, tmp_path: Path, table_name: str, clock: FrozenClock
 ) -> None:

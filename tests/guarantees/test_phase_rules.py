@@ -44,14 +44,7 @@ from idemflow import (
 )
 from idemflow.sweeper import AsyncSweeper, DidNotHappen, Happened, Sweeper
 from idemflow.testing import FrozenClock
-from tests.backends import (
-    MIDDLEWARE_RIGS,
-    NO_TRANSACTION_RIGS,
-    TRANSACTIONAL_RIGS,
-    Rig,
-    open_rig,
-    rig_params,
-)
+from tests.backends import Rig, open_rig, rig_params, rigs
 from tests.factories import CREATED, AsyncForwardingTransaction
 from tests.factories import uncorrelated_intent as intent
 
@@ -309,17 +302,15 @@ async def settle(
     raise AssertionError(f"{key} never settled")
 
 
-def transactional_modes() -> Iterator[Any]:
-    for param in rig_params(TRANSACTIONAL_RIGS):
-        kind = param if isinstance(param, str) else param.values[0]
-        marks = () if isinstance(param, str) else param.marks
-        yield pytest.param(kind, False, marks=marks, id=f"{kind}-two-commit")
-        if not kind.startswith("sqlite"):
-            yield pytest.param(kind, True, marks=marks, id=f"{kind}-single-commit")
-
-
-def single_commit_rigs() -> list[Any]:
-    return rig_params(r for r in TRANSACTIONAL_RIGS if not r[0].startswith("sqlite"))
+def transactional_modes(
+    drivers: tuple[str, ...] = ("async", "sync"), **capabilities: bool
+) -> Iterator[Any]:
+    """(rig, single_commit): every rig in a transaction (of the kinds with
+    ``capabilities``), with two commits and, where its store can hold the claim too, one."""
+    for kind, rig in rigs("transaction", drivers, **capabilities):
+        yield pytest.param(rig, False, marks=kind.marks, id=f"{rig}-two-commit")
+        if kind.single_commit:
+            yield pytest.param(rig, True, marks=kind.marks, id=f"{rig}-single-commit")
 
 
 async def record_of(rig: Rig, key: str = "k-1") -> Any:
@@ -384,7 +375,7 @@ async def test_a_lost_completion_keeps_the_claim_past_a_committed_phase_and_only
     assert control_rows == ["retried"]
 
 
-@pytest.mark.parametrize("kind", rig_params(NO_TRANSACTION_RIGS))
+@pytest.mark.parametrize("kind", rig_params("no-transaction", cluster=False))
 async def test_no_transaction_lost_completion_past_a_checkpoint_keeps_the_claim(
     kind: str, tmp_path: Path, table_name: str, clock: FrozenClock
 ) -> None:
@@ -446,18 +437,12 @@ async def test_single_commit_is_refused_where_the_store_cannot_hold_it(
 
 def cancellation_cases() -> Iterator[Any]:
     """Async rigs (the sync driver cannot be cancelled) in each mode they have."""
-    for kind, mark in TRANSACTIONAL_RIGS:
-        if kind.endswith("-sync"):
-            continue
-        marks = (getattr(pytest.mark, mark),) if mark else ()
-        modes = ["two-commit"] + ([] if kind.startswith("sqlite") else ["single-commit"])
-        for mode in modes:
-            yield pytest.param(kind, mode, marks=marks, id=f"{kind}-{mode}")
-    for kind, mark in NO_TRANSACTION_RIGS:
-        if kind.endswith("-sync"):
-            continue
-        marks = (getattr(pytest.mark, mark),) if mark else ()
-        yield pytest.param(kind, "no-transaction", marks=marks, id=f"{kind}-no-transaction")
+    for case in transactional_modes(("async",)):
+        rig, single_commit = case.values
+        mode = "single-commit" if single_commit else "two-commit"
+        yield pytest.param(rig, mode, marks=case.marks, id=case.id)
+    for kind, rig in rigs("no-transaction", ("async",), cluster=False):
+        yield pytest.param(rig, "no-transaction", marks=kind.marks, id=f"{rig}-no-transaction")
 
 
 @dataclass(frozen=True)
@@ -571,7 +556,7 @@ async def test_cancelled_at_any_await_never_charges_twice(
 # --- middleware: the endpoint's effect is its own, so a lost completion keeps the claim ----
 
 
-@pytest.mark.parametrize("kind", rig_params(MIDDLEWARE_RIGS))
+@pytest.mark.parametrize("kind", rig_params("no-transaction", ("async",)))
 async def test_middleware_lost_completion_keeps_the_claim_on_every_store(
     kind: str, tmp_path: Path, table_name: str, clock: FrozenClock
 ) -> None:

@@ -19,10 +19,9 @@ import contextlib
 import functools
 import multiprocessing
 import queue
-import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,8 +41,7 @@ from idemflow import (
 )
 from idemflow.stores.protocol import AsyncTransaction, Statement, Transaction
 from idemflow.testing import FrozenClock
-from tests.backends import Backend, open_caller, open_store
-from tests.conftest import POSTGRES_URL, unreachable
+from tests.backends import Backend, Rig, kinds, open_async_rig, open_caller, open_store
 from tests.factories import POLICY
 
 pytestmark = pytest.mark.slow
@@ -324,7 +322,7 @@ def test_processes_claim_exactly_once(backend: Backend) -> None:
         assert backend.count() == len(keys)
 
 
-# --- asyncio tasks: memory, SQLite, PostgreSQL -----------------------------------------
+# --- asyncio tasks: every kind with an async store -----------------------------------------
 
 
 class AsyncLazyTransaction(AsyncTransaction):
@@ -362,100 +360,8 @@ class AsyncLazyTransaction(AsyncTransaction):
             await self._inner.rollback()
 
 
-class AsyncSetup:
-    """An async store, a lazily opened caller transaction, and the business table."""
-
-    def __init__(
-        self,
-        store: Any,
-        opener: Callable[[], contextlib.AbstractAsyncContextManager[Any]] | None,
-        write: Callable[[Any, str], Any],
-        count: Callable[[], int],
-    ) -> None:
-        self.store, self.opener, self.write, self.count = store, opener, write, count
-
-
-@contextlib.asynccontextmanager
-async def async_memory() -> AsyncIterator[AsyncSetup]:
-    from idemflow.stores.memory import AsyncMemoryStore
-
-    rows: list[str] = []
-
-    async def write(connection: Any, note: str) -> None:
-        rows.append(note)
-
-    yield AsyncSetup(AsyncMemoryStore(), None, write, lambda: len(rows))
-
-
-@contextlib.asynccontextmanager
-async def async_sqlite(tmp_path: Path, table: str) -> AsyncIterator[AsyncSetup]:
-    from sqlalchemy import text
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    from idemflow.stores.sqlite import AsyncSQLiteStore
-    from idemflow.transactions import AsyncSQLAlchemyTransaction
-
-    path = str(tmp_path / "race.db")
-    store = AsyncSQLiteStore(path, table=table)
-    await store.migrate()
-    with contextlib.closing(sqlite3.connect(path)) as conn:
-        conn.execute("CREATE TABLE business (id INTEGER PRIMARY KEY, note TEXT)")
-        conn.commit()
-    engine = create_async_engine(f"sqlite+aiosqlite:///{path}")
-
-    @contextlib.asynccontextmanager
-    async def opener() -> AsyncIterator[Any]:
-        async with engine.connect() as conn:
-            yield AsyncSQLAlchemyTransaction(conn)
-
-    async def write(conn: Any, note: str) -> None:
-        await conn.execute(text("INSERT INTO business (note) VALUES (:n)"), {"n": note})
-
-    def count() -> int:
-        with contextlib.closing(sqlite3.connect(path)) as conn:
-            return int(conn.execute("SELECT count(*) FROM business").fetchone()[0])
-
-    try:
-        yield AsyncSetup(store, opener, write, count)
-    finally:
-        await engine.dispose()
-
-
-@contextlib.asynccontextmanager
-async def async_postgres(table: str) -> AsyncIterator[AsyncSetup]:
-    psycopg = pytest.importorskip("psycopg")
-    from idemflow.stores.postgres import AsyncPostgresStore
-    from idemflow.transactions import AsyncPsycopgTransaction
-
-    try:
-        admin = psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3)
-    except psycopg.OperationalError as exc:
-        unreachable("PostgreSQL", exc)
-    store = AsyncPostgresStore(POSTGRES_URL, table=table, max_size=8, clock="caller")
-    with admin:
-        await store.migrate()
-        admin.execute(f"CREATE TABLE biz_{table} (id BIGSERIAL PRIMARY KEY, note TEXT)")
-
-        @contextlib.asynccontextmanager
-        async def opener() -> AsyncIterator[Any]:
-            async with await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as c:
-                yield AsyncPsycopgTransaction(c)
-
-        async def write(conn: Any, note: str) -> None:
-            await conn.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
-
-        def count() -> int:
-            return int(admin.execute(f"SELECT count(*) FROM biz_{table}").fetchone()[0])
-
-        try:
-            yield AsyncSetup(store, opener, write, count)
-        finally:
-            await store.close()
-            admin.execute(f"DROP TABLE IF EXISTS {table}, biz_{table}")
-
-
 async def async_round(
-    setup: AsyncSetup, key: str, executions: collections.Counter[str]
+    setup: Rig, key: str, executions: collections.Counter[str]
 ) -> collections.Counter[str]:
     """``CLAIMANTS`` tasks released together by one event."""
     idem = AsyncIdempotency(setup.store, POLICY)
@@ -478,7 +384,8 @@ async def async_round(
         return answer
 
     async def attempt_claim() -> str:
-        transaction = None if setup.opener is None else AsyncLazyTransaction(setup.opener)
+        opener = setup.transaction
+        transaction = None if opener is None else AsyncLazyTransaction(opener)
         await go.wait()
         try:
             outcome = await idem.run(intent(key), handler, transaction=transaction)
@@ -496,32 +403,12 @@ async def async_round(
     return collections.Counter(await asyncio.gather(*tasks))
 
 
-@contextlib.asynccontextmanager
-async def async_mysql(table: str) -> AsyncIterator[AsyncSetup]:
-    """AsyncMySQLStore (asyncmy) on MariaDB, the caller's transaction an AsyncmyTransaction."""
-    from tests.backends import async_mysql_backend
-
-    async def write(conn: Any, note: str) -> None:
-        async with conn.cursor() as cursor:
-            await cursor.execute(f"INSERT INTO biz_{table} (note) VALUES (%s)", (note,))
-
-    async with async_mysql_backend(table) as mysql:
-        yield AsyncSetup(mysql.store, mysql.open_transaction, write, lambda: len(mysql.notes()))
-
-
 @pytest.mark.anyio
-@pytest.mark.parametrize("name", ["memory", "sqlite", "postgres", "mysql"])
+@pytest.mark.parametrize("name", [kind.param for kind in kinds() if kind.async_rigs])
 async def test_async_tasks_claim_exactly_once(name: str, tmp_path: Path, table_name: str) -> None:
-    """≥ 50 asyncio tasks per key through AsyncIdempotency: one execution per key."""
-    if name == "memory":
-        opened_setup = async_memory()
-    elif name == "sqlite":
-        opened_setup = async_sqlite(tmp_path, table_name)
-    elif name == "mysql":
-        opened_setup = async_mysql(table_name)
-    else:
-        opened_setup = async_postgres(table_name)
-    async with opened_setup as setup:
+    """≥ 50 asyncio tasks per key through AsyncIdempotency (each kind's async store, its
+    pool of 8): one execution per key."""
+    async with open_async_rig(name, tmp_path, table_name, max_size=8) as setup:
         executions: collections.Counter[str] = collections.Counter()
         keys = [f"a{n}" for n in range(ASYNC_ROUNDS)]
         rounds = [await async_round(setup, key, executions) for key in keys]
@@ -531,4 +418,4 @@ async def test_async_tasks_claim_exactly_once(name: str, tmp_path: Path, table_n
         assert_overlapped(rounds)
 
         assert executions == dict.fromkeys(keys, 1)
-        assert setup.count() == len(keys)
+        assert len(setup.notes()) == len(keys)

@@ -34,7 +34,7 @@ from idemflow import (
     StoreUnavailable,
 )
 from idemflow.stores.sqlite import AsyncSQLiteStore
-from tests.backends import TRANSACTIONAL_RIGS, open_rig, rig_params
+from tests.backends import open_rig, rig_params
 from tests.conftest import POSTGRES_URL, unreachable
 from tests.factories import CREATED, psycopg_or_skip
 from tests.factories import uncorrelated_intent as intent
@@ -79,15 +79,12 @@ def postgres_tables(table: str) -> Iterator[Any]:
 # --- defect 1: a pool shared by the store and the application ---------------------
 
 
-#: The rigs whose store has a pool the request's transaction takes its connection from, in
-#: both commit modes: PostgreSQL and MariaDB, each with the asyncio and the sync driver.
-SHARED_POOL_RIGS = tuple(r for r in TRANSACTIONAL_RIGS if not r[0].startswith("sqlite"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("single_commit", [False, True], ids=["two-commit", "single-commit"])
 @pytest.mark.parametrize("pool_size", [1, 2])
-@pytest.mark.parametrize("kind", rig_params(SHARED_POOL_RIGS))
+# The rigs whose store has a pool the request's transaction takes its connection from, in
+# both commit modes, each with the asyncio and the sync driver.
+@pytest.mark.parametrize("kind", rig_params("transaction", pooled=True))
 async def test_a_pool_shared_with_the_application_never_deadlocks_a_release(
     kind: str,
     pool_size: int,

@@ -736,8 +736,8 @@ def _assert_store_unavailable(answer: Any) -> None:
     assert int(answer.headers["retry-after"]) >= 1
 
 
-#: The most store connections that can die with the database: the Flask shop's two
-#: workers' pools (PostgresStore's default size, 16), or the Django shop's side
+#: The most store connections that can die with the database: a key store's pool in
+#: each of two workers (PostgresStore's default size, 16), or the Django shop's side
 #: connections on MariaDB (one per thread: two workers of 8), and one more request.
 DEAD_CONNECTIONS = 2 * 16 + 1
 
@@ -748,10 +748,10 @@ def _post_once_the_store_is_back(server: Server, key: str, principal: str) -> An
 
     A store connection kept between requests that died with the database fails the one
     request that next takes it, and is dropped: a 503 with nothing recorded, which a
-    client retries as any 503. The Flask shop's psycopg pool keeps one per worker at least
-    (it does not test a connection before handing it out, which would cost every request
-    a round trip); the Django shop on MariaDB claims on a side connection each thread
-    keeps (``DjangoStore``'s, for its bounded lock waits). On PostgreSQL Django's shop
+    client retries as any 503. (The Flask shop's key store claims on its engine's pool,
+    whose pre-ping replaces a dead connection before a claim gets it: none there.) The
+    Django shop on MariaDB claims on a side connection each thread keeps
+    (``DjangoStore``'s, for its bounded lock waits). On PostgreSQL Django's shop
     connects for each request: its first answer counts."""
     for _ in range(DEAD_CONNECTIONS):
         answer = _post(server, key, principal)
@@ -854,8 +854,8 @@ def _connections_to(pid: int, port: int) -> int:
 
 
 def _warm_every_worker(server: Server) -> None:
-    """Requests until every worker keeps connections of both its pools to the store (the
-    key store's and the Flask-SQLAlchemy engine's), which a restart of the store kills."""
+    """Requests until every worker keeps two connections of its engine's pool to the store
+    (the key store claims on it too), which a restart of the store kills."""
     assert server.database is not None
     port, workers, warm = server.database.port, server.workers(), who()
 
@@ -883,13 +883,13 @@ def test_a_request_while_the_store_is_down_is_a_503_and_its_retry_runs_once(
     cannot be made, so a 503 ``store-unavailable`` problem, the view not run and nothing
     recorded. With the store back, the retry is a first execution, run once. (On the
     server of the test above, with a key of its own: no threshold to wait for.) Every
-    Flask worker first keeps pooled connections the restart kills: the key store's fail
-    a request each with a 503, and the view's session, whose engine tests a connection
-    before use, never gets a dead one: never a 500. (The Django shop on MariaDB keeps a
+    Flask worker first keeps pooled connections the restart kills; its engine (the view's
+    session's and the key store's) tests a connection before use, so neither the claim
+    nor the view gets a dead one: never a 500. (The Django shop on MariaDB keeps a
     side connection per thread for its claims: a dead one is a 503 too.)"""
     server: Server = stages.get(case).server
     assert server.database is not None
-    if case.app == "flask":  # its two pools keep connections in every worker
+    if case.app == "flask":  # its engine's pool keeps connections in every worker
         _warm_every_worker(server)
     alice, key = who(), "k-down"
     server.database.stop()

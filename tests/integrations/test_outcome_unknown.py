@@ -23,6 +23,7 @@ import pytest
 
 from idemflow import Idempotency, OutcomeUnknown, Policy, State
 from idemflow.stores.sqlite import SQLiteStore
+from tests.backends import KINDS, kind_params
 
 POLICY = Policy(request_timeout=5)
 #: POLICY's sweeper horizon (20 s threshold, 2 s interval): the least Retry-After to expect.
@@ -279,32 +280,17 @@ def _behind_wsgi_middleware(app: Any, store: Any) -> httpx.Client:
 
 @contextlib.contextmanager
 def slot_keys(kind: str, tmp_path: Path, table: str) -> Iterator[Any]:
-    """The sync store ``kind`` names, for the keys of the slot's tests: SQLite, or the
-    shared PostgreSQL, MariaDB and Redis (tests/backends.py), dropped after."""
-    if kind == "sqlite":
-        with sqlite_keys(tmp_path) as (_, store):
-            yield store
-        return
-    from tests.backends import Backend, mysql_backend, postgres_backend, redis_backend
-
-    openers: dict[str, Callable[[str], Backend]] = {
-        "postgres": postgres_backend,
-        "mysql": mysql_backend,
-        "redis": redis_backend,
-    }
-    made = openers[kind](table)
+    """The sync store ``kind`` names (its contract store, tests/backends.py), for the keys
+    of the slot's tests, dropped after."""
+    made = KINDS[kind].contract[kind](tmp_path, table, True)
     try:
         yield made.store
     finally:
         made.close()
 
 
-SLOT_STORES = [
-    "sqlite",
-    pytest.param("postgres", marks=pytest.mark.postgres),
-    pytest.param("mysql", marks=pytest.mark.mysql),
-    pytest.param("redis", marks=pytest.mark.redis),
-]
+#: SQLite, and the shared PostgreSQL, MariaDB and Redis.
+SLOT_STORES = kind_params(cluster=False, in_process=False)
 
 
 @pytest.mark.parametrize("kind", SLOT_STORES)

@@ -70,6 +70,7 @@ PATHS = [
         "django",
     ),
     (["prometheus_client"], "import idemflow.metrics", "metrics"),
+    (["aio_pika", "aiormq"], "import idemflow.consumers.rabbitmq", "rabbitmq"),
     (["httpx"], "from idemflow.client import IdempotentTransport\nIdempotentTransport()", "client"),
     (["requests"], "from idemflow.client import IdempotentAdapter\nIdempotentAdapter()", "client"),
 ]

@@ -1,8 +1,8 @@
 """
 The documentation site builds with ``mkdocs build --strict`` (a broken link,
-anchor or API reference fails it), offline, and holds what it promises: one API
-reference page listing every public name and no other, and a page for every
-problem type at the path its ``type`` URI names.
+anchor or API reference fails it), offline, and holds what it promises: an API
+reference of one page per public module, listing every public name and no other,
+and a page for every problem type at the path its ``type`` URI names.
 """
 
 from __future__ import annotations
@@ -126,7 +126,21 @@ def test_every_public_name_has_an_api_reference_entry(site: Path) -> None:
             for member in getattr(module, "__all__", [])
             if f"{name}.{member}" not in documented and not reexported_from_the_edge(module, member)
         ]
-    assert missing == [], "not in docs/reference.md: " + ", ".join(missing)
+    assert missing == [], "not in docs/reference/: " + ", ".join(missing)
+
+
+def test_the_api_reference_is_one_page_per_public_module(site: Path) -> None:
+    """``reference/<module>/``: that module's entries and no other module's."""
+    modules = public_modules()
+    pages = {
+        page.parent.name: set(re.findall(r'id="(idemflow[\w.]*)"', page.read_text()))
+        for page in (site / "reference").glob("*/index.html")
+    }
+    assert sorted(pages) == sorted(modules)
+    for module, found in pages.items():
+        assert module in found, f"reference/{module}/ has no entry for the module itself"
+        others = {m for m in found if m in modules and m != module}
+        assert others == set(), f"reference/{module}/ documents {others} too"
 
 
 def test_the_api_reference_lists_no_private_name(site: Path) -> None:

@@ -1,11 +1,13 @@
 """
 Each framework page's quick start, run as written: in a fresh virtual
 environment holding only what the page's install line installs (idemflow
-from this checkout, with that line's extras), served by a real server on
-PostgreSQL. A quick start that imports what its line does not install fails
-here, not in a reader's terminal.
+from this checkout, with that line's extras): FastAPI and Flask served by a
+real server on PostgreSQL, Django's (its settings and view, in a project the
+test makes around them) through Django's test client on SQLite. A quick start
+that imports what its line does not install fails here, not in a reader's
+terminal.
 
-One environment per page, made once (pip's cache keeps it cheap), both at
+One environment per page, made once (pip's cache keeps it cheap), all at
 once; the file is marked slow so it starts first, beside the other files.
 """
 
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.util
+import json
 import os
 import re
 import shlex
@@ -35,6 +39,8 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = re.compile(r"`pip install (?P<args>[^`]+)`")
 QUICK_START = re.compile(r"^## Quick start.*?^```python\n(?P<code>.*?)^```", re.M | re.S)
+FILE_HEADING = re.compile(r"^# ([\w/]+\.py)\b.*\n", re.M)
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 
 
 @dataclass(frozen=True)
@@ -47,22 +53,43 @@ class Page:
     body: dict[str, object]
     other: dict[str, object]
     table: str
+    #: The page (``name`` by default), which of its install lines, and the files its
+    #: other blocks add to the quick start (by their ``# path.py`` heading).
+    doc: str = ""
+    install: int = 0
+    blocks: tuple[str, ...] = ()
+    #: A directory of files the page's parts are appended to (a Django project).
+    scaffold: Path | None = None
 
     @property
     def text(self) -> str:
-        return (ROOT / "docs" / "frameworks" / f"{self.name}.md").read_text()
+        return (ROOT / "docs" / "frameworks" / f"{self.doc or self.name}.md").read_text()
 
-    def install_args(self) -> list[str]:
-        """The page's first install line, idemflow taken from this checkout."""
-        found = INSTALL.search(self.text)
-        assert found is not None, f"{self.name}.md names no pip install line"
-        args = shlex.split(found["args"])
-        return [re.sub(r"^idemflow(?=\[|$)", str(ROOT), arg) for arg in args]
+    def install_args(self, wheel: Path) -> list[str]:
+        """The page's install line, idemflow taken from this checkout's ``wheel``."""
+        found = list(INSTALL.finditer(self.text))
+        assert len(found) > self.install, f"{self.name}: no install line {self.install}"
+        args = shlex.split(found[self.install]["args"])
+        return [re.sub(r"^idemflow(?=\[|$)", str(wheel), arg) for arg in args]
 
     def code(self) -> str:
         found = QUICK_START.search(self.text)
         assert found is not None, f"{self.name}.md has no quick start"
         return found["code"]
+
+    def files(self) -> dict[str, str]:
+        """The quick start's parts by the file each names (``# payments/views.py``);
+        ``app.py`` when it names none."""
+        parts = FILE_HEADING.split(self.code())
+        if len(parts) == 1:
+            return {"app.py": parts[0]}
+        found = dict(zip(parts[1::2], parts[2::2], strict=True))
+        for block in BLOCK.findall(self.text):
+            named = FILE_HEADING.split(block)
+            if len(named) == 3 and named[1] in self.blocks:
+                found[named[1]] = named[2]
+        assert sorted(self.blocks) == sorted(set(found) & set(self.blocks)), self.blocks
+        return found
 
 
 CREATE_TABLES = (
@@ -97,24 +124,76 @@ PAGES = [
 ]
 
 
-def make_environment(page: Page, where: Path) -> Path:
-    """A virtual environment with exactly the page's install line installed."""
+#: The Django project the page's settings line and files are put in.
+DJANGO_PROJECT = Path(__file__).with_name("django_quickstart")
+DJANGO = [
+    Page("django", (), (), "/payments", {}, {}, "", scaffold=DJANGO_PROJECT),
+    Page(
+        "drf",
+        (),
+        (),
+        "/drf/payments",
+        {},
+        {},
+        "",
+        doc="django",
+        install=1,
+        blocks=("payments/api.py",),
+        scaffold=DJANGO_PROJECT,
+    ),
+]
+
+
+def build_wheel(where: Path) -> Path:
+    """idemflow's wheel from this checkout, built once for every environment (with this
+    interpreter's hatchling when it has one: no build environment to make)."""
+    isolation = [] if importlib.util.find_spec("hatchling") is None else ["--no-build-isolation"]
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", *isolation]
+    subprocess.run(
+        [*pip_wheel, "--wheel-dir", str(where), str(ROOT)],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = where.glob("idemflow-*.whl")
+    return wheel
+
+
+def make_environment(page: Page, where: Path, wheel: Path) -> Path:
+    """A virtual environment with exactly the page's install line installed (by this
+    interpreter's pip: a venv made without its own pip is made in a moment)."""
     where.mkdir(parents=True)
-    subprocess.run([sys.executable, "-m", "venv", str(where / "venv")], check=True, timeout=120)
-    pip = [str(where / "venv" / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    venv = where / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
     done = subprocess.run(
-        [*pip, *page.install_args()], capture_output=True, text=True, timeout=500, check=False
+        [*pip, "install", "--quiet", *page.install_args(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    (where / "app.py").write_text(page.code())
+    scaffold = {}
+    if page.scaffold is not None:
+        for made in page.scaffold.rglob("*.py"):
+            scaffold[str(made.relative_to(page.scaffold))] = made.read_text()
+    files = {
+        **scaffold,
+        **{name: scaffold.get(name, "") + text for name, text in page.files().items()},
+    }
+    for name, text in files.items():
+        (where / name).parent.mkdir(parents=True, exist_ok=True)
+        (where / name).write_text(text)
     return where
 
 
 @pytest.fixture(scope="module")
 def environments(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("quickstarts")
-    with concurrent.futures.ThreadPoolExecutor(len(PAGES)) as pool:
-        made = {p.name: pool.submit(make_environment, p, base / p.name) for p in PAGES}
+    wheel = build_wheel(base / "dist")
+    every = [*PAGES, *DJANGO]
+    with concurrent.futures.ThreadPoolExecutor(len(every)) as pool:
+        made = {p.name: pool.submit(make_environment, p, base / p.name, wheel) for p in every}
         return {name: future.result() for name, future in made.items()}
 
 
@@ -207,3 +286,41 @@ def test_the_quick_start_runs_as_written_with_only_its_install_line(
     with psycopg.connect(POSTGRES_URL) as conn:
         rows = conn.execute(f"SELECT count(*) FROM {schema}.{page.table}").fetchone()
     assert rows == (1,)
+
+
+@pytest.mark.parametrize("page", DJANGO, ids=lambda p: p.name)
+def test_the_django_quick_start_runs_as_written_with_only_its_install_line(
+    page: Page, environments: dict[str, Path]
+) -> None:
+    """The page's settings line and view (and, with DRF's install line, its viewset) in a
+    minimal project, migrated on SQLite (the key table by idemflow's migration), through
+    Django's test client: a 201, its replay the same bytes with ``Idempotent-Replayed``,
+    the key with another body a 422, an anonymous caller a 401. An invalid body: the
+    function view (no validation) runs it, and its key is then bound to it (422); DRF's
+    serializer refuses it (400), and the corrected body under that key runs once."""
+    where = environments[page.name]
+    done = subprocess.run(
+        [str(where / "venv" / "bin" / "python"), "check.py", page.path],
+        cwd=where,
+        env={**os.environ, "PYTHONPATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    first, replay, other, nobody = (answers[k] for k in ("first", "replay", "other", "nobody"))
+    assert first[:2] == [201, None], first
+    assert replay == [201, "true", first[2]]
+    assert other[0] == 422, other
+    assert nobody[0] == 401, nobody
+    invalid, fixed = answers["invalid"], answers["fixed"]
+    if page.name == "drf":
+        assert invalid[0] == 400, invalid
+        assert "greater than or equal to 1" in json.loads(invalid[2])["detail"]
+        assert fixed[:2] == [201, None], fixed
+        assert answers["rows"] == [7, 1000]
+    else:
+        assert (invalid[0], fixed[0]) == (201, 422)
+        assert answers["rows"] == [0, 1000]

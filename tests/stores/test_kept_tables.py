@@ -5,17 +5,15 @@ shape they were created with. A test that failed, or changed their shape, has th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.backends import Backend, Shape, Tables, give_back, mysql_backend, postgres_backend
+from tests.backends import KINDS, Shape, Tables, give_back, kind_params
 
-OPENERS: dict[str, Callable[[str], Backend]] = {
-    "postgres": postgres_backend,
-    "mysql": mysql_backend,
-}
-SQL_BACKENDS = [pytest.param(name, marks=getattr(pytest.mark, name)) for name in OPENERS]
+#: The SQL servers' stores (PostgreSQL, MariaDB): the tables the ``backend`` fixture keeps.
+SQL_BACKENDS = kind_params(pooled=True, cluster=False)
 
 #: Changes of shape a test might make, in either dialect: ``{t}`` the store's table.
 CHANGES = {
@@ -28,11 +26,11 @@ CHANGES = {
 
 @contextlib.contextmanager
 def given_back(
-    name: str, table: str, change: str | None, failed: bool
+    name: str, tmp_path: Path, table: str, change: str | None, failed: bool
 ) -> Iterator[tuple[list[tuple[Tables, Shape]], Tables]]:
     """``name``'s tables, a row written to each and ``change`` made, given back as the
     ``backend`` fixture does after a test: what it kept, and the tables (dropped after)."""
-    made = OPENERS[name](table)
+    made = KINDS[name].contract[name](tmp_path, table, True)
     assert made.tables is not None
     shape = made.tables.shape()
     made.tables.sql(
@@ -53,8 +51,8 @@ def given_back(
 
 
 @pytest.mark.parametrize("name", SQL_BACKENDS)
-def test_tables_left_as_found_are_kept_emptied(name: str, table_name: str) -> None:
-    with given_back(name, table_name, None, failed=False) as (kept, tables):
+def test_tables_left_as_found_are_kept_emptied(name: str, tmp_path: Path, table_name: str) -> None:
+    with given_back(name, tmp_path, table_name, None, failed=False) as (kept, tables):
         assert kept == [(tables, tables.shape())]
         counts = (
             f"SELECT (SELECT count(*) FROM {table_name}), (SELECT count(*) FROM biz_{table_name})"
@@ -64,12 +62,14 @@ def test_tables_left_as_found_are_kept_emptied(name: str, table_name: str) -> No
 
 @pytest.mark.parametrize("change", sorted(CHANGES))
 @pytest.mark.parametrize("name", SQL_BACKENDS)
-def test_tables_whose_shape_changed_are_dropped(name: str, change: str, table_name: str) -> None:
-    with given_back(name, table_name, CHANGES[change], failed=False) as (kept, tables):
+def test_tables_whose_shape_changed_are_dropped(
+    name: str, change: str, tmp_path: Path, table_name: str
+) -> None:
+    with given_back(name, tmp_path, table_name, CHANGES[change], failed=False) as (kept, tables):
         assert (kept, tables.shape()) == ([], [])  # nothing kept; no column, index left
 
 
 @pytest.mark.parametrize("name", SQL_BACKENDS)
-def test_tables_of_a_failed_test_are_dropped(name: str, table_name: str) -> None:
-    with given_back(name, table_name, None, failed=True) as (kept, tables):
+def test_tables_of_a_failed_test_are_dropped(name: str, tmp_path: Path, table_name: str) -> None:
+    with given_back(name, tmp_path, table_name, None, failed=True) as (kept, tables):
         assert (kept, tables.shape()) == ([], [])

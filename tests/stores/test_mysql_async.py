@@ -116,7 +116,8 @@ async def test_single_commit_duplicate_gets_409_and_a_rollback_leaves_nothing(
     uncommitted answers 409 after the bounded lock wait; the rollback removes it."""
     async with async_mysql_backend(table_name) as mysql:
         store = mysql.store
-        async with mysql.open_transaction() as transaction:
+        assert mysql.transaction is not None
+        async with mysql.transaction() as transaction:
             await transaction.begin()
             claim = await store.claim(intent(), "mine", T0, T0 + 3600, transaction)
             assert claim.owned
@@ -133,7 +134,8 @@ async def test_single_commit_duplicate_gets_409_and_a_rollback_leaves_nothing(
 async def test_transaction_adapter_joins_a_transaction_already_begun(table_name: str) -> None:
     """An earlier write of the caller's transaction is neither committed early nor lost."""
     async with async_mysql_backend(table_name) as mysql:
-        async with mysql.open_transaction() as transaction:
+        assert mysql.transaction is not None
+        async with mysql.transaction() as transaction:
             conn = transaction.connection
             await conn.begin()
             async with conn.cursor() as cursor:

@@ -1,9 +1,5 @@
-"""The checks, the run they share, and the report.
-
-One model for the whole kit: asyncio and ``httpx.AsyncClient`` (a WSGI app runs
-on a thread pool behind an async transport). Every request has a timeout,
-every check a time bound, every loop a count.
-"""
+"""The checks, the run they share, and the report, on asyncio and ``httpx.AsyncClient``.
+Every request has a timeout, every check a time bound, every loop a count."""
 
 from __future__ import annotations
 
@@ -28,22 +24,16 @@ from .._extras import optional
 with optional("idemflow.audit"):
     import httpx
 
-__all__ = ["CHECKS", "CheckResult", "Report", "audit", "audit_async", "plan"]
 
 Result = Literal["pass", "fail", "skip", "info"]
 T = TypeVar("T")
 
-#: Answers a client retries with the same key: a transient failure, never stored.
-TRANSIENT = frozenset({408, 429, 502, 503, 504})
-#: How long one check may take, all its requests together.
+TRANSIENT = frozenset({408, 429, 502, 503, 504})  # retried with the same key, never stored
 CHECK_SECONDS = 120.0
-#: How long the slow request may take before the in-flight check gives up on it.
 SLOW_SECONDS = 60.0
-#: Head starts of the slow request before its duplicate is sent: long enough to be
-#: claimed by any server, short against the ≥ 1 s it takes; a longer one is tried
-#: only when the duplicate overtook the first (a busy server).
+#: Long enough for any server to claim, short against the ≥ 1 s the slow request takes;
+#: the longer one only after the duplicate overtook the first (a busy server).
 HEAD_STARTS = (0.2, 0.4)
-#: Base URL of an app served in process (nothing is sent over the network).
 IN_PROCESS = "http://audit.invalid"
 #: Malformed ``Idempotency-Key`` values (RFC 8941 sf-string or token rules): each a 400.
 MALFORMED_KEYS = {
@@ -80,19 +70,16 @@ class Report:
         return {result: sum(c.result == result for c in self.checks) for result in _COUNTED}
 
     def as_json(self) -> dict[str, Any]:
-        """The ``--json`` object: ``target``, ``checks`` and ``summary``."""
         checks = [{"name": c.name, "result": c.result, "detail": c.detail} for c in self.checks]
         return {"target": self.target, "checks": checks, "summary": self.summary}
 
     def table(self) -> str:
-        """A table for people, then the summary line."""
         width = max((len(c.name) for c in self.checks), default=0)
         lines = [f"{c.name:<{width}}  {c.result:<4}  {c.detail}" for c in self.checks]
         counts = ", ".join(f"{n} {result}" for result, n in self.summary.items())
         return "\n".join([*lines, f"{self.target}: {counts}"])
 
     def junit(self) -> str:
-        """A JUnit XML report for CI: a failure per failed check, skips skipped."""
         suite = ElementTree.Element(
             "testsuite",
             name="idemflow audit",
@@ -116,7 +103,7 @@ _COUNTED: tuple[Result, ...] = ("pass", "fail", "skip")
 
 @dataclass(frozen=True)
 class Endpoint:
-    """What the checks send, and where (the arguments of [`audit`][idemflow.audit.audit])."""
+    """What the checks send, and where (the arguments of `audit`)."""
 
     url: str
     method: str = "POST"
@@ -135,9 +122,6 @@ class Endpoint:
     @property
     def has_slow_request(self) -> bool:
         return self.slow_body is not None or bool(self.slow_headers)
-
-
-# --- the run the checks share ---------------------------------------------------------
 
 
 class Run:
@@ -190,9 +174,8 @@ class Run:
         return response
 
     async def execute(self, key: str, n: int, *, principal: int = 1) -> list[httpx.Response]:
-        """A first request as a client sends it: retried with the same key after a
-        transient answer (at most twice, honouring a short ``Retry-After``). Every
-        answer, in order; the last is the outcome."""
+        """A first request, retried as a client would after a transient answer (at most
+        twice): every answer, the last the outcome."""
         answers = [await self.send(key, n, principal=principal)]
         while answers[-1].status_code in TRANSIENT and len(answers) < 3:
             await asyncio.sleep(min(_retry_after(answers[-1]) or 0.1, 1.0))  # client backoff
@@ -200,7 +183,6 @@ class Run:
         return answers
 
     async def count(self) -> int | None:
-        """The execution count at the count URL, or None without one."""
         if self.endpoint.count_url is None:
             return None
         response = await self.client.get(
@@ -221,9 +203,8 @@ class Run:
         return result, None if before is None or after is None else after - before
 
     async def settled(self) -> tuple[httpx.Response, httpx.Response, int | None]:
-        """A request that succeeded and its duplicate sent after it completed, and how
-        many executions the duplicate caused (None: not counted). Shared by the
-        checks that look at a replay."""
+        """A request that succeeded, its duplicate sent after it, and how many executions
+        the duplicate caused: shared by the checks that look at a replay."""
         if self._settled is None:
             key, n = self.new_key(), self.new_n()
             first = (await self.execute(key, n))[-1]
@@ -234,9 +215,6 @@ class Run:
 
 class AuditError(Exception):
     """The audit itself cannot go on (a count URL that does not count)."""
-
-
-# --- what answers say -----------------------------------------------------------------
 
 
 def _ok(response: httpx.Response) -> bool:
@@ -257,8 +235,7 @@ def _replay_marker(response: httpx.Response) -> str | None:
 
 
 def _value(body: bytes) -> str:
-    """A body compared as the JSON value it is (bytes otherwise): member order and
-    whitespace aside. Byte identity is ``replay-same-status-and-body``'s business."""
+    """A body as the JSON value it is (member order and whitespace aside), else its bytes."""
     try:
         return json.dumps(json.loads(body), sort_keys=True)
     except ValueError:
@@ -266,8 +243,8 @@ def _value(body: bytes) -> str:
 
 
 def _count_in(response: httpx.Response) -> int:
-    """The count in a count URL's answer: a JSON number, or the one member of an
-    object holding it, or the length of a list (a ledger); else the first integer."""
+    """A JSON number, the one member of an object holding it, the length of a list (a
+    ledger), else the first integer in the text."""
     try:
         value: Any = response.json()
     except ValueError:
@@ -298,8 +275,6 @@ def _statuses(responses: Sequence[httpx.Response]) -> str:
 def _counted(ran: int | None) -> str:
     return "" if ran is None else f"; the count went up by {ran}"
 
-
-# --- the checks -----------------------------------------------------------------------
 
 Verdict = tuple[Result, str]
 CheckFunction = Callable[[Run], Awaitable[Verdict]]
@@ -416,8 +391,8 @@ async def key_reuse(run: Run) -> Verdict:
 
 
 async def _at_once(run: Run, key: str, bodies: Sequence[int]) -> list[httpx.Response]:
-    """One request per body under ``key``, all at once; every one is awaited, so no
-    request outlives the check even when another failed."""
+    """One request per body under ``key``, all at once, every one awaited (none outlives
+    the check)."""
     answers = await asyncio.gather(*(run.send(key, n) for n in bodies), return_exceptions=True)
     for answer in answers:
         if isinstance(answer, BaseException):
@@ -428,8 +403,6 @@ async def _at_once(run: Run, key: str, bodies: Sequence[int]) -> list[httpx.Resp
 def _judge_race(
     responses: Sequence[httpx.Response], ran: int | None, allowed: frozenset[int]
 ) -> tuple[list[str], str]:
-    """What is wrong in a burst under one key (more than one execution, an answer
-    outside ``allowed``), and what was seen."""
     successes = [r for r in responses if _ok(r)]
     bodies = {_value(r.content) for r in successes}
     marked = [r for r in successes if _replay_marker(r)]
@@ -477,8 +450,8 @@ async def in_flight(run: Run) -> Verdict:
 
 
 async def _overlap(run: Run, head_start: float) -> Verdict | None:
-    """The slow request, and its duplicate ``head_start`` seconds later; None when the
-    duplicate overtook it (it claimed first, on a busy server: try a longer head start)."""
+    """The slow request and its duplicate ``head_start`` s later; None if the duplicate
+    overtook it."""
     key, n = run.new_key(), run.new_n()
     started = time.monotonic()
     first = asyncio.ensure_future(run.send(key, n, slow=True))
@@ -590,9 +563,6 @@ async def json_equivalence(run: Run) -> Verdict:
 CHECKS: tuple[str, ...] = tuple(c.name for c in _REGISTRY)
 
 
-# --- running --------------------------------------------------------------------------
-
-
 def _select(only: Sequence[str] | None, skip: Sequence[str] | None) -> list[Check]:
     unknown = sorted((set(only or ()) | set(skip or ())) - set(CHECKS))
     if unknown:
@@ -676,13 +646,14 @@ def audit(
     allow_remote: bool = False,
     **options: Any,
 ) -> Report:
-    """Run the checks against ``url`` (or, in process, ``asgi`` or ``wsgi`` at that
-    path) and return the report. ``options``: ``method``, ``headers``,
-    ``second_principal_headers``, ``body``, ``content_type``, ``key_header``,
-    ``slow_body``, ``slow_headers``, ``count_url``, ``concurrency``,
-    ``key_optional``, ``timeout`` (seconds per request). A host other than
-    loopback needs ``allow_remote=True``. Not from a running event loop: there,
-    await [`audit_async`][idemflow.audit.audit_async]."""
+    """Run the checks against ``url`` (or, in process, ``asgi`` or ``wsgi`` at that path).
+
+    ``options``: ``method``, ``headers``, ``second_principal_headers``, ``body``,
+    ``content_type``, ``key_header``, ``slow_body``, ``slow_headers``, ``count_url``,
+    ``concurrency``, ``key_optional``, ``timeout``. A host other than loopback needs
+    ``allow_remote=True``. From a running event loop, await
+    [`audit_async`][idemflow.audit.audit_async].
+    """
     return asyncio.run(
         audit_async(
             url, asgi=asgi, wsgi=wsgi, only=only, skip=skip, allow_remote=allow_remote, **options
@@ -740,8 +711,8 @@ def _transport(asgi: Any, wsgi: Any, concurrency: int) -> Iterator[httpx.AsyncBa
 
 
 class _ThreadedWSGI(httpx.AsyncBaseTransport):
-    """A WSGI app behind the async client: each request on a thread of its own, so
-    concurrent requests reach the app at once, as under a threaded server."""
+    """A WSGI app behind the async client, each request on a thread of its own (as under a
+    threaded server)."""
 
     def __init__(self, transport: httpx.WSGITransport, pool: ThreadPoolExecutor) -> None:
         self.transport = transport

@@ -1,10 +1,5 @@
-"""
-``idemflow``: the operator's command line.
-
-Each command lives in its own module with a ``register(subparsers)`` function;
-this module only assembles them and turns failures into one clear line and a
-non-zero exit (never a traceback).
-"""
+"""``idemflow``, the operator's command line: one module per command (``register``), failures
+as one line and a non-zero exit, never a traceback."""
 
 from __future__ import annotations
 
@@ -31,7 +26,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="idemflow",
         description="Make non-idempotent HTTP writes safe to retry: operate idemflow key stores.",
     )
-    # The installed distribution's version: pyproject.toml is its one source.
     parser.add_argument("--version", action="version", version=f"idemflow {version('idemflow')}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
@@ -49,8 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # The reader went away (`idemflow stats … | head`): not our failure.
-        # Point stdout at /dev/null so the interpreter's final flush is quiet.
+        # The reader went away (`… | head`): not our failure; a quiet final flush.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except IdempotencyError as exc:

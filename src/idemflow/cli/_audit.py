@@ -1,10 +1,4 @@
-"""``idemflow audit URL``: black-box conformance checks of one Idempotency-Key endpoint.
-
-Arguments only here; the checks ([`idemflow.audit`][idemflow.audit], with httpx) are
-imported when the command runs. It prints what it will send before it starts
-(on stderr, so ``--json`` stays clean), refuses a host other than loopback
-without ``--yes``, and exits 1 when a check fails.
-"""
+"""``idemflow audit URL``: arguments only; the checks (`idemflow.audit`) load when it runs."""
 
 from __future__ import annotations
 
@@ -15,13 +9,10 @@ from typing import Any
 
 from ._common import positive_int, positive_seconds
 
-__all__ = ["register"]
-
 EXIT_CHECK_FAILED = 1
 
 
 def header(text: str) -> tuple[str, str]:
-    """An argparse type: ``'Name: value'``."""
     name, colon, value = text.partition(":")
     if not colon or not name.strip():
         msg = f"expected 'Name: value', got {text!r}"
@@ -30,7 +21,6 @@ def header(text: str) -> tuple[str, str]:
 
 
 def names(text: str) -> list[str]:
-    """An argparse type: check names, comma-separated."""
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
@@ -45,25 +35,20 @@ def register(subparsers: Any) -> None:
         ),
     )
     add = parser.add_argument
+    repeated: Any = {"action": "append", "type": header, "default": [], "metavar": "'NAME: VALUE'"}
     add("url", metavar="URL", help="the endpoint, e.g. http://127.0.0.1:8000/payments")
     add("--method", default="POST", help="(default: %(default)s)")
     add(
         "--header",
         dest="headers",
-        action="append",
-        type=header,
-        default=[],
-        metavar="'NAME: VALUE'",
         help="the first principal's credentials (repeatable)",
+        **repeated,
     )
     add(
         "--second-principal-header",
         dest="second_principal_headers",
-        action="append",
-        type=header,
-        default=[],
-        metavar="'NAME: VALUE'",
         help="another principal's credentials (repeatable): enables principal-isolation",
+        **repeated,
     )
     add(
         "--body",
@@ -77,11 +62,8 @@ def register(subparsers: Any) -> None:
     add(
         "--slow-header",
         dest="slow_headers",
-        action="append",
-        type=header,
-        default=[],
-        metavar="'NAME: VALUE'",
         help="a header that makes the endpoint take ≥ 1 s (repeatable)",
+        **repeated,
     )
     add(
         "--count-url",

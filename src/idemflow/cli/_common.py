@@ -1,5 +1,4 @@
-"""Arguments every command shares: the database URL (or IDEMFLOW_DATABASE_URL) and the table;
-the stand-in for a command whose distribution is not installed (the demo's)."""
+"""What the commands share: the database arguments, argparse types, the demo's loader."""
 
 from __future__ import annotations
 
@@ -10,15 +9,6 @@ from typing import Any
 
 from .._errors import ConfigurationError
 from ..stores.urls import DATABASE_URL_ENV
-
-__all__ = [
-    "add_database_arguments",
-    "add_not_installed",
-    "database_url",
-    "positive_int",
-    "positive_seconds",
-    "register_from_the_demo",
-]
 
 
 def add_database_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +37,6 @@ def database_url(args: argparse.Namespace) -> str:
 
 
 def positive_seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds above zero."""
     try:
         value = float(text)
     except ValueError:
@@ -59,14 +48,12 @@ def positive_seconds(text: str) -> float:
 
 
 def positive_int(text: str) -> int:
-    """An argparse type: a whole number of at least 1."""
     if not text.isdigit() or int(text) < 1:
         msg = f"must be a whole number of at least 1, got {text!r}"
         raise argparse.ArgumentTypeError(msg)
     return int(text)
 
 
-#: How to get the demo (``idemflow demo``, ``idemflow storm``), which is not in the library's wheel.
 DEMO_INSTALL = (
     "the demo is its own distribution, idemflow-demo, and is not installed: from a clone of "
     "idemflow, run scripts/demo (or pip install ./demo)"
@@ -74,8 +61,7 @@ DEMO_INSTALL = (
 
 
 def add_not_installed(subparsers: argparse._SubParsersAction[Any], name: str, hint: str) -> None:
-    """Lists ``name`` in ``--help`` and answers any use of it with ``hint``, a one-line error."""
-    # No option prefix: every argument, `--help` too, is taken as it comes and answered by the hint.
+    """Lists ``name`` in ``--help`` and answers any use of it (``--help`` too) with ``hint``."""
     parser = subparsers.add_parser(
         name, help="(not installed) " + hint, add_help=False, prefix_chars="\0"
     )
@@ -90,8 +76,7 @@ def add_not_installed(subparsers: argparse._SubParsersAction[Any], name: str, hi
 def register_from_the_demo(
     subparsers: argparse._SubParsersAction[Any], module: str, name: str
 ) -> None:
-    """Register ``name`` from the demo's distribution (``module``'s ``register``), or, when it
-    is not installed, the stand-in that says how to install it."""
+    """Register ``name`` from the demo's distribution, or a stand-in saying how to install it."""
     try:
         loaded = importlib.import_module(module)
     except ModuleNotFoundError as exc:

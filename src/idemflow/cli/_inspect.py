@@ -12,7 +12,6 @@ from ..logs import key_digest
 from ._common import add_database_arguments
 from ._ops import add_json_argument, age, intermixed, iso, operated_store, print_json, print_pairs
 
-#: Exit status when the store answers but holds no record for the key.
 EXIT_NOT_FOUND = 3
 
 PREVIEW_BYTES = 200
@@ -67,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def describe_record(record: Record, now: float) -> dict[str, Any]:
-    """The record as plain JSON values (the ``--json`` output)."""
     response = record.response
     return {
         "principal": record.principal,
@@ -125,7 +123,6 @@ def _short(value: str | None, chars: int) -> str | None:
 
 
 def _human(described: dict[str, Any]) -> list[tuple[str, Any]]:
-    """The JSON fields, reworded where people read them differently."""
     pairs: list[tuple[str, Any]] = []
     for name, value in described.items():
         if name == "fingerprint":

@@ -1,10 +1,5 @@
-"""
-What the operator commands (``inspect``, ``stats``, ``purge``) share: opening the
-store with a clear error when it cannot be, and printing for people (Rich
-tables, plain text without Rich) or for scripts (``--json``).
-
-Rich (``idemflow[cli]``) is imported here and nowhere else in the package.
-"""
+"""What ``inspect``, ``stats`` and ``purge`` share: the store, opened with a clear error, and
+printing for people (Rich, imported here only, or plain text) or scripts (``--json``)."""
 
 from __future__ import annotations
 
@@ -22,18 +17,6 @@ from ..stores.protocol import MaintainableStore
 from ..stores.sql import missing_table_is_clear
 from ..stores.urls import open_store, redact, scheme_of, sqlite_path
 from ._common import database_url
-
-__all__ = [
-    "add_json_argument",
-    "age",
-    "intermixed",
-    "iso",
-    "operated_store",
-    "print_json",
-    "print_pairs",
-    "print_table",
-    "rich_console",
-]
 
 # Enough for a table of endpoints without wrapping when output is not a terminal.
 _PIPE_WIDTH = 160
@@ -95,9 +78,6 @@ def _unreachable(url: str, reason: str) -> StoreUnavailable:
     return StoreUnavailable(f"cannot reach {redact(url)}: {first_line}")
 
 
-# --- values ---------------------------------------------------------------------
-
-
 def iso(epoch_seconds: float) -> str:
     """``2026-05-01T12:00:00.000Z``: ISO-8601, UTC, milliseconds (what records store)."""
     moment = datetime.fromtimestamp(epoch_seconds, UTC)
@@ -117,9 +97,6 @@ def age(seconds: float) -> str:
     if minutes:
         return f"{minutes}m {secs:02d}s"
     return f"{seconds:.1f}s" if seconds < 10 else f"{secs}s"
-
-
-# --- output ---------------------------------------------------------------------
 
 
 def print_json(data: Any, out: TextIO | None = None) -> None:
@@ -158,7 +135,7 @@ def print_table(
 
 
 def print_pairs(title: str, pairs: Sequence[tuple[str, Any]]) -> None:
-    """A two-column field/value table (one record, one summary)."""
+    """A two-column field/value table."""
     console = rich_console()
     if console is None:
         _plain_table(title, ("field", "value"), pairs, 0)
@@ -200,8 +177,7 @@ class _IntermixedParser(argparse.ArgumentParser):
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
-        # parse_known_intermixed_args calls parse_known_args itself: only the
-        # outermost call switches to it.
+        # parse_known_intermixed_args calls back: only the outermost call switches to it.
         if self._inside:
             return super().parse_known_args(args, namespace)
         self._inside = True
@@ -212,10 +188,7 @@ class _IntermixedParser(argparse.ArgumentParser):
 
 
 def intermixed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``parser`` (made by ``add_parser``), taking positionals after options too.
-
-    Plain argparse assigns every positional it can before the first option,
-    so ``inspect URL --principal P KEY`` would take URL as the key.
-    """
+    """``parser`` (made by ``add_parser``), taking positionals after options too: plain
+    argparse would take URL as the key in ``inspect URL --principal P KEY``."""
     parser.__class__ = _IntermixedParser
     return parser

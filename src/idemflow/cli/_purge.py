@@ -58,8 +58,6 @@ def register(subparsers: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class PurgePass:
-    """What one pass over the table did."""
-
     purged: int
     batches: int
     seconds: float
@@ -71,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
             _report(args, purge_pass(store, args.batch, _progress(args, store), stopping))
             return 0
         while not stopping.is_set():
-            # An outage (the database restarting) fails one pass; the next may
-            # succeed. Anything else (a missing table) ends the command.
+            # An outage fails one pass; anything else (a missing table) ends the command.
             try:
                 _report(args, purge_pass(store, args.batch, _progress(args, store), stopping))
             except StoreUnavailable as exc:
@@ -84,11 +81,8 @@ def run(args: argparse.Namespace) -> int:
 def purge_pass(
     store: MaintainableStore, batch: int, progress: Progress, stopping: threading.Event
 ) -> PurgePass:
-    """Delete everything expired as of now, ``batch`` records per statement.
-
-    ``now`` is fixed for the pass, so it ends even while records keep expiring
-    (those wait for the next pass). SIGTERM stops it between two batches.
-    """
+    """Delete everything expired as of now (fixed, so the pass ends), ``batch`` records per
+    statement; SIGTERM stops it between two batches."""
     started = time.monotonic()
     now = time.time()
     purged = batches = 0
@@ -107,33 +101,20 @@ def purge_pass(
 
 
 def _report(args: argparse.Namespace, done: PurgePass) -> None:
-    _say(
-        args,
-        f"purged {done.purged} expired records from {args.table} in "
-        f"{done.seconds:.2f}s ({_batches(done.batches)} of at most {args.batch})",
-        purged=done.purged,
-        batches=done.batches,
-        seconds=round(done.seconds, 3),
-    )
-
-
-def _batches(n: int) -> str:
-    return f"{n} batch" if n == 1 else f"{n} batches"
-
-
-def _say(args: argparse.Namespace, text: str, **fields: Any) -> None:
     """One line per pass: the summary, or a JSON object (JSON Lines with ``--every``)."""
+    batches = f"{done.batches} batch" if done.batches == 1 else f"{done.batches} batches"
+    text = (
+        f"purged {done.purged} expired records from {args.table} in "
+        f"{done.seconds:.2f}s ({batches} of at most {args.batch})"
+    )
     if args.json:
+        fields = {"purged": done.purged, "batches": done.batches, "seconds": round(done.seconds, 3)}
         print(json.dumps({"table": args.table, **fields, "message": text}), flush=True)
     else:
         print(text, flush=True)
 
 
-# --- progress -------------------------------------------------------------------
-
-
 def _progress(args: argparse.Namespace, store: Store) -> Progress:
-    """Report deleted rows on a terminal: a Rich bar, or a counter without Rich."""
     if args.json or not sys.stderr.isatty():
         return lambda deleted, last: None
     total = _expected(store)
@@ -144,7 +125,6 @@ def _progress(args: argparse.Namespace, store: Store) -> Progress:
 
 
 def _expected(store: Store) -> int | None:
-    """How many records are expired now (one COUNT on the expiry index), if the store says."""
     try:
         return store.stats().expired(time.time())
     except ConfigurationError:
@@ -185,12 +165,9 @@ def _bar(console: Any, total: int | None) -> Progress:
     return report
 
 
-# --- stopping -------------------------------------------------------------------
-
-
 @contextmanager
 def _stop_on_sigterm() -> Iterator[threading.Event]:
-    """An event set by SIGTERM, so ``--every`` ends after its current batch (exit 0)."""
+    """An event set by SIGTERM: ``--every`` ends after its current batch (exit 0)."""
     stopping = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stopping  # signal handlers belong to the main thread

@@ -22,9 +22,7 @@ from ..sweeper import DEFAULT_BATCH_SIZE, Reconciler, Stop, Sweeper, SweepReport
 from . import describe
 from ._common import add_database_arguments, database_url, positive_int, positive_seconds
 
-# The request timeout assumed when none is given: a common proxy/server limit.
-# Operators should pass their real one: the stale threshold is derived from it.
-DEFAULT_REQUEST_TIMEOUT = 30.0
+DEFAULT_REQUEST_TIMEOUT = 30.0  # a common proxy limit; operators should pass their own
 DEFAULT_RETENTION = 24 * 3600.0
 
 
@@ -92,8 +90,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Validate everything before touching the database: an unsafe threshold
-    # must fail fast, with the policy's own explanation.
+    # Before touching the database: an unsafe threshold fails fast, with the policy's words.
     policy = Policy(
         request_timeout=args.request_timeout,
         stale_after=args.stale_after,
@@ -119,11 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _require_sqlite_file(url: str) -> None:
-    """A sweep reads keys that exist: a missing SQLite file is a typo, never a new database.
-
-    Opening it would create an empty file (and the sweep would then fail on a
-    missing table, or report nothing to do), hiding the wrong path.
-    """
+    """A missing SQLite file is a typo, never a new (empty) database to sweep."""
     if scheme_of(url) != "sqlite":
         return
     path = sqlite_path(url)
@@ -133,7 +126,7 @@ def _require_sqlite_file(url: str) -> None:
 
 
 def _sweep(sweeper: Sweeper, args: argparse.Namespace) -> None:
-    # Reconciler failures are logged by the sweeper; show them as our lines.
+    # The sweeper logs reconciler failures: shown as our lines.
     logging.basicConfig(format="idemflow sweep: %(message)s", level=logging.WARNING)
     printer = _Printer(args, sweeper.policy)
     if args.every is None:
@@ -142,19 +135,16 @@ def _sweep(sweeper: Sweeper, args: argparse.Namespace) -> None:
     stop = Stop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    # A pass that fails (database restarting) is logged and the loop goes on.
     while not stop.is_set():
         try:
             printer.done(sweeper.sweep_once(printer.progress))
-        except Exception as exc:  # noqa: BLE001 -- the next pass may succeed; say why not this one
+        except Exception as exc:  # noqa: BLE001 -- the next pass may succeed
             print(f"idemflow sweep: pass failed: {describe(exc)}", file=sys.stderr, flush=True)
         if stop.wait(args.every):
             return
 
 
 class _Printer:
-    """One summary per pass; progress lines (stderr) while a long pass runs."""
-
     def __init__(self, args: argparse.Namespace, policy: Policy) -> None:
         self._json = args.json
         self._table = args.table

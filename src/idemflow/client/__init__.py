@@ -1,16 +1,6 @@
-"""
-idemflow.client: the other half of the protocol, a client that uses keys right.
-
-Each unsafe request (POST and PATCH by default) gets one ``Idempotency-Key``
-**per logical operation**, chosen before the first attempt (or the caller's,
-kept verbatim), and is retried safely, within a total deadline; settled
-answers are never retried, and one key is never sent with a different
-request (a `KeyReused`). httpx: `IdempotentTransport`,
-`AsyncIdempotentTransport`; requests: `IdempotentAdapter`,
-`idempotent_session`; after the call: `outcome`,
-[`replayed`][idemflow.client.replayed]. Importing this package imports neither httpx nor requests
-(``pip install 'idemflow[client]'``). See ``docs/client.md``.
-"""
+"""idemflow.client: one ``Idempotency-Key`` per operation, retried safely within a deadline.
+httpx: `IdempotentTransport`, `AsyncIdempotentTransport`; requests: `IdempotentAdapter`,
+`idempotent_session`. Imports neither until used (``idemflow[client]``). See docs/client.md."""
 
 from __future__ import annotations
 
@@ -50,7 +40,6 @@ __all__ = [
     "replayed",
 ]
 
-#: Names served from a module that imports an optional dependency, and its extra.
 _LAZY = {
     "DEADLINE": "_httpx",
     "AsyncIdempotentTransport": "_httpx",
@@ -60,8 +49,7 @@ _LAZY = {
 }
 _NEEDS = {"_httpx": "httpx", "_requests": "requests"}
 
-#: Issue 32: the retry loop's and the key ledger's parts are the transports' own;
-#: importable from here, with a DeprecationWarning, until 0.3.
+#: Importable from here with a DeprecationWarning until 0.3.
 _moved = moved(
     __name__,
     {
@@ -94,12 +82,8 @@ class _HasHeaders(Protocol):
 def outcome(response: object) -> ClientOutcome | None:
     """How the operation behind ``response`` went, or None if the client did not manage it.
 
-    Works on an ``httpx.Response`` (``response.extensions[OUTCOME]``), a
-    ``requests.Response``, and an error a transport raised after its last
-    attempt (the request may have run: here is its key, to retry it by hand).
-    A response reached by following redirects that the client did not manage
-    (the ``GET`` after a ``303``) answers for the operation that redirected
-    (``response.history``).
+    Works on an httpx or requests response (one a redirect led to: the operation that
+    redirected), and on an error a transport raised after its last attempt.
     """
     found = _outcome_of(response)
     for earlier in reversed(getattr(response, "history", None) or ()):

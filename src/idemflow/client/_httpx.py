@@ -1,19 +1,5 @@
-"""
-httpx transports that key and retry unsafe requests: sync and async.
-
-Both are thin loops around the sans-I/O `Operation`
-(every decision is taken there, once); what is here is only httpx's I/O:
-reading the body once, sending it, reading the answer whole (an answer cut
-off mid-body is retried like any lost answer), sleeping.
-
-Use them as any httpx transport::
-
-    client = httpx.Client(transport=IdempotentTransport())
-    async_client = httpx.AsyncClient(transport=AsyncIdempotentTransport())
-
-The wrapped transport (``httpx.HTTPTransport()`` by default) takes the
-connection settings: ``IdempotentTransport(httpx.HTTPTransport(limits=…))``.
-"""
+"""httpx transports, sync and async, that key and retry unsafe requests: thin loops around
+the sans-I/O `Operation` (``httpx.Client(transport=IdempotentTransport())``)."""
 
 from __future__ import annotations
 
@@ -29,7 +15,6 @@ from ._keys import HEADER, KeyLedger
 from ._retry import (
     OUTCOME,
     Deadline,
-    Decision,
     Failure,
     Observer,
     Operation,
@@ -37,13 +22,10 @@ from ._retry import (
     RetryPolicy,
 )
 
-__all__ = ["DEADLINE", "AsyncIdempotentTransport", "IdempotentTransport", "failure_of"]
-
-#: A request extension overriding the policy's deadline for one request:
-#: ``client.post(url, extensions={DEADLINE: 5.0})``, or a function returning the seconds left.
+#: A request extension overriding the policy's deadline for one request (seconds, or a
+#: function returning the seconds left): ``client.post(url, extensions={DEADLINE: 5.0})``.
 DEADLINE = "idemflow.deadline"
 
-#: httpx's errors by what they say about the request (anything else: not retried).
 _FAILURES: tuple[tuple[type[httpx.TransportError], Failure], ...] = (
     (httpx.ConnectError, Failure.CONNECT),
     (httpx.ConnectTimeout, Failure.CONNECT),
@@ -68,22 +50,20 @@ def failure_of(error: httpx.TransportError) -> Failure:
 
 
 class _Keyed:
-    """What the sync and async transports share: the start of an operation, its end."""
-
     def __init__(
         self, policy: RetryPolicy | None, ledger: KeyLedger | None, observer: Observer | None
     ) -> None:
         self.operations = Operations(policy, ledger, observer)
 
     def manages(self, request: httpx.Request) -> bool:
-        """Is it the policy's? Every request passes here, so a redirect loses here a key
-        that must not follow it (httpx copies the headers into the request it follows with)."""
+        """Is it the policy's? Every request passes here, so a redirect loses here a key that
+        must not follow it (httpx copies the headers into the request it follows with)."""
         if self.operations.stays_behind(request.headers.get_list(HEADER), str(request.url)):
             del request.headers[HEADER]
         return self.operations.policy.manages(request.method)
 
     def start(self, request: httpx.Request, body: bytes) -> tuple[Operation, dict[str, Any]]:
-        """Choose the key (before any attempt), add its header; return the caller's timeouts."""
+        """Choose the key, add its header; return the caller's timeouts."""
         deadline: Deadline | None = request.extensions.get(DEADLINE)
         operation = self.operations.start(
             request.method,
@@ -100,22 +80,14 @@ class _Keyed:
 
     @staticmethod
     def arm(request: httpx.Request, operation: Operation, timeouts: Mapping[str, Any]) -> None:
-        """This attempt's timeouts: the caller's, cut to the time left before the deadline."""
+        """This attempt's timeouts: the caller's, cut to the time left."""
         names = timeouts or dict.fromkeys(("connect", "read", "write", "pool"))
         capped = {name: operation.cap(value) for name, value in names.items()}
         request.extensions = {**request.extensions, "timeout": capped}
 
     @staticmethod
-    def answered(operation: Operation, response: httpx.Response, body: bytes) -> Decision:
-        return operation.answered(response.status_code, response.headers, body)
-
-    @staticmethod
-    def failed(operation: Operation, error: httpx.TransportError) -> Decision:
-        return operation.failed(failure_of(error), error)
-
-    @staticmethod
     def finish(operation: Operation, response: httpx.Response, body: bytes) -> httpx.Response:
-        """The final answer, read whole, with the operation's outcome in its extensions."""
+        """The final answer, read whole, with the operation's outcome."""
         return httpx.Response(
             response.status_code,
             headers=response.headers,
@@ -128,10 +100,10 @@ class IdempotentTransport(httpx.BaseTransport):
     """Gives each unsafe request one key and retries it safely (see `idemflow.client`).
 
     Args:
-        wrapped: the transport that sends (``httpx.HTTPTransport()`` by default).
+        wrapped: the transport that sends, with the connection settings
+            (``httpx.HTTPTransport()`` by default).
         policy: which methods, what is retried, the deadline, the keys.
-        ledger: the keys sent and what with; share one between transports to
-            share the check.
+        ledger: the keys sent and what with; share one between transports.
         on_attempt: called after every attempt with an `AttemptReport`.
         sleep: waits between attempts (injected in tests).
     """
@@ -157,13 +129,13 @@ class IdempotentTransport(httpx.BaseTransport):
             self._keyed.arm(request, operation, timeouts)
             try:
                 response = self._wrapped.handle_request(request)
-                body = _read(response)
+                body = _read(response)  # inside: an answer cut short is retried
             except httpx.TransportError as error:
-                decision = self._keyed.failed(operation, error)
+                decision = operation.failed(failure_of(error), error)
                 if not decision.retry:
                     raise
             else:
-                decision = self._keyed.answered(operation, response, body)
+                decision = operation.answered(response.status_code, response.headers, body)
                 if not decision.retry:
                     return self._keyed.finish(operation, response, body)
             self._sleep(decision.delay)
@@ -198,11 +170,11 @@ class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
                 response = await self._wrapped.handle_async_request(request)
                 body = await _aread(response)
             except httpx.TransportError as error:
-                decision = self._keyed.failed(operation, error)
+                decision = operation.failed(failure_of(error), error)
                 if not decision.retry:
                     raise
             else:
-                decision = self._keyed.answered(operation, response, body)
+                decision = operation.answered(response.status_code, response.headers, body)
                 if not decision.retry:
                     return self._keyed.finish(operation, response, body)
             await self._sleep(decision.delay)
@@ -212,7 +184,7 @@ class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
 
 
 def _read(response: httpx.Response) -> bytes:
-    """The answer's bytes as sent (still encoded): the client decodes them once, later."""
+    """The answer's bytes as sent (still encoded): the client decodes them later."""
     try:
         return b"".join(response.iter_raw())
     finally:
@@ -227,7 +199,6 @@ async def _aread(response: httpx.Response) -> bytes:
 
 
 def _caused_by_tls(error: BaseException) -> bool:
-    """A certificate or handshake failure: retrying meets it again."""
     seen: BaseException | None = error
     for _ in range(16):  # a chain is short; a cycle must not hang us
         if seen is None:

@@ -1,16 +1,5 @@
-"""
-The client's keys: made once per operation, written the way the server reads them,
-and never sent with a second request.
-
-The bugs this prevents are client-side: a key regenerated on every retry
-(each retry is a new operation to the server, so a lost answer charges twice),
-a caller's key overwritten by the library, and one key sent with two different
-bodies (the server answers 422, after the first has taken effect). So a key is
-chosen before the first attempt, the caller's ``Idempotency-Key`` is kept
-verbatim, and every key this client sent is remembered with a fingerprint of
-what it was sent with: a second, different request under it is refused here,
-before anything is sent (`KeyReusedLocally`).
-"""
+"""The client's keys: made once per operation, written the way the server reads them, and
+never sent with a second request (docs/client.md, "The key rules")."""
 
 from __future__ import annotations
 
@@ -27,26 +16,12 @@ from urllib.parse import unquote, urljoin, urlsplit
 from .._errors import InvalidKey, KeyReused
 from .._identity import parse_key
 
-__all__ = [
-    "HEADER",
-    "KeyFactory",
-    "KeyForm",
-    "KeyLedger",
-    "KeyReusedLocally",
-    "Redirect",
-    "SentKey",
-    "encode_key",
-    "request_fingerprint",
-    "uuid4_key",
-]
-
 HEADER = "Idempotency-Key"
 
 #: Makes a new key: any callable returning 1 to 255 printable ASCII characters.
 KeyFactory = Callable[[], str]
 
-# How much of a key an error message may quote (keys can be long; logs should not be).
-_EXCERPT = 40
+_EXCERPT = 40  # keys can be long; error messages should not be
 
 #: The statuses httpx and requests follow (with a ``Location``).
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
@@ -56,12 +31,8 @@ _V = TypeVar("_V")
 
 
 class KeyForm(enum.Enum):
-    """How a generated key is written in the header.
-
-    ``BARE`` (the default, as Stripe and most servers expect): ``Idempotency-Key: 3f2a…``.
-    ``SF_STRING``: the RFC 9651 String the IETF draft specifies, ``Idempotency-Key: "3f2a…"``.
-    idemflow's server reads both as the same key; a strict draft server needs the second.
-    """
+    """How a generated key is written: ``BARE`` (``3f2a…``, as most servers expect) or
+    ``SF_STRING`` (``"3f2a…"``, the IETF draft's). idemflow reads both as one key."""
 
     BARE = "bare"
     SF_STRING = "sf-string"
@@ -73,42 +44,28 @@ def uuid4_key() -> str:
 
 
 def encode_key(key: str, form: KeyForm) -> str:
-    """The header value for ``key``; raises `idemflow.InvalidKey` if the server would.
-
-    Checked with the server's own parser ([`idemflow.parse_key`][idemflow.parse_key]), so a key
-    this client sends is a key an idemflow server accepts, and means the same
-    key: 1 to 255 printable ASCII characters, and in the bare form none of
-    ``, ; "``, space or tab (write those keys as ``KeyForm.SF_STRING``).
-    """
+    """The header value for ``key``; raises `idemflow.InvalidKey` if the server's own
+    parser would (a bare key holds none of ``, ; "``, space or tab)."""
     if form is KeyForm.SF_STRING:
         value = '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
     else:
         value = key
-    # The server parses exactly this; a mismatch means the value would be read differently.
     parse_key([value], strict=form is KeyForm.SF_STRING)
     return value
 
 
 def excerpt(key: str) -> str:
-    """A key as an error message may show it: short, ``repr``-escaped."""
     return repr(key[:_EXCERPT]) + ("..." if len(key) > _EXCERPT else "")
 
 
 class KeyReusedLocally(KeyReused):
-    """This client already sent the key with a different request: refused before sending.
-
-    The server would answer 422 (its fingerprint differs), but only after the
-    first request took effect; refusing here keeps the mistake out of the
-    network. Use a new key for a new request.
-    """
+    """This client already sent the key with a different request: refused before sending,
+    not answered 422 by the server after the first request took effect."""
 
 
 def request_fingerprint(method: str, url: str, body: bytes) -> str:
-    """What a key is sent with: method, full URL (query included) and the body, byte for byte.
-
-    Stricter than the server's (which canonicalises JSON): the client cannot
-    know which differences a server ignores, so it refuses any.
-    """
+    """Method, full URL and body, byte for byte: stricter than the server's (the client
+    cannot know which differences a server ignores)."""
     digest = hashlib.sha256()
     for part in (method.upper().encode(), url.encode("utf-8", "surrogatepass"), body):
         digest.update(len(part).to_bytes(8, "big"))
@@ -117,12 +74,7 @@ def request_fingerprint(method: str, url: str, body: bytes) -> str:
 
 
 def scope_of(url: str, headers: Mapping[str, str]) -> str:
-    """Whose key it is, as the server sees it: the origin, and a digest of the credentials.
-
-    Servers scope keys to a principal (idemflow does), so the same key sent by
-    two users is two keys; the ``Authorization`` header stands for the
-    principal (hashed: the ledger never holds a secret).
-    """
+    """Whose key it is: the origin, and a digest of ``Authorization`` (the principal)."""
     parts = urlsplit(url)
     credentials = headers.get("authorization") or ""
     digest = hashlib.sha256(credentials.encode("utf-8", "surrogatepass")).hexdigest()[:32]
@@ -131,7 +83,7 @@ def scope_of(url: str, headers: Mapping[str, str]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Followed:
-    """The request a client following a redirect sends: its method and absolute URL."""
+    """The request a client following a redirect sends."""
 
     method: str
     url: str
@@ -139,7 +91,7 @@ class Followed:
 
 @dataclass(frozen=True, slots=True)
 class Redirect:
-    """A redirect answered to a request sent with ``key``: what the library may send next."""
+    """A redirect answered to a request sent with ``key``."""
 
     scope: str
     key: str
@@ -150,9 +102,7 @@ class Redirect:
     location: str
 
     def followed(self) -> Followed:
-        """What httpx and requests both send: ``303`` (and ``302``) turn into ``GET``
-        (a ``HEAD`` stays one), ``301`` turns a ``POST`` into ``GET``, ``307``/``308``
-        keep the method (and the body)."""
+        """What httpx and requests both send next (``303`` turns into ``GET``, …)."""
         method = self.method.upper()
         if (self.status in (302, 303) and method != "HEAD") or (
             self.status == 301 and method == "POST"
@@ -162,7 +112,6 @@ class Redirect:
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
-    """Scheme, host and port: two URLs differing in any of them are two origins."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     try:
@@ -181,10 +130,9 @@ def _comparable(url: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class SentKey:
-    """The key one operation sends: its value, and whether the caller chose it."""
+    """The key one operation sends; ``header_value`` None: the caller's header is kept."""
 
     key: str
-    #: The header value to add, or None when the caller's own header is kept as is.
     header_value: str | None
 
     @property
@@ -193,12 +141,8 @@ class SentKey:
 
 
 class KeyLedger:
-    """Every key this client sent lately, with what it was sent with (bounded, thread-safe).
-
-    ``capacity`` keys are remembered, the least recently used forgotten first:
-    a caller reusing a key after that many others escapes the local check, and
-    meets the server's 422.
-    """
+    """The last ``capacity`` keys this client sent, with what they were sent with
+    (thread-safe); one reused after that many others meets the server's 422 instead."""
 
     def __init__(self, capacity: int = 10_000) -> None:
         if capacity < 1:
@@ -225,7 +169,7 @@ class KeyLedger:
         scope: str,
         fingerprint: str,
     ) -> SentKey:
-        """The operation's key: the caller's (``values``, its header lines) or a new one.
+        """The operation's key: the caller's (``values``) or a new one.
 
         Raises:
             idemflow.InvalidKey: the caller's header, or the factory's key, is malformed.
@@ -240,15 +184,9 @@ class KeyLedger:
         return sent
 
     def redirected(self, redirect: Redirect) -> None:
-        """An answer to a request sent with ``redirect.key`` redirects; the library may follow.
-
-        A redirect that keeps the method and the origin (a ``307``/``308`` to the same
-        server) asks for the same request elsewhere: the same operation, so the request
-        that follows may carry the key (accepted here with its new URL). Any other (the
-        method turned into ``GET``, another origin) makes a request that is not the
-        operation, or goes to a server the key was not meant for: remembered, so that
-        `stays_behind` drops the key from the request that follows.
-        """
+        """An answer to a request sent with ``redirect.key`` redirects: the key may follow a
+        ``307``/``308`` to the same origin (the same operation); any other, `stays_behind`
+        drops it from the request that follows."""
         try:
             follows = redirect.followed()
             same_origin = _origin(follows.url) == _origin(redirect.url)
@@ -265,8 +203,7 @@ class KeyLedger:
             self._keep(self._stays, (redirect.key, target), None)
 
     def stays_behind(self, values: Sequence[str], url: str) -> bool:
-        """Does this request (its ``Idempotency-Key`` lines, its URL) follow a redirect the
-        key must not follow (`redirected`)? Never raises: any method, any header."""
+        """Does this request follow a redirect its key must not follow? Never raises."""
         if not values:
             return False
         try:
@@ -291,7 +228,6 @@ class KeyLedger:
     def _keep(
         self, memory: OrderedDict[tuple[str, str], _V], at: tuple[str, str], value: _V
     ) -> None:
-        """Store ``value``, most recently used, forgetting the oldest past the capacity."""
         memory[at] = value
         memory.move_to_end(at)
         while len(memory) > self._capacity:

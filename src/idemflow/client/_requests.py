@@ -1,17 +1,5 @@
-"""
-A ``requests`` adapter that keys and retries unsafe requests.
-
-A thin loop around the sans-I/O `Operation`,
-like the httpx transports: every decision is taken there. Mount it on a
-session, or let [`idempotent_session`][idemflow.client.idempotent_session] do it::
-
-    session = idempotent_session()
-    response = session.post(url, json=payment)
-    outcome(response).replayed
-
-Its own ``max_retries`` stays 0 (urllib3 retries nothing): the retries are the
-policy's, with the key and the deadline.
-"""
+"""A ``requests`` adapter that keys and retries unsafe requests: a thin loop around the
+sans-I/O `Operation`. Its ``max_retries`` stays 0: the retries are the policy's."""
 
 from __future__ import annotations
 
@@ -27,13 +15,11 @@ from urllib3.exceptions import NewConnectionError
 from ._keys import HEADER, KeyLedger
 from ._retry import OUTCOME_ATTRIBUTE, Failure, Observer, Operation, Operations, RetryPolicy
 
-__all__ = ["IdempotentAdapter", "failure_of", "idempotent_session"]
-
 Timeout: TypeAlias = float | tuple[float, float] | tuple[float, None] | None
 
 
 def failure_of(error: requests.exceptions.RequestException) -> Failure:
-    """What a requests error says about the request; TLS and proxy refusals are not retried."""
+    """What a requests error says about the request."""
     if isinstance(error, requests.exceptions.SSLError | requests.exceptions.ProxyError):
         return Failure.FATAL
     if isinstance(error, requests.exceptions.ConnectTimeout) or _never_connected(error):
@@ -135,7 +121,7 @@ def idempotent_session(
 
 
 def _body_bytes(request: requests.PreparedRequest) -> bytes:
-    """The body as the bytes every attempt sends; a generator or file is read into them."""
+    """The body as the bytes every attempt sends (a generator or file read into them)."""
     body: Any = request.body
     if body is None:
         return b""
@@ -151,10 +137,8 @@ def _body_bytes(request: requests.PreparedRequest) -> bytes:
 
 
 def _capped(operation: Operation, timeout: Timeout) -> Timeout:
-    """The caller's (connect, read) timeouts cut to the time left before the deadline."""
     if isinstance(timeout, tuple):
         connect, read = timeout
-        # A connect timeout is a number here (the caller's), so capping keeps it one.
         return (cast(float, operation.cap(connect)), cast(float, operation.cap(read)))
     return operation.cap(timeout)
 

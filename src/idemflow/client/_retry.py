@@ -1,15 +1,5 @@
-"""
-The client's retry policy, sans I/O: what to do after each attempt.
-
-The transports (httpx sync and async, requests) are thin loops around one
-`Operation`: they send, tell it what came back (`Operation.answered`
-or `Operation.failed`), and sleep for the `Decision`'s delay or
-stop. Every rule lives here, once, and runs under a fake clock in the tests.
-What is retried and why (no answer, a 409 in flight, the transient statuses,
-a problem's ``retryable``; never a replay or a settled answer), and when
-(``Retry-After``, capped exponential backoff with full jitter, the deadline):
-docs/client.md, "What is retried, and why".
-"""
+"""The client's retry policy, sans I/O: the transports send, tell an `Operation` what came
+back, and sleep for its `Decision` or stop. The rules: docs/client.md, "What is retried"."""
 
 from __future__ import annotations
 
@@ -40,28 +30,9 @@ from ._keys import (
     uuid4_key,
 )
 
-__all__ = [
-    "DEFAULT_METHODS",
-    "DEFAULT_RETRY_STATUSES",
-    "OUTCOME",
-    "OUTCOME_ATTRIBUTE",
-    "AttemptReport",
-    "ClientOutcome",
-    "Deadline",
-    "Decision",
-    "Failure",
-    "Observer",
-    "Operation",
-    "Operations",
-    "RetryPolicy",
-    "is_replay",
-    "parse_retry_after",
-    "read_problem",
-]
-
 #: Methods that get a key and the retry loop; others pass through untouched.
 DEFAULT_METHODS = frozenset({"POST", "PATCH"})
-#: Statuses that settle nothing: retried (409 only while in flight; see the module doc).
+#: Statuses that settle nothing: retried (409 only while in flight).
 DEFAULT_RETRY_STATUSES = frozenset({408, 409, 425, 429, 502, 503, 504})
 #: Where a transport puts the `ClientOutcome` (httpx ``response.extensions``).
 OUTCOME = "idemflow.client"
@@ -74,27 +45,20 @@ Deadline: TypeAlias = Duration | Callable[[], float]
 REPLAYED_HEADER = "idempotent-replayed"
 #: Problem types (RFC 9457) that mean "the first request with this key is in flight".
 IN_FLIGHT_PROBLEMS = ("/in-progress", "/lease-lost")
-#: A problem body longer than this is not read (a problem is a few hundred bytes).
+#: A problem body longer or deeper than this is not read (the JSON parser recurses per level).
 MAX_PROBLEM_BYTES = 64 * 1024
-#: Nor one nested deeper than this (a problem is flat; the JSON parser recurses per level).
 MAX_PROBLEM_DEPTH = 32
-#: A JSON string (skipped whole, escapes included; one left open runs to the end, so no
-#: input makes the scan quadratic) or one bracket.
+#: A JSON string (skipped whole; one left open runs to the end: never quadratic) or a bracket.
 _STRUCTURE = re.compile(rb'"(?:[^"\\]|\\.)*"?|[\[\]{}]', re.DOTALL)
 
 
 class Failure(enum.Enum):
     """How an attempt ended without an answer; each transport maps its library's errors."""
 
-    #: The connection could not be made (refused, unreachable, no pooled
-    #: connection in time): nothing was sent.
-    CONNECT = "connect error"
-    #: Sent, and the answer did not come within the read timeout: it may have run.
-    TIMEOUT = "read timeout"
-    #: The connection dropped mid-request or mid-answer: it may have run.
-    DISCONNECTED = "connection lost"
-    #: Not the network: TLS, a proxy's refusal, a protocol or decoding error. Not retried.
-    FATAL = "not retryable"
+    CONNECT = "connect error"  # nothing was sent
+    TIMEOUT = "read timeout"  # it may have run
+    DISCONNECTED = "connection lost"  # it may have run
+    FATAL = "not retryable"  # not the network: TLS, a proxy, a protocol error
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,11 +72,10 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class AttemptReport:
-    """One attempt, as an ``on_attempt`` observer sees it (for logs, metrics, tests)."""
+    """One attempt, as an ``on_attempt`` observer sees it (``status`` None: ``failure``)."""
 
     key: str
     number: int
-    #: The answer's status, or None when there was none (see ``failure``).
     status: int | None
     failure: Failure | None
     error: BaseException | None
@@ -132,8 +95,7 @@ class ClientOutcome:
     #: The final answer is the server's stored one (``Idempotent-Replayed: true``).
     replayed: bool
     status: int | None
-    #: True when retrying stopped on an answer the client would have retried
-    #: (the deadline or ``max_attempts``): the operation's fate is unknown.
+    #: Retrying stopped at the deadline or ``max_attempts``: the operation's fate is unknown.
     exhausted: bool
     reason: str
     elapsed: float
@@ -190,10 +152,8 @@ class RetryPolicy:
 
 
 class Operation:
-    """One logical request: its key, and the decisions taken after each attempt.
-
-    Mutable and private to the call that sends it; never shared.
-    """
+    """One logical request: its key, and the decisions taken after each attempt (mutable,
+    never shared)."""
 
     def __init__(
         self,
@@ -206,7 +166,8 @@ class Operation:
         self.policy = policy
         self.sent = sent
         self._observer = observer
-        self._on_redirect = on_redirect or _no_redirect_rule
+        # Without a ledger (tests), no rule for where the key may follow a redirect.
+        self._on_redirect = on_redirect or (lambda status, location: None)
         self.attempts = 0
         self._started = policy.clock()
         chosen = policy.deadline if deadline is None else deadline  # 0 is a deadline too
@@ -232,14 +193,14 @@ class Operation:
         return left if timeout is None else min(timeout, left)
 
     def answered(self, status: int, headers: Mapping[str, str], body: bytes = b"") -> Decision:
-        """An answer came back; ``headers`` is case-insensitive (httpx's, requests')."""
+        """An answer came back; ``headers`` is case-insensitive."""
         self.attempts += 1
         self._status = status
         self._replayed = is_replay(headers)
         decision = self._after_answer(status, headers, body)
         location = headers.get("location")
         if status in REDIRECT_STATUSES and location is not None and not decision.retry:
-            self._on_redirect(status, location)  # the library may follow: may the key go too?
+            self._on_redirect(status, location)
         self._report(AttemptReport(self.key, self.attempts, status, None, None, decision))
         return decision
 
@@ -289,12 +250,8 @@ class Operation:
             self._observer(report)
 
     def _retryable(self, status: int, headers: Mapping[str, str], body: bytes) -> bool:
-        """The status decides, and a problem's ``retryable`` member where it says more.
-
-        ``retryable: false`` vetoes a retry (the same request cannot succeed);
-        ``true`` marks a 409 as in flight and a 5xx as transient. It never
-        turns a settled 4xx into a retry.
-        """
+        """The status decides; a problem's ``retryable: false`` vetoes, ``true`` marks a 409
+        in flight and a 5xx transient, never a settled 4xx."""
         problem = read_problem(headers, body)
         says = problem.get("retryable") if problem is not None else None
         if says is False:
@@ -350,7 +307,7 @@ class Operations:
         """The key and the retry state of one request, before its first attempt.
 
         Raises:
-            idemflow.InvalidKey: the caller's ``Idempotency-Key`` (or a generated one) is malformed.
+            idemflow.InvalidKey: the caller's (or a generated) key is malformed.
             KeyReusedLocally: the caller's key was sent before with another request.
         """
         scope = scope_of(url, headers)
@@ -368,8 +325,7 @@ class Operations:
         return Operation(self.policy, sent, deadline, self.observer, redirected)
 
     def stays_behind(self, key_values: Sequence[str], url: str) -> bool:
-        """Must this request go without its ``Idempotency-Key`` lines? It follows a
-        redirect to another origin or with another method (`KeyLedger.redirected`)."""
+        """Must this request go without its key (`KeyLedger.stays_behind`)?"""
         return self.ledger.stays_behind(key_values, url)
 
 
@@ -380,11 +336,8 @@ def is_replay(headers: Mapping[str, str]) -> bool:
 
 
 def parse_retry_after(value: str | None, now: float) -> float | None:
-    """``Retry-After`` in seconds from ``now`` (epoch seconds), or None if absent or invalid.
-
-    RFC 9110 §10.2.3: delta-seconds (``120``) or an HTTP-date (IMF-fixdate, and
-    the obsolete RFC 850 and asctime forms); a date in the past is 0.
-    """
+    """``Retry-After`` (RFC 9110: delta-seconds or an HTTP-date) in seconds from ``now``
+    (epoch seconds), or None if absent or invalid; a date in the past is 0."""
     if value is None:
         return None
     text = value.strip()
@@ -401,14 +354,8 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
 
 
 def read_problem(headers: Mapping[str, str], body: bytes) -> dict[str, object] | None:
-    """The RFC 9457 problem an answer carries, or None: any body this cannot read is no problem.
-
-    An answer is read after the request may have run, from a server that may be
-    broken or hostile, so reading it must never raise: only an
-    ``application/problem+json`` body (one media type, any parameters) of at most
-    `MAX_PROBLEM_BYTES` and `MAX_PROBLEM_DEPTH` levels of nesting
-    (counted before parsing: the parser recurses per level) in UTF-8 is parsed.
-    """
+    """The RFC 9457 problem an answer carries, or None. Never raises: the server may be
+    broken or hostile, and the request may have run."""
     if _media_type(headers.get("content-type")) != "application/problem+json":
         return None
     if len(body) > MAX_PROBLEM_BYTES or _nesting(body) > MAX_PROBLEM_DEPTH:
@@ -421,12 +368,11 @@ def read_problem(headers: Mapping[str, str], body: bytes) -> dict[str, object] |
 
 
 def _media_type(value: str | None) -> str:
-    """``type/subtype`` of a ``Content-Type``, lower-cased; repeated headers join with a comma."""
     return (value or "").split(";", 1)[0].strip().lower()
 
 
 def _nesting(body: bytes) -> int:
-    """How deep arrays and objects nest in ``body`` (strings skipped), found without recursion."""
+    """How deep arrays and objects nest in ``body``, found without recursion."""
     depth = deepest = 0
     for token in _STRUCTURE.finditer(body):
         bracket = token[0]
@@ -439,19 +385,12 @@ def _nesting(body: bytes) -> int:
 
 
 def _in_flight(headers: Mapping[str, str], problem: dict[str, object] | None, says: object) -> bool:
-    """A 409 that says "still running, come back".
-
-    ``Retry-After``, a problem ``retryable: true``, or the problem types
-    ``in-progress``/``lease-lost``; any other 409 is a settled conflict.
-    """
+    """A 409 that says "still running": ``Retry-After``, ``retryable: true``, or an
+    ``in-progress``/``lease-lost`` problem; any other 409 is a settled conflict."""
     if headers.get("retry-after") is not None or says is True:
         return True
     kind = problem.get("type") if problem is not None else None
     return isinstance(kind, str) and kind.endswith(IN_FLIGHT_PROBLEMS)
-
-
-def _no_redirect_rule(status: int, location: str) -> None:
-    """An operation made without a ledger (tests): no rule for where its key may follow."""
 
 
 def _seconds_left(

@@ -1,10 +1,5 @@
-"""The OpenAPI description of a protected operation, written once for FastAPI and DRF.
-
-The ``Idempotency-Key`` header, the problems idemflow answers (RFC 9457, each
-with its status and whether a retry may help) and the replay headers, as plain
-OpenAPI 3 dictionaries: FastAPI merges them into a route's ``openapi_extra``,
-DRF's drf-spectacular into the operation it generates (``django/_schema.py``).
-"""
+"""The OpenAPI description of a protected operation (the key header, the problems, the
+replay headers) as plain dictionaries, written once for FastAPI and drf-spectacular."""
 
 from __future__ import annotations
 
@@ -17,8 +12,6 @@ from ..edge import (
     REPLAYED_HEADER,
     REQUEST_ID_HEADER,
 )
-
-__all__ = ["operation"]
 
 _PROBLEM_SCHEMA: dict[str, Any] = {
     "type": "object",

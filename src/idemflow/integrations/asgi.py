@@ -1,13 +1,4 @@
-"""
-idemflow as pure ASGI middleware: no framework imported.
-
-`IdempotencyMiddleware` protects the ``endpoints`` listed (middleware
-mode: the effect commits first, then the record); `RequestIdMiddleware`
-gives every response its ``X-Request-Id``. For Starlette and FastAPI,
-`idemflow.integrations.starlette` adds route templates through mounts and
-refuses, at start-up, an opted-in route declared to stream. docs/http.md tells
-the modes, the body rules and where to place it (after authentication).
-"""
+"""idemflow as pure ASGI middleware, no framework imported (middleware mode: docs/http.md)."""
 
 from __future__ import annotations
 
@@ -55,11 +46,7 @@ PRINCIPAL_HOOK = "principal= (called without awaiting, before the claim)"
 
 
 def authenticated_user(scope: Scope) -> str | None:
-    """The identity of ``scope["user"]`` as an authentication middleware sets it.
-
-    Raises ConfigurationError when no authentication ran at all: that is a
-    wiring mistake (idempotency placed before authentication), not a 401.
-    """
+    """The identity of ``scope["user"]``; ConfigurationError if no authentication ran at all."""
     if "user" not in scope:
         msg = (
             "no authentication ran before idempotency: add AuthenticationMiddleware "
@@ -83,11 +70,8 @@ def request_id(scope: Scope) -> str:
 
 
 class RequestIdMiddleware:
-    """Give every response an ``X-Request-Id``: the client's (if sane) or a new one.
-
-    The id is also ``request.state.request_id`` and becomes the key record's
-    correlation id, which replays link back to.
-    """
+    """Give every response an ``X-Request-Id`` (the client's if sane, else a new one), also
+    ``request.state.request_id`` and the record's correlation id."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -112,16 +96,9 @@ class RequestIdMiddleware:
 class IdempotencyMiddleware:
     """Middleware mode: claim, buffer the response, store it, replay it. Pure ASGI.
 
-    Only the ``endpoints`` listed opt in (``"POST /payments/{id}/refunds"``:
-    method and route template, relative to where the middleware sits); every
-    other request passes through untouched. Mapped to a [`Policy`][idemflow.Policy]
-    (``{"POST /payments": Policy(retention=timedelta(days=7))}``), an endpoint runs
-    under that policy (``EdgeOptions.policy``); unmapped (None), the driver's.
-    A 5xx, 408 or 429 (or an exception) releases the claim; an ``OutcomeUnknown``,
-    raised or reported through ``scope["idemflow.outcome_unknown"]``, keeps it for
-    the sweeper. A response that cannot be stored whole settles the key with a
-    ``response-not-stored`` marker, never a release: its effect has happened
-    (docs/http.md).
+    Only the ``endpoints`` listed opt in (``"POST /payments/{id}/refunds"``, relative to
+    where the middleware sits), each under the driver's policy or the
+    [`Policy`][idemflow.Policy] it maps to. What is released, kept or stored: docs/http.md.
     """
 
     def __init__(
@@ -160,15 +137,12 @@ class IdempotencyMiddleware:
             who = self._principal(scope)
             body = await _read_body(receive, scope, self.edge.options.max_body_bytes)
         except IdempotencyError as exc:
-            # After a disconnect this answer goes nowhere (the server drops
-            # it); it is sent all the same, so there is one path, no traceback.
+            # After a disconnect this goes nowhere; sent all the same: one path, no traceback.
             await send_response(send, problem_for(exc, rid))
             return
         template, params, edge = route
-        raw = scope.get("query_string", b"")
-        query = raw.decode("latin-1") if isinstance(raw, bytes) else str(raw)
         request = HTTPRequest(
-            scope["method"], template, scope["headers"], body, who, rid, params, query
+            scope["method"], template, scope["headers"], body, who, rid, params, query_of(scope)
         )
         response = await edge.respond(request, self._endpoint(scope, body, receive))
         await send_response(send, response)
@@ -186,7 +160,6 @@ class IdempotencyMiddleware:
         return root_path[len(app_root) :]
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Fail the ASGI startup if the middleware must not run (`refusal`)."""
         message = await receive()
         if message["type"] == "lifespan.startup":
             refusal = self._check_routes(again=True)
@@ -207,12 +180,7 @@ class IdempotencyMiddleware:
         return self._refusal
 
     def _match(self, scope: Scope) -> tuple[str, dict[str, str], AsyncEdge] | None:
-        """The opted-in route this request matches: its full template, its path parameters
-        and its edge.
-
-        The path is matched below the mount the middleware sits in (the
-        ``root_path``), and the mount's template and parameters are added.
-        """
+        """The opted-in route matched below ``root_path``: full template, parameters, edge."""
         method = scope["method"].upper()
         if method in SAFE_METHODS:
             return None
@@ -220,8 +188,7 @@ class IdempotencyMiddleware:
         for route, edge in zip(self._routes, self._edges, strict=True):
             match = route.pattern.fullmatch(path) if route.method == method else None
             if match is not None:
-                mounted = {str(k): str(v) for k, v in scope.get("path_params", {}).items()}
-                params = {**mounted, **match.groupdict()}
+                params = {**path_params(scope), **match.groupdict()}
                 return self.mount_prefix(scope) + route.template, params, edge
         return None
 
@@ -233,8 +200,7 @@ class IdempotencyMiddleware:
             # The app has run when it is asked: a classifier that fails settles, never releases.
             classify = functools.partial(settled_verdict, attempt.policy.verdict)
             buffer = _ResponseBuffer(self.edge.options.max_response_bytes)
-            # Where an app that answers its own exceptions reports an OutcomeUnknown;
-            # one made while it ran and then failed is raised too, reported or not.
+            # An app that answers its own exceptions reports an OutcomeUnknown here.
             slot = scope[OUTCOME_SLOT] = OutcomeSlot()
             with slot.watching():
                 await self.app(scope, _replaying(body, receive), buffer.send)
@@ -244,6 +210,15 @@ class IdempotencyMiddleware:
             return response
 
         return operation
+
+
+def path_params(scope: Scope) -> dict[str, str]:
+    return {str(k): str(v) for k, v in scope.get("path_params", {}).items()}
+
+
+def query_of(scope: Scope) -> str:
+    raw = scope.get("query_string", b"")
+    return raw.decode("latin-1") if isinstance(raw, bytes) else str(raw)
 
 
 def _route_path(scope: Scope) -> str:
@@ -256,7 +231,6 @@ def _route_path(scope: Scope) -> str:
 
 
 async def _read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
-    """The whole request body from ASGI messages, bounded (`BodyReader`)."""
     lengths = header_values(scope.get("headers", ()), "content-length")
     reader = BodyReader(lengths[0] if lengths else None, limit)
     more = True

@@ -1,19 +1,6 @@
-"""
-idemflow for FastAPI, transactional mode: ``pip install 'idemflow[fastapi]'``.
-
-`IdempotentRoute` (a route class) protects every route whose endpoint
-takes an `IdempotentRequest` parameter, made by `dependency`
-(the app's own SQLAlchemy ``AsyncEngine`` or ``async_sessionmaker``, a
-``psycopg_pool.AsyncConnectionPool``, or an
-[`Idempotent`][idemflow.integrations.starlette.Idempotent] for any other store).
-The endpoint runs whole inside the claim, in the transaction the completion
-is written in, and keeps FastAPI's ``response_model``; the route class reads
-the body bounded, documents the key and the problems in the OpenAPI document
-and refuses mistakes at start-up. Quick start, how a request goes, the
-OpenAPI document, optional keys, the mistakes refused and the earlier
-``idem.run(handler)`` form: docs/frameworks/fastapi.md. For middleware mode,
-use `idemflow.integrations.starlette.IdempotencyMiddleware`.
-"""
+"""idemflow for FastAPI, transactional mode: `IdempotentRoute` runs every endpoint taking
+an `IdempotentRequest` (made by `dependency`) whole inside the claim, in the transaction
+the completion is written in. See docs/frameworks/fastapi.md."""
 
 # No ``from __future__ import annotations`` here: FastAPI reads the
 # dependency's signature at runtime, including names from this closure.
@@ -54,7 +41,14 @@ with optional("idemflow.integrations.fastapi"):
     from typing_extensions import TypeVar  # fastapi's own dependency: a TypeVar's default
 
     from .asgi import _read_body, _replaying, authenticated_user, request_id, send_response
-    from .starlette import Idempotent, StarletteHandler, _declares_streaming, to_starlette
+    from .starlette import (
+        Idempotent,
+        StarletteHandler,
+        _declares_streaming,
+        effective_route,
+        not_a_response,
+        to_starlette,
+    )
 
 __all__ = ["EdgeOptions", "IdempotentRequest", "IdempotentRoute", "dependency", "scope_user"]
 
@@ -75,10 +69,8 @@ class _Protection:
 class IdempotentRequest(Generic[Connection]):
     """One request's handle on transactional idempotency.
 
-    Under `IdempotentRoute` the endpoint already runs protected: write
-    on `connection` and return what FastAPI should serialise. Otherwise
-    call `run` with a handler. Its parameter names what `connection`
-    is: ``IdempotentRequest[AsyncSession]`` for a SQLAlchemy engine.
+    Under `IdempotentRoute` the endpoint runs protected: write on `connection` (of the
+    type given, ``IdempotentRequest[AsyncSession]``). Otherwise call `run` with a handler.
     """
 
     def __init__(
@@ -95,7 +87,7 @@ class IdempotentRequest(Generic[Connection]):
         self._principal = principal
         self._required = required
         self._attempt: AsyncAttempt | None = None
-        self._plain: Any = None  # the transaction of an unprotected run (no key, not required)
+        self._plain: Any = None  # the transaction of an unprotected run
 
     @property
     def key_sent(self) -> bool:
@@ -135,7 +127,6 @@ class IdempotentRequest(Generic[Connection]):
         """Run the endpoint (``call``) protected; plainly if its key is optional and absent."""
         if not self._required and not self.key_sent:
             if not self._principal and not self._idempotent.edge.options.public:
-                # The same rule as with a key: nobody is refused, never run anonymously.
                 refusal = MissingPrincipal("authenticate first: this endpoint is not public")
                 return to_starlette(problem_for(refusal, request_id(self._request.scope)))
             return await self._unprotected(call)
@@ -152,10 +143,8 @@ class IdempotentRequest(Generic[Connection]):
     async def _unprotected(
         self, call: Callable[[], Awaitable[StarletteResponse]]
     ) -> StarletteResponse:
-        """No key, and none required: the endpoint runs once, in a transaction of its own.
-
-        As in a protected run, a transient answer (5xx, 408, 425, 429) rolls its writes back.
-        """
+        """No key, none required: run once in a transaction of its own, rolled back on a
+        transient answer as in a protected run."""
         idempotent = self._idempotent
         async with pooled_transaction(idempotent._connect, idempotent._transaction) as plain:
             await plain.begin()
@@ -191,34 +180,23 @@ def dependency(
     """A FastAPI dependency yielding `IdempotentRequest`.
 
     Args:
-        idempotent: the transactional configuration (store, connections,
-            options): an [`Idempotent`][idemflow.integrations.starlette.Idempotent],
-            or, as a shorthand, the app's own database: a SQLAlchemy
-            ``AsyncEngine`` or ``async_sessionmaker`` (``idem.connection`` is
-            the request's ``AsyncSession``; PostgreSQL through psycopg, or a
-            SQLite file), or a ``psycopg_pool.AsyncConnectionPool`` of
-            autocommit connections (``idem.connection`` a psycopg
-            ``AsyncConnection``). Keys then live in that database (the
-            ``idemflow_keys`` table), claimed on the same pool; ``policy``,
-            ``options`` and ``observer`` (metrics:
-            [`PrometheusMetrics`][idemflow.metrics.PrometheusMetrics]) as given.
-        principal: your authentication dependency; FastAPI runs it first, and
-            what it returns (a ``str``, or an object with ``identity`` or
-            ``username``; None for nobody, answered 401) scopes the key. For
-            starlette's ``AuthenticationMiddleware`` pass `scope_user`.
-            Only a ``public`` endpoint (``EdgeOptions(public=True)``) may omit it.
-        policy: this route's [`Policy`][idemflow.Policy] (its retention, request
-            timeout, classifier; ``EdgeOptions.policy``), or ``(principal) -> Policy``.
-            With an ``Idempotent`` its stale threshold may not exceed its driver's,
-            which the sweeper runs on; with an engine or a pool it is the driver's own.
-        required: whether a request must carry an ``Idempotency-Key`` (400
-            ``missing-key`` without one). With False (and
-            `IdempotentRoute`), a request without one runs unprotected,
-            once, in a transaction of its own; the header is documented optional.
+        idempotent: an [`Idempotent`][idemflow.integrations.starlette.Idempotent], or the
+            app's own database: a SQLAlchemy ``AsyncEngine`` or ``async_sessionmaker``
+            (PostgreSQL through psycopg, or a SQLite file; ``idem.connection`` is the
+            ``AsyncSession``) or a ``psycopg_pool.AsyncConnectionPool`` of autocommit
+            connections. Keys then live in that database (``idemflow_keys``), with
+            ``policy``, ``options`` and ``observer`` as given.
+        principal: your authentication dependency; what it returns (a ``str``, or an
+            object with ``identity`` or ``username``; None: 401) scopes the key. For
+            starlette's ``AuthenticationMiddleware`` pass `scope_user`. Only a ``public``
+            endpoint (``EdgeOptions(public=True)``) may omit it.
+        policy: this route's [`Policy`][idemflow.Policy], or ``(principal) -> Policy``;
+            with an ``Idempotent``, its stale threshold may not exceed the driver's.
+        required: whether a request must carry an ``Idempotency-Key``; with False,
+            one without runs unprotected, once, in a transaction of its own.
 
     Raises:
-        ConfigurationError: no ``principal`` on an endpoint that is not public:
-            keys are never claimed anonymously.
+        ConfigurationError: no ``principal`` on an endpoint that is not public.
     """
     if not isinstance(idempotent, Idempotent):
         app_policy = policy if isinstance(policy, Policy) else None
@@ -256,7 +234,6 @@ def dependency(
 
 
 def _for_route(idempotent: Idempotent, policy: RoutePolicy) -> Idempotent:
-    """``idempotent`` for one route: the same driver and connections, the route's policy."""
     route = copy.copy(idempotent)
     options = replace(idempotent.edge.options, policy=policy)
     route.edge = AsyncEdge(idempotent.edge.idempotency, options)
@@ -290,12 +267,8 @@ def _on_shorthand(
 
 
 def _on_sqlalchemy(sessions: Any, policy: Policy | None) -> tuple[Any, Any, Any]:
-    """The store, the sessions and their adapter for an ``AsyncEngine`` or ``async_sessionmaker``.
-
-    The endpoint's ``AsyncSession`` carries the completion; the store claims on the
-    engine's own pool (one pool for both, each request holding one connection at a
-    time), or, for a SQLite file, on the file.
-    """
+    """The store (claiming on the engine's own pool, or the SQLite file), the sessions and
+    their adapter for an ``AsyncEngine`` or ``async_sessionmaker``."""
     with optional("idemflow.integrations.fastapi"):
         from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
@@ -311,7 +284,6 @@ def _on_sqlalchemy(sessions: Any, policy: Policy | None) -> tuple[Any, Any, Any]
 
 
 def _store_on(engine: Any, policy: Policy | None) -> Any:
-    """The key store in ``engine``'s database: PostgreSQL (psycopg) on its pool, a SQLite file."""
     dialect, url = engine.dialect, engine.url
     if dialect.name == "sqlite" and url.database not in (None, "", ":memory:"):
         from ..stores.sqlite import AsyncSQLiteStore
@@ -350,10 +322,7 @@ def _store_on(engine: Any, policy: Policy | None) -> Any:
 
 
 def scope_user(request: Request) -> str | None:
-    """A principal dependency reading ``request.user`` (starlette's ``AuthenticationMiddleware``).
-
-    Raises ConfigurationError if no authentication middleware ran at all.
-    """
+    """A principal dependency reading ``request.user`` (starlette's authentication)."""
     return authenticated_user(request.scope)
 
 
@@ -369,16 +338,9 @@ def principal_name(who: Any) -> str | None:
     raise ConfigurationError(msg)
 
 
-# --- the route class ------------------------------------------------------------------------
-
-
 class IdempotentRoute(APIRoute):
-    """An ``APIRoute`` that protects endpoints taking an `IdempotentRequest` parameter.
-
-    ``APIRouter(route_class=IdempotentRoute)``, or ``app.router.route_class =
-    IdempotentRoute`` before the routes are declared. A route without the
-    dependency is an ordinary ``APIRoute``.
-    """
+    """An ``APIRoute`` that protects endpoints taking an `IdempotentRequest` parameter
+    (``APIRouter(route_class=IdempotentRoute)``); others are ordinary routes."""
 
     #: What protects this route (None: an ordinary route).
     protection: _Protection | None = None
@@ -391,7 +353,9 @@ class IdempotentRoute(APIRoute):
         name, protection = found
         _refuse_misconfigured(self, endpoint)
         self.protection = protection
-        extra = _documentation(self, required=protection.required)
+        extra = operation(
+            _success_status(self), required=protection.required, also_422="Validation Error"
+        )
         if kwargs.get("openapi_extra"):
             deep_dict_update(extra, kwargs["openapi_extra"])  # the route's own words win
         kwargs["openapi_extra"] = extra
@@ -407,14 +371,12 @@ class IdempotentRoute(APIRoute):
         try:
             body = await _read_body(receive, scope, limit)
         except IdempotencyError as exc:
-            # After a disconnect this answer goes nowhere; it is sent all the same.
             await send_response(send, problem_for(exc, request_id(scope)))
             return
         await super().handle(scope, _replaying(body, receive), send)
 
 
 def _protected_parameter(route: APIRoute) -> tuple[str, _Protection] | None:
-    """The endpoint parameter that receives the `IdempotentRequest`, and its protection."""
     found: list[tuple[str | None, _Protection]] = []
     for dependant in route.dependant.dependencies:
         protection = getattr(dependant.call, _MARK, None)
@@ -481,7 +443,7 @@ async def _rendered(
     """What FastAPI would send for ``result``: response_model, status_code, response_class."""
     if isinstance(result, StarletteResponse | Response):
         return _as_starlette(result)
-    serving = _serving(route, scope)
+    serving = effective_route(route, scope)
     content = await serialize_response(
         field=serving.response_field,
         response_content=result,
@@ -510,33 +472,12 @@ async def _rendered(
     return response
 
 
-def _serving(route: APIRoute, scope: Scope) -> Any:
-    """The route as this request sees it: FastAPI (0.120+) serves a route included in a
-    router through an "effective" copy holding the router's defaults."""
-    effective = scope.get("fastapi", {}).get("effective_route_context")
-    if effective is not None and getattr(effective, "original_route", None) is route:
-        return effective
-    return route
-
-
 def _as_starlette(result: Any) -> StarletteResponse:
     if isinstance(result, StarletteResponse):
         return result
     if isinstance(result, Response):
         return to_starlette(result)
-    msg = (
-        f"the handler returned a {type(result).__name__}; return an idemflow.Response "
-        "(e.g. Response.json(201, {...})) or a starlette Response with its body in memory"
-    )
-    raise TypeError(msg)
-
-
-# --- what the OpenAPI document says -----------------------------------------------------------
-
-
-def _documentation(route: APIRoute, *, required: bool) -> dict[str, Any]:
-    """The route's ``openapi_extra``: the key header, the problem answers, the replay headers."""
-    return operation(_success_status(route), required=required, also_422="Validation Error")
+    raise not_a_response(result)
 
 
 def _success_status(route: APIRoute) -> str:

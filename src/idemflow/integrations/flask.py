@@ -1,25 +1,18 @@
 """
-idemflow for Flask: ``pip install 'idemflow[flask]'``.
-
-`Idempotency` (``Idempotency(app, db=db)``, then ``@idem.protect`` on a
-view) runs the view once per ``(principal, Idempotency-Key)``; its
-``db.session`` writes and the stored response commit in one transaction, so
-no crash keeps one without the other. Configured through ``app.config``
-(``IDEMFLOW_*``); ``flask idemflow migrate|sweep|purge`` manage the key table.
-`handle_outcome_unknown` answers ``OutcomeUnknown`` behind the WSGI
-middleware (which registers it itself).
-Quick start, configuration, principal, transaction, replay authorization,
-bodies that cannot be stored: docs/frameworks/flask.md; behind the WSGI
-middleware: its section "Behind the WSGI middleware".
+idemflow for Flask: `Idempotency` (``Idempotency(app, db=db)``, ``@idem.protect``) runs a
+view once per ``(principal, Idempotency-Key)``, its writes and the stored response in one
+transaction on the app's own database; `handle_outcome_unknown` serves the WSGI middleware.
+Guide: docs/frameworks/flask.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, ParamSpec, Protocol, overload
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeAlias, TypeGuard, overload
 
 from .. import Idempotency as Driver
 from .. import Observer
@@ -56,9 +49,13 @@ from ..stores.protocol import Store, Transaction
 from .wsgi import ReplayHook, _require_length, report_from_flask, view_options
 
 with optional("idemflow.integrations.flask"):
-    from flask import Flask, current_app, request
+    from flask import Flask, current_app, g, request
     from flask import Response as FlaskResponse
     from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+    from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 __all__ = ["Idempotency", "handle_outcome_unknown"]
 
@@ -67,6 +64,20 @@ _Q = ParamSpec("_Q")
 #: Opens the transaction the completion is written in, for one request.
 TransactionFactory = Callable[[], AbstractContextManager[Transaction]]
 PrincipalGetter = Callable[[], "str | None"]
+
+
+class _FlaskSQLAlchemy(Protocol):
+    """What idemflow uses of Flask-SQLAlchemy's ``SQLAlchemy``: its engine and session."""
+
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def session(self) -> scoped_session[Any]: ...
+
+
+#: The app's own database: Flask-SQLAlchemy's ``db``, a SQLAlchemy engine or sessionmaker.
+_Database: TypeAlias = "_FlaskSQLAlchemy | Engine | sessionmaker[Any]"
+_SESSION = "_idemflow_session"  # flask.g: the request's Session, for an engine's sessions
 
 _CONFIG: dict[str, Any] = {
     "IDEMFLOW_STORE": None,
@@ -149,9 +160,13 @@ class Idempotency:
     """The Flask extension: ``Idempotency(app)`` or ``Idempotency()`` then ``init_app(app)``.
 
     Args:
-        db: a Flask-SQLAlchemy ``SQLAlchemy``: the completion is written in
-            ``db.session``'s transaction, and the key table lives in its
-            database unless ``IDEMFLOW_STORE`` names another.
+        db: the app's own database: Flask-SQLAlchemy's ``SQLAlchemy`` (the view
+            writes in ``db.session``), a SQLAlchemy ``Engine`` or ``sessionmaker``
+            (the view writes in `session`). The completion is written in that
+            session's transaction; the key table lives in its database unless
+            ``IDEMFLOW_STORE`` names another, claimed on the engine's own pool
+            (PostgreSQL through psycopg; SQLite on its file; elsewhere a pool
+            of the store's).
         transaction: instead of ``db``, opens the transaction the view writes
             in, e.g. ``lambda: nullcontext(SQLAlchemyTransaction(session))``.
             Without either, the completion is written after the view returned
@@ -170,7 +185,7 @@ class Idempotency:
         self,
         app: Flask | None = None,
         *,
-        db: Any = None,
+        db: _Database | None = None,
         transaction: TransactionFactory | None = None,
         store: Store | None = None,
         principal: PrincipalGetter | None = None,
@@ -183,8 +198,8 @@ class Idempotency:
             sync_replay_authorizer(authorize_replay, "Idempotency(authorize_replay=…)")
         self._authorize_replay = authorize_replay
         self.db = db
-        self._transaction = transaction
-        self._session_transactions: TransactionFactory | None = None
+        """The app's database, as given to ``db=`` (None without one)."""
+        self._transaction = transaction if db is None else _session_transactions(db)
         self._store = store
         self._principal = (
             None
@@ -326,9 +341,7 @@ class Idempotency:
                 raise ConfigurationError(msg)
             who = (self._principal or _flask_login_user)()
             if not who and not public:
-                raise MissingPrincipal(
-                    "authenticate first: idempotency keys are scoped to the caller"
-                )
+                raise MissingPrincipal(_ANONYMOUS)
             rule = current.url_rule
             http = HTTPRequest(
                 current.method,
@@ -364,7 +377,7 @@ class Idempotency:
         answer = edge.respond(
             http,
             lambda attempt: view(),
-            transaction=self._transactions(),
+            transaction=self._transaction,
             single_commit=state.single_commit,
             read=reader,
         )
@@ -376,33 +389,115 @@ class Idempotency:
             unsent.close()  # its file, its generator (and the context it holds) closed now
         return _to_flask(answer)
 
-    def _transactions(self) -> TransactionFactory | None:
-        if self._transaction is not None:
-            return self._transaction
-        if self.db is None:
-            return None
-        factory = self._session_transactions
-        if factory is None:
-            from ..transactions import SQLAlchemyTransaction
-
-            session = self.db.session
-            # db.session is a scoped_session: the request's own Session is what it returns.
-            factory = self._session_transactions = lambda: nullcontext(
-                SQLAlchemyTransaction(session())
-            )
-        return factory
+    @property
+    def session(self) -> Session:
+        """The request's ``Session`` (``db=``), in the transaction the completion is written
+        in: Flask-SQLAlchemy's ``db.session``, or one made for the protected view."""
+        found: Session | None = g.get(_SESSION)
+        if found is None and self.db is not None and not _is_engine_side(self.db):
+            found = self.db.session()  # type: ignore[union-attr]
+        if found is None:
+            raise RuntimeError("idem.session exists only while a protected view runs (db=)")
+        return found
 
     def _open_store(self, app: Flask, policy: Policy) -> Store:
-        url = app.config["IDEMFLOW_STORE"]
-        if url is None and self.db is not None:
-            with app.app_context():
-                url = _plain_url(self.db.engine.url)
-        if not url:
-            raise ConfigurationError("set IDEMFLOW_STORE (a DATABASE_URL) or pass db= or store=")
+        url, table = app.config["IDEMFLOW_STORE"], app.config["IDEMFLOW_TABLE"]
         from ..stores.urls import open_store
 
-        store: Store = open_store(str(url), table=app.config["IDEMFLOW_TABLE"], policy=policy)
-        return store
+        if url:
+            return open_store(str(url), table=table, policy=policy)
+        if self.db is None:
+            raise ConfigurationError("set IDEMFLOW_STORE (a DATABASE_URL) or pass db= or store=")
+        with app.app_context():
+            engine = _engine_of(self.db)
+        return _store_on(engine, table, policy)
+
+
+def _session_transactions(db: _Database) -> TransactionFactory:
+    """The request's transaction on ``db``: Flask-SQLAlchemy's scoped session, or a
+    ``Session`` of the engine's made for the request (``idem.session``)."""
+    from sqlalchemy.orm import sessionmaker
+
+    from ..transactions import SQLAlchemyTransaction
+
+    if not _is_engine_side(db):
+        scoped = getattr(db, "session", None)
+        if scoped is None:
+            msg = f"db= takes Flask-SQLAlchemy's db, an Engine or a sessionmaker, not {db!r}"
+            raise ConfigurationError(msg)
+        # A scoped_session: called, it is the request's own Session.
+        return lambda: nullcontext(SQLAlchemyTransaction(scoped()))
+    sessions: sessionmaker[Any] = db if isinstance(db, sessionmaker) else sessionmaker(db)
+
+    @contextlib.contextmanager
+    def transaction() -> Iterator[Transaction]:
+        with sessions() as session:
+            setattr(g, _SESSION, session)
+            try:
+                yield SQLAlchemyTransaction(session)
+            finally:
+                g.pop(_SESSION, None)
+
+    return transaction
+
+
+def _is_engine_side(db: object) -> TypeGuard[Engine | sessionmaker[Any]]:
+    """An engine or a sessionmaker (sessions made per request), not Flask-SQLAlchemy's."""
+    from sqlalchemy.engine import Engine
+    from sqlalchemy.orm import sessionmaker
+
+    return isinstance(db, Engine | sessionmaker)
+
+
+def _engine_of(db: Any) -> Engine:
+    from sqlalchemy.engine import Engine
+    from sqlalchemy.orm import sessionmaker
+
+    engine = db.kw.get("bind") if isinstance(db, sessionmaker) else getattr(db, "engine", db)
+    if not isinstance(engine, Engine):
+        msg = f"db= takes Flask-SQLAlchemy's db, an Engine or a bound sessionmaker, not {db!r}"
+        raise ConfigurationError(msg)
+    return engine
+
+
+def _store_on(engine: Engine, table: str, policy: Policy) -> Store:
+    """The key store in ``engine``'s database: on PostgreSQL (psycopg), on the engine's own
+    pool (one pool for the app); elsewhere the store its URL names (SQLite: the file)."""
+    from ..stores.urls import open_store
+
+    dialect = engine.dialect
+    if not (dialect.name == "postgresql" and dialect.driver == "psycopg"):
+        return open_store(_plain_url(engine.url), table=table, policy=policy)
+    from ..stores.postgres import is_lock_timeout, is_unavailable, postgres_dialect
+    from ..stores.sql import SQLStore
+    from ..transactions import SQLAlchemyTransaction
+
+    def unavailable(exc: BaseException) -> bool:
+        # A pool timeout is SQLAlchemy's; a refused or lost connection psycopg's.
+        return is_unavailable(exc) or SQLAlchemyTransaction.is_unavailable(exc)
+
+    # The store's statements commit alone: autocommit while it holds a connection
+    # (SQLAlchemy resets that on return).
+    autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    @contextlib.contextmanager
+    def connect() -> Iterator[Any]:
+        with autocommit.connect() as connection:
+            try:
+                yield connection.connection.driver_connection
+            except BaseException as exc:
+                if unavailable(exc):
+                    connection.invalidate()  # SQLAlchemy never saw it die: not back to the pool
+                raise
+
+    return SQLStore(
+        postgres_dialect(table),
+        connect,
+        paramstyle="pyformat",
+        is_unavailable=unavailable,
+        is_lock_timeout=is_lock_timeout,
+        extra_params=True,
+    )
 
 
 def _plain_url(url: Any) -> str:
@@ -478,23 +573,12 @@ def _to_flask(response: Response) -> FlaskResponse:
 
 
 def handle_outcome_unknown(app: Flask) -> None:
-    """Register the error handler that tells the WSGI middleware about an ``OutcomeUnknown``.
+    """Answer an ``OutcomeUnknown`` with the 503 ``outcome-unknown`` problem and report it to
+    `idemflow.integrations.wsgi.IdempotencyMiddleware` (the claim kept for the sweeper).
 
-    For an app behind `idemflow.integrations.wsgi.IdempotencyMiddleware`,
-    optional: without it Flask answers the view's ``OutcomeUnknown`` with a 500
-    (or, with ``PROPAGATE_EXCEPTIONS``, raises it), and the middleware, which
-    noted the ``OutcomeUnknown`` made while the app ran, keeps the claim all the
-    same. With it, the view's ``OutcomeUnknown`` is reported through
-    the middleware's slot in ``request.environ`` (the claim is kept for the
-    sweeper) and answered with the 503 ``outcome-unknown`` problem, which is
-    also what a request outside the middleware gets. It handles
-    ``OutcomeUnknown`` only, more specifically than an app's own
-    ``errorhandler(Exception)``; an app's own ``errorhandler(OutcomeUnknown)``
-    replaces it, and must then call
-    `idemflow.integrations.wsgi.report_outcome_unknown` itself; one the
-    app registered before is kept (this registers nothing then). The WSGI
-    middleware calls it on the Flask app it wraps.
-    ``@idem.protect`` views never reach it: their edge answers it first.
+    The middleware registers it on the app it wraps; an app's own
+    ``errorhandler(OutcomeUnknown)`` is kept, and calls
+    `idemflow.integrations.wsgi.report_outcome_unknown` itself.
     """
     report_from_flask(app)
 

@@ -1,13 +1,5 @@
-"""
-idemflow for Starlette (and so for FastAPI): ``pip install 'idemflow[starlette]'``.
-
-Transactional mode, `Idempotent` (``await idempotent.run(request,
-handler)``): the handler's rows and the ``completed`` record commit in one
-transaction. Middleware mode, `IdempotencyMiddleware`: the pure ASGI one
-(`idemflow.integrations.asgi`) knowing Starlette's routes: templates through
-mounts, and an opted-in route declared to stream refused at start-up.
-docs/http.md tells the two modes, the body rules and the pieces.
-"""
+"""idemflow for Starlette (and so FastAPI): `Idempotent` (transactional mode) and
+`IdempotencyMiddleware` (middleware mode, knowing Starlette's routes). See docs/http.md."""
 
 from __future__ import annotations
 
@@ -46,6 +38,8 @@ from .asgi import (
     PrincipalGetter,
     RequestIdMiddleware,
     authenticated_user,
+    path_params,
+    query_of,
     request_id,
     send_response,
 )
@@ -83,20 +77,18 @@ pooled_transaction = async_pooled_transaction
 #: A transactional handler: business writes on ``attempt.connection``.
 StarletteHandler: TypeAlias = Callable[[AsyncAttempt], Awaitable[Response | StarletteResponse]]
 
-# Mounts nest this deep at most when the route template is looked up: a
-# bound on a walk that follows the application's own route tree.
+# A bound on walks that follow the application's own route tree.
 _MAX_MOUNT_DEPTH = 32
 
 
 class IdempotencyMiddleware(asgi.IdempotencyMiddleware):
-    """The ASGI middleware (`idemflow.integrations.asgi.IdempotencyMiddleware`)
-    knowing Starlette's routes.
+    """The ASGI middleware (`idemflow.integrations.asgi.IdempotencyMiddleware`) knowing
+    Starlette's routes.
 
-    Records name the full template through mounts (``Mount("/{region}")``
-    gives ``/{region}/payments``), and an opted-in route whose endpoint is
-    declared to stream (a ``StreamingResponse``/``FileResponse`` response class
-    or return annotation, a generator endpoint) fails the ASGI lifespan startup,
-    its requests answered 500 unrun. Place it after authentication.
+    Records name the full template through mounts (``Mount("/{region}")`` gives
+    ``/{region}/payments``); an opted-in route declared to stream (response class,
+    return annotation, generator endpoint) fails the lifespan startup, its requests
+    answered 500 unrun. Place it after authentication.
     """
 
     def refusal(self, endpoints: list[Endpoint]) -> str | None:
@@ -111,20 +103,16 @@ class Idempotent:
 
     Args:
         idempotency: the driver (store, policy, observer).
-        connect: returns an async context manager yielding a connection to the
-            database the key table lives in (e.g. ``pool.connection``). It is
-            called only when the handler is about to run: replays and 409
-            answers take no connection.
+        connect: returns an async context manager yielding a connection to the key
+            table's database (e.g. ``pool.connection``), called only when the handler
+            is about to run: replays and 409 answers take no connection.
         transaction: wraps that connection in a transaction adapter, e.g.
             `idemflow.transactions.AsyncPsycopgTransaction`.
         principal: reads the authenticated principal from the scope.
         options: public endpoints, replay authorization, size limits.
-        single_commit: claim inside the endpoint's transaction too (PostgreSQL),
-            so the claim costs no commit of its own: it commits with the
-            endpoint's first phase. A duplicate that meets a claim not yet
-            committed waits for it at most the store's claim lock timeout
-            (50 ms by default), then gets its 409. Every request then takes a
-            connection, replays included.
+        single_commit: claim inside the endpoint's transaction too (PostgreSQL): no
+            commit of its own; a duplicate waits at most the store's claim lock
+            timeout for it, and every request, replays included, takes a connection.
     """
 
     def __init__(
@@ -158,10 +146,8 @@ class Idempotent:
     ) -> StarletteResponse:
         """Run ``handler`` once per ``(principal, Idempotency-Key)``; replay or refuse otherwise.
 
-        Call it after validating the request: failures before this call are
-        never recorded. ``principal`` overrides the ``principal`` hook (the
-        FastAPI dependency passes what its auth dependency returned). The
-        body is read with `body` (bounded, whole, or refused).
+        Call it after validating the request (failures before it are never recorded).
+        ``principal`` overrides the ``principal`` hook.
         """
         rid = request_id(request.scope)
         try:
@@ -176,8 +162,8 @@ class Idempotent:
                 await self.body(request),
                 who,
                 rid,
-                _path_params(request.scope),
-                _query(request.scope),
+                path_params(request.scope),
+                query_of(request.scope),
             )
         except IdempotencyError as exc:
             return to_starlette(problem_for(exc, rid))
@@ -190,28 +176,19 @@ class Idempotent:
         return to_starlette(response)
 
     async def body(self, request: Request) -> bytes:
-        """The request body, whole and at most ``options.max_body_bytes``: see `read_body`.
-
-        Validate from it before calling `run`; ``run`` reads the same bytes.
-        """
+        """The request body (`read_body`, at most ``options.max_body_bytes``); `run` reuses it."""
         return await read_body(request, self.edge.options.max_body_bytes)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole request body, or an error before more than ``limit`` bytes are held.
+    """The whole request body, kept on the request as ``Request.body()`` keeps it.
 
     Raises:
-        BodyTooLarge: ``Content-Length`` is over ``limit`` (nothing is read),
-            or the bytes received so far are (413, while the client still sends).
-        IncompleteBody: the client went away before the body ended, or sent
-            fewer bytes than its ``Content-Length``. Nothing may be
-            fingerprinted, claimed or run on part of a request.
-
-    The body is kept on the request, as ``Request.body()`` keeps it, so
-    ``await request.body()`` or ``request.json()`` afterwards return it.
+        BodyTooLarge: ``Content-Length`` or the bytes received are over ``limit``.
+        IncompleteBody: the client went away, or sent fewer bytes than announced.
     """
     cached = getattr(request, "_body", None)
-    if isinstance(cached, bytes):  # read before, by us or by the endpoint
+    if isinstance(cached, bytes):
         if len(cached) > limit:
             raise body_too_large(len(cached), limit)
         return cached
@@ -223,42 +200,35 @@ async def read_body(request: Request, limit: int) -> bytes:
     except ClientDisconnect:
         raise reader.cut_short() from None
     body = reader.body()
-    # Starlette's own cache: request.body() returns it instead of reading again.
     request._body = body
     return body
 
 
 def route_template(scope: Scope) -> str:
-    """The full template of the route that matched: mount prefixes, then the route's own.
-
-    ``Mount("/eu", routes=[Route("/payments", …)])`` gives ``/eu/payments``;
-    ``Mount("/{region}", …)`` gives ``/{region}/payments`` (the value is a
-    path parameter, so label values stay bounded while the fingerprint, which
-    covers the parameters, tells regions apart). Without a matched route, the
-    raw path.
-    """
-    route = scope.get("route")
-    # FastAPI (0.120+) serves a route included under a prefix through an
-    # "effective" copy holding the full path; scope["route"] is the original.
-    effective = scope.get("fastapi", {}).get("effective_route_context")
-    if effective is not None and getattr(effective, "original_route", None) is route:
-        route = effective
+    """The full template of the route that matched (``Mount("/{region}")`` and
+    ``Route("/payments")``: ``/{region}/payments``); without one, the raw path."""
+    route = effective_route(scope.get("route"), scope)
     template = getattr(route, "path", None)
     if not isinstance(template, str) or isinstance(route, Mount | Host):
         return str(scope["path"])
     return mount_prefix(scope) + template
 
 
+def effective_route(route: Any, scope: Scope) -> Any:
+    """``route`` as this request sees it: FastAPI (0.120+) serves a route included in a
+    router through an "effective" copy (the full path, the router's defaults)."""
+    effective = scope.get("fastapi", {}).get("effective_route_context")
+    if effective is not None and getattr(effective, "original_route", None) is route:
+        return effective
+    return route
+
+
 def mount_prefix(scope: Scope) -> str:
     """The templates of the mounts this request went through (``""`` if none).
 
-    Each ``Mount`` appends the path it matched to ``scope["root_path"]``;
-    ``app_root_path`` is the root path before the first mount (a proxy's
-    prefix, the same for every request: not part of the route). The matched
-    text holds values (``/acme``), so the templates are found by walking the
-    application's routes from ``scope["router"]`` the way starlette matched
-    them. If that walk cannot account for the prefix (an app mounted by
-    something other than starlette), the matched text is used as it is.
+    ``root_path`` holds the text the mounts matched (after ``app_root_path``, a
+    proxy's prefix), so the templates are found by matching the app's routes again;
+    an app mounted by something other than starlette keeps the matched text.
     """
     root_path = str(scope.get("root_path", ""))
     app_root = str(scope.get("app_root_path", root_path))
@@ -304,37 +274,29 @@ def _first_full_match(
     return None
 
 
-def _path_params(scope: Scope) -> dict[str, str]:
-    return {str(k): str(v) for k, v in scope.get("path_params", {}).items()}
-
-
-def _query(scope: Scope) -> str:
-    raw = scope.get("query_string", b"")
-    return raw.decode("latin-1") if isinstance(raw, bytes) else str(raw)
-
-
 def _storable_handler(handler: StarletteHandler) -> Callable[[AsyncAttempt], Awaitable[Response]]:
     async def operation(attempt: AsyncAttempt) -> Response:
-        # A plain function ran when it was called: its answer is taken as it is.
         result: Response | StarletteResponse = await async_resolve(handler(attempt))
         if isinstance(result, Response):
             return result
         if isinstance(result, StarletteResponse):
             return from_starlette(result)
-        msg = (
-            f"the handler returned a {type(result).__name__}; return an idemflow.Response "
-            "(e.g. Response.json(201, {...})) or a starlette Response with its body in memory"
-        )
-        raise TypeError(msg)
+        raise not_a_response(result)
 
     return operation
 
 
-def from_starlette(response: StarletteResponse) -> Response:
-    """A starlette response with a body in memory as an idemflow Response.
+def not_a_response(result: object) -> TypeError:
+    msg = (
+        f"the handler returned a {type(result).__name__}; return an idemflow.Response "
+        "(e.g. Response.json(201, {...})) or a starlette Response with its body in memory"
+    )
+    return TypeError(msg)
 
-    Streaming and file responses have no body to store: refused, never stored empty.
-    """
+
+def from_starlette(response: StarletteResponse) -> Response:
+    """A starlette response with its body in memory as an idemflow Response; a streaming
+    or file response is refused (`ResponseNotStorable`), never stored empty."""
     body = getattr(response, "body", None)
     if not isinstance(body, bytes | memoryview):
         msg = (
@@ -351,10 +313,7 @@ def from_starlette(response: StarletteResponse) -> Response:
 
 
 def to_starlette(response: Response) -> StarletteResponse:
-    """An idemflow Response as a starlette one, header lines kept as they are (repeats too).
-
-    Starlette writes ``Content-Length`` for the body; a handler's own is dropped.
-    """
+    """An idemflow Response as a starlette one, header lines kept (Content-Length: Starlette's)."""
     result = StarletteResponse(content=response.body, status_code=response.status)
     result.raw_headers.extend(sendable_headers(response))
     return result

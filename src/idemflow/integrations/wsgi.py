@@ -1,16 +1,5 @@
-"""
-idemflow for any WSGI application (Flask, Django, Falcon, Bottle, a bare callable).
-
-Middleware mode, the weaker one: `IdempotencyMiddleware` wraps the
-application, claims the key, runs it with the request's body, captures its
-response, stores it and replays it. It does not own the application's
-transaction, so the effect and the record are not atomic; where the effect
-lives in the key store's database, use the transactional integrations.
-It follows the rules of the ASGI middleware (`idemflow.integrations.asgi`),
-which live in ``idemflow._http`` and the sync ``Edge``; also here, what Flask's and
-Django's doors share (the body read from the environ, the settings as options).
-The rules one by one: docs/frameworks/wsgi.md, "What it does".
-"""
+"""idemflow for any WSGI application, middleware mode (effect and record not atomic), and
+what Flask's and Django's doors share. The rules: docs/frameworks/wsgi.md."""
 
 from __future__ import annotations
 
@@ -72,17 +61,13 @@ __all__ = [
 #: Returns the authenticated principal of a request's environ, or None.
 PrincipalGetter: TypeAlias = Callable[["WSGIEnvironment"], "str | None"]
 
-#: Asked with the stored record before it is replayed: may its principal still see it?
-#: Plain, not ``async def``: the WSGI edge (Flask's, Django's) is the sync one.
+#: May the stored record's principal still see it? Plain, not ``async def`` (the sync edge).
 ReplayHook: TypeAlias = Callable[[Record], bool]
 
 #: Where the request's correlation id is kept for the application.
 REQUEST_ID_KEY = "idemflow.request_id"
 
-# How much of the body one read asks the server for.
 _READ_SIZE = 65_536
-
-# The status line a WSGI application passes: three digits, then a reason.
 _STATUS = re.compile(r"([0-9]{3})(?: .*)?")
 
 # Framing is the server's business (we write Content-Length); the others
@@ -130,18 +115,14 @@ class IdempotencyMiddleware:
     Args:
         app: the WSGI application whose endpoints are protected.
         idempotency: the (sync) driver: store, policy, observer.
-        endpoints: ``"METHOD /route/{param}"`` templates, relative to where
-            the application is mounted (``PATH_INFO``). A parameter is a whole
-            segment and matches any text but ``/``.
-        principal: reads the authenticated principal from the environ
-            (default: ``REMOTE_USER``). Place the middleware inside your
-            authentication middleware, so it has run.
+        endpoints: ``"METHOD /route/{param}"`` templates, relative to ``PATH_INFO``.
+        principal: reads the authenticated principal from the environ (default:
+            ``REMOTE_USER``); place the middleware inside your authentication.
         options: public endpoints, replay authorization, size limits.
 
     Raises:
-        ConfigurationError: no endpoint, a malformed template, a safe method
-            (it would never be protected), an async driver, or an ``async def``
-            replay hook (``options.authorize_replay``: the sync edge cannot await it).
+        ConfigurationError: no endpoint, a malformed template, a safe method, an async
+            driver, app or principal getter, or an ``async def`` replay hook.
     """
 
     def __init__(
@@ -159,11 +140,9 @@ class IdempotencyMiddleware:
                 f"not {type(idempotency).__name__}"
             )
             raise ConfigurationError(msg)
+        # Refused now, not as a 500 (or coroutines nobody awaits) on every request.
         if options is not None and options.authorize_replay is not None:
-            # Refused now, once, rather than as a 500 on every replay.
             sync_replay_authorizer(options.authorize_replay, "EdgeOptions(authorize_replay=…)")
-        # An ASGI application (or an async principal getter) would answer coroutines
-        # nobody awaits: refused now, not as a 500 (or a new principal) per request.
         plain_callable(app, _ASGI_APP, "(environ, start_response)")
         plain_callable(principal, "IdempotencyMiddleware(principal=…)", "(environ) -> str | None")
         self.app = app
@@ -186,8 +165,7 @@ class IdempotencyMiddleware:
             who = self._principal(environ)
             body = read_body(environ, self.edge.options.max_body_bytes)
         except IdempotencyError as exc:
-            # After a disconnect this answer goes nowhere; it is sent all the
-            # same, so there is one path and no traceback.
+            # After a disconnect this goes nowhere; sent all the same: one path, no traceback.
             return send(start_response, problem_for(exc, rid))
         template, params, edge = route
         request = HTTPRequest(
@@ -204,8 +182,7 @@ class IdempotencyMiddleware:
         return send(start_response, response)
 
     def _match(self, environ: WSGIEnvironment) -> tuple[str, dict[str, str], Edge] | None:
-        """The opted-in endpoint this request matches: its full template, path parameters
-        and edge."""
+        """The opted-in endpoint matched: its full template, path parameters and edge."""
         method = str(environ.get("REQUEST_METHOD", "GET")).upper()
         if method in SAFE_METHODS:
             return None
@@ -223,14 +200,11 @@ class IdempotencyMiddleware:
         def operation(attempt: Attempt) -> Response:
             # The app has run when it is asked: a classifier that fails settles, never releases.
             classify = functools.partial(settled_verdict, attempt.policy.verdict)
-            # The server's stream is spent: the application reads our copy.
-            environ["wsgi.input"] = io.BytesIO(body)
+            environ["wsgi.input"] = io.BytesIO(body)  # the server's stream is spent
             environ["CONTENT_LENGTH"] = str(len(body))
             environ["wsgi.input_terminated"] = True
             captured = _Captured(limit)
-            # Where the framework's error hook reports an OutcomeUnknown it answered
-            # itself (a 500): what it reports is raised here, as if the app had. One
-            # made while the app ran and then failed is raised too, reported or not.
+            # A framework's error hook reports an OutcomeUnknown it answered itself here.
             slot = environ[OUTCOME_SLOT] = OutcomeSlot()
             with slot.watching():
                 result = self.app(environ, captured.start_response)
@@ -250,18 +224,12 @@ class IdempotencyMiddleware:
 
 
 def _report_from_flask(app: object) -> None:
-    """Register Flask's ``OutcomeUnknown`` handler on the Flask app under ``app``, if any.
-
-    The slot already keeps the claim of an ``OutcomeUnknown`` made while the app runs;
-    the handler also covers one made where the slot cannot see it (a thread that does not
-    carry the request's context, whose exception ``future.result()`` raises again). Found
-    through ``app.wsgi_app``'s bound method and wrappers' ``.app``; an app's own
-    ``errorhandler(OutcomeUnknown)`` is left as it is, and so is an app that has served
-    already (Flask refuses a handler then).
-    """
+    """Register `report_from_flask` on the Flask app under ``app`` (through bound methods
+    and wrappers' ``.app``), for an ``OutcomeUnknown`` made where the slot cannot see it
+    (a thread without the request's context)."""
     flask = sys.modules.get("flask")
     if flask is None:
-        return  # no Flask app can be running here
+        return
     for _ in range(_MAX_WRAPPERS):
         if isinstance(app, flask.Flask):
             with contextlib.suppress(AssertionError):  # it has served a request already
@@ -271,9 +239,8 @@ def _report_from_flask(app: object) -> None:
 
 
 def report_from_flask(app: Any) -> None:
-    """Register, on the Flask app ``app``, an error handler for ``OutcomeUnknown`` that
-    reports it through the middleware's slot and answers the 503 ``outcome-unknown``
-    problem; an app's own handler for it is kept. Flask's ``handle_outcome_unknown``."""
+    """Register on ``app`` an ``OutcomeUnknown`` handler that reports it to the slot and
+    answers 503 ``outcome-unknown``; an app's own handler is kept."""
     if OutcomeUnknown in app.error_handler_spec.get(None, {}).get(None, {}):
         return
     flask = sys.modules["flask"]  # loaded: ``app`` is one of its apps
@@ -296,8 +263,7 @@ _MAX_WRAPPERS = 8
 
 
 def view_options(setting: Callable[[str], Any]) -> EdgeOptions:
-    """A framework's settings (Django's ``IDEMFLOW``, Flask's ``IDEMFLOW_*``) as the options
-    every protected view shares; ``setting("max_body_bytes")`` reads one."""
+    """A framework's settings (``setting("max_body_bytes")`` reads one) as view options."""
     return EdgeOptions(
         max_body_bytes=int(setting("max_body_bytes")),
         max_response_bytes=int(setting("max_response_bytes")),
@@ -307,33 +273,18 @@ def view_options(setting: Callable[[str], Any]) -> EdgeOptions:
 
 
 def _compile_endpoint(endpoint: str) -> _Endpoint:
-    return compile_any_endpoint(endpoint, _native)
-
-
-def _native(text: str) -> str:
-    """``text`` as WSGI spells a path: its UTF-8 bytes decoded as latin-1 (PEP 3333)."""
-    return text.encode("utf-8").decode("latin-1")
-
-
-# --- the request body -----------------------------------------------------------------------
+    # WSGI spells a path as its UTF-8 bytes decoded as latin-1 (PEP 3333).
+    return compile_any_endpoint(endpoint, lambda text: text.encode("utf-8").decode("latin-1"))
 
 
 def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
     """The whole request body, or an error before more than ``limit`` bytes are held.
 
     Raises:
-        BodyTooLarge: ``CONTENT_LENGTH`` is over ``limit`` (nothing is read), or
-            the bytes read so far are (413, while the client still sends).
-        IncompleteBody: fewer bytes than ``CONTENT_LENGTH`` arrived, or the
-            server's stream failed (the client went away mid-body).
-        LengthRequired: a body announced by ``Transfer-Encoding`` (chunked) without
-            ``CONTENT_LENGTH``, under a server that does not end the stream.
-
-    Without ``CONTENT_LENGTH`` the body is read to its end only if the server
-    says the stream ends there (``wsgi.input_terminated``, as gunicorn does for
-    chunked bodies). Otherwise PEP 3333 makes it empty: so it is when nothing
-    announced a body, but a chunked one cannot be read safely, and an empty body
-    must never be claimed in its place (411).
+        BodyTooLarge: ``CONTENT_LENGTH`` or the bytes read are over ``limit``.
+        IncompleteBody: fewer bytes than ``CONTENT_LENGTH`` arrived, or the stream failed.
+        LengthRequired: a chunked body without ``CONTENT_LENGTH`` on a server that does not
+            end the stream (``wsgi.input_terminated``): PEP 3333 would make it empty.
     """
     reader = BodyReader(environ.get("CONTENT_LENGTH"), limit)
     if reader.declared is None and not environ.get("wsgi.input_terminated"):
@@ -355,13 +306,8 @@ def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
 
 
 def _require_length(environ: Mapping[str, Any]) -> None:
-    """For a request without a length: 411 if a ``Transfer-Encoding`` (chunked) announces
-    a body the server does not end (no ``wsgi.input_terminated``).
-
-    Such a body cannot be read safely (the stream has no end a reader can see), and the
-    empty body PEP 3333 makes of it must never be fingerprinted and claimed in its place.
-    The WSGI middleware, Flask's and Django's doors apply it.
-    """
+    """For a request without a length: 411 if a ``Transfer-Encoding`` announces a body the
+    server does not end, never the empty body PEP 3333 makes of it claimed in its place."""
     if environ.get("wsgi.input_terminated"):
         return
     if str(environ.get("HTTP_TRANSFER_ENCODING") or "").strip():
@@ -377,15 +323,11 @@ def _read(stream: Any, size: int) -> bytes | None:
         return b""
     try:
         chunk = stream.read(size)
-    # Every server has its own way to say the client went away: gunicorn's
-    # NoMoreData and InvalidChunkSize, werkzeug's ClientDisconnected, an
-    # OSError. Whatever it is, the body did not arrive whole.
+    # Each server says the client went away its own way (gunicorn's NoMoreData,
+    # werkzeug's ClientDisconnected, an OSError): the body did not arrive whole.
     except Exception:  # noqa: BLE001
         return None
     return bytes(chunk)
-
-
-# --- the application's response -------------------------------------------------------------
 
 
 class _Captured(ResponseSink):
@@ -400,15 +342,13 @@ class _Captured(ResponseSink):
     def start_response(
         self, status: str, headers: list[tuple[str, str]], exc_info: Any = None
     ) -> Callable[[bytes], object]:
-        # Nothing has been sent yet, so an error page may replace the headers
-        # (PEP 3333 allows it with exc_info; without it, it is a second call).
+        # Nothing is sent yet: an error page may replace the headers (PEP 3333, with exc_info).
         if self._status is not None and exc_info is None:
             raise RuntimeError("start_response was called twice without exc_info")
         self._status, self._headers = status, list(headers)
         return self._write
 
-    def _write(self, data: bytes) -> object:
-        """The legacy ``write`` callable: the same as yielding ``data``."""
+    def _write(self, data: bytes) -> object:  # the legacy ``write`` callable
         self.add(data)
         return None
 
@@ -419,8 +359,7 @@ class _Captured(ResponseSink):
             self._not_bytes = self._not_bytes or type(chunk).__name__
 
     def response(self, classify: Callable[[Response], Any]) -> Response:  # type: ignore[override]
-        """The application's response; a ``not_stored`` marker if not whole. Never raises:
-        the application has run, and what it did stays (no transaction)."""
+        """The application's response; a ``not_stored`` marker if not whole. Never raises."""
         if self._status is None:
             why = "the WSGI application returned without calling start_response"
             return not_stored(None, why, Verdict.FAILED_PERMANENT)
@@ -464,8 +403,7 @@ def status_line(status: int) -> str:
 _CLASS_PHRASES = {2: "Success", 3: "Redirection", 4: "Client Error", 5: "Server Error"}
 
 
-#: Issue 32: the middleware's own route matching; importable from here, with a
-#: DeprecationWarning, until 0.3.
+#: Importable from here with a DeprecationWarning until 0.3.
 __getattr__ = moved(
     __name__,
     {name: f"{__name__}:_{name}" for name in ("Endpoint", "compile_endpoint", "require_length")},

@@ -8,10 +8,8 @@ __all__ = ["readable_now"]
 
 
 def readable_now(fd: int) -> bool:
-    """Is there something to read on ``fd``, without waiting? One ``poll(2)`` (``select``
-    where there is none). An idle connection is sent nothing but, rarely, a notice, and
-    the server's goodbye: readable is the cue to ask it before handing it out.
-    """
+    """Is there something to read on ``fd``, without waiting? An idle connection is sent
+    nothing but, rarely, a notice, and the server's goodbye."""
     if hasattr(select, "poll"):
         poller = select.poll()
         poller.register(fd, select.POLLIN)

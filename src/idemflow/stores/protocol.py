@@ -1,15 +1,8 @@
-"""
-The backend contract: what a key store and a caller's transaction must do.
+"""The backend contract: what a key store and a caller's transaction must do.
 
-Six protocols: `Store` and `AsyncStore`, `Transaction` and
-`AsyncTransaction`, and the maintenance pair the sweeper, the purger and
-the operator's commands need (`MaintainableStore`, `AsyncMaintainableStore`).
-Each method is one atomic operation on one record; when to call which is
-``idemflow._flow``'s. Optional capabilities are methods with a default (a store
-that cannot lend a claim a connection claims on its own; a rule that judges no
-error judges none an outage): callers call them and never probe. A store or
-transaction of your own subclasses its protocol to inherit those defaults
-(``docs/architecture.md``, "Adding a store").
+Each method is one atomic operation on one record. Optional capabilities are methods
+with a default, which callers call and never probe: a store or transaction of your own
+subclasses its protocol to inherit them (``docs/architecture.md``, "Adding a store").
 """
 
 from __future__ import annotations
@@ -34,10 +27,8 @@ __all__ = [
     "Transaction",
 ]
 
-#: Where the time every decision is taken on comes from: the store server's
-#: clock (``"database"``, the default of the shared stores: hosts whose clocks
-#: disagree cannot take a live claim or an unexpired record over) or the
-#: ``now`` each call passes (``"caller"``: one-host stores, tests with a frozen clock).
+#: Where every decision's time comes from: the store server's clock (``"database"``, the
+#: shared stores' default) or the ``now`` each call passes (``"caller"``: frozen-clock tests).
 StoreClock: TypeAlias = Literal["database", "caller"]
 
 
@@ -78,19 +69,12 @@ class Statement:
 
 
 class CommitFailed(Exception):
-    """Raised by ``execute_and_commit`` when the write went through but its COMMIT failed.
-
-    (Or the ``BEGIN`` after it.) The ``COMMIT``'s own error is its ``__cause__``:
-    the driver raises that one, as it would from a ``commit()`` of its own.
-    """
+    """Raised by ``execute_and_commit`` when the write went through but its COMMIT (or the
+    ``BEGIN`` after it) failed; that error is its ``__cause__``."""
 
 
 class NotFused(Exception):
-    """Raised by ``execute_and_commit`` before it sent anything: not together, this time.
-
-    The caller sends the write alone and commits after it, as for a transaction
-    that never fuses them (the default).
-    """
+    """Raised by ``execute_and_commit`` before it sent anything: send the write, then commit."""
 
 
 def _judges_nothing(exc: BaseException) -> bool:
@@ -124,29 +108,22 @@ class Transaction(Protocol):
     ) -> int:
         """Run the write; commit (then begin again, with ``begin``) only if it changed one row.
 
-        Returns the rows the write changed; anything but 1 commits nothing and
-        leaves the transaction open, to be rolled back. Raises `CommitFailed`
-        when the write went through and the COMMIT did not, `NotFused`
+        Returns the rows the write changed (anything but 1 commits nothing). Raises
+        `CommitFailed` when the write went through and the COMMIT did not, `NotFused`
         (having sent nothing) when they cannot travel together: by default, always.
         """
         raise NotFused
 
     def lend(self, sources: tuple[Any, ...]) -> Any:
-        """Its connection, taken now, if it comes from one of ``sources``; else None.
-
-        ``sources`` are where the store's own connections come from (a pool's
-        ``connection``, a store's checkout): the claim then runs on a connection
-        the store would have used itself. By default nothing is lent.
-        """
+        """Its connection, taken now, if it comes from one of ``sources`` (where the store's
+        own connections come from); else None, the default."""
         return None
 
     def is_unavailable(self, exc: BaseException) -> bool:
         """Does ``exc``, raised by this transaction's library, mean the database cannot serve?
 
-        (SQLAlchemy's pool ``TimeoutError``, a connection it invalidated.) Asked
-        of the ``BEGIN`` and a checkout, never of an error the handler raised. An
-        adapter's rule is best a static method: a pooled transaction asks its
-        adapter's class, before a connection is checked out (the default is one).
+        Asked of the ``BEGIN`` and a checkout, never of the handler's errors. Best a static
+        method: a pooled transaction asks its adapter's class, before a checkout.
         """
         return False
 
@@ -188,12 +165,8 @@ class AsyncTransaction(Protocol):
 
 
 class Store(Protocol):
-    """A synchronous key store.
-
-    Capabilities with defaults: `claim_on_lent` (claims on its own), `is_unavailable`
-    (no error is an outage), `cover_stale_threshold` (nothing to cover), `stats`
-    and `renew` (refused), `migrate` and `close` (nothing to do).
-    """
+    """A synchronous key store. Capabilities with defaults: `claim_on_lent`, `is_unavailable`,
+    `cover_stale_threshold`, `cover_store_wait`, `stats`, `renew`, `migrate` and `close`."""
 
     @property
     def supports_transactions(self) -> bool:
@@ -201,12 +174,8 @@ class Store(Protocol):
 
     @property
     def supports_single_commit(self) -> bool:
-        """Can the claim itself join the caller's transaction (``single_commit=True``)?
-
-        Only where a duplicate's wait on an uncommitted claim is bounded (a
-        lock timeout answers 409): PostgreSQL, MySQL/MariaDB. Never where one
-        writer queues every other (SQLite) or nothing is transactional (Redis).
-        """
+        """Can the claim itself join the caller's transaction (``single_commit=True``)? Only
+        where a duplicate's wait on an uncommitted claim is bounded (PostgreSQL, MySQL)."""
 
     def claim(
         self,
@@ -238,11 +207,8 @@ class Store(Protocol):
         """
 
     def release(self, record: Record, now: float, transaction: Transaction | None = None) -> bool:
-        """Give the key back if it is still ours. False when it was not.
-
-        With ``transaction`` the write goes on the caller's connection (begun and
-        committed by the driver), so a request never needs a second connection.
-        """
+        """Give the key back if it is still ours (on the caller's connection, with
+        ``transaction``). False when it was not."""
 
     def checkpoint(
         self,
@@ -256,52 +222,35 @@ class Store(Protocol):
     def get(self, principal: str, key: str) -> Record | None:
         """The record for ``(principal, key)``, for operators and tests."""
 
-    #: Whether `renew` keeps a claim alive: a consumer refuses a store that cannot, at
-    #: start-up (its claims would age out under a running handler). True where it does.
+    #: Whether `renew` keeps a claim alive (a consumer refuses a store that cannot).
     renews_claims: bool = False
 
     def renew(self, record: Record, now: float) -> None:
-        """Keep the claim alive: date it ``now`` if it is still ours (``id``, lease token,
-        ``in_progress``, as `complete` is fenced), else ``LeaseLost``. A consumer's
-        lease keeper calls it while a long handler runs, so the sweeper's threshold counts
-        from the last renewal; HTTP requests never do (they have timeouts). By default
-        `ConfigurationError`: this store cannot keep a claim alive."""
+        """Keep the claim alive: date it ``now`` if it is still ours (fenced as `complete`),
+        else ``LeaseLost``; a consumer's lease keeper calls it while a long handler runs.
+        By default `ConfigurationError`: this store cannot keep a claim alive."""
         raise _renew_refused(self)
 
     def claim_on_lent(
-        self,
-        intent: Intent,
-        lease_token: str,
-        now: float,
-        expires_at: float,
-        lender: Transaction,
+        self, intent: Intent, lease_token: str, now: float, expires_at: float, lender: Transaction
     ) -> Claim:
-        """`claim`, committed on its own (two commits), on the connection ``lender``
-        lends (`Transaction.lend`) where it lends one of the store's own; by
-        default on the store's connection, as `claim`."""
+        """`claim`, committed on its own, on the connection ``lender`` lends
+        (`Transaction.lend`); by default on the store's connection, as `claim`."""
         return self.claim(intent, lease_token, now, expires_at)
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        """Does ``exc`` mean the database cannot serve the request (fail closed: a 503)?
-
-        The rule the store's own operations answer ``StoreUnavailable`` by (its
-        driver's errors: refused, lost, a pool exhausted), also asked of the
-        ``BEGIN`` of the caller's transaction on the same database.
-        """
+        """Does ``exc`` mean the database cannot serve the request (fail closed: a 503)? Also
+        asked of the ``BEGIN`` of the caller's transaction on the same database."""
         return False
 
     def cover_stale_threshold(self, seconds: float) -> None:
-        """After a possible loss of claims (Redis: a restart, a flush, a failover), refuse new
-        claims for at least ``seconds``: a request that claimed before the loss may still run
-        until its stale threshold. Each driver tells its store its policy's threshold; the
-        store keeps the longest. Stores that cannot lose a committed claim ignore it."""
+        """After a possible loss of claims (Redis), refuse new claims for at least ``seconds``
+        (each driver tells its policy's stale threshold; the store keeps the longest)."""
         return
 
     def cover_store_wait(self, seconds: float) -> None:
-        """Bound every wait of the store's own (checkout, connect, each reply) by ``seconds``:
-        each driver tells its store its policy's ``store_wait_seconds``, the store keeps the
-        shortest and reads it at each call, so no store call outlasts a request's budget,
-        however the store was built. Stores with no wait of their own ignore it."""
+        """Bound every wait of the store's own (checkout, connect, each reply) by ``seconds``
+        (each driver tells its policy's ``store_wait_seconds``; the store keeps the shortest)."""
         return
 
     def stats(self) -> StatsSource:
@@ -410,19 +359,16 @@ class MaintainableStore(Store, Protocol):
     ) -> list[Record]:
         """Mark up to ``limit`` records in ``from_state`` untouched since ``cutoff`` stale.
 
-        One atomic statement per batch: a record is marked by one sweeper only.
-        Marked records stay at least until ``keep_until`` (never purged unresolved).
-        ``from_state=RELEASED`` marks only released records *with* a recovery
-        point: an intent abandoned after progress that may include an external call.
+        One atomic statement per batch: a record is marked by one sweeper only, and kept
+        at least until ``keep_until``. ``from_state=RELEASED`` marks only released records
+        *with* a recovery point.
         """
 
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
         """Seconds until `sweep` with this ``cutoff`` would find a record to mark.
 
-        ``oldest updated_at − cutoff`` over the records `sweep` considers,
-        measured as `sweep` measures. Negative: one is due already.
-        ``math.inf``: none is in ``from_state``. ``None``: this store cannot tell
-        cheaply, and the sweeper passes every interval instead.
+        Negative: one is due already; ``math.inf``: none is in ``from_state``; ``None``:
+        this store cannot tell cheaply (the sweeper passes every interval).
         """
 
     def settle_stale(
@@ -445,15 +391,11 @@ class MaintainableStore(Store, Protocol):
         forget_progress: bool = False,
     ) -> bool:
         """Release a record exactly as this sweeper marked it; False if it changed.
-
-        ``forget_progress`` clears its recovery point too (its local traces were undone).
-        """
+        ``forget_progress`` clears its recovery point too."""
 
     def purge(self, now: float, limit: int) -> int:
-        """Delete up to ``limit`` settled or released records past retention; how many.
-
-        Never an ``in_progress`` or ``stale`` record, however old.
-        """
+        """Delete up to ``limit`` settled or released records past retention (never an
+        ``in_progress`` or ``stale`` one); how many."""
 
 
 class AsyncMaintainableStore(AsyncStore, Protocol):
@@ -493,7 +435,6 @@ def _renew_refused(store: object) -> ConfigurationError:
 
 
 def _stats_refused(store: object) -> ConfigurationError:
-    """What an async store's ``stats()`` raises: the questions are asked synchronously."""
     msg = (
         f"{type(store).__name__} cannot answer stats queries: open a sync store on the "
         "same database (a pool of one or two connections is plenty)"

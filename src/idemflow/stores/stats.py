@@ -1,12 +1,6 @@
-"""
-What an operator asks a key store: how many records in which state, what is stuck, what is due.
-
-A store that answers declares it: ``stats()`` (see
-[`stats`][idemflow.stores.protocol.Store.stats]) returns a
-`StatsSource`. The metrics gauge (``idemflow.metrics``) and ``idemflow
-stats`` read the same numbers from it. Each store answers from its own
-package (``stores/sql/_stats.py``, ``stores/memory/_table.py``,
-``stores/redis/``); this module is only the vocabulary they share.
+"""What an operator asks a key store: how many records in which state, what is stuck, what is
+due. A store's [`stats()`][idemflow.stores.protocol.Store.stats] returns a `StatsSource`,
+read by the metrics gauge and ``idemflow stats``; this module is the vocabulary they share.
 """
 
 from __future__ import annotations
@@ -17,9 +11,7 @@ from typing import Protocol
 from .._deprecation import moved
 from .._model import State
 
-__all__ = [
-    "StoreStats",
-]
+__all__ = ["StoreStats"]
 
 #: States a stuck claim can be in: never swept, or swept and not yet resolved.
 STUCK_STATES = (State.IN_PROGRESS, State.STALE)
@@ -40,10 +32,8 @@ class OldestClaim:
 class StoreStats:
     """One snapshot of a key table, as ``idemflow stats`` prints it.
 
-    ``past_request_timeout`` counts ``in_progress`` records untouched for longer
-    than the request timeout (what the gauge exports: each one is a crashed
-    attempt); ``past_stale_threshold`` those the sweeper will take
-    (``Policy.stale_after``, derived from the same timeout).
+    ``past_request_timeout`` counts ``in_progress`` records untouched for longer than the
+    request timeout (each a crashed attempt); ``past_stale_threshold`` those the sweeper takes.
     """
 
     table: str
@@ -74,10 +64,8 @@ class StatsSource(Protocol):
     table: str
 
     def stuck_claims(self, cutoff: float) -> dict[str, int]:
-        """``in_progress`` records untouched since before ``cutoff``, and every ``stale`` one.
-
-        Keyed by state (``in_progress``, ``stale``); both keys always present.
-        """
+        """``in_progress`` records untouched since before ``cutoff``, and every ``stale`` one,
+        keyed by state (both keys always present)."""
 
     def snapshot(self, now: float, request_timeout: float, stale_after: float) -> StoreStats:
         """Everything ``idemflow stats`` shows."""
@@ -86,6 +74,5 @@ class StatsSource(Protocol):
         """Records past their retention, not purged yet."""
 
 
-#: Issue 32: what an async store's ``stats()`` raises is the contract's own; importable
-#: from here, with a DeprecationWarning, until 0.3.
+#: Names of 0.1, importable from here with a DeprecationWarning until 0.3.
 __getattr__ = moved(__name__, {"stats_refused": "idemflow.stores.protocol:_stats_refused"})

@@ -1,13 +1,6 @@
-"""
-Open a store from a ``DATABASE_URL``: the one way the CLI, the demo and apps name a store.
-
-``sqlite:///relative/path.db`` (``sqlite:////absolute/path.db``) →
-[`SQLiteStore`][idemflow.stores.sqlite.SQLiteStore]; ``postgresql://user@host:5432/db`` →
-[`PostgresStore`][idemflow.stores.postgres.PostgresStore]; ``mysql://user:pw@host:3306/db`` →
-[`MySQLStore`][idemflow.stores.mysql.MySQLStore] (async: ``AsyncMySQLStore``);
-``redis://host:6379/0`` → [`RedisStore`][idemflow.stores.redis.RedisStore] (``redis+cluster://``:
-on ``RedisCluster``). Further schemes register in ``OPENERS`` (each imports its driver
-only when used).
+"""Open a store from a ``DATABASE_URL`` (``sqlite:///path.db``, ``postgresql://…``,
+``mysql://…``, ``redis://…``, ``redis+cluster://…``): the one way the CLI, the demo and
+apps name a store. Further schemes register in ``OPENERS``.
 """
 
 from __future__ import annotations
@@ -23,12 +16,7 @@ if TYPE_CHECKING:
     from .._model import Policy
     from .protocol import AsyncMaintainableStore, MaintainableStore
 
-__all__ = [
-    "open_async_store",
-    "open_store",
-    "scheme_of",
-    "sqlite_path",
-]
+__all__ = ["open_async_store", "open_store", "scheme_of", "sqlite_path"]
 
 #: Environment variable every command reads when no URL is given.
 DATABASE_URL_ENV = "IDEMFLOW_DATABASE_URL"
@@ -92,11 +80,7 @@ def _open_mysql(url: str, table: str, asynchronous: bool, policy: Policy | None)
 
 
 def _open_redis(url: str, table: str, asynchronous: bool, policy: Policy | None) -> Any:
-    """``redis://`` or ``rediss://``; ``redis+cluster://`` for a Redis Cluster.
-
-    The table name is the key prefix. Decisions are on Redis's clock, as
-    every store opened from a URL decides on its server's.
-    """
+    """``redis://``, ``rediss://`` or ``redis+cluster://``; the table name is the key prefix."""
     try:
         from .redis import open_redis
     except ImportError as exc:  # pragma: no cover - depends on the install

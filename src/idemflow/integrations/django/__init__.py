@@ -1,16 +1,8 @@
 """
-idemflow for Django: ``pip install 'idemflow[django]'`` (``[drf]`` for Django REST framework).
-
-Add ``"idemflow.integrations.django"`` to ``INSTALLED_APPS`` and the key table
-lives in your database, created by ``manage.py migrate``.
-[`DjangoStore`][idemflow.stores.django.DjangoStore] keeps key records on Django's own
-connections, so the completion can be written in the view's
-``transaction.atomic()`` ([`DjangoTransaction`][idemflow.integrations.django.DjangoTransaction]);
-`idempotent` protects a function view, a class-based view's method or a
-DRF action; `IdempotencyMiddleware` protects the endpoints
-``IDEMFLOW['endpoints']`` lists; ``manage.py idemflow_sweep`` and
-``idemflow_purge`` maintain the table. See ``docs/frameworks/django.md`` for
-the whole story, ``ATOMIC_REQUESTS`` included.
+idemflow for Django (``pip install 'idemflow[django]'``, ``[drf]`` for DRF): add
+``"idemflow.integrations.django"`` to ``INSTALLED_APPS``, protect views with `idempotent`
+or `IdempotencyMiddleware`; ``manage.py idemflow_sweep`` and ``idemflow_purge`` maintain
+the table. The whole story: docs/frameworks/django.md.
 """
 
 from __future__ import annotations
@@ -19,9 +11,9 @@ from ..._deprecation import moved
 from ..._extras import optional
 
 with optional("idemflow.integrations.django"):
+    from ...stores.django import DjangoTransaction
     from .conf import get_idempotency, get_store
     from .middleware import IdempotencyMiddleware
-    from .transaction import DjangoTransaction
     from .views import idempotency_public, idempotent
 
 __all__ = [

@@ -1,9 +1,6 @@
-"""What a DRF action protected by ``@idempotent`` says in drf-spectacular's OpenAPI document.
-
-The ``Idempotency-Key`` header, the problems (400, 401, 409, 413, 422, 503, as
-FastAPI's routes document them: ``integrations/_openapi.py``) and the replay
-headers of the success, merged into the operation drf-spectacular generates
-(the view's own words win); ``serializer=``'s class is the request body.
+"""What a DRF action protected by ``@idempotent`` adds to drf-spectacular's operation:
+the ``Idempotency-Key`` header, the problems (as ``integrations/_openapi.py`` says them
+for FastAPI), the replay headers, ``serializer=``'s class as the body; the view's own words win.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """
-``settings.IDEMFLOW``: the one place a Django project configures idemflow.
-
-Every key is optional (``request_timeout``, ``retention``, ``table``,
-``database``, ``store``, ``observer``, ``authorize_replay``, …). An unknown key
-or a bad value is an ``ImproperlyConfigured`` at start-up
-(``AppConfig.ready``), never a 500 per request. The store and the driver built
-from it are made once per process and rebuilt when a test changes the setting
-(``override_settings``). Every key and its default: docs/frameworks/django.md,
-"Settings".
+``settings.IDEMFLOW``, checked at start-up (``AppConfig.ready``: an ``ImproperlyConfigured``,
+never a 500 per request); the store and driver made once per process, rebuilt under
+``override_settings``. Every key: docs/frameworks/django.md, "Settings".
 """
 
 from __future__ import annotations

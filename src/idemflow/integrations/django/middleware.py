@@ -1,17 +1,7 @@
 """
-``IdempotencyMiddleware``: protect the endpoints ``IDEMFLOW['endpoints']`` names.
-
-Each entry is a method and the route *template* as written in the URLconf
-(``"POST /payments/<int:pk>/refunds"``), or a dict mapping each to its route's
-durations or Policy (``{"retention": 7 * 86400}``). A protected request runs the rest of
-the stack inside a ``transaction.atomic()`` on ``IDEMFLOW['database']`` that
-the completion is written in; anything else passes through untouched. Place
-it after ``AuthenticationMiddleware`` (it refuses to start otherwise); an
-anonymous request is a 401 unless the view is marked
-`idempotency_public`. The claim comes before the view, so for
-validation before it, and for DRF views, use `idempotent`.
-Setup, validation, replays: docs/frameworks/django.md, "Three ways to protect
-an endpoint" and "Authorization on replay".
+``IdempotencyMiddleware``: protect the endpoints ``IDEMFLOW['endpoints']`` names (method
+and route template, or a dict of them to a route's policy), after
+``AuthenticationMiddleware``. docs/frameworks/django.md, "Three ways to protect an endpoint".
 """
 
 from __future__ import annotations

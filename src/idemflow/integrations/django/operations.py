@@ -1,12 +1,7 @@
 """
-The migration operation that creates the key table: idemflow's own DDL, per vendor.
-
-There is one definition of the table, its constraints and its indexes: the
-DDL every idemflow store runs (``idemflow migrate``). This operation runs the
-``CREATE`` statements of the dialect [`DjangoStore`][idemflow.stores.django.DjangoStore] picks for
-the connection being migrated, so ``manage.py migrate`` and ``idemflow
-migrate`` give the same schema (a test compares them on each vendor).
-The migration's own transaction replaces the dialect's BEGIN/COMMIT.
+The migration operation that creates the key table: the ``CREATE`` statements of the
+dialect [`DjangoStore`][idemflow.stores.django.DjangoStore] picks for the connection, so
+``manage.py migrate`` and ``idemflow migrate`` give one schema (a test compares them).
 """
 
 from __future__ import annotations

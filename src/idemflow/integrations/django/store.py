@@ -11,7 +11,7 @@ __getattr__ = moved(
     __name__,
     {
         "DjangoStore": "idemflow.stores.django:DjangoStore",
-        "DjangoTransaction": "idemflow.integrations.django.transaction:DjangoTransaction",
+        "DjangoTransaction": "idemflow.integrations.django:DjangoTransaction",
         "dialect_for": "idemflow.stores.django:dialect_for",
     },
 )

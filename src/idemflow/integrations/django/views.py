@@ -1,19 +1,8 @@
 """
-``@idempotent``, and a Django request through idemflow's sync edge and back.
-
-The view runs once per ``(principal, Idempotency-Key)``, inside a
-``transaction.atomic()`` on ``IDEMFLOW['database']`` (`DjangoTransaction`) in which
-the completion is written: its ORM writes and the stored response commit together.
-Retries get the stored response byte for byte, with ``Idempotent-Replayed: true``.
-``validate=`` runs before the claim, and so does a DRF action's ``serializer=``
-(validated once, handed to the view; its errors a 400 problem, nothing recorded);
-``authorize_replay=`` is asked before a replay; ``async def`` views the same way.
-`protect` is what the decorator and `IdempotencyMiddleware` share: the request as an
-``HTTPRequest`` (the route *template* Django matched, its parameters, the raw
-headers, the body read whole and bounded). DRF actions, validation, ``async def``
-views: docs/frameworks/django.md, "Three ways to protect an endpoint"; replays:
-"Authorization on replay"; ``ATOMIC_REQUESTS``: "Transactions, ``ATOMIC_REQUESTS``
-and what commits when".
+``@idempotent``: a Django view run once per ``(principal, Idempotency-Key)`` in a
+``transaction.atomic()`` its completion commits in, and `protect`, the request's way
+through the sync edge that the decorator and `IdempotencyMiddleware` share.
+docs/frameworks/django.md, "Three ways to protect an endpoint".
 """
 
 from __future__ import annotations
@@ -60,9 +49,9 @@ from ...edge import (
     sendable_headers,
     sync_replay_authorizer,
 )
+from ...stores.django import DjangoTransaction
 from ..wsgi import ReplayHook, _require_length, read_body, view_options
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
-from .transaction import DjangoTransaction
 
 __all__ = ["idempotency_public", "idempotent"]
 

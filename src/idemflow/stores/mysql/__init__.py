@@ -1,17 +1,7 @@
-"""
-MySQL 8 and MariaDB (≥ 10.6): key records in InnoDB, on PyMySQL (`MySQLStore`)
-or, from asyncio, on asyncmy (`AsyncMySQLStore`, the same statements and rules).
-
-Neither server has ``UPDATE … RETURNING`` and ``INSERT IGNORE`` is out, so a
-claim is a plain ``INSERT`` (error 1062: the key is held), then a packed read
-of the current row, and, only for a row past its retention or released by
-this same request, a guarded ``INSERT … ON DUPLICATE KEY UPDATE`` takeover
-whose ownership is read off the lease token (never the affected-row count,
-so ``CLIENT_FOUND_ROWS`` on or off is the same). Keys, principals and
-fingerprints are ``VARBINARY``: ``*_bin`` collations are PAD SPACE. Why these
-statements and the shapes measured and rejected: docs/stores.md, "MySQL 8 and
-MariaDB" ("The claim statements, and why these", "Affected rows and
-``CLIENT_FOUND_ROWS``", "Collations: keys are bytes").
+"""MySQL 8 and MariaDB (≥ 10.6): key records in InnoDB, on PyMySQL (`MySQLStore`) or, from
+asyncio, on asyncmy (`AsyncMySQLStore`). A claim is a plain ``INSERT`` (1062: the key is
+held), a takeover a guarded ``INSERT … ON DUPLICATE KEY UPDATE`` whose ownership is read off
+the lease token: docs/stores.md, "MySQL 8 and MariaDB".
 """
 
 from __future__ import annotations
@@ -43,10 +33,7 @@ __all__ = [
     "is_unavailable",
 ]
 
-#: The adapters live with every other in `idemflow.transactions` (a store never
-#: imports the layer above it); the store's own statement helpers are private (issue 32:
-#: a public API chosen on purpose). Both importable from here, with a DeprecationWarning,
-#: until 0.3.
+#: Names of 0.1, importable from here with a DeprecationWarning until 0.3.
 __getattr__ = moved(
     __name__,
     {

@@ -1,6 +1,5 @@
-"""The MySQL store's I/O: its pool of autocommit connections and its claim algorithm
-(the package docstring says why), on the shared SQL executor; the driver named only
-through ``_binding.py``.
+"""The MySQL store's I/O: its pool of autocommit connections and its claim algorithm, on
+the shared SQL executor; the driver named only through ``_binding.py``.
 This is the async source of truth; ``idemflow/stores/mysql/_sync.py`` is generated
 from it by ``scripts/unasync.py``.
 """
@@ -64,13 +63,9 @@ PING_AFTER = 30.0
 
 
 class AsyncPool:
-    """The store's own small pool of autocommit connections.
-
-    PyMySQL has none and asyncmy's cannot drop a connection that saw an error:
-    here one that did (or whose task was cancelled) is closed, its state unknown.
-    One idle past `PING_AFTER` is pinged first (``wait_timeout``: a round
-    trip, not a 503); after ``fork`` the child starts empty; the deque's atomic
-    appends and pops let threads share it without a lock.
+    """The store's own pool of autocommit connections (PyMySQL has none; asyncmy's cannot
+    drop a connection that saw an error). The deque's atomic appends and pops let threads
+    share it without a lock; after ``fork`` the child starts empty.
     """
 
     def __init__(
@@ -92,15 +87,13 @@ class AsyncPool:
 
     async def _open(self) -> Any:
         conn = await self._factory()
-        # A factory of the caller's may hand out a connection in a transaction:
-        # each statement of the store must be its own (no round trip if it is).
+        # A caller's factory may hand out a connection in a transaction (no round trip if not).
         await conn.autocommit(True)
         return conn
 
     async def _checked(self, conn: Any) -> Any:
-        """``conn`` if it still answers a ping, else a new one from the factory (set up as
-        every other, where PyMySQL's deprecated ``ping(reconnect=True)`` is not).
-        """
+        """``conn`` if it answers a ping, else a new one (``ping(reconnect=True)`` would skip
+        `_open`'s set-up)."""
         try:
             await conn.ping(False)
         except Exception:  # noqa: BLE001 -- whatever the failure, the connection is done
@@ -133,15 +126,13 @@ class AsyncCheckout:
         if not await slots.take(pool._timeout):
             msg = f"all {pool._max_size} MySQL connections busy for {pool._timeout:g}s"
             raise PoolExhausted(msg)
-        # The pool's checkout, inline (every statement of the store passes here).
         try:
             try:
                 conn, since = pool._idle.pop()
             except IndexError:
                 conn = await pool._open()
             else:
-                # Pinged when idle long (the server's wait_timeout may have ended it),
-                # or when the server closed it (a restart): one poll, no round trip.
+                # Idle long (wait_timeout may have ended it), or closed by the server: pinged.
                 if time.monotonic() - since > PING_AFTER or AsyncBinding.closed_by_server(conn):
                     conn = await pool._checked(conn)
         except BaseException:
@@ -170,10 +161,8 @@ async def _pause(attempt: int) -> None:
 
 
 async def retry_conflicts(run: Callable[[], Awaitable[T]]) -> T:
-    """Run an autocommit statement again while it loses a deadlock or certification:
-    only statements judged again by their WHERE clause; still losing after
-    `DEADLOCK_RETRIES` attempts is a 503.
-    """
+    """Run an autocommit statement (judged again by its WHERE clause) again while it loses a
+    deadlock or certification; still losing after `DEADLOCK_RETRIES` attempts is a 503."""
     for attempt in range(DEADLOCK_RETRIES):
         try:
             return await run()
@@ -192,33 +181,22 @@ class AsyncMySQLStore(AsyncSQLStore):
             driver's ``connect`` arguments, or a function returning a new
             connection of it (PyMySQL for the sync store; asyncmy, awaited, for
             the asyncio one). Either way the store keeps up to ``max_size`` of
-            them, switched to autocommit, so each statement is its own snapshot
-            and a duplicate's read sees the current row. A URL chooses TLS as
-            MySQL's clients do, ``?ssl-mode=DISABLED|PREFERRED|REQUIRED|VERIFY_CA|
-            VERIFY_IDENTITY`` (and ``ssl-ca=/path/ca.pem``); without it, the
-            driver's default: PyMySQL ``PREFERRED``, asyncmy no TLS (asyncmy
-            cannot do ``PREFERRED``). The store's connections share one TLS
-            context, built once (``docs/stores.md``, "TLS").
+            them, switched to autocommit. A URL chooses TLS as MySQL's clients do,
+            ``?ssl-mode=…&ssl-ca=…`` (``docs/stores.md``, "TLS").
         lock_wait_timeout: the longest (seconds) one of the store's
             statements waits on a row another transaction holds; a claim that
             times out answers 409.
         timeout: connect and read timeout, and the longest wait for a free
-            connection: ``policy.store_wait_seconds`` by default (half the
-            request timeout, at most 5 s), so a server that stops answering is
-            a 503 within it (the store's own connections; a claim in your
-            transaction waits on your connection's bounds).
+            connection of the store's own: ``policy.store_wait_seconds`` by default,
+            so a server that stops answering is a 503 within it.
         policy: your app's policy, which bounds the waits (above).
         clock: ``"database"`` (the default) takes every time decision on the
-            server's clock (see `idemflow.stores.postgres.PostgresStore`);
-            ``"caller"`` uses the ``now`` each call passes.
+            server's clock; ``"caller"`` uses the ``now`` each call passes.
 
-    The client flag ``CLIENT_FOUND_ROWS`` may be on or off: no decision
-    rests on a count it changes.
+    ``CLIENT_FOUND_ROWS`` may be on or off: no decision rests on a count it changes.
     """
 
-    # The claim in the caller's transaction bounds its lock wait itself
-    # (innodb_lock_wait_timeout, then restored): single-commit mode is safe,
-    # except on Galera, where the claim refuses it (see _claim_in).
+    # The claim in the caller's transaction bounds its own lock wait (refused on Galera).
     supports_single_commit = True
     #: Is the server a Galera node? Learnt by the first single-commit claim.
     _galera: bool | None = None
@@ -259,8 +237,7 @@ class AsyncMySQLStore(AsyncSQLStore):
 
     @asynccontextmanager
     async def _migration_connection(self) -> AsyncIterator[Any]:
-        """A connection of its own without the pool's read timeout: a migration waits for
-        the locks it needs (``ALTER TABLE`` on a busy table), as no request may."""
+        """A connection without the pool's read timeout: a migration waits for its locks."""
         conn = await self._unbounded()
         try:
             yield conn
@@ -275,8 +252,7 @@ class AsyncMySQLStore(AsyncSQLStore):
     ) -> Callable[[], Awaitable[Any]]:
         if callable(connect):
             return connect
-        # A URL's TLS context (ssl-mode REQUIRED, VERIFY_*) is built here, once: every
-        # connection of the store is handed that one.
+        # A URL's TLS context is built here, once, for every connection of the store.
         return AsyncBinding.connector(
             {
                 "connect_timeout": timeout,
@@ -295,12 +271,8 @@ class AsyncMySQLStore(AsyncSQLStore):
         await self.pool.close()
 
     def _causal(self, factory: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
-        """New connections, each told to read causally (``wsrep_sync_wait = 3``) on Galera.
-
-        Decisions are certified writes and need no more; the answers do: a completion
-        on another node than its claim would call the lease lost, a retry right after
-        the completion would get 409 instead of the replay. One query per connection.
-        """
+        """New connections, each told to read causally (``wsrep_sync_wait = 3``) on Galera:
+        decisions are certified writes, but answers read on another node may lag."""
 
         async def connect() -> Any:
             conn = await factory()
@@ -315,51 +287,35 @@ class AsyncMySQLStore(AsyncSQLStore):
         return connect
 
     async def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
-        """A plain INSERT decides a new key; a guarded upsert decides a takeover.
-
-        The read after a duplicate only tells whether a takeover is worth trying; the
-        upsert checks again on the current row and writes our token only if it holds.
-        """
-        insert = self.statements.insert
+        """A plain INSERT decides a new key; a guarded upsert decides a takeover (the read
+        between only tells whether one is worth trying: the upsert checks again)."""
+        insert, read = self.statements.insert, self.statements.packed_read
         text, bound = insert.pyformat, insert.bind(params)
         for _ in range(CLAIM_RETRIES):
             row_id = await self._claiming(cursor, text, bound)
             if row_id is not None:
                 return make_claim(True, inserted(params, row_id))
-            values = await self._read_after_duplicate(cursor, params)
-            if values is None:  # released and purged in between: claim again
+            await cursor.execute(read.pyformat, read.bind(params))
+            packed = await cursor.fetchone()
+            if packed is None:  # released and purged in between: claim again
                 continue
+            values = unpack_read(packed)
             record = record_from_values(values, 0)
-            # On the server's clock (or the caller's): the upsert decides again on it.
             if not can_take_over(record, fingerprint, values[PACKED_CLOCK_AT] / 1000):
                 return make_claim(False, record)
-            await self._take_over(cursor, params)
+            # One that kept losing conflicts lost to a write of this row: the read decides.
+            await self._claiming(
+                cursor, self.dialect.claim.pyformat, self.dialect.claim.bind(params)
+            )
             row, shape = await self._row(cursor, self.dialect.select, params)
             current = None if row is None else record_from_values(row, shape.start)
             return decided(current, str(params["lease_token"]))
         raise claim_busy()
 
-    async def _read_after_duplicate(
-        self, cursor: Any, params: Mapping[str, Any]
-    ) -> list[Any] | None:
-        """The row the INSERT lost to and the clock (``unpack_read``), or None if gone."""
-        read = self.statements.packed_read
-        await cursor.execute(read.pyformat, read.bind(params))
-        row = await cursor.fetchone()
-        return None if row is None else unpack_read(row)
-
-    async def _take_over(self, cursor: Any, params: Mapping[str, Any]) -> None:
-        """The guarded upsert. One that kept losing conflicts (None) lost to a write of
-        this row: what the row says now (read next, by our token) is the answer."""
-        upsert = self.dialect.claim
-        await self._claiming(cursor, upsert.pyformat, upsert.bind(params))
-
     async def _claiming(self, cursor: Any, text: str, bound: Any) -> int | None:
-        """Send a claiming statement: the id it inserted (0 if none), or None when it lost
-        to a row that exists (1062, or a deadlock or Galera certification lost
-        DEADLOCK_RETRIES times). A deadlock victim had no effect and is sent again after
-        a pause; a lock wait that timed out is a live holder: 409.
-        """
+        """The id a claiming statement inserted (0 if none), or None when it lost to a row
+        that exists (1062, or a deadlock lost DEADLOCK_RETRIES times: resent after a pause,
+        it had no effect). A lock wait that timed out is a live holder: 409."""
         for attempt in range(DEADLOCK_RETRIES):
             try:
                 await cursor.execute(text, bound)
@@ -379,12 +335,8 @@ class AsyncMySQLStore(AsyncSQLStore):
     async def _claim_in(
         self, transaction: AsyncTransaction, params: Mapping[str, Any], fingerprint: str
     ) -> Claim:
-        """Claim as a write of the caller's transaction (``single_commit=True``).
-
-        Every read locks: under REPEATABLE READ a plain SELECT answers from a snapshot
-        that may predate the winner's commit. The failed INSERT already holds a shared
-        lock on the duplicate, so the shared read never waits.
-        """
+        """Claim as a write of the caller's transaction. Every read locks: under REPEATABLE
+        READ a plain SELECT may answer from a snapshot older than the winner's commit."""
         bound = {**params, "lock_wait": self.lock_wait_timeout}
         with self._translate():
             await self._refuse_galera(transaction)
@@ -403,9 +355,8 @@ class AsyncMySQLStore(AsyncSQLStore):
         return decided(None if row is None else record_from_row(row), str(params["lease_token"]))
 
     async def _refuse_galera(self, transaction: AsyncTransaction) -> None:
-        """Single-commit mode needs the INSERT to decide. On Galera it does not: two
-        nodes' inserts of one key both succeed locally, both handlers run, and one
-        transaction fails certification at COMMIT. Refused before anything is claimed."""
+        """Refuse single-commit mode on Galera: two nodes' inserts of one key both succeed
+        locally (both handlers run) until certification at COMMIT."""
         if self._galera is None:
             row = await transaction.fetchone(self.statements.wsrep_on, {})
             self._galera = row is not None and str(row["Value"]).upper() == "ON"
@@ -429,15 +380,10 @@ class AsyncMySQLStore(AsyncSQLStore):
         return await transaction.fetchone(self.statements.select_current, params)
 
     async def _write(
-        self,
-        statement: Statement,
-        params: Mapping[str, Any],
-        transaction: AsyncTransaction | None,
+        self, statement: Statement, params: Mapping[str, Any], transaction: AsyncTransaction | None
     ) -> bool:
-        """A fenced UPDATE; a conflict it loses is sent again (autocommit: the fence judges
-        the row again) or, in the caller's transaction (rolled back with the effect), a
-        503 the flow answers after releasing the claim, never a 500.
-        """
+        """A fenced UPDATE; a conflict it loses is sent again (autocommit) or, in the
+        caller's transaction (rolled back with the effect), a 503, never a 500."""
         parent = super()._write
         if transaction is None:
             return await retry_conflicts(lambda: parent(statement, params, None))
@@ -446,11 +392,7 @@ class AsyncMySQLStore(AsyncSQLStore):
                 return True
             if not self.galera_seen:
                 return False
-            # Galera: your connection's node may not have applied the claim yet
-            # (made on another node, a moment ago). A causal wait cannot be asked
-            # for inside a transaction, so judge again after short pauses; a
-            # lease really lost stays lost. (wsrep_sync_wait >= 1 on your
-            # connections makes BEGIN wait instead: see docs/stores.md.)
+            # Galera: your node may not have applied the claim yet: judge again after pauses.
             for attempt in range(APPLY_RETRIES):
                 await _pause(attempt + 3)
                 if await parent(statement, params, transaction):
@@ -458,7 +400,6 @@ class AsyncMySQLStore(AsyncSQLStore):
             return False
 
     async def purge(self, now: float, limit: int) -> int:
-        """Delete up to ``limit`` records past retention, again if it loses a conflict."""
         parent = super().purge
         return await retry_conflicts(lambda: parent(now, limit))
 
@@ -469,22 +410,20 @@ class AsyncMySQLStore(AsyncSQLStore):
         now: float,
         transaction: AsyncTransaction | None = None,
     ) -> None:
-        """Record progress. Without ``CLIENT_FOUND_ROWS`` an identical checkpoint in the
-        same millisecond counts 0 rows changed: whether the record is still ours is asked.
-        """
         params = {**owner_params(record, now), "recovery_point": recovery_point}
-        if await self._write(self.dialect.checkpoint, params, transaction):
-            return
-        if not await self._still_owned(params, transaction):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over")
+        await self._owner_write(self.dialect.checkpoint, params, transaction)
 
     async def renew(self, record: Record, now: float) -> None:
-        """Keep the claim alive; a renewal in the claim's millisecond changes 0 rows
-        (no ``CLIENT_FOUND_ROWS``): whether the record is still ours is asked."""
-        params = owner_params(record, now)
-        if await self._write(self.dialect.renew, params, None):
+        await self._owner_write(self.dialect.renew, owner_params(record, now), None)
+
+    async def _owner_write(
+        self, statement: Statement, params: Mapping[str, Any], transaction: AsyncTransaction | None
+    ) -> None:
+        """Without ``CLIENT_FOUND_ROWS`` a write of the same values in the same millisecond
+        changes 0 rows: whether the record is still ours is asked then."""
+        if await self._write(statement, params, transaction):
             return
-        if not await self._still_owned(params, None):
+        if not await self._still_owned(params, transaction):
             raise LeaseLost("the claim on this Idempotency-Key was taken over")
 
     async def _still_owned(
@@ -502,9 +441,7 @@ class AsyncMySQLStore(AsyncSQLStore):
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
-        """Mark up to ``limit`` stale claims with this sweep's token, then read them back:
-        only this sweeper can settle or release them now.
-        """
+        """Mark up to ``limit`` stale claims with this sweep's token, then read them back."""
         params = {
             **sweep_params(from_state, cutoff, now, keep_until, limit),
             "sweep_token": secrets.token_hex(16),

@@ -1,7 +1,5 @@
-"""What each MySQL store needs of its driver, under one name ``scripts/unasync.py`` maps:
-`AsyncBinding` (asyncmy) for ``_async.py``, `Binding` (PyMySQL) for its
-twin. Only what differs beyond ``await`` (connect, close, checkout bounds, pauses,
-which errors mean the server is gone) is here.
+"""What each MySQL store needs of its driver beyond ``await``, under one name
+``scripts/unasync.py`` maps: `AsyncBinding` (asyncmy) for ``_async.py``, `Binding` (PyMySQL).
 """
 
 from __future__ import annotations
@@ -29,10 +27,8 @@ class AsyncBinding:
 
     @staticmethod
     def connector(kwargs: Mapping[str, Any]) -> Callable[[], Awaitable[Any]]:
-        """A coroutine function opening a new connection (``asyncmy.connect`` arguments).
-
-        PyMySQL's ``ssl_disabled=True`` is taken too: no TLS, asyncmy's default.
-        """
+        """A coroutine function opening a new connection (``asyncmy.connect`` arguments, or
+        PyMySQL's ``ssl_disabled=True``)."""
         with optional("idemflow.stores.mysql"):
             import asyncmy
 
@@ -60,9 +56,7 @@ class AsyncBinding:
 
     @staticmethod
     def closed_by_server(conn: Any) -> bool:
-        """Has the server closed this idle connection (a restart, ``KILL``)? One poll of its
-        socket, no round trip: an idle MySQL connection is sent nothing but the goodbye.
-        """
+        """Has the server closed this idle connection (a restart, ``KILL``)?"""
         transport = getattr(conn, "_transport", None)
         if transport is None:
             return False
@@ -99,10 +93,7 @@ class Binding:
 
     @staticmethod
     def connector(kwargs: Mapping[str, Any]) -> Callable[[], Any]:
-        """A function opening a new connection (``pymysql.connect`` arguments).
-
-        Its connections share one ``PREFERRED`` TLS context (`_sharing_connection`).
-        """
+        """A function opening a new connection (``pymysql.connect`` arguments)."""
         with optional("idemflow.stores.mysql"):
             import pymysql  # noqa: F401 -- the extra's message if it is missing
 
@@ -122,18 +113,13 @@ class Binding:
 
     @staticmethod
     def closed_by_server(conn: Any) -> bool:
-        """Has the server closed this idle connection (a restart, ``KILL``)? One poll of its
-        socket, no round trip: an idle MySQL connection is sent nothing but the goodbye.
-        """
+        """`AsyncBinding.closed_by_server`."""
         sock = getattr(conn, "_sock", None)
         return sock is None or readable_now(sock.fileno())
 
     class Slots:
-        """How many of the pool's connections may be out at once (across threads).
-
-        A queue of tokens, not a ``threading.Semaphore``: its get and put are C,
-        several microseconds less on every checkout.
-        """
+        """How many of the pool's connections may be out at once (across threads): a queue of
+        tokens, whose get and put are C (faster than a ``threading.Semaphore``)."""
 
         def __init__(self, size: int) -> None:
             self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -154,12 +140,8 @@ class Binding:
 
 @functools.cache
 def _sharing_connection() -> Callable[..., Any]:
-    """``pymysql.connect``, whose connections share one ``PREFERRED`` TLS context.
-
-    PyMySQL builds one per connection from ``ssl.create_default_context()`` (the
-    system CA bundle: ~20-65 ms of CPU each) in ``_create_ssl_ctx({})``; built once
-    here by that same code. Were the hook renamed, each would build its own again.
-    """
+    """``pymysql.connect``, whose connections share one ``PREFERRED`` TLS context (PyMySQL
+    builds one per connection in ``_create_ssl_ctx({})``: ~20-65 ms of CPU each)."""
     import pymysql.connections
 
     shared: list[ssl.SSLContext] = []  # at most one (two threads may race to build it)
@@ -177,8 +159,7 @@ def _sharing_connection() -> Callable[..., Any]:
 
 def closed_by_server(connection: Any) -> bool:
     """Has the server closed this idle connection (a restart, ``KILL``)? One poll of its
-    socket, no round trip: an idle MySQL connection is sent nothing but the goodbye.
-    """
+    socket: an idle MySQL connection is sent nothing but the goodbye."""
     if getattr(connection, "_transport", None) is not None:  # asyncmy
         return AsyncBinding.closed_by_server(connection)
     return Binding.closed_by_server(connection)

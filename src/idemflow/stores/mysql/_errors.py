@@ -9,11 +9,9 @@ from contextlib import contextmanager
 
 from ..._errors import StoreUnavailable, driver_error
 
-# Client errors meaning "the server is not there": can't connect (2002,
-# 2003), gone away / lost (2006, 2013), too many connections (1040), server
-# shutting down (1053), connection killed (1927 MariaDB, 4031 MySQL 8), and a
-# Galera node outside the primary component (1047 "WSREP has not yet prepared
-# node for application use": partitioned from the quorum, or still joining).
+# "The server is not there": can't connect (2002, 2003), gone away / lost (2006, 2013), too
+# many connections (1040), shutting down (1053), connection killed (1927 MariaDB, 4031
+# MySQL 8), a Galera node outside the primary component (1047).
 _UNREACHABLE = frozenset({1040, 1047, 1053, 1927, 2002, 2003, 2006, 2013, 4031})
 #: Duplicate key, lock wait timeout, deadlock.
 DUPLICATE, LOCK_WAIT_TIMEOUT, DEADLOCK = 1062, 1205, 1213
@@ -22,18 +20,14 @@ UNAVAILABLE_CODES = _UNREACHABLE | {LOCK_WAIT_TIMEOUT}
 
 
 def error_code(exc: BaseException) -> int | None:
-    """The server's error number of a PyMySQL or asyncmy error (or of one wrapped by SQLAlchemy
-    or Django)."""
+    """The server's error number of a PyMySQL or asyncmy error (or one wrapped)."""
     original = driver_error(exc)
     args = getattr(original, "args", ())
     return args[0] if args and isinstance(args[0], int) else None
 
 
 def is_unavailable(exc: BaseException) -> bool:
-    """Cannot reach the server, or it is too busy to take the statement: fail closed.
-
-    Raised by the driver directly or wrapped (SQLAlchemy, Django), as the caller's
-    transaction adapters raise it."""
+    """Cannot reach the server, or it is too busy to take the statement (or one wrapped)."""
     original = driver_error(exc)
     if isinstance(exc, PoolExhausted) or _is_driver_error(original, "InterfaceError"):
         return True
@@ -52,10 +46,7 @@ def _is_driver_module(module: str) -> bool:
 
 
 def is_conflict(exc: BaseException) -> bool:
-    """A deadlock victim, or (Galera) a certification failure, which MariaDB reports alike.
-
-    Either way the statement, and the transaction it ran in, had no effect.
-    """
+    """A deadlock victim or (Galera) a certification failure: the transaction had no effect."""
     return error_code(exc) == DEADLOCK
 
 
@@ -64,14 +55,12 @@ def is_contention(exc: BaseException) -> bool:
     return error_code(exc) in (LOCK_WAIT_TIMEOUT, DEADLOCK)
 
 
-#: A deadlock victim's statement (or, on Galera, one that failed certification)
-#: had no effect: sending it again is safe, this many times in all.
+#: How often a statement that lost a conflict (so had no effect) is sent in all.
 DEADLOCK_RETRIES = 5
-#: Galera: how often a fenced write in the caller's transaction that found no row
-#: is judged again (pauses of up to 16, 32, 50, 50 … ms: the claim's apply lag).
+#: Galera: how often a fenced write in the caller's transaction that found no row is judged
+#: again (the claim's apply lag).
 APPLY_RETRIES = 8
-# Between attempts: on Galera the winner's write set is committed but may not be
-# applied on this node yet; a short random pause lets it land (seconds).
+# Between attempts (seconds): on Galera the winner's write set may not be applied here yet.
 _CONFLICT_BACKOFF = 0.002
 _CONFLICT_BACKOFF_MAX = 0.05
 

@@ -1,6 +1,5 @@
-"""MySQL's statements: the table, the guarded takeover upsert, the dialect and the
-reads it adds to it, and what the claim's answers mean (the claim algorithm that
-sends them is ``_async.py``, and its generated twin ``_sync.py``)."""
+"""MySQL's statements: the table, the guarded takeover upsert, the dialect and the reads it
+adds, and what the claim's answers mean (sent by ``_async.py`` and its twin)."""
 
 from __future__ import annotations
 
@@ -26,9 +25,7 @@ from ..sql.dialect import (
 )
 
 DEFAULT_TABLE = "idemflow_keys"
-#: How long (whole seconds, InnoDB's minimum is 1) a claim waits on a row
-#: another transaction holds before answering 409 instead: never hold a
-#: connection per duplicate.
+#: How long (whole seconds) a claim waits on a row another transaction holds before a 409.
 DEFAULT_LOCK_WAIT_TIMEOUT = 1
 
 # Binary strings come back as bytes; the model wants text.
@@ -36,8 +33,7 @@ _TEXT_COLUMNS = {"principal": "utf8mb4", "idempotency_key": "ascii", "fingerprin
 _SELECT_LIST = ", ".join(
     f"CONVERT({c} USING {_TEXT_COLUMNS[c]}) AS {c}" if c in _TEXT_COLUMNS else c for c in COLUMNS
 )
-#: The columns ``packed_read``'s JSON array leaves out: the body (binary) and the
-#: headers (unbounded: a JSON_ARRAY longer than ``max_allowed_packet`` would be NULL).
+#: Left out of ``packed_read``'s JSON array: the body (binary) and the headers (unbounded).
 _UNPACKED = ("response_headers", "response_body")
 _PACKED = [c for c in COLUMNS if c not in _UNPACKED]
 _PACKED_LIST = ", ".join(
@@ -51,13 +47,10 @@ class MySQLStatements:
 
     #: The plain INSERT that claims a new key (error 1062 when it exists).
     insert: Statement
-    #: The claim's read after a duplicate (a replay's second round trip), packed
-    #: (`unpack_read`): PyMySQL parses one descriptor packet per result
-    #: column, and 17 of them were a third of a replay's client CPU
-    #: (``bench/bench_mysql_claim_shapes.py``).
+    #: The claim's read after a duplicate, packed (`unpack_read`): a descriptor packet per
+    #: column was a third of a replay's client CPU (``bench/bench_mysql_claim_shapes.py``).
     packed_read: Statement
-    #: The current row, read with a lock: the latest committed version even
-    #: inside a REPEATABLE READ transaction whose snapshot is older.
+    #: The current row, read with a lock: the latest committed even under REPEATABLE READ.
     select_current: Statement
     select_shared: Statement
     #: The rows one sweep marked (found by its sweep token).
@@ -115,11 +108,10 @@ def _quiet(ddl: list[str]) -> list[str]:
 def upsert_claim(table: str) -> str:
     """The takeover: ``INSERT … ON DUPLICATE KEY UPDATE``, every assignment guarded alike.
 
-    The lease token goes first, guarded by the takeover condition on the old row;
-    every later one asks "is the token ours now, or does the old row qualify",
-    right whether assignments see earlier ones (MySQL) or not (MariaDB's
-    ``SIMULTANEOUS_ASSIGNMENT``). ``state`` and ``expires_at`` go last: the others
-    need the old row to tell a new intent from a retry.
+    The lease token goes first, guarded by the takeover condition on the old row; every
+    later one asks "is the token ours now, or does the old row qualify", right whether
+    assignments see earlier ones (MySQL) or not (MariaDB). ``state`` and ``expires_at`` go
+    last: the others need the old row to tell a new intent from a retry.
     """
     qualifies = TAKE_OVER_SQL
     taken = f"(lease_token <=> :lease_token OR {qualifies})"
@@ -152,25 +144,20 @@ def upsert_claim(table: str) -> str:
     )
 
 
-#: The server's time in epoch milliseconds, whatever the session's time zone;
-#: one value per statement.
+#: The server's time in epoch milliseconds, whatever the session's time zone.
 SERVER_NOW_MS = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000"
 
 
 def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") -> Dialect:
-    """The shared fenced UPDATEs, with MySQL's own claim, read, sweep and purge.
-
-    ``claim`` is the guarded upsert, which the store sends only for a
-    takeover; a new key is claimed by `mysql_statements`' plain INSERT.
-    """
+    """The shared fenced UPDATEs, with MySQL's own claim (the guarded upsert, sent only for a
+    takeover), read, sweep and purge."""
     standard = Dialect.standard("mysql", table, _quiet(mysql_ddl(table)), upsert_claim(table))
     by_key = "WHERE principal = :principal AND idempotency_key = :key"
     dialect = dataclasses.replace(
         standard,
         select=Statement(f"SELECT {_SELECT_LIST} FROM {table} {by_key}"),
         read_for_claim=Statement(f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key}"),
-        # No LIMIT inside IN (…) and no UPDATE … RETURNING: mark a batch with
-        # a token of this sweep in one statement, then read it back by token.
+        # No LIMIT inside IN (…), no UPDATE … RETURNING: marked with a token, read back by it.
         sweep=Statement(
             f"UPDATE {table} SET state = 'stale', lease_token = :sweep_token, "
             "updated_at = :now, expires_at = GREATEST(expires_at, :keep_until) "

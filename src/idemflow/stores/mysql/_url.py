@@ -1,12 +1,5 @@
-"""``mysql://`` URLs, as ``pymysql.connect`` arguments, and the TLS they ask for.
-
-TLS is spelt as MySQL's own clients spell it (``mysql --ssl-mode``), as query
-options: ``ssl-mode=DISABLED|PREFERRED|REQUIRED|VERIFY_CA|VERIFY_IDENTITY`` and
-``ssl-ca=/path/ca.pem`` (``ssl_mode``, ``ssl_ca`` too). A mode that encrypts
-and is not the driver's default becomes one `ssl.SSLContext`, built
-here, when the store reads its URL, and handed to the driver as ``ssl=`` for
-every connection the store opens: PyMySQL and asyncmy both take a context as
-it is, instead of building one (and loading the CA bundle) per connection.
+"""``mysql://`` URLs, as ``pymysql.connect`` arguments, and the TLS they ask for, spelt as
+MySQL's clients spell it (docs/stores.md, "TLS"): one `ssl.SSLContext` per URL.
 """
 
 from __future__ import annotations
@@ -98,9 +91,8 @@ def _ssl_options(query: str) -> tuple[str | None, str | None]:
 
 
 def unverified_context() -> ssl.SSLContext:
-    """TLS that checks neither the certificate nor the host name (``PREFERRED``,
-    ``REQUIRED``), without loading the CA bundle it never consults (~20-65 ms).
-    """
+    """TLS that checks neither the certificate nor the host name, without loading the CA
+    bundle it never consults (~20-65 ms)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
@@ -116,9 +108,7 @@ def tls_context(mode: str, ca: str | None = None) -> ssl.SSLContext:
     except OSError as exc:
         msg = f"ssl-ca {ca!r} cannot be read as PEM CA certificates: {exc}"
         raise ConfigurationError(msg) from exc
-    # MySQL's self-generated certificates fail Python 3.13's strict X.509 checks
-    # (PyMySQL clears the flag too); the chain and, for VERIFY_IDENTITY, the name
-    # are still verified.
+    # MySQL's self-generated certificates fail Python 3.13's strict X.509 checks.
     context.verify_flags &= ~ssl.VERIFY_X509_STRICT
     context.check_hostname = mode == "VERIFY_IDENTITY"
     context.verify_mode = ssl.CERT_REQUIRED

@@ -1,7 +1,5 @@
-"""PostgreSQL: the production store, on psycopg 3 (sync and async with one driver,
-statements prepared on the server by itself; SQLAlchemy Core cost ~40 % of
-throughput). Autocommit connections with no reset query: a claim is one round
-trip. A SQLAlchemy ``Connection`` or ``Session`` still takes the completion:
+"""PostgreSQL: the production store, on psycopg 3's autocommit connections (a claim is one
+round trip). A SQLAlchemy ``Connection`` or ``Session`` still takes the completion:
 [`idemflow.transactions`][idemflow.transactions].
 """
 
@@ -44,16 +42,13 @@ __all__ = [
 
 DEFAULT_TABLE = "idemflow_keys"
 
-# Single-commit mode: a duplicate that meets another request's *uncommitted*
-# claim would wait on its index entry until that transaction ends. We wait
-# this long at most, then answer 409: never hold a connection per duplicate.
+# Single-commit mode: the longest wait on a duplicate's uncommitted claim before a 409.
 DEFAULT_CLAIM_LOCK_TIMEOUT_MS = 50
 
 # Serialises concurrent `idemflow migrate` runs (CREATE … IF NOT EXISTS races).
 _MIGRATE_LOCK = 0x1DE3F10
 #: How long a migration waits for a lock (a busy table's writers, another migration).
 MIGRATE_LOCK_TIMEOUT_S = 60
-
 
 #: The server's time in epoch milliseconds, one value per statement.
 SERVER_NOW_MS = "CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)"
@@ -71,9 +66,7 @@ def postgres_dialect(
         blob="BYTEA",
         unique=f"CONSTRAINT {table}_principal_key UNIQUE",
     )
-    # The connections' lock_timeout bounds a claim's wait, not a migration's:
-    # CREATE INDEX waits for every open transaction writing to the table (and
-    # the advisory lock for another migration), which is long for a claim.
+    # The connections' lock_timeout bounds a claim's wait, not a migration's.
     ddl = [
         "BEGIN",
         f"SET LOCAL lock_timeout = '{MIGRATE_LOCK_TIMEOUT_S}s'",
@@ -95,12 +88,9 @@ def postgres_dialect(
 
 
 def purge_statement(table: str) -> Statement:
-    """One bounded batch of expired records, found through the expiry index.
-
-    Row addresses read and locked once, deleted by TID scan (``id IN (subquery)``
-    hash-joined a full scan per batch); ``SKIP LOCKED`` leaves a row being taken
-    over for the next pass; the expiry and state are tested again on the deleted
-    version (``+ 0``: not planned as a second index scan).
+    """One bounded batch of expired records, found through the expiry index and deleted by
+    TID scan (``id IN (subquery)`` hash-joined a full scan per batch); the expiry and state
+    are tested again on the deleted version (``+ 0``: not a second index scan).
     """
     return Statement(
         f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
@@ -111,28 +101,14 @@ def purge_statement(table: str) -> Statement:
 
 
 def connection_options(claim_lock_timeout_ms: int, conninfo: str = "") -> dict[str, Any]:
-    """Autocommit connections whose lock waits are bounded: a claim meeting another's
-    uncommitted claim (single-commit mode) answers 409 instead of holding a
-    connection. Options already in ``conninfo`` are kept. Pass them to a pool of yours.
-    """
+    """Autocommit connections whose lock waits are bounded (a claim meeting another's
+    uncommitted claim answers 409), keeping ``conninfo``'s options: for a pool of yours."""
     with optional("idemflow.stores.postgres"):
         from psycopg.conninfo import conninfo_to_dict
 
     bound = f"-c lock_timeout={int(claim_lock_timeout_ms)}"
     own = conninfo_to_dict(conninfo).get("options") if conninfo else None
     return {"autocommit": True, "options": f"{own} {bound}" if own else bound}
-
-
-def _pool_settings(
-    conninfo: str, max_size: int, claim_lock_timeout_ms: int, store_wait: float
-) -> dict[str, Any]:
-    # The store's wait without a free connection is an outage (503), not a queue.
-    return {
-        "min_size": 1,
-        "max_size": max_size,
-        "kwargs": connection_options(claim_lock_timeout_ms, conninfo),
-        "timeout": store_wait,
-    }
 
 
 def is_lock_timeout(exc: BaseException) -> bool:
@@ -142,11 +118,8 @@ def is_lock_timeout(exc: BaseException) -> bool:
 
 
 def is_unavailable(exc: BaseException) -> bool:
-    """Connection refused or lost, pool exhausted: not a bug, an outage (fail closed).
-
-    Raised by psycopg directly or wrapped by SQLAlchemy (``.orig``) or Django
-    (``django.db.utils``), as the caller's transaction adapters raise it.
-    """
+    """Connection refused or lost, pool exhausted: an outage (fail closed), raised by psycopg
+    directly or wrapped (SQLAlchemy, Django)."""
     import psycopg
 
     original = driver_error(exc)
@@ -161,48 +134,64 @@ def _claims_alone_on(connection: Any) -> bool:
     return bool(connection.autocommit) and status == TransactionStatus.IDLE
 
 
-def _open_pool(
-    pool: Any, max_size: int, claim_lock_timeout_ms: int, store_wait: float, *, asynchronous: bool
-) -> Any:
-    """``pool`` itself, or a pool made from a conninfo string (opened now if sync), of
-    connections whose waits the store bounds by ``store_wait`` (its checkout's, the pool's)."""
-    if not isinstance(pool, str):
-        return pool
-    with optional("idemflow.stores.postgres"):
-        import psycopg_pool
-
-    settings = _pool_settings(pool, max_size, claim_lock_timeout_ms, store_wait)
-    if asynchronous:  # an async pool cannot open in __init__: _OpeningConnection opens it
-        return psycopg_pool.AsyncConnectionPool(
-            pool, **settings, connection_class=async_bounded_connection_class(), open=False
-        )
-    return psycopg_pool.ConnectionPool(
-        pool, **settings, connection_class=bounded_connection_class(), open=True
-    )
-
-
 def _executor_options(
-    pool: Any, checked: Any, own: Any, table: str, claim_lock_timeout_ms: int, clock: StoreClock
+    store: PostgresStore | AsyncPostgresStore,
+    pool: Any,
+    table: str,
+    max_size: int,
+    claim_lock_timeout_ms: int,
+    clock: StoreClock,
+    policy: Policy | None,
+    *,
+    asynchronous: bool,
 ) -> dict[str, Any]:
-    """What both stores give the SQL executor: ``checked`` is the store's checkout for
-    the application, ``own`` the one for the store's statements (their waits bounded)."""
+    """Set ``store.pool`` (made from a conninfo string: opened now if sync) and return what
+    the SQL executor is given: the store's own statements on checkouts bounded by its wait."""
+    store._store_wait = (policy or Policy()).store_wait_seconds
+    if isinstance(pool, str):
+        with optional("idemflow.stores.postgres"):
+            import psycopg_pool
+
+        # The store's wait without a free connection is an outage (503), not a queue.
+        settings: dict[str, Any] = {
+            "min_size": 1,
+            "max_size": max_size,
+            "kwargs": connection_options(claim_lock_timeout_ms, pool),
+            "timeout": store._store_wait,
+        }
+        if asynchronous:  # an async pool cannot open in __init__: _OpeningConnection opens it
+            pool = psycopg_pool.AsyncConnectionPool(
+                pool, **settings, connection_class=async_bounded_connection_class(), open=False
+            )
+        else:
+            pool = psycopg_pool.ConnectionPool(
+                pool, **settings, connection_class=bounded_connection_class(), open=True
+            )
+    store.pool = pool
     return {
-        "connect": own,
+        "connect": lambda: store._checkout(store._store_wait),
         "dialect": postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
         "paramstyle": "pyformat",
         "is_unavailable": is_unavailable,
         "is_lock_timeout": is_lock_timeout,
         "extra_params": True,
-        # A request's transaction on this same pool lends its connection to the claim,
-        # whether taken through the store's checkout or the pool's own.
-        "lend_sources": (checked, pool.connection),
+        # A request's transaction on this pool lends its connection to the claim.
+        "lend_sources": (store.connection, pool.connection),
         "claims_alone_on": _claims_alone_on,
         # A migration waits for its locks (CREATE INDEX on a busy table), as no request may.
-        "migrate_connect": checked,
+        "migrate_connect": store.connection,
     }
 
 
-class PostgresStore(SQLStore):
+class _StoreWait:
+    _store_wait: float
+
+    def cover_store_wait(self, seconds: float) -> None:
+        """A driver's store wait: the store's own checkouts and statements wait no longer."""
+        self._store_wait = min(self._store_wait, seconds)
+
+
+class PostgresStore(_StoreWait, SQLStore):
     """Key records in PostgreSQL.
 
     Args:
@@ -226,6 +215,8 @@ class PostgresStore(SQLStore):
             ``connection_class=bounded_connection_class()``.
     """
 
+    pool: psycopg_pool.ConnectionPool[Any]
+
     def __init__(
         self,
         pool: psycopg_pool.ConnectionPool[Any] | str,
@@ -236,43 +227,24 @@ class PostgresStore(SQLStore):
         clock: StoreClock = "database",
         policy: Policy | None = None,
     ) -> None:
-        self._store_wait = (policy or Policy()).store_wait_seconds
-        self.pool: psycopg_pool.ConnectionPool[Any] = _open_pool(
-            pool, max_size, claim_lock_timeout_ms, self._store_wait, asynchronous=False
-        )
-        options = _executor_options(
-            self.pool,
-            self.connection,
-            lambda: self._checkout(self._store_wait),
-            table,
-            claim_lock_timeout_ms,
-            clock,
-        )
-        super().__init__(**options)
+        options = (pool, table, max_size, claim_lock_timeout_ms, clock, policy)
+        super().__init__(**_executor_options(self, *options, asynchronous=False))
 
     def connection(self) -> LiveConnection:
-        """A connection of the store's pool, never one the server has closed.
-
-        Give it to the request's transaction, ``pooled_transaction(store.connection,
-        …)``: the claim runs on the connection the transaction then uses (one
-        checkout per request, as with ``store.pool.connection``), and a restart of
-        PostgreSQL costs no refused request.
-        """
+        """A connection of the store's pool, never one the server has closed. Given to the
+        request's transaction, ``pooled_transaction(store.connection, …)``, it carries the
+        claim too (one checkout per request)."""
         return self._checkout(None)
 
     def _checkout(self, store_wait: float | None) -> LiveConnection:
         """`connection`, its waits bounded by ``store_wait`` (the store's own)."""
         return LiveConnection(self.pool, store_wait)
 
-    def cover_store_wait(self, seconds: float) -> None:
-        """A driver's store wait: the store's own checkouts and statements wait no longer."""
-        self._store_wait = min(self._store_wait, seconds)
-
     def close(self) -> None:
         self.pool.close()
 
 
-class AsyncPostgresStore(AsyncSQLStore):
+class AsyncPostgresStore(_StoreWait, AsyncSQLStore):
     """Key records in PostgreSQL, for asyncio code.
 
     Args:
@@ -282,6 +254,8 @@ class AsyncPostgresStore(AsyncSQLStore):
         policy: as for `PostgresStore` (a pool you bring: with
             ``connection_class=async_bounded_connection_class()``).
     """
+
+    pool: psycopg_pool.AsyncConnectionPool[Any]
 
     def __init__(
         self,
@@ -293,19 +267,8 @@ class AsyncPostgresStore(AsyncSQLStore):
         clock: StoreClock = "database",
         policy: Policy | None = None,
     ) -> None:
-        self._store_wait = (policy or Policy()).store_wait_seconds
-        self.pool: psycopg_pool.AsyncConnectionPool[Any] = _open_pool(
-            pool, max_size, claim_lock_timeout_ms, self._store_wait, asynchronous=True
-        )
-        options = _executor_options(
-            self.pool,
-            self.connection,
-            lambda: self._checkout(self._store_wait),
-            table,
-            claim_lock_timeout_ms,
-            clock,
-        )
-        super().__init__(**options)
+        options = (pool, table, max_size, claim_lock_timeout_ms, clock, policy)
+        super().__init__(**_executor_options(self, *options, asynchronous=True))
 
     def connection(self) -> Any:
         """A connection of the store's pool (an async context manager), never one the
@@ -319,10 +282,6 @@ class AsyncPostgresStore(AsyncSQLStore):
             return _OpeningConnection(self.pool, store_wait)
         return AsyncLiveConnection(self.pool, store_wait)
 
-    def cover_store_wait(self, seconds: float) -> None:
-        """A driver's store wait: the store's own checkouts and statements wait no longer."""
-        self._store_wait = min(self._store_wait, seconds)
-
     async def claim_on_lent(self, *args: Any, **kwargs: Any) -> Claim:
         """As the executor's, once the pool is open (the lent connection is taken from it)."""
         if self.pool.closed:
@@ -334,8 +293,7 @@ class AsyncPostgresStore(AsyncSQLStore):
 
 
 class _OpeningConnection:
-    """`AsyncLiveConnection` that opens the pool on first use (it cannot open in
-    __init__)."""
+    """`AsyncLiveConnection` that opens the pool on first use (it cannot open in __init__)."""
 
     def __init__(
         self, pool: psycopg_pool.AsyncConnectionPool[Any], store_wait: float | None

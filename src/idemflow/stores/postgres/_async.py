@@ -1,10 +1,5 @@
-"""The PostgreSQL stores' checkout: a pooled connection, never one the server closed.
-
-A restart closes every pooled connection and the pool learns it only when a
-statement fails (a refused claim, or a completion left unknown). The server's
-goodbye makes an idle socket readable, so one non-blocking poll per checkout
-finds it and the next is taken; a socket readable for another reason (a notice)
-is asked an empty statement.
+"""The PostgreSQL stores' checkout: a pooled connection, never one the server closed
+(docs/stores.md, "A restart of PostgreSQL under the store's pool").
 This is the async source of truth; ``idemflow/stores/postgres/_sync.py`` is generated
 from it by ``scripts/unasync.py``.
 """
@@ -23,10 +18,8 @@ _WAIT_INTERVAL = 0.1
 
 
 class AsyncLiveConnection:
-    """``pool.connection()`` that skips connections the server has closed. ``store_wait``
-    bounds each wait for the server while this checkout holds a bounded connection;
-    None waits as psycopg does.
-    """
+    """``pool.connection()`` that skips connections the server has closed; ``store_wait``
+    bounds each wait for the server while it holds a bounded connection (None: psycopg's)."""
 
     __slots__ = ("_bounded", "_context", "_pool", "_store_wait")
 
@@ -48,9 +41,8 @@ class AsyncLiveConnection:
         return conn
 
     async def _live(self, context: Any, conn: Any) -> tuple[Any, Any]:
-        """The first connection that answers, ``conn`` (which the server may have closed)
-        or the next ones: every pooled connection may be dead (a restart), so at most that
-        many are skipped, then the pool waits, as ever, for a new one."""
+        """The first connection that answers, ``conn`` or the next ones: at most the pool's
+        size are skipped (all dead after a restart), then the pool waits for a new one."""
         for _ in range(self._pool.max_size):
             try:
                 if await _answers(conn):
@@ -79,8 +71,7 @@ class AsyncLiveConnection:
 
 
 async def _answers(conn: Any) -> bool:
-    """Does ``conn``, whose socket had something to read, still answer? psycopg_pool's own
-    check (an empty statement, outside any transaction), on this rare path only."""
+    """Does ``conn``, whose socket had something to read, answer psycopg_pool's own check?"""
     from psycopg_pool import AsyncConnectionPool
 
     if conn.closed:
@@ -93,11 +84,9 @@ async def _answers(conn: Any) -> bool:
 
 
 def bounded_connection_class() -> type[Any]:
-    """A psycopg connection whose every wait for the server (a statement, a ``COMMIT``)
-    ends after its ``store_wait`` seconds, if set, with an ``OperationalError``: psycopg
-    bounds none on the client, and ``statement_timeout`` is the server's own, which a
-    stopped server never enforces. The connection is then mid-statement, so its pool
-    closes it when it is given back."""
+    """A psycopg connection whose every wait for the server ends after its ``store_wait``
+    seconds, if set, with an ``OperationalError`` (docs/stores.md, "A database that stops
+    answering"); its pool then closes it."""
     from psycopg import AsyncConnection
 
     class AsyncBoundedConnection(AsyncConnection[Any]):

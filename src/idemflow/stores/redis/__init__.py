@@ -1,17 +1,7 @@
-"""
-Redis and Redis Cluster: key records as hashes, every decision in one Lua script.
+"""Redis and Redis Cluster: key records as hashes, every decision in one Lua script.
 
-`RedisStore` and `AsyncRedisStore`. The claim is the seed's
-``SET key value NX``, generalised to the record's whole life: one atomic
-script claims, takes over a released record of the same request, or returns
-the record as it stands. A record lives exactly as in the SQL stores (a claim
-never expires; the sweeper resolves it), time is Redis's (``clock="database"``),
-and every record falls in one of `BUCKETS` hash-tagged buckets with its
-sorted-set indexes, so each script touches one Cluster slot. This store cannot
-share a transaction with your business write (``supports_transactions =
-False``): send ``attempt.downstream_key(step)`` with every external call and
-reconcile. The claim, the record's life, the layout, the pattern that replaces
-a shared transaction: docs/stores.md, "Redis".
+No shared transaction with your business write: send ``attempt.downstream_key(step)``
+with every external call and reconcile. The design: docs/stores.md, "Redis".
 """
 
 from __future__ import annotations
@@ -29,14 +19,9 @@ from ._async import AsyncRedisStore
 from ._scripts import DEFAULT_PREFIX, is_unavailable
 from ._sync import RedisStore
 
-__all__ = [
-    "AsyncRedisStore",
-    "RedisStore",
-    "is_unavailable",
-]
+__all__ = ["AsyncRedisStore", "RedisStore", "is_unavailable"]
 
-#: The store's own layout and scripts (issue 32: a public API chosen on purpose);
-#: importable from here, with a DeprecationWarning, until 0.3.
+#: Names of 0.1, importable from here with a DeprecationWarning until 0.3.
 __getattr__ = moved(
     __name__,
     {
@@ -69,9 +54,8 @@ def open_redis(
     clock: StoreClock = "database",
     allow_volatile: bool = False,
 ) -> RedisStore | AsyncRedisStore:
-    """A store on a client made from ``url``; ``redis+cluster://`` means a Redis Cluster,
-    ``?allow_volatile=1`` ``allow_volatile=True``. Timeouts and retries fit in
-    ``policy.store_wait_seconds`` (``Policy()``'s): a hung server is a 503 within it."""
+    """A store on a client made from ``url`` (``redis+cluster://``: a Redis Cluster;
+    ``?allow_volatile=1``), its timeouts and retries within ``policy.store_wait_seconds``."""
     with optional("idemflow.stores.redis"):
         from redis.asyncio.retry import Retry as AsyncRetry
         from redis.backoff import ExponentialBackoff
@@ -86,9 +70,7 @@ def open_redis(
     options: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
-        # redis.asyncio's client awaits each attempt through its own Retry: given the
-        # sync one, it makes one attempt and never retries (a connection the server
-        # closed was a 503, where a second attempt on a new one answers).
+        # redis.asyncio's client never retries with the sync Retry.
         "retry": (AsyncRetry if asynchronous else Retry)(
             ExponentialBackoff(cap=min(0.5, timeout / 10), base=0.05), _scripts.RETRIES
         ),
@@ -106,9 +88,8 @@ def open_redis(
 
 @functools.cache
 def _bounded_writes() -> type[Any]:
-    """redis.asyncio's connection, its socket writes bounded by ``asyncio.timeout``: with
-    a socket timeout, redis-py wraps every send in ``asyncio.wait_for``, a task and a loop
-    turn per command on Python 3.11 (reads already use ``asyncio.timeout``)."""
+    """redis.asyncio's connection, its socket writes bounded by ``asyncio.timeout`` (redis-py's
+    ``asyncio.wait_for`` costs a task and a loop turn per command on Python 3.11)."""
     from redis.asyncio.connection import Connection
     from redis.exceptions import TimeoutError as RedisTimeoutError
 

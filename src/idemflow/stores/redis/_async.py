@@ -1,5 +1,4 @@
-"""
-The Redis store's I/O: each operation one script call (or a pipelined walk) of ``_scripts.py``.
+"""The Redis store's I/O: each operation one script call (or a pipelined walk) of ``_scripts.py``.
 This is the async source of truth; ``idemflow/stores/redis/_sync.py`` is generated
 from it by ``scripts/unasync.py``.
 """
@@ -25,6 +24,7 @@ from ._scripts import (
     ON_CLOCK,
     WALK_ATTEMPTS,
     AsyncStartGate,
+    RedisShared,
     is_connection_lost,
     layout_for,
     marked_args,
@@ -44,11 +44,8 @@ from ._stats import AsyncRedisObservable
 
 __all__ = ["AsyncRedisStore"]
 
-#: How long claims are refused after a loss when no policy was given: ``Policy()``'s.
-_DEFAULT_QUARANTINE = Policy().stale_seconds
 
-
-class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
+class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore):
     """Key records in Redis or Redis Cluster, on a redis-py client (``redis.asyncio``'s for async).
 
     Args:
@@ -62,8 +59,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         allow_volatile: accept a server with neither AOF nor RDB snapshots (refused by
             default: restarted, it forgets every claim).
 
-    Cannot share a transaction (``supports_transactions = False``); run the sweeper. The
-    design (epochs, quarantine, layout): docs/stores.md, "Redis".
+    Cannot share a transaction; run the sweeper. The design: docs/stores.md, "Redis".
     """
 
     supports_transactions = False
@@ -90,18 +86,8 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         self._no_script = NoScriptError
         self._response_error = ResponseError
         self.allow_volatile = allow_volatile
-        # The policy's stale threshold, or None until a driver tells us its own.
         self._quarantine = None if policy is None else policy.stale_seconds
         self._started = False
-
-    @property
-    def quarantine(self) -> float:
-        """Seconds claims are refused in a bucket that lost data (the longest threshold told)."""
-        return _DEFAULT_QUARANTINE if self._quarantine is None else self._quarantine
-
-    def cover_stale_threshold(self, seconds: float) -> None:
-        """A driver's stale threshold: claims after a loss wait at least that long."""
-        self._quarantine = max(self._quarantine or 0.0, seconds)
 
     async def claim(
         self,
@@ -136,8 +122,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
 
     async def _prepare(self, now_ms: int, *, create: bool = False) -> None:
         """The boot script on every epoch, then the scripts loaded: no claim runs on a boot
-        its epochs were not told. One pipeline (one connection, so no restart between) on
-        one server; on a cluster the boot runs again after the load."""
+        its epochs were not told (one pipeline; on a cluster, the boot again after)."""
         absent = CREATE_ABSENT if create else KEEP_ABSENT
         if self._cluster:
             await self._boot(now_ms, absent)
@@ -243,7 +228,6 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
-        """Mark up to ``limit`` records untouched since ``cutoff`` stale, bucket by bucket."""
         index = swept_index(from_state)
         args = [ms(now), from_state.value, ms(cutoff), ms(keep_until), new_lease_token()]
         marked: list[Record] = []
@@ -257,7 +241,6 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         return marked
 
     async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until `sweep` with ``cutoff`` would mark a record (math.inf: none)."""
         index = swept_index(from_state)
         argv = [ms(now), ms(cutoff)]
         soonest = math.inf
@@ -324,7 +307,8 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         done = 0
         with translated():
             for chunk in self.layout.walk():
-                probed = await self._probe(chunk, probe_args(index, now, bound, limit - done))
+                args = probe_args(index, now, bound, limit - done)
+                probed = await self._ask_each("probe", chunk, *args)
                 for bucket, members in zip(chunk, probed, strict=True):
                     if members:
                         done += await act(bucket, members[: limit - done])
@@ -332,17 +316,11 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
                             return done
         return done
 
-    async def _probe(self, chunk: Sequence[int], args: tuple[int, list[Any]]) -> list[Any]:
-        """One pipelined round trip: the probe script on each bucket (on its own node)."""
-        return await self._ask_each("probe", chunk, *args)
-
     async def _ask_each(
         self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
     ) -> list[Any]:
-        """One pipelined round trip: a one-key script on one index of each bucket. A
-        connection the server closed while idle fails it (redis.asyncio's cluster client
-        lends one unchecked): a walk only reads, so it is asked again, up to
-        `WALK_ATTEMPTS` times; a timeout is not repeated."""
+        """One pipelined round trip: a one-key script on one index of each bucket; asked again
+        (it only reads) when a connection the server closed while idle fails it."""
         attempts = 1
         while True:
             try:
@@ -363,20 +341,6 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
             await self._prepare(argv[0])
             return list(await self._each(script, chunk, index, argv).execute())
 
-    def _each(self, script: str, chunk: Sequence[int], index: int, argv: list[Any]) -> Any:
-        pipe = self.client.pipeline(transaction=False)
-        for bucket in chunk:
-            # execute_command: redis-py's cluster pipeline refuses its evalsha()
-            # method, yet routes the command itself by its one key (one slot).
-            name = self.layout.indexes(bucket)[index]
-            pipe.execute_command("EVALSHA", self._shas[script], 1, name, *argv, **self._route(name))
-        return pipe
-
-    def _route(self, key: bytes) -> dict[str, Any]:
-        """A pipelined one-key script's node, named on a cluster: left to find it, redis-py's
-        sync cluster pipeline asks ``COMMAND GETKEYS`` first, one round trip per command."""
-        return {"target_nodes": self.client.get_node_from_key(key)} if self._cluster else {}
-
     async def _learn_slots(self) -> None:
         """redis.asyncio's cluster client learns its slots lazily: before a node lookup."""
         initialize = getattr(self.client, "initialize", None)
@@ -388,8 +352,7 @@ class AsyncRedisStore(AsyncRedisObservable, AsyncMaintainableStore):
         return bool(await self._evalsha(script, keys, args))
 
     async def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
-        """One round trip, a failure a 503 (try/except: a context manager per call costs);
-        a server that lost its script cache (SCRIPT FLUSH, a restart) gets them again."""
+        """One round trip, a failure a 503; a server that lost its scripts gets them again."""
         sha = self._shas[script]
         try:
             try:

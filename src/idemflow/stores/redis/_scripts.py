@@ -1,10 +1,6 @@
-"""
-The Redis store's rules, without I/O: where records and indexes live, the Lua
-scripts that decide, how their arguments are spelled and their replies read.
-
-The stores that send them are ``AsyncRedisStore`` in ``idemflow._async.redis``
-and its generated sync twin; import both from [`idemflow.stores.redis`][idemflow.stores.redis],
-whose docstring explains the design.
+"""The Redis store's rules, without I/O: where records and indexes live, the Lua scripts
+that decide, how their arguments are spelled and their replies read (docs/stores.md, "Redis"),
+and what the async store and its sync twin share.
 """
 
 from __future__ import annotations
@@ -37,13 +33,11 @@ from ..protocol import StoreClock
 
 DEFAULT_PREFIX = "idemflow"
 
-#: How many buckets (hash tags, so slots) the records of one prefix spread over.
-#: Fixed: a record's key name depends on it.
+#: How many buckets (hash tags, so slots) one prefix spreads over; a key's name depends on it.
 BUCKETS = 1024
 #: Buckets probed per pipelined round trip when the sweeper or purge walks them.
 PROBE_CHUNK = 128
-#: Round trips a walk over the buckets may take when each meets a connection the
-#: server closed while idle (see the store's ``_ask_each``).
+#: Round trips a walk over the buckets may take when each meets a connection closed idle.
 WALK_ATTEMPTS = 3
 #: The boot script's ARGV[2]: what it does with an epoch that is absent (see _BOOT).
 KEEP_ABSENT, CREATE_ABSENT, ARM_ABSENT = "0", "1", "2"
@@ -66,14 +60,12 @@ RETRIES = 2
 
 
 def attempt_timeout(policy: Policy) -> float:
-    """Each attempt's connect and socket timeout: the first attempt and its retries share
-    ``policy.store_wait_seconds``, so a hung server is a 503 within it."""
+    """Each attempt's connect and socket timeout: all attempts share ``store_wait_seconds``."""
     return policy.store_wait_seconds / (1 + RETRIES)
 
 
-# ``now`` (ms): Redis's TIME by default, one clock for every host; ``at()`` keeps only an
-# instant's distance from the caller's now, ARGV[1] (docs/stores.md, "Redis").
-# ``created_at`` is an identity, never compared: it stays the caller's ARGV[1].
+# ``now`` (ms): Redis's TIME by default; ``at()`` keeps an instant's distance from the
+# caller's now, ARGV[1] (also ``created_at``, an identity never compared).
 _ON_STORE_CLOCK = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -134,7 +126,7 @@ end
 """
 
 # A record in one bulk string, '<length>:<value>' or '-' (absent) per field: one reply
-# element instead of HGETALL's 32, each of which costs the client Python.
+# element instead of HGETALL's 32.
 _PACKED = (
     "local FIELDS = {"
     + ", ".join(f"'{name}'" for name in RECORD_FIELDS)
@@ -153,10 +145,8 @@ end
 # KEYS[5] the record, KEYS[6] the bucket's epoch (the benchmark's raw calls leave it out).
 # ARGV: now, expires_at, lease_token, principal, key, fingerprint, endpoint, quarantine
 # (ms), then correlation_id if there is one. Replies {'new', 'updated_at expires_at'},
-# {'taken' | 'held', packed record}, or {'lost', ms left[, 'found']}. Take-over:
-# _model.can_take_over. The epoch "<armed_ms> <run_id>": gone or on another boot means
-# writes may be lost, so a claim that would write waits out the quarantine; reads answer
-# (docs/stores.md, "Redis").
+# {'taken' | 'held', packed record}, or {'lost', ms left[, 'found']}. An epoch
+# "<armed_ms> <run_id>" gone or on another boot: a claim that would write waits.
 _CLAIM = """
 local K = KEYS[5]
 local cur = redis.call('HMGET', K, 'state', 'fingerprint', 'expires_at', 'lease_token',
@@ -210,10 +200,8 @@ if retry then return {'taken', packed(K)} end
 return {'new', NOW .. ' ' .. expires}
 """
 
-# Tells each epoch the server's boot (run_id); ARGV[2] says what an absent one becomes
-# (KEEP_ABSENT, CREATE_ABSENT, ARM_ABSENT). Run before scripts are loaded into a server,
-# so no claim runs on a boot its epochs were not told. An epoch last seen on another boot
-# is armed from that boot (now - uptime). Returns the run_id.
+# Tells each epoch the server's boot (run_id); ARGV[2] says what an absent one becomes. An
+# epoch last seen on another boot is armed from that boot (now - uptime). Returns the run_id.
 _BOOT = """
 local info = redis.call('INFO', 'server')
 local run = string.match(info, 'run_id:(%x+)')
@@ -237,8 +225,8 @@ end
 return run
 """
 
-# Every owner write's fence: our id and lease token, in progress. A resent write finds its
-# own result (``done``) and succeeds again; the sweeper's mark carries its own token.
+# Every owner write's fence: our id and lease token, in progress; a resent write finds its
+# own result (``done``) and succeeds again.
 _FENCE = """
 local K = KEYS[5]
 local cur = redis.call('HMGET', K, 'id', 'lease_token', 'state', 'expires_at', 'recovery_point')
@@ -297,8 +285,7 @@ return ms(tonumber(first[2]) - at(ARGV[2]))
 """
 
 # KEYS[5…]: records the probe found due. ARGV: now, from_state, cutoff, keep_until, token.
-# Each is re-checked and marked only if still due (two sweepers: each record to one), with
-# the sweeper's own token, which fences the old owner out. Returns the marked, packed.
+# Each still due is marked with the sweeper's token. Returns the marked, packed.
 _SWEEP = """
 local from = ARGV[2]
 local index = (from == 'in_progress' and IP) or (from == 'stale' and ST) or REL
@@ -395,9 +382,8 @@ SCRIPTS = scripts("database")
 SHAS = _shas(SCRIPTS)
 _CALLER_SCRIPTS = scripts("caller")
 ON_CLOCK = {"database": (SCRIPTS, SHAS), "caller": (_CALLER_SCRIPTS, _shas(_CALLER_SCRIPTS))}
-#: The boot script (``EVAL``, rarely) per clock: ``"keys"`` with the epochs as KEYS (one
-#: server, or one slot); ``"node"`` with one master's epochs as ARGV[3…] and KEYS[1] to
-#: route it (``allow-cross-slot-keys``, Redis >= 7 / Valkey): one ``INFO`` per master.
+#: The boot script per clock: ``"keys"`` with the epochs as KEYS (one server, or one slot);
+#: ``"node"`` with one master's epochs as ARGV[3…] (``allow-cross-slot-keys``, Redis >= 7).
 BOOT_SCRIPTS = {
     clock: {
         "keys": start + _CLOCK + "local epochs = KEYS\n" + _BOOT,
@@ -421,8 +407,7 @@ def is_unavailable(exc: BaseException) -> bool:
 
 
 def is_connection_lost(exc: BaseException) -> bool:
-    """A connection ended or refused, not a timeout: a read may be sent again on another.
-    (redis-py's cluster client wraps one in ``RedisClusterUnreachableError``.)"""
+    """A connection ended or refused (not a timeout): a read may be sent again on another."""
     from redis import exceptions as e
 
     if isinstance(exc, e.RedisClusterException):
@@ -474,8 +459,7 @@ class Layout:
         return self._locate(principal, key)[0]
 
     def record_key(self, principal: str, key: str) -> bytes:
-        """``prefix:{bucket}:k:len:principal:key``: length-prefixed, so no two pairs share
-        a name; the bucket, from a digest, spreads one principal's keys over every slot."""
+        """``prefix:{bucket}:k:len:principal:key`` (length-prefixed: no two pairs share it)."""
         return self._locate(principal, key)[1]
 
     def keys(self, principal: str, key: str) -> tuple[bytes, ...]:
@@ -533,8 +517,7 @@ class Layout:
         if verdict != b"new":
             return make_claim(verdict == b"taken", unpacked(reply[1]))
         updated_at, _, expires = bytes(reply[1]).partition(b" ")  # as the script wrote them
-        # The id is the lease token, created_at the caller's now; no recovery point, no
-        # response, attempt 1.
+        # The id is the lease token, created_at the caller's now.
         record = make_record(
             lease_token, intent.principal, intent.key, intent.fingerprint, intent.endpoint,
             State.IN_PROGRESS, lease_token, ms(now) / 1000, int(updated_at) / 1000,
@@ -599,8 +582,8 @@ def record_from_hash(flat: Sequence[bytes]) -> Record:
 
 
 def record_from_fields(values: Sequence[Any]) -> Record | None:
-    """The one decoder: a record from its `RECORD_FIELDS` in order (``HMGET``'s
-    reply, or a packed one split); None when it has no id (absent). Times are ms."""
+    """The one decoder: a record from its `RECORD_FIELDS` in order (``HMGET``'s reply, or a
+    packed one split); None when it has no id."""
     id_, principal, key, fingerprint, endpoint, state, lease_token, created_at = values[:8]
     updated_at, expires_at, correlation_id, recovery_point, status, headers, body = values[8:15]
     attempt = values[15]
@@ -670,8 +653,7 @@ def refuse_transaction(transaction: object) -> None:
 
 
 def data_lost(left: float) -> StoreUnavailable:
-    """The 503 of a claim that would write in a bucket that may have lost data, until its
-    quarantine ends."""
+    """The 503 of a claim that would write in a bucket that may have lost data."""
     return StoreUnavailable(
         "the Redis key store restarted or lost data (restarted, flushed, or failed over): "
         "new claims wait until requests in flight before it have ended",
@@ -701,3 +683,39 @@ def refuse_volatile(configs: Sequence[Mapping[str, Any]]) -> None:
 #: One caller at a time starts a store: the first claims of many tasks (threads) wait.
 AsyncStartGate = asyncio.Lock
 StartGate = threading.Lock
+
+
+#: How long claims are refused after a loss when no policy was given: ``Policy()``'s.
+_DEFAULT_QUARANTINE = Policy().stale_seconds
+
+
+class RedisShared:
+    """What `AsyncRedisStore` and `RedisStore` share that is no coroutine."""
+
+    client: Any
+    layout: Layout
+    _cluster: bool
+    _quarantine: float | None
+    _shas: dict[str, str]
+
+    @property
+    def quarantine(self) -> float:
+        """Seconds claims are refused in a bucket that lost data (the longest threshold told)."""
+        return _DEFAULT_QUARANTINE if self._quarantine is None else self._quarantine
+
+    def cover_stale_threshold(self, seconds: float) -> None:
+        """A driver's stale threshold: claims after a loss wait at least that long."""
+        self._quarantine = max(self._quarantine or 0.0, seconds)
+
+    def _each(self, script: str, chunk: Sequence[int], index: int, argv: list[Any]) -> Any:
+        pipe = self.client.pipeline(transaction=False)
+        for bucket in chunk:
+            # execute_command: redis-py's cluster pipeline refuses its evalsha()
+            # method, yet routes the command itself by its one key (one slot).
+            name = self.layout.indexes(bucket)[index]
+            pipe.execute_command("EVALSHA", self._shas[script], 1, name, *argv, **self._route(name))
+        return pipe
+
+    def _route(self, key: bytes) -> dict[str, Any]:
+        """A one-key script's node, named on a cluster (else redis-py asks ``COMMAND GETKEYS``)."""
+        return {"target_nodes": self.client.get_node_from_key(key)} if self._cluster else {}

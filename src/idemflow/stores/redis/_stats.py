@@ -36,12 +36,8 @@ class AsyncRedisObservable:
 
 
 class RedisStats:
-    """The operator's questions (``idemflow stats``, the stuck-claims gauge), asked of Redis.
-
-    Counts come from the bucket indexes, one pipelined round trip per
-    `PROBE_CHUNK` buckets; only the breakdown by state and endpoint
-    reads every record (``SCAN``), as the SQL stores' full scan does.
-    """
+    """The operator's questions, asked of the bucket indexes (one round trip per chunk); only
+    the breakdown by state and endpoint reads every record (``SCAN``)."""
 
     def __init__(self, table: str, client: Any, layout: Layout) -> None:
         self.table = table

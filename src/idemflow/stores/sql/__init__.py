@@ -1,7 +1,5 @@
-"""The SQL family: one executor for every relational store (`SQLStore` /
-`AsyncSQLStore`, no SQL and no decision of their own), and the public
-seam for adding a SQL database ([`idemflow.stores.sql.dialect`][idemflow.stores.sql.dialect]).
-``docs/architecture.md`` ("Adding a store") walks through a new one.
+"""The SQL family: one executor for every relational store (`SQLStore` / `AsyncSQLStore`), and
+the seam for adding a SQL database ([`idemflow.stores.sql.dialect`][idemflow.stores.sql.dialect]).
 """
 
 from ..._deprecation import moved
@@ -25,9 +23,7 @@ __all__ = [
     "on_database_clock",
 ]
 
-#: ``SQLStatement`` of 0.1 is the contract's [`Statement`][idemflow.stores.protocol.Statement];
-#: the missing-table rule is the stores' own (issue 32). Importable from here, with a
-#: DeprecationWarning, until 0.3.
+#: Names of 0.1, importable from here with a DeprecationWarning until 0.3.
 __getattr__ = moved(
     __name__,
     {

@@ -7,28 +7,19 @@ from it by ``scripts/unasync.py``.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from contextlib import AbstractAsyncContextManager, contextmanager, nullcontext
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any, Literal, TypeAlias
 
-from ..._errors import ConfigurationError, LeaseLost, StoreUnavailable
-from ..._model import (
-    Claim,
-    Intent,
-    Record,
-    Response,
-    State,
-    can_take_over,
-    make_claim,
-)
+from ..._errors import LeaseLost
+from ..._model import Claim, Intent, Record, Response, State, can_take_over, make_claim
 from ..protocol import AsyncMaintainableStore, AsyncTransaction, Statement
-from ._rows import RowShape, row_shape, stale_params
-from ._stats import AsyncSQLObservable, is_missing_table, missing_table
+from ._rows import Executor, RowShape, stale_params
+from ._stats import AsyncSQLObservable
 from .dialect import (
     CLAIM_RETRIES,
     COLUMNS,
     Dialect,
-    claim_busy,
     claim_params,
     claim_unsettled,
     complete_params,
@@ -47,7 +38,7 @@ _LAID_OUT = (*COLUMNS, "clock_now", "claimed")
 _LAID_OUT_SHAPE = RowShape(0, len(COLUMNS), len(COLUMNS) + 1)
 
 
-class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
+class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
     """A key store on any SQL dialect, with connections from ``connect()``.
 
     Args:
@@ -59,31 +50,19 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
             store" (connection refused, pool exhausted, database locked).
         is_lock_timeout: recognises the error a bounded wait on a concurrent
             uncommitted claim raises (single-commit mode only).
-        read_connect: connections for reads alone (`get`, stats), where
-            they may differ (SQLite's skip its writer lock); ``connect`` by default.
+        read_connect: connections for reads alone (`get`, stats); ``connect`` by default.
         extra_params: the driver ignores parameters a statement does not name
-            (sqlite3, psycopg), so the claim and fenced writes send their
-            parameters as built instead of a copy per statement.
-        lend_sources: where the store's own connections come from (a pool's
-            ``connection``, the store's checked checkout), for claims on a
-            connection the request's transaction lends (`claim_on_lent`).
+            (sqlite3, psycopg): no copy per statement.
+        lend_sources: where the store's own connections come from, for claims on
+            a connection the request's transaction lends (`claim_on_lent`).
         claims_alone_on: whether a lent connection commits a statement on its
-            own right now (autocommit, no transaction open); required with
-            ``lend_sources``.
-        migrate_connect: connections for `migrate`, where ``connect``'s
-            bound the waits of a request's (a migration waits for its locks);
-            ``connect`` by default.
+            own right now; required with ``lend_sources``.
+        migrate_connect: connections for `migrate`, whose waits are not a
+            request's; ``connect`` by default.
     """
 
     supports_transactions = True
     renews_claims = True
-
-    @property
-    def supports_single_commit(self) -> bool:
-        """Only where the dialect bounds a duplicate's wait on an uncommitted claim
-        (PostgreSQL's lock timeout); on SQLite it would queue behind the transaction.
-        """
-        return bool(self.dialect.before_claim_in_transaction)
 
     def __init__(
         self,
@@ -109,14 +88,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         self._pyformat = paramstyle == "pyformat"
         self._is_unavailable = is_unavailable
         self._is_lock_timeout = is_lock_timeout
-        # Where each record statement's result holds the record, per text.
-        self._shapes: dict[str, RowShape] = {}
-
-    def is_unavailable(self, exc: BaseException) -> bool:
-        """Does ``exc``, a driver error, mean the database cannot serve us (fail closed)?
-        The driver asks it of the caller's transaction's ``BEGIN`` too.
-        """
-        return self._is_unavailable(exc)
+        self._shapes: dict[str, RowShape] = {}  # per statement text
 
     async def claim(
         self,
@@ -139,21 +111,12 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         expires_at: float,
         lender: AsyncTransaction,
     ) -> Claim:
-        """`claim`, committed on its own, on the connection ``lender`` will use
-        when it takes connections from this store's source (one checkout per request).
-        """
         params = claim_params(intent, lease_token, now, expires_at)
         return await self._claim_alone(params, intent.fingerprint, lender)
 
     async def _claim_alone(
-        self,
-        params: Mapping[str, Any],
-        fingerprint: str,
-        lender: AsyncTransaction | None,
+        self, params: Mapping[str, Any], fingerprint: str, lender: AsyncTransaction | None
     ) -> Claim:
-        """A claim committed on its own, on the lent connection when it may run alone
-        there, else on the store's: one checkout, one cursor, errors translated only when raised.
-        """
         try:
             lent = None
             if lender is not None and self._lend_sources:
@@ -176,8 +139,6 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
             raise failure from exc
 
     async def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
-        """`_claim_with` on one cursor of the store's own connection, rows as tuples."""
-
         async def fetch(statement: Statement, params: Mapping[str, Any]) -> _Fetched:
             return await self._row(cursor, statement, params)
 
@@ -186,79 +147,44 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
     async def _row(
         self, cursor: Any, statement: Statement, params: Mapping[str, Any]
     ) -> tuple[Any, RowShape]:
-        """The statement's one row (a tuple) or None, and where the record sits in it."""
         text = statement.pyformat if self._pyformat else statement.named
         await cursor.execute(text, params if self._extra_params else statement.bind(params))
-        # fetchall, not fetchone: it runs the statement to its end, so on
-        # SQLite an INSERT … RETURNING commits and frees the write lock now,
-        # not after our Python work (other writers wait until then).
+        # fetchall runs the statement to its end: on SQLite an INSERT … RETURNING
+        # commits and frees the write lock now, not after our Python work.
         rows = await cursor.fetchall()
         shape = self._shapes.get(text)
         if shape is None:
             shape = self._learn_shape(text, cursor)
         return (rows[0] if rows else None), shape
 
-    def _learn_shape(self, text: str, cursor: Any) -> RowShape:
-        """Read once per statement (psycopg builds ``cursor.description`` afresh each time)."""
-        shape = row_shape([column[0] for column in cursor.description])
-        if shape is None:
-            msg = f"{self.dialect.name}: a record statement must return COLUMNS in order: {text}"
-            raise ConfigurationError(msg)
-        self._shapes[text] = shape
-        return shape
-
-    def _claim_failure(self, exc: Exception) -> Exception:
-        """What a failed claim raises: 409 for a bounded wait that ran out, 503 when unreachable."""
-        if self._is_lock_timeout(exc):
-            return claim_busy()
-        return self._unavailable(exc)
-
-    def _unavailable(self, exc: Exception) -> Exception:
-        """``exc`` itself, or what it means: StoreUnavailable (fail closed), MissingTable.
-
-        `_translate`'s rules, for the hot paths that catch instead of
-        entering a context manager on every call.
-        """
-        if is_missing_table(exc):
-            return missing_table(self.dialect.table, self.dialect.name)
-        if not self._is_unavailable(exc):
-            return exc
-        return StoreUnavailable(f"{self.dialect.name} key store unavailable: {exc}".strip())
-
     async def _claim_in(
-        self,
-        transaction: AsyncTransaction,
-        params: Mapping[str, Any],
-        fingerprint: str,
+        self, transaction: AsyncTransaction, params: Mapping[str, Any], fingerprint: str
     ) -> Claim:
-        """Claim as the first write of the caller's transaction (single-commit mode).
-
-        A concurrent duplicate's uncommitted claim would make us wait on its
-        index entry; the dialect bounds that wait and we answer 409 instead.
-        """
+        """Claim as the first write of the caller's transaction (single-commit mode): the
+        dialect bounds the wait on a duplicate's uncommitted claim, answered 409."""
 
         async def fetch(statement: Statement, params: Mapping[str, Any]) -> _Fetched:
-            # The adapters answer rows as mappings: laid out as the executor's tuples.
             row = await transaction.fetchone(statement, params)
             return (None if row is None else [row.get(name) for name in _LAID_OUT]), _LAID_OUT_SHAPE
 
-        with self._translate(), self._bounded_wait():
+        try:
             for statement in self.dialect.before_claim_in_transaction:
                 await transaction.execute(statement, params)
             claim = await self._claim_with(fetch, params, fingerprint)
             for statement in self.dialect.after_claim_in_transaction:
                 await transaction.execute(statement, params)
-            return claim
+        except Exception as exc:
+            failure = self._claim_failure(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+        return claim
 
     async def _claim_with(
         self, fetch: _Fetch, params: Mapping[str, Any], fingerprint: str
     ) -> Claim:
-        """Insert, or read and dispatch, or take over: ownership is decided by a statement.
-
-        The takeover is a compare-and-swap UPDATE; the read before it spares replays
-        its row lock (``claim_or_read``: claim and read in one round trip). A record
-        that vanished or was taken meanwhile, or an empty answer, is tried again.
-        """
+        """Insert, or read and dispatch, or take over (a compare-and-swap UPDATE); a record
+        that vanished or was taken meanwhile, or an empty answer, is tried again."""
         combined = self.dialect.claim_or_read
         for _ in range(CLAIM_RETRIES):
             if combined is not None:
@@ -275,8 +201,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
                 if row is None:
                     continue
             record = record_from_values(row, shape.start)
-            # On the store's clock (the database's, see on_database_clock): the
-            # take-over statement decides again on it, atomically.
+            # On the store's clock: the take-over statement decides again on it, atomically.
             if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
                 return make_claim(False, record)
             row, shape = await fetch(self.dialect.take_over, params)
@@ -313,12 +238,7 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         now: float,
         transaction: AsyncTransaction | None = None,
     ) -> None:
-        params = {
-            "id": record.id,
-            "lease_token": record.lease_token,
-            "now": int(now * 1000),
-            "recovery_point": recovery_point,
-        }
+        params = {**owner_params(record, now), "recovery_point": recovery_point}
         if not await self._write(self.dialect.checkpoint, params, transaction):
             raise LeaseLost("the claim on this Idempotency-Key was taken over")
 
@@ -329,33 +249,23 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
-        """Mark up to ``limit`` records in ``from_state`` untouched since ``cutoff`` as stale.
-
-        Returns them as marked; only this caller can settle or release them
-        (see `settle_stale`), so parallel sweepers never resolve one twice.
-        """
         params = sweep_params(from_state, cutoff, now, keep_until, limit)
+        text = self._text(self.dialect.sweep)
         with self._translate():
             async with self._connect() as conn:
                 cursor = conn.cursor()
                 try:
-                    await cursor.execute(
-                        self._text(self.dialect.sweep), self.dialect.sweep.bind(params)
-                    )
+                    await cursor.execute(text, self.dialect.sweep.bind(params))
                     rows = await cursor.fetchall()
                     if not rows:
                         return []
-                    start = self._learn_shape(self._text(self.dialect.sweep), cursor).start
+                    start = self._learn_shape(text, cursor).start
                     return [record_from_values(row, start) for row in rows]
                 finally:
                     await cursor.close()
 
     async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until `sweep` with ``cutoff`` would mark a record (the Protocol's).
-
-        One probe of the ``(state, updated_at)`` index (the dialect's ``due``);
-        None where the dialect has none.
-        """
+        """One probe of the ``(state, updated_at)`` index (the dialect's ``due``), if any."""
         statement = self.dialect.due
         if statement is None:
             return None
@@ -379,7 +289,6 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         expires_at: float,
         transaction: AsyncTransaction | None = None,
     ) -> bool:
-        """Complete a record this sweeper marked stale (a reconciler found the effect)."""
         params = {
             **complete_params(record, state, response, now, expires_at),
             **stale_params(record, now),
@@ -394,30 +303,22 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
         *,
         forget_progress: bool = False,
     ) -> bool:
-        """Give back a key this sweeper marked stale (the effect did not happen).
-
-        ``forget_progress`` also clears the recovery point: the reconciler
-        undid the local traces, so a retry must start from the beginning.
-        """
         params = stale_params(record, now, forget_progress=forget_progress)
         return await self._write(self.dialect.release_stale, params, transaction)
 
     async def purge(self, now: float, limit: int) -> int:
-        """Delete up to ``limit`` records past their retention; how many went."""
         params = {"now": int(now * 1000), "limit": limit}
         with self._translate():
             async with self._connect() as conn:
                 cursor = conn.cursor()
                 try:
-                    await cursor.execute(
-                        self._text(self.dialect.purge), self.dialect.purge.bind(params)
-                    )
+                    purge = self.dialect.purge
+                    await cursor.execute(self._text(purge), purge.bind(params))
                     return int(cursor.rowcount)
                 finally:
                     await cursor.close()
 
     async def migrate(self) -> None:
-        """Create the table and its indexes if they do not exist (idempotent)."""
         with self._translate():
             async with self._migrate_connect() as conn:
                 cursor = conn.cursor()
@@ -432,25 +333,17 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
 
     async def get(self, principal: str, key: str) -> Record | None:
         params = {"principal": principal, "key": key}
-        try:
+        with self._translate():
             async with self._read_connect() as conn:
                 cursor = conn.cursor()
                 try:
                     row, shape = await self._row(cursor, self.dialect.select, params)
                 finally:
                     await cursor.close()
-        except Exception as exc:
-            failure = self._unavailable(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
         return None if row is None else record_from_values(row, shape.start)
 
     async def _write(
-        self,
-        statement: Statement,
-        params: Mapping[str, Any],
-        transaction: AsyncTransaction | None,
+        self, statement: Statement, params: Mapping[str, Any], transaction: AsyncTransaction | None
     ) -> bool:
         """Run a fenced UPDATE; True when it changed our row."""
         try:
@@ -470,37 +363,3 @@ class AsyncSQLStore(AsyncSQLObservable, AsyncMaintainableStore):
             if failure is exc:
                 raise
             raise failure from exc
-
-    def _text(self, statement: Statement) -> str:
-        return statement.pyformat if self._pyformat else statement.named
-
-    @contextmanager
-    def _bounded_wait(self) -> Iterator[None]:
-        """A claim that waited too long on another request's uncommitted claim is a 409.
-
-        The wait is bounded by the connection's lock timeout (see the
-        PostgreSQL store): duplicates are refused, never held.
-        """
-        try:
-            yield
-        except Exception as exc:
-            if self._is_lock_timeout(exc):
-                raise claim_busy() from exc
-            raise
-
-    @contextmanager
-    def _translate(self) -> Iterator[None]:
-        """Driver errors that mean "unreachable" become StoreUnavailable (fail closed).
-
-        A missing key table is the newcomer's mistake, not an outage: it
-        becomes [`MissingTable`][idemflow.MissingTable], naming the command that fixes it.
-        """
-        try:
-            yield
-        except Exception as exc:
-            if is_missing_table(exc):
-                raise missing_table(self.dialect.table, self.dialect.name) from exc
-            if not self._is_unavailable(exc):
-                raise
-            msg = f"{self.dialect.name} key store unavailable: {exc}".strip()
-            raise StoreUnavailable(msg) from exc

@@ -1,17 +1,18 @@
-"""What the SQL executor sends and reads: a sweeper's fence, a result's shape.
-
-The executor's own helpers (``stores/sql/_async.py`` and its generated twin); a
-dialect never needs them.
-"""
+"""What the SQL executor sends and reads (a sweeper's fence, a result's shape), and what its
+async source and sync twin share."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ..._errors import ConfigurationError, StoreUnavailable
 from ..._model import Record
-from .dialect import COLUMNS, owner_params
+from ..protocol import Statement
+from ._stats import is_missing_table, missing_table
+from .dialect import COLUMNS, Dialect, claim_busy, owner_params
 
 
 def stale_params(record: Record, now: float, *, forget_progress: bool = False) -> dict[str, Any]:
@@ -25,12 +26,8 @@ def stale_params(record: Record, now: float, *, forget_progress: bool = False) -
 
 @dataclass(frozen=True, slots=True)
 class RowShape:
-    """Where a statement's result puts the record: ``COLUMNS`` in order from ``start``.
-
-    ``clock_now`` and ``claimed`` are the positions of those extra columns, or -1.
-    Learnt once per statement from its cursor's description (`row_shape`),
-    so rows are read as tuples, never turned into dicts.
-    """
+    """Where a statement's result puts the record: ``COLUMNS`` in order from ``start``, and
+    the positions of ``clock_now`` and ``claimed`` (or -1); rows are read as tuples."""
 
     start: int
     clock_now: int = -1
@@ -49,3 +46,57 @@ def row_shape(names: Sequence[str]) -> RowShape | None:
     clock = names.index("clock_now") if "clock_now" in names else -1
     claimed = names.index("claimed") if "claimed" in names else -1
     return RowShape(start, clock, claimed)
+
+
+class Executor:
+    """The SQL executor's rules that are no coroutine, for `AsyncSQLStore` and `SQLStore`."""
+
+    dialect: Dialect
+    _is_unavailable: Callable[[BaseException], bool]
+    _is_lock_timeout: Callable[[BaseException], bool]
+    _pyformat: bool
+    _shapes: dict[str, RowShape]
+
+    @property
+    def supports_single_commit(self) -> bool:
+        """Only where the dialect bounds a duplicate's wait on an uncommitted claim."""
+        return bool(self.dialect.before_claim_in_transaction)
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """Does ``exc``, a driver error, mean the database cannot serve us (fail closed)?"""
+        return self._is_unavailable(exc)
+
+    def _learn_shape(self, text: str, cursor: Any) -> RowShape:
+        """Read once per statement (psycopg builds ``cursor.description`` afresh each time)."""
+        shape = row_shape([column[0] for column in cursor.description])
+        if shape is None:
+            msg = f"{self.dialect.name}: a record statement must return COLUMNS in order: {text}"
+            raise ConfigurationError(msg)
+        self._shapes[text] = shape
+        return shape
+
+    def _claim_failure(self, exc: Exception) -> Exception:
+        """A 409 for a bounded wait on another's uncommitted claim, else `_unavailable`."""
+        return claim_busy() if self._is_lock_timeout(exc) else self._unavailable(exc)
+
+    def _unavailable(self, exc: Exception) -> Exception:
+        """What ``exc`` means: StoreUnavailable (fail closed), MissingTable, or itself."""
+        if is_missing_table(exc):
+            return missing_table(self.dialect.table, self.dialect.name)
+        if not self._is_unavailable(exc):
+            return exc
+        return StoreUnavailable(f"{self.dialect.name} key store unavailable: {exc}".strip())
+
+    def _text(self, statement: Statement) -> str:
+        return statement.pyformat if self._pyformat else statement.named
+
+    @contextmanager
+    def _translate(self) -> Iterator[None]:
+        """Driver failures as `_unavailable` says (a missing table: `MissingTable`)."""
+        try:
+            yield
+        except Exception as exc:
+            failure = self._unavailable(exc)
+            if failure is exc:
+                raise
+            raise failure from exc

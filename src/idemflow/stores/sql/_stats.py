@@ -1,11 +1,5 @@
-"""
-The operator's questions (see [`idemflow.stores.stats`][idemflow.stores.stats]) on any SQL store.
-
-Every question is one statement, and the ones asked on every scrape (stuck
-claims) or every purge (expired records) run through the ``(state,
-updated_at)`` and ``(expires_at)`` indexes, so they stay cheap however large
-the table grows. The per-state-and-endpoint breakdown is the one full scan;
-only ``idemflow stats`` asks it.
+"""The operator's questions (see [`idemflow.stores.stats`][idemflow.stores.stats]) on any SQL
+store: one statement each, through an index but for the breakdown ``idemflow stats`` asks.
 """
 
 from __future__ import annotations
@@ -31,11 +25,7 @@ __all__ = [
 
 
 class SQLObservable:
-    """What [`SQLStore`][idemflow.stores.sql.SQLStore] adds for operators: its stats.
-
-    A base of the generated sync executor (its async source names
-    `AsyncSQLObservable`), so only the sync store answers.
-    """
+    """What [`SQLStore`][idemflow.stores.sql.SQLStore] adds for operators: its stats."""
 
     dialect: Dialect
     _read_connect: Callable[[], AbstractContextManager[Any]]
@@ -47,8 +37,7 @@ class SQLObservable:
 
 
 class AsyncSQLObservable:
-    """What [`AsyncSQLStore`][idemflow.stores.sql.AsyncSQLStore] adds for operators: nothing (the
-    contract's default refuses; the questions are asked synchronously, by scrapes and the CLI)."""
+    """What [`AsyncSQLStore`][idemflow.stores.sql.AsyncSQLStore] adds: nothing (asked sync)."""
 
 
 class SQLStats:
@@ -77,8 +66,7 @@ class SQLStats:
             f"SELECT principal, idempotency_key, endpoint, created_at, updated_at FROM {table} "
             "WHERE state = 'in_progress' ORDER BY updated_at LIMIT 1"
         )
-        # Exactly what purge would delete: not in-flight, stale or
-        # released-past-a-recovery-point records, whose expires_at means nothing.
+        # Exactly what purge would delete.
         self._expired = Statement(f"SELECT COUNT(*) FROM {table} WHERE {PAST_RETENTION_SQL}")
 
     def stuck_claims(self, cutoff: float) -> dict[str, int]:
@@ -150,8 +138,7 @@ def missing_table_is_clear(table: str) -> Iterator[None]:
 
 def missing_table(table: str, store: str = "") -> MissingTable:
     """The one hint for a key table that was never created, from the library and the CLI."""
-    # `idemflow migrate` creates idemflow_keys unless told the name: a hint without
-    # it would create another table (and --table may be a typo: say check it).
+    # `idemflow migrate` creates idemflow_keys unless told the name.
     named = "" if table == "idemflow_keys" else f" --table {table}"
     if not store:  # the CLI, which was given the URL
         check = " (check --table)" if named else ""

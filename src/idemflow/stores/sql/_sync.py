@@ -8,28 +8,19 @@ GENERATED from ``idemflow/stores/sql/_async.py`` by ``scripts/unasync.py``; do n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, TypeAlias
 
-from ..._errors import ConfigurationError, LeaseLost, StoreUnavailable
-from ..._model import (
-    Claim,
-    Intent,
-    Record,
-    Response,
-    State,
-    can_take_over,
-    make_claim,
-)
+from ..._errors import LeaseLost
+from ..._model import Claim, Intent, Record, Response, State, can_take_over, make_claim
 from ..protocol import MaintainableStore, Transaction, Statement
-from ._rows import RowShape, row_shape, stale_params
-from ._stats import SQLObservable, is_missing_table, missing_table
+from ._rows import Executor, RowShape, stale_params
+from ._stats import SQLObservable
 from .dialect import (
     CLAIM_RETRIES,
     COLUMNS,
     Dialect,
-    claim_busy,
     claim_params,
     claim_unsettled,
     complete_params,
@@ -48,7 +39,7 @@ _LAID_OUT = (*COLUMNS, "clock_now", "claimed")
 _LAID_OUT_SHAPE = RowShape(0, len(COLUMNS), len(COLUMNS) + 1)
 
 
-class SQLStore(SQLObservable, MaintainableStore):
+class SQLStore(Executor, SQLObservable, MaintainableStore):
     """A key store on any SQL dialect, with connections from ``connect()``.
 
     Args:
@@ -60,31 +51,19 @@ class SQLStore(SQLObservable, MaintainableStore):
             store" (connection refused, pool exhausted, database locked).
         is_lock_timeout: recognises the error a bounded wait on a concurrent
             uncommitted claim raises (single-commit mode only).
-        read_connect: connections for reads alone (`get`, stats), where
-            they may differ (SQLite's skip its writer lock); ``connect`` by default.
+        read_connect: connections for reads alone (`get`, stats); ``connect`` by default.
         extra_params: the driver ignores parameters a statement does not name
-            (sqlite3, psycopg), so the claim and fenced writes send their
-            parameters as built instead of a copy per statement.
-        lend_sources: where the store's own connections come from (a pool's
-            ``connection``, the store's checked checkout), for claims on a
-            connection the request's transaction lends (`claim_on_lent`).
+            (sqlite3, psycopg): no copy per statement.
+        lend_sources: where the store's own connections come from, for claims on
+            a connection the request's transaction lends (`claim_on_lent`).
         claims_alone_on: whether a lent connection commits a statement on its
-            own right now (autocommit, no transaction open); required with
-            ``lend_sources``.
-        migrate_connect: connections for `migrate`, where ``connect``'s
-            bound the waits of a request's (a migration waits for its locks);
-            ``connect`` by default.
+            own right now; required with ``lend_sources``.
+        migrate_connect: connections for `migrate`, whose waits are not a
+            request's; ``connect`` by default.
     """
 
     supports_transactions = True
     renews_claims = True
-
-    @property
-    def supports_single_commit(self) -> bool:
-        """Only where the dialect bounds a duplicate's wait on an uncommitted claim
-        (PostgreSQL's lock timeout); on SQLite it would queue behind the transaction.
-        """
-        return bool(self.dialect.before_claim_in_transaction)
 
     def __init__(
         self,
@@ -110,14 +89,7 @@ class SQLStore(SQLObservable, MaintainableStore):
         self._pyformat = paramstyle == "pyformat"
         self._is_unavailable = is_unavailable
         self._is_lock_timeout = is_lock_timeout
-        # Where each record statement's result holds the record, per text.
-        self._shapes: dict[str, RowShape] = {}
-
-    def is_unavailable(self, exc: BaseException) -> bool:
-        """Does ``exc``, a driver error, mean the database cannot serve us (fail closed)?
-        The driver asks it of the caller's transaction's ``BEGIN`` too.
-        """
-        return self._is_unavailable(exc)
+        self._shapes: dict[str, RowShape] = {}  # per statement text
 
     def claim(
         self,
@@ -140,21 +112,12 @@ class SQLStore(SQLObservable, MaintainableStore):
         expires_at: float,
         lender: Transaction,
     ) -> Claim:
-        """`claim`, committed on its own, on the connection ``lender`` will use
-        when it takes connections from this store's source (one checkout per request).
-        """
         params = claim_params(intent, lease_token, now, expires_at)
         return self._claim_alone(params, intent.fingerprint, lender)
 
     def _claim_alone(
-        self,
-        params: Mapping[str, Any],
-        fingerprint: str,
-        lender: Transaction | None,
+        self, params: Mapping[str, Any], fingerprint: str, lender: Transaction | None
     ) -> Claim:
-        """A claim committed on its own, on the lent connection when it may run alone
-        there, else on the store's: one checkout, one cursor, errors translated only when raised.
-        """
         try:
             lent = None
             if lender is not None and self._lend_sources:
@@ -177,8 +140,6 @@ class SQLStore(SQLObservable, MaintainableStore):
             raise failure from exc
 
     def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
-        """`_claim_with` on one cursor of the store's own connection, rows as tuples."""
-
         def fetch(statement: Statement, params: Mapping[str, Any]) -> _Fetched:
             return self._row(cursor, statement, params)
 
@@ -187,79 +148,44 @@ class SQLStore(SQLObservable, MaintainableStore):
     def _row(
         self, cursor: Any, statement: Statement, params: Mapping[str, Any]
     ) -> tuple[Any, RowShape]:
-        """The statement's one row (a tuple) or None, and where the record sits in it."""
         text = statement.pyformat if self._pyformat else statement.named
         cursor.execute(text, params if self._extra_params else statement.bind(params))
-        # fetchall, not fetchone: it runs the statement to its end, so on
-        # SQLite an INSERT … RETURNING commits and frees the write lock now,
-        # not after our Python work (other writers wait until then).
+        # fetchall runs the statement to its end: on SQLite an INSERT … RETURNING
+        # commits and frees the write lock now, not after our Python work.
         rows = cursor.fetchall()
         shape = self._shapes.get(text)
         if shape is None:
             shape = self._learn_shape(text, cursor)
         return (rows[0] if rows else None), shape
 
-    def _learn_shape(self, text: str, cursor: Any) -> RowShape:
-        """Read once per statement (psycopg builds ``cursor.description`` afresh each time)."""
-        shape = row_shape([column[0] for column in cursor.description])
-        if shape is None:
-            msg = f"{self.dialect.name}: a record statement must return COLUMNS in order: {text}"
-            raise ConfigurationError(msg)
-        self._shapes[text] = shape
-        return shape
-
-    def _claim_failure(self, exc: Exception) -> Exception:
-        """What a failed claim raises: 409 for a bounded wait that ran out, 503 when unreachable."""
-        if self._is_lock_timeout(exc):
-            return claim_busy()
-        return self._unavailable(exc)
-
-    def _unavailable(self, exc: Exception) -> Exception:
-        """``exc`` itself, or what it means: StoreUnavailable (fail closed), MissingTable.
-
-        `_translate`'s rules, for the hot paths that catch instead of
-        entering a context manager on every call.
-        """
-        if is_missing_table(exc):
-            return missing_table(self.dialect.table, self.dialect.name)
-        if not self._is_unavailable(exc):
-            return exc
-        return StoreUnavailable(f"{self.dialect.name} key store unavailable: {exc}".strip())
-
     def _claim_in(
-        self,
-        transaction: Transaction,
-        params: Mapping[str, Any],
-        fingerprint: str,
+        self, transaction: Transaction, params: Mapping[str, Any], fingerprint: str
     ) -> Claim:
-        """Claim as the first write of the caller's transaction (single-commit mode).
-
-        A concurrent duplicate's uncommitted claim would make us wait on its
-        index entry; the dialect bounds that wait and we answer 409 instead.
-        """
+        """Claim as the first write of the caller's transaction (single-commit mode): the
+        dialect bounds the wait on a duplicate's uncommitted claim, answered 409."""
 
         def fetch(statement: Statement, params: Mapping[str, Any]) -> _Fetched:
-            # The adapters answer rows as mappings: laid out as the executor's tuples.
             row = transaction.fetchone(statement, params)
             return (None if row is None else [row.get(name) for name in _LAID_OUT]), _LAID_OUT_SHAPE
 
-        with self._translate(), self._bounded_wait():
+        try:
             for statement in self.dialect.before_claim_in_transaction:
                 transaction.execute(statement, params)
             claim = self._claim_with(fetch, params, fingerprint)
             for statement in self.dialect.after_claim_in_transaction:
                 transaction.execute(statement, params)
-            return claim
+        except Exception as exc:
+            failure = self._claim_failure(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+        return claim
 
     def _claim_with(
         self, fetch: _Fetch, params: Mapping[str, Any], fingerprint: str
     ) -> Claim:
-        """Insert, or read and dispatch, or take over: ownership is decided by a statement.
-
-        The takeover is a compare-and-swap UPDATE; the read before it spares replays
-        its row lock (``claim_or_read``: claim and read in one round trip). A record
-        that vanished or was taken meanwhile, or an empty answer, is tried again.
-        """
+        """Insert, or read and dispatch, or take over (a compare-and-swap UPDATE); a record
+        that vanished or was taken meanwhile, or an empty answer, is tried again."""
         combined = self.dialect.claim_or_read
         for _ in range(CLAIM_RETRIES):
             if combined is not None:
@@ -276,8 +202,7 @@ class SQLStore(SQLObservable, MaintainableStore):
                 if row is None:
                     continue
             record = record_from_values(row, shape.start)
-            # On the store's clock (the database's, see on_database_clock): the
-            # take-over statement decides again on it, atomically.
+            # On the store's clock: the take-over statement decides again on it, atomically.
             if not can_take_over(record, fingerprint, row[shape.clock_now] / 1000):
                 return make_claim(False, record)
             row, shape = fetch(self.dialect.take_over, params)
@@ -314,12 +239,7 @@ class SQLStore(SQLObservable, MaintainableStore):
         now: float,
         transaction: Transaction | None = None,
     ) -> None:
-        params = {
-            "id": record.id,
-            "lease_token": record.lease_token,
-            "now": int(now * 1000),
-            "recovery_point": recovery_point,
-        }
+        params = {**owner_params(record, now), "recovery_point": recovery_point}
         if not self._write(self.dialect.checkpoint, params, transaction):
             raise LeaseLost("the claim on this Idempotency-Key was taken over")
 
@@ -330,33 +250,23 @@ class SQLStore(SQLObservable, MaintainableStore):
     def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
-        """Mark up to ``limit`` records in ``from_state`` untouched since ``cutoff`` as stale.
-
-        Returns them as marked; only this caller can settle or release them
-        (see `settle_stale`), so parallel sweepers never resolve one twice.
-        """
         params = sweep_params(from_state, cutoff, now, keep_until, limit)
+        text = self._text(self.dialect.sweep)
         with self._translate():
             with self._connect() as conn:
                 cursor = conn.cursor()
                 try:
-                    cursor.execute(
-                        self._text(self.dialect.sweep), self.dialect.sweep.bind(params)
-                    )
+                    cursor.execute(text, self.dialect.sweep.bind(params))
                     rows = cursor.fetchall()
                     if not rows:
                         return []
-                    start = self._learn_shape(self._text(self.dialect.sweep), cursor).start
+                    start = self._learn_shape(text, cursor).start
                     return [record_from_values(row, start) for row in rows]
                 finally:
                     cursor.close()
 
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until `sweep` with ``cutoff`` would mark a record (the Protocol's).
-
-        One probe of the ``(state, updated_at)`` index (the dialect's ``due``);
-        None where the dialect has none.
-        """
+        """One probe of the ``(state, updated_at)`` index (the dialect's ``due``), if any."""
         statement = self.dialect.due
         if statement is None:
             return None
@@ -380,7 +290,6 @@ class SQLStore(SQLObservable, MaintainableStore):
         expires_at: float,
         transaction: Transaction | None = None,
     ) -> bool:
-        """Complete a record this sweeper marked stale (a reconciler found the effect)."""
         params = {
             **complete_params(record, state, response, now, expires_at),
             **stale_params(record, now),
@@ -395,30 +304,22 @@ class SQLStore(SQLObservable, MaintainableStore):
         *,
         forget_progress: bool = False,
     ) -> bool:
-        """Give back a key this sweeper marked stale (the effect did not happen).
-
-        ``forget_progress`` also clears the recovery point: the reconciler
-        undid the local traces, so a retry must start from the beginning.
-        """
         params = stale_params(record, now, forget_progress=forget_progress)
         return self._write(self.dialect.release_stale, params, transaction)
 
     def purge(self, now: float, limit: int) -> int:
-        """Delete up to ``limit`` records past their retention; how many went."""
         params = {"now": int(now * 1000), "limit": limit}
         with self._translate():
             with self._connect() as conn:
                 cursor = conn.cursor()
                 try:
-                    cursor.execute(
-                        self._text(self.dialect.purge), self.dialect.purge.bind(params)
-                    )
+                    purge = self.dialect.purge
+                    cursor.execute(self._text(purge), purge.bind(params))
                     return int(cursor.rowcount)
                 finally:
                     cursor.close()
 
     def migrate(self) -> None:
-        """Create the table and its indexes if they do not exist (idempotent)."""
         with self._translate():
             with self._migrate_connect() as conn:
                 cursor = conn.cursor()
@@ -433,25 +334,17 @@ class SQLStore(SQLObservable, MaintainableStore):
 
     def get(self, principal: str, key: str) -> Record | None:
         params = {"principal": principal, "key": key}
-        try:
+        with self._translate():
             with self._read_connect() as conn:
                 cursor = conn.cursor()
                 try:
                     row, shape = self._row(cursor, self.dialect.select, params)
                 finally:
                     cursor.close()
-        except Exception as exc:
-            failure = self._unavailable(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
         return None if row is None else record_from_values(row, shape.start)
 
     def _write(
-        self,
-        statement: Statement,
-        params: Mapping[str, Any],
-        transaction: Transaction | None,
+        self, statement: Statement, params: Mapping[str, Any], transaction: Transaction | None
     ) -> bool:
         """Run a fenced UPDATE; True when it changed our row."""
         try:
@@ -471,37 +364,3 @@ class SQLStore(SQLObservable, MaintainableStore):
             if failure is exc:
                 raise
             raise failure from exc
-
-    def _text(self, statement: Statement) -> str:
-        return statement.pyformat if self._pyformat else statement.named
-
-    @contextmanager
-    def _bounded_wait(self) -> Iterator[None]:
-        """A claim that waited too long on another request's uncommitted claim is a 409.
-
-        The wait is bounded by the connection's lock timeout (see the
-        PostgreSQL store): duplicates are refused, never held.
-        """
-        try:
-            yield
-        except Exception as exc:
-            if self._is_lock_timeout(exc):
-                raise claim_busy() from exc
-            raise
-
-    @contextmanager
-    def _translate(self) -> Iterator[None]:
-        """Driver errors that mean "unreachable" become StoreUnavailable (fail closed).
-
-        A missing key table is the newcomer's mistake, not an outage: it
-        becomes [`MissingTable`][idemflow.MissingTable], naming the command that fixes it.
-        """
-        try:
-            yield
-        except Exception as exc:
-            if is_missing_table(exc):
-                raise missing_table(self.dialect.table, self.dialect.name) from exc
-            if not self._is_unavailable(exc):
-                raise
-            msg = f"{self.dialect.name} key store unavailable: {exc}".strip()
-            raise StoreUnavailable(msg) from exc

@@ -1,10 +1,7 @@
-"""What a SQL dialect is made of: the statements every relational store speaks,
-built once per dialect and table name, and the rules they spell in SQL.
-
-A `Dialect` is a bundle of statement texts; one executor runs any of
-them. A new database: `Dialect.standard`, `dataclasses.replace` for
-what it spells differently, `on_database_clock` (``docs/architecture.md``,
-"Adding a store"). Times are integer epoch milliseconds.
+"""What a SQL dialect is made of: the statements every relational store speaks, built once
+per dialect and table name (times in epoch milliseconds), and the rules they spell in SQL.
+A new database: `Dialect.standard`, `dataclasses.replace` for what it spells differently,
+`on_database_clock` (``docs/architecture.md``, "Adding a store").
 """
 
 from __future__ import annotations
@@ -17,52 +14,24 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..._deprecation import moved
 from ..._errors import InProgress
-from ..._model import (
-    Intent,
-    Record,
-    Response,
-    State,
-    make_record,
-    make_response,
-    stored_headers,
-)
+from ..._model import Intent, Record, Response, State, make_record, make_response, stored_headers
 from ..._model import headers_json as _headers_json  # dialect.headers_json is deprecated
 from ..protocol import Statement
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = [
-    "PURGEABLE_SQL",
-    "Dialect",
-    "create_table",
-    "insert_claim",
-    "on_database_clock",
-]
+__all__ = ["PURGEABLE_SQL", "Dialect", "create_table", "insert_claim", "on_database_clock"]
 
 COLUMNS = (
-    "id",
-    "principal",
-    "idempotency_key",
-    "fingerprint",
-    "endpoint",
-    "state",
-    "lease_token",
-    "recovery_point",
-    "correlation_id",
-    "response_status",
-    "response_headers",
-    "response_body",
-    "created_at",
-    "updated_at",
-    "expires_at",
-    "attempt",
-)
+    "id", "principal", "idempotency_key", "fingerprint", "endpoint", "state", "lease_token",
+    "recovery_point", "correlation_id", "response_status", "response_headers", "response_body",
+    "created_at", "updated_at", "expires_at", "attempt",
+)  # fmt: skip
 
 #: `is_retry` in SQL (the claimant's ``:fingerprint``).
 RETRY_SQL = "(state = 'released' AND fingerprint = :fingerprint)"
-#: `is_past_retention` in SQL: a settled record, or a
-#: released one with nothing to reconcile, whose retention ended.
+#: `is_past_retention` in SQL: settled, or released with nothing to reconcile, and expired.
 PAST_RETENTION_SQL = (
     "(expires_at <= :now AND (state IN ('completed', 'failed_permanent') "
     "OR (state = 'released' AND recovery_point IS NULL)))"
@@ -74,11 +43,7 @@ NEW_INTENT_SQL = f"({PAST_RETENTION_SQL} AND NOT {RETRY_SQL})"
 
 
 def _owned_by_caller(alias: str = "") -> str:
-    """The fence every write of an owner carries: our record, our lease, still running.
-
-    The state is compared through COALESCE so that only the primary key can
-    serve the statement (see `_in_state`).
-    """
+    """The fence every write of an owner carries: our record, our lease, still running."""
     prefix = f"{alias}." if alias else ""
     return (
         f"{prefix}id = :id AND {prefix}lease_token = :lease_token "
@@ -94,22 +59,17 @@ def _in_state(state: str, prefix: str = "") -> str:
     return f"COALESCE({prefix}state, '') = '{state}'"
 
 
-# A released record is swept only when it got past a recovery point (an external
-# call may have happened): the reconciler settles or undoes it, so an intent
-# whose client never retries still converges. Other released records hold
-# nothing to resolve.
+# A released record is swept only past a recovery point (an external call may have
+# happened): the reconciler settles or undoes it.
 SWEEPABLE_SQL = "(state <> 'released' OR recovery_point IS NOT NULL)"
-# In flight, being recovered, or released past an external call (to be
-# reconciled): never deleted for age, whatever expires_at says.
-# Spelled NOT IN so no planner serves the purge from the (state, updated_at)
-# index (SQLite did, then sorted every settled row): the expiry index must.
+# Never in flight, being recovered, or released past an external call. Spelled NOT IN so
+# no planner serves the purge from the (state, updated_at) index: the expiry index must.
 PURGEABLE_SQL = (
     "state NOT IN ('in_progress', 'stale') AND (state <> 'released' OR recovery_point IS NULL)"
 )
 
 
-#: How often a claim is tried again when the record it lost to vanished before
-#: it could be read (released or purged in between). Twice in a row is absurd.
+#: How often a claim is tried again when the record it lost to vanished before it was read.
 CLAIM_RETRIES = 3
 
 
@@ -124,10 +84,8 @@ def claim_unsettled() -> InProgress:
 
 
 _BY_KEY = "WHERE principal = :principal AND idempotency_key = :key"
-#: The time a read is made at, read with the record (``clock_now``): the claim
-#: decides on it whether a take-over is worth trying. On the database clock it
-#: is the server's time, so a host whose clock runs ahead cannot conclude that
-#: a record is past its retention before the database does.
+#: The time a read is made at, read with the record: the claim decides on it whether a
+#: take-over is worth trying (on the database clock, the server's time).
 CLOCK_NOW = ":now AS clock_now"
 
 _Statements = TypeVar("_Statements", bound="DataclassInstance")
@@ -139,10 +97,8 @@ _INSTANTS = re.compile(r"(?<![:\w]):(expires_at|cutoff|keep_until)\b")
 def on_database_clock(dialect: _Statements, now_sql: str) -> _Statements:
     """``dialect`` (or any frozen dataclass of statements) on the database server's clock.
 
-    Hosts' clocks disagree: one ahead would call live claims stale or take keys over
-    early. ``:now`` becomes ``now_sql``; ``:expires_at``, ``:cutoff``, ``:keep_until``
-    keep their distance from the caller's ``:now``; ``:began_at`` and ``:marked_at``
-    are identities, sent as they are.
+    ``:now`` becomes ``now_sql``; ``:expires_at``, ``:cutoff``, ``:keep_until`` keep their
+    distance from the caller's ``:now``; ``:began_at`` and ``:marked_at`` are sent as they are.
     """
 
     server_now = f"({now_sql})"
@@ -185,18 +141,14 @@ class Dialect:
     settle_stale: Statement
     release_stale: Statement
     purge: Statement
-    #: Run around the claim when it is part of the caller's transaction
-    #: (single-commit mode), e.g. to bound the wait on a concurrent claim.
+    #: Run around a claim in the caller's transaction, e.g. to bound its wait on another's.
     before_claim_in_transaction: tuple[Statement, ...] = ()
     after_claim_in_transaction: tuple[Statement, ...] = ()
-    #: The claim and, when it loses, the existing record, in one statement
-    #: (`claim_or_read`: ``claimed``, the columns, ``clock_now``), for
-    #: databases that can write in a CTE (PostgreSQL). Without it the executor
-    #: sends ``claim`` then ``read_for_claim``: two round trips for a replay.
+    #: The claim and, when it loses, the existing record, in one statement (`claim_or_read`),
+    #: where a CTE can write (PostgreSQL); else ``claim`` then ``read_for_claim``.
     claim_or_read: Statement | None = None
-    #: The sweeper's schedule: ``due_in``, the oldest sweepable record's
-    #: ``updated_at`` minus ``:cutoff`` (no row: none), one probe of the
-    #: ``(state, updated_at)`` index. Without it the sweeper passes every interval.
+    #: The sweeper's schedule: ``due_in``, the oldest sweepable record's ``updated_at`` minus
+    #: ``:cutoff`` (no row: none). Without it the sweeper passes every interval.
     due: Statement | None = None
 
     @classmethod
@@ -209,16 +161,12 @@ class Dialect:
         around_claim_in_transaction: tuple[Sequence[str], Sequence[str]] = ((), ()),
         skip_locked: bool = False,
     ) -> Dialect:
-        """A dialect whose non-claim statements are plain ANSI SQL.
-
-        ``skip_locked``: the sweeper's batch skips rows locked by a live
-        completion (PostgreSQL, MySQL 8) instead of waiting for them.
-        """
+        """A dialect whose non-claim statements are plain ANSI SQL; with ``skip_locked`` the
+        sweeper's batch skips rows a live completion locked instead of waiting for them."""
         columns = ", ".join(COLUMNS)
         before, after = around_claim_in_transaction
         lock = " FOR UPDATE SKIP LOCKED" if skip_locked else ""
-        # The sweeper's fence: the row it marked, unchanged since; served by
-        # the primary key only (see _in_state).
+        # The sweeper's fence: the row it marked, unchanged since.
         marked = (
             f"id = :id AND lease_token = :lease_token AND {_in_state('stale')} "
             "AND updated_at = :marked_at"
@@ -247,12 +195,9 @@ class Dialect:
                 f"WHERE {_owned_by_caller()}"
             ),
             renew=Statement(f"UPDATE {table} SET updated_at = :now WHERE {_owned_by_caller()}"),
-            # One statement marks a batch and claims it for this sweeper: the
-            # state/age condition is repeated outside the subquery so a row
-            # that changed in between is not marked. The batch is picked in a
-            # CTE, evaluated once: as an IN (subquery) PostgreSQL may rescan
-            # it per row, and each rescan skips the rows this statement
-            # already locked and takes the next LIMIT, marking the whole table.
+            # The condition is repeated outside the subquery so a row that changed in between
+            # is not marked. A CTE, evaluated once: PostgreSQL may rescan an IN (subquery)
+            # per row, each rescan skipping the rows already locked: the whole table marked.
             sweep=Statement(
                 f"WITH due AS (SELECT id FROM {table} WHERE state = :from_state "
                 f"AND updated_at < :cutoff AND {SWEEPABLE_SQL} "
@@ -289,11 +234,8 @@ class Dialect:
 def create_table(
     table: str, *, id_column: str, bigint: str, blob: str, unique: str = "UNIQUE"
 ) -> list[str]:
-    """The key table and its two indexes, in a dialect's column types.
-
-    Unique ``(principal, idempotency_key)`` is the claim's decision procedure;
-    ``(state, updated_at)`` serves the sweeper's scan; ``expires_at`` purging.
-    """
+    """The key table (unique ``(principal, idempotency_key)``: the claim's decision) and its
+    indexes, ``(state, updated_at)`` for the sweeper and ``expires_at`` for purging."""
     return [
         f"""CREATE TABLE IF NOT EXISTS {table} (
             {id_column},
@@ -336,9 +278,7 @@ def insert_claim(table: str) -> str:
 
 def claim_or_read(table: str, claim: str) -> str:
     """``claim`` and the row it lost to, in one statement (``claimed`` 1 or 0, with
-    ``clock_now``): a replay in one round trip. A holder that committed after the
-    statement's snapshot gives no row; the executor asks again.
-    """
+    ``clock_now``); a holder that committed after its snapshot gives no row: asked again."""
     columns = ", ".join(COLUMNS)
     return (
         f"WITH claimed AS ({claim}) "
@@ -353,10 +293,8 @@ CLOCK_NOW_BIGINT = "CAST(:now AS BIGINT) AS clock_now"
 
 
 def take_over_claim(table: str) -> str:
-    """The takeover: a compare-and-swap ``UPDATE … WHERE <may take over> RETURNING``
-    (`can_take_over` in SQL, so one racing retry wins). A new
-    intent resets everything; a retry keeps its recovery point and created_at.
-    """
+    """The takeover: a compare-and-swap ``UPDATE … WHERE <can_take_over> RETURNING``. A new
+    intent resets everything; a retry keeps its recovery point and created_at."""
     columns = ", ".join(COLUMNS)
     expired = NEW_INTENT_SQL
     return (
@@ -383,8 +321,7 @@ def claim_params(intent: Intent, lease_token: str, now: float, expires_at: float
         "lease_token": lease_token,
         "correlation_id": intent.correlation_id,
         "now": now_ms,
-        # When the intent begins, if this claim begins it: an identity for
-        # downstream keys, on the caller's clock even on the database's.
+        # An identity for downstream keys: the caller's clock, even on the database's.
         "began_at": now_ms,
         "expires_at": int(expires_at * 1000),
     }
@@ -452,9 +389,7 @@ def record_from_row(row: Mapping[str, Any]) -> Record:
     return record_from_values([row[column] for column in COLUMNS], 0)
 
 
-#: ``SQLStatement`` of 0.1 is the contract's [`Statement`][idemflow.stores.protocol.Statement];
-#: the executor's own helpers are private (issue 32: a public API chosen on purpose).
-#: Both importable from here, with a DeprecationWarning, until 0.3.
+#: Names of 0.1, importable from here with a DeprecationWarning until 0.3.
 __getattr__ = moved(
     __name__,
     {

@@ -1,13 +1,6 @@
-"""
-SQLite: the embedded default store.
-
-`SQLiteStore` (WAL mode, one connection per thread and process,
-``busy_timeout``) is correct across threads and processes sharing one file
-because the claim is one ``INSERT … ON CONFLICT … RETURNING`` statement.
-`AsyncSQLiteStore` does a whole operation in one hop to a worker thread
-(`_WriteThread` for writes), or on the loop's own thread when the hop
-would cost more (`_AtOnce`). Why, and when it waits: docs/stores.md,
-"SQLite: one writer, many threads and processes".
+"""SQLite: the embedded default store, correct across threads and processes sharing one file
+(the claim is one ``INSERT … ON CONFLICT … RETURNING``). Why, and when it waits:
+docs/stores.md, "SQLite: one writer, many threads and processes".
 """
 
 from __future__ import annotations
@@ -32,12 +25,7 @@ from ..._process import PID
 from ..protocol import AsyncMaintainableStore, AsyncTransaction
 from ..sql import AsyncSQLStore, Dialect, SQLStats, SQLStore, create_table, insert_claim
 
-__all__ = [
-    "AsyncSQLiteStore",
-    "SQLiteStore",
-    "connect",
-    "is_unavailable",
-]
+__all__ = ["AsyncSQLiteStore", "SQLiteStore", "connect", "is_unavailable"]
 
 DEFAULT_TABLE = "idemflow_keys"
 
@@ -61,10 +49,8 @@ def is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.Error) and code is not None and code & 0xFF in _UNAVAILABLE_CODES
 
 
-# One lock per database file and process: this process's writers queue on it
-# and wake the moment it is free, instead of SQLite's busy handler, which
-# sleeps (1 ms, then longer) and retries; at 16 threads they mostly slept.
-# Other processes still meet SQLite's own lock: busy_timeout stays the fallback.
+# One lock per database file and process: its writers wake the moment it is free, where
+# SQLite's busy handler sleeps and retries. busy_timeout stays for other processes.
 _WRITERS: dict[str, threading.RLock] = {}
 _WRITERS_GUARD = threading.Lock()
 
@@ -79,8 +65,7 @@ def _writer_lock(path: str) -> threading.RLock:
 
 
 def _forked() -> None:
-    # A child inherits the locks as they were at the fork, perhaps held by a
-    # parent's thread that does not exist there: it starts with its own.
+    # A child's inherited locks may be held by a parent's thread it does not have.
     _WRITERS.clear()
 
 
@@ -88,10 +73,7 @@ os.register_at_fork(after_in_child=_forked)
 
 
 class _Writer:
-    """A thread's connection, entered while holding the process's lock on its file.
-
-    One per (thread, process), reused by every operation (no allocation per call).
-    """
+    """A thread's connection, entered while holding the process's lock on its file."""
 
     __slots__ = ("_lock", "_timeout", "conn")
 
@@ -111,9 +93,7 @@ class _Writer:
 
 
 class _Connections:
-    """One autocommit connection per (process, thread): sqlite3 objects cross neither.
-    Called: the connection for writes, under `_Writer`; `reader`: without it.
-    """
+    """One autocommit connection per (process, thread): sqlite3 objects cross neither."""
 
     def __init__(self, path: str, busy_timeout: float, *, checkpoints: bool = True) -> None:
         self.path = path
@@ -137,8 +117,6 @@ class _Connections:
         self._busy_timeout = min(self._busy_timeout, busy_timeout)
 
     def reader(self) -> nullcontext[sqlite3.Connection]:
-        # nullcontext, not @contextmanager: a generator-based context manager
-        # costs several times more.
         return nullcontext(self().conn)
 
     def _open(self) -> _Writer:
@@ -166,8 +144,7 @@ def connect(path: str | Path, *, busy_timeout: float = 5.0) -> sqlite3.Connectio
         path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
     )
     conn.execute("PRAGMA journal_mode=WAL")
-    # NORMAL is durable across application crashes in WAL mode; only an OS
-    # crash or power loss can lose the last transactions.
+    # In WAL mode NORMAL loses nothing to an application crash (an OS crash may).
     conn.execute("PRAGMA synchronous=NORMAL")
     return conn
 
@@ -230,9 +207,7 @@ class _Busy(enum.Enum):
 
 
 class _AtOnce(SQLiteStore):
-    """The file for writes on the event loop's thread: no busy timeout (the write lock
-    now or never) and no WAL checkpoint (its ``fsync`` would stall the loop).
-    """
+    """The file for writes on the event loop's thread: no busy timeout, no WAL checkpoint."""
 
     _checkpoints = False
 
@@ -241,9 +216,7 @@ class _AtOnce(SQLiteStore):
 
     def if_free(self, write: Callable[..., T], *args: Any) -> T | Literal[_Busy.BUSY]:
         """``write(*args)`` now, in one ``BEGIN IMMEDIATE`` transaction, if both the process's
-        lock and SQLite's write lock are free at once; else BUSY and nothing is written.
-        (Inline, not a context manager: a generator-based one costs several times more.)
-        """
+        lock and SQLite's write lock are free at once; else BUSY and nothing is written."""
         try:
             writer = self._connections()
         except sqlite3.Error:  # opening it (``journal_mode=WAL``) met a lock: hop
@@ -272,20 +245,14 @@ class _AtOnce(SQLiteStore):
 
 
 class _WriteThread:
-    """The async store's own writes, in turn, on one thread of its own (one per process).
-
-    They queue on the file's lock anyway; spread over the default executor they
-    handed it and the GIL to one another (14–20 % fewer requests at 32 clients:
-    docs/benchmarks.md, "SQLite: the async store's writes on one thread"). Reads
-    stay on the default executor: a WAL reader never waits for the writer.
-    """
+    """The async store's own writes, in turn, on one thread of its own (one per process):
+    docs/benchmarks.md, "SQLite: the async store's writes on one thread"."""
 
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
         self._pid = 0
         self._lock = threading.Lock()
-        #: Writes handed over and not finished: a write tried on the loop's thread
-        #: waits for them (`idle`) instead of taking the file's lock from under them.
+        #: Writes handed over and not finished: one on the loop's thread waits for them.
         self.pending = 0
         self._idle_waiters: list[asyncio.Future[None]] = []
 
@@ -294,9 +261,7 @@ class _WriteThread:
         return self.pending > 0 and self._pid == PID[0]
 
     async def idle(self) -> None:
-        """Return once no write handed over is pending: a write on the loop's thread waits
-        here rather than hop behind them (under load, one hop made every write hop).
-        """
+        """Return once no write handed over is pending (else every later write would hop)."""
         while self.busy():
             waiter = asyncio.get_running_loop().create_future()
             with self._lock:
@@ -350,18 +315,12 @@ def _wake(waiter: asyncio.Future[None], running: asyncio.AbstractEventLoop) -> N
             waiter.get_loop().call_soon_threadsafe(_wake, waiter, waiter.get_loop())
 
 
-#: One completion in this many commits on the write thread, whose commits checkpoint the
-#: WAL: a first execution writes ~7 pages, so the WAL stays under ~1,500 (6 MiB of 4 KiB).
+#: One completion in this many commits on the write thread, whose commits checkpoint the WAL.
 CHECKPOINT_HOP = 64
 
 
 class AsyncSQLiteStore(AsyncMaintainableStore):
-    """The SQLite store for asyncio code: each operation is one hop to a thread, or none.
-
-    Writes run where they are awaited when both locks on the file are free and no
-    handed-over write is pending (`_write`), else on the store's write thread;
-    reads on the default executor.
-    """
+    """The SQLite store for asyncio code: each operation is one hop to a thread, or none."""
 
     supports_transactions = True
     # One writer at a time: a duplicate would queue behind the whole transaction.
@@ -381,17 +340,12 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
         self._writes = _WriteThread()
         self._at_once = _AtOnce(path, table=table)
         self._completions = 0
-        # Writes inside the caller's transaction go through the caller's
-        # connection, never ours: this executor has none to give.
+        # Writes in the caller's transaction, on the caller's connection: it has none.
         self._in_transaction = AsyncSQLStore(
-            self.dialect,
-            _no_connection,
-            paramstyle="named",
-            is_unavailable=is_unavailable,
+            self.dialect, _no_connection, paramstyle="named", is_unavailable=is_unavailable
         )
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        """See `idemflow.stores.sql.AsyncSQLStore.is_unavailable`."""
         return is_unavailable(exc)
 
     def cover_store_wait(self, seconds: float) -> None:
@@ -415,9 +369,7 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
 
     async def _write(self, at_once: Callable[..., T], on_thread: Callable[..., T], *args: Any) -> T:
         """``at_once(*args)`` on the loop's thread when no handed-over write is pending and
-        both locks are free; else ``on_thread(*args)``: a hop costs more CPU than the
-        statement (~130 against ~50 µs: docs/benchmarks.md).
-        """
+        both locks are free (a hop costs more than the statement); else ``on_thread(*args)``."""
         await self._writes.idle()
         done = self._at_once.if_free(at_once, *args)
         if done is not _Busy.BUSY:
@@ -445,9 +397,8 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
             await self._write(self._at_once.complete, self.sync.complete, *args)
 
     def _checkpoint_due(self) -> bool:
-        """Is this completion the one in `CHECKPOINT_HOP` that commits on the write
-        thread? The loop's thread never checkpoints, so the WAL would grow without end.
-        """
+        """Is this completion the one in `CHECKPOINT_HOP` that commits (and checkpoints) on
+        the write thread? The loop's thread never checkpoints."""
         self._completions += 1
         return self._completions % CHECKPOINT_HOP == 0
 

@@ -1,0 +1,140 @@
+"""
+RabbitMQ consumers with exactly-once effects (aio-pika, imported only here).
+
+Each message's idempotency key is a header (``Idempotency-Key``) or a function of the
+message, its body the payload; `RabbitMQ` hands both to `AsyncConsumer` and
+performs the ``Decision``, acking every message it has handled: ``ack`` and
+``ack_with_stored_result`` ack at once (after the completion committed);
+``dead_letter`` first publishes the message, its problem in an ``idemflow-problem``
+header, to ``<queue>.dead``; every redelivery (``requeue_with_delay``,
+``release_and_requeue``, ``keep_claimed``) first publishes it to the delay queue
+``<queue>.delay.<n>s``, whose messages expire after ``n`` seconds (the delay, at
+least 1, rounded up to a power of two) and dead-letter back to ``<queue>``. Each
+publish is confirmed before the ack (aio-pika channels confirm by default): a crash
+between the two leaves two copies, which the claim makes one effect. Why a delay
+queue per delay, not a held ``nack``: docs/consumers.md, "RabbitMQ".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
+from typing import Any, TypeAlias
+
+from .._errors import MissingKey
+from .._extras import optional
+from ..stores.protocol import AsyncTransaction
+from ._async import AsyncConsumer
+
+with optional("idemflow.consumers.rabbitmq"):
+    import aio_pika
+    from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+    from aiormq.abc import DeliveredMessage
+
+__all__ = ["RabbitMQ"]
+
+#: The handler: the claimed attempt and the message; its answer is stored.
+MessageHandler: TypeAlias = Callable[[Any, AbstractIncomingMessage], Awaitable[Any]]
+
+#: A delay queue outlives its last declaration (before each publish) by its TTL and this.
+_IDLE_MS = 60_000
+#: The properties a published copy keeps (never ``expiration``, nor ``user_id``, which
+#: the broker checks against the publishing connection's user).
+_KEPT = "content_type content_encoding delivery_mode priority correlation_id reply_to message_id"
+_KEPT += " timestamp type app_id"
+
+
+class RabbitMQ:
+    """Consume ``queue`` on ``channel``, each message's effect once.
+
+    ``key``: the header holding the idempotency key, or a function of the message;
+    ``dead_letter``: the queue poisoned messages go to (default ``<queue>.dead``);
+    ``transaction``: a factory of the app's transaction per message, where the
+    completion commits with the handler's writes before the ack.
+    """
+
+    def __init__(
+        self,
+        consumer: AsyncConsumer,
+        channel: AbstractChannel,
+        queue: str,
+        *,
+        key: str | Callable[[AbstractIncomingMessage], str] = "Idempotency-Key",
+        dead_letter: str | None = None,
+        transaction: Callable[[], AbstractAsyncContextManager[AsyncTransaction]] | None = None,
+    ) -> None:
+        self.consumer, self.channel, self.queue = consumer, channel, queue
+        self.dead_letter = dead_letter or f"{queue}.dead"
+        self._key = key if callable(key) else _header(key)
+        self._transaction = transaction
+
+    async def consume(self, handler: MessageHandler) -> str:
+        """Start consuming (each message in a task of its own, as many at once as the
+        channel's prefetch allows); returns the consumer tag."""
+        queue = await self.channel.get_queue(self.queue, ensure=False)
+
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            await self.deliver(message, handler)
+
+        return await queue.consume(on_message)
+
+    async def deliver(self, message: AbstractIncomingMessage, handler: MessageHandler) -> str:
+        """Handle one message and perform its decision; returns the action taken. A mistake
+        in the code (``ConfigurationError``, ``ResponseNotStorable``) is raised, the message
+        left unacked (the broker redelivers it when the channel closes)."""
+        opened = self._transaction() if self._transaction else nullcontext(None)
+        async with opened as transaction:
+            decision = await self.consumer.handle(
+                self._key_of(message),
+                message.body,
+                lambda attempt: handler(attempt, message),
+                transaction=transaction,
+            )
+        if decision.action == "dead_letter":
+            await self.channel.declare_queue(self.dead_letter, durable=True)
+            problem = str(decision.problem or "dead-lettered")
+            await self._publish(message, self.dead_letter, {"idemflow-problem": problem})
+        elif decision.action not in ("ack", "ack_with_stored_result"):
+            await self._publish(message, await self._delay_queue(decision.delay))
+        await message.ack()
+        return decision.action.value
+
+    def _key_of(self, message: AbstractIncomingMessage) -> str:
+        try:
+            return self._key(message)
+        except MissingKey:
+            return ""  # dead-lettered by the consumer, as a message without a key
+
+    async def _delay_queue(self, delay: float) -> str:
+        """The delay queue for ``delay``, declared before each publish: the broker deletes
+        one unused (no consumer, no declaration) past x-expires, publishing or not."""
+        seconds = 1 << (max(1, math.ceil(delay)) - 1).bit_length()
+        name, ttl = f"{self.queue}.delay.{seconds}s", seconds * 1000
+        arguments: dict[str, Any] = {"x-message-ttl": ttl, "x-expires": ttl + _IDLE_MS}
+        arguments |= {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": self.queue}
+        await self.channel.declare_queue(name, durable=True, arguments=arguments)
+        return name
+
+    async def _publish(
+        self, message: AbstractIncomingMessage, queue: str, headers: dict[str, Any] | None = None
+    ) -> None:
+        properties = {name: getattr(message, name) for name in _KEPT.split()}
+        copy = aio_pika.Message(
+            message.body, headers={**message.headers, **(headers or {})}, **properties
+        )
+        returned = await self.channel.default_exchange.publish(copy, routing_key=queue)
+        if isinstance(returned, DeliveredMessage):  # the queue deleted since declared
+            raise RuntimeError(f"the broker could not route the message to {queue!r}")
+
+
+def _header(name: str) -> Callable[[AbstractIncomingMessage], str]:
+    def key(message: AbstractIncomingMessage) -> str:
+        value = message.headers.get(name)
+        if isinstance(value, bytes):
+            value = value.decode()
+        if not isinstance(value, str):
+            raise MissingKey(f"the message has no {name!r} header")
+        return value
+
+    return key
