@@ -92,6 +92,7 @@ class AsyncAttempt:
         if self._transaction is None:
             await self.checkpoint(recovery_point)
             return
+        # Once its COMMIT may have run, giving a single-commit claim back takes a write.
         phase = AsyncCommitAfter(self._transaction, begin=True, on_commit=self._on_commit)
         await self._store.checkpoint(self.record, recovery_point, self._clock(), phase)
         self.recovery_point = recovery_point
@@ -176,7 +177,7 @@ class AsyncIdempotency:
             if len(self._routes) >= _ROUTES_KEPT:
                 self._routes.clear()
             ran = self._routes[policy] = route_policy(policy, self.policy)
-            self.store.cover_store_wait(ran.store_wait_seconds)
+            self.store.cover_store_wait(ran.store_wait_seconds)  # it keeps the shortest
         return ran
 
 
