@@ -18,14 +18,13 @@ from ._errors import is_conflict as is_conflict
 from ._errors import is_contention as is_contention
 from ._errors import is_unavailable
 from ._errors import rolled_back as rolled_back
-from ._statements import DEFAULT_LOCK_WAIT_TIMEOUT
+from ._statements import DEFAULT_LOCK_WAIT_TIMEOUT as DEFAULT_LOCK_WAIT_TIMEOUT
 from ._statements import mysql_dialect as mysql_dialect
 from ._statements import mysql_statements as mysql_statements
 from ._sync import MySQLStore
 from ._url import connect_kwargs
 
 __all__ = [
-    "DEFAULT_LOCK_WAIT_TIMEOUT",
     "AsyncMySQLStore",
     "MySQLStore",
     "closed_by_server",
