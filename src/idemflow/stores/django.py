@@ -255,7 +255,7 @@ class DjangoStore(MaintainableStore):
     def vendor(self) -> str:
         return str(connections[self.using].vendor)
 
-    @property
+    @functools.cached_property  # every request asks; the dialect is fixed
     def supports_single_commit(self) -> bool:
         """PostgreSQL and MySQL bound a duplicate's wait on an uncommitted claim; SQLite cannot."""
         return bool(self._inner.supports_single_commit)

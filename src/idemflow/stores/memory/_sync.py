@@ -7,17 +7,27 @@ GENERATED from ``idemflow/stores/memory/_async.py`` by ``scripts/unasync.py``; d
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from ..._errors import LeaseLost
-from ..._model import Claim, Intent, Record, Response, State, can_take_over, is_past_retention
+from ..._model import (
+    Claim,
+    Intent,
+    Record,
+    Response,
+    State,
+    can_take_over,
+    is_past_retention,
+    starts_new_intent,
+)
 from ..protocol import MaintainableStore, Transaction
-from ._table import TableStore, claimed, sweepable
+from ._table import MemoryStats, MemoryTable, SharesTable
 
 __all__ = ["MemoryStore"]
 
 
-class MemoryStore(TableStore, MaintainableStore):
+class MemoryStore(MaintainableStore):
     """A dict and a lock: thread-safe, not shared between processes, no shared transaction.
 
     ``store``: share the records of another memory store, sync or async (a
@@ -27,6 +37,12 @@ class MemoryStore(TableStore, MaintainableStore):
     supports_transactions = False
     supports_single_commit = False
     renews_claims = True
+
+    def __init__(self, store: SharesTable | None = None) -> None:
+        self.table = MemoryTable() if store is None else store.table
+        self.records = self.table.records
+        self._lock = self.table.lock
+        self._ids = self.table.ids
 
     def claim(
         self,
@@ -41,7 +57,7 @@ class MemoryStore(TableStore, MaintainableStore):
             current = self.records.get(slot)
             if current is not None and not can_take_over(current, intent.fingerprint, now):
                 return Claim(owned=False, record=current)
-            record = claimed(current, intent, lease_token, now, expires_at, self._ids)
+            record = _claimed(current, intent, lease_token, now, expires_at, self._ids)
             self.records[slot] = record
             return Claim(owned=True, record=record)
 
@@ -91,7 +107,7 @@ class MemoryStore(TableStore, MaintainableStore):
                 (
                     r
                     for r in self.records.values()
-                    if r.state is from_state and r.updated_at < cutoff and sweepable(r)
+                    if r.state is from_state and r.updated_at < cutoff and _sweepable(r)
                 ),
                 key=lambda r: r.updated_at,
             )[:limit]
@@ -111,7 +127,7 @@ class MemoryStore(TableStore, MaintainableStore):
                 (
                     r.updated_at
                     for r in self.records.values()
-                    if r.state is from_state and sweepable(r)
+                    if r.state is from_state and _sweepable(r)
                 ),
                 default=math.inf,
             )
@@ -150,3 +166,64 @@ class MemoryStore(TableStore, MaintainableStore):
             for slot in expired:
                 del self.records[slot]
             return len(expired)
+
+    def stats(self) -> MemoryStats:
+        """The operator's questions (``idemflow stats``, the stuck-claims gauge), from the dict."""
+        return MemoryStats(self.table)
+
+    def _update_marked(self, record: Record, **changes: object) -> bool:
+        with self._lock:
+            slot = (record.principal, record.key)
+            current = self.records.get(slot)
+            if current != record:  # exactly as this sweeper marked it, or not ours
+                return False
+            self.records[slot] = dataclasses.replace(current, **changes)  # type: ignore[arg-type]
+            return True
+
+    def _update_owned(self, record: Record, **changes: object) -> bool:
+        with self._lock:
+            slot = (record.principal, record.key)
+            current = self.records.get(slot)
+            if current is None or not _owned(current, record):
+                return False
+            self.records[slot] = dataclasses.replace(current, **changes)  # type: ignore[arg-type]
+            return True
+
+
+def _claimed(
+    current: Record | None,
+    intent: Intent,
+    lease_token: str,
+    now: float,
+    expires_at: float,
+    ids: itertools.count[int],
+) -> Record:
+    fresh = current is None or starts_new_intent(current, intent.fingerprint, now)
+    return Record(
+        id=next(ids) if current is None else current.id,
+        principal=intent.principal,
+        key=intent.key,
+        fingerprint=intent.fingerprint,
+        endpoint=intent.endpoint,
+        state=State.IN_PROGRESS,
+        lease_token=lease_token,
+        created_at=now if fresh or current is None else current.created_at,
+        updated_at=now,
+        expires_at=expires_at,
+        correlation_id=intent.correlation_id,
+        recovery_point=None if fresh or current is None else current.recovery_point,
+        attempt=1 if fresh or current is None else current.attempt + 1,
+    )
+
+
+def _sweepable(record: Record) -> bool:
+    """A released record is swept only past a recovery point (see the SQL stores)."""
+    return record.state is not State.RELEASED or record.recovery_point is not None
+
+
+def _owned(current: Record, record: Record) -> bool:
+    return (
+        current.id == record.id
+        and current.lease_token == record.lease_token
+        and current.state is State.IN_PROGRESS
+    )

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 from typing import Protocol
 
-from ..._model import Intent, Record, State, is_past_retention, starts_new_intent
+from ..._model import Record, State, is_past_retention
 from ..stats import STUCK_STATES, OldestClaim, StoreStats
 
-__all__ = ["MemoryStats", "MemoryTable", "SharesTable", "TableStore"]
+__all__ = ["MemoryStats", "MemoryTable", "SharesTable"]
 
 
 class MemoryTable:
@@ -78,74 +77,3 @@ class MemoryStats:
     def _records(self) -> list[Record]:
         with self._table.lock:
             return list(self._table.records.values())
-
-
-class TableStore:
-    """What both memory stores are beyond their methods' coroutines: the table they share."""
-
-    def __init__(self, store: SharesTable | None = None) -> None:
-        self.table = MemoryTable() if store is None else store.table
-        self.records = self.table.records
-        self._lock = self.table.lock
-        self._ids = self.table.ids
-
-    def stats(self) -> MemoryStats:
-        """The operator's questions (``idemflow stats``, the stuck-claims gauge), from the dict."""
-        return MemoryStats(self.table)
-
-    def _update_marked(self, record: Record, **changes: object) -> bool:
-        with self._lock:
-            slot = (record.principal, record.key)
-            current = self.records.get(slot)
-            if current != record:  # exactly as this sweeper marked it, or not ours
-                return False
-            self.records[slot] = dataclasses.replace(current, **changes)  # type: ignore[arg-type]
-            return True
-
-    def _update_owned(self, record: Record, **changes: object) -> bool:
-        with self._lock:
-            slot = (record.principal, record.key)
-            current = self.records.get(slot)
-            if current is None or not _owned(current, record):
-                return False
-            self.records[slot] = dataclasses.replace(current, **changes)  # type: ignore[arg-type]
-            return True
-
-
-def claimed(
-    current: Record | None,
-    intent: Intent,
-    lease_token: str,
-    now: float,
-    expires_at: float,
-    ids: itertools.count[int],
-) -> Record:
-    fresh = current is None or starts_new_intent(current, intent.fingerprint, now)
-    return Record(
-        id=next(ids) if current is None else current.id,
-        principal=intent.principal,
-        key=intent.key,
-        fingerprint=intent.fingerprint,
-        endpoint=intent.endpoint,
-        state=State.IN_PROGRESS,
-        lease_token=lease_token,
-        created_at=now if fresh or current is None else current.created_at,
-        updated_at=now,
-        expires_at=expires_at,
-        correlation_id=intent.correlation_id,
-        recovery_point=None if fresh or current is None else current.recovery_point,
-        attempt=1 if fresh or current is None else current.attempt + 1,
-    )
-
-
-def sweepable(record: Record) -> bool:
-    """A released record is swept only past a recovery point (see the SQL stores)."""
-    return record.state is not State.RELEASED or record.recovery_point is not None
-
-
-def _owned(current: Record, record: Record) -> bool:
-    return (
-        current.id == record.id
-        and current.lease_token == record.lease_token
-        and current.state is State.IN_PROGRESS
-    )
