@@ -121,3 +121,85 @@ async def test_a_frozen_database_under_the_apps_engine_answers_503_within_the_bu
     assert in_budget, f"past the request's budget: the answer came after {answered_after:.2f} s"
     assert hung.status_code == 503, hung.text
     assert after.status_code == 201, after.text
+
+
+def make_flask_app(engine: Any) -> Any:
+    from flask import Flask
+    from flask import request as http
+
+    from idemflow.integrations.flask import Idempotency
+
+    app = Flask(__name__)
+    app.config["IDEMFLOW_REQUEST_TIMEOUT"] = BUDGETED.timeout_seconds
+    idem = Idempotency(app, db=engine, principal=lambda: http.headers.get("X-User"))
+
+    @app.post("/orders")
+    @idem.protect
+    def create_order() -> tuple[dict[str, int], int]:
+        return {"ok": idem.session.execute(text("SELECT 1")).scalar_one()}, 201
+
+    return app
+
+
+def test_flask_refuses_an_engine_whose_pool_waits_longer_than_the_store(
+    server: PrivatePostgres,
+) -> None:
+    """SQLAlchemy's default ``pool_timeout`` (30 s) would hold a request waiting for a free
+    connection past its 2 s budget: refused when the app is set up, naming the fix."""
+    pytest.importorskip("flask")
+    from sqlalchemy import create_engine
+
+    from idemflow import ConfigurationError
+
+    url = server.url.replace("postgresql://", "postgresql+psycopg://")
+    engine = create_engine(url)
+    with pytest.raises(ConfigurationError, match=r"create_engine\(\.\.\., pool_timeout=1\)"):
+        make_flask_app(engine)
+    engine.dispose()
+    bounded = create_engine(url, pool_timeout=1)
+    make_flask_app(bounded)
+    bounded.dispose()
+
+
+def test_a_frozen_database_under_flasks_engine_answers_503_within_the_budget(
+    server: PrivatePostgres,
+) -> None:
+    """Flask's ``db=`` on PostgreSQL: frozen before the claim, the store's statement on the
+    engine's connection ends after its store wait, psycopg's own timeout (the frozen
+    server never runs its ``statement_timeout``): 503 before the rescue timer. Thawed,
+    the next request answers 201 on the same pool of one connection."""
+    pytest.importorskip("flask")
+    from sqlalchemy import create_engine
+
+    engine = create_engine(
+        server.url.replace("postgresql://", "postgresql+psycopg://"),
+        pool_size=1,
+        max_overflow=0,
+        pool_timeout=1,
+    )
+    client = make_flask_app(engine).test_client()
+    warm = client.post("/orders", headers={"X-User": "alice", "Idempotency-Key": "k-warm"})
+    assert warm.status_code == 201, warm.text
+    rescued = threading.Event()
+
+    def rescue() -> None:
+        rescued.set()
+        server.thaw()
+
+    safety = threading.Timer(BUDGETED.timeout_seconds, rescue)
+    server.freeze()
+    safety.start()
+    began = time.monotonic()
+    try:
+        hung = client.post("/orders", headers={"X-User": "alice", "Idempotency-Key": "k-hung"})
+        in_budget = not rescued.is_set()
+        answered_after = time.monotonic() - began
+    finally:
+        safety.cancel()
+        server.thaw()
+    after = client.post("/orders", headers={"X-User": "alice", "Idempotency-Key": "k-after"})
+    engine.dispose()
+
+    assert in_budget, f"past the request's budget: the answer came after {answered_after:.2f} s"
+    assert hung.status_code == 503, hung.text
+    assert after.status_code == 201, after.text
