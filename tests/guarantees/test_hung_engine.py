@@ -123,6 +123,33 @@ async def test_a_frozen_database_under_the_apps_engine_answers_503_within_the_bu
     assert after.status_code == 201, after.text
 
 
+async def test_a_request_waiting_for_the_apps_pool_answers_503_within_the_store_wait(
+    server: PrivatePostgres,
+) -> None:
+    """The engine's only connection held elsewhere, its ``pool_timeout`` SQLAlchemy's 30 s:
+    the store's checkout ends after its store wait (1 s), a 503 well before the 30 s."""
+    engine = create_async_engine(
+        server.url.replace("postgresql://", "postgresql+psycopg://"), pool_size=1, max_overflow=0
+    )
+    transport = httpx.ASGITransport(app=make_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+        async with engine.connect() as held:
+            await held.execute(text("SELECT 1"))
+            began = time.monotonic()
+            waiting = await client.post(
+                "/orders", headers={"Authorization": "Bearer alice", "Idempotency-Key": "k-wait"}
+            )
+            waited = time.monotonic() - began
+        after = await client.post(
+            "/orders", headers={"Authorization": "Bearer alice", "Idempotency-Key": "k-wait"}
+        )
+    await engine.dispose()
+
+    assert waiting.status_code == 503, waiting.text
+    assert waited < BUDGETED.timeout_seconds, f"the 503 came after {waited:.2f} s"
+    assert after.status_code == 201, after.text
+
+
 def make_flask_app(engine: Any) -> Any:
     from flask import Flask
     from flask import request as http
