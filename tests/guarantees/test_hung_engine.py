@@ -78,15 +78,21 @@ def make_app(engine: AsyncEngine) -> FastAPI:
     return app
 
 
+@pytest.mark.parametrize("pre_ping", [False, True], ids=["plain", "pool_pre_ping"])
 async def test_a_frozen_database_under_the_apps_engine_answers_503_within_the_budget(
-    server: PrivatePostgres,
+    server: PrivatePostgres, pre_ping: bool
 ) -> None:
     """Frozen before the claim, the store's statement on the engine's connection waits
     its store wait (1 s), not until the server resumes: 503 before the rescue timer (the
     request's budget) thaws it. Thawed, the next request answers 201 on the same pool of
-    one connection: the one left mid-statement was invalidated, not handed back."""
+    one connection: the one left mid-statement was invalidated, not handed back. With
+    ``pool_pre_ping`` the wait is the checkout's ping: 503 the same (before: at the thaw),
+    the late checkout's connection given back once it ends."""
     engine = create_async_engine(
-        server.url.replace("postgresql://", "postgresql+psycopg://"), pool_size=1, max_overflow=0
+        server.url.replace("postgresql://", "postgresql+psycopg://"),
+        pool_size=1,
+        max_overflow=0,
+        pool_pre_ping=pre_ping,
     )
     transport = httpx.ASGITransport(app=make_app(engine))
     async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:

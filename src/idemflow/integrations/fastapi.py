@@ -317,11 +317,24 @@ def _store_on(engine: Any, policy: Policy | None) -> Any:
     raise ConfigurationError(msg)
 
 
+#: Checkouts that ended after the store wait, until their connection is back in the pool.
+_LATE: set[asyncio.Future[Any]] = set()
+
+
+def _give_back_late(checkout: asyncio.Future[Any]) -> None:
+    _LATE.discard(checkout)
+    if checkout.cancelled() or checkout.exception() is not None:
+        return
+    closing = asyncio.ensure_future(checkout.result().close())
+    _LATE.add(closing)
+    closing.add_done_callback(_LATE.discard)
+
+
 @contextlib.asynccontextmanager
 async def _bounded_checkout(autocommit: Any, store_wait: float) -> Any:
     """A connection of the app's engine for the store, every wait of the store's own
-    bounded by ``store_wait`` (guarantee 5): the checkout (a free connection, or a new one)
-    by ``asyncio.timeout``, each wait for the server by psycopg's own timeout, an
+    bounded by ``store_wait`` (guarantee 5): the checkout (a free connection, a pre-ping, or
+    a new one) waited for that long, each wait for the server by psycopg's own timeout, an
     ``OperationalError`` either way (the store's 503). The statements are not cancelled:
     psycopg answers a cancellation mid-statement by asking the server to cancel it and
     waiting up to 10 s more, and a hung server never answers. A connection left
@@ -329,12 +342,19 @@ async def _bounded_checkout(autocommit: Any, store_wait: float) -> Any:
     import psycopg
     from psycopg.pq import TransactionStatus
 
+    # The checkout runs apart and is waited for up to the store wait, never cancelled: a
+    # pre-ping or a connect cancelled mid-wait would wait for the server again (psycopg's
+    # cancel request). One that ends after the wait gives its connection back then.
+    checkout = asyncio.ensure_future(autocommit.connect().start())
     try:
-        async with asyncio.timeout(store_wait):
-            connection = await autocommit.connect()
-    except TimeoutError as exc:
-        msg = f"no connection from the engine's pool within the store wait ({store_wait} s)"
-        raise psycopg.OperationalError(msg) from exc
+        connection = await asyncio.wait_for(asyncio.shield(checkout), store_wait)
+    except BaseException as exc:
+        _LATE.add(checkout)
+        checkout.add_done_callback(_give_back_late)
+        if isinstance(exc, TimeoutError):
+            msg = f"no connection from the engine's pool within the store wait ({store_wait} s)"
+            raise psycopg.OperationalError(msg) from exc
+        raise
     raw: Any = None
     try:
         raw = (await connection.get_raw_connection()).driver_connection
