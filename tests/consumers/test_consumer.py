@@ -34,9 +34,10 @@ from idemflow import (
 from idemflow.consumers import AsyncConsumer, Consumer
 from idemflow.metrics import PrometheusMetrics
 from idemflow.stores.memory import AsyncMemoryStore, MemoryStore
-from idemflow.stores.sqlite import AsyncSQLiteStore, SQLiteStore
+from idemflow.stores.sqlite import AsyncSQLiteStore
 from idemflow.testing import FrozenClock
-from tests.factories import POLICY, until
+from tests.consumers._support import Overrun, outlive_the_lease, steal_the_claim
+from tests.factories import POLICY
 
 QUEUE = "payments"
 
@@ -249,34 +250,26 @@ def test_a_sync_handler_whose_lease_is_stolen_never_completes(
 
 @pytest.fixture(params=["memory", "sqlite"])
 async def async_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    """An async store (its ``renew`` written for it: the memory store's, SQLite's hops)
-    and a sync view of the same records."""
+    """An async store (its ``renew`` written for it: the memory store's, SQLite's hops)."""
     if request.param == "memory":
-        store: Any = AsyncMemoryStore()
-        yield store, MemoryStore(store)
+        yield AsyncMemoryStore()
         return
-    path = tmp_path / "keys.db"
-    store = AsyncSQLiteStore(path)
+    store = AsyncSQLiteStore(tmp_path / "keys.db")
     await store.migrate()
-    view = SQLiteStore(path)
-    yield store, view
-    view.close()
+    yield store
     await store.close()
 
 
 @pytest.mark.anyio
 async def test_an_async_handler_longer_than_its_lease_keeps_its_claim(
-    clock: FrozenClock, async_store: tuple[Any, Any]
+    clock: FrozenClock, async_store: Any
 ) -> None:
-    store, view = async_store
-    consumer = AsyncConsumer(AsyncIdempotency(store, POLICY, clock=clock), QUEUE, renew_every=0.01)
+    consumer = AsyncConsumer(
+        AsyncIdempotency(async_store, POLICY, clock=clock), QUEUE, renew_every=0.01
+    )
 
     async def long(attempt: AsyncAttempt) -> str:
-        clock.advance(POLICY.stale_seconds - 1)
-        await until(renewed_at(view, clock), "a renewal", blocking=True)
-        clock.advance(2)
-        cutoff = clock() - POLICY.stale_seconds
-        assert await store.sweep(State.IN_PROGRESS, cutoff, clock(), clock() + 3600, 100) == []
+        await outlive_the_lease(async_store, QUEUE, clock, key="m-1")
         return "done"
 
     assert (await consumer.handle("m-1", b"one", long)).action == "ack"
@@ -286,27 +279,17 @@ async def test_an_async_handler_longer_than_its_lease_keeps_its_claim(
 async def test_an_async_handler_whose_lease_is_stolen_is_cancelled(clock: FrozenClock) -> None:
     store = AsyncMemoryStore()
     consumer = AsyncConsumer(AsyncIdempotency(store, POLICY, clock=clock), QUEUE, renew_every=0.01)
-    started, effects = asyncio.Event(), []
-
-    async def stuck(attempt: AsyncAttempt) -> str:
-        started.set()
-        await asyncio.Event().wait()  # until cancelled
-        effects.append("never")
-        return "never"
+    stuck = Overrun()
 
     handling = asyncio.create_task(consumer.handle("m-1", b"one", stuck))
-    await started.wait()
-    clock.advance(POLICY.stale_seconds + 1)
-    (marked,) = await store.sweep(State.IN_PROGRESS, clock() - 1, clock(), clock() + 3600, 100)
-    assert await store.release_stale(marked, clock())
-    claim = await store.claim(intent_of(marked), "lease-b", clock(), clock() + 60)
-    assert claim.owned
+    await stuck.started.wait()
+    await steal_the_claim(store, clock)
 
     decision = await handling
 
     assert decision.action == "requeue_with_delay"
     assert isinstance(decision.problem, LeaseLost)
-    assert effects == []
+    assert stuck.effects == []
     record = await store.get(QUEUE, "m-1")
     assert record is not None
     assert (record.state, record.lease_token) == (State.IN_PROGRESS, "lease-b")

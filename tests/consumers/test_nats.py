@@ -1,7 +1,7 @@
 """
 The NATS JetStream adapter against the real server on loopback (each test its own
-stream and durable consumer, deleted after), on PostgreSQL and SQLite stores (the app
-fixture of the RabbitMQ tests): duplicates delivered to two consumers at once make one
+stream and durable consumer, deleted after), on PostgreSQL and SQLite stores (the consumer
+tests' shared app): duplicates delivered to two consumers at once make one
 effect, a poisoned message is dead-lettered, a transient failure is redelivered (a
 delayed ``nak``) and run once, a handler past ack wait and its lease keeps both, a
 stolen lease never completes, and a consumer SIGKILLed after its business write (before
@@ -12,38 +12,37 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import sys
-import textwrap
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from idemflow import AsyncAttempt, AsyncIdempotency, Intent, State
+from idemflow import AsyncAttempt, AsyncIdempotency, State
 from idemflow.consumers import AsyncConsumer
 from idemflow.testing import FrozenClock
 from tests.conftest import unreachable
+from tests.consumers._support import (
+    App,
+    Flaky,
+    Overrun,
+    Race,
+    outlive_the_lease,
+    run_until_killable,
+    steal_the_claim,
+)
 from tests.factories import POLICY
 from tests.sweeping import async_sweep_away
 
 nats = pytest.importorskip("nats")
-pytest.importorskip("aio_pika")  # the shared app fixture lives with the RabbitMQ tests
 from nats.js.api import ConsumerConfig  # noqa: E402
 
 from idemflow.consumers.nats import JetStream  # noqa: E402
-from tests.consumers import test_rabbitmq  # noqa: E402
-from tests.consumers.test_rabbitmq import App  # noqa: E402
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 
-app = test_rabbitmq.app  # the fixture, shared
-
-ROOT = Path(__file__).resolve().parents[2]
 NATS_URL = os.environ.get("IDEMFLOW_TEST_NATS_URL", "nats://127.0.0.1:4222")
 
 
@@ -100,45 +99,30 @@ async def broker() -> AsyncIterator[Broker]:
 
 
 async def test_a_message_published_twice_and_delivered_to_two_consumers_has_one_effect(
-    app: tuple[App, list[str]], broker: Broker
+    shop: App, broker: Broker
 ) -> None:
-    shop, _ = app
     first, second = await broker.consumer(shop), await broker.consumer(shop)
     await broker.publish("order-1", b'{"amount": 5}')
     await broker.publish("order-1", b'{"amount": 5}')
     one, two = await broker.next(), await broker.next()  # two copies, both unacked
-    effects: list[str] = []
-    running, raced = asyncio.Event(), asyncio.Event()
+    race = Race(shop)
 
-    async def held(attempt: AsyncAttempt, message: Any) -> str:
-        running.set()
-        await asyncio.wait_for(raced.wait(), 10)
-        await shop.write(attempt.connection)
-        effects.append(attempt.record.key)
-        return "charged"
-
-    async def other(attempt: AsyncAttempt, message: Any) -> str:
-        await shop.write(attempt.connection)
-        effects.append(attempt.record.key)
-        return "charged again"
-
-    holding = asyncio.create_task(first.deliver(one, held))
-    await running.wait()
-    met = await second.deliver(two, other)
-    raced.set()
+    holding = asyncio.create_task(first.deliver(one, race.held))
+    await race.running.wait()
+    met = await second.deliver(two, race.other)
+    race.raced.set()
 
     assert (met, await holding) == ("requeue_with_delay", "ack")  # never waited for it
     back = await broker.next()  # the nak'd copy, redelivered after its delay
     assert back.metadata.num_delivered == 2
-    assert await second.deliver(back, other) == "ack_with_stored_result"
-    assert (effects, shop.count()) == (["order-1"], 1)
+    assert await second.deliver(back, race.other) == "ack_with_stored_result"
+    assert (race.effects, shop.count()) == (["order-1"], 1)
     assert await broker.pending() == 0
 
 
 async def test_a_poisoned_message_is_dead_lettered_without_an_effect(
-    app: tuple[App, list[str]], broker: Broker
+    shop: App, broker: Broker
 ) -> None:
-    shop, _ = app
     jet = await broker.consumer(shop)
     await broker.publish("order-1", b'{"amount": 5}')
     await broker.publish("order-1", b'{"amount": 500}')
@@ -159,48 +143,25 @@ async def test_a_poisoned_message_is_dead_lettered_without_an_effect(
     assert await broker.pending() == 0
 
 
-async def test_a_transient_failure_is_redelivered_and_run_once(
-    app: tuple[App, list[str]], broker: Broker
-) -> None:
-    shop, _ = app
+async def test_a_transient_failure_is_redelivered_and_run_once(shop: App, broker: Broker) -> None:
     jet = await broker.consumer(shop)
     await broker.publish("order-1", b"{}")
-    calls: list[int] = []
-
-    async def flaky(attempt: AsyncAttempt, message: Any) -> str:
-        calls.append(attempt.record.attempt)
-        await shop.write(attempt.connection)
-        if len(calls) == 1:
-            raise ConnectionError("the provider is down")  # the write rolls back
-        return "charged"
-
+    flaky = Flaky(shop)
     assert await jet.fetch(flaky) == 1
     assert shop.count() == 0
     assert await jet.fetch(flaky, timeout=10) == 1  # back after the nak's delay
-    assert (calls, shop.count()) == ([1, 2], 1)
+    assert (flaky.calls, shop.count()) == ([1, 2], 1)
     assert await broker.pending() == 0
 
 
 async def test_a_handler_longer_than_ack_wait_and_its_lease_keeps_both(
-    app: tuple[App, list[str]], broker: Broker, clock: FrozenClock
+    shop: App, broker: Broker, clock: FrozenClock
 ) -> None:
-    shop, _ = app
     jet = await broker.consumer(shop, clock, renew_every=0.01)
     await broker.publish("order-1", b"{}")
 
-    async def renewed() -> bool:
-        record = await shop.store.get(broker.scope, "order-1")
-        return record is not None and record.updated_at == clock()
-
     async def long(attempt: AsyncAttempt, message: Any) -> str:
-        clock.advance(POLICY.stale_seconds - 1)
-        deadline = time.monotonic() + 10
-        while not await renewed():
-            assert time.monotonic() < deadline, "never renewed"
-            await asyncio.sleep(0.01)
-        clock.advance(2)  # past the threshold counted from the claim
-        cutoff = clock() - POLICY.stale_seconds
-        assert await shop.store.sweep(State.IN_PROGRESS, cutoff, clock(), clock() + 60, 10) == []
+        await outlive_the_lease(shop.store, broker.scope, clock)
         await asyncio.sleep(3)  # past the broker's ack wait (2 s): in_progress() keeps it
         with pytest.raises(TimeoutError):  # not redelivered to anyone meanwhile
             await broker.next(within=0.5)
@@ -215,32 +176,20 @@ async def test_a_handler_longer_than_ack_wait_and_its_lease_keeps_both(
 
 
 async def test_a_handler_whose_lease_is_stolen_never_completes(
-    app: tuple[App, list[str]], broker: Broker, clock: FrozenClock
+    shop: App, broker: Broker, clock: FrozenClock
 ) -> None:
-    shop, _ = app
     jet = await broker.consumer(shop, clock, renew_every=0.01)
     await broker.publish("order-1", b"{}")
-    effects: list[str] = []
-    started = asyncio.Event()
-
-    async def overrun(attempt: AsyncAttempt, message: Any) -> str:
-        started.set()
-        await asyncio.Event().wait()  # cancelled once a renewal meets lease-b
-        effects.append("never")
-        return "too late"
-
+    overrun = Overrun()
     handling = asyncio.create_task(jet.deliver(await broker.next(), overrun))
-    await started.wait()
-    clock.advance(POLICY.stale_seconds + 1)
-    (marked,) = await async_sweep_away(shop.store, clock() + 1)
-    intent = Intent(marked.principal, marked.key, marked.fingerprint, marked.endpoint)
-    assert (await shop.store.claim(intent, "lease-b", clock(), clock() + 60)).owned
+    await overrun.started.wait()
+    await steal_the_claim(shop.store, clock)
 
     assert await handling == "requeue_with_delay"
     record = await shop.store.get(broker.scope, "order-1")
     assert record is not None
     assert (record.state, record.lease_token) == (State.IN_PROGRESS, "lease-b")
-    assert effects == []
+    assert overrun.effects == []
     assert shop.count() == 0
 
 
@@ -252,14 +201,10 @@ from nats.aio.msg import Msg
 from idemflow import AsyncIdempotency
 from idemflow.consumers import AsyncConsumer
 from idemflow.consumers.nats import JetStream
+from tests.consumers._support import charging, open_app, stalled
 from tests.consumers.test_nats import NATS_URL
-from tests.consumers.test_rabbitmq import open_app
 from tests.factories import POLICY
 kind, where, table, stream, stall = sys.argv[1:]
-
-async def stalled(*args, **kwargs):
-    print("killable", flush=True)
-    await asyncio.Event().wait()
 
 async def main():
     app = open_app(kind, where, table)
@@ -267,15 +212,8 @@ async def main():
     consumer = AsyncConsumer(AsyncIdempotency(app.store, POLICY), f"{stream}/workers")
     adapter = JetStream(consumer, nc.jetstream(), stream, "workers", transaction=app.transaction)
     Msg.ack_sync = stalled
-
-    async def charge(attempt, message):
-        await app.write(attempt.connection)
-        if stall == "before the commit":
-            await stalled()
-        return "charged"
-
     while True:
-        await adapter.fetch(charge)  # killed meanwhile
+        await adapter.fetch(charging(app, stall))  # killed meanwhile
 
 asyncio.run(main())
 """
@@ -283,35 +221,12 @@ asyncio.run(main())
 
 @pytest.mark.parametrize("stall", ["before the commit", "before the ack"])
 async def test_a_consumer_killed_after_its_business_write_has_one_effect_after_redelivery(
-    app: tuple[App, list[str]], broker: Broker, stall: str
+    shop: App, broker: Broker, stall: str
 ) -> None:
     """Killed before the commit: nothing committed, the claim left to the sweeper, then run
     once. Killed between the commit and the ack: settled, acked with the stored result."""
-    shop, where = app
     await broker.publish("order-1", b"{}")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    child = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        textwrap.dedent(CHILD),
-        *where,
-        broker.stream,
-        stall,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-        cwd=ROOT,
-    )
-    try:
-        assert child.stdout is not None
-        line = await asyncio.wait_for(child.stdout.readline(), 30)
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        _, errors = await child.communicate()
-    assert line == b"killable\n", errors.decode()
-
-    async def again(attempt: AsyncAttempt, message: Any) -> None:
-        await shop.write(attempt.connection)
+    await run_until_killable(CHILD, *shop.argv, broker.stream, stall)
 
     jet = await broker.consumer(shop)
     redelivered = await broker.next()  # never acked: back after the ack wait (2 s)
@@ -320,11 +235,11 @@ async def test_a_consumer_killed_after_its_business_write_has_one_effect_after_r
     assert record is not None
     if stall == "before the ack":
         assert (record.state, shop.count()) == (State.COMPLETED, 1)
-        assert await jet.deliver(redelivered, again) == "ack_with_stored_result"
+        assert await jet.deliver(redelivered, shop.charge) == "ack_with_stored_result"
     else:
         assert (record.state, shop.count()) == (State.IN_PROGRESS, 0)  # rolled back
-        assert await jet.deliver(redelivered, again) == "requeue_with_delay"
+        assert await jet.deliver(redelivered, shop.charge) == "requeue_with_delay"
         assert len(await async_sweep_away(shop.store, time.time() + 1)) == 1
-        assert await jet.deliver(await broker.next(), again) == "ack"
+        assert await jet.deliver(await broker.next(), shop.charge) == "ack"
     assert shop.count() == 1
     assert await broker.pending() == 0

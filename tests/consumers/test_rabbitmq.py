@@ -12,27 +12,28 @@ one effect after the redelivery.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import signal
-import sqlite3
-import sys
-import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from idemflow import AsyncAttempt, AsyncIdempotency, Intent, OutcomeUnknown, State
+from idemflow import AsyncAttempt, AsyncIdempotency, OutcomeUnknown, State
 from idemflow.consumers import AsyncConsumer
-from idemflow.stores.protocol import AsyncTransaction
 from idemflow.testing import FrozenClock
-from tests.conftest import POSTGRES_URL, unreachable
+from tests.conftest import unreachable
+from tests.consumers._support import (
+    App,
+    Flaky,
+    Overrun,
+    Race,
+    outlive_the_lease,
+    run_until_killable,
+    steal_the_claim,
+)
 from tests.factories import POLICY, until
 from tests.sweeping import async_sweep_away
 
@@ -41,98 +42,7 @@ from idemflow.consumers.rabbitmq import RabbitMQ  # noqa: E402
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.anyio]
 
-ROOT = Path(__file__).resolve().parents[2]
 RABBITMQ_URL = os.environ.get("IDEMFLOW_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
-
-
-@dataclass
-class App:
-    """A store, the app's business table beside it, and the app's transactions on it."""
-
-    store: Any
-    transaction: Callable[[], AbstractAsyncContextManager[AsyncTransaction]]
-    write: Callable[[Any], Awaitable[None]]  # a business row, on ``attempt.connection``
-    count: Callable[[], int]  # committed business rows
-    close: Callable[[], Awaitable[None]]
-
-
-def open_app(kind: str, where: str, table: str) -> App:
-    """``kind``'s store and transactions on ``where`` (a URL, a file), tables made."""
-    if kind == "postgres":
-        import psycopg
-
-        from idemflow.stores.postgres import AsyncPostgresStore
-        from idemflow.transactions import AsyncPsycopgTransaction
-
-        @contextlib.asynccontextmanager
-        async def pg_transaction() -> AsyncIterator[AsyncTransaction]:
-            async with await psycopg.AsyncConnection.connect(where, autocommit=True) as conn:
-                yield AsyncPsycopgTransaction(conn)
-
-        async def pg_write(conn: Any) -> None:
-            await conn.execute(f"INSERT INTO biz_{table} (note) VALUES ('charged')")
-
-        def pg_count() -> int:
-            with psycopg.connect(where, autocommit=True) as conn:
-                row = conn.execute(f"SELECT count(*) FROM biz_{table}").fetchone()
-                assert row is not None
-                return int(row[0])
-
-        pg = AsyncPostgresStore(where, table=table, clock="caller")
-        return App(pg, pg_transaction, pg_write, pg_count, pg.close)
-
-    from idemflow.stores.sqlite import AsyncSQLiteStore, connect
-    from idemflow.transactions import AsyncSQLite3Connection, AsyncSQLite3Transaction
-
-    @contextlib.asynccontextmanager
-    async def sqlite_transaction() -> AsyncIterator[AsyncTransaction]:
-        conn = AsyncSQLite3Connection(connect(where, busy_timeout=5.0))
-        try:
-            yield AsyncSQLite3Transaction(conn)
-        finally:
-            conn.close()
-
-    async def sqlite_write(conn: Any) -> None:
-        await conn.run(conn.raw.execute, f"INSERT INTO biz_{table} (note) VALUES ('charged')")
-
-    def sqlite_count() -> int:
-        with contextlib.closing(sqlite3.connect(where)) as conn:
-            return int(conn.execute(f"SELECT count(*) FROM biz_{table}").fetchone()[0])
-
-    lite = AsyncSQLiteStore(where, table=table)
-
-    async def sqlite_close() -> None:
-        await lite.close()
-
-    return App(lite, sqlite_transaction, sqlite_write, sqlite_count, sqlite_close)
-
-
-@pytest.fixture(params=[pytest.param("postgres", marks=pytest.mark.postgres), "sqlite"])
-async def app(
-    request: pytest.FixtureRequest, tmp_path: Path, table_name: str
-) -> AsyncIterator[tuple[App, list[str]]]:
-    """The app and what a child process needs to open it too."""
-    kind = request.param
-    where = POSTGRES_URL if kind == "postgres" else str(tmp_path / "app.db")
-    create = f"CREATE TABLE biz_{table_name} (id INTEGER PRIMARY KEY, note TEXT)"
-    if kind == "postgres":
-        psycopg = pytest.importorskip("psycopg")
-        try:
-            with psycopg.connect(where, autocommit=True, connect_timeout=3) as conn:
-                conn.execute(create.replace("INTEGER PRIMARY KEY", "BIGSERIAL PRIMARY KEY"))
-        except psycopg.OperationalError as exc:
-            unreachable("PostgreSQL", exc)
-    else:
-        with contextlib.closing(sqlite3.connect(where)) as conn:
-            conn.execute(create)
-    opened = open_app(kind, where, table_name)
-    await opened.store.migrate()
-    yield opened, [kind, where, table_name]
-    await opened.close()
-    if kind == "postgres":
-        with psycopg.connect(where, autocommit=True) as conn:
-            conn.execute(f"DROP TABLE biz_{table_name}")
-            conn.execute(f"DROP TABLE {table_name}")
 
 
 @dataclass
@@ -197,46 +107,31 @@ async def broker() -> AsyncIterator[Broker]:
 
 
 async def test_a_message_published_twice_and_delivered_to_two_consumers_has_one_effect(
-    app: tuple[App, list[str]], broker: Broker
+    shop: App, broker: Broker
 ) -> None:
-    shop, _ = app
     first, second = await broker.consumer(shop), await broker.consumer(shop)
     await broker.publish("order-1", b'{"amount": 5}')
     await broker.publish("order-1", b'{"amount": 5}')
     one, two = await first.next(), await second.next()  # each holds a copy, unacked
-    effects: list[str] = []
-    running, raced = asyncio.Event(), asyncio.Event()
+    race = Race(shop)
 
-    async def held(attempt: AsyncAttempt, message: Any) -> str:
-        running.set()
-        await asyncio.wait_for(raced.wait(), 10)  # until the other consumer met our claim
-        await shop.write(attempt.connection)
-        effects.append(attempt.record.key)
-        return "charged"
-
-    async def other(attempt: AsyncAttempt, message: Any) -> str:
-        await shop.write(attempt.connection)
-        effects.append(attempt.record.key)
-        return "charged again"
-
-    holding = asyncio.create_task(first.adapter.deliver(one, held))
-    await running.wait()
-    met = await second.adapter.deliver(two, other)
+    holding = asyncio.create_task(first.adapter.deliver(one, race.held))
+    await race.running.wait()
+    met = await second.adapter.deliver(two, race.other)
     requeued = time.monotonic()
-    raced.set()
+    race.raced.set()
 
     assert (met, await holding) == ("requeue_with_delay", "ack")  # never waited for it
     back = await second.next()  # the copy, back from the delay queue
     assert time.monotonic() - requeued >= 0.9  # its TTL: POLICY.retry_after, 1 s
-    assert await second.adapter.deliver(back, other) == "ack_with_stored_result"
-    assert (effects, shop.count()) == (["order-1"], 1)
+    assert await second.adapter.deliver(back, race.other) == "ack_with_stored_result"
+    assert (race.effects, shop.count()) == (["order-1"], 1)
     assert await broker.left(broker.queue) == 0
 
 
 async def test_a_poisoned_message_is_dead_lettered_without_an_effect(
-    app: tuple[App, list[str]], broker: Broker
+    shop: App, broker: Broker
 ) -> None:
-    shop, _ = app
     rabbit = await broker.consumer(shop)
     await broker.publish("order-1", b'{"amount": 5}')
     await broker.publish("order-1", b'{"amount": 500}')
@@ -259,50 +154,27 @@ async def test_a_poisoned_message_is_dead_lettered_without_an_effect(
     assert await broker.left(broker.queue) == 0
 
 
-async def test_a_transient_failure_is_redelivered_and_run_once(
-    app: tuple[App, list[str]], broker: Broker
-) -> None:
-    shop, _ = app
+async def test_a_transient_failure_is_redelivered_and_run_once(shop: App, broker: Broker) -> None:
     rabbit = await broker.consumer(shop)
     await broker.publish("order-1", b"{}")
-    calls: list[int] = []
-
-    async def flaky(attempt: AsyncAttempt, message: Any) -> str:
-        calls.append(attempt.record.attempt)
-        await shop.write(attempt.connection)
-        if len(calls) == 1:
-            raise ConnectionError("the provider is down")  # the write rolls back
-        return "charged"
-
+    flaky = Flaky(shop)
     await rabbit.adapter.consume(flaky)  # as a service consumes: each message in a task
     await until(lambda: shop.count() == 1, "the redelivery's effect", blocking=True)
     await asyncio.sleep(0.2)  # time for a second run, were there one
 
-    assert (calls, shop.count()) == ([1, 2], 1)
+    assert (flaky.calls, shop.count()) == ([1, 2], 1)
     assert await broker.left(broker.queue) == 0
     assert await broker.left(f"{broker.queue}.delay.1s") == 0
 
 
 async def test_a_handler_longer_than_its_lease_keeps_its_claim(
-    app: tuple[App, list[str]], broker: Broker, clock: FrozenClock
+    shop: App, broker: Broker, clock: FrozenClock
 ) -> None:
-    shop, _ = app
     rabbit = await broker.consumer(shop, clock, renew_every=0.01)
     await broker.publish("order-1", b"{}")
 
-    async def renewed() -> bool:
-        record = await shop.store.get(broker.queue, "order-1")
-        return record is not None and record.updated_at == clock()
-
     async def long(attempt: AsyncAttempt, message: Any) -> str:
-        clock.advance(POLICY.stale_seconds - 1)
-        deadline = time.monotonic() + 10
-        while not await renewed():
-            assert time.monotonic() < deadline, "never renewed"
-            await asyncio.sleep(0.01)
-        clock.advance(2)  # past the threshold counted from the claim
-        cutoff = clock() - POLICY.stale_seconds
-        assert await shop.store.sweep(State.IN_PROGRESS, cutoff, clock(), clock() + 60, 10) == []
+        await outlive_the_lease(shop.store, broker.queue, clock)
         await shop.write(attempt.connection)
         return "done"
 
@@ -311,41 +183,28 @@ async def test_a_handler_longer_than_its_lease_keeps_its_claim(
 
 
 async def test_a_handler_whose_lease_is_stolen_never_completes(
-    app: tuple[App, list[str]], broker: Broker, clock: FrozenClock
+    shop: App, broker: Broker, clock: FrozenClock
 ) -> None:
-    shop, _ = app
     rabbit = await broker.consumer(shop, clock, renew_every=0.01)
     await broker.publish("order-1", b"{}")
-    effects: list[str] = []
-    started = asyncio.Event()
-
-    async def overrun(attempt: AsyncAttempt, message: Any) -> str:
-        started.set()
-        await asyncio.Event().wait()  # cancelled once a renewal meets lease-b
-        effects.append("never")
-        return "too late"
-
+    overrun = Overrun()
     handling = asyncio.create_task(rabbit.adapter.deliver(await rabbit.next(), overrun))
-    await started.wait()
-    # The sweeper ends the claim (whatever the renewals did), another consumer takes it.
-    clock.advance(POLICY.stale_seconds + 1)
-    (marked,) = await async_sweep_away(shop.store, clock() + 1)
-    intent = Intent(marked.principal, marked.key, marked.fingerprint, marked.endpoint)
-    assert (await shop.store.claim(intent, "lease-b", clock(), clock() + 60)).owned
+    await overrun.started.wait()
+    await steal_the_claim(shop.store, clock)
 
     assert await handling == "requeue_with_delay"
 
     record = await shop.store.get(broker.queue, "order-1")
     assert record is not None
     assert (record.state, record.lease_token) == (State.IN_PROGRESS, "lease-b")
-    assert effects == []
+    assert overrun.effects == []
 
     async def charge(attempt: AsyncAttempt, message: Any) -> None:
-        effects.append("ran")
+        overrun.effects.append("ran")
 
     back = await rabbit.next()  # redelivered after its delay: lease-b's to settle
     assert await rabbit.adapter.deliver(back, charge) == "requeue_with_delay"
-    assert effects == []
+    assert overrun.effects == []
 
 
 #: The child: a consumer whose ack never comes (it reports, then waits to be killed).
@@ -355,13 +214,10 @@ import aio_pika
 from idemflow import AsyncIdempotency
 from idemflow.consumers import AsyncConsumer
 from idemflow.consumers.rabbitmq import RabbitMQ
-from tests.consumers.test_rabbitmq import RABBITMQ_URL, open_app
+from tests.consumers._support import charging, open_app, stalled
+from tests.consumers.test_rabbitmq import RABBITMQ_URL
 from tests.factories import POLICY
 kind, where, table, queue, stall = sys.argv[1:]
-
-async def stalled(*args):
-    print("killable", flush=True)
-    await asyncio.Event().wait()
 
 async def main():
     app = open_app(kind, where, table)
@@ -369,14 +225,7 @@ async def main():
     consumer = AsyncConsumer(AsyncIdempotency(app.store, POLICY), queue)
     adapter = RabbitMQ(consumer, await connection.channel(), queue, transaction=app.transaction)
     aio_pika.IncomingMessage.ack = stalled
-
-    async def charge(attempt, message):
-        await app.write(attempt.connection)
-        if stall == "before the commit":
-            await stalled()
-        return "charged"
-
-    await adapter.consume(charge)
+    await adapter.consume(charging(app, stall))
     await asyncio.Event().wait()  # killed meanwhile
 
 asyncio.run(main())
@@ -385,35 +234,12 @@ asyncio.run(main())
 
 @pytest.mark.parametrize("stall", ["before the commit", "before the ack"])
 async def test_a_consumer_killed_after_its_business_write_has_one_effect_after_redelivery(
-    app: tuple[App, list[str]], broker: Broker, stall: str
+    shop: App, broker: Broker, stall: str
 ) -> None:
     """Killed before the commit: nothing committed, the claim left to the sweeper, then run
     once. Killed between the commit and the ack: settled, acked with the stored result."""
-    shop, where = app
     await broker.publish("order-1", b"{}")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    child = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        textwrap.dedent(CHILD),
-        *where,
-        broker.queue,
-        stall,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-        cwd=ROOT,
-    )
-    try:
-        assert child.stdout is not None
-        line = await asyncio.wait_for(child.stdout.readline(), 30)
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        _, errors = await child.communicate()
-    assert line == b"killable\n", errors.decode()
-
-    async def again(attempt: AsyncAttempt, message: Any) -> None:
-        await shop.write(attempt.connection)
+    await run_until_killable(CHILD, *shop.argv, broker.queue, stall)
 
     rabbit = await broker.consumer(shop)
     redelivered = await rabbit.next()  # the killed consumer never acked it
@@ -421,40 +247,33 @@ async def test_a_consumer_killed_after_its_business_write_has_one_effect_after_r
     assert record is not None
     if stall == "before the ack":
         assert (record.state, shop.count()) == (State.COMPLETED, 1)
-        assert await rabbit.adapter.deliver(redelivered, again) == "ack_with_stored_result"
+        assert await rabbit.adapter.deliver(redelivered, shop.charge) == "ack_with_stored_result"
     else:
         assert (record.state, shop.count()) == (State.IN_PROGRESS, 0)  # rolled back
         # Still claimed: never run twice, never waited for.
-        assert await rabbit.adapter.deliver(redelivered, again) == "requeue_with_delay"
+        assert await rabbit.adapter.deliver(redelivered, shop.charge) == "requeue_with_delay"
         # The sweeper's pass, its threshold past: the dead consumer's claim released.
         assert len(await async_sweep_away(shop.store, time.time() + 1)) == 1
-        assert await rabbit.adapter.deliver(await rabbit.next(), again) == "ack"
+        assert await rabbit.adapter.deliver(await rabbit.next(), shop.charge) == "ack"
     assert shop.count() == 1
     assert await broker.left(broker.queue) == 0
 
 
-async def test_a_message_without_its_key_header_is_dead_lettered(
-    app: tuple[App, list[str]], broker: Broker
-) -> None:
-    shop, _ = app
+async def test_a_message_without_its_key_header_is_dead_lettered(shop: App, broker: Broker) -> None:
     rabbit = await broker.consumer(shop)
     channel = await broker.connection.channel()
     await channel.default_exchange.publish(aio_pika.Message(b"{}"), routing_key=broker.queue)
 
-    async def charge(attempt: AsyncAttempt, message: Any) -> None:
-        await shop.write(attempt.connection)
-
-    assert await rabbit.adapter.deliver(await rabbit.next(), charge) == "dead_letter"
+    assert await rabbit.adapter.deliver(await rabbit.next(), shop.charge) == "dead_letter"
     assert shop.count() == 0
     assert await broker.left(rabbit.adapter.dead_letter) == 1
 
 
 async def test_an_unknown_outcome_keeps_the_claim_and_comes_back_after_the_sweep(
-    app: tuple[App, list[str]], broker: Broker
+    shop: App, broker: Broker
 ) -> None:
     """Not acked as done, not run again: the claim stays for the sweeper and reconciler,
     and the message waits in the delay queue past the sweeper's pass."""
-    shop, _ = app
     rabbit = await broker.consumer(shop)
     await broker.publish("order-1", b"{}")
 

@@ -9,16 +9,10 @@ redelivered and run once.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,14 +21,13 @@ from idemflow import Attempt, Idempotency, State
 from idemflow.consumers import Consumer
 from tests.backends import _open_redis, delete_keys, redis_client
 from tests.conftest import POSTGRES_URL, unreachable
+from tests.consumers._support import count_rows, run_until_killable_sync
 from tests.factories import POLICY
 
 redis = pytest.importorskip("redis")
 from idemflow.consumers.redis_streams import RedisStreams  # noqa: E402
 
 pytestmark = pytest.mark.redis
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -231,27 +224,10 @@ def test_a_consumer_killed_after_its_business_write_has_one_effect_after_redeliv
     store = PostgresStore(POSTGRES_URL, table=postgres_table, clock="caller")
     adapter = streams(store, prefix, "survivor", transaction=transaction)
     publish(adapter, "order-1", b"{}")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(CHILD), POSTGRES_URL, postgres_table, prefix, where],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=ROOT,
-    )
-    try:
-        assert child.stdout is not None
-        line = child.stdout.readline()
-    finally:
-        child.send_signal(signal.SIGKILL)
-        _, errors = child.communicate(timeout=10)
-    assert line == b"killable\n", errors.decode()
+    run_until_killable_sync(CHILD, POSTGRES_URL, postgres_table, prefix, where)
 
     def count() -> int:
-        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-            row = conn.execute(f"SELECT count(*) FROM biz_{postgres_table}").fetchone()
-            assert row is not None
-            return int(row[0])
+        return count_rows(POSTGRES_URL, postgres_table)
 
     def again(attempt: Attempt, fields: dict[bytes, bytes]) -> None:
         attempt.connection.execute(f"INSERT INTO biz_{postgres_table} (note) VALUES ('again')")
