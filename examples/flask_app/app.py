@@ -36,8 +36,11 @@ app.config["SQLALCHEMY_DATABASE_URI"] = os.environ.get(
 # A pooled connection is tested before a request gets it: one the database closed (a
 # restart, a failover) is replaced instead of failing the view's first statement, which
 # Flask would answer with a 500 (idemflow gives the key back: nothing is recorded).
-app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {"pool_pre_ping": True}
 app.config["IDEMFLOW_REQUEST_TIMEOUT"] = float(os.environ.get("SHOP_REQUEST_TIMEOUT", "10"))
+# A free connection within idemflow's store wait (half the request timeout, at most 5 s),
+# or idemflow refuses the engine: a request never waits for one past its budget.
+store_wait = min(app.config["IDEMFLOW_REQUEST_TIMEOUT"] / 2, 5)
+app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {"pool_pre_ping": True, "pool_timeout": store_wait}
 # SHOP_MAX_CONTENT_LENGTH: Flask's cap on a request body (the tests set it below idemflow's
 # IDEMFLOW_MAX_BODY_BYTES: the lower of the two bounds a protected request's body).
 if os.environ.get("SHOP_MAX_CONTENT_LENGTH"):

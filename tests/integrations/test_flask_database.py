@@ -81,7 +81,7 @@ def shop(request: pytest.FixtureRequest, database_url: tuple[str, str]) -> Itera
     url, backend = database_url
     options: dict[str, Any] = {}
     if backend == "postgres":
-        options = {"pool_size": POOL_SIZE, "max_overflow": 0, "pool_timeout": 10}
+        options = {"pool_size": POOL_SIZE, "max_overflow": 0, "pool_timeout": 5}
     app = Flask(__name__)
     if request.param == "flask-sqlalchemy":
         app.config.update(SQLALCHEMY_DATABASE_URI=url, SQLALCHEMY_ENGINE_OPTIONS=options)

@@ -476,19 +476,35 @@ def _store_on(engine: Engine, table: str, policy: Policy) -> Store:
         # A pool timeout is SQLAlchemy's; a refused or lost connection psycopg's.
         return is_unavailable(exc) or SQLAlchemyTransaction.is_unavailable(exc)
 
+    store_wait = policy.store_wait_seconds
+    _refuse_a_longer_pool_wait(engine, store_wait)
     # The store's statements commit alone: autocommit while it holds a connection
     # (SQLAlchemy resets that on return).
     autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
 
     @contextlib.contextmanager
     def connect() -> Iterator[Any]:
+        from psycopg.pq import TransactionStatus
+
         with autocommit.connect() as connection:
+            raw: Any = connection.connection.driver_connection
+            plain_wait = raw.wait
+
+            def bounded_wait(gen: Any, interval: float = 0.1, timeout: float | None = None) -> Any:
+                return plain_wait(gen, interval, store_wait if timeout is None else timeout)
+
+            # Each wait for the server ends after the store wait (psycopg's own timeout:
+            # a frozen server never enforces its statement_timeout); this checkout's only.
+            raw.wait = bounded_wait
             try:
-                yield connection.connection.driver_connection
+                yield raw
             except BaseException as exc:
-                if unavailable(exc):
+                mid_statement = raw.pgconn.transaction_status != TransactionStatus.IDLE
+                if unavailable(exc) or raw.closed or mid_statement:
                     connection.invalidate()  # SQLAlchemy never saw it die: not back to the pool
                 raise
+            finally:
+                del raw.wait
 
     return SQLStore(
         postgres_dialect(table),
@@ -498,6 +514,22 @@ def _store_on(engine: Engine, table: str, policy: Policy) -> Store:
         is_lock_timeout=is_lock_timeout,
         extra_params=True,
     )
+
+
+def _refuse_a_longer_pool_wait(engine: Engine, store_wait: float) -> None:
+    """Guarantee 5 on the engine's pool: the store waits for a free connection as long as
+    the engine's ``pool_timeout``, which must then fit in the policy's store wait."""
+    timeout = getattr(engine.pool, "_timeout", None)  # QueuePool's; other pools never wait
+    if isinstance(timeout, int | float) and timeout > store_wait:
+        msg = (
+            f"the engine's pool_timeout ({timeout:g} s) exceeds the key store's wait "
+            f"({store_wait:g} s, half the request timeout, at most 5 s): a request would wait "
+            "for a connection past its budget. Create the engine with "
+            f"create_engine(..., pool_timeout={store_wait:g}) (Flask-SQLAlchemy: "
+            f'SQLALCHEMY_ENGINE_OPTIONS = {{"pool_timeout": {store_wait:g}}}), or pass '
+            "IDEMFLOW_STORE for a pool of idemflow's own"
+        )
+        raise ConfigurationError(msg)
 
 
 def _plain_url(url: Any) -> str:

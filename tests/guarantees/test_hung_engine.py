@@ -1,0 +1,238 @@
+"""
+A hung database under the app's own SQLAlchemy engine (guarantee 5): the key store that
+FastAPI's ``dependency(engine)`` builds on the engine's pool waits no longer than the
+policy's store wait, so a PostgreSQL frozen with SIGSTOP is a 503 within the request's
+budget, and the connection left mid-statement never goes back to the app's pool: once
+the server resumes, the next request works.
+"""
+
+# No ``from __future__ import annotations``: FastAPI must see the local ``Idem`` alias.
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("sqlalchemy")
+pytest.importorskip("psycopg")
+
+import httpx
+from fastapi import APIRouter, Depends, FastAPI, Header
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+
+from idemflow import Policy
+from idemflow.integrations.fastapi import IdempotentRequest, IdempotentRoute, dependency
+from idemflow.stores.postgres import PostgresStore
+from tests._private_postgres import (
+    PrivatePostgres,
+    PrivatePostgresUnavailable,
+    private_postgres,
+)
+from tests.conftest import unreachable
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.anyio, pytest.mark.postgres]
+
+#: Each store wait at most 1 s, half the 2 s budget (tests/guarantees/test_hung_store.py).
+BUDGETED = Policy(request_timeout=2)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def server() -> Iterator[PrivatePostgres]:
+    try:
+        with private_postgres() as pg:
+            store = PostgresStore(pg.url)
+            store.migrate()
+            store.close()
+            yield pg
+    except PrivatePostgresUnavailable as exc:
+        unreachable("a private PostgreSQL", exc)
+
+
+def current_user(authorization: Annotated[str | None, Header()] = None) -> str | None:
+    return None if authorization is None else authorization.removeprefix("Bearer ")
+
+
+def make_app(engine: AsyncEngine) -> FastAPI:
+    Idem = Annotated[
+        IdempotentRequest[AsyncSession],
+        Depends(dependency(engine, principal=current_user, policy=BUDGETED)),
+    ]
+    router = APIRouter(route_class=IdempotentRoute)
+
+    @router.post("/orders", status_code=201)
+    async def create_order(idem: Idem) -> dict[str, Any]:
+        number = (await idem.connection.execute(text("SELECT 1"))).scalar_one()
+        return {"ok": number}
+
+    app = FastAPI()
+    app.include_router(router)
+    return app
+
+
+@pytest.mark.parametrize("pre_ping", [False, True], ids=["plain", "pool_pre_ping"])
+async def test_a_frozen_database_under_the_apps_engine_answers_503_within_the_budget(
+    server: PrivatePostgres, pre_ping: bool
+) -> None:
+    """Frozen before the claim, the store's statement on the engine's connection waits
+    its store wait (1 s), not until the server resumes: 503 before the rescue timer (the
+    request's budget) thaws it. Thawed, the next request answers 201 on the same pool of
+    one connection: the one left mid-statement was invalidated, not handed back. With
+    ``pool_pre_ping`` the wait is the checkout's ping: 503 the same (before: at the thaw),
+    the late checkout's connection given back once it ends."""
+    engine = create_async_engine(
+        server.url.replace("postgresql://", "postgresql+psycopg://"),
+        pool_size=1,
+        max_overflow=0,
+        pool_pre_ping=pre_ping,
+    )
+    transport = httpx.ASGITransport(app=make_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+        warm = await client.post(
+            "/orders", headers={"Authorization": "Bearer alice", "Idempotency-Key": "k-warm"}
+        )
+        assert warm.status_code == 201, warm.text
+        rescued = threading.Event()
+
+        def rescue() -> None:
+            rescued.set()
+            server.thaw()
+
+        safety = threading.Timer(BUDGETED.timeout_seconds, rescue)
+        server.freeze()
+        safety.start()
+        began = time.monotonic()
+        try:
+            hung = await client.post(
+                "/orders", headers={"Authorization": "Bearer alice", "Idempotency-Key": "k-hung"}
+            )
+            in_budget = not rescued.is_set()
+            answered_after = time.monotonic() - began
+        finally:
+            safety.cancel()
+            server.thaw()
+        after = await client.post(
+            "/orders", headers={"Authorization": "Bearer alice", "Idempotency-Key": "k-after"}
+        )
+    await engine.dispose()
+
+    assert in_budget, f"past the request's budget: the answer came after {answered_after:.2f} s"
+    assert hung.status_code == 503, hung.text
+    assert after.status_code == 201, after.text
+
+
+async def test_a_request_waiting_for_the_apps_pool_answers_503_within_the_store_wait(
+    server: PrivatePostgres,
+) -> None:
+    """The engine's only connection held elsewhere, its ``pool_timeout`` SQLAlchemy's 30 s:
+    the store's checkout ends after its store wait (1 s), a 503 well before the 30 s."""
+    engine = create_async_engine(
+        server.url.replace("postgresql://", "postgresql+psycopg://"), pool_size=1, max_overflow=0
+    )
+    transport = httpx.ASGITransport(app=make_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+        async with engine.connect() as held:
+            await held.execute(text("SELECT 1"))
+            began = time.monotonic()
+            waiting = await client.post(
+                "/orders", headers={"Authorization": "Bearer alice", "Idempotency-Key": "k-wait"}
+            )
+            waited = time.monotonic() - began
+        after = await client.post(
+            "/orders", headers={"Authorization": "Bearer alice", "Idempotency-Key": "k-wait"}
+        )
+    await engine.dispose()
+
+    assert waiting.status_code == 503, waiting.text
+    assert waited < BUDGETED.timeout_seconds, f"the 503 came after {waited:.2f} s"
+    assert after.status_code == 201, after.text
+
+
+def make_flask_app(engine: Any) -> Any:
+    from flask import Flask
+    from flask import request as http
+
+    from idemflow.integrations.flask import Idempotency
+
+    app = Flask(__name__)
+    app.config["IDEMFLOW_REQUEST_TIMEOUT"] = BUDGETED.timeout_seconds
+    idem = Idempotency(app, db=engine, principal=lambda: http.headers.get("X-User"))
+
+    @app.post("/orders")
+    @idem.protect
+    def create_order() -> tuple[dict[str, int], int]:
+        return {"ok": idem.session.execute(text("SELECT 1")).scalar_one()}, 201
+
+    return app
+
+
+def test_flask_refuses_an_engine_whose_pool_waits_longer_than_the_store(
+    server: PrivatePostgres,
+) -> None:
+    """SQLAlchemy's default ``pool_timeout`` (30 s) would hold a request waiting for a free
+    connection past its 2 s budget: refused when the app is set up, naming the fix."""
+    pytest.importorskip("flask")
+    from sqlalchemy import create_engine
+
+    from idemflow import ConfigurationError
+
+    url = server.url.replace("postgresql://", "postgresql+psycopg://")
+    engine = create_engine(url)
+    with pytest.raises(ConfigurationError, match=r"create_engine\(\.\.\., pool_timeout=1\)"):
+        make_flask_app(engine)
+    engine.dispose()
+    bounded = create_engine(url, pool_timeout=1)
+    make_flask_app(bounded)
+    bounded.dispose()
+
+
+def test_a_frozen_database_under_flasks_engine_answers_503_within_the_budget(
+    server: PrivatePostgres,
+) -> None:
+    """Flask's ``db=`` on PostgreSQL: frozen before the claim, the store's statement on the
+    engine's connection ends after its store wait, psycopg's own timeout (the frozen
+    server never runs its ``statement_timeout``): 503 before the rescue timer. Thawed,
+    the next request answers 201 on the same pool of one connection."""
+    pytest.importorskip("flask")
+    from sqlalchemy import create_engine
+
+    engine = create_engine(
+        server.url.replace("postgresql://", "postgresql+psycopg://"),
+        pool_size=1,
+        max_overflow=0,
+        pool_timeout=1,
+    )
+    client = make_flask_app(engine).test_client()
+    warm = client.post("/orders", headers={"X-User": "alice", "Idempotency-Key": "k-warm"})
+    assert warm.status_code == 201, warm.text
+    rescued = threading.Event()
+
+    def rescue() -> None:
+        rescued.set()
+        server.thaw()
+
+    safety = threading.Timer(BUDGETED.timeout_seconds, rescue)
+    server.freeze()
+    safety.start()
+    began = time.monotonic()
+    try:
+        hung = client.post("/orders", headers={"X-User": "alice", "Idempotency-Key": "k-hung"})
+        in_budget = not rescued.is_set()
+        answered_after = time.monotonic() - began
+    finally:
+        safety.cancel()
+        server.thaw()
+    after = client.post("/orders", headers={"X-User": "alice", "Idempotency-Key": "k-after"})
+    engine.dispose()
+
+    assert in_budget, f"past the request's budget: the answer came after {answered_after:.2f} s"
+    assert hung.status_code == 503, hung.text
+    assert after.status_code == 201, after.text
