@@ -1,19 +1,6 @@
-"""
-NATS JetStream pull consumers with exactly-once effects (nats-py, imported only here).
-
-Each message's idempotency key is a header (``Idempotency-Key``) or a function of the
-message, its data the payload; `JetStream` hands both to `AsyncConsumer` and performs
-the ``Decision`` with JetStream's own actions: ``ack`` and ``ack_with_stored_result``
-double-ack (``ack_sync``: the server confirms, so a lost ack is seen and the message is
-not silently redelivered after the effect committed — a redelivery would only be
-absorbed by the claim, but the confirmation bounds it); every redelivery
-(``requeue_with_delay``, ``release_and_requeue``, ``keep_claimed``) is a
-``nak(delay=…)``, JetStream's native delayed redelivery, never a held slot;
-``dead_letter`` first publishes a copy, its problem in an ``Idemflow-Problem`` header,
-to ``<subject>.dead`` (or ``dead_letter``), then ``term()``s the message. While the
-handler runs, ``in_progress()`` is sent every ``ack_wait / 3`` so the broker's ack wait
-stays alive beside the lease keeper.
-"""
+"""NATS JetStream pull consumers with exactly-once effects (nats-py, imported only here):
+each outcome as JetStream's own action (``ack_sync``, ``nak(delay=…)``, ``term()`` and a
+dead-letter copy, ``in_progress()`` beats), as docs/consumers.md, "NATS JetStream", says."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""
-RabbitMQ consumers with exactly-once effects (aio-pika, imported only here).
-
-Each message's idempotency key is a header (``Idempotency-Key``) or a function of the
-message, its body the payload; `RabbitMQ` hands both to `AsyncConsumer` and
-performs the ``Decision``, acking every message it has handled: ``ack`` and
-``ack_with_stored_result`` ack at once (after the completion committed);
-``dead_letter`` first publishes the message, its problem in an ``idemflow-problem``
-header, to ``<queue>.dead``; every redelivery (``requeue_with_delay``,
-``release_and_requeue``, ``keep_claimed``) first publishes it to the delay queue
-``<queue>.delay.<n>s``, whose messages expire after ``n`` seconds (the delay, at
-least 1, rounded up to a power of two) and dead-letter back to ``<queue>``. Each
-publish is confirmed before the ack (aio-pika channels confirm by default): a crash
-between the two leaves two copies, which the claim makes one effect. Why a delay
-queue per delay, not a held ``nack``: docs/consumers.md, "RabbitMQ".
-"""
+"""RabbitMQ consumers with exactly-once effects (aio-pika, imported only here): every
+handled message is acked after its outcome is settled, dead-lettered or copied to a delay
+queue; the mapping and why a delay queue per delay: docs/consumers.md, "RabbitMQ"."""
 
 from __future__ import annotations
 
