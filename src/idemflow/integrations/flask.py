@@ -519,8 +519,12 @@ def _store_on(engine: Engine, table: str, policy: Policy) -> Store:
 def _refuse_a_longer_pool_wait(engine: Engine, store_wait: float) -> None:
     """Guarantee 5 on the engine's pool: the store waits for a free connection as long as
     the engine's ``pool_timeout``, which must then fit in the policy's store wait."""
-    timeout = getattr(engine.pool, "_timeout", None)  # QueuePool's; other pools never wait
-    if isinstance(timeout, int | float) and timeout > store_wait:
+    from sqlalchemy.pool import QueuePool
+
+    if not isinstance(engine.pool, QueuePool):  # the other pools never wait for a connection
+        return
+    timeout = engine.pool.timeout()
+    if timeout > store_wait:
         msg = (
             f"the engine's pool_timeout ({timeout:g} s) exceeds the key store's wait "
             f"({store_wait:g} s, half the request timeout, at most 5 s): a request would wait "
