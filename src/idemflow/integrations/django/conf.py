@@ -19,7 +19,6 @@ from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
 from ... import ConfigurationError, Idempotency, Observer, Policy
-from ..._model import route_policy
 from ...edge import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -93,8 +92,7 @@ class IdemflowSettings:
     def route_policy(self, given: Any, where: str) -> RoutePolicy | None:
         """A view's or an endpoint's policy (``where`` it was given): a Policy, or a dict of
         durations over these settings' (``{"retention": 7 * 86400}``); None: the settings'.
-        ``ImproperlyConfigured`` if it is none, or outlives the settings' stale threshold."""
-        app = self.policy
+        ``ImproperlyConfigured`` if it is none."""
         try:
             if isinstance(given, Mapping):
                 durations = {"request_timeout": self.request_timeout, "retention": self.retention}
@@ -104,7 +102,7 @@ class IdemflowSettings:
             if not isinstance(given, Policy):
                 msg = f"must be a Policy or a dict of its durations, got {given!r}"
                 raise ConfigurationError(msg)
-            return route_policy(given, app)
+            return given
         except (ConfigurationError, TypeError) as exc:
             raise ImproperlyConfigured(f"{where}: {exc}") from exc
 

@@ -10,7 +10,14 @@ from ._async import AsyncSQLStore
 from ._stats import SQLStats as SQLStats
 from ._stats import missing_table_is_clear as missing_table_is_clear
 from ._sync import SQLStore
-from .dialect import PURGEABLE_SQL, Dialect, create_table, insert_claim, on_database_clock
+from .dialect import (
+    PURGEABLE_SQL,
+    Dialect,
+    create_table,
+    insert_claim,
+    on_database_clock,
+    upgrade_table,
+)
 
 __all__ = [
     "PURGEABLE_SQL",
@@ -21,6 +28,7 @@ __all__ = [
     "create_table",
     "insert_claim",
     "on_database_clock",
+    "upgrade_table",
 ]
 
 #: Names of 0.1, importable from here with a DeprecationWarning until 0.3.
