@@ -21,9 +21,8 @@ from ..sql import (
     create_table,
     insert_claim,
     on_database_clock,
-    upgrade_table,
 )
-from ..sql.dialect import claim_or_read
+from ..sql.dialect import claim_or_read, upgrade_table
 from ._async import AsyncLiveConnection
 from ._async import bounded_connection_class as async_bounded_connection_class
 from ._sync import LiveConnection, bounded_connection_class

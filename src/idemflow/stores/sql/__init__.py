@@ -16,7 +16,6 @@ from .dialect import (
     create_table,
     insert_claim,
     on_database_clock,
-    upgrade_table,
 )
 
 __all__ = [
@@ -28,7 +27,6 @@ __all__ = [
     "create_table",
     "insert_claim",
     "on_database_clock",
-    "upgrade_table",
 ]
 
 #: Names of 0.1, importable from here with a DeprecationWarning until 0.3.

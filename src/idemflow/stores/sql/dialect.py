@@ -30,14 +30,7 @@ from ..protocol import Statement
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = [
-    "PURGEABLE_SQL",
-    "Dialect",
-    "create_table",
-    "insert_claim",
-    "on_database_clock",
-    "upgrade_table",
-]
+__all__ = ["PURGEABLE_SQL", "Dialect", "create_table", "insert_claim", "on_database_clock"]
 
 COLUMNS = (
     "id", "principal", "idempotency_key", "fingerprint", "endpoint", "state", "lease_token",

@@ -30,8 +30,8 @@ from ..sql import (
     SQLStore,
     create_table,
     insert_claim,
-    upgrade_table,
 )
+from ..sql.dialect import upgrade_table
 
 __all__ = ["AsyncSQLiteStore", "SQLiteStore", "connect", "is_unavailable"]
 
