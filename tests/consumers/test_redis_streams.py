@@ -242,7 +242,8 @@ def test_a_consumer_killed_after_its_business_write_has_one_effect_after_redeliv
         assert (record.state, count()) == (State.IN_PROGRESS, 0)  # rolled back with the kill
         assert adapter.poll(again) == ["requeue_with_delay"]  # still claimed: never run twice
         # The sweeper's pass, its threshold past: the dead consumer's claim released.
-        (marked,) = store.sweep(State.IN_PROGRESS, time.time() + 1, time.time(), time.time(), 10)
+        past = time.time() + POLICY.stale_seconds + 1
+        (marked,) = store.sweep(State.IN_PROGRESS, past, time.time(), time.time(), 10)
         assert store.release_stale(marked, time.time())
         assert drain(adapter, again) == ["ack"]
     assert count() == 1

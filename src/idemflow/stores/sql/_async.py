@@ -355,7 +355,8 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
             await cursor.execute(f"SELECT * FROM {self.dialect.table} WHERE 1 = 0")
             await cursor.fetchall()
         except Exception as exc:
-            if is_missing_table(exc):  # none yet: ``ddl`` creates it whole
+            # None yet (a driver's error, or Django's wrapping it): ``ddl`` creates it whole.
+            if is_missing_table(exc) or is_missing_table(exc.__cause__ or exc):
                 return False
             raise
         return "stale_at" not in {column[0] for column in cursor.description}
