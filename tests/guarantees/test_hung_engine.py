@@ -194,13 +194,16 @@ def test_flask_refuses_an_engine_whose_pool_waits_longer_than_the_store(
     bounded.dispose()
 
 
+@pytest.mark.parametrize("pre_ping", [False, True], ids=["plain", "pool_pre_ping"])
 def test_a_frozen_database_under_flasks_engine_answers_503_within_the_budget(
-    server: PrivatePostgres,
+    server: PrivatePostgres, pre_ping: bool
 ) -> None:
     """Flask's ``db=`` on PostgreSQL: frozen before the claim, the store's statement on the
     engine's connection ends after its store wait, psycopg's own timeout (the frozen
     server never runs its ``statement_timeout``): 503 before the rescue timer. Thawed,
-    the next request answers 201 on the same pool of one connection."""
+    the next request answers 201 on the same pool of one connection. With
+    ``pool_pre_ping`` the wait is the checkout's ping (then SQLAlchemy's reconnect,
+    bounded only by the URL's ``connect_timeout``): 503 the same (before: at the thaw)."""
     pytest.importorskip("flask")
     from sqlalchemy import create_engine
 
@@ -209,6 +212,7 @@ def test_a_frozen_database_under_flasks_engine_answers_503_within_the_budget(
         pool_size=1,
         max_overflow=0,
         pool_timeout=1,
+        pool_pre_ping=pre_ping,
     )
     client = make_flask_app(engine).test_client()
     warm = client.post("/orders", headers={"X-User": "alice", "Idempotency-Key": "k-warm"})
