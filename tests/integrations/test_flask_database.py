@@ -215,3 +215,51 @@ def test_idem_session_outside_a_protected_view_is_an_error() -> None:
     idem = Idempotency(app, db=engine, store=MemoryStore(), principal=lambda: "alice")
     with app.test_request_context(), pytest.raises(RuntimeError, match="protected view"):
         _ = idem.session
+
+
+@pytest.mark.postgres
+def test_a_session_holding_a_connection_before_the_claim_lets_the_claim_have_it() -> None:
+    """One pooled connection per protected request: a ``before_request`` that queried
+    through ``db.session`` holds the engine's only connection (a pool of one) when the
+    claim comes; its transaction is committed first, its objects kept loaded, and the
+    claim takes that connection: 201, then the replay (before: the claim waited for a
+    second connection, a 503 after ``pool_timeout``)."""
+    with pg_schema() as url:
+        app = Flask(__name__)
+        app.config.update(
+            SQLALCHEMY_DATABASE_URI=url.replace("postgresql://", "postgresql+psycopg://", 1),
+            SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 1, "max_overflow": 0, "pool_timeout": 1},
+        )
+        db = SQLAlchemy(app, model_class=Base)
+        idem = Idempotency(app, db=db, principal=lambda: http.headers.get("X-User"))
+        loaded: list[Payment] = []
+        expired: list[set[str]] = []
+
+        @app.before_request
+        def load_before_the_claim() -> None:
+            loaded[:] = db.session.scalars(sqlalchemy.select(Payment)).all()
+
+        @app.post("/payments")
+        @idem.protect
+        def pay() -> tuple[dict[str, int], int]:
+            expired.extend(set(sqlalchemy.inspect(p).expired_attributes) for p in loaded)
+            payment = Payment(amount=sum(p.amount for p in loaded) + 5)
+            db.session.add(payment)
+            db.session.flush()
+            return {"amount": payment.amount}, 201
+
+        with app.app_context():
+            app.extensions["idemflow"].store.migrate()
+            Base.metadata.create_all(db.engine)
+            db.session.add(Payment(amount=1))
+            db.session.commit()
+        client = app.test_client()
+        headers = {"X-User": "alice", "Idempotency-Key": "k-one-connection"}
+        first = client.post("/payments", headers=headers)
+        replay = client.post("/payments", headers=headers)
+        with app.app_context():
+            db.engine.dispose()
+
+    assert (first.status_code, first.get_json()) == (201, {"amount": 6}), first.text
+    assert (replay.status_code, replay.headers.get("Idempotent-Replayed")) == (201, "true")
+    assert expired == [set()]  # what the before_request loaded, still loaded in the view
