@@ -1,5 +1,6 @@
 """Operators see consumers as they see requests: the metrics count each outcome under the
-consumer's scope (its queue), and ``idemflow stats`` / ``inspect`` show its records."""
+consumer's scope (its queue), each delivery is a span named by it, and ``idemflow stats`` /
+``inspect`` show its records."""
 
 from __future__ import annotations
 
@@ -34,7 +35,16 @@ async def test_outcomes_are_counted_and_listed_per_queue(
     path = tmp_path / "keys.db"
     store = AsyncSQLiteStore(str(path))
     await store.migrate()
-    idem = AsyncIdempotency(store, POLICY, observer=metrics)
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from idemflow.tracing import traced
+
+    spans, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    idem = traced(AsyncIdempotency(store, POLICY, observer=metrics), provider.get_tracer("t"))
     orders, refunds = AsyncConsumer(idem, "orders"), AsyncConsumer(idem, "refunds")
     try:
         assert (await orders.handle("o-1", b"{}", charged)).action is Action.ACK
@@ -57,6 +67,13 @@ async def test_outcomes_are_counted_and_listed_per_queue(
     assert counted("claimed", "refunds") == 2
     assert counted("released", "refunds") == 1
     assert counted("replayed", "refunds") == 0
+
+    queues = [
+        (span.attributes or {}).get("idemflow.endpoint")
+        for span in spans.get_finished_spans()
+        if span.name == "idemflow.run"
+    ]
+    assert queues == ["orders"] * 3 + ["refunds"] * 2  # one span per delivery
 
     url = f"sqlite:///{path}"
     assert main(["stats", url, "--json"]) == 0
