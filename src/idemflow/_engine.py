@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from ._errors import ConfigurationError
 from ._model import RUN_STORE_WAIT, Policy
+from ._process import PID
 from .stores.protocol import AsyncStore, Store
 
 __all__ = ["async_engine_store", "engine_store"]
 
-#: Checkouts waited for apart, at once at most (more wait their turn, within their wait).
+#: Checkouts waited for apart at once, at most (more wait their turn, within their wait).
 _CHECKOUT_THREADS = 32
 #: Checkouts that ended after the store wait, until their connection is back in the pool.
 _LATE: set[Any] = set()
@@ -37,14 +40,13 @@ def engine_store(engine: Any, table: str, policy: Policy) -> Store:
     store_wait = policy.store_wait_seconds
     _refuse_a_longer_pool_wait(engine, store_wait)
     autocommit, unavailable = _autocommit(engine), _unavailable_rule()
-    checkouts = ThreadPoolExecutor(_CHECKOUT_THREADS, thread_name_prefix="idemflow-checkout")
 
     @contextlib.contextmanager
     def connect() -> Iterator[Any]:
         seconds = _wait(store_wait)
         # The checkout runs apart, waited for up to the store wait: a pre-ping, then
         # SQLAlchemy's reconnect, would wait for a frozen server (its connect_timeout).
-        checkout = checkouts.submit(autocommit.connect)
+        checkout = _CHECKOUTS.submit(autocommit.connect)
         failed = _waited(checkout, seconds)
         if failed is not None:
             raise failed
@@ -195,6 +197,56 @@ def _waited(checkout: Future[Any], seconds: float) -> BaseException | None:
             _LATE.add(checkout)
             checkout.add_done_callback(_give_back_late)
         return _no_connection(seconds)
+
+
+class _Apart:
+    """Calls run on daemon threads, reused while idle, ``size`` at most: a checkout held by
+    a frozen server (until it resumes, or TCP gives up) never holds up the interpreter's
+    exit, as a ``ThreadPoolExecutor``'s worker would. A forked child starts afresh (its
+    parent's threads are not its own)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._start()
+
+    def _start(self) -> None:
+        self._pid = PID[0]
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]]
+        self._calls = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._lock = threading.Lock()
+        self._room = self._size
+
+    def submit(self, call: Callable[[], Any]) -> Future[Any]:
+        if self._pid != PID[0]:
+            self._start()
+        future: Future[Any] = Future()
+        self._calls.put((future, call))
+        if not self._idle.acquire(blocking=False):
+            with self._lock:
+                if self._room > 0:
+                    self._room -= 1
+                    threading.Thread(
+                        target=self._serve,
+                        args=(self._calls, self._idle),
+                        name="idemflow-checkout",
+                        daemon=True,
+                    ).start()
+        return future
+
+    @staticmethod
+    def _serve(calls: queue.SimpleQueue[Any], idle: threading.Semaphore) -> None:
+        while True:
+            future, call = calls.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as exc:  # noqa: BLE001 -- the caller's, through the future
+                    future.set_exception(exc)
+            idle.release()
+
+
+_CHECKOUTS = _Apart(_CHECKOUT_THREADS)
 
 
 def _give_back_late(checkout: Any) -> None:

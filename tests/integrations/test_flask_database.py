@@ -9,6 +9,7 @@ and frees the key), and 50 concurrent requests with one key make one row.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -263,3 +264,36 @@ def test_a_session_holding_a_connection_before_the_claim_lets_the_claim_have_it(
     assert (first.status_code, first.get_json()) == (201, {"amount": 6}), first.text
     assert (replay.status_code, replay.headers.get("Idempotent-Replayed")) == (201, "true")
     assert expired == [set()]  # what the before_request loaded, still loaded in the view
+
+
+@pytest.mark.postgres
+def test_a_forked_worker_claims_on_the_engine_as_its_parent_did() -> None:
+    """``gunicorn --preload``: the app made, and a checkout waited for apart (its thread
+    started), in the parent; the forked child's checkouts get threads of its own (the
+    parent's are not its): 201, not a 503 after the store wait."""
+    with pg_schema() as url:
+        engine = sqlalchemy.create_engine(
+            url.replace("postgresql://", "postgresql+psycopg://", 1), pool_timeout=1
+        )
+        app = Flask(__name__)
+        idem = Idempotency(app, db=engine, principal=lambda: "alice")
+
+        @app.post("/payments")
+        @idem.protect
+        def pay() -> tuple[dict[str, int], int]:
+            return {"ok": 1}, 201
+
+        app.extensions["idemflow"].store.migrate()  # a checkout, in the parent
+        child = os.fork()
+        if child == 0:  # pragma: no cover -- the child reports by its exit status
+            code = 1
+            try:
+                engine.dispose(close=False)  # SQLAlchemy's rule in a forked child
+                answer = app.test_client().post("/payments", headers={"Idempotency-Key": "k"})
+                code = 0 if answer.status_code == 201 else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        engine.dispose()
+
+    assert os.waitstatus_to_exitcode(status) == 0
