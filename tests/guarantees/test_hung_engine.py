@@ -1,8 +1,9 @@
 """
 A hung database under the app's own SQLAlchemy engine (guarantee 5): the key store that
-FastAPI's ``dependency(engine)`` builds on the engine's pool waits no longer than the
-policy's store wait, so a PostgreSQL frozen with SIGSTOP is a 503 within the request's
-budget, and the connection left mid-statement never goes back to the app's pool: once
+FastAPI's ``dependency(engine)`` and Flask's ``db=`` build on the engine's pool waits no
+longer than the store wait of the request being served (a route's own when shorter), so
+a PostgreSQL frozen with SIGSTOP is a 503 within the request's budget, a ``pool_pre_ping``
+included, and the connection left mid-statement never goes back to the app's pool: once
 the server resumes, the next request works.
 """
 
@@ -47,8 +48,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture
-def server() -> Iterator[PrivatePostgres]:
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[PrivatePostgres]:
+    """One server for the module (a cluster is seconds to make): every test thaws it."""
     try:
         with private_postgres() as pg:
             store = PostgresStore(pg.url)
@@ -57,6 +59,16 @@ def server() -> Iterator[PrivatePostgres]:
             yield pg
     except PrivatePostgresUnavailable as exc:
         unreachable("a private PostgreSQL", exc)
+
+
+@pytest.fixture
+def server(cluster: PrivatePostgres) -> PrivatePostgres:
+    """The module's server, its key table empty: each test's keys are its own."""
+    import psycopg
+
+    with psycopg.connect(cluster.url, autocommit=True) as conn:
+        conn.execute("TRUNCATE idemflow_keys")
+    return cluster
 
 
 class Frozen:
