@@ -63,7 +63,7 @@ def engine_store(engine: Any, table: str, policy: Policy) -> Store:
         finally:
             connection.close()
 
-    return SQLStore(postgres_dialect(table), connect, **_options(unavailable))
+    return SQLStore(postgres_dialect(table), connect, **_options(engine, unavailable))
 
 
 def async_engine_store(engine: Any, table: str, policy: Policy | None) -> AsyncStore:
@@ -112,7 +112,7 @@ def async_engine_store(engine: Any, table: str, policy: Policy | None) -> AsyncS
         finally:
             await connection.close()
 
-    return AsyncSQLStore(postgres_dialect(table), connect, **_options(unavailable))
+    return AsyncSQLStore(postgres_dialect(table), connect, **_options(engine, unavailable))
 
 
 def _on_psycopg(engine: Any) -> bool:
@@ -133,7 +133,7 @@ def _unavailable_rule() -> Any:
     return lambda exc: is_unavailable(exc) or SQLAlchemyTransaction.is_unavailable(exc)
 
 
-def _options(unavailable: Any) -> dict[str, Any]:
+def _options(engine: Any, unavailable: Any) -> dict[str, Any]:
     from .stores.postgres import is_lock_timeout
 
     return {
@@ -141,6 +141,9 @@ def _options(unavailable: Any) -> dict[str, Any]:
         "is_unavailable": unavailable,
         "is_lock_timeout": is_lock_timeout,
         "extra_params": True,
+        # A session on this pool holding a connection before the claim gives it back
+        # (SQLAlchemyTransaction.lend): the claim never takes a second one.
+        "lend_sources": (engine.pool,),
     }
 
 

@@ -426,13 +426,8 @@ def _session_transactions(db: _Database) -> TransactionFactory:
         if scoped is None:
             msg = f"db= takes Flask-SQLAlchemy's db, an Engine or a sessionmaker, not {db!r}"
             raise ConfigurationError(msg)
-
-        def joined() -> AbstractContextManager[Transaction]:
-            session = scoped()  # a scoped_session: called, it is the request's own Session
-            _give_connection_back(session)
-            return nullcontext(SQLAlchemyTransaction(session))
-
-        return joined
+        # A scoped_session: called, it is the request's own Session.
+        return lambda: nullcontext(SQLAlchemyTransaction(scoped()))
     sessions: sessionmaker[Any] = db if isinstance(db, sessionmaker) else sessionmaker(db)
 
     @contextlib.contextmanager
@@ -445,19 +440,6 @@ def _session_transactions(db: _Database) -> TransactionFactory:
                 g.pop(_SESSION, None)
 
     return transaction
-
-
-def _give_connection_back(session: Session) -> None:
-    """One pooled connection per protected request: what the session began before the
-    claim (a ``before_request`` query, Flask-Login's user loader) is committed, its objects
-    kept loaded, so its connection is back in the pool for the claim to take."""
-    if not session.in_transaction():
-        return
-    expire, session.expire_on_commit = session.expire_on_commit, False
-    try:
-        session.commit()
-    finally:
-        session.expire_on_commit = expire
 
 
 def _is_engine_side(db: object) -> TypeGuard[Engine | sessionmaker[Any]]:
