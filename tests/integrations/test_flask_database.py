@@ -297,3 +297,55 @@ def test_a_forked_worker_claims_on_the_engine_as_its_parent_did() -> None:
         engine.dispose()
 
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.postgres
+def test_a_database_gone_while_the_session_holds_its_connection_is_the_claims_503() -> None:
+    """The session's connection, held since the ``before_request``, is lost before the
+    claim (its server session ended): committing what the session began fails, a 503
+    ``store-unavailable`` from the claim (counted), nothing recorded; the retry runs."""
+    from idemflow import Event
+    from tests.faults import terminate
+
+    name = f"flaskgone_{uuid.uuid4().hex[:10]}"
+    with pg_schema() as url:
+        app = Flask(__name__)
+        app.config.update(
+            SQLALCHEMY_DATABASE_URI=url.replace("postgresql://", "postgresql+psycopg://", 1)
+            + f"&application_name={name}",
+            SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 1, "max_overflow": 0, "pool_timeout": 1},
+        )
+        db = SQLAlchemy(app, model_class=Base)
+        seen: list[Event] = []
+        idem = Idempotency(
+            app,
+            db=db,
+            principal=lambda: "alice",
+            observer=lambda event, intent, elapsed: seen.append(event),
+        )
+
+        @app.before_request
+        def query_then_lose_the_connection() -> None:
+            db.session.execute(sqlalchemy.text("SELECT 1"))
+            if http.headers.get("X-Lose"):
+                terminate(name)
+
+        @app.post("/payments")
+        @idem.protect
+        def pay() -> tuple[dict[str, int], int]:
+            return {"ok": 1}, 201
+
+        with app.app_context():
+            app.extensions["idemflow"].store.migrate()
+        client = app.test_client()
+        lost = client.post("/payments", headers={"Idempotency-Key": "k", "X-Lose": "1"})
+        record = app.extensions["idemflow"].store.get("alice", "k")
+        retry = client.post("/payments", headers={"Idempotency-Key": "k"})
+        with app.app_context():
+            db.engine.dispose()
+
+    assert lost.status_code == 503, lost.text
+    assert lost.get_json()["type"].endswith("/store-unavailable")
+    assert Event.STORE_UNAVAILABLE in seen
+    assert record is None
+    assert (retry.status_code, "Idempotent-Replayed" in retry.headers) == (201, False)
