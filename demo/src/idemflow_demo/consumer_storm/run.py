@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -295,29 +295,25 @@ def _storm(
     )
     producers = [Producers(broker.url, stream, plan[n::2]) for n in range(2)]
     argv = [broker.url, stream, database, table, str(config.request_timeout)]
+    where = (admin, stream, store, database, table)
     consumers = Consumers(config, argv, folder)
     released = [0]
-    with _sweeping(Sweeper(store, policy), released):
-        started = time.monotonic()
-        threads = [threading.Thread(target=p.run, args=(started,)) for p in producers]
-        for thread in threads:
-            thread.start()
-        kills, restarts = _chaos(config, rng, broker, consumers, started)
-        for thread in threads:
-            thread.join()
-        window_end = time.monotonic()
-        settle = policy.stale_seconds + 10 if config.settle_for is None else config.settle_for
-        settled_in = None
-        while True:
-            verdict = _survey(admin, stream, store, database, table, keys)
-            if verdict.unresolved == 0:
-                settled_in = time.monotonic() - window_end
-                break
-            if time.monotonic() - window_end > settle:
-                break
-            time.sleep(0.25)
+    try:
+        with _sweeping(Sweeper(store, policy), released):
+            started = time.monotonic()
+            # Daemon threads: an interrupted storm does not wait for them to publish.
+            threads = [
+                threading.Thread(target=p.run, args=(started,), daemon=True) for p in producers
+            ]
+            for thread in threads:
+                thread.start()
+            kills, restarts = _chaos(config, rng, broker, consumers, started)
+            for thread in threads:
+                thread.join()
+            settled_in = _settle(config, policy, lambda: _survey(*where, keys).unresolved)
+    finally:
         consumers.stop()
-    verdict = _survey(admin, stream, store, database, table, keys)  # after the last kill
+    verdict = _survey(*where, keys)  # after the last kill
     admin.close()
     verdict.publishes = sum(p.published for p in producers)
     verdict.publish_retries = sum(p.retries for p in producers)
@@ -352,6 +348,20 @@ def _chaos(
             next_kill = now + rng.uniform(0.5, 1.5) * config.kill_every
         time.sleep(0.02)
     return kills, restarts
+
+
+def _settle(
+    config: ConsumerStormConfig, policy: Policy, unresolved: Callable[[], int]
+) -> float | None:
+    """Seconds from the window's end until nothing is unresolved; None: not within
+    ``settle_for`` (default: the stale threshold and 10 s)."""
+    end = time.monotonic()
+    settle = policy.stale_seconds + 10 if config.settle_for is None else config.settle_for
+    while unresolved():
+        if time.monotonic() - end > settle:
+            return None
+        time.sleep(0.25)
+    return time.monotonic() - end
 
 
 @contextlib.contextmanager
