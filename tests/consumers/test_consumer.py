@@ -115,6 +115,16 @@ def test_a_key_read_by_a_function_is_the_key_and_its_missing_key_dead_letters(
     assert str(missing.problem) == "the message has no 'Idempotency-Key' header"
 
 
+def test_a_key_function_that_fails_otherwise_is_a_mistake_raised(consumer: Consumer) -> None:
+    """Not a message to dead-letter or redeliver: the adapter leaves it unacked."""
+
+    def broken() -> str:
+        raise AttributeError("'NoneType' object has no attribute 'get'")
+
+    with pytest.raises(AttributeError):
+        consumer.handle(broken, b"one", effect([]))
+
+
 def test_in_progress_elsewhere_is_requeued_with_a_delay_never_waited_for(
     consumer: Consumer,
 ) -> None:

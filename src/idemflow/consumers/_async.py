@@ -72,6 +72,9 @@ class AsyncConsumer:
         idem = self.idempotency
         try:
             key = key() if callable(key) else key
+        except MissingKey as exc:  # any other error of a key function is a mistake: raised
+            return decide_failure(exc, idem.policy.retry_after)
+        try:
             if not key:
                 raise MissingKey("the message carries no idempotency key")
             intent = Intent(
