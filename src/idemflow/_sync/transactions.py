@@ -276,7 +276,13 @@ class SQLAlchemyTransaction(Transaction):
         session = getattr(holder, "sync_session", holder)
         if not self._session or not holder.in_transaction():
             return None
-        if getattr(session.get_bind(), "pool", None) not in sources:
+        from sqlalchemy.exc import UnboundExecutionError
+
+        try:
+            pool = session.get_bind().pool
+        except UnboundExecutionError:  # bound per mapper only: none of the store's
+            return None
+        if pool not in sources:
             return None
         expire, session.expire_on_commit = session.expire_on_commit, False
         try:
