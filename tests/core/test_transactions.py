@@ -642,6 +642,7 @@ def test_a_session_lends_nothing_and_gives_its_connection_back_to_the_stores_poo
     that connection back; on another pool, or bound per mapper only, it is left alone."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.orm import Session
+    from sqlalchemy.pool import QueuePool
 
     engine = create_engine(f"sqlite:///{tmp_path / 'app.db'}")
     other = create_engine(f"sqlite:///{tmp_path / 'other.db'}")
@@ -660,6 +661,7 @@ def test_a_session_lends_nothing_and_gives_its_connection_back_to_the_stores_poo
     assert lent is None
     assert session.in_transaction() is (bound != "the_stores_pool")
     assert session.expire_on_commit  # as it was
+    assert isinstance(engine.pool, QueuePool)  # a file's engine: connections checked out
     assert engine.pool.checkedout() == (1 if bound == "another_pool" else 0)
     session.close()
     engine.dispose()
