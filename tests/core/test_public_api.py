@@ -44,6 +44,8 @@ HEAVY = (
     "aio_pika",
     "aiormq",
     "nats",
+    "celery",
+    "kombu",
 )
 
 PROBE = """

@@ -1,0 +1,280 @@
+"""
+The Celery adapter against real ``celery worker`` processes (two per broker, ``--pool=solo``,
+kept for the module) on the Redis and the RabbitMQ broker, tasks on PostgreSQL and SQLite
+stores, each business row written in the app's transaction: a task sent twice and run by
+two workers at once has one effect (the duplicate retried, never waiting, then given the
+stored result); a poisoned task (same key, other arguments) is rejected without an effect
+(dead-lettered on RabbitMQ); a transient failure is retried and run once; a worker
+SIGKILLed after its business write and commit, before its ack, has its task redelivered
+to the other worker and acked with the stored result: one effect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idemflow import State
+from tests.backends import REDIS_URL, delete_keys, redis_client
+from tests.conftest import POSTGRES_URL, unreachable
+from tests.consumers._support import ROOT
+
+celery = pytest.importorskip("celery")
+psycopg = pytest.importorskip("psycopg")
+from celery.exceptions import Reject  # noqa: E402
+
+from tests.consumers._celery_app import make_app  # noqa: E402
+
+# The results and the tests' signals are on Redis, the stores' tables on PostgreSQL.
+pytestmark = [pytest.mark.redis, pytest.mark.postgres]
+
+RABBITMQ_URL = os.environ.get("IDEMFLOW_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+BROKERS = [
+    pytest.param("redis", marks=pytest.mark.redis),
+    pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
+]
+STORES = ["postgres", "sqlite"]
+#: The longest a test waits for a worker (a retry comes after 1 s, a lost Redis message after 3 s).
+PATIENCE = 30.0
+
+
+def wait_for(condition: Callable[[], Any], what: str) -> Any:
+    """``condition()``'s first truthy answer, polled; fails after ``PATIENCE`` seconds."""
+    deadline = time.monotonic() + PATIENCE
+    while not (answer := condition()):
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+    return answer
+
+
+@dataclass
+class Workers:
+    """Two workers of the app on one broker, the stores they use, the Redis the test
+    signals them through."""
+
+    broker: str
+    app: Any
+    prefix: str
+    env: dict[str, str]
+    logs: Path
+    stores: dict[str, Any]
+    redis: Any
+    running: list[tuple[subprocess.Popen[bytes], Path]] = field(default_factory=list)
+
+    def start(self, slot: int) -> tuple[subprocess.Popen[bytes], Path]:
+        """Worker ``slot``, its log beside the SQLite file."""
+        log = self.logs / f"worker-{slot}-{time.monotonic_ns()}.log"
+        command = [sys.executable, "-m", "celery", "-A", "tests.consumers._celery_app"]
+        command += ["worker", "--pool=solo", "--without-heartbeat", "--without-gossip"]
+        command += ["--without-mingle", "-l", "info", "-n", f"w{slot}-{self.prefix}@%h"]
+        with log.open("wb") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=out, env=self.env, cwd=ROOT)
+        return process, log
+
+    def ready(self) -> None:
+        """Both workers running (a killed one replaced) and consuming."""
+        if not self.running:
+            self.running = [self.start(0), self.start(1)]
+        for slot, (process, _) in enumerate(self.running):
+            if process.poll() is not None:
+                self.running[slot] = self.start(slot)
+        for process, log in self.running:
+
+            def started(process: subprocess.Popen[bytes] = process, log: Path = log) -> bool:
+                return b" ready." in log.read_bytes() or process.poll() is not None
+
+            wait_for(started, "a worker ready")
+            assert process.poll() is None, log.read_text()
+
+    def send(self, store: str, key: str, order: str, mode: str = "plain") -> Any:
+        return self.app.send_task(
+            f"shop.charge.{store}", (order,), {"mode": mode}, headers={"idempotency_key": key}
+        )
+
+    def rows(self, store: str, key: str) -> int:
+        """Committed business rows for ``key``."""
+        table = self.prefix.replace("-", "_")
+        sql = f"SELECT count(*) FROM biz_{table} WHERE key = %s"
+        if store == "postgres":
+            with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+                row = conn.execute(sql, (key,)).fetchone()
+        else:
+            with contextlib.closing(sqlite3.connect(self.env["IDEMFLOW_CELERY_SQLITE"])) as conn:
+                row = conn.execute(sql.replace("%s", "?"), (key,)).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def record(self, store: str, key: str) -> Any:
+        return self.stores[store].get(f"shop.charge.{store}", key)
+
+
+def reachable(kind: str, app: Any, url: str) -> None:
+    try:
+        with app.connection_for_write(url, connect_timeout=3) as conn:
+            conn.ensure_connection(max_retries=1)
+    except Exception as exc:  # whatever the transport raises
+        unreachable(kind, exc)
+
+
+@contextlib.contextmanager
+def tables(prefix: str, sqlite: Path) -> Iterator[dict[str, Any]]:
+    """The stores' and business tables on PostgreSQL and SQLite (dropped after)."""
+    from idemflow.stores.postgres import PostgresStore
+    from idemflow.stores.sqlite import SQLiteStore
+
+    table = prefix.replace("-", "_")
+    create = f"CREATE TABLE biz_{table} (id INTEGER PRIMARY KEY, key TEXT, note TEXT)"
+    try:
+        with psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=3) as conn:
+            conn.execute(create.replace("INTEGER PRIMARY KEY", "BIGSERIAL PRIMARY KEY"))
+    except psycopg.OperationalError as exc:
+        unreachable("PostgreSQL", exc)
+    with contextlib.closing(sqlite3.connect(sqlite)) as lite:
+        lite.execute(create)
+    stores = {
+        "postgres": PostgresStore(POSTGRES_URL, table=table),
+        "sqlite": SQLiteStore(sqlite, table=table),
+    }
+    for store in stores.values():
+        store.migrate()
+    try:
+        yield stores
+    finally:
+        for store in stores.values():
+            store.close()
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE biz_{table}")
+            conn.execute(f"DROP TABLE {table}")
+
+
+@pytest.fixture(scope="module", params=BROKERS)
+def workers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Workers]:
+    """Two workers on the broker, for the module (each test's keys its own)."""
+    broker = REDIS_URL if request.param == "redis" else RABBITMQ_URL
+    prefix = f"idemflow-test-celery-{uuid.uuid4().hex[:10]}"
+    app = make_app(prefix, broker)
+    reachable("Redis", app, REDIS_URL)
+    if request.param == "rabbitmq":
+        reachable("RabbitMQ", app, broker)
+    logs = tmp_path_factory.mktemp("celery")
+    sqlite = logs / "shop.db"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
+        "IDEMFLOW_CELERY_PREFIX": prefix,
+        "IDEMFLOW_CELERY_BROKER": broker,
+        "IDEMFLOW_CELERY_SQLITE": str(sqlite),
+        "IDEMFLOW_CELERY_PG": POSTGRES_URL,
+    }
+    client = redis_client()
+    with tables(prefix, sqlite) as stores, app.connection_for_write() as conn:
+        if request.param == "rabbitmq":  # where the task queue dead-letters to
+            conn.default_channel.queue_declare(f"{prefix}.dead", durable=True, auto_delete=False)
+        shop = Workers(request.param, app, prefix, env, logs, stores, client)
+        try:
+            shop.ready()
+            yield shop
+        finally:
+            for process, _ in shop.running:  # nothing of theirs outlives the keys and queues
+                process.kill()
+                process.wait()
+            if request.param == "rabbitmq":
+                for queue in (prefix, f"{prefix}.dead"):
+                    conn.default_channel.queue_delete(queue)
+                conn.default_channel.exchange_delete(prefix)
+            delete_keys(client, prefix)
+            client.close()
+            app.close()
+
+
+@pytest.fixture
+def shop(workers: Workers) -> Workers:
+    workers.ready()
+    return workers
+
+
+def key() -> str:
+    return f"order-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_task_sent_twice_and_run_by_two_workers_at_once_has_one_effect(
+    shop: Workers, store: str
+) -> None:
+    order = key()
+    first = shop.send(store, order, "o-1", "hold")
+    wait_for(lambda: shop.redis.exists(f"{shop.prefix}:running:{order}"), "the first run")
+    second = shop.send(store, order, "o-1", "hold")  # to the other worker: this one is busy
+    # The duplicate met the claim and was retried (with a countdown), never waiting.
+    wait_for(lambda: second.state == "RETRY", "the duplicate retried")
+    shop.redis.set(f"{shop.prefix}:go:{order}", 1)
+
+    assert first.get(timeout=PATIENCE) == {"charged": "o-1"}
+    assert second.get(timeout=PATIENCE) == {"charged": "o-1"}  # the stored result
+    assert shop.rows(store, order) == 1
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_poisoned_task_is_rejected_without_an_effect(shop: Workers, store: str) -> None:
+    order = key()
+    assert shop.send(store, order, "o-1").get(timeout=PATIENCE) == {"charged": "o-1"}
+    poisoned = shop.send(store, order, "o-2")  # the same key, other arguments
+
+    rejected = poisoned.get(timeout=PATIENCE, propagate=False)
+    assert isinstance(rejected, Reject)
+    assert "different request" in str(rejected)
+    assert shop.rows(store, order) == 1
+    if shop.broker == "rabbitmq":  # the queue's dead-letter exchange has it
+        with shop.app.connection_for_write() as conn:
+            dead = conn.SimpleQueue(f"{shop.prefix}.dead")
+            message = dead.get(timeout=PATIENCE)
+            assert message.headers["id"] == poisoned.id
+            assert message.payload[0] == ["o-2"]
+            message.ack()
+            dead.close()
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_transient_failure_is_retried_and_run_once(shop: Workers, store: str) -> None:
+    order = key()
+    result = shop.send(store, order, "o-1", "flaky")
+
+    assert result.get(timeout=PATIENCE) == {"charged": "o-1"}
+    assert shop.rows(store, order) == 1  # the first run's row rolled back with its failure
+    record = shop.record(store, order)
+    assert (record.state, record.attempt) == (State.COMPLETED, 2)
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_worker_killed_between_its_commit_and_its_ack_has_one_effect(
+    shop: Workers, store: str
+) -> None:
+    """The SIGKILLed worker's message comes back (RabbitMQ: at once; Redis: past the
+    visibility timeout) to the other worker, which acks it with the stored result."""
+    order = key()
+    shop.redis.delete(f"{shop.prefix}:killable")
+    result = shop.send(store, order, "o-1", "die")
+    pid = int(wait_for(lambda: shop.redis.get(f"{shop.prefix}:killable"), "the stalled ack"))
+    assert shop.rows(store, order) == 1  # committed, the ack not sent
+    os.kill(pid, signal.SIGKILL)
+
+    acked = f"{shop.prefix}:acked:{result.id}"
+    assert int(wait_for(lambda: shop.redis.lpop(acked), "the redelivery acked")) != pid
+    assert result.get(timeout=PATIENCE) == {"charged": "o-1"}
+    assert shop.rows(store, order) == 1
+    record = shop.record(store, order)
+    assert (record.state, record.attempt) == (State.COMPLETED, 1)  # never run again
