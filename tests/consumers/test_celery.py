@@ -203,6 +203,7 @@ def workers(
 
 @pytest.fixture
 def shop(workers: Workers) -> Workers:
+    """The module's workers, both running (this module's ``shop``, not the conftest's)."""
     workers.ready()
     return workers
 
