@@ -2,7 +2,8 @@
 The Celery app of ``test_celery.py``: `make_app` (the configuration the test sends with)
 and, in a worker (``celery -A tests.consumers._celery_app``, its ``IDEMFLOW_CELERY_*``
 environment set), one exactly-once task per store (``shop.charge.postgres``,
-``shop.charge.sqlite``) writing its business row in the app's transaction.
+``shop.charge.sqlite``) writing its business row in the app's transaction, each retry
+pushed to ``<prefix>:retried:<task id>``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from celery import Celery
+from celery.signals import task_retry
 
 from idemflow import Attempt, Idempotency
 from idemflow.stores.protocol import Transaction
@@ -60,7 +62,8 @@ def register(app: Celery, prefix: str, sqlite: str, postgres: str) -> None:
 
     def charge(attempt: Attempt, order: str, mode: str = "plain") -> dict[str, str]:
         """The business row for ``order``; ``mode`` "hold" first waits until the test says
-        go, "flaky" fails its first run (the row rolled back with it)."""
+        go, "flaky" fails its first run (the row rolled back with it), "stall" has its first
+        run wait there (its PID at ``<prefix>:killable``) to be SIGKILLed."""
         if mode == "hold":  # before the write: SQLite's one writer would queue the duplicate
             client.set(f"{prefix}:running:{attempt.record.key}", 1)
             deadline = time.monotonic() + 20
@@ -74,6 +77,9 @@ def register(app: Celery, prefix: str, sqlite: str, postgres: str) -> None:
             attempt.connection.execute(sql.replace("%s", "?"), (attempt.record.key, order))
         if mode == "flaky" and attempt.record.attempt == 1:
             raise ConnectionError("the provider is down")
+        if mode == "stall" and attempt.record.attempt == 1:  # SIGKILLed before its commit
+            client.set(f"{prefix}:killable", os.getpid())
+            threading.Event().wait()
         return {"charged": order}
 
     @contextlib.contextmanager
@@ -91,8 +97,19 @@ def register(app: Celery, prefix: str, sqlite: str, postgres: str) -> None:
         "sqlite": (SQLiteStore(sqlite, table=table), sqlite_transaction),
     }
     for kind, (store, transaction) in stores.items():
-        idempotency = Idempotency(store, POLICY)
-        exactly_once(app, idempotency, transaction=transaction, name=f"shop.charge.{kind}")(charge)
+        # One retry for a failure; the waits for a claim to end are not counted.
+        exactly_once(
+            app,
+            Idempotency(store, POLICY),
+            transaction=transaction,
+            name=f"shop.charge.{kind}",
+            max_retries=1,
+        )(charge)
+
+    def retried(request: Any, **kwargs: Any) -> None:  # each retry counted for the test
+        client.rpush(f"{prefix}:retried:{request.id}", 1)
+
+    task_retry.connect(retried, weak=False)
 
 
 def stall_dying_acks(prefix: str) -> None:

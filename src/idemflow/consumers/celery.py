@@ -7,7 +7,8 @@ fingerprint its arguments. The task acks late and is requeued when its worker di
 (``acks_late``, ``reject_on_worker_lost``): every redelivery meets the claim, so it
 never runs twice. ``ack`` returns the handler's answer, ``ack_with_stored_result``
 the stored one without running, ``dead_letter`` raises ``Reject(requeue=False)``,
-every other action ``self.retry(countdown=decision.delay)`` (docs/consumers.md, "Celery").
+every other action ``self.retry(countdown=decision.delay)``, counted against
+``max_retries`` only when the handler failed (docs/consumers.md, "Celery").
 """
 
 from __future__ import annotations
@@ -98,8 +99,12 @@ def _perform(task: Task, decision: Decision) -> Any:
         # Dead-lettered where the queue has a dead-letter exchange (RabbitMQ), else dropped.
         logger.error("task %s[%s] rejected: %s", task.name, task.request.id, decision.problem)
         raise Reject(str(decision.problem), requeue=False)
-    # requeue_with_delay, release_and_requeue, keep_claimed: a new message after the
-    # delay (the worker slot is free meanwhile), then this one is acked.
+    # A new message after the delay (the worker slot free meanwhile), then this one acked.
+    if decision.action != "release_and_requeue":
+        # Waiting on another owner, the sweeper or the store (a claim always ends) is no
+        # failure of this task: not counted against max_retries, where running out would
+        # lose the job. (retry() counts from request.retries.)
+        task.request.retries -= 1
     raise task.retry(countdown=decision.delay, exc=decision.problem)
 
 
