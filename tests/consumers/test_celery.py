@@ -28,7 +28,8 @@ from typing import Any
 
 import pytest
 
-from idemflow import State
+from idemflow import Attempt, ConfigurationError, Idempotency, Response, State
+from idemflow.stores.memory import MemoryStore
 from tests.backends import REDIS_URL, delete_keys, redis_client
 from tests.conftest import POSTGRES_URL, unreachable
 from tests.consumers._support import ROOT
@@ -38,15 +39,15 @@ celery = pytest.importorskip("celery")
 psycopg = pytest.importorskip("psycopg")
 from celery.exceptions import Reject  # noqa: E402
 
+from idemflow.consumers.celery import exactly_once  # noqa: E402
 from tests.consumers._celery_app import make_app  # noqa: E402
 
-# The results and the tests' signals are on Redis, the stores' tables on PostgreSQL.
-pytestmark = [pytest.mark.redis, pytest.mark.postgres]
-
 RABBITMQ_URL = os.environ.get("IDEMFLOW_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+# On either broker the results and the tests' signals are on Redis, the stores' tables
+# on PostgreSQL.
 BROKERS = [
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
+    pytest.param("redis", marks=[pytest.mark.redis, pytest.mark.postgres]),
+    pytest.param("rabbitmq", marks=[pytest.mark.rabbitmq, pytest.mark.redis, pytest.mark.postgres]),
 ]
 STORES = ["postgres", "sqlite"]
 #: The longest a test waits for a worker (a retry comes after 1 s, a lost Redis message after 3 s).
@@ -310,3 +311,32 @@ def test_a_worker_killed_before_its_commit_has_one_effect_once_the_sweeper_passe
     assert result.get(timeout=PATIENCE) == {"charged": "o-1"}
     assert shop.rows("postgres", order) == 1
     assert shop.record("postgres", order).attempt == 2
+
+
+def test_a_task_applied_in_process_maps_each_outcome_and_unsafe_options_are_refused() -> None:
+    """Celery's local ``apply()`` (no broker): run once, the stored result replayed, a
+    poisoned or keyless task rejected, a non-JSON answer returned as text."""
+    app = celery.Celery("local", set_as_current=False)
+    effects: list[str] = []
+
+    @exactly_once(app, Idempotency(MemoryStore()))
+    def charge(attempt: Attempt, order: str) -> dict[str, str]:
+        effects.append(order)
+        return {"charged": order}
+
+    @exactly_once(app, Idempotency(MemoryStore()), key=lambda order: f"receipt-{order}")
+    def receipt(attempt: Attempt, order: str) -> Response:
+        return Response(200, f"receipt {order}".encode(), (("content-type", "text/plain"),))
+
+    sent = [charge.apply(("o-1",), headers={"idempotency_key": "k-1"}) for _ in range(2)]
+    poisoned = charge.apply(("o-2",), headers={"idempotency_key": "k-1"})
+    keyless = charge.apply(("o-3",))
+
+    assert [result.get() for result in sent] == [{"charged": "o-1"}] * 2
+    assert effects == ["o-1"]
+    assert isinstance(poisoned.result, Reject)
+    assert "different request" in str(poisoned.result)
+    assert "no idempotency key" in str(keyless.result)
+    assert [receipt.apply(("o-1",)).get() for _ in range(2)] == ["receipt o-1"] * 2
+    with pytest.raises(ConfigurationError, match="acks_late=True"):
+        exactly_once(app, Idempotency(MemoryStore()), acks_late=False)
