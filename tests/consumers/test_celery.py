@@ -315,7 +315,8 @@ def test_a_worker_killed_before_its_commit_has_one_effect_once_the_sweeper_passe
 
 def test_a_task_applied_in_process_maps_each_outcome_and_unsafe_options_are_refused() -> None:
     """Celery's local ``apply()`` (no broker): run once, the stored result replayed, a
-    poisoned or keyless task rejected, a non-JSON answer returned as text."""
+    poisoned or keyless task rejected, a non-JSON answer returned as text; a call that
+    does not fit the handler refused when sent."""
     app = celery.Celery("local", set_as_current=False)
     effects: list[str] = []
 
@@ -338,5 +339,7 @@ def test_a_task_applied_in_process_maps_each_outcome_and_unsafe_options_are_refu
     assert "different request" in str(poisoned.result)
     assert "no idempotency key" in str(keyless.result)
     assert [receipt.apply(("o-1",)).get() for _ in range(2)] == ["receipt o-1"] * 2
+    with pytest.raises(TypeError):  # checked against the handler's signature when sent
+        charge.apply_async(("o-1", "surplus"), headers={"idempotency_key": "k-2"})
     with pytest.raises(ConfigurationError, match="acks_late=True"):
         exactly_once(app, Idempotency(MemoryStore()), acks_late=False)

@@ -13,6 +13,8 @@ every other action ``self.retry(countdown=decision.delay)``, counted against
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -85,8 +87,10 @@ def exactly_once(
                 )
             return _perform(task, decision)
 
-        run.__name__, run.__qualname__ = handler.__name__, handler.__qualname__
-        run.__module__, run.__doc__ = handler.__module__, handler.__doc__
+        functools.update_wrapper(run, handler)  # the handler's name, module and doc
+        # Celery checks a call's arguments against this (the attempt where a bound task's
+        # self would be): a call that does not fit fails when sent, not on every retry.
+        run.__signature__ = inspect.signature(handler)  # type: ignore[attr-defined]
         return app.task(**{**options, "bind": True, "name": name})(run)
 
     return decorate
