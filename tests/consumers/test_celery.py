@@ -8,7 +8,7 @@ stored result); a poisoned task (same key, other arguments) is rejected without 
 SIGKILLed after its business write and commit, before its ack, has its task redelivered
 to the other worker and acked with the stored result; one SIGKILLed before its commit
 has its task retried past ``max_retries`` until the sweeper releases the claim, then run
-once.
+once; so has a prefork pool child's (requeued, not acked as failed).
 """
 
 from __future__ import annotations
@@ -77,12 +77,13 @@ class Workers:
     redis: Any
     running: list[tuple[subprocess.Popen[bytes], Path]] = field(default_factory=list)
 
-    def start(self, slot: int) -> tuple[subprocess.Popen[bytes], Path]:
-        """Worker ``slot``, its log beside the SQLite file."""
-        log = self.logs / f"worker-{slot}-{time.monotonic_ns()}.log"
+    def start(self, name: str, *options: str) -> tuple[subprocess.Popen[bytes], Path]:
+        """Worker ``name`` (``--pool=solo`` unless ``options`` say otherwise), its log
+        beside the SQLite file."""
+        log = self.logs / f"worker-{name}-{time.monotonic_ns()}.log"
         command = [sys.executable, "-m", "celery", "-A", "tests.consumers._celery_app"]
         command += ["worker", "--pool=solo", "--without-heartbeat", "--without-gossip"]
-        command += ["--without-mingle", "-l", "info", "-n", f"w{slot}-{self.prefix}@%h"]
+        command += ["--without-mingle", "-l", "info", "-n", f"{name}-{self.prefix}@%h", *options]
         with log.open("wb") as out:
             process = subprocess.Popen(command, stdout=out, stderr=out, env=self.env, cwd=ROOT)
         return process, log
@@ -90,21 +91,20 @@ class Workers:
     def ready(self) -> None:
         """Both workers running (a killed one replaced) and consuming."""
         if not self.running:
-            self.running = [self.start(0), self.start(1)]
+            self.running = [self.start("w0"), self.start("w1")]
         for slot, (process, _) in enumerate(self.running):
             if process.poll() is not None:
-                self.running[slot] = self.start(slot)
+                self.running[slot] = self.start(f"w{slot}")
         for process, log in self.running:
+            consuming(process, log)
 
-            def started(process: subprocess.Popen[bytes] = process, log: Path = log) -> bool:
-                return b" ready." in log.read_bytes() or process.poll() is not None
-
-            wait_for(started, "a worker ready")
-            assert process.poll() is None, log.read_text()
-
-    def send(self, store: str, key: str, order: str, mode: str = "plain") -> Any:
+    def send(self, store: str, key: str, order: str, mode: str = "plain", **options: Any) -> Any:
         return self.app.send_task(
-            f"shop.charge.{store}", (order,), {"mode": mode}, headers={"idempotency_key": key}
+            f"shop.charge.{store}",
+            (order,),
+            {"mode": mode},
+            headers={"idempotency_key": key},
+            **options,
         )
 
     def rows(self, store: str, key: str) -> int:
@@ -127,6 +127,12 @@ class Workers:
         """The PID of the worker that stalled where it is to be SIGKILLed."""
         found = wait_for(lambda: self.redis.getdel(f"{self.prefix}:killable"), "a stall")
         return int(found)
+
+
+def consuming(process: subprocess.Popen[bytes], log: Path) -> None:
+    """Returns once the worker says it is ready; fails with its log if it died."""
+    wait_for(lambda: b" ready." in log.read_bytes() or process.poll() is not None, "ready")
+    assert process.poll() is None, log.read_text()
 
 
 def reachable(kind: str, app: Any, url: str) -> None:
@@ -202,9 +208,10 @@ def workers(
                 process.kill()
                 process.wait()
             if request.param == "rabbitmq":
-                for queue in (prefix, f"{prefix}.dead"):
+                for queue in (prefix, f"{prefix}.dead", f"{prefix}.prefork"):
                     conn.default_channel.queue_delete(queue)
-                conn.default_channel.exchange_delete(prefix)
+                for exchange in (prefix, f"{prefix}.prefork"):
+                    conn.default_channel.exchange_delete(exchange)
             delete_keys(client, prefix)
             client.close()
             app.close()
@@ -311,6 +318,36 @@ def test_a_worker_killed_before_its_commit_has_one_effect_once_the_sweeper_passe
     assert result.get(timeout=PATIENCE) == {"charged": "o-1"}
     assert shop.rows("postgres", order) == 1
     assert shop.record("postgres", order).attempt == 2
+
+
+#: On one broker: the pool notices a dead child within seconds (its maintenance timer).
+@pytest.mark.parametrize("workers", [BROKERS[0]], indirect=True)
+def test_a_pool_child_killed_before_its_commit_has_its_task_requeued_then_run_once(
+    shop: Workers,
+) -> None:
+    """``reject_on_worker_lost``: the message of a prefork child SIGKILLed mid-task is
+    requeued, not acked as failed (Celery's default, which would lose the job): once the
+    sweeper has released the dead child's claim, the requeued task runs once."""
+    queue = f"{shop.prefix}.prefork"
+    process, log = shop.start("prefork", "--pool=prefork", "--concurrency=1", "-Q", queue)
+    try:
+        consuming(process, log)
+        order = key()
+        result = shop.send("postgres", order, "o-1", "stall", queue=queue)
+        os.kill(shop.killable(), signal.SIGKILL)  # the pool's child, not the worker
+        (released,) = sweep_away(shop.stores["postgres"], time.time() + 1)
+        assert released.key == order
+
+        assert result.get(timeout=PATIENCE) == {"charged": "o-1"}
+        assert shop.rows("postgres", order) == 1  # the first run rolled back with the kill
+        assert shop.record("postgres", order).attempt == 2
+    finally:
+        process.terminate()  # a warm shutdown ends the pool's children too
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def test_a_task_applied_in_process_maps_each_outcome_and_unsafe_options_are_refused() -> None:
