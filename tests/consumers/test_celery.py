@@ -374,7 +374,7 @@ def test_a_task_applied_in_process_maps_each_outcome_and_unsafe_options_are_refu
     assert effects == ["o-1"]
     assert isinstance(poisoned.result, Reject)
     assert "different request" in str(poisoned.result)
-    assert "no idempotency key" in str(keyless.result)
+    assert "no 'idempotency_key' header" in str(keyless.result)
     assert [receipt.apply(("o-1",)).get() for _ in range(2)] == ["receipt o-1"] * 2
     with pytest.raises(TypeError):  # checked against the handler's signature when sent
         charge.apply_async(("o-1", "surplus"), headers={"idempotency_key": "k-2"})

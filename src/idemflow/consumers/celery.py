@@ -74,13 +74,9 @@ def exactly_once(
         consumer = Consumer(idempotency, name, renew_every=renew_every)
 
         def run(task: Task, *args: Any, **kwargs: Any) -> Any:
-            try:
-                message_key = key_of(task, args, kwargs)
-            except MissingKey:
-                message_key = ""  # rejected by the consumer, as a task without a key
             with _opened(transaction) as opened:
                 decision = consumer.handle(
-                    message_key,
+                    lambda: key_of(task, args, kwargs),
                     _payload(args, kwargs),
                     lambda attempt: handler(attempt, *args, **kwargs),
                     transaction=opened,
