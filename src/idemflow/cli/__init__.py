@@ -12,11 +12,15 @@ from collections.abc import Sequence
 from importlib.metadata import version
 
 from .._errors import IdempotencyError
+from ._common import register_from_the_demo
 
 __all__ = ["main"]
 
-#: Command modules, in the order ``--help`` lists them.
-COMMANDS = ["_migrate", "_sweep", "_inspect", "_stats", "_purge", "_demo", "_storm", "_audit"]
+#: Command modules, in the order ``--help`` lists them (``module:name``: the demo's own).
+COMMANDS = [
+    *("_migrate", "_sweep", "_inspect", "_stats", "_purge"),
+    *("idemflow_demo.cli:demo", "idemflow_demo.storm.cli:storm", "_audit"),
+]
 
 EXIT_FAILURE = 1
 
@@ -29,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"idemflow {version('idemflow')}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"{__name__}.{name}").register(subparsers)
+        module, _, demo = name.partition(":")
+        if demo:
+            register_from_the_demo(subparsers, module, demo)
+        else:
+            importlib.import_module(f"{__name__}.{name}").register(subparsers)
     return parser
 
 

@@ -9,8 +9,16 @@ from typing import Any
 from .._model import Policy, State
 from ..logs import key_digest
 from ..stores.stats import StoreStats
-from ._common import add_database_arguments
-from ._ops import add_json_argument, age, iso, operated_store, print_json, print_pairs, print_table
+from ._common import (
+    add_database_arguments,
+    add_json_argument,
+    age,
+    iso,
+    operated_store,
+    print_json,
+    print_pairs,
+    print_table,
+)
 
 _STATES = [state.value for state in State]
 
@@ -29,20 +37,12 @@ def register(subparsers: Any) -> None:
         ),
     )
     add_database_arguments(parser)
+    timeout = "the app's request timeout, as in its Policy (default: %(default)g)"
     parser.add_argument(
-        "--request-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="the app's request timeout, as in its Policy (default: %(default)g)",
+        "--request-timeout", type=float, default=30.0, metavar="SECONDS", help=timeout
     )
-    parser.add_argument(
-        "--stale-after",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="the app's stale threshold if it sets one (default: derived from the timeout)",
-    )
+    stale = "the app's stale threshold if it sets one (default: derived from the timeout)"
+    parser.add_argument("--stale-after", type=float, metavar="SECONDS", help=stale)
     add_json_argument(parser)
     parser.set_defaults(run=run)
 
