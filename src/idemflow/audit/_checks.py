@@ -11,6 +11,7 @@ import json
 import re
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,8 +32,7 @@ T = TypeVar("T")
 TRANSIENT = frozenset({408, 429, 502, 503, 504})  # retried with the same key, never stored
 CHECK_SECONDS = 120.0
 SLOW_SECONDS = 60.0
-#: Long enough for any server to claim, short against the ≥ 1 s the slow request takes;
-#: the longer one only after the duplicate overtook the first (a busy server).
+#: Long enough to claim, short against the slow request's ≥ 1 s; the longer for a busy server.
 HEAD_STARTS = (0.2, 0.4)
 IN_PROCESS = "http://audit.invalid"
 #: Malformed ``Idempotency-Key`` values (RFC 8941 sf-string or token rules): each a 400.
@@ -259,10 +259,8 @@ def _count_in(response: httpx.Response) -> int:
 
 
 def _statuses(responses: Sequence[httpx.Response]) -> str:
-    counts: dict[int, int] = {}
-    for response in responses:
-        counts[response.status_code] = counts.get(response.status_code, 0) + 1
-    return ", ".join(f"{s}" if n == 1 else f"{s} ×{n}" for s, n in sorted(counts.items()))
+    counts = sorted(Counter(response.status_code for response in responses).items())
+    return ", ".join(f"{s}" if n == 1 else f"{s} ×{n}" for s, n in counts)
 
 
 def _counted(ran: int | None) -> str:
@@ -293,11 +291,7 @@ def check(name: str, requests: Callable[[Endpoint], int]) -> Callable[[CheckFunc
     return register
 
 
-def _one(_: Endpoint) -> int:
-    return 1
-
-
-@check("missing-key-400", _one)
+@check("missing-key-400", lambda _: 1)
 async def missing_key(run: Run) -> Verdict:
     if run.endpoint.key_optional:
         return "skip", "--key-optional: the API accepts requests without a key"
@@ -509,7 +503,7 @@ async def principal_isolation(run: Run) -> Verdict:
     return ("fail", f"{seen}: " + "; ".join(leaked)) if leaked else ("pass", seen + ", its own")
 
 
-@check("errors-are-problem-json", _one)
+@check("errors-are-problem-json", lambda _: 1)
 async def errors_are_problems(run: Run) -> Verdict:
     if not run.errors:
         await run.send("", run.new_n())  # an empty key: an error answer to look at
@@ -638,11 +632,8 @@ def audit(
 ) -> Report:
     """Run the checks against ``url`` (or ``asgi`` or ``wsgi`` in process, at that path);
     ``options``: docs/audit.md. In a loop: [`audit_async`][idemflow.audit.audit_async]."""
-    return asyncio.run(
-        audit_async(
-            url, asgi=asgi, wsgi=wsgi, only=only, skip=skip, allow_remote=allow_remote, **options
-        )
-    )
+    chosen: Any = {"asgi": asgi, "wsgi": wsgi, "only": only, "skip": skip}
+    return asyncio.run(audit_async(url, allow_remote=allow_remote, **chosen, **options))
 
 
 async def audit_async(

@@ -42,8 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Drivers' own retry chatter (psycopg_pool logs every failed connect) would
-    # bury the one line we print; the failure reaches us as an exception anyway.
+    # psycopg_pool logs every failed connect: it would bury the one line we print.
     logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
     args = build_parser().parse_args(argv)
     try:

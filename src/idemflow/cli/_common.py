@@ -59,31 +59,28 @@ DEMO_INSTALL = (
 )
 
 
-def add_not_installed(subparsers: argparse._SubParsersAction[Any], name: str, hint: str) -> None:
-    """Lists ``name`` in ``--help`` and answers any use of it (``--help`` too) with ``hint``."""
-    parser = subparsers.add_parser(
-        name, help="(not installed) " + hint, add_help=False, prefix_chars="\0"
-    )
-    parser.add_argument("arguments", nargs="*")
-
-    def run(args: argparse.Namespace) -> int:
-        raise ConfigurationError(hint)
-
-    parser.set_defaults(run=run)
-
-
 def register_from_the_demo(
     subparsers: argparse._SubParsersAction[Any], module: str, name: str
 ) -> None:
-    """Register ``name`` from the demo's distribution, or a stand-in saying how to install it."""
+    """Register ``name`` from the demo's distribution, or a stand-in saying how to install it
+    (listed in ``--help``, answering any use of it, ``--help`` too, with that)."""
     try:
         loaded = importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != module.split(".", maxsplit=1)[0]:
             raise  # the demo is there, something it needs is not: say that
-        add_not_installed(subparsers, name, DEMO_INSTALL)
+    else:
+        loaded.register(subparsers)
         return
-    loaded.register(subparsers)
+    parser = subparsers.add_parser(
+        name, help="(not installed) " + DEMO_INSTALL, add_help=False, prefix_chars="\0"
+    )
+    parser.add_argument("arguments", nargs="*")
+
+    def run(args: argparse.Namespace) -> int:
+        raise ConfigurationError(DEMO_INSTALL)
+
+    parser.set_defaults(run=run)
 
 
 # Enough for a table of endpoints without wrapping when output is not a terminal.

@@ -22,8 +22,7 @@ from ._retry import (
     RetryPolicy,
 )
 
-#: A request extension overriding the policy's deadline for one request (seconds, or a
-#: function returning the seconds left): ``client.post(url, extensions={DEADLINE: 5.0})``.
+#: A request's own deadline: ``client.post(url, extensions={DEADLINE: 5.0})``.
 DEADLINE = "idemflow.deadline"
 
 _LOST = (httpx.ReadError, httpx.WriteError, httpx.CloseError, httpx.RemoteProtocolError)

@@ -38,8 +38,7 @@ DEFAULT_RETRY_STATUSES = frozenset({408, 409, 425, 429, 502, 503, 504})
 OUTCOME = "idemflow.client"
 #: Where it is kept on what has no extensions: a ``requests.Response``, an error raised.
 OUTCOME_ATTRIBUTE = "_idemflow_outcome"
-#: A per-request deadline: seconds, a ``timedelta``, or a function returning the
-#: seconds left (a deadline that moves, e.g. extended while a service restarts).
+#: A per-request deadline: seconds, a ``timedelta``, or a function returning the seconds left.
 Deadline: TypeAlias = Duration | Callable[[], float]
 
 REPLAYED_HEADER = "idempotent-replayed"
@@ -155,7 +154,7 @@ class Operation:
     ) -> None:
         self.policy = policy
         self.sent = sent
-        self._observer = observer
+        self._observer: Observer = observer or (lambda report: None)
         # Without a ledger (tests), no rule for where the key may follow a redirect.
         self._on_redirect = on_redirect or (lambda status, location: None)
         self.attempts = 0
@@ -191,7 +190,7 @@ class Operation:
         location = headers.get("location")
         if status in REDIRECT_STATUSES and location is not None and not decision.retry:
             self._on_redirect(status, location)
-        self._report(AttemptReport(self.key, self.attempts, status, None, None, decision))
+        self._observer(AttemptReport(self.key, self.attempts, status, None, None, decision))
         return decision
 
     def failed(self, failure: Failure, error: BaseException | None = None) -> Decision:
@@ -203,7 +202,7 @@ class Operation:
             decision = self._stop(failure.value)
         else:
             decision = self._retry(self._jitter(), failure.value)
-        self._report(AttemptReport(self.key, self.attempts, None, failure, error, decision))
+        self._observer(AttemptReport(self.key, self.attempts, None, failure, error, decision))
         if error is not None and not decision.retry:
             # The request may have run: the caller needs the key to retry it by hand.
             setattr(error, OUTCOME_ATTRIBUTE, self.outcome())
@@ -228,10 +227,6 @@ class Operation:
         if wanted is None:
             return self._retry(self._jitter(), f"{status}")
         return self._retry(max(wanted, self._jitter()), f"{status}, Retry-After {wanted:g} s")
-
-    def _report(self, report: AttemptReport) -> None:
-        if self._observer is not None:
-            self._observer(report)
 
     def _retryable(self, status: int, headers: Mapping[str, str], body: bytes) -> bool:
         """The status decides; a problem's ``retryable`` vetoes, or marks a 409/5xx transient."""

@@ -313,11 +313,7 @@ class _Captured(ResponseSink):
         if self._status is not None and exc_info is None:
             raise RuntimeError("start_response was called twice without exc_info")
         self._status, self._headers = status, list(headers)
-        return self._write
-
-    def _write(self, data: bytes) -> object:  # the legacy ``write`` callable
-        self.add(data)
-        return None
+        return self.add  # the legacy ``write`` callable
 
     def add(self, chunk: object) -> None:
         if isinstance(chunk, bytes | bytearray | memoryview):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, cast
 
@@ -30,51 +30,32 @@ __all__ = ["get_idempotency", "get_store"]
 #: The store that lives on Django's own database connections.
 DJANGO_STORE = "django"
 
-_DEFAULTS: Mapping[str, Any] = {
-    "request_timeout": 30,
-    "retention": 86400,
-    "table": "idemflow_keys",
-    "database": "default",
-    "store": DJANGO_STORE,
-    "clock": "database",
-    "single_commit": False,
-    "principal": None,
-    "authorize_replay": None,
-    "endpoints": (),
-    "auth_middleware": (),
-    "max_body_bytes": DEFAULT_MAX_BODY_BYTES,
-    "max_response_bytes": DEFAULT_MAX_RESPONSE_BYTES,
-    "exclude_fields": (),
-    "strict_key": False,
-    "observer": None,
-}
-
 
 @dataclass(frozen=True, slots=True)
 class IdemflowSettings:
     """``settings.IDEMFLOW``, checked, with defaults filled in."""
 
-    request_timeout: float | timedelta
-    retention: float | timedelta
-    table: str
-    database: str
-    store: str
-    clock: str
-    single_commit: bool
+    request_timeout: float | timedelta = 30
+    retention: float | timedelta = 86400
+    table: str = "idemflow_keys"
+    database: str = "default"
+    store: str = DJANGO_STORE
+    clock: str = "database"
+    single_commit: bool = False
     #: ``(request) -> str | None``, or its dotted path (default: ``request.user.pk``).
-    principal: Any
+    principal: Any = None
     #: ``(record) -> bool``, or its dotted path: may ``record.principal`` see a replay?
-    authorize_replay: Any
+    authorize_replay: Any = None
     #: ``"POST /payments/<int:pk>"`` templates, or a dict of them to a route's policy.
-    endpoints: Sequence[str] | Mapping[str, Any]
+    endpoints: Sequence[str] | Mapping[str, Any] = ()
     #: Further middleware that must run before ``IdempotencyMiddleware``.
-    auth_middleware: Sequence[str]
-    max_body_bytes: int
-    max_response_bytes: int
-    exclude_fields: Sequence[str]
-    strict_key: bool
+    auth_middleware: Sequence[str] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    exclude_fields: Sequence[str] = ()
+    strict_key: bool = False
     #: Told every outcome: an object, or its dotted path (`observer_of`).
-    observer: Observer | str | None
+    observer: Observer | str | None = None
 
     @property
     def policy(self) -> Policy:
@@ -109,11 +90,12 @@ def _checked() -> IdemflowSettings:
     given = getattr(settings, "IDEMFLOW", {}) or {}
     if not isinstance(given, Mapping):
         raise ImproperlyConfigured("settings.IDEMFLOW must be a dict")
-    unknown = sorted(set(given) - set(_DEFAULTS))
+    known = {field.name: field.default for field in fields(IdemflowSettings)}
+    unknown = sorted(set(given) - set(known))
     if unknown:
-        msg = f"settings.IDEMFLOW has unknown keys {unknown}; known: {sorted(_DEFAULTS)}"
+        msg = f"settings.IDEMFLOW has unknown keys {unknown}; known: {sorted(known)}"
         raise ImproperlyConfigured(msg)
-    merged = {**_DEFAULTS, **given}
+    merged = {**known, **given}
     if merged["database"] not in settings.DATABASES:
         msg = f"settings.IDEMFLOW['database'] = {merged['database']!r} is not in DATABASES"
         raise ImproperlyConfigured(msg)

@@ -116,8 +116,7 @@ def idempotent(
             )
 
         if iscoroutinefunction(inner):
-            # Inside the sync protect(): the ORM calls it awaits come back to this thread's
-            # connection, so its writes share the completion's transaction.
+            # Its awaited ORM calls come back to this thread: in the completion's transaction.
             wrapper = functools.wraps(inner)(_awaitable(wrapper))
 
         alias = idemflow_settings().database
@@ -133,11 +132,9 @@ def idempotent(
 def _validated(serializer: type[Any], args: tuple[Any, ...], request: Any, kwargs: Any) -> Any:
     """``serializer`` on the request's data, validated; InvalidData with its errors if not."""
     view = args[0] if args and args[0] is not request else None
-    context = getattr(view, "get_serializer_context", None)
-    made = serializer(
-        data=request.data,
-        context=context() if context is not None else {"request": request, "view": view},
-    )
+    made_by = getattr(view, "get_serializer_context", None)
+    context = made_by() if made_by is not None else {"request": request, "view": view}
+    made = serializer(data=request.data, context=context)
     if made.is_valid():
         return made
     raise InvalidData("; ".join(_messages(made.errors)) or "the body is not valid", made.errors)
@@ -161,8 +158,7 @@ def _document(wrapper: Any, serializer: type[Any] | None) -> None:
     schema = idempotent_schema(wrapper, serializer)
     if schema is not None:
         # Where drf-spectacular reads a view method's own schema (extend_schema does too).
-        kwargs = wrapper.__dict__.setdefault("kwargs", {})
-        kwargs["schema"] = schema
+        wrapper.__dict__.setdefault("kwargs", {})["schema"] = schema
 
 
 def _plain(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -399,11 +395,10 @@ class _Prepared:
     """What every protected request of one ``settings.IDEMFLOW`` shares, made once."""
 
     def __init__(self, chosen: IdemflowSettings) -> None:
-        self.settings = chosen
-        self._driver = get_idempotency()
+        self.settings, driver = chosen, get_idempotency()
         self._authorize_replay = replay_authorizer(chosen)
         options = view_options(functools.partial(getattr, chosen))
-        self._edges = ViewEdges(functools.partial(Edge, self._driver), options)
+        self._edges = ViewEdges(functools.partial(Edge, driver), options)
         self._principal: Callable[[Any], str | None] | None = None
 
     def edge(
