@@ -533,14 +533,12 @@ async def json_equivalence(run: Run) -> Verdict:
     if not _ok(first):
         return "skip", "no first request succeeded (see first-request-succeeds)"
     other = await run.send(key, n, content=json.dumps(value, indent=2).encode())
+    same = "the same JSON, re-spaced and reordered,"
     if _ok(other) and _value(other.content) == _value(first.content):
-        return "info", "the same JSON, re-spaced and reordered, replays: keys fingerprint the value"
+        return "info", f"{same} replays: keys fingerprint the value"
     if other.status_code == 422:
-        return (
-            "info",
-            "the same JSON, re-spaced and reordered, is 422: clients must resend the bytes",
-        )
-    return "info", f"the same JSON, re-spaced and reordered, answered {other.status_code}"
+        return "info", f"{same} is 422: clients must resend the bytes"
+    return "info", f"{same} answered {other.status_code}"
 
 
 #: Every check's name, in the order they run: part of the interface.
