@@ -182,7 +182,7 @@ class ResponseNotStorable(ConfigurationError):
 
 
 class MissingExtra(ConfigurationError, ImportError):
-    """An optional dependency is not installed; the message names its extra."""
+    """An optional dependency is not installed (an ImportError too); the message names its extra."""
 
     def __init__(self, needed_by: str, module: str, extra: str) -> None:
         super().__init__(f"{needed_by} needs {module}: pip install 'idemflow[{extra}]'")

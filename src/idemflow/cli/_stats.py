@@ -105,29 +105,17 @@ def _print_counts(stats: StoreStats) -> None:
 
 def _attention(stats: StoreStats) -> list[tuple[str, Any]]:
     oldest = stats.oldest_in_progress
-    if oldest is None:
-        rows: list[tuple[str, Any]] = [("oldest in_progress", "none")]
-    else:
-        rows = [
-            (
-                "oldest in_progress",
-                f"principal {oldest.principal!r}, key {oldest.key!r} "
-                f"({oldest.endpoint or 'no endpoint'})",
-            ),
-            (
-                "  idle for",
-                f"{age(stats.now - oldest.updated_at)} (since {iso(oldest.updated_at)})",
-            ),
-        ]
+    rows: list[tuple[str, Any]] = [("oldest in_progress", "none")]
+    if oldest is not None:
+        endpoint = oldest.endpoint or "no endpoint"
+        who = f"principal {oldest.principal!r}, key {oldest.key!r} ({endpoint})"
+        idle = f"{age(stats.now - oldest.updated_at)} (since {iso(oldest.updated_at)})"
+        rows = [("oldest in_progress", who), ("  idle for", idle)]
+    timeout = f"in_progress older than the request timeout ({stats.request_timeout:g}s)"
+    stale = f"in_progress past the stale threshold ({stats.stale_after:g}s)"
     return [
         *rows,
-        (
-            f"in_progress older than the request timeout ({stats.request_timeout:g}s)",
-            stats.past_request_timeout,
-        ),
-        (
-            f"in_progress past the stale threshold ({stats.stale_after:g}s)",
-            stats.past_stale_threshold,
-        ),
+        (timeout, stats.past_request_timeout),
+        (stale, stats.past_stale_threshold),
         ("expired, not purged yet", stats.expired_unpurged),
     ]

@@ -154,7 +154,7 @@ class Operation:
     ) -> None:
         self.policy = policy
         self.sent = sent
-        self._observer: Observer = observer or (lambda report: None)
+        self._observer: Observer = observer if observer is not None else (lambda report: None)
         # Without a ledger (tests), no rule for where the key may follow a redirect.
         self._on_redirect = on_redirect or (lambda status, location: None)
         self.attempts = 0
