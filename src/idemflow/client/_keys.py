@@ -130,6 +130,10 @@ class SentKey:
     key: str
     header_value: str | None
 
+    @property
+    def generated(self) -> bool:
+        return self.header_value is not None
+
 
 class KeyLedger:
     """The last ``capacity`` keys this client sent, with what they were sent with."""
