@@ -80,12 +80,9 @@ class Report:
         return "\n".join([*lines, f"{self.target}: {counts}"])
 
     def junit(self) -> str:
+        counts = {"failures": str(self.summary["fail"]), "skipped": str(self.summary["skip"])}
         suite = ElementTree.Element(
-            "testsuite",
-            name="idemflow audit",
-            tests=str(len(self.checks)),
-            failures=str(self.summary["fail"]),
-            skipped=str(self.summary["skip"]),
+            "testsuite", name="idemflow audit", tests=str(len(self.checks)), **counts
         )
         for check in self.checks:
             case = ElementTree.SubElement(suite, "testcase", classname=self.target, name=check.name)
@@ -691,9 +688,8 @@ class _ThreadedWSGI(httpx.AsyncBaseTransport):
         self.pool = pool
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        sync = httpx.Request(
-            request.method, request.url, headers=request.headers, content=await request.aread()
-        )
+        content = await request.aread()
+        sync = httpx.Request(request.method, request.url, headers=request.headers, content=content)
 
         def call() -> httpx.Response:
             response = self.transport.handle_request(sync)

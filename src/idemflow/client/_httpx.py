@@ -58,14 +58,8 @@ class _Keyed:
     def start(self, request: httpx.Request, body: bytes) -> tuple[Operation, dict[str, Any]]:
         """Choose the key, add its header; return the caller's timeouts."""
         deadline: Deadline | None = request.extensions.get(DEADLINE)
-        operation = self.operations.start(
-            request.method,
-            str(request.url),
-            request.headers,
-            request.headers.get_list(HEADER),
-            body,
-            deadline,
-        )
+        method, url, keys = request.method, str(request.url), request.headers.get_list(HEADER)
+        operation = self.operations.start(method, url, request.headers, keys, body, deadline)
         if operation.sent.header_value is not None:
             request.headers[HEADER] = operation.sent.header_value
         timeouts: dict[str, Any] = dict(request.extensions.get("timeout") or {})

@@ -283,13 +283,10 @@ class Operations:
         deadline: Deadline | None = None,
     ) -> Operation:
         """One request's key and retry state; InvalidKey, or KeyReusedLocally (sent before)."""
-        scope = scope_of(url, headers)
+        scope, fingerprint = scope_of(url, headers), request_fingerprint(method, url, body)
+        policy = self.policy
         sent = self.ledger.choose(
-            key_values,
-            self.policy.key_factory,
-            self.policy.key_form,
-            scope=scope,
-            fingerprint=request_fingerprint(method, url, body),
+            key_values, policy.key_factory, policy.key_form, scope=scope, fingerprint=fingerprint
         )
 
         def redirected(status: int, location: str) -> None:
