@@ -80,10 +80,9 @@ class Report:
         return "\n".join([*lines, f"{self.target}: {counts}"])
 
     def junit(self) -> str:
-        counts = {"failures": str(self.summary["fail"]), "skipped": str(self.summary["skip"])}
-        suite = ElementTree.Element(
-            "testsuite", name="idemflow audit", tests=str(len(self.checks)), **counts
-        )
+        tests, failures, skipped = len(self.checks), self.summary["fail"], self.summary["skip"]
+        counts = {"tests": str(tests), "failures": str(failures), "skipped": str(skipped)}
+        suite = ElementTree.Element("testsuite", {"name": "idemflow audit", **counts})
         for check in self.checks:
             case = ElementTree.SubElement(suite, "testcase", classname=self.target, name=check.name)
             if check.result == "fail":
