@@ -277,7 +277,9 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("argv", [["demo"], ["storm", "--port", "8000"], ["demo", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["demo"], ["storm", "--port", "8000"], ["consumer-storm"], ["demo", "--help"]]
+)
 def test_without_the_demo_its_commands_say_how_to_install_it(argv: list[str]) -> None:
     done = subprocess.run(
         [sys.executable, "-c", WITHOUT_THE_DEMO, *argv],

@@ -19,7 +19,8 @@ __all__ = ["main"]
 #: Command modules, in the order ``--help`` lists them (``module:name``: the demo's own).
 COMMANDS = [
     *("_migrate", "_sweep", "_inspect", "_stats", "_purge"),
-    *("idemflow_demo.cli:demo", "idemflow_demo.storm.cli:storm", "_audit"),
+    *("idemflow_demo.cli:demo", "idemflow_demo.storm.cli:storm"),
+    *("idemflow_demo.consumer_storm.cli:consumer-storm", "_audit"),
 ]
 
 EXIT_FAILURE = 1
