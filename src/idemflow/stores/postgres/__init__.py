@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from ..._model import Claim
 
 __all__ = [
-    "DEFAULT_CLAIM_LOCK_TIMEOUT_MS",
     "AsyncPostgresStore",
     "PostgresStore",
     "connection_options",
