@@ -108,7 +108,9 @@ def purge_statement(table: str) -> Statement:
     )
 
 
-def connection_options(claim_lock_timeout_ms: int, conninfo: str = "") -> dict[str, Any]:
+def connection_options(
+    claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS, conninfo: str = ""
+) -> dict[str, Any]:
     """Autocommit connections whose lock waits are bounded (a claim meeting another's
     uncommitted claim answers 409), keeping ``conninfo``'s options: for a pool of yours."""
     with optional("idemflow.stores.postgres"):
