@@ -865,14 +865,14 @@ class Rig:
         :func:`lease_lost`."""
         return lease_lost(self.name)
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A store method, awaited or run in a worker thread."""
         import asyncio
 
         function = getattr(self.store, method)
         if self.sync:
-            return await asyncio.to_thread(function, *args)
-        return await function(*args)
+            return await asyncio.to_thread(function, *args, **kwargs)
+        return await function(*args, **kwargs)
 
 
 def crowding(

@@ -13,7 +13,8 @@ from idemflow import Record, State
 
 
 def sweep_away(store: Any, now: float) -> list[Record]:
-    """Mark every claim untouched before ``now`` stale, then release it (sync store)."""
+    """Mark every claim whose own deadline is before ``now`` stale, then release it (sync
+    store)."""
     marked: list[Record] = store.sweep(State.IN_PROGRESS, now, now, now + 3600, 1000)
     for record in marked:
         assert store.release_stale(record, now)

@@ -44,6 +44,8 @@ class ClaimKey:
     intent: Intent
     lease_token: str
     retention: float
+    #: The claim's own stale threshold: its policy's.
+    stale_after: float
 
 
 @dataclass(slots=True)
@@ -103,7 +105,9 @@ def idempotency_flow(
     commits a phase of its own). ``single_commit``: the claim is part of the
     caller's transaction until its first commit. ``clock`` dates a 409."""
     try:
-        claim: Claim = yield ClaimKey(intent, lease_token, policy.retention_seconds)
+        claim: Claim = yield ClaimKey(
+            intent, lease_token, policy.retention_seconds, policy.stale_seconds
+        )
         if not claim.owned:
             return dispatch(claim.record, intent, policy, clock())
         record = claim.record

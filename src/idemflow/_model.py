@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, TypeAlias
 
@@ -115,6 +115,10 @@ class Record:
     recovery_point: str | None = None
     response: Response | None = None
     attempt: int = 1
+    #: When the sweeper may act on it: the claim's own stale deadline (in progress, and
+    #: released past a recovery point), chosen from the policy it was claimed under; the
+    #: moment it was marked (stale). None where a store did not say (a hand-built record).
+    stale_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,11 +291,15 @@ class Policy:
 
 def retry_after(record: Record, policy: Policy, now: float) -> int:
     """Whole seconds a 409 on ``record`` asks the client to wait: a live claim as long as
-    it has run (never past its timeout); an orphaned one until the sweeper passes; a
-    ``stale`` one, a sweep interval. Within ``policy.retry_after`` and `swept_within`."""
+    it has run (never past its timeout); an orphaned one until the sweeper passes its own
+    deadline (``stale_at``); a ``stale`` one, a sweep interval. Within ``policy.retry_after``
+    and `swept_within`."""
     interval = policy.sweep_interval
     age = max(0.0, now - record.updated_at)
-    swept_by = record.updated_at + policy.stale_seconds + interval - now
+    stale_at = record.stale_at
+    if stale_at is None or record.state is State.STALE:  # undated, or dated at its mark
+        stale_at = (record.updated_at if stale_at is None else stale_at) + policy.stale_seconds
+    swept_by = stale_at + interval - now
     wait = 0.0
     if record.state is State.IN_PROGRESS:
         timeout = policy.timeout_seconds
@@ -299,21 +307,6 @@ def retry_after(record: Record, policy: Policy, now: float) -> int:
     elif record.state is State.STALE:
         wait = interval if age < interval else max(swept_by, interval)
     return max(policy.retry_after, min(math.ceil(wait), swept_within(policy)))
-
-
-def route_policy(route: Policy, app: Policy) -> Policy:
-    """``route`` as it runs under ``app``: with the app's stale threshold (one sweeper, on
-    the app's policy, ends every route's claims), or refused if its own is longer."""
-    if route is app or route.stale_after == app.stale_after:
-        return route
-    if route.stale_seconds > app.stale_seconds:
-        msg = (
-            f"a route's stale threshold ({route.stale_seconds:g}s, from request_timeout="
-            f"{route.timeout_seconds:g}s) exceeds the app's ({app.stale_seconds:g}s), which "
-            "its sweeper runs on: raise the app policy's request_timeout to the longest route's"
-        )
-        raise ConfigurationError(msg)
-    return replace(route, stale_after=app.stale_after)
 
 
 def swept_within(policy: Policy) -> int:
@@ -328,6 +321,10 @@ def _positive(name: str, value: Duration) -> float:
         msg = f"{name} must be a positive duration, got {value!r}"
         raise ConfigurationError(msg)
     return number
+
+
+#: The stale threshold of the default policy: a claim's when its caller names none.
+DEFAULT_STALE_SECONDS = Policy().stale_seconds
 
 
 # Stored headers as JSON and their tuple, remembered both ways for the stores' hot
@@ -366,7 +363,7 @@ def headers_json(headers: tuple[tuple[str, str], ...]) -> str:
 _RECORD_FIELDS = (
     "id", "principal", "key", "fingerprint", "endpoint", "state", "lease_token",
     "created_at", "updated_at", "expires_at", "correlation_id", "recovery_point",
-    "response", "attempt",
+    "response", "attempt", "stale_at",
 )  # fmt: skip
 _RESPONSE_FIELDS = ("status", "body", "headers")
 _CLAIM_FIELDS = ("owned", "record")
@@ -405,6 +402,7 @@ def make_record(
     recovery_point: str | None,
     response: Response | None,
     attempt: int,
+    stale_at: float | None,
 ) -> Record:
     """``Record(…)`` with every field given, positionally, at a fifth of the cost."""
     record: Any = _new(RecordBuilder)
@@ -422,6 +420,7 @@ def make_record(
     record.recovery_point = recovery_point
     record.response = response
     record.attempt = attempt
+    record.stale_at = stale_at
     record.__class__ = Record
     return record  # type: ignore[no-any-return]
 

@@ -2,7 +2,8 @@
 ``idemflow migrate`` as an operator runs it: a separate process, real databases.
 
 It creates the key table with its unique ``(principal, key)`` constraint, the
-sweeper's ``(state, updated_at)`` index and the purger's expiry index; running
+sweeper's ``(state, stale_at)`` index, the stats' ``(state, updated_at)`` and the
+purger's expiry index; running
 it again (or four times at once) changes nothing; failures are one line on
 stderr and a non-zero exit, never a traceback.
 """
@@ -79,10 +80,12 @@ def test_sqlite_table_has_unique_claim_and_both_indexes(tmp_path: Path, table_na
     indexes = sqlite_schema(path, table_name)
     assert sorted(indexes.values()) == [
         (False, ["expires_at"]),
+        (False, ["state", "stale_at"]),
         (False, ["state", "updated_at"]),
         (True, ["principal", "idempotency_key"]),
     ]
     assert f"{table_name}_state_updated" in indexes
+    assert f"{table_name}_state_stale" in indexes
     assert f"{table_name}_expires" in indexes
 
 
@@ -222,9 +225,11 @@ def test_postgres_table_has_unique_claim_and_both_indexes(postgres: Any, table_n
     assert "(principal, idempotency_key)" in indexes[f"{table_name}_principal_key"]
     assert indexes[f"{table_name}_principal_key"].startswith("CREATE UNIQUE INDEX")
     assert "(state, updated_at)" in indexes[f"{table_name}_state_updated"]
+    assert "(state, stale_at)" in indexes[f"{table_name}_state_stale"]
     assert "(expires_at)" in indexes[f"{table_name}_expires"]
     assert sorted(indexes) == sorted(
-        f"{table_name}_{suffix}" for suffix in ("pkey", "principal_key", "state_updated", "expires")
+        f"{table_name}_{suffix}"
+        for suffix in ("pkey", "principal_key", "state_updated", "state_stale", "expires")
     )
     constraint = postgres.execute(
         "SELECT contype FROM pg_constraint WHERE conname = %s", (f"{table_name}_principal_key",)
@@ -256,7 +261,7 @@ def test_concurrent_postgres_migrations_all_succeed(postgres: Any, table_name: s
 
     for done in runs:
         assert_ok(done)
-    assert len(postgres_indexes(postgres, table_name)) == 4
+    assert len(postgres_indexes(postgres, table_name)) == 5
 
 
 @pytest.mark.postgres

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from idemflow import Intent, Record, Response, State, downstream_key
+from idemflow import Intent, Policy, Record, Response, State, downstream_key
 from idemflow.stores.protocol import Store
 from idemflow.sweeper import Answer, Happened
 
@@ -56,11 +56,14 @@ class Database:
     store: Store
     notes: Callable[[], Counter[str]]  # the business rows, read on a connection of its own
 
-    def crash(self, key: str, age: float) -> Record:
-        """A claim whose request died ``age`` seconds ago."""
+    def crash(self, key: str, age: float, timeout: float = 30) -> Record:
+        """A claim whose request (of a ``timeout`` s route) died ``age`` seconds ago."""
         now = time.time() - age
         intent = Intent("alice", key, "fp", endpoint="POST /payments")
-        return self.store.claim(intent, f"lease-{key}", now, now + 3600).record
+        stale_after = Policy(request_timeout=timeout).stale_seconds
+        return self.store.claim(
+            intent, f"lease-{key}", now, now + 3600, stale_after=stale_after
+        ).record
 
     def state(self, key: str) -> State:
         record = self.store.get("alice", key)
@@ -174,26 +177,32 @@ def test_sweep_releases_crashed_claims_and_leaves_live_ones(database: Database) 
     assert again["released"] == 0
 
 
-def test_the_threshold_follows_the_request_timeout(database: Database) -> None:
-    """The same 50 s old claim is live for a 60 s timeout and stale for a 5 s one."""
-    database.crash("k", age=50)
+def test_each_claim_is_swept_at_its_own_threshold_whatever_the_sweepers(
+    database: Database,
+) -> None:
+    """Two 50 s old claims: one of a 5 s route (stale after 20 s) goes, one of a 60 s route
+    (130 s) stays, whichever request timeout the sweeper is given."""
+    database.crash("quick", age=50, timeout=5)
+    database.crash("slow", age=50, timeout=60)
 
     slow = sweep(database, "--request-timeout", "60", "--json")
-    assert json.loads(slow.stdout)["stale_after"] == 130
-    assert database.state("k") is State.IN_PROGRESS
+    assert (json.loads(slow.stdout)["stale_after"], json.loads(slow.stdout)["released"]) == (130, 1)
+    assert (database.state("quick"), database.state("slow")) == (State.RELEASED, State.IN_PROGRESS)
 
     fast = sweep(database, "--request-timeout", "5", "--json")
-    assert json.loads(fast.stdout)["released"] == 1
+    assert json.loads(fast.stdout)["released"] == 0
+    assert database.state("slow") is State.IN_PROGRESS
 
 
 def test_a_longer_stale_after_is_accepted(database: Database) -> None:
-    """Above the derived minimum the operator may wait longer: a 100 s claim stays at 200 s."""
+    """Above the derived minimum the operator may wait longer before asking again about an
+    unknown outcome; a claim past its own threshold (70 s) goes all the same."""
     database.crash("k", age=100)
 
     done = sweep(database, "--stale-after", "200", "--json")
 
     assert json.loads(done.stdout)["stale_after"] == 200
-    assert database.state("k") is State.IN_PROGRESS
+    assert database.state("k") is State.RELEASED
 
 
 def test_text_summary_and_progress_of_a_long_sweep(database: Database) -> None:

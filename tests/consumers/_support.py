@@ -162,19 +162,19 @@ async def outlive_the_lease(
     (the sweeper finds nothing stale)."""
     clock.advance(POLICY.stale_seconds - 1)
     deadline = time.monotonic() + 10
-    while (record := await store.get(scope, key)) is None or record.updated_at != clock():
+    renewed = clock() + POLICY.stale_seconds  # the deadline a renewal now sets
+    while (record := await store.get(scope, key)) is None or record.stale_at != renewed:
         assert time.monotonic() < deadline, "never renewed"
         await asyncio.sleep(0.01)
     clock.advance(2)  # past the threshold counted from the claim
-    cutoff = clock() - POLICY.stale_seconds
-    assert await store.sweep(State.IN_PROGRESS, cutoff, clock(), clock() + 60, 10) == []
+    assert await store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 60, 10) == []
 
 
 async def steal_the_claim(store: Any, clock: FrozenClock) -> None:
     """The sweeper ends the claim (whatever the renewals did), another consumer takes it
     as ``lease-b``."""
     clock.advance(POLICY.stale_seconds + 1)
-    (marked,) = await async_sweep_away(store, clock() + 1)
+    (marked,) = await async_sweep_away(store, clock() + POLICY.stale_seconds + 1)
     intent = Intent(marked.principal, marked.key, marked.fingerprint, marked.endpoint)
     assert (await store.claim(intent, "lease-b", clock(), clock() + 60)).owned
 

@@ -33,6 +33,7 @@ from idemflow.stores.memory import MemoryStore
 from tests.backends import REDIS_URL, delete_keys, redis_client
 from tests.conftest import POSTGRES_URL, unreachable
 from tests.consumers._support import ROOT
+from tests.factories import POLICY
 from tests.sweeping import sweep_away
 
 celery = pytest.importorskip("celery")
@@ -313,7 +314,7 @@ def test_a_worker_killed_before_its_commit_has_one_effect_once_the_sweeper_passe
     retried = f"{shop.prefix}:retried:{result.id}"
     wait_for(lambda: shop.redis.llen(retried) >= 2, "the redelivery retried twice")
     assert shop.rows("postgres", order) == 0  # rolled back with the kill, never run again
-    (released,) = sweep_away(shop.stores["postgres"], time.time() + 1)
+    (released,) = sweep_away(shop.stores["postgres"], time.time() + POLICY.stale_seconds + 1)
     assert released.key == order
     assert result.get(timeout=PATIENCE) == {"charged": "o-1"}
     assert shop.rows("postgres", order) == 1
@@ -335,7 +336,7 @@ def test_a_pool_child_killed_before_its_commit_has_its_task_requeued_then_run_on
         order = key()
         result = shop.send("postgres", order, "o-1", "stall", queue=queue)
         os.kill(shop.killable(), signal.SIGKILL)  # the pool's child, not the worker
-        (released,) = sweep_away(shop.stores["postgres"], time.time() + 1)
+        (released,) = sweep_away(shop.stores["postgres"], time.time() + POLICY.stale_seconds + 1)
         assert released.key == order
 
         assert result.get(timeout=PATIENCE) == {"charged": "o-1"}

@@ -213,9 +213,8 @@ def test_outcomes_are_counted_per_queue_like_requests(
 
 
 def swept(store: Any, clock: FrozenClock) -> list[Any]:
-    """The sweeper's pass at ``clock()``: claims untouched for the stale threshold, released."""
-    cutoff = clock() - POLICY.stale_seconds
-    marked = store.sweep(State.IN_PROGRESS, cutoff, clock(), clock() + 3600, 100)
+    """The sweeper's pass at ``clock()``: claims past their own deadline, released."""
+    marked = store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 100)
     for record in marked:
         assert store.release_stale(record, clock())
     return list(marked)
@@ -236,7 +235,8 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
 def renewed_at(store: Any, clock: FrozenClock) -> Callable[[], bool]:
     def check() -> bool:
         record = store.get(QUEUE, "m-1")
-        return record is not None and record.updated_at == clock()
+        # Renewed now, its deadline its own threshold (the lease's) from now.
+        return record is not None and record.stale_at == clock() + POLICY.stale_seconds
 
     return check
 

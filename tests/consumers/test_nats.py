@@ -239,7 +239,7 @@ async def test_a_consumer_killed_after_its_business_write_has_one_effect_after_r
     else:
         assert (record.state, shop.count()) == (State.IN_PROGRESS, 0)  # rolled back
         assert await jet.deliver(redelivered, shop.charge) == "requeue_with_delay"
-        assert len(await async_sweep_away(shop.store, time.time() + 1)) == 1
+        assert len(await async_sweep_away(shop.store, time.time() + POLICY.stale_seconds + 1)) == 1
         assert await jet.deliver(await broker.next(), shop.charge) == "ack"
     assert shop.count() == 1
     assert await broker.pending() == 0

@@ -253,7 +253,7 @@ async def test_a_consumer_killed_after_its_business_write_has_one_effect_after_r
         # Still claimed: never run twice, never waited for.
         assert await rabbit.adapter.deliver(redelivered, shop.charge) == "requeue_with_delay"
         # The sweeper's pass, its threshold past: the dead consumer's claim released.
-        assert len(await async_sweep_away(shop.store, time.time() + 1)) == 1
+        assert len(await async_sweep_away(shop.store, time.time() + POLICY.stale_seconds + 1)) == 1
         assert await rabbit.adapter.deliver(await rabbit.next(), shop.charge) == "ack"
     assert shop.count() == 1
     assert await broker.left(broker.queue) == 0

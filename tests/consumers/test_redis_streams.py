@@ -357,7 +357,8 @@ async def test_a_consumer_killed_after_its_business_write_has_one_effect_after_r
         assert await side.poll(adapter, again) == ["requeue_with_delay"]  # never run twice
         # The sweeper's pass, its threshold past: the dead consumer's claim released.
         now = time.time()
-        (marked,) = await settled(store.sweep(State.IN_PROGRESS, now + 1, now, now, 10))
+        past = now + POLICY.stale_seconds + 1  # past the claim's own deadline
+        (marked,) = await settled(store.sweep(State.IN_PROGRESS, past, now, now, 10))
         assert await settled(store.release_stale(marked, time.time()))
         assert await side.drain(adapter, again) == ["ack"]
     assert count() == 1

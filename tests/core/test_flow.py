@@ -99,7 +99,7 @@ def test_first_step_is_one_atomic_claim_with_the_policy_retention() -> None:
     """The flow begins by claiming: intent, our lease token and the retention window."""
     _, step = start()
 
-    assert step == ClaimKey(INTENT, "lease-1", 3600.0)
+    assert step == ClaimKey(INTENT, "lease-1", 3600.0, POLICY.stale_seconds)
 
 
 def test_store_failure_during_the_claim_propagates_and_nothing_else_happens() -> None:

@@ -1,21 +1,23 @@
 """
 Per-route policies through the driver: each run's own retention and request timeout
-(``run(policy=…)``), within the app's policy the sweeper runs on.
+(``run(policy=…)``), beside the app's policy the sweeper runs on.
 
 Each record carries its own retention (``expires_at``, set from the route's policy when
-it settles), so one purge honours every route's; a route's stale threshold may be
-shorter than the app's, never longer (one sweeper on the app's threshold must never end
-a claim whose request can still run). The doors: tests/http/test_route_policies.py and
-tests/integrations/test_route_policies.py; every backend: tests/stores/test_contract.py.
+it settles), so one purge honours every route's, and its own stale threshold (``stale_at``,
+set from the route's policy when it is claimed), so one sweeper on the app's policy ends
+each route's crashed claims at the route's threshold, shorter or longer than the app's. The
+doors: tests/http/test_route_policies.py and tests/integrations/test_route_policies.py;
+every backend: tests/stores/test_contract.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 
-from idemflow import Attempt, ConfigurationError, Idempotency, InProgress, Policy, Response, State
+from idemflow import Attempt, Idempotency, InProgress, LeaseLost, Policy, Response, State
 from idemflow.stores.memory import MemoryStore
 from idemflow.sweeper import Sweeper
 from idemflow.testing import FrozenClock
@@ -25,6 +27,8 @@ from tests.factories import intent
 APP = Policy(request_timeout=30, retention=timedelta(days=1))
 #: A route whose requests are quick and whose outcomes are kept a week.
 QUICK_KEPT_LONG = Policy(request_timeout=5, retention=timedelta(days=7))
+#: A route whose requests may run twice the app's timeout (stale after 130 s, the app's 70 s).
+SLOW = Policy(request_timeout=60)
 
 
 def created(attempt: Attempt) -> Response:
@@ -51,20 +55,39 @@ def test_each_run_keeps_its_outcome_for_its_own_routes_retention_and_purge_honou
     assert idem.run(intent("weekly"), created).replayed  # still within its own retention
 
 
-def test_a_route_may_not_outlive_the_threshold_the_sweeper_runs_on(clock: FrozenClock) -> None:
-    """A longer request timeout than the app's would be swept while it runs: refused."""
-    idem = Idempotency(MemoryStore(), APP, clock=clock)
-    slow = Policy(request_timeout=60)
+def test_a_slower_route_than_the_app_runs_past_the_apps_threshold_and_is_swept_at_its_own(
+    clock: FrozenClock,
+) -> None:
+    """A route with a longer request timeout than the app's is accepted: its claim carries
+    its own threshold, so the app's sweeper leaves it alone past the app's threshold (the
+    request completes) and ends it only once its own has passed (the owner then cannot)."""
+    store = MemoryStore()
+    idem = Idempotency(store, APP, clock=clock)
+    sweeper = Sweeper(store, APP, clock=clock)
+    assert SLOW.stale_seconds > APP.stale_seconds
+    released: list[int] = []
 
-    with pytest.raises(ConfigurationError, match="exceeds the app's"):
-        idem.run(intent(), created, policy=slow)
+    def runs_past(seconds: float) -> Callable[[Attempt], Response]:
+        def handler(attempt: Attempt) -> Response:
+            clock.advance(seconds)
+            released.append(sweeper.sweep_once().released)
+            return CREATED
 
-    assert idem.store.get("alice", "k-1") is None  # refused before anything was claimed
+        return handler
+
+    outcome = idem.run(intent("slow"), runs_past(APP.stale_seconds + 1), policy=SLOW)
+
+    assert (outcome.replayed, outcome.response, released) == (False, CREATED, [0])
+    assert (record := store.get("alice", "slow")) is not None
+    assert record.state is State.COMPLETED
+    with pytest.raises(LeaseLost):  # a request hung past its own threshold: swept, fenced
+        idem.run(intent("hung"), runs_past(SLOW.stale_seconds + 1), policy=SLOW)
+    assert released == [0, 1]
 
 
 def test_the_handler_sees_the_policy_it_runs_under(clock: FrozenClock) -> None:
-    """The route's retention and timeout, and the app's stale threshold: the one its claim
-    is swept at (what a 409's Retry-After is dated by)."""
+    """The route's retention, timeout and stale threshold: the one its claim carries and is
+    swept at (what a 409's Retry-After is dated by)."""
     idem = Idempotency(MemoryStore(), APP, clock=clock)
     seen: list[Policy] = []
 
@@ -72,7 +95,7 @@ def test_the_handler_sees_the_policy_it_runs_under(clock: FrozenClock) -> None:
         seen.append(attempt.policy)
         return CREATED
 
-    idem.run(intent("route"), handler, policy=QUICK_KEPT_LONG)
+    claimed = idem.run(intent("route"), handler, policy=QUICK_KEPT_LONG).record
     idem.run(intent("app"), handler)
 
     route, app = seen
@@ -81,44 +104,53 @@ def test_the_handler_sees_the_policy_it_runs_under(clock: FrozenClock) -> None:
         QUICK_KEPT_LONG.request_timeout,
         QUICK_KEPT_LONG.retention,
     )
-    assert route.stale_after == APP.stale_after
+    assert route.stale_after == QUICK_KEPT_LONG.stale_after
+    assert claimed.stale_at == claimed.created_at + QUICK_KEPT_LONG.stale_seconds
 
 
-def test_a_sweeper_on_the_app_policy_never_ends_a_shorter_routes_claim_early(
+def test_a_sweeper_on_the_app_policy_ends_each_routes_crashed_claim_at_its_own_threshold(
     clock: FrozenClock,
 ) -> None:
-    """Two routes, 5 s and 30 s timeouts, each with a claim its crashed process left: neither
-    is ended before the app's threshold (70 s; the 5 s route's own is 20 s), both after it."""
+    """Three routes, 5 s, 30 s and 60 s timeouts, each with a claim its crashed process left:
+    each is ended once its own threshold (20 s, 70 s, 130 s) has passed, none before."""
     store = MemoryStore()
     idem = Idempotency(store, APP, clock=clock)
     sweeper = Sweeper(store, APP, clock=clock)
-    assert QUICK_KEPT_LONG.stale_seconds < APP.stale_seconds
-    for key in ("quick", "slow"):  # what the driver's claim writes, its process then killed
-        assert store.claim(intent(key), f"lease-{key}", clock(), clock() + 60).owned
-    clock.advance(APP.stale_seconds - 1)
+    routes = {"quick": QUICK_KEPT_LONG, "app": APP, "slow": SLOW}
+    for key, policy in routes.items():  # what the driver's claim writes, its process then killed
+        claim = store.claim(
+            intent(key), f"lease-{key}", clock(), clock() + 60, stale_after=policy.stale_seconds
+        )
+        assert claim.owned
+    started = clock()
 
-    assert sweeper.sweep_once().released == 0
-    left = [store.get("alice", key) for key in ("quick", "slow")]
-    assert {None if r is None else r.state for r in left} == {State.IN_PROGRESS}
-    clock.advance(2)
-    assert sweeper.sweep_once().released == 2
+    for key, policy in routes.items():
+        clock.advance(started + policy.stale_seconds - 1 - clock())
+        assert sweeper.sweep_once().released == 0
+        assert (record := store.get("alice", key)) is not None
+        assert record.state is State.IN_PROGRESS
+        clock.advance(2)
+        assert sweeper.sweep_once().released == 1
     assert idem.run(intent("quick"), created, policy=QUICK_KEPT_LONG).replayed is False
 
 
-def test_a_409_on_a_shorter_routes_orphaned_claim_waits_for_the_apps_sweeper(
+def test_a_409_on_a_slower_routes_orphaned_claim_waits_for_its_own_threshold(
     clock: FrozenClock,
 ) -> None:
-    """Past the route's own 20 s threshold its crashed claim is still there (the sweeper
-    ends it at the app's 70 s): the Retry-After says so, not "any moment now"."""
+    """Past the app's 70 s threshold a slow route's crashed claim is still there (swept at its
+    own 130 s): the Retry-After says so, whichever route the retry comes through."""
     store = MemoryStore()
     idem = Idempotency(store, APP, clock=clock)
-    assert store.claim(intent(), "lease-crashed", clock(), clock() + 60).owned
-    clock.advance(21)
+    claim = store.claim(
+        intent(), "lease-crashed", clock(), clock() + 60, stale_after=SLOW.stale_seconds
+    )
+    assert claim.owned
+    clock.advance(APP.stale_seconds + 1)
 
-    with pytest.raises(InProgress) as busy:
-        idem.run(intent(), created, policy=QUICK_KEPT_LONG)
-
-    assert busy.value.retry_after >= APP.stale_seconds - 21
+    for policy in (SLOW, APP):
+        with pytest.raises(InProgress) as busy:
+            idem.run(intent(), created, policy=policy)
+        assert busy.value.retry_after >= SLOW.stale_seconds - APP.stale_seconds - 1
 
 
 class _TellingMemoryStore(MemoryStore):

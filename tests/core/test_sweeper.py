@@ -67,7 +67,9 @@ def intent(key: str = "k-1", principal: str = "alice", fp: str = "fp-1") -> Inte
 
 def crash_after_claim(backend: Backend, clock: FrozenClock, key: str = "k-1") -> Record:
     """A request that claimed its key and died: the claim is all that is left."""
-    return backend.store.claim(intent(key), f"lease-{key}", clock(), clock() + 3600).record
+    return backend.store.claim(
+        intent(key), f"lease-{key}", clock(), clock() + 3600, stale_after=STALE
+    ).record
 
 
 class Recorder:
@@ -176,9 +178,9 @@ def test_claim_not_older_than_the_threshold_is_never_touched(
 
 def test_threshold_comes_from_the_request_timeout(clock: FrozenClock) -> None:
     """Request timeout 30 s → stale after 70 s: a claim of 70 s stays, of 70.001 s goes."""
-    store = MemoryStore()
-    sweeper = Sweeper(store, Policy(request_timeout=30), clock=clock)
-    store.claim(intent(), "lease", clock(), clock() + 3600)
+    store, policy = MemoryStore(), Policy(request_timeout=30)
+    sweeper = Sweeper(store, policy, clock=clock)
+    store.claim(intent(), "lease", clock(), clock() + 3600, stale_after=policy.stale_seconds)
 
     clock.advance(70)
     assert sweeper.sweep_once().resolved == 0
@@ -358,7 +360,9 @@ def test_unresolved_stale_record_is_kept_past_its_retention(
     backend: Backend, clock: FrozenClock
 ) -> None:
     """A stale record is the only evidence of an unknown effect: purge must not take it."""
-    backend.store.claim(intent(), "lease", clock(), clock() + 30)  # retention 30 s
+    backend.store.claim(
+        intent(), "lease", clock(), clock() + 30, stale_after=STALE
+    )  # retention 30 s
     clock.advance(STALE + 1)
     Sweeper(backend.store, POLICY, reconciler=Answers(Unknown()), clock=clock).sweep_once()
 
@@ -441,7 +445,7 @@ def test_prometheus_metrics_count_resolutions(clock: FrozenClock) -> None:
 
     metrics, store = PrometheusMetrics(), MemoryStore()
     for key in ("a", "b"):
-        store.claim(intent(key), "lease", clock(), clock() + 3600)
+        store.claim(intent(key), "lease", clock(), clock() + 3600, stale_after=STALE)
     clock.advance(STALE + 1)
     answers: dict[str, Answer] = {"a": DidNotHappen(), "b": Unknown()}
 
@@ -471,7 +475,7 @@ def test_a_broken_observer_does_not_stop_the_sweep(clock: FrozenClock) -> None:
 
     store = MemoryStore()
     for key in "abc":
-        store.claim(intent(key), "lease", clock(), clock() + 3600)
+        store.claim(intent(key), "lease", clock(), clock() + 3600, stale_after=STALE)
     clock.advance(STALE + 1)
 
     assert Sweeper(store, POLICY, clock=clock, observer=broken).sweep_once().released == 3
@@ -917,7 +921,7 @@ def test_background_sweeper_survives_an_outage_and_stops_on_request(
         wait_for(lambda: sum("sweep pass failed" in r.message for r in caplog.records) >= 2)
         directory.mkdir()
         store.migrate()
-        store.claim(intent(), "lease", clock(), clock() + 3600)
+        store.claim(intent(), "lease", clock(), clock() + 3600, stale_after=STALE)
         clock.advance(STALE + 1)
         wait_for(lambda: getattr(store.get("alice", "k-1"), "state", None) is State.RELEASED)
         assert background.running
@@ -1006,7 +1010,7 @@ def test_a_record_asked_again_is_looked_at_when_its_retry_is_due(clock: FrozenCl
     """An unknown answer leaves the record stale; the next pass comes when it may be
     asked again (``retry_unknown_after``), not on the interval's beat."""
     store = MemoryStore()
-    store.claim(intent(), "lease", clock(), clock() + 3600)
+    store.claim(intent(), "lease", clock(), clock() + 3600, stale_after=STALE)
     clock.advance(STALE + 1)
     sweeper = CountingSweeper(
         store, POLICY, clock=clock, reconciler=Answers(Unknown("down")), retry_unknown_after=7.5
@@ -1024,7 +1028,7 @@ def test_a_store_that_cannot_tell_is_swept_on_the_interval_s_beat(clock: FrozenC
     ends within one interval after its threshold."""
     store = CannotTell()
     claimed_at = clock()
-    store.claim(intent(), "lease", clock(), clock() + 3600)
+    store.claim(intent(), "lease", clock(), clock() + 3600, stale_after=STALE)
     sweeper = CountingSweeper(store, POLICY, clock=clock)
     stop = ClockStop(clock, _released(store))
 
@@ -1047,7 +1051,7 @@ def test_a_record_still_due_after_a_pass_is_tried_again_soon_not_busily(
             return []
 
     store = Stubborn()
-    store.claim(intent(), "lease", clock(), clock() + 3600)
+    store.claim(intent(), "lease", clock(), clock() + 3600, stale_after=STALE)
     clock.advance(STALE + 1)
     sweeper = CountingSweeper(store, POLICY, clock=clock)
     stop = ClockStop(clock, lambda: False, most=3)
@@ -1075,7 +1079,7 @@ def test_async_run_forever_sleeps_until_the_threshold(clock: FrozenClock) -> Non
             return False
 
     async def scenario() -> float:
-        await store.claim(intent(), "lease", clock(), clock() + 3600)
+        await store.claim(intent(), "lease", clock(), clock() + 3600, stale_after=STALE)
         claimed_at = clock()
         await AsyncSweeper(store, POLICY, clock=clock).run_forever(stop=AsyncClockStop())
         return clock() - claimed_at
@@ -1101,7 +1105,7 @@ def test_async_sweeper_resolves_like_the_sync_one(
             if hasattr(store, "migrate"):
                 await store.migrate()
             for key in ("paid", "unpaid"):
-                await store.claim(intent(key), "lease", clock(), clock() + 3600)
+                await store.claim(intent(key), "lease", clock(), clock() + 3600, stale_after=STALE)
             clock.advance(STALE + 1)
             sweeper = AsyncSweeper(store, POLICY, reconciler=reconcile, clock=clock)
             report = await sweeper.sweep_once()
@@ -1109,7 +1113,7 @@ def test_async_sweeper_resolves_like_the_sync_one(
             paid = await store.get("alice", "paid")
             assert (paid.state, paid.response) == (State.COMPLETED, RECONCILED)
 
-            await store.claim(intent("later"), "lease", clock(), clock() + 3600)
+            await store.claim(intent("later"), "lease", clock(), clock() + 3600, stale_after=STALE)
             clock.advance(STALE + 1)
             background = start_background_sweeper(sweeper, every=0.01)
             for _ in range(500):

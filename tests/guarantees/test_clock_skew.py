@@ -88,7 +88,7 @@ def test_a_sweeper_whose_clock_runs_ahead_leaves_a_live_claim_alone(store: Any) 
     """On its own clock the claim is five minutes old, far past the 20 s threshold; on the
     database's it was made a moment ago. The sweeper marks nothing, the owner completes."""
     now = time.time()
-    claim = store.claim(intent(), "lease-live", now, now + 60)
+    claim = store.claim(intent(), "lease-live", now, now + 60, stale_after=POLICY.stale_seconds)
     assert claim.owned
 
     report = Sweeper(store, POLICY, clock=ahead).sweep_once()
@@ -176,7 +176,9 @@ def test_a_sweeper_whose_clock_runs_ahead_sleeps_until_the_database_s_deadline(
     """Its next pass is due when the claim is stale on the database's clock: a whole
     threshold from now, not five minutes ago (which would pass now and find nothing)."""
     now = time.time()
-    assert scheduled_store.claim(intent(), "lease-live", now, now + 60).owned
+    assert scheduled_store.claim(
+        intent(), "lease-live", now, now + 60, stale_after=POLICY.stale_seconds
+    ).owned
 
     due = Sweeper(scheduled_store, POLICY, clock=ahead).due_in()
 

@@ -830,7 +830,14 @@ async def test_the_sweeper_counts_each_resolution_once_and_the_swept_request_its
     async with open_rig(kind, table_name, tmp_path, transactional=False, pool_size=2) as rig:
         for key in ("crashed-released", "crashed-completed", "crashed-unknown"):
             now = clock()
-            await rig.call("claim", _intent(key), f"lease-{key}", now, now + 3600)
+            await rig.call(
+                "claim",
+                _intent(key),
+                f"lease-{key}",
+                now,
+                now + 3600,
+                stale_after=POLICY.stale_seconds,
+            )
         sweeper: Any
         idempotency: Any
         if rig.sync:
@@ -928,7 +935,13 @@ def test_flasks_sweep_command_counts_what_it_reclaims(
     store = SQLiteStore(tmp_path / "keys.db")
     store.migrate()
     crashed_at = time.time() - 600
-    store.claim(_intent("crashed"), "lease-crashed", crashed_at, crashed_at + 3600)
+    store.claim(
+        _intent("crashed"),
+        "lease-crashed",
+        crashed_at,
+        crashed_at + 3600,
+        stale_after=POLICY.stale_seconds,
+    )
     app = Flask(__name__)
     FlaskIdempotency(app, store=store, principal=lambda: PRINCIPAL, observer=metrics)
     try:
@@ -958,7 +971,13 @@ def test_djangos_sweep_command_counts_what_it_reclaims(
         store.migrate()
         try:
             crashed_at = time.time() - 600
-            store.claim(_intent("crashed"), "lease-crashed", crashed_at, crashed_at + 3600)
+            store.claim(
+                _intent("crashed"),
+                "lease-crashed",
+                crashed_at,
+                crashed_at + 3600,
+                stale_after=POLICY.stale_seconds,
+            )
             out = io.StringIO()
             call_command("idemflow_sweep", stdout=out)
         finally:

@@ -45,7 +45,9 @@ def end_the_claim(backend: Backend, clock: FrozenClock) -> None:
 
 
 def new_owner(backend: Backend, clock: FrozenClock) -> Record:
-    claim = backend.store.claim(intent(), "lease-new", clock(), clock() + 3600)
+    claim = backend.store.claim(
+        intent(), "lease-new", clock(), clock() + 3600, stale_after=POLICY.stale_seconds
+    )
     assert claim.owned
     return claim.record
 
@@ -60,7 +62,9 @@ def test_overrun_owner_cannot_complete_release_or_checkpoint_the_new_owners_clai
     backend: Backend, clock: FrozenClock
 ) -> None:
     """All three writes of the old lease fail; the new owner's record is exactly as it was."""
-    old = backend.store.claim(intent(), "lease-old", clock(), clock() + 3600).record
+    old = backend.store.claim(
+        intent(), "lease-old", clock(), clock() + 3600, stale_after=POLICY.stale_seconds
+    ).record
     backend.store.checkpoint(old, "payment_created", clock())
     end_the_claim(backend, clock)
     mine = new_owner(backend, clock)
@@ -85,7 +89,9 @@ def test_overrun_owner_cannot_overwrite_the_new_owners_response(
     backend: Backend, clock: FrozenClock
 ) -> None:
     """After the new owner completed, the old lease still writes nothing."""
-    old = backend.store.claim(intent(), "lease-old", clock(), clock() + 3600).record
+    old = backend.store.claim(
+        intent(), "lease-old", clock(), clock() + 3600, stale_after=POLICY.stale_seconds
+    ).record
     end_the_claim(backend, clock)
     mine = new_owner(backend, clock)
     backend.store.complete(mine, State.COMPLETED, NEW, clock(), clock() + 3600)
@@ -201,7 +207,9 @@ def test_swept_claim_is_fenced_before_anyone_takes_it_over(
     sweepable: Backend, clock: FrozenClock
 ) -> None:
     """While stale (being reconciled) the record refuses every write of its old owner."""
-    old = sweepable.store.claim(intent(), "lease-old", clock(), clock() + 3600).record
+    old = sweepable.store.claim(
+        intent(), "lease-old", clock(), clock() + 3600, stale_after=POLICY.stale_seconds
+    ).record
     clock.advance(POLICY.stale_seconds + 1)
     report = Sweeper(
         sweepable.store, POLICY, reconciler=lambda r, k: Unknown(), clock=clock
@@ -223,7 +231,9 @@ def test_reconciled_claim_keeps_the_providers_answer_against_its_old_owner(
     sweepable: Backend, clock: FrozenClock
 ) -> None:
     """Once the sweeper settled from the provider's answer, the old owner cannot replace it."""
-    old = sweepable.store.claim(intent(), "lease-old", clock(), clock() + 3600).record
+    old = sweepable.store.claim(
+        intent(), "lease-old", clock(), clock() + 3600, stale_after=POLICY.stale_seconds
+    ).record
     clock.advance(POLICY.stale_seconds + 1)
     Sweeper(
         sweepable.store, POLICY, reconciler=lambda r, k: Happened(RECONCILED), clock=clock
@@ -242,7 +252,7 @@ def test_a_sweeper_cannot_resolve_a_record_it_no_longer_holds(
 ) -> None:
     """The sweeper's own writes are fenced too: on its mark, which a later sweep replaces."""
     store: Any = sweepable.store
-    store.claim(intent(), "lease-old", clock(), clock() + 3600)
+    store.claim(intent(), "lease-old", clock(), clock() + 3600, stale_after=POLICY.stale_seconds)
     clock.advance(POLICY.stale_seconds + 1)
     (first_mark,) = store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 10)
     clock.advance(1)

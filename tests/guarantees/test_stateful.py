@@ -193,7 +193,13 @@ class IdempotencyMachine(RuleBasedStateMachine):
         lease = f"lease-{next(self.leases)}"
         now = self.clock()
 
-        claim = self.store.claim(Intent(principal, key, fingerprint), lease, now, now + retention)
+        claim = self.store.claim(
+            Intent(principal, key, fingerprint),
+            lease,
+            now,
+            now + retention,
+            stale_after=POLICY.stale_seconds,
+        )
 
         assert claim.owned == self.free_for(slot, fingerprint)
         event(f"claim: {'owned' if claim.owned else 'taken'} over {slot_label(slot, self.now())}")
@@ -246,18 +252,18 @@ class IdempotencyMachine(RuleBasedStateMachine):
     @rule(target=marked, from_state=st.sampled_from([State.IN_PROGRESS, State.RELEASED]))
     def sweep(self, from_state: State) -> Any:
         now = self.now()
-        cutoff = now - ms(POLICY.stale_seconds)
         keep_until = now + ms(POLICY.retention_seconds)
+        # Each owner write dates a record and its deadline, the threshold it was claimed with.
         due = {
             slot
             for slot, s in self.model.items()
             if s.state is from_state
-            and s.updated_at < cutoff
+            and s.updated_at + ms(POLICY.stale_seconds) < now
             # released records only when they got past a recovery point
             and (from_state is State.IN_PROGRESS or s.recovery_point is not None)
         }
 
-        marked = self.store.sweep(from_state, cutoff / 1000, now / 1000, keep_until / 1000, 1000)
+        marked = self.store.sweep(from_state, now / 1000, now / 1000, keep_until / 1000, 1000)
 
         assert {(r.principal, r.key) for r in marked} == due
         event(f"sweep: {len(marked)} marked")

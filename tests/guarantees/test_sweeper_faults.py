@@ -132,7 +132,13 @@ async def crashed_claims(kind: str, table: str, clock: FrozenClock) -> AsyncIter
                 await store.pool.open(wait=True)
             await store.migrate()
             for key in KEYS:
-                await store.claim(intent(key), f"lease-{key}", clock(), clock() + 3600)
+                await store.claim(
+                    intent(key),
+                    f"lease-{key}",
+                    clock(),
+                    clock() + 3600,
+                    stale_after=POLICY.stale_seconds,
+                )
             clock.advance(POLICY.stale_seconds + 1)
             yield Crashed(store, end, *_transactions(kind, store))
         finally:
@@ -308,7 +314,13 @@ def test_the_sync_sweeper_retries_a_lost_session_too(
         try:
             store.migrate()
             for key in KEYS:
-                store.claim(intent(key), f"lease-{key}", clock(), clock() + 3600)
+                store.claim(
+                    intent(key),
+                    f"lease-{key}",
+                    clock(),
+                    clock() + 3600,
+                    stale_after=POLICY.stale_seconds,
+                )
             clock.advance(POLICY.stale_seconds + 1)
             sweeper = Sweeper(
                 store,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -26,6 +27,7 @@ from idemflow import (
     ConfigurationError,
     Idempotency,
     InProgress,
+    Intent,
     Response,
     State,
     StoreUnavailable,
@@ -38,6 +40,7 @@ from idemflow.integrations.django import (
 )
 from idemflow.integrations.django.conf import idemflow_settings, observer_of
 from idemflow.stores.django import DjangoStore
+from idemflow.stores.sql import SQLStore
 from idemflow.stores.urls import open_store
 from idemflow.testing import FrozenClock
 from tests.backends import MYSQL_URL
@@ -368,6 +371,43 @@ def test_the_migration_creates_the_schema_idemflow_migrate_creates(
 
     assert by_django
     assert by_django == by_idemflow
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_the_migration_upgrades_a_table_an_earlier_version_created(
+    vendor: str, table_name: str
+) -> None:
+    """`manage.py migrate` after an upgrade gives the key table each record's own stale
+    threshold (0002), so the store claims and sweeps on it; a table made now: untouched."""
+    from tests.stores.test_upgrade import earlier_ddl
+
+    alias = VENDOR_ALIAS[vendor]
+    require(alias)
+    settings = {"table": table_name, "database": alias}
+    store = open_store(_store_url(vendor), table=table_name)
+    assert isinstance(store, SQLStore)
+    try:
+        with override_settings(IDEMFLOW=settings):
+            call_command("migrate", "idemflow", "0001", database=alias, verbosity=0)
+            execute(alias, f"DROP TABLE {table_name}")
+            for statement in earlier_ddl(store):  # as the earlier version's 0001 made it
+                execute(alias, statement)
+            call_command("migrate", "idemflow", database=alias, verbosity=0)
+            with connections[alias].cursor() as cursor:
+                described = connections[alias].introspection.get_table_description(
+                    cursor, table_name
+                )
+            now = time.time()
+            claimed = store.claim(Intent("alice", "k", "fp"), "l", now, now + 60, stale_after=1)
+            marked = store.sweep(State.IN_PROGRESS, now + 2, now, now + 60, 10)
+            call_command("migrate", "idemflow", "zero", database=alias, verbosity=0)
+    finally:
+        store.close()
+        execute(alias, f"DROP TABLE IF EXISTS {table_name}")
+
+    assert {"stale_after", "stale_at"} <= {column.name for column in described}
+    assert claimed.owned
+    assert [record.key for record in marked] == ["k"]
 
 
 def test_the_migration_leaves_other_aliases_alone(table_name: str) -> None:

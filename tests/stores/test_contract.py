@@ -23,6 +23,7 @@ from idemflow import (
     LeaseLost,
     Outcome,
     Policy,
+    Record,
     Response,
     State,
 )
@@ -365,8 +366,8 @@ def test_a_released_intent_past_an_external_call_outlives_its_retention(
 def test_release_and_complete_are_fenced_by_the_lease(backend: Backend, clock: FrozenClock) -> None:
     """A stale owner's lease token can neither release nor complete the new owner's record."""
     store = backend.store
-    first = store.claim(intent(), "lease-a", clock(), clock() + 3600).record
-    clock.advance(POLICY.stale_seconds + 1)
+    first = store.claim(intent(), "lease-a", clock(), clock() + 3600, stale_after=20).record
+    clock.advance(21)
     sweep_away(store, clock)
     second = store.claim(intent(), "lease-b", clock(), clock() + 3600)
     assert second.owned
@@ -382,20 +383,19 @@ def test_release_and_complete_are_fenced_by_the_lease(backend: Backend, clock: F
 def test_a_renewed_claim_outlives_the_stale_threshold_and_a_stolen_one_cannot_renew(
     backend: Backend, clock: FrozenClock
 ) -> None:
-    """``renew`` dates the claim now (the sweeper counts from the last renewal), fenced by
-    the lease: once the claim is swept and taken over, renewing raises LeaseLost."""
+    """``renew`` dates the claim now (its deadline its own threshold from the last renewal),
+    fenced by the lease: once the claim is swept and taken over, renewing raises LeaseLost."""
     store: Any = backend.store
-    first = store.claim(intent(), "lease-a", clock(), clock() + 3600).record
-    clock.advance(POLICY.stale_seconds - 1)
+    first = store.claim(intent(), "lease-a", clock(), clock() + 3600, stale_after=20).record
+    clock.advance(19)
     store.renew(first, clock())
     clock.advance(2)  # past the threshold counted from the claim, not from the renewal
 
     def sweep() -> list[Any]:
-        cutoff = clock() - POLICY.stale_seconds
-        return list(store.sweep(State.IN_PROGRESS, cutoff, clock(), clock() + 3600, 100))
+        return list(store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 100))
 
     assert sweep() == []
-    clock.advance(POLICY.stale_seconds)
+    clock.advance(20)
     (marked,) = sweep()
     assert store.release_stale(marked, clock())
     assert store.claim(intent(), "lease-b", clock(), clock() + 3600).owned
@@ -404,6 +404,42 @@ def test_a_renewed_claim_outlives_the_stale_threshold_and_a_stolen_one_cannot_re
     current = store.get("alice", "k-1")
     assert current is not None
     assert (current.state, current.lease_token) == (State.IN_PROGRESS, "lease-b")
+
+
+def test_each_claim_is_swept_at_its_own_threshold_which_its_owner_writes_move_on(
+    backend: Backend, clock: FrozenClock
+) -> None:
+    """A claim made with a longer stale threshold than the app's (a slow route, a
+    consumer's lease) is not swept at the app's threshold but once its own has passed,
+    counted from its owner's last write: a checkpoint or a renewal moves its deadline on."""
+    store: Any = backend.store
+    app, own = POLICY.stale_seconds, 3 * POLICY.stale_seconds
+
+    def claim(name: str, token: str, stale_after: float) -> Record:
+        claimed = store.claim(intent(name), token, clock(), clock() + 3600, stale_after=stale_after)
+        assert claimed.owned
+        return claimed.record  # type: ignore[no-any-return]
+
+    def sweep() -> list[str]:
+        marked = store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 100)
+        return sorted(record.key for record in marked)
+
+    claim("short", "lease-a", app)
+    long = claim("long", "lease-b", own)
+    assert long.stale_at == pytest.approx(long.updated_at + own, abs=0.001)
+    read = store.get("alice", "long")
+    assert read.stale_at == pytest.approx(long.stale_at, abs=0.001)
+
+    clock.advance(app + 1)
+    assert sweep() == ["short"]  # the app's threshold passed: only the claim made with it
+    store.checkpoint(long, "payment_created", clock())
+    clock.advance(own - 1)  # past the claim's own deadline, not the checkpoint's
+    assert sweep() == []
+    store.renew(long, clock())
+    clock.advance(own - 1)
+    assert sweep() == []
+    clock.advance(2)
+    assert sweep() == ["long"]
 
 
 def test_claim_reports_owner_only_once(backend: Backend, clock: FrozenClock) -> None:
@@ -434,14 +470,14 @@ def test_checkpoint_keeps_recovery_point_across_release(
 
 
 def test_sweep_marks_each_stale_claim_once(backend: Backend, clock: FrozenClock) -> None:
-    """Only claims untouched past the cutoff are marked, and a second sweep finds none."""
+    """Only claims whose deadline passed are marked, and a second sweep finds none."""
     store: Any = backend.store
-    old = store.claim(intent("old"), "lease-a", clock(), clock() + 3600).record
+    old = store.claim(intent("old"), "lease-a", clock(), clock() + 3600, stale_after=50).record
     clock.advance(100)
-    store.claim(intent("fresh"), "lease-b", clock(), clock() + 3600)
+    store.claim(intent("fresh"), "lease-b", clock(), clock() + 3600, stale_after=50)
 
-    marked = store.sweep(State.IN_PROGRESS, clock() - 50, clock(), clock() + 3600, 100)
-    again = store.sweep(State.IN_PROGRESS, clock() - 50, clock(), clock() + 3600, 100)
+    marked = store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 100)
+    again = store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 100)
 
     assert [r.key for r in marked] == ["old"]
     assert marked[0].state is State.STALE
@@ -482,9 +518,9 @@ def test_released_records_are_swept_only_past_a_recovery_point(
     assert store.release(progressed, clock())
     plain = store.claim(intent("plain"), "lease-b", clock(), clock() + 3600).record
     assert store.release(plain, clock())
-    clock.advance(100)
+    clock.advance(POLICY.stale_seconds * 10)  # past the default threshold the claims carry
 
-    marked = store.sweep(State.RELEASED, clock() - 50, clock(), clock() + 3600, 10)
+    marked = store.sweep(State.RELEASED, clock(), clock(), clock() + 3600, 10)
 
     assert [(r.key, r.state, r.recovery_point) for r in marked] == [
         ("progressed", State.STALE, "payment_created")
@@ -542,19 +578,25 @@ def test_each_route_keeps_its_outcomes_for_its_own_retention(
 def test_next_due_is_the_deadline_of_the_oldest_record_sweep_would_mark(
     backend: Backend, clock: FrozenClock
 ) -> None:
-    """``next_due``: the oldest sweepable record's ``updated_at`` minus the cutoff (negative
+    """``next_due``: the earliest sweepable record's ``stale_at`` minus the cutoff (negative
     once it is due), ``inf`` when there is none; settled records and released ones
     without a recovery point never count. The sweeper sleeps until it."""
     store: Any = backend.store
 
-    def due(state: State, threshold: float = 50) -> float | None:
-        answer: float | None = store.next_due(state, clock() - threshold, clock())
+    def due(state: State, since: float = 0) -> float | None:
+        answer: float | None = store.next_due(state, clock() - since, clock())
         return answer
 
+    def claim(name: str, token: str) -> Record:
+        record: Record = store.claim(
+            intent(name), token, clock(), clock() + 3600, stale_after=50
+        ).record
+        return record
+
     assert [due(s) for s in (State.IN_PROGRESS, State.STALE, State.RELEASED)] == [math.inf] * 3
-    first = store.claim(intent("first"), "lease-a", clock(), clock() + 3600).record
+    first = claim("first", "lease-a")
     clock.advance(10)
-    store.claim(intent("second"), "lease-b", clock(), clock() + 3600)
+    claim("second", "lease-b")
     assert due(State.IN_PROGRESS) == pytest.approx(40, abs=0.001)  # the first, 10 s old
 
     store.complete(first, State.COMPLETED, CREATED, clock(), clock() + 3600)
@@ -562,15 +604,15 @@ def test_next_due_is_the_deadline_of_the_oldest_record_sweep_would_mark(
     clock.advance(60)
     assert due(State.IN_PROGRESS) == pytest.approx(-10, abs=0.001)  # due 10 s ago
 
-    (marked,) = store.sweep(State.IN_PROGRESS, clock() - 50, clock(), clock() + 3600, 10)
+    (marked,) = store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 10)
     assert due(State.IN_PROGRESS) == math.inf
-    assert due(State.STALE, threshold=30) == pytest.approx(30, abs=0.001)  # to ask again
+    assert due(State.STALE, since=30) == pytest.approx(30, abs=0.001)  # to ask again
     assert store.release_stale(marked, clock())
     assert due(State.STALE) == math.inf
     assert due(State.RELEASED) == math.inf  # released, nothing to reconcile
 
-    progressed = store.claim(intent("progressed"), "lease-c", clock(), clock() + 3600).record
+    progressed = claim("progressed", "lease-c")
     store.checkpoint(progressed, "payment_created", clock())
     clock.advance(5)
     assert store.release(progressed, clock())
-    assert due(State.RELEASED) == pytest.approx(50, abs=0.001)
+    assert due(State.RELEASED) == pytest.approx(50, abs=0.001)  # its own threshold on

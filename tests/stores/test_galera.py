@@ -203,7 +203,8 @@ def test_a_completion_that_loses_certification_to_the_sweeper_is_a_503(
     idem = Idempotency(owner, POLICY, clock=clock)
 
     def sweep() -> list[Record]:
-        return sweeper_store.sweep(State.IN_PROGRESS, clock() + 1, clock(), clock() + 3600, 10)
+        past = clock() + POLICY.stale_seconds + 1  # the claim's own deadline passed
+        return sweeper_store.sweep(State.IN_PROGRESS, past, clock(), clock() + 3600, 10)
 
     def handler(attempt: Any) -> Response:
         with attempt.connection.cursor() as cursor:
@@ -288,7 +289,8 @@ def test_owners_and_a_sweeper_on_other_nodes_never_both_win(
 
         def sweep(store: MySQLStore, won: Any = won) -> str:
             for _ in range(per_round):
-                for record in store.sweep(State.IN_PROGRESS, clock() + 1, clock(), clock() + 60, 2):
+                past = clock() + 3600  # every claim's own deadline passed
+                for record in store.sweep(State.IN_PROGRESS, past, clock(), clock() + 60, 2):
                     with lock:
                         won[record.key].append("sweeper")
             return "sweeper done"

@@ -357,6 +357,7 @@ def test_cli_migrate_creates_table_and_indexes(table_name: str) -> None:
         ("PRIMARY", 0),
         (f"{table_name}_principal_key", 0),
         (f"{table_name}_state_updated", 1),
+        (f"{table_name}_state_stale", 1),
         (f"{table_name}_expires", 1),
     }
 

@@ -100,10 +100,10 @@ async def test_sweep_marks_a_stale_claim_once_then_it_is_released_and_purged(
     """The sweep's mark carries its own token; a second sweep finds nothing."""
     async with async_mysql_backend(table_name) as mysql:
         store = mysql.store
-        await store.claim(intent(), "crashed", T0, T0 + 10)
-        [marked] = await store.sweep(State.IN_PROGRESS, T0 + 5, T0 + 20, T0 + 30, 10)
+        await store.claim(intent(), "crashed", T0, T0 + 10, stale_after=5)
+        [marked] = await store.sweep(State.IN_PROGRESS, T0 + 20, T0 + 20, T0 + 30, 10)
         assert (marked.state, marked.lease_token != "crashed") == (State.STALE, True)
-        assert await store.sweep(State.IN_PROGRESS, T0 + 5, T0 + 20, T0 + 30, 10) == []
+        assert await store.sweep(State.IN_PROGRESS, T0 + 20, T0 + 20, T0 + 30, 10) == []
         assert await store.release_stale(marked, T0 + 21)
         assert await store.purge(T0 + 40, 10) == 1
         assert await store.get("alice", "k-1") is None

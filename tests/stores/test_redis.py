@@ -99,9 +99,10 @@ def assert_indexes_match_records(store: RedisStore) -> dict[str, int]:
     """Every index entry is its record's, with its record's score, and nothing is missing.
 
     in_progress / stale / released-with-a-recovery-point: in their sweep index
-    by updated_at, no TTL, never purged. Settled, and released with nothing to
-    reconcile: in the expiry index by expires_at, with a TTL. Returns the
-    records per state (so a caller can check the workload did what it meant).
+    by stale_at (their own deadline; a stale one's mark), no TTL, never purged.
+    Settled, and released with nothing to reconcile: in the expiry index by
+    expires_at, with a TTL. Returns the records per state (so a caller can check
+    the workload did what it meant).
     """
     client, layout = store.client, store.layout
     want: dict[bytes, dict[bytes, int]] = collections.defaultdict(dict)
@@ -115,10 +116,12 @@ def assert_indexes_match_records(store: RedisStore) -> dict[str, int]:
         kept = record.state is State.RELEASED and record.recovery_point is not None
         if record.state in (State.IN_PROGRESS, State.STALE):
             position = IN_PROGRESS if record.state is State.IN_PROGRESS else STALE
-            want[indexes[position]][key] = ms(record.updated_at)
+            assert record.stale_at is not None  # its deadline (stale: its mark)
+            want[indexes[position]][key] = ms(record.stale_at)
             assert ttl == -1, f"{record.key} ({record.state}) must not expire by itself"
         elif kept:
-            want[indexes[RELEASED]][key] = ms(record.updated_at)
+            assert record.stale_at is not None
+            want[indexes[RELEASED]][key] = ms(record.stale_at)
             assert ttl == -1, f"{record.key} (released with progress) must not expire"
         else:
             want[indexes[EXPIRES]][key] = ms(record.expires_at)
@@ -150,21 +153,23 @@ def keys_in_one_bucket(store: RedisStore, count: int) -> list[str]:
 def test_a_claim_never_expires_by_itself(store: RedisStore) -> None:
     """An in_progress record has no TTL, however long its request runs; it is indexed."""
     clock = FrozenClock()
-    claim = store.claim(intent(), "lease-a", clock(), clock() + 3600)
+    claim = store.claim(intent(), "lease-a", clock(), clock() + 3600, stale_after=THRESHOLD)
     store.checkpoint(claim.record, "charged", clock())
     key = store.layout.record_key("alice", "k-1")
 
     assert claim.owned
     assert store.client.pttl(key) == -1
     clock.advance(10 * THRESHOLD)
-    assert not store.claim(intent(), "lease-b", clock(), clock() + 3600).owned
+    assert not store.claim(
+        intent(), "lease-b", clock(), clock() + 3600, stale_after=THRESHOLD
+    ).owned
     assert assert_indexes_match_records(store) == {"in_progress": 1}
 
 
 def test_settled_record_keeps_its_own_ttl_for_the_retention(store: RedisStore) -> None:
     """Completion gives the record its retention, counted from settlement, as its TTL."""
     clock = FrozenClock()
-    claim = store.claim(intent(), "lease-a", clock(), clock() + 3600)
+    claim = store.claim(intent(), "lease-a", clock(), clock() + 3600, stale_after=THRESHOLD)
     clock.advance(10)
     store.complete(claim.record, State.COMPLETED, CREATED, clock(), clock() + 3600)
 
@@ -196,7 +201,9 @@ def test_released_record_waits_for_the_retry_of_the_same_request(store: RedisSto
 def test_a_crashed_claim_is_marked_stale_and_keeps_its_recovery_point(store: RedisStore) -> None:
     """Past the threshold (not before) the sweeper marks the crash; it is asked with its point."""
     clock = FrozenClock()
-    crashed = store.claim(intent(), "lease-a", clock(), clock() + 3600).record
+    crashed = store.claim(
+        intent(), "lease-a", clock(), clock() + 3600, stale_after=THRESHOLD
+    ).record
     store.checkpoint(crashed, "charged", clock())
     clock.advance(THRESHOLD)  # at the threshold: still live
     assert Sweeper(store, POLICY, clock=clock).sweep_once() == SweepReport()
@@ -234,7 +241,7 @@ def test_an_overrun_owner_cannot_write_after_the_sweeper_marked_it(store: RedisS
     settlement it wrote never passes for the owner's.
     """
     clock = FrozenClock()
-    old = store.claim(intent(), "lease-old", clock(), clock() + 3600).record
+    old = store.claim(intent(), "lease-old", clock(), clock() + 3600, stale_after=THRESHOLD).record
     clock.advance(THRESHOLD + 1)
     unsure = Sweeper(store, POLICY, reconciler=lambda r, k: Unknown(), clock=clock)
     assert unsure.sweep_once().unknown == 1
@@ -266,7 +273,9 @@ def test_two_sweepers_racing_resolve_each_stale_record_exactly_once(
     clock = FrozenClock()
     keys = [f"crash-{n}" for n in range(300)]
     for key in keys:
-        claimed = store.claim(intent(key), f"lease-{key}", clock(), clock() + 3600).record
+        claimed = store.claim(
+            intent(key), f"lease-{key}", clock(), clock() + 3600, stale_after=THRESHOLD
+        ).record
         store.checkpoint(claimed, "charged", clock())
     clock.advance(THRESHOLD + 1)
     asked: collections.Counter[str] = collections.Counter()
@@ -335,7 +344,9 @@ def test_indexes_match_the_records_after_a_mixed_workload(store: RedisStore) -> 
         idem.run(intent(f"failed-{n}"), lambda attempt: Response(503))
         idem.run(intent(f"progressed-{n}"), progressed_then_failed)
     for n in range(6):
-        crashed = store.claim(intent(f"crash-{n}"), f"lease-{n}", clock(), clock() + 3600).record
+        crashed = store.claim(
+            intent(f"crash-{n}"), f"lease-{n}", clock(), clock() + 3600, stale_after=THRESHOLD
+        ).record
         if n % 2:
             store.checkpoint(crashed, "charged", clock())
     assert assert_indexes_match_records(store) == {
@@ -382,11 +393,11 @@ def check_settling_write_purges_its_bucket(store: RedisStore) -> None:
     clock = FrozenClock()
     old, new = keys_in_one_bucket(store, 4)[:3], keys_in_one_bucket(store, 4)[3]
     for key in old:
-        record = store.claim(intent(key), "l", clock(), clock() + 10).record
+        record = store.claim(intent(key), "l", clock(), clock() + 10, stale_after=THRESHOLD).record
         store.complete(record, State.COMPLETED, CREATED, clock(), clock() + 10)
     clock.advance(11)
 
-    record = store.claim(intent(new), "l", clock(), clock() + 3600).record
+    record = store.claim(intent(new), "l", clock(), clock() + 3600, stale_after=THRESHOLD).record
     store.complete(record, State.COMPLETED, CREATED, clock(), clock() + 3600)
 
     assert sum(store.get("alice", key) is None for key in old) == 2
@@ -398,7 +409,7 @@ def check_settling_write_purges_its_bucket(store: RedisStore) -> None:
 def test_purge_drops_the_entries_of_records_their_ttl_deleted(store: RedisStore) -> None:
     """Redis deletes a settled record at the end of its TTL; purge then drops its entry."""
     clock = FrozenClock()
-    record = store.claim(intent(), "l", clock(), clock() + 3600).record
+    record = store.claim(intent(), "l", clock(), clock() + 3600, stale_after=THRESHOLD).record
     store.complete(record, State.COMPLETED, CREATED, clock(), clock() + 0.05)
     key = store.layout.record_key("alice", "k-1")
     deadline = time.monotonic() + 10
@@ -423,13 +434,17 @@ def test_hosts_whose_clocks_run_ahead_decide_on_redis_time(table_name: str) -> N
         store = RedisStore(client, prefix=f"{table_name}-{clock}", clock=clock, allow_volatile=True)
         try:
             now = time.time()
-            store.claim(intent("live"), "lease-live", now, now + 3600)
-            done = store.claim(intent("settled"), "lease-done", now, now + 3600).record
+            store.claim(intent("live"), "lease-live", now, now + 3600, stale_after=THRESHOLD)
+            done = store.claim(
+                intent("settled"), "lease-done", now, now + 3600, stale_after=THRESHOLD
+            ).record
             store.complete(done, State.COMPLETED, CREATED, now, now + 60)  # a 60 s retention
             fast = Policy(request_timeout=60, retention=60)  # stale after 130 s
             swept = Sweeper(store, fast, clock=lambda: time.time() + ahead).sweep_once()
             later = time.time() + ahead
-            taken = store.claim(intent("settled", fp="fp-other"), "l", later, later + 60).owned
+            taken = store.claim(
+                intent("settled", fp="fp-other"), "l", later, later + 60, stale_after=THRESHOLD
+            ).owned
             return swept, taken
         finally:
             delete_keys(client, f"{table_name}-{clock}")
@@ -445,7 +460,7 @@ def test_a_fresh_claim_reports_the_times_it_wrote(table_name: str) -> None:
     store = RedisStore(client, prefix=table_name, allow_volatile=True)
     try:
         now = time.time() - 3600  # a caller clock an hour behind
-        claim = store.claim(intent(), "lease-a", now, now + 60)
+        claim = store.claim(intent(), "lease-a", now, now + 60, stale_after=THRESHOLD)
         stored = store.get("alice", "k-1")
     finally:
         delete_keys(client, table_name)
@@ -459,7 +474,7 @@ def test_a_fresh_claim_reports_the_times_it_wrote(table_name: str) -> None:
 def test_checkpoint_counts_as_life(store: RedisStore) -> None:
     """The sweeper's threshold runs from the last checkpoint, not from the claim."""
     clock = FrozenClock()
-    claim = store.claim(intent(), "lease-a", clock(), clock() + 3600)
+    claim = store.claim(intent(), "lease-a", clock(), clock() + 3600, stale_after=THRESHOLD)
     clock.advance(15)
     store.checkpoint(claim.record, "charged", clock())
     clock.advance(15)
@@ -471,15 +486,17 @@ def test_checkpoint_counts_as_life(store: RedisStore) -> None:
 def test_every_script_is_safe_to_retry(store: RedisStore) -> None:
     """A client that resends a script after a lost reply finds its own result, not a loss."""
     clock = FrozenClock()
-    first = store.claim(intent(), "lease-a", clock(), clock() + 3600)
-    again = store.claim(intent(), "lease-a", clock(), clock() + 3600)
+    first = store.claim(intent(), "lease-a", clock(), clock() + 3600, stale_after=THRESHOLD)
+    again = store.claim(intent(), "lease-a", clock(), clock() + 3600, stale_after=THRESHOLD)
     assert (first.owned, again.owned) == (True, True)
     assert again.record.id == first.record.id
 
     store.complete(first.record, State.COMPLETED, CREATED, clock(), clock() + 3600)
     store.complete(first.record, State.COMPLETED, CREATED, clock(), clock() + 3600)
 
-    other = store.claim(intent("k-2"), "lease-b", clock(), clock() + 3600).record
+    other = store.claim(
+        intent("k-2"), "lease-b", clock(), clock() + 3600, stale_after=THRESHOLD
+    ).record
     assert store.release(other, clock()) is True
     assert store.release(other, clock()) is True
     assert_indexes_match_records(store)
@@ -532,7 +549,9 @@ def test_a_claim_answers_a_held_record_in_two_reply_elements(store: RedisStore) 
 
     assert [len(reply), reply[0]] == [2, b"held"]
     fields = store.client.hgetall(store.layout.record_key("alice", "packed"))
-    held = store.claim(intent("packed"), "another-token", time.time(), time.time() + 60).record
+    held = store.claim(
+        intent("packed"), "another-token", time.time(), time.time() + 60, stale_after=THRESHOLD
+    ).record
     assert held == record_from_hash([item for pair in fields.items() for item in pair])
     assert held.response == stored
     assert (held.recovery_point, held.correlation_id) == (None, None)
@@ -545,11 +564,11 @@ def test_a_server_that_lost_its_scripts_gets_them_again(tmp_path: Path) -> None:
         store.client.script_flush()
         clock = FrozenClock()
 
-        first = store.claim(intent(), "lease-a", clock(), clock() + 60)
-        second = store.claim(intent(), "lease-b", clock(), clock() + 60)
+        first = store.claim(intent(), "lease-a", clock(), clock() + 60, stale_after=THRESHOLD)
+        second = store.claim(intent(), "lease-b", clock(), clock() + 60, stale_after=THRESHOLD)
         clock.advance(THRESHOLD + 1)
         store.client.script_flush()
-        marked = store.sweep(State.IN_PROGRESS, clock() - THRESHOLD, clock(), clock() + 60, 10)
+        marked = store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 60, 10)
         store.close()
     assert (first.owned, second.owned) == (True, False)
     assert [r.state for r in marked] == [State.STALE]
@@ -581,8 +600,10 @@ def test_idemflow_sweep_stats_and_purge_work_on_redis(
 ) -> None:
     """The operator's commands run on a redis:// URL: the crash is swept, counted, purged."""
     now = time.time()
-    store.claim(intent("crashed"), "lease-c", now - 100, now + 3600)  # older than 70 s
-    done = store.claim(intent("done"), "lease-d", now - 7200, now).record
+    store.claim(
+        intent("crashed"), "lease-c", now - 100, now + 3600, stale_after=THRESHOLD
+    )  # older than 70 s
+    done = store.claim(intent("done"), "lease-d", now - 7200, now, stale_after=THRESHOLD).record
     store.complete(done, State.COMPLETED, CREATED, now - 7200, now - 3600)
     url, table = REDIS_URL, ("--table", table_name)
 
@@ -609,10 +630,10 @@ def test_the_stuck_claims_gauge_reads_a_redis_store(store: RedisStore) -> None:
 
     clock = FrozenClock()
     for key in ("a", "b", "c"):
-        store.claim(intent(key), key, clock(), clock() + 3600)
+        store.claim(intent(key), key, clock(), clock() + 3600, stale_after=THRESHOLD)
     clock.advance(THRESHOLD + 1)
-    store.claim(intent("fresh"), "fresh", clock(), clock() + 3600)
-    store.sweep(State.IN_PROGRESS, clock() - THRESHOLD, clock(), clock() + 3600, 1)
+    store.claim(intent("fresh"), "fresh", clock(), clock() + 3600, stale_after=THRESHOLD)
+    store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 1)
     metrics = PrometheusMetrics()
     metrics.watch_stale_claims(store, POLICY.request_timeout, cache_seconds=0, clock=clock)
 
@@ -793,7 +814,9 @@ async def test_async_store_sweeps_resolves_and_purges(table_name: str) -> None:
 
     try:
         for key in ("charged", "never"):
-            record = (await store.claim(intent(key), key, clock(), clock() + 3600)).record
+            record = (
+                await store.claim(intent(key), key, clock(), clock() + 3600, stale_after=THRESHOLD)
+            ).record
             await store.checkpoint(record, "payment_created", clock())
         clock.advance(THRESHOLD + 1)
         report = await AsyncSweeper(store, POLICY, reconciler=answer, clock=clock).sweep_once()

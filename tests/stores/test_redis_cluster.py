@@ -138,7 +138,13 @@ def test_records_and_indexes_land_on_every_master_and_the_sweeper_reaches_them(
     clock = FrozenClock()
     keys = [f"crash-{n}" for n in range(60)]
     for key in keys:
-        claim = cluster_store.claim(Intent("alice", key, "fp"), key, clock(), clock() + 3600)
+        claim = cluster_store.claim(
+            Intent("alice", key, "fp"),
+            key,
+            clock(),
+            clock() + 3600,
+            stale_after=POLICY.stale_seconds,
+        )
         cluster_store.checkpoint(claim.record, "charged", clock())
     layout = cluster_store.layout
     names = {
@@ -178,12 +184,17 @@ def test_a_walk_over_the_buckets_names_each_script_s_node_and_asks_none(
     command's node: no node is asked ``COMMAND GETKEYS`` for it (1024 round trips a walk)."""
     clock = FrozenClock()
     for n in range(6):
-        cluster_store.claim(Intent("alice", f"crash-{n}", "fp"), f"l-{n}", clock(), clock() + 60)
+        cluster_store.claim(
+            Intent("alice", f"crash-{n}", "fp"),
+            f"l-{n}",
+            clock(),
+            clock() + 60,
+            stale_after=POLICY.stale_seconds,
+        )
     clock.advance(POLICY.stale_seconds + 1)
     asked = _keys_asked(cluster_store)
 
-    cutoff = clock() - POLICY.stale_seconds
-    due = cluster_store.next_due(State.IN_PROGRESS, cutoff, clock())
+    due = cluster_store.next_due(State.IN_PROGRESS, clock(), clock())
     assert due is not None
     assert due < 0  # a pass is due
     report = Sweeper(cluster_store, POLICY, clock=clock).sweep_once()
@@ -273,7 +284,13 @@ async def test_async_store_on_the_async_cluster_client(server: str, table_name: 
         first = [await idem.run(Intent("alice", f"k-{n}", "fp"), handler) for n in range(12)]
         again = [await idem.run(Intent("alice", f"k-{n}", "fp"), handler) for n in range(12)]
         for n in range(12):
-            await store.claim(Intent("alice", f"crash-{n}", "fp"), f"c{n}", clock(), clock() + 60)
+            await store.claim(
+                Intent("alice", f"crash-{n}", "fp"),
+                f"c{n}",
+                clock(),
+                clock() + 60,
+                stale_after=POLICY.stale_seconds,
+            )
         clock.advance(POLICY.stale_seconds + 1)
         swept = await AsyncSweeper(store, POLICY, clock=clock).sweep_once()
     finally:
@@ -321,8 +338,14 @@ async def test_the_async_walks_go_on_after_the_server_closed_every_idle_connecti
     clock = FrozenClock()
     try:
         for n in range(12):
-            await store.claim(Intent("alice", f"k-{n}", "fp"), f"t{n}", clock(), clock() + 60)
-        clock.advance(POLICY.stale_seconds)
+            await store.claim(
+                Intent("alice", f"k-{n}", "fp"),
+                f"t{n}",
+                clock(),
+                clock() + 60,
+                stale_after=POLICY.stale_seconds,
+            )
+        clock.advance(POLICY.stale_seconds + 1)  # past each claim's own deadline
         ended = [end_connections_named(cluster, name)]
         swept = await store.sweep(State.IN_PROGRESS, clock(), clock(), clock() + 3600, 100)
         ended.append(end_connections_named(cluster, name))

@@ -162,9 +162,9 @@ def _writes_seen(store: AsyncSQLiteStore) -> list[str]:
     seen: list[str] = []
 
     def on_thread(function: Any) -> Any:
-        def recorded(*args: Any) -> Any:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
             seen.append(threading.current_thread().name)
-            return function(*args)
+            return function(*args, **kwargs)
 
         return recorded
 

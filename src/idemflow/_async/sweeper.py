@@ -94,11 +94,12 @@ class AsyncSweeper:
         return report
 
     def _cutoffs(self, now: float) -> list[tuple[State, float]]:
-        """What a pass looks at, in order: released ones only with a reconciler to ask."""
-        stale_cutoff = now - self.policy.stale_seconds
-        looked = [(State.IN_PROGRESS, stale_cutoff)]
+        """What a pass looks at, in order: released ones only with a reconciler to ask. A
+        claim is due at its own deadline (``stale_at``, from the threshold it was claimed
+        with), a stale record ``retry_unknown_after`` from its mark."""
+        looked = [(State.IN_PROGRESS, now)]
         if self.reconciler is not None:
-            looked.append((State.RELEASED, stale_cutoff))
+            looked.append((State.RELEASED, now))
         return [*looked, (State.STALE, now - self.retry_unknown_after)]
 
     async def due_in(self) -> float | None:
@@ -174,7 +175,7 @@ class AsyncSweeper:
         before: SweepReport,
     ) -> SweepReport:
         """Mark and resolve batches until one comes back short (a marked record leaves
-        ``from_state`` or is touched, and nothing new falls behind ``cutoff``)."""
+        ``from_state`` or is re-dated, and nothing new falls behind ``cutoff``)."""
         report = SweepReport()
         while True:
             now = self.clock()

@@ -40,7 +40,6 @@ from .._model import (
     Record,
     Response,
     new_lease_token,
-    route_policy,
 )
 from ..stores.protocol import Store, Transaction, CommitFailed, NotFused, Statement
 
@@ -134,8 +133,8 @@ class Idempotency:
         """Claim ``intent``, then replay, refuse, or run ``handler`` once. With
         ``transaction`` (`idemflow.transactions`) the completion commits with the
         handler's writes; ``single_commit=True`` puts the claim in it too. ``policy``:
-        this route's (its retention, timeout, classifier), within the driver's
-        (`route_policy`); by default the driver's."""
+        this route's (its retention, timeout and the stale threshold its claims carry,
+        classifier); by default the driver's."""
         checked_handler(handler)
         policy = self.route(policy)
         refuse_run(
@@ -171,16 +170,17 @@ class Idempotency:
         return outcome
 
     def route(self, policy: Policy | None) -> Policy:
-        """A route's ``policy`` under this driver (`route_policy`), its store told its wait
-        budget; cached (bounded: a resolver may answer a new one per request)."""
+        """A route's ``policy``, its store told its wait budget and stale threshold;
+        cached (bounded: a resolver may answer a new one per request)."""
         if policy is None or policy is self.policy:
             return self.policy
         ran = self._routes.get(policy)
         if ran is None:
             if len(self._routes) >= _ROUTES_KEPT:
                 self._routes.clear()
-            ran = self._routes[policy] = route_policy(policy, self.policy)
+            ran = self._routes[policy] = policy
             self.store.cover_store_wait(ran.store_wait_seconds)  # it keeps the shortest
+            self.store.cover_stale_threshold(ran.stale_seconds)  # and the longest
         return ran
 
 
@@ -283,12 +283,19 @@ class _Performer:
         transaction = self._transaction
         on = claim_on(transaction=transaction is not None, single_commit=self._single_commit)
         if on is ClaimOn.STORE or transaction is None:
-            claim = store.claim(step.intent, step.lease_token, now, expires_at)
+            claim = store.claim(
+                step.intent, step.lease_token, now, expires_at, stale_after=step.stale_after
+            )
         elif on is ClaimOn.TRANSACTION:
             claim = self._claim_in_transaction(step, now, expires_at, transaction)
         else:
             claim = store.claim_on_lent(
-                step.intent, step.lease_token, now, expires_at, transaction
+                step.intent,
+                step.lease_token,
+                now,
+                expires_at,
+                transaction,
+                stale_after=step.stale_after,
             )
         if claim.owned:
             self.observe(Event.CLAIMED)
@@ -302,7 +309,7 @@ class _Performer:
         begun = BeginsOnFirstStatement(transaction, self._begin)
         try:
             return self._idem.store.claim(
-                step.intent, step.lease_token, now, expires_at, begun
+                step.intent, step.lease_token, now, expires_at, begun, stale_after=step.stale_after
             )
         except Exception as exc:
             if not transaction.is_unavailable(exc):

@@ -31,11 +31,12 @@ def register(subparsers: Any) -> None:
         "sweep",
         help="resolve stale in_progress claims (once, or --every SECONDS)",
         description=(
-            "Mark in_progress claims older than the stale threshold as stale and resolve "
-            "them: release them (no reconciler: the effect was local and rolled back) or "
-            "ask --reconciler what happened. The threshold is derived from the request "
-            "timeout (2 × timeout + 10 s) and a lower --stale-after is rejected. Safe to "
-            "run in several processes at once."
+            "Mark in_progress claims past their own stale threshold (each claim carries the "
+            "one of the policy it was claimed under) as stale and resolve them: release "
+            "them (no reconciler: the effect was local and rolled back) or ask --reconciler "
+            "what happened. --stale-after (derived from --request-timeout: 2 × timeout + "
+            "10 s; a lower one is rejected) is how long an unknown outcome waits before it "
+            "is asked again. Safe to run in several processes at once."
         ),
     )
     add_database_arguments(parser)
@@ -44,7 +45,7 @@ def register(subparsers: Any) -> None:
     app = "use your app's value (default: %(default)g)"
     timeout = f"the longest a protected request can run; {app}"
     add("--request-timeout", **seconds, default=DEFAULT_REQUEST_TIMEOUT, help=timeout)
-    stale = "stale threshold (default and minimum: 2 × request timeout + 10)"
+    stale = "when an unknown outcome is asked again (default and minimum: 2 × timeout + 10)"
     add("--stale-after", **seconds, help=stale)
     retention = f"how long unresolved stale records are kept; {app}"
     add("--retention", **seconds, default=DEFAULT_RETENTION, help=retention)

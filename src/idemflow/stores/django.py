@@ -15,7 +15,7 @@ from typing import Any
 
 from .._errors import ConfigurationError
 from .._extras import optional
-from .._model import Claim, Intent, Record, Response, State
+from .._model import DEFAULT_STALE_SECONDS, Claim, Intent, Record, Response, State
 from ..transactions import PsycopgTransaction
 from . import mysql, postgres, sqlite
 from .protocol import (
@@ -276,6 +276,8 @@ class DjangoStore(MaintainableStore):
         now: float,
         expires_at: float,
         lender: Transaction,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
         """`claim`, on the connection the request's Django transaction uses.
 
@@ -285,17 +287,19 @@ class DjangoStore(MaintainableStore):
         request's writes: it would vanish with a crash after an external call.
         """
         if not self._lends:
-            return self.claim(intent, lease_token, now, expires_at)
+            return self.claim(intent, lease_token, now, expires_at, stale_after=stale_after)
         conn = lender.lend((self.using,))
         if conn is None or not conn.in_atomic_block:
-            return self.claim(intent, lease_token, now, expires_at)
+            return self.claim(intent, lease_token, now, expires_at, stale_after=stale_after)
         raw = idle_psycopg3(conn)
         if raw is None:  # begun on the server: committed alone on the side connection
-            return self.claim(intent, lease_token, now, expires_at)
+            return self.claim(intent, lease_token, now, expires_at, stale_after=stale_after)
         _lent.__dict__[self.using] = conn
         try:
             with autocommit(raw):
-                claim = self._inner.claim(intent, lease_token, now, expires_at)
+                claim = self._inner.claim(
+                    intent, lease_token, now, expires_at, stale_after=stale_after
+                )
         finally:
             del _lent.__dict__[self.using]
         return claim
@@ -307,8 +311,12 @@ class DjangoStore(MaintainableStore):
         now: float,
         expires_at: float,
         transaction: Transaction | None = None,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
-        return self._inner.claim(intent, lease_token, now, expires_at, transaction)
+        return self._inner.claim(
+            intent, lease_token, now, expires_at, transaction, stale_after=stale_after
+        )
 
     def complete(
         self,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 from .._deprecation import moved
 from .._errors import ConfigurationError
-from .._model import Claim, Intent, Record, Response, State
+from .._model import DEFAULT_STALE_SECONDS, Claim, Intent, Record, Response, State
 from .stats import StatsSource
 
 __all__ = [
@@ -184,11 +184,16 @@ class Store(Protocol):
         now: float,
         expires_at: float,
         transaction: Transaction | None = None,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
         """Insert ``in_progress`` (or take over an expired/released record) atomically.
 
-        Returns ``Claim(owned=True, …)`` when this call created or took over the
-        record, else the record as it stands. Raises ``StoreUnavailable``.
+        ``stale_after`` is the claim's own stale threshold (the policy in force for it): the
+        record keeps it, and every owner write that dates it (claim, `checkpoint`, `renew`,
+        `release`) sets its ``stale_at`` that far on, on the store's clock. Returns
+        ``Claim(owned=True, …)`` when this call created or took over the record, else the
+        record as it stands. Raises ``StoreUnavailable``.
         """
 
     def complete(
@@ -226,17 +231,25 @@ class Store(Protocol):
     renews_claims: bool = False
 
     def renew(self, record: Record, now: float) -> None:
-        """Keep the claim alive: date it ``now`` if it is still ours (fenced as `complete`),
-        else ``LeaseLost``; a consumer's lease keeper calls it while a long handler runs.
+        """Keep the claim alive: date it ``now`` (its ``stale_at`` its own threshold on) if it
+        is still ours (fenced as `complete`), else ``LeaseLost``; a consumer's lease keeper
+        calls it while a long handler runs.
         By default `ConfigurationError`: this store cannot keep a claim alive."""
         raise _renew_refused(self)
 
     def claim_on_lent(
-        self, intent: Intent, lease_token: str, now: float, expires_at: float, lender: Transaction
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        lender: Transaction,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
         """`claim`, committed on its own, on the connection ``lender`` lends
         (`Transaction.lend`); by default on the store's connection, as `claim`."""
-        return self.claim(intent, lease_token, now, expires_at)
+        return self.claim(intent, lease_token, now, expires_at, stale_after=stale_after)
 
     def is_unavailable(self, exc: BaseException) -> bool:
         """Does ``exc`` mean the database cannot serve the request (fail closed: a 503)? Also
@@ -283,6 +296,8 @@ class AsyncStore(Protocol):
         now: float,
         expires_at: float,
         transaction: AsyncTransaction | None = None,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim: ...
 
     async def complete(
@@ -322,9 +337,11 @@ class AsyncStore(Protocol):
         now: float,
         expires_at: float,
         lender: AsyncTransaction,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
         """[`Store.claim_on_lent`][idemflow.stores.protocol.Store.claim_on_lent]."""
-        return await self.claim(intent, lease_token, now, expires_at)
+        return await self.claim(intent, lease_token, now, expires_at, stale_after=stale_after)
 
     def is_unavailable(self, exc: BaseException) -> bool:
         """[`Store.is_unavailable`][idemflow.stores.protocol.Store.is_unavailable]."""
@@ -357,15 +374,19 @@ class MaintainableStore(Store, Protocol):
     def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
-        """Mark up to ``limit`` records in ``from_state`` untouched since ``cutoff`` stale.
+        """Mark up to ``limit`` records in ``from_state`` whose own ``stale_at`` is before
+        ``cutoff`` stale (dating ``stale_at`` at the mark), earliest first.
 
+        The sweeper's cutoff is ``now`` (each record's deadline, from its own threshold)
+        for ``in_progress`` and ``released``, ``now - retry_unknown_after`` for ``stale``.
         One atomic statement per batch: a record is marked by one sweeper only, and kept
         at least until ``keep_until``. ``from_state=RELEASED`` marks only released records
         *with* a recovery point.
         """
 
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until `sweep` with this ``cutoff`` would find a record to mark.
+        """Seconds until `sweep` with this ``cutoff`` would find a record to mark (the
+        earliest ``stale_at`` minus ``cutoff``).
 
         Negative: one is due already; ``math.inf``: none is in ``from_state``; ``None``:
         this store cannot tell cheaply (the sweeper passes every interval).

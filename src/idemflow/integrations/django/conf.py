@@ -16,7 +16,6 @@ from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
 from ... import ConfigurationError, Idempotency, Observer, Policy
-from ..._model import route_policy
 from ...edge import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -64,7 +63,6 @@ class IdemflowSettings:
     def route_policy(self, given: Any, where: str) -> RoutePolicy | None:
         """A view's or endpoint's Policy, or a dict of durations over these settings'
         (None: the settings'); ``ImproperlyConfigured`` if invalid."""
-        app = self.policy
         try:
             if isinstance(given, Mapping):
                 durations = {"request_timeout": self.request_timeout, "retention": self.retention}
@@ -74,7 +72,7 @@ class IdemflowSettings:
             if not isinstance(given, Policy):
                 msg = f"must be a Policy or a dict of its durations, got {given!r}"
                 raise ConfigurationError(msg)
-            return route_policy(given, app)
+            return given
         except (ConfigurationError, TypeError) as exc:
             raise ImproperlyConfigured(f"{where}: {exc}") from exc
 

@@ -66,5 +66,48 @@ class CreateKeyTable(Operation):
         return chosen.table
 
 
+class _UpgradeKeyTable(Operation):
+    """Give a key table an earlier version created each record's own stale threshold (the
+    statements ``idemflow migrate`` runs on it); nothing on a table created as it is now."""
+
+    reversible = True
+    reduces_to_sql = False  # it asks the database what the table holds
+
+    def state_forwards(self, app_label: str, state: Any) -> None:
+        return
+
+    def database_forwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        from ...stores.django import dialect_for
+
+        table = CreateKeyTable._table_for(app_label, schema_editor)
+        connection = schema_editor.connection
+        if table is None:
+            return
+        with connection.cursor() as cursor:
+            if table not in connection.introspection.table_names(cursor):
+                return
+            described = connection.introspection.get_table_description(cursor, table)
+        if "stale_at" in {column.name for column in described}:
+            return
+        dialect = dialect_for(connection.vendor, table)
+        index = [s for s in dialect.ddl if "_state_stale ON" in s]
+        for statement in [*dialect.upgrade, *index]:
+            if statement.lstrip().upper().startswith(("ALTER", "UPDATE", "CREATE")):
+                schema_editor.execute(statement, params=None)
+
+    def database_backwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        return  # the columns stay: an earlier version ignores them
+
+    def describe(self) -> str:
+        return "Give idemflow's key table each record's own stale threshold"
+
+    def deconstruct(self) -> tuple[str, list[Any], dict[str, Any]]:
+        return ("idemflow.integrations.django.operations._UpgradeKeyTable", [], {})
+
+
 #: Issue 32: the migration's own; importable from here, with a DeprecationWarning, until 0.3.
 __getattr__ = moved(__name__, {"key_table_ddl": f"{__name__}:_key_table_ddl"})

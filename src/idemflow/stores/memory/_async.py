@@ -11,6 +11,7 @@ import math
 
 from ..._errors import LeaseLost
 from ..._model import (
+    DEFAULT_STALE_SECONDS,
     Claim,
     Intent,
     Record,
@@ -40,6 +41,7 @@ class AsyncMemoryStore(AsyncMaintainableStore):
     def __init__(self, store: SharesTable | None = None) -> None:
         self.table = MemoryTable() if store is None else store.table
         self.records = self.table.records
+        self._thresholds = self.table.thresholds
         self._lock = self.table.lock
         self._ids = self.table.ids
 
@@ -50,6 +52,8 @@ class AsyncMemoryStore(AsyncMaintainableStore):
         now: float,
         expires_at: float,
         transaction: AsyncTransaction | None = None,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
         with self._lock:
             slot = (intent.principal, intent.key)
@@ -57,7 +61,9 @@ class AsyncMemoryStore(AsyncMaintainableStore):
             if current is not None and not can_take_over(current, intent.fingerprint, now):
                 return Claim(owned=False, record=current)
             record = _claimed(current, intent, lease_token, now, expires_at, self._ids)
+            record = dataclasses.replace(record, stale_at=now + stale_after)
             self.records[slot] = record
+            self._thresholds[slot] = stale_after
             return Claim(owned=True, record=record)
 
     async def complete(
@@ -77,7 +83,7 @@ class AsyncMemoryStore(AsyncMaintainableStore):
     async def release(
         self, record: Record, now: float, transaction: AsyncTransaction | None = None
     ) -> bool:
-        return self._update_owned(record, state=State.RELEASED, updated_at=now)
+        return self._update_owned(record, state=State.RELEASED, updated_at=now, stale_at=now)
 
     async def checkpoint(
         self,
@@ -86,12 +92,14 @@ class AsyncMemoryStore(AsyncMaintainableStore):
         now: float,
         transaction: AsyncTransaction | None = None,
     ) -> None:
-        if not self._update_owned(record, recovery_point=recovery_point, updated_at=now):
+        if not self._update_owned(
+            record, recovery_point=recovery_point, updated_at=now, stale_at=now
+        ):
             msg = "the claim on this Idempotency-Key was taken over"
             raise LeaseLost(msg)
 
     async def renew(self, record: Record, now: float) -> None:
-        if not self._update_owned(record, updated_at=now):
+        if not self._update_owned(record, updated_at=now, stale_at=now):
             raise LeaseLost("the claim on this Idempotency-Key was taken over")
 
     async def get(self, principal: str, key: str) -> Record | None:
@@ -106,13 +114,17 @@ class AsyncMemoryStore(AsyncMaintainableStore):
                 (
                     r
                     for r in self.records.values()
-                    if r.state is from_state and r.updated_at < cutoff and _sweepable(r)
+                    if r.state is from_state and _stale_at(r) < cutoff and _sweepable(r)
                 ),
-                key=lambda r: r.updated_at,
+                key=_stale_at,
             )[:limit]
             marked = [
                 dataclasses.replace(
-                    r, state=State.STALE, updated_at=now, expires_at=max(r.expires_at, keep_until)
+                    r,
+                    state=State.STALE,
+                    updated_at=now,
+                    stale_at=now,
+                    expires_at=max(r.expires_at, keep_until),
                 )
                 for r in due
             ]
@@ -124,7 +136,7 @@ class AsyncMemoryStore(AsyncMaintainableStore):
         with self._lock:
             oldest = min(
                 (
-                    r.updated_at
+                    _stale_at(r)
                     for r in self.records.values()
                     if r.state is from_state and _sweepable(r)
                 ),
@@ -154,7 +166,7 @@ class AsyncMemoryStore(AsyncMaintainableStore):
     ) -> bool:
         point = None if forget_progress else record.recovery_point
         return self._update_marked(
-            record, state=State.RELEASED, updated_at=now, recovery_point=point
+            record, state=State.RELEASED, updated_at=now, stale_at=now, recovery_point=point
         )
 
     async def purge(self, now: float, limit: int) -> int:
@@ -164,6 +176,7 @@ class AsyncMemoryStore(AsyncMaintainableStore):
             ]
             for slot in expired:
                 del self.records[slot]
+                self._thresholds.pop(slot, None)
             return len(expired)
 
     def stats(self) -> MemoryStats:
@@ -176,7 +189,7 @@ class AsyncMemoryStore(AsyncMaintainableStore):
             current = self.records.get(slot)
             if current != record:  # exactly as this sweeper marked it, or not ours
                 return False
-            self.records[slot] = dataclasses.replace(current, **changes)  # type: ignore[arg-type]
+            self.records[slot] = self._dated(slot, current, changes)
             return True
 
     def _update_owned(self, record: Record, **changes: object) -> bool:
@@ -185,8 +198,17 @@ class AsyncMemoryStore(AsyncMaintainableStore):
             current = self.records.get(slot)
             if current is None or not _owned(current, record):
                 return False
-            self.records[slot] = dataclasses.replace(current, **changes)  # type: ignore[arg-type]
+            self.records[slot] = self._dated(slot, current, changes)
             return True
+
+    def _dated(self, slot: tuple[str, str], current: Record, changes: dict[str, object]) -> Record:
+        """``current`` changed; a ``stale_at`` given is the write's now: its deadline is
+        that plus the record's own threshold (as the SQL stores' ``:now + stale_after``)."""
+        if "stale_at" in changes:
+            at = changes["stale_at"]
+            assert isinstance(at, float | int)
+            changes["stale_at"] = at + self._thresholds.get(slot, DEFAULT_STALE_SECONDS)
+        return dataclasses.replace(current, **changes)  # type: ignore[arg-type]
 
 
 def _claimed(
@@ -213,6 +235,11 @@ def _claimed(
         recovery_point=None if fresh or current is None else current.recovery_point,
         attempt=1 if fresh or current is None else current.attempt + 1,
     )
+
+
+def _stale_at(record: Record) -> float:
+    """The record's deadline (every record this store wrote has one)."""
+    return math.inf if record.stale_at is None else record.stale_at
 
 
 def _sweepable(record: Record) -> bool:

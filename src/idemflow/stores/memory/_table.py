@@ -17,6 +17,8 @@ class MemoryTable:
 
     def __init__(self) -> None:
         self.records: dict[tuple[str, str], Record] = {}
+        #: Each record's own stale threshold, chosen at its claim (the SQL ``stale_after``).
+        self.thresholds: dict[tuple[str, str], float] = {}
         self.lock = threading.Lock()
         self.ids = itertools.count(1)
 

@@ -22,6 +22,8 @@ from ..sql.dialect import (
     claim_unsettled,
     on_database_clock,
     record_from_row,
+    stale_columns,
+    upgrade_table,
 )
 
 DEFAULT_TABLE = "idemflow_keys"
@@ -85,13 +87,21 @@ def mysql_ddl(table: str) -> list[str]:
             updated_at BIGINT NOT NULL,
             expires_at BIGINT NOT NULL,
             attempt INT NOT NULL DEFAULT 1,
+            {stale_columns("BIGINT")},
             UNIQUE KEY {table}_principal_key (principal, idempotency_key),
             KEY {table}_state_updated (state, updated_at),
+            KEY {table}_state_stale (state, stale_at),
             KEY {table}_expires (expires_at),
             CONSTRAINT {table}_state CHECK (state IN
                 ('in_progress', 'completed', 'failed_permanent', 'released', 'stale'))
         ) ENGINE=InnoDB"""
     ]
+
+
+def mysql_upgrade(table: str) -> list[str]:
+    """`upgrade_table`, and the sweeper's index (MySQL 8: no ``CREATE INDEX IF NOT EXISTS``)."""
+    index = f"ALTER TABLE {table} ADD KEY {table}_state_stale (state, stale_at)"
+    return [*upgrade_table(table, "BIGINT"), index]
 
 
 def _quiet(ddl: list[str]) -> list[str]:
@@ -132,14 +142,17 @@ def upsert_claim(table: str) -> str:
         guarded("response_headers", "NULL"),
         guarded("response_body", "NULL"),
         guarded("updated_at", ":now"),
+        guarded("stale_after", ":stale_after"),
+        guarded("stale_at", ":stale_at"),
         guarded("state", "'in_progress'"),
         guarded("expires_at", ":expires_at"),
     ]
     return (
         f"INSERT INTO {table} (principal, idempotency_key, fingerprint, endpoint, state, "
-        "lease_token, correlation_id, created_at, updated_at, expires_at, attempt) "
+        "lease_token, correlation_id, created_at, updated_at, expires_at, attempt, "
+        "stale_after, stale_at) "
         "VALUES (:principal, :key, :fingerprint, :endpoint, 'in_progress', :lease_token, "
-        ":correlation_id, :began_at, :now, :expires_at, 1) "
+        ":correlation_id, :began_at, :now, :expires_at, 1, :stale_after, :stale_at) "
         f"ON DUPLICATE KEY UPDATE {', '.join(assignments)}"
     )
 
@@ -151,7 +164,9 @@ SERVER_NOW_MS = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP
 def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") -> Dialect:
     """The shared fenced UPDATEs, with MySQL's own claim (the guarded upsert, sent only for a
     takeover), read, sweep and purge."""
-    standard = Dialect.standard("mysql", table, _quiet(mysql_ddl(table)), upsert_claim(table))
+    standard = Dialect.standard(
+        "mysql", table, _quiet(mysql_ddl(table)), upsert_claim(table), upgrade=mysql_upgrade(table)
+    )
     by_key = "WHERE principal = :principal AND idempotency_key = :key"
     dialect = dataclasses.replace(
         standard,
@@ -160,9 +175,9 @@ def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") ->
         # No LIMIT inside IN (…), no UPDATE … RETURNING: marked with a token, read back by it.
         sweep=Statement(
             f"UPDATE {table} SET state = 'stale', lease_token = :sweep_token, "
-            "updated_at = :now, expires_at = GREATEST(expires_at, :keep_until) "
-            f"WHERE state = :from_state AND updated_at < :cutoff AND {SWEEPABLE_SQL} "
-            "ORDER BY updated_at LIMIT :limit"
+            "updated_at = :now, stale_at = :now, expires_at = GREATEST(expires_at, :keep_until) "
+            f"WHERE state = :from_state AND stale_at < :cutoff AND {SWEEPABLE_SQL} "
+            "ORDER BY stale_at LIMIT :limit"
         ),
         purge=Statement(
             f"DELETE FROM {table} WHERE expires_at <= :now AND {PURGEABLE_SQL} "
@@ -251,4 +266,5 @@ def inserted(params: Mapping[str, Any], row_id: int) -> Record:
         None,
         None,
         1,
+        params["stale_at"] / 1000,
     )

@@ -22,7 +22,7 @@ from ..sql import (
     insert_claim,
     on_database_clock,
 )
-from ..sql.dialect import claim_or_read
+from ..sql.dialect import claim_or_read, upgrade_table
 from ._async import AsyncLiveConnection
 from ._async import bounded_connection_class as async_bounded_connection_class
 from ._sync import LiveConnection, bounded_connection_class
@@ -65,20 +65,29 @@ def postgres_dialect(
         blob="BYTEA",
         unique=f"CONSTRAINT {table}_principal_key UNIQUE",
     )
+
     # The connections' lock_timeout bounds a claim's wait, not a migration's.
-    ddl = [
-        "BEGIN",
-        f"SET LOCAL lock_timeout = '{MIGRATE_LOCK_TIMEOUT_S}s'",
-        f"SELECT pg_advisory_xact_lock({_MIGRATE_LOCK})",
-        *table_ddl,
-        "COMMIT",
-    ]
+    def locked(statements: list[str]) -> list[str]:
+        return [
+            "BEGIN",
+            f"SET LOCAL lock_timeout = '{MIGRATE_LOCK_TIMEOUT_S}s'",
+            f"SELECT pg_advisory_xact_lock({_MIGRATE_LOCK})",
+            *statements,
+            "COMMIT",
+        ]
+
     around = (
         [f"SET LOCAL lock_timeout = '{int(claim_lock_timeout_ms)}ms'"],
         ["SET LOCAL lock_timeout = DEFAULT"],
     )
     standard = Dialect.standard(
-        "postgresql", table, ddl, insert_claim(table), around, skip_locked=True
+        "postgresql",
+        table,
+        locked(table_ddl),
+        insert_claim(table),
+        around,
+        skip_locked=True,
+        upgrade=locked(upgrade_table(table, "BIGINT")),
     )
     # A replay is one round trip: the claim and the read of the record it lost to.
     combined = Statement(claim_or_read(table, insert_claim(table)))

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..._errors import ConfigurationError, StoreUnavailable
 from ..._model import (
+    DEFAULT_STALE_SECONDS,
     Claim,
     Intent,
     Policy,
@@ -52,7 +53,7 @@ SWEPT_FROM = {State.IN_PROGRESS: IN_PROGRESS, State.STALE: STALE, State.RELEASED
 RECORD_FIELDS = (
     "id", "principal", "key", "fingerprint", "endpoint", "state", "lease_token", "created_at",
     "updated_at", "expires_at", "correlation_id", "recovery_point", "response_status",
-    "response_headers", "response_body", "attempt",
+    "response_headers", "response_body", "attempt", "stale_at",
 )  # fmt: skip
 
 # Every script is safe to resend (a retried write finds its own result): a URL's client retries.
@@ -79,6 +80,16 @@ local function ms(number) return string.format('%d', number) end
 local NOW = ms(now)
 """
 
+# Each record's own stale threshold (``stale_after``, ms, chosen at its claim): every owner
+# write that dates it sets its deadline ``stale_at`` that far on, the score of its index
+# entry (in_progress; released past a recovery point). A record of an earlier version has
+# none: the default policy's.
+_DEADLINE = f"""
+local function deadline(after)
+  return ms(now + (tonumber(after) or {int(DEFAULT_STALE_SECONDS * 1000)}))
+end
+"""
+
 # Every script but the probe: KEYS[1..4] the bucket's indexes, then the record(s).
 _INDEXES = """
 local IP, ST, REL, EXP = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -88,9 +99,9 @@ local IP, ST, REL, EXP = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 _RETENTION = """
 -- Nothing left to resolve: in the expiry index, with the rest of its retention as TTL.
 -- Released past a recovery point: the sweeper's (and its retry's), never expires.
-local function retain(k, expires, progress)
+local function retain(k, expires, progress, due)
   if progress then
-    redis.call('ZADD', REL, NOW, k)
+    redis.call('ZADD', REL, due, k)
   else
     redis.call('ZADD', EXP, expires, k)
     redis.call('PEXPIRE', k, ms(math.max(1, tonumber(expires) - now)))
@@ -144,7 +155,8 @@ end
 
 # KEYS[5] the record, KEYS[6] the bucket's epoch (the benchmark's raw calls leave it out).
 # ARGV: now, expires_at, lease_token, principal, key, fingerprint, endpoint, quarantine
-# (ms), then correlation_id if there is one. Replies {'new', 'updated_at expires_at'},
+# (ms), stale_after (ms), then correlation_id if there is one. Replies
+# {'new', 'updated_at expires_at stale_at'},
 # {'taken' | 'held', packed record}, or {'lost', ms left[, 'found']}. An epoch
 # "<armed_ms> <run_id>" gone or on another boot: a claim that would write waits.
 _CLAIM = """
@@ -192,12 +204,14 @@ else
   redis.call('HSET', K, 'id', ARGV[3], 'principal', ARGV[4], 'key', ARGV[5],
     'created_at', ARGV[1], 'attempt', 1)
 end
+local due = deadline(ARGV[9])
 redis.call('HSET', K, 'state', 'in_progress', 'lease_token', ARGV[3], 'fingerprint', ARGV[6],
-  'endpoint', ARGV[7], 'updated_at', NOW, 'expires_at', expires)
-if ARGV[9] then redis.call('HSET', K, 'correlation_id', ARGV[9]) end
-redis.call('ZADD', IP, NOW, K)
+  'endpoint', ARGV[7], 'updated_at', NOW, 'expires_at', expires, 'stale_after', ARGV[9],
+  'stale_at', due)
+if ARGV[10] then redis.call('HSET', K, 'correlation_id', ARGV[10]) end
+redis.call('ZADD', IP, due, K)
 if retry then return {'taken', packed(K)} end
-return {'new', NOW .. ' ' .. expires}
+return {'new', NOW .. ' ' .. expires .. ' ' .. due}
 """
 
 # Tells each epoch the server's boot (run_id); ARGV[2] says what an absent one becomes. An
@@ -229,7 +243,8 @@ return run
 # own result (``done``) and succeeds again.
 _FENCE = """
 local K = KEYS[5]
-local cur = redis.call('HMGET', K, 'id', 'lease_token', 'state', 'expires_at', 'recovery_point')
+local cur = redis.call('HMGET', K, 'id', 'lease_token', 'state', 'expires_at', 'recovery_point',
+  'stale_after')
 if cur[1] ~= ARGV[2] or cur[2] ~= ARGV[3] then return 0 end
 if cur[3] == done then return 1 end
 if cur[3] ~= 'in_progress' then return 0 end
@@ -249,24 +264,27 @@ return 1
 
 # The claim's expires_at bounds a released record.
 _RELEASE = """
-redis.call('HSET', K, 'state', 'released', 'updated_at', NOW)
+local due = deadline(cur[6])
+redis.call('HSET', K, 'state', 'released', 'updated_at', NOW, 'stale_at', due)
 redis.call('ZREM', IP, K)
-retain(K, cur[4], cur[5])
+retain(K, cur[4], cur[5], due)
 trim(K)
 return 1
 """
 
 # ARGV[4]: recovery_point. A checkpoint counts as life: updated_at moves on.
 _CHECKPOINT = """
-redis.call('HSET', K, 'recovery_point', ARGV[4], 'updated_at', NOW)
-redis.call('ZADD', IP, NOW, K)
+local due = deadline(cur[6])
+redis.call('HSET', K, 'recovery_point', ARGV[4], 'updated_at', NOW, 'stale_at', due)
+redis.call('ZADD', IP, due, K)
 return 1
 """
 
-# A consumer's lease renewed: the claim dated now, nothing else changed.
+# A consumer's lease renewed: the claim dated now (its deadline too), nothing else changed.
 _RENEW = """
-redis.call('HSET', K, 'updated_at', NOW)
-redis.call('ZADD', IP, NOW, K)
+local due = deadline(cur[6])
+redis.call('HSET', K, 'updated_at', NOW, 'stale_at', due)
+redis.call('ZADD', IP, due, K)
 return 1
 """
 
@@ -285,7 +303,8 @@ return ms(tonumber(first[2]) - at(ARGV[2]))
 """
 
 # KEYS[5…]: records the probe found due. ARGV: now, from_state, cutoff, keep_until, token.
-# Each still due is marked with the sweeper's token. Returns the marked, packed.
+# Each whose own stale_at is before the cutoff is marked with the sweeper's token (dated
+# now, its mark); another's entry gets its deadline as score. Returns the marked, packed.
 _SWEEP = """
 local from = ARGV[2]
 local index = (from == 'in_progress' and IP) or (from == 'stale' and ST) or REL
@@ -293,17 +312,25 @@ local cutoff, keep = at(ARGV[3]), at(ARGV[4])
 local marked = {}
 for i = 5, #KEYS do
   local k = KEYS[i]
-  local cur = redis.call('HMGET', k, 'state', 'updated_at', 'expires_at', 'recovery_point')
+  local cur = redis.call('HMGET', k, 'state', 'updated_at', 'expires_at', 'recovery_point',
+    'stale_at', 'stale_after')
+  local due = tonumber(cur[5])
+  if not due and cur[2] then  -- written by an earlier version: dated by updated_at
+    due = tonumber(cur[2])
+    if cur[1] ~= 'stale' then due = tonumber(deadline(cur[6])) - now + due end
+  end
   if cur[1] ~= from or (from == 'released' and not cur[4]) then
     redis.call('ZREM', index, k)
-  elseif tonumber(cur[2]) < cutoff then
+  elseif due < cutoff then
     local expires = cur[3]
     if tonumber(expires) < keep then expires = ms(keep) end
     redis.call('HSET', k, 'state', 'stale', 'lease_token', ARGV[5], 'updated_at', NOW,
-      'expires_at', expires)
+      'expires_at', expires, 'stale_at', NOW)
     redis.call('ZREM', index, k)
     redis.call('ZADD', ST, NOW, k)
     marked[#marked + 1] = packed(k)
+  else
+    redis.call('ZADD', index, ms(due), k)
   end
 end
 return marked
@@ -313,7 +340,7 @@ return marked
 _MARKED = """
 local K = KEYS[5]
 local cur = redis.call('HMGET', K, 'id', 'lease_token', 'state', 'updated_at', 'expires_at',
-  'recovery_point')
+  'recovery_point', 'stale_after')
 if cur[1] ~= ARGV[2] or cur[2] ~= ARGV[3] or cur[3] ~= 'stale' or cur[4] ~= ARGV[4] then
   return 0
 end
@@ -338,8 +365,9 @@ if ARGV[5] == '1' then
   progress = false
   redis.call('HDEL', K, 'recovery_point')
 end
-redis.call('HSET', K, 'state', 'released', 'updated_at', NOW)
-retain(K, cur[5], progress)
+local due = deadline(cur[7])
+redis.call('HSET', K, 'state', 'released', 'updated_at', NOW, 'stale_at', due)
+retain(K, cur[5], progress, due)
 trim(K)
 return 1
 """
@@ -353,16 +381,19 @@ return purged
 
 #: Each script's body and what it needs before it: indexes, retention helpers, its fence.
 _BODIES = {
-    "claim": (_INDEXES + _PACKED, _CLAIM),
+    "claim": (_INDEXES + _PACKED + _DEADLINE, _CLAIM),
     "complete": (_INDEXES + _RETENTION + "local done = ARGV[4]" + _FENCE, _COMPLETE),
-    "release": (_INDEXES + _RETENTION + "local done = 'released'" + _FENCE, _RELEASE),
-    "checkpoint": (_INDEXES + "local done = nil" + _FENCE, _CHECKPOINT),
-    "renew": (_INDEXES + "local done = nil" + _FENCE, _RENEW),
+    "release": (
+        _INDEXES + _RETENTION + _DEADLINE + "local done = 'released'" + _FENCE,
+        _RELEASE,
+    ),
+    "checkpoint": (_INDEXES + _DEADLINE + "local done = nil" + _FENCE, _CHECKPOINT),
+    "renew": (_INDEXES + _DEADLINE + "local done = nil" + _FENCE, _RENEW),
     "probe": ("", _PROBE),
     "due": ("", _DUE),
-    "sweep": (_INDEXES + _PACKED, _SWEEP),
+    "sweep": (_INDEXES + _PACKED + _DEADLINE, _SWEEP),
     "settle_stale": (_INDEXES + _RETENTION + _MARKED, _SETTLE_STALE),
-    "release_stale": (_INDEXES + _RETENTION + _MARKED, _RELEASE_STALE),
+    "release_stale": (_INDEXES + _RETENTION + _DEADLINE + _MARKED, _RELEASE_STALE),
     "purge": (_INDEXES + _RETENTION, _PURGE),
 }
 
@@ -502,10 +533,16 @@ class Layout:
         return bucket, b"%s:{%d}:k:%s" % (self._head, bucket, name)
 
     def claim_args(
-        self, intent: Intent, lease_token: str, now: float, expires_at: float, quarantine: float = 0
+        self,
+        intent: Intent,
+        lease_token: str,
+        now: float,
+        expires_at: float,
+        quarantine: float = 0,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> list[Any]:
         args = [ms(now), ms(expires_at), lease_token, intent.principal, intent.key]
-        args += [intent.fingerprint, intent.endpoint, ms(quarantine)]
+        args += [intent.fingerprint, intent.endpoint, ms(quarantine), ms(stale_after)]
         return args if intent.correlation_id is None else [*args, intent.correlation_id]
 
     def claimed(
@@ -516,12 +553,12 @@ class Layout:
             raise data_lost(int(reply[1]) / 1000)
         if verdict != b"new":
             return make_claim(verdict == b"taken", unpacked(reply[1]))
-        updated_at, _, expires = bytes(reply[1]).partition(b" ")  # as the script wrote them
+        updated_at, expires, stale_at = bytes(reply[1]).split(b" ")  # as the script wrote them
         # The id is the lease token, created_at the caller's now.
         record = make_record(
             lease_token, intent.principal, intent.key, intent.fingerprint, intent.endpoint,
             State.IN_PROGRESS, lease_token, ms(now) / 1000, int(updated_at) / 1000,
-            int(expires) / 1000, intent.correlation_id, None, None, 1,
+            int(expires) / 1000, intent.correlation_id, None, None, 1, int(stale_at) / 1000,
         )  # fmt: skip
         return make_claim(True, record)
 
@@ -586,7 +623,7 @@ def record_from_fields(values: Sequence[Any]) -> Record | None:
     packed one split); None when it has no id."""
     id_, principal, key, fingerprint, endpoint, state, lease_token, created_at = values[:8]
     updated_at, expires_at, correlation_id, recovery_point, status, headers, body = values[8:15]
-    attempt = values[15]
+    attempt, stale_at = values[15:17]
     if id_ is None:
         return None
     response = None
@@ -607,6 +644,7 @@ def record_from_fields(values: Sequence[Any]) -> Record | None:
         None if recovery_point is None else recovery_point.decode(),
         response,
         1 if attempt is None else int(attempt),
+        None if stale_at is None else int(stale_at) / 1000,
     )
 
 

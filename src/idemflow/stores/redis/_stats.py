@@ -45,10 +45,9 @@ class RedisStats:
         self._layout = layout
 
     def stuck_claims(self, cutoff: float) -> dict[str, int]:
-        running, stale = self._sums(
-            lambda pipe, idx: pipe.zcount(idx[IN_PROGRESS], "-inf", f"({ms(cutoff)}"),
-            lambda pipe, idx: pipe.zcard(idx[STALE]),
-        )
+        (stale,) = self._sums(lambda pipe, idx: pipe.zcard(idx[STALE]))
+        with translated():
+            running = sum(1 for dated, _ in self._in_progress() if dated < ms(cutoff))
         return {State.IN_PROGRESS.value: running, State.STALE.value: stale}
 
     def expired(self, now: float) -> int:
@@ -109,15 +108,26 @@ class RedisStats:
             if state is not None:  # deleted by its TTL since the SCAN saw it
                 tally[text(state), text(endpoint or b"")] += 1
 
-    def _oldest_in_progress(self) -> OldestClaim | None:
-        oldest: tuple[float, bytes] | None = None
+    def _in_progress(self) -> list[tuple[int, bytes]]:
+        """Every claim in flight as (``updated_at`` in ms, its key). The index is scored by
+        each claim's own deadline, so its age is read from the records: as many as are in
+        flight, two round trips per chunk of buckets."""
+        dated: list[tuple[int, bytes]] = []
         for chunk in self._layout.walk():
             pipe = self._client.pipeline(transaction=False)
             for bucket in chunk:
-                pipe.zrange(self._layout.indexes(bucket)[IN_PROGRESS], 0, 0, withscores=True)
-            for first in pipe.execute():
-                if first and (oldest is None or first[0][1] < oldest[0]):
-                    oldest = (first[0][1], first[0][0])
+                pipe.zrange(self._layout.indexes(bucket)[IN_PROGRESS], 0, -1)
+            members = [member for found in pipe.execute() for member in found]
+            pipe = self._client.pipeline(transaction=False)
+            for member in members:
+                pipe.hmget(member, "state", "updated_at")
+            for member, (state, updated_at) in zip(members, pipe.execute(), strict=True):
+                if state == b"in_progress" and updated_at is not None:
+                    dated.append((int(updated_at), member))
+        return dated
+
+    def _oldest_in_progress(self) -> OldestClaim | None:
+        oldest = min(self._in_progress(), default=None)
         if oldest is None:
             return None
         found = decoded(self._client.hmget(oldest[1], FIELDS))

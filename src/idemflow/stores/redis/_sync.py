@@ -12,7 +12,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._errors import LeaseLost
-from ..._model import Claim, Intent, Policy, Record, Response, State, new_lease_token
+from ..._model import (
+    DEFAULT_STALE_SECONDS,
+    Claim,
+    Intent,
+    Policy,
+    Record,
+    Response,
+    State,
+    new_lease_token,
+)
 from ..protocol import MaintainableStore, Transaction, StoreClock, check_clock
 from ._scripts import (
     ARM_ABSENT,
@@ -97,13 +106,17 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         now: float,
         expires_at: float,
         transaction: Transaction | None = None,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
         refuse_transaction(transaction)
         if not self._started:
             with self._gate:  # the first claims of many callers: one starts the store
                 if not self._started:
                     self.start(now)
-        args = self.layout.claim_args(intent, lease_token, now, expires_at, self.quarantine)
+        args = self.layout.claim_args(
+            intent, lease_token, now, expires_at, self.quarantine, stale_after
+        )
         keys = self.layout.claim_keys(intent.principal, intent.key)
         reply = self._evalsha("claim", keys, args)
         if len(reply) > 2:  # it found its bucket's epoch gone: a loss takes every bucket of

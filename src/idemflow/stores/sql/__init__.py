@@ -10,7 +10,13 @@ from ._async import AsyncSQLStore
 from ._stats import SQLStats as SQLStats
 from ._stats import missing_table_is_clear as missing_table_is_clear
 from ._sync import SQLStore
-from .dialect import PURGEABLE_SQL, Dialect, create_table, insert_claim, on_database_clock
+from .dialect import (
+    PURGEABLE_SQL,
+    Dialect,
+    create_table,
+    insert_claim,
+    on_database_clock,
+)
 
 __all__ = [
     "PURGEABLE_SQL",

@@ -12,10 +12,19 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any, Literal, TypeAlias
 
 from ..._errors import LeaseLost
-from ..._model import Claim, Intent, Record, Response, State, can_take_over, make_claim
+from ..._model import (
+    DEFAULT_STALE_SECONDS,
+    Claim,
+    Intent,
+    Record,
+    Response,
+    State,
+    can_take_over,
+    make_claim,
+)
 from ..protocol import AsyncMaintainableStore, AsyncTransaction, Statement
 from ._rows import Executor, RowShape, stale_params
-from ._stats import AsyncSQLObservable
+from ._stats import AsyncSQLObservable, is_missing_table
 from .dialect import (
     CLAIM_RETRIES,
     COLUMNS,
@@ -97,8 +106,10 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
         now: float,
         expires_at: float,
         transaction: AsyncTransaction | None = None,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
-        params = claim_params(intent, lease_token, now, expires_at)
+        params = claim_params(intent, lease_token, now, expires_at, stale_after)
         if transaction is not None:
             return await self._claim_in(transaction, params, intent.fingerprint)
         return await self._claim_alone(params, intent.fingerprint, None)
@@ -110,8 +121,10 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
         now: float,
         expires_at: float,
         lender: AsyncTransaction,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
-        params = claim_params(intent, lease_token, now, expires_at)
+        params = claim_params(intent, lease_token, now, expires_at, stale_after)
         return await self._claim_alone(params, intent.fingerprint, lender)
 
     async def _claim_alone(
@@ -265,7 +278,7 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
                     await cursor.close()
 
     async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """One probe of the ``(state, updated_at)`` index (the dialect's ``due``), if any."""
+        """One probe of the ``(state, stale_at)`` index (the dialect's ``due``), if any."""
         statement = self.dialect.due
         if statement is None:
             return None
@@ -323,6 +336,9 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
             async with self._migrate_connect() as conn:
                 cursor = conn.cursor()
                 try:
+                    if await self._needs_upgrade(cursor):
+                        for statement in self.dialect.upgrade:
+                            await cursor.execute(statement)
                     for statement in self.dialect.ddl:
                         await cursor.execute(statement)
                 except BaseException:
@@ -330,6 +346,20 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
                     raise
                 finally:
                     await cursor.close()
+
+    async def _needs_upgrade(self, cursor: Any) -> bool:
+        """Is the table there without this version's ``stale_at`` (an earlier version's)?"""
+        if not self.dialect.upgrade:
+            return False
+        try:
+            await cursor.execute(f"SELECT * FROM {self.dialect.table} WHERE 1 = 0")
+            await cursor.fetchall()
+        except Exception as exc:
+            # None yet (a driver's error, or Django's wrapping it): ``ddl`` creates it whole.
+            if is_missing_table(exc) or is_missing_table(exc.__cause__ or exc):
+                return False
+            raise
+        return "stale_at" not in {column[0] for column in cursor.description}
 
     async def get(self, principal: str, key: str) -> Record | None:
         params = {"principal": principal, "key": key}

@@ -13,10 +13,19 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, TypeAlias
 
 from ..._errors import LeaseLost
-from ..._model import Claim, Intent, Record, Response, State, can_take_over, make_claim
+from ..._model import (
+    DEFAULT_STALE_SECONDS,
+    Claim,
+    Intent,
+    Record,
+    Response,
+    State,
+    can_take_over,
+    make_claim,
+)
 from ..protocol import MaintainableStore, Transaction, Statement
 from ._rows import Executor, RowShape, stale_params
-from ._stats import SQLObservable
+from ._stats import SQLObservable, is_missing_table
 from .dialect import (
     CLAIM_RETRIES,
     COLUMNS,
@@ -98,8 +107,10 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
         now: float,
         expires_at: float,
         transaction: Transaction | None = None,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
-        params = claim_params(intent, lease_token, now, expires_at)
+        params = claim_params(intent, lease_token, now, expires_at, stale_after)
         if transaction is not None:
             return self._claim_in(transaction, params, intent.fingerprint)
         return self._claim_alone(params, intent.fingerprint, None)
@@ -111,8 +122,10 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
         now: float,
         expires_at: float,
         lender: Transaction,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
-        params = claim_params(intent, lease_token, now, expires_at)
+        params = claim_params(intent, lease_token, now, expires_at, stale_after)
         return self._claim_alone(params, intent.fingerprint, lender)
 
     def _claim_alone(
@@ -266,7 +279,7 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
                     cursor.close()
 
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """One probe of the ``(state, updated_at)`` index (the dialect's ``due``), if any."""
+        """One probe of the ``(state, stale_at)`` index (the dialect's ``due``), if any."""
         statement = self.dialect.due
         if statement is None:
             return None
@@ -324,6 +337,9 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
             with self._migrate_connect() as conn:
                 cursor = conn.cursor()
                 try:
+                    if self._needs_upgrade(cursor):
+                        for statement in self.dialect.upgrade:
+                            cursor.execute(statement)
                     for statement in self.dialect.ddl:
                         cursor.execute(statement)
                 except BaseException:
@@ -331,6 +347,20 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
                     raise
                 finally:
                     cursor.close()
+
+    def _needs_upgrade(self, cursor: Any) -> bool:
+        """Is the table there without this version's ``stale_at`` (an earlier version's)?"""
+        if not self.dialect.upgrade:
+            return False
+        try:
+            cursor.execute(f"SELECT * FROM {self.dialect.table} WHERE 1 = 0")
+            cursor.fetchall()
+        except Exception as exc:
+            # None yet (a driver's error, or Django's wrapping it): ``ddl`` creates it whole.
+            if is_missing_table(exc) or is_missing_table(exc.__cause__ or exc):
+                return False
+            raise
+        return "stale_at" not in {column[0] for column in cursor.description}
 
     def get(self, principal: str, key: str) -> Record | None:
         params = {"principal": principal, "key": key}

@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..._deprecation import moved
 from ..._errors import InProgress
-from ..._model import Intent, Record, Response, State, make_record, make_response, stored_headers
+from ..._model import (
+    DEFAULT_STALE_SECONDS,
+    Intent,
+    Record,
+    Response,
+    State,
+    make_record,
+    make_response,
+    stored_headers,
+)
 from ..._model import headers_json as _headers_json  # dialect.headers_json is deprecated
 from ..protocol import Statement
 
@@ -26,7 +35,7 @@ __all__ = ["PURGEABLE_SQL", "Dialect", "create_table", "insert_claim", "on_datab
 COLUMNS = (
     "id", "principal", "idempotency_key", "fingerprint", "endpoint", "state", "lease_token",
     "recovery_point", "correlation_id", "response_status", "response_headers", "response_body",
-    "created_at", "updated_at", "expires_at", "attempt",
+    "created_at", "updated_at", "expires_at", "attempt", "stale_at",
 )  # fmt: skip
 
 #: `is_retry` in SQL (the claimant's ``:fingerprint``).
@@ -91,14 +100,15 @@ CLOCK_NOW = ":now AS clock_now"
 _Statements = TypeVar("_Statements", bound="DataclassInstance")
 _CALLER_NOW = re.compile(r"(?<![:\w]):now\b")
 _MARK, _CALLER_MARK = "@@server_now@@", "@@caller_now@@"
-_INSTANTS = re.compile(r"(?<![:\w]):(expires_at|cutoff|keep_until)\b")
+_INSTANTS = re.compile(r"(?<![:\w]):(expires_at|stale_at|cutoff|keep_until)\b")
 
 
 def on_database_clock(dialect: _Statements, now_sql: str) -> _Statements:
     """``dialect`` (or any frozen dataclass of statements) on the database server's clock.
 
-    ``:now`` becomes ``now_sql``; ``:expires_at``, ``:cutoff``, ``:keep_until`` keep their
-    distance from the caller's ``:now``; ``:began_at`` and ``:marked_at`` are sent as they are.
+    ``:now`` becomes ``now_sql``; ``:expires_at``, ``:stale_at``, ``:cutoff``, ``:keep_until``
+    keep their distance from the caller's ``:now``; ``:began_at`` and ``:marked_at`` are sent
+    as they are.
     """
 
     server_now = f"({now_sql})"
@@ -136,7 +146,8 @@ class Dialect:
     checkpoint: Statement
     #: Keep a claim alive (a consumer's lease): date it now, fenced like ``release``.
     renew: Statement
-    #: Maintenance: mark a batch stale, settle or release what was marked, purge.
+    #: Maintenance: mark a batch stale (those whose ``stale_at`` is before ``:cutoff``),
+    #: settle or release what was marked, purge.
     sweep: Statement
     settle_stale: Statement
     release_stale: Statement
@@ -147,9 +158,12 @@ class Dialect:
     #: The claim and, when it loses, the existing record, in one statement (`claim_or_read`),
     #: where a CTE can write (PostgreSQL); else ``claim`` then ``read_for_claim``.
     claim_or_read: Statement | None = None
-    #: The sweeper's schedule: ``due_in``, the oldest sweepable record's ``updated_at`` minus
+    #: The sweeper's schedule: ``due_in``, the earliest sweepable record's ``stale_at`` minus
     #: ``:cutoff`` (no row: none). Without it the sweeper passes every interval.
     due: Statement | None = None
+    #: Bring a table of an earlier version up to this one (`upgrade_table`): run by
+    #: ``migrate`` before ``ddl`` when the table exists without ``stale_at``.
+    upgrade: tuple[str, ...] = ()
 
     @classmethod
     def standard(
@@ -160,6 +174,7 @@ class Dialect:
         claim: str,
         around_claim_in_transaction: tuple[Sequence[str], Sequence[str]] = ((), ()),
         skip_locked: bool = False,
+        upgrade: Sequence[str] = (),
     ) -> Dialect:
         """A dialect whose non-claim statements are plain ANSI SQL; with ``skip_locked`` the
         sweeper's batch skips rows a live completion locked instead of waiting for them."""
@@ -171,10 +186,13 @@ class Dialect:
             f"id = :id AND lease_token = :lease_token AND {_in_state('stale')} "
             "AND updated_at = :marked_at"
         )
+        # Every owner write that dates the claim moves its deadline by its own threshold.
+        deadline = "stale_at = :now + stale_after"
         return cls(
             name=name,
             table=table,
             ddl=ddl,
+            upgrade=tuple(upgrade),
             before_claim_in_transaction=tuple(map(Statement, before)),
             after_claim_in_transaction=tuple(map(Statement, after)),
             claim=Statement(claim),
@@ -187,26 +205,28 @@ class Dialect:
                 f"expires_at = :expires_at WHERE {_owned_by_caller()}"
             ),
             release=Statement(
-                f"UPDATE {table} SET state = 'released', updated_at = :now "
+                f"UPDATE {table} SET state = 'released', updated_at = :now, {deadline} "
                 f"WHERE {_owned_by_caller()}"
             ),
             checkpoint=Statement(
-                f"UPDATE {table} SET recovery_point = :recovery_point, updated_at = :now "
-                f"WHERE {_owned_by_caller()}"
+                f"UPDATE {table} SET recovery_point = :recovery_point, updated_at = :now, "
+                f"{deadline} WHERE {_owned_by_caller()}"
             ),
-            renew=Statement(f"UPDATE {table} SET updated_at = :now WHERE {_owned_by_caller()}"),
+            renew=Statement(
+                f"UPDATE {table} SET updated_at = :now, {deadline} WHERE {_owned_by_caller()}"
+            ),
             # The condition is repeated outside the subquery so a row that changed in between
             # is not marked. A CTE, evaluated once: PostgreSQL may rescan an IN (subquery)
             # per row, each rescan skipping the rows already locked: the whole table marked.
             sweep=Statement(
                 f"WITH due AS (SELECT id FROM {table} WHERE state = :from_state "
-                f"AND updated_at < :cutoff AND {SWEEPABLE_SQL} "
-                f"ORDER BY updated_at LIMIT :limit{lock}) "
-                f"UPDATE {table} SET state = 'stale', updated_at = :now, "
+                f"AND stale_at < :cutoff AND {SWEEPABLE_SQL} "
+                f"ORDER BY stale_at LIMIT :limit{lock}) "
+                f"UPDATE {table} SET state = 'stale', updated_at = :now, stale_at = :now, "
                 "expires_at = CASE WHEN expires_at < :keep_until THEN :keep_until "
                 "ELSE expires_at END "
                 "WHERE id IN (SELECT id FROM due) "
-                f"AND state = :from_state AND updated_at < :cutoff AND {SWEEPABLE_SQL} "
+                f"AND state = :from_state AND stale_at < :cutoff AND {SWEEPABLE_SQL} "
                 f"RETURNING {columns}"
             ),
             settle_stale=Statement(
@@ -215,7 +235,7 @@ class Dialect:
                 f"expires_at = :expires_at WHERE {marked}"
             ),
             release_stale=Statement(
-                f"UPDATE {table} SET state = 'released', updated_at = :now, "
+                f"UPDATE {table} SET state = 'released', updated_at = :now, {deadline}, "
                 "recovery_point = CASE WHEN :forget_progress = 1 THEN NULL "
                 f"ELSE recovery_point END WHERE {marked}"
             ),
@@ -223,10 +243,10 @@ class Dialect:
                 f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} "
                 f"WHERE expires_at <= :now AND {PURGEABLE_SQL} ORDER BY expires_at LIMIT :limit)"
             ),
-            # The sweep's own condition, without its age: the first row in index order.
+            # The sweep's own condition, without its deadline: the first row in index order.
             due=Statement(
-                f"SELECT updated_at - :cutoff AS due_in FROM {table} "
-                f"WHERE state = :from_state AND {SWEEPABLE_SQL} ORDER BY updated_at LIMIT 1"
+                f"SELECT stale_at - :cutoff AS due_in FROM {table} WHERE state = :from_state "
+                f"AND stale_at IS NOT NULL AND {SWEEPABLE_SQL} ORDER BY stale_at LIMIT 1"
             ),
         )
 
@@ -235,7 +255,8 @@ def create_table(
     table: str, *, id_column: str, bigint: str, blob: str, unique: str = "UNIQUE"
 ) -> list[str]:
     """The key table (unique ``(principal, idempotency_key)``: the claim's decision) and its
-    indexes, ``(state, updated_at)`` for the sweeper and ``expires_at`` for purging."""
+    indexes, ``(state, stale_at)`` for the sweeper, ``(state, updated_at)`` for the stats
+    and ``expires_at`` for purging."""
     return [
         f"""CREATE TABLE IF NOT EXISTS {table} (
             {id_column},
@@ -255,10 +276,33 @@ def create_table(
             updated_at {bigint} NOT NULL,
             expires_at {bigint} NOT NULL,
             attempt INTEGER NOT NULL DEFAULT 1,
+            {stale_columns(bigint)},
             {unique} (principal, idempotency_key)
         )""",
         f"CREATE INDEX IF NOT EXISTS {table}_state_updated ON {table} (state, updated_at)",
+        f"CREATE INDEX IF NOT EXISTS {table}_state_stale ON {table} (state, stale_at)",
         f"CREATE INDEX IF NOT EXISTS {table}_expires ON {table} (expires_at)",
+    ]
+
+
+def stale_columns(bigint: str) -> str:
+    """Each record's own stale threshold (ms, chosen at its claim) and the deadline it
+    dates (``stale_at``); the default only serves rows of an earlier version."""
+    return (
+        f"stale_after {bigint} NOT NULL DEFAULT {int(DEFAULT_STALE_SECONDS * 1000)}, "
+        f"stale_at {bigint}"
+    )
+
+
+def upgrade_table(table: str, bigint: str) -> list[str]:
+    """A table of an earlier version given `stale_columns`, each row a deadline from its last
+    write (a stale one: its mark); the ``CREATE INDEX`` after it adds the sweeper's index."""
+    after, at = stale_columns(bigint).split(", ")
+    return [
+        f"ALTER TABLE {table} ADD COLUMN {after}",
+        f"ALTER TABLE {table} ADD COLUMN {at}",
+        f"UPDATE {table} SET stale_at = CASE WHEN state = 'stale' THEN updated_at "
+        "ELSE updated_at + stale_after END",
     ]
 
 
@@ -269,9 +313,10 @@ def insert_claim(table: str) -> str:
     columns = ", ".join(COLUMNS)
     return (
         f"INSERT INTO {table} (principal, idempotency_key, fingerprint, endpoint, "
-        "state, lease_token, correlation_id, created_at, updated_at, expires_at, attempt) "
+        "state, lease_token, correlation_id, created_at, updated_at, expires_at, attempt, "
+        "stale_after, stale_at) "
         "VALUES (:principal, :key, :fingerprint, :endpoint, 'in_progress', :lease_token, "
-        ":correlation_id, :began_at, :now, :expires_at, 1) "
+        ":correlation_id, :began_at, :now, :expires_at, 1, :stale_after, :stale_at) "
         f"ON CONFLICT (principal, idempotency_key) DO NOTHING RETURNING {columns}"
     )
 
@@ -301,6 +346,7 @@ def take_over_claim(table: str) -> str:
         f"UPDATE {table} SET fingerprint = :fingerprint, endpoint = :endpoint, "
         "state = 'in_progress', lease_token = :lease_token, "
         "correlation_id = :correlation_id, updated_at = :now, expires_at = :expires_at, "
+        "stale_after = :stale_after, stale_at = :stale_at, "
         f"created_at = CASE WHEN {expired} THEN :began_at ELSE created_at END, "
         f"recovery_point = CASE WHEN {expired} THEN NULL ELSE recovery_point END, "
         f"attempt = CASE WHEN {expired} THEN 1 ELSE attempt + 1 END, "
@@ -311,8 +357,15 @@ def take_over_claim(table: str) -> str:
     )
 
 
-def claim_params(intent: Intent, lease_token: str, now: float, expires_at: float) -> dict[str, Any]:
+def claim_params(
+    intent: Intent,
+    lease_token: str,
+    now: float,
+    expires_at: float,
+    stale_after: float = DEFAULT_STALE_SECONDS,
+) -> dict[str, Any]:
     now_ms = int(now * 1000)
+    stale_ms = int(stale_after * 1000)
     return {
         "principal": intent.principal,
         "key": intent.key,
@@ -324,6 +377,8 @@ def claim_params(intent: Intent, lease_token: str, now: float, expires_at: float
         # An identity for downstream keys: the caller's clock, even on the database's.
         "began_at": now_ms,
         "expires_at": int(expires_at * 1000),
+        "stale_after": stale_ms,
+        "stale_at": now_ms + stale_ms,
     }
 
 
@@ -370,8 +425,8 @@ def record_from_values(row: Sequence[Any], start: int) -> Record:
     (
         record_id, principal, key, fingerprint, endpoint, state, lease_token,
         recovery_point, correlation_id, status, headers, body,
-        created_at, updated_at, expires_at, attempt,
-    ) = row[start : start + 16]  # fmt: skip
+        created_at, updated_at, expires_at, attempt, stale_at,
+    ) = row[start : start + 17]  # fmt: skip
     response = None
     if status is not None:
         if type(body) is not bytes:
@@ -381,6 +436,7 @@ def record_from_values(row: Sequence[Any], start: int) -> Record:
         record_id, principal, key, fingerprint, endpoint, _STATES[state], lease_token,
         created_at / 1000, updated_at / 1000, expires_at / 1000,
         correlation_id, recovery_point, response, int(attempt),
+        None if stale_at is None else stale_at / 1000,
     )  # fmt: skip
 
 

@@ -20,10 +20,18 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from ..._errors import ConfigurationError, StoreUnavailable
-from ..._model import Claim, Intent, Policy, Record, Response, State
+from ..._model import DEFAULT_STALE_SECONDS, Claim, Intent, Policy, Record, Response, State
 from ..._process import PID
 from ..protocol import AsyncMaintainableStore, AsyncTransaction
-from ..sql import AsyncSQLStore, Dialect, SQLStats, SQLStore, create_table, insert_claim
+from ..sql import (
+    AsyncSQLStore,
+    Dialect,
+    SQLStats,
+    SQLStore,
+    create_table,
+    insert_claim,
+)
+from ..sql.dialect import upgrade_table
 
 __all__ = ["AsyncSQLiteStore", "SQLiteStore", "connect", "is_unavailable"]
 
@@ -35,7 +43,8 @@ def sqlite_dialect(table: str = DEFAULT_TABLE) -> Dialect:
         table, id_column="id INTEGER PRIMARY KEY", bigint="INTEGER", blob="BLOB"
     )
     ddl = ["BEGIN IMMEDIATE", *table_ddl, "COMMIT"]
-    return Dialect.standard("sqlite", table, ddl, insert_claim(table))
+    upgrade = ["BEGIN IMMEDIATE", *upgrade_table(table, "INTEGER"), "COMMIT"]
+    return Dialect.standard("sqlite", table, ddl, insert_claim(table), upgrade=upgrade)
 
 
 # Primary result codes that mean "cannot use the file now", not "bad SQL":
@@ -359,12 +368,19 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
         now: float,
         expires_at: float,
         transaction: AsyncTransaction | None = None,
+        *,
+        stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
         if transaction is not None:
             msg = "single-commit mode needs PostgreSQL; SQLite admits one writer"
             raise ConfigurationError(msg)
         return await self._write(
-            self._at_once.claim, self.sync.claim, intent, lease_token, now, expires_at
+            functools.partial(self._at_once.claim, stale_after=stale_after),
+            functools.partial(self.sync.claim, stale_after=stale_after),
+            intent,
+            lease_token,
+            now,
+            expires_at,
         )
 
     async def _write(self, at_once: Callable[..., T], on_thread: Callable[..., T], *args: Any) -> T:
