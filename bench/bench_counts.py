@@ -13,6 +13,10 @@ created (``asyncio.Task``, directly or by ``create_task``), and app CPU
 (``time.process_time``). "added" is protected (or replay) minus unprotected; "floor"
 is the same number of round trips of a trivial command (``PING``, a prepared
 ``SELECT 1``) through the raw driver.
+
+``--bytecodes`` adds what a loaded machine does not move: Python bytecodes executed and
+Python calls made per request (``sys.settrace`` with opcode events, over 200 more
+requests per path), in all, and in idemflow's own code ("ours").
 """
 
 from __future__ import annotations
@@ -73,7 +77,35 @@ async def _floor(app: Any, trips: float, count: int) -> float:
     return (time.process_time() - started) / count * 1e6
 
 
-async def child(count: int, wire: Path) -> dict[str, Any]:
+class Bytecodes:
+    """Counts bytecodes executed and calls made while on, in all and in idemflow's code."""
+
+    def __init__(self) -> None:
+        self.ops = self.calls = self.our_ops = self.our_calls = 0
+
+    def _trace(self, frame: Any, event: str, arg: Any) -> Any:
+        ours = "/idemflow/" in frame.f_code.co_filename
+        if event == "call":
+            frame.f_trace_opcodes = True
+            self.calls += 1
+            self.our_calls += ours
+        elif event == "opcode":
+            self.ops += 1
+            self.our_ops += ours
+        return self._trace
+
+    async def count(self, send: Any, requests: int) -> list[float]:
+        self.ops = self.calls = self.our_ops = self.our_calls = 0
+        sys.settrace(self._trace)
+        try:
+            for _ in range(requests):
+                await send()
+        finally:
+            sys.settrace(None)
+        return [n / requests for n in (self.ops, self.our_ops, self.calls, self.our_calls)]
+
+
+async def child(count: int, wire: Path, bytecodes: bool = False) -> dict[str, Any]:
     import bench._minimal_app as minimal
 
     turns, tasks = Turns(), Tasks()
@@ -106,11 +138,15 @@ async def child(count: int, wire: Path) -> dict[str, Any]:
         }
     for path in ("protected", "replay"):
         rows[path]["floor"] = await _floor(app, rows[path]["trips"], count)
+    if bytecodes:
+        for path in PATHS:
+            send = lambda path=path: post_over_asgi(app, *make[path](), BODY)  # noqa: E731
+            rows[path]["bytecodes"] = await Bytecodes().count(send, 200)
     await stop()
     return rows
 
 
-def run_store(store: str, count: int) -> dict[str, Any]:
+def run_store(store: str, count: int, bytecodes: bool = False) -> dict[str, Any]:
     from bench.bench_middleware import store_settings
 
     with tempfile.TemporaryDirectory() as workdir, store_settings(store, Path(workdir)) as env:
@@ -118,7 +154,7 @@ def run_store(store: str, count: int) -> dict[str, Any]:
         wire.mkdir()
         full = {**os.environ, **env, **wire_env(wire), "BENCH_DIR": workdir}
         command = [sys.executable, "-m", "bench.bench_counts", "--child", str(wire)]
-        command += ["--count", str(count)]
+        command += ["--count", str(count)] + (["--bytecodes"] if bytecodes else [])
         out = subprocess.run(command, env=full, check=True, capture_output=True, text=True)
     result: dict[str, Any] = json.loads(out.stdout.splitlines()[-1])
     return result
@@ -128,23 +164,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", type=int, default=500, help="requests per path")
     parser.add_argument("--stores", default="sqlite,postgres,redis")
+    parser.add_argument("--bytecodes", action="store_true", help="count bytecodes and calls")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(asyncio.run(child(args.count, Path(args.child)))))
+        print(json.dumps(asyncio.run(child(args.count, Path(args.child), args.bytecodes))))
         return
-    print("| store | path | round trips | loop turns | tasks | app CPU µs | added µs | floor µs |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    head = "| store | path | round trips | loop turns | tasks | app CPU µs | added µs | floor µs |"
+    counted = 4 * args.bytecodes
+    print(head + " bytecodes | ours | calls | ours |" * args.bytecodes)
+    print("| --- | --- |" + " ---: |" * (6 + counted))
     for store in args.stores.split(","):
-        rows = run_store(store, args.count)
+        rows = run_store(store, args.count, args.bytecodes)
         base = rows["unprotected"]["cpu"]
         for path in PATHS:
             row = rows[path]
             added = "" if path == "unprotected" else f"{row['cpu'] - base:.0f}"
             floor = f"{row['floor']:.0f}" if "floor" in row else ""
+            counted = "".join(f" {n:.0f} |" for n in row.get("bytecodes", ()))
             print(
                 f"| {store} | {path} | {row['trips']:.2f} | {row['turns']:.2f} | "
-                f"{row['tasks']:.2f} | {row['cpu']:.0f} | {added} | {floor} |"
+                f"{row['tasks']:.2f} | {row['cpu']:.0f} | {added} | {floor} |{counted}"
             )
 
 
