@@ -257,10 +257,10 @@ def _check_tree(value: Any, *, escaped: bool = True, ascii: bool = False) -> boo
             return plain
         items, depth = stack.pop()
         if isinstance(items, dict):
-            for name in items:
+            for name in items if astral else ():  # ASCII text without escapes: nothing to see
                 if escaped:
                     _check_text(name)
-                if plain and astral and not name.isascii() and _ASTRAL.search(name):
+                if plain and not name.isascii() and _ASTRAL.search(name):
                     plain = False
             items = items.values()
 
