@@ -92,7 +92,7 @@ async def test_a_timeout_inside_the_step_ends_the_step() -> None:
         async with asyncio.timeout(0):
             await never.wait()
 
-    task = asyncio.create_task(async_shielded(step()))
+    task = asyncio.ensure_future(async_shielded(step()))
     try:
         await asyncio.wait({task}, timeout=DEADLINE)
         assert task.done(), "the step's timeout was deferred as if it were the caller's"
