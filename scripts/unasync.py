@@ -30,6 +30,10 @@ PAIRS = [
     (ROOT / "stores" / "mysql" / "_async.py", ROOT / "stores" / "mysql" / "_sync.py"),
     (ROOT / "stores" / "postgres" / "_async.py", ROOT / "stores" / "postgres" / "_sync.py"),
     (ROOT / "consumers" / "_async.py", ROOT / "consumers" / "_sync.py"),
+    (
+        ROOT / "consumers" / "redis_streams" / "_async.py",
+        ROOT / "consumers" / "redis_streams" / "_sync.py",
+    ),
 ]
 
 #: The sentence every source carries, naming its twin (checked against PAIRS).
@@ -59,6 +63,8 @@ SUBS = [
     (r"\bawait async_shielded\((.*)\)(:?)$", r"\1\2"),
     (r"^ *await async_cancel_point\(\).*\n", ""),
     (r"\basynccontextmanager\b", "contextmanager"),
+    (r"^( *)import redis\.asyncio$", r"\1import redis"),
+    (r"\bredis\.asyncio\.Redis\b", "redis.Redis"),
     (r"\bAsyncmyTransaction\b", "PyMySQLTransaction"),
     (r"\bAn asyncmy connection\b", "A ``pymysql.Connection``"),
     (r"\bAsync([A-Z]\w*)", r"\1"),

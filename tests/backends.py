@@ -1255,7 +1255,7 @@ async def _mysql_rig(
 
     sync = kind.endswith("-sync")
     store: Any
-    wait = {"timeout": busy_timeout} if busy_timeout > Policy().store_wait_seconds else {}
+    wait = busy_timeout if busy_timeout > Policy().store_wait_seconds else None
 
     if sync:
 
@@ -1265,9 +1265,9 @@ async def _mysql_rig(
             opened.append((conn, node, conn.thread_id()))
             return conn
 
-        store = MySQLStore(connect, table=table, max_size=pool_size, clock="caller", **wait)
+        store = MySQLStore(connect, table=table, max_size=pool_size, clock="caller", timeout=wait)
         app = (
-            MySQLStore(connect, table=table, max_size=pool_size, clock="caller", **wait)
+            MySQLStore(connect, table=table, max_size=pool_size, clock="caller", timeout=wait)
             if app_pool
             else store
         )
@@ -1295,9 +1295,11 @@ async def _mysql_rig(
                 opened.append((conn, node, int((await cursor.fetchone())[0])))
             return conn
 
-        store = AsyncMySQLStore(aconnect, table=table, max_size=pool_size, clock="caller", **wait)
+        store = AsyncMySQLStore(
+            aconnect, table=table, max_size=pool_size, clock="caller", timeout=wait
+        )
         app = (
-            AsyncMySQLStore(aconnect, table=table, max_size=pool_size, clock="caller", **wait)
+            AsyncMySQLStore(aconnect, table=table, max_size=pool_size, clock="caller", timeout=wait)
             if app_pool
             else store
         )

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import pytest
 
@@ -26,7 +26,7 @@ POSTGRES_URL = os.environ.get(
 )
 
 
-def unreachable(service: str, error: BaseException) -> None:
+def unreachable(service: str, error: BaseException) -> NoReturn:
     """Skip locally, fail in CI: a missing backend must never turn CI green."""
     message = f"{service} is not reachable: {error}"
     if IN_CI:

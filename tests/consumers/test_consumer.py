@@ -97,6 +97,34 @@ def test_a_message_without_a_key_is_dead_lettered(consumer: Consumer) -> None:
     assert isinstance(decision.problem, MissingKey)
 
 
+def test_a_key_read_by_a_function_is_the_key_and_its_missing_key_dead_letters(
+    consumer: Consumer,
+) -> None:
+    """The adapters hand the entry point a function reading the message's key: its answer
+    is the key, its ``MissingKey`` (no such header or field) a dead letter, nothing run."""
+    effects: list[str] = []
+
+    def absent() -> str:
+        raise MissingKey("the message has no 'Idempotency-Key' header")
+
+    read = consumer.handle(lambda: "m-1", b"one", effect(effects))
+    missing = consumer.handle(absent, b"one", effect(effects))
+
+    assert (read.action, effects) == ("ack", ["m-1"])
+    assert missing.action == "dead_letter"
+    assert str(missing.problem) == "the message has no 'Idempotency-Key' header"
+
+
+def test_a_key_function_that_fails_otherwise_is_a_mistake_raised(consumer: Consumer) -> None:
+    """Not a message to dead-letter or redeliver: the adapter leaves it unacked."""
+
+    def broken() -> str:
+        raise AttributeError("'NoneType' object has no attribute 'get'")
+
+    with pytest.raises(AttributeError):
+        consumer.handle(broken, b"one", effect([]))
+
+
 def test_in_progress_elsewhere_is_requeued_with_a_delay_never_waited_for(
     consumer: Consumer,
 ) -> None:

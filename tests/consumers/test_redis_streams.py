@@ -1,33 +1,100 @@
 """
-The Redis Streams adapter against the real Redis on loopback (each test its own stream,
-group and key prefix): duplicates and a race between two consumers make one effect, a
-consumer SIGKILLed between its commit and its ``XACK`` makes one effect after the
-redelivery, a poisoned entry goes to the dead-letter stream, a transient failure is
-redelivered and run once.
+The Redis Streams adapter, sync and async, against the real Redis on loopback (each test
+its own stream, group and key prefix): duplicates and a race between two consumers make
+one effect, a consumer SIGKILLed between its commit and its ``XACK`` makes one effect
+after the redelivery, a poisoned entry goes to the dead-letter stream, a transient
+failure is redelivered and run once.
+
+Each case runs on both adapters with the same async handlers: the sync adapter polls in
+a worker thread and runs each handler on the test's event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import threading
+import functools
+import inspect
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from idemflow import Attempt, Idempotency, State
-from idemflow.consumers import Consumer
-from tests.backends import _open_redis, delete_keys, redis_client
+from idemflow import AsyncIdempotency, Idempotency, State
+from idemflow.consumers import AsyncConsumer, Consumer
+from tests.backends import REDIS_URL, _open_redis, delete_keys, redis_client
 from tests.conftest import POSTGRES_URL, unreachable
-from tests.consumers._support import count_rows, run_until_killable_sync
+from tests.consumers._support import count_rows, run_until_killable
 from tests.factories import POLICY
 
 redis = pytest.importorskip("redis")
-from idemflow.consumers.redis_streams import RedisStreams  # noqa: E402
+from idemflow.consumers.redis_streams import AsyncRedisStreams, RedisStreams  # noqa: E402
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.anyio]
+
+Handler = Callable[[Any, dict[bytes, bytes]], Coroutine[Any, Any, Any]]
+
+
+async def settled(value: Any) -> Any:
+    """A sync store's answer as it is, an async one's awaited."""
+    return await value if inspect.isawaitable(value) else value
+
+
+@dataclass
+class Side:
+    """One adapter flavour: its store, and its adapters polled from the test's loop."""
+
+    asynchronous: bool
+    store: Any
+    prefix: str
+    clients: list[Any] = field(default_factory=list)
+
+    def streams(self, name: str, **options: Any) -> Any:
+        if self.asynchronous:
+            consumer: Any = AsyncConsumer(AsyncIdempotency(self.store, POLICY), self.prefix)
+            client = redis.asyncio.Redis.from_url(REDIS_URL, socket_timeout=5)
+            kind: Any = AsyncRedisStreams
+        else:
+            consumer, client = (
+                Consumer(Idempotency(self.store, POLICY), self.prefix),
+                redis_client(),
+            )
+            kind = RedisStreams
+        self.clients.append(client)
+        stream = f"{self.prefix}:orders"
+        return kind(consumer, client, stream, "billing", name, min_idle=0, **options)
+
+    async def make(self, name: str, **options: Any) -> Any:
+        adapter = self.streams(name, **options)
+        await settled(adapter.create_group())
+        return adapter
+
+    async def poll(self, adapter: Any, handler: Handler, **options: Any) -> list[str]:
+        if self.asynchronous:
+            return list(await adapter.poll(handler, **options))
+        loop = asyncio.get_running_loop()
+
+        def on_the_loop(attempt: Any, fields: dict[bytes, bytes]) -> Any:
+            return asyncio.run_coroutine_threadsafe(handler(attempt, fields), loop).result()
+
+        return list(await asyncio.to_thread(adapter.poll, on_the_loop, **options))
+
+    async def drain(self, adapter: Any, handler: Handler) -> list[str]:
+        """Poll until nothing is pending or new (every entry acked or dead-lettered)."""
+        actions: list[str] = []
+        for _ in range(20):
+            actions += await self.poll(adapter, handler)
+            if pending(adapter) == 0:
+                return actions
+        raise AssertionError(f"entries still pending after {actions}")
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await settled(client.aclose() if self.asynchronous else client.close())
+        await settled(self.store.close())
 
 
 @pytest.fixture
@@ -43,145 +110,179 @@ def prefix() -> Iterator[str]:
     client.close()
 
 
-@pytest.fixture
-def store(prefix: str) -> Iterator[Any]:
-    store: Any = _open_redis(prefix)
-    store.migrate()
-    yield store
-    store.close()
+@pytest.fixture(params=["sync", "async"])
+async def side(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Side]:
+    """The sync adapter on a ``RedisStore``, or the async one on an ``AsyncRedisStore``."""
+    from idemflow.stores.redis import AsyncRedisStore
+
+    if request.param == "sync":
+        store: Any = _open_redis(prefix)
+    else:
+        client = redis.asyncio.Redis.from_url(REDIS_URL, socket_timeout=5)
+        store = AsyncRedisStore(client, prefix=prefix, clock="caller", allow_volatile=True)
+    await settled(store.migrate())
+    opened = Side(request.param == "async", store, prefix)
+    yield opened
+    await opened.close()
 
 
-def streams(store: Any, prefix: str, name: str, **options: Any) -> RedisStreams:
-    consumer = Consumer(Idempotency(store, POLICY), prefix)
-    adapter = RedisStreams(
-        consumer, redis_client(), f"{prefix}:orders", "billing", name, min_idle=0, **options
-    )
-    adapter.create_group()
-    return adapter
+@functools.cache
+def admin() -> Any:
+    """The test's own client: what it publishes, what it looks at."""
+    return redis_client()
 
 
-def publish(adapter: RedisStreams, key: str, payload: bytes) -> None:
-    adapter.client.xadd(adapter.stream, {"idempotency-key": key, "payload": payload})
+def publish(adapter: Any, key: str, payload: bytes) -> None:
+    admin().xadd(adapter.stream, {"idempotency-key": key, "payload": payload})
 
 
-def pending(adapter: RedisStreams) -> int:
-    return int(adapter.client.xpending(adapter.stream, adapter.group)["pending"])
+def pending(adapter: Any) -> int:
+    return int(admin().xpending(adapter.stream, adapter.group)["pending"])
 
 
-def drain(adapter: RedisStreams, handler: Any) -> list[str]:
-    """Poll until nothing is pending or new (every entry acked or dead-lettered)."""
-    actions: list[str] = []
-    for _ in range(20):
-        actions += adapter.poll(handler)
-        if pending(adapter) == 0:
-            return actions
-    raise AssertionError(f"entries still pending after {actions}")
-
-
-def test_a_message_published_twice_and_raced_by_two_consumers_has_one_effect(
-    store: Any, prefix: str
+async def test_a_message_published_twice_and_raced_by_two_consumers_has_one_effect(
+    side: Side,
 ) -> None:
-    first, second = streams(store, prefix, "c1"), streams(store, prefix, "c2")
+    first, second = await side.make("c1"), await side.make("c2")
     publish(first, "order-1", b'{"amount": 5}')
     publish(first, "order-1", b'{"amount": 5}')
     effects: list[str] = []
-    running, raced = threading.Event(), threading.Event()
+    running, raced = asyncio.Event(), asyncio.Event()
 
-    def held(attempt: Attempt, fields: dict[bytes, bytes]) -> str:
+    async def held(attempt: Any, fields: dict[bytes, bytes]) -> str:
         running.set()
-        assert raced.wait(10)  # until the other consumer met our claim
+        await asyncio.wait_for(raced.wait(), 10)  # until the other consumer met our claim
         effects.append(attempt.record.key)
         return "charged"
 
-    def other(attempt: Attempt, fields: dict[bytes, bytes]) -> str:
+    async def other(attempt: Any, fields: dict[bytes, bytes]) -> str:
         effects.append(attempt.record.key)
         return "charged again"
 
-    holder = threading.Thread(target=lambda: first.poll(held, count=1))
-    holder.start()
-    assert running.wait(10)
-    met = second.poll(other, count=1)
+    holder = asyncio.create_task(side.poll(first, held, count=1))
+    await asyncio.wait_for(running.wait(), 10)
+    met = await side.poll(second, other, count=1)
     raced.set()
-    holder.join(10)
+    assert await asyncio.wait_for(holder, 10) == ["ack"]
 
     assert set(met) == {"requeue_with_delay"}  # never waited for the holder
-    assert set(drain(second, other)) <= {"ack_with_stored_result"}
+    assert set(await side.drain(second, other)) <= {"ack_with_stored_result"}
     assert effects == ["order-1"]
 
 
-def test_a_poisoned_message_goes_to_the_dead_letter_stream_without_an_effect(
-    store: Any, prefix: str
+async def test_a_poisoned_message_goes_to_the_dead_letter_stream_without_an_effect(
+    side: Side,
 ) -> None:
-    adapter = streams(store, prefix, "c1")
+    adapter = await side.make("c1")
     publish(adapter, "order-1", b'{"amount": 5}')
     publish(adapter, "order-1", b'{"amount": 500}')
     effects: list[bytes] = []
 
-    def charge(attempt: Attempt, fields: dict[bytes, bytes]) -> None:
+    async def charge(attempt: Any, fields: dict[bytes, bytes]) -> None:
         effects.append(fields[b"payload"])
 
-    assert adapter.poll(charge) == ["ack", "dead_letter"]
+    assert await side.poll(adapter, charge) == ["ack", "dead_letter"]
 
     assert effects == [b'{"amount": 5}']
-    ((_, dead),) = adapter.client.xrange(adapter.dead_letter)
+    ((_, dead),) = admin().xrange(adapter.dead_letter)
     assert dead[b"payload"] == b'{"amount": 500}'
     assert b"different request" in dead[b"idemflow-problem"]
     assert pending(adapter) == 0
 
 
-def test_a_transient_failure_is_redelivered_and_run_once(store: Any, prefix: str) -> None:
-    adapter = streams(store, prefix, "c1")
+async def test_an_entry_without_its_key_field_is_dead_lettered_with_the_field_named(
+    side: Side,
+) -> None:
+    adapter = await side.make("c1")
+    admin().xadd(adapter.stream, {"payload": b"{}"})
+
+    async def charge(attempt: Any, fields: dict[bytes, bytes]) -> None:
+        raise AssertionError("never run")
+
+    assert await side.poll(adapter, charge) == ["dead_letter"]
+    ((_, dead),) = admin().xrange(adapter.dead_letter)
+    assert dead[b"idemflow-problem"] == b"the entry has no 'idempotency-key' field"
+
+
+async def test_a_transient_failure_is_redelivered_and_run_once(side: Side) -> None:
+    adapter = await side.make("c1")
     publish(adapter, "order-1", b"{}")
     calls: list[int] = []
 
-    def flaky(attempt: Attempt, fields: dict[bytes, bytes]) -> str:
+    async def flaky(attempt: Any, fields: dict[bytes, bytes]) -> str:
         calls.append(attempt.record.attempt)
         if len(calls) == 1:
             raise ConnectionError("the provider is down")
         return "charged"
 
-    assert adapter.poll(flaky) == ["release_and_requeue"]
+    assert await side.poll(adapter, flaky) == ["release_and_requeue"]
     assert pending(adapter) == 1
-    assert drain(adapter, flaky) == ["ack"]
+    assert await side.drain(adapter, flaky) == ["ack"]
     assert calls == [1, 2]
-    assert drain(adapter, flaky) == []
+    assert await side.drain(adapter, flaky) == []
 
 
 #: The child: a consumer whose XACK never comes (it reports, then waits to be killed).
 CHILD = """
-import sys, threading
-import psycopg
-from idemflow import Idempotency
-from idemflow.consumers import Consumer
-from idemflow.consumers.redis_streams import RedisStreams
-from idemflow.stores.postgres import PostgresStore
-from idemflow.transactions import PsycopgTransaction
-from tests.backends import redis_client
+import asyncio, contextlib, sys, threading
+import psycopg, redis.asyncio
+from idemflow import AsyncIdempotency, Idempotency
+from idemflow.consumers import AsyncConsumer, Consumer
+from idemflow.consumers.redis_streams import AsyncRedisStreams, RedisStreams
+from idemflow.stores.postgres import AsyncPostgresStore, PostgresStore
+from idemflow.transactions import AsyncPsycopgTransaction, PsycopgTransaction
+from tests.backends import REDIS_URL, redis_client
 from tests.factories import POLICY
-url, table, prefix, where = sys.argv[1:]
+url, table, prefix, where, flavour = sys.argv[1:]
+insert = f"INSERT INTO biz_{table} (note) VALUES ('charged')"
+where_from = (f"{prefix}:orders", "billing", "doomed")
 
-class Transaction:
-    def __enter__(self):
-        self.conn = psycopg.connect(url, autocommit=True)
-        return PsycopgTransaction(self.conn)
-    def __exit__(self, *exc):
-        self.conn.close()
-
-def stalled_ack(*args):
+def stalled(*args):
     print("killable", flush=True)
     threading.Event().wait()
 
-store = PostgresStore(url, table=table, clock="caller")
-adapter = RedisStreams(Consumer(Idempotency(store, POLICY), prefix), redis_client(),
-                       f"{prefix}:orders", "billing", "doomed", transaction=Transaction)
-adapter.client.xack = stalled_ack
+@contextlib.contextmanager
+def transaction():
+    with psycopg.connect(url, autocommit=True) as conn:
+        yield PsycopgTransaction(conn)
+
+@contextlib.asynccontextmanager
+async def async_transaction():
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        yield AsyncPsycopgTransaction(conn)
+
 def charge(attempt, fields):
-    attempt.connection.execute(f"INSERT INTO biz_{table} (note) VALUES ('charged')")
+    attempt.connection.execute(insert)
     if where == "before the commit":
-        stalled_ack()
+        stalled()
     return "charged"
 
-print(adapter.poll(charge), flush=True)  # never reached: the XACK stalls
+async def async_charge(attempt, fields):
+    await attempt.connection.execute(insert)
+    if where == "before the commit":
+        stalled()
+    return "charged"
+
+async def async_stalled(*args):
+    stalled()
+
+async def main():
+    store = AsyncPostgresStore(url, table=table, clock="caller")
+    consumer = AsyncConsumer(AsyncIdempotency(store, POLICY), prefix)
+    client = redis.asyncio.Redis.from_url(REDIS_URL)
+    adapter = AsyncRedisStreams(consumer, client, *where_from, transaction=async_transaction)
+    adapter.client.xack = async_stalled
+    await adapter.poll(async_charge)
+
+if flavour == "async":
+    asyncio.run(main())
+else:
+    store = PostgresStore(url, table=table, clock="caller")
+    consumer = Consumer(Idempotency(store, POLICY), prefix)
+    adapter = RedisStreams(consumer, redis_client(), *where_from, transaction=transaction)
+    adapter.client.xack = stalled
+    adapter.poll(charge)
+print("never reached: the XACK stalls", flush=True)
 """
 
 
@@ -205,45 +306,59 @@ def postgres_table(prefix: str) -> Iterator[str]:
         conn.execute(f"DROP TABLE {table}")
 
 
+@pytest.mark.parametrize("flavour", ["sync", "async"])
 @pytest.mark.parametrize("where", ["before the commit", "before the ack"])
-def test_a_consumer_killed_after_its_business_write_has_one_effect_after_redelivery(
-    prefix: str, postgres_table: str, where: str
+async def test_a_consumer_killed_after_its_business_write_has_one_effect_after_redelivery(
+    prefix: str, postgres_table: str, where: str, flavour: str
 ) -> None:
     """Killed before the commit: nothing committed, the claim left to the sweeper, then run
     once. Killed between the commit and the XACK: settled, acked with the stored result."""
     import psycopg
 
-    from idemflow.stores.postgres import PostgresStore
-    from idemflow.transactions import PsycopgTransaction
+    from idemflow.stores.postgres import AsyncPostgresStore, PostgresStore
+    from idemflow.transactions import AsyncPsycopgTransaction, PsycopgTransaction
 
     @contextlib.contextmanager
     def transaction() -> Iterator[PsycopgTransaction]:
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
             yield PsycopgTransaction(conn)
 
-    store = PostgresStore(POSTGRES_URL, table=postgres_table, clock="caller")
-    adapter = streams(store, prefix, "survivor", transaction=transaction)
+    @contextlib.asynccontextmanager
+    async def async_transaction() -> AsyncIterator[AsyncPsycopgTransaction]:
+        async with await psycopg.AsyncConnection.connect(POSTGRES_URL, autocommit=True) as conn:
+            yield AsyncPsycopgTransaction(conn)
+
+    asynchronous = flavour == "async"
+    kind: Any = AsyncPostgresStore if asynchronous else PostgresStore
+    store = kind(POSTGRES_URL, table=postgres_table, clock="caller")
+    side = Side(asynchronous, store, prefix)
+    adapter = await side.make(
+        "survivor", transaction=async_transaction if asynchronous else transaction
+    )
     publish(adapter, "order-1", b"{}")
-    run_until_killable_sync(CHILD, POSTGRES_URL, postgres_table, prefix, where)
+    await run_until_killable(CHILD, POSTGRES_URL, postgres_table, prefix, where, flavour)
 
     def count() -> int:
         return count_rows(POSTGRES_URL, postgres_table)
 
-    def again(attempt: Attempt, fields: dict[bytes, bytes]) -> None:
-        attempt.connection.execute(f"INSERT INTO biz_{postgres_table} (note) VALUES ('again')")
+    async def again(attempt: Any, fields: dict[bytes, bytes]) -> None:
+        await settled(
+            attempt.connection.execute(f"INSERT INTO biz_{postgres_table} (note) VALUES ('again')")
+        )
 
-    record = store.get(prefix, "order-1")
+    record = await settled(store.get(prefix, "order-1"))
     assert record is not None
     assert pending(adapter) == 1  # the killed consumer never acked
     if where == "before the ack":
         assert (record.state, count()) == (State.COMPLETED, 1)
-        assert drain(adapter, again) == ["ack_with_stored_result"]
+        assert await side.drain(adapter, again) == ["ack_with_stored_result"]
     else:
         assert (record.state, count()) == (State.IN_PROGRESS, 0)  # rolled back with the kill
-        assert adapter.poll(again) == ["requeue_with_delay"]  # still claimed: never run twice
+        assert await side.poll(adapter, again) == ["requeue_with_delay"]  # never run twice
         # The sweeper's pass, its threshold past: the dead consumer's claim released.
-        (marked,) = store.sweep(State.IN_PROGRESS, time.time() + 1, time.time(), time.time(), 10)
-        assert store.release_stale(marked, time.time())
-        assert drain(adapter, again) == ["ack"]
+        now = time.time()
+        (marked,) = await settled(store.sweep(State.IN_PROGRESS, now + 1, now, now, 10))
+        assert await settled(store.release_stale(marked, time.time()))
+        assert await side.drain(adapter, again) == ["ack"]
     assert count() == 1
-    store.close()
+    await side.close()

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULES = sorted(DEMO.rglob("*.py"))
 
 #: The only modules of the library that may name the demo: the thin CLI loaders.
-LOADERS = {"cli/_demo.py", "cli/_storm.py"}
+LOADERS = {"cli/_demo.py", "cli/_storm.py", "cli/_consumer_storm.py"}
 
 
 def module_name(path: Path) -> str:
@@ -277,7 +277,9 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("argv", [["demo"], ["storm", "--port", "8000"], ["demo", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["demo"], ["storm", "--port", "8000"], ["consumer-storm"], ["demo", "--help"]]
+)
 def test_without_the_demo_its_commands_say_how_to_install_it(argv: list[str]) -> None:
     done = subprocess.run(
         [sys.executable, "-c", WITHOUT_THE_DEMO, *argv],

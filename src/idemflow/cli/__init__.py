@@ -16,7 +16,17 @@ from .._errors import IdempotencyError
 __all__ = ["main"]
 
 #: Command modules, in the order ``--help`` lists them.
-COMMANDS = ["_migrate", "_sweep", "_inspect", "_stats", "_purge", "_demo", "_storm", "_audit"]
+COMMANDS = [
+    "_migrate",
+    "_sweep",
+    "_inspect",
+    "_stats",
+    "_purge",
+    "_demo",
+    "_storm",
+    "_consumer_storm",
+    "_audit",
+]
 
 EXIT_FAILURE = 1
 

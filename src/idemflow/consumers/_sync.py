@@ -57,7 +57,7 @@ class Consumer:
 
     def handle(
         self,
-        key: str,
+        key: str | Callable[[], str],
         payload: bytes,
         handler: MessageHandler,
         *,
@@ -65,10 +65,16 @@ class Consumer:
     ) -> Decision:
         """Run ``handler`` once for ``key`` and say what the broker should do with the message.
 
+        ``key``: the message's idempotency key, or a function reading it from the message
+        (its ``MissingKey`` dead-letters the message, as an empty key does);
         ``transaction``: the app's (`idemflow.transactions`), where the completion
         commits with the handler's writes before the adapter acks.
         """
         idem = self.idempotency
+        try:
+            key = key() if callable(key) else key
+        except MissingKey as exc:  # any other error of a key function is a mistake: raised
+            return decide_failure(exc, idem.policy.retry_after)
         try:
             if not key:
                 raise MissingKey("the message carries no idempotency key")

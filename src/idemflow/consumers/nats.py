@@ -72,7 +72,7 @@ class JetStream:
             opened = self._transaction() if self._transaction else nullcontext(None)
             async with opened as transaction:
                 decision = await self.consumer.handle(
-                    self._key_of(message),
+                    lambda: self._key(message),
                     message.data,
                     lambda attempt: handler(attempt, message),
                     transaction=transaction,
@@ -98,12 +98,6 @@ class JetStream:
         while True:
             await asyncio.sleep(self.ack_wait / 3)
             await message.in_progress()
-
-    def _key_of(self, message: Msg) -> str:
-        try:
-            return self._key(message)
-        except MissingKey:
-            return ""  # dead-lettered by the consumer, as a message without a key
 
 
 def _header(name: str) -> Callable[[Msg], str]:

@@ -73,7 +73,7 @@ class RabbitMQ:
         opened = self._transaction() if self._transaction else nullcontext(None)
         async with opened as transaction:
             decision = await self.consumer.handle(
-                self._key_of(message),
+                lambda: self._key(message),
                 message.body,
                 lambda attempt: handler(attempt, message),
                 transaction=transaction,
@@ -86,12 +86,6 @@ class RabbitMQ:
             await self._publish(message, await self._delay_queue(decision.delay))
         await message.ack()
         return decision.action.value
-
-    def _key_of(self, message: AbstractIncomingMessage) -> str:
-        try:
-            return self._key(message)
-        except MissingKey:
-            return ""  # dead-lettered by the consumer, as a message without a key
 
     async def _delay_queue(self, delay: float) -> str:
         """The delay queue for ``delay``, declared before each publish: the broker deletes

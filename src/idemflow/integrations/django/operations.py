@@ -14,7 +14,8 @@ from django.db.migrations.operations.base import Operation
 from ..._deprecation import moved
 from .conf import idemflow_settings
 
-__all__ = ["CreateKeyTable"]
+# The app's own migration names CreateKeyTable by its path: not API (as the app's other modules).
+__all__: list[str] = []
 
 
 def _key_table_ddl(vendor: str, table: str) -> list[str]:

@@ -1,37 +1,32 @@
 """
-Redis Streams consumer groups with exactly-once effects (redis-py, imported only here).
+The Redis Streams adapter's I/O (`idemflow.consumers.redis_streams` says what it does).
 
-Each entry's idempotency key is a field (or a function of the entry), its payload a
-field; `RedisStreams` hands both to `Consumer` and
-performs the ``Decision``: ``ack`` and ``ack_with_stored_result`` ``XACK``;
-``dead_letter`` copies the entry to the dead-letter stream with its problem and acks,
-in one ``MULTI``; every other action leaves the entry pending, where ``XAUTOCLAIM``
-hands it to a consumer again once it has been idle ``min_idle`` seconds (the stream's
-redelivery delay: Redis has no per-entry one).
+This is the async source of truth; ``idemflow/consumers/redis_streams/_sync.py`` is generated
+from it by ``scripts/unasync.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any, TypeAlias
 
-from .._errors import MissingKey
-from .._extras import optional
-from ..stores.protocol import Transaction
-from ._sync import Consumer
+from ..._errors import MissingKey
+from ..._extras import optional
+from ...stores.protocol import AsyncTransaction
+from .. import AsyncConsumer
 
 with optional("idemflow.consumers.redis_streams"):
-    import redis
+    import redis.asyncio
 
-__all__ = ["RedisStreams"]
+__all__ = ["AsyncRedisStreams"]
 
 Fields: TypeAlias = dict[bytes, bytes]
 #: The handler: the claimed attempt and the entry's fields; its answer is stored.
-StreamHandler: TypeAlias = Callable[[Any, Fields], Any]
+AsyncStreamHandler: TypeAlias = Callable[[Any, Fields], Awaitable[Any]]
 
 
-class RedisStreams:
+class AsyncRedisStreams:
     """Consume ``stream`` as ``name`` in consumer ``group``, each entry's effect once.
 
     ``key``: the field holding the idempotency key, or a function of the fields;
@@ -43,8 +38,8 @@ class RedisStreams:
 
     def __init__(
         self,
-        consumer: Consumer,
-        client: redis.Redis,
+        consumer: AsyncConsumer,
+        client: redis.asyncio.Redis,
         stream: str,
         group: str,
         name: str,
@@ -53,7 +48,7 @@ class RedisStreams:
         payload: str = "payload",
         dead_letter: str | None = None,
         min_idle: float = 30.0,
-        transaction: Callable[[], AbstractContextManager[Transaction]] | None = None,
+        transaction: Callable[[], AbstractAsyncContextManager[AsyncTransaction]] | None = None,
     ) -> None:
         self.consumer = consumer
         # Any: redis-py's stubs type replies as the union of every reply any command can give.
@@ -65,61 +60,50 @@ class RedisStreams:
         self._payload = payload.encode()
         self._transaction = transaction
 
-    def create_group(self) -> None:
+    async def create_group(self) -> None:
         """Create the group (and the stream) if missing, reading from its first entry."""
         try:
-            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+            await self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def poll(
-        self, handler: StreamHandler, *, count: int = 10, block_ms: int | None = None
+    async def poll(
+        self, handler: AsyncStreamHandler, *, count: int = 10, block_ms: int | None = None
     ) -> list[str]:
         """Handle what is due: entries idle past ``min_idle`` first, then new ones.
         Returns the action taken for each, in order."""
-        _, reclaimed, _ = self.client.xautoclaim(
+        _, reclaimed, _ = await self.client.xautoclaim(
             self.stream, self.group, self.name, self.min_idle_ms, "0-0", count=count
         )
-        fresh = self.client.xreadgroup(
+        fresh = await self.client.xreadgroup(
             self.group, self.name, {self.stream: ">"}, count=count, block=block_ms
         )
         entries = [*reclaimed, *(entry for _, batch in fresh or () for entry in batch)]
         # An entry deleted while pending comes back empty: nothing to run.
-        return [self.deliver(entry_id, fields, handler) for entry_id, fields in entries if fields]
+        return [
+            await self.deliver(entry_id, fields, handler) for entry_id, fields in entries if fields
+        ]
 
-    def deliver(self, entry_id: bytes, fields: Fields, handler: StreamHandler) -> str:
+    async def deliver(self, entry_id: bytes, fields: Fields, handler: AsyncStreamHandler) -> str:
         """Handle one entry and perform its decision; returns the action taken."""
-        with self._transaction_for() as transaction:
-            decision = self.consumer.handle(
-                self._key_of(fields),
+        opened = self._transaction() if self._transaction else nullcontext(None)
+        async with opened as transaction:
+            decision = await self.consumer.handle(
+                lambda: self._key(fields),
                 fields.get(self._payload, b""),
                 lambda attempt: handler(attempt, fields),
                 transaction=transaction,
             )
         if decision.action in ("ack", "ack_with_stored_result"):
-            self.client.xack(self.stream, self.group, entry_id)
+            await self.client.xack(self.stream, self.group, entry_id)
         elif decision.action == "dead_letter":
-            with self.client.pipeline(transaction=True) as pipe:
+            async with self.client.pipeline(transaction=True) as pipe:
                 problem = str(decision.problem or "dead-lettered").encode()
                 pipe.xadd(self.dead_letter, {**fields, b"idemflow-problem": problem})
                 pipe.xack(self.stream, self.group, entry_id)
-                pipe.execute()
+                await pipe.execute()
         return decision.action.value
-
-    def _key_of(self, fields: Fields) -> str:
-        try:
-            return self._key(fields)
-        except MissingKey:
-            return ""  # dead-lettered by the consumer, as a message without a key
-
-    @contextmanager
-    def _transaction_for(self) -> Iterator[Transaction | None]:
-        if self._transaction is None:
-            yield None
-            return
-        with self._transaction() as transaction:
-            yield transaction
 
 
 def _field(name: str) -> Callable[[Fields], str]:
