@@ -873,7 +873,7 @@ async def test_an_async_write_the_socket_cannot_take_is_still_bounded(tmp_path: 
             now = time.time()
             claim = await store.claim(intent("big"), "token", now, now + 60)
             freeze(process)
-            huge = Response(201, b"x" * (32 << 20))  # past every loopback buffer
+            huge = Response(201, b"x" * (64 << 20))  # past both sockets' largest buffers
             completing = store.complete(claim.record, State.COMPLETED, huge, now, now + 60)
             with pytest.raises(StoreUnavailable):
                 await asyncio.wait_for(completing, 60)

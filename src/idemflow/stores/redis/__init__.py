@@ -116,10 +116,10 @@ def _cannot_wait(writer: Any, command: Any) -> bool:
     waits only while the transport's buffer is past its high-water mark: from an empty
     buffer, a command no larger cannot get it there (a timer per command cost ~800
     bytecodes a protected request: docs/benchmarks.md)."""
-    if writer is None:
-        return False  # it connects first
+    if writer is None or not isinstance(command, list | bytes):
+        return False  # it connects first; or what it is sent is not measured without using it
     transport = writer.transport
-    size = len(command) if isinstance(command, bytes | str) else sum(map(len, command))
+    size = len(command) if isinstance(command, bytes) else sum(map(len, command))
     return not transport.get_write_buffer_size() and size <= transport.get_write_buffer_limits()[1]
 
 
