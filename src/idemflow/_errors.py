@@ -1,6 +1,5 @@
-"""The one exception tree of idemflow: each error carries its HTTP meaning (``status``, a
-problem ``type`` documented in ``docs/problems/<slug>.md``, ``title``, ``retryable``).
-The tree: docs/core.md, "Errors and their HTTP meaning"."""
+"""idemflow's one exception tree, each error with its HTTP meaning (``status``, the problem
+``type`` of ``docs/problems/<slug>.md``): docs/core.md, "Errors and their HTTP meaning"."""
 
 from __future__ import annotations
 
@@ -111,8 +110,7 @@ class InProgress(ClientError):
 
 
 class LeaseLost(InProgress):
-    """Our claim was taken over (swept, or expired) before we completed: the caller's
-    transaction rolls back, so a lost claim can never commit a second effect."""
+    """Our claim was taken over before we completed: the caller's transaction rolls back."""
 
     slug = "lease-lost"
     title = "The claim on this Idempotency-Key was lost"
@@ -140,11 +138,8 @@ class StoreUnavailable(IdempotencyError):
 
 
 class OutcomeUnknown(IdempotencyError):
-    """Raise it from a handler that cannot tell whether its external effect happened.
-
-    Any other exception releases the key; this one keeps the claim wherever it is
-    durable, so a retry gets 409 until the sweeper settles or releases it, and the
-    caller a 503 whose ``retry_after`` covers the sweeper's next pass."""
+    """Raise it from a handler that cannot tell whether its external effect happened: the
+    claim is kept for the sweeper (retries get 409) where any other exception releases it."""
 
     status = 503
     slug = "outcome-unknown"
@@ -175,9 +170,7 @@ class ConfigurationError(IdempotencyError, ValueError):
 
 
 class ResponseNotStorable(ConfigurationError):
-    """The handler's response cannot be stored for replay (too large, streamed, unsendable):
-    a transactional operation rolls back; elsewhere the record settles with a
-    ``response-not-stored`` marker."""
+    """The handler's response cannot be stored for replay (too large, streamed, unsendable)."""
 
     status = 500
     slug = "response-not-storable"
@@ -189,8 +182,7 @@ class ResponseNotStorable(ConfigurationError):
 
 
 class MissingExtra(ConfigurationError, ImportError):
-    """An optional dependency is not installed; the message names its extra (an ImportError
-    too, so ``except ImportError`` around an optional integration keeps working)."""
+    """An optional dependency is not installed (an ImportError too); the message names its extra."""
 
     def __init__(self, needed_by: str, module: str, extra: str) -> None:
         super().__init__(f"{needed_by} needs {module}: pip install 'idemflow[{extra}]'")
@@ -218,8 +210,7 @@ def problem_types() -> dict[str, type[IdempotencyError]]:
 
 
 def driver_error(exc: BaseException) -> BaseException:
-    """The database driver's own error behind a library's wrapper (SQLAlchemy's ``.orig``,
-    Django's ``__cause__``), else ``exc``: the stores' rules judge the driver's error."""
+    """The driver's error behind SQLAlchemy's (``.orig``) or Django's wrapper, else ``exc``."""
     original = getattr(exc, "orig", None)
     if original is not None:
         return original  # type: ignore[no-any-return]

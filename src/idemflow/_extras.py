@@ -30,6 +30,8 @@ EXTRAS = {
     "aio_pika": "rabbitmq",
     "aiormq": "rabbitmq",
     "nats": "nats",
+    "celery": "celery",
+    "kombu": "celery",
 }
 
 

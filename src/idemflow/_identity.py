@@ -10,6 +10,7 @@ import json
 import math
 import re
 from collections.abc import Collection, Mapping, Sequence
+from json.encoder import encode_basestring
 from typing import Any
 from urllib.parse import quote_from_bytes, unquote_to_bytes
 
@@ -25,9 +26,8 @@ _CHAR_NAMES = {"\t": "a tab", " ": "a space", "\x7f": "DEL"}
 
 
 def parse_key(values: Sequence[str], *, strict: bool = False) -> str:
-    """The key of the ``Idempotency-Key`` field lines (latin-1; ``[]`` when absent):
-    MissingKey without one, InvalidKey for anything but one valid key (``strict``:
-    quoted only, as the draft requires)."""
+    """The key of the ``Idempotency-Key`` field lines (``[]`` when absent): MissingKey, or
+    InvalidKey for anything but one valid key (``strict``: quoted only, as the draft asks)."""
     # A bare str is a Sequence[str] too: it would be "sent 36 times".
     if isinstance(values, str):
         raise TypeError("values must be a sequence of field lines, not a str")
@@ -233,9 +233,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _check_tree(value: Any, *, escaped: bool = True, ascii: bool = False) -> bool:
-    """Refuse lone surrogates (only a ``\\u`` escape leaves one) and nesting beyond
-    MAX_DEPTH; True if *plain* (no float, no astral member name): ``json.dumps`` then
-    writes exactly RFC 8785, faster."""
+    """Refuse lone surrogates and nesting beyond MAX_DEPTH; True if *plain* (no float, no
+    astral member name): ``json.dumps`` then writes exactly RFC 8785, faster."""
     astral = escaped or not ascii
     plain = True
     # Leaves are checked where they are met; only containers go on the stack.
@@ -313,28 +312,10 @@ def _utf16_order(name: str) -> bytes:
     return name.encode("utf-16-be", "surrogatepass")
 
 
-# JSON.stringify escapes only these (and other controls as \u00xx).
-_ESCAPES = {
-    '"': '\\"',
-    "\\": "\\\\",
-    "\b": "\\b",
-    "\t": "\\t",
-    "\n": "\\n",
-    "\f": "\\f",
-    "\r": "\\r",
-}
-_NEEDS_ESCAPE = re.compile('["\\\\\x00-\x1f]')
-
-
-def _escape(match: re.Match[str]) -> str:
-    ch = match.group()
-    return _ESCAPES.get(ch) or f"\\u{ord(ch):04x}"
-
-
 def _string(text: str) -> str:
     if _SURROGATE.search(text):
         raise ValueError("cannot canonicalise a str containing a lone surrogate")
-    return '"' + _NEEDS_ESCAPE.sub(_escape, text) + '"'
+    return encode_basestring(text)  # escapes what JSON.stringify does, as RFC 8785 asks
 
 
 def _number(value: float) -> str:
@@ -419,9 +400,8 @@ def fingerprint(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     query: str | bytes = b"",
 ) -> str:
-    """``"sha256:<hex>"`` for this request's intent: a JSON ``content_type``'s body in
-    canonical form without ``exclude_fields`` (dotted paths); InvalidBody for bad JSON,
-    BodyTooLarge over ``max_body_bytes``."""
+    """``"sha256:<hex>"`` of the request, a JSON body canonical without ``exclude_fields``;
+    InvalidBody for bad JSON, BodyTooLarge over ``max_body_bytes``."""
     # A lone str is a Collection[str] of its characters: "id" would drop "i" and "d".
     if isinstance(exclude_fields, str):
         raise TypeError("exclude_fields must be a collection of names, not a str")

@@ -10,6 +10,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, TypeAlias
@@ -203,6 +204,9 @@ SWEEPS_PER_THRESHOLD = 10
 # store answers 503 while the request still has time to send it.
 STORE_WAIT_SHARE = 0.5
 STORE_WAIT_CAP = timedelta(seconds=5)
+#: The store wait of the run being served (its route's policy): a store whose waits may
+#: differ per request (the app's own engine pool) waits no longer; None outside a run.
+RUN_STORE_WAIT: ContextVar[float | None] = ContextVar("idemflow_run_store_wait", default=None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ outside ``__all__``."""
 
 from ._async.edge import AsyncEdge, AsyncPooledTransaction
 from ._async.edge import pooled_transaction as async_pooled_transaction
+from ._engine import async_engine_store, engine_store
 from ._flow import async_resolve
 from ._http import (
     DEFAULT_MAX_RESPONSE_BYTES,

@@ -47,16 +47,14 @@ _DIGEST_BYTES = 8
 
 
 def key_digest(principal: str, key: str, salt: bytes = b"") -> str:
-    """A short, non-reversible name for ``(principal, key)`` (BLAKE2b, keyed with ``salt``:
-    set a secret one if keys may be guessable), matching ``idemflow inspect``."""
+    """A short, non-reversible name for ``(principal, key)`` (BLAKE2b keyed with ``salt``)."""
     who = principal.encode()
     data = len(who).to_bytes(4, "big") + who + key.encode()  # unambiguous: no separator to forge
     return hashlib.blake2b(data, digest_size=_DIGEST_BYTES, key=salt).hexdigest()
 
 
 class LoggingObserver:
-    """An observer that logs each event with structured ``extra`` fields (to
-    ``idemflow.events`` unless given a logger; ``levels`` override the defaults)."""
+    """Logs each event with ``extra`` fields (to ``idemflow.events`` unless given a logger)."""
 
     def __init__(
         self,

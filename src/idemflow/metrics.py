@@ -1,6 +1,5 @@
-"""Prometheus metrics for idemflow (``idemflow[metrics]``): pass a `PrometheusMetrics` as
-the ``observer=`` of an ``Idempotency``. Labels are bounded (the route template, never the
-key or principal). The metrics, their PromQL and alerts: docs/operations.md, "Metrics"."""
+"""Prometheus metrics (``idemflow[metrics]``): a `PrometheusMetrics` as the ``observer=``,
+labelled by route template only. Metrics, PromQL, alerts: docs/operations.md, "Metrics"."""
 
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._deprecation import moved
@@ -44,37 +44,18 @@ class PrometheusMetrics:
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.namespace = namespace
-        self.requests = Counter(
-            "requests",
-            "Idempotency outcomes by kind and endpoint",
-            ["outcome", "endpoint"],
-            namespace=namespace,
-            registry=self.registry,
-        )
-        self.claim_seconds = self._histogram(namespace, "claim_seconds", "Time to claim a key")
-        self.replay_seconds = self._histogram(
-            namespace, "replay_seconds", "Time to answer a request with a stored response"
-        )
-        self.stale_reclaimed_total = Counter(
-            "stale_reclaimed",
-            "Stale claims the sweeper resolved, by resolution",
-            ["resolution"],
-            namespace=namespace,
-            registry=self.registry,
-        )
+        where: Any = {"namespace": namespace, "registry": self.registry}
+        outcomes = "Idempotency outcomes by kind and endpoint"
+        self.requests = Counter("requests", outcomes, ["outcome", "endpoint"], **where)
+        timed = {**where, "buckets": LATENCY_BUCKETS}
+        claim, replay = "Time to claim a key", "Time to answer a request with a stored response"
+        self.claim_seconds = Histogram("claim_seconds", claim, ["endpoint"], **timed)
+        self.replay_seconds = Histogram("replay_seconds", replay, ["endpoint"], **timed)
+        resolved = "Stale claims the sweeper resolved, by resolution"
+        self.stale_reclaimed_total = Counter("stale_reclaimed", resolved, ["resolution"], **where)
         for resolution in _RESOLUTIONS:  # present at 0, so rate() works from the start
             self.stale_reclaimed_total.labels(resolution)
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
-
-    def _histogram(self, namespace: str, name: str, documentation: str) -> Histogram:
-        return Histogram(
-            name,
-            documentation,
-            ["endpoint"],
-            namespace=namespace,
-            registry=self.registry,
-            buckets=LATENCY_BUCKETS,
-        )
 
     def __call__(self, event: Event, intent: Intent, elapsed: float) -> None:
         endpoint = intent.endpoint or "unknown"
@@ -93,8 +74,7 @@ class PrometheusMetrics:
         return child
 
     def stale_reclaimed(self, resolution: str, endpoint: str) -> None:
-        """Count one stale claim the sweeper resolved (``completed``, ``released`` or
-        ``unknown``), beside its ``STALE_RECLAIMED`` event."""
+        """Count one stale claim the sweeper resolved (``completed``, ``released``, ``unknown``)."""
         self.stale_reclaimed_total.labels(resolution).inc()
 
     def watch_stale_claims(
@@ -105,17 +85,10 @@ class PrometheusMetrics:
         cache_seconds: float = DEFAULT_GAUGE_CACHE_SECONDS,
         clock: Clock = time.time,
     ) -> None:
-        """Export ``idemflow_stale_in_progress{state}``, read from ``store`` (a sync one)
-        at scrape time: claims untouched past ``request_timeout`` (``in_progress``) and
-        those swept and unresolved (``stale``), one COUNT per ``cache_seconds`` at most."""
-        gauge = StuckClaimsGauge(
-            f"{self.namespace}_stale_in_progress",
-            store.stats(),
-            seconds(request_timeout),
-            cache_seconds,
-            clock,
-        )
-        self.registry.register(gauge)
+        """Export ``idemflow_stale_in_progress{state}`` from a sync ``store`` at scrape time:
+        ``in_progress`` past ``request_timeout`` and ``stale``, one COUNT per cache_seconds."""
+        name, timeout = f"{self.namespace}_stale_in_progress", seconds(request_timeout)
+        self.registry.register(StuckClaimsGauge(name, store.stats(), timeout, cache_seconds, clock))
 
     def count(self, event: Event, endpoint: str) -> float:
         """The counter's current value (for tests and the storm's verdict)."""
@@ -125,24 +98,17 @@ class PrometheusMetrics:
         return float(value or 0.0)
 
 
+@dataclass(eq=False)  # a registry keys its collectors by identity
 class StuckClaimsGauge(Collector):
     """A collector that counts stuck claims in the store when scraped (cached)."""
 
-    def __init__(
-        self,
-        name: str,
-        source: StatsSource,
-        request_timeout: float,
-        cache_seconds: float,
-        clock: Clock,
-    ) -> None:
-        self.name = name
-        self._source = source
-        self._timeout = request_timeout
-        self._cache_seconds = cache_seconds
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._cached: tuple[float, dict[str, int]] | None = None
+    name: str
+    source: StatsSource
+    request_timeout: float
+    cache_seconds: float
+    clock: Clock
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _cached: tuple[float, dict[str, int]] | None = field(default=None, init=False)
 
     def describe(self) -> Iterator[Metric]:
         yield self._family()
@@ -165,13 +131,13 @@ class StuckClaimsGauge(Collector):
 
     def _counts(self) -> dict[str, int] | None:
         with self._lock:  # concurrent scrapes share one query
-            now = self._clock()
-            if self._cached is not None and now - self._cached[0] < self._cache_seconds:
+            now = self.clock()
+            if self._cached is not None and now - self._cached[0] < self.cache_seconds:
                 return self._cached[1]
             try:
-                counts = self._source.stuck_claims(now - self._timeout)
+                counts = self.source.stuck_claims(now - self.request_timeout)
             except Exception:
-                table = self._source.table
+                table = self.source.table
                 logger.warning("could not count stuck claims in %s", table, exc_info=True)
                 self._cached = None
                 return None

@@ -1,6 +1,5 @@
-"""OpenTelemetry traces for idemflow (``idemflow[tracing]``; a no-op without it): `traced`
-makes each ``run`` a span (a replay's linked to the original's), or a `TracingObserver`
-annotates the current span. The attributes: docs/operations.md, "Traces"."""
+"""OpenTelemetry traces (``idemflow[tracing]``, else a no-op): `traced` makes each ``run`` a
+span, a `TracingObserver` annotates the current one. docs/operations.md, "Traces"."""
 
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def test_every_known_exception_is_still_needed() -> None:
         ("idemflow.edge", "idemflow._http", True),
         ("idemflow._sync.driver", "idemflow._flow", True),
         ("idemflow.cli._purge", "idemflow.stores._stats", False),
-        ("idemflow.cli._purge", "idemflow.cli._ops", True),
+        ("idemflow.cli._purge", "idemflow.cli._common", True),
     ],
 )
 def test_the_rule_itself(importer: str, imported: str, allowed: bool) -> None:

@@ -631,3 +631,38 @@ def test_single_commit_is_refused_where_duplicates_would_queue(tmp_path: Path) -
         )
     conn.close()
     assert store.get("alice", "k") is None
+
+
+@pytest.mark.parametrize("bound", ["the_stores_pool", "another_pool", "per_mapper"])
+def test_a_session_lends_nothing_and_gives_its_connection_back_to_the_stores_pool(
+    tmp_path: Path, bound: str
+) -> None:
+    """``SQLAlchemyTransaction.lend``: a session that began before the claim on the store's
+    pool commits what it began, so the claim's checkout takes
+    that connection back; on another pool, or bound per mapper only, it is left alone."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.orm import Session
+    from sqlalchemy.pool import QueuePool
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'app.db'}")
+    other = create_engine(f"sqlite:///{tmp_path / 'other.db'}")
+    session = Session(
+        bind=None if bound == "per_mapper" else engine,
+        expire_on_commit=True,
+    )
+    if bound == "per_mapper":
+        session.begin()
+    else:
+        session.execute(text("SELECT 1"))
+    sources = (other.pool,) if bound == "another_pool" else (engine.pool,)
+
+    lent = SQLAlchemyTransaction(session).lend(sources)
+
+    assert lent is None
+    assert session.in_transaction() is (bound != "the_stores_pool")
+    assert session.expire_on_commit  # as it was
+    assert isinstance(engine.pool, QueuePool)  # a file's engine: connections checked out
+    assert engine.pool.checkedout() == (1 if bound == "another_pool" else 0)
+    session.close()
+    engine.dispose()
+    other.dispose()

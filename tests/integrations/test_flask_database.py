@@ -9,6 +9,7 @@ and frees the key), and 50 concurrent requests with one key make one row.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -215,3 +216,136 @@ def test_idem_session_outside_a_protected_view_is_an_error() -> None:
     idem = Idempotency(app, db=engine, store=MemoryStore(), principal=lambda: "alice")
     with app.test_request_context(), pytest.raises(RuntimeError, match="protected view"):
         _ = idem.session
+
+
+@pytest.mark.postgres
+def test_a_session_holding_a_connection_before_the_claim_lets_the_claim_have_it() -> None:
+    """One pooled connection per protected request: a ``before_request`` that queried
+    through ``db.session`` holds the engine's only connection (a pool of one) when the
+    claim comes; its transaction is committed first, its objects kept loaded, and the
+    claim takes that connection: 201, then the replay (before: the claim waited for a
+    second connection, a 503 after ``pool_timeout``)."""
+    with pg_schema() as url:
+        app = Flask(__name__)
+        app.config.update(
+            SQLALCHEMY_DATABASE_URI=url.replace("postgresql://", "postgresql+psycopg://", 1),
+            SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 1, "max_overflow": 0, "pool_timeout": 1},
+        )
+        db = SQLAlchemy(app, model_class=Base)
+        idem = Idempotency(app, db=db, principal=lambda: http.headers.get("X-User"))
+        loaded: list[Payment] = []
+        expired: list[set[str]] = []
+
+        @app.before_request
+        def load_before_the_claim() -> None:
+            loaded[:] = db.session.scalars(sqlalchemy.select(Payment)).all()
+
+        @app.post("/payments")
+        @idem.protect
+        def pay() -> tuple[dict[str, int], int]:
+            expired.extend(set(sqlalchemy.inspect(p).expired_attributes) for p in loaded)
+            payment = Payment(amount=sum(p.amount for p in loaded) + 5)
+            db.session.add(payment)
+            db.session.flush()
+            return {"amount": payment.amount}, 201
+
+        with app.app_context():
+            app.extensions["idemflow"].store.migrate()
+            Base.metadata.create_all(db.engine)
+            db.session.add(Payment(amount=1))
+            db.session.commit()
+        client = app.test_client()
+        headers = {"X-User": "alice", "Idempotency-Key": "k-one-connection"}
+        first = client.post("/payments", headers=headers)
+        replay = client.post("/payments", headers=headers)
+        with app.app_context():
+            db.engine.dispose()
+
+    assert (first.status_code, first.get_json()) == (201, {"amount": 6}), first.text
+    assert (replay.status_code, replay.headers.get("Idempotent-Replayed")) == (201, "true")
+    assert expired == [set()]  # what the before_request loaded, still loaded in the view
+
+
+@pytest.mark.postgres
+def test_a_forked_worker_claims_on_the_engine_as_its_parent_did() -> None:
+    """``gunicorn --preload``: the app made, and a checkout waited for apart (its thread
+    started), in the parent; the forked child's checkouts get threads of its own (the
+    parent's are not its): 201, not a 503 after the store wait."""
+    with pg_schema() as url:
+        engine = sqlalchemy.create_engine(
+            url.replace("postgresql://", "postgresql+psycopg://", 1), pool_timeout=1
+        )
+        app = Flask(__name__)
+        idem = Idempotency(app, db=engine, principal=lambda: "alice")
+
+        @app.post("/payments")
+        @idem.protect
+        def pay() -> tuple[dict[str, int], int]:
+            return {"ok": 1}, 201
+
+        app.extensions["idemflow"].store.migrate()  # a checkout, in the parent
+        child = os.fork()
+        if child == 0:  # pragma: no cover -- the child reports by its exit status
+            code = 1
+            try:
+                engine.dispose(close=False)  # SQLAlchemy's rule in a forked child
+                answer = app.test_client().post("/payments", headers={"Idempotency-Key": "k"})
+                code = 0 if answer.status_code == 201 else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        engine.dispose()
+
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.postgres
+def test_a_database_gone_while_the_session_holds_its_connection_is_the_claims_503() -> None:
+    """The session's connection, held since the ``before_request``, is lost before the
+    claim (its server session ended): committing what the session began fails, a 503
+    ``store-unavailable`` from the claim (counted), nothing recorded; the retry runs."""
+    from idemflow import Event
+    from tests.faults import terminate
+
+    name = f"flaskgone_{uuid.uuid4().hex[:10]}"
+    with pg_schema() as url:
+        app = Flask(__name__)
+        app.config.update(
+            SQLALCHEMY_DATABASE_URI=url.replace("postgresql://", "postgresql+psycopg://", 1)
+            + f"&application_name={name}",
+            SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 1, "max_overflow": 0, "pool_timeout": 1},
+        )
+        db = SQLAlchemy(app, model_class=Base)
+        seen: list[Event] = []
+        idem = Idempotency(
+            app,
+            db=db,
+            principal=lambda: "alice",
+            observer=lambda event, intent, elapsed: seen.append(event),
+        )
+
+        @app.before_request
+        def query_then_lose_the_connection() -> None:
+            db.session.execute(sqlalchemy.text("SELECT 1"))
+            if http.headers.get("X-Lose"):
+                terminate(name)
+
+        @app.post("/payments")
+        @idem.protect
+        def pay() -> tuple[dict[str, int], int]:
+            return {"ok": 1}, 201
+
+        with app.app_context():
+            app.extensions["idemflow"].store.migrate()
+        client = app.test_client()
+        lost = client.post("/payments", headers={"Idempotency-Key": "k", "X-Lose": "1"})
+        record = app.extensions["idemflow"].store.get("alice", "k")
+        retry = client.post("/payments", headers={"Idempotency-Key": "k"})
+        with app.app_context():
+            db.engine.dispose()
+
+    assert lost.status_code == 503, lost.text
+    assert lost.get_json()["type"].endswith("/store-unavailable")
+    assert Event.STORE_UNAVAILABLE in seen
+    assert record is None
+    assert (retry.status_code, "Idempotent-Replayed" in retry.headers) == (201, False)

@@ -41,8 +41,8 @@ LIBRARY = Path(idemflow.__file__).parent
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = sorted(DEMO.rglob("*.py"))
 
-#: The only modules of the library that may name the demo: the thin CLI loaders.
-LOADERS = {"cli/_demo.py", "cli/_storm.py", "cli/_consumer_storm.py"}
+#: The only module of the library that may name the demo: the CLI, which loads its commands.
+LOADERS = {"cli/__init__.py"}
 
 
 def module_name(path: Path) -> str:

@@ -72,6 +72,7 @@ PATHS = [
     (["prometheus_client"], "import idemflow.metrics", "metrics"),
     (["aio_pika", "aiormq"], "import idemflow.consumers.rabbitmq", "rabbitmq"),
     (["nats"], "import idemflow.consumers.nats", "nats"),
+    (["celery", "kombu"], "import idemflow.consumers.celery", "celery"),
     (["httpx"], "from idemflow.client import IdempotentTransport\nIdempotentTransport()", "client"),
     (["requests"], "from idemflow.client import IdempotentAdapter\nIdempotentAdapter()", "client"),
 ]

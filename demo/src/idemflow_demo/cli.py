@@ -1,7 +1,7 @@
 """``idemflow demo``: run the demo payments service (uvicorn, one worker).
 
 The command's arguments, registered by the library's thin loader
-(``idemflow.cli._demo``). Nothing heavy is imported until the command runs,
+(``idemflow.cli``). Nothing heavy is imported until the command runs,
 so ``idemflow --help`` and the other commands stay fast.
 """
 

@@ -400,8 +400,8 @@ def _connection_options(url: str, *, bounded_locks: bool) -> dict[str, Any]:
     key into 409s under load. ``options`` given as a keyword would replace the
     URL's own (a ``search_path``, say): they are joined instead.
     """
-    from idemflow.stores.postgres import DEFAULT_CLAIM_LOCK_TIMEOUT_MS, connection_options
+    from idemflow.stores.postgres import connection_options
 
     if not bounded_locks:
         return {"autocommit": True}
-    return connection_options(DEFAULT_CLAIM_LOCK_TIMEOUT_MS, url)
+    return connection_options(conninfo=url)

@@ -32,6 +32,7 @@ from .._flow import (
     starts_past_a_phase,
 )
 from .._model import (
+    RUN_STORE_WAIT,
     Claim,
     Clock,
     Intent,
@@ -147,6 +148,7 @@ class AsyncIdempotency:
                 single_commits=self.store.supports_single_commit,
             )
         perform = _Performer(self, intent, handler, transaction, single_commit, policy)
+        waits = RUN_STORE_WAIT.set(policy.store_wait_seconds)
         try:
             flow = idempotency_flow(
                 intent,
@@ -163,6 +165,8 @@ class AsyncIdempotency:
             if event is not None:
                 perform.observe(event)
             raise
+        finally:
+            RUN_STORE_WAIT.reset(waits)
         if perform.open:  # a replay in single-commit mode left the claim's transaction open
             await perform.abandon()
         if outcome.replayed:

@@ -266,6 +266,30 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
             await holder.flush()
         return driver
 
+    async def lend(self, sources: tuple[Any, ...]) -> Any:
+        """Nothing (None): a session holding a connection of the claim's pool (one of
+        ``sources``) since before the claim (a query first) commits what it began, its
+        objects kept loaded, so the claim's checkout takes that connection back: one
+        pooled connection per request, never a second while the session holds one."""
+        holder = self.connection
+        session = getattr(holder, "sync_session", holder)
+        if not self._session or not holder.in_transaction():
+            return None
+        from sqlalchemy.exc import UnboundExecutionError
+
+        try:
+            pool = session.get_bind().pool
+        except UnboundExecutionError:  # bound per mapper only: none of the store's
+            return None
+        if pool not in sources:
+            return None
+        expire, session.expire_on_commit = session.expire_on_commit, False
+        try:
+            await holder.commit()
+        finally:
+            session.expire_on_commit = expire
+        return None
+
     async def rollback(self) -> None:
         active = self.connection.in_transaction()
         await self.connection.rollback()

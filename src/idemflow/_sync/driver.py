@@ -31,6 +31,7 @@ from .._flow import (
     starts_past_a_phase,
 )
 from .._model import (
+    RUN_STORE_WAIT,
     Claim,
     Clock,
     Intent,
@@ -146,6 +147,7 @@ class Idempotency:
                 single_commits=self.store.supports_single_commit,
             )
         perform = _Performer(self, intent, handler, transaction, single_commit, policy)
+        waits = RUN_STORE_WAIT.set(policy.store_wait_seconds)
         try:
             flow = idempotency_flow(
                 intent,
@@ -162,6 +164,8 @@ class Idempotency:
             if event is not None:
                 perform.observe(event)
             raise
+        finally:
+            RUN_STORE_WAIT.reset(waits)
         if perform.open:  # a replay in single-commit mode left the claim's transaction open
             perform.abandon()
         if outcome.replayed:

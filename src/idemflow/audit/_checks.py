@@ -11,6 +11,7 @@ import json
 import re
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,8 +32,7 @@ T = TypeVar("T")
 TRANSIENT = frozenset({408, 429, 502, 503, 504})  # retried with the same key, never stored
 CHECK_SECONDS = 120.0
 SLOW_SECONDS = 60.0
-#: Long enough for any server to claim, short against the ≥ 1 s the slow request takes;
-#: the longer one only after the duplicate overtook the first (a busy server).
+#: Long enough to claim, short against the slow request's ≥ 1 s; the longer for a busy server.
 HEAD_STARTS = (0.2, 0.4)
 IN_PROCESS = "http://audit.invalid"
 #: Malformed ``Idempotency-Key`` values (RFC 8941 sf-string or token rules): each a 400.
@@ -80,13 +80,9 @@ class Report:
         return "\n".join([*lines, f"{self.target}: {counts}"])
 
     def junit(self) -> str:
-        suite = ElementTree.Element(
-            "testsuite",
-            name="idemflow audit",
-            tests=str(len(self.checks)),
-            failures=str(self.summary["fail"]),
-            skipped=str(self.summary["skip"]),
-        )
+        tests, failures, skipped = len(self.checks), self.summary["fail"], self.summary["skip"]
+        counts = {"tests": str(tests), "failures": str(failures), "skipped": str(skipped)}
+        suite = ElementTree.Element("testsuite", {"name": "idemflow audit", **counts})
         for check in self.checks:
             case = ElementTree.SubElement(suite, "testcase", classname=self.target, name=check.name)
             if check.result == "fail":
@@ -162,20 +158,17 @@ class Run:
             headers += (endpoint.slow_headers or {}).items()
         if key is not None:
             headers.append((endpoint.key_header, key))
+        body = self.body(n, slow=slow) if content is None else content
+        timeout = SLOW_SECONDS if slow else endpoint.timeout
         response = await self.client.request(
-            endpoint.method,
-            endpoint.url,
-            headers=headers,
-            content=self.body(n, slow=slow) if content is None else content,
-            timeout=SLOW_SECONDS if slow else endpoint.timeout,
+            endpoint.method, endpoint.url, headers=headers, content=body, timeout=timeout
         )
         if response.status_code >= 400:
             self.errors.append(response)
         return response
 
     async def execute(self, key: str, n: int, *, principal: int = 1) -> list[httpx.Response]:
-        """A first request, retried as a client would after a transient answer (at most
-        twice): every answer, the last the outcome."""
+        """A first request, retried at most twice after a transient answer: every answer."""
         answers = [await self.send(key, n, principal=principal)]
         while answers[-1].status_code in TRANSIENT and len(answers) < 3:
             await asyncio.sleep(min(_retry_after(answers[-1]) or 0.1, 1.0))  # client backoff
@@ -183,13 +176,11 @@ class Run:
         return answers
 
     async def count(self) -> int | None:
-        if self.endpoint.count_url is None:
+        endpoint = self.endpoint
+        if endpoint.count_url is None:
             return None
-        response = await self.client.get(
-            self.endpoint.count_url,
-            headers=dict(self.endpoint.headers),
-            timeout=self.endpoint.timeout,
-        )
+        headers, timeout = dict(endpoint.headers), endpoint.timeout
+        response = await self.client.get(endpoint.count_url, headers=headers, timeout=timeout)
         if response.status_code != 200:
             msg = f"the count URL answered {response.status_code}"
             raise AuditError(msg)
@@ -203,8 +194,7 @@ class Run:
         return result, None if before is None or after is None else after - before
 
     async def settled(self) -> tuple[httpx.Response, httpx.Response, int | None]:
-        """A request that succeeded, its duplicate sent after it, and how many executions
-        the duplicate caused: shared by the checks that look at a replay."""
+        """A request, its duplicate, and the duplicate's executions (shared by replay checks)."""
         if self._settled is None:
             key, n = self.new_key(), self.new_n()
             first = (await self.execute(key, n))[-1]
@@ -243,8 +233,7 @@ def _value(body: bytes) -> str:
 
 
 def _count_in(response: httpx.Response) -> int:
-    """A JSON number, the one member of an object holding it, the length of a list (a
-    ledger), else the first integer in the text."""
+    """A JSON number (or an object's one member), a list's length, else the text's integer."""
     try:
         value: Any = response.json()
     except ValueError:
@@ -266,10 +255,8 @@ def _count_in(response: httpx.Response) -> int:
 
 
 def _statuses(responses: Sequence[httpx.Response]) -> str:
-    counts: dict[int, int] = {}
-    for response in responses:
-        counts[response.status_code] = counts.get(response.status_code, 0) + 1
-    return ", ".join(f"{s}" if n == 1 else f"{s} ×{n}" for s, n in sorted(counts.items()))
+    counts = sorted(Counter(response.status_code for response in responses).items())
+    return ", ".join(f"{s}" if n == 1 else f"{s} ×{n}" for s, n in counts)
 
 
 def _counted(ran: int | None) -> str:
@@ -300,11 +287,7 @@ def check(name: str, requests: Callable[[Endpoint], int]) -> Callable[[CheckFunc
     return register
 
 
-def _one(_: Endpoint) -> int:
-    return 1
-
-
-@check("missing-key-400", _one)
+@check("missing-key-400", lambda _: 1)
 async def missing_key(run: Run) -> Verdict:
     if run.endpoint.key_optional:
         return "skip", "--key-optional: the API accepts requests without a key"
@@ -391,8 +374,7 @@ async def key_reuse(run: Run) -> Verdict:
 
 
 async def _at_once(run: Run, key: str, bodies: Sequence[int]) -> list[httpx.Response]:
-    """One request per body under ``key``, all at once, every one awaited (none outlives
-    the check)."""
+    """One request per body under ``key``, all at once, every one awaited."""
     answers = await asyncio.gather(*(run.send(key, n) for n in bodies), return_exceptions=True)
     for answer in answers:
         if isinstance(answer, BaseException):
@@ -402,7 +384,7 @@ async def _at_once(run: Run, key: str, bodies: Sequence[int]) -> list[httpx.Resp
 
 def _judge_race(
     responses: Sequence[httpx.Response], ran: int | None, allowed: frozenset[int]
-) -> tuple[list[str], str]:
+) -> Verdict:
     successes = [r for r in responses if _ok(r)]
     bodies = {_value(r.content) for r in successes}
     marked = [r for r in successes if _replay_marker(r)]
@@ -419,23 +401,22 @@ def _judge_race(
     seen = f"{len(responses)} at once: {_statuses(responses)}"
     if marked:
         seen += f" ({len(marked)} marked replays)"
-    return wrong, seen + _counted(ran)
+    seen += _counted(ran)
+    return ("fail", f"{seen}: " + "; ".join(wrong)) if wrong else ("pass", seen)
 
 
 @check("concurrent-duplicates-one-execution", lambda e: e.concurrency)
 async def concurrent_duplicates(run: Run) -> Verdict:
     key, n = run.new_key(), run.new_n()
     responses, ran = await run.counting(_at_once(run, key, [n] * run.endpoint.concurrency))
-    wrong, seen = _judge_race(responses, ran, frozenset({409}))
-    return ("fail", f"{seen}: " + "; ".join(wrong)) if wrong else ("pass", seen)
+    return _judge_race(responses, ran, frozenset({409}))
 
 
 @check("concurrent-other-bodies-one-success", lambda e: e.concurrency)
 async def concurrent_other_bodies(run: Run) -> Verdict:
     bodies = [run.new_n() for _ in range(run.endpoint.concurrency)]
     responses, ran = await run.counting(_at_once(run, run.new_key(), bodies))
-    wrong, seen = _judge_race(responses, ran, frozenset({409, 422}))
-    return ("fail", f"{seen}: " + "; ".join(wrong)) if wrong else ("pass", seen)
+    return _judge_race(responses, ran, frozenset({409, 422}))
 
 
 @check("in-flight-409-retry-after", lambda e: 2 * len(HEAD_STARTS) if e.has_slow_request else 0)
@@ -450,8 +431,7 @@ async def in_flight(run: Run) -> Verdict:
 
 
 async def _overlap(run: Run, head_start: float) -> Verdict | None:
-    """The slow request and its duplicate ``head_start`` s later; None if the duplicate
-    overtook it."""
+    """The slow request and its duplicate ``head_start`` s later; None if it was overtaken."""
     key, n = run.new_key(), run.new_n()
     started = time.monotonic()
     first = asyncio.ensure_future(run.send(key, n, slow=True))
@@ -519,7 +499,7 @@ async def principal_isolation(run: Run) -> Verdict:
     return ("fail", f"{seen}: " + "; ".join(leaked)) if leaked else ("pass", seen + ", its own")
 
 
-@check("errors-are-problem-json", _one)
+@check("errors-are-problem-json", lambda _: 1)
 async def errors_are_problems(run: Run) -> Verdict:
     if not run.errors:
         await run.send("", run.new_n())  # an empty key: an error answer to look at
@@ -549,14 +529,12 @@ async def json_equivalence(run: Run) -> Verdict:
     if not _ok(first):
         return "skip", "no first request succeeded (see first-request-succeeds)"
     other = await run.send(key, n, content=json.dumps(value, indent=2).encode())
+    same = "the same JSON, re-spaced and reordered,"
     if _ok(other) and _value(other.content) == _value(first.content):
-        return "info", "the same JSON, re-spaced and reordered, replays: keys fingerprint the value"
+        return "info", f"{same} replays: keys fingerprint the value"
     if other.status_code == 422:
-        return (
-            "info",
-            "the same JSON, re-spaced and reordered, is 422: clients must resend the bytes",
-        )
-    return "info", f"the same JSON, re-spaced and reordered, answered {other.status_code}"
+        return "info", f"{same} is 422: clients must resend the bytes"
+    return "info", f"{same} answered {other.status_code}"
 
 
 #: Every check's name, in the order they run: part of the interface.
@@ -646,19 +624,10 @@ def audit(
     allow_remote: bool = False,
     **options: Any,
 ) -> Report:
-    """Run the checks against ``url`` (or, in process, ``asgi`` or ``wsgi`` at that path).
-
-    ``options``: ``method``, ``headers``, ``second_principal_headers``, ``body``,
-    ``content_type``, ``key_header``, ``slow_body``, ``slow_headers``, ``count_url``,
-    ``concurrency``, ``key_optional``, ``timeout``. A host other than loopback needs
-    ``allow_remote=True``. From a running event loop, await
-    [`audit_async`][idemflow.audit.audit_async].
-    """
-    return asyncio.run(
-        audit_async(
-            url, asgi=asgi, wsgi=wsgi, only=only, skip=skip, allow_remote=allow_remote, **options
-        )
-    )
+    """Run the checks against ``url`` (or ``asgi`` or ``wsgi`` in process, at that path);
+    ``options``: docs/audit.md. In a loop: [`audit_async`][idemflow.audit.audit_async]."""
+    chosen: Any = {"asgi": asgi, "wsgi": wsgi, "only": only, "skip": skip}
+    return asyncio.run(audit_async(url, allow_remote=allow_remote, **chosen, **options))
 
 
 async def audit_async(
@@ -711,17 +680,15 @@ def _transport(asgi: Any, wsgi: Any, concurrency: int) -> Iterator[httpx.AsyncBa
 
 
 class _ThreadedWSGI(httpx.AsyncBaseTransport):
-    """A WSGI app behind the async client, each request on a thread of its own (as under a
-    threaded server)."""
+    """A WSGI app behind the async client, each request on a thread (a threaded server)."""
 
     def __init__(self, transport: httpx.WSGITransport, pool: ThreadPoolExecutor) -> None:
         self.transport = transport
         self.pool = pool
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        sync = httpx.Request(
-            request.method, request.url, headers=request.headers, content=await request.aread()
-        )
+        content = await request.aread()
+        sync = httpx.Request(request.method, request.url, headers=request.headers, content=content)
 
         def call() -> httpx.Response:
             response = self.transport.handle_request(sync)

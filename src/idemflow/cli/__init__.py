@@ -12,20 +12,15 @@ from collections.abc import Sequence
 from importlib.metadata import version
 
 from .._errors import IdempotencyError
+from ._common import register_from_the_demo
 
 __all__ = ["main"]
 
-#: Command modules, in the order ``--help`` lists them.
+#: Command modules, in the order ``--help`` lists them (``module:name``: the demo's own).
 COMMANDS = [
-    "_migrate",
-    "_sweep",
-    "_inspect",
-    "_stats",
-    "_purge",
-    "_demo",
-    "_storm",
-    "_consumer_storm",
-    "_audit",
+    *("_migrate", "_sweep", "_inspect", "_stats", "_purge"),
+    *("idemflow_demo.cli:demo", "idemflow_demo.storm.cli:storm"),
+    *("idemflow_demo.consumer_storm.cli:consumer-storm", "_audit"),
 ]
 
 EXIT_FAILURE = 1
@@ -39,13 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"idemflow {version('idemflow')}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"{__name__}.{name}").register(subparsers)
+        module, _, demo = name.partition(":")
+        if demo:
+            register_from_the_demo(subparsers, module, demo)
+        else:
+            importlib.import_module(f"{__name__}.{name}").register(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Drivers' own retry chatter (psycopg_pool logs every failed connect) would
-    # bury the one line we print; the failure reaches us as an exception anyway.
+    # psycopg_pool logs every failed connect: it would bury the one line we print.
     logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
     args = build_parser().parse_args(argv)
     try:

@@ -38,38 +38,19 @@ def register(subparsers: Any) -> None:
     repeated: Any = {"action": "append", "type": header, "default": [], "metavar": "'NAME: VALUE'"}
     add("url", metavar="URL", help="the endpoint, e.g. http://127.0.0.1:8000/payments")
     add("--method", default="POST", help="(default: %(default)s)")
-    add(
-        "--header",
-        dest="headers",
-        help="the first principal's credentials (repeatable)",
-        **repeated,
-    )
-    add(
-        "--second-principal-header",
-        dest="second_principal_headers",
-        help="another principal's credentials (repeatable): enables principal-isolation",
-        **repeated,
-    )
-    add(
-        "--body",
-        default='{"n": {n}}',
-        metavar="TEMPLATE",
-        help="the request body; {n} becomes a distinct integer per intent (default: %(default)s)",
-    )
+    first = "the first principal's credentials (repeatable)"
+    add("--header", dest="headers", help=first, **repeated)
+    other = "another principal's credentials (repeatable): enables principal-isolation"
+    add("--second-principal-header", dest="second_principal_headers", help=other, **repeated)
+    body = "the request body; {n} becomes a distinct integer per intent (default: %(default)s)"
+    add("--body", default='{"n": {n}}', metavar="TEMPLATE", help=body)
     add("--content-type", default="application/json", help="(default: %(default)s)")
     add("--key-header", default="Idempotency-Key", help="(default: %(default)s)")
     add("--slow-body", metavar="TEMPLATE", help="a body the endpoint takes ≥ 1 s to answer")
-    add(
-        "--slow-header",
-        dest="slow_headers",
-        help="a header that makes the endpoint take ≥ 1 s (repeatable)",
-        **repeated,
-    )
-    add(
-        "--count-url",
-        metavar="URL",
-        help="a GET (on the same origin) whose answer counts executions",
-    )
+    slow = "a header that makes the endpoint take ≥ 1 s (repeatable)"
+    add("--slow-header", dest="slow_headers", help=slow, **repeated)
+    counts = "a GET (on the same origin) whose answer counts executions"
+    add("--count-url", metavar="URL", help=counts)
     add("--concurrency", type=positive_int, default=20, metavar="N", help="(default: 20)")
     add("--key-optional", action="store_true", help="the API accepts requests without a key")
     add("--timeout", type=positive_seconds, default=10.0, help="per request (default: 10)")
@@ -84,19 +65,13 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from idemflow.audit import audit, plan
 
+    given = ("body", "content_type", "key_header", "slow_body", "count_url", "concurrency")
     options: dict[str, Any] = {
         "method": args.method.upper(),
         "headers": dict(args.headers),
         "second_principal_headers": dict(args.second_principal_headers) or None,
-        "body": args.body,
-        "content_type": args.content_type,
-        "key_header": args.key_header,
-        "slow_body": args.slow_body,
         "slow_headers": dict(args.slow_headers) or None,
-        "count_url": args.count_url,
-        "concurrency": args.concurrency,
-        "key_optional": args.key_optional,
-        "timeout": args.timeout,
+        **{name: getattr(args, name) for name in (*given, "key_optional", "timeout")},
         "only": [name for group in args.only for name in group] or None,
         "skip": [name for group in args.skip for name in group] or None,
     }

@@ -9,8 +9,16 @@ from typing import Any
 
 from .._model import Record, is_past_retention
 from ..logs import key_digest
-from ._common import add_database_arguments
-from ._ops import add_json_argument, age, intermixed, iso, operated_store, print_json, print_pairs
+from ._common import (
+    add_database_arguments,
+    add_json_argument,
+    age,
+    intermixed,
+    iso,
+    operated_store,
+    print_json,
+    print_pairs,
+)
 
 EXIT_NOT_FOUND = 3
 
@@ -103,9 +111,8 @@ def body_preview(body: bytes, limit: int = PREVIEW_BYTES) -> str:
     if _is_binary(body):
         return repr(head)[2:-1] + more
     text = head.decode("utf-8", errors="ignore")  # a cut mid-character drops it
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text) + (
-        more
-    )
+    shown = (c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    return "".join(shown) + more
 
 
 def _is_binary(body: bytes) -> bool:

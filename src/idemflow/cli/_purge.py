@@ -15,8 +15,14 @@ from typing import Any, TypeAlias
 
 from .._errors import ConfigurationError, StoreUnavailable
 from ..stores.protocol import MaintainableStore, Store
-from ._common import add_database_arguments, positive_int, positive_seconds
-from ._ops import add_json_argument, operated_store, rich_console
+from ._common import (
+    add_database_arguments,
+    add_json_argument,
+    operated_store,
+    positive_int,
+    positive_seconds,
+    rich_console,
+)
 
 DEFAULT_BATCH = 1000
 
@@ -38,20 +44,10 @@ def register(subparsers: Any) -> None:
         ),
     )
     add_database_arguments(parser)
-    parser.add_argument(
-        "--batch",
-        type=positive_int,
-        default=DEFAULT_BATCH,
-        metavar="N",
-        help="records deleted per statement (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--every",
-        type=positive_seconds,
-        default=None,
-        metavar="SECONDS",
-        help="keep running, purging every SECONDS (stop with Ctrl-C or SIGTERM)",
-    )
+    per = "records deleted per statement (default: %(default)s)"
+    parser.add_argument("--batch", type=positive_int, default=DEFAULT_BATCH, metavar="N", help=per)
+    every = "keep running, purging every SECONDS (stop with Ctrl-C or SIGTERM)"
+    parser.add_argument("--every", type=positive_seconds, metavar="SECONDS", help=every)
     add_json_argument(parser)
     parser.set_defaults(run=run)
 

@@ -9,8 +9,16 @@ from typing import Any
 from .._model import Policy, State
 from ..logs import key_digest
 from ..stores.stats import StoreStats
-from ._common import add_database_arguments
-from ._ops import add_json_argument, age, iso, operated_store, print_json, print_pairs, print_table
+from ._common import (
+    add_database_arguments,
+    add_json_argument,
+    age,
+    iso,
+    operated_store,
+    print_json,
+    print_pairs,
+    print_table,
+)
 
 _STATES = [state.value for state in State]
 
@@ -29,20 +37,12 @@ def register(subparsers: Any) -> None:
         ),
     )
     add_database_arguments(parser)
+    timeout = "the app's request timeout, as in its Policy (default: %(default)g)"
     parser.add_argument(
-        "--request-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="the app's request timeout, as in its Policy (default: %(default)g)",
+        "--request-timeout", type=float, default=30.0, metavar="SECONDS", help=timeout
     )
-    parser.add_argument(
-        "--stale-after",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="the app's stale threshold if it sets one (default: derived from the timeout)",
-    )
+    stale = "the app's stale threshold if it sets one (default: derived from the timeout)"
+    parser.add_argument("--stale-after", type=float, metavar="SECONDS", help=stale)
     add_json_argument(parser)
     parser.set_defaults(run=run)
 
@@ -105,29 +105,17 @@ def _print_counts(stats: StoreStats) -> None:
 
 def _attention(stats: StoreStats) -> list[tuple[str, Any]]:
     oldest = stats.oldest_in_progress
-    if oldest is None:
-        rows: list[tuple[str, Any]] = [("oldest in_progress", "none")]
-    else:
-        rows = [
-            (
-                "oldest in_progress",
-                f"principal {oldest.principal!r}, key {oldest.key!r} "
-                f"({oldest.endpoint or 'no endpoint'})",
-            ),
-            (
-                "  idle for",
-                f"{age(stats.now - oldest.updated_at)} (since {iso(oldest.updated_at)})",
-            ),
-        ]
+    rows: list[tuple[str, Any]] = [("oldest in_progress", "none")]
+    if oldest is not None:
+        endpoint = oldest.endpoint or "no endpoint"
+        who = f"principal {oldest.principal!r}, key {oldest.key!r} ({endpoint})"
+        idle = f"{age(stats.now - oldest.updated_at)} (since {iso(oldest.updated_at)})"
+        rows = [("oldest in_progress", who), ("  idle for", idle)]
+    timeout = f"in_progress older than the request timeout ({stats.request_timeout:g}s)"
+    stale = f"in_progress past the stale threshold ({stats.stale_after:g}s)"
     return [
         *rows,
-        (
-            f"in_progress older than the request timeout ({stats.request_timeout:g}s)",
-            stats.past_request_timeout,
-        ),
-        (
-            f"in_progress past the stale threshold ({stats.stale_after:g}s)",
-            stats.past_stale_threshold,
-        ),
+        (timeout, stats.past_request_timeout),
+        (stale, stats.past_stale_threshold),
         ("expired, not purged yet", stats.expired_unpurged),
     ]

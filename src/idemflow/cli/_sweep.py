@@ -39,53 +39,24 @@ def register(subparsers: Any) -> None:
         ),
     )
     add_database_arguments(parser)
-    parser.add_argument(
-        "--request-timeout",
-        type=positive_seconds,
-        default=DEFAULT_REQUEST_TIMEOUT,
-        metavar="SECONDS",
-        help="the longest a protected request can run; use your app's value (default: %(default)g)",
-    )
-    parser.add_argument(
-        "--stale-after",
-        type=positive_seconds,
-        metavar="SECONDS",
-        help="stale threshold (default and minimum: 2 × request timeout + 10)",
-    )
-    parser.add_argument(
-        "--retention",
-        type=positive_seconds,
-        default=DEFAULT_RETENTION,
-        metavar="SECONDS",
-        help="how long unresolved stale records are kept; use your app's value "
-        "(default: %(default)g)",
-    )
-    parser.add_argument(
-        "--batch",
-        type=positive_int,
-        default=DEFAULT_BATCH_SIZE,
-        metavar="N",
-        help="records marked per statement (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--every",
-        type=positive_seconds,
-        metavar="SECONDS",
-        help="sweep again every SECONDS until SIGINT/SIGTERM (default: sweep once)",
-    )
-    parser.add_argument(
-        "--reconciler",
-        metavar="MODULE:NAME",
-        help="a Reconciler to ask about external effects instead of releasing",
-    )
-    parser.add_argument(
-        "--step",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a step whose downstream key the reconciler gets (repeatable)",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object per pass")
+    add = parser.add_argument
+    seconds: Any = {"type": positive_seconds, "metavar": "SECONDS"}
+    app = "use your app's value (default: %(default)g)"
+    timeout = f"the longest a protected request can run; {app}"
+    add("--request-timeout", **seconds, default=DEFAULT_REQUEST_TIMEOUT, help=timeout)
+    stale = "stale threshold (default and minimum: 2 × request timeout + 10)"
+    add("--stale-after", **seconds, help=stale)
+    retention = f"how long unresolved stale records are kept; {app}"
+    add("--retention", **seconds, default=DEFAULT_RETENTION, help=retention)
+    per = "records marked per statement (default: %(default)s)"
+    add("--batch", type=positive_int, default=DEFAULT_BATCH_SIZE, metavar="N", help=per)
+    every = "sweep again every SECONDS until SIGINT/SIGTERM (default: sweep once)"
+    add("--every", **seconds, help=every)
+    asked = "a Reconciler to ask about external effects instead of releasing"
+    add("--reconciler", metavar="MODULE:NAME", help=asked)
+    step = "a step whose downstream key the reconciler gets (repeatable)"
+    add("--step", action="append", default=[], metavar="NAME", help=step)
+    add("--json", action="store_true", help="print one JSON object per pass")
     parser.set_defaults(run=run)
 
 

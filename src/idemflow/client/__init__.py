@@ -80,11 +80,8 @@ class _HasHeaders(Protocol):
 
 
 def outcome(response: object) -> ClientOutcome | None:
-    """How the operation behind ``response`` went, or None if the client did not manage it.
-
-    Works on an httpx or requests response (one a redirect led to: the operation that
-    redirected), and on an error a transport raised after its last attempt.
-    """
+    """How the operation behind an httpx or requests ``response`` (or a redirect's, or an
+    error a transport raised after its last attempt) went; None if not the client's."""
     found = _outcome_of(response)
     for earlier in reversed(getattr(response, "history", None) or ()):
         if found is not None:

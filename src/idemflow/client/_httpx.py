@@ -22,20 +22,14 @@ from ._retry import (
     RetryPolicy,
 )
 
-#: A request extension overriding the policy's deadline for one request (seconds, or a
-#: function returning the seconds left): ``client.post(url, extensions={DEADLINE: 5.0})``.
+#: A request's own deadline: ``client.post(url, extensions={DEADLINE: 5.0})``.
 DEADLINE = "idemflow.deadline"
 
-_FAILURES: tuple[tuple[type[httpx.TransportError], Failure], ...] = (
-    (httpx.ConnectError, Failure.CONNECT),
-    (httpx.ConnectTimeout, Failure.CONNECT),
-    (httpx.PoolTimeout, Failure.CONNECT),
-    (httpx.ReadTimeout, Failure.TIMEOUT),
-    (httpx.WriteTimeout, Failure.TIMEOUT),
-    (httpx.ReadError, Failure.DISCONNECTED),
-    (httpx.WriteError, Failure.DISCONNECTED),
-    (httpx.CloseError, Failure.DISCONNECTED),
-    (httpx.RemoteProtocolError, Failure.DISCONNECTED),
+_LOST = (httpx.ReadError, httpx.WriteError, httpx.CloseError, httpx.RemoteProtocolError)
+_FAILURES: tuple[tuple[tuple[type[httpx.TransportError], ...], Failure], ...] = (
+    ((httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout), Failure.CONNECT),
+    ((httpx.ReadTimeout, httpx.WriteTimeout), Failure.TIMEOUT),
+    (_LOST, Failure.DISCONNECTED),
 )
 
 
@@ -56,8 +50,7 @@ class _Keyed:
         self.operations = Operations(policy, ledger, observer)
 
     def manages(self, request: httpx.Request) -> bool:
-        """Is it the policy's? Every request passes here, so a redirect loses here a key that
-        must not follow it (httpx copies the headers into the request it follows with)."""
+        """Is it the policy's? Drops a key a redirect must not carry (httpx copies headers)."""
         if self.operations.stays_behind(request.headers.get_list(HEADER), str(request.url)):
             del request.headers[HEADER]
         return self.operations.policy.manages(request.method)
@@ -65,14 +58,8 @@ class _Keyed:
     def start(self, request: httpx.Request, body: bytes) -> tuple[Operation, dict[str, Any]]:
         """Choose the key, add its header; return the caller's timeouts."""
         deadline: Deadline | None = request.extensions.get(DEADLINE)
-        operation = self.operations.start(
-            request.method,
-            str(request.url),
-            request.headers,
-            request.headers.get_list(HEADER),
-            body,
-            deadline,
-        )
+        method, url, keys = request.method, str(request.url), request.headers.get_list(HEADER)
+        operation = self.operations.start(method, url, request.headers, keys, body, deadline)
         if operation.sent.header_value is not None:
             request.headers[HEADER] = operation.sent.header_value
         timeouts: dict[str, Any] = dict(request.extensions.get("timeout") or {})
@@ -100,8 +87,7 @@ class IdempotentTransport(httpx.BaseTransport):
     """Gives each unsafe request one key and retries it safely (see `idemflow.client`).
 
     Args:
-        wrapped: the transport that sends, with the connection settings
-            (``httpx.HTTPTransport()`` by default).
+        wrapped: the transport that sends (``httpx.HTTPTransport()`` by default).
         policy: which methods, what is retried, the deadline, the keys.
         ledger: the keys sent and what with; share one between transports.
         on_attempt: called after every attempt with an `AttemptReport`.

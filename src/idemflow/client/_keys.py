@@ -17,11 +17,10 @@ from .._errors import InvalidKey, KeyReused
 from .._identity import parse_key
 
 HEADER = "Idempotency-Key"
+_EXCERPT = 40  # keys can be long; error messages should not be
 
 #: Makes a new key: any callable returning 1 to 255 printable ASCII characters.
 KeyFactory = Callable[[], str]
-
-_EXCERPT = 40  # keys can be long; error messages should not be
 
 #: The statuses httpx and requests follow (with a ``Location``).
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
@@ -31,8 +30,7 @@ _V = TypeVar("_V")
 
 
 class KeyForm(enum.Enum):
-    """How a generated key is written: ``BARE`` (``3f2a…``, as most servers expect) or
-    ``SF_STRING`` (``"3f2a…"``, the IETF draft's). idemflow reads both as one key."""
+    """How a generated key is written: ``BARE`` (``3f2a…``) or ``SF_STRING`` (``"3f2a…"``)."""
 
     BARE = "bare"
     SF_STRING = "sf-string"
@@ -44,8 +42,7 @@ def uuid4_key() -> str:
 
 
 def encode_key(key: str, form: KeyForm) -> str:
-    """The header value for ``key``; raises `idemflow.InvalidKey` if the server's own
-    parser would (a bare key holds none of ``, ; "``, space or tab)."""
+    """The header value for ``key``; `idemflow.InvalidKey` where the server's parser would."""
     if form is KeyForm.SF_STRING:
         value = '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
     else:
@@ -59,13 +56,11 @@ def excerpt(key: str) -> str:
 
 
 class KeyReusedLocally(KeyReused):
-    """This client already sent the key with a different request: refused before sending,
-    not answered 422 by the server after the first request took effect."""
+    """This client already sent the key with a different request: refused before sending."""
 
 
 def request_fingerprint(method: str, url: str, body: bytes) -> str:
-    """Method, full URL and body, byte for byte: stricter than the server's (the client
-    cannot know which differences a server ignores)."""
+    """Method, full URL and body, byte for byte: stricter than any server's."""
     digest = hashlib.sha256()
     for part in (method.upper().encode(), url.encode("utf-8", "surrogatepass"), body):
         digest.update(len(part).to_bytes(8, "big"))
@@ -141,16 +136,14 @@ class SentKey:
 
 
 class KeyLedger:
-    """The last ``capacity`` keys this client sent, with what they were sent with
-    (thread-safe); one reused after that many others meets the server's 422 instead."""
+    """The last ``capacity`` keys this client sent, with what they were sent with."""
 
     def __init__(self, capacity: int = 10_000) -> None:
         if capacity < 1:
             msg = "the key ledger's capacity must be at least 1"
             raise ValueError(msg)
         self._capacity = capacity
-        #: (scope, key) -> the fingerprints of the requests it may be sent with: one, and
-        #: each same-origin, same-method redirect of it.
+        #: (scope, key) -> the requests it may be sent with: one, and its same-origin redirects.
         self._sent: OrderedDict[tuple[str, str], frozenset[str]] = OrderedDict()
         #: (key, URL) a redirect pointed to where following it must not carry the key.
         self._stays: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -169,12 +162,7 @@ class KeyLedger:
         scope: str,
         fingerprint: str,
     ) -> SentKey:
-        """The operation's key: the caller's (``values``) or a new one.
-
-        Raises:
-            idemflow.InvalidKey: the caller's header, or the factory's key, is malformed.
-            KeyReusedLocally: the key was sent before with a different request.
-        """
+        """The caller's key (``values``) or a new one; InvalidKey, KeyReusedLocally."""
         if values:
             sent = SentKey(parse_key(values), None)
         else:
@@ -184,9 +172,7 @@ class KeyLedger:
         return sent
 
     def redirected(self, redirect: Redirect) -> None:
-        """An answer to a request sent with ``redirect.key`` redirects: the key may follow a
-        ``307``/``308`` to the same origin (the same operation); any other, `stays_behind`
-        drops it from the request that follows."""
+        """The key follows a same-origin ``307``/``308``; any other redirect leaves it behind."""
         try:
             follows = redirect.followed()
             same_origin = _origin(follows.url) == _origin(redirect.url)

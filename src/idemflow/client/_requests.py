@@ -92,14 +92,9 @@ class IdempotentAdapter(requests.adapters.HTTPAdapter):
     def _start(self, request: requests.PreparedRequest) -> Operation:
         """Read the body once (a stream cannot be sent twice), choose the key, add its header."""
         body = _body_bytes(request)
-        caller = request.headers.get(HEADER)
-        operation = self._operations.start(
-            request.method or "",
-            request.url or "",
-            request.headers,
-            [] if caller is None else [caller],
-            body,
-        )
+        caller, method, url = request.headers.get(HEADER), request.method or "", request.url or ""
+        keys = [] if caller is None else [caller]
+        operation = self._operations.start(method, url, request.headers, keys, body)
         if operation.sent.header_value is not None:
             request.headers[HEADER] = operation.sent.header_value
         return operation

@@ -38,8 +38,7 @@ DEFAULT_RETRY_STATUSES = frozenset({408, 409, 425, 429, 502, 503, 504})
 OUTCOME = "idemflow.client"
 #: Where it is kept on what has no extensions: a ``requests.Response``, an error raised.
 OUTCOME_ATTRIBUTE = "_idemflow_outcome"
-#: A per-request deadline: seconds, a ``timedelta``, or a function returning the
-#: seconds left (a deadline that moves, e.g. extended while a service restarts).
+#: A per-request deadline: seconds, a ``timedelta``, or a function returning the seconds left.
 Deadline: TypeAlias = Duration | Callable[[], float]
 
 REPLAYED_HEADER = "idempotent-replayed"
@@ -103,20 +102,11 @@ class ClientOutcome:
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """How the client keys and retries unsafe requests. Durations: ``timedelta`` or seconds.
+    """How the client keys and retries unsafe requests (docs/client.md has each field).
 
-    Args:
-        methods: the methods that get a key and retries (others pass through).
-        deadline: the most one operation may take, attempts and waits together.
-        max_attempts: at most this many attempts (None: as many as the deadline allows).
-        backoff: the first retry's backoff ceiling; it doubles with every retry.
-        max_backoff: the backoff ceiling's cap. ``Retry-After`` may ask for more.
-        retry_statuses: statuses retried (409 only while in flight).
-        key_factory: makes a new key (UUIDv4 by default).
-        key_form: how a generated key is written: bare (default) or as an sf-string.
-        clock: monotonic seconds, for the deadline (injected in tests).
-        wall_clock: seconds since the epoch, to read an HTTP-date ``Retry-After``.
-        random: a uniform number in [0, 1), for the jitter.
+    ``deadline`` bounds one operation, attempts and waits together; ``backoff`` is the
+    first retry's jitter ceiling, doubling up to ``max_backoff``; ``clock`` (monotonic),
+    ``wall_clock`` (for an HTTP-date ``Retry-After``) and ``random`` are injected in tests.
     """
 
     methods: frozenset[str] = DEFAULT_METHODS
@@ -152,8 +142,7 @@ class RetryPolicy:
 
 
 class Operation:
-    """One logical request: its key, and the decisions taken after each attempt (mutable,
-    never shared)."""
+    """One logical request: its key, and the decisions after each attempt (never shared)."""
 
     def __init__(
         self,
@@ -165,7 +154,7 @@ class Operation:
     ) -> None:
         self.policy = policy
         self.sent = sent
-        self._observer = observer
+        self._observer: Observer = observer if observer is not None else (lambda report: None)
         # Without a ledger (tests), no rule for where the key may follow a redirect.
         self._on_redirect = on_redirect or (lambda status, location: None)
         self.attempts = 0
@@ -201,7 +190,7 @@ class Operation:
         location = headers.get("location")
         if status in REDIRECT_STATUSES and location is not None and not decision.retry:
             self._on_redirect(status, location)
-        self._report(AttemptReport(self.key, self.attempts, status, None, None, decision))
+        self._observer(AttemptReport(self.key, self.attempts, status, None, None, decision))
         return decision
 
     def failed(self, failure: Failure, error: BaseException | None = None) -> Decision:
@@ -213,7 +202,7 @@ class Operation:
             decision = self._stop(failure.value)
         else:
             decision = self._retry(self._jitter(), failure.value)
-        self._report(AttemptReport(self.key, self.attempts, None, failure, error, decision))
+        self._observer(AttemptReport(self.key, self.attempts, None, failure, error, decision))
         if error is not None and not decision.retry:
             # The request may have run: the caller needs the key to retry it by hand.
             setattr(error, OUTCOME_ATTRIBUTE, self.outcome())
@@ -224,16 +213,10 @@ class Operation:
         return decision
 
     def outcome(self) -> ClientOutcome:
-        last = self._last or Decision(False, 0.0, "not sent")
-        return ClientOutcome(
-            key=self.key,
-            attempts=self.attempts,
-            replayed=self._replayed,
-            status=self._status,
-            exhausted=self._exhausted,
-            reason=last.reason,
-            elapsed=self.policy.clock() - self._started,
-        )
+        why = (self._last or Decision(False, 0.0, "not sent")).reason
+        elapsed = self.policy.clock() - self._started
+        ended = (self._replayed, self._status, self._exhausted, why, elapsed)
+        return ClientOutcome(self.key, self.attempts, *ended)
 
     def _after_answer(self, status: int, headers: Mapping[str, str], body: bytes) -> Decision:
         if self._replayed:
@@ -245,13 +228,8 @@ class Operation:
             return self._retry(self._jitter(), f"{status}")
         return self._retry(max(wanted, self._jitter()), f"{status}, Retry-After {wanted:g} s")
 
-    def _report(self, report: AttemptReport) -> None:
-        if self._observer is not None:
-            self._observer(report)
-
     def _retryable(self, status: int, headers: Mapping[str, str], body: bytes) -> bool:
-        """The status decides; a problem's ``retryable: false`` vetoes, ``true`` marks a 409
-        in flight and a 5xx transient, never a settled 4xx."""
+        """The status decides; a problem's ``retryable`` vetoes, or marks a 409/5xx transient."""
         problem = read_problem(headers, body)
         says = problem.get("retryable") if problem is not None else None
         if says is False:
@@ -304,19 +282,11 @@ class Operations:
         body: bytes,
         deadline: Deadline | None = None,
     ) -> Operation:
-        """The key and the retry state of one request, before its first attempt.
-
-        Raises:
-            idemflow.InvalidKey: the caller's (or a generated) key is malformed.
-            KeyReusedLocally: the caller's key was sent before with another request.
-        """
-        scope = scope_of(url, headers)
+        """One request's key and retry state; InvalidKey, or KeyReusedLocally (sent before)."""
+        scope, fingerprint = scope_of(url, headers), request_fingerprint(method, url, body)
+        policy = self.policy
         sent = self.ledger.choose(
-            key_values,
-            self.policy.key_factory,
-            self.policy.key_form,
-            scope=scope,
-            fingerprint=request_fingerprint(method, url, body),
+            key_values, policy.key_factory, policy.key_form, scope=scope, fingerprint=fingerprint
         )
 
         def redirected(status: int, location: str) -> None:
@@ -336,8 +306,7 @@ def is_replay(headers: Mapping[str, str]) -> bool:
 
 
 def parse_retry_after(value: str | None, now: float) -> float | None:
-    """``Retry-After`` (RFC 9110: delta-seconds or an HTTP-date) in seconds from ``now``
-    (epoch seconds), or None if absent or invalid; a date in the past is 0."""
+    """``Retry-After`` (seconds or an HTTP-date) in seconds from ``now``, or None if invalid."""
     if value is None:
         return None
     text = value.strip()
@@ -354,8 +323,7 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
 
 
 def read_problem(headers: Mapping[str, str], body: bytes) -> dict[str, object] | None:
-    """The RFC 9457 problem an answer carries, or None. Never raises: the server may be
-    broken or hostile, and the request may have run."""
+    """The RFC 9457 problem an answer carries, or None; never raises (a hostile server)."""
     if _media_type(headers.get("content-type")) != "application/problem+json":
         return None
     if len(body) > MAX_PROBLEM_BYTES or _nesting(body) > MAX_PROBLEM_DEPTH:
@@ -385,8 +353,7 @@ def _nesting(body: bytes) -> int:
 
 
 def _in_flight(headers: Mapping[str, str], problem: dict[str, object] | None, says: object) -> bool:
-    """A 409 that says "still running": ``Retry-After``, ``retryable: true``, or an
-    ``in-progress``/``lease-lost`` problem; any other 409 is a settled conflict."""
+    """A 409 that says "still running" (any other is a settled conflict)."""
     if headers.get("retry-after") is not None or says is True:
         return True
     kind = problem.get("type") if problem is not None else None

@@ -5,7 +5,6 @@ the completion is written in. See docs/frameworks/fastapi.md."""
 # No ``from __future__ import annotations`` here: FastAPI reads the
 # dependency's signature at runtime, including names from this closure.
 
-import asyncio
 import contextlib
 import copy
 import functools
@@ -24,6 +23,7 @@ from ..edge import (
     AsyncEdge,
     EdgeOptions,
     RoutePolicy,
+    async_engine_store,
     header_values,
     policy_for,
     problem_for,
@@ -281,101 +281,7 @@ def _on_sqlalchemy(sessions: Any, policy: Policy | None) -> tuple[Any, Any, Any]
     if not isinstance(engine, AsyncEngine):
         msg = "dependency() takes an AsyncEngine or an async_sessionmaker bound to one"
         raise ConfigurationError(msg)
-    return _store_on(engine, policy), sessions, AsyncSQLAlchemyTransaction
-
-
-def _store_on(engine: Any, policy: Policy | None) -> Any:
-    dialect, url = engine.dialect, engine.url
-    if dialect.name == "sqlite" and url.database not in (None, "", ":memory:"):
-        from ..stores.sqlite import AsyncSQLiteStore
-
-        return AsyncSQLiteStore(url.database, policy=policy)
-    if dialect.name == "postgresql" and dialect.driver.startswith("psycopg"):
-        from ..stores.postgres import is_lock_timeout, is_unavailable, postgres_dialect
-        from ..stores.sql import AsyncSQLStore
-        from ..transactions import AsyncSQLAlchemyTransaction
-
-        # The store's statements commit alone: on a connection of the engine's pool,
-        # autocommit while the store holds it (SQLAlchemy resets it on return).
-        autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
-        store_wait = (policy or Policy()).store_wait_seconds
-        return AsyncSQLStore(
-            postgres_dialect(),
-            functools.partial(_bounded_checkout, autocommit, store_wait),
-            paramstyle="pyformat",
-            # A pool timeout is SQLAlchemy's; a refused connection psycopg's, wrapped.
-            is_unavailable=lambda exc: (
-                is_unavailable(exc) or AsyncSQLAlchemyTransaction.is_unavailable(exc)
-            ),
-            is_lock_timeout=is_lock_timeout,
-            extra_params=True,
-        )
-    msg = (
-        f"dependency() keeps keys in the engine's database on PostgreSQL (psycopg) or a SQLite "
-        f"file, not {dialect.name}+{dialect.driver}: pass an Idempotent with a store instead"
-    )
-    raise ConfigurationError(msg)
-
-
-#: Checkouts that ended after the store wait, until their connection is back in the pool.
-_LATE: set[asyncio.Future[Any]] = set()
-
-
-def _give_back_late(checkout: asyncio.Future[Any]) -> None:
-    _LATE.discard(checkout)
-    if checkout.cancelled() or checkout.exception() is not None:
-        return
-    closing = asyncio.ensure_future(checkout.result().close())
-    _LATE.add(closing)
-    closing.add_done_callback(_LATE.discard)
-
-
-@contextlib.asynccontextmanager
-async def _bounded_checkout(autocommit: Any, store_wait: float) -> Any:
-    """A connection of the app's engine for the store, every wait of the store's own
-    bounded by ``store_wait`` (guarantee 5): the checkout (a free connection, a pre-ping, or
-    a new one) waited for that long, each wait for the server by psycopg's own timeout, an
-    ``OperationalError`` either way (the store's 503). The statements are not cancelled:
-    psycopg answers a cancellation mid-statement by asking the server to cancel it and
-    waiting up to 10 s more, and a hung server never answers. A connection left
-    mid-statement is invalidated, never given back to the app's pool."""
-    import psycopg
-    from psycopg.pq import TransactionStatus
-
-    # The checkout runs apart and is waited for up to the store wait, never cancelled: a
-    # pre-ping or a connect cancelled mid-wait would wait for the server again (psycopg's
-    # cancel request). One that ends after the wait gives its connection back then.
-    checkout = asyncio.ensure_future(autocommit.connect().start())
-    try:
-        connection = await asyncio.wait_for(asyncio.shield(checkout), store_wait)
-    except BaseException as exc:
-        _LATE.add(checkout)
-        checkout.add_done_callback(_give_back_late)
-        if isinstance(exc, TimeoutError):
-            msg = f"no connection from the engine's pool within the store wait ({store_wait} s)"
-            raise psycopg.OperationalError(msg) from exc
-        raise
-    raw: Any = None
-    try:
-        raw = (await connection.get_raw_connection()).driver_connection
-        plain_wait = raw.wait
-
-        async def bounded_wait(
-            gen: Any, interval: float = 0.1, timeout: float | None = None
-        ) -> Any:
-            return await plain_wait(gen, interval, store_wait if timeout is None else timeout)
-
-        raw.wait = bounded_wait  # this checkout's only: the app's next one waits as before
-        try:
-            yield raw
-        finally:
-            del raw.wait
-    except BaseException as exc:
-        if raw is None or raw.closed or raw.pgconn.transaction_status != TransactionStatus.IDLE:
-            await connection.invalidate(exc if isinstance(exc, Exception) else None)
-        await connection.close()
-        raise
-    await connection.close()
+    return async_engine_store(engine, "idemflow_keys", policy), sessions, AsyncSQLAlchemyTransaction
 
 
 def scope_user(request: Request) -> str | None:

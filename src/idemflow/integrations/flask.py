@@ -38,6 +38,7 @@ from ..edge import (
     body_cut_short,
     body_too_large,
     declared_length,
+    engine_store,
     plain_callable,
     problem_for,
     raw_headers,
@@ -410,7 +411,7 @@ class Idempotency:
             raise ConfigurationError("set IDEMFLOW_STORE (a DATABASE_URL) or pass db= or store=")
         with app.app_context():
             engine = _engine_of(self.db)
-        return _store_on(engine, table, policy)
+        return engine_store(engine, table, policy)
 
 
 def _session_transactions(db: _Database) -> TransactionFactory:
@@ -458,89 +459,6 @@ def _engine_of(db: Any) -> Engine:
         msg = f"db= takes Flask-SQLAlchemy's db, an Engine or a bound sessionmaker, not {db!r}"
         raise ConfigurationError(msg)
     return engine
-
-
-def _store_on(engine: Engine, table: str, policy: Policy) -> Store:
-    """The key store in ``engine``'s database: on PostgreSQL (psycopg), on the engine's own
-    pool (one pool for the app); elsewhere the store its URL names (SQLite: the file)."""
-    from ..stores.urls import open_store
-
-    dialect = engine.dialect
-    if not (dialect.name == "postgresql" and dialect.driver == "psycopg"):
-        return open_store(_plain_url(engine.url), table=table, policy=policy)
-    from ..stores.postgres import is_lock_timeout, is_unavailable, postgres_dialect
-    from ..stores.sql import SQLStore
-    from ..transactions import SQLAlchemyTransaction
-
-    def unavailable(exc: BaseException) -> bool:
-        # A pool timeout is SQLAlchemy's; a refused or lost connection psycopg's.
-        return is_unavailable(exc) or SQLAlchemyTransaction.is_unavailable(exc)
-
-    store_wait = policy.store_wait_seconds
-    _refuse_a_longer_pool_wait(engine, store_wait)
-    # The store's statements commit alone: autocommit while it holds a connection
-    # (SQLAlchemy resets that on return).
-    autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
-
-    @contextlib.contextmanager
-    def connect() -> Iterator[Any]:
-        from psycopg.pq import TransactionStatus
-
-        with autocommit.connect() as connection:
-            raw: Any = connection.connection.driver_connection
-            plain_wait = raw.wait
-
-            def bounded_wait(gen: Any, interval: float = 0.1, timeout: float | None = None) -> Any:
-                return plain_wait(gen, interval, store_wait if timeout is None else timeout)
-
-            # Each wait for the server ends after the store wait (psycopg's own timeout:
-            # a frozen server never enforces its statement_timeout); this checkout's only.
-            raw.wait = bounded_wait
-            try:
-                yield raw
-            except BaseException as exc:
-                mid_statement = raw.pgconn.transaction_status != TransactionStatus.IDLE
-                if unavailable(exc) or raw.closed or mid_statement:
-                    connection.invalidate()  # SQLAlchemy never saw it die: not back to the pool
-                raise
-            finally:
-                del raw.wait
-
-    return SQLStore(
-        postgres_dialect(table),
-        connect,
-        paramstyle="pyformat",
-        is_unavailable=unavailable,
-        is_lock_timeout=is_lock_timeout,
-        extra_params=True,
-    )
-
-
-def _refuse_a_longer_pool_wait(engine: Engine, store_wait: float) -> None:
-    """Guarantee 5 on the engine's pool: the store waits for a free connection as long as
-    the engine's ``pool_timeout``, which must then fit in the policy's store wait."""
-    from sqlalchemy.pool import QueuePool
-
-    if not isinstance(engine.pool, QueuePool):  # the other pools never wait for a connection
-        return
-    timeout = engine.pool.timeout()
-    if timeout > store_wait:
-        msg = (
-            f"the engine's pool_timeout ({timeout:g} s) exceeds the key store's wait "
-            f"({store_wait:g} s, half the request timeout, at most 5 s): a request would wait "
-            "for a connection past its budget. Create the engine with "
-            f"create_engine(..., pool_timeout={store_wait:g}) (Flask-SQLAlchemy: "
-            f'SQLALCHEMY_ENGINE_OPTIONS = {{"pool_timeout": {store_wait:g}}}), or pass '
-            "IDEMFLOW_STORE for a pool of idemflow's own"
-        )
-        raise ConfigurationError(msg)
-
-
-def _plain_url(url: Any) -> str:
-    """SQLAlchemy's URL as idemflow's stores name it (``postgresql+psycopg://`` → ``postgresql://``)."""
-    rendered = str(url.render_as_string(hide_password=False))
-    scheme, _, rest = rendered.partition("://")
-    return f"{scheme.split('+', 1)[0]}://{rest}"
 
 
 def _body(limit: int) -> bytes:

@@ -70,21 +70,10 @@ REQUEST_ID_KEY = "idemflow.request_id"
 _READ_SIZE = 65_536
 _STATUS = re.compile(r"([0-9]{3})(?: .*)?")
 
-# Framing is the server's business (we write Content-Length); the others
-# are hop-by-hop, which PEP 3333 forbids an application to send.
+# Framing is the server's (we write Content-Length); hop-by-hop ones PEP 3333 forbids.
+_HOP_BY_HOP = ("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te")
 _NOT_FORWARDED = frozenset(
-    {
-        "connection",
-        "content-length",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-    }
+    {*_HOP_BY_HOP, "content-length", "trailer", "trailers", "transfer-encoding", "upgrade"}
 )
 
 
@@ -116,13 +105,11 @@ class IdempotencyMiddleware:
         app: the WSGI application whose endpoints are protected.
         idempotency: the (sync) driver: store, policy, observer.
         endpoints: ``"METHOD /route/{param}"`` templates, relative to ``PATH_INFO``.
-        principal: reads the authenticated principal from the environ (default:
-            ``REMOTE_USER``); place the middleware inside your authentication.
+        principal: the environ's authenticated principal (default: ``REMOTE_USER``).
         options: public endpoints, replay authorization, size limits.
 
     Raises:
-        ConfigurationError: no endpoint, a malformed template, a safe method, an async
-            driver, app or principal getter, or an ``async def`` replay hook.
+        ConfigurationError: no or a bad endpoint; an async driver, app, getter or hook.
     """
 
     def __init__(
@@ -168,18 +155,9 @@ class IdempotencyMiddleware:
             # After a disconnect this goes nowhere; sent all the same: one path, no traceback.
             return send(start_response, problem_for(exc, rid))
         template, params, edge = route
-        request = HTTPRequest(
-            str(environ["REQUEST_METHOD"]),
-            template,
-            headers,
-            body,
-            who,
-            rid,
-            params,
-            str(environ.get("QUERY_STRING", "")),
-        )
-        response = edge.respond(request, self._endpoint(environ, body))
-        return send(start_response, response)
+        method, query = str(environ["REQUEST_METHOD"]), str(environ.get("QUERY_STRING", ""))
+        request = HTTPRequest(method, template, headers, body, who, rid, params, query)
+        return send(start_response, edge.respond(request, self._endpoint(environ, body)))
 
     def _match(self, environ: WSGIEnvironment) -> tuple[str, dict[str, str], Edge] | None:
         """The opted-in endpoint matched: its full template, path parameters and edge."""
@@ -224,9 +202,7 @@ class IdempotencyMiddleware:
 
 
 def _report_from_flask(app: object) -> None:
-    """Register `report_from_flask` on the Flask app under ``app`` (through bound methods
-    and wrappers' ``.app``), for an ``OutcomeUnknown`` made where the slot cannot see it
-    (a thread without the request's context)."""
+    """`report_from_flask` on the Flask app under ``app`` (through methods and ``.app``)."""
     flask = sys.modules.get("flask")
     if flask is None:
         return
@@ -239,8 +215,7 @@ def _report_from_flask(app: object) -> None:
 
 
 def report_from_flask(app: Any) -> None:
-    """Register on ``app`` an ``OutcomeUnknown`` handler that reports it to the slot and
-    answers 503 ``outcome-unknown``; an app's own handler is kept."""
+    """An ``OutcomeUnknown`` handler on ``app`` (unless it has one): the slot, then 503."""
     if OutcomeUnknown in app.error_handler_spec.get(None, {}).get(None, {}):
         return
     flask = sys.modules["flask"]  # loaded: ``app`` is one of its apps
@@ -248,7 +223,7 @@ def report_from_flask(app: Any) -> None:
     def reported(error: OutcomeUnknown) -> tuple[bytes, int, list[tuple[str, str]]]:
         environ = flask.request.environ
         report_outcome_unknown(environ, error)
-        rid = environ.get("idemflow.request_id")  # the middleware's, when it runs
+        rid = environ.get(REQUEST_ID_KEY)  # the middleware's, when it runs
         answer = problem_for(
             error, rid if isinstance(rid, str) else request_id_from(raw_headers(environ))
         )
@@ -278,14 +253,8 @@ def _compile_endpoint(endpoint: str) -> _Endpoint:
 
 
 def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
-    """The whole request body, or an error before more than ``limit`` bytes are held.
-
-    Raises:
-        BodyTooLarge: ``CONTENT_LENGTH`` or the bytes read are over ``limit``.
-        IncompleteBody: fewer bytes than ``CONTENT_LENGTH`` arrived, or the stream failed.
-        LengthRequired: a chunked body without ``CONTENT_LENGTH`` on a server that does not
-            end the stream (``wsgi.input_terminated``): PEP 3333 would make it empty.
-    """
+    """The whole request body, never more than ``limit`` bytes held: BodyTooLarge,
+    IncompleteBody, or LengthRequired (chunked where the server does not end the stream)."""
     reader = BodyReader(environ.get("CONTENT_LENGTH"), limit)
     if reader.declared is None and not environ.get("wsgi.input_terminated"):
         _require_length(environ)
@@ -306,8 +275,7 @@ def read_body(environ: WSGIEnvironment, limit: int) -> bytes:
 
 
 def _require_length(environ: Mapping[str, Any]) -> None:
-    """For a request without a length: 411 if a ``Transfer-Encoding`` announces a body the
-    server does not end, never the empty body PEP 3333 makes of it claimed in its place."""
+    """411 for a ``Transfer-Encoding`` body the server does not end (PEP 3333: empty)."""
     if environ.get("wsgi.input_terminated"):
         return
     if str(environ.get("HTTP_TRANSFER_ENCODING") or "").strip():
@@ -323,8 +291,7 @@ def _read(stream: Any, size: int) -> bytes | None:
         return b""
     try:
         chunk = stream.read(size)
-    # Each server says the client went away its own way (gunicorn's NoMoreData,
-    # werkzeug's ClientDisconnected, an OSError): the body did not arrive whole.
+    # Each server says the client went away its own way (NoMoreData, ClientDisconnected, …).
     except Exception:  # noqa: BLE001
         return None
     return bytes(chunk)
@@ -346,11 +313,7 @@ class _Captured(ResponseSink):
         if self._status is not None and exc_info is None:
             raise RuntimeError("start_response was called twice without exc_info")
         self._status, self._headers = status, list(headers)
-        return self._write
-
-    def _write(self, data: bytes) -> object:  # the legacy ``write`` callable
-        self.add(data)
-        return None
+        return self.add  # the legacy ``write`` callable
 
     def add(self, chunk: object) -> None:
         if isinstance(chunk, bytes | bytearray | memoryview):

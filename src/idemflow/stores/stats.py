@@ -1,7 +1,5 @@
-"""What an operator asks a key store: how many records in which state, what is stuck, what is
-due. A store's [`stats()`][idemflow.stores.protocol.Store.stats] returns a `StatsSource`,
-read by the metrics gauge and ``idemflow stats``; this module is the vocabulary they share.
-"""
+"""What an operator asks a key store (counts by state, what is stuck, what is due): the
+`StatsSource` a store's [`stats()`][idemflow.stores.protocol.Store.stats] returns."""
 
 from __future__ import annotations
 
@@ -30,11 +28,7 @@ class OldestClaim:
 
 @dataclass(frozen=True, slots=True)
 class StoreStats:
-    """One snapshot of a key table, as ``idemflow stats`` prints it.
-
-    ``past_request_timeout`` counts ``in_progress`` records untouched for longer than the
-    request timeout (each a crashed attempt); ``past_stale_threshold`` those the sweeper takes.
-    """
+    """One snapshot of a key table, as ``idemflow stats`` prints it."""
 
     table: str
     now: float
@@ -64,8 +58,7 @@ class StatsSource(Protocol):
     table: str
 
     def stuck_claims(self, cutoff: float) -> dict[str, int]:
-        """``in_progress`` records untouched since before ``cutoff``, and every ``stale`` one,
-        keyed by state (both keys always present)."""
+        """``in_progress`` records untouched since ``cutoff`` and ``stale`` ones, by state."""
 
     def snapshot(self, now: float, request_timeout: float, stale_after: float) -> StoreStats:
         """Everything ``idemflow stats`` shows."""

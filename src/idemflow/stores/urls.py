@@ -1,7 +1,5 @@
-"""Open a store from a ``DATABASE_URL`` (``sqlite:///path.db``, ``postgresql://…``,
-``mysql://…``, ``redis://…``, ``redis+cluster://…``): the one way the CLI, the demo and
-apps name a store. Further schemes register in ``OPENERS``.
-"""
+"""A store from a ``DATABASE_URL`` (``sqlite:///path.db``, ``postgresql://…``, ``mysql://…``,
+``redis://…``, ``redis+cluster://…``); further schemes register in ``OPENERS``."""
 
 from __future__ import annotations
 
@@ -101,8 +99,7 @@ OPENERS: dict[str, Callable[[str, str, bool, Policy | None], Any]] = {
 def open_store(
     url: str, *, table: str = "idemflow_keys", policy: Policy | None = None
 ) -> MaintainableStore:
-    """A synchronous store for ``url``; every wait of its own is bounded by
-    ``policy.store_wait_seconds`` (``Policy()``'s without one): pass your app's policy."""
+    """A synchronous store for ``url``, its waits bounded by your ``policy``'s."""
     store: MaintainableStore = OPENERS[scheme_of(url)](url, table, False, policy)
     return store
 

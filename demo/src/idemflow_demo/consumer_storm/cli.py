@@ -2,7 +2,7 @@
 the broker; print a verdict.
 
 The command's arguments, registered by the library's thin loader
-(``idemflow.cli._consumer_storm``). Nothing heavy is imported until the command runs.
+(``idemflow.cli``). Nothing heavy is imported until the command runs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``idemflow storm``: retry-storm a payments service, killing it now and then; print a verdict.
 
 The command's arguments, registered by the library's thin loader
-(``idemflow.cli._storm``). Nothing heavy is imported until the command runs.
+(``idemflow.cli``). Nothing heavy is imported until the command runs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""
-idemflow for Django (``pip install 'idemflow[django]'``, ``[drf]`` for DRF): add
-``"idemflow.integrations.django"`` to ``INSTALLED_APPS``, protect views with `idempotent`
-or `IdempotencyMiddleware`; ``manage.py idemflow_sweep`` and ``idemflow_purge`` maintain
-the table. The whole story: docs/frameworks/django.md.
-"""
+"""idemflow for Django (``idemflow[django]``, ``[drf]``): the app in ``INSTALLED_APPS``, views
+protected by `idempotent` or `IdempotencyMiddleware`. The whole story: docs/frameworks/django.md."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ __all__ = [
     "idempotent",
 ]
 
-#: Issue 32: the checked settings are the integration's own, the store lives under
-#: ``idemflow.stores``; importable from here, with a DeprecationWarning, until 0.3.
+#: Issue 32: importable from here, with a DeprecationWarning, until 0.3.
 __getattr__ = moved(
     __name__,
     {

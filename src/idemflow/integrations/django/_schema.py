@@ -1,7 +1,5 @@
-"""What a DRF action protected by ``@idempotent`` adds to drf-spectacular's operation:
-the ``Idempotency-Key`` header, the problems (as ``integrations/_openapi.py`` says them
-for FastAPI), the replay headers, ``serializer=``'s class as the body; the view's own words win.
-"""
+"""What an ``@idempotent`` DRF action adds to drf-spectacular's operation (the key header, the
+problems, the replay headers, ``serializer=`` as the body); the view's own words win."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ __all__ = ["idempotent_schema"]
 
 
 def idempotent_schema(view: Any, serializer: Any) -> type[AutoSchema] | None:
-    """The schema class drf-spectacular uses for ``view`` (a view method), or None when the
-    project's schema class is not drf-spectacular's."""
+    """drf-spectacular's schema class for ``view``, or None when the project uses another."""
     base = getattr(view, "kwargs", {}).get("schema") or api_settings.DEFAULT_SCHEMA_CLASS
     base = base if isinstance(base, type) else type(base)
     if not issubclass(base, AutoSchema):

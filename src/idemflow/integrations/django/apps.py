@@ -6,8 +6,7 @@ from django.apps import AppConfig
 
 
 class IdemflowConfig(AppConfig):
-    """Holds the key table's migration and the ``idemflow_sweep``/``idemflow_purge`` commands,
-    and tells an idemflow WSGI/ASGI middleware about a view's ``OutcomeUnknown``."""
+    """The key table's migration, the management commands, the ``OutcomeUnknown`` receiver."""
 
     name = "idemflow.integrations.django"
     label = "idemflow"
@@ -21,10 +20,8 @@ class IdemflowConfig(AppConfig):
         from .views import _outcome_unknown_received, check_replay_authorizer
 
         chosen = idemflow_settings()  # a mistake in settings.IDEMFLOW fails at start-up
-        # Their paths are imported here, once the settings' lock is free: a module may hold
-        # @idempotent views too, which read the settings as they are decorated.
+        # Paths imported here, outside the settings' lock (decorating views reads the settings).
         check_replay_authorizer(chosen)
         observer_of(chosen)
-        # Behind a WSGI/ASGI idemflow middleware, a view's OutcomeUnknown must keep
-        # the claim, not become the 500 that releases it (see _outcome_unknown_received).
+        # Behind an idemflow middleware a view's OutcomeUnknown keeps the claim, not a 500.
         got_request_exception.connect(_outcome_unknown_received, dispatch_uid="idemflow.outcome")

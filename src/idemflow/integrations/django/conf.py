@@ -1,15 +1,12 @@
-"""
-``settings.IDEMFLOW``, checked at start-up (``AppConfig.ready``: an ``ImproperlyConfigured``,
-never a 500 per request); the store and driver made once per process, rebuilt under
-``override_settings``. Every key: docs/frameworks/django.md, "Settings".
-"""
+"""``settings.IDEMFLOW``, checked at start-up (``ImproperlyConfigured``, never a 500 per
+request); the store and driver made once per process. docs/frameworks/django.md, "Settings"."""
 
 from __future__ import annotations
 
 import functools
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, cast
 
@@ -33,67 +30,40 @@ __all__ = ["get_idempotency", "get_store"]
 #: The store that lives on Django's own database connections.
 DJANGO_STORE = "django"
 
-_DEFAULTS: Mapping[str, Any] = {
-    "request_timeout": 30,
-    "retention": 86400,
-    "table": "idemflow_keys",
-    "database": "default",
-    "store": DJANGO_STORE,
-    "clock": "database",
-    "single_commit": False,
-    # The HTTP side (decorator and middleware):
-    "principal": None,  # dotted path or callable: request -> str | None (default: request.user.pk)
-    # dotted path or callable: record -> bool, asked again before a stored response is replayed
-    "authorize_replay": None,
-    # What IdempotencyMiddleware protects: "POST /payments/<int:pk>/refunds"; or a dict
-    # mapping each to its route's durations ({"retention": 7 * 86400}) or Policy (None: these).
-    "endpoints": (),
-    "auth_middleware": (),  # further middleware that must run before IdempotencyMiddleware
-    "max_body_bytes": DEFAULT_MAX_BODY_BYTES,
-    "max_response_bytes": DEFAULT_MAX_RESPONSE_BYTES,
-    "exclude_fields": (),
-    "strict_key": False,
-    # Told every outcome of every protected request: dotted path or object (PrometheusMetrics).
-    "observer": None,
-}
-
 
 @dataclass(frozen=True, slots=True)
 class IdemflowSettings:
     """``settings.IDEMFLOW``, checked, with defaults filled in."""
 
-    request_timeout: float | timedelta
-    retention: float | timedelta
-    table: str
-    database: str
-    store: str
-    #: ``"database"``: every time decision on the database server's clock.
-    clock: str
-    #: Claim inside the view's transaction too (PostgreSQL, MySQL): one commit per request.
-    single_commit: bool
-    principal: Any
-    #: Asked before each replay whether ``record.principal`` may still see it (False: 403).
-    #: A callable, or its dotted path (imported by ``AppConfig.ready``, and by
-    #: ``IdempotencyMiddleware`` as it starts): see ``http.replay_authorizer``.
-    authorize_replay: Any
-    endpoints: Sequence[str] | Mapping[str, Any]
-    auth_middleware: Sequence[str]
-    max_body_bytes: int
-    max_response_bytes: int
-    exclude_fields: Sequence[str]
-    strict_key: bool
-    #: Told every outcome (``PrometheusMetrics``, a ``fan_out``), or its dotted path:
-    #: `observer_of` gives the object.
-    observer: Observer | str | None
+    request_timeout: float | timedelta = 30
+    retention: float | timedelta = 86400
+    table: str = "idemflow_keys"
+    database: str = "default"
+    store: str = DJANGO_STORE
+    clock: str = "database"
+    single_commit: bool = False
+    #: ``(request) -> str | None``, or its dotted path (default: ``request.user.pk``).
+    principal: Any = None
+    #: ``(record) -> bool``, or its dotted path: may ``record.principal`` see a replay?
+    authorize_replay: Any = None
+    #: ``"POST /payments/<int:pk>"`` templates, or a dict of them to a route's policy.
+    endpoints: Sequence[str] | Mapping[str, Any] = ()
+    #: Further middleware that must run before ``IdempotencyMiddleware``.
+    auth_middleware: Sequence[str] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    exclude_fields: Sequence[str] = ()
+    strict_key: bool = False
+    #: Told every outcome: an object, or its dotted path (`observer_of`).
+    observer: Observer | str | None = None
 
     @property
     def policy(self) -> Policy:
         return Policy(request_timeout=self.request_timeout, retention=self.retention)
 
     def route_policy(self, given: Any, where: str) -> RoutePolicy | None:
-        """A view's or an endpoint's policy (``where`` it was given): a Policy, or a dict of
-        durations over these settings' (``{"retention": 7 * 86400}``); None: the settings'.
-        ``ImproperlyConfigured`` if it is none, or outlives the settings' stale threshold."""
+        """A view's or endpoint's Policy, or a dict of durations over these settings'
+        (None: the settings'); ``ImproperlyConfigured`` if invalid."""
         app = self.policy
         try:
             if isinstance(given, Mapping):
@@ -110,12 +80,7 @@ class IdemflowSettings:
 
 
 def idemflow_settings() -> IdemflowSettings:
-    """The checked settings; ``ImproperlyConfigured`` names what is wrong.
-
-    Checked once, not on every protected request (a Policy is built to check
-    the durations); a change of ``IDEMFLOW`` or ``DATABASES`` (Django's
-    ``setting_changed``) checks them again.
-    """
+    """The checked settings (once, again after ``setting_changed``); else ImproperlyConfigured."""
     with _lock:
         return _checked()
 
@@ -125,11 +90,12 @@ def _checked() -> IdemflowSettings:
     given = getattr(settings, "IDEMFLOW", {}) or {}
     if not isinstance(given, Mapping):
         raise ImproperlyConfigured("settings.IDEMFLOW must be a dict")
-    unknown = sorted(set(given) - set(_DEFAULTS))
+    known = {field.name: field.default for field in fields(IdemflowSettings)}
+    unknown = sorted(set(given) - set(known))
     if unknown:
-        msg = f"settings.IDEMFLOW has unknown keys {unknown}; known: {sorted(_DEFAULTS)}"
+        msg = f"settings.IDEMFLOW has unknown keys {unknown}; known: {sorted(known)}"
         raise ImproperlyConfigured(msg)
-    merged = {**_DEFAULTS, **given}
+    merged = {**known, **given}
     if merged["database"] not in settings.DATABASES:
         msg = f"settings.IDEMFLOW['database'] = {merged['database']!r} is not in DATABASES"
         raise ImproperlyConfigured(msg)
@@ -153,10 +119,8 @@ def _checked() -> IdemflowSettings:
 
 
 def _check_replay_hook(hook: Any) -> None:
-    """A callable is checked now (an ``async def`` one is refused: the Django edge is sync);
-    a dotted path only for its form. It is imported by ``AppConfig.ready``, not here:
-    importing it while the settings' lock is held would deadlock on a module that holds
-    ``@idempotent`` views too (decorating reads the settings)."""
+    """A callable is checked now; a path is imported by ``AppConfig.ready``, outside the lock
+    (a module of ``@idempotent`` views reads the settings as it is imported)."""
     if hook is None or (isinstance(hook, str) and hook):
         return
     try:
@@ -187,13 +151,7 @@ def _built() -> tuple[Store, Idempotency]:
 
 
 def observer_of(chosen: IdemflowSettings) -> Observer | None:
-    """``IDEMFLOW['observer']``: the object, or the one its dotted path names.
-
-    ``AppConfig.ready`` asks first, at start-up, so a wrong path is ImproperlyConfigured
-    then, not a 500 per request; and it imports the path there, outside the settings'
-    lock: a module that holds ``@idempotent`` views too reads the settings as it is
-    imported (as ``IDEMFLOW['authorize_replay']``'s path is imported there).
-    """
+    """``IDEMFLOW['observer']``: the object, or the one its path names (ImproperlyConfigured)."""
     given = chosen.observer
     try:
         found = import_string(given) if isinstance(given, str) else given

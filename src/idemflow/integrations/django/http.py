@@ -1,7 +1,4 @@
-"""
-Moved into `views` (issue 32): the view wrapper's own conversions are
-importable from here, with a DeprecationWarning, until 0.3.
-"""
+"""Moved into `views` (issue 32): importable from here, with a DeprecationWarning, until 0.3."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""
-``IdempotencyMiddleware``: protect the endpoints ``IDEMFLOW['endpoints']`` names (method
-and route template, or a dict of them to a route's policy), after
-``AuthenticationMiddleware``. docs/frameworks/django.md, "Three ways to protect an endpoint".
-"""
+"""``IdempotencyMiddleware``: protect the endpoints ``IDEMFLOW['endpoints']`` names, after
+``AuthenticationMiddleware``. docs/frameworks/django.md, "Three ways to protect an endpoint"."""
 
 from __future__ import annotations
 
@@ -57,12 +54,8 @@ class IdempotencyMiddleware:
         )
 
     def _view(self, request: HttpRequest) -> HttpResponseBase:
-        """The rest of the stack; an exception the view raised is raised again here.
-
-        Django turns it into a response (a 400 for ``BadRequest``, a 500) below
-        us; raised again, it releases the key instead of being stored, and
-        Django answers it with the same response above us.
-        """
+        """The rest of the stack; the view's exception, answered by Django below us, raised
+        again here: it releases the key instead of being stored, and Django answers it above."""
         response = self.get_response(request)
         raised = request.__dict__.pop(_RAISED, None)
         if isinstance(raised, BaseException):
@@ -92,8 +85,7 @@ def _endpoint(entry: str) -> tuple[str, str]:
 def _check_order(own: type, default_principal: bool, extra: Any) -> None:
     """Authentication must run before idempotency: keys are never claimed anonymously."""
     paths = list(settings.MIDDLEWARE)
-    positions = [i for i, path in enumerate(paths) if _is(path, own)]
-    mine = positions[0] if positions else len(paths)
+    mine = next((i for i, path in enumerate(paths) if _is(path, own)), len(paths))
     required = list(extra)
     if default_principal:
         required.insert(0, _AUTHENTICATION_MIDDLEWARE)

@@ -1,8 +1,5 @@
-"""
-The migration operation that creates the key table: the ``CREATE`` statements of the
-dialect [`DjangoStore`][idemflow.stores.django.DjangoStore] picks for the connection, so
-``manage.py migrate`` and ``idemflow migrate`` give one schema (a test compares them).
-"""
+"""The migration operation that creates the key table with the ``CREATE`` statements of
+[`DjangoStore`][idemflow.stores.django.DjangoStore]'s dialect: ``idemflow migrate``'s schema."""
 
 from __future__ import annotations
 
@@ -26,11 +23,7 @@ def _key_table_ddl(vendor: str, table: str) -> list[str]:
 
 
 class CreateKeyTable(Operation):
-    """Create (or, backwards, drop) ``settings.IDEMFLOW['table']`` on the configured alias.
-
-    Only the alias named by ``settings.IDEMFLOW['database']`` gets the table
-    (and only if the database routers allow migrating this app there).
-    """
+    """Create (backwards: drop) ``IDEMFLOW['table']`` on ``IDEMFLOW['database']`` (if routed)."""
 
     reversible = True
     reduces_to_sql = True

@@ -1,9 +1,6 @@
-"""
-``@idempotent``: a Django view run once per ``(principal, Idempotency-Key)`` in a
-``transaction.atomic()`` its completion commits in, and `protect`, the request's way
-through the sync edge that the decorator and `IdempotencyMiddleware` share.
-docs/frameworks/django.md, "Three ways to protect an endpoint".
-"""
+"""``@idempotent``: a Django view run once per ``(principal, Idempotency-Key)`` in the
+transaction its completion commits in; `protect`, shared with `IdempotencyMiddleware`.
+docs/frameworks/django.md, "Three ways to protect an endpoint"."""
 
 from __future__ import annotations
 
@@ -83,20 +80,13 @@ def idempotent(
     """Protect a view (see the module's docstring).
 
     Args:
-        public: the view is deliberately unauthenticated; its keys are scoped
-            to ``"anonymous"``. Otherwise an anonymous request is a 401.
+        public: deliberately unauthenticated: keys scoped to ``"anonymous"`` (else 401).
         validate: called with the view's own arguments before the claim.
-        serializer: a DRF action's serializer class: built on ``request.data``
-            (with the view's serializer context) and validated once, before the
-            claim; invalid, a 400 ``invalid-body`` problem whose ``errors`` are the
-            serializer's, nothing recorded (the corrected body may keep the key);
-            valid, passed to the view as its ``serializer`` keyword argument.
-        authorize_replay: ``(record) -> bool``, asked before a stored response
-            is replayed (``record.principal`` is the caller); False answers 403.
-            Replaces ``IDEMFLOW['authorize_replay']`` for this view. A plain
-            function: an ``async def`` one is a ``ConfigurationError`` here.
-        policy: this view's [`Policy`][idemflow.Policy] (retention, request timeout;
-            its stale threshold within the settings'), or ``(principal) -> Policy``.
+        serializer: a DRF serializer class validated once before the claim (invalid: a
+            400 ``invalid-body`` problem, nothing recorded); passed as ``serializer=``.
+        authorize_replay: ``(record) -> bool`` (plain, not ``async def``), asked before
+            a replay (False: 403), in place of ``IDEMFLOW['authorize_replay']``.
+        policy: this view's [`Policy`][idemflow.Policy], or ``(principal) -> Policy``.
     """
     if authorize_replay is not None:
         sync_replay_authorizer(authorize_replay, "@idempotent(authorize_replay=…)")
@@ -119,23 +109,18 @@ def idempotent(
             return protect(
                 request,
                 lambda: _rendered(call(*args, **given, **kwargs), args, request, kwargs),
-                public=public or _is_public(inner),
+                public=public or bool(getattr(inner, "idemflow_public", False)),
                 validate=None if checked is None and serializer is None else check,
                 authorize_replay=authorize_replay,
                 policy=policy,
             )
 
         if iscoroutinefunction(inner):
-            # An async view runs inside the sync protect(): its transaction.atomic() is
-            # thread-bound, and so is Django's connection. The view's coroutine runs on
-            # the request's event loop (async_to_sync), and every ORM call it awaits
-            # (acreate, sync_to_async) comes back to this thread, on this connection:
-            # its writes are in the transaction the completion commits with.
+            # Its awaited ORM calls come back to this thread: in the completion's transaction.
             wrapper = functools.wraps(inner)(_awaitable(wrapper))
 
         alias = idemflow_settings().database
-        # Django reads this off the view it resolved: a decorated function view
-        # runs in idemflow's transaction, not in an ATOMIC_REQUESTS one.
+        # A decorated view runs in idemflow's transaction, not in an ATOMIC_REQUESTS one.
         non_atomic = set(getattr(inner, "_non_atomic_requests", set()))
         wrapper._non_atomic_requests = non_atomic | {alias}  # type: ignore[attr-defined]
         _document(wrapper, serializer)
@@ -147,11 +132,9 @@ def idempotent(
 def _validated(serializer: type[Any], args: tuple[Any, ...], request: Any, kwargs: Any) -> Any:
     """``serializer`` on the request's data, validated; InvalidData with its errors if not."""
     view = args[0] if args and args[0] is not request else None
-    context = getattr(view, "get_serializer_context", None)
-    made = serializer(
-        data=request.data,
-        context=context() if context is not None else {"request": request, "view": view},
-    )
+    made_by = getattr(view, "get_serializer_context", None)
+    context = made_by() if made_by is not None else {"request": request, "view": view}
+    made = serializer(data=request.data, context=context)
     if made.is_valid():
         return made
     raise InvalidData("; ".join(_messages(made.errors)) or "the body is not valid", made.errors)
@@ -175,8 +158,7 @@ def _document(wrapper: Any, serializer: type[Any] | None) -> None:
     schema = idempotent_schema(wrapper, serializer)
     if schema is not None:
         # Where drf-spectacular reads a view method's own schema (extend_schema does too).
-        kwargs = wrapper.__dict__.setdefault("kwargs", {})
-        kwargs["schema"] = schema
+        wrapper.__dict__.setdefault("kwargs", {})["schema"] = schema
 
 
 def _plain(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -198,10 +180,6 @@ def idempotency_public(view: _View) -> _View:
     """Mark a view deliberately unauthenticated for `IdempotencyMiddleware`."""
     view.idemflow_public = True  # type: ignore[attr-defined]
     return view
-
-
-def _is_public(view: Any) -> bool:
-    return bool(getattr(view, "idemflow_public", False))
 
 
 def _request_in(args: tuple[Any, ...]) -> Any:
@@ -229,16 +207,13 @@ def _rendered(response: Any, args: tuple[Any, ...], request: Any, kwargs: Any) -
 #: Runs the protected view and returns its Django response.
 ViewCall = Callable[[], HttpResponseBase]
 
+_INVALID = "Invalid request body"
 _REPLAY_SETTING = "settings.IDEMFLOW['authorize_replay']"
 _PRINCIPAL_SETTING = "settings.IDEMFLOW['principal']"
 
 
 def _request_user(request: Any) -> str | None:
-    """The default principal: the primary key of ``request.user`` when authenticated.
-
-    The primary key, not the username: a username can change hands, and a new
-    owner must never be replayed the old one's responses.
-    """
+    """``request.user``'s primary key, never its username (which can change hands)."""
     user = getattr(request, "user", None)
     if user is None or not getattr(user, "is_authenticated", False):
         return None
@@ -257,12 +232,7 @@ def _principal_getter(chosen: IdemflowSettings) -> Callable[[Any], str | None]:
 
 
 def replay_authorizer(chosen: IdemflowSettings) -> ReplayHook | None:
-    """``IDEMFLOW['authorize_replay']``: imported if a dotted path, and checked.
-
-    Raises:
-        ConfigurationError: the path does not import, or names no callable or an
-            ``async def`` one.
-    """
+    """``IDEMFLOW['authorize_replay']``, imported if a path and checked (ConfigurationError)."""
     hook = chosen.authorize_replay
     if hook is None:
         return None
@@ -275,11 +245,7 @@ def replay_authorizer(chosen: IdemflowSettings) -> ReplayHook | None:
 
 
 def check_replay_authorizer(chosen: IdemflowSettings) -> None:
-    """`replay_authorizer` at start-up (``AppConfig.ready``, the middleware's
-    ``__init__``): a wrong path or an ``async def`` hook is ``ImproperlyConfigured`` then,
-    not a 500 problem on every protected request. So is an ``async def`` principal getter
-    given as a callable (one given by its path is checked where it is imported, at the
-    first protected request)."""
+    """The replay hook and a principal callable checked at start-up: ImproperlyConfigured."""
     try:
         replay_authorizer(chosen)
         if callable(chosen.principal):
@@ -289,19 +255,11 @@ def check_replay_authorizer(chosen: IdemflowSettings) -> None:
 
 
 def _headers(request: HttpRequest) -> RawHeaders:
-    """The request's header lines, read from ``META`` as the WSGI middleware reads the environ."""
     return raw_headers(request.META)
 
 
 def _body_limit(max_body_bytes: int) -> int:
-    """The body cap of a protected request: ``max_body_bytes``, or Django's
-    ``DATA_UPLOAD_MAX_MEMORY_SIZE`` when that is lower (``None`` turns it off).
-
-    Django refuses a body over that setting when it reads one itself (``request.body``:
-    ``RequestDataTooBig``, a 400); idemflow reads the body for Django, before the view, so
-    the setting bounds it there too, whatever its framing: the 413 ``body-too-large``
-    problem, nothing claimed.
-    """
+    """``max_body_bytes``, lowered by Django's ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (None: off)."""
     django_cap = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
     return max_body_bytes if django_cap is None else min(max_body_bytes, int(django_cap))
 
@@ -323,18 +281,8 @@ def _body(request: HttpRequest, limit: int) -> bytes:
 
 
 def _unframed(request: HttpRequest, limit: int) -> bytes:
-    """A WSGI request's body sent without its length (chunked), made the request's own.
-
-    Django's WSGIRequest reads ``CONTENT_LENGTH`` bytes of ``wsgi.input``: none
-    when it is absent, so it sees an empty body. Where the server ends the
-    stream at the body's end (``wsgi.input_terminated``, gunicorn's chunked
-    bodies), it is read here, at most one byte past ``limit`` (413 while it
-    streams, 400 if it is cut short), and given to the request as Django caches
-    a body it has read (``HttpRequest.body``), with its length in ``META``:
-    the view, DRF's parsers and ``request.POST`` all read it. Where the server
-    does not, a body announced by ``Transfer-Encoding`` cannot be read safely:
-    411, never an empty body claimed in its place.
-    """
+    """A WSGI body without its length (Django would see none): read, bounded, where the
+    server ends the stream, and cached as Django caches a body it read; else 411 if chunked."""
     environ = request.META
     if not environ.get("wsgi.input_terminated"):
         _require_length(environ)  # a chunked body: 411
@@ -342,9 +290,8 @@ def _unframed(request: HttpRequest, limit: int) -> bytes:
     body = read_body(environ, limit)
     environ["wsgi.input"] = io.BytesIO(body)
     environ["CONTENT_LENGTH"] = str(len(body))
-    # What HttpRequest.body leaves once it has read a body; what was parsed from
-    # the empty one before (request.POST, by CSRF's check of a form) goes with it.
-    request._body = body  # Django's own cache of the read body
+    # What HttpRequest.body leaves; what was parsed from the empty body (CSRF's POST) goes.
+    request._body = body
     request._stream = io.BytesIO(body)
     for parsed in ("_post", "_files"):
         request.__dict__.pop(parsed, None)
@@ -359,28 +306,16 @@ def _django_request(
     match: Any = None,
     headers: RawHeaders | None = None,
 ) -> HTTPRequest:
-    """``request`` (Django's, or DRF's wrapping one) as the edge sees it.
-
-    The route is the template Django matched (``/payments/<int:pk>/refunds``),
-    so records and metrics name a bounded set of endpoints; its parameters
-    are part of the fingerprint. ``headers``: its header lines, if already read.
-    """
+    """``request`` (Django's or DRF's) as the edge sees it, named by its route template."""
     raw: HttpRequest = getattr(request, "_request", request)
     match = match if match is not None else raw.resolver_match
     route = f"/{match.route}" if match is not None and match.route else raw.path
     params = {} if match is None else {str(k): str(v) for k, v in match.kwargs.items()}
     if match is not None:
         params.update({str(i): str(v) for i, v in enumerate(match.args)})
-    return HTTPRequest(
-        raw.method or "POST",
-        route,
-        _headers(raw) if headers is None else headers,
-        _body(raw, limit),
-        principal,
-        request_id,
-        params,
-        str(raw.META.get("QUERY_STRING", "")),
-    )
+    lines, query = _headers(raw) if headers is None else headers, raw.META.get("QUERY_STRING", "")
+    body, method = _body(raw, limit), raw.method or "POST"
+    return HTTPRequest(method, route, lines, body, principal, request_id, params, str(query))
 
 
 def _from_django(response: HttpResponseBase) -> Response:
@@ -419,12 +354,8 @@ def protect(
 ) -> HttpResponseBase:
     """Run ``view`` once per ``(principal, Idempotency-Key)`` in its own transaction.
 
-    ``validate`` runs after the body was read and before anything is claimed:
-    an `InvalidData` it raises is a 400 ``invalid-body`` problem, anything
-    else (a DRF ``ValidationError``, Django's ``BadRequest``) passes through;
-    neither is recorded. ``authorize_replay``: the view's own replay hook, in
-    place of ``IDEMFLOW['authorize_replay']``; ``policy`` the view's own
-    (``EdgeOptions.policy``), in place of the settings' durations.
+    ``validate`` runs before the claim: its `InvalidData` is a 400 ``invalid-body``
+    problem; anything else it raises passes through, nothing recorded.
     """
     raw = getattr(request, "_request", request)
     headers = _headers(raw)
@@ -446,15 +377,8 @@ def protect(
         try:
             validate()
         except InvalidData as invalid:
-            answer = problem(
-                400,
-                "Invalid request body",
-                invalid.detail,
-                slug="invalid-body",
-                request_id=rid,
-                errors=invalid.errors,
-            )
-            return _to_django(answer)
+            why: dict[str, Any] = {"request_id": rid, "errors": invalid.errors}
+            return _to_django(problem(400, _INVALID, invalid.detail, slug="invalid-body", **why))
     return _respond(http, view, edge, prepared.settings)
 
 
@@ -468,15 +392,13 @@ class InvalidData(Exception):
 
 
 class _Prepared:
-    """What every protected request of one ``settings.IDEMFLOW`` shares, made once:
-    the edges (their options checked), the principal."""
+    """What every protected request of one ``settings.IDEMFLOW`` shares, made once."""
 
     def __init__(self, chosen: IdemflowSettings) -> None:
-        self.settings = chosen
-        self._driver = get_idempotency()
+        self.settings, driver = chosen, get_idempotency()
         self._authorize_replay = replay_authorizer(chosen)
         options = view_options(functools.partial(getattr, chosen))
-        self._edges = ViewEdges(functools.partial(Edge, self._driver), options)
+        self._edges = ViewEdges(functools.partial(Edge, driver), options)
         self._principal: Callable[[Any], str | None] | None = None
 
     def edge(
@@ -485,8 +407,6 @@ class _Prepared:
         authorize_replay: ReplayHook | None = None,
         policy: RoutePolicy | None = None,
     ) -> Edge:
-        """The edge of a public or non-public view, with the view's own replay hook or
-        the setting's, and its own policy or the settings'."""
         hook = self._authorize_replay if authorize_replay is None else authorize_replay
         return self._edges(public, hook, policy)
 
@@ -497,23 +417,14 @@ class _Prepared:
         return self._principal
 
 
-# Made on the first protected request, and again after a change of the settings
-# (override_settings): a request then reads no setting.
-_made: _Prepared | None = None
-
-
+@functools.cache  # made again after a change of the settings (override_settings)
 def _prepared() -> _Prepared:
-    global _made  # noqa: PLW0603 -- one slot, replaced whole (two threads may both build it)
-    made = _made
-    if made is None:
-        made = _made = _Prepared(idemflow_settings())
-    return made
+    return _Prepared(idemflow_settings())
 
 
 def _forget(*, setting: str, **kwargs: Any) -> None:
-    global _made  # noqa: PLW0603 -- one slot, replaced whole
     if setting in ("IDEMFLOW", "DATABASES"):
-        _made = None
+        _prepared.cache_clear()
 
 
 setting_changed.connect(_forget, dispatch_uid="idemflow-prepared")
@@ -545,17 +456,8 @@ def _respond(
 
 
 def _outcome_unknown_received(sender: Any, request: Any = None, **_: Any) -> None:
-    """``got_request_exception``'s receiver: an ``OutcomeUnknown`` told to the middleware.
-
-    Django answers an exception no view or middleware handled with a 500
-    (WSGI and ASGI handlers alike) and sends this signal while it is being
-    handled. A WSGI or ASGI idemflow middleware around the Django application
-    would see only the 500, and release the key; this tells it through the
-    slot it left in the request's environ (``request.environ``) or scope
-    (``request.scope``), so the claim is kept for the sweeper and the caller
-    gets the 503 ``outcome-unknown`` problem. Connected by the app's
-    ``ready()`` (``"idemflow.integrations.django"`` in ``INSTALLED_APPS``).
-    """
+    """``got_request_exception``'s receiver: an ``OutcomeUnknown`` Django answered with a
+    500 told to an idemflow WSGI/ASGI middleware around it, which then keeps the claim."""
     error = sys.exc_info()[1]
     if request is None or not isinstance(error, OutcomeUnknown):
         return

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from ..._model import Claim
 
 __all__ = [
-    "DEFAULT_CLAIM_LOCK_TIMEOUT_MS",
     "AsyncPostgresStore",
     "PostgresStore",
     "connection_options",
@@ -100,7 +99,9 @@ def purge_statement(table: str) -> Statement:
     )
 
 
-def connection_options(claim_lock_timeout_ms: int, conninfo: str = "") -> dict[str, Any]:
+def connection_options(
+    claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS, conninfo: str = ""
+) -> dict[str, Any]:
     """Autocommit connections whose lock waits are bounded (a claim meeting another's
     uncommitted claim answers 409), keeping ``conninfo``'s options: for a pool of yours."""
     with optional("idemflow.stores.postgres"):
