@@ -10,6 +10,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Generator
 from dataclasses import dataclass
+from types import FunctionType, MethodType
 from typing import Any, TypeAlias, TypeVar
 
 from ._errors import (
@@ -30,7 +31,6 @@ from ._model import (
     Response,
     State,
     Verdict,
-    make_outcome,
     retry_after,
     swept_within,
 )
@@ -132,7 +132,7 @@ def idempotency_flow(
         verdict = policy.verdict(response)
         if verdict is Verdict.TRANSIENT:
             yield Release(record)  # a 503 must not poison the key
-            return make_outcome(response, False, record)
+            return Outcome(response, False, record)
         try:
             yield Complete(record, verdict.value, response, policy.retention_seconds)
         except LeaseLost:
@@ -148,7 +148,7 @@ def idempotency_flow(
                 # run it again. The key stays claimed for the sweeper's reconciler.
                 raise StoreUnavailable(_UNRECORDED, retry_after=exc.retry_after) from exc
             raise
-        return make_outcome(response, False, record)
+        return Outcome(response, False, record)
     except InProgress as busy:  # one raised without the record to date it: the floor holds
         busy.retry_after = max(busy.retry_after, policy.retry_after)
         raise
@@ -194,7 +194,7 @@ def dispatch(record: Record, intent: Intent, policy: Policy, now: float) -> Outc
         raise KeyReused(msg)
     state, response = record.state, record.response
     if (state is State.COMPLETED or state is State.FAILED_PERMANENT) and response is not None:
-        return make_outcome(response, True, record)
+        return Outcome(response, True, record)
     raise InProgress(_BUSY[record.state], retry_after=retry_after(record, policy, now))
 
 
@@ -311,7 +311,13 @@ _ANSWER = "a handler must return its Response (or an awaitable of one)"
 
 def _defined_as(handler: object, kind: Any) -> bool:
     """Is ``handler`` (or its ``__call__``, for an object) a function of ``kind``?"""
-    return bool(kind(handler) or kind(getattr(handler, "__call__", None)))  # noqa: B004
+    if kind(handler):
+        return True
+    # A function's (or method's) own __call__ is a C wrapper: asking inspect about it is
+    # the dearer half of the check, and it never answers yes.
+    if isinstance(handler, FunctionType | MethodType):
+        return False
+    return bool(kind(getattr(handler, "__call__", None)))  # noqa: B004
 
 
 def _name(handler: object) -> str:

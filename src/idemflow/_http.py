@@ -7,19 +7,17 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import re
-import uuid
 from collections.abc import (
     Awaitable,
     Callable,
     Collection,
     Iterable,
-    Iterator,
     Mapping,
     MutableMapping,
     Sequence,
 )
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeAlias, TypeVar
 from urllib.parse import urlencode
@@ -227,7 +225,8 @@ def plain_callable(hook: object, name: str, signature: str) -> Any:
 def intent_for(request: HTTPRequest, options: EdgeOptions) -> Intent:
     """The request's identity; raises the 400/401 client errors, claims nothing."""
     principal = request.principal
-    if inspect.isawaitable(principal):  # its text would differ on every request
+    if not isinstance(principal, str | None) and inspect.isawaitable(principal):
+        # its text would differ on every request
         if inspect.iscoroutine(principal):
             principal.close()
         msg = "the principal getter answered an awaitable: pass a plain function returning str"
@@ -428,7 +427,7 @@ def request_id_from(headers: RawHeaders) -> str:
         value = values[0].strip()
         if 0 < len(value) <= _MAX_REQUEST_ID_LENGTH and all("!" <= c <= "~" for c in value):
             return value
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # a uuid4's 32 hex digits, without building the UUID
 
 
 def raw_headers(environ: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
@@ -700,27 +699,27 @@ class OutcomeSlot:
     (which would release the key): filled by `report_outcome_unknown` or noted by
     `watching`, raised by the middleware so the claim is kept (docs/http.md)."""
 
-    __slots__ = ("made", "reported")
+    __slots__ = ("_token", "made", "reported")
 
     def __init__(self) -> None:
         self.reported: OutcomeUnknown | None = None
         self.made: OutcomeUnknown | None = None
 
-    @contextmanager
-    def watching(self) -> Iterator[None]:
+    def watching(self) -> OutcomeSlot:
         """Run the application inside: the first ``OutcomeUnknown`` made meanwhile (in this
         context and those it starts) is noted, hook or not. After it, what was reported is
         raised; if the application raised, what was made."""
-        token = OUTCOME_UNKNOWN_WITNESS.set(self._note)
-        try:
-            yield
-        except Exception:
+        return self
+
+    def __enter__(self) -> None:
+        self._token = OUTCOME_UNKNOWN_WITNESS.set(self._note)
+
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
+        OUTCOME_UNKNOWN_WITNESS.reset(self._token)
+        if self.reported is not None:
+            raise self.reported
+        if isinstance(error, Exception):
             self.raise_made()
-            raise
-        finally:
-            OUTCOME_UNKNOWN_WITNESS.reset(token)
-            if self.reported is not None:
-                raise self.reported
 
     def _note(self, made: OutcomeUnknown) -> None:
         if self.made is None:

@@ -237,26 +237,31 @@ def _check_tree(value: Any, *, escaped: bool = True, ascii: bool = False) -> boo
     astral member name): ``json.dumps`` then writes exactly RFC 8785, faster."""
     astral = escaped or not ascii
     plain = True
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, str):
-            if escaped:
-                _check_text(item)
-        elif isinstance(item, float):
-            plain = False
-        elif isinstance(item, dict | list):
-            if depth > MAX_DEPTH:
-                raise _too_deep()
-            if isinstance(item, dict):
-                for name in item:
-                    if escaped:
-                        _check_text(name)
-                    if plain and astral and not name.isascii() and _ASTRAL.search(name):
-                        plain = False
-                item = item.values()
-            stack.extend((child, depth + 1) for child in item)
-    return plain
+    # Leaves are checked where they are met; only containers go on the stack.
+    stack: list[tuple[Any, int]] = []
+    items: Any = (value,)
+    depth = 0
+    while True:
+        for item in items:
+            if isinstance(item, str):
+                if escaped:
+                    _check_text(item)
+            elif isinstance(item, float):
+                plain = False
+            elif isinstance(item, dict | list):
+                if depth >= MAX_DEPTH:
+                    raise _too_deep()
+                stack.append((item, depth + 1))
+        if not stack:
+            return plain
+        items, depth = stack.pop()
+        if isinstance(items, dict):
+            for name in items if astral else ():  # ASCII text without escapes: nothing to see
+                if escaped:
+                    _check_text(name)
+                if plain and not name.isascii() and _ASTRAL.search(name):
+                    plain = False
+            items = items.values()
 
 
 _ASTRAL = re.compile("[\U00010000-\U0010ffff]")

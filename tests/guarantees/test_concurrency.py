@@ -92,7 +92,10 @@ async def test_a_timeout_inside_the_step_ends_the_step() -> None:
         async with asyncio.timeout(0):
             await never.wait()
 
-    task = asyncio.create_task(async_shielded(step()))
+    async def shielded() -> None:
+        await async_shielded(step())
+
+    task = asyncio.create_task(shielded())
     try:
         await asyncio.wait({task}, timeout=DEADLINE)
         assert task.done(), "the step's timeout was deferred as if it were the caller's"

@@ -53,7 +53,7 @@ from idemflow.sweeper import (
     Unknown,
 )
 from idemflow.testing import FrozenClock
-from tests._private_redis import own_redis_server
+from tests._private_redis import freeze, own_redis_server, thaw
 from tests.backends import REDIS_URL, adelete_keys, delete_keys, redis_client
 from tests.conftest import unreachable
 from tests.factories import CREATED, POLICY, free_port
@@ -880,3 +880,26 @@ def test_each_driver_lengthens_the_refusal_after_a_loss_to_its_own_stale_thresho
 
     assert (unset, store.quarantine) == (Policy().stale_seconds, 210)
     assert (given.quarantine, async_store.quarantine) == (12, 12)
+
+
+@pytest.mark.anyio
+async def test_an_async_write_the_socket_cannot_take_is_still_bounded(tmp_path: Path) -> None:
+    """``open_redis``'s async client sets no timer for a command the socket takes whole; one
+    it cannot (a frozen server whose buffers are full) is still bounded: each attempt times
+    out, and the completion is a 503, never a hang (the outer wait only catches a hang)."""
+    import asyncio
+
+    with own_redis_server(tmp_path) as (process, url):
+        store = open_redis(url + "?allow_volatile=1", policy=POLICY, asynchronous=True)
+        assert isinstance(store, AsyncRedisStore)
+        try:
+            now = time.time()
+            claim = await store.claim(intent("big"), "token", now, now + 60)
+            freeze(process)
+            huge = Response(201, b"x" * (64 << 20))  # past both sockets' largest buffers
+            completing = store.complete(claim.record, State.COMPLETED, huge, now, now + 60)
+            with pytest.raises(StoreUnavailable):
+                await asyncio.wait_for(completing, 60)
+        finally:
+            thaw(process)
+            await store.close()

@@ -138,13 +138,14 @@ class AsyncIdempotency:
         classifier); by default the driver's."""
         async_checked_handler(handler)
         policy = self.route(policy)
-        refuse_run(
-            type(self.store).__name__,
-            transaction=transaction is not None,
-            single_commit=single_commit,
-            shares=self.store.supports_transactions,
-            single_commits=self.store.supports_single_commit,
-        )
+        if transaction is not None or single_commit:  # else nothing to refuse
+            refuse_run(
+                type(self.store).__name__,
+                transaction=transaction is not None,
+                single_commit=single_commit,
+                shares=self.store.supports_transactions,
+                single_commits=self.store.supports_single_commit,
+            )
         perform = _Performer(self, intent, handler, transaction, single_commit, policy)
         waits = RUN_STORE_WAIT.set(policy.store_wait_seconds)
         try:
@@ -165,7 +166,8 @@ class AsyncIdempotency:
             raise
         finally:
             RUN_STORE_WAIT.reset(waits)
-        await perform.abandon()  # a replay in single-commit mode left the claim's transaction open
+        if perform.open:  # a replay in single-commit mode left the claim's transaction open
+            await perform.abandon()
         if outcome.replayed:
             perform.observe(Event.REPLAYED)
         return outcome
@@ -261,7 +263,8 @@ class _Performer:
                 self._policy,
             )
             await async_cancel_point()  # a cancellation deferred by the claim: release now
-            await self._begin_for_handler()
+            if self._transaction is not None:
+                await self._begin_for_handler()
             self._phase_committed = starts_past_a_phase(
                 step.record, transaction=self._transaction is not None
             )
@@ -419,10 +422,15 @@ class _Performer:
             return False
         return True
 
+    @property
+    def open(self) -> bool:
+        """Is the caller's transaction begun and not yet ended?"""
+        return self._transaction is not None and self._open
+
     async def abandon(self) -> None:
         """Never leave the caller's transaction open behind an error (shielded: a rollback
         cut short would give the connection back open to the pool)."""
-        if self._transaction is None or not self._open:
+        if not self.open:
             return  # nothing open (every run that ended well): no step to shield
         await async_shielded(self._rollback())
 
@@ -542,11 +550,10 @@ class AsyncBeginsOnFirstStatement(AsyncTransaction):
 _T = TypeVar("_T")
 
 
-async def async_shielded(awaitable: Awaitable[_T]) -> _T:
+def async_shielded(awaitable: Awaitable[_T]) -> Awaitable[_T]:
     """Await ``awaitable`` to its end even if this task is cancelled meanwhile: the
     cancellation is requested again (its count kept) once the step is done."""
-    result: _T = await _Shield(awaitable)
-    return result
+    return _Shield(awaitable)
 
 
 class _StepTask:
@@ -577,16 +584,6 @@ class _StepTask:
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
 
-    def run(self, caller: asyncio.Task[Any], resume: Any, sent: Any) -> Any:
-        """``resume(sent)`` with this as the current task: what the step yields next."""
-        _leave_task(self._loop, caller)
-        _enter_task(self._loop, self)  # type: ignore[arg-type]  # task-like, as asyncio.timeout needs
-        try:
-            return resume(sent)
-        finally:
-            _leave_task(self._loop, self)  # type: ignore[arg-type]
-            _enter_task(self._loop, caller)
-
 
 class _Shield:
     """What the caller's task waits on: the step's future's wake-up, not its ``cancel()``."""
@@ -609,10 +606,11 @@ class _Shield:
         return False  # the caller's task keeps it as ``_must_cancel``: thrown in after the wait
 
     def __await__(self) -> Generator[Any, None, Any]:
-        caller = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        caller = asyncio.current_task(loop)
         assert caller is not None
         cancels = caller.cancelling()
-        step = self._step = _StepTask(asyncio.get_running_loop())
+        step = self._step = _StepTask(loop)
         inner = self._awaitable.__await__()
         resume: Any = inner.send
         sent: Any = None
@@ -621,10 +619,17 @@ class _Shield:
                 if step.must_cancel:
                     step.must_cancel = False
                     resume, sent = inner.throw, asyncio.CancelledError()
+                # The step runs with its stand-in as the current task (what its own
+                # asyncio.timeout cancels), then the caller is current again.
+                _leave_task(loop, caller)
+                _enter_task(loop, step)  # type: ignore[arg-type]  # task-like, as asyncio.timeout needs
                 try:
-                    waiting = step.run(caller, resume, sent)
+                    waiting = resume(sent)
                 except StopIteration as stop:
                     return stop.value
+                finally:
+                    _leave_task(loop, step)  # type: ignore[arg-type]
+                    _enter_task(loop, caller)
                 resume, sent = inner.send, None
                 blocking = getattr(waiting, "_asyncio_future_blocking", False)
                 if blocking:  # else a bare yield: the caller's task steps again soon

@@ -95,7 +95,8 @@ class AsyncEdge:
                         policy=policy,
                     )
             if outcome.replayed:
-                await self._authorize(intent, outcome.record, started)
+                if self.options.authorize_replay is not None:
+                    await self._authorize(intent, outcome.record, started)
                 return with_request_id(replayed(outcome), request.request_id)
             return with_request_id(sent[0], request.request_id)
         except IdempotencyError as exc:

@@ -137,13 +137,14 @@ class Idempotency:
         classifier); by default the driver's."""
         checked_handler(handler)
         policy = self.route(policy)
-        refuse_run(
-            type(self.store).__name__,
-            transaction=transaction is not None,
-            single_commit=single_commit,
-            shares=self.store.supports_transactions,
-            single_commits=self.store.supports_single_commit,
-        )
+        if transaction is not None or single_commit:  # else nothing to refuse
+            refuse_run(
+                type(self.store).__name__,
+                transaction=transaction is not None,
+                single_commit=single_commit,
+                shares=self.store.supports_transactions,
+                single_commits=self.store.supports_single_commit,
+            )
         perform = _Performer(self, intent, handler, transaction, single_commit, policy)
         waits = RUN_STORE_WAIT.set(policy.store_wait_seconds)
         try:
@@ -164,7 +165,8 @@ class Idempotency:
             raise
         finally:
             RUN_STORE_WAIT.reset(waits)
-        perform.abandon()  # a replay in single-commit mode left the claim's transaction open
+        if perform.open:  # a replay in single-commit mode left the claim's transaction open
+            perform.abandon()
         if outcome.replayed:
             perform.observe(Event.REPLAYED)
         return outcome
@@ -259,7 +261,8 @@ class _Performer:
                 self._committed,
                 self._policy,
             )
-            self._begin_for_handler()
+            if self._transaction is not None:
+                self._begin_for_handler()
             self._phase_committed = starts_past_a_phase(
                 step.record, transaction=self._transaction is not None
             )
@@ -417,10 +420,15 @@ class _Performer:
             return False
         return True
 
+    @property
+    def open(self) -> bool:
+        """Is the caller's transaction begun and not yet ended?"""
+        return self._transaction is not None and self._open
+
     def abandon(self) -> None:
         """Never leave the caller's transaction open behind an error (shielded: a rollback
         cut short would give the connection back open to the pool)."""
-        if self._transaction is None or not self._open:
+        if not self.open:
             return  # nothing open (every run that ended well): no step to shield
         self._rollback()
 

@@ -96,7 +96,8 @@ class Edge:
                         policy=policy,
                     )
             if outcome.replayed:
-                self._authorize(intent, outcome.record, started)
+                if self.options.authorize_replay is not None:
+                    self._authorize(intent, outcome.record, started)
                 return with_request_id(replayed(outcome), request.request_id)
             return with_request_id(sent[0], request.request_id)
         except IdempotencyError as exc:

@@ -98,6 +98,9 @@ def _bounded_writes() -> type[Any]:
             # One command at a time holds a connection: the swap is seen by no other.
             timeout, self.socket_timeout = self.socket_timeout, None
             try:
+                if _cannot_wait(self._writer, command):  # no wait to bound: no timer
+                    await super().send_packed_command(command, check_health)
+                    return
                 async with asyncio.timeout(timeout):
                     await super().send_packed_command(command, check_health)
             except TimeoutError:  # what redis-py raises, so its Retry tries again
@@ -106,6 +109,18 @@ def _bounded_writes() -> type[Any]:
                 self.socket_timeout = timeout
 
     return BoundedWrites
+
+
+def _cannot_wait(writer: Any, command: Any) -> bool:
+    """Can sending ``command`` on a connected ``writer`` not wait? asyncio's ``drain()``
+    waits only while the transport's buffer is past its high-water mark: from an empty
+    buffer, a command no larger cannot get it there (a timer per command cost ~800
+    bytecodes a protected request: docs/benchmarks.md)."""
+    if writer is None or not isinstance(command, list | bytes):
+        return False  # it connects first; or what it is sent is not measured without using it
+    transport = writer.transport
+    size = len(command) if isinstance(command, bytes) else sum(map(len, command))
+    return not transport.get_write_buffer_size() and size <= transport.get_write_buffer_limits()[1]
 
 
 def _without_option(url: str, name: str) -> tuple[str, bool]:
