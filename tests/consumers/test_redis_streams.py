@@ -3,7 +3,8 @@ The Redis Streams adapter, sync and async, against the real Redis on loopback (e
 its own stream, group and key prefix): duplicates and a race between two consumers make
 one effect, a consumer SIGKILLed between its commit and its ``XACK`` makes one effect
 after the redelivery, a poisoned entry goes to the dead-letter stream, a transient
-failure is redelivered and run once.
+failure is redelivered and run once, a handler past its lease keeps it, and one whose
+lease is stolen never completes.
 
 Each case runs on both adapters with the same async handlers: the sync adapter polls in
 a worker thread and runs each handler on the test's event loop.
@@ -25,9 +26,16 @@ import pytest
 
 from idemflow import AsyncIdempotency, Idempotency, State
 from idemflow.consumers import AsyncConsumer, Consumer
+from idemflow.testing import FrozenClock
 from tests.backends import REDIS_URL, _open_redis, delete_keys, redis_client
 from tests.conftest import POSTGRES_URL, unreachable
-from tests.consumers._support import count_rows, run_until_killable
+from tests.consumers._support import (
+    Overrun,
+    count_rows,
+    outlive_the_lease,
+    run_until_killable,
+    steal_the_claim,
+)
 from tests.factories import POLICY
 
 redis = pytest.importorskip("redis")
@@ -52,14 +60,22 @@ class Side:
     prefix: str
     clients: list[Any] = field(default_factory=list)
 
-    def streams(self, name: str, **options: Any) -> Any:
+    def streams(
+        self,
+        name: str,
+        clock: FrozenClock | None = None,
+        renew_every: float | None = None,
+        **options: Any,
+    ) -> Any:
+        timing: dict[str, Any] = {"clock": clock} if clock else {}
         if self.asynchronous:
-            consumer: Any = AsyncConsumer(AsyncIdempotency(self.store, POLICY), self.prefix)
+            idempotency = AsyncIdempotency(self.store, POLICY, **timing)
+            consumer: Any = AsyncConsumer(idempotency, self.prefix, renew_every=renew_every)
             client = redis.asyncio.Redis.from_url(REDIS_URL, socket_timeout=5)
             kind: Any = AsyncRedisStreams
         else:
             consumer, client = (
-                Consumer(Idempotency(self.store, POLICY), self.prefix),
+                Consumer(Idempotency(self.store, POLICY, **timing), self.prefix),
                 redis_client(),
             )
             kind = RedisStreams
@@ -67,8 +83,14 @@ class Side:
         stream = f"{self.prefix}:orders"
         return kind(consumer, client, stream, "billing", name, min_idle=0, **options)
 
-    async def make(self, name: str, **options: Any) -> Any:
-        adapter = self.streams(name, **options)
+    async def make(
+        self,
+        name: str,
+        clock: FrozenClock | None = None,
+        renew_every: float | None = None,
+        **options: Any,
+    ) -> Any:
+        adapter = self.streams(name, clock, renew_every, **options)
         await settled(adapter.create_group())
         return adapter
 
@@ -220,6 +242,47 @@ async def test_a_transient_failure_is_redelivered_and_run_once(side: Side) -> No
     assert await side.drain(adapter, flaky) == ["ack"]
     assert calls == [1, 2]
     assert await side.drain(adapter, flaky) == []
+
+
+#: The lease keeper is the entry point's, alike for both adapters: the async one's handler
+#: runs on the test's loop, where the store's renewals and the sweeper's pass interleave.
+ASYNC_ONLY = pytest.mark.parametrize("side", ["async"], indirect=True)
+
+
+@ASYNC_ONLY
+async def test_a_handler_longer_than_its_lease_keeps_its_claim(
+    side: Side, clock: FrozenClock
+) -> None:
+    adapter = await side.make("c1", clock, renew_every=0.01)
+    publish(adapter, "order-1", b"{}")
+    effects: list[str] = []
+
+    async def long(attempt: Any, fields: dict[bytes, bytes]) -> str:
+        await outlive_the_lease(side.store, side.prefix, clock)
+        effects.append(attempt.record.key)
+        return "done"
+
+    assert await side.poll(adapter, long) == ["ack"]
+    assert (effects, pending(adapter)) == (["order-1"], 0)
+
+
+@ASYNC_ONLY
+async def test_a_handler_whose_lease_is_stolen_never_completes(
+    side: Side, clock: FrozenClock
+) -> None:
+    adapter = await side.make("c1", clock, renew_every=0.01)
+    publish(adapter, "order-1", b"{}")
+    overrun = Overrun()
+    handling = asyncio.create_task(side.poll(adapter, overrun))
+    await asyncio.wait_for(overrun.started.wait(), 10)
+    await steal_the_claim(side.store, clock)
+
+    assert await asyncio.wait_for(handling, 10) == ["requeue_with_delay"]
+    record = await side.store.get(side.prefix, "order-1")
+    assert record is not None
+    assert (record.state, record.lease_token) == (State.IN_PROGRESS, "lease-b")
+    assert overrun.effects == []
+    assert pending(adapter) == 1  # left for lease-b's owner to settle, never acked
 
 
 #: The child: a consumer whose XACK never comes (it reports, then waits to be killed).
