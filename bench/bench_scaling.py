@@ -106,6 +106,8 @@ RESPONSE = Response.json(201, {"id": "pay_1", "amount": 1000, "currency": "EUR"}
 HEADERS_JSON = '[["content-type","application/json"]]'
 POLICY = Policy(request_timeout=30)
 RETENTION_MS = int(POLICY.retention_seconds * 1000)
+#: A crashed claim's deadline, this long after its last write (the records' own threshold).
+STALE_MS = int(POLICY.stale_seconds * 1000)
 POSTGRES_URL = os.environ.get(
     "IDEMFLOW_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
@@ -419,8 +421,8 @@ class PostgresTable(KeyTable):
         self.execute(
             f"INSERT INTO {self.name} (principal, idempotency_key, fingerprint, endpoint, state, "
             "lease_token, response_status, response_headers, response_body, created_at, "
-            "updated_at, expires_at) SELECT %s, %s || g, %s, %s, %s, 't' || g, 201, %s, %s, "
-            "%s, %s, %s FROM generate_series(1, %s::bigint) g",
+            "updated_at, expires_at, stale_at) SELECT %s, %s || g, %s, %s, %s, 't' || g, 201, "
+            "%s, %s, %s, %s, %s, %s FROM generate_series(1, %s::bigint) g",
             params=(
                 f"extra-{tag}",
                 f"{tag}-",
@@ -432,6 +434,7 @@ class PostgresTable(KeyTable):
                 at_ms,
                 at_ms,
                 expires_ms,
+                at_ms + STALE_MS,
                 count,
             ),
         )
@@ -548,9 +551,9 @@ class SQLiteTable(KeyTable):
             conn.execute(
                 f"INSERT INTO {self.name} (principal, idempotency_key, fingerprint, endpoint, "
                 "state, lease_token, response_status, response_headers, response_body, "
-                "created_at, updated_at, expires_at) WITH RECURSIVE c(g) AS (SELECT 1 UNION ALL "
-                "SELECT g + 1 FROM c WHERE g < ?) SELECT ?, ? || g, ?, ?, ?, 't' || g, 201, ?, "
-                "?, ?, ?, ? FROM c",
+                "created_at, updated_at, expires_at, stale_at) WITH RECURSIVE c(g) AS (SELECT 1 "
+                "UNION ALL SELECT g + 1 FROM c WHERE g < ?) SELECT ?, ? || g, ?, ?, ?, 't' || g, "
+                "201, ?, ?, ?, ?, ?, ? FROM c",
                 (
                     count,
                     f"extra-{tag}",
@@ -563,6 +566,7 @@ class SQLiteTable(KeyTable):
                     at_ms,
                     at_ms,
                     expires_ms,
+                    at_ms + STALE_MS,
                 ),
             )
 
@@ -617,11 +621,12 @@ class MariaDBTable(KeyTable):
         drops = ", ".join(f"DROP INDEX `{name}`" for _, name in self._indexes)
         self.execute(f"ALTER TABLE {self.name} {drops}")
 
-    def _insert(self, select: str, params: Sequence[Any]) -> None:
+    def _insert(self, select: str, params: Sequence[Any], *, dated: bool = False) -> None:
+        """``dated``: claims, ``select`` giving their sweeper's deadline (``stale_at``) too."""
         self.execute(
             f"INSERT INTO {self.name} (principal, idempotency_key, fingerprint, endpoint, state, "
             "lease_token, response_status, response_headers, response_body, created_at, "
-            f"updated_at, expires_at) {select}",
+            f"updated_at, expires_at{', stale_at' if dated else ''}) {select}",
             params,
         )
 
@@ -652,8 +657,8 @@ class MariaDBTable(KeyTable):
 
     def add_rows(self, tag: str, count: int, state: State, at_ms: int, expires_ms: int) -> None:
         self._insert(
-            "SELECT %s, CONCAT(%s, seq), %s, %s, %s, CONCAT('t', seq), 201, %s, %s, %s, %s, %s "
-            f"FROM seq_1_to_{count}",
+            "SELECT %s, CONCAT(%s, seq), %s, %s, %s, CONCAT('t', seq), 201, %s, %s, %s, %s, %s, "
+            f"%s FROM seq_1_to_{count}",
             (
                 f"extra-{tag}",
                 f"{tag}-",
@@ -665,7 +670,9 @@ class MariaDBTable(KeyTable):
                 at_ms,
                 at_ms,
                 expires_ms,
+                at_ms + STALE_MS,
             ),
+            dated=True,
         )
 
     def footprint(self) -> str:
