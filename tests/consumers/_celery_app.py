@@ -3,7 +3,8 @@ The Celery app of ``test_celery.py``: `make_app` (the configuration the test sen
 and, in a worker (``celery -A tests.consumers._celery_app``, its ``IDEMFLOW_CELERY_*``
 environment set), one exactly-once task per store (``shop.charge.postgres``,
 ``shop.charge.sqlite``) writing its business row in the app's transaction, each retry
-pushed to ``<prefix>:retried:<task id>``.
+pushed to ``<prefix>:retried:<task id>``, and ``shop.hold.sqlite``, renewing its lease on
+the test's clock until the test lets it charge.
 """
 
 from __future__ import annotations
@@ -105,6 +106,30 @@ def register(app: Celery, prefix: str, sqlite: str, postgres: str) -> None:
             name=f"shop.charge.{kind}",
             max_retries=1,
         )(charge)
+
+    def shared_clock() -> float:
+        """The test's clock, which it moves in Redis (the store's caller clock)."""
+        return float(client.get(f"{prefix}:clock") or 0.0)
+
+    def hold(attempt: Attempt, order: str) -> dict[str, str]:
+        """Runs until the test says go (its lease renewed meanwhile), then charges."""
+        client.set(f"{prefix}:running:{attempt.record.key}", 1)
+        deadline = time.monotonic() + 30
+        while not client.exists(f"{prefix}:go:{attempt.record.key}"):
+            assert time.monotonic() < deadline, "never told to go"
+            time.sleep(0.02)
+        sql = f"INSERT INTO biz_{table} (key, note) VALUES (?, ?)"
+        attempt.connection.execute(sql, (attempt.record.key, order))
+        return {"charged": order}
+
+    store, transaction = stores["sqlite"]
+    exactly_once(
+        app,
+        Idempotency(store, POLICY, clock=shared_clock),
+        transaction=transaction,
+        name="shop.hold.sqlite",
+        renew_every=0.02,
+    )(hold)
 
     def retried(request: Any, **kwargs: Any) -> None:  # each retry counted for the test
         client.rpush(f"{prefix}:retried:{request.id}", 1)

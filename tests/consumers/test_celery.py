@@ -306,6 +306,48 @@ def test_a_worker_killed_between_its_commit_and_its_ack_has_one_effect(
     assert (record.state, record.attempt) == (State.COMPLETED, 1)  # never run again
 
 
+def test_a_long_task_keeps_its_lease_and_one_whose_lease_is_stolen_never_completes(
+    shop: Workers,
+) -> None:
+    """Through the broker, on the test's clock (shared in Redis): a task held past its
+    threshold keeps its claim by renewing it and charges once let go; a task whose claim
+    the sweeper ended and another worker took is retried, its write rolled back, until
+    that owner settles the key, then answers the stored result."""
+    store, clock = shop.stores["sqlite"], f"{shop.prefix}:clock"
+    now = 1_800_000_000.0
+    shop.redis.set(clock, now)
+    kept, stolen = key(), key()
+
+    def hold(order: str) -> Any:
+        sent = shop.app.send_task("shop.hold.sqlite", (order,), headers={"idempotency_key": order})
+        wait_for(lambda: shop.redis.exists(f"{shop.prefix}:running:{order}"), "the run")
+        return sent
+
+    def renewed(order: str, at: float) -> bool:
+        record = store.get("shop.hold.sqlite", order)
+        return record is not None and record.stale_at == at + POLICY.stale_seconds
+
+    first = hold(kept)
+    shop.redis.set(clock, now := now + POLICY.stale_seconds - 1)
+    wait_for(lambda: renewed(kept, now), "a renewal on the moved clock")
+    assert sweep_away(store, now + 2) == []  # past the threshold from the claim: kept
+    shop.redis.set(f"{shop.prefix}:go:{kept}", 1)
+    assert first.get(timeout=PATIENCE) == {"charged": kept}
+    assert shop.rows("sqlite", kept) == 1
+
+    second = hold(stolen)
+    (swept,) = sweep_away(store, now + 10 * POLICY.stale_seconds)  # its deadline long past
+    intent = Intent(swept.principal, swept.key, swept.fingerprint, swept.endpoint)
+    assert store.claim(intent, "lease-b", now, now + 3600).owned
+    shop.redis.set(f"{shop.prefix}:go:{stolen}", 1)
+    wait_for(lambda: second.state == "RETRY", "the task retried, not completed")
+    assert shop.rows("sqlite", stolen) == 0  # its write rolled back with the lost completion
+    taken = store.get("shop.hold.sqlite", stolen)
+    answer = Response.json(200, {"charged": "by lease-b"})
+    store.complete(taken, State.COMPLETED, answer, now, now + 3600)
+    assert second.get(timeout=PATIENCE) == {"charged": "by lease-b"}  # the stored result
+
+
 #: On RabbitMQ only: its redelivery comes at once, while the claim is young and its
 #: retries' countdowns short (they follow the claim's age). On Redis the redelivery waits
 #: for the visibility timeout, and each retry after it for the sweeper's threshold.
