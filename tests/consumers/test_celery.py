@@ -32,13 +32,11 @@ from idemflow import (
     Attempt,
     ConfigurationError,
     Idempotency,
-    InProgress,
     Intent,
     Response,
     State,
 )
 from idemflow.stores.memory import MemoryStore
-from idemflow.testing import FrozenClock
 from tests.backends import REDIS_URL, delete_keys, redis_client
 from tests.conftest import POSTGRES_URL, unreachable
 from tests.consumers._support import ROOT
@@ -432,43 +430,3 @@ def test_a_task_applied_in_process_maps_each_outcome_and_unsafe_options_are_refu
         charge.apply_async(("o-1", "surplus"), headers={"idempotency_key": "k-2"})
     with pytest.raises(ConfigurationError, match="acks_late=True"):
         exactly_once(app, Idempotency(MemoryStore()), acks_late=False)
-
-
-def test_a_task_longer_than_its_lease_keeps_its_claim_and_a_stolen_one_never_completes(
-    clock: FrozenClock,
-) -> None:
-    """In process (``apply()``): renewals keep a long task's claim past its threshold; a
-    task whose claim the sweeper ended and another worker took is retried, not completed."""
-    app = celery.Celery("local", set_as_current=False)
-    store = MemoryStore()
-    idempotency = Idempotency(store, POLICY, clock=clock)
-    header = {"idempotency_key": "k-1"}
-
-    @exactly_once(app, idempotency, renew_every=0.01)
-    def long(attempt: Attempt) -> str:
-        clock.advance(POLICY.stale_seconds - 1)
-        deadline = time.monotonic() + 10
-        renewed = clock() + POLICY.stale_seconds  # the deadline a renewal now sets
-        while (record := store.get(long.name, "k-1")) is None or record.stale_at != renewed:
-            assert time.monotonic() < deadline, "never renewed"
-            time.sleep(0.005)
-        clock.advance(2)  # past the threshold counted from the claim
-        assert sweep_away(store, clock()) == []
-        return "done"
-
-    @exactly_once(app, idempotency, renew_every=0.01)
-    def stolen(attempt: Attempt) -> str:
-        clock.advance(POLICY.stale_seconds + 1)
-        (marked,) = sweep_away(store, clock())
-        intent = Intent(marked.principal, marked.key, marked.fingerprint, marked.endpoint)
-        assert store.claim(intent, "lease-b", clock(), clock() + 60).owned
-        return "too late"
-
-    assert long.apply(headers=header).get() == "done"
-    outcome = stolen.apply(headers=header)
-    # In process, retry() raises its exc (a worker would requeue the task instead): the
-    # key in progress under lease-b, never a result.
-    assert isinstance(outcome.result, InProgress)
-    record = store.get(stolen.name, "k-1")
-    assert record is not None
-    assert (record.state, record.lease_token) == (State.IN_PROGRESS, "lease-b")
