@@ -107,8 +107,11 @@ class DemoProcess:
     async def kill(self) -> None:
         """SIGKILL: no shutdown, no rollback, no flush, as a power cut."""
         process = self._running()
-        process.send_signal(signal.SIGKILL)
-        await process.wait()
+        with contextlib.suppress(ProcessLookupError):  # gone already: its exit code says how
+            process.send_signal(signal.SIGKILL)
+        if (code := await process.wait()) != -signal.SIGKILL:
+            msg = f"the demo exited by itself (exit code {code}) before its SIGKILL: {self.log}"
+            raise StormError(msg)
         self.kills += 1
         with self.log.open("a") as log:
             log.write(f"--- incarnation {self.incarnation} SIGKILLed at {time.strftime('%X')}\n")
