@@ -120,7 +120,7 @@ class AsyncIdempotency:
         self.observer = observer
         store.cover_stale_threshold(self.policy.stale_seconds)
         store.cover_store_wait(self.policy.store_wait_seconds)
-        self._routes: dict[Policy, Policy] = {}  # each route's policy, as it runs here
+        self._routes: set[Policy] = set()  # the route policies the store was told of
 
     async def run(
         self,
@@ -173,18 +173,18 @@ class AsyncIdempotency:
         return outcome
 
     def route(self, policy: Policy | None) -> Policy:
-        """A route's ``policy``, its store told its wait budget and stale threshold;
-        cached (bounded: a resolver may answer a new one per request)."""
+        """A route's ``policy`` (by default the driver's), its store told its wait budget
+        and stale threshold once (remembered, bounded: a resolver may answer a new one per
+        request)."""
         if policy is None or policy is self.policy:
             return self.policy
-        ran = self._routes.get(policy)
-        if ran is None:
+        if policy not in self._routes:
             if len(self._routes) >= _ROUTES_KEPT:
                 self._routes.clear()
-            ran = self._routes[policy] = policy
-            self.store.cover_store_wait(ran.store_wait_seconds)  # it keeps the shortest
-            self.store.cover_stale_threshold(ran.stale_seconds)  # and the longest
-        return ran
+            self._routes.add(policy)
+            self.store.cover_store_wait(policy.store_wait_seconds)  # it keeps the shortest
+            self.store.cover_stale_threshold(policy.stale_seconds)  # and the longest
+        return policy
 
 
 _ROUTES_KEPT = 64
