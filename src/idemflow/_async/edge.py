@@ -5,7 +5,7 @@ This is the async source of truth; ``idemflow/_sync/edge.py`` is generated from 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Any, TypeAlias, cast
 
 from .._errors import IdempotencyError, ReplayForbidden
@@ -23,7 +23,7 @@ from .._http import (
     storing,
     with_request_id,
 )
-from .._model import Intent, Policy, Record, Response, Verdict
+from .._model import Intent, Policy, Response, Verdict
 from ..stores.protocol import AsyncTransaction
 from .driver import AsyncAttempt, AsyncHandler, AsyncIdempotency
 from .transactions import execute_and_commit
@@ -81,22 +81,20 @@ class AsyncEdge:
             started = self.idempotency.clock()
             sent: list[Response] = []
             operation = self._storing(handler, sent, read, atomic=transaction is not None)
-            if transaction is None:
+            async with nullcontext() if transaction is None else transaction() as opened:
                 outcome = await self.idempotency.run(
-                    intent, operation, single_commit=single_commit, policy=policy
+                    intent,
+                    operation,
+                    transaction=opened,
+                    single_commit=single_commit,
+                    policy=policy,
                 )
-            else:
-                async with transaction() as opened:
-                    outcome = await self.idempotency.run(
-                        intent,
-                        operation,
-                        transaction=opened,
-                        single_commit=single_commit,
-                        policy=policy,
-                    )
+            hook = self.options.authorize_replay
             if outcome.replayed:
-                if self.options.authorize_replay is not None:
-                    await self._authorize(intent, outcome.record, started)
+                if hook is not None and not await async_resolve(hook(outcome.record)):
+                    observer, clock = self.idempotency.observer, self.idempotency.clock
+                    observer(Event.REPLAY_FORBIDDEN, intent, clock() - started)
+                    raise ReplayForbidden("this principal may no longer see the stored response")
                 return with_request_id(replayed(outcome), request.request_id)
             return with_request_id(sent[0], request.request_id)
         except IdempotencyError as exc:
@@ -133,15 +131,6 @@ class AsyncEdge:
             return stored_form(response)  # checked whole by storing() already
 
         return operation
-
-    async def _authorize(self, intent: Intent, record: Record, started: float) -> None:
-        hook = self.options.authorize_replay
-        if hook is None:
-            return
-        if not await async_resolve(hook(record)):
-            observer, clock = self.idempotency.observer, self.idempotency.clock
-            observer(Event.REPLAY_FORBIDDEN, intent, clock() - started)
-            raise ReplayForbidden("this principal may no longer see the stored response")
 
 
 class AsyncPooledTransaction:

@@ -6,7 +6,7 @@ GENERATED from ``idemflow/_async/edge.py`` by ``scripts/unasync.py``; do not edi
 from __future__ import annotations
 
 from collections.abc import Iterator, Callable
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeAlias, cast
 
 from .._errors import IdempotencyError, ReplayForbidden
@@ -24,7 +24,7 @@ from .._http import (
     storing,
     with_request_id,
 )
-from .._model import Intent, Policy, Record, Response, Verdict
+from .._model import Intent, Policy, Response, Verdict
 from ..stores.protocol import Transaction
 from .driver import Attempt, Handler, Idempotency
 from .transactions import execute_and_commit
@@ -82,22 +82,20 @@ class Edge:
             started = self.idempotency.clock()
             sent: list[Response] = []
             operation = self._storing(handler, sent, read, atomic=transaction is not None)
-            if transaction is None:
+            with nullcontext() if transaction is None else transaction() as opened:
                 outcome = self.idempotency.run(
-                    intent, operation, single_commit=single_commit, policy=policy
+                    intent,
+                    operation,
+                    transaction=opened,
+                    single_commit=single_commit,
+                    policy=policy,
                 )
-            else:
-                with transaction() as opened:
-                    outcome = self.idempotency.run(
-                        intent,
-                        operation,
-                        transaction=opened,
-                        single_commit=single_commit,
-                        policy=policy,
-                    )
+            hook = self.options.authorize_replay
             if outcome.replayed:
-                if self.options.authorize_replay is not None:
-                    self._authorize(intent, outcome.record, started)
+                if hook is not None and not resolve(hook(outcome.record)):
+                    observer, clock = self.idempotency.observer, self.idempotency.clock
+                    observer(Event.REPLAY_FORBIDDEN, intent, clock() - started)
+                    raise ReplayForbidden("this principal may no longer see the stored response")
                 return with_request_id(replayed(outcome), request.request_id)
             return with_request_id(sent[0], request.request_id)
         except IdempotencyError as exc:
@@ -134,15 +132,6 @@ class Edge:
             return stored_form(response)  # checked whole by storing() already
 
         return operation
-
-    def _authorize(self, intent: Intent, record: Record, started: float) -> None:
-        hook = self.options.authorize_replay
-        if hook is None:
-            return
-        if not resolve(hook(record)):
-            observer, clock = self.idempotency.observer, self.idempotency.clock
-            observer(Event.REPLAY_FORBIDDEN, intent, clock() - started)
-            raise ReplayForbidden("this principal may no longer see the stored response")
 
 
 class PooledTransaction:
