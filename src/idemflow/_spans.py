@@ -80,7 +80,7 @@ def new_tracer(tracer: Tracer | None) -> Tracer:
 
 
 class Run:
-    """One traced run: its span (current until `close`), the intent as claimed, and what
+    """One traced run: its span (current until it exits), the intent as claimed, and what
     its events said, written to the span once at the end (each write validates its values)."""
 
     def __init__(self, tracer: Tracer, intent: Intent, policy: Policy) -> None:
@@ -97,7 +97,12 @@ class Run:
             intent = dataclasses.replace(intent, correlation_id=own)
         self.intent = intent
 
-    def close(self) -> None:
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
+        if error is not None:
+            self._fail(error)
         _CURRENT_RUN.reset(self._run_token)
         _context.detach(self._span_token)
         self.span.end()
@@ -122,7 +127,7 @@ class Run:
             )
         self.span.set_attributes(attributes)
 
-    def fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> None:
         """Write what the events said; outages and crashes also fail the span."""
         if not self.recording:
             return

@@ -26,7 +26,6 @@ from .._http import (
 from .._model import Intent, Policy, Response, Verdict
 from ..stores.protocol import AsyncTransaction
 from .driver import AsyncAttempt, AsyncHandler, AsyncIdempotency
-from .transactions import execute_and_commit
 
 #: Reads what a framework's endpoint answered (its own response object) as a Response.
 Reader: TypeAlias = Callable[[Any], Response]
@@ -190,8 +189,8 @@ class AsyncPooledTransaction:
             raise
 
     async def execute_and_commit(self, statement: Any, params: Any, *, begin: bool = False) -> int:
-        """The write and its COMMIT together where the adapter can (see ``AsyncCommitAfter``)."""
-        return await execute_and_commit(self._checked_out(), statement, params, begin=begin)
+        """The adapter's: the write and its COMMIT together where it can (``AsyncCommitAfter``)."""
+        return await self._checked_out().execute_and_commit(statement, params, begin=begin)
 
     def is_unavailable(self, exc: BaseException) -> bool:
         """The adapter's rule: its library's errors, a failed checkout's too."""
