@@ -107,9 +107,6 @@ class Run:
         _context.detach(self._span_token)
         self.span.end()
 
-    def record(self, event: Event) -> None:
-        _note(event, self.attributes)
-
     def finish(self, outcome: Outcome) -> None:
         if not self.recording:
             return
@@ -163,7 +160,7 @@ def record_in_run(event: Event, intent: Intent, elapsed: float) -> None:
     """The observer `traced` adds: notes each event on the run it belongs to."""
     run = _CURRENT_RUN.get()
     if run is not None:
-        run.record(event)
+        _note(event, run.attributes)
 
 
 def _note(event: Event, attributes: dict[str, Any]) -> None:

@@ -273,7 +273,8 @@ class _Performer:
         if isinstance(step, PhaseCommitted):
             return self._phase_committed
         if isinstance(step, CommitClaim):
-            await async_shielded(self._commit_claim())
+            self._claim_committed = True  # giving it back takes a write from here on
+            await async_shielded(self._end_with_commit())
             return None
         released = await async_shielded(self._release(step.record))
         self.observe(Event.RELEASED if released else Event.RELEASE_FAILED)
@@ -352,10 +353,6 @@ class _Performer:
         self.open = transaction  # before: a failed or cancelled BEGIN may still have run
         await transaction.begin()
         await store.release(record, now, transaction)
-        await self._end_with_commit()
-
-    async def _commit_claim(self) -> None:
-        self._claim_committed = True  # giving it back takes a write from here on
         await self._end_with_commit()
 
     def _committed(self) -> None:

@@ -74,41 +74,8 @@ class AsyncEdge:
         response; what is stored keeps only the allow-listed headers. Errors of idemflow
         become problem responses; the handler's own propagate (the claim released)."""
         async_checked_handler(handler)
-        try:
-            intent = self.intent(request)
-            policy = policy_for(self.options, intent.principal)
-            started = self.idempotency.clock()
-            sent: list[Response] = []
-            operation = self._storing(handler, sent, read, atomic=transaction is not None)
-            async with nullcontext() if transaction is None else transaction() as opened:
-                outcome = await self.idempotency.run(
-                    intent,
-                    operation,
-                    transaction=opened,
-                    single_commit=single_commit,
-                    policy=policy,
-                )
-            hook = self.options.authorize_replay
-            if outcome.replayed:
-                if hook is not None and not await async_resolve(hook(outcome.record)):
-                    observer, clock = self.idempotency.observer, self.idempotency.clock
-                    observer(Event.REPLAY_FORBIDDEN, intent, clock() - started)
-                    raise ReplayForbidden("this principal may no longer see the stored response")
-                return with_request_id(replayed(outcome), request.request_id)
-            return with_request_id(sent[0], request.request_id)
-        except IdempotencyError as exc:
-            return problem_for(exc, request.request_id)
-
-    def _storing(
-        self,
-        handler: AsyncHandler,
-        sent: list[Response],
-        read: Reader | None,
-        *,
-        atomic: bool,
-    ) -> AsyncHandler:
-        """Wrap ``handler``: keep what to send, return what to store."""
-        limit = self.options.max_response_bytes
+        sent: list[Response] = []  # what to send; the operation returns what to store
+        atomic, limit = transaction is not None, self.options.max_response_bytes
 
         async def operation(attempt: AsyncAttempt) -> Response:
             answer: Response = await async_resolve(handler(attempt))  # raising: released
@@ -129,7 +96,28 @@ class AsyncEdge:
                 return response  # released, never stored
             return stored_form(response)  # checked whole by storing() already
 
-        return operation
+        try:
+            intent = self.intent(request)
+            policy = policy_for(self.options, intent.principal)
+            started = self.idempotency.clock()
+            async with nullcontext() if transaction is None else transaction() as opened:
+                outcome = await self.idempotency.run(
+                    intent,
+                    operation,
+                    transaction=opened,
+                    single_commit=single_commit,
+                    policy=policy,
+                )
+            hook = self.options.authorize_replay
+            if outcome.replayed:
+                if hook is not None and not await async_resolve(hook(outcome.record)):
+                    observer, clock = self.idempotency.observer, self.idempotency.clock
+                    observer(Event.REPLAY_FORBIDDEN, intent, clock() - started)
+                    raise ReplayForbidden("this principal may no longer see the stored response")
+                return with_request_id(replayed(outcome), request.request_id)
+            return with_request_id(sent[0], request.request_id)
+        except IdempotencyError as exc:
+            return problem_for(exc, request.request_id)
 
 
 class AsyncPooledTransaction:

@@ -271,7 +271,8 @@ class _Performer:
         if isinstance(step, PhaseCommitted):
             return self._phase_committed
         if isinstance(step, CommitClaim):
-            self._commit_claim()
+            self._claim_committed = True  # giving it back takes a write from here on
+            self._end_with_commit()
             return None
         released = self._release(step.record)
         self.observe(Event.RELEASED if released else Event.RELEASE_FAILED)
@@ -350,10 +351,6 @@ class _Performer:
         self.open = transaction  # before: a failed or cancelled BEGIN may still have run
         transaction.begin()
         store.release(record, now, transaction)
-        self._end_with_commit()
-
-    def _commit_claim(self) -> None:
-        self._claim_committed = True  # giving it back takes a write from here on
         self._end_with_commit()
 
     def _committed(self) -> None:

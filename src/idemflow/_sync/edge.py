@@ -75,41 +75,8 @@ class Edge:
         response; what is stored keeps only the allow-listed headers. Errors of idemflow
         become problem responses; the handler's own propagate (the claim released)."""
         checked_handler(handler)
-        try:
-            intent = self.intent(request)
-            policy = policy_for(self.options, intent.principal)
-            started = self.idempotency.clock()
-            sent: list[Response] = []
-            operation = self._storing(handler, sent, read, atomic=transaction is not None)
-            with nullcontext() if transaction is None else transaction() as opened:
-                outcome = self.idempotency.run(
-                    intent,
-                    operation,
-                    transaction=opened,
-                    single_commit=single_commit,
-                    policy=policy,
-                )
-            hook = self.options.authorize_replay
-            if outcome.replayed:
-                if hook is not None and not resolve(hook(outcome.record)):
-                    observer, clock = self.idempotency.observer, self.idempotency.clock
-                    observer(Event.REPLAY_FORBIDDEN, intent, clock() - started)
-                    raise ReplayForbidden("this principal may no longer see the stored response")
-                return with_request_id(replayed(outcome), request.request_id)
-            return with_request_id(sent[0], request.request_id)
-        except IdempotencyError as exc:
-            return problem_for(exc, request.request_id)
-
-    def _storing(
-        self,
-        handler: Handler,
-        sent: list[Response],
-        read: Reader | None,
-        *,
-        atomic: bool,
-    ) -> Handler:
-        """Wrap ``handler``: keep what to send, return what to store."""
-        limit = self.options.max_response_bytes
+        sent: list[Response] = []  # what to send; the operation returns what to store
+        atomic, limit = transaction is not None, self.options.max_response_bytes
 
         def operation(attempt: Attempt) -> Response:
             answer: Response = resolve(handler(attempt))  # raising: released
@@ -130,7 +97,28 @@ class Edge:
                 return response  # released, never stored
             return stored_form(response)  # checked whole by storing() already
 
-        return operation
+        try:
+            intent = self.intent(request)
+            policy = policy_for(self.options, intent.principal)
+            started = self.idempotency.clock()
+            with nullcontext() if transaction is None else transaction() as opened:
+                outcome = self.idempotency.run(
+                    intent,
+                    operation,
+                    transaction=opened,
+                    single_commit=single_commit,
+                    policy=policy,
+                )
+            hook = self.options.authorize_replay
+            if outcome.replayed:
+                if hook is not None and not resolve(hook(outcome.record)):
+                    observer, clock = self.idempotency.observer, self.idempotency.clock
+                    observer(Event.REPLAY_FORBIDDEN, intent, clock() - started)
+                    raise ReplayForbidden("this principal may no longer see the stored response")
+                return with_request_id(replayed(outcome), request.request_id)
+            return with_request_id(sent[0], request.request_id)
+        except IdempotencyError as exc:
+            return problem_for(exc, request.request_id)
 
 
 class PooledTransaction:
