@@ -260,10 +260,19 @@ class _Performer:
                 self._policy,
             )
             await async_cancel_point()  # a cancellation deferred by the claim: release now
-            if self._transaction is not None:
-                await self._begin_for_handler()
+            transaction = self._transaction
+            if transaction is not None:
+                try:
+                    await self._begin()
+                except Exception as exc:  # one either rule calls unavailable is a 503
+                    self._unbegun = True
+                    if not (
+                        transaction.is_unavailable(exc) or self._idem.store.is_unavailable(exc)
+                    ):
+                        raise
+                    raise _could_not_begin(exc) from exc
             self._phase_committed = starts_past_a_phase(
-                step.record, transaction=self._transaction is not None
+                step.record, transaction=transaction is not None
             )
             return await async_resolve(self._handler(attempt))
         if isinstance(step, Complete):
@@ -367,17 +376,6 @@ class _Performer:
         if self._transaction is not None and self.open is None:
             self.open = self._transaction  # before: a failed or cancelled BEGIN may have run
             await self._transaction.begin()
-
-    async def _begin_for_handler(self) -> None:
-        """`_begin`; an error either rule calls unavailable is a 503."""
-        try:
-            await self._begin()
-        except Exception as exc:
-            self._unbegun = True
-            assert self._transaction is not None  # _begin raises only with one
-            if not (self._transaction.is_unavailable(exc) or self._idem.store.is_unavailable(exc)):
-                raise
-            raise _could_not_begin(exc) from exc
 
     async def _end_with_commit(self) -> None:
         if self.open is not None:

@@ -258,10 +258,19 @@ class _Performer:
                 self._committed,
                 self._policy,
             )
-            if self._transaction is not None:
-                self._begin_for_handler()
+            transaction = self._transaction
+            if transaction is not None:
+                try:
+                    self._begin()
+                except Exception as exc:  # one either rule calls unavailable is a 503
+                    self._unbegun = True
+                    if not (
+                        transaction.is_unavailable(exc) or self._idem.store.is_unavailable(exc)
+                    ):
+                        raise
+                    raise _could_not_begin(exc) from exc
             self._phase_committed = starts_past_a_phase(
-                step.record, transaction=self._transaction is not None
+                step.record, transaction=transaction is not None
             )
             return resolve(self._handler(attempt))
         if isinstance(step, Complete):
@@ -365,17 +374,6 @@ class _Performer:
         if self._transaction is not None and self.open is None:
             self.open = self._transaction  # before: a failed or cancelled BEGIN may have run
             self._transaction.begin()
-
-    def _begin_for_handler(self) -> None:
-        """`_begin`; an error either rule calls unavailable is a 503."""
-        try:
-            self._begin()
-        except Exception as exc:
-            self._unbegun = True
-            assert self._transaction is not None  # _begin raises only with one
-            if not (self._transaction.is_unavailable(exc) or self._idem.store.is_unavailable(exc)):
-                raise
-            raise _could_not_begin(exc) from exc
 
     def _end_with_commit(self) -> None:
         if self.open is not None:
