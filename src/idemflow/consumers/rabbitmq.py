@@ -9,10 +9,10 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any, TypeAlias
 
-from .._errors import MissingKey
 from .._extras import optional
 from ..stores.protocol import AsyncTransaction
 from ._async import AsyncConsumer
+from ._decision import key_in
 
 with optional("idemflow.consumers.rabbitmq"):
     import aio_pika
@@ -53,7 +53,7 @@ class RabbitMQ:
     ) -> None:
         self.consumer, self.channel, self.queue = consumer, channel, queue
         self.dead_letter = dead_letter or f"{queue}.dead"
-        self._key = key if callable(key) else _header(key)
+        self._key = key
         self._transaction = transaction
 
     async def consume(self, handler: MessageHandler) -> str:
@@ -73,7 +73,7 @@ class RabbitMQ:
         opened = self._transaction() if self._transaction else nullcontext(None)
         async with opened as transaction:
             decision = await self.consumer.handle(
-                lambda: self._key(message),
+                lambda: self._key_of(message),
                 message.body,
                 lambda attempt: handler(attempt, message),
                 transaction=transaction,
@@ -86,6 +86,11 @@ class RabbitMQ:
             await self._publish(message, await self._delay_queue(decision.delay))
         await message.ack()
         return decision.action.value
+
+    def _key_of(self, message: AbstractIncomingMessage) -> str:
+        if callable(self._key):
+            return self._key(message)
+        return key_in(message.headers.get(self._key), f"the message has no {self._key!r} header")
 
     async def _delay_queue(self, delay: float) -> str:
         """The delay queue for ``delay``, declared before each publish: the broker deletes
@@ -107,15 +112,3 @@ class RabbitMQ:
         returned = await self.channel.default_exchange.publish(copy, routing_key=queue)
         if isinstance(returned, DeliveredMessage):  # the queue deleted since declared
             raise RuntimeError(f"the broker could not route the message to {queue!r}")
-
-
-def _header(name: str) -> Callable[[AbstractIncomingMessage], str]:
-    def key(message: AbstractIncomingMessage) -> str:
-        value = message.headers.get(name)
-        if isinstance(value, bytes):
-            value = value.decode()
-        if not isinstance(value, str):
-            raise MissingKey(f"the message has no {name!r} header")
-        return value
-
-    return key
