@@ -20,8 +20,9 @@ from .._errors import (
     StoreUnavailable,
 )
 from .._model import Outcome, Response
+from ..stores.protocol import AsyncStore, Store
 
-__all__ = ["Action", "Decision", "decide", "decide_failure", "key_in", "stored"]
+__all__ = ["Action", "Decision", "decide", "decide_failure", "key_in", "require_renewals", "stored"]
 
 
 class Action(enum.StrEnum):
@@ -87,6 +88,16 @@ def key_in(value: object, missing: str) -> str:
     if not isinstance(value, str):
         raise MissingKey(missing)
     return value
+
+
+def require_renewals(store: AsyncStore | Store) -> None:
+    if not store.renews_claims:
+        msg = (
+            f"{type(store).__name__} cannot renew a claim, so a long handler's would age out "
+            "under it and run twice: give the consumer one of idemflow's stores, or implement "
+            "Store.renew and set renews_claims = True"
+        )
+        raise ConfigurationError(msg)
 
 
 def stored(answer: Any) -> Response:

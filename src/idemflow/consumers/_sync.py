@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 from .. import Attempt, Idempotency, Intent, Response, Verdict, fingerprint
 from .._errors import ConfigurationError, MissingKey
 from ..stores.protocol import Transaction
-from ._decision import Decision, decide, decide_failure, stored
+from ._decision import Decision, decide, decide_failure, require_renewals, stored
 from ._keeper import LeaseKeeper
 
 __all__ = ["Consumer", "MessageHandler"]
@@ -36,13 +36,7 @@ class Consumer:
     def __init__(
         self, idempotency: Idempotency, scope: str, *, renew_every: float | None = None
     ) -> None:
-        if not idempotency.store.renews_claims:
-            msg = (
-                f"{type(idempotency.store).__name__} cannot renew a claim, so a long handler's "
-                "would age out under it and run twice: give the consumer one of idemflow's "
-                "stores, or implement Store.renew and set renews_claims = True"
-            )
-            raise ConfigurationError(msg)
+        require_renewals(idempotency.store)
         self.idempotency = idempotency
         self.scope = scope
         policy = idempotency.policy
