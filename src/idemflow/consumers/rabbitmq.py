@@ -4,6 +4,7 @@ queue; the mapping and why a delay queue per delay: docs/consumers.md, "RabbitMQ
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
@@ -60,11 +61,7 @@ class RabbitMQ:
         """Start consuming (each message in a task of its own, as many at once as the
         channel's prefetch allows); returns the consumer tag."""
         queue = await self.channel.get_queue(self.queue, ensure=False)
-
-        async def on_message(message: AbstractIncomingMessage) -> None:
-            await self.deliver(message, handler)
-
-        return await queue.consume(on_message)
+        return await queue.consume(functools.partial(self.deliver, handler=handler))
 
     async def deliver(self, message: AbstractIncomingMessage, handler: MessageHandler) -> str:
         """Handle one message and perform its decision; returns the action taken. A mistake
