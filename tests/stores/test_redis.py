@@ -535,19 +535,20 @@ def test_replay_is_one_round_trip(store: RedisStore) -> None:
     counting.close()
 
 
-def test_a_claim_answers_a_held_record_in_two_reply_elements(store: RedisStore) -> None:
+def test_a_claim_answers_a_held_record_in_one_reply_element(store: RedisStore) -> None:
     """The claim packs the record it lost to into one string: every field comes back as
-    stored (a body holding the packing's ':' and '-', absent fields absent), and the reply
-    is two elements however many fields the record has (each costs the client Python)."""
+    stored (a body holding the packing's newline, NUL, 's' and '?', absent fields absent),
+    and the reply is one element however many fields the record has (each costs the client
+    Python)."""
     idem = Idempotency(store, POLICY)
-    body = b"-1:x:-\x00\xff" * 3
+    body = b"-1:x:-\x00\xff\n=3s?\x00" * 3
     stored = Response(201, body, (("content-type", "application/json"), ("location", "/p/1")))
     idem.run(intent("packed"), lambda attempt: stored)
     keys = store.layout.claim_keys("alice", "packed")
     args = store.layout.claim_args(intent("packed"), "another-token", time.time(), time.time() + 60)
     reply = store.client.evalsha(store._shas["claim"], len(keys), *keys, *args)
 
-    assert [len(reply), reply[0]] == [2, b"held"]
+    assert reply[:5] == b"held "  # one bulk string, not an array
     fields = store.client.hgetall(store.layout.record_key("alice", "packed"))
     held = store.claim(
         intent("packed"), "another-token", time.time(), time.time() + 60, stale_after=THRESHOLD

@@ -38,13 +38,13 @@ from ._scripts import (
     layout_for,
     marked_args,
     ms,
-    outcome_args,
     owner_args,
     probe_args,
     raise_unavailable,
     record_from_fields,
     refuse_transaction,
     refuse_volatile,
+    settled_args,
     swept_index,
     translated,
     unpacked,
@@ -118,10 +118,10 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         )
         keys = self.layout.claim_keys(intent.principal, intent.key)
         reply = await self._evalsha("claim", keys, args)
-        if len(reply) > 2:  # it found its bucket's epoch gone: a loss takes every bucket of
-            with translated():  # its server, so arm each one's quarantine from now
-                await self._boot(args[0], ARM_ABSENT)
-        return self.layout.claimed(reply, intent, lease_token, now, expires_at)
+        if reply.startswith(b"found"):  # its bucket's epoch gone: a loss takes every bucket
+            with translated():  # of its server, so arm each one's quarantine from now
+                await self._boot(ms(now), ARM_ABSENT)
+        return self.layout.claimed(reply, intent, lease_token, now)
 
     async def start(self, now: float | None = None) -> None:
         """Refuse a volatile server (unless allowed), write every bucket's epoch, load the
@@ -133,7 +133,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
             await self._prepare(at, create=True)
         self._started = True
 
-    async def _prepare(self, now_ms: int, *, create: bool = False) -> None:
+    async def _prepare(self, now_ms: int | bytes, *, create: bool = False) -> None:
         """The boot script on every epoch, then the scripts loaded: no claim runs on a boot
         its epochs were not told (one pipeline; on a cluster, the boot again after)."""
         absent = CREATE_ABSENT if create else KEEP_ABSENT
@@ -150,7 +150,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
             pipe.script_load(lua)
         await pipe.execute()
 
-    async def _boot(self, now_ms: int, absent: str) -> None:
+    async def _boot(self, now_ms: int | bytes, absent: str) -> None:
         """The boot script on every bucket's epoch; ``absent`` says what a missing one becomes."""
         epochs = self.layout.epoch_keys()
         argv = [now_ms, absent]
@@ -274,7 +274,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         transaction: AsyncTransaction | None = None,
     ) -> bool:
         refuse_transaction(transaction)
-        args = marked_args(record, now, *outcome_args(state, response, expires_at))
+        args = settled_args(record, state, response, now, expires_at, ms(record.updated_at))
         return await self._fenced("settle_stale", record, args)
 
     async def release_stale(
@@ -366,13 +366,13 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
 
     async def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
         """One round trip, a failure a 503; a server that lost its scripts gets them again."""
-        sha = self._shas[script]
+        command = ("EVALSHA", self._shas[script], b"%d" % len(keys), *keys, *args)
         try:
             try:
-                return await self.client.evalsha(sha, len(keys), *keys, *args)
+                return await self.client.execute_command(*command)
             except self._no_script:
-                await self._prepare(args[0])
-                return await self.client.evalsha(sha, len(keys), *keys, *args)
+                await self._prepare(args[0])  # its first word: the caller's now
+                return await self.client.execute_command(*command)
         except Exception as exc:
             raise_unavailable(exc)
             raise

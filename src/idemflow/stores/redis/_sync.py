@@ -39,13 +39,13 @@ from ._scripts import (
     layout_for,
     marked_args,
     ms,
-    outcome_args,
     owner_args,
     probe_args,
     raise_unavailable,
     record_from_fields,
     refuse_transaction,
     refuse_volatile,
+    settled_args,
     swept_index,
     translated,
     unpacked,
@@ -119,10 +119,10 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         )
         keys = self.layout.claim_keys(intent.principal, intent.key)
         reply = self._evalsha("claim", keys, args)
-        if len(reply) > 2:  # it found its bucket's epoch gone: a loss takes every bucket of
-            with translated():  # its server, so arm each one's quarantine from now
-                self._boot(args[0], ARM_ABSENT)
-        return self.layout.claimed(reply, intent, lease_token, now, expires_at)
+        if reply.startswith(b"found"):  # its bucket's epoch gone: a loss takes every bucket
+            with translated():  # of its server, so arm each one's quarantine from now
+                self._boot(ms(now), ARM_ABSENT)
+        return self.layout.claimed(reply, intent, lease_token, now)
 
     def start(self, now: float | None = None) -> None:
         """Refuse a volatile server (unless allowed), write every bucket's epoch, load the
@@ -134,7 +134,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
             self._prepare(at, create=True)
         self._started = True
 
-    def _prepare(self, now_ms: int, *, create: bool = False) -> None:
+    def _prepare(self, now_ms: int | bytes, *, create: bool = False) -> None:
         """The boot script on every epoch, then the scripts loaded: no claim runs on a boot
         its epochs were not told (one pipeline; on a cluster, the boot again after)."""
         absent = CREATE_ABSENT if create else KEEP_ABSENT
@@ -151,7 +151,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
             pipe.script_load(lua)
         pipe.execute()
 
-    def _boot(self, now_ms: int, absent: str) -> None:
+    def _boot(self, now_ms: int | bytes, absent: str) -> None:
         """The boot script on every bucket's epoch; ``absent`` says what a missing one becomes."""
         epochs = self.layout.epoch_keys()
         argv = [now_ms, absent]
@@ -275,7 +275,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         transaction: Transaction | None = None,
     ) -> bool:
         refuse_transaction(transaction)
-        args = marked_args(record, now, *outcome_args(state, response, expires_at))
+        args = settled_args(record, state, response, now, expires_at, ms(record.updated_at))
         return self._fenced("settle_stale", record, args)
 
     def release_stale(
@@ -367,13 +367,13 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
 
     def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
         """One round trip, a failure a 503; a server that lost its scripts gets them again."""
-        sha = self._shas[script]
+        command = ("EVALSHA", self._shas[script], b"%d" % len(keys), *keys, *args)
         try:
             try:
-                return self.client.evalsha(sha, len(keys), *keys, *args)
+                return self.client.execute_command(*command)
             except self._no_script:
-                self._prepare(args[0])
-                return self.client.evalsha(sha, len(keys), *keys, *args)
+                self._prepare(args[0])  # its first word: the caller's now
+                return self.client.execute_command(*command)
         except Exception as exc:
             raise_unavailable(exc)
             raise
