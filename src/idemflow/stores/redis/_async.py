@@ -15,27 +15,23 @@ from ..._model import (
     DEFAULT_STALE_SECONDS,
     Claim,
     Intent,
-    Policy,
     Record,
     Response,
     State,
     new_lease_token,
 )
-from ..protocol import AsyncMaintainableStore, AsyncTransaction, StoreClock, check_clock
+from ..protocol import AsyncMaintainableStore, AsyncTransaction
 from ._scripts import (
     ARM_ABSENT,
-    BOOT_SCRIPTS,
     CREATE_ABSENT,
-    DEFAULT_PREFIX,
     EXPIRES,
     FIELDS,
     KEEP_ABSENT,
-    ON_CLOCK,
+    LOST,
     WALK_ATTEMPTS,
     AsyncStartGate,
     RedisShared,
     is_connection_lost,
-    layout_for,
     marked_args,
     ms,
     owner_args,
@@ -71,32 +67,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
     Cannot share a transaction; run the sweeper. The design: docs/stores.md, "Redis".
     """
 
-    supports_transactions = False
-    supports_single_commit = False
-    renews_claims = True
-
-    def __init__(
-        self,
-        client: Any,
-        *,
-        policy: Policy | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        clock: StoreClock = "database",
-        allow_volatile: bool = False,
-    ) -> None:
-        from redis.exceptions import NoScriptError, ResponseError
-
-        self.client = client
-        self.layout = layout_for(client, prefix)
-        self._scripts, self._shas = ON_CLOCK[check_clock(clock)]
-        self._boot_scripts = BOOT_SCRIPTS[clock]
-        self._gate = AsyncStartGate()
-        self._cluster = hasattr(client, "get_primaries")
-        self._no_script = NoScriptError
-        self._response_error = ResponseError
-        self.allow_volatile = allow_volatile
-        self._quarantine = None if policy is None else policy.stale_seconds
-        self._started = False
+    _gate_kind = AsyncStartGate
 
     async def claim(
         self,
@@ -206,10 +177,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
     ) -> None:
         refuse_transaction(transaction)
         args = self.layout.complete_args(record, state, response, now, expires_at)
-        if not await self._fenced("complete", record, args):
-            raise LeaseLost(
-                "the claim on this Idempotency-Key was taken over or swept before completion"
-            )
+        await self._fenced("complete", record, args, LOST + " before completion")
 
     async def release(
         self, record: Record, now: float, transaction: AsyncTransaction | None = None
@@ -225,13 +193,10 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         transaction: AsyncTransaction | None = None,
     ) -> None:
         refuse_transaction(transaction)
-        args = owner_args(record, now, recovery_point)
-        if not await self._fenced("checkpoint", record, args):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
+        await self._fenced("checkpoint", record, owner_args(record, now, recovery_point), LOST)
 
     async def renew(self, record: Record, now: float) -> None:
-        if not await self._fenced("renew", record, owner_args(record, now)):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
+        await self._fenced("renew", record, owner_args(record, now), LOST)
 
     async def get(self, principal: str, key: str) -> Record | None:
         with translated():
@@ -360,9 +325,13 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         if initialize is not None:
             await initialize()
 
-    async def _fenced(self, script: str, record: Record, args: list[Any]) -> bool:
+    async def _fenced(self, script: str, record: Record, args: list[Any], lost: str = "") -> bool:
+        """An owner's write, fenced: done, or refused (LeaseLost, if given its message)."""
         keys = self.layout.keys(record.principal, record.key)
-        return bool(await self._evalsha(script, keys, args))
+        done = bool(await self._evalsha(script, keys, args))
+        if lost and not done:
+            raise LeaseLost(lost)
+        return done
 
     async def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
         """One round trip, a failure a 503; a server that lost its scripts gets them again."""

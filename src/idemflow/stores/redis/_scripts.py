@@ -11,7 +11,7 @@ import math
 import random
 import struct
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +31,7 @@ from ..._model import (
     make_response,
     stored_headers,
 )
+from ..protocol import StoreClock, check_clock
 
 DEFAULT_PREFIX = "idemflow"
 
@@ -264,16 +265,23 @@ if cur[3] == done then return 1 end
 if cur[3] ~= 'in_progress' then return 0 end
 """
 
-# A: now, expires_at (retention from now), status, state; ARGV[4..5]: headers, body.
+# A settled outcome stored, by its owner or the sweeper. A: now, expires_at (retention from
+# now), status, state.
+_SETTLE = """
+local function settle(headers, body)
+  local expires = ms(at(A[2]))
+  redis.call('HSET', K, 'state', A[4], 'response_status', A[3], 'response_headers', headers,
+    'response_body', body, 'updated_at', NOW, 'expires_at', expires)
+  retain(K, expires, false)
+  trim(K)
+  return 1
+end
+"""
+
+# ARGV[4..5]: headers, body.
 _COMPLETE = """
-local expires = ms(at(A[2]))
-redis.call('HSET', K, 'state', A[4], 'response_status', A[3],
-  'response_headers', ARGV[4], 'response_body', ARGV[5], 'updated_at', NOW,
-  'expires_at', expires)
 redis.call('ZREM', IP, K)
-retain(K, expires, false)
-trim(K)
-return 1
+return settle(ARGV[4], ARGV[5])
 """
 
 # The claim's expires_at bounds a released record.
@@ -286,17 +294,11 @@ trim(K)
 return 1
 """
 
-# ARGV[4]: recovery_point. A checkpoint counts as life: updated_at moves on.
-_CHECKPOINT = """
+# A checkpoint (ARGV[4] its recovery_point) or a consumer's lease renewed (no ARGV[4]): both
+# count as life, the claim dated now (its deadline too).
+_ALIVE = """
 local due = deadline(cur[6])
-redis.call('HSET', K, 'recovery_point', ARGV[4], 'updated_at', NOW, 'stale_at', due)
-redis.call('ZADD', IP, due, K)
-return 1
-"""
-
-# A consumer's lease renewed: the claim dated now (its deadline too), nothing else changed.
-_RENEW = """
-local due = deadline(cur[6])
+if ARGV[4] then redis.call('HSET', K, 'recovery_point', ARGV[4]) end
 redis.call('HSET', K, 'updated_at', NOW, 'stale_at', due)
 redis.call('ZADD', IP, due, K)
 return 1
@@ -360,15 +362,9 @@ end
 redis.call('ZREM', ST, K)
 """
 
-# A as the completion's; ARGV[5..6]: headers, body.
+# ARGV[5..6]: headers, body.
 _SETTLE_STALE = """
-local expires = ms(at(A[2]))
-redis.call('HSET', K, 'state', A[4], 'response_status', A[3],
-  'response_headers', ARGV[5], 'response_body', ARGV[6], 'updated_at', NOW,
-  'expires_at', expires)
-retain(K, expires, false)
-trim(K)
-return 1
+return settle(ARGV[5], ARGV[6])
 """
 
 # ARGV[5]: '1' to forget the recovery point (the reconciler undid its traces).
@@ -395,17 +391,17 @@ return purged
 #: Each script's body and what it needs before it: indexes, retention helpers, its fence.
 _BODIES = {
     "claim": (_INDEXES + _PACKED + _DEADLINE, _CLAIM),
-    "complete": (_INDEXES + _RETENTION + "local done = A[4]" + _FENCE, _COMPLETE),
+    "complete": (_INDEXES + _RETENTION + "local done = A[4]" + _FENCE + _SETTLE, _COMPLETE),
     "release": (
         _INDEXES + _RETENTION + _DEADLINE + "local done = 'released'" + _FENCE,
         _RELEASE,
     ),
-    "checkpoint": (_INDEXES + _DEADLINE + "local done = nil" + _FENCE, _CHECKPOINT),
-    "renew": (_INDEXES + _DEADLINE + "local done = nil" + _FENCE, _RENEW),
+    "checkpoint": (_INDEXES + _DEADLINE + "local done = nil" + _FENCE, _ALIVE),
+    "renew": (_INDEXES + _DEADLINE + "local done = nil" + _FENCE, _ALIVE),
     "probe": ("", _PROBE),
     "due": ("", _DUE),
     "sweep": (_INDEXES + _PACKED + _DEADLINE, _SWEEP),
-    "settle_stale": (_INDEXES + _RETENTION + _MARKED, _SETTLE_STALE),
+    "settle_stale": (_INDEXES + _RETENTION + _MARKED + _SETTLE, _SETTLE_STALE),
     "release_stale": (_INDEXES + _RETENTION + _DEADLINE + _MARKED, _RELEASE_STALE),
     "purge": (_INDEXES + _RETENTION, _PURGE),
 }
@@ -741,14 +737,41 @@ StartGate = threading.Lock
 _DEFAULT_QUARANTINE = Policy().stale_seconds
 
 
+#: What an owner's write refused for its lease lost says.
+LOST = "the claim on this Idempotency-Key was taken over or swept"
+
+
 class RedisShared:
     """What `AsyncRedisStore` and `RedisStore` share that is no coroutine."""
 
-    client: Any
-    layout: Layout
-    _cluster: bool
-    _quarantine: float | None
-    _shas: dict[str, bytes]
+    supports_transactions = False
+    supports_single_commit = False
+    renews_claims = True
+    #: The lock the first claims wait on while one of them starts the store.
+    _gate_kind: Callable[[], Any]
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        policy: Policy | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        clock: StoreClock = "database",
+        allow_volatile: bool = False,
+    ) -> None:
+        from redis.exceptions import NoScriptError, ResponseError
+
+        self.client = client
+        self.layout = layout_for(client, prefix)
+        self._scripts, self._shas = ON_CLOCK[check_clock(clock)]
+        self._boot_scripts = BOOT_SCRIPTS[clock]
+        self._gate = self._gate_kind()
+        self._cluster = hasattr(client, "get_primaries")
+        self._no_script = NoScriptError
+        self._response_error = ResponseError
+        self.allow_volatile = allow_volatile
+        self._quarantine = None if policy is None else policy.stale_seconds
+        self._started = False
 
     @property
     def quarantine(self) -> float:

@@ -16,27 +16,23 @@ from ..._model import (
     DEFAULT_STALE_SECONDS,
     Claim,
     Intent,
-    Policy,
     Record,
     Response,
     State,
     new_lease_token,
 )
-from ..protocol import MaintainableStore, Transaction, StoreClock, check_clock
+from ..protocol import MaintainableStore, Transaction
 from ._scripts import (
     ARM_ABSENT,
-    BOOT_SCRIPTS,
     CREATE_ABSENT,
-    DEFAULT_PREFIX,
     EXPIRES,
     FIELDS,
     KEEP_ABSENT,
-    ON_CLOCK,
+    LOST,
     WALK_ATTEMPTS,
     StartGate,
     RedisShared,
     is_connection_lost,
-    layout_for,
     marked_args,
     ms,
     owner_args,
@@ -72,32 +68,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
     Cannot share a transaction; run the sweeper. The design: docs/stores.md, "Redis".
     """
 
-    supports_transactions = False
-    supports_single_commit = False
-    renews_claims = True
-
-    def __init__(
-        self,
-        client: Any,
-        *,
-        policy: Policy | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        clock: StoreClock = "database",
-        allow_volatile: bool = False,
-    ) -> None:
-        from redis.exceptions import NoScriptError, ResponseError
-
-        self.client = client
-        self.layout = layout_for(client, prefix)
-        self._scripts, self._shas = ON_CLOCK[check_clock(clock)]
-        self._boot_scripts = BOOT_SCRIPTS[clock]
-        self._gate = StartGate()
-        self._cluster = hasattr(client, "get_primaries")
-        self._no_script = NoScriptError
-        self._response_error = ResponseError
-        self.allow_volatile = allow_volatile
-        self._quarantine = None if policy is None else policy.stale_seconds
-        self._started = False
+    _gate_kind = StartGate
 
     def claim(
         self,
@@ -207,10 +178,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
     ) -> None:
         refuse_transaction(transaction)
         args = self.layout.complete_args(record, state, response, now, expires_at)
-        if not self._fenced("complete", record, args):
-            raise LeaseLost(
-                "the claim on this Idempotency-Key was taken over or swept before completion"
-            )
+        self._fenced("complete", record, args, LOST + " before completion")
 
     def release(
         self, record: Record, now: float, transaction: Transaction | None = None
@@ -226,13 +194,10 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         transaction: Transaction | None = None,
     ) -> None:
         refuse_transaction(transaction)
-        args = owner_args(record, now, recovery_point)
-        if not self._fenced("checkpoint", record, args):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
+        self._fenced("checkpoint", record, owner_args(record, now, recovery_point), LOST)
 
     def renew(self, record: Record, now: float) -> None:
-        if not self._fenced("renew", record, owner_args(record, now)):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
+        self._fenced("renew", record, owner_args(record, now), LOST)
 
     def get(self, principal: str, key: str) -> Record | None:
         with translated():
@@ -361,9 +326,13 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         if initialize is not None:
             initialize()
 
-    def _fenced(self, script: str, record: Record, args: list[Any]) -> bool:
+    def _fenced(self, script: str, record: Record, args: list[Any], lost: str = "") -> bool:
+        """An owner's write, fenced: done, or refused (LeaseLost, if given its message)."""
         keys = self.layout.keys(record.principal, record.key)
-        return bool(self._evalsha(script, keys, args))
+        done = bool(self._evalsha(script, keys, args))
+        if lost and not done:
+            raise LeaseLost(lost)
+        return done
 
     def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
         """One round trip, a failure a 503; a server that lost its scripts gets them again."""
