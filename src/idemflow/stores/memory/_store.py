@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from typing import Any
 
 from ..._errors import LeaseLost
 from ..._model import (
@@ -23,6 +24,9 @@ from ..protocol import AsyncMaintainableStore, AsyncTransaction, MaintainableSto
 from ._table import MemoryStats, MemoryTable, SharesTable
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
+
+#: What an owner's write refused for its lease lost says.
+LOST = "the claim on this Idempotency-Key was taken over"
 
 
 class MemoryStore(MaintainableStore):
@@ -58,8 +62,7 @@ class MemoryStore(MaintainableStore):
             current = self.records.get(slot)
             if current is not None and not can_take_over(current, intent.fingerprint, now):
                 return Claim(owned=False, record=current)
-            record = _claimed(current, intent, lease_token, now, expires_at, self._ids)
-            record = dataclasses.replace(record, stale_at=now + stale_after)
+            record = _claimed(current, intent, lease_token, now, expires_at, stale_after, self._ids)
             self.records[slot] = record
             self._thresholds[slot] = stale_after
             return Claim(owned=True, record=record)
@@ -74,12 +77,11 @@ class MemoryStore(MaintainableStore):
         transaction: Transaction | None = None,
     ) -> None:
         settled = {"state": state, "response": response, "expires_at": expires_at}
-        if not self._update_owned(record, updated_at=now, **settled):
-            msg = "the claim on this Idempotency-Key was taken over before completion"
-            raise LeaseLost(msg)
+        if not self._update(record, False, updated_at=now, **settled):
+            raise LeaseLost(LOST + " before completion")
 
     def release(self, record: Record, now: float, transaction: Transaction | None = None) -> bool:
-        return self._update_owned(record, state=State.RELEASED, updated_at=now, stale_at=now)
+        return self._update(record, False, state=State.RELEASED, updated_at=now, stale_at=now)
 
     def checkpoint(
         self,
@@ -88,15 +90,14 @@ class MemoryStore(MaintainableStore):
         now: float,
         transaction: Transaction | None = None,
     ) -> None:
-        if not self._update_owned(
-            record, recovery_point=recovery_point, updated_at=now, stale_at=now
+        if not self._update(
+            record, False, recovery_point=recovery_point, updated_at=now, stale_at=now
         ):
-            msg = "the claim on this Idempotency-Key was taken over"
-            raise LeaseLost(msg)
+            raise LeaseLost(LOST)
 
     def renew(self, record: Record, now: float) -> None:
-        if not self._update_owned(record, updated_at=now, stale_at=now):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over")
+        if not self._update(record, False, updated_at=now, stale_at=now):
+            raise LeaseLost(LOST)
 
     def get(self, principal: str, key: str) -> Record | None:
         with self._lock:
@@ -106,14 +107,7 @@ class MemoryStore(MaintainableStore):
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
         with self._lock:
-            due = sorted(
-                (
-                    r
-                    for r in self.records.values()
-                    if r.state is from_state and _stale_at(r) < cutoff and _sweepable(r)
-                ),
-                key=_stale_at,
-            )[:limit]
+            due = [r for r in self._sweepable(from_state) if _stale_at(r) < cutoff]
             marked = [
                 dataclasses.replace(
                     r,
@@ -122,7 +116,7 @@ class MemoryStore(MaintainableStore):
                     stale_at=now,
                     expires_at=max(r.expires_at, keep_until),
                 )
-                for r in due
+                for r in sorted(due, key=_stale_at)[:limit]
             ]
             for record in marked:
                 self.records[record.principal, record.key] = record
@@ -130,14 +124,7 @@ class MemoryStore(MaintainableStore):
 
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
         with self._lock:
-            oldest = min(
-                (
-                    _stale_at(r)
-                    for r in self.records.values()
-                    if r.state is from_state and _sweepable(r)
-                ),
-                default=math.inf,
-            )
+            oldest = min(map(_stale_at, self._sweepable(from_state)), default=math.inf)
         return oldest - cutoff
 
     def settle_stale(
@@ -150,7 +137,7 @@ class MemoryStore(MaintainableStore):
         transaction: Transaction | None = None,
     ) -> bool:
         settled = {"state": state, "response": response, "expires_at": expires_at}
-        return self._update_marked(record, updated_at=now, **settled)
+        return self._update(record, True, updated_at=now, **settled)
 
     def release_stale(
         self,
@@ -161,9 +148,8 @@ class MemoryStore(MaintainableStore):
         forget_progress: bool = False,
     ) -> bool:
         point = None if forget_progress else record.recovery_point
-        return self._update_marked(
-            record, state=State.RELEASED, updated_at=now, stale_at=now, recovery_point=point
-        )
+        changes = {"state": State.RELEASED, "stale_at": now, "recovery_point": point}
+        return self._update(record, True, updated_at=now, **changes)
 
     def purge(self, now: float, limit: int) -> int:
         with self._lock:
@@ -179,32 +165,29 @@ class MemoryStore(MaintainableStore):
         """The operator's questions (``idemflow stats``, the stuck-claims gauge), from the dict."""
         return MemoryStats(self.table)
 
-    def _update_marked(self, record: Record, **changes: object) -> bool:
+    def _sweepable(self, from_state: State) -> list[Record]:
+        """The records in ``from_state`` the sweeper may act on (a released one only past a
+        recovery point, as the SQL stores): call it holding the lock."""
+        return [
+            r
+            for r in self.records.values()
+            if r.state is from_state
+            and (r.state is not State.RELEASED or r.recovery_point is not None)
+        ]
+
+    def _update(self, record: Record, marked: bool, **changes: Any) -> bool:
+        """Write ``changes`` if the record is still the caller's: its owner's claim in progress,
+        or exactly as this sweeper ``marked`` it. A ``stale_at`` given is the write's now: the
+        deadline is that plus the record's own threshold (SQL: ``:now + stale_after``)."""
         with self._lock:
             slot = (record.principal, record.key)
             current = self.records.get(slot)
-            if current != record:  # exactly as this sweeper marked it, or not ours
+            if current is None or (current != record if marked else not _owned(current, record)):
                 return False
-            self.records[slot] = self._dated(slot, current, changes)
+            if "stale_at" in changes:
+                changes["stale_at"] += self._thresholds.get(slot, DEFAULT_STALE_SECONDS)
+            self.records[slot] = dataclasses.replace(current, **changes)
             return True
-
-    def _update_owned(self, record: Record, **changes: object) -> bool:
-        with self._lock:
-            slot = (record.principal, record.key)
-            current = self.records.get(slot)
-            if current is None or not _owned(current, record):
-                return False
-            self.records[slot] = self._dated(slot, current, changes)
-            return True
-
-    def _dated(self, slot: tuple[str, str], current: Record, changes: dict[str, object]) -> Record:
-        """``current`` changed; a ``stale_at`` given is the write's now: its deadline is
-        that plus the record's own threshold (as the SQL stores' ``:now + stale_after``)."""
-        if "stale_at" in changes:
-            at = changes["stale_at"]
-            assert isinstance(at, float | int)
-            changes["stale_at"] = at + self._thresholds.get(slot, DEFAULT_STALE_SECONDS)
-        return dataclasses.replace(current, **changes)  # type: ignore[arg-type]
 
 
 class AsyncMemoryStore(AsyncMaintainableStore):
@@ -310,9 +293,12 @@ def _claimed(
     lease_token: str,
     now: float,
     expires_at: float,
+    stale_after: float,
     ids: itertools.count[int],
 ) -> Record:
-    fresh = current is None or starts_new_intent(current, intent.fingerprint, now)
+    kept = (
+        None if current is None or starts_new_intent(current, intent.fingerprint, now) else current
+    )
     return Record(
         id=next(ids) if current is None else current.id,
         principal=intent.principal,
@@ -321,23 +307,19 @@ def _claimed(
         endpoint=intent.endpoint,
         state=State.IN_PROGRESS,
         lease_token=lease_token,
-        created_at=now if fresh or current is None else current.created_at,
+        created_at=now if kept is None else kept.created_at,
         updated_at=now,
         expires_at=expires_at,
         correlation_id=intent.correlation_id,
-        recovery_point=None if fresh or current is None else current.recovery_point,
-        attempt=1 if fresh or current is None else current.attempt + 1,
+        recovery_point=None if kept is None else kept.recovery_point,
+        attempt=1 if kept is None else kept.attempt + 1,
+        stale_at=now + stale_after,
     )
 
 
 def _stale_at(record: Record) -> float:
     """The record's deadline (every record this store wrote has one)."""
     return math.inf if record.stale_at is None else record.stale_at
-
-
-def _sweepable(record: Record) -> bool:
-    """A released record is swept only past a recovery point (see the SQL stores)."""
-    return record.state is not State.RELEASED or record.recovery_point is not None
 
 
 def _owned(current: Record, record: Record) -> bool:
