@@ -1,9 +1,7 @@
-"""
-Key records in the Django project's own database, on Django's connections: `DjangoStore`
-and `DjangoTransaction`, the view's ``transaction.atomic()`` it completes in. Which
-connection a statement runs on: docs/frameworks/django.md, "Transactions,
-``ATOMIC_REQUESTS`` and what commits when".
-"""
+"""Key records in the Django project's own database, on Django's connections: `DjangoStore`
+and `DjangoTransaction`, the view's ``transaction.atomic()`` it completes in. Which connection
+a statement runs on: docs/frameworks/django.md, "Transactions, ``ATOMIC_REQUESTS`` and what
+commits when"."""
 
 from __future__ import annotations
 
@@ -69,11 +67,8 @@ def _pg_lock_timeout(exc: BaseException) -> bool:
 
 
 class _SideConnections:
-    """One extra connection per (thread, alias), in autocommit, with bounded lock waits.
-
-    Django's connections belong to the thread that made them; so do these.
-    A connection that raised is closed, so the next use reconnects.
-    """
+    """One extra connection per (thread, alias), in autocommit, with bounded lock waits: of
+    its thread, as Django's connections are; closed once it raised (the next use reconnects)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -126,10 +121,8 @@ def _busy(conn: Any) -> bool:
 
 
 class store_connection:
-    """The connection a store statement runs on (see the module's docstring).
-
-    A class, not a generator: it is entered for every claim.
-    """
+    """The connection a store statement runs on (see the module's docstring); a class, not a
+    generator: it is entered for every claim."""
 
     __slots__ = ("_always_side", "_side", "_using")
 
@@ -331,16 +324,9 @@ def _as_django_error(conn: Any, error: BaseException | None) -> BaseException | 
 
 
 class DjangoTransaction(Transaction):
-    """The view's ``transaction.atomic()`` on ``connections[using]``, as the driver needs it.
-
-    Outside any atomic block, ``begin``/``commit``/``rollback`` are an outermost
-    ``atomic`` (BEGIN, COMMIT and ``on_commit``, ROLLBACK). Inside one, a savepoint:
-    the completion commits with the enclosing transaction, and after a rollback the
-    release goes through an autocommit side connection (refused on SQLite, whose one
-    writer is the enclosing transaction). A transaction marked for rollback is never
-    reported committed. docs/frameworks/django.md, "Transactions, ``ATOMIC_REQUESTS``
-    and what commits when".
-    """
+    """The view's ``transaction.atomic()`` on ``connections[using]``, as the driver needs it:
+    an outermost ``atomic``, or a savepoint inside an enclosing one (docs/frameworks/django.md,
+    "Transactions, ``ATOMIC_REQUESTS`` and what commits when")."""
 
     def __init__(self, using: str = DEFAULT_DB_ALIAS) -> None:
         self.using = using
@@ -409,14 +395,9 @@ class DjangoTransaction(Transaction):
     def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
     ) -> int:
-        """The fenced write and its COMMIT in one round trip, on PostgreSQL through psycopg 3.
-
-        Sent as ``PsycopgTransaction`` sends them, on the psycopg connection under
-        Django's; Django then ends its ``atomic`` block (nothing left to send,
-        ``on_commit`` runs). Everywhere else (SQLite, MySQL, psycopg2, a savepoint, a
-        transaction marked for rollback, an instrumented connection)
-        `NotFused`, before anything is sent.
-        """
+        """The fenced write and its COMMIT in one round trip (``PsycopgTransaction``'s), on
+        the psycopg 3 connection under Django's, which then ends its ``atomic`` block;
+        `NotFused` wherever `_psycopg_connection` finds none, before anything is sent."""
         raw = self._psycopg_connection()
         if raw is None:
             raise NotFused
