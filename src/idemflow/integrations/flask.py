@@ -29,6 +29,7 @@ from .._model import Policy, Response
 from ..edge import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
+    REQUEST_ID_HEADER,
     SAFE_METHODS,
     Edge,
     HTTPRequest,
@@ -51,7 +52,6 @@ from .wsgi import (
     _require_length,
     configured_replay_hook,
     report_from_flask,
-    respond_with_view,
     view_options,
 )
 
@@ -339,18 +339,31 @@ class Idempotency:
             return _to_flask(problem_for(exc, rid))
         if validate is not None:
             validate()
-        original, answer, unsent = respond_with_view(
-            edge,
+        made: list[FlaskResponse] = []
+        read: list[Response] = []
+
+        def reader(returned: Any) -> Response:
+            # After the view ran, on the edge's side of the line: what fails here (a
+            # value Flask makes no response of, a streamed body) never releases the key
+            # where the view's effect stays (no transaction): a response-not-stored marker.
+            made.append(current_app.make_response(returned))
+            read.append(_from_flask(made[0]))
+            return read[0]
+
+        answer = edge.respond(
             http,
-            view,
-            current_app.make_response,
-            _from_flask,
+            lambda attempt: view(),
             transaction=self._transaction,
             single_commit=state.single_commit,
+            read=reader,
         )
-        for response in unsent:
-            response.close()  # its file, its generator (and the context it holds) closed now
-        return original if original is not None else _to_flask(answer)
+        if read and answer.body is read[0].body and answer.status == read[0].status:
+            original = made[0]  # the first execution: the view's own response, cookies and all
+            original.headers.setdefault(REQUEST_ID_HEADER, http.request_id)
+            return original
+        for unsent in made:
+            unsent.close()  # its file, its generator (and the context it holds) closed now
+        return _to_flask(answer)
 
     @property
     def session(self) -> Session:

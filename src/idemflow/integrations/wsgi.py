@@ -24,7 +24,6 @@ from .._errors import (
 from .._model import Record, Response, Verdict
 from ..edge import (
     OUTCOME_SLOT,
-    REQUEST_ID_HEADER,
     SAFE_METHODS,
     BodyReader,
     Edge,
@@ -250,37 +249,6 @@ def configured_replay_hook(hook: object, setting: str) -> ReplayHook | None:
         except (ImportError, AttributeError, ValueError) as exc:
             raise ConfigurationError(f"{setting} = {hook!r} does not import: {exc}") from exc
     return sync_replay_authorizer(hook, setting)
-
-
-def respond_with_view(
-    edge: Edge,
-    http: HTTPRequest,
-    view: Callable[[], Any],
-    make: Callable[[Any], Any],
-    read: Callable[[Any], Response],
-    **run: Any,
-) -> tuple[Any, Response, list[Any]]:
-    """Answer ``http`` with ``view`` through ``edge`` (``run``: its transaction, single
-    commit): ``make`` makes the framework's response of what the view returns, ``read`` a
-    Response of that. The view's own response object (cookies and all, given the request
-    id) when the answer is its first execution's, else None; the answer; what is unsent."""
-    made: list[Any] = []
-    read_first: list[Response] = []
-
-    def reader(returned: Any) -> Response:
-        # After the view ran, on the edge's side of the line: what fails here (a value
-        # the framework makes no response of, a streamed body) never releases the key
-        # where the view's effect stays (no transaction): a response-not-stored marker.
-        made.append(make(returned))
-        read_first.append(read(made[0]))
-        return read_first[0]
-
-    answer = edge.respond(http, lambda attempt: view(), read=reader, **run)
-    first = read_first[0] if read_first else None
-    if first is not None and answer.body is first.body and answer.status == first.status:
-        made[0].headers.setdefault(REQUEST_ID_HEADER, http.request_id)
-        return made[0], answer, []
-    return None, answer, made
 
 
 def view_options(setting: Callable[[str], Any]) -> EdgeOptions:

@@ -214,6 +214,10 @@ class DjangoStore(SQLStore):
     def vendor(self) -> str:
         return str(connections[self.using].vendor)
 
+    @functools.cached_property  # every request asks; the dialect is fixed
+    def supports_single_commit(self) -> bool:
+        return bool(super().supports_single_commit)
+
     @functools.cached_property
     def _lends(self) -> bool:
         """On PostgreSQL (the vendor Django pools), a claim runs on the request's connection."""
@@ -256,6 +260,8 @@ class _MySQL(DjangoStore, mysql.MySQLStore):
     """`DjangoStore` on MySQL: MySQLStore's claim algorithm on Django's connections.
     ``MySQLStore.__init__`` is not called: its pool would hand one thread's connection
     to another, which Django's connections refuse."""
+
+    supports_single_commit = True  # MySQLStore's
 
     def __init__(
         self, using: str = DEFAULT_DB_ALIAS, *, table: str = DEFAULT_TABLE, clock: str = "database"

@@ -27,6 +27,7 @@ from ..._errors import (
 )
 from ..._model import Response
 from ...edge import (
+    REQUEST_ID_HEADER,
     SAFE_METHODS,
     Edge,
     HTTPRequest,
@@ -51,7 +52,6 @@ from ..wsgi import (
     _require_length,
     configured_replay_hook,
     read_body,
-    respond_with_view,
     view_options,
 )
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
@@ -372,16 +372,24 @@ def protect(
         except InvalidData as invalid:
             why: dict[str, Any] = {"request_id": rid, "errors": invalid.errors}
             return _to_django(problem(400, _INVALID, invalid.detail, slug="invalid-body", **why))
-    original, answer, _ = respond_with_view(
-        edge,
+    ran: list[tuple[HttpResponseBase, Response]] = []
+
+    def handler(attempt: Any) -> Response:
+        original = view()
+        ran.append((original, _from_django(original)))
+        return ran[0][1]
+
+    answer = edge.respond(
         http,
-        view,
-        lambda returned: returned,
-        _from_django,
+        handler,
         transaction=lambda: nullcontext(DjangoTransaction(prepared.settings.database)),
         single_commit=prepared.settings.single_commit,
     )
-    return original if original is not None else _to_django(answer)
+    if ran and answer.body is ran[0][1].body and answer.status == ran[0][1].status:
+        original = ran[0][0]  # the first execution: the view's own response, cookies and all
+        original.headers.setdefault(REQUEST_ID_HEADER, http.request_id)
+        return original
+    return _to_django(answer)
 
 
 class InvalidData(Exception):
