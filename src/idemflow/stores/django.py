@@ -242,7 +242,7 @@ class DjangoStore(SQLStore):
         """
         conn = lender.lend((self.using,)) if self._lends else None
         raw = idle_psycopg3(conn) if conn is not None and conn.in_atomic_block else None
-        if raw is None:  # begun on the server: committed alone on the side connection
+        if raw is None:  # not lent, or begun on the server: alone, on `store_connection`'s
             return self.claim(intent, lease_token, now, expires_at, stale_after=stale_after)
         _lent.__dict__[self.using] = conn
         try:
