@@ -32,7 +32,6 @@ from ._scripts import (
     AsyncStartGate,
     RedisShared,
     is_connection_lost,
-    marked_args,
     ms,
     owner_args,
     probe_args,
@@ -152,8 +151,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
 
     async def _persistence(self) -> list[dict[str, Any]]:
         """Each master's ``appendonly`` and ``save`` settings (every master of a cluster)."""
-        primaries = getattr(self.client, "get_primaries", None)
-        targets: list[Any] = [None] if primaries is None else list(primaries())
+        targets: list[Any] = list(self.client.get_primaries()) if self._cluster else [None]
         configs = []
         for node in targets:
             where = {} if node is None else {"target_nodes": node}
@@ -251,7 +249,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         forget_progress: bool = False,
     ) -> bool:
         refuse_transaction(transaction)
-        args = marked_args(record, now, "1" if forget_progress else "0")
+        args = owner_args(record, now, ms(record.updated_at), "1" if forget_progress else "0")
         return await self._fenced("release_stale", record, args)
 
     async def purge(self, now: float, limit: int) -> int:
@@ -302,22 +300,17 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         attempts = 1
         while True:
             try:
-                return await self._ask_each_once(script, chunk, index, argv)
+                if self._cluster:
+                    await self._learn_slots()  # _each names each command's node
+                try:
+                    return list(await self._each(script, chunk, index, argv).execute())
+                except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts again
+                    await self._prepare(argv[0])
+                    return list(await self._each(script, chunk, index, argv).execute())
             except Exception as exc:
                 if attempts == WALK_ATTEMPTS or not is_connection_lost(exc):
                     raise
                 attempts += 1
-
-    async def _ask_each_once(
-        self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
-    ) -> list[Any]:
-        if self._cluster:
-            await self._learn_slots()  # _each names each command's node
-        try:
-            return list(await self._each(script, chunk, index, argv).execute())
-        except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts, once more
-            await self._prepare(argv[0])
-            return list(await self._each(script, chunk, index, argv).execute())
 
     async def _learn_slots(self) -> None:
         """redis.asyncio's cluster client learns its slots lazily: before a node lookup."""

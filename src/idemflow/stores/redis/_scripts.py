@@ -590,11 +590,6 @@ def owner_args(record: Record, now: float, *more: Any) -> list[Any]:
     return [b"%d" % (now * 1000), *fence(record), *more]
 
 
-def marked_args(record: Record, now: float, *more: Any) -> list[Any]:
-    """The sweeper's fence: the record as marked (id, token, updated_at), then ``more``."""
-    return owner_args(record, now, ms(record.updated_at), *more)
-
-
 def settled_args(
     record: Record, state: State, response: Response, now: float, expires_at: float, *mark: Any
 ) -> list[Any]:

@@ -33,7 +33,6 @@ from ._scripts import (
     StartGate,
     RedisShared,
     is_connection_lost,
-    marked_args,
     ms,
     owner_args,
     probe_args,
@@ -153,8 +152,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
 
     def _persistence(self) -> list[dict[str, Any]]:
         """Each master's ``appendonly`` and ``save`` settings (every master of a cluster)."""
-        primaries = getattr(self.client, "get_primaries", None)
-        targets: list[Any] = [None] if primaries is None else list(primaries())
+        targets: list[Any] = list(self.client.get_primaries()) if self._cluster else [None]
         configs = []
         for node in targets:
             where = {} if node is None else {"target_nodes": node}
@@ -252,7 +250,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         forget_progress: bool = False,
     ) -> bool:
         refuse_transaction(transaction)
-        args = marked_args(record, now, "1" if forget_progress else "0")
+        args = owner_args(record, now, ms(record.updated_at), "1" if forget_progress else "0")
         return self._fenced("release_stale", record, args)
 
     def purge(self, now: float, limit: int) -> int:
@@ -303,22 +301,17 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         attempts = 1
         while True:
             try:
-                return self._ask_each_once(script, chunk, index, argv)
+                if self._cluster:
+                    self._learn_slots()  # _each names each command's node
+                try:
+                    return list(self._each(script, chunk, index, argv).execute())
+                except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts again
+                    self._prepare(argv[0])
+                    return list(self._each(script, chunk, index, argv).execute())
             except Exception as exc:
                 if attempts == WALK_ATTEMPTS or not is_connection_lost(exc):
                     raise
                 attempts += 1
-
-    def _ask_each_once(
-        self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
-    ) -> list[Any]:
-        if self._cluster:
-            self._learn_slots()  # _each names each command's node
-        try:
-            return list(self._each(script, chunk, index, argv).execute())
-        except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts, once more
-            self._prepare(argv[0])
-            return list(self._each(script, chunk, index, argv).execute())
 
     def _learn_slots(self) -> None:
         """redis.asyncio's cluster client learns its slots lazily: before a node lookup."""
