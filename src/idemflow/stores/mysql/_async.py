@@ -14,7 +14,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ..._errors import ConfigurationError, LeaseLost
+from ..._errors import ConfigurationError
 from ..._model import Claim, Policy, Record, State, can_take_over, make_claim
 from ..._process import PID
 from ..protocol import AsyncTransaction, Statement, StoreClock, check_clock
@@ -22,7 +22,6 @@ from ..sql import AsyncSQLStore
 from ..sql.dialect import (
     CLAIM_RETRIES,
     claim_busy,
-    owner_params,
     record_from_row,
     record_from_values,
     row_mapping,
@@ -403,32 +402,11 @@ class AsyncMySQLStore(AsyncSQLStore):
         parent = super().purge
         return await retry_conflicts(lambda: parent(now, limit))
 
-    async def checkpoint(
-        self,
-        record: Record,
-        recovery_point: str,
-        now: float,
-        transaction: AsyncTransaction | None = None,
-    ) -> None:
-        params = {**owner_params(record, now), "recovery_point": recovery_point}
-        await self._owner_write(self.dialect.checkpoint, params, transaction)
-
-    async def renew(self, record: Record, now: float) -> None:
-        await self._owner_write(self.dialect.renew, owner_params(record, now), None)
-
-    async def _owner_write(
-        self, statement: Statement, params: Mapping[str, Any], transaction: AsyncTransaction | None
-    ) -> None:
-        """Without ``CLIENT_FOUND_ROWS`` a write of the same values in the same millisecond
-        changes 0 rows: whether the record is still ours is asked then."""
-        if await self._write(statement, params, transaction):
-            return
-        if not await self._still_owned(params, transaction):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over")
-
     async def _still_owned(
         self, params: Mapping[str, Any], transaction: AsyncTransaction | None
     ) -> bool:
+        """Without ``CLIENT_FOUND_ROWS`` a write of the same values in the same millisecond
+        changes 0 rows: whether the record is still ours is asked then."""
         statement = self.statements.still_owned
         with self._translate():
             if transaction is not None:

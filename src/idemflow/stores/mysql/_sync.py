@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ..._errors import ConfigurationError, LeaseLost
+from ..._errors import ConfigurationError
 from ..._model import Claim, Policy, Record, State, can_take_over, make_claim
 from ..._process import PID
 from ..protocol import Transaction, Statement, StoreClock, check_clock
@@ -23,7 +23,6 @@ from ..sql import SQLStore
 from ..sql.dialect import (
     CLAIM_RETRIES,
     claim_busy,
-    owner_params,
     record_from_row,
     record_from_values,
     row_mapping,
@@ -404,32 +403,11 @@ class MySQLStore(SQLStore):
         parent = super().purge
         return retry_conflicts(lambda: parent(now, limit))
 
-    def checkpoint(
-        self,
-        record: Record,
-        recovery_point: str,
-        now: float,
-        transaction: Transaction | None = None,
-    ) -> None:
-        params = {**owner_params(record, now), "recovery_point": recovery_point}
-        self._owner_write(self.dialect.checkpoint, params, transaction)
-
-    def renew(self, record: Record, now: float) -> None:
-        self._owner_write(self.dialect.renew, owner_params(record, now), None)
-
-    def _owner_write(
-        self, statement: Statement, params: Mapping[str, Any], transaction: Transaction | None
-    ) -> None:
-        """Without ``CLIENT_FOUND_ROWS`` a write of the same values in the same millisecond
-        changes 0 rows: whether the record is still ours is asked then."""
-        if self._write(statement, params, transaction):
-            return
-        if not self._still_owned(params, transaction):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over")
-
     def _still_owned(
         self, params: Mapping[str, Any], transaction: Transaction | None
     ) -> bool:
+        """Without ``CLIENT_FOUND_ROWS`` a write of the same values in the same millisecond
+        changes 0 rows: whether the record is still ours is asked then."""
         statement = self.statements.still_owned
         with self._translate():
             if transaction is not None:
