@@ -12,6 +12,7 @@ from typing import Any
 from ..._model import Claim, Record, State, can_take_over, make_record
 from ..protocol import Statement, StoreClock
 from ..sql.dialect import (
+    BY_KEY,
     CLOCK_NOW,
     COLUMNS,
     NEW_INTENT_SQL,
@@ -167,11 +168,10 @@ def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") ->
     standard = Dialect.standard(
         "mysql", table, _quiet(mysql_ddl(table)), upsert_claim(table), upgrade=mysql_upgrade(table)
     )
-    by_key = "WHERE principal = :principal AND idempotency_key = :key"
     dialect = dataclasses.replace(
         standard,
-        select=Statement(f"SELECT {_SELECT_LIST} FROM {table} {by_key}"),
-        read_for_claim=Statement(f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key}"),
+        select=Statement(f"SELECT {_SELECT_LIST} FROM {table} {BY_KEY}"),
+        read_for_claim=Statement(f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {BY_KEY}"),
         # No LIMIT inside IN (…), no UPDATE … RETURNING: marked with a token, read back by it.
         sweep=Statement(
             f"UPDATE {table} SET state = 'stale', lease_token = :sweep_token, "
@@ -189,19 +189,18 @@ def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") ->
 
 def mysql_statements(table: str = DEFAULT_TABLE, clock: StoreClock = "database") -> MySQLStatements:
     """The plain INSERT, the locking reads and the maintenance read-backs."""
-    by_key = "WHERE principal = :principal AND idempotency_key = :key"
     statements = MySQLStatements(
         insert=Statement(upsert_claim(table).split(" ON DUPLICATE KEY UPDATE ")[0]),
         packed_read=Statement(
             f"SELECT JSON_ARRAY({_PACKED_LIST}, :now) AS packed, response_headers, "
-            f"response_body FROM {table} {by_key}"
+            f"response_body FROM {table} {BY_KEY}"
         ),
         select_current=Statement(
-            f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key} FOR UPDATE"
+            f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {BY_KEY} FOR UPDATE"
         ),
         # LOCK IN SHARE MODE: spelled alike by MySQL 8 and MariaDB.
         select_shared=Statement(
-            f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key} LOCK IN SHARE MODE"
+            f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {BY_KEY} LOCK IN SHARE MODE"
         ),
         swept=Statement(
             f"SELECT {_SELECT_LIST} FROM {table} WHERE state = 'stale' "

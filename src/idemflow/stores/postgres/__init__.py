@@ -6,7 +6,7 @@ round trip). A SQLAlchemy ``Connection`` or ``Session`` still takes the completi
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ..._errors import driver_error
 from ..._extras import optional
@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 DEFAULT_TABLE = "idemflow_keys"
+_Pool = TypeVar("_Pool")
 
 # Single-commit mode: the longest wait on a duplicate's uncommitted claim before a 409.
 DEFAULT_CLAIM_LOCK_TIMEOUT_MS = 50
@@ -144,64 +145,65 @@ def _claims_alone_on(connection: Any) -> bool:
     return bool(connection.autocommit) and status == TransactionStatus.IDLE
 
 
-def _executor_options(
-    store: PostgresStore | AsyncPostgresStore,
-    pool: Any,
-    table: str,
-    max_size: int,
-    claim_lock_timeout_ms: int,
-    clock: StoreClock,
-    policy: Policy | None,
-    *,
-    asynchronous: bool,
-) -> dict[str, Any]:
-    """Set ``store.pool`` (made from a conninfo string: opened now if sync) and return what
-    the SQL executor is given: the store's own statements on checkouts bounded by its wait."""
-    store._store_wait = (policy or Policy()).store_wait_seconds
-    if isinstance(pool, str):
-        with optional("idemflow.stores.postgres"):
-            import psycopg_pool
+class _Postgres(Generic[_Pool]):
+    """What both PostgreSQL stores are made of: the pool (made from a conninfo string:
+    opened now if sync), and the SQL executor on its checkouts, bounded by the store's wait."""
 
-        # The store's wait without a free connection is an outage (503), not a queue.
-        settings: dict[str, Any] = {
-            "min_size": 1,
-            "max_size": max_size,
-            "kwargs": connection_options(claim_lock_timeout_ms, pool),
-            "timeout": store._store_wait,
-        }
-        if asynchronous:  # an async pool cannot open in __init__: _OpeningConnection opens it
-            pool = psycopg_pool.AsyncConnectionPool(
-                pool, **settings, connection_class=async_bounded_connection_class(), open=False
-            )
-        else:
-            pool = psycopg_pool.ConnectionPool(
-                pool, **settings, connection_class=bounded_connection_class(), open=True
-            )
-    store.pool = pool
-    return {
-        "connect": lambda: store._checkout(store._store_wait),
-        "dialect": postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
-        "paramstyle": "pyformat",
-        "is_unavailable": is_unavailable,
-        "is_lock_timeout": is_lock_timeout,
-        "extra_params": True,
-        # A request's transaction on this pool lends its connection to the claim.
-        "lend_sources": (store.connection, pool.connection),
-        "claims_alone_on": _claims_alone_on,
-        # A migration waits for its locks (CREATE INDEX on a busy table), as no request may.
-        "migrate_connect": store.connection,
-    }
+    pool: _Pool
+    _asynchronous: bool
 
+    def __init__(
+        self,
+        pool: _Pool | str,
+        *,
+        table: str = DEFAULT_TABLE,
+        max_size: int = 16,
+        claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
+        clock: StoreClock = "database",
+        policy: Policy | None = None,
+    ) -> None:
+        self._store_wait = (policy or Policy()).store_wait_seconds
+        store: Any = self  # a PostgresStore or an AsyncPostgresStore
+        store.pool = pool
+        if isinstance(pool, str):
+            with optional("idemflow.stores.postgres"):
+                import psycopg_pool
 
-class _StoreWait:
-    _store_wait: float
+            # The store's wait without a free connection is an outage (503), not a queue.
+            settings: dict[str, Any] = {
+                "min_size": 1,
+                "max_size": max_size,
+                "kwargs": connection_options(claim_lock_timeout_ms, pool),
+                "timeout": self._store_wait,
+            }
+            if self._asynchronous:  # an async pool cannot open in __init__: _OpeningConnection
+                store.pool = psycopg_pool.AsyncConnectionPool(
+                    pool, **settings, connection_class=async_bounded_connection_class(), open=False
+                )
+            else:
+                store.pool = psycopg_pool.ConnectionPool(
+                    pool, **settings, connection_class=bounded_connection_class(), open=True
+                )
+        super().__init__(  # type: ignore[call-arg]  # the SQL executor, next in the MRO
+            connect=lambda: store._checkout(self._store_wait),
+            dialect=postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
+            paramstyle="pyformat",
+            is_unavailable=is_unavailable,
+            is_lock_timeout=is_lock_timeout,
+            extra_params=True,
+            # A request's transaction on this pool lends its connection to the claim.
+            lend_sources=(store.connection, store.pool.connection),
+            claims_alone_on=_claims_alone_on,
+            # A migration waits for its locks (CREATE INDEX on a busy table), as no request may.
+            migrate_connect=store.connection,
+        )
 
     def cover_store_wait(self, seconds: float) -> None:
         """A driver's store wait: the store's own checkouts and statements wait no longer."""
         self._store_wait = min(self._store_wait, seconds)
 
 
-class PostgresStore(_StoreWait, SQLStore):
+class PostgresStore(_Postgres["psycopg_pool.ConnectionPool[Any]"], SQLStore):
     """Key records in PostgreSQL.
 
     Args:
@@ -225,20 +227,7 @@ class PostgresStore(_StoreWait, SQLStore):
             ``connection_class=bounded_connection_class()``.
     """
 
-    pool: psycopg_pool.ConnectionPool[Any]
-
-    def __init__(
-        self,
-        pool: psycopg_pool.ConnectionPool[Any] | str,
-        *,
-        table: str = DEFAULT_TABLE,
-        max_size: int = 16,
-        claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
-        clock: StoreClock = "database",
-        policy: Policy | None = None,
-    ) -> None:
-        options = (pool, table, max_size, claim_lock_timeout_ms, clock, policy)
-        super().__init__(**_executor_options(self, *options, asynchronous=False))
+    _asynchronous = False
 
     def connection(self) -> LiveConnection:
         """A connection of the store's pool, never one the server has closed. Given to the
@@ -254,7 +243,7 @@ class PostgresStore(_StoreWait, SQLStore):
         self.pool.close()
 
 
-class AsyncPostgresStore(_StoreWait, AsyncSQLStore):
+class AsyncPostgresStore(_Postgres["psycopg_pool.AsyncConnectionPool[Any]"], AsyncSQLStore):
     """Key records in PostgreSQL, for asyncio code.
 
     Args:
@@ -265,20 +254,7 @@ class AsyncPostgresStore(_StoreWait, AsyncSQLStore):
             ``connection_class=async_bounded_connection_class()``).
     """
 
-    pool: psycopg_pool.AsyncConnectionPool[Any]
-
-    def __init__(
-        self,
-        pool: psycopg_pool.AsyncConnectionPool[Any] | str,
-        *,
-        table: str = DEFAULT_TABLE,
-        max_size: int = 16,
-        claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
-        clock: StoreClock = "database",
-        policy: Policy | None = None,
-    ) -> None:
-        options = (pool, table, max_size, claim_lock_timeout_ms, clock, policy)
-        super().__init__(**_executor_options(self, *options, asynchronous=True))
+    _asynchronous = True
 
     def connection(self) -> Any:
         """A connection of the store's pool (an async context manager), never one the
