@@ -56,11 +56,8 @@ def _open_sqlite(url: str, table: str, asynchronous: bool, policy: Policy | None
 
 
 def _open_postgres(url: str, table: str, asynchronous: bool, policy: Policy | None) -> Any:
-    try:
-        from .postgres import AsyncPostgresStore, PostgresStore
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        msg = "PostgreSQL needs the driver: pip install 'idemflow[postgres]'"
-        raise ConfigurationError(msg) from exc
+    from .postgres import AsyncPostgresStore, PostgresStore  # no driver: MissingExtra, later
+
     conninfo = url.replace("postgres://", "postgresql://", 1)
     store = AsyncPostgresStore if asynchronous else PostgresStore
     return store(conninfo, table=table, policy=policy)
@@ -68,22 +65,16 @@ def _open_postgres(url: str, table: str, asynchronous: bool, policy: Policy | No
 
 def _open_mysql(url: str, table: str, asynchronous: bool, policy: Policy | None) -> Any:
     """PyMySQL for `open_store`, asyncmy for `open_async_store`."""
-    try:
-        from .mysql import AsyncMySQLStore, MySQLStore
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        msg = "MySQL needs the driver: pip install 'idemflow[mysql]'"
-        raise ConfigurationError(msg) from exc
+    from .mysql import AsyncMySQLStore, MySQLStore
+
     store = AsyncMySQLStore if asynchronous else MySQLStore
     return store(url.replace("mariadb://", "mysql://", 1), table=table, policy=policy)
 
 
 def _open_redis(url: str, table: str, asynchronous: bool, policy: Policy | None) -> Any:
     """``redis://``, ``rediss://`` or ``redis+cluster://``; the table name is the key prefix."""
-    try:
-        from .redis import open_redis
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        msg = "Redis needs the driver: pip install 'idemflow[redis]'"
-        raise ConfigurationError(msg) from exc
+    from .redis import open_redis
+
     return open_redis(url, prefix=table, asynchronous=asynchronous, policy=policy)
 
 

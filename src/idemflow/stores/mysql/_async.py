@@ -24,7 +24,6 @@ from ..sql.dialect import (
     claim_busy,
     record_from_row,
     record_from_values,
-    row_mapping,
     sweep_params,
 )
 from ._binding import AsyncBinding
@@ -341,7 +340,14 @@ class AsyncMySQLStore(AsyncSQLStore):
             await self._refuse_galera(transaction)
             await transaction.execute(self.statements.bound_lock_wait, bound)
             try:
-                row = await self._insert_or_read(transaction, params)
+                try:
+                    await transaction.execute(self.statements.insert, params)
+                    read = self.statements.select_current
+                except Exception as exc:
+                    if error_code(exc) != DUPLICATE:
+                        raise
+                    read = self.statements.select_shared
+                row = await transaction.fetchone(read, params)
                 if row is not None and may_take_over(row, params):
                     await transaction.execute(self.dialect.claim, params)
                     row = await transaction.fetchone(self.statements.select_current, params)
@@ -366,17 +372,6 @@ class AsyncMySQLStore(AsyncSQLStore):
                 "the handler; use the two-commit mode (the default)"
             )
             raise ConfigurationError(msg)
-
-    async def _insert_or_read(
-        self, transaction: AsyncTransaction, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        try:
-            await transaction.execute(self.statements.insert, params)
-        except Exception as exc:
-            if error_code(exc) != DUPLICATE:
-                raise
-            return await transaction.fetchone(self.statements.select_shared, params)
-        return await transaction.fetchone(self.statements.select_current, params)
 
     async def _write(
         self, statement: Statement, params: Mapping[str, Any], transaction: AsyncTransaction | None
@@ -408,13 +403,12 @@ class AsyncMySQLStore(AsyncSQLStore):
         """Without ``CLIENT_FOUND_ROWS`` a write of the same values in the same millisecond
         changes 0 rows: whether the record is still ours is asked then."""
         statement = self.statements.still_owned
-        with self._translate():
-            if transaction is not None:
-                with rolled_back_is_503():
-                    return await transaction.fetchone(statement, params) is not None
-            async with self.pool.connection() as conn, conn.cursor() as cursor:
-                await cursor.execute(statement.pyformat, statement.bind(params))
-                return await cursor.fetchone() is not None
+        if transaction is not None:
+            with self._translate(), rolled_back_is_503():
+                return await transaction.fetchone(statement, params) is not None
+        async with self._cursor(self._connect) as cursor:
+            await cursor.execute(statement.pyformat, statement.bind(params))
+            return await cursor.fetchone() is not None
 
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
@@ -428,11 +422,9 @@ class AsyncMySQLStore(AsyncSQLStore):
         return await retry_conflicts(lambda: self._mark(params))
 
     async def _mark(self, params: Mapping[str, Any]) -> list[Record]:
-        with self._translate():
-            async with self.pool.connection() as conn, conn.cursor() as cursor:
-                sweep, swept = self.dialect.sweep, self.statements.swept
-                if not await cursor.execute(sweep.pyformat, sweep.bind(params)):
-                    return []
-                await cursor.execute(swept.pyformat, swept.bind(params))
-                rows = await cursor.fetchall()
-                return [record_from_row(row_mapping(cursor.description, r)) for r in rows]
+        async with self._cursor(self._connect) as cursor:
+            sweep, swept = self.dialect.sweep, self.statements.swept
+            if not await cursor.execute(sweep.pyformat, sweep.bind(params)):
+                return []
+            await cursor.execute(swept.pyformat, swept.bind(params))
+            return [record_from_values(row, 0) for row in await cursor.fetchall()]

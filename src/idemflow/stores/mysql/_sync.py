@@ -25,7 +25,6 @@ from ..sql.dialect import (
     claim_busy,
     record_from_row,
     record_from_values,
-    row_mapping,
     sweep_params,
 )
 from ._binding import Binding
@@ -342,7 +341,14 @@ class MySQLStore(SQLStore):
             self._refuse_galera(transaction)
             transaction.execute(self.statements.bound_lock_wait, bound)
             try:
-                row = self._insert_or_read(transaction, params)
+                try:
+                    transaction.execute(self.statements.insert, params)
+                    read = self.statements.select_current
+                except Exception as exc:
+                    if error_code(exc) != DUPLICATE:
+                        raise
+                    read = self.statements.select_shared
+                row = transaction.fetchone(read, params)
                 if row is not None and may_take_over(row, params):
                     transaction.execute(self.dialect.claim, params)
                     row = transaction.fetchone(self.statements.select_current, params)
@@ -367,17 +373,6 @@ class MySQLStore(SQLStore):
                 "the handler; use the two-commit mode (the default)"
             )
             raise ConfigurationError(msg)
-
-    def _insert_or_read(
-        self, transaction: Transaction, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        try:
-            transaction.execute(self.statements.insert, params)
-        except Exception as exc:
-            if error_code(exc) != DUPLICATE:
-                raise
-            return transaction.fetchone(self.statements.select_shared, params)
-        return transaction.fetchone(self.statements.select_current, params)
 
     def _write(
         self, statement: Statement, params: Mapping[str, Any], transaction: Transaction | None
@@ -409,13 +404,12 @@ class MySQLStore(SQLStore):
         """Without ``CLIENT_FOUND_ROWS`` a write of the same values in the same millisecond
         changes 0 rows: whether the record is still ours is asked then."""
         statement = self.statements.still_owned
-        with self._translate():
-            if transaction is not None:
-                with rolled_back_is_503():
-                    return transaction.fetchone(statement, params) is not None
-            with self.pool.connection() as conn, conn.cursor() as cursor:
-                cursor.execute(statement.pyformat, statement.bind(params))
-                return cursor.fetchone() is not None
+        if transaction is not None:
+            with self._translate(), rolled_back_is_503():
+                return transaction.fetchone(statement, params) is not None
+        with self._cursor(self._connect) as cursor:
+            cursor.execute(statement.pyformat, statement.bind(params))
+            return cursor.fetchone() is not None
 
     def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
@@ -429,11 +423,9 @@ class MySQLStore(SQLStore):
         return retry_conflicts(lambda: self._mark(params))
 
     def _mark(self, params: Mapping[str, Any]) -> list[Record]:
-        with self._translate():
-            with self.pool.connection() as conn, conn.cursor() as cursor:
-                sweep, swept = self.dialect.sweep, self.statements.swept
-                if not cursor.execute(sweep.pyformat, sweep.bind(params)):
-                    return []
-                cursor.execute(swept.pyformat, swept.bind(params))
-                rows = cursor.fetchall()
-                return [record_from_row(row_mapping(cursor.description, r)) for r in rows]
+        with self._cursor(self._connect) as cursor:
+            sweep, swept = self.dialect.sweep, self.statements.swept
+            if not cursor.execute(sweep.pyformat, sweep.bind(params)):
+                return []
+            cursor.execute(swept.pyformat, swept.bind(params))
+            return [record_from_values(row, 0) for row in cursor.fetchall()]
