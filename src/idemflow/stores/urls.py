@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 from .._errors import ConfigurationError
@@ -91,16 +91,14 @@ def open_store(
     url: str, *, table: str = "idemflow_keys", policy: Policy | None = None
 ) -> MaintainableStore:
     """A synchronous store for ``url``, its waits bounded by your ``policy``'s."""
-    store: MaintainableStore = OPENERS[scheme_of(url)](url, table, False, policy)
-    return store
+    return cast("MaintainableStore", OPENERS[scheme_of(url)](url, table, False, policy))
 
 
 def open_async_store(
     url: str, *, table: str = "idemflow_keys", policy: Policy | None = None
 ) -> AsyncMaintainableStore:
     """An asyncio store for ``url``, its waits bounded as `open_store`'s."""
-    store: AsyncMaintainableStore = OPENERS[scheme_of(url)](url, table, True, policy)
-    return store
+    return cast("AsyncMaintainableStore", OPENERS[scheme_of(url)](url, table, True, policy))
 
 
 def redact(url: str) -> str:

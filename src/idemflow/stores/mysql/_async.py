@@ -89,16 +89,6 @@ class AsyncPool:
         await conn.autocommit(True)
         return conn
 
-    async def _checked(self, conn: Any) -> Any:
-        """``conn`` if it answers a ping, else a new one (``ping(reconnect=True)`` would skip
-        `_open`'s set-up)."""
-        try:
-            await conn.ping(False)
-        except Exception:  # noqa: BLE001 -- whatever the failure, the connection is done
-            AsyncBinding.drop(conn)
-            return await self._open()
-        return conn
-
     async def close(self) -> None:
         while True:
             try:
@@ -130,9 +120,14 @@ class AsyncCheckout:
             except IndexError:
                 conn = await pool._open()
             else:
-                # Idle long (wait_timeout may have ended it), or closed by the server: pinged.
+                # Idle long (wait_timeout may have ended it), or closed by the server: pinged,
+                # and replaced if it does not answer (``ping(reconnect=True)`` skips `_open`).
                 if time.monotonic() - since > PING_AFTER or AsyncBinding.closed_by_server(conn):
-                    conn = await pool._checked(conn)
+                    try:
+                        await conn.ping(False)
+                    except Exception:  # noqa: BLE001 -- whatever the failure, the connection is done
+                        AsyncBinding.drop(conn)
+                        conn = await pool._open()
         except BaseException:
             slots.release()
             raise

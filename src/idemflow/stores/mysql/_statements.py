@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..._model import Claim, Record, State, can_take_over, make_record
+from ..._model import Claim, Record, State, can_take_over
 from ..protocol import Statement, StoreClock
 from ..sql.dialect import (
     BY_KEY,
@@ -23,6 +23,7 @@ from ..sql.dialect import (
     claim_unsettled,
     on_database_clock,
     record_from_row,
+    record_from_values,
     stale_columns,
     upgrade_table,
 )
@@ -250,20 +251,6 @@ def decided(record: Record | None, lease_token: str) -> Claim:
 
 def inserted(params: Mapping[str, Any], row_id: int) -> Record:
     """The row our plain INSERT created: exactly the values we sent (``claim_params``)."""
-    return make_record(
-        row_id,
-        params["principal"],
-        params["key"],
-        params["fingerprint"],
-        params["endpoint"],
-        State.IN_PROGRESS,
-        str(params["lease_token"]),
-        params["began_at"] / 1000,
-        params["now"] / 1000,
-        params["expires_at"] / 1000,
-        params["correlation_id"],
-        None,
-        None,
-        1,
-        params["stale_at"] / 1000,
-    )
+    values = {**params, "id": row_id, "idempotency_key": params["key"], "state": "in_progress"}
+    values |= {"created_at": params["began_at"], "updated_at": params["now"], "attempt": 1}
+    return record_from_values([values.get(column) for column in COLUMNS], 0)

@@ -90,16 +90,6 @@ class Pool:
         conn.autocommit(True)
         return conn
 
-    def _checked(self, conn: Any) -> Any:
-        """``conn`` if it answers a ping, else a new one (``ping(reconnect=True)`` would skip
-        `_open`'s set-up)."""
-        try:
-            conn.ping(False)
-        except Exception:  # noqa: BLE001 -- whatever the failure, the connection is done
-            Binding.drop(conn)
-            return self._open()
-        return conn
-
     def close(self) -> None:
         while True:
             try:
@@ -131,9 +121,14 @@ class Checkout:
             except IndexError:
                 conn = pool._open()
             else:
-                # Idle long (wait_timeout may have ended it), or closed by the server: pinged.
+                # Idle long (wait_timeout may have ended it), or closed by the server: pinged,
+                # and replaced if it does not answer (``ping(reconnect=True)`` skips `_open`).
                 if time.monotonic() - since > PING_AFTER or Binding.closed_by_server(conn):
-                    conn = pool._checked(conn)
+                    try:
+                        conn.ping(False)
+                    except Exception:  # noqa: BLE001 -- whatever the failure, the connection is done
+                        Binding.drop(conn)
+                        conn = pool._open()
         except BaseException:
             slots.release()
             raise

@@ -28,7 +28,7 @@ from ._async import bounded_connection_class as async_bounded_connection_class
 from ._sync import LiveConnection, bounded_connection_class
 
 if TYPE_CHECKING:
-    import psycopg_pool
+    import psycopg_pool  # noqa: F401 -- named (as text) by the stores' base classes
 
     from ..._model import Claim
 
@@ -264,9 +264,7 @@ class AsyncPostgresStore(_Postgres["psycopg_pool.AsyncConnectionPool[Any]"], Asy
 
     def _checkout(self, store_wait: float | None) -> Any:
         """`connection`, its waits bounded by ``store_wait`` (the store's own)."""
-        if self.pool.closed:  # never yet opened (or closed): opened by the first use
-            return _OpeningConnection(self.pool, store_wait)
-        return AsyncLiveConnection(self.pool, store_wait)
+        return _OpeningConnection(self.pool, store_wait)
 
     async def claim_on_lent(self, *args: Any, **kwargs: Any) -> Claim:
         """As the executor's, once the pool is open (the lent connection is taken from it)."""
@@ -278,21 +276,13 @@ class AsyncPostgresStore(_Postgres["psycopg_pool.AsyncConnectionPool[Any]"], Asy
         await self.pool.close()
 
 
-class _OpeningConnection:
-    """`AsyncLiveConnection` that opens the pool on first use (it cannot open in __init__)."""
+class _OpeningConnection(AsyncLiveConnection):
+    """`AsyncLiveConnection` that opens the pool first if it is closed (never yet opened:
+    an async pool cannot open in ``__init__``; or closed since)."""
 
-    def __init__(
-        self, pool: psycopg_pool.AsyncConnectionPool[Any], store_wait: float | None
-    ) -> None:
-        self._pool = pool
-        self._context: Any = None
-        self._store_wait = store_wait
+    __slots__ = ()
 
     async def __aenter__(self) -> Any:
         if self._pool.closed:
             await self._pool.open(wait=False)
-        self._context = AsyncLiveConnection(self._pool, self._store_wait)
-        return await self._context.__aenter__()
-
-    async def __aexit__(self, *exc_info: object) -> Any:
-        return await self._context.__aexit__(*exc_info)
+        return await super().__aenter__()
