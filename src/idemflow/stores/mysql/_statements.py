@@ -190,19 +190,16 @@ def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") ->
 
 def mysql_statements(table: str = DEFAULT_TABLE, clock: StoreClock = "database") -> MySQLStatements:
     """The plain INSERT, the locking reads and the maintenance read-backs."""
+    read = f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {BY_KEY}"
     statements = MySQLStatements(
         insert=Statement(upsert_claim(table).split(" ON DUPLICATE KEY UPDATE ")[0]),
         packed_read=Statement(
             f"SELECT JSON_ARRAY({_PACKED_LIST}, :now) AS packed, response_headers, "
             f"response_body FROM {table} {BY_KEY}"
         ),
-        select_current=Statement(
-            f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {BY_KEY} FOR UPDATE"
-        ),
+        select_current=Statement(f"{read} FOR UPDATE"),
         # LOCK IN SHARE MODE: spelled alike by MySQL 8 and MariaDB.
-        select_shared=Statement(
-            f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {BY_KEY} LOCK IN SHARE MODE"
-        ),
+        select_shared=Statement(f"{read} LOCK IN SHARE MODE"),
         swept=Statement(
             f"SELECT {_SELECT_LIST} FROM {table} WHERE state = 'stale' "
             "AND lease_token = :sweep_token ORDER BY updated_at, id"

@@ -90,23 +90,19 @@ def postgres_dialect(
         skip_locked=True,
         upgrade=locked(upgrade_table(table, "BIGINT")),
     )
-    # A replay is one round trip: the claim and the read of the record it lost to.
-    combined = Statement(claim_or_read(table, insert_claim(table)))
-    dialect = dataclasses.replace(standard, purge=purge_statement(table), claim_or_read=combined)
-    return on_database_clock(dialect, SERVER_NOW_MS) if clock == "database" else dialect
-
-
-def purge_statement(table: str) -> Statement:
-    """One bounded batch of expired records, found through the expiry index and deleted by
-    TID scan (``id IN (subquery)`` hash-joined a full scan per batch); the expiry and state
-    are tested again on the deleted version (``+ 0``: not a second index scan).
-    """
-    return Statement(
+    # One bounded batch of expired records, found through the expiry index and deleted by
+    # TID scan (``id IN (subquery)`` hash-joined a full scan per batch); the expiry and state
+    # are tested again on the deleted version (``+ 0``: not a second index scan).
+    purge = Statement(
         f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
         f"WHERE expires_at <= :now AND {PURGEABLE_SQL} "
         "ORDER BY expires_at LIMIT :limit FOR UPDATE SKIP LOCKED)) "
         f"AND expires_at + 0 <= :now AND {PURGEABLE_SQL}"
     )
+    # A replay is one round trip: the claim and the read of the record it lost to.
+    combined = Statement(claim_or_read(table, insert_claim(table)))
+    dialect = dataclasses.replace(standard, purge=purge, claim_or_read=combined)
+    return on_database_clock(dialect, SERVER_NOW_MS) if clock == "database" else dialect
 
 
 def connection_options(
