@@ -376,14 +376,11 @@ class AsyncMySQLStore(AsyncSQLStore):
         parent = super()._write
         if transaction is None:
             return await retry_conflicts(lambda: parent(statement, params, None))
+        # Galera: your node may not have applied the claim yet: judge again after pauses.
         with rolled_back_is_503():
-            if await parent(statement, params, transaction):
-                return True
-            if not self.galera_seen:
-                return False
-            # Galera: your node may not have applied the claim yet: judge again after pauses.
-            for attempt in range(APPLY_RETRIES):
-                await _pause(attempt + 3)
+            for attempt in range(1 + (APPLY_RETRIES if self.galera_seen else 0)):
+                if attempt:
+                    await _pause(attempt + 2)
                 if await parent(statement, params, transaction):
                     return True
             return False
