@@ -170,18 +170,15 @@ class AsyncMySQLStore(AsyncSQLStore):
     """Key records in MySQL 8 or MariaDB.
 
     Args:
-        connect: a ``mysql://user:password@host:port/db`` URL, a dict of the
-            driver's ``connect`` arguments, or a function returning a new
-            connection of it (PyMySQL for the sync store; asyncmy, awaited, for
-            the asyncio one). Either way the store keeps up to ``max_size`` of
-            them, switched to autocommit. A URL chooses TLS as MySQL's clients do,
-            ``?ssl-mode=…&ssl-ca=…`` (``docs/stores.md``, "TLS").
-        lock_wait_timeout: the longest (seconds) one of the store's
-            statements waits on a row another transaction holds; a claim that
-            times out answers 409.
-        timeout: connect and read timeout, and the longest wait for a free
-            connection of the store's own: ``policy.store_wait_seconds`` by default,
-            so a server that stops answering is a 503 within it.
+        connect: a ``mysql://user:password@host:port/db`` URL (TLS as MySQL's clients
+            spell it, ``?ssl-mode=…&ssl-ca=…``: ``docs/stores.md``, "TLS"), a dict of the
+            driver's ``connect`` arguments, or a function returning a new connection
+            (PyMySQL for the sync store; asyncmy, awaited, for the asyncio one); the
+            store keeps up to ``max_size`` of them, switched to autocommit.
+        lock_wait_timeout: the longest (seconds) a statement of the store waits on a
+            row another transaction holds; a claim that times out answers 409.
+        timeout: connect and read timeout, and the longest wait for a free connection:
+            ``policy.store_wait_seconds`` by default (a silent server: a 503 within it).
         policy: your app's policy, which bounds the waits (above).
         clock: ``"database"`` (the default) takes every time decision on the
             server's clock; ``"caller"`` uses the ``now`` each call passes.

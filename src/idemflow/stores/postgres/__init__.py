@@ -203,24 +203,20 @@ class PostgresStore(_Postgres["psycopg_pool.ConnectionPool[Any]"], SQLStore):
     """Key records in PostgreSQL.
 
     Args:
-        pool: a ``psycopg_pool.ConnectionPool`` whose connections are
-            autocommit, or a conninfo string (``postgresql://…``) from which
-            one is made with ``max_size`` connections. A request whose
-            transaction takes its connection from this pool
-            (``pooled_transaction(store.pool.connection, …)``) claims on that
-            connection too, in two-commit mode: one checkout per request.
-        clock: ``"database"`` (the default) takes every time decision (stale,
-            expired, retention) on the server's clock, so application hosts
-            and sweepers whose clocks disagree cannot take over a live claim
-            or an unexpired record; ``"caller"`` uses the ``now`` each call
-            passes (tests with a frozen clock).
-        policy: your app's policy: ``policy.store_wait_seconds`` (half the
-            request timeout, at most 5 s) bounds the wait for a free connection
-            and each of the store's own statements on it, so a server that stops
-            answering is a 503 within it. Statements on your transaction's
-            connection (a lent claim, a completion in it) wait as your own do.
-            A pool you bring bounds them if made with
-            ``connection_class=bounded_connection_class()``.
+        pool: a ``psycopg_pool.ConnectionPool`` of autocommit connections, or a conninfo
+            string (``postgresql://…``) from which one is made with ``max_size``. A request
+            whose transaction takes its connection from this pool
+            (``pooled_transaction(store.pool.connection, …)``) claims on it too, in
+            two-commit mode: one checkout per request.
+        clock: ``"database"`` (the default) takes every time decision (stale, expired,
+            retention) on the server's clock, so hosts whose clocks disagree cannot take
+            over a live claim or an unexpired record; ``"caller"`` uses the ``now`` each
+            call passes (tests with a frozen clock).
+        policy: your app's policy: ``policy.store_wait_seconds`` (half the request
+            timeout, at most 5 s) bounds the wait for a free connection and each of the
+            store's own statements on it (a silent server: a 503 within it); yours, on
+            your transaction's connection, wait as your own do. A pool you bring bounds
+            them if made with ``connection_class=bounded_connection_class()``.
     """
 
     _asynchronous = False

@@ -56,19 +56,13 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
         connect: returns a context manager yielding an *autocommit*
             connection, e.g. ``psycopg_pool.ConnectionPool.connection``.
         paramstyle: the driver's placeholder style.
-        is_unavailable: recognises driver errors that mean "cannot reach the
-            store" (connection refused, pool exhausted, database locked).
-        is_lock_timeout: recognises the error a bounded wait on a concurrent
-            uncommitted claim raises (single-commit mode only).
+        is_unavailable: the driver errors that mean "cannot reach the store" (a 503).
+        is_lock_timeout: the error of a bounded wait on another's uncommitted claim (a 409).
         read_connect: connections for reads alone (`get`, stats); ``connect`` by default.
-        extra_params: the driver ignores parameters a statement does not name
-            (sqlite3, psycopg): no copy per statement.
-        lend_sources: where the store's own connections come from, for claims on
-            a connection the request's transaction lends (`claim_on_lent`).
-        claims_alone_on: whether a lent connection commits a statement on its
-            own right now; required with ``lend_sources``.
-        migrate_connect: connections for `migrate`, whose waits are not a
-            request's; ``connect`` by default.
+        extra_params: the driver ignores parameters a statement does not name (no copy).
+        lend_sources: where the store's connections come from, for `claim_on_lent`.
+        claims_alone_on: does a lent connection commit a statement on its own right now?
+        migrate_connect: connections for `migrate` (waits no request's); ``connect`` by default.
     """
 
     supports_transactions = True
