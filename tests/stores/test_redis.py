@@ -41,6 +41,7 @@ from idemflow import (
     State,
     StoreUnavailable,
 )
+from idemflow._model import DEFAULT_STALE_SECONDS
 from idemflow.cli import main
 from idemflow.sweeper import (
     Answer,
@@ -231,6 +232,32 @@ def test_a_crashed_claim_is_marked_stale_and_keeps_its_recovery_point(store: Red
     replay = Idempotency(store, POLICY, clock=clock).run(intent(), handler)
     assert (replay.replayed, replay.response, handler.calls) == (True, CREATED, [])
     assert assert_indexes_match_records(store) == {"completed": 1}
+
+
+def test_a_rolling_upgrade_s_earlier_writes_are_ended_by_their_own_write_never_before(
+    store: RedisStore,
+) -> None:
+    """Records an earlier version writes beside this one: its claim has no deadline, its
+    take-over leaves the last owner's (and indexes the record by its write). Each is ended
+    the default threshold after that write, never at the deadline it left."""
+    clock = FrozenClock()
+    for key in ("claimed-by-earlier", "taken-over"):
+        store.claim(intent(key=key), f"lease-{key}", clock(), clock() + 3600, stale_after=5)
+    client = store.client
+    written = ms(clock())
+    fresh = store.layout.record_key("alice", "claimed-by-earlier")
+    client.hdel(fresh, "stale_after", "stale_at")
+    index, *_, taken = store.layout.keys("alice", "taken-over")
+    client.hset(taken, mapping={"stale_at": written - 60_000, "stale_after": 70_000})
+    for record in (fresh, taken):
+        client.zadd(index, {record: written})  # the earlier version's score: its write
+
+    def swept(after: float) -> list[str]:
+        marked = store.sweep(State.IN_PROGRESS, clock() + after, clock(), clock() + 3600, 10)
+        return sorted(record.key for record in marked)
+
+    assert swept(20) == []
+    assert swept(DEFAULT_STALE_SECONDS + 1) == ["claimed-by-earlier", "taken-over"]
 
 
 def test_an_overrun_owner_cannot_write_after_the_sweeper_marked_it(store: RedisStore) -> None:

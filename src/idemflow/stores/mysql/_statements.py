@@ -15,6 +15,7 @@ from ..sql.dialect import (
     BY_KEY,
     CLOCK_NOW,
     COLUMNS,
+    DUE_SQL,
     NEW_INTENT_SQL,
     PURGEABLE_SQL,
     SWEEPABLE_SQL,
@@ -177,7 +178,7 @@ def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") ->
         sweep=Statement(
             f"UPDATE {table} SET state = 'stale', lease_token = :sweep_token, "
             "updated_at = :now, stale_at = :now, expires_at = GREATEST(expires_at, :keep_until) "
-            f"WHERE state = :from_state AND stale_at < :cutoff AND {SWEEPABLE_SQL} "
+            f"WHERE state = :from_state AND {DUE_SQL} AND {SWEEPABLE_SQL} "
             "ORDER BY stale_at LIMIT :limit"
         ),
         purge=Statement(

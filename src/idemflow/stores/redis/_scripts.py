@@ -303,7 +303,7 @@ return ms(tonumber(first[2]) - at(ARGV[2]))
 """
 
 # KEYS[5…]: records the probe found due. ARGV: now, from_state, cutoff, keep_until, token.
-# Each whose own stale_at is before the cutoff is marked with the sweeper's token (dated
+# Each whose own deadline is before the cutoff is marked with the sweeper's token (dated
 # now, its mark); another's entry gets its deadline as score. Returns the marked, packed.
 _SWEEP = """
 local from = ARGV[2]
@@ -313,12 +313,11 @@ local marked = {}
 for i = 5, #KEYS do
   local k = KEYS[i]
   local cur = redis.call('HMGET', k, 'state', 'updated_at', 'expires_at', 'recovery_point',
-    'stale_at', 'stale_after')
-  local due = tonumber(cur[5])
-  if not due and cur[2] then  -- written by an earlier version: dated by updated_at
-    due = tonumber(cur[2])
-    if cur[1] ~= 'stale' then due = tonumber(deadline(cur[6])) - now + due end
-  end
+    'stale_after')
+  -- Dated by its last write: stale_at is this version's copy of the deadline, absent or
+  -- older on a record an earlier version wrote during a rolling upgrade.
+  local due = tonumber(cur[2])
+  if due and cur[1] ~= 'stale' then due = tonumber(deadline(cur[5])) - now + due end
   if cur[1] ~= from or (from == 'released' and not cur[4]) then
     redis.call('ZREM', index, k)
   elseif due < cutoff then

@@ -66,6 +66,11 @@ _OWNED = f"id = :id AND lease_token = :lease_token AND {_in_state('in_progress')
 # A released record is swept only past a recovery point (an external call may have
 # happened): the reconciler settles or undoes it.
 SWEEPABLE_SQL = "(state <> 'released' OR recovery_point IS NOT NULL)"
+# A record's deadline, from its last write. ``stale_at`` is this version's copy of it, for
+# the index: a row an earlier version wrote during a rolling upgrade has none (0) or an
+# older one (its take-over left it), so the sweep also asks the write itself.
+DEADLINE_SQL = "updated_at + CASE WHEN state = 'stale' THEN 0 ELSE stale_after END"
+DUE_SQL = f"stale_at < :cutoff AND {DEADLINE_SQL} < :cutoff"
 # Never in flight, being recovered, or released past an external call. Spelled NOT IN so
 # no planner serves the purge from the (state, updated_at) index: the expiry index must.
 PURGEABLE_SQL = (
@@ -214,13 +219,13 @@ class Dialect:
             # per row, each rescan skipping the rows already locked: the whole table marked.
             sweep=Statement(
                 f"WITH due AS (SELECT id FROM {table} WHERE state = :from_state "
-                f"AND stale_at < :cutoff AND {SWEEPABLE_SQL} "
+                f"AND {DUE_SQL} AND {SWEEPABLE_SQL} "
                 f"ORDER BY stale_at LIMIT :limit{lock}) "
                 f"UPDATE {table} SET state = 'stale', updated_at = :now, stale_at = :now, "
                 "expires_at = CASE WHEN expires_at < :keep_until THEN :keep_until "
                 "ELSE expires_at END "
                 "WHERE id IN (SELECT id FROM due) "
-                f"AND state = :from_state AND stale_at < :cutoff AND {SWEEPABLE_SQL} "
+                f"AND state = :from_state AND {DUE_SQL} AND {SWEEPABLE_SQL} "
                 f"RETURNING {columns}"
             ),
             settle_stale=Statement(f"{settle} {marked}"),
@@ -235,7 +240,8 @@ class Dialect:
             ),
             # The sweep's own condition, without its deadline: the first row in index order.
             due=Statement(
-                f"SELECT stale_at - :cutoff AS due_in FROM {table} WHERE state = :from_state "
+                f"SELECT {DEADLINE_SQL} - :cutoff AS due_in FROM {table} "
+                "WHERE state = :from_state "
                 f"AND stale_at IS NOT NULL AND {SWEEPABLE_SQL} ORDER BY stale_at LIMIT 1"
             ),
         )
@@ -277,10 +283,10 @@ def create_table(
 
 def stale_columns(bigint: str) -> str:
     """Each record's own stale threshold (ms, chosen at its claim) and the deadline it
-    dates (``stale_at``); the default only serves rows of an earlier version."""
+    dates (``stale_at``); the defaults only serve rows an earlier version writes."""
     return (
         f"stale_after {bigint} NOT NULL DEFAULT {int(DEFAULT_STALE_SECONDS * 1000)}, "
-        f"stale_at {bigint}"
+        f"stale_at {bigint} NOT NULL DEFAULT 0"
     )
 
 
