@@ -279,10 +279,9 @@ class AsyncMySQLStore(AsyncSQLStore):
     async def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
         """A plain INSERT decides a new key; a guarded upsert decides a takeover (the read
         between only tells whether one is worth trying: the upsert checks again)."""
-        insert, read = self.statements.insert, self.statements.packed_read
-        text, bound = insert.pyformat, insert.bind(params)
+        read = self.statements.packed_read
         for _ in range(CLAIM_RETRIES):
-            row_id = await self._claiming(cursor, text, bound)
+            row_id = await self._claiming(cursor, self.statements.insert, params)
             if row_id is not None:
                 return make_claim(True, inserted(params, row_id))
             await cursor.execute(read.pyformat, read.bind(params))
@@ -294,21 +293,21 @@ class AsyncMySQLStore(AsyncSQLStore):
             if not can_take_over(record, fingerprint, values[PACKED_CLOCK_AT] / 1000):
                 return make_claim(False, record)
             # One that kept losing conflicts lost to a write of this row: the read decides.
-            await self._claiming(
-                cursor, self.dialect.claim.pyformat, self.dialect.claim.bind(params)
-            )
+            await self._claiming(cursor, self.dialect.claim, params)
             row, shape = await self._row(cursor, self.dialect.select, params)
             current = None if row is None else record_from_values(row, shape.start)
             return decided(current, str(params["lease_token"]))
         raise claim_busy()
 
-    async def _claiming(self, cursor: Any, text: str, bound: Any) -> int | None:
+    async def _claiming(
+        self, cursor: Any, statement: Statement, params: Mapping[str, Any]
+    ) -> int | None:
         """The id a claiming statement inserted (0 if none), or None when it lost to a row
         that exists (1062, or a deadlock lost DEADLOCK_RETRIES times: resent after a pause,
         it had no effect). A lock wait that timed out is a live holder: 409."""
         for attempt in range(DEADLOCK_RETRIES):
             try:
-                await cursor.execute(text, bound)
+                await cursor.execute(statement.pyformat, statement.bind(params))
             except Exception as exc:
                 code = error_code(exc)
                 if code == DUPLICATE or (code == DEADLOCK and attempt + 1 == DEADLOCK_RETRIES):
