@@ -165,21 +165,19 @@ class _Postgres(Generic[_Pool]):
             with optional("idemflow.stores.postgres"):
                 import psycopg_pool
 
-            # The store's wait without a free connection is an outage (503), not a queue.
-            settings: dict[str, Any] = {
-                "min_size": 1,
-                "max_size": max_size,
-                "kwargs": connection_options(claim_lock_timeout_ms, pool),
-                "timeout": self._store_wait,
-            }
-            if self._asynchronous:  # an async pool cannot open in __init__: _OpeningConnection
-                store.pool = psycopg_pool.AsyncConnectionPool(
-                    pool, **settings, connection_class=async_bounded_connection_class(), open=False
-                )
-            else:
-                store.pool = psycopg_pool.ConnectionPool(
-                    pool, **settings, connection_class=bounded_connection_class(), open=True
-                )
+            asynchronous = self._asynchronous
+            kind = psycopg_pool.AsyncConnectionPool if asynchronous else psycopg_pool.ConnectionPool
+            bounded = async_bounded_connection_class if asynchronous else bounded_connection_class
+            store.pool = kind(
+                pool,
+                min_size=1,
+                max_size=max_size,
+                kwargs=connection_options(claim_lock_timeout_ms, pool),
+                # The store's wait without a free connection is an outage (503), not a queue.
+                timeout=self._store_wait,
+                connection_class=bounded(),
+                open=not asynchronous,  # an async pool cannot open here: _OpeningConnection
+            )
         super().__init__(  # type: ignore[call-arg]  # the SQL executor, next in the MRO
             connect=lambda: store._checkout(self._store_wait),
             dialect=postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
