@@ -51,21 +51,16 @@ TAKE_OVER_SQL = f"({RETRY_SQL} OR {PAST_RETENTION_SQL})"
 NEW_INTENT_SQL = f"({PAST_RETENTION_SQL} AND NOT {RETRY_SQL})"
 
 
-def _owned_by_caller(alias: str = "") -> str:
-    """The fence every write of an owner carries: our record, our lease, still running."""
-    prefix = f"{alias}." if alias else ""
-    return (
-        f"{prefix}id = :id AND {prefix}lease_token = :lease_token "
-        f"AND {_in_state('in_progress', prefix)}"
-    )
-
-
-def _in_state(state: str, prefix: str = "") -> str:
+def _in_state(state: str) -> str:
     """``state = '<state>'`` in a form no index can serve, for statements that name their
     row: a generic plan made on an empty table would otherwise scan the state index
     (tests/stores/test_postgres_plans.py).
     """
-    return f"COALESCE({prefix}state, '') = '{state}'"
+    return f"COALESCE(state, '') = '{state}'"
+
+
+#: The fence every write of an owner carries: our record, our lease, still running.
+_OWNED = f"id = :id AND lease_token = :lease_token AND {_in_state('in_progress')}"
 
 
 # A released record is swept only past a recovery point (an external call may have
@@ -97,7 +92,7 @@ def claim_unsettled() -> InProgress:
     return InProgress("the record for this Idempotency-Key keeps changing; retry later")
 
 
-_BY_KEY = "WHERE principal = :principal AND idempotency_key = :key"
+BY_KEY = "WHERE principal = :principal AND idempotency_key = :key"
 #: The time a read is made at, read with the record: the claim decides on it whether a
 #: take-over is worth trying (on the database clock, the server's time).
 CLOCK_NOW = ":now AS clock_now"
@@ -193,6 +188,11 @@ class Dialect:
         )
         # Every owner write that dates the claim moves its deadline by its own threshold.
         deadline = "stale_at = :now + stale_after"
+        settle = (
+            f"UPDATE {table} SET state = :state, response_status = :status, "
+            "response_headers = :headers, response_body = :body, updated_at = :now, "
+            "expires_at = :expires_at WHERE"
+        )
         return cls(
             name=name,
             table=table,
@@ -202,24 +202,18 @@ class Dialect:
             after_claim_in_transaction=tuple(map(Statement, after)),
             claim=Statement(claim),
             take_over=Statement(take_over_claim(table)),
-            select=Statement(f"SELECT {columns} FROM {table} {_BY_KEY}"),
-            read_for_claim=Statement(f"SELECT {columns}, {CLOCK_NOW} FROM {table} {_BY_KEY}"),
-            complete=Statement(
-                f"UPDATE {table} SET state = :state, response_status = :status, "
-                "response_headers = :headers, response_body = :body, updated_at = :now, "
-                f"expires_at = :expires_at WHERE {_owned_by_caller()}"
-            ),
+            select=Statement(f"SELECT {columns} FROM {table} {BY_KEY}"),
+            read_for_claim=Statement(f"SELECT {columns}, {CLOCK_NOW} FROM {table} {BY_KEY}"),
+            complete=Statement(f"{settle} {_OWNED}"),
             release=Statement(
                 f"UPDATE {table} SET state = 'released', updated_at = :now, {deadline} "
-                f"WHERE {_owned_by_caller()}"
+                f"WHERE {_OWNED}"
             ),
             checkpoint=Statement(
                 f"UPDATE {table} SET recovery_point = :recovery_point, updated_at = :now, "
-                f"{deadline} WHERE {_owned_by_caller()}"
+                f"{deadline} WHERE {_OWNED}"
             ),
-            renew=Statement(
-                f"UPDATE {table} SET updated_at = :now, {deadline} WHERE {_owned_by_caller()}"
-            ),
+            renew=Statement(f"UPDATE {table} SET updated_at = :now, {deadline} WHERE {_OWNED}"),
             # The condition is repeated outside the subquery so a row that changed in between
             # is not marked. A CTE, evaluated once: PostgreSQL may rescan an IN (subquery)
             # per row, each rescan skipping the rows already locked: the whole table marked.
@@ -234,11 +228,7 @@ class Dialect:
                 f"AND state = :from_state AND {DUE_SQL} AND {SWEEPABLE_SQL} "
                 f"RETURNING {columns}"
             ),
-            settle_stale=Statement(
-                f"UPDATE {table} SET state = :state, response_status = :status, "
-                "response_headers = :headers, response_body = :body, updated_at = :now, "
-                f"expires_at = :expires_at WHERE {marked}"
-            ),
+            settle_stale=Statement(f"{settle} {marked}"),
             release_stale=Statement(
                 f"UPDATE {table} SET state = 'released', updated_at = :now, {deadline}, "
                 "recovery_point = CASE WHEN :forget_progress = 1 THEN NULL "
@@ -335,7 +325,7 @@ def claim_or_read(table: str, claim: str) -> str:
         f"WITH claimed AS ({claim}) "
         f"SELECT 1 AS claimed, {columns}, {CLOCK_NOW_BIGINT} FROM claimed "
         f"UNION ALL SELECT 0 AS claimed, {columns}, {CLOCK_NOW_BIGINT} FROM {table} "
-        f"{_BY_KEY} AND NOT EXISTS (SELECT 1 FROM claimed)"
+        f"{BY_KEY} AND NOT EXISTS (SELECT 1 FROM claimed)"
     )
 
 
