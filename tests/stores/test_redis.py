@@ -562,19 +562,20 @@ def test_replay_is_one_round_trip(store: RedisStore) -> None:
     counting.close()
 
 
-def test_a_claim_answers_a_held_record_in_two_reply_elements(store: RedisStore) -> None:
+def test_a_claim_answers_a_held_record_in_one_reply_element(store: RedisStore) -> None:
     """The claim packs the record it lost to into one string: every field comes back as
-    stored (a body holding the packing's ':' and '-', absent fields absent), and the reply
-    is two elements however many fields the record has (each costs the client Python)."""
+    stored (a body holding the packing's newline, NUL, 's' and '?', absent fields absent),
+    and the reply is one element however many fields the record has (each costs the client
+    Python)."""
     idem = Idempotency(store, POLICY)
-    body = b"-1:x:-\x00\xff" * 3
+    body = b"-1:x:-\x00\xff\n=3s?\x00" * 3
     stored = Response(201, body, (("content-type", "application/json"), ("location", "/p/1")))
     idem.run(intent("packed"), lambda attempt: stored)
     keys = store.layout.claim_keys("alice", "packed")
     args = store.layout.claim_args(intent("packed"), "another-token", time.time(), time.time() + 60)
     reply = store.client.evalsha(store._shas["claim"], len(keys), *keys, *args)
 
-    assert [len(reply), reply[0]] == [2, b"held"]
+    assert reply[:5] == b"held "  # one bulk string, not an array
     fields = store.client.hgetall(store.layout.record_key("alice", "packed"))
     held = store.claim(
         intent("packed"), "another-token", time.time(), time.time() + 60, stale_after=THRESHOLD
@@ -930,3 +931,33 @@ async def test_an_async_write_the_socket_cannot_take_is_still_bounded(tmp_path: 
         finally:
             thaw(process)
             await store.close()
+
+
+@pytest.mark.anyio
+async def test_an_async_url_store_packs_its_scripts_as_redis_py_would(table_name: str) -> None:
+    """``open_redis``'s async client packs the store's scripts (every argument bytes) in one
+    join: the very bytes redis-py's packer makes, whatever their size; another command, or an
+    argument not bytes, is packed by redis-py. A large binary body makes the round trip."""
+    from redis.asyncio.connection import Connection
+
+    store = open_redis(REDIS_URL, prefix=table_name, asynchronous=True, allow_volatile=True)
+    assert isinstance(store, AsyncRedisStore)
+    pool = store.client.connection_pool
+    ours, theirs = pool.connection_class(**pool.connection_kwargs), Connection()
+    body = b"\r\n$3\r\n*1\r\n" + bytes(range(256)) * 40  # past redis-py's 6,000-byte chunks
+    for args in (
+        ("EVALSHA", b"sha", b"1", b"key", body, memoryview(body), b""),
+        ("EVALSHA", b"sha", 1, "key"),
+        ("HSET", b"key", "field", 1),
+    ):
+        assert b"".join(ours.pack_command(*args)) == b"".join(theirs.pack_command(*args))
+    try:
+        now = time.time()
+        claim = await store.claim(intent("big"), "token", now, now + 60)
+        stored = Response(201, body, (("content-type", "application/octet-stream"),))
+        await store.complete(claim.record, State.COMPLETED, stored, now, now + 60)
+        replay = await store.claim(intent("big"), "another", now, now + 60)
+        assert (replay.owned, replay.record.response) == (False, stored)
+    finally:
+        await adelete_keys(store.client, table_name)
+        await store.close()
