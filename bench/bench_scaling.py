@@ -137,8 +137,7 @@ FSYNC = {
 REQUESTS = 100_000
 #: ARGV of the claim script: now, expires_at, token, principal, key, fingerprint,
 #: endpoint, quarantine (ms); no correlation id.
-CLAIM_ARGS = ["1800000000000", "1800086400000", "tok", "bench", "k", FINGERPRINT, ENDPOINT]
-CLAIM_ARGS += ["70000"]
+CLAIM_ARGS = ["1800000000000 1800086400000 70000 70000", "tok", FINGERPRINT, ENDPOINT]
 
 
 def _tests_importable() -> None:
@@ -183,7 +182,7 @@ def claims_per_second(port: int) -> float:
     subprocess.run(["redis-cli", "-p", str(port), "SET", "b:{0}:epoch", "0"], check=True,
                    capture_output=True)  # fmt: skip
     keys = [f"b:{{__rand_int__}}:i:{name}" for name in INDEXES]
-    keys += ["b:{__rand_int__}:k", "b:{0}:epoch"]
+    keys += ["b:{__rand_int__}:k:5:bench:k", "b:{0}:epoch"]
     command = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-c", "8"]
     command += ["-n", str(REQUESTS), "-r", "1000000000", "-q", "EVALSHA", SHAS["claim"]]
     command += [str(len(keys)), *keys, *CLAIM_ARGS]
@@ -768,7 +767,7 @@ class RedisTable(KeyTable):
             args = layout.claim_args(intent, f"fill{g}", now, expires, self.store.quarantine)
             pipe.execute_command("EVALSHA", SHAS["claim"], len(keys), *keys, *args)
         claims = [
-            layout.claimed(reply, intent, f"fill{g}", now, expires)
+            layout.claimed(reply, intent, f"fill{g}", now)
             for g, intent, reply in zip(range(*span), intents, pipe.execute(), strict=True)
         ]
         if not all(claim.owned for claim in claims):

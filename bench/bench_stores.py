@@ -473,37 +473,22 @@ def redis_complete(store: Any, sha: dict[str, str], key: str, token: str) -> tup
     return (sha["complete"], len(fenced), *fenced, *args)
 
 
-def check_redis_claim(reply: Sequence[Any]) -> None:
-    if reply[0] != b"new":
-        raise AssertionError(f"a fresh key was not new: {reply[0]!r}")
+def check_redis_claim(reply: bytes) -> None:
+    if not reply.startswith(b"new "):
+        raise AssertionError(f"a fresh key was not new: {reply[:5]!r}")
 
 
-def check_redis_replay(reply: Sequence[Any]) -> None:
-    """What a hand-written replay does with the claim's answer: check it, decode the response."""
-    from idemflow.stores.redis._scripts import RECORD_FIELDS
+def check_redis_replay(reply: bytes) -> None:
+    """What a hand-written replay does with the claim's answer: check it, decode the record."""
+    from idemflow import State
+    from idemflow.stores.redis._scripts import unpacked
 
-    fields = dict(zip(RECORD_FIELDS, _unpacked(reply[1]), strict=True))
-    if reply[0] != b"held" or fields["fingerprint"] != FINGERPRINT.encode():
+    verdict, _, packed = reply.partition(b" ")
+    record = unpacked(packed)
+    if verdict != b"held" or record.fingerprint != FINGERPRINT:
         raise AssertionError("expected a held record")
-    if fields["state"] != b"completed":
+    if record.state is not State.COMPLETED or record.response is None:
         raise AssertionError("expected a completed record")
-    json.loads(fields["response_headers"])
-    bytes(fields["response_body"])
-
-
-def _unpacked(packed: bytes) -> list[Any]:
-    """The claim reply's record fields ('<length>:<value>' each, '-' when absent)."""
-    values: list[Any] = []  # bytes, or None when absent
-    at = 0
-    while at < len(packed):
-        if packed[at : at + 1] == b"-":
-            values.append(None)
-            at += 1
-            continue
-        colon = packed.index(b":", at)
-        at = colon + 1 + int(packed[at:colon])
-        values.append(packed[colon + 1 : at])
-    return values
 
 
 def _redis_record(token: str, key: str, now: float) -> Any:
@@ -663,7 +648,7 @@ def postgres_claim(run_id: str) -> Iterator[Op | None]:
 # --- native clients (the servers' own capacity) --------------------------------
 
 NATIVE_SECONDS = 10
-REDIS_ARGS = ["1800000000000", "1800086400000", "tok", "bench", "k", FINGERPRINT, ENDPOINT, "0"]
+REDIS_ARGS = ["1800000000000 1800086400000 0 70000", "tok", FINGERPRINT, ENDPOINT]
 
 
 def native_rates(run_id: str, report: Report) -> None:
@@ -781,7 +766,7 @@ def native_redis(run_id: str) -> tuple[str, float] | None:
         url = f"redis://127.0.0.1:{port}/0"
         store = redis_store(url, False, "native")
         store.migrate()
-        rate = _redis_benchmarks([(port, "native:{__rand_int__}:k")] * 3)
+        rate = _redis_benchmarks([(port, "native:{__rand_int__}:k:5:bench:k")] * 3)
         store.close()
     return "redis-benchmark, 3 × 8", rate
 
@@ -833,7 +818,9 @@ def native_redis_cluster(run_id: str) -> tuple[str, float] | None:
             tags.setdefault(port, f"t{n}")
             if len(tags) == 3:
                 break
-        rate = _redis_benchmarks([(p, f"native:{{{t}}}:__rand_int__") for p, t in tags.items()])
+        rate = _redis_benchmarks(
+            [(p, f"native:{{{t}}}:k:5:bench:__rand_int__") for p, t in tags.items()]
+        )
         store.close()
     return "redis-benchmark, 3 × 8", rate
 

@@ -26,7 +26,6 @@ PAIRS = [
     (ROOT / "_async", ROOT / "_sync"),
     (ROOT / "stores" / "sql" / "_async.py", ROOT / "stores" / "sql" / "_sync.py"),
     (ROOT / "stores" / "redis" / "_async.py", ROOT / "stores" / "redis" / "_sync.py"),
-    (ROOT / "stores" / "memory" / "_async.py", ROOT / "stores" / "memory" / "_sync.py"),
     (ROOT / "stores" / "mysql" / "_async.py", ROOT / "stores" / "mysql" / "_sync.py"),
     (ROOT / "stores" / "postgres" / "_async.py", ROOT / "stores" / "postgres" / "_sync.py"),
     (ROOT / "consumers" / "_async.py", ROOT / "consumers" / "_sync.py"),

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tests._galera import _free_ports
+from tests.faults import freeze_process
 
 __all__ = ["PrivateMariaDB", "PrivateMariaDBUnavailable", "private_mariadb"]
 
@@ -85,17 +86,9 @@ class PrivateMariaDB:
             self._process = None
 
     def freeze(self) -> None:
-        """Stop the server (SIGSTOP) and wait until every thread of it has stopped (a busy
-        one may still answer a statement meanwhile): the kernel still takes what clients
-        send, and nothing answers until :meth:`thaw`."""
+        """Stop the server (SIGSTOP, every thread): nothing answers until :meth:`thaw`."""
         assert self._process is not None
-        os.kill(self._process.pid, signal.SIGSTOP)
-        tasks = Path(f"/proc/{self._process.pid}/task")
-        deadline = time.monotonic() + _TIMEOUT
-        while not all(_stopped(task) for task in tasks.iterdir()):
-            if time.monotonic() > deadline:
-                raise PrivateMariaDBUnavailable("mariadbd did not stop")
-            time.sleep(0.001)  # polling the threads' state, with a deadline
+        freeze_process(self._process.pid, _TIMEOUT)
 
     def thaw(self) -> None:
         """Resume the server (SIGCONT): it runs what it was sent meanwhile."""
@@ -178,13 +171,6 @@ class PrivateMariaDB:
         self.stop()
         said = f"did not answer on port {self.port} in {_TIMEOUT:g}s"
         raise PrivateMariaDBUnavailable(f"mariadbd {said}:\n{self.log_tail()}")
-
-
-def _stopped(task: Path) -> bool:
-    """Is this thread stopped (or gone)? Its state, after the command's name in ``stat``."""
-    with contextlib.suppress(OSError):
-        return (task / "stat").read_text().rpartition(")")[2].split()[0] in ("T", "t")
-    return True
 
 
 @contextlib.contextmanager

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tests.faults import freeze_process
+
 __all__ = ["PrivatePostgres", "PrivatePostgresUnavailable", "private_postgres"]
 
 #: A cold start on a loaded 2-core machine; a stop in immediate mode is near instant.
@@ -74,7 +76,7 @@ class PrivatePostgres:
         """Stop every server process (SIGSTOP): the postmaster, then its children. The
         kernel still takes what clients send; nothing answers until :meth:`thaw`."""
         for pid in self._processes():
-            os.kill(pid, signal.SIGSTOP)
+            freeze_process(pid)
 
     def thaw(self) -> None:
         """Resume every server process (SIGCONT): it runs what it was sent meanwhile."""

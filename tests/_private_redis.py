@@ -22,6 +22,7 @@ from pathlib import Path
 from tests.backends import redis_client
 from tests.conftest import unreachable
 from tests.factories import free_port
+from tests.faults import freeze_process
 
 __all__ = [
     "PERSISTENT",
@@ -117,7 +118,7 @@ def own_redis_server(directory: Path) -> Iterator[tuple[subprocess.Popen[bytes],
 def freeze(process: subprocess.Popen[bytes]) -> None:
     """Stop ``process`` (SIGSTOP): it hangs, never refuses. :func:`own_redis_server` resumes
     it in any case when it ends, before stopping it."""
-    os.kill(process.pid, signal.SIGSTOP)
+    freeze_process(process.pid)
 
 
 def thaw(process: subprocess.Popen[bytes]) -> None:

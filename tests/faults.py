@@ -8,12 +8,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from idemflow._async.edge import pooled_transaction
 from idemflow.stores.protocol import StoreClock
 from tests.conftest import POSTGRES_URL
+
+
+def freeze_process(pid: int, timeout: float = 60.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped: until then a busy
+    server still answers what it is sent (seen on a loaded machine). The kernel still takes
+    what clients send; nothing answers until SIGCONT."""
+    os.kill(pid, signal.SIGSTOP)
+    tasks = Path(f"/proc/{pid}/task")
+    deadline = time.monotonic() + timeout
+    while not all(_stopped(task) for task in tasks.iterdir()):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)  # polling the threads' state, with a deadline
+
+
+def _stopped(task: Path) -> bool:
+    """Is this thread stopped (or gone)? Its state, after the command's name in ``stat``."""
+    with contextlib.suppress(OSError):
+        return (task / "stat").read_text().rpartition(")")[2].split()[0] in ("T", "t")
+    return True
 
 
 def business_rows(table: str) -> list[str]:

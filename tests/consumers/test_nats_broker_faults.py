@@ -28,6 +28,7 @@ from idemflow.consumers import AsyncConsumer
 from tests.conftest import unreachable
 from tests.consumers._support import App
 from tests.factories import POLICY, free_port
+from tests.faults import freeze_process
 
 nats = pytest.importorskip("nats")
 from nats.js.api import ConsumerConfig  # noqa: E402
@@ -66,8 +67,15 @@ class NatsServer:
             time.sleep(0.02)
 
     def signal(self, number: int) -> None:
+        """Send ``number`` and return once it took effect: a SIGKILLed server gone, a
+        SIGSTOPped one stopped."""
         assert self.process is not None
+        if number == signal.SIGSTOP:
+            freeze_process(self.process.pid)
+            return
         os.kill(self.process.pid, number)
+        if number == signal.SIGKILL:
+            self.process.wait(timeout=10)
 
     def kill(self) -> None:
         if self.process is not None:

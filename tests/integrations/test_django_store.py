@@ -20,6 +20,7 @@ import pytest
 from idemflow.integrations.django import DjangoTransaction
 from idemflow.stores.django import DjangoStore
 from tests.backends import Backend
+from tests.factories import intent
 from tests.integrations.django_setup import VENDOR_ALIAS, execute, own_connection, require
 from tests.stores.test_contract import *  # noqa: F403 -- the contract's scenarios, run here
 from tests.stores.test_contract import harness  # noqa: F401 -- its fixture (clock is shared)
@@ -73,3 +74,11 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path, table_name: str) -> 
     yield made
     for close in made.closers:
         close()
+
+
+def test_the_operators_questions_are_answered_on_djangos_connections(backend: Backend) -> None:
+    """``DjangoStore`` is an ``SQLStore``: its stats (``idemflow stats``, the stuck gauge) too."""
+    now = 1_700_000_000.0
+    backend.store.claim(intent("k-stats"), "lease-1", now, now + 60)
+
+    assert backend.store.stats().stuck_claims(now + 1)["in_progress"] == 1

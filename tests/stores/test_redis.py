@@ -41,6 +41,7 @@ from idemflow import (
     State,
     StoreUnavailable,
 )
+from idemflow._model import DEFAULT_STALE_SECONDS
 from idemflow.cli import main
 from idemflow.sweeper import (
     Answer,
@@ -231,6 +232,32 @@ def test_a_crashed_claim_is_marked_stale_and_keeps_its_recovery_point(store: Red
     replay = Idempotency(store, POLICY, clock=clock).run(intent(), handler)
     assert (replay.replayed, replay.response, handler.calls) == (True, CREATED, [])
     assert assert_indexes_match_records(store) == {"completed": 1}
+
+
+def test_a_rolling_upgrade_s_earlier_writes_are_ended_by_their_own_write_never_before(
+    store: RedisStore,
+) -> None:
+    """Records an earlier version writes beside this one: its claim has no deadline, its
+    take-over leaves the last owner's (and indexes the record by its write). Each is ended
+    the default threshold after that write, never at the deadline it left."""
+    clock = FrozenClock()
+    for key in ("claimed-by-earlier", "taken-over"):
+        store.claim(intent(key=key), f"lease-{key}", clock(), clock() + 3600, stale_after=5)
+    client = store.client
+    written = ms(clock())
+    fresh = store.layout.record_key("alice", "claimed-by-earlier")
+    client.hdel(fresh, "stale_after", "stale_at")
+    index, *_, taken = store.layout.keys("alice", "taken-over")
+    client.hset(taken, mapping={"stale_at": written - 60_000, "stale_after": 70_000})
+    for record in (fresh, taken):
+        client.zadd(index, {record: written})  # the earlier version's score: its write
+
+    def swept(after: float) -> list[str]:
+        marked = store.sweep(State.IN_PROGRESS, clock() + after, clock(), clock() + 3600, 10)
+        return sorted(record.key for record in marked)
+
+    assert swept(20) == []
+    assert swept(DEFAULT_STALE_SECONDS + 1) == ["claimed-by-earlier", "taken-over"]
 
 
 def test_an_overrun_owner_cannot_write_after_the_sweeper_marked_it(store: RedisStore) -> None:
@@ -535,19 +562,20 @@ def test_replay_is_one_round_trip(store: RedisStore) -> None:
     counting.close()
 
 
-def test_a_claim_answers_a_held_record_in_two_reply_elements(store: RedisStore) -> None:
+def test_a_claim_answers_a_held_record_in_one_reply_element(store: RedisStore) -> None:
     """The claim packs the record it lost to into one string: every field comes back as
-    stored (a body holding the packing's ':' and '-', absent fields absent), and the reply
-    is two elements however many fields the record has (each costs the client Python)."""
+    stored (a body holding the packing's newline, NUL, 's' and '?', absent fields absent),
+    and the reply is one element however many fields the record has (each costs the client
+    Python)."""
     idem = Idempotency(store, POLICY)
-    body = b"-1:x:-\x00\xff" * 3
+    body = b"-1:x:-\x00\xff\n=3s?\x00" * 3
     stored = Response(201, body, (("content-type", "application/json"), ("location", "/p/1")))
     idem.run(intent("packed"), lambda attempt: stored)
     keys = store.layout.claim_keys("alice", "packed")
     args = store.layout.claim_args(intent("packed"), "another-token", time.time(), time.time() + 60)
     reply = store.client.evalsha(store._shas["claim"], len(keys), *keys, *args)
 
-    assert [len(reply), reply[0]] == [2, b"held"]
+    assert reply[:5] == b"held "  # one bulk string, not an array
     fields = store.client.hgetall(store.layout.record_key("alice", "packed"))
     held = store.claim(
         intent("packed"), "another-token", time.time(), time.time() + 60, stale_after=THRESHOLD
@@ -903,3 +931,33 @@ async def test_an_async_write_the_socket_cannot_take_is_still_bounded(tmp_path: 
         finally:
             thaw(process)
             await store.close()
+
+
+@pytest.mark.anyio
+async def test_an_async_url_store_packs_its_scripts_as_redis_py_would(table_name: str) -> None:
+    """``open_redis``'s async client packs the store's scripts (every argument bytes) in one
+    join: the very bytes redis-py's packer makes, whatever their size; another command, or an
+    argument not bytes, is packed by redis-py. A large binary body makes the round trip."""
+    from redis.asyncio.connection import Connection
+
+    store = open_redis(REDIS_URL, prefix=table_name, asynchronous=True, allow_volatile=True)
+    assert isinstance(store, AsyncRedisStore)
+    pool = store.client.connection_pool
+    ours, theirs = pool.connection_class(**pool.connection_kwargs), Connection()
+    body = b"\r\n$3\r\n*1\r\n" + bytes(range(256)) * 40  # past redis-py's 6,000-byte chunks
+    for args in (
+        ("EVALSHA", b"sha", b"1", b"key", body, memoryview(body), b""),
+        ("EVALSHA", b"sha", 1, "key"),
+        ("HSET", b"key", "field", 1),
+    ):
+        assert b"".join(ours.pack_command(*args)) == b"".join(theirs.pack_command(*args))
+    try:
+        now = time.time()
+        claim = await store.claim(intent("big"), "token", now, now + 60)
+        stored = Response(201, body, (("content-type", "application/octet-stream"),))
+        await store.complete(claim.record, State.COMPLETED, stored, now, now + 60)
+        replay = await store.claim(intent("big"), "another", now, now + 60)
+        assert (replay.owned, replay.record.response) == (False, stored)
+    finally:
+        await adelete_keys(store.client, table_name)
+        await store.close()

@@ -136,3 +136,45 @@ def test_migrate_upgrades_an_earlier_table_and_the_sweeper_then_honours_each_row
     assert swept(now) == ["crashed"]
     assert swept(now + 10) == ["new"]  # its own 5 s, on the store's clock
     assert swept(now + DEFAULT_STALE_SECONDS + 10) == ["running"]
+
+
+def test_a_rolling_upgrade_s_earlier_writes_are_ended_by_their_own_write_never_before(
+    earlier_table: tuple[Any, Callable[[str], None]], table_name: str
+) -> None:
+    """Instances of the earlier version still run beside the migrated table: their claim
+    sets no deadline, their take-over leaves the last owner's. Each is ended the default
+    threshold after the write it made, and the sweeper's schedule says so."""
+    store, execute = earlier_table
+    store.migrate()
+    now = time.time()
+    now_ms = int(now * 1000)
+    columns = (
+        "principal, idempotency_key, fingerprint, endpoint, state, lease_token, created_at, "
+        "updated_at, expires_at"
+    )
+    # The earlier version's claim, as it writes it: no stale columns.
+    execute(
+        f"INSERT INTO {table_name} ({columns}) VALUES ('alice', 'claimed-by-earlier', 'fp', "
+        f"'', 'in_progress', 'lease-e', {now_ms}, {now_ms}, {now_ms + 3_600_000})"
+    )
+    # This version released a claim a minute ago (its deadline 10 s from now) ...
+    released = now_ms - 60_000
+    execute(
+        f"INSERT INTO {table_name} ({columns}, stale_after, stale_at) VALUES ('alice', "
+        f"'taken-over', 'fp', '', 'released', 'lease-n', {released}, {released}, "
+        f"{now_ms + 3_600_000}, {int(DEFAULT_STALE_SECONDS * 1000)}, {released + 70_000})"
+    )
+    # ... and the earlier version takes it over now, leaving that deadline as it was.
+    execute(
+        f"UPDATE {table_name} SET state = 'in_progress', lease_token = 'lease-t', "
+        f"updated_at = {now_ms} WHERE idempotency_key = 'taken-over'"
+    )
+
+    def swept(at: float) -> list[str]:
+        marked = store.sweep(State.IN_PROGRESS, at, now, now + 3600, 10)
+        return sorted(record.key for record in marked)
+
+    due = store.next_due(State.IN_PROGRESS, now, now)
+    assert due == pytest.approx(DEFAULT_STALE_SECONDS, abs=1)
+    assert swept(now + 20) == []  # the old deadline passed: not the claim's own
+    assert swept(now + DEFAULT_STALE_SECONDS + 5) == ["claimed-by-earlier", "taken-over"]

@@ -614,20 +614,10 @@ def _shown(template: str) -> str:
     return template if len(template) <= 120 else template[:117] + "..."
 
 
-def audit(
-    url: str,
-    *,
-    asgi: Any = None,
-    wsgi: Any = None,
-    only: Sequence[str] | None = None,
-    skip: Sequence[str] | None = None,
-    allow_remote: bool = False,
-    **options: Any,
-) -> Report:
-    """Run the checks against ``url`` (or ``asgi`` or ``wsgi`` in process, at that path);
-    ``options``: docs/audit.md. In a loop: [`audit_async`][idemflow.audit.audit_async]."""
-    chosen: Any = {"asgi": asgi, "wsgi": wsgi, "only": only, "skip": skip}
-    return asyncio.run(audit_async(url, allow_remote=allow_remote, **chosen, **options))
+def audit(url: str, **arguments: Any) -> Report:
+    """Run the checks against ``url``: [`audit_async`][idemflow.audit.audit_async]'s
+    arguments, on an event loop of its own."""
+    return asyncio.run(audit_async(url, **arguments))
 
 
 async def audit_async(
@@ -640,7 +630,8 @@ async def audit_async(
     allow_remote: bool = False,
     **options: Any,
 ) -> Report:
-    """[`audit`][idemflow.audit.audit], awaited."""
+    """Run the checks against ``url`` (or ``asgi`` or ``wsgi`` in process, at that path);
+    ``options``: docs/audit.md. Outside a loop: [`audit`][idemflow.audit.audit]."""
     if asgi is not None and wsgi is not None:
         raise ConfigurationError("give asgi or wsgi, not both")
     endpoint = _endpoint(url, asgi is not None or wsgi is not None, allow_remote, dict(options))

@@ -98,6 +98,7 @@ def add_json_argument(parser: argparse.ArgumentParser) -> None:
 def operated_store(args: argparse.Namespace) -> Iterator[MaintainableStore]:
     """The store named by the command line, checked reachable first, closed afterwards."""
     url = database_url(args)
+    require_sqlite_file(url)
     _check_reachable(url, scheme_of(url))
     store = open_store(url, table=args.table)
     try:
@@ -107,14 +108,20 @@ def operated_store(args: argparse.Namespace) -> Iterator[MaintainableStore]:
         store.close()
 
 
+def require_sqlite_file(url: str) -> None:
+    """A missing SQLite file is a typo, never a new (empty) database: sqlite3 would create it."""
+    if scheme_of(url) != "sqlite":
+        return
+    path = sqlite_path(url)
+    if not os.path.isfile(path):
+        msg = f"no SQLite database at {path!r}: the file does not exist (check the path, or "
+        msg += f"create it with: idemflow migrate {url})"
+        raise ConfigurationError(msg)
+
+
 def _check_reachable(url: str, scheme: str) -> None:
     """Fail fast with the real reason, before a pool retries in the background."""
-    if scheme == "sqlite":
-        path = sqlite_path(url)
-        if not os.path.exists(path):  # sqlite3 would create an empty file
-            msg = f"SQLite file {path!r} does not exist: check the path, or run idemflow migrate"
-            raise ConfigurationError(msg)
-    elif scheme == "postgresql":
+    if scheme == "postgresql":
         try:
             import psycopg
         except ImportError:

@@ -113,18 +113,12 @@ def _report(args: argparse.Namespace, done: PurgePass) -> None:
 def _progress(args: argparse.Namespace, store: Store) -> Progress:
     if args.json or not sys.stderr.isatty():
         return lambda deleted, last: None
-    total = _expected(store)
-    console = rich_console(sys.stderr)
-    if console is None:
-        return _counter(total)
-    return _bar(console, total)
-
-
-def _expected(store: Store) -> int | None:
     try:
-        return store.stats().expired(time.time())
+        total = store.stats().expired(time.time())
     except ConfigurationError:
-        return None
+        total = None
+    console = rich_console(sys.stderr)
+    return _counter(total) if console is None else _bar(console, total)
 
 
 def _counter(total: int | None) -> Progress:

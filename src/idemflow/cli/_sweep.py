@@ -7,7 +7,6 @@ import contextlib
 import importlib
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -20,7 +19,13 @@ from ..stores.protocol import Transaction
 from ..stores.urls import open_store, scheme_of, sqlite_path
 from ..sweeper import DEFAULT_BATCH_SIZE, Reconciler, Stop, Sweeper, SweepReport
 from . import describe
-from ._common import add_database_arguments, database_url, positive_int, positive_seconds
+from ._common import (
+    add_database_arguments,
+    database_url,
+    positive_int,
+    positive_seconds,
+    require_sqlite_file,
+)
 
 DEFAULT_REQUEST_TIMEOUT = 30.0  # a common proxy limit; operators should pass their own
 DEFAULT_RETENTION = 24 * 3600.0
@@ -70,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     )
     url = database_url(args)
     reconciler = _load_reconciler(args.reconciler) if args.reconciler else None
-    _require_sqlite_file(url)
+    require_sqlite_file(url)
     store = open_store(url, table=args.table, policy=policy)
     try:
         sweeper = Sweeper(
@@ -85,16 +90,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         store.close()
     return 0
-
-
-def _require_sqlite_file(url: str) -> None:
-    """A missing SQLite file is a typo, never a new (empty) database to sweep."""
-    if scheme_of(url) != "sqlite":
-        return
-    path = sqlite_path(url)
-    if not os.path.isfile(path):
-        msg = f"no SQLite database at {path!r} (create it with: idemflow migrate {url})"
-        raise ConfigurationError(msg)
 
 
 def _sweep(sweeper: Sweeper, args: argparse.Namespace) -> None:

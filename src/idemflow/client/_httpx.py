@@ -51,7 +51,7 @@ class _Keyed:
 
     def manages(self, request: httpx.Request) -> bool:
         """Is it the policy's? Drops a key a redirect must not carry (httpx copies headers)."""
-        if self.operations.stays_behind(request.headers.get_list(HEADER), str(request.url)):
+        if self.operations.ledger.stays_behind(request.headers.get_list(HEADER), str(request.url)):
             del request.headers[HEADER]
         return self.operations.policy.manages(request.method)
 

@@ -67,7 +67,7 @@ class IdempotentAdapter(requests.adapters.HTTPAdapter):
         proxies: Mapping[str, str] | None = None,
     ) -> requests.Response:
         caller = request.headers.get(HEADER)
-        if caller is not None and self._operations.stays_behind([caller], request.url or ""):
+        if caller is not None and self._operations.ledger.stays_behind([caller], request.url or ""):
             del request.headers[HEADER]  # a redirect the key must not follow
         if not self._operations.policy.manages(request.method or ""):
             return super().send(request, stream, timeout, verify, cert, proxies)

@@ -160,7 +160,11 @@ class Operation:
         self.attempts = 0
         self._started = policy.clock()
         chosen = policy.deadline if deadline is None else deadline  # 0 is a deadline too
-        self._left = _seconds_left(chosen, policy.clock, self._started)
+        if callable(chosen):
+            self._left = chosen
+        else:
+            end = self._started + seconds(chosen)
+            self._left = lambda: end - policy.clock()
         self._last: Decision | None = None
         self._exhausted = False
         self._status: int | None = None
@@ -294,10 +298,6 @@ class Operations:
 
         return Operation(self.policy, sent, deadline, self.observer, redirected)
 
-    def stays_behind(self, key_values: Sequence[str], url: str) -> bool:
-        """Must this request go without its key (`KeyLedger.stays_behind`)?"""
-        return self.ledger.stays_behind(key_values, url)
-
 
 def is_replay(headers: Mapping[str, str]) -> bool:
     """Is this the server's stored answer (``Idempotent-Replayed: true``)?"""
@@ -324,7 +324,8 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
 
 def read_problem(headers: Mapping[str, str], body: bytes) -> dict[str, object] | None:
     """The RFC 9457 problem an answer carries, or None; never raises (a hostile server)."""
-    if _media_type(headers.get("content-type")) != "application/problem+json":
+    media_type = (headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    if media_type != "application/problem+json":
         return None
     if len(body) > MAX_PROBLEM_BYTES or _nesting(body) > MAX_PROBLEM_DEPTH:
         return None
@@ -333,10 +334,6 @@ def read_problem(headers: Mapping[str, str], body: bytes) -> dict[str, object] |
     except (ValueError, RecursionError):  # RecursionError: the caller's own stack was deep
         return None
     return problem if isinstance(problem, dict) else None
-
-
-def _media_type(value: str | None) -> str:
-    return (value or "").split(";", 1)[0].strip().lower()
 
 
 def _nesting(body: bytes) -> int:
@@ -358,12 +355,3 @@ def _in_flight(headers: Mapping[str, str], problem: dict[str, object] | None, sa
         return True
     kind = problem.get("type") if problem is not None else None
     return isinstance(kind, str) and kind.endswith(IN_FLIGHT_PROBLEMS)
-
-
-def _seconds_left(
-    deadline: Deadline, clock: Callable[[], float], start: float
-) -> Callable[[], float]:
-    if callable(deadline):
-        return deadline
-    end = start + seconds(deadline)
-    return lambda: end - clock()

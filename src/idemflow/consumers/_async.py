@@ -1,12 +1,6 @@
 """
-The consumer entry point: one message, exactly one effect, through the core's driver.
-
-The key is the message's idempotency key, the principal the consumer's scope
-(a queue, stream or task name, also the metrics' endpoint label), the
-fingerprint the payload's. `AsyncConsumer.handle` runs the handler through
-`AsyncIdempotency.run` (in the caller's transaction when one is given),
-its claim kept alive by a lease keeper, and answers a
-``Decision`` (``idemflow.consumers._decision``) for the adapter to perform.
+The consumer entry point: one message, exactly one effect, through the core's driver; the
+principal is the consumer's scope (a queue, stream or task name), the fingerprint the payload's.
 
 This is the async source of truth; ``idemflow/consumers/_sync.py`` is generated
 from it by ``scripts/unasync.py``.
@@ -14,14 +8,13 @@ from it by ``scripts/unasync.py``.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
 from .. import AsyncAttempt, AsyncIdempotency, Intent, Response, Verdict, fingerprint
-from .._errors import ConfigurationError, MissingKey, ResponseNotStorable
+from .._errors import ConfigurationError, MissingKey
 from ..stores.protocol import AsyncTransaction
-from ._decision import Decision, decide, decide_failure
+from ._decision import Decision, decide, decide_failure, require_renewals, stored
 from ._keeper import AsyncLeaseKeeper
 
 __all__ = ["AsyncConsumer", "AsyncMessageHandler"]
@@ -42,13 +35,7 @@ class AsyncConsumer:
     def __init__(
         self, idempotency: AsyncIdempotency, scope: str, *, renew_every: float | None = None
     ) -> None:
-        if not idempotency.store.renews_claims:
-            msg = (
-                f"{type(idempotency.store).__name__} cannot renew a claim, so a long handler's "
-                "would age out under it and run twice: give the consumer one of idemflow's "
-                "stores, or implement Store.renew and set renews_claims = True"
-            )
-            raise ConfigurationError(msg)
+        require_renewals(idempotency.store)
         self.idempotency = idempotency
         self.scope = scope
         policy = idempotency.policy
@@ -83,8 +70,7 @@ class AsyncConsumer:
 
             async def kept_alive(attempt: AsyncAttempt) -> Response:
                 keeper = AsyncLeaseKeeper(idem.store, attempt.record, self.renew_every, idem.clock)
-                answer = await keeper.guard(lambda: handler(attempt))
-                return _stored(answer)
+                return stored(await keeper.guard(lambda: handler(attempt)))
 
             outcome = await idem.run(intent, kept_alive, transaction=transaction)
         except ConfigurationError:
@@ -95,19 +81,3 @@ class AsyncConsumer:
             not outcome.replayed and idem.policy.verdict(outcome.response) is Verdict.TRANSIENT
         )
         return decide(outcome, released=released)
-
-
-def _stored(answer: Any) -> Response:
-    """The handler's answer as the response replayed for its duplicates: a mistake (an
-    answer JSON cannot hold) is raised, never taken for a transient failure."""
-    if isinstance(answer, Response):
-        return answer
-    if inspect.iscoroutine(answer):  # a coroutine function given to the sync consumer
-        answer.close()
-        msg = "a coroutine function is no handler for the sync consumer: use the asyncio one"
-        raise ConfigurationError(msg)
-    try:
-        return Response.json(200, answer)
-    except (TypeError, ValueError) as exc:
-        msg = f"a message handler must answer a Response or a JSON value, not {type(answer)!r}"
-        raise ResponseNotStorable(msg) from exc

@@ -1,25 +1,28 @@
-"""
-What a consumer does with a message, sans I/O: the broker action each outcome maps to.
-
-`decide` is the whole mapping (docs/consumers.md, "Outcomes and broker
-actions"); adapters only perform the `Action` it names.
-"""
+"""What a consumer does with a message, sans I/O: its key, its handler's answer as stored,
+and the broker `Action` each outcome maps to (`decide`, the whole mapping: docs/consumers.md,
+"Outcomes and broker actions"); adapters only perform it."""
 
 from __future__ import annotations
 
 import enum
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
 from .._errors import (
     ClientError,
+    ConfigurationError,
     IdempotencyError,
     InProgress,
+    MissingKey,
     OutcomeUnknown,
+    ResponseNotStorable,
     StoreUnavailable,
 )
 from .._model import Outcome, Response
+from ..stores.protocol import AsyncStore, Store
 
-__all__ = ["Action", "Decision", "decide", "decide_failure"]
+__all__ = ["Action", "Decision", "decide", "decide_failure", "key_in", "require_renewals", "stored"]
 
 
 class Action(enum.StrEnum):
@@ -76,3 +79,38 @@ def decide_failure(exc: Exception, retry_after: float) -> Decision:
         )
     # The handler's own error: the flow gave the claim back.
     return Decision(Action.RELEASE_AND_REQUEUE, delay=retry_after, problem=exc)
+
+
+def key_in(value: object, missing: str) -> str:
+    """The key a message's header or field holds (bytes: UTF-8); ``MissingKey(missing)`` if none."""
+    if isinstance(value, bytes):
+        value = value.decode()
+    if not isinstance(value, str):
+        raise MissingKey(missing)
+    return value
+
+
+def require_renewals(store: AsyncStore | Store) -> None:
+    if not store.renews_claims:
+        msg = (
+            f"{type(store).__name__} cannot renew a claim, so a long handler's would age out "
+            "under it and run twice: give the consumer one of idemflow's stores, or implement "
+            "Store.renew and set renews_claims = True"
+        )
+        raise ConfigurationError(msg)
+
+
+def stored(answer: Any) -> Response:
+    """A handler's answer as the response replayed for its duplicates: a mistake (an
+    answer JSON cannot hold) is raised, never taken for a transient failure."""
+    if isinstance(answer, Response):
+        return answer
+    if inspect.iscoroutine(answer):  # a coroutine function given to the sync consumer
+        answer.close()
+        msg = "a coroutine function is no handler for the sync consumer: use the asyncio one"
+        raise ConfigurationError(msg)
+    try:
+        return Response.json(200, answer)
+    except (TypeError, ValueError) as exc:
+        msg = f"a message handler must answer a Response or a JSON value, not {type(answer)!r}"
+        raise ResponseNotStorable(msg) from exc

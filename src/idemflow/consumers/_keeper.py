@@ -1,14 +1,8 @@
-"""
-A lease that lives as long as the work: a consumer's claim renewed while its handler runs.
-
-Every ``every`` seconds the keeper calls the store's fenced ``renew``; the first
-renewal that finds another owner (``LeaseLost``) stops it. `AsyncLeaseKeeper`
-then cancels the handler, which raises ``LeaseLost`` instead of answering;
-`LeaseKeeper` (a thread: a sync handler cannot be interrupted) lets it end
-and raises ``LeaseLost`` instead of its answer. Either way the run never completes
-over the new owner (the completion is fenced too) and the caller's transaction
-rolls back. A renewal the store cannot serve is tried again at the next tick.
-"""
+"""A lease that lives as long as the work: a consumer's claim renewed (the store's fenced
+``renew``) every ``every`` seconds while its handler runs, until a renewal finds another owner
+(``LeaseLost``): the handler, cancelled (async) or let end (sync: a thread renews), raises it
+instead of answering, so the run never completes over the new owner (the completion is fenced
+too) and the caller's transaction rolls back. A renewal the store cannot serve is tried again."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""
-Celery tasks with exactly-once effects (Celery imported only here).
-
-`exactly_once` makes a task whose runs go through `Consumer`: the key is a task
-header (or a function of the task's arguments), the principal the task's name, the
-fingerprint its arguments. The task acks late and is requeued when its worker dies
-(``acks_late``, ``reject_on_worker_lost``): every redelivery meets the claim, so it
-never runs twice. ``ack`` returns the handler's answer, ``ack_with_stored_result``
-the stored one without running, ``dead_letter`` raises ``Reject(requeue=False)``,
-every other action ``self.retry(countdown=decision.delay)``, counted against
-``max_retries`` only when the handler failed (docs/consumers.md, "Celery").
-"""
+"""Celery tasks with exactly-once effects (Celery imported only here): `exactly_once` runs a
+task through `Consumer`, the principal its name, the fingerprint its arguments; each action
+as Celery performs it: docs/consumers.md, "Celery"."""
 
 from __future__ import annotations
 
@@ -17,15 +8,15 @@ import functools
 import inspect
 import json
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeAlias
 
 from .. import Idempotency, Response
-from .._errors import ConfigurationError, MissingKey
+from .._errors import ConfigurationError
 from .._extras import optional
 from ..stores.protocol import Transaction
-from ._decision import Decision
+from ._decision import Decision, key_in
 from ._sync import Consumer
 
 with optional("idemflow.consumers.celery"):
@@ -67,16 +58,15 @@ def exactly_once(
         if options.setdefault(name, value) != value:
             msg = f"an exactly-once task needs {name}={value}: see docs/consumers.md, 'Celery'"
             raise ConfigurationError(msg)
-    key_of = _arguments(key) if callable(key) else _header(key)
 
     def decorate(handler: TaskHandler) -> Task:
         name = options.get("name") or app.gen_task_name(handler.__name__, handler.__module__)
         consumer = Consumer(idempotency, name, renew_every=renew_every)
 
         def run(task: Task, *args: Any, **kwargs: Any) -> Any:
-            with _opened(transaction) as opened:
+            with transaction() if transaction else nullcontext(None) as opened:
                 decision = consumer.handle(
-                    lambda: key_of(task, args, kwargs),
+                    lambda: _key(task, key, args, kwargs),
                     _payload(args, kwargs),
                     lambda attempt: handler(attempt, *args, **kwargs),
                     transaction=opened,
@@ -123,29 +113,8 @@ def _payload(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     return json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
 
 
-KeyOf: TypeAlias = Callable[[Task, tuple[Any, ...], dict[str, Any]], str]
-
-
-def _arguments(key: Callable[..., str]) -> KeyOf:
-    return lambda task, args, kwargs: key(*args, **kwargs)
-
-
-def _header(name: str) -> KeyOf:
-    def key(task: Task, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        value = (task.request.headers or {}).get(name)
-        if not isinstance(value, str) or not value:
-            raise MissingKey(f"the task has no {name!r} header")
-        return value
-
-    return key
-
-
-@contextmanager
-def _opened(
-    factory: Callable[[], AbstractContextManager[Transaction]] | None,
-) -> Iterator[Transaction | None]:
-    if factory is None:
-        yield None
-        return
-    with factory() as transaction:
-        yield transaction
+def _key(task: Task, key: str | Callable[..., str], args: Any, kwargs: dict[str, Any]) -> str:
+    if callable(key):
+        return key(*args, **kwargs)
+    value = (task.request.headers or {}).get(key) or None  # an empty header is none too
+    return key_in(value, f"the task has no {key!r} header")

@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any, TypeAlias
 
-from .._errors import MissingKey
 from .._extras import optional
 from ..stores.protocol import AsyncTransaction
 from ._async import AsyncConsumer
+from ._decision import key_in
 
 with optional("idemflow.consumers.nats"):
     from nats.aio.msg import Msg
@@ -49,7 +49,7 @@ class JetStream:
     ) -> None:
         self.consumer, self.js, self.stream, self.durable = consumer, js, stream, durable
         self.dead_letter, self.ack_wait = dead_letter, ack_wait
-        self._key = key if callable(key) else _header(key)
+        self._key = key
         self._transaction = transaction
 
     async def fetch(self, handler: MessageHandler, batch: int = 1, timeout: float = 1.0) -> int:
@@ -72,7 +72,7 @@ class JetStream:
             opened = self._transaction() if self._transaction else nullcontext(None)
             async with opened as transaction:
                 decision = await self.consumer.handle(
-                    lambda: self._key(message),
+                    lambda: self._key_of(message),
                     message.data,
                     lambda attempt: handler(attempt, message),
                     transaction=transaction,
@@ -94,17 +94,13 @@ class JetStream:
             await message.nak(delay=max(decision.delay, 0.001))
         return decision.action.value
 
+    def _key_of(self, message: Msg) -> str:
+        if callable(self._key):
+            return self._key(message)
+        value = (message.headers or {}).get(self._key)
+        return key_in(value, f"the message has no {self._key!r} header")
+
     async def _in_progress(self, message: Msg) -> None:
         while True:
             await asyncio.sleep(self.ack_wait / 3)
             await message.in_progress()
-
-
-def _header(name: str) -> Callable[[Msg], str]:
-    def key(message: Msg) -> str:
-        value = (message.headers or {}).get(name)
-        if not isinstance(value, str):
-            raise MissingKey(f"the message has no {name!r} header")
-        return value
-
-    return key

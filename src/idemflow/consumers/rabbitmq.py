@@ -4,15 +4,16 @@ queue; the mapping and why a delay queue per delay: docs/consumers.md, "RabbitMQ
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any, TypeAlias
 
-from .._errors import MissingKey
 from .._extras import optional
 from ..stores.protocol import AsyncTransaction
 from ._async import AsyncConsumer
+from ._decision import key_in
 
 with optional("idemflow.consumers.rabbitmq"):
     import aio_pika
@@ -53,18 +54,14 @@ class RabbitMQ:
     ) -> None:
         self.consumer, self.channel, self.queue = consumer, channel, queue
         self.dead_letter = dead_letter or f"{queue}.dead"
-        self._key = key if callable(key) else _header(key)
+        self._key = key
         self._transaction = transaction
 
     async def consume(self, handler: MessageHandler) -> str:
         """Start consuming (each message in a task of its own, as many at once as the
         channel's prefetch allows); returns the consumer tag."""
         queue = await self.channel.get_queue(self.queue, ensure=False)
-
-        async def on_message(message: AbstractIncomingMessage) -> None:
-            await self.deliver(message, handler)
-
-        return await queue.consume(on_message)
+        return await queue.consume(functools.partial(self.deliver, handler=handler))
 
     async def deliver(self, message: AbstractIncomingMessage, handler: MessageHandler) -> str:
         """Handle one message and perform its decision; returns the action taken. A mistake
@@ -73,7 +70,7 @@ class RabbitMQ:
         opened = self._transaction() if self._transaction else nullcontext(None)
         async with opened as transaction:
             decision = await self.consumer.handle(
-                lambda: self._key(message),
+                lambda: self._key_of(message),
                 message.body,
                 lambda attempt: handler(attempt, message),
                 transaction=transaction,
@@ -86,6 +83,11 @@ class RabbitMQ:
             await self._publish(message, await self._delay_queue(decision.delay))
         await message.ack()
         return decision.action.value
+
+    def _key_of(self, message: AbstractIncomingMessage) -> str:
+        if callable(self._key):
+            return self._key(message)
+        return key_in(message.headers.get(self._key), f"the message has no {self._key!r} header")
 
     async def _delay_queue(self, delay: float) -> str:
         """The delay queue for ``delay``, declared before each publish: the broker deletes
@@ -107,15 +109,3 @@ class RabbitMQ:
         returned = await self.channel.default_exchange.publish(copy, routing_key=queue)
         if isinstance(returned, DeliveredMessage):  # the queue deleted since declared
             raise RuntimeError(f"the broker could not route the message to {queue!r}")
-
-
-def _header(name: str) -> Callable[[AbstractIncomingMessage], str]:
-    def key(message: AbstractIncomingMessage) -> str:
-        value = message.headers.get(name)
-        if isinstance(value, bytes):
-            value = value.decode()
-        if not isinstance(value, str):
-            raise MissingKey(f"the message has no {name!r} header")
-        return value
-
-    return key

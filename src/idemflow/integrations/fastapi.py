@@ -195,9 +195,6 @@ def dependency(
             with an ``Idempotent``, its stale threshold may not exceed the driver's.
         required: whether a request must carry an ``Idempotency-Key``; with False,
             one without runs unprotected, once, in a transaction of its own.
-
-    Raises:
-        ConfigurationError: no ``principal`` on an endpoint that is not public.
     """
     if not isinstance(idempotent, Idempotent):
         app_policy = policy if isinstance(policy, Policy) else None

@@ -47,7 +47,13 @@ from ..edge import (
     sync_replay_authorizer,
 )
 from ..stores.protocol import Store, Transaction
-from .wsgi import ReplayHook, _require_length, report_from_flask, view_options
+from .wsgi import (
+    ReplayHook,
+    _require_length,
+    configured_replay_hook,
+    report_from_flask,
+    view_options,
+)
 
 with optional("idemflow.integrations.flask"):
     from flask import Flask, current_app, g, request
@@ -158,28 +164,20 @@ class _Protector(Protocol):
 
 
 class Idempotency:
-    """The Flask extension: ``Idempotency(app)`` or ``Idempotency()`` then ``init_app(app)``.
+    """The Flask extension: ``Idempotency(app)`` or ``Idempotency()`` then ``init_app(app)``
+    (docs/frameworks/flask.md, "Configuration").
 
     Args:
-        db: the app's own database: Flask-SQLAlchemy's ``SQLAlchemy`` (the view
-            writes in ``db.session``), a SQLAlchemy ``Engine`` or ``sessionmaker``
-            (the view writes in `session`). The completion is written in that
-            session's transaction; the key table lives in its database unless
-            ``IDEMFLOW_STORE`` names another, claimed on the engine's own pool
-            (PostgreSQL through psycopg; SQLite on its file; elsewhere a pool
-            of the store's).
-        transaction: instead of ``db``, opens the transaction the view writes
-            in, e.g. ``lambda: nullcontext(SQLAlchemyTransaction(session))``.
-            Without either, the completion is written after the view returned
-            (the weaker mode: a crash in between leaves the key for the sweeper).
+        db: the app's own database (Flask-SQLAlchemy's ``SQLAlchemy``, a SQLAlchemy
+            ``Engine`` or ``sessionmaker``): the completion is written in its session's
+            transaction, the key table there unless ``IDEMFLOW_STORE`` names another.
+        transaction: instead of ``db``, opens the transaction the view writes in; without
+            either, the completion is written after the view returned (the weaker mode).
         store: a store object instead of ``IDEMFLOW_STORE``.
         principal: returns the caller's id (None when anonymous).
-        observer: told every outcome of every protected request (claimed,
-            replayed, released, …), e.g. an `idemflow.metrics.PrometheusMetrics`.
-        authorize_replay: ``(record) -> bool``, asked before a stored response
-            is replayed; False answers 403. Or ``IDEMFLOW_AUTHORIZE_REPLAY``,
-            not both. A plain function: an ``async def`` one is a
-            ``ConfigurationError`` when the app is set up.
+        observer: told every outcome of every protected request.
+        authorize_replay: ``(record) -> bool`` (plain, not ``async def``), asked before a
+            replay (False: 403); or ``IDEMFLOW_AUTHORIZE_REPLAY``, not both.
     """
 
     def __init__(
@@ -213,12 +211,8 @@ class Idempotency:
 
     def init_app(self, app: Flask) -> None:
         """Set ``app`` up (application factories): its ``IDEMFLOW_*`` defaults, its key store
-        and the ``flask idemflow`` commands.
-
-        Raises:
-            ConfigurationError: no ``principal=`` and no Flask-Login login manager (keys
-                are never claimed anonymously), or a setting out of range.
-        """
+        and the ``flask idemflow`` commands. ConfigurationError: a setting out of range, or
+        no ``principal=`` and no Flask-Login login manager (never claimed anonymously)."""
         for key, value in _CONFIG.items():
             app.config.setdefault(key, value)
         policy = Policy(
@@ -244,15 +238,7 @@ class Idempotency:
         if self._authorize_replay is not None:
             msg = "pass authorize_replay= or set IDEMFLOW_AUTHORIZE_REPLAY, not both"
             raise ConfigurationError(msg)
-        if isinstance(configured, str):
-            from werkzeug.utils import ImportStringError, import_string
-
-            try:
-                configured = import_string(configured)
-            except ImportStringError as exc:
-                msg = f"IDEMFLOW_AUTHORIZE_REPLAY = {configured!r} does not import: {exc}"
-                raise ConfigurationError(msg) from exc
-        return sync_replay_authorizer(configured, "IDEMFLOW_AUTHORIZE_REPLAY")
+        return configured_replay_hook(configured, "IDEMFLOW_AUTHORIZE_REPLAY")
 
     @overload
     def protect(
@@ -285,15 +271,10 @@ class Idempotency:
         authorize_replay: ReplayHook | None = None,
         policy: RoutePolicy | None = None,
     ) -> Callable[_P, FlaskResponse] | _Protector:
-        """Protect a view; ``@idem.protect`` or ``@idem.protect(public=…, validate=…)``.
-
-        The view keeps its parameters; it answers a Flask ``Response``.
-        ``validate`` is called with the view's arguments after the body was read
-        and before the claim: what it raises (a 400) is never recorded.
-        ``authorize_replay`` replaces the app's replay hook for this view.
-        ``policy``: this view's [`Policy`][idemflow.Policy] (retention, request timeout;
-        its stale threshold within the app's), or ``(principal) -> Policy``.
-        """
+        """Protect a view (``@idem.protect``, or ``@idem.protect(…)``), its parameters kept.
+        ``validate`` is called with them before the claim (what it raises is never recorded);
+        ``authorize_replay`` and ``policy`` (a [`Policy`][idemflow.Policy] within the app's,
+        or ``(principal) -> Policy``) are this view's own."""
         if authorize_replay is not None:
             sync_replay_authorizer(authorize_replay, "@idem.protect(authorize_replay=…)")
 
@@ -358,11 +339,6 @@ class Idempotency:
             return _to_flask(problem_for(exc, rid))
         if validate is not None:
             validate()
-        return self._respond(state, http, view, edge)
-
-    def _respond(
-        self, state: _State, http: HTTPRequest, view: Callable[[], Any], edge: Edge
-    ) -> FlaskResponse:
         made: list[FlaskResponse] = []
         read: list[Response] = []
 
@@ -370,9 +346,8 @@ class Idempotency:
             # After the view ran, on the edge's side of the line: what fails here (a
             # value Flask makes no response of, a streamed body) never releases the key
             # where the view's effect stays (no transaction): a response-not-stored marker.
-            original = current_app.make_response(returned)
-            made.append(original)
-            read.append(_from_flask(original))
+            made.append(current_app.make_response(returned))
+            read.append(_from_flask(made[0]))
             return read[0]
 
         answer = edge.respond(
@@ -462,14 +437,9 @@ def _engine_of(db: Any) -> Engine:
 
 
 def _body(limit: int) -> bytes:
-    """The whole body, at most ``limit`` bytes (or Flask's ``MAX_CONTENT_LENGTH``, the
-    request's own maximum, when lower); 413 before reading when the length says so.
-
-    A body shorter than its ``Content-Length`` did not arrive whole (400
-    ``incomplete-body``): Werkzeug raises ``ClientDisconnected`` only where it
-    bounds the stream itself; behind a server that terminates the stream
-    (gunicorn's ``wsgi.input_terminated``) it returns what arrived.
-    """
+    """The whole body, at most ``limit`` bytes (or ``MAX_CONTENT_LENGTH`` when lower). One
+    shorter than its ``Content-Length`` is a 400: Werkzeug raises ``ClientDisconnected``
+    only where it bounds the stream itself, else returns what arrived."""
     environ = request.environ
     current = request.max_content_length
     cap = limit if current is None else min(limit, current)
@@ -500,13 +470,9 @@ def _body(limit: int) -> bytes:
 
 
 def _from_flask(response: FlaskResponse) -> Response:
-    """A Flask response with its body in memory as an idemflow Response.
-
-    A streamed or ``direct_passthrough`` (``send_file``) one is refused with
-    ``ResponseNotStorable``, which carries its status and headers: without a
-    transaction the key is settled with a ``response-not-stored`` marker naming
-    them, never released (the view ran); with one it rolls back (a 500).
-    """
+    """A Flask response with its body in memory as an idemflow Response; a streamed or
+    ``send_file`` one is `ResponseNotStorable`, carrying its status and headers for the
+    ``response-not-stored`` marker."""
     headers = tuple((k, v) for k, v in response.headers.items() if k.lower() != "content-length")
     if response.is_streamed or response.direct_passthrough:
         msg = (
@@ -527,13 +493,9 @@ def _to_flask(response: Response) -> FlaskResponse:
 
 
 def handle_outcome_unknown(app: Flask) -> None:
-    """Answer an ``OutcomeUnknown`` with the 503 ``outcome-unknown`` problem and report it to
-    `idemflow.integrations.wsgi.IdempotencyMiddleware` (the claim kept for the sweeper).
-
-    The middleware registers it on the app it wraps; an app's own
-    ``errorhandler(OutcomeUnknown)`` is kept, and calls
-    `idemflow.integrations.wsgi.report_outcome_unknown` itself.
-    """
+    """Answer an ``OutcomeUnknown`` with the 503 ``outcome-unknown`` problem, reported to
+    the WSGI middleware (which registers it on the app it wraps, unless the app has its own
+    handler: that one calls `idemflow.integrations.wsgi.report_outcome_unknown`)."""
     report_from_flask(app)
 
 

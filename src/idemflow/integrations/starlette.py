@@ -181,12 +181,8 @@ class Idempotent:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole request body, kept on the request as ``Request.body()`` keeps it.
-
-    Raises:
-        BodyTooLarge: ``Content-Length`` or the bytes received are over ``limit``.
-        IncompleteBody: the client went away, or sent fewer bytes than announced.
-    """
+    """The whole request body, kept on the request as ``Request.body()`` keeps it:
+    `BodyTooLarge` over ``limit``, `IncompleteBody` if the client went away or sent less."""
     cached = getattr(request, "_body", None)
     if isinstance(cached, bytes):
         if len(cached) > limit:
@@ -224,12 +220,9 @@ def effective_route(route: Any, scope: Scope) -> Any:
 
 
 def mount_prefix(scope: Scope) -> str:
-    """The templates of the mounts this request went through (``""`` if none).
-
-    ``root_path`` holds the text the mounts matched (after ``app_root_path``, a
-    proxy's prefix), so the templates are found by matching the app's routes again;
-    an app mounted by something other than starlette keeps the matched text.
-    """
+    """The templates of the mounts this request went through (``""`` if none): ``root_path``
+    holds the text they matched (after ``app_root_path``, a proxy's prefix), so the app's
+    routes are matched again; an app mounted by something else keeps the matched text."""
     root_path = str(scope.get("root_path", ""))
     app_root = str(scope.get("app_root_path", root_path))
     if not root_path.startswith(app_root) or root_path == app_root:

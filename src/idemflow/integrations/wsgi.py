@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import pkgutil
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -235,6 +236,19 @@ def report_from_flask(app: Any) -> None:
 
 #: How many wrappers (``ProxyFix(app.wsgi_app)``, …) are looked through for a Flask app.
 _MAX_WRAPPERS = 8
+
+
+def configured_replay_hook(hook: object, setting: str) -> ReplayHook | None:
+    """A replay hook setting (Flask's, Django's): the callable, or the one its import path
+    names, checked plain (ConfigurationError)."""
+    if hook is None:
+        return None
+    if isinstance(hook, str):
+        try:
+            hook = pkgutil.resolve_name(hook)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ConfigurationError(f"{setting} = {hook!r} does not import: {exc}") from exc
+    return sync_replay_authorizer(hook, setting)
 
 
 def view_options(setting: Callable[[str], Any]) -> EdgeOptions:

@@ -1,9 +1,7 @@
-"""
-Key records in the Django project's own database, on Django's connections: `DjangoStore`
-and `DjangoTransaction`, the view's ``transaction.atomic()`` it completes in. Which
-connection a statement runs on: docs/frameworks/django.md, "Transactions,
-``ATOMIC_REQUESTS`` and what commits when".
-"""
+"""Key records in the Django project's own database, on Django's connections: `DjangoStore`
+and `DjangoTransaction`, the view's ``transaction.atomic()`` it completes in. Which connection
+a statement runs on: docs/frameworks/django.md, "Transactions, ``ATOMIC_REQUESTS`` and what
+commits when"."""
 
 from __future__ import annotations
 
@@ -15,12 +13,11 @@ from typing import Any
 
 from .._errors import ConfigurationError
 from .._extras import optional
-from .._model import DEFAULT_STALE_SECONDS, Claim, Intent, Record, Response, State
+from .._model import DEFAULT_STALE_SECONDS, Claim, Intent
 from ..transactions import PsycopgTransaction
 from . import mysql, postgres, sqlite
 from .protocol import (
     CommitFailed,
-    MaintainableStore,
     NotFused,
     Statement,
     Transaction,
@@ -70,11 +67,8 @@ def _pg_lock_timeout(exc: BaseException) -> bool:
 
 
 class _SideConnections:
-    """One extra connection per (thread, alias), in autocommit, with bounded lock waits.
-
-    Django's connections belong to the thread that made them; so do these.
-    A connection that raised is closed, so the next use reconnects.
-    """
+    """One extra connection per (thread, alias), in autocommit, with bounded lock waits: of
+    its thread, as Django's connections are; closed once it raised (the next use reconnects)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -127,10 +121,8 @@ def _busy(conn: Any) -> bool:
 
 
 class store_connection:
-    """The connection a store statement runs on (see the module's docstring).
-
-    A class, not a generator: it is entered for every claim.
-    """
+    """The connection a store statement runs on (see the module's docstring); a class, not a
+    generator: it is entered for every claim."""
 
     __slots__ = ("_always_side", "_side", "_using")
 
@@ -169,28 +161,6 @@ class _Pool:
         _side.discard(self.using)
 
 
-class _MySQL(mysql.MySQLStore):
-    """MySQLStore's claim algorithm on Django's connections instead of its own pool.
-
-    ``MySQLStore.__init__`` is not called: its pool would hand one thread's
-    connection to another, which Django's connections refuse.
-    """
-
-    def __init__(self, using: str, table: str, clock: str, lock_wait_timeout: int) -> None:
-        self.statements = mysql.mysql_statements(table, check_clock(clock))
-        self.lock_wait_timeout = lock_wait_timeout
-        self.pool = _Pool(using)  # type: ignore[assignment]
-        SQLStore.__init__(
-            self,
-            dialect_for("mysql", table, clock),
-            self.pool.connection,
-            paramstyle="pyformat",
-            is_unavailable=_unavailable("mysql"),
-            is_lock_timeout=mysql.is_contention,
-            extra_params=True,
-        )
-
-
 def dialect_for(vendor: str, table: str, clock: str = "caller") -> Dialect:
     """The statements idemflow's own store for ``vendor`` runs (DDL included)."""
     if vendor == "mysql":
@@ -206,50 +176,39 @@ def dialect_for(vendor: str, table: str, clock: str = "caller") -> Dialect:
     raise ConfigurationError(msg)
 
 
-def _inner_store(using: str, table: str, clock: str) -> SQLStore:
-    vendor = connections[using].vendor
-    if vendor == "mysql":
-        return _MySQL(using, table, clock, mysql.DEFAULT_LOCK_WAIT_TIMEOUT)
-    # Django's cursors take %(name)s on every backend (its SQLite wrapper converts them)
-    # and ignore parameters a statement does not name.
-    return SQLStore(
-        dialect_for(vendor, table, clock),
-        functools.partial(store_connection, using, always_side=False),
-        paramstyle="pyformat",
-        is_unavailable=_unavailable(vendor),
-        is_lock_timeout=_pg_lock_timeout if vendor == "postgresql" else _never,
-        extra_params=True,
-    )
-
-
 def _never(exc: BaseException) -> bool:
     return False  # SQLite: one writer, no lock wait to bound
 
 
-# --- the store ----------------------------------------------------------------------------
+class DjangoStore(SQLStore):
+    """Key records in the ``DATABASES`` alias ``using`` (the key table, created by
+    ``manage.py migrate``, and the completion live there), on Django's connections.
+    ``clock``: ``"database"`` (default) takes every time decision on the server's clock
+    (PostgreSQL, MySQL); ``"caller"`` on the ``now`` each call passes (SQLite's only)."""
 
-
-class DjangoStore(MaintainableStore):
-    """Key records in a ``DATABASES`` alias, on Django's connections.
-
-    Args:
-        using: the alias (the key table and the completion live there).
-        table: the key table, created by ``manage.py migrate`` (the app's migration).
-        clock: ``"database"`` (default) takes every time decision on the
-            server's clock (PostgreSQL, MySQL); ``"caller"`` on the ``now``
-            each call passes (tests with a frozen clock). SQLite has only the caller's.
-    """
-
-    supports_transactions = True
-    renews_claims = True
+    def __new__(cls, using: str = DEFAULT_DB_ALIAS, **_: Any) -> DjangoStore:
+        # On MySQL, MySQLStore's claim algorithm: the same store, one class below.
+        mine = _MySQL if cls is DjangoStore and connections[using].vendor == "mysql" else cls
+        return super().__new__(mine)
 
     def __init__(
         self, using: str = DEFAULT_DB_ALIAS, *, table: str = DEFAULT_TABLE, clock: str = "database"
     ) -> None:
         self.using = using
         self.table = table
-        self._inner = _inner_store(using, table, clock)
-        self.dialect = self._inner.dialect
+        vendor = self.vendor
+        lock_timeout = {"postgresql": _pg_lock_timeout, "mysql": mysql.is_contention}
+        # Django's cursors take %(name)s on every backend (its SQLite wrapper converts them)
+        # and ignore parameters a statement does not name.
+        SQLStore.__init__(  # not super(): on MySQL, MySQLStore's __init__ comes next
+            self,
+            dialect_for(vendor, table, clock),
+            functools.partial(store_connection, using, always_side=vendor == "mysql"),
+            paramstyle="pyformat",
+            is_unavailable=_unavailable(vendor),
+            is_lock_timeout=lock_timeout.get(vendor, _never),
+            extra_params=True,
+        )
 
     @property
     def vendor(self) -> str:
@@ -257,12 +216,7 @@ class DjangoStore(MaintainableStore):
 
     @functools.cached_property  # every request asks; the dialect is fixed
     def supports_single_commit(self) -> bool:
-        """PostgreSQL and MySQL bound a duplicate's wait on an uncommitted claim; SQLite cannot."""
-        return bool(self._inner.supports_single_commit)
-
-    def is_unavailable(self, exc: BaseException) -> bool:
-        """See `idemflow.stores.sql.SQLStore.is_unavailable`."""
-        return self._inner.is_unavailable(exc)
+        return bool(super().supports_single_commit)
 
     @functools.cached_property
     def _lends(self) -> bool:
@@ -286,107 +240,36 @@ class DjangoStore(MaintainableStore):
         sees it at once); once it has begun, on the side connection. Never as one of the
         request's writes: it would vanish with a crash after an external call.
         """
-        if not self._lends:
-            return self.claim(intent, lease_token, now, expires_at, stale_after=stale_after)
-        conn = lender.lend((self.using,))
-        if conn is None or not conn.in_atomic_block:
-            return self.claim(intent, lease_token, now, expires_at, stale_after=stale_after)
-        raw = idle_psycopg3(conn)
-        if raw is None:  # begun on the server: committed alone on the side connection
+        conn = lender.lend((self.using,)) if self._lends else None
+        raw = idle_psycopg3(conn) if conn is not None and conn.in_atomic_block else None
+        if raw is None:  # not lent, or begun on the server: alone, on `store_connection`'s
             return self.claim(intent, lease_token, now, expires_at, stale_after=stale_after)
         _lent.__dict__[self.using] = conn
         try:
             with autocommit(raw):
-                claim = self._inner.claim(
-                    intent, lease_token, now, expires_at, stale_after=stale_after
-                )
+                return self.claim(intent, lease_token, now, expires_at, stale_after=stale_after)
         finally:
             del _lent.__dict__[self.using]
-        return claim
-
-    def claim(
-        self,
-        intent: Intent,
-        lease_token: str,
-        now: float,
-        expires_at: float,
-        transaction: Transaction | None = None,
-        *,
-        stale_after: float = DEFAULT_STALE_SECONDS,
-    ) -> Claim:
-        return self._inner.claim(
-            intent, lease_token, now, expires_at, transaction, stale_after=stale_after
-        )
-
-    def complete(
-        self,
-        record: Record,
-        state: State,
-        response: Response,
-        now: float,
-        expires_at: float,
-        transaction: Transaction | None = None,
-    ) -> None:
-        self._inner.complete(record, state, response, now, expires_at, transaction)
-
-    def release(self, record: Record, now: float, transaction: Transaction | None = None) -> bool:
-        return self._inner.release(record, now, transaction)
-
-    def checkpoint(
-        self,
-        record: Record,
-        recovery_point: str,
-        now: float,
-        transaction: Transaction | None = None,
-    ) -> None:
-        self._inner.checkpoint(record, recovery_point, now, transaction)
-
-    def renew(self, record: Record, now: float) -> None:
-        self._inner.renew(record, now)
-
-    def get(self, principal: str, key: str) -> Record | None:
-        return self._inner.get(principal, key)
-
-    def sweep(
-        self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
-    ) -> list[Record]:
-        return self._inner.sweep(from_state, cutoff, now, keep_until, limit)
-
-    def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        return self._inner.next_due(from_state, cutoff, now)
-
-    def settle_stale(
-        self,
-        record: Record,
-        state: State,
-        response: Response,
-        now: float,
-        expires_at: float,
-        transaction: Transaction | None = None,
-    ) -> bool:
-        return self._inner.settle_stale(record, state, response, now, expires_at, transaction)
-
-    def release_stale(
-        self,
-        record: Record,
-        now: float,
-        transaction: Transaction | None = None,
-        *,
-        forget_progress: bool = False,
-    ) -> bool:
-        return self._inner.release_stale(record, now, transaction, forget_progress=forget_progress)
-
-    def purge(self, now: float, limit: int) -> int:
-        return self._inner.purge(now, limit)
-
-    def migrate(self) -> None:
-        """Create the key table as ``idemflow migrate`` does (``manage.py migrate`` is the
-        Django way; both give the same schema)."""
-        self._inner.migrate()
 
     def close(self) -> None:
         """Close this thread's side connection (the thread's own belongs to Django)."""
         _side.discard(self.using)
+
+
+class _MySQL(DjangoStore, mysql.MySQLStore):
+    """`DjangoStore` on MySQL: MySQLStore's claim algorithm on Django's connections.
+    ``MySQLStore.__init__`` is not called: its pool would hand one thread's connection
+    to another, which Django's connections refuse."""
+
+    supports_single_commit = True  # MySQLStore's
+
+    def __init__(
+        self, using: str = DEFAULT_DB_ALIAS, *, table: str = DEFAULT_TABLE, clock: str = "database"
+    ) -> None:
+        self.statements = mysql.mysql_statements(table, check_clock(clock))
+        self.lock_wait_timeout = mysql.DEFAULT_LOCK_WAIT_TIMEOUT
+        self.pool = _Pool(using)  # type: ignore[assignment]
+        super().__init__(using, table=table, clock=clock)
 
 
 # --- the view's transaction ---------------------------------------------------------------
@@ -447,16 +330,9 @@ def _as_django_error(conn: Any, error: BaseException | None) -> BaseException | 
 
 
 class DjangoTransaction(Transaction):
-    """The view's ``transaction.atomic()`` on ``connections[using]``, as the driver needs it.
-
-    Outside any atomic block, ``begin``/``commit``/``rollback`` are an outermost
-    ``atomic`` (BEGIN, COMMIT and ``on_commit``, ROLLBACK). Inside one, a savepoint:
-    the completion commits with the enclosing transaction, and after a rollback the
-    release goes through an autocommit side connection (refused on SQLite, whose one
-    writer is the enclosing transaction). A transaction marked for rollback is never
-    reported committed. docs/frameworks/django.md, "Transactions, ``ATOMIC_REQUESTS``
-    and what commits when".
-    """
+    """The view's ``transaction.atomic()`` on ``connections[using]``, as the driver needs it:
+    an outermost ``atomic``, or a savepoint inside an enclosing one (docs/frameworks/django.md,
+    "Transactions, ``ATOMIC_REQUESTS`` and what commits when")."""
 
     def __init__(self, using: str = DEFAULT_DB_ALIAS) -> None:
         self.using = using
@@ -525,14 +401,9 @@ class DjangoTransaction(Transaction):
     def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
     ) -> int:
-        """The fenced write and its COMMIT in one round trip, on PostgreSQL through psycopg 3.
-
-        Sent as ``PsycopgTransaction`` sends them, on the psycopg connection under
-        Django's; Django then ends its ``atomic`` block (nothing left to send,
-        ``on_commit`` runs). Everywhere else (SQLite, MySQL, psycopg2, a savepoint, a
-        transaction marked for rollback, an instrumented connection)
-        `NotFused`, before anything is sent.
-        """
+        """The fenced write and its COMMIT in one round trip (``PsycopgTransaction``'s), on
+        the psycopg 3 connection under Django's, which then ends its ``atomic`` block;
+        `NotFused` wherever `_psycopg_connection` finds none, before anything is sent."""
         raw = self._psycopg_connection()
         if raw is None:
             raise NotFused

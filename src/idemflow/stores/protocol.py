@@ -83,13 +83,8 @@ def _judges_nothing(exc: BaseException) -> bool:
 
 
 class Transaction(Protocol):
-    """The caller's transaction on the caller's connection (sync).
-
-    Beside the five statements, three capabilities with defaults:
-    `execute_and_commit` (a fenced write and its COMMIT in one round trip),
-    `lend` (its connection, for a claim that commits alone before BEGIN) and
-    `is_unavailable` (what its library's errors mean).
-    """
+    """The caller's transaction on the caller's connection (sync): five statements, and
+    three capabilities with defaults (`execute_and_commit`, `lend`, `is_unavailable`)."""
 
     @property
     def connection(self) -> Any:
@@ -106,12 +101,9 @@ class Transaction(Protocol):
     def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
     ) -> int:
-        """Run the write; commit (then begin again, with ``begin``) only if it changed one row.
-
-        Returns the rows the write changed (anything but 1 commits nothing). Raises
-        `CommitFailed` when the write went through and the COMMIT did not, `NotFused`
-        (having sent nothing) when they cannot travel together: by default, always.
-        """
+        """The write and, if it changed one row, its COMMIT (then BEGIN, with ``begin``) in one
+        round trip; the rows it changed. `CommitFailed`: the COMMIT failed; `NotFused` (by
+        default): nothing sent, they cannot travel together."""
         raise NotFused
 
     def lend(self, sources: tuple[Any, ...]) -> Any:
@@ -120,11 +112,8 @@ class Transaction(Protocol):
         return None
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        """Does ``exc``, raised by this transaction's library, mean the database cannot serve?
-
-        Asked of the ``BEGIN`` and a checkout, never of the handler's errors. Best a static
-        method: a pooled transaction asks its adapter's class, before a checkout.
-        """
+        """Does ``exc`` (of this library, from the ``BEGIN`` or a checkout) mean the database
+        cannot serve? Best static: a pooled transaction asks its class, before a checkout."""
         return False
 
     if not TYPE_CHECKING:
@@ -149,15 +138,12 @@ class AsyncTransaction(Protocol):
     async def execute_and_commit(
         self, statement: Statement, params: Mapping[str, Any], *, begin: bool = False
     ) -> int:
-        """`Transaction.execute_and_commit`."""
         raise NotFused
 
     async def lend(self, sources: tuple[Any, ...]) -> Any:
-        """[`Transaction.lend`][idemflow.stores.protocol.Transaction.lend]."""
         return None
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        """[`Transaction.is_unavailable`][idemflow.stores.protocol.Transaction.is_unavailable]."""
         return False
 
     if not TYPE_CHECKING:
@@ -187,14 +173,10 @@ class Store(Protocol):
         *,
         stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
-        """Insert ``in_progress`` (or take over an expired/released record) atomically.
-
-        ``stale_after`` is the claim's own stale threshold (the policy in force for it): the
-        record keeps it, and every owner write that dates it (claim, `checkpoint`, `renew`,
-        `release`) sets its ``stale_at`` that far on, on the store's clock. Returns
-        ``Claim(owned=True, …)`` when this call created or took over the record, else the
-        record as it stands. Raises ``StoreUnavailable``.
-        """
+        """Insert ``in_progress`` (or take over an expired/released record) atomically:
+        ``Claim(owned=True, …)`` if this call did, else the record as it stands. The record
+        keeps ``stale_after``, its own threshold: each owner write that dates it sets its
+        ``stale_at`` that far on, on the store's clock. Raises ``StoreUnavailable``."""
 
     def complete(
         self,
@@ -205,11 +187,8 @@ class Store(Protocol):
         expires_at: float,
         transaction: Transaction | None = None,
     ) -> None:
-        """Settle the record if it is still ours (``id``, lease token, ``in_progress``).
-
-        ``expires_at`` is the end of its retention, counted from now: how long
-        the outcome is replayed. Raises ``LeaseLost`` when no row matched.
-        """
+        """Settle the record if still ours (``id``, lease token, ``in_progress``), replayed
+        until ``expires_at``; else ``LeaseLost``."""
 
     def release(self, record: Record, now: float, transaction: Transaction | None = None) -> bool:
         """Give the key back if it is still ours (on the caller's connection, with
@@ -231,10 +210,8 @@ class Store(Protocol):
     renews_claims: bool = False
 
     def renew(self, record: Record, now: float) -> None:
-        """Keep the claim alive: date it ``now`` (its ``stale_at`` its own threshold on) if it
-        is still ours (fenced as `complete`), else ``LeaseLost``; a consumer's lease keeper
-        calls it while a long handler runs.
-        By default `ConfigurationError`: this store cannot keep a claim alive."""
+        """Date the claim ``now`` if still ours (fenced as `complete`), else ``LeaseLost``: a
+        lease keeper's, while a long handler runs. By default `ConfigurationError`."""
         raise _renew_refused(self)
 
     def claim_on_lent(
@@ -327,7 +304,6 @@ class AsyncStore(Protocol):
     renews_claims: bool = False  # `Store.renews_claims`
 
     async def renew(self, record: Record, now: float) -> None:
-        """`Store.renew`."""
         raise _renew_refused(self)
 
     async def claim_on_lent(
@@ -340,19 +316,15 @@ class AsyncStore(Protocol):
         *,
         stale_after: float = DEFAULT_STALE_SECONDS,
     ) -> Claim:
-        """[`Store.claim_on_lent`][idemflow.stores.protocol.Store.claim_on_lent]."""
         return await self.claim(intent, lease_token, now, expires_at, stale_after=stale_after)
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        """[`Store.is_unavailable`][idemflow.stores.protocol.Store.is_unavailable]."""
         return False
 
     def cover_stale_threshold(self, seconds: float) -> None:
-        """[`Store.cover_stale_threshold`][idemflow.stores.protocol.Store.cover_stale_threshold]."""
         return
 
     def cover_store_wait(self, seconds: float) -> None:
-        """[`Store.cover_store_wait`][idemflow.stores.protocol.Store.cover_store_wait]."""
         return
 
     def stats(self) -> StatsSource:
@@ -360,11 +332,9 @@ class AsyncStore(Protocol):
         raise _stats_refused(self)
 
     async def migrate(self) -> None:
-        """[`Store.migrate`][idemflow.stores.protocol.Store.migrate]."""
         return
 
     async def close(self) -> None:
-        """[`Store.close`][idemflow.stores.protocol.Store.close]."""
         return
 
 
@@ -374,23 +344,13 @@ class MaintainableStore(Store, Protocol):
     def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
-        """Mark up to ``limit`` records in ``from_state`` whose own ``stale_at`` is before
-        ``cutoff`` stale (dating ``stale_at`` at the mark), earliest first.
-
-        The sweeper's cutoff is ``now`` (each record's deadline, from its own threshold)
-        for ``in_progress`` and ``released``, ``now - retry_unknown_after`` for ``stale``.
-        One atomic statement per batch: a record is marked by one sweeper only, and kept
-        at least until ``keep_until``. ``from_state=RELEASED`` marks only released records
-        *with* a recovery point.
-        """
+        """Mark stale, in one atomic statement, up to ``limit`` records in ``from_state``
+        whose ``stale_at`` is before ``cutoff``, earliest first, kept until ``keep_until`` at
+        least (``RELEASED``: only those with a recovery point); ``docs/crash-safety.md``."""
 
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
-        """Seconds until `sweep` with this ``cutoff`` would find a record to mark (the
-        earliest ``stale_at`` minus ``cutoff``).
-
-        Negative: one is due already; ``math.inf``: none is in ``from_state``; ``None``:
-        this store cannot tell cheaply (the sweeper passes every interval).
-        """
+        """The earliest ``stale_at`` minus ``cutoff`` (negative: due), ``math.inf`` if none
+        is in ``from_state``, None if this store cannot tell cheaply."""
 
     def settle_stale(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 from .._errors import ConfigurationError
@@ -56,11 +56,8 @@ def _open_sqlite(url: str, table: str, asynchronous: bool, policy: Policy | None
 
 
 def _open_postgres(url: str, table: str, asynchronous: bool, policy: Policy | None) -> Any:
-    try:
-        from .postgres import AsyncPostgresStore, PostgresStore
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        msg = "PostgreSQL needs the driver: pip install 'idemflow[postgres]'"
-        raise ConfigurationError(msg) from exc
+    from .postgres import AsyncPostgresStore, PostgresStore  # no driver: MissingExtra, later
+
     conninfo = url.replace("postgres://", "postgresql://", 1)
     store = AsyncPostgresStore if asynchronous else PostgresStore
     return store(conninfo, table=table, policy=policy)
@@ -68,22 +65,16 @@ def _open_postgres(url: str, table: str, asynchronous: bool, policy: Policy | No
 
 def _open_mysql(url: str, table: str, asynchronous: bool, policy: Policy | None) -> Any:
     """PyMySQL for `open_store`, asyncmy for `open_async_store`."""
-    try:
-        from .mysql import AsyncMySQLStore, MySQLStore
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        msg = "MySQL needs the driver: pip install 'idemflow[mysql]'"
-        raise ConfigurationError(msg) from exc
+    from .mysql import AsyncMySQLStore, MySQLStore
+
     store = AsyncMySQLStore if asynchronous else MySQLStore
     return store(url.replace("mariadb://", "mysql://", 1), table=table, policy=policy)
 
 
 def _open_redis(url: str, table: str, asynchronous: bool, policy: Policy | None) -> Any:
     """``redis://``, ``rediss://`` or ``redis+cluster://``; the table name is the key prefix."""
-    try:
-        from .redis import open_redis
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        msg = "Redis needs the driver: pip install 'idemflow[redis]'"
-        raise ConfigurationError(msg) from exc
+    from .redis import open_redis
+
     return open_redis(url, prefix=table, asynchronous=asynchronous, policy=policy)
 
 
@@ -100,16 +91,14 @@ def open_store(
     url: str, *, table: str = "idemflow_keys", policy: Policy | None = None
 ) -> MaintainableStore:
     """A synchronous store for ``url``, its waits bounded by your ``policy``'s."""
-    store: MaintainableStore = OPENERS[scheme_of(url)](url, table, False, policy)
-    return store
+    return cast("MaintainableStore", OPENERS[scheme_of(url)](url, table, False, policy))
 
 
 def open_async_store(
     url: str, *, table: str = "idemflow_keys", policy: Policy | None = None
 ) -> AsyncMaintainableStore:
     """An asyncio store for ``url``, its waits bounded as `open_store`'s."""
-    store: AsyncMaintainableStore = OPENERS[scheme_of(url)](url, table, True, policy)
-    return store
+    return cast("AsyncMaintainableStore", OPENERS[scheme_of(url)](url, table, True, policy))
 
 
 def redact(url: str) -> str:

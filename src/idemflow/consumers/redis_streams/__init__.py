@@ -1,14 +1,7 @@
-"""
-Redis Streams consumer groups with exactly-once effects (redis-py, imported only here).
-
-Each entry's idempotency key is a field (or a function of the entry), its payload a
-field; `RedisStreams` (`AsyncRedisStreams` on ``redis.asyncio``) hands both to the
-consumer and performs the ``Decision``: ``ack`` and ``ack_with_stored_result``
-``XACK``; ``dead_letter`` copies the entry to the dead-letter stream with its problem
-and acks, in one ``MULTI``; every other action leaves the entry pending, where
-``XAUTOCLAIM`` hands it to a consumer again once it has been idle ``min_idle`` seconds
-(the stream's redelivery delay: Redis has no per-entry one).
-"""
+"""Redis Streams consumer groups with exactly-once effects (redis-py, imported only here):
+`RedisStreams`, `AsyncRedisStreams` on ``redis.asyncio``. An entry not acked stays pending
+until ``XAUTOCLAIM`` hands it out again after ``min_idle`` seconds: Redis has no per-entry
+delay (docs/consumers.md, "Redis Streams")."""
 
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeAlias
 
-from ..._errors import MissingKey
 from ..._extras import optional
 from ...stores.protocol import Transaction
 from .. import Consumer
+from .._decision import key_in
 
 with optional("idemflow.consumers.redis_streams"):
     import redis
@@ -57,7 +57,7 @@ class RedisStreams:
         self.stream, self.group, self.name = stream, group, name
         self.dead_letter = dead_letter or f"{stream}:dead"
         self.min_idle_ms = int(min_idle * 1000)
-        self._key = key if callable(key) else _field(key)
+        self._key = key
         self._payload = payload.encode()
         self._transaction = transaction
 
@@ -91,7 +91,7 @@ class RedisStreams:
         opened = self._transaction() if self._transaction else nullcontext(None)
         with opened as transaction:
             decision = self.consumer.handle(
-                lambda: self._key(fields),
+                lambda: self._key_of(fields),
                 fields.get(self._payload, b""),
                 lambda attempt: handler(attempt, fields),
                 transaction=transaction,
@@ -106,14 +106,7 @@ class RedisStreams:
                 pipe.execute()
         return decision.action.value
 
-
-def _field(name: str) -> Callable[[Fields], str]:
-    raw = name.encode()
-
-    def key(fields: Fields) -> str:
-        value = fields.get(raw)
-        if value is None:
-            raise MissingKey(f"the entry has no {name!r} field")
-        return value.decode()
-
-    return key
+    def _key_of(self, fields: Fields) -> str:
+        if callable(self._key):
+            return self._key(fields)
+        return key_in(fields.get(self._key.encode()), f"the entry has no {self._key!r} field")

@@ -55,7 +55,7 @@ class CreateKeyTable(Operation):
         return "idemflow_keys"
 
     def deconstruct(self) -> tuple[str, list[Any], dict[str, Any]]:
-        return ("idemflow.integrations.django.operations.CreateKeyTable", [], {})
+        return (f"{__name__}.{type(self).__name__}", [], {})
 
     @staticmethod
     def _table_for(app_label: str, schema_editor: Any) -> str | None:
@@ -66,22 +66,18 @@ class CreateKeyTable(Operation):
         return chosen.table
 
 
-class _UpgradeKeyTable(Operation):
+class _UpgradeKeyTable(CreateKeyTable):
     """Give a key table an earlier version created each record's own stale threshold (the
     statements ``idemflow migrate`` runs on it); nothing on a table created as it is now."""
 
-    reversible = True
     reduces_to_sql = False  # it asks the database what the table holds
-
-    def state_forwards(self, app_label: str, state: Any) -> None:
-        return
 
     def database_forwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
     ) -> None:
         from ...stores.django import dialect_for
 
-        table = CreateKeyTable._table_for(app_label, schema_editor)
+        table = self._table_for(app_label, schema_editor)
         connection = schema_editor.connection
         if table is None:
             return
@@ -104,9 +100,6 @@ class _UpgradeKeyTable(Operation):
 
     def describe(self) -> str:
         return "Give idemflow's key table each record's own stale threshold"
-
-    def deconstruct(self) -> tuple[str, list[Any], dict[str, Any]]:
-        return ("idemflow.integrations.django.operations._UpgradeKeyTable", [], {})
 
 
 #: Issue 32: the migration's own; importable from here, with a DeprecationWarning, until 0.3.

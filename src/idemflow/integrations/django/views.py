@@ -47,7 +47,13 @@ from ...edge import (
     sync_replay_authorizer,
 )
 from ...stores.django import DjangoTransaction
-from ..wsgi import ReplayHook, _require_length, read_body, view_options
+from ..wsgi import (
+    ReplayHook,
+    _require_length,
+    configured_replay_hook,
+    read_body,
+    view_options,
+)
 from .conf import IdemflowSettings, get_idempotency, idemflow_settings
 
 __all__ = ["idempotency_public", "idempotent"]
@@ -231,23 +237,10 @@ def _principal_getter(chosen: IdemflowSettings) -> Callable[[Any], str | None]:
     return plain_callable(getter, _PRINCIPAL_SETTING, "(request) -> str | None")  # type: ignore[no-any-return]
 
 
-def replay_authorizer(chosen: IdemflowSettings) -> ReplayHook | None:
-    """``IDEMFLOW['authorize_replay']``, imported if a path and checked (ConfigurationError)."""
-    hook = chosen.authorize_replay
-    if hook is None:
-        return None
-    if isinstance(hook, str):
-        try:
-            hook = import_string(hook)
-        except ImportError as exc:
-            raise ConfigurationError(f"{_REPLAY_SETTING} = {hook!r}: {exc}") from exc
-    return sync_replay_authorizer(hook, _REPLAY_SETTING)
-
-
 def check_replay_authorizer(chosen: IdemflowSettings) -> None:
     """The replay hook and a principal callable checked at start-up: ImproperlyConfigured."""
     try:
-        replay_authorizer(chosen)
+        configured_replay_hook(chosen.authorize_replay, _REPLAY_SETTING)
         if callable(chosen.principal):
             plain_callable(chosen.principal, _PRINCIPAL_SETTING, "(request) -> str | None")
     except ConfigurationError as exc:
@@ -379,7 +372,24 @@ def protect(
         except InvalidData as invalid:
             why: dict[str, Any] = {"request_id": rid, "errors": invalid.errors}
             return _to_django(problem(400, _INVALID, invalid.detail, slug="invalid-body", **why))
-    return _respond(http, view, edge, prepared.settings)
+    ran: list[tuple[HttpResponseBase, Response]] = []
+
+    def handler(attempt: Any) -> Response:
+        original = view()
+        ran.append((original, _from_django(original)))
+        return ran[0][1]
+
+    answer = edge.respond(
+        http,
+        handler,
+        transaction=lambda: nullcontext(DjangoTransaction(prepared.settings.database)),
+        single_commit=prepared.settings.single_commit,
+    )
+    if ran and answer.body is ran[0][1].body and answer.status == ran[0][1].status:
+        original = ran[0][0]  # the first execution: the view's own response, cookies and all
+        original.headers.setdefault(REQUEST_ID_HEADER, http.request_id)
+        return original
+    return _to_django(answer)
 
 
 class InvalidData(Exception):
@@ -396,7 +406,7 @@ class _Prepared:
 
     def __init__(self, chosen: IdemflowSettings) -> None:
         self.settings, driver = chosen, get_idempotency()
-        self._authorize_replay = replay_authorizer(chosen)
+        self._authorize_replay = configured_replay_hook(chosen.authorize_replay, _REPLAY_SETTING)
         options = view_options(functools.partial(getattr, chosen))
         self._edges = ViewEdges(functools.partial(Edge, driver), options)
         self._principal: Callable[[Any], str | None] | None = None
@@ -428,31 +438,6 @@ def _forget(*, setting: str, **kwargs: Any) -> None:
 
 
 setting_changed.connect(_forget, dispatch_uid="idemflow-prepared")
-
-
-def _respond(
-    http: HTTPRequest, view: ViewCall, edge: Edge, chosen: IdemflowSettings
-) -> HttpResponseBase:
-    ran: list[tuple[HttpResponseBase, Response]] = []
-
-    def handler(attempt: Any) -> Response:
-        original = view()
-        converted = _from_django(original)
-        ran.append((original, converted))
-        return converted
-
-    answer = edge.respond(
-        http,
-        handler,
-        transaction=lambda: nullcontext(DjangoTransaction(chosen.database)),
-        single_commit=chosen.single_commit,
-    )
-    if ran and answer.body is ran[0][1].body and answer.status == ran[0][1].status:
-        original = ran[0][0]  # the first execution: the view's own response object, cookies and all
-        if REQUEST_ID_HEADER not in original:
-            original[REQUEST_ID_HEADER] = http.request_id
-        return original
-    return _to_django(answer)
 
 
 def _outcome_unknown_received(sender: Any, request: Any = None, **_: Any) -> None:

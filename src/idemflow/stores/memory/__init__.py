@@ -2,8 +2,7 @@
 stores may share one table (``AsyncMemoryStore(store)``)."""
 
 from ..._deprecation import moved
-from ._async import AsyncMemoryStore
-from ._sync import MemoryStore
+from ._store import AsyncMemoryStore, MemoryStore
 
 __all__ = ["AsyncMemoryStore", "MemoryStore"]
 

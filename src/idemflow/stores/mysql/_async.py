@@ -14,7 +14,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ..._errors import ConfigurationError, LeaseLost
+from ..._errors import ConfigurationError
 from ..._model import Claim, Policy, Record, State, can_take_over, make_claim
 from ..._process import PID
 from ..protocol import AsyncTransaction, Statement, StoreClock, check_clock
@@ -22,10 +22,8 @@ from ..sql import AsyncSQLStore
 from ..sql.dialect import (
     CLAIM_RETRIES,
     claim_busy,
-    owner_params,
     record_from_row,
     record_from_values,
-    row_mapping,
     sweep_params,
 )
 from ._binding import AsyncBinding
@@ -91,16 +89,6 @@ class AsyncPool:
         await conn.autocommit(True)
         return conn
 
-    async def _checked(self, conn: Any) -> Any:
-        """``conn`` if it answers a ping, else a new one (``ping(reconnect=True)`` would skip
-        `_open`'s set-up)."""
-        try:
-            await conn.ping(False)
-        except Exception:  # noqa: BLE001 -- whatever the failure, the connection is done
-            AsyncBinding.drop(conn)
-            return await self._open()
-        return conn
-
     async def close(self) -> None:
         while True:
             try:
@@ -132,9 +120,14 @@ class AsyncCheckout:
             except IndexError:
                 conn = await pool._open()
             else:
-                # Idle long (wait_timeout may have ended it), or closed by the server: pinged.
+                # Idle long (wait_timeout may have ended it), or closed by the server: pinged,
+                # and replaced if it does not answer (``ping(reconnect=True)`` skips `_open`).
                 if time.monotonic() - since > PING_AFTER or AsyncBinding.closed_by_server(conn):
-                    conn = await pool._checked(conn)
+                    try:
+                        await conn.ping(False)
+                    except Exception:  # noqa: BLE001 -- whatever the failure, the connection is done
+                        AsyncBinding.drop(conn)
+                        conn = await pool._open()
         except BaseException:
             slots.release()
             raise
@@ -177,18 +170,15 @@ class AsyncMySQLStore(AsyncSQLStore):
     """Key records in MySQL 8 or MariaDB.
 
     Args:
-        connect: a ``mysql://user:password@host:port/db`` URL, a dict of the
-            driver's ``connect`` arguments, or a function returning a new
-            connection of it (PyMySQL for the sync store; asyncmy, awaited, for
-            the asyncio one). Either way the store keeps up to ``max_size`` of
-            them, switched to autocommit. A URL chooses TLS as MySQL's clients do,
-            ``?ssl-mode=…&ssl-ca=…`` (``docs/stores.md``, "TLS").
-        lock_wait_timeout: the longest (seconds) one of the store's
-            statements waits on a row another transaction holds; a claim that
-            times out answers 409.
-        timeout: connect and read timeout, and the longest wait for a free
-            connection of the store's own: ``policy.store_wait_seconds`` by default,
-            so a server that stops answering is a 503 within it.
+        connect: a ``mysql://user:password@host:port/db`` URL (TLS as MySQL's clients
+            spell it, ``?ssl-mode=…&ssl-ca=…``: ``docs/stores.md``, "TLS"), a dict of the
+            driver's ``connect`` arguments, or a function returning a new connection
+            (PyMySQL for the sync store; asyncmy, awaited, for the asyncio one); the
+            store keeps up to ``max_size`` of them, switched to autocommit.
+        lock_wait_timeout: the longest (seconds) a statement of the store waits on a
+            row another transaction holds; a claim that times out answers 409.
+        timeout: connect and read timeout, and the longest wait for a free connection:
+            ``policy.store_wait_seconds`` by default (a silent server: a 503 within it).
         policy: your app's policy, which bounds the waits (above).
         clock: ``"database"`` (the default) takes every time decision on the
             server's clock; ``"caller"`` uses the ``now`` each call passes.
@@ -289,10 +279,9 @@ class AsyncMySQLStore(AsyncSQLStore):
     async def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
         """A plain INSERT decides a new key; a guarded upsert decides a takeover (the read
         between only tells whether one is worth trying: the upsert checks again)."""
-        insert, read = self.statements.insert, self.statements.packed_read
-        text, bound = insert.pyformat, insert.bind(params)
+        read = self.statements.packed_read
         for _ in range(CLAIM_RETRIES):
-            row_id = await self._claiming(cursor, text, bound)
+            row_id = await self._claiming(cursor, self.statements.insert, params)
             if row_id is not None:
                 return make_claim(True, inserted(params, row_id))
             await cursor.execute(read.pyformat, read.bind(params))
@@ -304,21 +293,21 @@ class AsyncMySQLStore(AsyncSQLStore):
             if not can_take_over(record, fingerprint, values[PACKED_CLOCK_AT] / 1000):
                 return make_claim(False, record)
             # One that kept losing conflicts lost to a write of this row: the read decides.
-            await self._claiming(
-                cursor, self.dialect.claim.pyformat, self.dialect.claim.bind(params)
-            )
+            await self._claiming(cursor, self.dialect.claim, params)
             row, shape = await self._row(cursor, self.dialect.select, params)
             current = None if row is None else record_from_values(row, shape.start)
             return decided(current, str(params["lease_token"]))
         raise claim_busy()
 
-    async def _claiming(self, cursor: Any, text: str, bound: Any) -> int | None:
+    async def _claiming(
+        self, cursor: Any, statement: Statement, params: Mapping[str, Any]
+    ) -> int | None:
         """The id a claiming statement inserted (0 if none), or None when it lost to a row
         that exists (1062, or a deadlock lost DEADLOCK_RETRIES times: resent after a pause,
         it had no effect). A lock wait that timed out is a live holder: 409."""
         for attempt in range(DEADLOCK_RETRIES):
             try:
-                await cursor.execute(text, bound)
+                await cursor.execute(statement.pyformat, statement.bind(params))
             except Exception as exc:
                 code = error_code(exc)
                 if code == DUPLICATE or (code == DEADLOCK and attempt + 1 == DEADLOCK_RETRIES):
@@ -342,7 +331,14 @@ class AsyncMySQLStore(AsyncSQLStore):
             await self._refuse_galera(transaction)
             await transaction.execute(self.statements.bound_lock_wait, bound)
             try:
-                row = await self._insert_or_read(transaction, params)
+                try:
+                    await transaction.execute(self.statements.insert, params)
+                    read = self.statements.select_current
+                except Exception as exc:
+                    if error_code(exc) != DUPLICATE:
+                        raise
+                    read = self.statements.select_shared
+                row = await transaction.fetchone(read, params)
                 if row is not None and may_take_over(row, params):
                     await transaction.execute(self.dialect.claim, params)
                     row = await transaction.fetchone(self.statements.select_current, params)
@@ -368,17 +364,6 @@ class AsyncMySQLStore(AsyncSQLStore):
             )
             raise ConfigurationError(msg)
 
-    async def _insert_or_read(
-        self, transaction: AsyncTransaction, params: Mapping[str, Any]
-    ) -> Mapping[str, Any] | None:
-        try:
-            await transaction.execute(self.statements.insert, params)
-        except Exception as exc:
-            if error_code(exc) != DUPLICATE:
-                raise
-            return await transaction.fetchone(self.statements.select_shared, params)
-        return await transaction.fetchone(self.statements.select_current, params)
-
     async def _write(
         self, statement: Statement, params: Mapping[str, Any], transaction: AsyncTransaction | None
     ) -> bool:
@@ -387,14 +372,11 @@ class AsyncMySQLStore(AsyncSQLStore):
         parent = super()._write
         if transaction is None:
             return await retry_conflicts(lambda: parent(statement, params, None))
+        # Galera: your node may not have applied the claim yet: judge again after pauses.
         with rolled_back_is_503():
-            if await parent(statement, params, transaction):
-                return True
-            if not self.galera_seen:
-                return False
-            # Galera: your node may not have applied the claim yet: judge again after pauses.
-            for attempt in range(APPLY_RETRIES):
-                await _pause(attempt + 3)
+            for attempt in range(1 + (APPLY_RETRIES if self.galera_seen else 0)):
+                if attempt:
+                    await _pause(attempt + 2)
                 if await parent(statement, params, transaction):
                     return True
             return False
@@ -403,40 +385,18 @@ class AsyncMySQLStore(AsyncSQLStore):
         parent = super().purge
         return await retry_conflicts(lambda: parent(now, limit))
 
-    async def checkpoint(
-        self,
-        record: Record,
-        recovery_point: str,
-        now: float,
-        transaction: AsyncTransaction | None = None,
-    ) -> None:
-        params = {**owner_params(record, now), "recovery_point": recovery_point}
-        await self._owner_write(self.dialect.checkpoint, params, transaction)
-
-    async def renew(self, record: Record, now: float) -> None:
-        await self._owner_write(self.dialect.renew, owner_params(record, now), None)
-
-    async def _owner_write(
-        self, statement: Statement, params: Mapping[str, Any], transaction: AsyncTransaction | None
-    ) -> None:
-        """Without ``CLIENT_FOUND_ROWS`` a write of the same values in the same millisecond
-        changes 0 rows: whether the record is still ours is asked then."""
-        if await self._write(statement, params, transaction):
-            return
-        if not await self._still_owned(params, transaction):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over")
-
     async def _still_owned(
         self, params: Mapping[str, Any], transaction: AsyncTransaction | None
     ) -> bool:
+        """Without ``CLIENT_FOUND_ROWS`` a write of the same values in the same millisecond
+        changes 0 rows: whether the record is still ours is asked then."""
         statement = self.statements.still_owned
-        with self._translate():
-            if transaction is not None:
-                with rolled_back_is_503():
-                    return await transaction.fetchone(statement, params) is not None
-            async with self.pool.connection() as conn, conn.cursor() as cursor:
-                await cursor.execute(statement.pyformat, statement.bind(params))
-                return await cursor.fetchone() is not None
+        if transaction is not None:
+            with self._translate(), rolled_back_is_503():
+                return await transaction.fetchone(statement, params) is not None
+        async with self._cursor(self._connect) as cursor:
+            await cursor.execute(statement.pyformat, statement.bind(params))
+            return await cursor.fetchone() is not None
 
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
@@ -450,11 +410,9 @@ class AsyncMySQLStore(AsyncSQLStore):
         return await retry_conflicts(lambda: self._mark(params))
 
     async def _mark(self, params: Mapping[str, Any]) -> list[Record]:
-        with self._translate():
-            async with self.pool.connection() as conn, conn.cursor() as cursor:
-                sweep, swept = self.dialect.sweep, self.statements.swept
-                if not await cursor.execute(sweep.pyformat, sweep.bind(params)):
-                    return []
-                await cursor.execute(swept.pyformat, swept.bind(params))
-                rows = await cursor.fetchall()
-                return [record_from_row(row_mapping(cursor.description, r)) for r in rows]
+        async with self._cursor(self._connect) as cursor:
+            sweep, swept = self.dialect.sweep, self.statements.swept
+            if not await cursor.execute(sweep.pyformat, sweep.bind(params)):
+                return []
+            await cursor.execute(swept.pyformat, swept.bind(params))
+            return [record_from_values(row, 0) for row in await cursor.fetchall()]

@@ -35,11 +35,7 @@ class AsyncBinding:
         options = {**kwargs, "autocommit": True}
         if options.pop("ssl_disabled", False):
             options.pop("ssl", None)
-
-        async def connect() -> Any:
-            return await asyncmy.connect(**options)
-
-        return connect
+        return functools.partial(asyncmy.connect, **options)
 
     @staticmethod
     def drop(conn: Any) -> None:
@@ -97,9 +93,7 @@ class Binding:
         with optional("idemflow.stores.mysql"):
             import pymysql  # noqa: F401 -- the extra's message if it is missing
 
-        options = dict(kwargs)
-        connection = _sharing_connection()
-        return lambda: connection(**options)
+        return functools.partial(_sharing_connection(), **kwargs)
 
     @staticmethod
     def drop(conn: Any) -> None:

@@ -37,12 +37,9 @@ def is_unavailable(exc: BaseException) -> bool:
 def _is_driver_error(exc: BaseException, name: str) -> bool:
     """Is ``exc`` PyMySQL's (or asyncmy's) error ``name``? By name, not identity: PyMySQL
     installed as MySQLdb (Django) runs its error module a second time, with classes of its own."""
-    return any(c.__name__ == name and _is_driver_module(c.__module__) for c in type(exc).__mro__)
-
-
-def _is_driver_module(module: str) -> bool:
-    """PyMySQL's error module is any ``….err``; asyncmy's is ``asyncmy.errors``."""
-    return module.endswith(".err") or module == "asyncmy.errors"
+    # PyMySQL's error module is any ``….err``; asyncmy's is ``asyncmy.errors``.
+    modules = (c.__module__ for c in type(exc).__mro__ if c.__name__ == name)
+    return any(module.endswith(".err") or module == "asyncmy.errors" for module in modules)
 
 
 def is_conflict(exc: BaseException) -> bool:

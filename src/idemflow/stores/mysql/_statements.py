@@ -9,11 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..._model import Claim, Record, State, can_take_over, make_record
+from ..._model import Claim, Record, State, can_take_over
 from ..protocol import Statement, StoreClock
 from ..sql.dialect import (
+    BY_KEY,
     CLOCK_NOW,
     COLUMNS,
+    DUE_SQL,
     NEW_INTENT_SQL,
     PURGEABLE_SQL,
     SWEEPABLE_SQL,
@@ -22,6 +24,7 @@ from ..sql.dialect import (
     claim_unsettled,
     on_database_clock,
     record_from_row,
+    record_from_values,
     stale_columns,
     upgrade_table,
 )
@@ -167,16 +170,15 @@ def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") ->
     standard = Dialect.standard(
         "mysql", table, _quiet(mysql_ddl(table)), upsert_claim(table), upgrade=mysql_upgrade(table)
     )
-    by_key = "WHERE principal = :principal AND idempotency_key = :key"
     dialect = dataclasses.replace(
         standard,
-        select=Statement(f"SELECT {_SELECT_LIST} FROM {table} {by_key}"),
-        read_for_claim=Statement(f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key}"),
+        select=Statement(f"SELECT {_SELECT_LIST} FROM {table} {BY_KEY}"),
+        read_for_claim=Statement(f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {BY_KEY}"),
         # No LIMIT inside IN (…), no UPDATE … RETURNING: marked with a token, read back by it.
         sweep=Statement(
             f"UPDATE {table} SET state = 'stale', lease_token = :sweep_token, "
             "updated_at = :now, stale_at = :now, expires_at = GREATEST(expires_at, :keep_until) "
-            f"WHERE state = :from_state AND stale_at < :cutoff AND {SWEEPABLE_SQL} "
+            f"WHERE state = :from_state AND {DUE_SQL} AND {SWEEPABLE_SQL} "
             "ORDER BY stale_at LIMIT :limit"
         ),
         purge=Statement(
@@ -189,20 +191,16 @@ def mysql_dialect(table: str = DEFAULT_TABLE, clock: StoreClock = "database") ->
 
 def mysql_statements(table: str = DEFAULT_TABLE, clock: StoreClock = "database") -> MySQLStatements:
     """The plain INSERT, the locking reads and the maintenance read-backs."""
-    by_key = "WHERE principal = :principal AND idempotency_key = :key"
+    read = f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {BY_KEY}"
     statements = MySQLStatements(
         insert=Statement(upsert_claim(table).split(" ON DUPLICATE KEY UPDATE ")[0]),
         packed_read=Statement(
             f"SELECT JSON_ARRAY({_PACKED_LIST}, :now) AS packed, response_headers, "
-            f"response_body FROM {table} {by_key}"
+            f"response_body FROM {table} {BY_KEY}"
         ),
-        select_current=Statement(
-            f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key} FOR UPDATE"
-        ),
+        select_current=Statement(f"{read} FOR UPDATE"),
         # LOCK IN SHARE MODE: spelled alike by MySQL 8 and MariaDB.
-        select_shared=Statement(
-            f"SELECT {_SELECT_LIST}, {CLOCK_NOW} FROM {table} {by_key} LOCK IN SHARE MODE"
-        ),
+        select_shared=Statement(f"{read} LOCK IN SHARE MODE"),
         swept=Statement(
             f"SELECT {_SELECT_LIST} FROM {table} WHERE state = 'stale' "
             "AND lease_token = :sweep_token ORDER BY updated_at, id"
@@ -251,20 +249,6 @@ def decided(record: Record | None, lease_token: str) -> Claim:
 
 def inserted(params: Mapping[str, Any], row_id: int) -> Record:
     """The row our plain INSERT created: exactly the values we sent (``claim_params``)."""
-    return make_record(
-        row_id,
-        params["principal"],
-        params["key"],
-        params["fingerprint"],
-        params["endpoint"],
-        State.IN_PROGRESS,
-        str(params["lease_token"]),
-        params["began_at"] / 1000,
-        params["now"] / 1000,
-        params["expires_at"] / 1000,
-        params["correlation_id"],
-        None,
-        None,
-        1,
-        params["stale_at"] / 1000,
-    )
+    values = {**params, "id": row_id, "idempotency_key": params["key"], "state": "in_progress"}
+    values |= {"created_at": params["began_at"], "updated_at": params["now"], "attempt": 1}
+    return record_from_values([values.get(column) for column in COLUMNS], 0)

@@ -6,7 +6,7 @@ round trip). A SQLAlchemy ``Connection`` or ``Session`` still takes the completi
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ..._errors import driver_error
 from ..._extras import optional
@@ -28,7 +28,7 @@ from ._async import bounded_connection_class as async_bounded_connection_class
 from ._sync import LiveConnection, bounded_connection_class
 
 if TYPE_CHECKING:
-    import psycopg_pool
+    import psycopg_pool  # noqa: F401 -- named (as text) by the stores' base classes
 
     from ..._model import Claim
 
@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 DEFAULT_TABLE = "idemflow_keys"
+_Pool = TypeVar("_Pool")
 
 # Single-commit mode: the longest wait on a duplicate's uncommitted claim before a 409.
 DEFAULT_CLAIM_LOCK_TIMEOUT_MS = 50
@@ -89,23 +90,19 @@ def postgres_dialect(
         skip_locked=True,
         upgrade=locked(upgrade_table(table, "BIGINT")),
     )
-    # A replay is one round trip: the claim and the read of the record it lost to.
-    combined = Statement(claim_or_read(table, insert_claim(table)))
-    dialect = dataclasses.replace(standard, purge=purge_statement(table), claim_or_read=combined)
-    return on_database_clock(dialect, SERVER_NOW_MS) if clock == "database" else dialect
-
-
-def purge_statement(table: str) -> Statement:
-    """One bounded batch of expired records, found through the expiry index and deleted by
-    TID scan (``id IN (subquery)`` hash-joined a full scan per batch); the expiry and state
-    are tested again on the deleted version (``+ 0``: not a second index scan).
-    """
-    return Statement(
+    # One bounded batch of expired records, found through the expiry index and deleted by
+    # TID scan (``id IN (subquery)`` hash-joined a full scan per batch); the expiry and state
+    # are tested again on the deleted version (``+ 0``: not a second index scan).
+    purge = Statement(
         f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
         f"WHERE expires_at <= :now AND {PURGEABLE_SQL} "
         "ORDER BY expires_at LIMIT :limit FOR UPDATE SKIP LOCKED)) "
         f"AND expires_at + 0 <= :now AND {PURGEABLE_SQL}"
     )
+    # A replay is one round trip: the claim and the read of the record it lost to.
+    combined = Statement(claim_or_read(table, insert_claim(table)))
+    dialect = dataclasses.replace(standard, purge=purge, claim_or_read=combined)
+    return on_database_clock(dialect, SERVER_NOW_MS) if clock == "database" else dialect
 
 
 def connection_options(
@@ -144,92 +141,16 @@ def _claims_alone_on(connection: Any) -> bool:
     return bool(connection.autocommit) and status == TransactionStatus.IDLE
 
 
-def _executor_options(
-    store: PostgresStore | AsyncPostgresStore,
-    pool: Any,
-    table: str,
-    max_size: int,
-    claim_lock_timeout_ms: int,
-    clock: StoreClock,
-    policy: Policy | None,
-    *,
-    asynchronous: bool,
-) -> dict[str, Any]:
-    """Set ``store.pool`` (made from a conninfo string: opened now if sync) and return what
-    the SQL executor is given: the store's own statements on checkouts bounded by its wait."""
-    store._store_wait = (policy or Policy()).store_wait_seconds
-    if isinstance(pool, str):
-        with optional("idemflow.stores.postgres"):
-            import psycopg_pool
+class _Postgres(Generic[_Pool]):
+    """What both PostgreSQL stores are made of: the pool (made from a conninfo string:
+    opened now if sync), and the SQL executor on its checkouts, bounded by the store's wait."""
 
-        # The store's wait without a free connection is an outage (503), not a queue.
-        settings: dict[str, Any] = {
-            "min_size": 1,
-            "max_size": max_size,
-            "kwargs": connection_options(claim_lock_timeout_ms, pool),
-            "timeout": store._store_wait,
-        }
-        if asynchronous:  # an async pool cannot open in __init__: _OpeningConnection opens it
-            pool = psycopg_pool.AsyncConnectionPool(
-                pool, **settings, connection_class=async_bounded_connection_class(), open=False
-            )
-        else:
-            pool = psycopg_pool.ConnectionPool(
-                pool, **settings, connection_class=bounded_connection_class(), open=True
-            )
-    store.pool = pool
-    return {
-        "connect": lambda: store._checkout(store._store_wait),
-        "dialect": postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
-        "paramstyle": "pyformat",
-        "is_unavailable": is_unavailable,
-        "is_lock_timeout": is_lock_timeout,
-        "extra_params": True,
-        # A request's transaction on this pool lends its connection to the claim.
-        "lend_sources": (store.connection, pool.connection),
-        "claims_alone_on": _claims_alone_on,
-        # A migration waits for its locks (CREATE INDEX on a busy table), as no request may.
-        "migrate_connect": store.connection,
-    }
-
-
-class _StoreWait:
-    _store_wait: float
-
-    def cover_store_wait(self, seconds: float) -> None:
-        """A driver's store wait: the store's own checkouts and statements wait no longer."""
-        self._store_wait = min(self._store_wait, seconds)
-
-
-class PostgresStore(_StoreWait, SQLStore):
-    """Key records in PostgreSQL.
-
-    Args:
-        pool: a ``psycopg_pool.ConnectionPool`` whose connections are
-            autocommit, or a conninfo string (``postgresql://…``) from which
-            one is made with ``max_size`` connections. A request whose
-            transaction takes its connection from this pool
-            (``pooled_transaction(store.pool.connection, …)``) claims on that
-            connection too, in two-commit mode: one checkout per request.
-        clock: ``"database"`` (the default) takes every time decision (stale,
-            expired, retention) on the server's clock, so application hosts
-            and sweepers whose clocks disagree cannot take over a live claim
-            or an unexpired record; ``"caller"`` uses the ``now`` each call
-            passes (tests with a frozen clock).
-        policy: your app's policy: ``policy.store_wait_seconds`` (half the
-            request timeout, at most 5 s) bounds the wait for a free connection
-            and each of the store's own statements on it, so a server that stops
-            answering is a 503 within it. Statements on your transaction's
-            connection (a lent claim, a completion in it) wait as your own do.
-            A pool you bring bounds them if made with
-            ``connection_class=bounded_connection_class()``.
-    """
-
-    pool: psycopg_pool.ConnectionPool[Any]
+    pool: _Pool
+    _asynchronous: bool
 
     def __init__(
         self,
-        pool: psycopg_pool.ConnectionPool[Any] | str,
+        pool: _Pool | str,
         *,
         table: str = DEFAULT_TABLE,
         max_size: int = 16,
@@ -237,8 +158,66 @@ class PostgresStore(_StoreWait, SQLStore):
         clock: StoreClock = "database",
         policy: Policy | None = None,
     ) -> None:
-        options = (pool, table, max_size, claim_lock_timeout_ms, clock, policy)
-        super().__init__(**_executor_options(self, *options, asynchronous=False))
+        self._store_wait = (policy or Policy()).store_wait_seconds
+        store: Any = self  # a PostgresStore or an AsyncPostgresStore
+        store.pool = pool
+        if isinstance(pool, str):
+            with optional("idemflow.stores.postgres"):
+                import psycopg_pool
+
+            asynchronous = self._asynchronous
+            kind = psycopg_pool.AsyncConnectionPool if asynchronous else psycopg_pool.ConnectionPool
+            bounded = async_bounded_connection_class if asynchronous else bounded_connection_class
+            store.pool = kind(
+                pool,
+                min_size=1,
+                max_size=max_size,
+                kwargs=connection_options(claim_lock_timeout_ms, pool),
+                # The store's wait without a free connection is an outage (503), not a queue.
+                timeout=self._store_wait,
+                connection_class=bounded(),
+                open=not asynchronous,  # an async pool cannot open here: _OpeningConnection
+            )
+        super().__init__(  # type: ignore[call-arg]  # the SQL executor, next in the MRO
+            connect=lambda: store._checkout(self._store_wait),
+            dialect=postgres_dialect(table, claim_lock_timeout_ms, check_clock(clock)),
+            paramstyle="pyformat",
+            is_unavailable=is_unavailable,
+            is_lock_timeout=is_lock_timeout,
+            extra_params=True,
+            # A request's transaction on this pool lends its connection to the claim.
+            lend_sources=(store.connection, store.pool.connection),
+            claims_alone_on=_claims_alone_on,
+            # A migration waits for its locks (CREATE INDEX on a busy table), as no request may.
+            migrate_connect=store.connection,
+        )
+
+    def cover_store_wait(self, seconds: float) -> None:
+        """A driver's store wait: the store's own checkouts and statements wait no longer."""
+        self._store_wait = min(self._store_wait, seconds)
+
+
+class PostgresStore(_Postgres["psycopg_pool.ConnectionPool[Any]"], SQLStore):
+    """Key records in PostgreSQL.
+
+    Args:
+        pool: a ``psycopg_pool.ConnectionPool`` of autocommit connections, or a conninfo
+            string (``postgresql://…``) from which one is made with ``max_size``. A request
+            whose transaction takes its connection from this pool
+            (``pooled_transaction(store.pool.connection, …)``) claims on it too, in
+            two-commit mode: one checkout per request.
+        clock: ``"database"`` (the default) takes every time decision (stale, expired,
+            retention) on the server's clock, so hosts whose clocks disagree cannot take
+            over a live claim or an unexpired record; ``"caller"`` uses the ``now`` each
+            call passes (tests with a frozen clock).
+        policy: your app's policy: ``policy.store_wait_seconds`` (half the request
+            timeout, at most 5 s) bounds the wait for a free connection and each of the
+            store's own statements on it (a silent server: a 503 within it); yours, on
+            your transaction's connection, wait as your own do. A pool you bring bounds
+            them if made with ``connection_class=bounded_connection_class()``.
+    """
+
+    _asynchronous = False
 
     def connection(self) -> LiveConnection:
         """A connection of the store's pool, never one the server has closed. Given to the
@@ -254,7 +233,7 @@ class PostgresStore(_StoreWait, SQLStore):
         self.pool.close()
 
 
-class AsyncPostgresStore(_StoreWait, AsyncSQLStore):
+class AsyncPostgresStore(_Postgres["psycopg_pool.AsyncConnectionPool[Any]"], AsyncSQLStore):
     """Key records in PostgreSQL, for asyncio code.
 
     Args:
@@ -265,20 +244,7 @@ class AsyncPostgresStore(_StoreWait, AsyncSQLStore):
             ``connection_class=async_bounded_connection_class()``).
     """
 
-    pool: psycopg_pool.AsyncConnectionPool[Any]
-
-    def __init__(
-        self,
-        pool: psycopg_pool.AsyncConnectionPool[Any] | str,
-        *,
-        table: str = DEFAULT_TABLE,
-        max_size: int = 16,
-        claim_lock_timeout_ms: int = DEFAULT_CLAIM_LOCK_TIMEOUT_MS,
-        clock: StoreClock = "database",
-        policy: Policy | None = None,
-    ) -> None:
-        options = (pool, table, max_size, claim_lock_timeout_ms, clock, policy)
-        super().__init__(**_executor_options(self, *options, asynchronous=True))
+    _asynchronous = True
 
     def connection(self) -> Any:
         """A connection of the store's pool (an async context manager), never one the
@@ -288,9 +254,7 @@ class AsyncPostgresStore(_StoreWait, AsyncSQLStore):
 
     def _checkout(self, store_wait: float | None) -> Any:
         """`connection`, its waits bounded by ``store_wait`` (the store's own)."""
-        if self.pool.closed:  # never yet opened (or closed): opened by the first use
-            return _OpeningConnection(self.pool, store_wait)
-        return AsyncLiveConnection(self.pool, store_wait)
+        return _OpeningConnection(self.pool, store_wait)
 
     async def claim_on_lent(self, *args: Any, **kwargs: Any) -> Claim:
         """As the executor's, once the pool is open (the lent connection is taken from it)."""
@@ -302,21 +266,13 @@ class AsyncPostgresStore(_StoreWait, AsyncSQLStore):
         await self.pool.close()
 
 
-class _OpeningConnection:
-    """`AsyncLiveConnection` that opens the pool on first use (it cannot open in __init__)."""
+class _OpeningConnection(AsyncLiveConnection):
+    """`AsyncLiveConnection` that opens the pool first if it is closed (never yet opened:
+    an async pool cannot open in ``__init__``; or closed since)."""
 
-    def __init__(
-        self, pool: psycopg_pool.AsyncConnectionPool[Any], store_wait: float | None
-    ) -> None:
-        self._pool = pool
-        self._context: Any = None
-        self._store_wait = store_wait
+    __slots__ = ()
 
     async def __aenter__(self) -> Any:
         if self._pool.closed:
             await self._pool.open(wait=False)
-        self._context = AsyncLiveConnection(self._pool, self._store_wait)
-        return await self._context.__aenter__()
-
-    async def __aexit__(self, *exc_info: object) -> Any:
-        return await self._context.__aexit__(*exc_info)
+        return await super().__aenter__()

@@ -15,36 +15,31 @@ from ..._model import (
     DEFAULT_STALE_SECONDS,
     Claim,
     Intent,
-    Policy,
     Record,
     Response,
     State,
     new_lease_token,
 )
-from ..protocol import AsyncMaintainableStore, AsyncTransaction, StoreClock, check_clock
+from ..protocol import AsyncMaintainableStore, AsyncTransaction
 from ._scripts import (
     ARM_ABSENT,
-    BOOT_SCRIPTS,
     CREATE_ABSENT,
-    DEFAULT_PREFIX,
     EXPIRES,
     FIELDS,
     KEEP_ABSENT,
-    ON_CLOCK,
+    LOST,
     WALK_ATTEMPTS,
     AsyncStartGate,
     RedisShared,
     is_connection_lost,
-    layout_for,
-    marked_args,
     ms,
-    outcome_args,
     owner_args,
     probe_args,
     raise_unavailable,
     record_from_fields,
     refuse_transaction,
     refuse_volatile,
+    settled_args,
     swept_index,
     translated,
     unpacked,
@@ -71,32 +66,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
     Cannot share a transaction; run the sweeper. The design: docs/stores.md, "Redis".
     """
 
-    supports_transactions = False
-    supports_single_commit = False
-    renews_claims = True
-
-    def __init__(
-        self,
-        client: Any,
-        *,
-        policy: Policy | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        clock: StoreClock = "database",
-        allow_volatile: bool = False,
-    ) -> None:
-        from redis.exceptions import NoScriptError, ResponseError
-
-        self.client = client
-        self.layout = layout_for(client, prefix)
-        self._scripts, self._shas = ON_CLOCK[check_clock(clock)]
-        self._boot_scripts = BOOT_SCRIPTS[clock]
-        self._gate = AsyncStartGate()
-        self._cluster = hasattr(client, "get_primaries")
-        self._no_script = NoScriptError
-        self._response_error = ResponseError
-        self.allow_volatile = allow_volatile
-        self._quarantine = None if policy is None else policy.stale_seconds
-        self._started = False
+    _gate_kind = AsyncStartGate
 
     async def claim(
         self,
@@ -118,10 +88,10 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         )
         keys = self.layout.claim_keys(intent.principal, intent.key)
         reply = await self._evalsha("claim", keys, args)
-        if len(reply) > 2:  # it found its bucket's epoch gone: a loss takes every bucket of
-            with translated():  # its server, so arm each one's quarantine from now
-                await self._boot(args[0], ARM_ABSENT)
-        return self.layout.claimed(reply, intent, lease_token, now, expires_at)
+        if reply.startswith(b"found"):  # its bucket's epoch gone: a loss takes every bucket
+            with translated():  # of its server, so arm each one's quarantine from now
+                await self._boot(ms(now), ARM_ABSENT)
+        return self.layout.claimed(reply, intent, lease_token, now)
 
     async def start(self, now: float | None = None) -> None:
         """Refuse a volatile server (unless allowed), write every bucket's epoch, load the
@@ -133,7 +103,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
             await self._prepare(at, create=True)
         self._started = True
 
-    async def _prepare(self, now_ms: int, *, create: bool = False) -> None:
+    async def _prepare(self, now_ms: int | bytes, *, create: bool = False) -> None:
         """The boot script on every epoch, then the scripts loaded: no claim runs on a boot
         its epochs were not told (one pipeline; on a cluster, the boot again after)."""
         absent = CREATE_ABSENT if create else KEEP_ABSENT
@@ -150,7 +120,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
             pipe.script_load(lua)
         await pipe.execute()
 
-    async def _boot(self, now_ms: int, absent: str) -> None:
+    async def _boot(self, now_ms: int | bytes, absent: str) -> None:
         """The boot script on every bucket's epoch; ``absent`` says what a missing one becomes."""
         epochs = self.layout.epoch_keys()
         argv = [now_ms, absent]
@@ -181,8 +151,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
 
     async def _persistence(self) -> list[dict[str, Any]]:
         """Each master's ``appendonly`` and ``save`` settings (every master of a cluster)."""
-        primaries = getattr(self.client, "get_primaries", None)
-        targets: list[Any] = [None] if primaries is None else list(primaries())
+        targets: list[Any] = list(self.client.get_primaries()) if self._cluster else [None]
         configs = []
         for node in targets:
             where = {} if node is None else {"target_nodes": node}
@@ -206,10 +175,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
     ) -> None:
         refuse_transaction(transaction)
         args = self.layout.complete_args(record, state, response, now, expires_at)
-        if not await self._fenced("complete", record, args):
-            raise LeaseLost(
-                "the claim on this Idempotency-Key was taken over or swept before completion"
-            )
+        await self._fenced("complete", record, args, LOST + " before completion")
 
     async def release(
         self, record: Record, now: float, transaction: AsyncTransaction | None = None
@@ -225,13 +191,10 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         transaction: AsyncTransaction | None = None,
     ) -> None:
         refuse_transaction(transaction)
-        args = owner_args(record, now, recovery_point)
-        if not await self._fenced("checkpoint", record, args):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
+        await self._fenced("checkpoint", record, owner_args(record, now, recovery_point), LOST)
 
     async def renew(self, record: Record, now: float) -> None:
-        if not await self._fenced("renew", record, owner_args(record, now)):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
+        await self._fenced("renew", record, owner_args(record, now), LOST)
 
     async def get(self, principal: str, key: str) -> Record | None:
         with translated():
@@ -274,7 +237,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         transaction: AsyncTransaction | None = None,
     ) -> bool:
         refuse_transaction(transaction)
-        args = marked_args(record, now, *outcome_args(state, response, expires_at))
+        args = settled_args(record, state, response, now, expires_at, ms(record.updated_at))
         return await self._fenced("settle_stale", record, args)
 
     async def release_stale(
@@ -286,7 +249,7 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         forget_progress: bool = False,
     ) -> bool:
         refuse_transaction(transaction)
-        args = marked_args(record, now, "1" if forget_progress else "0")
+        args = owner_args(record, now, ms(record.updated_at), "1" if forget_progress else "0")
         return await self._fenced("release_stale", record, args)
 
     async def purge(self, now: float, limit: int) -> int:
@@ -337,22 +300,17 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         attempts = 1
         while True:
             try:
-                return await self._ask_each_once(script, chunk, index, argv)
+                if self._cluster:
+                    await self._learn_slots()  # _each names each command's node
+                try:
+                    return list(await self._each(script, chunk, index, argv).execute())
+                except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts again
+                    await self._prepare(argv[0])
+                    return list(await self._each(script, chunk, index, argv).execute())
             except Exception as exc:
                 if attempts == WALK_ATTEMPTS or not is_connection_lost(exc):
                     raise
                 attempts += 1
-
-    async def _ask_each_once(
-        self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
-    ) -> list[Any]:
-        if self._cluster:
-            await self._learn_slots()  # _each names each command's node
-        try:
-            return list(await self._each(script, chunk, index, argv).execute())
-        except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts, once more
-            await self._prepare(argv[0])
-            return list(await self._each(script, chunk, index, argv).execute())
 
     async def _learn_slots(self) -> None:
         """redis.asyncio's cluster client learns its slots lazily: before a node lookup."""
@@ -360,19 +318,23 @@ class AsyncRedisStore(RedisShared, AsyncRedisObservable, AsyncMaintainableStore)
         if initialize is not None:
             await initialize()
 
-    async def _fenced(self, script: str, record: Record, args: list[Any]) -> bool:
+    async def _fenced(self, script: str, record: Record, args: list[Any], lost: str = "") -> bool:
+        """An owner's write, fenced: done, or refused (LeaseLost, if given its message)."""
         keys = self.layout.keys(record.principal, record.key)
-        return bool(await self._evalsha(script, keys, args))
+        done = bool(await self._evalsha(script, keys, args))
+        if lost and not done:
+            raise LeaseLost(lost)
+        return done
 
     async def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
         """One round trip, a failure a 503; a server that lost its scripts gets them again."""
-        sha = self._shas[script]
+        command = ("EVALSHA", self._shas[script], b"%d" % len(keys), *keys, *args)
         try:
             try:
-                return await self.client.evalsha(sha, len(keys), *keys, *args)
+                return await self.client.execute_command(*command)
             except self._no_script:
-                await self._prepare(args[0])
-                return await self.client.evalsha(sha, len(keys), *keys, *args)
+                await self._prepare(args[0])  # its first word: the caller's now
+                return await self.client.execute_command(*command)
         except Exception as exc:
             raise_unavailable(exc)
             raise

@@ -9,8 +9,9 @@ import asyncio
 import hashlib
 import math
 import random
+import struct
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from ..._model import (
     make_response,
     stored_headers,
 )
-from ..protocol import StoreClock
+from ..protocol import StoreClock, check_clock
 
 DEFAULT_PREFIX = "idemflow"
 
@@ -65,17 +66,23 @@ def attempt_timeout(policy: Policy) -> float:
     return policy.store_wait_seconds / (1 + RETRIES)
 
 
+# ARGV[1]: the caller's now (ms), then the script's other plain words (numbers, a state),
+# space-separated: A[1], A[2], … (one argument costs the client less than several).
+_WORDS = """
+local A = {}
+for word in string.gmatch(ARGV[1], '%S+') do A[#A + 1] = word end
+"""
 # ``now`` (ms): Redis's TIME by default; ``at()`` keeps an instant's distance from the
-# caller's now, ARGV[1] (also ``created_at``, an identity never compared).
+# caller's now, A[1] (also ``created_at``, an identity never compared).
 _ON_STORE_CLOCK = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 _ON_CALLER_CLOCK = """
-local now = tonumber(ARGV[1])
+local now = tonumber(A[1])
 """
 _CLOCK = """
-local function at(instant) return now + (tonumber(instant) - tonumber(ARGV[1])) end
+local function at(instant) return now + (tonumber(instant) - tonumber(A[1])) end
 local function ms(number) return string.format('%d', number) end
 local NOW = ms(now)
 """
@@ -136,29 +143,35 @@ local function trim(own)
 end
 """
 
-# A record in one bulk string, '<length>:<value>' or '-' (absent) per field: one reply
-# element instead of HGETALL's 32.
+# A record in one bulk string (not HGETALL's 32 elements): a `struct` format, '<length>s'
+# per field or '?' for an absent one, a newline, then the values (a NUL for an absent one,
+# read as False): the client splits it in one call (see `unpacked`).
 _PACKED = (
     "local FIELDS = {"
     + ", ".join(f"'{name}'" for name in RECORD_FIELDS)
     + """}
 local function packed(k)
   local values = redis.call('HMGET', k, unpack(FIELDS))
+  local form = {'='}
   for i = 1, #FIELDS do
-    local v = values[i]
-    if v then values[i] = #v .. ':' .. v else values[i] = '-' end
+    if values[i] then
+      form[i + 1] = #values[i] .. 's'
+    else
+      form[i + 1], values[i] = '?', '\\0'
+    end
   end
-  return table.concat(values)
+  return table.concat(form) .. '\\n' .. table.concat(values)
 end
 """
 )
 
 # KEYS[5] the record, KEYS[6] the bucket's epoch (the benchmark's raw calls leave it out).
-# ARGV: now, expires_at, lease_token, principal, key, fingerprint, endpoint, quarantine
-# (ms), stale_after (ms), then correlation_id if there is one. Replies
-# {'new', 'updated_at expires_at stale_at'},
-# {'taken' | 'held', packed record}, or {'lost', ms left[, 'found']}. An epoch
-# "<armed_ms> <run_id>" gone or on another boot: a claim that would write waits.
+# A: now, expires_at, quarantine, stale_after (ms); ARGV[2..4]: lease_token, fingerprint,
+# endpoint, then correlation_id if there is one; principal and key are read from the
+# record's name (`Layout.record_key`). Replies 'new <updated_at> <expires_at> <stale_at>',
+# 'taken <packed record>', 'held <packed record>', or 'lost <ms left>' ('found …' when it
+# found the epoch gone). An epoch "<armed_ms> <run_id>" gone or on another boot: a claim
+# that would write waits.
 _CLAIM = """
 local K = KEYS[5]
 local cur = redis.call('HMGET', K, 'state', 'fingerprint', 'expires_at', 'lease_token',
@@ -166,14 +179,14 @@ local cur = redis.call('HMGET', K, 'state', 'fingerprint', 'expires_at', 'lease_
 local state = cur[1]
 local retry = false
 if state then
-  if state == 'in_progress' and cur[4] == ARGV[3] then
-    return {'taken', packed(K)}
+  if state == 'in_progress' and cur[4] == ARGV[2] then
+    return 'taken ' .. packed(K)
   end
-  retry = state == 'released' and cur[2] == ARGV[6]
+  retry = state == 'released' and cur[2] == ARGV[3]
   local past = tonumber(cur[3]) <= now and (state == 'completed' or state == 'failed_permanent'
     or (state == 'released' and not cur[5]))
   if not (retry or past) then
-    return {'held', packed(K)}
+    return 'held ' .. packed(K)
   end
 end
 if KEYS[6] then
@@ -184,34 +197,36 @@ if KEYS[6] then
   else
     redis.call('SET', KEYS[6], NOW)
   end
-  local left = armed + tonumber(ARGV[8]) - now
+  local left = armed + tonumber(A[3]) - now
   if left > 0 then
-    if epoch then return {'lost', ms(left)} end
-    return {'lost', ms(left), 'found'}
+    if epoch then return 'lost ' .. ms(left) end
+    return 'found ' .. ms(left)
   end
 end
 if state then
   redis.call('ZREM', EXP, K)
   redis.call('ZREM', REL, K)
 end
-local expires = ms(at(ARGV[2]))
+local expires = ms(at(A[2]))
 if retry then
   redis.call('HDEL', K, 'response_status', 'response_headers', 'response_body', 'correlation_id')
   redis.call('HINCRBY', K, 'attempt', 1)
   redis.call('PERSIST', K)
 else
   if state then redis.call('DEL', K) end
-  redis.call('HSET', K, 'id', ARGV[3], 'principal', ARGV[4], 'key', ARGV[5],
-    'created_at', ARGV[1], 'attempt', 1)
+  local size, name = string.match(K, '}:k:(%d+):(.*)$')
+  size = tonumber(size)
+  redis.call('HSET', K, 'id', ARGV[2], 'principal', string.sub(name, 1, size),
+    'key', string.sub(name, size + 2), 'created_at', A[1], 'attempt', 1)
 end
-local due = deadline(ARGV[9])
-redis.call('HSET', K, 'state', 'in_progress', 'lease_token', ARGV[3], 'fingerprint', ARGV[6],
-  'endpoint', ARGV[7], 'updated_at', NOW, 'expires_at', expires, 'stale_after', ARGV[9],
+local due = deadline(A[4])
+redis.call('HSET', K, 'state', 'in_progress', 'lease_token', ARGV[2], 'fingerprint', ARGV[3],
+  'endpoint', ARGV[4], 'updated_at', NOW, 'expires_at', expires, 'stale_after', A[4],
   'stale_at', due)
-if ARGV[10] then redis.call('HSET', K, 'correlation_id', ARGV[10]) end
+if ARGV[5] then redis.call('HSET', K, 'correlation_id', ARGV[5]) end
 redis.call('ZADD', IP, due, K)
-if retry then return {'taken', packed(K)} end
-return {'new', NOW .. ' ' .. expires .. ' ' .. due}
+if retry then return 'taken ' .. packed(K) end
+return 'new ' .. NOW .. ' ' .. expires .. ' ' .. due
 """
 
 # Tells each epoch the server's boot (run_id); ARGV[2] says what an absent one becomes. An
@@ -250,16 +265,23 @@ if cur[3] == done then return 1 end
 if cur[3] ~= 'in_progress' then return 0 end
 """
 
-# ARGV[4..8]: state, status, headers, body, expires_at (retention from now).
+# A settled outcome stored, by its owner or the sweeper. A: now, expires_at (retention from
+# now), status, state.
+_SETTLE = """
+local function settle(headers, body)
+  local expires = ms(at(A[2]))
+  redis.call('HSET', K, 'state', A[4], 'response_status', A[3], 'response_headers', headers,
+    'response_body', body, 'updated_at', NOW, 'expires_at', expires)
+  retain(K, expires, false)
+  trim(K)
+  return 1
+end
+"""
+
+# ARGV[4..5]: headers, body.
 _COMPLETE = """
-local expires = ms(at(ARGV[8]))
-redis.call('HSET', K, 'state', ARGV[4], 'response_status', ARGV[5],
-  'response_headers', ARGV[6], 'response_body', ARGV[7], 'updated_at', NOW,
-  'expires_at', expires)
 redis.call('ZREM', IP, K)
-retain(K, expires, false)
-trim(K)
-return 1
+return settle(ARGV[4], ARGV[5])
 """
 
 # The claim's expires_at bounds a released record.
@@ -272,17 +294,11 @@ trim(K)
 return 1
 """
 
-# ARGV[4]: recovery_point. A checkpoint counts as life: updated_at moves on.
-_CHECKPOINT = """
+# A checkpoint (ARGV[4] its recovery_point) or a consumer's lease renewed (no ARGV[4]): both
+# count as life, the claim dated now (its deadline too).
+_ALIVE = """
 local due = deadline(cur[6])
-redis.call('HSET', K, 'recovery_point', ARGV[4], 'updated_at', NOW, 'stale_at', due)
-redis.call('ZADD', IP, due, K)
-return 1
-"""
-
-# A consumer's lease renewed: the claim dated now (its deadline too), nothing else changed.
-_RENEW = """
-local due = deadline(cur[6])
+if ARGV[4] then redis.call('HSET', K, 'recovery_point', ARGV[4]) end
 redis.call('HSET', K, 'updated_at', NOW, 'stale_at', due)
 redis.call('ZADD', IP, due, K)
 return 1
@@ -303,7 +319,7 @@ return ms(tonumber(first[2]) - at(ARGV[2]))
 """
 
 # KEYS[5…]: records the probe found due. ARGV: now, from_state, cutoff, keep_until, token.
-# Each whose own stale_at is before the cutoff is marked with the sweeper's token (dated
+# Each whose own deadline is before the cutoff is marked with the sweeper's token (dated
 # now, its mark); another's entry gets its deadline as score. Returns the marked, packed.
 _SWEEP = """
 local from = ARGV[2]
@@ -313,12 +329,11 @@ local marked = {}
 for i = 5, #KEYS do
   local k = KEYS[i]
   local cur = redis.call('HMGET', k, 'state', 'updated_at', 'expires_at', 'recovery_point',
-    'stale_at', 'stale_after')
-  local due = tonumber(cur[5])
-  if not due and cur[2] then  -- written by an earlier version: dated by updated_at
-    due = tonumber(cur[2])
-    if cur[1] ~= 'stale' then due = tonumber(deadline(cur[6])) - now + due end
-  end
+    'stale_after')
+  -- Dated by its last write: stale_at is this version's copy of the deadline, absent or
+  -- older on a record an earlier version wrote during a rolling upgrade.
+  local due = tonumber(cur[2])
+  if due and cur[1] ~= 'stale' then due = tonumber(deadline(cur[5])) - now + due end
   if cur[1] ~= from or (from == 'released' and not cur[4]) then
     redis.call('ZREM', index, k)
   elseif due < cutoff then
@@ -347,15 +362,9 @@ end
 redis.call('ZREM', ST, K)
 """
 
-# ARGV[5..9]: state, status, headers, body, expires_at.
+# ARGV[5..6]: headers, body.
 _SETTLE_STALE = """
-local expires = ms(at(ARGV[9]))
-redis.call('HSET', K, 'state', ARGV[5], 'response_status', ARGV[6],
-  'response_headers', ARGV[7], 'response_body', ARGV[8], 'updated_at', NOW,
-  'expires_at', expires)
-retain(K, expires, false)
-trim(K)
-return 1
+return settle(ARGV[5], ARGV[6])
 """
 
 # ARGV[5]: '1' to forget the recovery point (the reconciler undid its traces).
@@ -382,49 +391,48 @@ return purged
 #: Each script's body and what it needs before it: indexes, retention helpers, its fence.
 _BODIES = {
     "claim": (_INDEXES + _PACKED + _DEADLINE, _CLAIM),
-    "complete": (_INDEXES + _RETENTION + "local done = ARGV[4]" + _FENCE, _COMPLETE),
+    "complete": (_INDEXES + _RETENTION + "local done = A[4]" + _FENCE + _SETTLE, _COMPLETE),
     "release": (
         _INDEXES + _RETENTION + _DEADLINE + "local done = 'released'" + _FENCE,
         _RELEASE,
     ),
-    "checkpoint": (_INDEXES + _DEADLINE + "local done = nil" + _FENCE, _CHECKPOINT),
-    "renew": (_INDEXES + _DEADLINE + "local done = nil" + _FENCE, _RENEW),
+    "checkpoint": (_INDEXES + _DEADLINE + "local done = nil" + _FENCE, _ALIVE),
+    "renew": (_INDEXES + _DEADLINE + "local done = nil" + _FENCE, _ALIVE),
     "probe": ("", _PROBE),
     "due": ("", _DUE),
     "sweep": (_INDEXES + _PACKED + _DEADLINE, _SWEEP),
-    "settle_stale": (_INDEXES + _RETENTION + _MARKED, _SETTLE_STALE),
+    "settle_stale": (_INDEXES + _RETENTION + _MARKED + _SETTLE, _SETTLE_STALE),
     "release_stale": (_INDEXES + _RETENTION + _DEADLINE + _MARKED, _RELEASE_STALE),
     "purge": (_INDEXES + _RETENTION, _PURGE),
 }
 
 
-def scripts(clock: StoreClock = "database") -> dict[str, str]:
-    """Every script's text, on Redis's clock (``database``) or the caller's."""
-    start = _ON_STORE_CLOCK if clock == "database" else _ON_CALLER_CLOCK
-    return {name: start + _CLOCK + head + body for name, (head, body) in _BODIES.items()}
+def _compiled(start: str) -> tuple[dict[str, str], dict[str, bytes]]:
+    texts = {name: start + head + body for name, (head, body) in _BODIES.items()}
+    return texts, {
+        name: hashlib.sha1(lua.encode()).hexdigest().encode() for name, lua in texts.items()
+    }
 
 
-def _shas(texts: dict[str, str]) -> dict[str, str]:
-    return {name: hashlib.sha1(lua.encode()).hexdigest() for name, lua in texts.items()}
-
-
-#: The scripts a store on Redis's clock (the default) runs, and the SHA-1s ``EVALSHA`` names.
-SCRIPTS = scripts("database")
-SHAS = _shas(SCRIPTS)
-_CALLER_SCRIPTS = scripts("caller")
-ON_CLOCK = {"database": (SCRIPTS, SHAS), "caller": (_CALLER_SCRIPTS, _shas(_CALLER_SCRIPTS))}
+#: What every script starts with, per clock: its words, ``now``, the time helpers.
+_STARTS = {
+    "database": _WORDS + _ON_STORE_CLOCK + _CLOCK,
+    "caller": _WORDS + _ON_CALLER_CLOCK + _CLOCK,
+}
+#: Per clock, every script's text and the SHA-1 ``EVALSHA`` names (bytes: encoded once).
+ON_CLOCK = {clock: _compiled(start) for clock, start in _STARTS.items()}
+#: The scripts a store on Redis's clock (the default) runs, and their SHA-1s.
+SCRIPTS = ON_CLOCK["database"][0]
+SHAS = {name: sha.decode() for name, sha in ON_CLOCK["database"][1].items()}
 #: The boot script per clock: ``"keys"`` with the epochs as KEYS (one server, or one slot);
 #: ``"node"`` with one master's epochs as ARGV[3…] (``allow-cross-slot-keys``, Redis >= 7).
 BOOT_SCRIPTS = {
     clock: {
-        "keys": start + _CLOCK + "local epochs = KEYS\n" + _BOOT,
-        "node": "#!lua flags=allow-cross-slot-keys\n"
-        + start
-        + _CLOCK
-        + "local epochs = {unpack(ARGV, 3)}\n"
+        "keys": start + "local epochs = KEYS\n" + _BOOT,
+        "node": f"#!lua flags=allow-cross-slot-keys\n{start}local epochs = {{unpack(ARGV, 3)}}\n"
         + _BOOT,
     }
-    for clock, start in (("database", _ON_STORE_CLOCK), ("caller", _ON_CALLER_CLOCK))
+    for clock, start in _STARTS.items()
 }
 
 
@@ -540,48 +548,56 @@ class Layout:
         expires_at: float,
         quarantine: float = 0,
         stale_after: float = DEFAULT_STALE_SECONDS,
-    ) -> list[Any]:
-        args = [ms(now), ms(expires_at), lease_token, intent.principal, intent.key]
-        args += [intent.fingerprint, intent.endpoint, ms(quarantine), ms(stale_after)]
-        return args if intent.correlation_id is None else [*args, intent.correlation_id]
+    ) -> list[bytes]:
+        """The claim's ARGV (see _CLAIM), pre-encoded: redis-py encodes a str or an int
+        argument at twice a bytes one's cost (the claim and completion are a protected
+        request's only commands)."""
+        times = (now * 1000, expires_at * 1000, quarantine * 1000, stale_after * 1000)
+        args = [b"%d %d %d %d" % times, lease_token.encode(), intent.fingerprint.encode()]
+        args.append(intent.endpoint.encode())
+        if intent.correlation_id is not None:
+            args.append(intent.correlation_id.encode())
+        return args
 
-    def claimed(
-        self, reply: Sequence[Any], intent: Intent, lease_token: str, now: float, expires_at: float
-    ) -> Claim:
-        verdict = reply[0]
-        if verdict == b"lost":
-            raise data_lost(int(reply[1]) / 1000)
-        if verdict != b"new":
-            return make_claim(verdict == b"taken", unpacked(reply[1]))
-        updated_at, expires, stale_at = bytes(reply[1]).split(b" ")  # as the script wrote them
-        # The id is the lease token, created_at the caller's now.
-        record = make_record(
-            lease_token, intent.principal, intent.key, intent.fingerprint, intent.endpoint,
-            State.IN_PROGRESS, lease_token, ms(now) / 1000, int(updated_at) / 1000,
-            int(expires) / 1000, intent.correlation_id, None, None, 1, int(stale_at) / 1000,
-        )  # fmt: skip
-        return make_claim(True, record)
+    def claimed(self, reply: bytes, intent: Intent, lease_token: str, now: float) -> Claim:
+        verdict, _, rest = reply.partition(b" ")
+        if verdict == b"new":
+            updated_at, expires_at, stale_at = rest.split(b" ")  # as the script wrote them
+            # The id is the lease token, created_at the caller's now.
+            record = make_record(
+                lease_token, intent.principal, intent.key, intent.fingerprint, intent.endpoint,
+                State.IN_PROGRESS, lease_token, ms(now) / 1000, int(updated_at) / 1000,
+                int(expires_at) / 1000, intent.correlation_id, None, None, 1, int(stale_at) / 1000,
+            )  # fmt: skip
+            return make_claim(True, record)
+        if verdict in (b"lost", b"found"):
+            raise data_lost(int(rest) / 1000)
+        return make_claim(verdict == b"taken", unpacked(rest))
 
     def complete_args(
         self, record: Record, state: State, response: Response, now: float, expires_at: float
-    ) -> list[Any]:
-        return owner_args(record, now, *outcome_args(state, response, expires_at))
+    ) -> list[bytes]:
+        return settled_args(record, state, response, now, expires_at)
+
+
+def fence(record: Record) -> tuple[bytes, bytes]:
+    """What every owner write is fenced on: the record's id and lease token."""
+    return str(record.id).encode(), (record.lease_token or "").encode()
 
 
 def owner_args(record: Record, now: float, *more: Any) -> list[Any]:
-    """An owner write's ARGV: now, id, lease token (the fence), then ``more``."""
-    return [ms(now), str(record.id), record.lease_token or "", *more]
+    """An owner write's ARGV: now, the `fence`, then ``more``."""
+    return [b"%d" % (now * 1000), *fence(record), *more]
 
 
-def marked_args(record: Record, now: float, *more: Any) -> list[Any]:
-    """The sweeper's fence: the record as marked (id, token, updated_at), then ``more``."""
-    return owner_args(record, now, ms(record.updated_at), *more)
-
-
-def outcome_args(state: State, response: Response, expires_at: float) -> list[Any]:
-    """ARGV of a settling write: state, status, headers, body, expires_at."""
-    return [state.value, response.status, headers_json(response.headers), response.body,
-            ms(expires_at)]  # fmt: skip
+def settled_args(
+    record: Record, state: State, response: Response, now: float, expires_at: float, *mark: Any
+) -> list[Any]:
+    """A settling write's ARGV: now, expires_at, status and state as words; the `fence`; the
+    sweeper's ``mark`` if it is its write; headers, body."""
+    times = (now * 1000, expires_at * 1000, response.status, state.value.encode())
+    headers = headers_json(response.headers).encode()
+    return [b"%d %d %d %s" % times, *fence(record), *mark, headers, response.body]
 
 
 def swept_index(from_state: State) -> int:
@@ -613,22 +629,31 @@ def record_from_hash(flat: Sequence[bytes]) -> Record:
     """A record from ``HGETALL``'s flat ``field, value, …`` reply (tests, old callers)."""
     pairs = iter(flat)
     fields = dict(zip(pairs, pairs, strict=True))
-    return unpacked(
-        b"".join(b"-" if v is None else b"%d:%s" % (len(v), v) for v in map(fields.get, FIELDS))
-    )
+    return unpacked(packed_from([fields.get(name) for name in FIELDS]))
 
 
-def record_from_fields(values: Sequence[Any]) -> Record | None:
-    """The one decoder: a record from its `RECORD_FIELDS` in order (``HMGET``'s reply, or a
-    packed one split); None when it has no id."""
-    id_, principal, key, fingerprint, endpoint, state, lease_token, created_at = values[:8]
-    updated_at, expires_at, correlation_id, recovery_point, status, headers, body = values[8:15]
-    attempt, stale_at = values[15:17]
-    if id_ is None:
-        return None
+def record_from_fields(values: Sequence[bytes | None]) -> Record | None:
+    """A record from ``HMGET``'s reply of its `RECORD_FIELDS`; None when it has no id."""
+    return None if values[0] is None else unpacked(packed_from(values))
+
+
+def packed_from(values: Sequence[bytes | None]) -> bytes:
+    """What a script's ``packed()`` makes of these field values (None: absent)."""
+    form = b"".join(b"?" if value is None else b"%ds" % len(value) for value in values)
+    return b"=%s\n%s" % (form, b"".join(b"\0" if value is None else value for value in values))
+
+
+def unpacked(packed: bytes) -> Record:
+    """The one decoder: a record from a script's reply (see _PACKED), split by `struct`."""
+    form, _, data = packed.partition(b"\n")
+    id_, principal, key, fingerprint, endpoint, state, lease_token, created_at, updated_at, \
+        expires_at, correlation_id, recovery_point, status, headers, body, attempt, stale_at \
+        = struct.unpack(form, data)  # fmt: skip
+    if id_ is False:
+        raise ValueError("a packed record has no id")
     response = None
-    if status is not None:
-        response = make_response(int(status), body or b"", stored_headers(headers))
+    if status is not False:
+        response = make_response(int(status), body or b"", stored_headers(headers or b""))
     return make_record(
         id_.decode(),
         principal.decode(),
@@ -636,38 +661,18 @@ def record_from_fields(values: Sequence[Any]) -> Record | None:
         fingerprint.decode(),
         endpoint.decode(),
         _STATES[state],
-        None if lease_token is None else lease_token.decode(),
+        None if lease_token is False else lease_token.decode(),
         int(created_at) / 1000,
         int(updated_at) / 1000,
         int(expires_at) / 1000,
-        None if correlation_id is None else correlation_id.decode(),
-        None if recovery_point is None else recovery_point.decode(),
+        None if correlation_id is False else correlation_id.decode(),
+        None if recovery_point is False else recovery_point.decode(),
         response,
-        1 if attempt is None else int(attempt),
-        None if stale_at is None else int(stale_at) / 1000,
+        1 if attempt is False else int(attempt),
+        None if stale_at is False else int(stale_at) / 1000,
     )
 
 
-def unpacked(packed: bytes) -> Record:
-    """A record from a script's reply (see _PACKED): one pass, slices only."""
-    values: list[bytes | None] = []
-    at, end = 0, len(packed)
-    while at < end:
-        if packed[at] == _ABSENT:
-            values.append(None)
-            at += 1
-            continue
-        colon = packed.find(b":", at)
-        start = colon + 1
-        at = start + int(packed[at:colon])
-        values.append(packed[start:at])
-    record = record_from_fields(values) if len(values) == len(FIELDS) and at == end else None
-    if record is None:
-        raise ValueError(f"a packed record does not hold {len(FIELDS)} fields")
-    return record
-
-
-_ABSENT = ord("-")
 _STATES = {state.value.encode(): state for state in State}
 FIELDS = tuple(name.encode() for name in RECORD_FIELDS)
 
@@ -727,14 +732,41 @@ StartGate = threading.Lock
 _DEFAULT_QUARANTINE = Policy().stale_seconds
 
 
+#: What an owner's write refused for its lease lost says.
+LOST = "the claim on this Idempotency-Key was taken over or swept"
+
+
 class RedisShared:
     """What `AsyncRedisStore` and `RedisStore` share that is no coroutine."""
 
-    client: Any
-    layout: Layout
-    _cluster: bool
-    _quarantine: float | None
-    _shas: dict[str, str]
+    supports_transactions = False
+    supports_single_commit = False
+    renews_claims = True
+    #: The lock the first claims wait on while one of them starts the store.
+    _gate_kind: Callable[[], Any]
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        policy: Policy | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        clock: StoreClock = "database",
+        allow_volatile: bool = False,
+    ) -> None:
+        from redis.exceptions import NoScriptError, ResponseError
+
+        self.client = client
+        self.layout = layout_for(client, prefix)
+        self._scripts, self._shas = ON_CLOCK[check_clock(clock)]
+        self._boot_scripts = BOOT_SCRIPTS[clock]
+        self._gate = self._gate_kind()
+        self._cluster = hasattr(client, "get_primaries")
+        self._no_script = NoScriptError
+        self._response_error = ResponseError
+        self.allow_volatile = allow_volatile
+        self._quarantine = None if policy is None else policy.stale_seconds
+        self._started = False
 
     @property
     def quarantine(self) -> float:

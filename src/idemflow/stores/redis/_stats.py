@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._model import State
 from ..stats import OldestClaim, StoreStats
-from ._scripts import EXPIRES, FIELDS, IN_PROGRESS, STALE, ms, text, translated
-from ._scripts import record_from_fields as decoded
+from ._scripts import EXPIRES, FIELDS, IN_PROGRESS, STALE, ms, record_from_fields, text, translated
 
 if TYPE_CHECKING:
     from ._scripts import Layout
@@ -45,22 +44,21 @@ class RedisStats:
         self._layout = layout
 
     def stuck_claims(self, cutoff: float) -> dict[str, int]:
-        (stale,) = self._sums(lambda pipe, idx: pipe.zcard(idx[STALE]))
         with translated():
-            running = sum(1 for dated, _ in self._in_progress() if dated < ms(cutoff))
+            stale = self._sum(lambda pipe, idx: pipe.zcard(idx[STALE]))
+            running = _older(self._in_progress(), cutoff)
         return {State.IN_PROGRESS.value: running, State.STALE.value: stale}
 
     def expired(self, now: float) -> int:
         """Expiry entries past ``now``: records not purged yet (or just deleted by their TTL)."""
-        (expired,) = self._sums(lambda pipe, idx: pipe.zcount(idx[EXPIRES], "-inf", ms(now)))
-        return expired
+        with translated():
+            return self._sum(lambda pipe, idx: pipe.zcount(idx[EXPIRES], "-inf", ms(now)))
 
     def snapshot(self, now: float, request_timeout: float, stale_after: float) -> StoreStats:
         with translated():
             counts = self._counts()
-            oldest = self._oldest_in_progress()
-            stuck = self.stuck_claims(now - request_timeout)[State.IN_PROGRESS.value]
-            past_stale = self.stuck_claims(now - stale_after)[State.IN_PROGRESS.value]
+            running = self._in_progress()  # read once: the oldest and both ages from it
+            oldest = self._oldest(running)
             expired = self.expired(now)
         return StoreStats(
             table=self.table,
@@ -69,24 +67,20 @@ class RedisStats:
             stale_after=stale_after,
             counts=tuple((s, e, n) for (s, e), n in sorted(counts.items())),
             oldest_in_progress=oldest,
-            past_request_timeout=stuck,
-            past_stale_threshold=past_stale,
+            past_request_timeout=_older(running, now - request_timeout),
+            past_stale_threshold=_older(running, now - stale_after),
             expired_unpurged=expired,
         )
 
-    def _sums(self, *asks: Callable[[Any, tuple[bytes, ...]], object]) -> list[int]:
-        """Each question asked of every bucket's indexes, summed; one walk for all."""
-        totals = [0] * len(asks)
-        with translated():
-            for chunk in self._layout.walk():
-                pipe = self._client.pipeline(transaction=False)
-                for bucket in chunk:
-                    for ask in asks:
-                        ask(pipe, self._layout.indexes(bucket))
-                replies = pipe.execute()
-                for n in range(len(asks)):
-                    totals[n] += sum(int(count) for count in replies[n :: len(asks)])
-        return totals
+    def _sum(self, ask: Callable[[Any, tuple[bytes, ...]], object]) -> int:
+        """One question asked of every bucket's indexes, its answers summed."""
+        total = 0
+        for chunk in self._layout.walk():
+            pipe = self._client.pipeline(transaction=False)
+            for bucket in chunk:
+                ask(pipe, self._layout.indexes(bucket))
+            total += sum(int(count) for count in pipe.execute())
+        return total
 
     def _counts(self) -> Counter[tuple[str, str]]:
         """(state, endpoint) → records, reading every record's two fields (SCAN)."""
@@ -126,13 +120,16 @@ class RedisStats:
                     dated.append((int(updated_at), member))
         return dated
 
-    def _oldest_in_progress(self) -> OldestClaim | None:
-        oldest = min(self._in_progress(), default=None)
-        if oldest is None:
-            return None
-        found = decoded(self._client.hmget(oldest[1], FIELDS))
+    def _oldest(self, running: list[tuple[int, bytes]]) -> OldestClaim | None:
+        found = record_from_fields(self._client.hmget(min(running)[1], FIELDS)) if running else None
         if found is None:
             return None
         return OldestClaim(
             found.principal, found.key, found.endpoint, found.created_at, found.updated_at
         )
+
+
+def _older(running: list[tuple[int, bytes]], cutoff: float) -> int:
+    """How many claims in flight were last written before ``cutoff``."""
+    limit = ms(cutoff)
+    return sum(1 for dated, _ in running if dated < limit)

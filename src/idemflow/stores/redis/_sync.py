@@ -16,36 +16,31 @@ from ..._model import (
     DEFAULT_STALE_SECONDS,
     Claim,
     Intent,
-    Policy,
     Record,
     Response,
     State,
     new_lease_token,
 )
-from ..protocol import MaintainableStore, Transaction, StoreClock, check_clock
+from ..protocol import MaintainableStore, Transaction
 from ._scripts import (
     ARM_ABSENT,
-    BOOT_SCRIPTS,
     CREATE_ABSENT,
-    DEFAULT_PREFIX,
     EXPIRES,
     FIELDS,
     KEEP_ABSENT,
-    ON_CLOCK,
+    LOST,
     WALK_ATTEMPTS,
     StartGate,
     RedisShared,
     is_connection_lost,
-    layout_for,
-    marked_args,
     ms,
-    outcome_args,
     owner_args,
     probe_args,
     raise_unavailable,
     record_from_fields,
     refuse_transaction,
     refuse_volatile,
+    settled_args,
     swept_index,
     translated,
     unpacked,
@@ -72,32 +67,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
     Cannot share a transaction; run the sweeper. The design: docs/stores.md, "Redis".
     """
 
-    supports_transactions = False
-    supports_single_commit = False
-    renews_claims = True
-
-    def __init__(
-        self,
-        client: Any,
-        *,
-        policy: Policy | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        clock: StoreClock = "database",
-        allow_volatile: bool = False,
-    ) -> None:
-        from redis.exceptions import NoScriptError, ResponseError
-
-        self.client = client
-        self.layout = layout_for(client, prefix)
-        self._scripts, self._shas = ON_CLOCK[check_clock(clock)]
-        self._boot_scripts = BOOT_SCRIPTS[clock]
-        self._gate = StartGate()
-        self._cluster = hasattr(client, "get_primaries")
-        self._no_script = NoScriptError
-        self._response_error = ResponseError
-        self.allow_volatile = allow_volatile
-        self._quarantine = None if policy is None else policy.stale_seconds
-        self._started = False
+    _gate_kind = StartGate
 
     def claim(
         self,
@@ -119,10 +89,10 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         )
         keys = self.layout.claim_keys(intent.principal, intent.key)
         reply = self._evalsha("claim", keys, args)
-        if len(reply) > 2:  # it found its bucket's epoch gone: a loss takes every bucket of
-            with translated():  # its server, so arm each one's quarantine from now
-                self._boot(args[0], ARM_ABSENT)
-        return self.layout.claimed(reply, intent, lease_token, now, expires_at)
+        if reply.startswith(b"found"):  # its bucket's epoch gone: a loss takes every bucket
+            with translated():  # of its server, so arm each one's quarantine from now
+                self._boot(ms(now), ARM_ABSENT)
+        return self.layout.claimed(reply, intent, lease_token, now)
 
     def start(self, now: float | None = None) -> None:
         """Refuse a volatile server (unless allowed), write every bucket's epoch, load the
@@ -134,7 +104,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
             self._prepare(at, create=True)
         self._started = True
 
-    def _prepare(self, now_ms: int, *, create: bool = False) -> None:
+    def _prepare(self, now_ms: int | bytes, *, create: bool = False) -> None:
         """The boot script on every epoch, then the scripts loaded: no claim runs on a boot
         its epochs were not told (one pipeline; on a cluster, the boot again after)."""
         absent = CREATE_ABSENT if create else KEEP_ABSENT
@@ -151,7 +121,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
             pipe.script_load(lua)
         pipe.execute()
 
-    def _boot(self, now_ms: int, absent: str) -> None:
+    def _boot(self, now_ms: int | bytes, absent: str) -> None:
         """The boot script on every bucket's epoch; ``absent`` says what a missing one becomes."""
         epochs = self.layout.epoch_keys()
         argv = [now_ms, absent]
@@ -182,8 +152,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
 
     def _persistence(self) -> list[dict[str, Any]]:
         """Each master's ``appendonly`` and ``save`` settings (every master of a cluster)."""
-        primaries = getattr(self.client, "get_primaries", None)
-        targets: list[Any] = [None] if primaries is None else list(primaries())
+        targets: list[Any] = list(self.client.get_primaries()) if self._cluster else [None]
         configs = []
         for node in targets:
             where = {} if node is None else {"target_nodes": node}
@@ -207,10 +176,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
     ) -> None:
         refuse_transaction(transaction)
         args = self.layout.complete_args(record, state, response, now, expires_at)
-        if not self._fenced("complete", record, args):
-            raise LeaseLost(
-                "the claim on this Idempotency-Key was taken over or swept before completion"
-            )
+        self._fenced("complete", record, args, LOST + " before completion")
 
     def release(
         self, record: Record, now: float, transaction: Transaction | None = None
@@ -226,13 +192,10 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         transaction: Transaction | None = None,
     ) -> None:
         refuse_transaction(transaction)
-        args = owner_args(record, now, recovery_point)
-        if not self._fenced("checkpoint", record, args):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
+        self._fenced("checkpoint", record, owner_args(record, now, recovery_point), LOST)
 
     def renew(self, record: Record, now: float) -> None:
-        if not self._fenced("renew", record, owner_args(record, now)):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over or swept")
+        self._fenced("renew", record, owner_args(record, now), LOST)
 
     def get(self, principal: str, key: str) -> Record | None:
         with translated():
@@ -275,7 +238,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         transaction: Transaction | None = None,
     ) -> bool:
         refuse_transaction(transaction)
-        args = marked_args(record, now, *outcome_args(state, response, expires_at))
+        args = settled_args(record, state, response, now, expires_at, ms(record.updated_at))
         return self._fenced("settle_stale", record, args)
 
     def release_stale(
@@ -287,7 +250,7 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         forget_progress: bool = False,
     ) -> bool:
         refuse_transaction(transaction)
-        args = marked_args(record, now, "1" if forget_progress else "0")
+        args = owner_args(record, now, ms(record.updated_at), "1" if forget_progress else "0")
         return self._fenced("release_stale", record, args)
 
     def purge(self, now: float, limit: int) -> int:
@@ -338,22 +301,17 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         attempts = 1
         while True:
             try:
-                return self._ask_each_once(script, chunk, index, argv)
+                if self._cluster:
+                    self._learn_slots()  # _each names each command's node
+                try:
+                    return list(self._each(script, chunk, index, argv).execute())
+                except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts again
+                    self._prepare(argv[0])
+                    return list(self._each(script, chunk, index, argv).execute())
             except Exception as exc:
                 if attempts == WALK_ATTEMPTS or not is_connection_lost(exc):
                     raise
                 attempts += 1
-
-    def _ask_each_once(
-        self, script: str, chunk: Sequence[int], index: int, argv: list[Any]
-    ) -> list[Any]:
-        if self._cluster:
-            self._learn_slots()  # _each names each command's node
-        try:
-            return list(self._each(script, chunk, index, argv).execute())
-        except self._no_script:  # SCRIPT FLUSH or a restart: the boot, the scripts, once more
-            self._prepare(argv[0])
-            return list(self._each(script, chunk, index, argv).execute())
 
     def _learn_slots(self) -> None:
         """redis.asyncio's cluster client learns its slots lazily: before a node lookup."""
@@ -361,19 +319,23 @@ class RedisStore(RedisShared, RedisObservable, MaintainableStore):
         if initialize is not None:
             initialize()
 
-    def _fenced(self, script: str, record: Record, args: list[Any]) -> bool:
+    def _fenced(self, script: str, record: Record, args: list[Any], lost: str = "") -> bool:
+        """An owner's write, fenced: done, or refused (LeaseLost, if given its message)."""
         keys = self.layout.keys(record.principal, record.key)
-        return bool(self._evalsha(script, keys, args))
+        done = bool(self._evalsha(script, keys, args))
+        if lost and not done:
+            raise LeaseLost(lost)
+        return done
 
     def _evalsha(self, script: str, keys: Sequence[bytes], args: list[Any]) -> Any:
         """One round trip, a failure a 503; a server that lost its scripts gets them again."""
-        sha = self._shas[script]
+        command = ("EVALSHA", self._shas[script], b"%d" % len(keys), *keys, *args)
         try:
             try:
-                return self.client.evalsha(sha, len(keys), *keys, *args)
+                return self.client.execute_command(*command)
             except self._no_script:
-                self._prepare(args[0])
-                return self.client.evalsha(sha, len(keys), *keys, *args)
+                self._prepare(args[0])  # its first word: the caller's now
+                return self.client.execute_command(*command)
         except Exception as exc:
             raise_unavailable(exc)
             raise

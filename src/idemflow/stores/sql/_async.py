@@ -7,8 +7,8 @@ from it by ``scripts/unasync.py``.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, nullcontext
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Any, Literal, TypeAlias
 
 from ..._errors import LeaseLost
@@ -55,19 +55,13 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
         connect: returns an async context manager yielding an *autocommit*
             connection, e.g. ``psycopg_pool.AsyncConnectionPool.connection``.
         paramstyle: the driver's placeholder style.
-        is_unavailable: recognises driver errors that mean "cannot reach the
-            store" (connection refused, pool exhausted, database locked).
-        is_lock_timeout: recognises the error a bounded wait on a concurrent
-            uncommitted claim raises (single-commit mode only).
+        is_unavailable: the driver errors that mean "cannot reach the store" (a 503).
+        is_lock_timeout: the error of a bounded wait on another's uncommitted claim (a 409).
         read_connect: connections for reads alone (`get`, stats); ``connect`` by default.
-        extra_params: the driver ignores parameters a statement does not name
-            (sqlite3, psycopg): no copy per statement.
-        lend_sources: where the store's own connections come from, for claims on
-            a connection the request's transaction lends (`claim_on_lent`).
-        claims_alone_on: whether a lent connection commits a statement on its
-            own right now; required with ``lend_sources``.
-        migrate_connect: connections for `migrate`, whose waits are not a
-            request's; ``connect`` by default.
+        extra_params: the driver ignores parameters a statement does not name (no copy).
+        lend_sources: where the store's connections come from, for `claim_on_lent`.
+        claims_alone_on: does a lent connection commit a statement on its own right now?
+        migrate_connect: connections for `migrate` (waits no request's); ``connect`` by default.
     """
 
     supports_transactions = True
@@ -130,7 +124,7 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
     async def _claim_alone(
         self, params: Mapping[str, Any], fingerprint: str, lender: AsyncTransaction | None
     ) -> Claim:
-        try:
+        with self._translate(self._claim_failure):
             lent = None
             if lender is not None and self._lend_sources:
                 lent = await lender.lend(self._lend_sources)
@@ -145,11 +139,6 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
                     return await self._claim_on(cursor, params, fingerprint)
                 finally:
                     await cursor.close()
-        except Exception as exc:
-            failure = self._claim_failure(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
 
     async def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
         async def fetch(statement: Statement, params: Mapping[str, Any]) -> _Fetched:
@@ -160,7 +149,7 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
     async def _row(
         self, cursor: Any, statement: Statement, params: Mapping[str, Any]
     ) -> tuple[Any, RowShape]:
-        text = statement.pyformat if self._pyformat else statement.named
+        text = self._text(statement)
         await cursor.execute(text, params if self._extra_params else statement.bind(params))
         # fetchall runs the statement to its end: on SQLite an INSERT … RETURNING
         # commits and frees the write lock now, not after our Python work.
@@ -180,17 +169,12 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
             row = await transaction.fetchone(statement, params)
             return (None if row is None else [row.get(name) for name in _LAID_OUT]), _LAID_OUT_SHAPE
 
-        try:
+        with self._translate(self._claim_failure):
             for statement in self.dialect.before_claim_in_transaction:
                 await transaction.execute(statement, params)
             claim = await self._claim_with(fetch, params, fingerprint)
             for statement in self.dialect.after_claim_in_transaction:
                 await transaction.execute(statement, params)
-        except Exception as exc:
-            failure = self._claim_failure(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
         return claim
 
     async def _claim_with(
@@ -252,30 +236,38 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
         transaction: AsyncTransaction | None = None,
     ) -> None:
         params = {**owner_params(record, now), "recovery_point": recovery_point}
-        if not await self._write(self.dialect.checkpoint, params, transaction):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over")
+        await self._owner_write(self.dialect.checkpoint, params, transaction)
 
     async def renew(self, record: Record, now: float) -> None:
-        if not await self._write(self.dialect.renew, owner_params(record, now), None):
+        await self._owner_write(self.dialect.renew, owner_params(record, now), None)
+
+    async def _owner_write(
+        self, statement: Statement, params: Mapping[str, Any], transaction: AsyncTransaction | None
+    ) -> None:
+        """A fenced write that dates the claim: `LeaseLost` unless it changed our row or
+        `_still_owned` says the record is ours (a write that changed no value)."""
+        written = await self._write(statement, params, transaction)
+        if not (written or await self._still_owned(params, transaction)):
             raise LeaseLost("the claim on this Idempotency-Key was taken over")
+
+    async def _still_owned(
+        self, params: Mapping[str, Any], transaction: AsyncTransaction | None
+    ) -> bool:
+        """Is the record ours though the write changed no row? Not here: rows count as matched."""
+        return False
 
     async def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
         params = sweep_params(from_state, cutoff, now, keep_until, limit)
         text = self._text(self.dialect.sweep)
-        with self._translate():
-            async with self._connect() as conn:
-                cursor = conn.cursor()
-                try:
-                    await cursor.execute(text, self.dialect.sweep.bind(params))
-                    rows = await cursor.fetchall()
-                    if not rows:
-                        return []
-                    start = self._learn_shape(text, cursor).start
-                    return [record_from_values(row, start) for row in rows]
-                finally:
-                    await cursor.close()
+        async with self._cursor(self._connect) as cursor:
+            await cursor.execute(text, self.dialect.sweep.bind(params))
+            rows = await cursor.fetchall()
+            if not rows:
+                return []
+            start = self._learn_shape(text, cursor).start
+            return [record_from_values(row, start) for row in rows]
 
     async def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
         """One probe of the ``(state, stale_at)`` index (the dialect's ``due``), if any."""
@@ -283,14 +275,9 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
         if statement is None:
             return None
         params = sweep_params(from_state, cutoff, now, now, 1)
-        with self._translate():
-            async with self._read_connect() as conn:
-                cursor = conn.cursor()
-                try:
-                    await cursor.execute(self._text(statement), statement.bind(params))
-                    row = await cursor.fetchone()
-                finally:
-                    await cursor.close()
+        async with self._cursor(self._read_connect) as cursor:
+            await cursor.execute(self._text(statement), statement.bind(params))
+            row = await cursor.fetchone()
         return math.inf if row is None else float(row[0]) / 1000
 
     async def settle_stale(
@@ -321,31 +308,21 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
 
     async def purge(self, now: float, limit: int) -> int:
         params = {"now": int(now * 1000), "limit": limit}
-        with self._translate():
-            async with self._connect() as conn:
-                cursor = conn.cursor()
-                try:
-                    purge = self.dialect.purge
-                    await cursor.execute(self._text(purge), purge.bind(params))
-                    return int(cursor.rowcount)
-                finally:
-                    await cursor.close()
+        async with self._cursor(self._connect) as cursor:
+            await cursor.execute(self._text(self.dialect.purge), self.dialect.purge.bind(params))
+            return int(cursor.rowcount)
 
     async def migrate(self) -> None:
-        with self._translate():
-            async with self._migrate_connect() as conn:
-                cursor = conn.cursor()
-                try:
-                    if await self._needs_upgrade(cursor):
-                        for statement in self.dialect.upgrade:
-                            await cursor.execute(statement)
-                    for statement in self.dialect.ddl:
+        async with self._cursor(self._migrate_connect) as cursor:
+            try:
+                if await self._needs_upgrade(cursor):
+                    for statement in self.dialect.upgrade:
                         await cursor.execute(statement)
-                except BaseException:
-                    await cursor.execute("ROLLBACK")
-                    raise
-                finally:
-                    await cursor.close()
+                for statement in self.dialect.ddl:
+                    await cursor.execute(statement)
+            except BaseException:
+                await cursor.execute("ROLLBACK")
+                raise
 
     async def _needs_upgrade(self, cursor: Any) -> bool:
         """Is the table there without this version's ``stale_at`` (an earlier version's)?"""
@@ -363,33 +340,35 @@ class AsyncSQLStore(Executor, AsyncSQLObservable, AsyncMaintainableStore):
 
     async def get(self, principal: str, key: str) -> Record | None:
         params = {"principal": principal, "key": key}
-        with self._translate():
-            async with self._read_connect() as conn:
-                cursor = conn.cursor()
-                try:
-                    row, shape = await self._row(cursor, self.dialect.select, params)
-                finally:
-                    await cursor.close()
+        async with self._cursor(self._read_connect) as cursor:
+            row, shape = await self._row(cursor, self.dialect.select, params)
         return None if row is None else record_from_values(row, shape.start)
 
     async def _write(
         self, statement: Statement, params: Mapping[str, Any], transaction: AsyncTransaction | None
     ) -> bool:
         """Run a fenced UPDATE; True when it changed our row."""
-        try:
+        with self._translate():
             if transaction is not None:
                 return await transaction.execute(statement, params) == 1
             async with self._connect() as conn:
                 cursor = conn.cursor()
                 try:
-                    text = statement.pyformat if self._pyformat else statement.named
                     bound = params if self._extra_params else statement.bind(params)
-                    await cursor.execute(text, bound)
+                    await cursor.execute(self._text(statement), bound)
                     return bool(cursor.rowcount == 1)
                 finally:
                     await cursor.close()
-        except Exception as exc:
-            failure = self._unavailable(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+
+    @asynccontextmanager
+    async def _cursor(
+        self, connect: Callable[[], AbstractAsyncContextManager[Any]]
+    ) -> AsyncIterator[Any]:
+        """A cursor on a connection of ``connect``, its driver failures translated."""
+        with self._translate():
+            async with connect() as conn:
+                cursor = conn.cursor()
+                try:
+                    yield cursor
+                finally:
+                    await cursor.close()

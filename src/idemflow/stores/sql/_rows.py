@@ -91,12 +91,13 @@ class Executor:
         return statement.pyformat if self._pyformat else statement.named
 
     @contextmanager
-    def _translate(self) -> Iterator[None]:
-        """Driver failures as `_unavailable` says (a missing table: `MissingTable`)."""
+    def _translate(self, meaning: Callable[[Exception], Exception] | None = None) -> Iterator[None]:
+        """Driver failures as ``meaning`` (`_unavailable` by default) says (a missing table:
+        `MissingTable`)."""
         try:
             yield
         except Exception as exc:
-            failure = self._unavailable(exc)
+            failure = (meaning or self._unavailable)(exc)
             if failure is exc:
                 raise
             raise failure from exc

@@ -8,8 +8,8 @@ GENERATED from ``idemflow/stores/sql/_async.py`` by ``scripts/unasync.py``; do n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Callable, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal, TypeAlias
 
 from ..._errors import LeaseLost
@@ -56,19 +56,13 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
         connect: returns a context manager yielding an *autocommit*
             connection, e.g. ``psycopg_pool.ConnectionPool.connection``.
         paramstyle: the driver's placeholder style.
-        is_unavailable: recognises driver errors that mean "cannot reach the
-            store" (connection refused, pool exhausted, database locked).
-        is_lock_timeout: recognises the error a bounded wait on a concurrent
-            uncommitted claim raises (single-commit mode only).
+        is_unavailable: the driver errors that mean "cannot reach the store" (a 503).
+        is_lock_timeout: the error of a bounded wait on another's uncommitted claim (a 409).
         read_connect: connections for reads alone (`get`, stats); ``connect`` by default.
-        extra_params: the driver ignores parameters a statement does not name
-            (sqlite3, psycopg): no copy per statement.
-        lend_sources: where the store's own connections come from, for claims on
-            a connection the request's transaction lends (`claim_on_lent`).
-        claims_alone_on: whether a lent connection commits a statement on its
-            own right now; required with ``lend_sources``.
-        migrate_connect: connections for `migrate`, whose waits are not a
-            request's; ``connect`` by default.
+        extra_params: the driver ignores parameters a statement does not name (no copy).
+        lend_sources: where the store's connections come from, for `claim_on_lent`.
+        claims_alone_on: does a lent connection commit a statement on its own right now?
+        migrate_connect: connections for `migrate` (waits no request's); ``connect`` by default.
     """
 
     supports_transactions = True
@@ -131,7 +125,7 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
     def _claim_alone(
         self, params: Mapping[str, Any], fingerprint: str, lender: Transaction | None
     ) -> Claim:
-        try:
+        with self._translate(self._claim_failure):
             lent = None
             if lender is not None and self._lend_sources:
                 lent = lender.lend(self._lend_sources)
@@ -146,11 +140,6 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
                     return self._claim_on(cursor, params, fingerprint)
                 finally:
                     cursor.close()
-        except Exception as exc:
-            failure = self._claim_failure(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
 
     def _claim_on(self, cursor: Any, params: Mapping[str, Any], fingerprint: str) -> Claim:
         def fetch(statement: Statement, params: Mapping[str, Any]) -> _Fetched:
@@ -161,7 +150,7 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
     def _row(
         self, cursor: Any, statement: Statement, params: Mapping[str, Any]
     ) -> tuple[Any, RowShape]:
-        text = statement.pyformat if self._pyformat else statement.named
+        text = self._text(statement)
         cursor.execute(text, params if self._extra_params else statement.bind(params))
         # fetchall runs the statement to its end: on SQLite an INSERT … RETURNING
         # commits and frees the write lock now, not after our Python work.
@@ -181,17 +170,12 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
             row = transaction.fetchone(statement, params)
             return (None if row is None else [row.get(name) for name in _LAID_OUT]), _LAID_OUT_SHAPE
 
-        try:
+        with self._translate(self._claim_failure):
             for statement in self.dialect.before_claim_in_transaction:
                 transaction.execute(statement, params)
             claim = self._claim_with(fetch, params, fingerprint)
             for statement in self.dialect.after_claim_in_transaction:
                 transaction.execute(statement, params)
-        except Exception as exc:
-            failure = self._claim_failure(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
         return claim
 
     def _claim_with(
@@ -253,30 +237,38 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
         transaction: Transaction | None = None,
     ) -> None:
         params = {**owner_params(record, now), "recovery_point": recovery_point}
-        if not self._write(self.dialect.checkpoint, params, transaction):
-            raise LeaseLost("the claim on this Idempotency-Key was taken over")
+        self._owner_write(self.dialect.checkpoint, params, transaction)
 
     def renew(self, record: Record, now: float) -> None:
-        if not self._write(self.dialect.renew, owner_params(record, now), None):
+        self._owner_write(self.dialect.renew, owner_params(record, now), None)
+
+    def _owner_write(
+        self, statement: Statement, params: Mapping[str, Any], transaction: Transaction | None
+    ) -> None:
+        """A fenced write that dates the claim: `LeaseLost` unless it changed our row or
+        `_still_owned` says the record is ours (a write that changed no value)."""
+        written = self._write(statement, params, transaction)
+        if not (written or self._still_owned(params, transaction)):
             raise LeaseLost("the claim on this Idempotency-Key was taken over")
+
+    def _still_owned(
+        self, params: Mapping[str, Any], transaction: Transaction | None
+    ) -> bool:
+        """Is the record ours though the write changed no row? Not here: rows count as matched."""
+        return False
 
     def sweep(
         self, from_state: State, cutoff: float, now: float, keep_until: float, limit: int
     ) -> list[Record]:
         params = sweep_params(from_state, cutoff, now, keep_until, limit)
         text = self._text(self.dialect.sweep)
-        with self._translate():
-            with self._connect() as conn:
-                cursor = conn.cursor()
-                try:
-                    cursor.execute(text, self.dialect.sweep.bind(params))
-                    rows = cursor.fetchall()
-                    if not rows:
-                        return []
-                    start = self._learn_shape(text, cursor).start
-                    return [record_from_values(row, start) for row in rows]
-                finally:
-                    cursor.close()
+        with self._cursor(self._connect) as cursor:
+            cursor.execute(text, self.dialect.sweep.bind(params))
+            rows = cursor.fetchall()
+            if not rows:
+                return []
+            start = self._learn_shape(text, cursor).start
+            return [record_from_values(row, start) for row in rows]
 
     def next_due(self, from_state: State, cutoff: float, now: float) -> float | None:
         """One probe of the ``(state, stale_at)`` index (the dialect's ``due``), if any."""
@@ -284,14 +276,9 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
         if statement is None:
             return None
         params = sweep_params(from_state, cutoff, now, now, 1)
-        with self._translate():
-            with self._read_connect() as conn:
-                cursor = conn.cursor()
-                try:
-                    cursor.execute(self._text(statement), statement.bind(params))
-                    row = cursor.fetchone()
-                finally:
-                    cursor.close()
+        with self._cursor(self._read_connect) as cursor:
+            cursor.execute(self._text(statement), statement.bind(params))
+            row = cursor.fetchone()
         return math.inf if row is None else float(row[0]) / 1000
 
     def settle_stale(
@@ -322,31 +309,21 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
 
     def purge(self, now: float, limit: int) -> int:
         params = {"now": int(now * 1000), "limit": limit}
-        with self._translate():
-            with self._connect() as conn:
-                cursor = conn.cursor()
-                try:
-                    purge = self.dialect.purge
-                    cursor.execute(self._text(purge), purge.bind(params))
-                    return int(cursor.rowcount)
-                finally:
-                    cursor.close()
+        with self._cursor(self._connect) as cursor:
+            cursor.execute(self._text(self.dialect.purge), self.dialect.purge.bind(params))
+            return int(cursor.rowcount)
 
     def migrate(self) -> None:
-        with self._translate():
-            with self._migrate_connect() as conn:
-                cursor = conn.cursor()
-                try:
-                    if self._needs_upgrade(cursor):
-                        for statement in self.dialect.upgrade:
-                            cursor.execute(statement)
-                    for statement in self.dialect.ddl:
+        with self._cursor(self._migrate_connect) as cursor:
+            try:
+                if self._needs_upgrade(cursor):
+                    for statement in self.dialect.upgrade:
                         cursor.execute(statement)
-                except BaseException:
-                    cursor.execute("ROLLBACK")
-                    raise
-                finally:
-                    cursor.close()
+                for statement in self.dialect.ddl:
+                    cursor.execute(statement)
+            except BaseException:
+                cursor.execute("ROLLBACK")
+                raise
 
     def _needs_upgrade(self, cursor: Any) -> bool:
         """Is the table there without this version's ``stale_at`` (an earlier version's)?"""
@@ -364,33 +341,35 @@ class SQLStore(Executor, SQLObservable, MaintainableStore):
 
     def get(self, principal: str, key: str) -> Record | None:
         params = {"principal": principal, "key": key}
-        with self._translate():
-            with self._read_connect() as conn:
-                cursor = conn.cursor()
-                try:
-                    row, shape = self._row(cursor, self.dialect.select, params)
-                finally:
-                    cursor.close()
+        with self._cursor(self._read_connect) as cursor:
+            row, shape = self._row(cursor, self.dialect.select, params)
         return None if row is None else record_from_values(row, shape.start)
 
     def _write(
         self, statement: Statement, params: Mapping[str, Any], transaction: Transaction | None
     ) -> bool:
         """Run a fenced UPDATE; True when it changed our row."""
-        try:
+        with self._translate():
             if transaction is not None:
                 return transaction.execute(statement, params) == 1
             with self._connect() as conn:
                 cursor = conn.cursor()
                 try:
-                    text = statement.pyformat if self._pyformat else statement.named
                     bound = params if self._extra_params else statement.bind(params)
-                    cursor.execute(text, bound)
+                    cursor.execute(self._text(statement), bound)
                     return bool(cursor.rowcount == 1)
                 finally:
                     cursor.close()
-        except Exception as exc:
-            failure = self._unavailable(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+
+    @contextmanager
+    def _cursor(
+        self, connect: Callable[[], AbstractContextManager[Any]]
+    ) -> Iterator[Any]:
+        """A cursor on a connection of ``connect``, its driver failures translated."""
+        with self._translate():
+            with connect() as conn:
+                cursor = conn.cursor()
+                try:
+                    yield cursor
+                finally:
+                    cursor.close()

@@ -51,26 +51,26 @@ TAKE_OVER_SQL = f"({RETRY_SQL} OR {PAST_RETENTION_SQL})"
 NEW_INTENT_SQL = f"({PAST_RETENTION_SQL} AND NOT {RETRY_SQL})"
 
 
-def _owned_by_caller(alias: str = "") -> str:
-    """The fence every write of an owner carries: our record, our lease, still running."""
-    prefix = f"{alias}." if alias else ""
-    return (
-        f"{prefix}id = :id AND {prefix}lease_token = :lease_token "
-        f"AND {_in_state('in_progress', prefix)}"
-    )
-
-
-def _in_state(state: str, prefix: str = "") -> str:
+def _in_state(state: str) -> str:
     """``state = '<state>'`` in a form no index can serve, for statements that name their
     row: a generic plan made on an empty table would otherwise scan the state index
     (tests/stores/test_postgres_plans.py).
     """
-    return f"COALESCE({prefix}state, '') = '{state}'"
+    return f"COALESCE(state, '') = '{state}'"
+
+
+#: The fence every write of an owner carries: our record, our lease, still running.
+_OWNED = f"id = :id AND lease_token = :lease_token AND {_in_state('in_progress')}"
 
 
 # A released record is swept only past a recovery point (an external call may have
 # happened): the reconciler settles or undoes it.
 SWEEPABLE_SQL = "(state <> 'released' OR recovery_point IS NOT NULL)"
+# A record's deadline, from its last write. ``stale_at`` is this version's copy of it, for
+# the index: a row an earlier version wrote during a rolling upgrade has none (0) or an
+# older one (its take-over left it), so the sweep also asks the write itself.
+DEADLINE_SQL = "updated_at + CASE WHEN state = 'stale' THEN 0 ELSE stale_after END"
+DUE_SQL = f"stale_at < :cutoff AND {DEADLINE_SQL} < :cutoff"
 # Never in flight, being recovered, or released past an external call. Spelled NOT IN so
 # no planner serves the purge from the (state, updated_at) index: the expiry index must.
 PURGEABLE_SQL = (
@@ -92,7 +92,7 @@ def claim_unsettled() -> InProgress:
     return InProgress("the record for this Idempotency-Key keeps changing; retry later")
 
 
-_BY_KEY = "WHERE principal = :principal AND idempotency_key = :key"
+BY_KEY = "WHERE principal = :principal AND idempotency_key = :key"
 #: The time a read is made at, read with the record: the claim decides on it whether a
 #: take-over is worth trying (on the database clock, the server's time).
 CLOCK_NOW = ":now AS clock_now"
@@ -188,6 +188,11 @@ class Dialect:
         )
         # Every owner write that dates the claim moves its deadline by its own threshold.
         deadline = "stale_at = :now + stale_after"
+        settle = (
+            f"UPDATE {table} SET state = :state, response_status = :status, "
+            "response_headers = :headers, response_body = :body, updated_at = :now, "
+            "expires_at = :expires_at WHERE"
+        )
         return cls(
             name=name,
             table=table,
@@ -197,43 +202,33 @@ class Dialect:
             after_claim_in_transaction=tuple(map(Statement, after)),
             claim=Statement(claim),
             take_over=Statement(take_over_claim(table)),
-            select=Statement(f"SELECT {columns} FROM {table} {_BY_KEY}"),
-            read_for_claim=Statement(f"SELECT {columns}, {CLOCK_NOW} FROM {table} {_BY_KEY}"),
-            complete=Statement(
-                f"UPDATE {table} SET state = :state, response_status = :status, "
-                "response_headers = :headers, response_body = :body, updated_at = :now, "
-                f"expires_at = :expires_at WHERE {_owned_by_caller()}"
-            ),
+            select=Statement(f"SELECT {columns} FROM {table} {BY_KEY}"),
+            read_for_claim=Statement(f"SELECT {columns}, {CLOCK_NOW} FROM {table} {BY_KEY}"),
+            complete=Statement(f"{settle} {_OWNED}"),
             release=Statement(
                 f"UPDATE {table} SET state = 'released', updated_at = :now, {deadline} "
-                f"WHERE {_owned_by_caller()}"
+                f"WHERE {_OWNED}"
             ),
             checkpoint=Statement(
                 f"UPDATE {table} SET recovery_point = :recovery_point, updated_at = :now, "
-                f"{deadline} WHERE {_owned_by_caller()}"
+                f"{deadline} WHERE {_OWNED}"
             ),
-            renew=Statement(
-                f"UPDATE {table} SET updated_at = :now, {deadline} WHERE {_owned_by_caller()}"
-            ),
+            renew=Statement(f"UPDATE {table} SET updated_at = :now, {deadline} WHERE {_OWNED}"),
             # The condition is repeated outside the subquery so a row that changed in between
             # is not marked. A CTE, evaluated once: PostgreSQL may rescan an IN (subquery)
             # per row, each rescan skipping the rows already locked: the whole table marked.
             sweep=Statement(
                 f"WITH due AS (SELECT id FROM {table} WHERE state = :from_state "
-                f"AND stale_at < :cutoff AND {SWEEPABLE_SQL} "
+                f"AND {DUE_SQL} AND {SWEEPABLE_SQL} "
                 f"ORDER BY stale_at LIMIT :limit{lock}) "
                 f"UPDATE {table} SET state = 'stale', updated_at = :now, stale_at = :now, "
                 "expires_at = CASE WHEN expires_at < :keep_until THEN :keep_until "
                 "ELSE expires_at END "
                 "WHERE id IN (SELECT id FROM due) "
-                f"AND state = :from_state AND stale_at < :cutoff AND {SWEEPABLE_SQL} "
+                f"AND state = :from_state AND {DUE_SQL} AND {SWEEPABLE_SQL} "
                 f"RETURNING {columns}"
             ),
-            settle_stale=Statement(
-                f"UPDATE {table} SET state = :state, response_status = :status, "
-                "response_headers = :headers, response_body = :body, updated_at = :now, "
-                f"expires_at = :expires_at WHERE {marked}"
-            ),
+            settle_stale=Statement(f"{settle} {marked}"),
             release_stale=Statement(
                 f"UPDATE {table} SET state = 'released', updated_at = :now, {deadline}, "
                 "recovery_point = CASE WHEN :forget_progress = 1 THEN NULL "
@@ -245,7 +240,8 @@ class Dialect:
             ),
             # The sweep's own condition, without its deadline: the first row in index order.
             due=Statement(
-                f"SELECT stale_at - :cutoff AS due_in FROM {table} WHERE state = :from_state "
+                f"SELECT {DEADLINE_SQL} - :cutoff AS due_in FROM {table} "
+                "WHERE state = :from_state "
                 f"AND stale_at IS NOT NULL AND {SWEEPABLE_SQL} ORDER BY stale_at LIMIT 1"
             ),
         )
@@ -287,10 +283,10 @@ def create_table(
 
 def stale_columns(bigint: str) -> str:
     """Each record's own stale threshold (ms, chosen at its claim) and the deadline it
-    dates (``stale_at``); the default only serves rows of an earlier version."""
+    dates (``stale_at``); the defaults only serve rows an earlier version writes."""
     return (
         f"stale_after {bigint} NOT NULL DEFAULT {int(DEFAULT_STALE_SECONDS * 1000)}, "
-        f"stale_at {bigint}"
+        f"stale_at {bigint} NOT NULL DEFAULT 0"
     )
 
 
@@ -329,7 +325,7 @@ def claim_or_read(table: str, claim: str) -> str:
         f"WITH claimed AS ({claim}) "
         f"SELECT 1 AS claimed, {columns}, {CLOCK_NOW_BIGINT} FROM claimed "
         f"UNION ALL SELECT 0 AS claimed, {columns}, {CLOCK_NOW_BIGINT} FROM {table} "
-        f"{_BY_KEY} AND NOT EXISTS (SELECT 1 FROM claimed)"
+        f"{BY_KEY} AND NOT EXISTS (SELECT 1 FROM claimed)"
     )
 
 

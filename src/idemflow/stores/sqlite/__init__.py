@@ -13,9 +13,9 @@ import functools
 import os
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -158,11 +158,6 @@ def connect(path: str | Path, *, busy_timeout: float = 5.0) -> sqlite3.Connectio
     return conn
 
 
-def _busy_timeout(busy_timeout: float | None, policy: Policy | None) -> float:
-    """The given ``busy_timeout``, else the policy's store wait (``Policy()``'s: 5 s)."""
-    return (policy or Policy()).store_wait_seconds if busy_timeout is None else busy_timeout
-
-
 class SQLiteStore(SQLStore):
     """Key records in a SQLite file (created on `migrate`).
 
@@ -185,9 +180,9 @@ class SQLiteStore(SQLStore):
         policy: Policy | None = None,
     ) -> None:
         self.path = str(path)
-        self._connections = _Connections(
-            self.path, _busy_timeout(busy_timeout, policy), checkpoints=self._checkpoints
-        )
+        if busy_timeout is None:
+            busy_timeout = (policy or Policy()).store_wait_seconds
+        self._connections = _Connections(self.path, busy_timeout, checkpoints=self._checkpoints)
         super().__init__(
             sqlite_dialect(table),
             self._connections,
@@ -344,14 +339,14 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
         busy_timeout: float | None = None,
         policy: Policy | None = None,
     ) -> None:
-        self.sync = SQLiteStore(path, table=table, busy_timeout=_busy_timeout(busy_timeout, policy))
+        self.sync = SQLiteStore(path, table=table, busy_timeout=busy_timeout, policy=policy)
         self.dialect = self.sync.dialect
         self._writes = _WriteThread()
         self._at_once = _AtOnce(path, table=table)
         self._completions = 0
-        # Writes in the caller's transaction, on the caller's connection: it has none.
+        # Writes in the caller's transaction, on the caller's connection: it has none of its own.
         self._in_transaction = AsyncSQLStore(
-            self.dialect, _no_connection, paramstyle="named", is_unavailable=is_unavailable
+            self.dialect, nullcontext, paramstyle="named", is_unavailable=is_unavailable
         )
 
     def is_unavailable(self, exc: BaseException) -> bool:
@@ -502,10 +497,3 @@ class AsyncSQLiteStore(AsyncMaintainableStore):
         await asyncio.to_thread(self._writes.close)
         await asyncio.to_thread(self.sync.close)
         self._at_once.close()
-
-
-@asynccontextmanager
-async def _no_connection() -> AsyncIterator[None]:
-    msg = "AsyncSQLiteStore runs its own statements in a worker thread"
-    raise AssertionError(msg)
-    yield  # pragma: no cover
