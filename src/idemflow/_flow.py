@@ -36,7 +36,7 @@ from ._model import (
 )
 
 
-# Steps: plain slotted, not frozen (built on every run; nothing changes one).
+# Steps: plain, not frozen (built on every run; nothing changes one).
 @dataclass(slots=True)
 class ClaimKey:
     """One atomic statement: insert ``in_progress``, or take over an expired or released record."""
@@ -49,17 +49,16 @@ class ClaimKey:
 
 
 @dataclass(slots=True)
-class CommitClaim:
+class _OnRecord:
+    record: Record
+
+
+class CommitClaim(_OnRecord):
     """Commit the claim before the operation runs (single-commit mode, resuming past a phase)."""
 
-    record: Record
 
-
-@dataclass(slots=True)
-class Execute:
+class Execute(_OnRecord):
     """Run the operation; in transactional mode, inside the caller's open transaction."""
-
-    record: Record
 
 
 @dataclass(slots=True)
@@ -72,18 +71,12 @@ class Complete:
     retention: float
 
 
-@dataclass(slots=True)
-class Release:
+class Release(_OnRecord):
     """Roll back and give the key back (if the claim is committed), so the next retry runs."""
 
-    record: Record
 
-
-@dataclass(slots=True)
-class PhaseCommitted:
+class PhaseCommitted(_OnRecord):
     """Ask the driver whether the operation went past a committed phase (a bool)."""
-
-    record: Record
 
 
 Step: TypeAlias = ClaimKey | CommitClaim | Execute | Complete | Release | PhaseCommitted

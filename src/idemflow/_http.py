@@ -537,14 +537,14 @@ def not_stored(original: Response | None, reason: str, verdict: Verdict) -> Resp
     ``original_status`` and ``location`` let a client find the effect instead of running
     it again (``original`` None: not even its status could be read). A transient
     original is still released; its caller gets this instead of what cannot be sent."""
-    status = None
-    extensions: dict[str, Any] = {}
+    extensions: dict[str, Any] = {"original_status": None}
     if original is not None:
-        status = original.status if isinstance(original.status, int) else None
+        extensions["original_status"] = (
+            original.status if isinstance(original.status, int) else None
+        )
         location = _text_header(original, "location")
         if location is not None:
             extensions["location"] = location
-    extensions = {"original_status": status, **extensions}
     if original is None:
         detail = (
             f"the request was executed but its response could not be read: {reason}; "

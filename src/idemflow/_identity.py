@@ -161,12 +161,6 @@ def parse_json(data: bytes) -> Any:
 
 def _parse(data: bytes) -> tuple[Any, bool]:
     """`parse_json`, and whether the value is *plain* (see `_check_tree`)."""
-    text = _decode(data)
-    value = _loads(text)
-    return value, _check_tree(value, escaped="\\u" in text, ascii=text.isascii())
-
-
-def _decode(data: bytes) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -175,18 +169,15 @@ def _decode(data: bytes) -> str:
         ) from None
     if text.startswith("\ufeff"):  # RFC 8259 §8.1 lets parsers skip it; strict ones refuse
         raise InvalidBody("request body starts with a byte order mark (U+FEFF)")
-    return text
-
-
-def _loads(text: str) -> Any:
     try:
-        return _DECODER.decode(text)
+        value = _DECODER.decode(text)
     except json.JSONDecodeError as e:  # e.msg and the position never quote the body
         raise InvalidBody(
             f"request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
         ) from None
     except RecursionError:  # the C scanner recurses per level: a 400, not a 500
         raise _too_deep() from None
+    return value, _check_tree(value, escaped="\\u" in text, ascii=text.isascii())
 
 
 def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -410,8 +401,10 @@ def fingerprint(
             f"request body is {len(body)} bytes; "
             f"the limit for idempotent requests is {max_body_bytes} bytes"
         )
-    kind, hashed_body = _hashed_body(body, content_type, exclude_fields)
-
+    kind, hashed_body = b"raw", body
+    if _is_json(content_type):
+        # a bodyless POST declared JSON is common; canonical JSON is never empty
+        kind, hashed_body = b"json", canonical_json_bytes(body, exclude_fields) if body else b""
     digest = _head(method, route).copy()
     canonical = canonical_query(query) if query else b""
     if canonical:  # "query" is never a body kind: no collision with a digest without one
@@ -419,17 +412,6 @@ def fingerprint(
     digest.update(kind + b"\n")
     digest.update(hashed_body)  # last, so it needs no length
     return "sha256:" + digest.hexdigest()
-
-
-def _hashed_body(
-    body: bytes, content_type: str | None, exclude_fields: Collection[str]
-) -> tuple[bytes, bytes]:
-    """The body kind and the bytes that stand for the body in the digest."""
-    if not _is_json(content_type):
-        return b"raw", body
-    if not body:  # a bodyless POST declared JSON is common; canonical JSON is never empty
-        return b"json", b""
-    return b"json", canonical_json_bytes(body, exclude_fields)
 
 
 @functools.lru_cache(maxsize=1024)

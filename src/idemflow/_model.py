@@ -251,12 +251,9 @@ class Policy:
         if self.retry_after < 1:
             msg = "retry_after must be at least 1 second"
             raise ConfigurationError(msg)
-        for name, value in (
-            ("request_timeout", timeout),
-            ("retention", retention),
-            ("stale_after", stale),
-        ):
-            object.__setattr__(self, name, timedelta(seconds=value))
+        object.__setattr__(self, "request_timeout", timedelta(seconds=timeout))
+        object.__setattr__(self, "retention", timedelta(seconds=retention))
+        object.__setattr__(self, "stale_after", timedelta(seconds=stale))
 
     def verdict(self, response: Response) -> Verdict:
         """What ``response`` means for the key: its own verdict, or the classifier's."""

@@ -80,7 +80,7 @@ def new_tracer(tracer: Tracer | None) -> Tracer:
 
 
 class Run:
-    """One traced run: its span (current until `close`), the intent as claimed, and what
+    """One traced run: its span (current until it exits), the intent as claimed, and what
     its events said, written to the span once at the end (each write validates its values)."""
 
     def __init__(self, tracer: Tracer, intent: Intent, policy: Policy) -> None:
@@ -97,13 +97,15 @@ class Run:
             intent = dataclasses.replace(intent, correlation_id=own)
         self.intent = intent
 
-    def close(self) -> None:
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
+        if error is not None:
+            self._fail(error)
         _CURRENT_RUN.reset(self._run_token)
         _context.detach(self._span_token)
         self.span.end()
-
-    def record(self, event: Event) -> None:
-        _note(event, self.attributes)
 
     def finish(self, outcome: Outcome) -> None:
         if not self.recording:
@@ -122,7 +124,7 @@ class Run:
             )
         self.span.set_attributes(attributes)
 
-    def fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> None:
         """Write what the events said; outages and crashes also fail the span."""
         if not self.recording:
             return
@@ -158,7 +160,7 @@ def record_in_run(event: Event, intent: Intent, elapsed: float) -> None:
     """The observer `traced` adds: notes each event on the run it belongs to."""
     run = _CURRENT_RUN.get()
     if run is not None:
-        run.record(event)
+        _note(event, run.attributes)
 
 
 def _note(event: Event, attributes: dict[str, Any]) -> None:

@@ -166,7 +166,7 @@ class AsyncIdempotency:
             raise
         finally:
             RUN_STORE_WAIT.reset(waits)
-        if perform.open:  # a replay in single-commit mode left the claim's transaction open
+        if perform.open is not None:  # a single-commit replay left the claim's transaction open
             await perform.abandon()
         if outcome.replayed:
             perform.observe(Event.REPLAYED)
@@ -206,7 +206,9 @@ async def _drive(flow: Flow, perform: Callable[[Step], Awaitable[Any]]) -> Outco
             outcome: Outcome = stop.value
             return outcome
         except RuntimeError as raised:
-            if not _rewrapped(raised, thrown):
+            # Only PEP 479's wrapping of a StopIteration thrown into the flow, whose caller
+            # is owed the object itself (as ``contextlib`` unwraps it)?
+            if not (isinstance(thrown, StopIteration) and raised.__cause__ is thrown):
                 raise
             break
         result, error = None, None
@@ -217,12 +219,6 @@ async def _drive(flow: Flow, perform: Callable[[Step], Awaitable[Any]]) -> Outco
     # Raised outside the except clause, where it would gain our RuntimeError as __context__.
     assert thrown is not None
     raise thrown
-
-
-def _rewrapped(raised: RuntimeError, thrown: BaseException | None) -> bool:
-    """Is ``raised`` only PEP 479's wrapping of a ``StopIteration`` thrown into the flow
-    (whose caller is owed the object itself, as ``contextlib`` unwraps it)?"""
-    return isinstance(thrown, StopIteration) and raised.__cause__ is thrown
 
 
 class _Performer:
@@ -245,7 +241,8 @@ class _Performer:
         self._handler = handler
         self._transaction = transaction
         self._single_commit = single_commit
-        self._open = False  # is the caller's transaction begun and not yet ended?
+        #: The caller's transaction while it is begun and not yet ended, else None.
+        self.open: AsyncTransaction | None = None
         self._unbegun = False  # a failed BEGIN: the release goes on the store's connection
         self._claim_committed = not single_commit  # does giving it back take a write?
         self._phase_committed = False
@@ -263,10 +260,19 @@ class _Performer:
                 self._policy,
             )
             await async_cancel_point()  # a cancellation deferred by the claim: release now
-            if self._transaction is not None:
-                await self._begin_for_handler()
+            transaction = self._transaction
+            if transaction is not None:
+                try:
+                    await self._begin()
+                except Exception as exc:  # one either rule calls unavailable is a 503
+                    self._unbegun = True
+                    if not (
+                        transaction.is_unavailable(exc) or self._idem.store.is_unavailable(exc)
+                    ):
+                        raise
+                    raise _could_not_begin(exc) from exc
             self._phase_committed = starts_past_a_phase(
-                step.record, transaction=self._transaction is not None
+                step.record, transaction=transaction is not None
             )
             return await async_resolve(self._handler(attempt))
         if isinstance(step, Complete):
@@ -276,69 +282,51 @@ class _Performer:
         if isinstance(step, PhaseCommitted):
             return self._phase_committed
         if isinstance(step, CommitClaim):
-            await async_shielded(self._commit_claim())
+            self._claim_committed = True  # giving it back takes a write from here on
+            await async_shielded(self._end_with_commit())
             return None
         released = await async_shielded(self._release(step.record))
         self.observe(Event.RELEASED if released else Event.RELEASE_FAILED)
         return None
 
     async def _claim(self, step: ClaimKey) -> Claim:
-        now = self._idem.clock()
-        store, expires_at = self._idem.store, now + step.retention
-        transaction = self._transaction
+        now, store, transaction = self._idem.clock(), self._idem.store, self._transaction
+        args = (step.intent, step.lease_token, now, now + step.retention)
         on = claim_on(transaction=transaction is not None, single_commit=self._single_commit)
-        if on is ClaimOn.STORE or transaction is None:
-            claim = await store.claim(
-                step.intent, step.lease_token, now, expires_at, stale_after=step.stale_after
-            )
-        elif on is ClaimOn.TRANSACTION:
-            claim = await self._claim_in_transaction(step, now, expires_at, transaction)
+        if on is ClaimOn.LENT and transaction is not None:
+            claim = await store.claim_on_lent(*args, transaction, stale_after=step.stale_after)
+        elif on is ClaimOn.TRANSACTION and transaction is not None:
+            # The transaction begins with the claim's first statement (see
+            # `AsyncBeginsOnFirstStatement`); nothing committed, so a 503 is safe.
+            begun = AsyncBeginsOnFirstStatement(transaction, self._begin)
+            try:
+                claim = await store.claim(*args, begun, stale_after=step.stale_after)
+            except Exception as exc:
+                if not transaction.is_unavailable(exc):
+                    raise
+                raise _could_not_begin(exc) from exc
         else:
-            claim = await store.claim_on_lent(
-                step.intent,
-                step.lease_token,
-                now,
-                expires_at,
-                transaction,
-                stale_after=step.stale_after,
-            )
+            claim = await store.claim(*args, stale_after=step.stale_after)
         if claim.owned:
             self.observe(Event.CLAIMED)
         return claim
 
-    async def _claim_in_transaction(
-        self, step: ClaimKey, now: float, expires_at: float, transaction: AsyncTransaction
-    ) -> Claim:
-        """The transaction begins with the claim's first statement (see
-        `AsyncBeginsOnFirstStatement`); nothing committed, so a 503 is safe."""
-        begun = AsyncBeginsOnFirstStatement(transaction, self._begin)
-        try:
-            return await self._idem.store.claim(
-                step.intent, step.lease_token, now, expires_at, begun, stale_after=step.stale_after
-            )
-        except Exception as exc:
-            if not transaction.is_unavailable(exc):
-                raise
-            raise _could_not_begin(exc) from exc
-
     async def _complete(self, step: Complete) -> None:
-        now, store = self._idem.clock(), self._idem.store
+        now, opened = self._idem.clock(), self.open
         expires_at = now + step.retention
-        if self._transaction is None or not self._open:
-            await store.complete(
-                step.record, step.state, step.response, now, expires_at, self._transaction
-            )
-            return
-        ending = AsyncCommitAfter(self._transaction)
+        ending = None if opened is None else AsyncCommitAfter(opened)
         try:
-            await store.complete(step.record, step.state, step.response, now, expires_at, ending)
+            await self._idem.store.complete(
+                step.record, step.state, step.response, now, expires_at, ending or self._transaction
+            )
         except Exception as exc:  # the effect rolls back with it: a 503, the key given back
-            if not self._transaction.is_unavailable(exc):
+            if opened is None or not opened.is_unavailable(exc):
                 raise
             msg = f"the request's transaction could not complete: {exc}".strip()
             raise StoreUnavailable(msg) from exc
-        await ending.finish()  # a failed COMMIT may leave it open (SQLite): abandon() rolls back
-        self._open = False
+        if ending is not None:  # a failed COMMIT may leave it open (SQLite): abandon() rolls back
+            await ending.finish()
+            self.open = None
 
     async def _release(self, record: Record) -> bool:
         """Roll back, then give the key back if the claim was committed; never raises (what
@@ -371,13 +359,9 @@ class _Performer:
         if transaction is None:
             await store.release(record, now)
             return
-        self._open = True  # before: a BEGIN that fails (or is cancelled) may still have run
+        self.open = transaction  # before: a failed or cancelled BEGIN may still have run
         await transaction.begin()
         await store.release(record, now, transaction)
-        await self._end_with_commit()
-
-    async def _commit_claim(self) -> None:
-        self._claim_committed = True  # giving it back takes a write from here on
         await self._end_with_commit()
 
     def _committed(self) -> None:
@@ -389,48 +373,31 @@ class _Performer:
             observer(event, self._intent, self._idem.clock() - self._started)
 
     async def _begin(self) -> None:
-        if self._transaction is not None and not self._open:
-            self._open = True  # before: a BEGIN that fails or is cancelled may have run
+        if self._transaction is not None and self.open is None:
+            self.open = self._transaction  # before: a failed or cancelled BEGIN may have run
             await self._transaction.begin()
 
-    async def _begin_for_handler(self) -> None:
-        """`_begin`; an error either rule calls unavailable is a 503."""
-        try:
-            await self._begin()
-        except Exception as exc:
-            self._unbegun = True
-            assert self._transaction is not None  # _begin raises only with one
-            if not (self._transaction.is_unavailable(exc) or self._idem.store.is_unavailable(exc)):
-                raise
-            raise _could_not_begin(exc) from exc
-
     async def _end_with_commit(self) -> None:
-        if self._transaction is None or not self._open:
-            return
-        await self._transaction.commit()  # still open if it fails: abandon() rolls back
-        self._open = False
+        if self.open is not None:
+            await self.open.commit()  # still open if it fails: abandon() rolls back
+            self.open = None
 
     async def _rollback(self) -> bool:
         """Roll back if open; False when the rollback failed (the connection is unusable)."""
-        if self._transaction is None or not self._open:
+        opened, self.open = self.open, None
+        if opened is None:
             return True
-        self._open = False
         try:
-            await self._transaction.rollback()
+            await opened.rollback()
         except Exception:
             logger.warning("rollback failed; giving the connection up", exc_info=True)
             return False
         return True
 
-    @property
-    def open(self) -> bool:
-        """Is the caller's transaction begun and not yet ended?"""
-        return self._transaction is not None and self._open
-
     async def abandon(self) -> None:
         """Never leave the caller's transaction open behind an error (shielded: a rollback
         cut short would give the connection back open to the pool)."""
-        if not self.open:
+        if self.open is None:
             return  # nothing open (every run that ended well): no step to shield
         await async_shielded(self._rollback())
 

@@ -81,7 +81,15 @@ class AsyncSweeper:
             self.policy.stale_seconds if retry_unknown_after is None else retry_unknown_after
         )
         self._transactions = transaction_factory
-        self._check_settings()
+        if self.batch_size < 1:
+            msg = f"batch_size must be at least 1, got {self.batch_size}"
+            raise ConfigurationError(msg)
+        if self.retry_unknown_after <= 0:
+            msg = "retry_unknown_after must be a positive duration"
+            raise ConfigurationError(msg)
+        if self._transactions is not None and not self.store.supports_transactions:
+            msg = f"{type(self.store).__name__} cannot share a transaction_factory's transaction"
+            raise ConfigurationError(msg)
         store.cover_store_wait(self.policy.store_wait_seconds)
 
     async def sweep_once(
@@ -229,6 +237,9 @@ class AsyncSweeper:
     async def _write(
         self, record: Record, answer: Happened | DidNotHappen, todo: Plan, *, abandoned: bool
     ) -> Resolution:
+        """The fenced settle or release; in a transaction, it locks the record, then the
+        answer's ``apply`` runs: both or neither. A transaction that cannot begin is tried
+        afresh, then ends the pass; a failure once begun leaves the record stale."""
         expires_at = self.clock() + self.policy.retention_seconds
 
         async def write(transaction: AsyncTransaction | None) -> bool:
@@ -242,17 +253,6 @@ class AsyncSweeper:
 
         if not todo.in_transaction:
             return todo.resolution if await write(None) else Resolution.LOST
-        return await self._in_transaction(record, write, answer.apply, todo.resolution)
-
-    async def _in_transaction(
-        self,
-        record: Record,
-        write: Callable[[AsyncTransaction], Awaitable[bool]],
-        apply: Callable[[Any], Any] | None,
-        resolution: Resolution,
-    ) -> Resolution:
-        """The fenced write (it locks the record), then ``apply``; both or neither. One that
-        cannot begin is tried afresh, then ends the pass; a failure once begun leaves it stale."""
         assert self._transactions is not None
         attempt = 1
         while True:
@@ -262,7 +262,7 @@ class AsyncSweeper:
                     await transaction.begin()
                     begun = True
                     return await self._write_then_apply(
-                        record, transaction, write, apply, resolution
+                        record, transaction, write, answer.apply, todo.resolution
                     )
             except Exception:
                 if begun:  # the transaction's own exit failed, after the resolution
@@ -289,8 +289,7 @@ class AsyncSweeper:
     ) -> Resolution:
         """In a begun transaction: commit the write and ``apply``, or roll both back."""
         try:
-            written = await write(transaction)
-            if not written:  # re-marked by another sweeper: nothing of ours may commit
+            if not await write(transaction):  # re-marked by another sweeper: nothing may commit
                 await transaction.rollback()
                 return Resolution.LOST
             if apply is not None:
@@ -308,17 +307,6 @@ class AsyncSweeper:
                 logger.debug("rollback after a failed resolution failed", exc_info=True)
             return Resolution.UNKNOWN
         return resolution
-
-    def _check_settings(self) -> None:
-        if self.batch_size < 1:
-            msg = f"batch_size must be at least 1, got {self.batch_size}"
-            raise ConfigurationError(msg)
-        if self.retry_unknown_after <= 0:
-            msg = "retry_unknown_after must be a positive duration"
-            raise ConfigurationError(msg)
-        if self._transactions is not None and not self.store.supports_transactions:
-            msg = f"{type(self.store).__name__} cannot share a transaction_factory's transaction"
-            raise ConfigurationError(msg)
 
     def _report(self, record: Record, resolution: Resolution, elapsed: float) -> None:
         if resolution is Resolution.LOST:

@@ -116,20 +116,6 @@ async def _execute_then_commit(
     return changed
 
 
-async def execute_and_commit(
-    transaction: AsyncTransaction,
-    statement: Statement,
-    params: Mapping[str, Any],
-    *,
-    begin: bool = False,
-) -> int:
-    """``transaction.execute_and_commit``, or the write then ``commit()`` where it cannot."""
-    try:
-        return await transaction.execute_and_commit(statement, params, begin=begin)
-    except NotFused:
-        return await _execute_then_commit(transaction, statement, params, begin)
-
-
 # Result column names per statement text: psycopg builds ``cursor.description`` afresh
 # on every access.
 _psycopg_names: dict[str, tuple[str, ...]] = {}
@@ -172,22 +158,19 @@ class AsyncSQLAlchemyTransaction(AsyncTransaction):
         if not self.connection.in_transaction():
             await self.connection.begin()
 
-    async def _bound(self) -> Any:
-        """Where idemflow's statements run: a session's connection, in its transaction (not
-        the session's ``execute``, which SQLModel's sessions deprecate)."""
-        return await self.connection.connection() if self._session else self.connection
+    async def _run(self, statement: Statement, params: Mapping[str, Any]) -> Any:
+        """Run idemflow's statement on a session's connection, in its transaction (not the
+        session's ``execute``, which SQLModel's sessions deprecate)."""
+        bound = await self.connection.connection() if self._session else self.connection
+        return await bound.execute(_text(statement.named), statement.bind(params))
 
     async def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        bound = await self._bound()
-        result = await bound.execute(_text(statement.named), statement.bind(params))
-        return int(result.rowcount)
+        return int((await self._run(statement, params)).rowcount)
 
     async def fetchone(
         self, statement: Statement, params: Mapping[str, Any]
     ) -> Mapping[str, Any] | None:
-        bound = await self._bound()
-        result = await bound.execute(_text(statement.named), statement.bind(params))
-        row = result.mappings().fetchone()
+        row = (await self._run(statement, params)).mappings().fetchone()
         return None if row is None else dict(row)
 
     async def commit(self) -> None:

@@ -6,7 +6,7 @@ GENERATED from ``idemflow/_async/edge.py`` by ``scripts/unasync.py``; do not edi
 from __future__ import annotations
 
 from collections.abc import Iterator, Callable
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeAlias, cast
 
 from .._errors import IdempotencyError, ReplayForbidden
@@ -24,10 +24,9 @@ from .._http import (
     storing,
     with_request_id,
 )
-from .._model import Intent, Policy, Record, Response, Verdict
+from .._model import Intent, Policy, Response, Verdict
 from ..stores.protocol import Transaction
 from .driver import Attempt, Handler, Idempotency
-from .transactions import execute_and_commit
 
 #: Reads what a framework's endpoint answered (its own response object) as a Response.
 Reader: TypeAlias = Callable[[Any], Response]
@@ -76,43 +75,8 @@ class Edge:
         response; what is stored keeps only the allow-listed headers. Errors of idemflow
         become problem responses; the handler's own propagate (the claim released)."""
         checked_handler(handler)
-        try:
-            intent = self.intent(request)
-            policy = policy_for(self.options, intent.principal)
-            started = self.idempotency.clock()
-            sent: list[Response] = []
-            operation = self._storing(handler, sent, read, atomic=transaction is not None)
-            if transaction is None:
-                outcome = self.idempotency.run(
-                    intent, operation, single_commit=single_commit, policy=policy
-                )
-            else:
-                with transaction() as opened:
-                    outcome = self.idempotency.run(
-                        intent,
-                        operation,
-                        transaction=opened,
-                        single_commit=single_commit,
-                        policy=policy,
-                    )
-            if outcome.replayed:
-                if self.options.authorize_replay is not None:
-                    self._authorize(intent, outcome.record, started)
-                return with_request_id(replayed(outcome), request.request_id)
-            return with_request_id(sent[0], request.request_id)
-        except IdempotencyError as exc:
-            return problem_for(exc, request.request_id)
-
-    def _storing(
-        self,
-        handler: Handler,
-        sent: list[Response],
-        read: Reader | None,
-        *,
-        atomic: bool,
-    ) -> Handler:
-        """Wrap ``handler``: keep what to send, return what to store."""
-        limit = self.options.max_response_bytes
+        sent: list[Response] = []  # what to send; the operation returns what to store
+        atomic, limit = transaction is not None, self.options.max_response_bytes
 
         def operation(attempt: Attempt) -> Response:
             answer: Response = resolve(handler(attempt))  # raising: released
@@ -133,16 +97,28 @@ class Edge:
                 return response  # released, never stored
             return stored_form(response)  # checked whole by storing() already
 
-        return operation
-
-    def _authorize(self, intent: Intent, record: Record, started: float) -> None:
-        hook = self.options.authorize_replay
-        if hook is None:
-            return
-        if not resolve(hook(record)):
-            observer, clock = self.idempotency.observer, self.idempotency.clock
-            observer(Event.REPLAY_FORBIDDEN, intent, clock() - started)
-            raise ReplayForbidden("this principal may no longer see the stored response")
+        try:
+            intent = self.intent(request)
+            policy = policy_for(self.options, intent.principal)
+            started = self.idempotency.clock()
+            with nullcontext() if transaction is None else transaction() as opened:
+                outcome = self.idempotency.run(
+                    intent,
+                    operation,
+                    transaction=opened,
+                    single_commit=single_commit,
+                    policy=policy,
+                )
+            hook = self.options.authorize_replay
+            if outcome.replayed:
+                if hook is not None and not resolve(hook(outcome.record)):
+                    observer, clock = self.idempotency.observer, self.idempotency.clock
+                    observer(Event.REPLAY_FORBIDDEN, intent, clock() - started)
+                    raise ReplayForbidden("this principal may no longer see the stored response")
+                return with_request_id(replayed(outcome), request.request_id)
+            return with_request_id(sent[0], request.request_id)
+        except IdempotencyError as exc:
+            return problem_for(exc, request.request_id)
 
 
 class PooledTransaction:
@@ -202,8 +178,8 @@ class PooledTransaction:
             raise
 
     def execute_and_commit(self, statement: Any, params: Any, *, begin: bool = False) -> int:
-        """The write and its COMMIT together where the adapter can (see ``CommitAfter``)."""
-        return execute_and_commit(self._checked_out(), statement, params, begin=begin)
+        """The adapter's: the write and its COMMIT together where it can (``CommitAfter``)."""
+        return self._checked_out().execute_and_commit(statement, params, begin=begin)
 
     def is_unavailable(self, exc: BaseException) -> bool:
         """The adapter's rule: its library's errors, a failed checkout's too."""

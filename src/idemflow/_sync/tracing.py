@@ -25,13 +25,7 @@ class TracedIdempotency(Idempotency):
         self.tracer = new_tracer(tracer)
 
     def run(self, intent: Intent, *args: Any, **kwargs: Any) -> Outcome:
-        run = Run(self.tracer, intent, self.policy)
-        try:
+        with Run(self.tracer, intent, self.policy) as run:
             outcome = super().run(run.intent, *args, **kwargs)
             run.finish(outcome)
-        except BaseException as exc:
-            run.fail(exc)
-            raise
-        finally:
-            run.close()
-        return outcome
+            return outcome

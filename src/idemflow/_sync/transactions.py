@@ -117,20 +117,6 @@ def _execute_then_commit(
     return changed
 
 
-def execute_and_commit(
-    transaction: Transaction,
-    statement: Statement,
-    params: Mapping[str, Any],
-    *,
-    begin: bool = False,
-) -> int:
-    """``transaction.execute_and_commit``, or the write then ``commit()`` where it cannot."""
-    try:
-        return transaction.execute_and_commit(statement, params, begin=begin)
-    except NotFused:
-        return _execute_then_commit(transaction, statement, params, begin)
-
-
 # Result column names per statement text: psycopg builds ``cursor.description`` afresh
 # on every access.
 _psycopg_names: dict[str, tuple[str, ...]] = {}
@@ -173,22 +159,19 @@ class SQLAlchemyTransaction(Transaction):
         if not self.connection.in_transaction():
             self.connection.begin()
 
-    def _bound(self) -> Any:
-        """Where idemflow's statements run: a session's connection, in its transaction (not
-        the session's ``execute``, which SQLModel's sessions deprecate)."""
-        return self.connection.connection() if self._session else self.connection
+    def _run(self, statement: Statement, params: Mapping[str, Any]) -> Any:
+        """Run idemflow's statement on a session's connection, in its transaction (not the
+        session's ``execute``, which SQLModel's sessions deprecate)."""
+        bound = self.connection.connection() if self._session else self.connection
+        return bound.execute(_text(statement.named), statement.bind(params))
 
     def execute(self, statement: Statement, params: Mapping[str, Any]) -> int:
-        bound = self._bound()
-        result = bound.execute(_text(statement.named), statement.bind(params))
-        return int(result.rowcount)
+        return int((self._run(statement, params)).rowcount)
 
     def fetchone(
         self, statement: Statement, params: Mapping[str, Any]
     ) -> Mapping[str, Any] | None:
-        bound = self._bound()
-        result = bound.execute(_text(statement.named), statement.bind(params))
-        row = result.mappings().fetchone()
+        row = (self._run(statement, params)).mappings().fetchone()
         return None if row is None else dict(row)
 
     def commit(self) -> None:
