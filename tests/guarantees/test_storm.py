@@ -353,7 +353,9 @@ def assert_exactly_once_under_kills(verdict: dict[str, Any]) -> None:
     assert verdict["unresolved"] == verdict["different_answers"] == 0
     assert verdict["payments"] == verdict["charges"] == 200
     assert verdict["connection_errors"] > 0  # the kills cut requests off
-    assert sum(verdict["stale_reclaimed"].values()) > 0  # and orphaned claims the sweeper resolved
+    # and orphaned claims the sweeper resolved (what the run saw, should it fail: once in CI)
+    seen = {k: v for k, v in verdict.items() if k not in ("details", "violations")}
+    assert sum(verdict["stale_reclaimed"].values()) > 0, seen
 
 
 @pytest.mark.slow
