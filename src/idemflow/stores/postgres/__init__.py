@@ -254,7 +254,9 @@ class AsyncPostgresStore(_Postgres["psycopg_pool.AsyncConnectionPool[Any]"], Asy
 
     def _checkout(self, store_wait: float | None) -> Any:
         """`connection`, its waits bounded by ``store_wait`` (the store's own)."""
-        return _OpeningConnection(self.pool, store_wait)
+        if self.pool.closed:  # never yet opened (or closed): opened by the first use
+            return _OpeningConnection(self.pool, store_wait)
+        return AsyncLiveConnection(self.pool, store_wait)
 
     async def claim_on_lent(self, *args: Any, **kwargs: Any) -> Claim:
         """As the executor's, once the pool is open (the lent connection is taken from it)."""

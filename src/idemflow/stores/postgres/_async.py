@@ -30,28 +30,33 @@ class AsyncLiveConnection:
         self._bounded: Any = None  # the connection whose waits this checkout bounds
 
     async def __aenter__(self) -> Any:
-        self._context, conn = await self._live()
+        context = self._pool.connection(timeout=self._store_wait)
+        conn = await context.__aenter__()
+        if conn.closed or readable_now(conn.pgconn.socket):  # rare: a restart, a notice
+            context, conn = await self._live(context, conn)
+        self._context = context
         if self._store_wait is not None and hasattr(conn, "store_wait"):
             conn.store_wait = self._store_wait
             self._bounded = conn
         return conn
 
-    async def _live(self) -> tuple[Any, Any]:
-        """The first connection that looks alive or answers: at most the pool's size are
-        skipped (all dead after a restart), then the pool waits for a new one."""
+    async def _live(self, context: Any, conn: Any) -> tuple[Any, Any]:
+        """The first connection that answers, ``conn`` or the next ones: at most the pool's
+        size are skipped (all dead after a restart), then the pool waits for a new one."""
         for _ in range(self._pool.max_size):
-            context = self._pool.connection(timeout=self._store_wait)
-            conn = await context.__aenter__()
-            try:  # rare: a restart, a notice
-                if not (conn.closed or readable_now(conn.pgconn.socket)) or await _answers(conn):
+            try:
+                if await _answers(conn):
                     return context, conn
                 await conn.close()  # given back closed: the pool makes another in its place
             except BaseException as exc:  # cancelled mid-check: the pool gets it back
                 await context.__aexit__(type(exc), exc, exc.__traceback__)
                 raise
             await context.__aexit__(None, None, None)
-        context = self._pool.connection(timeout=self._store_wait)
-        return context, await context.__aenter__()
+            context = self._pool.connection(timeout=self._store_wait)
+            conn = await context.__aenter__()
+            if not (conn.closed or readable_now(conn.pgconn.socket)):
+                return context, conn
+        return context, conn
 
     async def __aexit__(
         self,

@@ -31,28 +31,33 @@ class LiveConnection:
         self._bounded: Any = None  # the connection whose waits this checkout bounds
 
     def __enter__(self) -> Any:
-        self._context, conn = self._live()
+        context = self._pool.connection(timeout=self._store_wait)
+        conn = context.__enter__()
+        if conn.closed or readable_now(conn.pgconn.socket):  # rare: a restart, a notice
+            context, conn = self._live(context, conn)
+        self._context = context
         if self._store_wait is not None and hasattr(conn, "store_wait"):
             conn.store_wait = self._store_wait
             self._bounded = conn
         return conn
 
-    def _live(self) -> tuple[Any, Any]:
-        """The first connection that looks alive or answers: at most the pool's size are
-        skipped (all dead after a restart), then the pool waits for a new one."""
+    def _live(self, context: Any, conn: Any) -> tuple[Any, Any]:
+        """The first connection that answers, ``conn`` or the next ones: at most the pool's
+        size are skipped (all dead after a restart), then the pool waits for a new one."""
         for _ in range(self._pool.max_size):
-            context = self._pool.connection(timeout=self._store_wait)
-            conn = context.__enter__()
-            try:  # rare: a restart, a notice
-                if not (conn.closed or readable_now(conn.pgconn.socket)) or _answers(conn):
+            try:
+                if _answers(conn):
                     return context, conn
                 conn.close()  # given back closed: the pool makes another in its place
             except BaseException as exc:  # cancelled mid-check: the pool gets it back
                 context.__exit__(type(exc), exc, exc.__traceback__)
                 raise
             context.__exit__(None, None, None)
-        context = self._pool.connection(timeout=self._store_wait)
-        return context, context.__enter__()
+            context = self._pool.connection(timeout=self._store_wait)
+            conn = context.__enter__()
+            if not (conn.closed or readable_now(conn.pgconn.socket)):
+                return context, conn
+        return context, conn
 
     def __exit__(
         self,
