@@ -29,6 +29,7 @@ class AsyncLeaseKeeper:
     def __init__(self, store: AsyncStore, record: Record, every: float, clock: Clock) -> None:
         self._store, self._record, self._every, self._clock = store, record, every, clock
         self._lost: LeaseLost | None = None
+        self._ended = False
 
     async def guard(self, work: Callable[[], Awaitable[T]]) -> T:
         """``work()``'s answer; ``LeaseLost`` (``work`` cancelled) once another owns the claim."""
@@ -41,6 +42,10 @@ class AsyncLeaseKeeper:
                 raise  # our own cancellation (asyncio cancelled ``task`` with us)
             raise self._lost from None
         finally:
+            # A cancellation that arrives as a shielded renewal ends is deferred, and may be
+            # lost (seen under load: the renewals went on, this wait never ended): the flag
+            # ends the loop at its next turn whatever becomes of the cancellation.
+            self._ended = True
             renewing.cancel()
             # Ended before the completion: a renewal still in flight would race it.
             await asyncio.wait([renewing])
@@ -48,6 +53,8 @@ class AsyncLeaseKeeper:
     async def _renew_until_lost(self, task: asyncio.Future[Any]) -> None:
         while True:
             await asyncio.sleep(self._every)
+            if self._ended:
+                return
             try:
                 await self._store.renew(self._record, self._clock())
             except LeaseLost as lost:
